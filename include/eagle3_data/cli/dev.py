@@ -1,0 +1,21 @@
+"""`eagle3-data dev ...`: offline stand-ins and builders for a laptop or CI."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+DEV_COMMAND_MODULES = ["dev_tokenizer", "dev_model", "dev_s3", "dev_serve"]
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    dev = subparsers.add_parser("dev", help="offline builders and embedded services")
+    dev_sub = dev.add_subparsers(dest="dev_command", required=True)
+    for name in DEV_COMMAND_MODULES:
+        try:
+            module = importlib.import_module(f"eagle3_data.cli.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"eagle3_data.cli.{name}":
+                continue
+            raise
+        module.register(dev_sub)

@@ -1,0 +1,89 @@
+"""Versioned Arrow schemas of every artifact the stages exchange.
+
+One place for the record shapes, so a reader can tell an artifact it understands from one
+written by a newer or foreign version (schema name + version travel in the manifest and in the
+Parquet schema metadata). Nested free-form structures (messages, tools, tool calls, provenance)
+are canonical JSON strings: Parquet's nested types cannot hold OpenAI messages faithfully.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+SCHEMA_VERSION = 1
+
+USAGE = pa.struct(
+    [
+        ("prompt_tokens", pa.int64()),
+        ("completion_tokens", pa.int64()),
+        ("reasoning_tokens", pa.int64()),
+        ("cost_usd", pa.float64()),
+    ]
+)
+
+PROMPTS = pa.schema(
+    [
+        ("sample_id", pa.string()),
+        ("dataset", pa.string()),
+        ("sample_index", pa.int64()),  # index of the row in its source file (and repeat number)
+        ("messages", pa.string()),  # canonical JSON list of OpenAI chat messages
+        ("tools", pa.string()),  # canonical JSON list of OpenAI tools, null when none
+        ("route", pa.string()),  # "local" | "overflow" | "both" (calibration overlap)
+    ]
+)
+
+GENERATIONS = pa.schema(
+    [
+        ("sample_id", pa.string()),
+        ("dataset", pa.string()),
+        ("messages", pa.string()),
+        ("tools", pa.string()),
+        ("prompt_ids", pa.list_(pa.int32())),
+        ("output_ids", pa.list_(pa.int32())),  # engine ids (sglang) or reconstructed (openrouter)
+        ("source", pa.string()),  # "sglang" | "openrouter"
+        ("status", pa.string()),  # "ok" | "failed"
+        ("error", pa.string()),  # reason when failed
+        ("reasoning", pa.string()),
+        ("content", pa.string()),
+        ("tool_calls", pa.string()),  # canonical JSON list, null when none
+        ("finish_reason", pa.string()),  # "stop" | "length" | "tool_calls" | ...
+        ("usage", USAGE),
+        ("provenance", pa.string()),  # JSON: model, provider, generation_id, sampling, tokenizer_sha256
+    ]
+)
+
+VALIDATION_ROWS = pa.schema(
+    [
+        ("sample_id", pa.string()),
+        ("dataset", pa.string()),
+        ("source", pa.string()),
+        ("class", pa.string()),  # exact | bpe_only | special_token | text_diff
+        ("first_diff", pa.int64()),
+        ("original", pa.list_(pa.string())),
+        ("reconstructed", pa.list_(pa.string())),
+        ("output_tokens", pa.int64()),
+        ("billed_tokens", pa.int64()),
+    ]
+)
+
+MERGED = pa.schema(
+    [
+        ("sample_id", pa.string()),
+        ("dataset", pa.string()),
+        ("source", pa.string()),
+        ("input_ids", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.uint8())),
+        ("prompt_tokens", pa.int32()),
+        ("output_tokens", pa.int32()),
+        ("truncated", pa.bool_()),
+        ("finish_reason", pa.string()),
+        ("provenance", pa.string()),
+    ]
+)
+
+SCHEMAS: dict[str, pa.Schema] = {
+    "prompts": PROMPTS,
+    "generations": GENERATIONS,
+    "validation_rows": VALIDATION_ROWS,
+    "merged": MERGED,
+}

@@ -1,0 +1,46 @@
+"""Shared fixtures. Area fixtures live in tests/fixtures/*.py and are registered here."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+CACHE = REPO / ".cache"
+SHARED = REPO.parent / "shared"
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+pytest_plugins = [
+    f"tests.fixtures.{p.stem}"
+    for p in sorted((Path(__file__).parent / "fixtures").glob("*.py"))
+    if p.stem != "__init__"
+]
+
+
+@pytest.fixture(scope="session")
+def kimi_tokenizer_dir() -> Path:
+    """The real Kimi tokenizer, built once from splintr-rs and cached across runs in .cache/."""
+    from eagle3_data.dev.kimi_tokenizer import build_kimi_tokenizer
+
+    out = CACHE / "kimi-tokenizer"
+    if not (out / "tokenizer.json").exists():
+        build_kimi_tokenizer(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def kimi_tokenizer(kimi_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(kimi_tokenizer_dir))
+
+
+@pytest.fixture(scope="session")
+def reference_chat_template() -> str | None:
+    """Moonshot's K2.5 template from ../shared, when that file exists."""
+    path = SHARED / "kimi-k2.5" / "chat_template.jinja"
+    return path.read_text() if path.exists() else None
