@@ -87,3 +87,35 @@ SCHEMAS: dict[str, pa.Schema] = {
     "validation_rows": VALIDATION_ROWS,
     "merged": MERGED,
 }
+
+# Prompt rows the loader refused, kept as an artifact so nobody has to re-derive why a row is missing.
+REJECTS = pa.schema(
+    [
+        ("dataset", pa.string()),
+        ("source", pa.string()),  # file (s3://... or path) the row came from
+        ("line", pa.int64()),  # 1-based line (JSONL) or row number (Parquet)
+        ("field", pa.string()),  # e.g. "messages[2].tool_calls[0].function.arguments"
+        ("reason", pa.string()),
+        ("raw", pa.string()),  # the row as read, truncated
+    ]
+)
+SCHEMAS["rejects"] = REJECTS
+
+# Per-schema version: bump one when its shape changes incompatibly; readers refuse newer ones.
+SCHEMA_VERSIONS: dict[str, int] = {name: SCHEMA_VERSION for name in SCHEMAS}
+
+
+def schema_for(name: str, version: int | None = None) -> pa.Schema:
+    """The schema `name` at `version` (default: current), or a UserError a person can act on."""
+    from eagle3_data.errors import UserError
+
+    if name not in SCHEMAS:
+        raise UserError(f"unknown artifact schema {name!r} (this code knows {sorted(SCHEMAS)}): written by another tool?")
+    current = SCHEMA_VERSIONS[name]
+    if version is not None and version != current:
+        newer = "newer" if version > current else "older"
+        raise UserError(
+            f"artifact schema {name!r} version {version} is {newer} than this code's version {current}: "
+            f"{'upgrade eagle3-data' if version > current else 'rerun the stage that wrote it'}"
+        )
+    return SCHEMAS[name].with_metadata({b"eagle3.schema": name.encode(), b"eagle3.schema_version": str(current).encode()})

@@ -1,0 +1,109 @@
+"""Validation throughput (whole `eagle3-data validate` command, startup included) against raw
+tiktoken decode + encode of the same ids, measured in the same run; peak RSS at two input sizes.
+
+    .venv/bin/python benchmarks/validate_throughput.py --tokenizer DIR [--tokens 9000000] [--small 1000000]
+
+Input: synthetic local generations rendered from the Python standard library's source text
+(deterministic), ~1,100 tokens per sample: reasoning, content, some with tool calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def kimi_encoding(tokenizer_dir: Path):
+    import tiktoken
+    from tiktoken.load import load_tiktoken_bpe
+
+    from eagle3_data.chat_format.kimi_k2 import KIMI_PATTERN
+
+    ranks = load_tiktoken_bpe(str(tokenizer_dir / "tiktoken.model"))
+    added = json.loads((tokenizer_dir / "tokenizer.json").read_text())["added_tokens"]
+    specials = {t["content"]: t["id"] for t in added}
+    return tiktoken.Encoding("kimi", pat_str=KIMI_PATTERN, mergeable_ranks=ranks, special_tokens=specials)
+
+
+def corpus() -> str:
+    root = Path(json.__file__).resolve().parent.parent  # the stdlib
+    texts = []
+    for path in sorted(root.glob("*.py")):
+        texts.append(path.read_text(errors="replace"))
+    return "".join(texts)
+
+
+def write_input(enc, path: Path, target_tokens: int) -> tuple[int, int]:
+    text = corpus()
+    pos = samples = tokens = 0
+    with open(path, "w") as fh:
+        while tokens < target_tokens:
+            chunk = text[pos : pos + 4000]
+            pos = (pos + 4000) % (len(text) - 4000)
+            reasoning, content = chunk[:2800], chunk[2800:]
+            gen = f"{reasoning}</think>{content}"
+            if samples % 5 == 0:
+                gen += ("<|tool_calls_section_begin|><|tool_call_begin|>functions.run:0<|tool_call_argument_begin|>"
+                        + json.dumps({"code": chunk[:200]}) + "<|tool_call_end|><|tool_calls_section_end|>")
+            finish = "length" if samples % 7 == 0 else "stop"
+            ids = enc.encode(gen + ("<|im_end|>" if finish == "stop" else ""), allowed_special="all")
+            fh.write(json.dumps({"sample_id": f"s{samples}", "output_ids": ids, "finish_reason": finish}) + "\n")
+            samples += 1
+            tokens += len(ids)
+    return samples, tokens
+
+
+def raw_rate(enc, path: Path) -> tuple[float, int]:
+    rows = [json.loads(line)["output_ids"] for line in open(path)]
+    tokens = sum(map(len, rows))
+    start = time.perf_counter()
+    for ids in rows:
+        enc.encode(enc.decode_bytes(ids).decode("utf-8", "replace"), allowed_special="all")
+    return tokens / (time.perf_counter() - start), tokens
+
+
+def run_validate(tokenizer_dir: Path, path: Path, report: Path) -> tuple[float, int, int]:
+    """Wall seconds, exit code and peak RSS (KiB) of one `eagle3-data validate` process."""
+    cmd = [str(REPO / ".venv/bin/eagle3-data"), "validate", "--tokenizer", str(tokenizer_dir), "--input", str(path), "--report", str(report)]
+    start = time.perf_counter()
+    pid = os.posix_spawn(cmd[0], cmd, os.environ)
+    _, status, usage = os.wait4(pid, 0)
+    return time.perf_counter() - start, os.waitstatus_to_exitcode(status), usage.ru_maxrss
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokenizer", required=True, type=Path)
+    ap.add_argument("--tokens", type=int, default=9_000_000)
+    ap.add_argument("--small", type=int, default=1_000_000)
+    args = ap.parse_args()
+    enc = kimi_encoding(args.tokenizer)
+    with tempfile.TemporaryDirectory() as tmp:
+        big, small = Path(tmp) / "big.jsonl", Path(tmp) / "small.jsonl"
+        n_big, t_big = write_input(enc, big, args.tokens)
+        n_small, t_small = write_input(enc, small, args.small)
+        print(f"inputs: {n_big} samples / {t_big} tokens ({big.stat().st_size >> 20} MiB); {n_small} / {t_small}")
+        run_validate(args.tokenizer, small, Path(tmp) / "warm.json")  # first run may fill the verified-codec cache
+        raw, _ = raw_rate(enc, big)
+        wall, rc, rss_big = run_validate(args.tokenizer, big, Path(tmp) / "big.json")
+        _, _, rss_small = run_validate(args.tokenizer, small, Path(tmp) / "small.json")
+        report = json.loads((Path(tmp) / "big.json").read_text())
+        ours = t_big / wall
+        print(f"raw tiktoken decode+encode: {raw / 1e6:.2f} M tokens/s")
+        print(f"eagle3-data validate (whole command): {wall:.2f} s = {ours / 1e6:.2f} M tokens/s, exit {rc}, counts {report['counts']}")
+        print(f"ratio validate / raw = {ours / raw:.2f}")
+        print(f"peak RSS: {rss_small / 1024:.0f} MiB at {t_small} tokens, {rss_big / 1024:.0f} MiB at {t_big} tokens")
+        print(f"cpus: {os.cpu_count()}, python {sys.version.split()[0]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""`eagle3-data reconstruct`: OpenRouter-style messages -> output ids with the model's format."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("reconstruct", help="rebuild output ids from reasoning/content/tool_calls text")
+    p.add_argument("--tokenizer", required=True, help="HF tokenizer directory or s3://bucket/prefix")
+    p.add_argument("--input", required=True, help="JSONL or .parquet: sample_id, reasoning, content, tool_calls, finish_reason, [messages]")
+    p.add_argument("--out", required=True, help="JSONL or .parquet: sample_id, finish_reason, output_ids")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from eagle3_data.chat_format import get_output_format
+    from eagle3_data.reconstruct import read_records, reconstruct_rows, row_to_reconstruct
+    from eagle3_data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(args.tokenizer, trust_remote_code=args.trust_remote_code)
+    fmt = get_output_format(tokenizer)
+    rows = (row_to_reconstruct(fmt, record, where) for where, record in read_records(args.input))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".partial")
+    n = 0
+    results = ({"sample_id": r.sample_id, "finish_reason": r.finish_reason, "output_ids": ids} for r, ids in reconstruct_rows(tokenizer, rows))
+    if out.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        schema = pa.schema([("sample_id", pa.string()), ("finish_reason", pa.string()), ("output_ids", pa.list_(pa.int32()))])
+        with pq.ParquetWriter(tmp, schema) as writer:
+            batch: list[dict] = []
+            for rec in results:
+                batch.append(rec)
+                n += 1
+                if len(batch) >= 1024:
+                    writer.write_table(pa.Table.from_pylist(batch, schema=schema))
+                    batch = []
+            if batch:
+                writer.write_table(pa.Table.from_pylist(batch, schema=schema))
+    else:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            for rec in results:
+                fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                n += 1
+    tmp.replace(out)  # a failed run leaves no half-written output under the final name
+    print(f"reconstructed {n} samples -> {out}")
+    return 0

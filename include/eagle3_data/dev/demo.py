@@ -1,0 +1,107 @@
+"""`make demo`: the whole DAG on a laptop, from a fresh clone, then a run report.
+
+Builds (or reuses from .cache/) the Kimi tokenizer and the tiny target model, starts SeaweedFS
+and the dev inference server on free 127.0.0.1 ports, uploads the sample datasets as today's
+prompt partition, runs `eagle3_datagen` with `dag.test()` on SQLite in demo-output/airflow, prints
+what happened and where the artifacts are, and stops everything it started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+from eagle3_data.config import DAG_ID, load_config
+from eagle3_data.dev.stack import REPO, airflow_db_migrate, airflow_env, dev_stack, upload_prompts
+
+DEFAULT_WORKDIR = REPO / "demo-output"
+# Small enough for two CPU cores in a few minutes; the shape of a real run.
+DEMO_OVERRIDES = {"generation": {"sampling": {"max_new_tokens": 192}}, "merge": {"max_length": 1024, "shard_tokens": 8192}}
+
+
+def run_dag(logical_date: datetime, conf: dict | None = None):
+    """One DAG run through `dag.test()` in this process (env must already point at the stack)."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    bag = DagBag(dag_folder=str(REPO / "dags"))
+    if bag.import_errors:
+        raise RuntimeError(f"DAG import errors: {bag.import_errors}")
+    return bag.dags[DAG_ID].test(logical_date=logical_date, run_conf=conf or {})
+
+
+def task_states(dag_run) -> list[tuple[str, str, str]]:
+    from airflow.utils.session import create_session
+
+    with create_session() as session:
+        tis = dag_run.get_task_instances(session=session)
+        return sorted((ti.task_id, ti.rendered_map_index or ("" if ti.map_index < 0 else str(ti.map_index)), str(ti.state)) for ti in tis)
+
+
+def report(stack, config, run_key: str, dag_run) -> str:
+    """The run report a person reads: task states, per-dataset gates, tokens, cost, bytes, URIs."""
+    from eagle3_data.pipeline import RUN_DATASET, open_store
+    from eagle3_data.storage import StageRef
+
+    lines = [f"DAG run {dag_run.run_id}: {dag_run.state}", "", "Tasks:"]
+    lines += [f"  {tid:32s} {name:12s} {state}" for tid, name, state in task_states(dag_run)]
+    store = open_store(config, stack.client())
+    ref = StageRef(run_key, "publish", RUN_DATASET)
+    if not store.is_complete(ref):
+        lines += ["", f"No run summary at {store.uri(ref)}: the run stopped before publish (see task states above)."]
+        return "\n".join(lines)
+    s = store.get_json(ref, "summary.json")
+    lines += ["", f"Run key {s['run_key']}", "", "Datasets:"]
+    for name, d in s["datasets"].items():
+        gate = "PASSED" if d["gate"]["passed"] else "FAILED: " + "; ".join(d["gate"]["reasons"])
+        lines.append(
+            f"  {name:12s} prompts {d['prompts']}, local {d['local']['ok']} ok/{d['local']['failed']} failed "
+            f"({d['local']['completion_tokens']} output tokens), overflow {d['overflow']['ok']} ok/{d['overflow']['failed']} failed "
+            f"({d['overflow']['completion_tokens']} output tokens, ${d['overflow']['cost_usd']:.4f}); gate {gate}"
+        )
+        lines.append(f"  {'':12s} report {d['gate']['report_uri']}")
+    if s.get("merged"):
+        t = s["merged"]["totals"]
+        lines += ["", f"Merged: {t.get('samples', 0)} samples, {t.get('tokens', 0)} tokens ({t.get('loss_tokens', 0)} trained), "
+                  f"{s['merged']['shards']} shard(s) at {s['merged_uri']}"]
+    if s.get("hidden_states"):
+        h = s["hidden_states"]
+        lines.append(f"Hidden states: {h['totals']['samples']} samples, {h['totals']['tokens']} tokens, {h['totals']['bytes']:,} bytes, "
+                     f"layers {h['layer_ids']} ({h['convention']} convention, {h['dtype']}) at {s['hidden_states_uri']}")
+    lines += [f"Overflow cost: ${s['cost_usd']:.4f}", f"Run report (UI page index): {s['report_uri']}", f"Summary: {s['summary_uri']}"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="make demo", description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR, help="services' data and the Airflow home (recreated)")
+    parser.add_argument("--conf", default="{}", help="DAG run conf as JSON, e.g. '{\"dry_run\": true}'")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    work = args.workdir.resolve()
+    shutil.rmtree(work, ignore_errors=True)
+    date = datetime.now(timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0)
+
+    print(f"demo: building/reusing the Kimi tokenizer and tiny model in {REPO / '.cache'}, starting services in {work}", flush=True)
+    with dev_stack(work, config_overrides=DEMO_OVERRIDES) as stack:
+        os.environ.update({**stack.env, **airflow_env(work / "airflow")})
+        print(f"demo: S3 (SeaweedFS) at {stack.s3_endpoint}, dev inference server at {stack.inference_url}", flush=True)
+        airflow_db_migrate(os.environ.copy())
+        config = load_config(stack.config_path)
+        for uri in upload_prompts(stack.client(), config, f"{date:%Y-%m-%d}"):
+            print(f"demo: uploaded {uri}", flush=True)
+        print(f"demo: running {DAG_ID} for {date:%Y-%m-%d} with dag.test() ...", flush=True)
+        dag_run = run_dag(date, json.loads(args.conf))
+        print("\n" + report(stack, config, f"date={date:%Y-%m-%d}", dag_run) + "\n")
+    print(f"demo: services stopped. Artifacts stay in {work / 's3'}; browse them with\n"
+          f"  .venv/bin/eagle3-data dev s3 start --dir {work / 's3'}   (then any S3 client), or run `make airflow`.")
+    return 0 if str(dag_run.state) in ("success", "DagRunState.SUCCESS") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,260 @@
+"""Dev inference server: SGLang's `/generate` and OpenRouter-shaped `/v1/chat/completions`.
+
+The only stand-in in the pipeline: it replaces the two engines that cannot run here (Kimi-K2.5 on
+SGLang, Kimi-K2.5 behind OpenRouter) and speaks their wire protocols, so the real clients are
+tested unchanged. Both endpoints share one generator (`DevTextModel`) driven by the prompt ids,
+and the chat endpoint gets its prompt ids from the tokenizer's chat template: for the same prompt
+and seed, the chat answer is exactly the text of the ids `/generate` returns (unless a content
+fault is injected, which is the point of injecting it).
+
+Which dataset a request belongs to (its non-canonical BPE rate) comes from the `X-Eagle3-Dataset`
+header; `X-Eagle3-Sample-Id` keys the per-sample request counters (`GET /dev/stats`) that tests
+use to prove no sample is paid twice. Real servers ignore both headers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections import Counter, defaultdict
+from functools import lru_cache
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from eagle3_data.dev.faults import ServerConfig
+from eagle3_data.dev.text_model import DevTextModel, Generation
+
+DATASET_HEADER = "x-eagle3-dataset"
+SAMPLE_HEADER = "x-eagle3-sample-id"
+
+
+class Stats:
+    """Per-endpoint counters: requests and answered (billed) generations per sample key."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, Counter] = defaultdict(Counter)
+        self.answered: dict[str, Counter] = defaultdict(Counter)
+        self.faults: dict[str, Counter] = defaultdict(Counter)
+        self.in_flight: Counter = Counter()
+        self.max_in_flight: Counter = Counter()
+        self.total_answered: Counter = Counter()
+
+    def to_dict(self) -> dict:
+        return {
+            "requests": {k: dict(v) for k, v in self.requests.items()},
+            "answered": {k: dict(v) for k, v in self.answered.items()},
+            "faults": {k: dict(v) for k, v in self.faults.items()},
+            "max_in_flight": dict(self.max_in_flight),
+            "total_answered": dict(self.total_answered),
+        }
+
+
+def create_app(tokenizer_dir: str | Path, config: ServerConfig | None = None) -> FastAPI:
+    from transformers import AutoTokenizer
+
+    config = config or ServerConfig()
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    model = DevTextModel(tok, config.noncanonical_rates())
+    stats = Stats()
+    app = FastAPI(title="eagle3-data dev inference server")
+    app.state.stats = stats
+
+    @lru_cache(maxsize=65536)
+    def generate_cached(prompt: tuple[int, ...], max_new: int, temperature: float, seed, dataset) -> Generation:
+        return model.generate(list(prompt), max_new_tokens=max_new, temperature=temperature, seed=seed, dataset=dataset)
+
+    @lru_cache(maxsize=65536)
+    def chat_prompt(key: str) -> tuple[int, ...]:
+        messages, tools, thinking = json.loads(key)
+        kwargs = {} if thinking else {"thinking": False}
+        ids = tok.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+                                      tokenize=True, return_dict=False, **kwargs)
+        return tuple(ids)
+
+    async def admit(endpoint: str, request: Request, key: str):
+        """Count the request, draw its faults, sleep its latency; returns (error, rewrites)."""
+        stats.requests[endpoint][key] += 1
+        faults = config.faults(endpoint)
+        error, rewrites, latency = faults.draw(config.rng(endpoint, key, stats.requests[endpoint][key]))
+        if faults.credits_after is not None and stats.total_answered[endpoint] >= faults.credits_after:
+            error = "credits"
+        stats.in_flight[endpoint] += 1
+        stats.max_in_flight[endpoint] = max(stats.max_in_flight[endpoint], stats.in_flight[endpoint])
+        try:
+            await asyncio.sleep(faults.timeout_sleep_s if error == "timeout" else latency)
+        finally:
+            stats.in_flight[endpoint] -= 1
+        if error:
+            stats.faults[endpoint][error] += 1
+        return (None if error == "timeout" else error), rewrites, faults
+
+    def answered(endpoint: str, key: str) -> None:
+        stats.answered[endpoint][key] += 1
+        stats.total_answered[endpoint] += 1
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/get_model_info")
+    async def model_info() -> dict:
+        return {"model_path": config.model, "tokenizer_path": str(tokenizer_dir), "is_generation": True}
+
+    @app.get("/dev/stats")
+    async def dev_stats() -> dict:
+        return stats.to_dict()
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            return JSONResponse({"error": {"message": "body is not JSON"}}, status_code=400)
+        batch, prompts = _generate_prompts(body, tok)
+        if prompts is None:
+            return JSONResponse({"error": {"message": "need input_ids or text"}}, status_code=400)
+        sp = body.get("sampling_params") or {}
+        rids = body.get("rid")
+        key = request.headers.get(SAMPLE_HEADER) or (json.dumps(rids) if rids else str(hash(tuple(prompts[0]))))
+        error, _, faults = await admit("generate", request, key)
+        if error and error not in ("malformed_json", "empty_content"):
+            return _error_response(error, faults)
+        dataset = request.headers.get(DATASET_HEADER)
+        outs = []
+        started = time.time()
+        for i, prompt in enumerate(prompts):
+            gen = generate_cached(tuple(prompt), int(sp.get("max_new_tokens", 128)),
+                                  float(sp.get("temperature", 1.0)), sp.get("sampling_seed", sp.get("seed")), dataset)
+            ids = list(gen.output_ids)
+            if gen.matched_stop is not None and not config.include_stop_in_output_ids:
+                ids = ids[:-1]
+            finish = ({"type": "stop", "matched": gen.matched_stop} if gen.finish_reason == "stop"
+                      else {"type": "length", "length": len(gen.output_ids)})
+            rid = rids[i] if isinstance(rids, list) else rids
+            outs.append({
+                "text": tok.decode(gen.output_ids, skip_special_tokens=True),
+                "output_ids": ids,
+                "meta_info": {
+                    "id": rid or uuid.uuid4().hex,
+                    "finish_reason": finish,
+                    "prompt_tokens": len(prompt),
+                    "completion_tokens": len(gen.output_ids),
+                    "cached_tokens": 0,
+                    "e2e_latency": time.time() - started,
+                    "dev_noncanonical_splits": gen.noncanonical_splits,
+                },
+            })
+        answered("generate", key)
+        if error == "malformed_json":
+            return Response(json.dumps(outs)[:-7], media_type="application/json")
+        return JSONResponse(outs if batch else outs[0])
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            return _openrouter_error(400, "body is not JSON")
+        messages, tools = body.get("messages"), body.get("tools")
+        if not isinstance(messages, list) or not messages:
+            return _openrouter_error(400, "messages: expected a non-empty list")
+        if body.get("stream"):
+            return _openrouter_error(400, "stream: not supported by the dev server")
+        thinking = (body.get("reasoning") or {}).get("enabled", True) is not False
+        try:
+            prompt = chat_prompt(json.dumps([messages, tools, thinking]))
+        except Exception as exc:  # template errors are the client's bad request
+            return _openrouter_error(400, f"chat template: {exc}")
+        key = request.headers.get(SAMPLE_HEADER) or str(hash(prompt))
+        error, rewrites, faults = await admit("chat", request, key)
+        if error and error not in ("malformed_json", "empty_content"):
+            return _error_response(error, faults)
+        max_new = body.get("max_completion_tokens") or body.get("max_tokens") or 4096
+        gen = generate_cached(prompt, int(max_new), float(body.get("temperature", 1.0)), body.get("seed"),
+                              request.headers.get(DATASET_HEADER))
+        answered("chat", key)
+        answer = _chat_answer(gen, len(prompt), config, rewrites, empty=error == "empty_content")
+        if error == "malformed_json":
+            return Response(json.dumps(answer)[: len(json.dumps(answer)) // 2], media_type="application/json")
+        return JSONResponse(answer)
+
+    return app
+
+
+def _generate_prompts(body: dict, tok) -> tuple[bool, list[list[int]] | None]:
+    ids, text = body.get("input_ids"), body.get("text")
+    if ids is not None:
+        if ids and isinstance(ids[0], list):
+            return True, ids
+        return False, [ids]
+    if text is not None:
+        texts = text if isinstance(text, list) else [text]
+        return isinstance(text, list), [tok.encode(t, add_special_tokens=False) for t in texts]
+    return False, None
+
+
+def _chat_answer(gen: Generation, prompt_tokens: int, config: ServerConfig, rewrites: set[str], empty: bool) -> dict:
+    reasoning, content, calls = gen.reasoning, gen.content, [dict(c, function=dict(c["function"])) for c in gen.tool_calls]
+    if "trim_whitespace" in rewrites:
+        reasoning = reasoning.strip() if reasoning else reasoning
+        content = content.strip()
+    if "rewrite_tool_call_ids" in rewrites:
+        for c in calls:
+            c["id"] = "call_" + uuid.uuid5(uuid.NAMESPACE_OID, c["id"] + c["function"]["arguments"]).hex[:24]
+    if "reserialize_arguments" in rewrites:
+        for c in calls:
+            c["function"]["arguments"] = json.dumps(json.loads(c["function"]["arguments"]), separators=(",", ":"))
+    if empty:
+        reasoning, content, calls = None, "", []
+    finish = "length" if gen.finish_reason == "length" else ("tool_calls" if calls else "stop")
+    price = config.price_per_token
+    completion = len(gen.output_ids)
+    cost = prompt_tokens * float(price["prompt"]) + completion * float(price["completion"])
+    message = {"role": "assistant", "content": content, "refusal": None, "reasoning": reasoning or None}
+    if calls:
+        message["tool_calls"] = calls
+    return {
+        "id": "gen-" + uuid.uuid4().hex[:24],
+        "provider": config.provider,
+        "model": config.model,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "choices": [{"index": 0, "logprobs": None, "finish_reason": finish,
+                     "native_finish_reason": finish, "message": message}],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+            "cost": round(cost, 10),
+            "is_byok": False,
+            "prompt_tokens_details": {"cached_tokens": 0},
+            "completion_tokens_details": {"reasoning_tokens": gen.reasoning_tokens},
+        },
+    }
+
+
+def _openrouter_error(code: int, message: str, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"code": code, "message": message, "metadata": {}}}, status_code=code,
+                        headers=headers)
+
+
+def _error_response(error: str, faults) -> Response:
+    if error == "rate_limit":
+        return _openrouter_error(429, "Rate limit exceeded (injected)", {"Retry-After": str(faults.retry_after_s)})
+    if error == "credits":
+        return _openrouter_error(402, "Insufficient credits (injected)")
+    if error == "server_error":
+        return _openrouter_error(502, "Provider returned error (injected)")
+    return _openrouter_error(500, f"unknown fault {error}")
+
+
+def serve(tokenizer_dir: str | Path, port: int, config: ServerConfig | None = None, host: str = "127.0.0.1") -> None:
+    """Run until killed; one process, one event loop (latency is asyncio sleep, not CPU)."""
+    import uvicorn
+
+    uvicorn.run(create_app(tokenizer_dir, config), host=host, port=port, log_level="warning",
+                access_log=False, timeout_keep_alive=60)

@@ -1,0 +1,206 @@
+"""The embedded services a laptop run needs, started together and stopped by PID.
+
+`make demo`, `make airflow` and the end-to-end tests all run the real DAG against the same
+stack: the real Kimi tokenizer and a tiny DeepSeek-V3 (cached under .cache/, same keys as the
+test fixtures), SeaweedFS as S3, and the dev inference server standing in for SGLang and
+OpenRouter, all on free 127.0.0.1 ports. What the DAG reads comes from the environment the stack
+returns: Airflow connections as AIRFLOW_CONN_* and the pipeline config as EAGLE3_CONFIG.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from eagle3_data.config import DEFAULT_CONFIG_PATH
+from eagle3_data.errors import UserError
+
+log = logging.getLogger(__name__)
+
+REPO = Path(__file__).resolve().parents[3]
+CACHE = REPO / ".cache"
+SAMPLE_DATA = REPO / "include" / "sample_data"
+TINY_MODEL_ARGS = {"seed": 0, "layers": 8, "hidden": 64}
+
+
+def tokenizer_dir() -> Path:
+    """The Kimi tokenizer, built once (key: builder + template, as tests/conftest.py)."""
+    from eagle3_data.dev import kimi_tokenizer
+
+    key = hashlib.sha256(
+        Path(kimi_tokenizer.__file__).read_bytes() + kimi_tokenizer.CHAT_TEMPLATE_PATH.read_bytes()
+    ).hexdigest()[:16]
+    out = CACHE / f"kimi-tokenizer-{key}"
+    if not (out / "tokenizer.json").exists():
+        kimi_tokenizer.build_kimi_tokenizer(out)
+    return out
+
+
+def tiny_model_dir(tok_dir: Path) -> Path:
+    """The tiny random DeepSeek-V3 (key as tests/fixtures/model.py), built atomically once."""
+    from eagle3_data.dev import tiny_model
+
+    source = Path(tiny_model.__file__).read_bytes() + repr(sorted(TINY_MODEL_ARGS.items())).encode()
+    key = hashlib.sha256(source + str(tok_dir.name).encode()).hexdigest()[:16]
+    out = CACHE / f"tiny-deepseek-v3-{key}"
+    if not (out / "model.safetensors").exists():
+        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+        tiny_model.build_tiny_model(tok_dir, tmp, **TINY_MODEL_ARGS)
+        tmp.rename(out)
+    return out
+
+
+def airflow_env(home: Path) -> dict[str, str]:
+    """An isolated, loopback-only Airflow on SQLite under `home` (see ../shared/ENVIRONMENT.md)."""
+    return {
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"),
+        "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO / "plugins"),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__PARALLELISM": "2",
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db",
+        "AIRFLOW__LOGGING__BASE_LOG_FOLDER": str(home / "logs"),
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
+    }
+
+
+def airflow_db_migrate(env: dict[str, str]) -> None:
+    airflow = Path(sys.executable).parent / "airflow"
+    out = subprocess.run([str(airflow), "db", "migrate"], capture_output=True, text=True, env={**os.environ, **env}, timeout=600)
+    if out.returncode:
+        raise UserError(f"airflow db migrate failed:\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class DevStack:
+    workdir: Path
+    config_path: Path
+    s3_endpoint: str
+    inference_url: str
+    env: dict[str, str] = field(repr=False)  # holds the S3 secret: never print it
+    s3: Any = field(repr=False, default=None)
+
+    def client(self):
+        return self.s3.client()
+
+    def server_stats(self) -> dict:
+        import httpx
+
+        return httpx.get(f"{self.inference_url}/dev/stats", timeout=10).json()
+
+
+def write_config(path: Path, *, bucket: str, tokenizer: Path, model: Path, overrides: dict | None = None) -> Path:
+    """The repo's pipeline.yaml pointed at the stack's bucket, tokenizer and model, plus overrides."""
+    import yaml
+
+    from eagle3_data.config import _deep_merge  # one merge rule for files and params
+
+    raw = yaml.safe_load(DEFAULT_CONFIG_PATH.read_text())
+    _deep_merge(raw, {"storage": {"bucket": bucket}, "tokenizer": {"source": str(tokenizer)}, "model": {"source": str(model)}})
+    _deep_merge(raw, overrides or {})
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+def upload_prompts(client, config, date: str, datasets: dict[str, Path] | None = None) -> list[str]:
+    """Put each dataset's JSONL under {prompts}/date=YYYY-MM-DD/ (the scheduled-run layout)."""
+    uris = []
+    for ds in config.datasets:
+        src = (datasets or {}).get(ds.name, SAMPLE_DATA / f"{ds.name}.jsonl")
+        bucket, _, prefix = ds.prompts.removeprefix("s3://").partition("/")
+        key = f"{prefix.rstrip('/')}/date={date}/{ds.name}.jsonl"
+        client.put_object(Bucket=bucket, Key=key, Body=src.read_bytes())
+        uris.append(f"s3://{bucket}/{key}")
+    return uris
+
+
+@contextmanager
+def dev_stack(workdir: str | os.PathLike, *, config_overrides: dict | None = None, bucket: str = "eagle3") -> Iterator[DevStack]:
+    """Start SeaweedFS and the dev inference server, write the pipeline config, and yield the
+    stack; everything started here is stopped on exit, by PID."""
+    from eagle3_data.config import load_config
+    from eagle3_data.dev.seaweedfs import start_seaweedfs, stop_seaweedfs
+
+    work = Path(workdir).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    tok = tokenizer_dir()
+    model = tiny_model_dir(tok)
+    config_path = write_config(work / "pipeline.yaml", bucket=bucket, tokenizer=tok, model=model, overrides=config_overrides)
+    config = load_config(config_path)
+
+    with ExitStack() as stack:
+        access, secret = "dev-" + secrets.token_hex(4), secrets.token_hex(16)
+        s3 = start_seaweedfs(work / "s3", access_key=access, secret_key=secret)
+        stack.callback(stop_seaweedfs, work / "s3", 0.5)
+        s3.client().create_bucket(Bucket=config.storage.bucket)
+
+        port = free_port()
+        server_log = open(work / "inference-server.log", "ab")
+        stack.callback(server_log.close)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from eagle3_data.cli import main; sys.exit(main())", "dev", "serve", "--port", str(port),
+             "--tokenizer", str(tok), "--pipeline-config", str(config_path)],
+            stdout=server_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )
+        stack.callback(_stop, proc)
+        url = f"http://127.0.0.1:{port}"
+        _wait_http(f"{url}/health", proc, work / "inference-server.log")
+
+        aws = {"conn_type": "aws", "login": access, "password": secret,
+               "extra": {"endpoint_url": s3.endpoint_url, "region_name": "us-east-1"}}
+        env = {
+            "EAGLE3_CONFIG": str(config_path),
+            "AIRFLOW_CONN_AWS_DEFAULT": json.dumps(aws),
+            "AIRFLOW_CONN_SGLANG_DEFAULT": json.dumps({"conn_type": "http", "host": "127.0.0.1", "port": port, "schema": "http"}),
+            "AIRFLOW_CONN_OPENROUTER_DEFAULT": json.dumps(
+                {"conn_type": "http", "host": f"{url}/v1", "password": "dev-key-not-a-secret"}
+            ),
+            "EAGLE3_JOURNAL_DIR": str(work / "journal"),
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+        }
+        yield DevStack(work, config_path, s3.endpoint_url, url, env, s3)
+
+
+def _wait_http(url: str, proc: subprocess.Popen, logfile: Path, timeout: float = 120) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise UserError(f"dev inference server exited with {proc.returncode}: see {logfile}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise UserError(f"dev inference server did not answer {url} within {timeout:.0f}s: see {logfile}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)

@@ -1,0 +1,106 @@
+"""A tiny random DeepSeek-V3 with Kimi-K2.5's vocabulary: the target model for offline runs.
+
+Kimi-K2.5's text backbone is DeepSeek-V3 (MLA + MoE), so the tiny model exercises the same
+`transformers` code path (hidden-state indexing, MoE routing, MLA attention) as the real one,
+while the vocabulary comes from the real tokenizer so ids never index out of range. Weights are
+a pure function of the seed and the shape arguments: the same call gives the same
+safetensors bytes, so tests can cache the directory by the hash of this file.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+# Files of a tokenizer directory that a model directory carries so it loads on its own.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "tiktoken.model",
+)
+
+
+def tiny_config(vocab_size: int, *, layers: int = 8, hidden: int = 64, special: dict[str, int] | None = None):
+    """A DeepseekV3Config that builds and runs on CPU in well under a second (ENVIRONMENT.md)."""
+    from transformers import DeepseekV3Config
+
+    special = special or {}
+    heads = max(1, hidden // 16)
+    return DeepseekV3Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        moe_intermediate_size=max(8, hidden // 2),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        kv_lora_rank=16,
+        q_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        max_position_embeddings=16_384,
+        bos_token_id=special.get("bos"),
+        eos_token_id=special.get("eos"),
+        pad_token_id=special.get("pad"),
+        tie_word_embeddings=False,
+    )
+
+
+def build_tiny_model(
+    tokenizer_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    layers: int = 8,
+    hidden: int = 64,
+) -> Path:
+    """Write an `AutoModelForCausalLM`-loadable directory (bf16 weights + tokenizer files)."""
+    import torch
+    from transformers import AutoTokenizer, DeepseekV3ForCausalLM
+
+    if layers < 4:
+        raise ValueError(f"layers={layers}: EAGLE-3 aux layer ids [1, L//2-1, L-4] need at least 4 layers")
+    tokenizer_dir = Path(tokenizer_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    special = {
+        "bos": tokenizer.convert_tokens_to_ids("[BOS]"),
+        "eos": tokenizer.convert_tokens_to_ids("[EOS]"),
+        "pad": tokenizer.convert_tokens_to_ids("[PAD]"),
+    }
+    config = tiny_config(len(tokenizer), layers=layers, hidden=hidden, special=special)
+    config.dtype = "bfloat16"
+
+    # fork_rng: seeding must not leak into (or depend on) the caller's global RNG state.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = DeepseekV3ForCausalLM(config)
+        # Random init leaves the router's correction bias at zero; give it values so the
+        # grouped top-k routing path is exercised by non-trivial numbers.
+        with torch.no_grad():
+            for module in model.modules():
+                bias = getattr(module, "e_score_correction_bias", None)
+                if isinstance(bias, torch.Tensor):
+                    bias.copy_(torch.randn_like(bias) * 0.01)
+    model = model.to(torch.bfloat16)
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        src = tokenizer_dir / name
+        if src.exists():
+            shutil.copyfile(src, out / name)
+    (out / "eagle3_tiny_model.json").write_text(
+        json.dumps({"seed": seed, "layers": layers, "hidden": hidden, "vocab_size": len(tokenizer)}, indent=2) + "\n"
+    )
+    return out

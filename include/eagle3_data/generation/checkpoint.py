@@ -1,0 +1,241 @@
+"""Bookkeeping shared by both generation stages: resume, journal, failures, completion.
+
+Paid work must never be lost or paid twice, so every answer takes three steps:
+  1. appended to a local journal (one JSON line, flushed: survives SIGKILL of the worker),
+  2. handed to the storage writer, which commits a part every `rows_per_part` rows or
+     `flush_interval_s` seconds, whichever comes first,
+  3. on resume, journal rows not yet committed are written again without a request.
+A worker resumed on another machine has no journal: it loses at most the answers of one
+unfinished part (bounded by rows and seconds). Requests in flight at the kill may still be
+billed by a provider that does not cancel on disconnect (at most `concurrency` samples).
+
+Failures: a failed row is committed only when it is final: a permanent error (HTTP 400/403, a
+prompt the template refuses) or a sample that failed in `max_failed_runs` attempts of the stage.
+Until then the stage is left incomplete (parts committed, no manifest) so the next attempt (an
+Airflow retry, a rerun of the CLI) retries exactly those samples. Failure counts per sample live in
+the side file `failures.json`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from eagle3_data.errors import UserError
+
+log = logging.getLogger(__name__)
+
+FAILURES_FILE = "failures.json"
+
+
+def default_journal_dir() -> Path:
+    return Path(os.environ.get("EAGLE3_JOURNAL_DIR") or Path.home() / ".cache" / "eagle3-data" / "journal")
+
+
+@dataclass
+class Prompt:
+    """One prompt row (schemas.PROMPTS) with its JSON fields decoded."""
+
+    sample_id: str
+    dataset: str
+    messages: list[dict]
+    tools: list[dict] | None
+    raw: dict = field(repr=False)
+
+
+def parse_prompts(rows: Iterable[dict], dataset: str, routes: tuple[str, ...] | None) -> list[Prompt]:
+    """Validate prompt rows; a bad one is a UserError naming the record and the field."""
+    out, seen = [], set()
+    for i, row in enumerate(rows):
+        sid = row.get("sample_id")
+        where = f"prompt {i} (sample_id {sid!r})"
+        if not isinstance(sid, str) or not sid:
+            raise UserError(f"{where}: field 'sample_id' must be a non-empty string")
+        if sid in seen:
+            raise UserError(f"{where}: field 'sample_id' is duplicated in the input")
+        seen.add(sid)
+        if routes is not None and row.get("route") is not None and row["route"] not in routes:
+            continue
+        try:
+            messages = json.loads(row["messages"]) if isinstance(row.get("messages"), str) else row.get("messages")
+            tools = json.loads(row["tools"]) if isinstance(row.get("tools"), str) else row.get("tools")
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{where}: field 'messages' or 'tools' is not valid JSON: {exc}") from None
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise UserError(f"{where}: field 'messages' must be a non-empty list of chat messages")
+        if tools is not None and not isinstance(tools, list):
+            raise UserError(f"{where}: field 'tools' must be a list of tools or null")
+        out.append(Prompt(sid, row.get("dataset") or dataset, messages, tools or None, row))
+    return out
+
+
+def base_row(p: Prompt, prompt_ids: list[int] | None, source: str) -> dict[str, Any]:
+    return {
+        "sample_id": p.sample_id,
+        "dataset": p.dataset,
+        "messages": p.raw["messages"] if isinstance(p.raw.get("messages"), str) else _canonical(p.messages),
+        "tools": (p.raw["tools"] if isinstance(p.raw.get("tools"), str) else _canonical(p.tools)) if p.tools else None,
+        "prompt_ids": prompt_ids,
+        "output_ids": None,
+        "source": source,
+        "status": "ok",
+        "error": None,
+        "reasoning": None,
+        "content": None,
+        "tool_calls": None,
+        "finish_reason": None,
+        "usage": None,
+        "provenance": None,
+    }
+
+
+def _canonical(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+class Stop(Exception):
+    """Raised inside the writer to leave the stage incomplete with everything done committed."""
+
+
+class StageRun:
+    """Open with `with StageRun(...) as run:`; then `run.pending`, `run.record(row)`, `run.finish()`."""
+
+    def __init__(self, store, ref, prompts: list[Prompt], *, rows_per_part: int, params: dict,
+                 inputs: list | None = None, tokenizer_sha256: str | None = None,
+                 template_sha256: str | None = None, journal_dir: str | Path | None = None,
+                 max_failed_runs: int = 2, flush_interval_s: float = 30.0):
+        self.store, self.ref, self.prompts = store, ref, prompts
+        self.writer_args = dict(rows_per_part=rows_per_part, params=params, inputs=inputs,
+                                tokenizer_sha256=tokenizer_sha256, template_sha256=template_sha256)
+        key = hashlib.sha256(json.dumps([store.uri(ref), params], sort_keys=True, default=str).encode()).hexdigest()[:20]
+        self.journal_path = Path(journal_dir or default_journal_dir()) / f"{ref.stage}-{ref.dataset}-{key}.jsonl"
+        self.max_failed_runs = max_failed_runs
+        self.flush_interval_s = flush_interval_s
+        self.counts = {"ok": 0, "failed": 0, "skipped": 0, "replayed": 0, "retry_later": 0}
+        self.tokens = 0
+        self.cost_usd = 0.0
+        self.spent_before_usd = 0.0
+        self.pending: list[Prompt] = []
+        self._held: dict[str, dict] = {}  # failed rows not (yet) final
+        self._last_flush = time.monotonic()
+
+    def __enter__(self) -> StageRun:
+        self._cm = self.store.writer(self.ref, "generations", **self.writer_args)
+        self.writer = self._cm.__enter__()
+        try:
+            self._resume()
+        except BaseException as exc:
+            self._cm.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self._journal.close()
+        self._cm.__exit__(exc_type, exc, tb)  # flushes what is buffered when an error propagates
+        return exc_type is Stop
+
+    def _resume(self) -> None:
+        done = self.writer.committed_sample_ids()
+        self.spent_before_usd = committed_cost(self.store, self.ref)
+        wanted = {p.sample_id for p in self.prompts}
+        replay = []
+        if self.journal_path.exists():
+            for line in self.journal_path.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut by the kill
+                if row.get("sample_id") in wanted and row["sample_id"] not in done:
+                    replay.append(row)
+                    done.add(row["sample_id"])
+        if replay:
+            log.info("%s: %d answers recovered from the local journal, not requested again", self.store.uri(self.ref), len(replay))
+            self.writer.write(replay)
+            self.counts["replayed"] = len(replay)
+            self.spent_before_usd += sum((r.get("usage") or {}).get("cost_usd") or 0.0 for r in replay)
+        self.failures: dict[str, dict] = self._load_failures()
+        self.pending = [p for p in self.prompts if p.sample_id not in done]
+        self.counts["skipped"] = len(self.prompts) - len(self.pending)
+        self.journal_path.parent.mkdir(parents=True, exist_ok=True)
+        self._journal: io.TextIOBase = self.journal_path.open("a", encoding="utf-8")
+
+    def _load_failures(self) -> dict[str, dict]:
+        try:
+            return dict(self.store.get_json(self.ref, FAILURES_FILE))
+        except Exception:  # absent on a first attempt
+            return {}
+
+    def record(self, row: dict, *, permanent: bool = False) -> None:
+        """An answer (status ok) or a failure (status failed + error) for one pending sample."""
+        usage = row.get("usage") or {}
+        self.cost_usd += usage.get("cost_usd") or 0.0
+        if row["status"] == "ok":
+            self.tokens += usage.get("completion_tokens") or 0
+            self._journal.write(json.dumps(row, ensure_ascii=False) + "\n")
+            self._journal.flush()
+            self.writer.write([row])
+            self.counts["ok"] += 1
+            if time.monotonic() - self._last_flush > self.flush_interval_s:
+                self.writer.flush()
+                self._last_flush = time.monotonic()
+            return
+        prior = self.failures.get(row["sample_id"], {}).get("runs", 0)
+        self.failures[row["sample_id"]] = {"runs": prior + 1, "error": row["error"]}
+        if permanent or prior + 1 >= self.max_failed_runs:
+            self._held[row["sample_id"]] = row
+            self.counts["failed"] += 1
+        else:
+            self.counts["retry_later"] += 1
+
+    def finish(self, stopped_reason: str | None, extra: dict | None = None) -> None:
+        """Commit the manifest if every sample is settled, else leave the stage for the next attempt
+        (raises Stop, which `__exit__` swallows after the writer checkpointed). Result: `self.result`."""
+        self.store.put_json(self.ref, FAILURES_FILE, self.failures)
+        summary = self.summary(stopped_reason)
+        if stopped_reason is None and not self.counts["retry_later"]:
+            self.writer.write(list(self._held.values()))
+            self.writer.commit(extra={"counts": summary["counts"], **(extra or {})}, files=[FAILURES_FILE])
+            self._journal.close()
+            self.journal_path.unlink(missing_ok=True)
+            summary["complete"] = True
+            self.result = summary
+            return
+        if stopped_reason is None:
+            summary["stopped_reason"] = "retryable_failures"
+        summary["complete"] = False
+        log.warning("%s left incomplete (%s): %s; rerun to resume", self.store.uri(self.ref),
+                    summary["stopped_reason"], summary["counts"])
+        self.result = summary
+        raise Stop(summary["stopped_reason"])
+
+    def summary(self, stopped_reason: str | None) -> dict:
+        return {
+            "uri": self.store.uri(self.ref),
+            "counts": dict(self.counts, total=len(self.prompts)),
+            "tokens": self.tokens,
+            "cost_usd": round(self.cost_usd, 6),
+            "spent_before_usd": round(self.spent_before_usd, 6),
+            "stopped_reason": stopped_reason,
+        }
+
+
+def committed_cost(store, ref) -> float:
+    """USD of rows earlier attempts committed (parts without a manifest yet), for the budget."""
+    import pyarrow.parquet as pq
+
+    from eagle3_data.storage.writer import scan_progress
+
+    total = 0.0
+    for record in scan_progress(store, ref):
+        body = store.client.get_object(Bucket=store.bucket, Key=store.key(ref, record["name"]))["Body"].read()
+        usage = pq.read_table(io.BytesIO(body), columns=["usage"]).column("usage").to_pylist()
+        total += sum((u or {}).get("cost_usd") or 0.0 for u in usage)
+    return total

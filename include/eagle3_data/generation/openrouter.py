@@ -1,0 +1,240 @@
+"""Overflow generation: OpenRouter chat completions (text only), bounded, budgeted, resumable.
+
+The SDK's own retries are off (`max_retries=0`): one retry loop here sees every attempt, so
+backoff honours `Retry-After`, counts toward one limit and shows in the logs. Answers are text;
+`output_ids` stay null until the reconstruction stage. What is paid is never lost (see
+checkpoint.py); the budget stops dispatching once spent + in-flight estimate would pass it.
+The API key is passed in by the caller (the DAG reads the Airflow connection) and only ever
+handed to the SDK: it is in no row, manifest, log line or exception message produced here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Iterable
+
+from eagle3_data.errors import UserError
+from eagle3_data.generation.checkpoint import Prompt, StageRun, base_row, parse_prompts
+from eagle3_data.generation.progress import Progress
+from eagle3_data.generation.retry import PERMANENT_STATUS, backoff_s
+
+log = logging.getLogger(__name__)
+
+SOURCE = "openrouter"
+STOP_STATUS = {401: "unauthorized", 402: "credits"}
+
+
+class Budget:
+    """Stop dispatching when spent + in-flight x (largest cost seen) would pass the cap."""
+
+    def __init__(self, cap_usd: float | None, spent_usd: float = 0.0, first_estimate_usd: float = 0.01):
+        self.cap, self.spent, self.estimate = cap_usd, spent_usd, first_estimate_usd
+        self.seen = False
+
+    def allows(self, in_flight: int) -> bool:
+        return self.cap is None or self.spent + (in_flight + 1) * self.estimate <= self.cap
+
+    def add(self, cost: float) -> None:
+        self.spent += cost
+        if cost > 0:  # a failure without an answer says nothing about the price of an answer
+            self.estimate = max(self.estimate, cost) if self.seen else cost
+            self.seen = True
+
+
+def generate_overflow(store, ref, prompts: Iterable[dict], tokenizer, base_url: str, api_key: str, model: str,
+                      provider: dict | None, budget_usd: float | None, *, sampling: dict | None = None,
+                      concurrency: int = 256, rows_per_part: int = 64, inputs: list | None = None,
+                      progress: Progress | None = None, max_attempts: int = 6, request_timeout_s: float = 600.0,
+                      first_cost_estimate_usd: float = 0.01, journal_dir=None, flush_interval_s: float = 30.0,
+                      routes: tuple[str, ...] | None = ("overflow", "both")) -> dict:
+    """Generate every pending prompt of `ref.dataset` through OpenRouter; summary dict.
+
+    `provider`: OpenRouter routing, e.g. {"order": [...], "allow_fallbacks": False, "quantizations":
+    [...], "require_parameters": True}. `sampling`: temperature, top_p, max_new_tokens, thinking,
+    optional reasoning (OpenRouter's `reasoning` object; default {"enabled": thinking}).
+    stopped_reason: None (complete), "budget", "credits" (HTTP 402), "unauthorized" (401),
+    "retryable_failures" (rerun to retry them).
+    """
+    from eagle3_data.chat_format import get_output_format
+    from eagle3_data.tokenizer import chat_template_sha256, tokenizer_files_sha256
+
+    if store.is_complete(ref):
+        return {"uri": store.uri(ref), "complete": True, "stopped_reason": None, "counts": {"skipped": "all"},
+                "tokens": 0, "cost_usd": 0.0}
+    if not api_key:
+        raise UserError("generate_overflow: no API key (set the openrouter connection's password or OPENROUTER_API_KEY)")
+    sampling = dict(sampling or {})
+    thinking = bool(sampling.pop("thinking", True))
+    reasoning = sampling.pop("reasoning", None) or {"enabled": thinking}
+    rows = parse_prompts(prompts, ref.dataset, routes)
+    tok_sha = tokenizer_files_sha256(tokenizer)
+    params = {"source": SOURCE, "model": model, "provider": provider or {}, "sampling": dict(sampling, thinking=thinking),
+              "reasoning": reasoning, "base_url": base_url}
+    progress = progress or Progress()
+    with StageRun(store, ref, rows, rows_per_part=rows_per_part, params=params, inputs=inputs,
+                  tokenizer_sha256=tok_sha, template_sha256=chat_template_sha256(tokenizer),
+                  journal_dir=journal_dir, flush_interval_s=flush_interval_s) as run:
+        progress.start(len(rows), len(rows) - len(run.pending), label=f"generate_overflow {ref.dataset}")
+        client = _OverflowRun(run, get_output_format(tokenizer), base_url, api_key, model, provider or {}, sampling,
+                              thinking, reasoning, concurrency, max_attempts, request_timeout_s, progress, tok_sha,
+                              Budget(budget_usd, run.spent_before_usd, first_cost_estimate_usd))
+        stopped = asyncio.run(client.run())
+        progress.close()
+        run.finish(stopped, extra={"budget_usd": budget_usd, "spent_total_usd": round(client.budget.spent, 6)})
+    return run.result
+
+
+class _OverflowRun:
+    def __init__(self, run: StageRun, fmt, base_url, api_key, model, provider, sampling, thinking, reasoning,
+                 concurrency, max_attempts, timeout_s, progress, tok_sha, budget: Budget):
+        self.stage, self.fmt, self.base_url, self._key = run, fmt, base_url, api_key
+        self.model, self.provider, self.sampling, self.thinking = model, provider, sampling, thinking
+        self.reasoning, self.concurrency, self.max_attempts = reasoning, concurrency, max_attempts
+        self.timeout_s, self.progress, self.tok_sha, self.budget = timeout_s, progress, tok_sha, budget
+        self.in_flight = 0
+        self.stopped: str | None = None
+
+    async def run(self) -> str | None:
+        import httpx2
+        from openai import AsyncOpenAI, DefaultAsyncHttpxClient
+
+        limits = httpx2.Limits(max_connections=self.concurrency + 8, max_keepalive_connections=self.concurrency + 8)
+        client = AsyncOpenAI(base_url=self.base_url, api_key=self._key, max_retries=0, timeout=self.timeout_s,
+                             http_client=DefaultAsyncHttpxClient(limits=limits))
+        queue = iter(self.stage.pending)
+        ticker = asyncio.create_task(self._tick())
+        try:
+            await asyncio.gather(*(self._worker(client, queue) for _ in range(self.concurrency)))
+        finally:
+            ticker.cancel()
+            await client.close()
+        return self.stopped
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            self.progress.tick()
+
+    async def _worker(self, client, queue) -> None:
+        while self.stopped is None:
+            if not self.budget.allows(self.in_flight):
+                if self.in_flight == 0 or not self.budget.allows(0):
+                    self.stopped = self.stopped or "budget"
+                    return
+                await asyncio.sleep(0.05)  # wait for in-flight costs to settle the estimate
+                continue
+            p = next(queue, None)
+            if p is None:
+                return
+            self.in_flight += 1
+            try:
+                result = await self._sample(client, p)
+            finally:
+                self.in_flight -= 1
+            if result is None:
+                continue  # stopped (402/401): the sample stays pending for the next attempt
+            row, permanent = result
+            cost = (row.get("usage") or {}).get("cost_usd") or 0.0
+            self.budget.add(cost)
+            self.stage.record(row, permanent=permanent)
+            ok = row["status"] == "ok"
+            self.progress.update(ok=int(ok), failed=int(not ok), cost_usd=cost,
+                                 tokens=(row.get("usage") or {}).get("completion_tokens") or 0)
+
+    async def _sample(self, client, p: Prompt) -> tuple[dict, bool] | None:
+        """(row, permanent) after retries, or None when the stage must stop."""
+        import openai
+
+        try:
+            prompt_ids = self.fmt.generation_prompt_ids(p.messages, p.tools, thinking=self.thinking)
+        except Exception as exc:
+            return _failed(p, None, f"chat template: {exc}"), True
+        reason = "no attempt"
+        for attempt in range(1, self.max_attempts + 1):
+            if self.stopped:
+                return None
+            retry_after = None
+            try:
+                resp = await client.chat.completions.create(**self._request(p))
+            except openai.APIStatusError as exc:
+                status = exc.status_code
+                if status in STOP_STATUS:
+                    if not self.stopped:
+                        log.error("OpenRouter answered %d: stopping dispatch (%s)", status, STOP_STATUS[status])
+                    self.stopped = self.stopped or STOP_STATUS[status]
+                    return None
+                reason = f"HTTP {status}: {_error_message(exc)}"
+                if status in PERMANENT_STATUS:
+                    return _failed(p, prompt_ids, reason), True
+                retry_after = exc.response.headers.get("retry-after")
+            except (openai.APITimeoutError, openai.APIConnectionError) as exc:
+                reason = f"transport: {type(exc).__name__}"
+            except (openai.APIResponseValidationError, ValueError) as exc:
+                return _failed(p, prompt_ids, f"malformed answer: {type(exc).__name__}"), False
+            else:
+                return self._row(p, prompt_ids, resp)
+            if attempt < self.max_attempts:
+                await asyncio.sleep(backoff_s(attempt, retry_after=retry_after))
+        return _failed(p, prompt_ids, f"gave up after {self.max_attempts} attempts: {reason}"), False
+
+    def _request(self, p: Prompt) -> dict:
+        s = self.sampling
+        body = {"model": self.model, "messages": p.messages,
+                "extra_body": {"reasoning": self.reasoning, "provider": self.provider, "usage": {"include": True}},
+                "extra_headers": {"X-Eagle3-Dataset": p.dataset, "X-Eagle3-Sample-Id": p.sample_id}}
+        if p.tools:
+            body["tools"] = p.tools
+        for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"), ("max_new_tokens", "max_tokens"),
+                             ("seed", "seed")):
+            if s.get(ours) is not None:
+                body[theirs] = s[ours]
+        return body
+
+    def _row(self, p: Prompt, prompt_ids: list[int], resp) -> tuple[dict, bool]:
+        data = resp.model_dump() if hasattr(resp, "model_dump") else resp
+        row = base_row(p, prompt_ids, SOURCE)
+        choices = data.get("choices") or []
+        usage = data.get("usage") or {}
+        details = usage.get("completion_tokens_details") or {}
+        row["usage"] = {"prompt_tokens": usage.get("prompt_tokens"), "completion_tokens": usage.get("completion_tokens"),
+                        "reasoning_tokens": details.get("reasoning_tokens"), "cost_usd": usage.get("cost")}
+        row["provenance"] = json.dumps({
+            "model": data.get("model") or self.model, "provider": data.get("provider"), "generation_id": data.get("id"),
+            "requested_provider": self.provider, "sampling": self.sampling, "thinking": self.thinking,
+            "tokenizer_sha256": self.tok_sha, "generated_at": time.time(),
+        }, sort_keys=True)
+        if not choices:
+            row.update(status="failed", error="malformed answer: no choices")
+            return row, False
+        choice = choices[0]
+        msg = choice.get("message") or {}
+        calls = [{"id": c.get("id"), "type": "function",
+                  "function": {"name": (c.get("function") or {}).get("name"), "arguments": (c.get("function") or {}).get("arguments")}}
+                 for c in msg.get("tool_calls") or []]
+        finish = choice.get("finish_reason")
+        row.update(reasoning=msg.get("reasoning"), content=msg.get("content"),
+                   tool_calls=json.dumps(calls, ensure_ascii=False) if calls else None, finish_reason=finish)
+        if finish not in ("stop", "length", "tool_calls"):
+            row.update(status="failed", error=f"finish_reason {finish!r}")
+        elif finish != "length" and not (msg.get("content") or "").strip() and not calls:
+            row.update(status="failed", error="empty answer: no content and no tool calls")
+        elif any(not c["function"]["name"] or not isinstance(c["function"]["arguments"], str) for c in calls):
+            row.update(status="failed", error="malformed tool call: missing name or arguments")
+        return row, False
+
+
+def _error_message(exc) -> str:
+    try:
+        body = exc.response.json()
+        return str((body.get("error") or {}).get("message") or body)[:200]
+    except Exception:
+        return str(exc.message)[:200]
+
+
+def _failed(p: Prompt, prompt_ids, reason: str) -> dict:
+    row = base_row(p, prompt_ids, SOURCE)
+    row.update(status="failed", error=reason)
+    return row

@@ -1,0 +1,31 @@
+"""Backoff for network calls: exponential with full jitter, never shorter than `Retry-After`."""
+
+from __future__ import annotations
+
+import email.utils
+import random
+import time
+
+RETRYABLE_STATUS = {408, 409, 429, 500, 502, 503, 504, 520, 522, 524, 529}
+PERMANENT_STATUS = {400, 401, 403, 404, 413, 422}
+
+
+def backoff_s(attempt: int, base_s: float = 0.5, cap_s: float = 60.0, retry_after: str | None = None,
+              rng: random.Random | None = None) -> float:
+    """Delay before attempt `attempt + 1` (attempt counts from 1)."""
+    delay = (rng or random).uniform(0, min(cap_s, base_s * 2 ** (attempt - 1)))
+    return max(delay, parse_retry_after(retry_after) or 0.0)
+
+
+def parse_retry_after(value: str | None) -> float | None:
+    """Seconds from a Retry-After header (delta-seconds or an HTTP date)."""
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        return max(0.0, email.utils.parsedate_to_datetime(value).timestamp() - time.time())
+    except (TypeError, ValueError):
+        return None

@@ -1,0 +1,114 @@
+"""Engines that run the target model over token ids and hand back the requested hidden states.
+
+A backend is anything with `describe()` and `forward(batch, indices, last_hidden)`: the
+extractor owns batching, checks and storage, so a faster engine slots in without touching them.
+`transformers` is the reference backend. SGLang's HTTP server cannot be one today: with
+`--enable-return-hidden-states` it returns only the final hidden state, not the aux layers
+(see docs/hidden_states.md for the sources and how SpecForge runs SGLang in-process instead).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str  # recorded in shard metadata
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    dtype: str  # the compute dtype of the forward, e.g. "bfloat16" or "float32"
+    device: str
+
+
+@dataclass
+class SampleStates:
+    aux: torch.Tensor  # [T, len(indices) * H], on CPU
+    last: torch.Tensor | None  # [T, H] final-norm output, on CPU
+
+
+class HiddenStateBackend(Protocol):
+    def describe(self) -> ModelInfo: ...
+
+    def forward(self, batch: Sequence[Sequence[int]], indices: list[int], last_hidden: bool) -> list[SampleStates]:
+        """`indices` are positions in transformers' `hidden_states` tuple (see layers.py)."""
+        ...
+
+
+class TransformersBackend:
+    """`AutoModelForCausalLM` forward with right padding; captures only the layers asked for.
+
+    Forward hooks on the embedding and decoder layers keep 3 tensors alive instead of L+1, and
+    the language-model head (a [tokens, 163840] matmul) is never run.
+    """
+
+    def __init__(self, model_dir: str | Path, *, device: str | None = None, dtype: torch.dtype | None = None,
+                 out_dtype: torch.dtype = torch.bfloat16):
+        from transformers import AutoModelForCausalLM
+
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.out_dtype = out_dtype
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=self.dtype)
+        self.model = model.to(self.device).eval()
+        self.decoder = model.get_decoder()
+        self.layers = self.decoder.layers
+        config = model.config
+        self.pad_id = config.pad_token_id if config.pad_token_id is not None else 0
+        self.info = ModelInfo(
+            name=Path(model_dir).resolve().name,
+            num_layers=config.num_hidden_layers,
+            hidden_size=config.hidden_size,
+            vocab_size=config.vocab_size,
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=self.device.type,
+        )
+
+    def describe(self) -> ModelInfo:
+        return self.info
+
+    def _module_for(self, index: int) -> torch.nn.Module:
+        """hidden_states[0] is the embedding output; hidden_states[k] the output of layer k-1."""
+        return self.decoder.embed_tokens if index == 0 else self.layers[index - 1]
+
+    @torch.inference_mode()
+    def forward_padded(self, batch: Sequence[Sequence[int]], indices: list[int], last_hidden: bool):
+        """Padded [B, T_max, ...] captures and lengths: the bare forward the benchmark times."""
+        lengths = [len(ids) for ids in batch]
+        width = max(lengths)
+        input_ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, ids in enumerate(batch):
+            input_ids[row, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
+            attention_mask[row, : len(ids)] = 1
+        captured: dict[int, torch.Tensor] = {}
+        hooks = []
+        for index in sorted(set(indices)):
+            def hook(_module, _args, output, index=index):
+                captured[index] = output[0] if isinstance(output, tuple) else output
+            hooks.append(self._module_for(index).register_forward_hook(hook))
+        try:
+            out = self.decoder(
+                input_ids=input_ids.to(self.device),
+                attention_mask=attention_mask.to(self.device),
+                use_cache=False,
+            )
+        finally:
+            for h in hooks:
+                h.remove()
+        aux = torch.cat([captured[i] for i in indices], dim=-1).to(self.out_dtype)
+        last = out.last_hidden_state.to(self.out_dtype) if last_hidden else None
+        return aux, last, lengths
+
+    def forward(self, batch: Sequence[Sequence[int]], indices: list[int], last_hidden: bool) -> list[SampleStates]:
+        aux, last, lengths = self.forward_padded(batch, indices, last_hidden)
+        aux, last = aux.cpu(), (last.cpu() if last is not None else None)
+        return [
+            SampleStates(aux=aux[row, :n], last=last[row, :n] if last is not None else None)
+            for row, n in enumerate(lengths)
+        ]

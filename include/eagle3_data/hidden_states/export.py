@@ -1,0 +1,54 @@
+"""Export packed shards to SpecForge's offline layout, so users can train with SpecForge today.
+
+SpecForge's `OfflineEagle3Dataset` walks a directory for `*.ckpt` files, each a `torch.save`
+dict of one sample: `input_ids` [T], `loss_mask` [T], `hidden_state` [1, T, H] (the final-norm
+state its trainer feeds to the target's LM head) and `aux_hidden_state` [1, T, 3H]. Files are
+grouped `rows_{start}-{end}/data_{i}.ckpt` as its own `prepare_hidden_states.py` writes them;
+`index.jsonl` maps each file back to its sample_id.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from eagle3_data.errors import UserError
+from eagle3_data.hidden_states.shards import ShardReader
+
+GROUP_SIZE = 5000
+
+
+def export_specforge(shard_paths: Iterable[str | Path], out_dir: str | Path) -> int:
+    """Write one .ckpt per sample; returns the number of samples written."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    count = 0
+    with open(out / "index.jsonl", "w") as index:
+        for path in shard_paths:
+            reader = ShardReader(path)
+            if reader.convention != "output":
+                raise UserError(
+                    f"{Path(path).name}: convention {reader.convention!r}; SpecForge expects aux layers in the "
+                    "'output of layer i' convention (re-extract with --convention output)"
+                )
+            if not reader.has_last:
+                raise UserError(f"{Path(path).name}: no last_hidden_states; SpecForge needs them (extract with --last-hidden)")
+            for sample in reader:
+                group = count // GROUP_SIZE * GROUP_SIZE
+                rel = f"rows_{group}-{group + GROUP_SIZE}/data_{count}.ckpt"
+                (out / rel).parent.mkdir(exist_ok=True)
+                torch.save(
+                    {
+                        "input_ids": sample.input_ids.to(torch.long),
+                        "loss_mask": sample.loss_mask.to(torch.long),
+                        "hidden_state": sample.last_hidden_states.unsqueeze(0).clone(),
+                        "aux_hidden_state": sample.aux_hidden_states.unsqueeze(0).clone(),
+                    },
+                    out / rel,
+                )
+                index.write(json.dumps({"file": rel, "sample_id": sample.sample_id}) + "\n")
+                count += 1
+    return count

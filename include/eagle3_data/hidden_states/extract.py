@@ -1,0 +1,333 @@
+"""Hidden-state extraction: merged records in, checked packed shards out.
+
+Throughput comes from three choices: batches are cut from length-sorted samples up to a token
+budget (padding waste is bounded by the length spread inside a batch, not the dataset's);
+only the aux layers are captured; and a writer thread serialises and uploads finished shards
+while the next batches compute. Correctness checks run on every sample before anything is
+written: state rows == token count, all values finite (the error names the sample), and
+per-layer norm outliers go into the summary for a person to look at.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+from eagle3_data.errors import UserError
+from eagle3_data.hidden_states.backends import HiddenStateBackend
+from eagle3_data.hidden_states.layers import default_layer_ids, hidden_state_indices
+from eagle3_data.hidden_states.shards import Sample, write_shard
+
+OUTLIER_FACTOR = 8.0  # a token whose layer norm exceeds 8x that layer's shard median is reported
+
+
+class CorruptHiddenStates(RuntimeError):
+    """The engine returned states that must not be trained on (NaN/Inf, wrong length)."""
+
+
+@dataclass
+class ExtractOptions:
+    convention: str = "output"
+    layer_ids: list[int] | None = None  # None: EAGLE-3 defaults for the convention
+    last_hidden: bool = False
+    token_budget: int = 16_384  # padded tokens per forward
+    out_shard_tokens: int = 65_536  # tokens per output file
+    use_fp8: bool = False
+
+
+@dataclass
+class _ShardStats:
+    norms: list[torch.Tensor] = field(default_factory=list)  # per token [T, n_layers]
+    owners: list[str] = field(default_factory=list)  # sample id per token block
+
+
+def plan_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
+    """Indices grouped so that (longest in batch) x (batch size) <= token_budget.
+
+    Sorting by length first means right padding costs at most the length spread within a
+    batch; a sample longer than the budget runs alone rather than being refused.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        if current and lengths[current[0]] * (len(current) + 1) > token_budget:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def check_rows(rows: Sequence[dict], vocab_size: int) -> None:
+    """Refuse bad merged records before any GPU time is spent."""
+    for row in rows:
+        sid, ids, mask = row.get("sample_id"), row.get("input_ids"), row.get("loss_mask")
+        if not ids:
+            raise UserError(f"sample {sid}: field input_ids is empty")
+        if mask is None or len(mask) != len(ids):
+            raise UserError(f"sample {sid}: field loss_mask has {None if mask is None else len(mask)} "
+                            f"entries for {len(ids)} input_ids")
+        low, high = min(ids), max(ids)
+        if low < 0 or high >= vocab_size:
+            raise UserError(f"sample {sid}: field input_ids holds id {low if low < 0 else high}, "
+                            f"outside the model's vocabulary [0, {vocab_size})")
+
+
+def _check_sample(sid: str, n_tokens: int, aux: torch.Tensor, last: torch.Tensor | None) -> None:
+    for name, t in (("aux_hidden_states", aux), ("last_hidden_states", last)):
+        if t is None:
+            continue
+        if t.shape[0] != n_tokens:
+            raise CorruptHiddenStates(f"sample {sid}: {name} has {t.shape[0]} rows for {n_tokens} tokens")
+        if not torch.isfinite(t).all():
+            bad = (~torch.isfinite(t)).any(dim=-1).nonzero().flatten()[:5].tolist()
+            raise CorruptHiddenStates(f"sample {sid}: {name} holds NaN/Inf at token positions {bad}")
+
+
+def _norm_report(stats: _ShardStats, layer_ids: list[int], top: int = 5) -> dict:
+    if not stats.norms:
+        return {}
+    norms = torch.cat(stats.norms)  # [N, n_layers]
+    owner_of = [sid for sid, block in zip(stats.owners, stats.norms) for _ in range(block.shape[0])]
+    report = {}
+    for j, layer in enumerate(layer_ids):
+        col = norms[:, j]
+        median = float(col.median())
+        flagged = (col > OUTLIER_FACTOR * median).nonzero().flatten()
+        worst = col[flagged].argsort(descending=True)[:top]
+        report[str(layer)] = {
+            "median": median,
+            "max": float(col.max()),
+            "outlier_tokens": int(flagged.numel()),
+            "outlier_samples": sorted({owner_of[int(flagged[k])] for k in worst}),
+        }
+    return report
+
+
+class _BackgroundWriter:
+    """Serialises and ships finished shards on a thread while the model keeps computing."""
+
+    def __init__(self, write: Callable[[list[Sample], int], dict], depth: int = 2):
+        self._write = write
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)  # bounds memory to `depth` shards
+        self._error: BaseException | None = None
+        self.results: list[dict] = []
+        self._thread = threading.Thread(target=self._run, name="hidden-state-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            if self._error is None:
+                try:
+                    self.results.append(self._write(*item))
+                except BaseException as exc:  # re-raised in the caller's thread by put()/close()
+                    self._error = exc
+
+    def put(self, samples: list[Sample], index: int) -> None:
+        if self._error is not None:
+            raise self._error
+        self._queue.put((samples, index))
+
+    def close(self) -> list[dict]:
+        self._queue.put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self.results
+
+
+def extract_rows(
+    backend: HiddenStateBackend,
+    rows: Sequence[dict],
+    out_dir: str | Path,
+    stem: str,
+    options: ExtractOptions,
+    on_file: Callable[[Path], None] | None = None,
+) -> dict:
+    """Extract states for `rows` (sample_id, input_ids, loss_mask) into `{stem}-{k:04d}.safetensors`.
+
+    `on_file` is called on the writer thread after each file is written (e.g. upload + delete).
+    """
+    info = backend.describe()
+    layer_ids = options.layer_ids or default_layer_ids(info.num_layers, options.convention)
+    indices = hidden_state_indices(layer_ids, options.convention, info.num_layers)
+    check_rows(rows, info.vocab_size)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+
+    def write(samples: list[Sample], index: int) -> dict:
+        path = out / f"{stem}-{index:04d}.safetensors"
+        size = write_shard(path, samples, layer_ids=layer_ids, convention=options.convention,
+                           model=info.name, dtype=info.dtype, use_fp8=options.use_fp8)
+        if on_file is not None:
+            on_file(path)
+        return {"name": path.name, "samples": len(samples), "tokens": sum(len(s.input_ids) for s in samples),
+                "bytes": size}
+
+    writer = _BackgroundWriter(write)
+    stats = _ShardStats()
+    pending: list[Sample] = []
+    pending_tokens = 0
+    file_index = 0
+    forward_seconds = 0.0
+    try:
+        for batch in plan_batches([len(r["input_ids"]) for r in rows], options.token_budget):
+            t0 = time.perf_counter()
+            states = backend.forward([rows[i]["input_ids"] for i in batch], indices, options.last_hidden)
+            forward_seconds += time.perf_counter() - t0
+            for i, st in zip(batch, states):
+                row = rows[i]
+                sid = row["sample_id"]
+                _check_sample(sid, len(row["input_ids"]), st.aux, st.last)
+                stats.norms.append(st.aux.float().reshape(st.aux.shape[0], len(indices), -1).norm(dim=-1))
+                stats.owners.append(sid)
+                pending.append(Sample(
+                    sample_id=sid,
+                    input_ids=torch.as_tensor(row["input_ids"], dtype=torch.int32),
+                    loss_mask=torch.as_tensor(row["loss_mask"], dtype=torch.uint8),
+                    aux_hidden_states=st.aux,
+                    last_hidden_states=st.last,
+                ))
+                pending_tokens += len(row["input_ids"])
+            if pending_tokens >= options.out_shard_tokens:
+                writer.put(pending, file_index)
+                pending, pending_tokens, file_index = [], 0, file_index + 1
+        if pending:
+            writer.put(pending, file_index)
+    finally:
+        files = writer.close()
+    tokens = sum(f["tokens"] for f in files)
+    size = sum(f["bytes"] for f in files)
+    return {
+        "files": files,
+        "samples": sum(f["samples"] for f in files),
+        "tokens": tokens,
+        "bytes": size,
+        "bytes_per_token": size / tokens if tokens else 0.0,
+        "min_bytes_per_token": len(layer_ids) * info.hidden_size * 2,
+        "layer_ids": layer_ids,
+        "convention": options.convention,
+        "last_hidden": options.last_hidden,
+        "aux_encoding": "fp8_e4m3_row_scale" if options.use_fp8 else "bf16",
+        "model": info.name,
+        "dtype": info.dtype,
+        "device": info.device,
+        "forward_seconds": forward_seconds,
+        "seconds": time.perf_counter() - started,
+        "norms": _norm_report(stats, layer_ids),
+    }
+
+
+def read_merged_rows(paths: Iterable[str | Path]) -> list[dict]:
+    """The columns extraction needs from merged parquet shards (schemas.MERGED)."""
+    import pyarrow.parquet as pq
+
+    rows: list[dict] = []
+    for path in paths:
+        table = pq.read_table(str(path), columns=["sample_id", "input_ids", "loss_mask"])
+        rows.extend(table.to_pylist())
+    return rows
+
+
+def _shard_ref(shard) -> tuple["StageRef", str]:
+    """A merged shard as the merge summary lists it ({run_key, stage, dataset, name}) or (ref, name)."""
+    from eagle3_data.storage import StageRef
+
+    if isinstance(shard, dict):
+        try:
+            return StageRef(shard["run_key"], shard["stage"], shard["dataset"]), shard["name"]
+        except KeyError as exc:
+            raise UserError(f"shard {shard!r}: field {exc.args[0]} missing (expected run_key, stage, dataset, name)") from None
+    ref, name = shard
+    return ref, name
+
+
+def summary_name(shard_name: str) -> str:
+    return f"{Path(shard_name).stem}.summary.json"
+
+
+def extract_shard(
+    store,
+    shard,
+    model_dir: str | Path,
+    out_ref,
+    *,
+    convention: str = "output",
+    layers: list[int] | None = None,
+    last_hidden: bool = False,
+    use_fp8: bool = False,
+    token_budget: int = 16_384,
+    out_shard_tokens: int = 65_536,
+    backend: HiddenStateBackend | None = None,
+    work_dir: str | Path | None = None,
+) -> dict:
+    """Extract one merged shard into `out_ref` (the DAG maps this over the merge's shards).
+
+    Resumable by shard: a shard whose summary file was committed by an earlier attempt is skipped.
+    Each output file is uploaded by the writer thread as soon as it is written, then deleted
+    locally, so local disk holds at most a couple of output files. Call `commit_extraction`
+    once all shards are done.
+    """
+    import tempfile
+
+    from eagle3_data.hidden_states.backends import TransformersBackend
+
+    merged_ref, name = _shard_ref(shard)
+    done_marker = summary_name(name)
+    if done_marker in store.committed_files(out_ref):
+        return {**store.get_json(out_ref, done_marker), "skipped": True}
+    options = ExtractOptions(convention=convention, layer_ids=layers, last_hidden=last_hidden,
+                             token_budget=token_budget, out_shard_tokens=out_shard_tokens, use_fp8=use_fp8)
+    backend = backend or TransformersBackend(model_dir)
+    with tempfile.TemporaryDirectory(prefix="eagle3-extract-", dir=work_dir) as tmp:
+        local = store.get_file(merged_ref, name, Path(tmp) / name)
+        rows = read_merged_rows([local])
+        local.unlink()
+
+        def upload(path: Path) -> None:
+            store.put_file(out_ref, path.name, path)
+            path.unlink()
+
+        summary = extract_rows(backend, rows, Path(tmp) / "out", Path(name).stem, options, on_file=upload)
+    summary["merged_shard"] = {"run_key": merged_ref.run_key, "stage": merged_ref.stage,
+                               "dataset": merged_ref.dataset, "name": name}
+    store.put_json(out_ref, done_marker, summary)  # last: its presence marks the shard done
+    return summary
+
+
+def commit_extraction(store, merge_ref, out_ref, *, params: dict | None = None) -> dict:
+    """Write the extraction manifest once every merged shard has its summary; refuse otherwise."""
+    from eagle3_data.merge import merged_shards
+    from eagle3_data.storage import IncompleteStage
+
+    shards = merged_shards(store, merge_ref)
+    committed = store.committed_files(out_ref)
+    missing = [s["name"] for s in shards if summary_name(s["name"]) not in committed]
+    if missing:
+        raise IncompleteStage(f"{store.uri(out_ref)}: {len(missing)} merged shards not extracted yet: {missing[:5]}")
+    summaries = [store.get_json(out_ref, summary_name(s["name"])) for s in shards]
+    files = [f["name"] for s in summaries for f in s["files"]] + [summary_name(s["name"]) for s in shards]
+    first = summaries[0] if summaries else {}
+    totals = {
+        "samples": sum(s["samples"] for s in summaries),
+        "tokens": sum(s["tokens"] for s in summaries),
+        "bytes": sum(s["bytes"] for s in summaries),
+    }
+    keys = ("layer_ids", "convention", "last_hidden", "aux_encoding", "model", "dtype", "min_bytes_per_token")
+    mixed = [k for k in keys if len({json.dumps(s.get(k)) for s in summaries}) > 1]
+    if mixed:
+        raise UserError(f"{store.uri(out_ref)}: shards were extracted with different {mixed}; re-extract them alike")
+    extra = {**{k: first.get(k) for k in keys}, "totals": totals,
+             "bytes_per_token": totals["bytes"] / totals["tokens"] if totals["tokens"] else 0.0}
+    store.commit_files(out_ref, files, params=params, inputs=[merge_ref], extra=extra)
+    return {"uri": store.uri(out_ref), **extra}

@@ -1,0 +1,130 @@
+"""Text -> ids with the model's own format: the overflow path's only source of training ids.
+
+One encode over the whole rendered generation (never per part): BPE merges across part
+boundaries exactly as they would in the model's own tokenisation of that text.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eagle3_data.chat_format import AssistantMessage, OutputFormat, get_output_format, normalize_finish_reason
+from eagle3_data.errors import UserError
+
+CHUNK_ROWS = 512
+
+
+def reconstruct(
+    tokenizer: Any,
+    message: AssistantMessage,
+    finish_reason: str,
+    tool_call_index_start: int = 0,
+    *,
+    thinking: bool = True,
+) -> list[int]:
+    """Output ids for one assistant message (see `reconstruct_batch`)."""
+    return reconstruct_batch(tokenizer, [message], [finish_reason], [tool_call_index_start], thinking=thinking)[0]
+
+
+def reconstruct_batch(
+    tokenizer: Any,
+    messages: Sequence[AssistantMessage],
+    finish_reasons: Sequence[str],
+    tool_call_index_starts: Sequence[int] | None = None,
+    *,
+    thinking: bool = True,
+) -> list[list[int]]:
+    """Output ids for many messages: render each, then one batched encode."""
+    fmt = get_output_format(tokenizer)
+    starts = tool_call_index_starts if tool_call_index_starts is not None else [0] * len(messages)
+    if not len(messages) == len(finish_reasons) == len(starts):
+        raise ValueError("messages, finish_reasons and tool_call_index_starts differ in length")
+    texts = [
+        fmt.render(m, f, s, thinking=thinking) for m, f, s in zip(messages, finish_reasons, starts)
+    ]
+    return fmt.codec.encode_batch(texts)
+
+
+@dataclass
+class ReconstructRow:
+    where: str
+    sample_id: str
+    message: AssistantMessage
+    finish_reason: str
+    tool_call_index_start: int
+
+
+def row_to_reconstruct(fmt: OutputFormat, row: dict[str, Any], where: str) -> ReconstructRow:
+    """An OpenRouter-style row (`reasoning`, `content`, `tool_calls`, `finish_reason`, `sample_id`,
+    optional `messages` for the conversation-wide tool-call index) -> what reconstruction needs."""
+    if not isinstance(row, dict):
+        raise UserError(f"{where}: not a JSON object")
+    sample_id = row.get("sample_id")
+    if not isinstance(sample_id, str) or not sample_id:
+        raise UserError(f"{where}: field 'sample_id' is missing or not a string")
+    where = f"{where} (sample_id {sample_id})"
+    for name in ("reasoning", "content"):
+        if row.get(name) is not None and not isinstance(row[name], str):
+            raise UserError(f"{where}: field {name!r} is not a string")
+    try:
+        message = AssistantMessage.from_openai(row)
+    except (json.JSONDecodeError, TypeError, AttributeError) as exc:
+        raise UserError(f"{where}: field 'tool_calls' is not a list of OpenAI tool calls ({exc})") from exc
+    finish = normalize_finish_reason(row.get("finish_reason"), where=where)
+    history = row.get("messages") or []
+    if isinstance(history, str):
+        try:
+            history = json.loads(history)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{where}: field 'messages' is not valid JSON ({exc})") from exc
+    if not isinstance(history, list) or not all(isinstance(m, dict) for m in history):
+        raise UserError(f"{where}: field 'messages' is not a list of chat messages")
+    return ReconstructRow(where, sample_id, message, finish, fmt.tool_call_index_start(history))
+
+
+def reconstruct_rows(
+    tokenizer: Any, rows: Iterable[ReconstructRow], chunk: int = CHUNK_ROWS
+) -> Iterator[tuple[ReconstructRow, list[int]]]:
+    """Streams (row, output_ids) in bounded chunks: memory does not grow with the input."""
+    buf: list[ReconstructRow] = []
+    for row in rows:
+        buf.append(row)
+        if len(buf) >= chunk:
+            yield from _flush(tokenizer, buf)
+            buf = []
+    if buf:
+        yield from _flush(tokenizer, buf)
+
+
+def _flush(tokenizer: Any, rows: list[ReconstructRow]) -> Iterator[tuple[ReconstructRow, list[int]]]:
+    ids = reconstruct_batch(
+        tokenizer, [r.message for r in rows], [r.finish_reason for r in rows], [r.tool_call_index_start for r in rows]
+    )
+    yield from zip(rows, ids)
+
+
+def read_records(path: str | Path) -> Iterator[tuple[str, Any]]:
+    """(where, record) from JSONL (line by line) or Parquet (batch by batch)."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"--input {path}: no such file")
+    if p.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        n = 0
+        for batch in pq.ParquetFile(p).iter_batches(batch_size=1024):
+            for record in batch.to_pylist():
+                n += 1
+                yield f"row {n}", record
+        return
+    with open(p, encoding="utf-8") as fh:
+        for n, line in enumerate(fh, 1):
+            if line.strip():
+                try:
+                    yield f"line {n}", json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise UserError(f"line {n}: invalid JSON ({exc.msg} at column {exc.colno})") from exc

@@ -1,0 +1,83 @@
+"""boto3 client construction and translation of transport failures into messages for a person."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import (
+    ClientError,
+    ConnectionClosedError,
+    ConnectTimeoutError,
+    EndpointConnectionError,
+    NoCredentialsError,
+    ReadTimeoutError,
+)
+
+from eagle3_data.storage.refs import StorageUnavailable
+
+_AUTH_CODES = {"403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "InvalidToken", "ExpiredToken"}
+
+
+def s3_client(
+    endpoint_url: str | None = None,
+    region: str | None = None,
+    *,
+    access_key: str | None = None,
+    secret_key: str | None = None,
+    max_attempts: int = 5,
+    connect_timeout: float = 5,
+    read_timeout: float = 60,
+):
+    """A boto3 S3 client with botocore's standard retry mode (backoff with jitter on throttling,
+    5xx and connection errors). Credentials: explicit, else boto3's chain (env, profile, role).
+    `endpoint_url` falls back to AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL (SeaweedFS, MinIO)."""
+    endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    config = Config(
+        retries={"mode": "standard", "total_max_attempts": max_attempts},  # first try included
+        connect_timeout=connect_timeout,
+        read_timeout=read_timeout,
+        s3={"addressing_style": "path"} if endpoint_url else {},
+    )
+    return boto3.session.Session().client(
+        "s3",
+        endpoint_url=endpoint_url,
+        region_name=region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
+        aws_access_key_id=access_key,
+        aws_secret_access_key=secret_key,
+        config=config,
+    )
+
+
+def endpoint_of(client) -> str:
+    return getattr(getattr(client, "meta", None), "endpoint_url", "?")
+
+
+@contextmanager
+def s3_errors(client, what: str) -> Iterator[None]:
+    """Turn an unreachable endpoint or refused credentials into a StorageUnavailable naming the
+    endpoint and the operation (never the keys); other ClientErrors pass through."""
+    try:
+        yield
+    except (EndpointConnectionError, ConnectTimeoutError, ReadTimeoutError, ConnectionClosedError) as exc:
+        attempts = client.meta.config.retries.get("total_max_attempts", "several")
+        raise StorageUnavailable(
+            f"S3 at {endpoint_of(client)} unreachable while {what} ({type(exc).__name__}, "
+            f"gave up after {attempts} attempts): check the endpoint URL and that the server runs"
+        ) from exc
+    except NoCredentialsError as exc:
+        raise StorageUnavailable(
+            f"no S3 credentials while {what}: set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or the "
+            "Airflow connection aws_default"
+        ) from exc
+    except ClientError as exc:
+        code = exc.response.get("Error", {}).get("Code", "")
+        if code in _AUTH_CODES:
+            raise StorageUnavailable(
+                f"S3 at {endpoint_of(client)} refused the credentials while {what} ({code}): check "
+                "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or the Airflow connection aws_default"
+            ) from exc
+        raise

@@ -1,0 +1,514 @@
+"""`ArtifactStore`: stage outputs in S3 as Parquet parts plus a manifest written last.
+
+Layout under `s3://{bucket}/{prefix}/runs/{run_key}/{stage}/{dataset}/`:
+    part-00000.parquet ...        rows, one part per checkpoint
+    <name>                        side files (reports, hidden-state shards)
+    _progress/part-00000.json     written after its part: the part's sha256 and sample_ids
+    _progress/files/<name>.json   written after its file: size and sha256
+    _manifest.json                written last; its presence is what "complete" means
+
+Readers trust the manifest, never listings; the listing is used only by a resuming writer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import subprocess
+import tempfile
+from collections.abc import Iterable, Iterator
+from datetime import datetime, timezone
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from boto3.s3.transfer import TransferConfig
+from botocore.exceptions import ClientError
+
+import eagle3_data
+from eagle3_data.errors import UserError
+from eagle3_data.schemas import schema_for
+from eagle3_data.storage.client import s3_errors
+from eagle3_data.storage.refs import (
+    CorruptArtifact,
+    IncompleteStage,
+    StageRef,
+    check_file_name,
+    check_name,
+)
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "_manifest.json"
+PROGRESS = "_progress"
+MANIFEST_FORMAT = "eagle3-datagen/manifest"
+MANIFEST_VERSION = 1
+_CHUNK = 8 * 1024 * 1024
+_SECRET_WORDS = ("secret", "password", "api_key", "apikey", "access_key", "credential", "authorization")
+
+
+def canonical_json(obj: Any) -> str:
+    """The one JSON spelling hashed and stored: sorted keys, no whitespace, UTF-8 kept."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def manifest_hash(manifest: dict) -> str:
+    """Content hash of a manifest, blind to when it was written: reruns of equal content match."""
+    body = {k: v for k, v in manifest.items() if k not in ("created_at", "manifest_sha256")}
+    return hashlib.sha256(canonical_json(body).encode()).hexdigest()
+
+
+@lru_cache(maxsize=1)
+def code_version() -> dict:
+    """eagle3_data version plus the git commit of the source tree when there is one."""
+    sha = os.environ.get("EAGLE3_GIT_SHA")
+    if not sha:
+        try:
+            out = subprocess.run(
+                ["git", "rev-parse", "HEAD"],
+                cwd=Path(eagle3_data.__file__).parent,
+                capture_output=True,
+                text=True,
+                timeout=5,
+            )
+            sha = out.stdout.strip() if out.returncode == 0 else None
+        except (OSError, subprocess.SubprocessError):
+            sha = None
+    return {"version": eagle3_data.__version__, "git_sha": sha}
+
+
+def check_no_secrets(obj: Any, where: str) -> None:
+    """Refuse credential-looking keys in params: manifests are read by everyone with bucket access."""
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            if any(word in str(key).lower().replace("-", "_") for word in _SECRET_WORDS):
+                raise UserError(f"{where}: key {key!r} looks like a credential; secrets never go into manifests")
+            check_no_secrets(value, where)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            check_no_secrets(value, where)
+
+
+class ArtifactStore:
+    """Stage artifacts on any S3 endpoint through a boto3 client the caller owns."""
+
+    def __init__(
+        self,
+        client,
+        bucket: str,
+        prefix: str = "eagle3-datagen",
+        *,
+        multipart_threshold: int = 64 * 1024 * 1024,
+        multipart_chunksize: int = 64 * 1024 * 1024,
+        max_concurrency: int = 8,
+    ) -> None:
+        self.client = client
+        self.bucket = bucket
+        self.prefix = "/".join(check_name(p, "prefix segment") for p in prefix.strip("/").split("/")) if prefix.strip("/") else ""
+        self.transfer = TransferConfig(
+            multipart_threshold=multipart_threshold,
+            multipart_chunksize=multipart_chunksize,
+            max_concurrency=max_concurrency,
+        )
+
+    # -- names -------------------------------------------------------------------------------
+    def key(self, ref: StageRef, name: str = "") -> str:
+        base = f"{self.prefix}/{ref.path}" if self.prefix else ref.path
+        return f"{base}/{name}"
+
+    def uri(self, ref: StageRef, name: str = "") -> str:
+        return f"s3://{self.bucket}/{self.key(ref, name)}"
+
+    # -- bucket and low-level objects ----------------------------------------------------------
+    def ensure_bucket(self) -> None:
+        """Create the bucket when missing (dev servers; on AWS it is usually made by infra)."""
+        with s3_errors(self.client, f"checking bucket {self.bucket}"):
+            try:
+                self.client.head_bucket(Bucket=self.bucket)
+                return
+            except ClientError as exc:
+                if exc.response.get("Error", {}).get("Code") not in ("404", "NoSuchBucket", "NotFound"):
+                    raise
+            self.client.create_bucket(Bucket=self.bucket)
+
+    def _put_bytes(self, key: str, data: bytes, sha256: str | None = None, content_type: str = "application/octet-stream") -> None:
+        extra: dict[str, Any] = {"ContentType": content_type}
+        if sha256:
+            extra["Metadata"] = {"sha256": sha256}
+        with s3_errors(self.client, f"writing s3://{self.bucket}/{key}"):
+            if len(data) >= self.transfer.multipart_threshold:
+                self.client.upload_fileobj(io.BytesIO(data), self.bucket, key, ExtraArgs=extra, Config=self.transfer)
+            else:
+                self.client.put_object(Bucket=self.bucket, Key=key, Body=data, **extra)
+
+    def _get_bytes(self, key: str) -> bytes | None:
+        """The object's bytes, or None when it does not exist."""
+        with s3_errors(self.client, f"reading s3://{self.bucket}/{key}"):
+            try:
+                return self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
+            except ClientError as exc:
+                if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
+                    return None
+                raise
+
+    def _exists(self, key: str) -> dict | None:
+        with s3_errors(self.client, f"checking s3://{self.bucket}/{key}"):
+            try:
+                return self.client.head_object(Bucket=self.bucket, Key=key)
+            except ClientError as exc:
+                if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
+                    return None
+                raise
+
+    def _delete(self, keys: Iterable[str]) -> None:
+        keys = list(keys)
+        with s3_errors(self.client, f"deleting under s3://{self.bucket}/"):
+            for i in range(0, len(keys), 1000):
+                batch = [{"Key": k} for k in keys[i : i + 1000]]
+                self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
+
+    def _list(self, prefix: str) -> list[dict]:
+        out: list[dict] = []
+        with s3_errors(self.client, f"listing s3://{self.bucket}/{prefix}"):
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
+                out.extend(page.get("Contents", []))
+        return out
+
+    def _download(self, key: str, expected_sha256: str | None, expected_bytes: int | None, label: str) -> tempfile.SpooledTemporaryFile:
+        """Stream an object into a spooled temp file (RAM up to 64 MiB, then disk), hashing as it
+        comes, and refuse it before anyone parses it if it is missing or its bytes changed."""
+        out = tempfile.SpooledTemporaryFile(max_size=64 * 1024 * 1024)
+        digest = hashlib.sha256()
+        size = 0
+        with s3_errors(self.client, f"reading {label}"):
+            try:
+                body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"]
+            except ClientError as exc:
+                if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
+                    out.close()
+                    raise CorruptArtifact(f"{label} is listed in the manifest but missing from S3: rerun the stage") from None
+                raise
+            for chunk in iter(lambda: body.read(_CHUNK), b""):
+                digest.update(chunk)
+                out.write(chunk)
+                size += len(chunk)
+        if (expected_bytes is not None and size != expected_bytes) or (expected_sha256 and digest.hexdigest() != expected_sha256):
+            out.close()
+            raise CorruptArtifact(
+                f"{label} is corrupted: {size} bytes with sha256 {digest.hexdigest()[:16]}..., the manifest "
+                f"says {expected_bytes} bytes with sha256 {(expected_sha256 or '?')[:16]}...: rerun the stage"
+            )
+        out.seek(0)
+        return out
+
+    # -- manifests -------------------------------------------------------------------------------
+    def is_complete(self, ref: StageRef) -> bool:
+        return self._exists(self.key(ref, MANIFEST)) is not None
+
+    def read_manifest(self, ref: StageRef) -> dict:
+        data = self._get_bytes(self.key(ref, MANIFEST))
+        if data is None:
+            raise IncompleteStage(
+                f"{self.uri(ref)} has no {MANIFEST}: stage not complete (still running, killed, or "
+                f"invalidated by a rerun); run stage {ref.stage!r} for dataset {ref.dataset!r} first"
+            )
+        try:
+            manifest = json.loads(data)
+        except ValueError:
+            raise CorruptArtifact(f"{self.uri(ref, MANIFEST)} is not valid JSON") from None
+        if manifest.get("format") != MANIFEST_FORMAT or manifest.get("manifest_version", 0) > MANIFEST_VERSION:
+            raise CorruptArtifact(
+                f"{self.uri(ref, MANIFEST)}: unsupported manifest format {manifest.get('format')!r} "
+                f"version {manifest.get('manifest_version')!r} (this code reads {MANIFEST_FORMAT} v{MANIFEST_VERSION})"
+            )
+        return manifest
+
+    def invalidate(self, ref: StageRef) -> bool:
+        """Delete the manifest: readers now refuse the stage until it is committed again."""
+        if not self.is_complete(ref):
+            return False
+        self._delete([self.key(ref, MANIFEST)])
+        log.info("invalidated %s (manifest removed before rewrite)", self.uri(ref))
+        return True
+
+    def delete(self, ref: StageRef) -> None:
+        """Remove a stage entirely, manifest first so no reader sees a half-deleted stage."""
+        self.invalidate(ref)
+        base = self.key(ref)
+        objects = [o["Key"] for o in self._list(base)]
+        self._delete(sorted(objects, key=lambda k: not k.startswith(base + PROGRESS)))
+
+    def input_record(self, ref: StageRef) -> dict:
+        """How a downstream manifest names an upstream stage: URI plus its manifest's hash."""
+        manifest = self.read_manifest(ref)
+        return {"uri": self.uri(ref), "manifest_sha256": manifest.get("manifest_sha256") or manifest_hash(manifest)}
+
+    def _inputs(self, inputs: Iterable[StageRef | dict] | None) -> list[dict]:
+        records = []
+        for item in inputs or []:
+            if isinstance(item, StageRef):
+                records.append(self.input_record(item))
+            elif isinstance(item, dict) and "uri" in item:
+                records.append(dict(item))
+            else:
+                raise TypeError(f"inputs: expected StageRef or {{'uri': ..., ...}}, got {item!r}")
+        check_no_secrets(records, "inputs")
+        return records
+
+    def _write_manifest(
+        self,
+        ref: StageRef,
+        *,
+        schema: dict | None,
+        parts: list[dict],
+        files: list[dict],
+        inputs: list[dict],
+        params: dict | None,
+        tokenizer_sha256: str | None,
+        template_sha256: str | None,
+        extra: dict | None,
+    ) -> dict:
+        check_no_secrets(params or {}, "params")
+        check_no_secrets(extra or {}, "extra")
+        manifest = {
+            "format": MANIFEST_FORMAT,
+            "manifest_version": MANIFEST_VERSION,
+            "uri": self.uri(ref),
+            "run_key": ref.run_key,
+            "stage": ref.stage,
+            "dataset": ref.dataset,
+            "schema": schema,
+            "rows": sum(p["rows"] for p in parts),
+            "parts": parts,
+            "files": files,
+            "inputs": inputs,
+            "params": params or {},
+            "code": code_version(),
+            "tokenizer_sha256": tokenizer_sha256,
+            "template_sha256": template_sha256,
+            "extra": extra or {},
+        }
+        manifest["manifest_sha256"] = manifest_hash(manifest)
+        manifest["created_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        body = json.dumps(manifest, indent=1, sort_keys=True, ensure_ascii=False).encode()
+        self._put_bytes(self.key(ref, MANIFEST), body, content_type="application/json")
+        log.info("committed %s: %d rows in %d parts, %d files", self.uri(ref), manifest["rows"], len(parts), len(files))
+        return manifest
+
+    # -- parquet stages ----------------------------------------------------------------------------
+    def writer(
+        self,
+        ref: StageRef,
+        schema: str,
+        *,
+        rows_per_part: int = 256,
+        params: dict | None = None,
+        inputs: Iterable[StageRef | dict] | None = None,
+        tokenizer_sha256: str | None = None,
+        template_sha256: str | None = None,
+        fresh: bool = False,
+    ):
+        """A checkpointing writer; resumes what a killed attempt with the same inputs committed.
+
+        On a complete stage it is a rerun: the manifest is removed first, then the old parts.
+        `fresh=True` discards an incomplete attempt too (needed when its params differ).
+        """
+        from eagle3_data.storage.writer import StageWriter
+
+        return StageWriter(
+            self,
+            ref,
+            schema,
+            rows_per_part=rows_per_part,
+            params=params,
+            inputs=inputs,
+            tokenizer_sha256=tokenizer_sha256,
+            template_sha256=template_sha256,
+            fresh=fresh,
+        )
+
+    def _checked_manifest(self, ref: StageRef) -> dict:
+        manifest = self.read_manifest(ref)
+        schema = manifest.get("schema")
+        if not schema:
+            raise UserError(f"{self.uri(ref)} holds files, not Parquet parts ({[f['name'] for f in manifest.get('files', [])]})")
+        try:
+            schema_for(schema["name"], schema["version"])
+        except UserError as exc:
+            raise UserError(f"{self.uri(ref)}: {exc}") from None
+        return manifest
+
+    def iter_batches(self, ref: StageRef, columns: list[str] | None = None, batch_size: int = 1024) -> Iterator[pa.RecordBatch]:
+        """Stream the stage's rows, part by part, each part's sha256 checked before it is parsed."""
+        manifest = self._checked_manifest(ref)
+        for part in manifest["parts"]:
+            label = self.uri(ref, part["name"])
+            with self._download(self.key(ref, part["name"]), part["sha256"], part["bytes"], label) as f:
+                pf = pq.ParquetFile(f)
+                yield from pf.iter_batches(batch_size=batch_size, columns=columns)
+
+    def read_table(self, ref: StageRef, columns: list[str] | None = None) -> pa.Table:
+        """The whole stage in memory: for small artifacts (reports, rejects, prompt sets)."""
+        manifest = self._checked_manifest(ref)
+        schema = schema_for(manifest["schema"]["name"], manifest["schema"]["version"])
+        if columns is not None:
+            schema = pa.schema([schema.field(c) for c in columns], metadata=schema.metadata)
+        batches = list(self.iter_batches(ref, columns=columns))
+        return pa.Table.from_batches(batches, schema=schema) if batches else schema.empty_table()
+
+    def verify(self, ref: StageRef) -> None:
+        """Download and hash every part and file of the manifest; CorruptArtifact names the first bad one."""
+        manifest = self.read_manifest(ref)
+        for item in [*manifest.get("parts", []), *manifest.get("files", [])]:
+            self._download(self.key(ref, item["name"]), item["sha256"], item["bytes"], self.uri(ref, item["name"])).close()
+
+    def committed_sample_ids(self, ref: StageRef) -> set[str]:
+        """sample_ids in the committed parts of a stage, complete or not (resume and routing use it)."""
+        from eagle3_data.storage.writer import scan_progress
+
+        return {sid for record in scan_progress(self, ref) for sid in record["sample_ids"]}
+
+    def datasets(self, run_key: str, stage: str) -> list[str]:
+        """Dataset names with a complete manifest for this stage in this run."""
+        check_name(run_key, "run_key")
+        check_name(stage, "stage")
+        base = f"{self.prefix}/runs/{run_key}/{stage}/" if self.prefix else f"runs/{run_key}/{stage}/"
+        names = set()
+        with s3_errors(self.client, f"listing s3://{self.bucket}/{base}"):
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base, Delimiter="/"):
+                names.update(p["Prefix"][len(base) :].rstrip("/") for p in page.get("CommonPrefixes", []))
+        return sorted(n for n in names if self.is_complete(StageRef(run_key, stage, n)))
+
+    # -- side files and file stages -------------------------------------------------------------------
+    def _file_record_key(self, ref: StageRef, name: str) -> str:
+        return self.key(ref, f"{PROGRESS}/files/{name}.json")
+
+    def _before_overwrite(self, ref: StageRef, name: str) -> None:
+        """Overwriting something a manifest lists invalidates that manifest first."""
+        manifest = self._get_bytes(self.key(ref, MANIFEST))
+        if manifest is not None and name in {f["name"] for f in json.loads(manifest).get("files", [])}:
+            self.invalidate(ref)
+
+    def _record_file(self, ref: StageRef, name: str, size: int, sha256: str) -> None:
+        record = {"name": name, "bytes": size, "sha256": sha256}
+        self._put_bytes(self._file_record_key(ref, name), canonical_json(record).encode(), content_type="application/json")
+
+    def put_json(self, ref: StageRef, name: str, obj: Any) -> str:
+        check_file_name(name)
+        data = json.dumps(obj, indent=1, sort_keys=True, ensure_ascii=False).encode()
+        sha = hashlib.sha256(data).hexdigest()
+        self._before_overwrite(ref, name)
+        self._put_bytes(self.key(ref, name), data, sha256=sha, content_type="application/json")
+        self._record_file(ref, name, len(data), sha)
+        return self.uri(ref, name)
+
+    def put_bytes(self, ref: StageRef, name: str, data: bytes, content_type: str = "application/octet-stream") -> str:
+        """A small side file such as report.md."""
+        check_file_name(name)
+        sha = hashlib.sha256(data).hexdigest()
+        self._before_overwrite(ref, name)
+        self._put_bytes(self.key(ref, name), data, sha256=sha, content_type=content_type)
+        self._record_file(ref, name, len(data), sha)
+        return self.uri(ref, name)
+
+    def get_json(self, ref: StageRef, name: str) -> Any:
+        check_file_name(name)
+        data = self._get_bytes(self.key(ref, name))
+        if data is None:
+            raise IncompleteStage(f"{self.uri(ref, name)} does not exist")
+        return json.loads(data)
+
+    def get_bytes(self, ref: StageRef, name: str) -> bytes:
+        check_file_name(name)
+        data = self._get_bytes(self.key(ref, name))
+        if data is None:
+            raise IncompleteStage(f"{self.uri(ref, name)} does not exist")
+        return data
+
+    def put_file(self, ref: StageRef, name: str, local_path: str | os.PathLike) -> str:
+        """Upload a large local file (multipart above the threshold) with its sha256; a record
+        written after the upload marks it committed for `committed_files`."""
+        check_file_name(name)
+        path = Path(local_path)
+        digest = hashlib.sha256()
+        with path.open("rb") as f:
+            for chunk in iter(lambda: f.read(_CHUNK), b""):
+                digest.update(chunk)
+        size = path.stat().st_size
+        self._before_overwrite(ref, name)
+        with s3_errors(self.client, f"uploading {path} to {self.uri(ref, name)}"):
+            self.client.upload_file(
+                str(path), self.bucket, self.key(ref, name), ExtraArgs={"Metadata": {"sha256": digest.hexdigest()}}, Config=self.transfer
+            )
+        self._record_file(ref, name, size, digest.hexdigest())
+        log.info("uploaded %s (%d bytes)", self.uri(ref, name), size)
+        return self.uri(ref, name)
+
+    def get_file(self, ref: StageRef, name: str, local_path: str | os.PathLike) -> Path:
+        """Download (parallel ranged GETs above the threshold) and check the sha256 recorded at upload."""
+        check_file_name(name)
+        path = Path(local_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        record = self._get_bytes(self._file_record_key(ref, name))
+        if record is None:
+            raise IncompleteStage(f"{self.uri(ref, name)} was never uploaded through the store (no record)")
+        expected = json.loads(record)
+        with s3_errors(self.client, f"downloading {self.uri(ref, name)}"):
+            try:
+                self.client.download_file(self.bucket, self.key(ref, name), str(path), Config=self.transfer)
+            except ClientError as exc:
+                if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
+                    raise CorruptArtifact(f"{self.uri(ref, name)} is recorded as uploaded but missing from S3") from None
+                raise
+        digest = hashlib.sha256()
+        with path.open("rb") as f:
+            for chunk in iter(lambda: f.read(_CHUNK), b""):
+                digest.update(chunk)
+        if digest.hexdigest() != expected["sha256"]:
+            path.unlink()
+            raise CorruptArtifact(f"{self.uri(ref, name)} is corrupted: its sha256 differs from the one recorded at upload")
+        return path
+
+    def committed_files(self, ref: StageRef) -> set[str]:
+        """Names of side files fully uploaded (their record exists); resume-by-shard skips these."""
+        base = self.key(ref, f"{PROGRESS}/files/")
+        return {o["Key"][len(base) : -len(".json")] for o in self._list(base) if o["Key"].endswith(".json")}
+
+    def commit_files(
+        self,
+        ref: StageRef,
+        names: Iterable[str],
+        *,
+        params: dict | None = None,
+        inputs: Iterable[StageRef | dict] | None = None,
+        tokenizer_sha256: str | None = None,
+        template_sha256: str | None = None,
+        extra: dict | None = None,
+    ) -> dict:
+        """Manifest for a stage whose outputs are files (hidden-state shards): written last."""
+        return self._write_manifest(
+            ref,
+            schema=None,
+            parts=[],
+            files=self._file_entries(ref, names),
+            inputs=self._inputs(inputs),
+            params=params,
+            tokenizer_sha256=tokenizer_sha256,
+            template_sha256=template_sha256,
+            extra=extra,
+        )
+
+    def _file_entries(self, ref: StageRef, names: Iterable[str]) -> list[dict]:
+        entries = []
+        for name in sorted(set(names)):
+            check_file_name(name)
+            data = self._get_bytes(self._file_record_key(ref, name))
+            if data is None:
+                raise IncompleteStage(f"{self.uri(ref, name)} was never uploaded through the store (no record): cannot commit it")
+            entries.append(json.loads(data))
+        return entries

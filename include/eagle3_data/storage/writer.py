@@ -1,0 +1,274 @@
+"""Checkpointing Parquet writer: a killed worker loses at most the rows of one unfinished part.
+
+Commit protocol, per part n:
+  1. upload part-n.parquet (bytes + sha256 in its metadata)
+  2. upload _progress/part-n.json (sha256, rows, sample_ids, fingerprint of params and inputs)
+A part counts only once step 2 happened. A resuming writer therefore trusts progress records
+whose part exists with the recorded size, deletes parts without one (orphans of a kill between 1
+and 2; their rows are produced again, never counted twice) and continues numbering after the last
+committed part. The manifest is written by `commit()`, last.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from eagle3_data.errors import UserError
+from eagle3_data.schemas import schema_for
+from eagle3_data.storage.refs import StageRef, part_name, part_number
+from eagle3_data.storage.store import PROGRESS, ArtifactStore, canonical_json
+
+log = logging.getLogger(__name__)
+
+ROW_GROUP_ROWS = 1024  # streaming readers get at most this many rows per row group
+
+
+def scan_progress(store: ArtifactStore, ref: StageRef) -> list[dict]:
+    """The progress records of a stage's parts, sorted by part number."""
+    base = store.key(ref, f"{PROGRESS}/")
+    records = []
+    for obj in store._list(base):
+        rel = obj["Key"][len(base) :]
+        if "/" in rel or not rel.endswith(".json") or part_number(rel[: -len(".json")] + ".parquet") is None:
+            continue
+        data = store._get_bytes(obj["Key"])
+        if data is not None:
+            records.append(json.loads(data))
+    return sorted(records, key=lambda r: r["part"])
+
+
+class StageWriter:
+    """Use through `ArtifactStore.writer(...)` as a context manager."""
+
+    def __init__(
+        self,
+        store: ArtifactStore,
+        ref: StageRef,
+        schema: str,
+        *,
+        rows_per_part: int,
+        params: dict | None,
+        inputs: Iterable[StageRef | dict] | None,
+        tokenizer_sha256: str | None,
+        template_sha256: str | None,
+        fresh: bool,
+    ) -> None:
+        if rows_per_part < 1:
+            raise UserError(f"rows_per_part must be >= 1, got {rows_per_part}")
+        self.store = store
+        self.ref = ref
+        self.schema_name = schema
+        self.schema = schema_for(schema)
+        self.rows_per_part = rows_per_part
+        self.params = params or {}
+        self.inputs = store._inputs(inputs)
+        self.tokenizer_sha256 = tokenizer_sha256
+        self.template_sha256 = template_sha256
+        self.fresh = fresh
+        self.fingerprint = hashlib.sha256(
+            canonical_json(
+                {
+                    "schema": [schema, self.schema.metadata[b"eagle3.schema_version"].decode()],
+                    "params": self.params,
+                    "inputs": self.inputs,
+                    "tokenizer_sha256": tokenizer_sha256,
+                    "template_sha256": template_sha256,
+                }
+            ).encode()
+        ).hexdigest()
+        self._parts: list[dict] = []
+        self._committed_ids: set[str] = set()  # sample_ids in committed parts
+        self._seen: set[str] = set()  # committed or buffered sample_ids
+        self._buffer: list[pa.Table] = []
+        self._buffered = 0
+        self._next_part = 0
+        self._stats = {"resumed_parts": 0, "resumed_rows": 0, "orphan_parts_removed": 0, "duplicates_skipped": 0}
+        self._committed = False
+        self._opened = False
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def __enter__(self) -> StageWriter:
+        self._open()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._committed:
+            return
+        if exc_type is None:
+            raise RuntimeError(f"writer for {self.store.uri(self.ref)} closed without commit(): the stage stays incomplete")
+        try:  # the rows already produced are paid for: checkpoint them before the error propagates
+            self.flush()
+        except Exception:
+            log.warning("could not checkpoint %d buffered rows of %s", self._buffered, self.store.uri(self.ref), exc_info=True)
+
+    def _open(self) -> None:
+        store, ref = self.store, self.ref
+        if store.invalidate(ref) or self.fresh:
+            self._discard_everything()
+        records = scan_progress(store, ref)
+        foreign = [r for r in records if r.get("fingerprint") != self.fingerprint]
+        if foreign:
+            raise UserError(
+                f"{store.uri(ref)} holds {len(foreign)} committed parts of an unfinished attempt with other "
+                f"params, inputs or tokenizer: resuming would mix them. Rerun with fresh=True (discards them) "
+                f"or use another run_key"
+            )
+        objects = {o["Key"][len(store.key(ref)) :]: o["Size"] for o in store._list(store.key(ref))}
+        valid = []
+        for record in records:
+            if objects.get(record["name"]) == record["bytes"]:
+                valid.append(record)
+            else:
+                log.warning("%s: progress record without its part; its rows will be produced again", store.uri(ref, record["name"]))
+                store._delete([store.key(ref, f"{PROGRESS}/{record['name'][: -len('.parquet')]}.json")])
+        valid_names = {r["name"] for r in valid}
+        orphans = [name for name in objects if part_number(name) is not None and name not in valid_names]
+        if orphans:
+            log.warning("%s: removing %d parts of a killed attempt that never got a progress record", store.uri(ref), len(orphans))
+            store._delete(store.key(ref, name) for name in orphans)
+        for record in valid:
+            self._parts.append({k: record[k] for k in ("name", "rows", "bytes", "sha256")})
+            self._committed_ids.update(record["sample_ids"])
+        self._seen = set(self._committed_ids)
+        self._next_part = max((r["part"] for r in valid), default=-1) + 1
+        self._stats.update(resumed_parts=len(valid), resumed_rows=sum(r["rows"] for r in valid), orphan_parts_removed=len(orphans))
+        if valid:
+            log.info("%s: resuming after %d committed parts (%d rows)", store.uri(ref), len(valid), self._stats["resumed_rows"])
+        self._opened = True
+
+    def _discard_everything(self) -> None:
+        """Progress records first, so a kill midway leaves nothing a resume would count."""
+        base = self.store.key(self.ref)
+        keys = [o["Key"] for o in self.store._list(base)]
+        progress = [k for k in keys if k.startswith(base + PROGRESS + "/")]
+        self.store._delete(progress)
+        self.store._delete(k for k in keys if k not in set(progress))
+
+    # -- writing ----------------------------------------------------------------------------------
+    def committed_sample_ids(self) -> set[str]:
+        """sample_ids committed in parts (by earlier attempts and this one); buffered rows excluded."""
+        self._require_open()
+        return set(self._committed_ids)
+
+    @property
+    def rows_committed(self) -> int:
+        return sum(p["rows"] for p in self._parts)
+
+    def write(self, rows: Sequence[dict[str, Any]] | pa.Table) -> int:
+        """Buffer rows; every `rows_per_part` rows become a committed part. Rows whose sample_id is
+        already committed or buffered are skipped (counted in the manifest). Returns rows accepted."""
+        self._require_open()
+        table = self._to_table(rows)
+        ids = table.column("sample_id").to_pylist()
+        keep = []
+        for i, sid in enumerate(ids):
+            if sid is None:
+                raise UserError(f"{self.store.uri(self.ref)}: row {i} of this write has no sample_id")
+            if sid in self._seen:
+                self._stats["duplicates_skipped"] += 1
+                continue
+            self._seen.add(sid)
+            keep.append(i)
+        if len(keep) != len(ids):
+            table = table.take(keep)
+        if table.num_rows:
+            self._buffer.append(table)
+            self._buffered += table.num_rows
+        while self._buffered >= self.rows_per_part:
+            whole = pa.concat_tables(self._buffer)
+            self._buffer = [whole.slice(self.rows_per_part)] if whole.num_rows > self.rows_per_part else []
+            self._buffered = whole.num_rows - self.rows_per_part
+            self._write_part(whole.slice(0, self.rows_per_part))
+        return len(keep)
+
+    def flush(self) -> None:
+        """Commit the buffered rows as a part now, however few."""
+        self._require_open()
+        if self._buffered:
+            whole = pa.concat_tables(self._buffer)
+            self._buffer, self._buffered = [], 0
+            self._write_part(whole)
+
+    def commit(self, extra: dict | None = None, files: Iterable[str] = ()) -> dict:
+        """Flush, then write the manifest, last. `files`: side files already put (reports) that the
+        manifest should cover with their sha256."""
+        self._require_open()
+        self.flush()
+        manifest = self.store._write_manifest(
+            self.ref,
+            schema={"name": self.schema_name, "version": int(self.schema.metadata[b"eagle3.schema_version"])},
+            parts=list(self._parts),
+            files=self.store._file_entries(self.ref, files),
+            inputs=self.inputs,
+            params=self.params,
+            tokenizer_sha256=self.tokenizer_sha256,
+            template_sha256=self.template_sha256,
+            extra={**(extra or {}), "writer": dict(self._stats)},
+        )
+        self._committed = True
+        return manifest
+
+    # -- internals ----------------------------------------------------------------------------------
+    def _require_open(self) -> None:
+        if not self._opened:
+            raise RuntimeError("use the writer as a context manager: `with store.writer(...) as w:`")
+        if self._committed:
+            raise RuntimeError(f"writer for {self.store.uri(self.ref)} is already committed")
+
+    def _to_table(self, rows: Sequence[dict[str, Any]] | pa.Table) -> pa.Table:
+        names = self.schema.names
+        where = f"{self.store.uri(self.ref)} ({self.schema_name})"
+        if isinstance(rows, pa.Table):
+            missing = [n for n in names if n not in rows.column_names]
+            extra = [n for n in rows.column_names if n not in names]
+            if missing or extra:
+                raise UserError(f"{where}: table columns differ from the schema: missing {missing}, unknown {extra}")
+            try:
+                return rows.select(names).cast(self.schema)
+            except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
+                raise UserError(f"{where}: {exc}") from None
+        allowed = set(names)
+        for i, row in enumerate(rows):
+            unknown = set(row) - allowed
+            if unknown:
+                raise UserError(f"{where}: row {i} (sample_id {row.get('sample_id')!r}) has unknown fields {sorted(unknown)}")
+        try:
+            return pa.Table.from_pylist(list(rows), schema=self.schema)
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+            raise UserError(f"{where}: a row does not fit the schema: {exc}") from None
+
+    def _write_part(self, table: pa.Table) -> None:
+        n = self._next_part
+        name = part_name(n)
+        sink = pa.BufferOutputStream()
+        pq.write_table(table.replace_schema_metadata(self.schema.metadata), sink, compression="zstd", row_group_size=ROW_GROUP_ROWS)
+        data = sink.getvalue().to_pybytes()
+        sha = hashlib.sha256(data).hexdigest()
+        self.store._put_bytes(self.store.key(self.ref, name), data, sha256=sha)
+        sample_ids = table.column("sample_id").to_pylist()
+        self._write_progress(
+            {
+                "part": n,
+                "name": name,
+                "rows": table.num_rows,
+                "bytes": len(data),
+                "sha256": sha,
+                "fingerprint": self.fingerprint,
+                "sample_ids": sample_ids,
+            }
+        )
+        self._parts.append({"name": name, "rows": table.num_rows, "bytes": len(data), "sha256": sha})
+        self._committed_ids.update(sample_ids)
+        self._next_part = n + 1
+        log.info("%s: committed %s (%d rows)", self.store.uri(self.ref), name, table.num_rows)
+
+    def _write_progress(self, record: dict) -> None:
+        key = self.store.key(self.ref, f"{PROGRESS}/{record['name'][: -len('.parquet')]}.json")
+        self.store._put_bytes(key, canonical_json(record).encode(), content_type="application/json")

@@ -1,0 +1,233 @@
+"""Load a tokenizer (HF directory or S3 prefix), fingerprint it, audit its special tokens.
+
+The HF tokenizer is the definition of truth. Bulk encode/decode goes through a `Codec`: either
+the HF backend itself, or a tiktoken Encoding that a format builds from the same vocabulary and
+proves equal to the HF tokenizer on a probe before it is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from eagle3_data.errors import UserError
+
+# Characters that exercise the pre-tokenizer: scripts, digits, apostrophes, CRLF, emoji, spaces.
+PROBE_TEXT = (
+    "Hello, world! It's 2026; they'll re-run 12345 NOR ' NOR'.\r\n\n\t  x  \n"
+    "中文分词测试，日本語のテキスト。한국어 텍스트. Ünïcödé ÀÉÎ ß ﬁ 😀👍🏽 \u200b "
+    "def f(x):\n    return x**2  # ok\n{\"city\": \"Paris\", \"n\": [1, 2.5e-3]}"
+)
+
+
+class Codec(Protocol):
+    """Bulk id <-> text, special tokens recognised in text and kept on decode."""
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class HFCodec:
+    """Encode/decode through the HF tokenizer (fast backend's batch API when there is one)."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.backend = getattr(tokenizer, "backend_tokenizer", None)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        if self.backend is not None:
+            return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]
+        return [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        if self.backend is not None:
+            return self.backend.decode(list(ids), skip_special_tokens=False)
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+class TiktokenCodec:
+    """tiktoken over the same vocabulary: several times faster than the HF backend."""
+
+    def __init__(self, encoding: Any, num_threads: int = 2):
+        self.encoding = encoding
+        self.num_threads = num_threads
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        if len(texts) == 1:
+            return [self.encoding.encode(texts[0], allowed_special="all")]
+        return self.encoding.encode_batch(list(texts), num_threads=self.num_threads, allowed_special="all")
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.encoding.decode_bytes(ids).decode("utf-8", errors="replace")
+
+
+def codecs_agree(a: Codec, b: Codec, vocab_size: int, special_names: Sequence[str]) -> str | None:
+    """None when `a` and `b` agree on the probe text and every special token; else what differs."""
+    texts = [PROBE_TEXT, "".join(special_names), PROBE_TEXT.join(special_names[:8])]
+    for text, ea, eb in zip(texts, a.encode_batch(texts), b.encode_batch(texts)):
+        if ea != eb:
+            return f"encode({text[:40]!r}...) differs"
+        if a.decode(ea) != b.decode(eb):
+            return f"decode of {text[:40]!r}... differs"
+    sample = list(range(0, vocab_size, max(1, vocab_size // 4096)))
+    if a.decode(sample) != b.decode(sample):
+        return "decode of sampled ids differs"
+    return None
+
+
+def load_tokenizer(
+    source: str | os.PathLike,
+    *,
+    trust_remote_code: bool = False,
+    cache_dir: str | None = None,
+    s3_client: Any = None,
+):
+    """AutoTokenizer from a local directory or an `s3://bucket/prefix` (downloaded once into
+    `cache_dir`, keyed by the objects' ETags; `s3_client` defaults to boto3's from the environment)."""
+    from transformers import AutoTokenizer
+
+    is_s3 = str(source).startswith("s3://")
+    local = _fetch_s3_prefix(str(source), cache_dir, s3_client) if is_s3 else Path(source)
+    if not local.is_dir():
+        raise UserError(f"--tokenizer {source}: not a directory")
+    try:
+        return AutoTokenizer.from_pretrained(str(local), trust_remote_code=trust_remote_code)
+    except ValueError as exc:
+        if "trust_remote_code" in str(exc):
+            raise UserError(f"tokenizer {source}: needs custom code; pass --trust-remote-code") from exc
+        raise UserError(f"tokenizer {source}: {exc}") from exc
+    except OSError as exc:
+        raise UserError(f"tokenizer {source}: cannot load: {exc}") from exc
+
+
+def _fetch_s3_prefix(uri: str, cache_dir: str | None, s3: Any) -> Path:
+    """Copy the objects under an S3 prefix into a cache folder keyed by the URI and their ETags."""
+    if s3 is None:
+        import boto3
+
+        s3 = boto3.client("s3")
+    bucket, _, prefix = uri[len("s3://") :].partition("/")
+    prefix = prefix.rstrip("/") + "/" if prefix else ""
+    objects = []
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        objects += [o for o in page.get("Contents", []) if not o["Key"].endswith("/")]
+    if not objects:
+        raise UserError(f"tokenizer {uri}: no objects under that prefix")
+    key = hashlib.sha256(json.dumps([uri] + sorted((o["Key"], o["ETag"]) for o in objects)).encode()).hexdigest()
+    root = Path(cache_dir or Path.home() / ".cache" / "eagle3-data" / "tokenizers") / key[:16]
+    if not (root / ".complete").exists():
+        for o in objects:
+            dest = root / o["Key"][len(prefix) :]
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            s3.download_file(bucket, o["Key"], str(dest))
+        (root / ".complete").write_text(uri)
+    return root
+
+
+def tokenizer_files_sha256(tokenizer: Any) -> str | None:
+    """sha256 over the tokenizer directory's files (names and bytes), None without a directory."""
+    root = Path(getattr(tokenizer, "name_or_path", "") or "")
+    if not root.is_dir():
+        return None
+    h = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")):
+        h.update(str(path.relative_to(root)).encode() + b"\0")
+        h.update(hashlib.sha256(path.read_bytes()).digest())
+    return h.hexdigest()
+
+
+def chat_template_sha256(tokenizer: Any) -> str | None:
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = template.get("default")
+    return hashlib.sha256(template.encode()).hexdigest() if template else None
+
+
+def check_token(tokenizer: Any, name: str) -> tuple[int | None, list[str]]:
+    """The id of token `name` and the problems with it: it must encode to one id that decodes back."""
+    tid = tokenizer.convert_tokens_to_ids(name)
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if tid is None or (tid == unk and name != getattr(tokenizer, "unk_token", None)):
+        return None, [f"{name!r} is not in the vocabulary"]
+    problems = []
+    encoded = tokenizer.encode(name, add_special_tokens=False)
+    if encoded != [tid]:
+        problems.append(f"encode({name!r}) = {encoded}, not [{tid}]")
+    decoded = tokenizer.decode([tid], skip_special_tokens=False)
+    if decoded != name:
+        problems.append(f"decode([{tid}]) = {decoded!r}, not {name!r}")
+    return tid, problems
+
+
+@dataclass
+class AuditReport:
+    special_ids: dict[str, int]
+    tokenizer_sha256: str | None
+    chat_template_sha256: str | None
+    output_format: str | None
+    vocab_size: int
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "passed": self.passed,
+            "output_format": self.output_format,
+            "vocab_size": self.vocab_size,
+            "special_ids": self.special_ids,
+            "tokenizer_sha256": self.tokenizer_sha256,
+            "chat_template_sha256": self.chat_template_sha256,
+            "problems": self.problems,
+        }
+
+
+def audit_tokenizer(tokenizer: Any, expect: dict[str, int] | None = None) -> AuditReport:
+    """Derive every special id the pipeline uses by name, round-trip each, check expectations.
+
+    An expectation that names the wrong id is the costly mistake (163533 is "chas", not
+    `<|im_end|>`), so its message says what the configured id really decodes to and the right id.
+    """
+    from eagle3_data.chat_format import find_output_format
+
+    fmt_cls = find_output_format(tokenizer)
+    names = list(fmt_cls.structural_tokens) if fmt_cls else []
+    for attr in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        value = getattr(tokenizer, attr, None)
+        if isinstance(value, str) and value not in names:
+            names.append(value)
+    special_ids: dict[str, int] = {}
+    problems: list[str] = []
+    for name in names:
+        tid, errs = check_token(tokenizer, name)
+        if tid is not None:
+            special_ids[name] = tid
+        problems += errs
+    vocab_size = len(tokenizer)
+    for name, want in (expect or {}).items():
+        actual = tokenizer.convert_tokens_to_ids(name)
+        in_vocab = actual is not None and tokenizer.convert_ids_to_tokens(actual) == name
+        if in_vocab and actual == want:
+            continue
+        if not 0 <= want < vocab_size:
+            really = f"is outside the vocabulary (size {vocab_size})"
+        else:
+            really = f"decodes to {tokenizer.decode([want], skip_special_tokens=False)!r}"
+        right = f"{name!r} is {actual}" if in_vocab else f"{name!r} is not a token of this tokenizer"
+        problems.append(f"expected {name}={want}, but id {want} {really}; {right}")
+    return AuditReport(
+        special_ids=special_ids,
+        tokenizer_sha256=tokenizer_files_sha256(tokenizer),
+        chat_template_sha256=chat_template_sha256(tokenizer),
+        output_format=fmt_cls.name if fmt_cls else None,
+        vocab_size=vocab_size,
+        problems=problems,
+    )

@@ -1,0 +1,94 @@
+"""Airflow plugin: the validation report of a DAG run, as a tab on the run's page.
+
+A FastAPI app mounted by the api-server at /eagle3-report, plus an external view that links each
+DAG run to it. The page shows prompt and model text, so every route requires a signed-in user
+with read access to the DAG's runs: plugin apps are not behind Airflow's auth by default, so the
+routes reuse the api-server's own dependency (`requires_access_dag`), which reads the JWT from the
+`Authorization: Bearer` header or the UI's `_token` cookie and asks the configured auth manager.
+The data and HTML come from `eagle3_data.report_view`; this file only wires Airflow to it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Depends, FastAPI, HTTPException
+from fastapi.responses import HTMLResponse
+
+from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity
+from airflow.api_fastapi.common.db.common import SessionDep
+from airflow.api_fastapi.core_api.security import requires_access_dag
+from airflow.plugins_manager import AirflowPlugin
+
+URL_PREFIX = "/eagle3-report"
+TITLE = "EAGLE-3 validation report"
+
+app = FastAPI(title=TITLE, docs_url=None, redoc_url=None, openapi_url=None)
+_can_read_runs = [Depends(requires_access_dag("GET", DagAccessEntity.RUN))]
+
+
+def _run_key(session, dag_id: str, run_id: str) -> str:
+    from sqlalchemy import select
+
+    from airflow.models.dagrun import DagRun
+    from eagle3_data.errors import UserError
+    from eagle3_data.report_view import run_key_for
+
+    dag_run = session.scalar(select(DagRun).where(DagRun.dag_id == dag_id, DagRun.run_id == run_id))
+    if dag_run is None:
+        raise HTTPException(404, f"no run {run_id!r} of DAG {dag_id!r}")
+    try:
+        return run_key_for(dag_run.conf, dag_run.logical_date)
+    except UserError as exc:
+        raise HTTPException(422, str(exc)) from None
+
+
+def _load(run_key: str):
+    """The run's report from the pipeline's bucket, through the `aws_default` connection."""
+    from airflow.providers.amazon.aws.hooks.s3 import S3Hook
+    from eagle3_data.config import AWS_CONN_ID, load_config
+    from eagle3_data.report_view import load_run_report
+    from eagle3_data.storage import ArtifactStore
+
+    storage = load_config().storage
+    store = ArtifactStore(S3Hook(aws_conn_id=AWS_CONN_ID).get_conn(), storage.bucket, storage.prefix)
+    return load_run_report(store, run_key)
+
+
+@app.get("/{dag_id}/{run_id}", response_class=HTMLResponse, dependencies=_can_read_runs)
+def report_page(dag_id: str, run_id: str, session: SessionDep) -> HTMLResponse:
+    from eagle3_data.errors import UserError
+    from eagle3_data.report_view import render_html, render_missing
+
+    run_key = _run_key(session, dag_id, run_id)
+    title = f"{TITLE}: {dag_id} / {run_id}"
+    try:
+        report = _load(run_key)
+    except UserError as exc:  # no index yet, or one this version cannot read
+        return HTMLResponse(render_missing(run_key, str(exc), title=title), status_code=404)
+    return HTMLResponse(render_html(report, title=title))
+
+
+@app.get("/{dag_id}/{run_id}/summary.json", dependencies=_can_read_runs)
+def report_summary(dag_id: str, run_id: str, session: SessionDep) -> dict[str, Any]:
+    """The page's numbers, for scripts and tests."""
+    from eagle3_data.errors import UserError
+
+    run_key = _run_key(session, dag_id, run_id)
+    try:
+        return _load(run_key).summary()
+    except UserError as exc:
+        raise HTTPException(404, str(exc)) from None
+
+
+class ValidationReportPlugin(AirflowPlugin):
+    name = "eagle3_validation_report"
+    fastapi_apps = [{"app": app, "url_prefix": URL_PREFIX, "name": TITLE}]
+    external_views = [
+        {
+            "name": "Validation report",
+            "href": URL_PREFIX + "/{DAG_ID}/{RUN_ID}",
+            "destination": "dag_run",
+            "url_route": "eagle3_validation_report",
+        }
+    ]

@@ -1,0 +1,278 @@
+"""The real DAG end to end: `dag.test()` against SeaweedFS, the dev inference server and the tiny
+model, with small samples. One module-scoped stack; the tests run in file order and build on each
+other's run (full run -> clear-rerun of one dataset -> idempotent rerun -> form rerun).
+
+`chat` gets a dev-server BPE split rate far above its gate threshold, so it fails its gate while
+the other datasets complete; the clear-rerun then raises its threshold in the config file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eagle3_data.config import DAG_ID, load_config
+
+pytestmark = pytest.mark.slow
+
+DATE = datetime(2026, 11, 1, tzinfo=timezone.utc)
+RUN_KEY = "date=2026-11-01"
+SAMPLES = 5  # prompts per dataset
+PER_DATASET_STAGES = ("prompts", "generate_local", "generate_overflow", "reconstruct", "validate")
+OVERRIDES = {
+    "generation": {"sampling": {"max_new_tokens": 48}, "local": {"rows_per_part": 2}, "overflow": {"rows_per_part": 2}},
+    "routing": {"overflow_fraction": 0.4, "calibration_samples": 1},
+    "merge": {"max_length": 512, "shard_tokens": 1024},
+    "datasets": [
+        {"name": "tool_calls"},
+        {"name": "code"},
+        {"name": "chat", "dev": {"bpe_split_rate": 0.9}, "validation": {"max_bpe_mismatch_rate": 0.10}},
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, airflow_db):
+    from eagle3_data.dev.stack import SAMPLE_DATA, dev_stack, upload_prompts
+
+    work = tmp_path_factory.mktemp("e2e")
+    small = {}
+    for name in ("tool_calls", "code", "chat"):
+        lines = (SAMPLE_DATA / f"{name}.jsonl").read_text().splitlines()[:SAMPLES]
+        (work / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+        small[name] = work / f"{name}.jsonl"
+    with dev_stack(work, config_overrides=OVERRIDES, bucket="e2e") as s:
+        saved = {k: os.environ.get(k) for k in s.env}
+        os.environ.update(s.env)
+        upload_prompts(s.client(), load_config(s.config_path), f"{DATE:%Y-%m-%d}", small)
+        try:
+            yield s
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+@pytest.fixture(scope="module")
+def dag(stack):
+    from airflow.dag_processing.dagbag import DagBag
+
+    from tests.fixtures.airflow import REPO
+
+    return DagBag(dag_folder=str(REPO / "dags")).dags[DAG_ID]
+
+
+def _store(stack):
+    from eagle3_data.pipeline import open_store
+
+    return open_store(load_config(stack.config_path), stack.client())
+
+
+def _states(dag_run) -> dict[tuple[str, str], str]:
+    from airflow.utils.session import create_session
+
+    with create_session() as session:
+        return {(ti.task_id, ti.rendered_map_index or str(ti.map_index)): str(ti.state) for ti in dag_run.get_task_instances(session=session)}
+
+
+def _objects(stack, dataset: str | None = None) -> dict[str, tuple[str, int, str]]:
+    """Every object of the run (or of one dataset's stages): key -> (ETag, size, LastModified)."""
+    client, out = stack.client(), {}
+    prefix = f"eagle3-datagen/runs/{RUN_KEY}/"
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket="e2e", Prefix=prefix):
+        for o in page.get("Contents", []):
+            parts = o["Key"][len(prefix) :].split("/")
+            if dataset is None or (parts[0] in PER_DATASET_STAGES and parts[1] == dataset):
+                out[o["Key"]] = (o["ETag"], o["Size"], o["LastModified"].isoformat())
+    return out
+
+
+def _manifest_hashes(stack) -> dict[str, str]:
+    client = stack.client()
+    return {
+        k: json.loads(client.get_object(Bucket="e2e", Key=k)["Body"].read())["manifest_sha256"]
+        for k in _objects(stack)
+        if k.endswith("/_manifest.json")
+    }
+
+
+def _resume(dag, run_id: str) -> None:
+    """The scheduling loop of `dag.test()` on an existing run (after clearing some of its tasks)."""
+    from airflow.models.dagrun import DagRun
+    from airflow.sdk import DagRunState, TaskInstanceState, timezone
+    from airflow.sdk.definitions.dag import _run_task
+    from airflow.utils.session import create_session
+
+    with create_session() as session:
+        dr = session.query(DagRun).filter_by(dag_id=dag.dag_id, run_id=run_id).one()
+        dr.state = DagRunState.RUNNING
+        session.commit()
+        while dr.state == DagRunState.RUNNING:
+            session.expire_all()
+            schedulable, _ = dr.update_state(session=session)
+            for ti in schedulable:
+                ti.try_number += 1
+                ti.state = TaskInstanceState.SCHEDULED
+                ti.scheduled_dttm = timezone.utcnow()
+            session.commit()
+            for ti in [t for t in dr.get_task_instances(session=session) if t.state == TaskInstanceState.SCHEDULED]:
+                _run_task(ti=ti, task=dag.task_dict[ti.task_id])
+
+
+def _clear(dag, run_id: str, task_id: str, map_index: int) -> list[str]:
+    """What POST /api/v2/dags/{id}/clearTaskInstances does for task_ids=[[task, map_index]] with
+    include_downstream: the same two calls, on the same serialized DAG."""
+    from airflow.models.dagrun import DagRun
+    from airflow.models.taskinstance import clear_task_instances, find_relevant_relatives
+    from airflow.serialization.definitions.dag import SerializedDAG  # noqa: F401 (type of the dag below)
+    from airflow.serialization.serialized_objects import DagSerialization
+    from airflow.utils.session import create_session
+
+    sdag = DagSerialization.deserialize_dag(DagSerialization.serialize_dag(dag))
+    with create_session() as session:
+        relatives = find_relevant_relatives([], [(task_id, map_index)], direction="downstream", dag=sdag, run_id=run_id, session=session)
+        markers = [(task_id, map_index), *relatives]
+        tis = sdag.clear(dry_run=True, task_ids=markers, run_id=run_id, session=session)
+        clear_task_instances(list(tis), session, dag_run_state=False)
+        session.commit()
+        assert session.query(DagRun).filter_by(run_id=run_id).one()
+        return sorted(f"{ti.task_id}[{ti.map_index}]" for ti in tis)
+
+
+# -- 1. full run: every stage's artifacts; one failing gate does not stop the others ----------
+def test_full_run_one_gate_fails_others_complete(stack, dag):
+    dr = dag.test(logical_date=DATE)
+    states = _states(dr)
+    store = _store(stack)
+    from eagle3_data.storage import StageRef
+
+    for ds in ("tool_calls", "code"):
+        assert states[("dataset.validate", ds)] == "success"
+        for stage in PER_DATASET_STAGES:
+            m = store.read_manifest(StageRef(RUN_KEY, stage, ds))
+            assert m["parts"] or m["files"], (stage, ds)
+    assert states[("dataset.validate", "chat")] == "failed"
+    report = store.get_json(StageRef(RUN_KEY, "validate", "chat"), "report.json")
+    assert not report["run_gate"]["passed"]
+    assert any("bpe_only rate" in r for r in report["run_gate"]["reasons"]), report["run_gate"]
+    merged = store.read_manifest(StageRef(RUN_KEY, "merge", "all"))
+    assert sorted(merged["extra"]["datasets"]) == ["code", "tool_calls"]
+    hs = store.read_manifest(StageRef(RUN_KEY, "hidden_states", "all"))
+    assert hs["extra"]["totals"]["samples"] == merged["extra"]["totals"]["samples"] > 0
+    assert any(f["name"].endswith(".safetensors") for f in hs["files"])
+    assert states[("publish", "-1")] == "failed"  # the run ends failed: nobody trains on it unnoticed
+    assert str(dr.state).endswith("failed")
+    summary = store.get_json(StageRef(RUN_KEY, "publish", "all"), "summary.json")
+    assert summary["datasets"]["chat"]["gate"]["passed"] is False
+    assert summary["datasets"]["tool_calls"]["overflow"]["cost_usd"] > 0
+
+
+# -- 2. clear chat's mapped validate + downstream: only chat reruns --------------------------------
+def test_clear_one_dataset_reruns_only_it(stack, dag):
+    before = {ds: _objects(stack, ds) for ds in ("tool_calls", "code", "chat")}
+    raw = yaml.safe_load(Path(stack.config_path).read_text())
+    raw["datasets"][2]["validation"]["max_bpe_mismatch_rate"] = 1.0  # accept chat's BPE splits
+    Path(stack.config_path).write_text(yaml.safe_dump(raw, sort_keys=False))
+    run_id = _latest_run_id(dag)
+    chat_index = ["tool_calls", "code", "chat"].index("chat")
+    cleared = _clear(dag, run_id, "dataset.validate", chat_index)
+    assert f"dataset.validate[{chat_index}]" in cleared and "dataset.validate[0]" not in cleared
+    _resume(dag, run_id)
+    dr = _run(run_id)
+    assert str(dr.state).endswith("success"), _states(dr)
+    for ds in ("tool_calls", "code"):
+        assert _objects(stack, ds) == before[ds], f"{ds} artifacts changed"
+    after = _objects(stack, "chat")
+    gen = {k: v for k, v in before["chat"].items() if "/generate_local/" in k or "/generate_overflow/" in k}
+    assert gen and all(after[k] == v for k, v in gen.items())  # paid work reused
+    assert any(after.get(k) != v for k, v in before["chat"].items() if "/validate/" in k)
+
+
+# -- 3. backfill / rerun of the same date: same keys, same manifests ---------------------------
+def test_rerun_same_date_is_idempotent(stack, dag):
+    keys_before, hashes_before = set(_objects(stack)), _manifest_hashes(stack)
+    dr = dag.test(logical_date=DATE)
+    assert str(dr.state).endswith("success"), _states(dr)
+    assert set(_objects(stack)) == keys_before
+    assert _manifest_hashes(stack) == hashes_before
+
+
+# -- 4. trigger-form rerun of one dataset: datasets=[chat] ----------------------------------------
+def test_form_rerun_of_one_dataset(stack, dag):
+    before = {ds: _objects(stack, ds) for ds in ("tool_calls", "code")}
+    dr = dag.test(logical_date=DATE, run_conf={"datasets": ["chat"], "max_bpe_mismatch_rate": 0.99})
+    states = _states(dr)
+    assert str(dr.state).endswith("success"), states
+    assert {name for (tid, name) in states if tid == "dataset.validate"} == {"chat"}
+    for ds in ("tool_calls", "code"):
+        assert _objects(stack, ds) == before[ds]
+    store = _store(stack)
+    from eagle3_data.storage import StageRef
+
+    assert store.read_manifest(StageRef(RUN_KEY, "validate", "chat"))["params"]["thresholds"]["max_bpe_mismatch_rate"] == 0.99
+    assert sorted(store.read_manifest(StageRef(RUN_KEY, "merge", "all"))["extra"]["datasets"]) == ["chat", "code", "tool_calls"]
+
+
+# -- 5. wrong special-token expectation: fails at the audit, before any request -------------------
+def test_wrong_special_id_fails_before_any_request(stack, dag, tmp_path):
+    raw = yaml.safe_load(Path(stack.config_path).read_text())
+    raw["tokenizer"]["expected_special_ids"]["<|im_end|>"] = 163533  # "chas"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(raw))
+    requests_before = stack.server_stats()["requests"]
+    os.environ["EAGLE3_CONFIG"] = str(bad)
+    try:
+        dr = dag.test(logical_date=None, run_conf={"run_name": "bad-audit"})
+    finally:
+        os.environ["EAGLE3_CONFIG"] = str(stack.config_path)
+    states = _states(dr)
+    assert states[("audit_tokenizer", "-1")] == "failed"
+    # merge runs on all_done and fails naming the audit; everything else never started
+    assert states[("merge", "-1")] == "failed"
+    assert all(s in ("upstream_failed", "skipped") for (tid, _), s in states.items() if tid not in ("audit_tokenizer", "merge")), states
+    assert stack.server_stats()["requests"] == requests_before
+    report = _store(stack).get_json(__import__("eagle3_data.storage", fromlist=["StageRef"]).StageRef("bad-audit", "audit", "tokenizer"), "report.json")
+    assert any("163533" in p and "chas" in p for p in report["problems"]), report["problems"]
+
+
+# -- 6. params: invalid values refused; dry run spends nothing -----------------------------------
+def test_invalid_params_refused(dag):
+    from airflow.sdk.exceptions import ParamValidationError
+
+    for bad in ({"overflow_fraction": 1.5}, {"datasets": ["nope"]}, {"layer_convention": "middle"}, {"max_usd": -1}):
+        with pytest.raises(ParamValidationError):
+            dag.params.deep_merge(bad).validate()
+
+
+def test_dry_run_plans_without_spend(stack, dag):
+    requests_before = stack.server_stats()["requests"]
+    dr = dag.test(logical_date=DATE, run_conf={"dry_run": True, "run_name": "plan-only"})
+    assert str(dr.state).endswith("success"), _states(dr)
+    assert stack.server_stats()["requests"] == requests_before
+    from eagle3_data.storage import StageRef
+
+    plan = _store(stack).get_json(StageRef("plan-only", "plan", "all"), "plan.json")
+    assert set(plan["datasets"]) == {"tool_calls", "code", "chat"}
+    assert plan["totals"]["prompt_tokens"] > 0 and plan["totals"]["max_output_tokens"] == 3 * SAMPLES * 48 + 3 * 48
+
+
+def _latest_run_id(dag) -> str:
+    from airflow.models.dagrun import DagRun
+    from airflow.utils.session import create_session
+
+    with create_session() as session:
+        return session.query(DagRun).filter_by(dag_id=dag.dag_id).order_by(DagRun.id.desc()).first().run_id
+
+
+def _run(run_id: str):
+    from airflow.models.dagrun import DagRun
+    from airflow.utils.session import create_session
+
+    with create_session() as session:
+        dr = session.query(DagRun).filter_by(run_id=run_id).one()
+        session.expunge(dr)
+        return dr

@@ -1,0 +1,101 @@
+"""Both generation stages against the dev inference server, into a real S3 (SeaweedFS)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eagle3_data.chat_format import get_output_format
+from eagle3_data.generation.openrouter import generate_overflow
+from eagle3_data.generation.sglang import generate_local
+from eagle3_data.storage import StageRef
+
+SAMPLING = {"temperature": 1.0, "top_p": 0.95, "max_new_tokens": 160, "thinking": True}
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                           "required": ["city"]}}}]
+SECRET = "sk-or-v1-THIS-KEY-MUST-NOT-LEAK-0123456789"
+
+
+def prompts(n: int, dataset: str = "tool_calls") -> list[dict]:
+    rows = []
+    for i in range(n):
+        msgs = [{"role": "user", "content": f"Question {i}: what is the weather in city {i}?"}]
+        rows.append({"sample_id": f"s{i:04d}", "dataset": dataset, "sample_index": i, "messages": json.dumps(msgs),
+                     "tools": json.dumps(WEATHER) if i % 2 == 0 else None, "route": "both"})
+    return rows
+
+
+def test_local_generation_ids_parse_and_resume(store, dev_server, kimi_tokenizer, tmp_path):
+    fmt = get_output_format(kimi_tokenizer)
+    ref = StageRef(run_key="run-a", stage="generate_local", dataset="tool_calls")
+    summary = generate_local(store, ref, prompts(24), kimi_tokenizer, [dev_server.url], SAMPLING,
+                             in_flight_per_endpoint=4, rows_per_part=5, journal_dir=tmp_path)
+    assert summary["complete"] and summary["counts"]["ok"] == 24, summary
+    table = store.read_table(ref).to_pylist()
+    assert sorted(r["sample_id"] for r in table) == [f"s{i:04d}" for i in range(24)]
+    im_end = kimi_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    stats = dev_server.stats()
+    for r in table:
+        assert r["status"] == "ok" and r["source"] == "sglang"
+        assert r["prompt_ids"] == fmt.generation_prompt_ids(json.loads(r["messages"]),
+                                                             json.loads(r["tools"]) if r["tools"] else None)
+        if r["finish_reason"] == "stop":
+            assert r["output_ids"][-1] == im_end  # stored WITH the stop id
+        else:
+            assert im_end not in r["output_ids"] and len(r["output_ids"]) == 160
+        # what the parser split out is exactly the text of the ids
+        rendered = fmt.render(fmt.parse_ids(r["output_ids"], r["finish_reason"]).message, r["finish_reason"])
+        assert kimi_tokenizer.decode(r["output_ids"]) == rendered
+        assert stats["answered"]["generate"][r["sample_id"]] == 1
+    assert any(r["tool_calls"] for r in table)
+    for r in table:
+        for call in json.loads(r["tool_calls"] or "[]"):
+            assert set(json.loads(call["function"]["arguments"])) == {"city", "days"}
+    # complete stage: a rerun sends nothing
+    again = generate_local(store, ref, prompts(24), kimi_tokenizer, [dev_server.url], SAMPLING, journal_dir=tmp_path)
+    assert again["counts"] == {"skipped": "all"}
+    assert sum(dev_server.stats()["requests"]["generate"][f"s{i:04d}"] for i in range(24)) == 24
+
+
+def test_overflow_text_matches_local_ids_and_key_never_stored(store, dev_server, kimi_tokenizer, tmp_path, caplog):
+    caplog.set_level("DEBUG")
+    local = StageRef(run_key="run-b", stage="generate_local", dataset="tool_calls")
+    over = StageRef(run_key="run-b", stage="generate_overflow", dataset="tool_calls")
+    generate_local(store, local, prompts(12), kimi_tokenizer, [dev_server.url], SAMPLING, journal_dir=tmp_path)
+    summary = generate_overflow(store, over, prompts(12), kimi_tokenizer, dev_server.url + "/v1", SECRET,
+                                "moonshotai/kimi-k2.5", {"order": ["moonshotai"], "allow_fallbacks": False}, 5.0,
+                                sampling=SAMPLING, concurrency=8, journal_dir=tmp_path)
+    assert summary["complete"] and summary["counts"]["ok"] == 12 and summary["cost_usd"] > 0, summary
+    by_id = {r["sample_id"]: r for r in store.read_table(local).to_pylist()}
+    fmt = get_output_format(kimi_tokenizer)
+    for r in store.read_table(over).to_pylist():
+        assert r["output_ids"] is None and r["source"] == "openrouter"
+        assert json.loads(r["provenance"])["generation_id"].startswith("gen-")
+        mine = by_id[r["sample_id"]]
+        assert r["prompt_ids"] == mine["prompt_ids"]
+        assert (r["reasoning"], r["content"]) == (mine["reasoning"], mine["content"])
+        assert r["usage"]["completion_tokens"] == len(mine["output_ids"])
+        assert (r["finish_reason"] == "length") == (mine["finish_reason"] == "length")
+    # the key appears nowhere: rows, manifests, side files, logs
+    bucket = store.client.list_objects_v2(Bucket=store.bucket)["Contents"]
+    for obj in bucket:
+        body = store.client.get_object(Bucket=store.bucket, Key=obj["Key"])["Body"].read()
+        assert SECRET.encode() not in body, obj["Key"]
+    assert SECRET not in caplog.text
+    for path in tmp_path.rglob("*"):
+        if path.is_file():
+            assert SECRET not in path.read_text(errors="replace")
+
+
+@pytest.mark.parametrize("include_stop", [False])
+def test_local_normalises_output_without_stop_id(store, start_dev_server, kimi_tokenizer, tmp_path, include_stop):
+    server = start_dev_server({"include_stop_in_output_ids": include_stop})
+    ref = StageRef(run_key="run-c", stage="generate_local", dataset="chat")
+    generate_local(store, ref, prompts(6, "chat"), kimi_tokenizer, [server.url], dict(SAMPLING, max_new_tokens=4000),
+                   journal_dir=tmp_path)
+    im_end = kimi_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    rows = store.read_table(ref).to_pylist()
+    assert all(r["finish_reason"] == "stop" and r["output_ids"][-1] == im_end for r in rows)
+    assert all(r["output_ids"].count(im_end) == 1 for r in rows)

@@ -1,0 +1,237 @@
+"""The validation-report plugin inside a real Airflow api-server: auth, routing, numbers.
+
+One api-server (own AIRFLOW_HOME, SQLite, SimpleAuthManager with a password user, loopback, free
+port) loads plugins/ and reads a report written into a real SeaweedFS bucket through the
+`aws_default` connection, exactly as in a deployment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from urllib.parse import quote
+
+import httpx
+import pytest
+import yaml
+
+from eagle3_data.report_view import length_stats, write_run_report
+from eagle3_data.storage import ArtifactStore, StageRef
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+DAG_ID = "eagle3_view_probe"
+RUN_NAME = "view-probe"
+EVIL = "<img src=x onerror=alert(1)>"
+
+PROBE_DAG = f"""
+from airflow.sdk import dag, task
+
+@dag(dag_id="{DAG_ID}", schedule=None, catchup=False)
+def probe():
+    @task
+    def noop():
+        return None
+    noop()
+
+probe()
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_report(store: ArtifactStore) -> None:
+    ref = StageRef(RUN_NAME, "validate", "tool_calls")
+    report = {
+        "samples": 40,
+        "counts": {"exact": 37, "bpe_only": 2, "special_token": 0, "text_diff": 1},
+        "sample_mismatch_rate": 0.075,
+        "token_agreement": 0.9984,
+        "mismatches": [
+            {"sample_id": "tc-07", "class": "text_diff", "first_diff": 17, "original": ["The", " answer", EVIL],
+             "reconstructed": ["The", " answer", " is"]},
+            {"sample_id": "tc-11", "class": "bpe_only", "first_diff": 230, "original": [" N", "OR"], "reconstructed": [" NOR"]},
+            {"sample_id": "tc-12", "class": "bpe_only", "first_diff": 5, "original": [" N", "OR"], "reconstructed": [" NOR"]},
+        ],
+        "bad_rows": [],
+        "gate": {"passed": False, "reasons": ["text_diff rate 2.50% > max 0.00%"]},
+    }
+    write_run_report(store, RUN_NAME, {
+        "tool_calls": {
+            "validation": store.put_json(ref, "report.json", report),
+            "billing": store.put_json(ref, "billing.json", {
+                "rows": 9, "billed_completion_tokens": 18321, "reconstructed_completion_tokens": 18318,
+                "deviation": -0.000164}),
+            "lengths": {"prompt_tokens": length_stats([300, 420, 512, 2048]), "output_tokens": length_stats([64, 900, 901])},
+            "generation": {"overflow": {"ok": 9, "failed": 0, "prompt_tokens": 4100, "completion_tokens": 18321,
+                                        "cost_usd": 0.41177}},
+            "thresholds": {"max_bpe_mismatch_rate": 0.1, "max_text_diff_rate": 0.0, "max_billing_deviation": 0.01},
+        }
+    }, dag_id=DAG_ID)
+
+
+def wait_healthy(base: str, proc: subprocess.Popen, log: Path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"api-server exited {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{base}/api/v2/monitor/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"api-server not healthy after {timeout}s:\n{log.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def api_server(tmp_path_factory, s3_server):
+    """(base_url, admin password, env) of a running api-server with the plugin; stopped by PID."""
+    home = tmp_path_factory.mktemp("airflow-view")
+    (home / "dags").mkdir()
+    (home / "dags" / "probe.py").write_text(PROBE_DAG)
+    password = secrets.token_urlsafe(12)
+    (home / "passwords.json").write_text(json.dumps({"admin": password}))
+
+    bucket = f"view-{uuid.uuid4().hex[:12]}"
+    s3_server.client().create_bucket(Bucket=bucket)
+    cfg = yaml.safe_load((REPO / "include" / "config" / "pipeline.yaml").read_text())
+    cfg["storage"]["bucket"] = bucket
+    (home / "pipeline.yaml").write_text(yaml.safe_dump(cfg))
+    store = ArtifactStore(s3_server.client(), bucket, cfg["storage"]["prefix"])
+    write_report(store)
+
+    env = {
+        **os.environ,
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(home / "dags"),
+        "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO / "plugins"),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db",
+        "AIRFLOW__LOGGING__BASE_LOG_FOLDER": str(home / "logs"),
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "False",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(home / "passwords.json"),
+        "AIRFLOW__API_AUTH__JWT_SECRET": secrets.token_hex(32),
+        "AIRFLOW_CONN_AWS_DEFAULT": json.dumps({
+            "conn_type": "aws", "login": s3_server.access_key, "password": s3_server.secret_key,
+            "extra": {"endpoint_url": s3_server.endpoint_url, "region_name": "us-east-1"}}),
+        "EAGLE3_CONFIG": str(home / "pipeline.yaml"),
+    }
+    for cmd in (["db", "migrate"], ["dags", "reserialize"]):
+        subprocess.run([str(BIN / "airflow"), *cmd], env=env, check=True, capture_output=True, timeout=300)
+
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    log = home / "api-server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [str(BIN / "airflow"), "api-server", "-H", "127.0.0.1", "-p", str(port), "-w", "1"],
+            env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    try:
+        wait_healthy(base, proc, log)
+        yield base, password, env
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # the group this fixture started: server + its worker
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def token(api_server) -> str:
+    base, password, _ = api_server
+    r = httpx.post(f"{base}/auth/token", json={"username": "admin", "password": password})
+    assert r.status_code == 201, r.text
+    return r.json()["access_token"]
+
+
+@pytest.fixture(scope="module")
+def runs(api_server, token) -> dict[str, str]:
+    """A manual run named by conf.run_name (has a report) and a dated run (has none)."""
+    base, _, _ = api_server
+    auth = {"Authorization": f"Bearer {token}"}
+    out = {}
+    for kind, body in (
+        ("named", {"logical_date": None, "conf": {"run_name": RUN_NAME}}),
+        ("dated", {"logical_date": "2026-11-28T00:00:00Z", "conf": {}}),
+    ):
+        r = httpx.post(f"{base}/api/v2/dags/{DAG_ID}/dagRuns", json=body, headers=auth)
+        assert r.status_code == 200, r.text
+        out[kind] = r.json()["dag_run_id"]
+    return out
+
+
+def page_url(base: str, run_id: str, suffix: str = "") -> str:
+    """The URL the UI builds from the external view's href (it encodeURIComponent()s the run id)."""
+    return f"{base}/eagle3-report/{DAG_ID}/{quote(run_id, safe='')}{suffix}"
+
+
+def test_anonymous_and_forged_requests_are_refused(api_server, runs):
+    base, _, _ = api_server
+    for suffix in ("", "/summary.json"):
+        url = page_url(base, runs["named"], suffix)
+        assert httpx.get(url).status_code == 401
+        assert httpx.get(url, headers={"Authorization": "Bearer not-a-jwt"}).status_code == 403
+        assert httpx.get(url, cookies={"_token": "not-a-jwt"}).status_code == 403
+        assert EVIL not in httpx.get(url).text and "18,321" not in httpx.get(url).text
+
+
+def test_signed_in_user_gets_the_page(api_server, token, runs):
+    base, _, _ = api_server
+    for creds in ({"headers": {"Authorization": f"Bearer {token}"}}, {"cookies": {"_token": token}}):
+        r = httpx.get(page_url(base, runs["named"]), **creds)
+        assert r.status_code == 200, r.text
+        assert r.headers["content-type"].startswith("text/html")
+        html = r.text
+        assert "view-probe" in html and "2.50%" in html and "max 0.00%" in html
+        assert "18,321" in html and "$0.4118" in html and "-0.016% (max ±1.00%)" in html
+        assert EVIL not in html and "&lt;img·src=x·onerror=alert(1)&gt;" in html  # spaces shown as ·
+        assert html.count("<svg ") == 5
+
+
+def test_summary_serves_the_numbers(api_server, token, runs):
+    base, _, _ = api_server
+    r = httpx.get(page_url(base, runs["named"], "/summary.json"), headers={"Authorization": f"Bearer {token}"})
+    assert r.status_code == 200, r.text
+    (ds,) = r.json()["datasets"]
+    assert r.json()["run_key"] == RUN_NAME
+    assert ds["counts"] == {"exact": 37, "bpe_only": 2, "special_token": 0, "text_diff": 1}
+    assert ds["rates"]["text_diff"] == pytest.approx(0.025)
+    assert ds["sample_mismatch_rate"] == pytest.approx(0.075)
+    assert ds["billing"]["billed_completion_tokens"] == 18321
+    assert ds["lengths"]["output_tokens"]["max"] == 901
+    assert sum(ds["first_diff_histogram"]["counts"]) == 3
+
+
+def test_runs_without_a_report_say_where_they_looked(api_server, token, runs):
+    base, _, _ = api_server
+    auth = {"Authorization": f"Bearer {token}"}
+    r = httpx.get(page_url(base, runs["dated"]), headers=auth)
+    assert r.status_code == 404 and "date=2026-11-28" in r.text and "run_report.json does not exist" in r.text
+    assert httpx.get(page_url(base, "no-such-run"), headers=auth).status_code == 404
+
+
+def test_plugin_registers_the_run_tab(api_server, token):
+    base, _, _ = api_server
+    r = httpx.get(f"{base}/api/v2/plugins", headers={"Authorization": f"Bearer {token}"})
+    assert r.status_code == 200, r.text
+    (plugin,) = [p for p in r.json()["plugins"] if p["name"] == "eagle3_validation_report"]
+    (view,) = plugin["external_views"]
+    assert view["href"] == "/eagle3-report/{DAG_ID}/{RUN_ID}" and view["destination"] == "dag_run"
+    assert plugin["fastapi_apps"][0]["url_prefix"] == "/eagle3-report"

@@ -1,0 +1,203 @@
+"""Hidden-state extraction on the tiny DeepSeek-V3, checked against an independent forward.
+
+The reference is a plain `AutoModelForCausalLM` forward of one sample with
+`output_hidden_states=True` (no hooks, no batching, no padding). Tolerance: stored states are
+bf16, so |stored - ref| <= 2^-8 |ref| (one bf16 rounding) + 1e-5 (fp32 summation-order noise
+between a padded batch and a single sample).
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import pytest
+
+from eagle3_data.errors import UserError
+from eagle3_data.hidden_states import fp8
+from eagle3_data.hidden_states.backends import TransformersBackend
+from eagle3_data.hidden_states.export import export_specforge
+from eagle3_data.hidden_states.extract import CorruptHiddenStates, ExtractOptions, extract_rows, plan_batches
+from eagle3_data.hidden_states.layers import default_layer_ids, hidden_state_indices
+from eagle3_data.hidden_states.shards import ShardReader
+
+
+def assert_bf16_close(stored: torch.Tensor, ref: torch.Tensor) -> None:
+    err = (stored.float() - ref.float()).abs()
+    bound = ref.float().abs() * 2**-8 + 1e-5
+    assert bool((err <= bound).all()), f"max excess {float((err - bound).max())}"
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_model_dir):
+    return TransformersBackend(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def reference_model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def rows():
+    g = torch.Generator().manual_seed(7)
+    lengths = [3, 41, 17, 64, 9, 28, 50, 5]
+    out = []
+    for i, n in enumerate(lengths):
+        ids = torch.randint(0, 163_840, (n,), generator=g).tolist()
+        ids[-1] = 163586  # <|im_end|>
+        out.append({"sample_id": f"s{i}", "input_ids": ids, "loss_mask": [0] * (n // 2) + [1] * (n - n // 2)})
+    return out
+
+
+def reference_states(model, ids) -> tuple:
+    with torch.no_grad():
+        return model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+
+
+def read_all(out_dir) -> dict:
+    return {s.sample_id: s for p in sorted(out_dir.glob("*.safetensors")) for s in ShardReader(p)}
+
+
+def test_layer_conventions_name_the_same_tensors():
+    assert default_layer_ids(61, "output") == [1, 29, 57]
+    assert default_layer_ids(61, "input") == [2, 30, 58]
+    for L in (8, 61):
+        assert hidden_state_indices(default_layer_ids(L, "output"), "output", L) == \
+            hidden_state_indices(default_layer_ids(L, "input"), "input", L)
+    assert hidden_state_indices([1], "output", 8) == [2] and hidden_state_indices([1], "input", 8) == [1]
+    with pytest.raises(UserError, match="out of range"):
+        hidden_state_indices([7], "output", 8)  # the last layer's raw output is not in hidden_states
+    with pytest.raises(UserError, match="convention"):
+        default_layer_ids(8, "outputs")
+
+
+def test_plan_batches_respects_budget_and_covers_every_sample():
+    lengths = [5, 100, 7, 60, 61, 3, 300, 20]
+    batches = plan_batches(lengths, 128)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for b in batches:
+        assert len(b) == 1 or max(lengths[i] for i in b) * len(b) <= 128
+    assert [300] in [[lengths[i] for i in b] for b in batches]  # too long for the budget: alone
+
+
+def test_stored_states_equal_an_independent_forward(backend, reference_model, rows, tmp_path):
+    summary = extract_rows(backend, rows, tmp_path, "t", ExtractOptions(last_hidden=True, token_budget=128,
+                                                                        out_shard_tokens=90))
+    assert summary["layer_ids"] == [1, 3, 4] and summary["samples"] == len(rows) and len(summary["files"]) > 1
+    stored = read_all(tmp_path)
+    for row in rows:
+        s = stored[row["sample_id"]]
+        hs = reference_states(reference_model, row["input_ids"])
+        assert s.input_ids.tolist() == row["input_ids"] and s.loss_mask.tolist() == row["loss_mask"]
+        assert s.aux_hidden_states.shape == (len(row["input_ids"]), 3 * 64)
+        assert_bf16_close(s.aux_hidden_states, torch.cat([hs[2][0], hs[4][0], hs[5][0]], -1))
+        assert_bf16_close(s.last_hidden_states, hs[-1][0])
+        # off by one would be a different tensor, far outside the tolerance
+        wrong = torch.cat([hs[1][0], hs[3][0], hs[4][0]], -1)
+        assert (s.aux_hidden_states.float() - wrong).abs().max() > 10 * 2**-8 * wrong.abs().max()
+
+
+def test_conventions_store_the_same_tensors(backend, rows, tmp_path):
+    extract_rows(backend, rows, tmp_path / "out", "o", ExtractOptions(convention="output"))
+    extract_rows(backend, rows, tmp_path / "in", "i", ExtractOptions(convention="input"))
+    a, b = read_all(tmp_path / "out"), read_all(tmp_path / "in")
+    for sid in a:
+        assert torch.equal(a[sid].aux_hidden_states, b[sid].aux_hidden_states)
+    reader = ShardReader(next((tmp_path / "in").glob("*.safetensors")))
+    assert reader.layer_ids == [2, 4, 5] and reader.convention == "input"
+
+
+def test_batched_and_unbatched_agree(backend, rows, tmp_path):
+    extract_rows(backend, rows, tmp_path / "one", "x", ExtractOptions(token_budget=1))  # every sample alone
+    extract_rows(backend, rows, tmp_path / "all", "x", ExtractOptions(token_budget=10_000))  # one padded batch
+    alone, batched = read_all(tmp_path / "one"), read_all(tmp_path / "all")
+    for sid in alone:
+        assert_bf16_close(batched[sid].aux_hidden_states, alone[sid].aux_hidden_states.float())
+
+
+class NaNAfter:
+    """Fault injection around the real backend: corrupts one sample's states."""
+
+    def __init__(self, inner, victim_len, mode):
+        self.inner, self.victim_len, self.mode = inner, victim_len, mode
+
+    def describe(self):
+        return self.inner.describe()
+
+    def forward(self, batch, indices, last_hidden):
+        out = self.inner.forward(batch, indices, last_hidden)
+        for ids, st in zip(batch, out):
+            if len(ids) == self.victim_len:
+                if self.mode == "nan":
+                    st.aux = st.aux.clone()
+                    st.aux[2, 5] = float("nan")
+                else:
+                    st.aux = st.aux[:-1]
+        return out
+
+
+@pytest.mark.parametrize("mode,match", [("nan", "sample s2: aux_hidden_states holds NaN/Inf at token positions \\[2\\]"),
+                                        ("short", "sample s2: aux_hidden_states has 16 rows for 17 tokens")])
+def test_corrupt_states_fail_loudly_naming_the_sample(backend, rows, tmp_path, mode, match):
+    with pytest.raises(CorruptHiddenStates, match=match):
+        extract_rows(NaNAfter(backend, 17, mode), rows, tmp_path, "x", ExtractOptions())
+    assert not list(tmp_path.glob("*.safetensors"))
+
+
+def test_bad_records_are_refused_before_compute(backend, rows, tmp_path):
+    bad = [dict(rows[0]), {**rows[1], "loss_mask": rows[1]["loss_mask"][:-1]}]
+    with pytest.raises(UserError, match="sample s1: field loss_mask has 40 entries for 41 input_ids"):
+        extract_rows(backend, bad, tmp_path, "x", ExtractOptions())
+    with pytest.raises(UserError, match="sample s0: field input_ids holds id 163840"):
+        extract_rows(backend, [{**rows[0], "input_ids": [1, 2, 163840]}], tmp_path, "x", ExtractOptions())
+
+
+def test_reader_random_access_and_fp8(backend, rows, tmp_path):
+    extract_rows(backend, rows, tmp_path / "bf16", "x", ExtractOptions(out_shard_tokens=10**6))
+    extract_rows(backend, rows, tmp_path / "fp8", "x", ExtractOptions(out_shard_tokens=10**6, use_fp8=True))
+    exact = ShardReader(next((tmp_path / "bf16").glob("*.safetensors")))
+    small = ShardReader(next((tmp_path / "fp8").glob("*.safetensors")))
+    assert exact.num_tokens == sum(len(r["input_ids"]) for r in rows)
+    assert exact.get("s3").input_ids.tolist() == rows[3]["input_ids"]
+    assert [s.sample_id for s in exact] == exact.sample_ids
+    a, q = exact.get("s6").aux_hidden_states.float(), small.get("s6").aux_hidden_states.float()
+    rel = float((a - q).norm() / a.norm())
+    assert 0 < rel < 0.05  # e4m3: ~2^-4 per value worst case, ~3% in norm
+    bf16_bytes = next((tmp_path / "bf16").glob("*")).stat().st_size
+    fp8_bytes = next((tmp_path / "fp8").glob("*")).stat().st_size
+    assert fp8_bytes < 0.65 * bf16_bytes
+
+
+def test_fp8_round_trip_error_is_measured_per_row():
+    x = torch.randn(32, 3 * 64) * torch.tensor([1.0, 100.0, 0.01]).repeat_interleave(64)
+    q, scale = fp8.quantize_rows(x, 3)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (32, 3)
+    assert fp8.relative_error(x, 3) < 0.05
+    back = fp8.dequantize_rows(q, scale, torch.float32)
+    small = slice(128, 192)  # the 0.01-scale layer keeps its own resolution
+    assert float((back[:, small] - x[:, small]).norm() / x[:, small].norm()) < 0.05
+
+
+def test_export_to_specforge_layout(backend, rows, tmp_path):
+    extract_rows(backend, rows, tmp_path / "shards", "x", ExtractOptions(last_hidden=True, out_shard_tokens=100))
+    n = export_specforge(sorted((tmp_path / "shards").glob("*.safetensors")), tmp_path / "sf")
+    assert n == len(rows)
+    assert len(list((tmp_path / "sf").rglob("*.ckpt"))) == len(rows)
+    index = [json.loads(line) for line in (tmp_path / "sf/index.jsonl").read_text().splitlines()]
+    stored = read_all(tmp_path / "shards")
+    assert sorted(e["sample_id"] for e in index) == sorted(stored)
+    for entry in index:
+        d = torch.load(tmp_path / "sf" / entry["file"])
+        assert set(d) == {"input_ids", "loss_mask", "hidden_state", "aux_hidden_state"}
+        sid = entry["sample_id"]
+        T = len(stored[sid].input_ids)
+        assert d["input_ids"].tolist() == stored[sid].input_ids.tolist()
+        assert d["input_ids"].shape == (T,) and d["hidden_state"].shape == (1, T, 64)
+        assert d["aux_hidden_state"].shape == (1, T, 192)
+        assert torch.equal(d["aux_hidden_state"][0], stored[sid].aux_hidden_states)
+    with pytest.raises(UserError, match="last_hidden_states"):
+        extract_rows(backend, rows[:2], tmp_path / "nolast", "x", ExtractOptions())
+        export_specforge(sorted((tmp_path / "nolast").glob("*.safetensors")), tmp_path / "sf2")

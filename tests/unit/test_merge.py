@@ -1,0 +1,124 @@
+"""Merge: ids/mask alignment, length policies, dedupe preference, failures, shuffle, shards (real S3)."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow.parquet as pq
+import pytest
+
+from eagle3_data.errors import UserError
+from eagle3_data.merge import build_record, merge_datasets, merged_shards
+from eagle3_data.storage import IncompleteStage, StageRef
+
+IM_END = 163586
+
+
+def gen_row(sid, dataset, source, prompt, output, status="ok", finish="stop"):
+    return {
+        "sample_id": sid, "dataset": dataset, "messages": "[]", "tools": None,
+        "prompt_ids": prompt, "output_ids": output, "source": source, "status": status,
+        "error": None if status == "ok" else "boom", "reasoning": None, "content": None, "tool_calls": None,
+        "finish_reason": finish, "usage": None, "provenance": json.dumps({"model": "tiny", "source": source}),
+    }
+
+
+def write_stage(store, ref, rows):
+    with store.writer(ref, "generations", rows_per_part=7, tokenizer_sha256="tok", template_sha256="tpl") as w:
+        w.write(rows)
+        w.commit()
+
+
+def read_all(store, summary, tmp_path):
+    rows = []
+    for shard in summary["shards"]:
+        path = store.get_file(StageRef(shard["run_key"], shard["stage"], shard["dataset"]), shard["name"],
+                              tmp_path / shard["name"])
+        rows.extend(pq.read_table(path).to_pylist())
+    return rows
+
+
+def test_ids_and_mask_line_up_exactly():
+    prompt, output = [163587, 5, 6, 163601, 163588, 7, 163601, 163606], [10, 11, 163607, 12, IM_END]
+    rec, reason = build_record(
+        {"sample_id": "a", "dataset": "d", "source": "sglang", "prompt_ids": prompt, "output_ids": output,
+         "finish_reason": "stop", "provenance": "{}"}, max_length=100, length_policy="truncate")
+    assert reason is None
+    assert rec["input_ids"] == prompt + output and len(rec["loss_mask"]) == len(rec["input_ids"])
+    # unshifted: mask[t] == 1 exactly where input_ids[t] is a generated token, <|im_end|> included
+    assert [t for t, m in zip(rec["input_ids"], rec["loss_mask"]) if m] == output
+    assert rec["loss_mask"][len(prompt) - 1] == 0 and rec["loss_mask"][len(prompt)] == 1
+    assert rec["loss_mask"][-1] == 1 and rec["input_ids"][-1] == IM_END
+    assert (rec["prompt_tokens"], rec["output_tokens"], rec["truncated"]) == (8, 5, False)
+
+
+def test_length_policies():
+    row = {"sample_id": "a", "dataset": "d", "source": "sglang", "prompt_ids": [1] * 6, "output_ids": [2] * 6,
+           "finish_reason": "length", "provenance": "{}"}
+    rec, _ = build_record(row, max_length=8, length_policy="truncate")
+    assert rec["input_ids"] == [1] * 6 + [2] * 2 and rec["loss_mask"] == [0] * 6 + [1] * 2
+    assert rec["truncated"] and rec["output_tokens"] == 2
+    assert build_record(row, max_length=8, length_policy="drop") == (None, "too_long")
+    assert build_record(row, max_length=6, length_policy="truncate") == (None, "prompt_too_long")
+    assert build_record({**row, "output_ids": []}, max_length=80, length_policy="truncate") == (None, "empty_output")
+
+
+@pytest.fixture
+def two_datasets(store):
+    local = StageRef("date=2026-11-29", "generate_local", "chat")
+    overflow = StageRef("date=2026-11-29", "reconstruct", "chat")
+    tools = StageRef("date=2026-11-29", "generate_local", "tools")
+    write_stage(store, local, [gen_row(f"c{i}", "chat", "sglang", [100 + i] * 5, [7] * (3 + i % 4)) for i in range(20)]
+                + [gen_row("c-fail", "chat", "sglang", None, None, status="failed")])
+    # c0..c4 also came back from OpenRouter (calibration overlap): the local ground truth must win
+    write_stage(store, overflow, [gen_row(f"c{i}", "chat", "openrouter", [100 + i] * 5, [9] * 4) for i in range(5)]
+                + [gen_row(f"o{i}", "chat", "openrouter", [200 + i] * 4, [8] * 30) for i in range(6)]
+                + [gen_row("o-fail", "chat", "openrouter", None, None, status="failed")])
+    write_stage(store, tools, [gen_row(f"t{i}", "tools", "sglang", [300 + i] * 3, [6] * 5) for i in range(15)])
+    return [local, overflow, tools]
+
+
+def test_merge_dedupes_counts_and_shards(store, two_datasets, tmp_path):
+    summary = merge_datasets(store, two_datasets, "date=2026-11-29", max_length=20, length_policy="drop",
+                             shard_tokens=100, seed=1, rows_per_bucket=8)
+    rows = read_all(store, summary, tmp_path)
+    by_id = {r["sample_id"]: r for r in rows}
+    assert len(by_id) == len(rows) == 20 + 15  # o* are 34 tokens > 20: dropped; c0..c4 deduped
+    assert all(by_id[f"c{i}"]["source"] == "sglang" and 9 not in by_id[f"c{i}"]["input_ids"] for i in range(5))
+    chat, tools = summary["datasets"]["chat"], summary["datasets"]["tools"]
+    assert chat["duplicates"] == 5 and chat["dropped_too_long"] == 6
+    assert chat["failed_sglang"] == 1 and chat["failed_openrouter"] == 1
+    assert chat["samples"] == 20 and tools["samples"] == 15
+    assert chat["tokens"] == sum(len(by_id[f"c{i}"]["input_ids"]) for i in range(20))
+    assert tools["loss_tokens"] == 15 * 5
+    for r in rows:
+        assert len(r["input_ids"]) == len(r["loss_mask"]) == r["prompt_tokens"] + r["output_tokens"]
+    # shards close once they reach the token target, and the manifest lists them
+    assert len(summary["shards"]) > 1 and all(s["tokens"] >= 100 for s in summary["shards"][:-1])
+    assert merged_shards(store, StageRef("date=2026-11-29", "merge", "all")) == summary["shards"]
+    manifest = store.read_manifest(StageRef("date=2026-11-29", "merge", "all"))
+    assert manifest["tokenizer_sha256"] == "tok" and manifest["params"]["seed"] == 1
+
+
+def test_shuffle_is_seeded_and_independent_of_bucketing(store, two_datasets, tmp_path):
+    def order(seed, rows_per_bucket, run):
+        s = merge_datasets(store, two_datasets, run, max_length=64, shard_tokens=10_000, seed=seed,
+                           rows_per_bucket=rows_per_bucket)
+        return [r["sample_id"] for r in read_all(store, s, tmp_path)]
+
+    a = order(3, 4, "r1")
+    assert a == order(3, 1000, "r2")  # many buckets or one: same global order
+    assert a != order(4, 4, "r3")
+    assert sorted(a) == sorted(order(4, 4, "r3"))
+    assert a != sorted(a)
+
+
+def test_bad_rows_and_incomplete_inputs_are_user_errors(store):
+    ref = StageRef("r", "generate_local", "bad")
+    write_stage(store, ref, [gen_row("x1", "bad", "sglang", [1, 2], None)])
+    with pytest.raises(UserError, match="sample x1: field output_ids"):
+        merge_datasets(store, [ref], "r")
+    with pytest.raises(IncompleteStage):
+        merge_datasets(store, [StageRef("r", "generate_local", "missing")], "r")
+    with pytest.raises(UserError, match="length_policy"):
+        merge_datasets(store, [ref], "r", length_policy="clip")
