@@ -117,7 +117,7 @@ class HiddenStatesConfig:
 @dataclass(frozen=True)
 class DatasetConfig:
     name: str
-    prompts: str  # s3://.../prompts/{name}/ ; scheduled runs read its date=YYYY-MM-DD/ partition
+    prompts: str  # root (s3:// or local) holding {name}/date=YYYY-MM-DD/*.jsonl|parquet, or a file (eagle3_data.prompts)
     validation: ValidationConfig  # global thresholds with this dataset's overrides applied
     dev_bpe_split_rate: float  # dev inference server only: share of outputs sampled with split BPE
 
@@ -336,11 +336,10 @@ def _parse(raw: dict[str, Any]) -> PipelineConfig:
             raise UserError(f"config datasets[{i}].name: {name!r} must match {NAME_RE.pattern}")
         if name in {d.name for d in datasets}:
             raise UserError(f"config datasets[{i}].name: {name!r} is listed twice")
-        prompts = ds.get("prompts", str, f"{prompts_root}/{name}/")
         datasets.append(
             DatasetConfig(
                 name=name,
-                prompts=prompts if prompts.endswith("/") or prompts.endswith(".jsonl") else prompts + "/",
+                prompts=ds.get("prompts", str, prompts_root),
                 validation=_validation(ds.sub("validation"), validation),
                 dev_bpe_split_rate=ds.sub("dev").number("bpe_split_rate", float, 0.0, 0.0, 1.0),
             )

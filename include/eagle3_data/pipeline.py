@@ -166,6 +166,7 @@ def audit_tokenizer(run: Run, store) -> dict:
 # -- reconstruct -------------------------------------------------------------------------------
 def reconstruct(run: Run, store, dataset: str) -> dict:
     """Overflow rows (text only) -> output_ids with the model's own format, one batched encode."""
+    from eagle3_data.chat_format import get_output_format
     from eagle3_data.reconstruct import reconstruct_rows, row_to_reconstruct
 
     src, ref = _ref(run, OVERFLOW, dataset), _ref(run, RECONSTRUCT, dataset)
@@ -174,12 +175,12 @@ def reconstruct(run: Run, store, dataset: str) -> dict:
     params = {"thinking": run.config.generation.sampling.thinking, **hashes}
     if (manifest := current_manifest(store, ref, params, [src])) is not None:
         return {"uri": store.uri(ref), "rows": manifest["rows"], "reused": True}
-    counts = {"ok": 0, "failed": 0}
+    fmt, counts = get_output_format(tokenizer), {"ok": 0, "failed": 0}
     with store.writer(ref, "generations", rows_per_part=1024, params=params, inputs=[src], fresh=True, **hashes) as w:
         for batch in store.iter_batches(src):
             rows = batch.to_pylist()
             ok = [r for r in rows if r["status"] == "ok"]
-            todo = [row_to_reconstruct(r, f"{store.uri(src)} row {r['sample_id']}") for r in ok]
+            todo = [row_to_reconstruct(fmt, r, store.uri(src)) for r in ok]
             by_id = {r["sample_id"]: r for r in ok}
             out = []
             for item, ids in reconstruct_rows(tokenizer, todo):
@@ -412,7 +413,7 @@ def publish(run: Run, store) -> dict:
     """Write the run report (per-dataset gates, counts, tokens, cost, hidden-state bytes, where
     everything is); raise GateFailed after writing it when any selected dataset failed, so the
     run ends failed and no Asset event announces it."""
-    from eagle3_data.report_view import write_run_report
+    from eagle3_data.report_view import generation_lengths, write_run_report
 
     if run.dry_run:
         plans = {name: store.get_json(_ref(run, PLAN, name), PLAN_REPORT) for name in run.datasets}
@@ -440,6 +441,8 @@ def publish(run: Run, store) -> dict:
             "validation": gates[n]["report_uri"],
             "billing": store.uri(_ref(run, VALIDATE, n), BILLING_REPORT),
             "thresholds": vars(run.config.dataset(n).validation),
+            "lengths": generation_lengths(store, [_ref(run, LOCAL, n), _ref(run, RECONSTRUCT, n)]),
+            "generation": {"local": datasets[n]["local"], "overflow": datasets[n]["overflow"]},
         }
         for n in gates
         if gates[n]["report_uri"]
@@ -456,7 +459,8 @@ def publish(run: Run, store) -> dict:
         "cost_usd": round(sum(d["overflow"]["cost_usd"] for d in datasets.values()), 6),
     }
     summary_ref = _ref(run, "publish", RUN_DATASET)
-    summary["summary_uri"] = store.put_json(summary_ref, "summary.json", summary)
+    summary["summary_uri"] = store.uri(summary_ref, "summary.json")
+    store.put_json(summary_ref, "summary.json", summary)
     store.commit_files(summary_ref, ["summary.json"], params={"datasets": list(gates)})
     failed = [n for n in gates if not gates[n]["passed"]]
     if failed:

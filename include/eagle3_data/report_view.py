@@ -1,7 +1,8 @@
 """A run's validation results as one page: the run-report index, its loader and the HTML.
 
 The DAG's publish step writes a small index (`write_run_report`) naming, per dataset, the S3
-objects that hold the validation report, the overflow billing check and the token-length stats.
+objects that hold the validation report and the overflow billing check, with token-length and
+generation totals inline.
 The Airflow plugin (plugins/validation_report.py) maps a DAG run to its run key, loads the index
 with `load_run_report` and serves `render_html`. Everything here is plain Python so the page can
 be tested, and rendered from the CLI, without Airflow.
@@ -483,7 +484,8 @@ def _billing_block(billing: Mapping[str, Any] | None, max_dev: float | None) -> 
 def _examples_block(mismatches: Sequence[Mapping[str, Any]]) -> str:
     if not mismatches:
         return ""
-    shown = mismatches[:MAX_EXAMPLES]
+    severity = {c: i for i, c in enumerate(reversed(CLASSES))}  # text_diff first, bpe_only last
+    shown = sorted(mismatches, key=lambda m: severity.get(str(m.get("class")), len(CLASSES)))[:MAX_EXAMPLES]
     items = []
     for m in shown:
         cls = str(m.get("class", "?"))
@@ -496,7 +498,7 @@ def _examples_block(mismatches: Sequence[Mapping[str, Any]]) -> str:
             f"<div class='diffrow'><span class='side'>reconstructed</span>{_tokens(m.get('reconstructed'))}</div></div>"
         )
     more = f"<p class='muted'>{len(mismatches) - len(shown)} more not shown</p>" if len(mismatches) > len(shown) else ""
-    return f"<h3>Example diffs ({len(shown)} of {len(mismatches)})</h3>{''.join(items)}{more}"
+    return f"<details open><summary><h3>Example diffs ({len(shown)} of {len(mismatches)})</h3></summary>{''.join(items)}{more}</details>"
 
 
 def _tokens(seq: Any) -> str:
@@ -545,5 +547,5 @@ table.kv th,table.grid th{font-weight:normal;color:#444}table.kv.over td{color:#
 .diffrow{margin:4px 0;line-height:1.9;font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12px}
 .side{display:inline-block;width:110px;color:#656d76;font-family:system-ui,sans-serif}
 .tok{border:1px solid #cfd8dc;border-radius:3px;padding:0 3px;margin-right:2px;white-space:pre}
-.tok{background:#fff8e1}
+.tok{background:#fff8e1}summary h3{display:inline}
 """

@@ -7,9 +7,11 @@ proves equal to the HF tokenizer on a probe before it is used.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +34,20 @@ class Codec(Protocol):
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
+    def decode_bytes(self, ids: Sequence[int]) -> bytes:
+        """Exact bytes: a cut inside a multi-byte character must not compare equal to U+FFFD."""
+        ...
+
+
+@functools.cache
+def _byte_level_decoder() -> dict[str, int]:
+    """Inverse of GPT-2's bytes_to_unicode: byte-level BPE token characters -> bytes."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {chr(b): b for b in printable}
+    shifted = (b for b in range(256) if b not in printable)
+    table.update({chr(256 + n): b for n, b in enumerate(shifted)})
+    return table
+
 
 class HFCodec:
     """Encode/decode through the HF tokenizer (fast backend's batch API when there is one)."""
@@ -50,21 +66,44 @@ class HFCodec:
             return self.backend.decode(list(ids), skip_special_tokens=False)
         return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
+    def decode_bytes(self, ids: Sequence[int]) -> bytes:
+        from tokenizers import decoders
+
+        if self.backend is None or not isinstance(self.backend.decoder, decoders.ByteLevel):
+            return self.decode(ids).encode("utf-8")
+        added = {tid: tok.content for tid, tok in self.backend.get_added_tokens_decoder().items()}
+        table = _byte_level_decoder()
+        out = bytearray()
+        for tid in ids:
+            if tid in added:
+                out += added[tid].encode("utf-8")
+            else:
+                out += bytes(table[c] for c in self.backend.id_to_token(tid))
+        return bytes(out)
+
 
 class TiktokenCodec:
-    """tiktoken over the same vocabulary: several times faster than the HF backend."""
+    """tiktoken over the same vocabulary: several times faster than the HF backend. Batches are
+    encoded on a persistent thread pool (tiktoken releases the GIL while encoding)."""
 
-    def __init__(self, encoding: Any, num_threads: int = 2):
+    def __init__(self, encoding: Any, num_threads: int | None = None):
         self.encoding = encoding
-        self.num_threads = num_threads
+        self.num_threads = num_threads or min(4, os.cpu_count() or 1)
+        self._pool: ThreadPoolExecutor | None = None
+        self._encode = functools.partial(encoding.encode, allowed_special="all")
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        if len(texts) == 1:
-            return [self.encoding.encode(texts[0], allowed_special="all")]
-        return self.encoding.encode_batch(list(texts), num_threads=self.num_threads, allowed_special="all")
+        if len(texts) < 2 or self.num_threads < 2:
+            return [self._encode(t) for t in texts]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="tiktoken")
+        return list(self._pool.map(self._encode, texts, chunksize=max(1, len(texts) // (4 * self.num_threads))))
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.encoding.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def decode_bytes(self, ids: Sequence[int]) -> bytes:
+        return self.encoding.decode_bytes(ids)
 
 
 def codecs_agree(a: Codec, b: Codec, vocab_size: int, special_names: Sequence[str]) -> str | None:
@@ -79,6 +118,93 @@ def codecs_agree(a: Codec, b: Codec, vocab_size: int, special_names: Sequence[st
     if a.decode(sample) != b.decode(sample):
         return "decode of sampled ids differs"
     return None
+
+
+def tiktoken_encoding(vocab_file: str | Path, pattern: str, specials: dict[str, int]):
+    import binascii
+
+    import tiktoken
+
+    # tiktoken's own loader goes through base64.b64decode per line: 3x slower at every start.
+    ranks = {
+        binascii.a2b_base64(token): int(rank)
+        for token, rank in (line.split() for line in Path(vocab_file).read_bytes().splitlines() if line)
+    }
+    return tiktoken.Encoding(
+        Path(vocab_file).parent.name,
+        pat_str=pattern,
+        mergeable_ranks=ranks,
+        special_tokens={name: tid for name, tid in specials.items() if tid >= len(ranks)},
+    )
+
+
+class TiktokenTokenizer:
+    """The part of the HF tokenizer interface that bulk commands use, backed by tiktoken alone.
+
+    Only built from a verification record: a previous run loaded the HF tokenizer with the very
+    same files (sha256) and proved the tiktoken codec equal to it. Saves transformers' import and
+    the multi-second `tokenizer.json` load at every start of a bulk command.
+    """
+
+    def __init__(self, path: Path, record: dict[str, Any]):
+        self.name_or_path = str(path)
+        self._added = dict(record["special_tokens"])
+        self._vocab_size = int(record["vocab_size"])
+        self.model = tiktoken_encoding(path / "tiktoken.model", record["pattern"], self._added)
+        self.chat_template = None
+
+    def __len__(self) -> int:
+        return self._vocab_size
+
+    def get_added_vocab(self) -> dict[str, int]:
+        return dict(self._added)
+
+    def convert_tokens_to_ids(self, name: str) -> int | None:
+        return self._added.get(name)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.model.encode(text, allowed_special="all")
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False, **_: Any) -> str:
+        return self.model.decode_bytes(list(ids)).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
+        raise UserError("this command loaded the tokenizer without its chat template (bulk mode)")
+
+
+def _verified_dir() -> Path:
+    root = os.environ.get("EAGLE3_DATA_CACHE") or Path.home() / ".cache" / "eagle3-data"
+    return Path(root) / "verified-codecs"
+
+
+def load_bulk_tokenizer(source: str | os.PathLike, *, trust_remote_code: bool = False, s3_client: Any = None):
+    """For bulk encode/decode (validate, reconstruct): a `TiktokenTokenizer` when these exact files
+    were verified before, else the HF tokenizer (verifying now, and recording it for next time)."""
+    from eagle3_data.chat_format import get_output_format
+
+    is_s3 = str(source).startswith("s3://")
+    local = _fetch_s3_prefix(str(source), None, s3_client) if is_s3 else Path(source)
+    if local.is_dir() and (local / "tiktoken.model").is_file():
+        sha = _dir_sha256(local)
+        record_path = _verified_dir() / f"{sha}.json"
+        if record_path.is_file():
+            return TiktokenTokenizer(local, json.loads(record_path.read_text()))
+    tokenizer = load_tokenizer(local, trust_remote_code=trust_remote_code)
+    fmt = get_output_format(tokenizer)
+    pattern = getattr(fmt, "pattern", None)
+    if isinstance(fmt.codec, TiktokenCodec) and pattern and (local / "tiktoken.model").is_file():
+        record = {
+            "format": fmt.name,
+            "pattern": pattern,
+            "special_tokens": tokenizer.get_added_vocab(),
+            "vocab_size": len(tokenizer),
+            "tokenizer_sha256": sha,
+        }
+        record_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = record_path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(record))
+        tmp.replace(record_path)
+    return tokenizer
 
 
 def load_tokenizer(
@@ -133,8 +259,10 @@ def _fetch_s3_prefix(uri: str, cache_dir: str | None, s3: Any) -> Path:
 def tokenizer_files_sha256(tokenizer: Any) -> str | None:
     """sha256 over the tokenizer directory's files (names and bytes), None without a directory."""
     root = Path(getattr(tokenizer, "name_or_path", "") or "")
-    if not root.is_dir():
-        return None
+    return _dir_sha256(root) if root.is_dir() else None
+
+
+def _dir_sha256(root: Path) -> str:
     h = hashlib.sha256()
     for path in sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")):
         h.update(str(path.relative_to(root)).encode() + b"\0")

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import heapq
 import json
+import multiprocessing
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,7 +89,7 @@ def _check_row(where: str, record: Any, vocab_size: int, ints_checked: bool = Fa
         return BadRow(where, sid, "output_ids", "missing")
     if not isinstance(ids, list):
         return BadRow(where, sid, "output_ids", f"not a list of ints ({type(ids).__name__})")
-    if not ints_checked and not all(type(i) is int for i in ids):
+    if not ints_checked and ids and set(map(type, ids)) != {int}:
         bad = next(i for i in ids if type(i) is not int)
         return BadRow(where, sid, "output_ids", f"non-integer id {bad!r}")
     if ids and (min(ids) < 0 or max(ids) >= vocab_size):
@@ -176,7 +179,8 @@ class Validator:
         self.special_ids = frozenset(tokenizer.get_added_vocab().values())
         self.im_end = self.fmt.stop_token_ids[0]
 
-    def validate(self, rows: Sequence[InputRow]) -> list[RowResult]:
+    def prepare(self, rows: Sequence[InputRow]) -> tuple[list[list[int]], list[str]]:
+        """Normalised original ids and the rendered text of each row's parsed message."""
         originals: list[list[int]] = []
         texts: list[str] = []
         for row in rows:
@@ -190,10 +194,14 @@ class Validator:
                     parsed.message, parsed.finish_reason, parsed.tool_call_index_start or 0, thinking=self.thinking
                 )
             )
-        rebuilt = self.codec.encode_batch(texts)
-        return [self._compare(r.sample_id, o, n) for r, o, n in zip(rows, originals, rebuilt)]
+        return originals, texts
 
-    def _compare(self, sample_id: str, orig: list[int], new: list[int]) -> RowResult:
+    def validate(self, rows: Sequence[InputRow]) -> list[RowResult]:
+        originals, texts = self.prepare(rows)
+        rebuilt = self.codec.encode_batch(texts)
+        return [self.compare(r.sample_id, o, n) for r, o, n in zip(rows, originals, rebuilt)]
+
+    def compare(self, sample_id: str, orig: list[int], new: list[int]) -> RowResult:
         if orig == new:
             return RowResult(sample_id, "exact", None, [], [], len(orig), len(new), len(orig))
         shortest = min(len(orig), len(new))
@@ -201,7 +209,7 @@ class Validator:
         suffix = 0
         while suffix < shortest - first and orig[-1 - suffix] == new[-1 - suffix]:
             suffix += 1
-        if self.codec.decode(orig) != self.codec.decode(new):
+        if self.codec.decode_bytes(orig) != self.codec.decode_bytes(new):
             cls = "text_diff"
         elif self._structure(orig) != self._structure(new):
             cls = "special_token"
@@ -242,26 +250,91 @@ def validate_rows(
     on_bad_row: str = "fail",
     thinking: bool = True,
     chunk_rows: int = CHUNK_ROWS,
+    workers: int = 1,
 ) -> Iterator[RowResult | BadRow]:
-    """Per-row results in input order, validated in bounded chunks (the DAG keeps them as
-    `validation_rows`). A bad row raises `UserError` unless `on_bad_row == "skip"`."""
+    """Per-row results in input order (the DAG keeps them as `validation_rows`).
+
+    Rows go in bounded chunks. With `workers > 1` (and fork available) chunks are validated in
+    forked processes, at most two per worker in flight; otherwise one chunk is encoded on threads
+    while the next is parsed. A bad row raises `UserError` unless `on_bad_row == "skip"`."""
     if on_bad_row not in ("fail", "skip"):
         raise ValueError(f"on_bad_row must be 'fail' or 'skip', not {on_bad_row!r}")
     validator = Validator(tokenizer, thinking=thinking)
-    buf: list[InputRow] = []
-    for row in rows:
-        if isinstance(row, BadRow):
-            if on_bad_row == "fail":
-                raise UserError(row.message() + " (use --on-bad-row skip to validate the other rows)")
-            yield from validator.validate(buf)
-            buf = []
-            yield row
-            continue
-        buf.append(row)
-        if len(buf) >= chunk_rows:
-            yield from validator.validate(buf)
-            buf = []
-    yield from validator.validate(buf)
+    if workers > 1 and "fork" in multiprocessing.get_all_start_methods():
+        yield from _validate_forked(validator, rows, on_bad_row, chunk_rows, workers)
+        return
+    with ThreadPoolExecutor(1, thread_name_prefix="encode") as encoder:
+        pending = None
+        for items in _chunks(rows, chunk_rows):
+            good = _good_rows(items, on_bad_row)
+            originals, texts = validator.prepare(good)
+            future = encoder.submit(validator.codec.encode_batch, texts)
+            if pending is not None:
+                yield from _finish(validator, *pending)
+            pending = (items, originals, future)
+        if pending is not None:
+            yield from _finish(validator, *pending)
+
+
+def _good_rows(items: list, on_bad_row: str) -> list[InputRow]:
+    for item in items:
+        if isinstance(item, BadRow) and on_bad_row == "fail":
+            raise UserError(item.message() + " (use --on-bad-row skip to validate the other rows)")
+    return [item for item in items if isinstance(item, InputRow)]
+
+
+_FORKED: Validator | None = None  # set in the parent just before forking; children inherit it
+
+
+def _forked_init() -> None:
+    codec = _FORKED.codec
+    if hasattr(codec, "num_threads"):
+        codec.num_threads, codec._pool = 1, None  # the parent's threads do not survive a fork
+
+
+def _forked_validate(items: list) -> list[RowResult | BadRow]:
+    results = iter(_FORKED.validate([i for i in items if isinstance(i, InputRow)]))
+    return [item if isinstance(item, BadRow) else next(results) for item in items]
+
+
+def _validate_forked(
+    validator: Validator, rows: Iterable[InputRow | BadRow], on_bad_row: str, chunk_rows: int, workers: int
+) -> Iterator[RowResult | BadRow]:
+    global _FORKED
+    _FORKED = validator
+    try:
+        with multiprocessing.get_context("fork").Pool(workers, initializer=_forked_init) as pool:
+            inflight: deque = deque()
+            for items in _chunks(rows, chunk_rows):
+                _good_rows(items, on_bad_row)
+                inflight.append(pool.apply_async(_forked_validate, (items,)))
+                while len(inflight) > 2 * workers:
+                    yield from inflight.popleft().get()
+            while inflight:
+                yield from inflight.popleft().get()
+    finally:
+        _FORKED = None
+
+
+def _chunks(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
+    chunk: list[Any] = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) >= size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _finish(validator: Validator, items: list, originals: list[list[int]], future: Future) -> Iterator[RowResult | BadRow]:
+    pairs = iter(zip(originals, future.result()))
+    for item in items:
+        if isinstance(item, BadRow):
+            yield item
+        else:
+            original, rebuilt = next(pairs)
+            yield validator.compare(item.sample_id, original, rebuilt)
 
 
 # ---------------------------------------------------------------- report and gate
@@ -317,9 +390,10 @@ def validate_to_report(
     max_bpe_mismatch_rate: float = DEFAULT_MAX_BPE_MISMATCH_RATE,
     on_bad_row: str = "fail",
     thinking: bool = True,
+    workers: int = 1,
 ) -> dict[str, Any]:
     summary = ValidationSummary(max_bpe_mismatch_rate)
-    for item in validate_rows(tokenizer, rows, on_bad_row=on_bad_row, thinking=thinking):
+    for item in validate_rows(tokenizer, rows, on_bad_row=on_bad_row, thinking=thinking, workers=workers):
         summary.add(item)
     return summary.report()
 

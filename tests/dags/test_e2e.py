@@ -23,9 +23,10 @@ pytestmark = pytest.mark.slow
 DATE = datetime(2026, 11, 1, tzinfo=timezone.utc)
 RUN_KEY = "date=2026-11-01"
 SAMPLES = 5  # prompts per dataset
+MAX_NEW = 200  # long enough that the dev model finishes (a cut tool call cannot be reconstructed)
 PER_DATASET_STAGES = ("prompts", "generate_local", "generate_overflow", "reconstruct", "validate")
 OVERRIDES = {
-    "generation": {"sampling": {"max_new_tokens": 48}, "local": {"rows_per_part": 2}, "overflow": {"rows_per_part": 2}},
+    "generation": {"sampling": {"max_new_tokens": MAX_NEW}, "local": {"rows_per_part": 2}, "overflow": {"rows_per_part": 2}},
     "routing": {"overflow_fraction": 0.4, "calibration_samples": 1},
     "merge": {"max_length": 512, "shard_tokens": 1024},
     "datasets": [
@@ -257,7 +258,7 @@ def test_dry_run_plans_without_spend(stack, dag):
 
     plan = _store(stack).get_json(StageRef("plan-only", "plan", "all"), "plan.json")
     assert set(plan["datasets"]) == {"tool_calls", "code", "chat"}
-    assert plan["totals"]["prompt_tokens"] > 0 and plan["totals"]["max_output_tokens"] == 3 * SAMPLES * 48 + 3 * 48
+    assert plan["totals"]["prompt_tokens"] > 0 and plan["totals"]["max_output_tokens"] == 3 * SAMPLES * MAX_NEW + 3 * MAX_NEW
 
 
 def _latest_run_id(dag) -> str:

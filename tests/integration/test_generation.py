@@ -27,7 +27,8 @@ def prompts(n: int, dataset: str = "tool_calls") -> list[dict]:
     return rows
 
 
-def test_local_generation_ids_parse_and_resume(store, dev_server, kimi_tokenizer, tmp_path):
+def test_local_generation_ids_parse_and_resume(store, start_dev_server, kimi_tokenizer, tmp_path):
+    dev_server = start_dev_server({})
     fmt = get_output_format(kimi_tokenizer)
     ref = StageRef(run_key="run-a", stage="generate_local", dataset="tool_calls")
     summary = generate_local(store, ref, prompts(24), kimi_tokenizer, [dev_server.url], SAMPLING,
@@ -59,7 +60,8 @@ def test_local_generation_ids_parse_and_resume(store, dev_server, kimi_tokenizer
     assert sum(dev_server.stats()["requests"]["generate"][f"s{i:04d}"] for i in range(24)) == 24
 
 
-def test_overflow_text_matches_local_ids_and_key_never_stored(store, dev_server, kimi_tokenizer, tmp_path, caplog):
+def test_overflow_text_matches_local_ids_and_key_never_stored(store, start_dev_server, kimi_tokenizer, tmp_path, caplog):
+    dev_server = start_dev_server({})
     caplog.set_level("DEBUG")
     local = StageRef(run_key="run-b", stage="generate_local", dataset="tool_calls")
     over = StageRef(run_key="run-b", stage="generate_overflow", dataset="tool_calls")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from datetime import datetime, timedelta, timezone
 from html import escape
@@ -168,3 +169,38 @@ def test_length_stats_and_histogram():
     assert length_stats([])["count"] == 0
     hist = first_diff_histogram([{"first_diff": 0}, {"first_diff": 0}, {"first_diff": 5}, {"first_diff": None}], bins=2)
     assert sum(hist["counts"]) == 3 and hist["counts"][0] == 2
+
+
+def test_cli_renders_the_report(store, run_report, s3_server, tmp_path, monkeypatch, capsys):
+    import yaml
+
+    from eagle3_data.cli import main
+    from eagle3_data.config import DEFAULT_CONFIG_PATH
+
+    cfg = yaml.safe_load(DEFAULT_CONFIG_PATH.read_text())
+    cfg["storage"] = {"bucket": store.bucket, "prefix": store.prefix}
+    (tmp_path / "pipeline.yaml").write_text(yaml.safe_dump(cfg))
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server.secret_key)
+    common = ["--config", str(tmp_path / "pipeline.yaml"), "--endpoint-url", s3_server.endpoint_url]
+    assert main(["report", "--run-key", RUN, "--format", "json", "--out", str(tmp_path / "r.json"), *common]) == 0
+    summary = json.loads((tmp_path / "r.json").read_text())
+    assert [d["dataset"] for d in summary["datasets"]] == ["chat", "tool_calls"]
+    assert summary["datasets"][1]["counts"]["bpe_only"] == 8
+    assert main(["report", "--run-key", RUN, *common]) == 0
+    assert "Example diffs (8 of 8)" in capsys.readouterr().out
+    assert main(["report", "--run-key", "nope", *common]) == 2
+    assert "runs/nope/report/run/run_report.json does not exist" in capsys.readouterr().err
+
+
+def test_examples_show_the_worst_classes_first():
+    from eagle3_data.report_view import DatasetReport, RunReport
+
+    mismatches = [{"sample_id": f"b{i}", "class": "bpe_only", "first_diff": i, "original": ["a"], "reconstructed": ["b"]}
+                  for i in range(25)]
+    mismatches.append({"sample_id": "t0", "class": "text_diff", "first_diff": 3, "original": ["é"], "reconstructed": ["\ufffd"]})
+    validation = {"samples": 100, "counts": {"exact": 74, "bpe_only": 25, "text_diff": 1}, "mismatches": mismatches}
+    html = render_html(RunReport("k", {}, [DatasetReport("chat", validation=validation)]), title="t")
+    assert "Example diffs (20 of 26)" in html and "6 more not shown" in html
+    examples = html[html.index("Example diffs"):]
+    assert examples.index("<code>t0</code>") < examples.index("<code>b0</code>")

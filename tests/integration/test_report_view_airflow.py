@@ -11,7 +11,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import httpx
 import pytest
 import yaml
 
+from eagle3_data.dev.stack import airflow_db_migrate, airflow_env, free_port
 from eagle3_data.report_view import length_stats, write_run_report
 from eagle3_data.storage import ArtifactStore, StageRef
 
@@ -44,12 +44,6 @@ def probe():
 
 probe()
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_report(store: ArtifactStore) -> None:
@@ -115,13 +109,10 @@ def api_server(tmp_path_factory, s3_server):
 
     env = {
         **os.environ,
-        "AIRFLOW_HOME": str(home),
+        **airflow_env(home),
         "AIRFLOW__CORE__DAGS_FOLDER": str(home / "dags"),
         "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO / "plugins"),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db",
-        "AIRFLOW__LOGGING__BASE_LOG_FOLDER": str(home / "logs"),
-        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "False",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "False",  # all-admins signs everyone in
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(home / "passwords.json"),
         "AIRFLOW__API_AUTH__JWT_SECRET": secrets.token_hex(32),
@@ -130,8 +121,8 @@ def api_server(tmp_path_factory, s3_server):
             "extra": {"endpoint_url": s3_server.endpoint_url, "region_name": "us-east-1"}}),
         "EAGLE3_CONFIG": str(home / "pipeline.yaml"),
     }
-    for cmd in (["db", "migrate"], ["dags", "reserialize"]):
-        subprocess.run([str(BIN / "airflow"), *cmd], env=env, check=True, capture_output=True, timeout=300)
+    airflow_db_migrate(env)
+    subprocess.run([str(BIN / "airflow"), "dags", "reserialize"], env=env, check=True, capture_output=True, timeout=300)
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"

@@ -15,7 +15,7 @@ from eagle3_data.storage import s3_client
 
 pytestmark = pytest.mark.slow
 
-CLI = [sys.executable, "-m", "eagle3_data.cli"]
+CLI = [str(Path(sys.executable).parent / "eagle3-data")]
 
 
 def cli(*args: str, env: dict) -> subprocess.CompletedProcess:
@@ -47,6 +47,7 @@ def test_cli_start_stop_restart_keeps_data_and_refuses_wrong_keys(tmp_path, s3_s
         if Path("/proc").exists():
             assert listening_addresses(pid) == {"127.0.0.1"}
         assert "cli-test-secret-value" not in (d / "weed.json").read_text()
+        assert "cli-test-secret-value" not in (d / "weed.log").read_text()
 
         client = s3_client(endpoint, access_key="cli-test-key", secret_key="cli-test-secret-value")
         client.create_bucket(Bucket="persist")

@@ -108,6 +108,8 @@ def test_reader_refuses_stage_without_manifest(store):
         assert not store.is_complete(REF)
         with pytest.raises(IncompleteStage, match="no _manifest.json: stage not complete"):
             store.read_table(REF)
+        with pytest.raises(IncompleteStage):
+            store.iter_batches(REF)  # at the call, not at the first batch
         w.commit()
     assert store.is_complete(REF)
 
@@ -117,6 +119,18 @@ def test_iter_batches_streams_row_groups_and_columns(store):
     batches = list(store.iter_batches(REF, columns=["sample_id"], batch_size=4))
     assert [b.num_rows for b in batches] == [4, 2, 4]
     assert batches[0].schema.names == ["sample_id"]
+
+
+def test_iter_batches_stops_early_and_reports_the_bad_part_in_order(store):
+    write_all(store, n=12, rows_per_part=3)
+    first = next(iter(store.iter_batches(REF)))  # abandoning the stream leaves nothing running
+    assert first.num_rows == 3
+    flip_byte(store, store.key(REF, "part-00002.parquet"))
+    seen = []
+    with pytest.raises(CorruptArtifact, match="part-00002"):
+        for batch in store.iter_batches(REF, columns=["sample_id"]):
+            seen.extend(batch.column(0).to_pylist())
+    assert seen == [f"s{i:04d}" for i in range(6)]  # parts before the bad one, nothing from it
 
 
 def test_empty_stage_reads_as_empty_table(store):
@@ -311,9 +325,15 @@ def test_datasets_lists_complete_stages_only(store):
 
 
 # -- safety and failures ---------------------------------------------------------------------------
-def test_credential_params_are_refused(store):
+@pytest.mark.parametrize("params", [{"openrouter": {"api_key": "sk-or-123"}}, {"aws_secret_access_key": "x"}, {"auth": [{"password": "p"}]}])
+def test_credential_params_are_refused(store, params):
     with pytest.raises(UserError, match="looks like a credential"):
-        write_all(store, n=1, params={"openrouter": {"api_key": "sk-or-123"}})
+        write_all(store, n=1, params=params)
+
+
+def test_ordinary_params_that_mention_keys_pass(store):
+    params = {"api_key_env": "OPENROUTER_API_KEY", "max_tokens": 512, "bos_token": "[BOS]", "tokenizer_sha256": "t"}
+    assert write_all(store, n=1, params=params)["params"] == params
 
 
 def test_secret_never_in_manifest_or_logs(store, s3_server, caplog):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import shutil
+from types import SimpleNamespace
 
 import pytest
 
@@ -52,16 +53,16 @@ def test_any_hf_tokenizer_directory_audits(tmp_path):
     assert not audit_tokenizer(tok, {"</s>": 0}).passed
 
 
-def test_fingerprints_change_with_files(kimi_tokenizer_dir, tmp_path):
+def test_fingerprints_change_with_files(kimi_tokenizer, kimi_tokenizer_dir, tmp_path):
     copy = tmp_path / "tok"
     shutil.copytree(kimi_tokenizer_dir, copy)
-    a = load_tokenizer(copy)
-    before = tokenizer_files_sha256(a), chat_template_sha256(a)
-    assert before[0] == tokenizer_files_sha256(load_tokenizer(kimi_tokenizer_dir))
-    (copy / "chat_template.jinja").write_text((copy / "chat_template.jinja").read_text() + " ")
-    b = load_tokenizer(copy)
-    assert tokenizer_files_sha256(b) != before[0]
-    assert chat_template_sha256(b) != before[1]
+    before = tokenizer_files_sha256(kimi_tokenizer)
+    assert tokenizer_files_sha256(SimpleNamespace(name_or_path=str(copy))) == before
+    (copy / "tiktoken.model").write_bytes((copy / "tiktoken.model").read_bytes() + b"\n")
+    assert tokenizer_files_sha256(SimpleNamespace(name_or_path=str(copy))) != before
+    template = kimi_tokenizer.chat_template
+    assert chat_template_sha256(kimi_tokenizer) == chat_template_sha256(SimpleNamespace(chat_template=template))
+    assert chat_template_sha256(SimpleNamespace(chat_template=template + " ")) != chat_template_sha256(kimi_tokenizer)
 
 
 def test_load_errors_are_user_errors(tmp_path):
@@ -77,7 +78,7 @@ def test_load_from_s3_prefix(kimi_tokenizer_dir, s3_server, s3_bucket, tmp_path)
         client.upload_file(str(path), s3_bucket, f"models/kimi/{path.name}")
     tok = load_tokenizer(f"s3://{s3_bucket}/models/kimi", cache_dir=str(tmp_path), s3_client=client)
     assert tok.convert_tokens_to_ids("<|im_end|>") == 163586
-    assert tokenizer_files_sha256(tok) == tokenizer_files_sha256(load_tokenizer(kimi_tokenizer_dir))
+    assert tokenizer_files_sha256(tok) == tokenizer_files_sha256(SimpleNamespace(name_or_path=str(kimi_tokenizer_dir)))
 
 
 def _random_text(rng: random.Random) -> str:
@@ -101,3 +102,4 @@ def test_tiktoken_fast_path_agrees_with_hf(kimi_tokenizer):
     ids = [rng.randrange(163840) for _ in range(20000)]  # arbitrary ids, incl. partial UTF-8 bytes
     for start in range(0, len(ids), 37):
         assert fmt.codec.decode(ids[start : start + 37]) == hf.decode(ids[start : start + 37])
+        assert fmt.codec.decode_bytes(ids[start : start + 37]) == hf.decode_bytes(ids[start : start + 37])

@@ -22,7 +22,15 @@ from eagle3_data.chat_format.base import (
     normalize_finish_reason,
 )
 from eagle3_data.errors import UserError
-from eagle3_data.tokenizer import Codec, HFCodec, TiktokenCodec, check_token, codecs_agree
+from eagle3_data.tokenizer import (
+    Codec,
+    HFCodec,
+    TiktokenCodec,
+    TiktokenTokenizer,
+    check_token,
+    codecs_agree,
+    tiktoken_encoding,
+)
 
 # Moonshot's pre-tokenizer split (tokenization_kimi.py; splintr.KIMI_PATTERN).
 KIMI_PATTERN = "|".join(
@@ -68,9 +76,11 @@ class KimiK2Format(OutputFormat):
         CALL_END,
     )
 
+    pattern = KIMI_PATTERN
+
     @classmethod
     def matches(cls, tokenizer: Any) -> bool:
-        vocab = tokenizer.get_vocab()
+        vocab = tokenizer.get_added_vocab()
         return all(t in vocab for t in cls.structural_tokens)
 
     def __init__(self, tokenizer: Any):
@@ -82,7 +92,7 @@ class KimiK2Format(OutputFormat):
                 raise UserError(f"tokenizer {tokenizer.name_or_path}: " + "; ".join(problems))
             self.special_ids[name] = tid
         ids = self.special_ids
-        eos = tokenizer.convert_tokens_to_ids(EOS) if EOS in tokenizer.get_vocab() else None
+        eos = tokenizer.get_added_vocab().get(EOS)
         self.stop_token_ids = [ids[IM_END]] + ([eos] if eos is not None and eos != ids[IM_END] else [])
         self._think_end = ids[THINK_END]
         self._section_begin, self._section_end = ids[SECTION_BEGIN], ids[SECTION_END]
@@ -93,23 +103,17 @@ class KimiK2Format(OutputFormat):
         """tiktoken over the directory's `tiktoken.model`, used only if it agrees with the HF tokenizer."""
         import tiktoken
 
-        encoding = getattr(self.tokenizer, "model", None)  # Moonshot's remote-code tokenizer wraps one
+        encoding = getattr(self.tokenizer, "model", None)  # Moonshot's remote code and ours wrap one
+        if isinstance(self.tokenizer, TiktokenTokenizer):
+            return TiktokenCodec(encoding)  # already verified against the HF tokenizer of these files
         if not isinstance(encoding, tiktoken.Encoding):
             vocab_file = Path(self.tokenizer.name_or_path or "") / "tiktoken.model"
             if not vocab_file.is_file():
                 return None
-            from tiktoken.load import load_tiktoken_bpe
-
-            ranks = load_tiktoken_bpe(str(vocab_file))
-            specials = {
-                tok: tid for tok, tid in self.tokenizer.get_vocab().items() if tid >= len(ranks)
-            }
-            encoding = tiktoken.Encoding(
-                "kimi_k2", pat_str=KIMI_PATTERN, mergeable_ranks=ranks, special_tokens=specials
-            )
+            encoding = tiktoken_encoding(vocab_file, KIMI_PATTERN, self.tokenizer.get_added_vocab())
         codec = TiktokenCodec(encoding)
-        names = sorted(self.tokenizer.get_vocab(), key=self.tokenizer.get_vocab().get)[encoding.n_vocab - 256 :]
-        if codecs_agree(codec, HFCodec(self.tokenizer), len(self.tokenizer), names) is not None:
+        specials = list(self.tokenizer.get_added_vocab())
+        if codecs_agree(codec, HFCodec(self.tokenizer), len(self.tokenizer), specials) is not None:
             return None
         return codec
 

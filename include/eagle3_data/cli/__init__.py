@@ -19,6 +19,7 @@ COMMAND_MODULES = [
     "generate",
     "merge",
     "extract",
+    "report",
     "dev",
 ]
 

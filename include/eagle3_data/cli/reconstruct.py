@@ -19,24 +19,36 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     from eagle3_data.chat_format import get_output_format
     from eagle3_data.reconstruct import read_records, reconstruct_rows, row_to_reconstruct
-    from eagle3_data.tokenizer import load_tokenizer
+    from eagle3_data.tokenizer import load_bulk_tokenizer
 
-    tokenizer = load_tokenizer(args.tokenizer, trust_remote_code=args.trust_remote_code)
+    tokenizer = load_bulk_tokenizer(args.tokenizer, trust_remote_code=args.trust_remote_code)
     fmt = get_output_format(tokenizer)
     rows = (row_to_reconstruct(fmt, record, where) for where, record in read_records(args.input))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".partial")
-    n = 0
     results = ({"sample_id": r.sample_id, "finish_reason": r.finish_reason, "output_ids": ids} for r, ids in reconstruct_rows(tokenizer, rows))
-    if out.suffix == ".parquet":
+    try:
+        n = _write(tmp, out.suffix, results)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    tmp.replace(out)  # a failed run leaves no half-written output under the final name
+    print(f"reconstructed {n} samples -> {out}")
+    return 0
+
+
+def _write(path: Path, suffix: str, records) -> int:
+    """Stream records to JSONL, or to Parquet in row groups of 1024."""
+    n = 0
+    if suffix == ".parquet":
         import pyarrow as pa
         import pyarrow.parquet as pq
 
         schema = pa.schema([("sample_id", pa.string()), ("finish_reason", pa.string()), ("output_ids", pa.list_(pa.int32()))])
-        with pq.ParquetWriter(tmp, schema) as writer:
+        with pq.ParquetWriter(path, schema) as writer:
             batch: list[dict] = []
-            for rec in results:
+            for rec in records:
                 batch.append(rec)
                 n += 1
                 if len(batch) >= 1024:
@@ -44,11 +56,9 @@ def _run(args: argparse.Namespace) -> int:
                     batch = []
             if batch:
                 writer.write_table(pa.Table.from_pylist(batch, schema=schema))
-    else:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            for rec in results:
-                fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
-                n += 1
-    tmp.replace(out)  # a failed run leaves no half-written output under the final name
-    print(f"reconstructed {n} samples -> {out}")
-    return 0
+        return n
+    with open(path, "w", encoding="utf-8") as fh:
+        for rec in records:
+            fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            n += 1
+    return n

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from eagle3_data.errors import GateFailed, UserError
@@ -16,17 +17,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--report", required=True, help="JSON report to write; a Markdown summary goes beside it")
     p.add_argument("--max-bpe-mismatch-rate", type=float, default=0.10, help="gate on the bpe_only share (default 0.10)")
     p.add_argument("--on-bad-row", choices=["fail", "skip"], default="fail")
+    p.add_argument("--workers", type=int, default=0, help="processes (default: one per CPU core)")
     p.add_argument("--no-thinking", action="store_true", help="generations were made with thinking off")
     p.add_argument("--trust-remote-code", action="store_true")
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
-    from eagle3_data.tokenizer import load_tokenizer
+    from eagle3_data.tokenizer import load_bulk_tokenizer
     from eagle3_data.validate import rows_from_file, validate_to_report
     from eagle3_data.validate_report import report_markdown
 
-    tokenizer = load_tokenizer(args.tokenizer, trust_remote_code=args.trust_remote_code)
+    tokenizer = load_bulk_tokenizer(args.tokenizer, trust_remote_code=args.trust_remote_code)
     rows = rows_from_file(args.input, len(tokenizer))
     report = validate_to_report(
         tokenizer,
@@ -34,6 +36,7 @@ def _run(args: argparse.Namespace) -> int:
         max_bpe_mismatch_rate=args.max_bpe_mismatch_rate,
         on_bad_row=args.on_bad_row,
         thinking=not args.no_thinking,
+        workers=args.workers or os.cpu_count() or 1,
     )
     out = Path(args.report)
     out.parent.mkdir(parents=True, exist_ok=True)

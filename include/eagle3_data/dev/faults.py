@@ -24,6 +24,7 @@ YAML shape (every key optional)::
         timeout_sleep_s: 30
         malformed_json: 0.01
         empty_content: 0.01
+        bad_request: 0.0                           # 400 (permanent: never retried)
         trim_whitespace: 0.1
         rewrite_tool_call_ids: 0.1
         reserialize_arguments: 0.1
@@ -42,7 +43,7 @@ import yaml
 
 from eagle3_data.errors import UserError
 
-ERROR_FAULTS = ("rate_limit", "server_error", "timeout", "malformed_json", "empty_content")
+ERROR_FAULTS = ("rate_limit", "server_error", "timeout", "malformed_json", "empty_content", "bad_request")
 CONTENT_FAULTS = ("trim_whitespace", "rewrite_tool_call_ids", "reserialize_arguments")
 
 
@@ -56,6 +57,7 @@ class EndpointFaults:
     timeout_sleep_s: float = 30.0
     malformed_json: float = 0.0
     empty_content: float = 0.0
+    bad_request: float = 0.0
     trim_whitespace: float = 0.0
     rewrite_tool_call_ids: float = 0.0
     reserialize_arguments: float = 0.0

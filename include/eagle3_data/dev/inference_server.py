@@ -42,6 +42,7 @@ class Stats:
         self.in_flight: Counter = Counter()
         self.max_in_flight: Counter = Counter()
         self.total_answered: Counter = Counter()
+        self.abandoned: Counter = Counter()
 
     def to_dict(self) -> dict:
         return {
@@ -50,22 +51,39 @@ class Stats:
             "faults": {k: dict(v) for k, v in self.faults.items()},
             "max_in_flight": dict(self.max_in_flight),
             "total_answered": dict(self.total_answered),
+            "abandoned": dict(self.abandoned),
         }
 
 
-def create_app(tokenizer_dir: str | Path, config: ServerConfig | None = None) -> FastAPI:
-    from transformers import AutoTokenizer
+class _State:
+    """What `POST /dev/config` replaces: the config, the generator built from it, the counters."""
 
-    config = config or ServerConfig()
-    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    model = DevTextModel(tok, config.noncanonical_rates())
-    stats = Stats()
+    def __init__(self, tok, config: ServerConfig):
+        self.tok = tok
+        self.reset(config)
+
+    def reset(self, config: ServerConfig) -> None:
+        self.config = config
+        if hasattr(self, "model"):
+            self.model.rates = config.noncanonical_rates()  # keeps its vocabulary tables
+        else:
+            self.model = DevTextModel(self.tok, config.noncanonical_rates())
+        self.stats = Stats()
+
+
+def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
+    """`tokenizer`: a loaded HF tokenizer or its directory."""
+    if isinstance(tokenizer, (str, Path)):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
+    tok = tokenizer
+    state = _State(tok, config or ServerConfig())
     app = FastAPI(title="eagle3-data dev inference server")
-    app.state.stats = stats
 
     @lru_cache(maxsize=65536)
     def generate_cached(prompt: tuple[int, ...], max_new: int, temperature: float, seed, dataset) -> Generation:
-        return model.generate(list(prompt), max_new_tokens=max_new, temperature=temperature, seed=seed, dataset=dataset)
+        return state.model.generate(list(prompt), max_new_tokens=max_new, temperature=temperature, seed=seed, dataset=dataset)
 
     @lru_cache(maxsize=65536)
     def chat_prompt(key: str) -> tuple[int, ...]:
@@ -77,24 +95,32 @@ def create_app(tokenizer_dir: str | Path, config: ServerConfig | None = None) ->
 
     async def admit(endpoint: str, request: Request, key: str):
         """Count the request, draw its faults, sleep its latency; returns (error, rewrites)."""
-        stats.requests[endpoint][key] += 1
-        faults = config.faults(endpoint)
-        error, rewrites, latency = faults.draw(config.rng(endpoint, key, stats.requests[endpoint][key]))
-        if faults.credits_after is not None and stats.total_answered[endpoint] >= faults.credits_after:
-            error = "credits"
-        stats.in_flight[endpoint] += 1
-        stats.max_in_flight[endpoint] = max(stats.max_in_flight[endpoint], stats.in_flight[endpoint])
+        state.stats.requests[endpoint][key] += 1
+        faults = state.config.faults(endpoint)
+        error, rewrites, latency = faults.draw(state.config.rng(endpoint, key, state.stats.requests[endpoint][key]))
+        state.stats.in_flight[endpoint] += 1
+        state.stats.max_in_flight[endpoint] = max(state.stats.max_in_flight[endpoint], state.stats.in_flight[endpoint])
         try:
             await asyncio.sleep(faults.timeout_sleep_s if error == "timeout" else latency)
         finally:
-            stats.in_flight[endpoint] -= 1
+            state.stats.in_flight[endpoint] -= 1
+        if error in (None, "timeout", "malformed_json", "empty_content"):  # answers that are billed
+            if faults.credits_after is not None and state.stats.total_answered[endpoint] >= faults.credits_after:
+                error = "credits"
+            else:
+                state.stats.total_answered[endpoint] += 1
         if error:
-            stats.faults[endpoint][error] += 1
+            state.stats.faults[endpoint][error] += 1
         return (None if error == "timeout" else error), rewrites, faults
 
-    def answered(endpoint: str, key: str) -> None:
-        stats.answered[endpoint][key] += 1
-        stats.total_answered[endpoint] += 1
+    async def delivered(endpoint: str, key: str, request: Request) -> bool:
+        """Count an answer as delivered (billed) unless its client is gone; such answers are
+        `abandoned` (a real provider may still bill them: see docs/generation.md)."""
+        if await request.is_disconnected():
+            state.stats.abandoned[endpoint] += 1
+            return False
+        state.stats.answered[endpoint][key] += 1
+        return True
 
     @app.get("/health")
     async def health() -> Response:
@@ -102,11 +128,26 @@ def create_app(tokenizer_dir: str | Path, config: ServerConfig | None = None) ->
 
     @app.get("/get_model_info")
     async def model_info() -> dict:
-        return {"model_path": config.model, "tokenizer_path": str(tokenizer_dir), "is_generation": True}
+        return {"model_path": state.config.model, "tokenizer_path": str(tok.name_or_path), "is_generation": True}
 
     @app.get("/dev/stats")
     async def dev_stats() -> dict:
-        return stats.to_dict()
+        return state.stats.to_dict()
+
+    @app.post("/dev/config")
+    async def dev_config(request: Request) -> Response:
+        """Replace the config (same keys as the YAML) and reset the counters: lets one server
+        process serve many test scenarios instead of paying its start-up for each."""
+        from eagle3_data.dev.faults import config_from_dict
+        from eagle3_data.errors import UserError
+
+        try:
+            new = config_from_dict(await request.json(), source="POST /dev/config")
+        except (UserError, TypeError, ValueError) as exc:
+            return JSONResponse({"error": {"message": str(exc)}}, status_code=400)
+        state.reset(new)
+        generate_cached.cache_clear()
+        return JSONResponse({"ok": True})
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
@@ -130,7 +171,7 @@ def create_app(tokenizer_dir: str | Path, config: ServerConfig | None = None) ->
             gen = generate_cached(tuple(prompt), int(sp.get("max_new_tokens", 128)),
                                   float(sp.get("temperature", 1.0)), sp.get("sampling_seed", sp.get("seed")), dataset)
             ids = list(gen.output_ids)
-            if gen.matched_stop is not None and not config.include_stop_in_output_ids:
+            if gen.matched_stop is not None and not state.config.include_stop_in_output_ids:
                 ids = ids[:-1]
             finish = ({"type": "stop", "matched": gen.matched_stop} if gen.finish_reason == "stop"
                       else {"type": "length", "length": len(gen.output_ids)})
@@ -148,7 +189,7 @@ def create_app(tokenizer_dir: str | Path, config: ServerConfig | None = None) ->
                     "dev_noncanonical_splits": gen.noncanonical_splits,
                 },
             })
-        answered("generate", key)
+        await delivered("generate", key, request)
         if error == "malformed_json":
             return Response(json.dumps(outs)[:-7], media_type="application/json")
         return JSONResponse(outs if batch else outs[0])
@@ -176,8 +217,8 @@ def create_app(tokenizer_dir: str | Path, config: ServerConfig | None = None) ->
         max_new = body.get("max_completion_tokens") or body.get("max_tokens") or 4096
         gen = generate_cached(prompt, int(max_new), float(body.get("temperature", 1.0)), body.get("seed"),
                               request.headers.get(DATASET_HEADER))
-        answered("chat", key)
-        answer = _chat_answer(gen, len(prompt), config, rewrites, empty=error == "empty_content")
+        await delivered("chat", key, request)
+        answer = _chat_answer(gen, len(prompt), state.config, rewrites, empty=error == "empty_content")
         if error == "malformed_json":
             return Response(json.dumps(answer)[: len(json.dumps(answer)) // 2], media_type="application/json")
         return JSONResponse(answer)
@@ -247,6 +288,8 @@ def _error_response(error: str, faults) -> Response:
         return _openrouter_error(429, "Rate limit exceeded (injected)", {"Retry-After": str(faults.retry_after_s)})
     if error == "credits":
         return _openrouter_error(402, "Insufficient credits (injected)")
+    if error == "bad_request":
+        return _openrouter_error(400, "Provider rejected the request (injected)")
     if error == "server_error":
         return _openrouter_error(502, "Provider returned error (injected)")
     return _openrouter_error(500, f"unknown fault {error}")
@@ -258,3 +301,61 @@ def serve(tokenizer_dir: str | Path, port: int, config: ServerConfig | None = No
 
     uvicorn.run(create_app(tokenizer_dir, config), host=host, port=port, log_level="warning",
                 access_log=False, timeout_keep_alive=60)
+
+
+class DevServerProcess:
+    """The dev server as a child process on a free 127.0.0.1 port; `stop()` kills it by PID."""
+
+    def __init__(self, tokenizer_dir: str | Path, config_path: str | Path | None = None, log_path: str | Path | None = None,
+                 startup_timeout_s: float = 120.0):
+        import os
+        import socket
+        import subprocess
+        import sys
+
+        import httpx
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-c", "from eagle3_data.cli import main; raise SystemExit(main())", "dev", "serve",
+               "--port", str(self.port), "--tokenizer", str(tokenizer_dir)]
+        if config_path:
+            cmd += ["--config", str(config_path)]
+        self._log = open(log_path or os.devnull, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.time() + startup_timeout_s
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                self._log.close()
+                raise RuntimeError(f"dev server exited with code {self.proc.returncode} (log: {log_path})")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"dev server did not become healthy in {startup_timeout_s} s")
+
+    def stats(self) -> dict:
+        import httpx
+
+        return httpx.get(f"{self.url}/dev/stats", timeout=30).json()
+
+    def configure(self, config: dict) -> None:
+        """Replace the running server's config (YAML keys) and reset its counters."""
+        import httpx
+
+        r = httpx.post(f"{self.url}/dev/config", json=config, timeout=30)
+        if r.status_code != 200:
+            raise ValueError(r.text)
+
+    def stop(self) -> None:
+        import os
+        import signal
+
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        self._log.close()

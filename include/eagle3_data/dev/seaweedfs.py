@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,10 +98,13 @@ def start_seaweedfs(
     access_key: str | None = None,
     secret_key: str | None = None,
     timeout: float = 60.0,
+    die_with_parent: bool = False,
 ) -> SeaweedHandle:
     """Start `weed mini` in the background on DIR (or return the one already running there).
 
     Returns once S3 answers a signed request. Data stays under DIR/data across restarts.
+    `die_with_parent` (Linux): the kernel SIGKILLs it when this process dies, so a test session
+    killed by a timeout leaves no server behind.
     """
     root = Path(dir).resolve()
     (root / "data").mkdir(parents=True, exist_ok=True)
@@ -144,6 +148,7 @@ def start_seaweedfs(
             stdout=logf,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # survives the CLI that started it; not hit by the terminal's ^C
+            preexec_fn=_kill_me_with_parent if die_with_parent else None,
         )
     _CHILDREN[proc.pid] = proc
     (root / PID_FILE).write_text(f"{proc.pid}\n")
@@ -245,23 +250,44 @@ def _port_in_use(port: int) -> bool:
 
 
 def _wait_ready(handle: SeaweedHandle, timeout: float, proc: subprocess.Popen | None) -> None:
+    """Until S3 answers a signed request and, on a restart, the master knows every volume on disk
+    (before that, reads of old objects fail with 'volume id N not found')."""
     client = handle.client(max_attempts=1, connect_timeout=1, read_timeout=5)
+    volumes_on_disk = len(list((handle.dir / "data").glob("*.dat")))
     deadline = time.monotonic() + timeout
-    last: Exception | None = None
+    last: Exception | str | None = None
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             tail = (handle.dir / LOG_FILE).read_text(errors="replace")[-2000:]
             raise UserError(f"SeaweedFS exited with code {proc.returncode} during start; log tail:\n{tail}")
         try:
             client.list_buckets()
-            return
+            known = _volumes_known(handle)
+            if known >= volumes_on_disk:
+                return
+            last = f"master knows {known} of {volumes_on_disk} volumes"
         except Exception as exc:  # not up yet: connection refused, 503 while the filer starts
             last = exc
-            time.sleep(0.1)
+        time.sleep(0.1)
     raise UserError(
-        f"SeaweedFS on {handle.endpoint_url} did not answer within {timeout:.0f}s "
-        f"(last error: {type(last).__name__}); see {handle.dir / LOG_FILE}"
+        f"SeaweedFS on {handle.endpoint_url} was not ready within {timeout:.0f}s "
+        f"(last: {last if isinstance(last, str) else type(last).__name__}); see {handle.dir / LOG_FILE}"
     )
+
+
+def _volumes_known(handle: SeaweedHandle) -> int:
+    url = f"http://127.0.0.1:{handle.ports['master.port']}/vol/status"
+    with urllib.request.urlopen(url, timeout=2) as resp:
+        topology = json.load(resp)["Volumes"].get("DataCenters") or {}
+    return sum(len(vols) for racks in topology.values() for nodes in racks.values() for vols in nodes.values())
+
+
+def _kill_me_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _read_state(root: Path) -> dict:

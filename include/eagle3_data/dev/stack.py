@@ -121,12 +121,12 @@ def write_config(path: Path, *, bucket: str, tokenizer: Path, model: Path, overr
 
 
 def upload_prompts(client, config, date: str, datasets: dict[str, Path] | None = None) -> list[str]:
-    """Put each dataset's JSONL under {prompts}/date=YYYY-MM-DD/ (the scheduled-run layout)."""
+    """Put each dataset's JSONL under {prompts root}/{dataset}/date=YYYY-MM-DD/ (the scheduled-run layout)."""
     uris = []
     for ds in config.datasets:
         src = (datasets or {}).get(ds.name, SAMPLE_DATA / f"{ds.name}.jsonl")
         bucket, _, prefix = ds.prompts.removeprefix("s3://").partition("/")
-        key = f"{prefix.rstrip('/')}/date={date}/{ds.name}.jsonl"
+        key = f"{prefix.rstrip('/')}/{ds.name}/date={date}/{ds.name}.jsonl"
         client.put_object(Bucket=bucket, Key=key, Body=src.read_bytes())
         uris.append(f"s3://{bucket}/{key}")
     return uris

@@ -77,6 +77,11 @@ def parse_prompts(rows: Iterable[dict], dataset: str, routes: tuple[str, ...] | 
     return out
 
 
+def sampling_for(p: Prompt, sampling: dict) -> dict:
+    """Calibration samples (route "both") are generated greedily on both paths, to be comparable."""
+    return dict(sampling, temperature=0.0) if p.raw.get("route") == "both" else sampling
+
+
 def base_row(p: Prompt, prompt_ids: list[int] | None, source: str) -> dict[str, Any]:
     return {
         "sample_id": p.sample_id,

@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterable
 
 from eagle3_data.errors import UserError
-from eagle3_data.generation.checkpoint import Prompt, StageRun, base_row, parse_prompts
+from eagle3_data.generation.checkpoint import Prompt, StageRun, base_row, parse_prompts, sampling_for
 from eagle3_data.generation.progress import Progress
 from eagle3_data.generation.retry import PERMANENT_STATUS, backoff_s
 
@@ -28,20 +28,29 @@ STOP_STATUS = {401: "unauthorized", 402: "credits"}
 
 
 class Budget:
-    """Stop dispatching when spent + in-flight x (largest cost seen) would pass the cap."""
+    """Stop dispatching when spent + in-flight x (estimated cost of one request) would pass the cap.
 
-    def __init__(self, cap_usd: float | None, spent_usd: float = 0.0, first_estimate_usd: float = 0.01):
+    The estimate is an upper bound learned from answers: the largest USD per completion token seen
+    times `max_new_tokens` (every request may run to the limit), or the largest cost seen when the
+    limit is unknown; `first_estimate_usd` until the first priced answer.
+    """
+
+    def __init__(self, cap_usd: float | None, spent_usd: float = 0.0, first_estimate_usd: float = 0.01,
+                 max_new_tokens: int | None = None):
         self.cap, self.spent, self.estimate = cap_usd, spent_usd, first_estimate_usd
+        self.max_new_tokens = max_new_tokens
         self.seen = False
 
     def allows(self, in_flight: int) -> bool:
         return self.cap is None or self.spent + (in_flight + 1) * self.estimate <= self.cap
 
-    def add(self, cost: float) -> None:
+    def add(self, cost: float, completion_tokens: int | None = None) -> None:
         self.spent += cost
-        if cost > 0:  # a failure without an answer says nothing about the price of an answer
-            self.estimate = max(self.estimate, cost) if self.seen else cost
-            self.seen = True
+        if cost <= 0:  # a failure without an answer says nothing about the price of an answer
+            return
+        bound = cost / max(completion_tokens or 1, 1) * self.max_new_tokens if self.max_new_tokens and completion_tokens else cost
+        self.estimate = max(self.estimate, bound) if self.seen else bound
+        self.seen = True
 
 
 def generate_overflow(store, ref, prompts: Iterable[dict], tokenizer, base_url: str, api_key: str, model: str,
@@ -80,7 +89,8 @@ def generate_overflow(store, ref, prompts: Iterable[dict], tokenizer, base_url: 
         progress.start(len(rows), len(rows) - len(run.pending), label=f"generate_overflow {ref.dataset}")
         client = _OverflowRun(run, get_output_format(tokenizer), base_url, api_key, model, provider or {}, sampling,
                               thinking, reasoning, concurrency, max_attempts, request_timeout_s, progress, tok_sha,
-                              Budget(budget_usd, run.spent_before_usd, first_cost_estimate_usd))
+                              Budget(budget_usd, run.spent_before_usd, first_cost_estimate_usd,
+                                     sampling.get("max_new_tokens")))
         stopped = asyncio.run(client.run())
         progress.close()
         run.finish(stopped, extra={"budget_usd": budget_usd, "spent_total_usd": round(client.budget.spent, 6)})
@@ -138,7 +148,7 @@ class _OverflowRun:
                 continue  # stopped (402/401): the sample stays pending for the next attempt
             row, permanent = result
             cost = (row.get("usage") or {}).get("cost_usd") or 0.0
-            self.budget.add(cost)
+            self.budget.add(cost, (row.get("usage") or {}).get("completion_tokens"))
             self.stage.record(row, permanent=permanent)
             ok = row["status"] == "ok"
             self.progress.update(ok=int(ok), failed=int(not ok), cost_usd=cost,
@@ -181,7 +191,7 @@ class _OverflowRun:
         return _failed(p, prompt_ids, f"gave up after {self.max_attempts} attempts: {reason}"), False
 
     def _request(self, p: Prompt) -> dict:
-        s = self.sampling
+        s = sampling_for(p, self.sampling)
         body = {"model": self.model, "messages": p.messages,
                 "extra_body": {"reasoning": self.reasoning, "provider": self.provider, "usage": {"include": True}},
                 "extra_headers": {"X-Eagle3-Dataset": p.dataset, "X-Eagle3-Sample-Id": p.sample_id}}
@@ -203,7 +213,7 @@ class _OverflowRun:
                         "reasoning_tokens": details.get("reasoning_tokens"), "cost_usd": usage.get("cost")}
         row["provenance"] = json.dumps({
             "model": data.get("model") or self.model, "provider": data.get("provider"), "generation_id": data.get("id"),
-            "requested_provider": self.provider, "sampling": self.sampling, "thinking": self.thinking,
+            "requested_provider": self.provider, "sampling": sampling_for(p, self.sampling), "thinking": self.thinking,
             "tokenizer_sha256": self.tok_sha, "generated_at": time.time(),
         }, sort_keys=True)
         if not choices:

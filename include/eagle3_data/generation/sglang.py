@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 import httpx
 
 from eagle3_data.errors import UserError
-from eagle3_data.generation.checkpoint import Prompt, StageRun, base_row, parse_prompts
+from eagle3_data.generation.checkpoint import Prompt, StageRun, base_row, parse_prompts, sampling_for
 from eagle3_data.generation.progress import Progress
 from eagle3_data.generation.retry import PERMANENT_STATUS, backoff_s
 
@@ -148,7 +148,8 @@ class _SGLangRun:
         except Exception as exc:  # the template refuses this conversation: permanent
             return _failed(p, None, f"chat template: {exc}"), False
         row = base_row(p, prompt_ids, SOURCE)
-        body = {"input_ids": prompt_ids, "sampling_params": self.sampling, "rid": p.sample_id}
+        sampling = sampling_for(p, self.sampling)
+        body = {"input_ids": prompt_ids, "sampling_params": sampling, "rid": p.sample_id}
         headers = {"X-Eagle3-Dataset": p.dataset, "X-Eagle3-Sample-Id": p.sample_id}
         try:
             r = await http.post(f"{endpoint}/generate", json=body, headers=headers)
@@ -176,7 +177,7 @@ class _SGLangRun:
             usage={"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
                    "reasoning_tokens": reasoning_tokens, "cost_usd": None},
             provenance=json.dumps({
-                "model": self.model, "endpoint": endpoint, "sampling": self.sampling, "thinking": self.thinking,
+                "model": self.model, "endpoint": endpoint, "sampling": sampling, "thinking": self.thinking,
                 "tokenizer_sha256": self.tok_sha, "rid": meta.get("id"), "e2e_latency": meta.get("e2e_latency"),
                 "cached_tokens": meta.get("cached_tokens"), "generated_at": time.time(),
             }, sort_keys=True),

@@ -32,7 +32,7 @@ def hidden_state_indices(layer_ids: list[int], convention: str, num_layers: int)
     last layer only exists there after the final norm (ask for `last_hidden` instead).
     """
     check_convention(convention)
-    offset = 0 if convention == "output" else 0
+    offset = 1 if convention == "output" else 0
     top = num_layers - 2 if convention == "output" else num_layers - 1
     bad = [i for i in layer_ids if not 0 <= i <= top]
     if bad:

@@ -17,9 +17,11 @@ import io
 import json
 import logging
 import os
+import re
 import subprocess
 import tempfile
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from functools import lru_cache
 from pathlib import Path
@@ -49,7 +51,7 @@ PROGRESS = "_progress"
 MANIFEST_FORMAT = "eagle3-datagen/manifest"
 MANIFEST_VERSION = 1
 _CHUNK = 8 * 1024 * 1024
-_SECRET_WORDS = ("secret", "password", "api_key", "apikey", "access_key", "credential", "authorization")
+_SECRET_KEY = re.compile(r"(secret|secret_key|password|passwd|api_?key|access_key(_id)?|credentials?|authorization)$")
 
 
 def canonical_json(obj: Any) -> str:
@@ -86,7 +88,7 @@ def check_no_secrets(obj: Any, where: str) -> None:
     """Refuse credential-looking keys in params: manifests are read by everyone with bucket access."""
     if isinstance(obj, dict):
         for key, value in obj.items():
-            if any(word in str(key).lower().replace("-", "_") for word in _SECRET_WORDS):
+            if _SECRET_KEY.search(str(key).lower().replace("-", "_")):
                 raise UserError(f"{where}: key {key!r} looks like a credential; secrets never go into manifests")
             check_no_secrets(value, where)
     elif isinstance(obj, (list, tuple)):
@@ -109,7 +111,8 @@ class ArtifactStore:
     ) -> None:
         self.client = client
         self.bucket = bucket
-        self.prefix = "/".join(check_name(p, "prefix segment") for p in prefix.strip("/").split("/")) if prefix.strip("/") else ""
+        segments = [p for p in prefix.strip("/").split("/") if p]
+        self.prefix = "/".join(check_name(p, "prefix segment") for p in segments)
         self.transfer = TransferConfig(
             multipart_threshold=multipart_threshold,
             multipart_chunksize=multipart_chunksize,
@@ -345,12 +348,25 @@ class ArtifactStore:
 
     def iter_batches(self, ref: StageRef, columns: list[str] | None = None, batch_size: int = 1024) -> Iterator[pa.RecordBatch]:
         """Stream the stage's rows, part by part, each part's sha256 checked before it is parsed."""
-        manifest = self._checked_manifest(ref)
-        for part in manifest["parts"]:
-            label = self.uri(ref, part["name"])
-            with self._download(self.key(ref, part["name"]), part["sha256"], part["bytes"], label) as f:
-                pf = pq.ParquetFile(f)
-                yield from pf.iter_batches(batch_size=batch_size, columns=columns)
+        return self._batches(ref, self._checked_manifest(ref)["parts"], columns, batch_size)  # refuses now, not at first next()
+
+    def _batches(self, ref: StageRef, parts: list[dict], columns: list[str] | None, batch_size: int) -> Iterator[pa.RecordBatch]:
+        def fetch(part: dict):
+            return self._download(self.key(ref, part["name"]), part["sha256"], part["bytes"], self.uri(ref, part["name"]))
+
+        # one part downloads (and is hashed) while the caller consumes the previous one: two parts in memory at most
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            pending = pool.submit(fetch, parts[0]) if parts else None
+            try:
+                for i in range(len(parts)):
+                    current, pending = pending, None
+                    with current.result() as f:
+                        if i + 1 < len(parts):
+                            pending = pool.submit(fetch, parts[i + 1])
+                        yield from pq.ParquetFile(f).iter_batches(batch_size=batch_size, columns=columns)
+            finally:  # the caller stopped early or a part was bad: drop the prefetched part
+                if pending is not None and not pending.cancel():
+                    pending.add_done_callback(lambda fut: fut.exception() is None and fut.result().close())
 
     def read_table(self, ref: StageRef, columns: list[str] | None = None) -> pa.Table:
         """The whole stage in memory: for small artifacts (reports, rejects, prompt sets)."""

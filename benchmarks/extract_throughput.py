@@ -1,0 +1,141 @@
+"""Extraction throughput against two baselines measured in the same run, on the same samples.
+
+1. bare forward: the backend's padded forward over the extractor's own batches, nothing written.
+   `extract / bare` is the overhead of checks + packing + writing (goal >= 0.9: the writer
+   thread overlaps serialisation with compute).
+2. naive: the anchors' way, one sample per forward of the full causal LM with
+   `output_hidden_states=True` and one `torch.save` file per sample (SpecForge layout).
+Also bytes per token of the packed bf16 and fp8 shards against the minimum 3*H*2, and fp8's
+measured relative error. Runs on CUDA when present (bf16), else CPU (fp32).
+
+    .venv/bin/python benchmarks/extract_throughput.py [--samples 160] [--model DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "include"))
+
+from eagle3_data.hidden_states import fp8  # noqa: E402
+from eagle3_data.hidden_states.backends import TransformersBackend  # noqa: E402
+from eagle3_data.hidden_states.extract import ExtractOptions, extract_rows, plan_batches  # noqa: E402
+from eagle3_data.hidden_states.layers import default_layer_ids, hidden_state_indices  # noqa: E402
+from eagle3_data.hidden_states.shards import ShardReader  # noqa: E402
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def ensure_model(path: Path | None) -> Path:
+    if path is not None:
+        return path
+    from eagle3_data.dev.kimi_tokenizer import build_kimi_tokenizer
+    from eagle3_data.dev.tiny_model import build_tiny_model
+
+    tok, model = REPO / ".cache/bench-kimi-tokenizer", REPO / ".cache/bench-tiny-model"
+    if not (tok / "tokenizer.json").exists():
+        build_kimi_tokenizer(tok)
+    if not (model / "model.safetensors").exists():
+        build_tiny_model(tok, model)
+    return model
+
+
+def make_rows(n: int, seed: int, vocab: int) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        length = int(min(1024, max(16, rng.lognormvariate(5.3, 0.7))))  # median ~200 tokens
+        prompt = length // 3
+        rows.append({"sample_id": f"b{i}", "input_ids": [rng.randrange(vocab) for _ in range(length)],
+                     "loss_mask": [0] * prompt + [1] * (length - prompt)})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument("--samples", type=int, default=160)
+    ap.add_argument("--token-budget", type=int, default=8192)
+    ap.add_argument("--repeats", type=int, default=2, help="best of N for each timed run")
+    args = ap.parse_args()
+
+    model_dir = ensure_model(args.model)
+    backend = TransformersBackend(model_dir)
+    info = backend.describe()
+    rows = make_rows(args.samples, 0, info.vocab_size)
+    tokens = sum(len(r["input_ids"]) for r in rows)
+    layer_ids = default_layer_ids(info.num_layers, "output")
+    indices = hidden_state_indices(layer_ids, "output", info.num_layers)
+    batches = plan_batches([len(r["input_ids"]) for r in rows], args.token_budget)
+    backend.forward([rows[0]["input_ids"]], indices, False)  # warm-up (lazy init, kernels)
+
+    def bare() -> float:
+        t0 = time.perf_counter()
+        for b in batches:
+            backend.forward_padded([rows[i]["input_ids"] for i in b], indices, False)
+        sync(info.device)
+        return time.perf_counter() - t0
+
+    def extract(tmp: Path, use_fp8: bool = False) -> tuple[float, dict]:
+        opts = ExtractOptions(token_budget=args.token_budget, out_shard_tokens=16_384, use_fp8=use_fp8)
+        t0 = time.perf_counter()
+        summary = extract_rows(backend, rows, tmp, "bench", opts)
+        return time.perf_counter() - t0, summary
+
+    def naive(tmp: Path) -> float:
+        model = backend.model
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for r in rows:
+                ids = torch.tensor([r["input_ids"]], device=backend.device)
+                out = model(input_ids=ids, output_hidden_states=True)
+                hs = out.hidden_states
+                torch.save({
+                    "input_ids": torch.tensor(r["input_ids"]),
+                    "loss_mask": torch.tensor(r["loss_mask"]),
+                    "hidden_state": hs[-1].to(torch.bfloat16).cpu(),
+                    "aux_hidden_state": torch.cat([hs[i] for i in indices], -1).to(torch.bfloat16).cpu(),
+                }, tmp / f"data_{r['sample_id']}.ckpt")
+        sync(info.device)
+        return time.perf_counter() - t0
+
+    with tempfile.TemporaryDirectory() as tmp_dir:
+        tmp = Path(tmp_dir)
+        t_bare = min(bare() for _ in range(args.repeats))
+        runs = []
+        for k in range(args.repeats):
+            runs.append(extract(tmp / f"x{k}"))
+        t_extract, summary = min(runs, key=lambda r: r[0])
+        (tmp / "naive").mkdir()
+        t_naive = min(naive(tmp / "naive") for _ in range(args.repeats))
+        _, summary8 = extract(tmp / "fp8", use_fp8=True)
+        reader = ShardReader(next((tmp / "x0").glob("*.safetensors")))
+        sample = reader.sample(0).aux_hidden_states
+        rel = fp8.relative_error(sample, len(layer_ids))
+        naive_bytes = sum(p.stat().st_size for p in (tmp / "naive").glob("*.ckpt"))
+
+    h = info.hidden_size
+    print(f"device={info.device} dtype={info.dtype} model={info.name} L={info.num_layers} H={h} "
+          f"samples={len(rows)} tokens={tokens} batches={len(batches)} token_budget={args.token_budget}")
+    print(f"bare forward      {tokens / t_bare:10.0f} tok/s")
+    print(f"extract (packed)  {tokens / t_extract:10.0f} tok/s   extract/bare = {t_bare / t_extract:.2f}")
+    print(f"naive per-sample  {tokens / t_naive:10.0f} tok/s   extract/naive = {t_naive / t_extract:.2f}")
+    print(f"bytes/token: packed bf16 aux {summary['bytes_per_token']:.1f} (min 3*H*2 = {3 * h * 2}, "
+          f"ratio {summary['bytes_per_token'] / (3 * h * 2):.3f}); fp8 aux {summary8['bytes_per_token']:.1f} "
+          f"({summary8['bytes_per_token'] / summary['bytes_per_token']:.2f}x of bf16, rel. error {rel:.4f}); "
+          f"naive files (aux + last) {naive_bytes / tokens:.1f} in {len(rows)} files")
+
+
+if __name__ == "__main__":
+    main()

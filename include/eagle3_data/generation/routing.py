@@ -1,0 +1,96 @@
+"""Which samples go local (SGLang) and which overflow (OpenRouter), and whether the two agree.
+
+Routes are a pure function of the sample_ids and the routing numbers: samples are ranked by a hash
+of their sample_id, so a sample keeps its route whatever the file order and the counts are exact.
+A calibration overlap of K samples goes both ways (route "both") at temperature 0; comparing the
+engine's ids with the reconstruction of the provider's text over the first N tokens tells whether
+the provider plausibly serves the same model and template. docs/generation.md says what that
+comparison can and cannot prove.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from eagle3_data.errors import UserError
+
+ROUTES = ("local", "overflow", "both")
+
+
+def local_capacity(tokens_per_s: float, time_budget_s: float, expected_tokens_per_sample: float) -> int:
+    """Samples the local endpoints finish in the time budget (aggregate throughput x time / tokens)."""
+    if tokens_per_s < 0 or time_budget_s < 0 or expected_tokens_per_sample <= 0:
+        raise UserError("routing capacity: tokens_per_s and time_budget_s must be >= 0, expected tokens > 0")
+    return math.floor(tokens_per_s * time_budget_s / expected_tokens_per_sample)
+
+
+def assign_routes(rows: Sequence[dict], *, strategy: str = "fraction", overflow_fraction: float = 0.0,
+                  local_capacity: int = 0, calibration_samples: int = 0) -> list[dict]:
+    """Rows (schemas.PROMPTS shape) with `route` set.
+
+    fraction: round(n * overflow_fraction) samples overflow; capacity: `local_capacity` stay local.
+    The first `calibration_samples` local-ranked samples get route "both" (they count as local).
+    """
+    if strategy not in ("fraction", "capacity"):
+        raise UserError(f"routing strategy {strategy!r}: expected 'fraction' or 'capacity'")
+    if not 0.0 <= overflow_fraction <= 1.0:
+        raise UserError(f"routing overflow_fraction {overflow_fraction}: expected a value in [0, 1]")
+    ranked = sorted(rows, key=lambda r: hashlib.sha256(r["sample_id"].encode()).digest())
+    n = len(ranked)
+    n_local = n - round(n * overflow_fraction) if strategy == "fraction" else min(n, max(0, local_capacity))
+    n_both = min(max(0, calibration_samples), n_local)
+    route = {}
+    for i, r in enumerate(ranked):
+        route[r["sample_id"]] = ("both" if i < n_both else "local") if i < n_local else "overflow"
+    return [{**r, "route": route[r["sample_id"]]} for r in rows]
+
+
+def consistency_report(tokenizer: Any, local_rows: Sequence[dict], overflow_rows: Sequence[dict],
+                       first_n: int = 64) -> dict:
+    """Compare calibration samples generated on both paths (generation rows, same sample_ids).
+
+    Per sample: how many of the first `first_n` engine ids the reconstruction of the provider's
+    text reproduces before the first difference. `agreement` = share of samples whose first
+    min(first_n, len) ids are identical.
+    """
+    from eagle3_data.chat_format import get_output_format
+    from eagle3_data.reconstruct import reconstruct_rows, row_to_reconstruct
+
+    fmt = get_output_format(tokenizer)
+    local = {r["sample_id"]: r for r in local_rows if r.get("status") == "ok"}
+    pairs = [r for r in overflow_rows if r.get("status") == "ok" and r["sample_id"] in local]
+    recon = reconstruct_rows(tokenizer, (row_to_reconstruct(fmt, _plain(r), f"overflow row {r['sample_id']}") for r in pairs))
+    samples = []
+    for row, ids in recon:
+        engine = list(local[row.sample_id]["output_ids"])
+        n = min(first_n, len(engine), len(ids))
+        first_diff = next((i for i in range(n) if engine[i] != ids[i]), None)
+        samples.append({
+            "sample_id": row.sample_id,
+            "compared": n,
+            "first_diff": first_diff,
+            "agreeing_prefix": n if first_diff is None else first_diff,
+            "engine_text": tokenizer.decode(engine[:n]),
+            "provider_text": tokenizer.decode(ids[:n]),
+            "same_text": tokenizer.decode(engine[:n]) == tokenizer.decode(ids[:n]),
+        })
+    agree = sum(s["first_diff"] is None for s in samples)
+    return {
+        "first_n": first_n,
+        "samples": len(samples),
+        "missing": sorted(set(local) ^ {r["sample_id"] for r in overflow_rows if r.get("status") == "ok"}),
+        "agreement": agree / len(samples) if samples else None,
+        "mean_agreeing_prefix": sum(s["agreeing_prefix"] for s in samples) / len(samples) if samples else None,
+        "per_sample": samples,
+    }
+
+
+def _plain(row: dict) -> dict:
+    out = dict(row)
+    if isinstance(out.get("tool_calls"), str):
+        out["tool_calls"] = json.loads(out["tool_calls"])
+    return out

@@ -1,0 +1,369 @@
+"""Prompt datasets: OpenAI chat rows (`messages`, optional `tools`) from JSONL or Parquet, local or S3.
+
+Every good row is normalised to canonical JSON and given a `sample_id` that depends only on what
+is generated (dataset, messages, tools, sampling, repeat number), so a rerun or a backfill finds
+the same ids and skips work already paid for. A malformed row never stops the load: it goes to
+`rejects` with the file, line and field, and the counts go into the manifest.
+
+Where the files are (`source`):
+  date given      {source}/{dataset}/date=YYYY-MM-DD/ *.jsonl|*.parquet (scheduled runs, backfills)
+  a file          that file
+  a folder        {source}/{dataset}.jsonl|.parquet, else {source}/{dataset}/ *.jsonl|*.parquet,
+                  else the folder itself when it is named after the dataset
+`source` is a local path or `s3://bucket/key-or-prefix`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from eagle3_data.errors import UserError
+from eagle3_data.storage import StageRef, canonical_json, check_name
+
+ROLES = ("system", "user", "assistant", "tool")
+MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}
+PROMPT_FILE_SUFFIXES = (".jsonl", ".parquet")
+_DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
+_RAW_LIMIT = 2000
+
+
+@dataclass
+class PromptLoad:
+    rows: list[dict]  # schemas.PROMPTS shape; `route` left None for the router
+    rejects: list[dict]  # schemas.REJECTS shape
+    sources: list[dict] = field(default_factory=list)  # {"uri", "bytes", "sha256"}: manifest inputs
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+class _Reject(Exception):
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}" if field else reason)
+        self.field = field
+        self.reason = reason
+
+
+def sample_id(dataset: str, messages: list[dict], tools: list[dict] | None, sampling: dict, index: int) -> str:
+    """Stable id of one generation: sha256 over canonical JSON, 32 hex digits. `index` is the
+    repeat number, so the same prompt twice in a file is one sample, not two."""
+    key = canonical_json({"dataset": dataset, "messages": messages, "tools": tools or None, "sampling": sampling, "index": index})
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+def load_prompts(
+    source: str,
+    dataset: str,
+    *,
+    date: str | None = None,
+    sampling: dict,
+    repeats: int = 1,
+    client=None,
+) -> PromptLoad:
+    """Load, validate and normalise one dataset's prompts; see the module docstring for `source`."""
+    check_name(dataset, "dataset")
+    if date is not None and not _DATE.fullmatch(date):
+        raise UserError(f"invalid date {date!r}: expected YYYY-MM-DD")
+    if repeats < 1:
+        raise UserError(f"repeats must be >= 1, got {repeats}")
+    files = _resolve(source, dataset, date, client)
+    load = PromptLoad(rows=[], rejects=[], counts={"read": 0, "rejected": 0, "duplicates": 0, "ignored_fields": 0})
+    seen: set[str] = set()
+    ordinal = 0
+    for f in files:
+        digest = hashlib.sha256()
+        for line, raw, record in _read_records(f, client, digest):
+            load.counts["read"] += 1
+            try:
+                if record is None:
+                    raise _Reject("", "not valid JSON")
+                messages, tools, ignored = _normalise(record)
+            except _Reject as exc:
+                load.counts["rejected"] += 1
+                load.rejects.append(
+                    {
+                        "dataset": dataset,
+                        "source": f.uri,
+                        "line": line,
+                        "field": exc.field,
+                        "reason": f"{f.uri} line {line}: {exc}",
+                        "raw": raw[:_RAW_LIMIT],
+                    }
+                )
+                continue
+            load.counts["ignored_fields"] += ignored
+            for r in range(repeats):
+                sid = sample_id(dataset, messages, tools, sampling, r)
+                if sid in seen:
+                    load.counts["duplicates"] += 1
+                    continue
+                seen.add(sid)
+                load.rows.append(
+                    {
+                        "sample_id": sid,
+                        "dataset": dataset,
+                        "sample_index": ordinal * repeats + r,
+                        "messages": canonical_json(messages),
+                        "tools": canonical_json(tools) if tools else None,
+                        "route": None,
+                    }
+                )
+            ordinal += 1
+        load.sources.append({"uri": f.uri, "bytes": f.size, "sha256": digest.hexdigest()})
+    load.counts["rows"] = len(load.rows)
+    return load
+
+
+def write_prompt_load(store, ref: StageRef, load: PromptLoad, *, params: dict | None = None, rows_per_part: int = 4096) -> dict:
+    """Write a load as a `prompts` stage with `rejects.parquet` beside it; counts in the manifest."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from eagle3_data.schemas import schema_for
+
+    sink = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(load.rejects, schema=schema_for("rejects")), sink, compression="zstd")
+    with store.writer(ref, "prompts", rows_per_part=rows_per_part, params=params, inputs=load.sources) as w:
+        store.put_bytes(ref, "rejects.parquet", sink.getvalue())
+        w.write(load.rows)
+        return w.commit(extra={"counts": dict(load.counts)}, files=["rejects.parquet"])
+
+
+# -- validation and normalisation -------------------------------------------------------------------
+def _normalise(record: Any) -> tuple[list[dict], list[dict] | None, int]:
+    if not isinstance(record, dict):
+        raise _Reject("", f"expected a JSON object, got {type(record).__name__}")
+    if "messages" not in record or record["messages"] is None:
+        raise _Reject("messages", "missing")
+    messages = record["messages"]
+    if isinstance(messages, str):  # Parquet files often hold the list as a JSON string
+        try:
+            messages = json.loads(messages)
+        except ValueError:
+            raise _Reject("messages", "a string that is not JSON") from None
+    if not isinstance(messages, list):
+        raise _Reject("messages", f"expected a list, got {type(messages).__name__}")
+    if not messages:
+        raise _Reject("messages", "empty")
+    out = [_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
+    if out[-1]["role"] == "assistant":
+        raise _Reject(f"messages[{len(out) - 1}].role", "the last message is from the assistant: nothing to generate")
+    tools = record.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except ValueError:
+            raise _Reject("tools", "a string that is not JSON") from None
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise _Reject("tools", f"expected a list or null, got {type(tools).__name__}")
+        tools = [_tool(t, f"tools[{i}]") for i, t in enumerate(tools)] or None
+    ignored = len(set(record) - {"messages", "tools"})
+    return out, tools, ignored
+
+
+def _message(m: Any, where: str) -> dict:
+    if not isinstance(m, dict):
+        raise _Reject(where, f"expected an object, got {type(m).__name__}")
+    m = {k: v for k, v in m.items() if v is not None}  # Parquet structs carry every key, unset ones null
+    unknown = sorted(set(m) - MESSAGE_FIELDS)
+    if unknown:
+        raise _Reject(f"{where}.{unknown[0]}", f"unknown field (known: {', '.join(sorted(MESSAGE_FIELDS))})")
+    role = m.get("role")
+    if role not in ROLES:
+        raise _Reject(f"{where}.role", f"{role!r} is not one of {', '.join(ROLES)}")
+    for key in ("name", "tool_call_id", "reasoning_content"):
+        if key in m and not isinstance(m[key], str):
+            raise _Reject(f"{where}.{key}", f"expected a string, got {type(m[key]).__name__}")
+    if "tool_calls" in m:
+        if role != "assistant":
+            raise _Reject(f"{where}.tool_calls", f"only assistant messages carry tool calls, not {role!r}")
+        if not isinstance(m["tool_calls"], list):
+            raise _Reject(f"{where}.tool_calls", f"expected a list, got {type(m['tool_calls']).__name__}")
+        m["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{i}]") for i, c in enumerate(m["tool_calls"])]
+        if not m["tool_calls"]:
+            del m["tool_calls"]
+    if "content" not in m:
+        if role != "assistant" or "tool_calls" not in m:
+            raise _Reject(f"{where}.content", "missing")
+    else:
+        m["content"] = _content(m["content"], f"{where}.content")
+    if role == "tool" and "tool_call_id" not in m:
+        raise _Reject(f"{where}.tool_call_id", "missing on a tool message")
+    return m
+
+
+def _content(content: Any, where: str) -> str | list[dict]:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _Reject(where, f"expected a string or a list of text parts, got {type(content).__name__}")
+    for i, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise _Reject(f"{where}[{i}]", f"only text parts are supported, got {kind!r}")
+    return [{"type": "text", "text": part["text"]} for part in content]
+
+
+def _tool_call(c: Any, where: str) -> dict:
+    if not isinstance(c, dict):
+        raise _Reject(where, f"expected an object, got {type(c).__name__}")
+    fn = c.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise _Reject(f"{where}.function.name", "missing or not a string")
+    args = fn.get("arguments")
+    if isinstance(args, dict):
+        args = json.dumps(args, ensure_ascii=False)
+    if not isinstance(args, str):
+        raise _Reject(f"{where}.function.arguments", f"expected a JSON string, got {type(args).__name__}")
+    try:
+        parsed = json.loads(args)
+    except ValueError:
+        raise _Reject(f"{where}.function.arguments", f"not valid JSON: {args[:80]!r}") from None
+    if not isinstance(parsed, dict):
+        raise _Reject(f"{where}.function.arguments", f"must be a JSON object, got {type(parsed).__name__}")
+    out = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+    if c.get("id") is not None:
+        if not isinstance(c["id"], str):
+            raise _Reject(f"{where}.id", f"expected a string, got {type(c['id']).__name__}")
+        out["id"] = c["id"]
+    return out
+
+
+def _tool(t: Any, where: str) -> dict:
+    if not isinstance(t, dict) or t.get("type", "function") != "function":
+        raise _Reject(where, "expected {'type': 'function', 'function': {...}}")
+    fn = t.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise _Reject(f"{where}.function.name", "missing or not a string")
+    if "description" in fn and fn["description"] is not None and not isinstance(fn["description"], str):
+        raise _Reject(f"{where}.function.description", f"expected a string, got {type(fn['description']).__name__}")
+    params = fn.get("parameters")
+    if isinstance(params, str):
+        try:
+            params = json.loads(params)
+        except ValueError:
+            raise _Reject(f"{where}.function.parameters", "a string that is not JSON") from None
+    if params is not None and not isinstance(params, dict):
+        raise _Reject(f"{where}.function.parameters", f"expected a JSON Schema object, got {type(params).__name__}")
+    out_fn = {k: v for k, v in fn.items() if v is not None}
+    if params is not None:
+        out_fn["parameters"] = params
+    return {"type": "function", "function": out_fn}
+
+
+# -- files --------------------------------------------------------------------------------------------
+@dataclass
+class _File:
+    uri: str
+    size: int
+    bucket: str | None = None
+    key: str | None = None
+    path: Path | None = None
+
+
+def _split_s3(uri: str) -> tuple[str, str]:
+    bucket, _, key = uri[len("s3://") :].partition("/")
+    if not bucket:
+        raise UserError(f"invalid S3 URI {uri!r}: expected s3://bucket/key")
+    return bucket, key
+
+
+def _resolve(source: str, dataset: str, date: str | None, client) -> list[_File]:
+    if source.startswith("s3://"):
+        if client is None:
+            from eagle3_data.storage import s3_client
+
+            client = s3_client()
+        return _resolve_s3(source, dataset, date, client)
+    return _resolve_local(Path(source), dataset, date)
+
+
+def _prompt_files(names: list[str]) -> list[str]:
+    return sorted(n for n in names if n.endswith(PROMPT_FILE_SUFFIXES) and not n.rsplit("/", 1)[-1].startswith(("_", ".")))
+
+
+def _candidates(base: str, dataset: str, date: str | None, sep: str = "/") -> list[str]:
+    """Files (no trailing sep) and folders (trailing sep) to try, in order; see the module docstring."""
+    join = lambda *parts: sep.join(p for p in parts if p)  # noqa: E731
+    if date is not None:
+        return [join(base, dataset, f"date={date}") + sep]
+    out = [base] if base else []
+    out += [join(base, f"{dataset}{suffix}") for suffix in PROMPT_FILE_SUFFIXES] + [join(base, dataset) + sep]
+    if base.rsplit(sep, 1)[-1] == dataset:  # a folder named after the dataset holds its files
+        out.append(base + sep)
+    return out
+
+
+def _resolve_local(root: Path, dataset: str, date: str | None) -> list[_File]:
+    candidates = _candidates(str(root).rstrip("/"), dataset, date)
+    for c in candidates:
+        path = Path(c)
+        if not c.endswith("/") and path.is_file():
+            return [_File(uri=str(path), size=path.stat().st_size, path=path)]
+        if c.endswith("/") and path.is_dir():
+            files = _prompt_files([str(p) for p in path.iterdir() if p.is_file()])
+            if files:
+                return [_File(uri=f, size=Path(f).stat().st_size, path=Path(f)) for f in files]
+    raise UserError(f"no prompt files (*.jsonl, *.parquet) for dataset {dataset!r}: looked at {', '.join(candidates)}")
+
+
+def _resolve_s3(source: str, dataset: str, date: str | None, client) -> list[_File]:
+    from eagle3_data.storage.client import s3_errors
+
+    bucket, key = _split_s3(source)
+    candidates = _candidates(key.strip("/"), dataset, date)
+    with s3_errors(client, f"listing prompt files under {source}"):
+        for c in candidates:
+            page_iter = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=c, Delimiter="/")
+            objects = {o["Key"]: o["Size"] for page in page_iter for o in page.get("Contents", [])}
+            if not c.endswith("/") and c in objects:
+                return [_File(uri=f"s3://{bucket}/{c}", size=objects[c], bucket=bucket, key=c)]
+            if c.endswith("/"):
+                keys = _prompt_files(list(objects))
+                if keys:
+                    return [_File(uri=f"s3://{bucket}/{k}", size=objects[k], bucket=bucket, key=k) for k in keys]
+    raise UserError(
+        f"no prompt files (*.jsonl, *.parquet) for dataset {dataset!r} under {source}: looked at "
+        + ", ".join(f"s3://{bucket}/{c}" for c in candidates)
+    )
+
+
+def _read_records(f: _File, client, digest) -> Iterator[tuple[int, str, Any]]:
+    """(line number, raw text, parsed object or None) per row; feeds `digest` with the file's bytes."""
+    data = _read_bytes(f, client)
+    digest.update(data)
+    if f.uri.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        try:
+            pf = pq.ParquetFile(io.BytesIO(data))
+        except Exception as exc:
+            raise UserError(f"{f.uri}: not a readable Parquet file ({exc})") from None
+        line = 0
+        for batch in pf.iter_batches(batch_size=1024):
+            for row in batch.to_pylist():
+                line += 1
+                yield line, json.dumps(row, ensure_ascii=False, default=str), row
+        return
+    for line, raw in enumerate(data.decode("utf-8", errors="replace").splitlines(), start=1):
+        if not raw.strip():
+            continue
+        try:
+            yield line, raw, json.loads(raw)
+        except ValueError:
+            yield line, raw, None
+
+
+def _read_bytes(f: _File, client) -> bytes:
+    if f.path is not None:
+        return f.path.read_bytes()
+    from eagle3_data.storage.client import s3_errors
+
+    with s3_errors(client, f"reading {f.uri}"):
+        return client.get_object(Bucket=f.bucket, Key=f.key)["Body"].read()

@@ -1,0 +1,146 @@
+"""Prompt loading: validation with precise rejects, canonical JSON, stable sample ids, S3 and local."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from eagle3_data.errors import UserError
+from eagle3_data.prompts import load_prompts, sample_id, write_prompt_load
+from eagle3_data.storage import StageRef
+
+SAMPLE_DATA = Path(__file__).resolve().parents[2] / "include" / "sample_data"
+SAMPLING = {"temperature": 1.0, "max_tokens": 512}
+USER = {"role": "user", "content": "hi"}
+CALL = {"id": "functions.f:0", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+
+GOOD = [
+    {"messages": [USER]},
+    {"messages": [{"role": "system", "content": "be brief"}, USER], "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
+    {"messages": [USER, {"role": "assistant", "content": None, "tool_calls": [CALL]}, {"role": "tool", "tool_call_id": "functions.f:0", "content": "42"}]},
+    {"messages": [{"role": "user", "content": [{"type": "text", "text": "parts"}]}], "id": "kept-out", "meta": {"a": 1}},
+]
+BAD = [  # (row, field the reject must name)
+    ({"messages": [{"role": "bot", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"messages": [USER, {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{x: 1"}}]}, USER]}, "messages[1].tool_calls[0].function.arguments"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": "x", "weight": 2}]}, "messages[0].weight"),
+    ({"messages": [{"role": "user", "content": 7}]}, "messages[0].content"),
+    ({"messages": [USER], "tools": {"name": "f"}}, "tools"),
+    ({"messages": [USER, {"role": "assistant", "content": "done"}]}, "messages[1].role"),
+    ({"messages": [{"role": "tool", "content": "42"}]}, "messages[0].tool_call_id"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content[0]"),
+    ({"no_messages": True}, "messages"),
+]
+
+
+def write_jsonl(path: Path, rows: list, extra_lines: list[str] = ()) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join([json.dumps(r) for r in rows] + list(extra_lines)) + "\n")
+    return path
+
+
+def test_sample_data_loads_without_rejects():
+    for dataset in ("chat", "code", "tool_calls"):
+        load = load_prompts(str(SAMPLE_DATA), dataset, sampling=SAMPLING)
+        assert load.rows and not load.rejects and load.counts["rows"] == len(load.rows)
+        assert load.sources[0]["sha256"] == hashlib.sha256((SAMPLE_DATA / f"{dataset}.jsonl").read_bytes()).hexdigest()
+
+
+def test_sample_id_is_hash_of_canonical_inputs():
+    messages = [{"role": "user", "content": "héllo"}]
+    expected = hashlib.sha256(
+        ('{"dataset":"chat","index":1,"messages":[{"content":"héllo","role":"user"}],"sampling":{"max_tokens":512,"temperature":1.0},"tools":null}').encode()
+    ).hexdigest()[:32]
+    assert sample_id("chat", messages, None, SAMPLING, 1) == expected
+    assert sample_id("chat", [{"content": "héllo", "role": "user"}], [], dict(reversed(SAMPLING.items())), 1) == expected
+    others = {sample_id("code", messages, None, SAMPLING, 1), sample_id("chat", messages, None, SAMPLING, 0), sample_id("chat", messages, None, {"temperature": 0.7}, 1)}
+    assert expected not in others and len(others) == 3
+
+
+def test_malformed_rows_are_rejected_with_line_and_field_and_good_rows_kept(tmp_path):
+    rows = GOOD[:2] + [b for b, _ in BAD] + GOOD[2:]
+    src = write_jsonl(tmp_path / "p" / "mixed.jsonl", rows, extra_lines=["{not json", ""])
+    load = load_prompts(str(src), "mixed", sampling=SAMPLING)
+    assert len(load.rows) == len(GOOD)
+    assert load.counts == {"read": len(rows) + 1, "rejected": len(BAD) + 1, "duplicates": 0, "ignored_fields": 2, "rows": len(GOOD)}
+    by_line = {r["line"]: r for r in load.rejects}
+    for i, (_, field) in enumerate(BAD):
+        reject = by_line[3 + i]
+        assert reject["field"] == field, reject
+        assert f"line {3 + i}: {field}" in reject["reason"] and str(src) in reject["reason"]
+    assert by_line[len(rows) + 1]["reason"].endswith("not valid JSON")
+
+
+def test_normalised_rows_are_canonical_json(tmp_path):
+    src = write_jsonl(tmp_path / "d.jsonl", [GOOD[2], {"tools": None, "messages": [{"content": "hi", "role": "user", "name": None}]}])
+    load = load_prompts(str(src), "d", sampling=SAMPLING)
+    first = json.loads(load.rows[0]["messages"])
+    assert first[1] == {"role": "assistant", "tool_calls": [CALL]}  # null content dropped, call kept verbatim
+    assert load.rows[1]["messages"] == '[{"content":"hi","role":"user"}]' and load.rows[1]["tools"] is None
+
+
+def test_repeats_and_duplicates(tmp_path):
+    src = write_jsonl(tmp_path / "d.jsonl", [GOOD[0], GOOD[1], GOOD[0]])
+    load = load_prompts(str(src), "d", sampling=SAMPLING, repeats=3)
+    ids = [r["sample_id"] for r in load.rows]
+    assert len(ids) == 6 == len(set(ids)) and load.counts["duplicates"] == 3
+    assert [r["sample_index"] for r in load.rows] == [0, 1, 2, 3, 4, 5]
+    again = load_prompts(str(src), "d", sampling=SAMPLING, repeats=3)
+    assert [r["sample_id"] for r in again.rows] == ids
+
+
+def test_parquet_with_struct_or_string_messages(tmp_path):
+    structs = pa.Table.from_pylist([{"messages": [USER, {"role": "assistant", "content": "a"}, USER]}, {"messages": [{"role": "root", "content": "x"}]}])
+    (tmp_path / "d").mkdir()
+    pq.write_table(structs, tmp_path / "d" / "a.parquet")
+    pq.write_table(pa.Table.from_pylist([{"messages": json.dumps([USER]), "tools": None}]), tmp_path / "d" / "b.parquet")
+    load = load_prompts(str(tmp_path), "d", sampling=SAMPLING)
+    assert len(load.rows) == 2 and [(r["line"], r["field"]) for r in load.rejects] == [(2, "messages[0].role")]
+    assert [s["uri"].rsplit("/", 1)[1] for s in load.sources] == ["a.parquet", "b.parquet"]
+
+
+def test_local_date_partition_and_missing_partition(tmp_path):
+    write_jsonl(tmp_path / "chat" / "date=2026-11-28" / "part-0.jsonl", [GOOD[0]])
+    write_jsonl(tmp_path / "chat" / "date=2026-11-29" / "part-0.jsonl", [GOOD[1]])
+    load = load_prompts(str(tmp_path), "chat", date="2026-11-29", sampling=SAMPLING)
+    assert len(load.rows) == 1 and "date=2026-11-29" in load.sources[0]["uri"]
+    with pytest.raises(UserError, match=r"no prompt files .*'chat'.*date=2026-11-30"):
+        load_prompts(str(tmp_path), "chat", date="2026-11-30", sampling=SAMPLING)
+    with pytest.raises(UserError, match="invalid date"):
+        load_prompts(str(tmp_path), "chat", date="2026/11/29", sampling=SAMPLING)
+
+
+def test_s3_sources_file_prefix_and_date(s3, s3_bucket):
+    body = (SAMPLE_DATA / "chat.jsonl").read_bytes()
+    s3.put_object(Bucket=s3_bucket, Key="prompts/chat/date=2026-11-29/a.jsonl", Body=body)
+    s3.put_object(Bucket=s3_bucket, Key="prompts/chat/date=2026-11-29/_SUCCESS", Body=b"")
+    s3.put_object(Bucket=s3_bucket, Key="flat/chat.jsonl", Body=body)
+    local = load_prompts(str(SAMPLE_DATA / "chat.jsonl"), "chat", sampling=SAMPLING)
+    by_date = load_prompts(f"s3://{s3_bucket}/prompts", "chat", date="2026-11-29", sampling=SAMPLING, client=s3)
+    by_file = load_prompts(f"s3://{s3_bucket}/flat/chat.jsonl", "chat", sampling=SAMPLING, client=s3)
+    by_prefix = load_prompts(f"s3://{s3_bucket}/flat/", "chat", sampling=SAMPLING, client=s3)
+    for load in (by_date, by_file, by_prefix):
+        assert [r["sample_id"] for r in load.rows] == [r["sample_id"] for r in local.rows]
+    assert by_date.sources == [{"uri": f"s3://{s3_bucket}/prompts/chat/date=2026-11-29/a.jsonl", "bytes": len(body), "sha256": hashlib.sha256(body).hexdigest()}]
+    with pytest.raises(UserError, match="no prompt files"):
+        load_prompts(f"s3://{s3_bucket}/prompts", "code", date="2026-11-29", sampling=SAMPLING, client=s3)
+
+
+def test_write_prompt_load_records_counts_rejects_and_inputs(store, tmp_path):
+    src = write_jsonl(tmp_path / "d.jsonl", [GOOD[0], BAD[0][0], GOOD[1]])
+    load = load_prompts(str(src), "d", sampling=SAMPLING)
+    ref = StageRef("date=2026-11-29", "load", "d")
+    manifest = write_prompt_load(store, ref, load, params={"sampling": SAMPLING})
+    assert manifest["extra"]["counts"]["rejected"] == 1 and manifest["rows"] == 2
+    assert manifest["inputs"] == load.sources and [f["name"] for f in manifest["files"]] == ["rejects.parquet"]
+    store.verify(ref)
+    rejects = pq.read_table(pa.BufferReader(store.get_bytes(ref, "rejects.parquet"))).to_pylist()
+    assert [(r["line"], r["field"]) for r in rejects] == [(2, "messages[0].role")]
+    assert store.read_table(ref).column("sample_id").to_pylist() == [r["sample_id"] for r in load.rows]
