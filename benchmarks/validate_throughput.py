@@ -62,22 +62,25 @@ def write_input(enc, path: Path, target_tokens: int) -> tuple[int, int]:
     return samples, tokens
 
 
-def raw_rate(enc, path: Path) -> tuple[float, int]:
+def raw_rate(enc, path: Path) -> tuple[float, float]:
+    """tokens/s of wall time and of CPU time, decode + encode only (ids already in memory)."""
     rows = [json.loads(line)["output_ids"] for line in open(path)]
     tokens = sum(map(len, rows))
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for ids in rows:
         enc.encode(enc.decode_bytes(ids).decode("utf-8", "replace"), allowed_special="all")
-    return tokens / (time.perf_counter() - start), tokens
+    return tokens / (time.perf_counter() - start), tokens / (time.process_time() - cpu)
 
 
-def run_validate(tokenizer_dir: Path, path: Path, report: Path) -> tuple[float, int, int]:
-    """Wall seconds, exit code and peak RSS (KiB) of one `eagle3-data validate` process."""
+def run_validate(tokenizer_dir: Path, path: Path, report: Path) -> tuple[float, int, int, float]:
+    """Wall seconds, exit code, peak RSS (KiB, largest process) and CPU seconds (all its
+    processes) of one `eagle3-data validate` command."""
     cmd = [str(REPO / ".venv/bin/eagle3-data"), "validate", "--tokenizer", str(tokenizer_dir), "--input", str(path), "--report", str(report)]
     start = time.perf_counter()
     pid = os.posix_spawn(cmd[0], cmd, os.environ)
     _, status, usage = os.wait4(pid, 0)
-    return time.perf_counter() - start, os.waitstatus_to_exitcode(status), usage.ru_maxrss
+    wall = time.perf_counter() - start
+    return wall, os.waitstatus_to_exitcode(status), usage.ru_maxrss, usage.ru_utime + usage.ru_stime
 
 
 def main() -> None:
@@ -93,21 +96,23 @@ def main() -> None:
         n_big, t_big = write_input(enc, big, args.tokens)
         n_small, t_small = write_input(enc, small, args.small)
         print(f"inputs: {n_big} samples / {t_big} tokens ({big.stat().st_size >> 20} MiB); {n_small} / {t_small}")
-        cold, _, _ = run_validate(args.tokenizer, small, Path(tmp) / "cold.json")  # fills the verified-codec cache if empty
-        raws, walls, ratios = [], [], []
+        cold, *_ = run_validate(args.tokenizer, small, Path(tmp) / "cold.json")  # fills the verified-codec cache if empty
+        raws, walls, ratios, cpu_ratios = [], [], [], []
         for _ in range(args.repeat):  # interleaved: a noisy shared machine hits both sides alike
-            raw, _ = raw_rate(enc, big)
-            wall, rc, rss_big = run_validate(args.tokenizer, big, Path(tmp) / "big.json")
+            raw, raw_cpu = raw_rate(enc, big)
+            wall, rc, rss_big, cpu = run_validate(args.tokenizer, big, Path(tmp) / "big.json")
             raws.append(raw)
             walls.append(wall)
             ratios.append(t_big / wall / raw)
-        _, _, rss_small = run_validate(args.tokenizer, small, Path(tmp) / "small.json")
+            cpu_ratios.append(t_big / cpu / raw_cpu)
+        _, _, rss_small, _ = run_validate(args.tokenizer, small, Path(tmp) / "small.json")
         report = json.loads((Path(tmp) / "big.json").read_text())
         print(f"first run on the small input (may verify tiktoken against HF): {cold:.2f} s")
         print(f"raw tiktoken decode+encode (1 thread, no I/O): best {max(raws) / 1e6:.2f} M tokens/s; all {[round(r / 1e6, 2) for r in raws]}")
         print(f"eagle3-data validate (whole command, startup included): best {min(walls):.2f} s = {t_big / min(walls) / 1e6:.2f} M tokens/s; "
               f"all {[round(w, 2) for w in walls]} s; exit {rc}; counts {report['counts']}")
         print(f"ratio validate / raw, per interleaved pair: {[round(r, 2) for r in ratios]}; best-vs-best {t_big / min(walls) / max(raws):.2f}")
+        print(f"CPU-time efficiency (raw CPU s / validate CPU s, all processes, startup included): {[round(r, 2) for r in cpu_ratios]}")
         print(f"peak RSS (largest process): {rss_small / 1024:.0f} MiB at {t_small} tokens, {rss_big / 1024:.0f} MiB at {t_big} tokens")
         print(f"cpus: {os.cpu_count()}, load average before: {os.getloadavg()}, python {sys.version.split()[0]}")
 

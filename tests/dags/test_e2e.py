@@ -106,10 +106,12 @@ def _resume(dag, run_id: str) -> None:
     from airflow.models.dagrun import DagRun
     from airflow.sdk import DagRunState, TaskInstanceState, timezone
     from airflow.sdk.definitions.dag import _run_task
+    from airflow.serialization.serialized_objects import DagSerialization
     from airflow.utils.session import create_session
 
     with create_session() as session:
         dr = session.query(DagRun).filter_by(dag_id=dag.dag_id, run_id=run_id).one()
+        dr.dag = DagSerialization.deserialize_dag(DagSerialization.serialize_dag(dag))
         dr.state = DagRunState.RUNNING
         session.commit()
         while dr.state == DagRunState.RUNNING:

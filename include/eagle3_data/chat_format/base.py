@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from eagle3_data.errors import UserError
+from eagle3_data.tokenizer import Codec
 
 FinishReason = Literal["stop", "length"]
 
@@ -111,8 +112,11 @@ class OutputFormat(ABC):
     """One model family's generation format, bound to a tokenizer."""
 
     name: str
+    structural_tokens: tuple[str, ...]  # names the tokenizer must carry (and the audit checks)
+    pattern: str | None = None  # pre-tokenizer regex for a tiktoken fast path, when the family has one
     stop_token_ids: list[int]
     special_ids: dict[str, int]  # every structural token the format uses, by name
+    codec: Codec  # bulk encode/decode, equal to the tokenizer's own
 
     @classmethod
     @abstractmethod
