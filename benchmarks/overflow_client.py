@@ -2,7 +2,7 @@
 
 The dev server answers every chat completion after a fixed latency L; with C requests in flight
 the ideal rate is C/L. Two measurements in the same run, same server, same prompts:
-  baseline  a bare httpx loop (C coroutines posting JSON): what this machine allows at all
+  baseline  a bare aiohttp loop (C coroutines posting JSON): what this machine allows at all
   stage     `generate_overflow` end to end (openai SDK, retries, budget, journal, S3 checkpoints)
 Prints both as ratios of C/L and the stage over the baseline.
 
@@ -28,17 +28,17 @@ def prompts(n: int) -> list[dict]:
              "messages": json.dumps([{"role": "user", "content": f"Benchmark prompt {i % 64}."}])} for i in range(n)]
 
 
-async def bare_httpx(url: str, rows: list[dict], concurrency: int) -> float:
-    import httpx
+async def bare_client(url: str, rows: list[dict], concurrency: int) -> float:
+    """The fastest plain client on this box (aiohttp): C coroutines posting and parsing JSON."""
+    import aiohttp
 
     it = iter(rows)
-    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
-    async with httpx.AsyncClient(limits=limits, timeout=60) as http:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency + 8)) as http:
         async def worker():
             for r in it:
-                resp = await http.post(f"{url}/v1/chat/completions", headers={"X-Eagle3-Sample-Id": "base-" + r["sample_id"]},
-                                       json={"model": "m", "messages": json.loads(r["messages"]), "max_tokens": 256})
-                resp.json()
+                async with http.post(f"{url}/v1/chat/completions", headers={"X-Eagle3-Sample-Id": "base-" + r["sample_id"]},
+                                     json={"model": "m", "messages": json.loads(r["messages"]), "max_tokens": 256}) as resp:
+                    await resp.json()
         t = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         return time.perf_counter() - t
@@ -73,7 +73,7 @@ def main() -> None:
         try:
             server.configure({"endpoints": {"chat": {"latency": {"dist": "fixed", "mean": L}}}})
             rows = prompts(N)
-            base_s = asyncio.run(bare_httpx(server.url, rows, C))
+            base_s = asyncio.run(bare_client(server.url, rows, C))
             client = s3.client()
             client.create_bucket(Bucket="bench")
             store = ArtifactStore(client=client, bucket="bench", prefix="bench")
@@ -90,7 +90,7 @@ def main() -> None:
             stop_seaweedfs(Path(tmp) / "s3", grace=0.5)
     base_rps, stage_rps = N / base_s, N / stage_s
     print(f"C={C} L={L}s N={N}: ideal {ideal:.0f} req/s")
-    print(f"baseline bare httpx : {base_rps:7.1f} req/s = {base_rps / ideal:.3f} of ideal")
+    print(f"baseline bare aiohttp: {base_rps:7.1f} req/s = {base_rps / ideal:.3f} of ideal")
     print(f"generate_overflow   : {stage_rps:7.1f} req/s = {stage_rps / ideal:.3f} of ideal, "
           f"{stage_rps / base_rps:.3f} of baseline; server max in flight {depth}")
 

@@ -20,7 +20,6 @@ seed and the sample ids only, not on input order or bucket count.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import tempfile
 from collections import Counter, defaultdict
@@ -260,6 +259,3 @@ def merged_shards(store: ArtifactStore, ref: StageRef) -> list[dict]:
     """The shard refs of a committed merge stage, from its manifest (never from a listing)."""
     return list(store.read_manifest(ref).get("extra", {}).get("shards", []))
 
-
-def format_summary(summary: dict) -> str:
-    return json.dumps({k: summary[k] for k in ("uri", "datasets", "totals")} | {"shards": len(summary["shards"])}, indent=1)

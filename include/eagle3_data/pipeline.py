@@ -239,7 +239,7 @@ def validate(run: Run, store, dataset: str) -> dict:
                 ),
                 max_aggregate_deviation=thresholds.max_billing_deviation,
             )
-            reasons = [f"local round trip: {r}" for r in local_report["gate"]["reasons"] if not (r == "no valid samples" and billing["samples"])]
+            reasons = [f"local round trip: {r}" for r in local_report["gate"]["reasons"] if not (r == "no valid samples" and billing["rows"])]
             reasons += [f"overflow billing: {r}" for r in billing["gate"]["reasons"]]
             gate = {"passed": not reasons, "reasons": reasons, "thresholds": vars(thresholds)}
             store.put_json(ref, VALIDATION_REPORT, {**local_report, "dataset": dataset, "run_gate": gate})
@@ -409,6 +409,18 @@ def _generation_totals(store, ref) -> dict:
     return out
 
 
+def _run_report(store, run_key: str, index: dict) -> str | None:
+    """The UI's run-report index; left untouched when it already says the same (idempotent reruns)."""
+    from eagle3_data.report_view import RUN_REPORT_NAME, run_report_ref, write_run_report
+
+    if not index:
+        return None
+    ref = run_report_ref(run_key)
+    if store.is_complete(ref) and store.get_json(ref, RUN_REPORT_NAME).get("datasets") == index:
+        return store.uri(ref, RUN_REPORT_NAME)
+    return write_run_report(store, run_key, index)
+
+
 def publish(run: Run, store) -> dict:
     """Write the run report (per-dataset gates, counts, tokens, cost, hidden-state bytes, where
     everything is); raise GateFailed after writing it when any selected dataset failed, so the
@@ -447,7 +459,7 @@ def publish(run: Run, store) -> dict:
         for n in gates
         if gates[n]["report_uri"]
     }
-    report_uri = write_run_report(store, run.run_key, index) if index else None
+    report_uri = _run_report(store, run.run_key, index)
     summary = {
         "run_key": run.run_key,
         "report_uri": report_uri,
@@ -460,8 +472,9 @@ def publish(run: Run, store) -> dict:
     }
     summary_ref = _ref(run, "publish", RUN_DATASET)
     summary["summary_uri"] = store.uri(summary_ref, "summary.json")
-    store.put_json(summary_ref, "summary.json", summary)
-    store.commit_files(summary_ref, ["summary.json"], params={"datasets": list(gates)})
+    if not (store.is_complete(summary_ref) and store.get_json(summary_ref, "summary.json") == summary):
+        store.put_json(summary_ref, "summary.json", summary)
+        store.commit_files(summary_ref, ["summary.json"], params={"datasets": list(gates)})
     failed = [n for n in gates if not gates[n]["passed"]]
     if failed:
         raise GateFailed(

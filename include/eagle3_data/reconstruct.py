@@ -121,10 +121,10 @@ def read_records(path: str | Path) -> Iterator[tuple[str, Any]]:
                 n += 1
                 yield f"row {n}", record
         return
-    with open(p, encoding="utf-8") as fh:
+    with open(p, "rb") as fh:
         for n, line in enumerate(fh, 1):
             if line.strip():
                 try:
                     yield f"line {n}", json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise UserError(f"line {n}: invalid JSON ({exc.msg} at column {exc.colno})") from exc
+                except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
+                    raise UserError(f"line {n}: invalid JSON ({exc})") from exc

@@ -27,7 +27,7 @@ from eagle3_data.errors import UserError
 CLASSES = ("exact", "bpe_only", "special_token", "text_diff")
 DEFAULT_MAX_BPE_MISMATCH_RATE = 0.10
 DEFAULT_MAX_BILLING_DEVIATION = 0.01
-WINDOW = 8  # ids shown on each side of a mismatch
+WINDOW = 8  # most ids shown, per side, from the first difference
 CHUNK_ROWS = 256
 
 
@@ -105,8 +105,8 @@ def _check_row(where: str, record: Any, vocab_size: int, ints_checked: bool = Fa
 
 
 def rows_from_jsonl(path: str | Path, vocab_size: int) -> Iterator[InputRow | BadRow]:
-    """One row per line, read lazily; a line that is not JSON becomes a bad row, not a crash."""
-    with open(path, encoding="utf-8") as fh:
+    """One row per line, read lazily; a line that is not JSON (or not UTF-8) is a bad row, not a crash."""
+    with open(path, "rb") as fh:
         for n, line in enumerate(fh, 1):
             if not line.strip():
                 continue
@@ -114,6 +114,9 @@ def rows_from_jsonl(path: str | Path, vocab_size: int) -> Iterator[InputRow | Ba
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
                 yield BadRow(f"line {n}", None, "<line>", f"invalid JSON ({exc.msg} at column {exc.colno})")
+                continue
+            except ValueError as exc:  # bytes that are not UTF-8
+                yield BadRow(f"line {n}", None, "<line>", f"not UTF-8 text ({exc})")
                 continue
             yield _check_row(f"line {n}", record, vocab_size)
 
@@ -274,6 +277,11 @@ def validate_rows(
             pending = (items, originals, future)
         if pending is not None:
             yield from _finish(validator, *pending)
+
+
+def validate_batches(tokenizer: Any, batches: Iterable[Any], **kwargs: Any) -> Iterator[RowResult | BadRow]:
+    """`validate_rows` over Arrow record batches (the DAG's reader of S3 parts)."""
+    return validate_rows(tokenizer, rows_from_batches(batches, len(tokenizer)), **kwargs)
 
 
 def _good_rows(items: list, on_bad_row: str) -> list[InputRow]:

@@ -178,7 +178,8 @@ def test_full_run_one_gate_fails_others_complete(stack, dag):
 def test_clear_one_dataset_reruns_only_it(stack, dag):
     before = {ds: _objects(stack, ds) for ds in ("tool_calls", "code", "chat")}
     raw = yaml.safe_load(Path(stack.config_path).read_text())
-    raw["datasets"][2]["validation"]["max_bpe_mismatch_rate"] = 1.0  # accept chat's BPE splits
+    # accept chat's BPE splits (they also show in its overflow rows as billed > reconstructed)
+    raw["datasets"][2]["validation"].update(max_bpe_mismatch_rate=1.0, max_billing_deviation=1.0)
     Path(stack.config_path).write_text(yaml.safe_dump(raw, sort_keys=False))
     run_id = _latest_run_id(dag)
     chat_index = ["tool_calls", "code", "chat"].index("chat")

@@ -11,12 +11,12 @@ import pytest
 from eagle3_data.chat_format import get_output_format
 from eagle3_data.errors import UserError
 from eagle3_data.validate import (
-    BadRow,
     InputRow,
     RowResult,
     compare_billed_counts,
     rows_from_batches,
     rows_from_file,
+    validate_batches,
     validate_rows,
     validate_to_report,
     validation_rows_table,
@@ -119,7 +119,7 @@ def test_forked_workers_give_the_same_results(kimi_tokenizer, enc):
 
 
 def _jsonl(path, lines):
-    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    path.write_bytes(b"".join((line if isinstance(line, bytes) else (line if isinstance(line, str) else json.dumps(line)).encode()) + b"\n" for line in lines))
     return path
 
 
@@ -132,6 +132,7 @@ BAD_LINES = [
     {"sample_id": "neg", "output_ids": [-1]},
     {"sample_id": "fin", "output_ids": [1], "finish_reason": "content_filter"},
     {"output_ids": [1]},
+    b'{"sample_id": "\xff"}',
     {"sample_id": "ok2", "output_ids": REFERENCE_IDS, "finish_reason": "stop"},
 ]
 
@@ -154,6 +155,7 @@ def test_bad_rows_skipped_and_listed(kimi_tokenizer, tmp_path):
         ("line 6", "neg", "output_ids"),
         ("line 7", "fin", "finish_reason"),
         ("line 8", None, "sample_id"),
+        ("line 9", None, "<line>"),
     ]
     assert "non-integer id 2.5" in report["bad_rows"][2]["error"]
     assert "id 163840 outside the vocabulary" in report["bad_rows"][3]["error"]
@@ -167,6 +169,7 @@ def test_parquet_batches_and_validation_rows_table(kimi_tokenizer, tmp_path):
     })
     pq.write_table(table, tmp_path / "in.parquet")
     items = list(validate_rows(kimi_tokenizer, rows_from_file(tmp_path / "in.parquet", VOCAB, batch_rows=2), on_bad_row="skip"))
+    assert list(validate_batches(kimi_tokenizer, pq.ParquetFile(tmp_path / "in.parquet").iter_batches(2), on_bad_row="skip")) == items
     assert isinstance(items[0], RowResult) and items[0].cls == "exact"
     assert [(b.where, b.sample_id, b.field) for b in items[1:]] == [("row 2", "b", "output_ids"), ("row 3", "c", "output_ids")]
     out = validation_rows_table(items, dataset="demo", source="sglang")

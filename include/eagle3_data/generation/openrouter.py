@@ -109,11 +109,13 @@ class _OverflowRun:
 
     async def run(self) -> str | None:
         import httpx2
-        from openai import AsyncOpenAI, DefaultAsyncHttpxClient
+        from openai import AsyncOpenAI, DefaultAioHttpClient
 
+        # aiohttp transport: httpx's pool costs ~10x more CPU per request at 256 connections
+        # (benchmarks/RESULTS.md), which on a small worker caps throughput far below C/L.
         limits = httpx2.Limits(max_connections=self.concurrency + 8, max_keepalive_connections=self.concurrency + 8)
         client = AsyncOpenAI(base_url=self.base_url, api_key=self._key, max_retries=0, timeout=self.timeout_s,
-                             http_client=DefaultAsyncHttpxClient(limits=limits))
+                             http_client=DefaultAioHttpClient(limits=limits, timeout=self.timeout_s))
         queue = iter(self.stage.pending)
         ticker = asyncio.create_task(self._tick())
         try:
