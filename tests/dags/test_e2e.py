@@ -58,8 +58,9 @@ def stack(tmp_path_factory, airflow_db):
                 os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def dag(stack):
+    """Parsed per test, as the dag-processor would: dag.test() in one process mutates Param defaults."""
     from airflow.dag_processing.dagbag import DagBag
 
     from tests.fixtures.airflow import REPO
@@ -208,7 +209,7 @@ def test_rerun_same_date_is_idempotent(stack, dag):
 # -- 4. trigger-form rerun of one dataset: datasets=[chat] ----------------------------------------
 def test_form_rerun_of_one_dataset(stack, dag):
     before = {ds: _objects(stack, ds) for ds in ("tool_calls", "code")}
-    dr = dag.test(logical_date=DATE, run_conf={"datasets": ["chat"], "max_bpe_mismatch_rate": 0.99})
+    dr = dag.test(logical_date=DATE, run_conf={"datasets": ["chat"], "max_bpe_mismatch_rate": 1.0, "max_billing_deviation": 0.999})
     states = _states(dr)
     assert str(dr.state).endswith("success"), states
     assert {name for (tid, name) in states if tid == "dataset.validate"} == {"chat"}
@@ -217,7 +218,7 @@ def test_form_rerun_of_one_dataset(stack, dag):
     store = _store(stack)
     from eagle3_data.storage import StageRef
 
-    assert store.read_manifest(StageRef(RUN_KEY, "validate", "chat"))["params"]["thresholds"]["max_bpe_mismatch_rate"] == 0.99
+    assert store.read_manifest(StageRef(RUN_KEY, "validate", "chat"))["params"]["thresholds"]["max_billing_deviation"] == 0.999
     assert sorted(store.read_manifest(StageRef(RUN_KEY, "merge", "all"))["extra"]["datasets"]) == ["chat", "code", "tool_calls"]
 
 
@@ -245,11 +246,19 @@ def test_wrong_special_id_fails_before_any_request(stack, dag, tmp_path):
 
 # -- 6. params: invalid values refused; dry run spends nothing -----------------------------------
 def test_invalid_params_refused(dag):
+    """The same check the api-server runs on a trigger (SerializedDAG.create_dagrun), and dag.test."""
     from airflow.sdk.exceptions import ParamValidationError
+    from airflow.serialization.serialized_objects import DagSerialization
 
-    for bad in ({"overflow_fraction": 1.5}, {"datasets": ["nope"]}, {"layer_convention": "middle"}, {"max_usd": -1}):
+    params = DagSerialization.deserialize_dag(DagSerialization.serialize_dag(dag)).params
+    bad_confs = ({"overflow_fraction": 1.5}, {"datasets": ["nope"]}, {"layer_convention": "middle"}, {"max_usd": -1},
+                 {"run_name": "a/b"}, {"max_bpe_mismatch_rate": 2}, {"dry_run": "yes"})
+    for bad in bad_confs:
         with pytest.raises(ParamValidationError):
-            dag.params.deep_merge(bad).validate()
+            params.deep_merge(bad).validate()
+    assert params.deep_merge({"overflow_fraction": 0.5}).validate()["overflow_fraction"] == 0.5
+    with pytest.raises(ParamValidationError, match="overflow_fraction"):
+        dag.test(logical_date=datetime(2026, 10, 1, tzinfo=timezone.utc), run_conf={"overflow_fraction": 7})
 
 
 def test_dry_run_plans_without_spend(stack, dag):

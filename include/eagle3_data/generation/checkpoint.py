@@ -130,6 +130,8 @@ class StageRun:
         self.spent_before_usd = 0.0
         self.pending: list[Prompt] = []
         self._held: dict[str, dict] = {}  # failed rows not (yet) final
+        self._rows: list[dict] = []  # ok rows journaled, not yet handed to the writer
+        self._batch = min(64, rows_per_part)
         self._last_flush = time.monotonic()
 
     def __enter__(self) -> StageRun:
@@ -144,6 +146,8 @@ class StageRun:
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         self._journal.close()
+        if exc_type is not None:
+            self._hand_over()
         self._cm.__exit__(exc_type, exc, tb)  # flushes what is buffered when an error propagates
         return exc_type is Stop
 
@@ -186,9 +190,12 @@ class StageRun:
             self.tokens += usage.get("completion_tokens") or 0
             self._journal.write(json.dumps(row, ensure_ascii=False) + "\n")
             self._journal.flush()
-            self.writer.write([row])
+            self._rows.append(row)
             self.counts["ok"] += 1
+            if len(self._rows) >= self._batch:
+                self._hand_over()
             if time.monotonic() - self._last_flush > self.flush_interval_s:
+                self._hand_over()
                 self.writer.flush()
                 self._last_flush = time.monotonic()
             return
@@ -206,6 +213,7 @@ class StageRun:
         self.store.put_json(self.ref, FAILURES_FILE, self.failures)
         summary = self.summary(stopped_reason)
         if stopped_reason is None and not self.counts["retry_later"]:
+            self._hand_over()
             self.writer.write(list(self._held.values()))
             self.writer.commit(extra={"counts": summary["counts"], **(extra or {})}, files=[FAILURES_FILE])
             self._journal.close()
@@ -220,6 +228,13 @@ class StageRun:
                     summary["stopped_reason"], summary["counts"])
         self.result = summary
         raise Stop(summary["stopped_reason"])
+
+    def _hand_over(self) -> None:
+        """Rows go to the writer in batches: one Arrow conversion per batch, not per row (they are
+        journaled already, so batching risks nothing)."""
+        if self._rows:
+            self.writer.write(self._rows)
+            self._rows = []
 
     def summary(self, stopped_reason: str | None) -> dict:
         return {

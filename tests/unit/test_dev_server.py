@@ -1,0 +1,154 @@
+"""The dev inference server's generator, fault config and wire protocol (in-process ASGI, no ports)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import httpx
+import pytest
+
+from eagle3_data.dev.faults import EndpointFaults, ServerConfig, config_from_dict
+from eagle3_data.dev.text_model import DevTextModel
+from eagle3_data.errors import UserError
+
+TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {
+    "query": {"type": "string"}, "limit": {"type": "integer"}, "exact": {"type": "boolean"},
+    "unit": {"type": "string", "enum": ["c", "f"]}}}}}]
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(kimi_tokenizer):
+    return kimi_tokenizer.apply_chat_template([{"role": "user", "content": "Find it."}], tools=TOOLS,
+                                              add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
+def test_generation_is_kimi_format_and_deterministic(kimi_tokenizer, prompt_ids):
+    model = DevTextModel(kimi_tokenizer)
+    a = model.generate(prompt_ids, max_new_tokens=4000, seed=5)
+    assert a == model.generate(prompt_ids, max_new_tokens=4000, seed=5)
+    assert any(model.generate(prompt_ids, max_new_tokens=4000, seed=s).output_ids != a.output_ids for s in range(6, 10))
+    im_end, think_end = (kimi_tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "</think>"))
+    texts = set()
+    for seed in range(30):
+        g = model.generate(prompt_ids, max_new_tokens=4000, seed=seed)
+        assert g.finish_reason == "stop" and g.output_ids[-1] == im_end and g.output_ids.count(think_end) == 1
+        text = kimi_tokenizer.decode(g.output_ids, skip_special_tokens=False)
+        assert text.startswith(g.reasoning + "</think>" + g.content) and text.endswith("<|im_end|>")
+        for call in g.tool_calls:
+            assert call["id"] == f"functions.lookup:{g.tool_calls.index(call)}"
+            args = json.loads(call["function"]["arguments"])
+            assert set(args) == {"query", "limit", "exact", "unit"} and args["unit"] in ("c", "f")
+            assert isinstance(args["limit"], int) and isinstance(args["exact"], bool)
+        texts.add(g.content)
+    assert sum(bool(model.generate(prompt_ids, max_new_tokens=4000, seed=s).tool_calls) for s in range(30)) >= 10
+    # canonical when no split rate: ids == encode(text)
+    g = model.generate(prompt_ids, max_new_tokens=4000, seed=1)
+    assert kimi_tokenizer.encode(kimi_tokenizer.decode(g.output_ids, skip_special_tokens=False),
+                                 add_special_tokens=False) == g.output_ids
+
+
+def test_noncanonical_splits_keep_text_and_are_counted(kimi_tokenizer, prompt_ids):
+    model = DevTextModel(kimi_tokenizer, {"splitty": 0.2})
+    plain = DevTextModel(kimi_tokenizer).generate(prompt_ids, max_new_tokens=4000, seed=3)
+    g = model.generate(prompt_ids, max_new_tokens=4000, seed=3, dataset="splitty")
+    assert g.noncanonical_splits > 0
+    assert len(g.output_ids) == len(plain.output_ids) + g.noncanonical_splits
+    text = kimi_tokenizer.decode(g.output_ids, skip_special_tokens=False)
+    assert text == kimi_tokenizer.decode(plain.output_ids, skip_special_tokens=False)
+    assert kimi_tokenizer.encode(text, add_special_tokens=False) == plain.output_ids  # re-encoding merges back
+    assert model.generate(prompt_ids, max_new_tokens=4000, seed=3, dataset="other").noncanonical_splits == 0
+
+
+def test_truncation_and_thinking_off(kimi_tokenizer, prompt_ids):
+    model = DevTextModel(kimi_tokenizer)
+    g = model.generate(prompt_ids, max_new_tokens=5, seed=2)
+    assert g.finish_reason == "length" and len(g.output_ids) == 5 and g.content == ""
+    assert g.reasoning == kimi_tokenizer.decode(g.output_ids)
+    no_think = kimi_tokenizer.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True,
+                                                  tokenize=True, return_dict=False, thinking=False)
+    g = model.generate(no_think, max_new_tokens=4000, seed=2)
+    assert g.reasoning is None and kimi_tokenizer.convert_tokens_to_ids("</think>") not in g.output_ids
+
+
+def test_fault_config_is_validated_and_draws_are_seeded():
+    with pytest.raises(UserError, match="unknown keys"):
+        config_from_dict({"endpoints": {"chat": {"rate_limt": 0.1}}})
+    with pytest.raises(UserError, match="endpoints.gpu"):
+        config_from_dict({"endpoints": {"gpu": {}}})
+    cfg = config_from_dict({"seed": 1, "endpoints": {"chat": {"rate_limit": 0.2, "server_error": 0.1}}})
+    draws = [cfg.faults("chat").draw(cfg.rng("chat", f"k{i}", 1))[0] for i in range(2000)]
+    assert draws == [cfg.faults("chat").draw(cfg.rng("chat", f"k{i}", 1))[0] for i in range(2000)]
+    assert 0.17 < draws.count("rate_limit") / 2000 < 0.23 and 0.07 < draws.count("server_error") / 2000 < 0.13
+    lat = EndpointFaults(latency={"dist": "lognormal", "mean": 0.5, "sigma": 0.5})
+    rng = random.Random(0)
+    assert 0.45 < sum(lat._latency(rng) for _ in range(4000)) / 4000 < 0.55
+
+
+@pytest.fixture(scope="module")
+def app(kimi_tokenizer):
+    from eagle3_data.dev.inference_server import create_app
+
+    return create_app(kimi_tokenizer, ServerConfig())
+
+
+def call(app, method: str, path: str, **kw) -> httpx.Response:
+    import asyncio
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://dev") as c:
+            return await c.request(method, path, **kw)
+
+    return asyncio.run(go())
+
+
+def test_generate_and_chat_agree(app, kimi_tokenizer, prompt_ids):
+    msgs = [{"role": "user", "content": "Find it."}]
+    gen = call(app, "POST", "/generate", json={"input_ids": prompt_ids, "sampling_params": {"max_new_tokens": 4000, "seed": 4}, "rid": "r1"}).json()
+    assert set(gen) == {"text", "output_ids", "meta_info"}
+    meta = gen["meta_info"]
+    assert meta["id"] == "r1" and meta["prompt_tokens"] == len(prompt_ids)
+    assert meta["finish_reason"] == {"type": "stop", "matched": kimi_tokenizer.convert_tokens_to_ids("<|im_end|>")}
+    assert meta["completion_tokens"] == len(gen["output_ids"])
+    chat = call(app, "POST", "/v1/chat/completions", json={"model": "m", "messages": msgs, "tools": TOOLS, "seed": 4, "max_tokens": 4000}).json()
+    assert chat["id"].startswith("gen-") and chat["provider"]
+    choice = chat["choices"][0]
+    msg = choice["message"]
+    text = msg["reasoning"] + "</think>" + msg["content"]
+    if msg.get("tool_calls"):
+        assert choice["finish_reason"] == "tool_calls"
+        text += "<|tool_calls_section_begin|>" + "".join(
+            f"<|tool_call_begin|>{c['id']}<|tool_call_argument_begin|>{c['function']['arguments']}<|tool_call_end|>"
+            for c in msg["tool_calls"]) + "<|tool_calls_section_end|>"
+    assert text + "<|im_end|>" == kimi_tokenizer.decode(gen["output_ids"], skip_special_tokens=False)
+    usage = chat["usage"]
+    assert usage["completion_tokens"] == len(gen["output_ids"]) and usage["cost"] > 0
+    assert usage["completion_tokens_details"]["reasoning_tokens"] == gen["output_ids"].index(
+        kimi_tokenizer.convert_tokens_to_ids("</think>"))
+    batch = call(app, "POST", "/generate", json={"input_ids": [prompt_ids, prompt_ids[:-3]], "sampling_params": {"max_new_tokens": 7}}).json()
+    assert len(batch) == 2 and batch[0]["meta_info"]["finish_reason"] == {"type": "length", "length": 7}
+
+
+def test_injected_faults_on_the_wire(app, kimi_tokenizer):
+    msgs = [{"role": "user", "content": "Hello there."}]
+    assert call(app, "POST", "/dev/config", json={"endpoints": {"chat": {"rate_limt": 1}}}).status_code == 400
+    try:
+        call(app, "POST", "/dev/config", json={"endpoints": {"chat": {"rate_limit": 1.0, "retry_after_s": 2.5}}})
+        r = call(app, "POST", "/v1/chat/completions", json={"model": "m", "messages": msgs})
+        assert r.status_code == 429 and r.headers["retry-after"] == "2.5" and r.json()["error"]["code"] == 429
+        call(app, "POST", "/dev/config", json={"endpoints": {"chat": {"malformed_json": 1.0}}})
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(call(app, "POST", "/v1/chat/completions", json={"model": "m", "messages": msgs}).text)
+        call(app, "POST", "/dev/config", json={"endpoints": {"chat": {"credits_after": 1}}})
+        codes = [call(app, "POST", "/v1/chat/completions", json={"model": "m", "messages": msgs}).status_code for _ in range(3)]
+        assert codes == [200, 402, 402]
+        call(app, "POST", "/dev/config", json={"endpoints": {"chat": {"trim_whitespace": 1.0, "empty_content": 0.0}}})
+        for i in range(20):
+            m = call(app, "POST", "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": f"q{i}"}]}).json()
+            content = m["choices"][0]["message"]["content"]
+            assert content == content.strip()
+        assert call(app, "GET", "/dev/stats").json()["requests"]["chat"]
+    finally:
+        call(app, "POST", "/dev/config", json={})
+    assert call(app, "GET", "/health").status_code == 200
+    assert call(app, "GET", "/get_model_info").json()["is_generation"] is True
