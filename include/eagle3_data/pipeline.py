@@ -150,13 +150,17 @@ def audit_tokenizer(run: Run, store) -> dict:
     tokenizer = _tokenizer(run.config.tokenizer.source)
     report = audit(tokenizer, run.config.tokenizer.expected_special_ids).to_json()
     ref = _ref(run, AUDIT, "tokenizer")
+    params = {"source": run.config.tokenizer.source, "expected": run.config.tokenizer.expected_special_ids}
+    manifest = current_manifest(store, ref, params, [])
+    if report["passed"] and manifest and manifest["tokenizer_sha256"] == report["tokenizer_sha256"]:
+        return {"report_uri": store.uri(ref, VALIDATION_REPORT), "tokenizer_sha256": report["tokenizer_sha256"]}
     uri = store.put_json(ref, VALIDATION_REPORT, report)
     if not report["passed"]:
         raise GateFailed(f"tokenizer audit failed ({'; '.join(report['problems'])}); report: {uri}")
     store.commit_files(
         ref,
         [VALIDATION_REPORT],
-        params={"source": run.config.tokenizer.source, "expected": run.config.tokenizer.expected_special_ids},
+        params=params,
         tokenizer_sha256=report["tokenizer_sha256"],
         template_sha256=report["chat_template_sha256"],
     )

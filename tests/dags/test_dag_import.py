@@ -60,4 +60,4 @@ def test_dag_wiring():
     assert tasks["publish"].upstream_task_ids == {"extract_hidden_states"}
     cfg = load_config()
     assert dag.params["datasets"] == cfg.dataset_names
-    assert dag.timetable.summary == cfg.schedule
+    assert dag.schedule == cfg.schedule

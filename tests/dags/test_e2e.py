@@ -172,6 +172,7 @@ def test_full_run_one_gate_fails_others_complete(stack, dag):
     assert str(dr.state).endswith("failed")
     summary = store.get_json(StageRef(RUN_KEY, "publish", "all"), "summary.json")
     assert summary["datasets"]["chat"]["gate"]["passed"] is False
+    assert _asset_events() == []  # a failed run announces nothing to training DAGs
     assert summary["datasets"]["tool_calls"]["overflow"]["cost_usd"] > 0
 
 
@@ -195,6 +196,8 @@ def test_clear_one_dataset_reruns_only_it(stack, dag):
     gen = {k: v for k, v in before["chat"].items() if "/generate_local/" in k or "/generate_overflow/" in k}
     assert gen and all(after[k] == v for k, v in gen.items())  # paid work reused
     assert any(after.get(k) != v for k, v in before["chat"].items() if "/validate/" in k)
+    events = _asset_events()
+    assert len(events) == 1 and events[0]["run_key"] == RUN_KEY and events[0]["datasets"] == ["tool_calls", "code", "chat"]
 
 
 # -- 3. backfill / rerun of the same date: same keys, same manifests ---------------------------
@@ -271,6 +274,16 @@ def test_dry_run_plans_without_spend(stack, dag):
     plan = _store(stack).get_json(StageRef("plan-only", "plan", "all"), "plan.json")
     assert set(plan["datasets"]) == {"tool_calls", "code", "chat"}
     assert plan["totals"]["prompt_tokens"] > 0 and plan["totals"]["max_output_tokens"] == 3 * SAMPLES * MAX_NEW + 3 * MAX_NEW
+
+
+def _asset_events() -> list[dict]:
+    """Extras of the `eagle3_training_data` Asset events recorded so far."""
+    from airflow.models.asset import AssetEvent, AssetModel
+    from airflow.utils.session import create_session
+
+    with create_session() as session:
+        q = session.query(AssetEvent).join(AssetModel, AssetEvent.asset_id == AssetModel.id).filter(AssetModel.name == "eagle3_training_data")
+        return [dict(e.extra or {}) for e in q.order_by(AssetEvent.id)]
 
 
 def _latest_run_id(dag) -> str:

@@ -56,7 +56,7 @@ def test_local_generation_ids_parse_and_resume(store, start_dev_server, kimi_tok
             assert set(json.loads(call["function"]["arguments"])) == {"city", "days"}
     # complete stage: a rerun sends nothing
     again = generate_local(store, ref, prompts(24), kimi_tokenizer, [dev_server.url], SAMPLING, journal_dir=tmp_path)
-    assert again["counts"] == {"skipped": "all"}
+    assert again["reused"] and again["counts"]["ok"] == 24 and again["cost_usd"] == 0
     assert sum(dev_server.stats()["requests"]["generate"][f"s{i:04d}"] for i in range(24)) == 24
 
 
@@ -101,3 +101,27 @@ def test_local_normalises_output_without_stop_id(store, start_dev_server, kimi_t
     rows = store.read_table(ref).to_pylist()
     assert all(r["finish_reason"] == "stop" and r["output_ids"][-1] == im_end for r in rows)
     assert all(r["output_ids"].count(im_end) == 1 for r in rows)
+
+
+def test_calibration_overlap_agrees_unless_bpe_splits(store, start_dev_server, kimi_tokenizer, tmp_path):
+    """Route "both" samples go greedy on both paths; the report compares engine ids with the
+    reconstruction of the provider's text. The dev server splits BPE tokens only in dataset
+    "splitty": there (and only there) the first-N-token agreement must drop while the text agrees."""
+    from eagle3_data.generation.routing import consistency_report
+
+    server = start_dev_server({"datasets": {"splitty": {"noncanonical_rate": 0.05}}})
+    reports = {}
+    for ds in ("chat", "splitty"):
+        rows = [dict(r, dataset=ds) for r in prompts(8, ds)]
+        local = StageRef(run_key="cal", stage="generate_local", dataset=ds)
+        over = StageRef(run_key="cal", stage="generate_overflow", dataset=ds)
+        sampling = dict(SAMPLING, temperature=0.9, max_new_tokens=4000)  # route "both" overrides to 0
+        generate_local(store, local, rows, kimi_tokenizer, [server.url], sampling, journal_dir=tmp_path)
+        generate_overflow(store, over, rows, kimi_tokenizer, server.url + "/v1", SECRET, "m", {}, None,
+                          sampling=sampling, concurrency=4, journal_dir=tmp_path)
+        assert all(json.loads(r["provenance"])["sampling"]["temperature"] == 0.0 for r in store.read_table(local).to_pylist())
+        reports[ds] = consistency_report(kimi_tokenizer, store.read_table(local).to_pylist(),
+                                         store.read_table(over).to_pylist(), first_n=10_000)
+    assert reports["chat"]["samples"] == 8 and reports["chat"]["agreement"] == 1.0
+    split = reports["splitty"]
+    assert split["agreement"] < 1.0 and all(s["same_text"] for s in split["per_sample"])

@@ -147,6 +147,14 @@ def test_injected_faults_on_the_wire(app, kimi_tokenizer):
             m = call(app, "POST", "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": f"q{i}"}]}).json()
             content = m["choices"][0]["message"]["content"]
             assert content == content.strip()
+        call(app, "POST", "/dev/config", json={"endpoints": {"chat": {"rewrite_tool_call_ids": 1.0, "reserialize_arguments": 1.0}}})
+        calls = []
+        for i in range(10):
+            m = call(app, "POST", "/v1/chat/completions", json={"model": "m", "tools": TOOLS,
+                                                                "messages": [{"role": "user", "content": f"t{i}"}]}).json()
+            calls += m["choices"][0]["message"].get("tool_calls") or []
+        assert calls and all(c["id"].startswith("call_") for c in calls)
+        assert all(", " not in c["function"]["arguments"] and json.loads(c["function"]["arguments"]) for c in calls)
         assert call(app, "GET", "/dev/stats").json()["requests"]["chat"]
     finally:
         call(app, "POST", "/dev/config", json={})

@@ -22,7 +22,7 @@ from eagle3_data.dev.stack import REPO, airflow_db_migrate, airflow_env, dev_sta
 
 DEFAULT_WORKDIR = REPO / "demo-output"
 # Small enough for two CPU cores in a few minutes; the shape of a real run.
-DEMO_OVERRIDES = {"generation": {"sampling": {"max_new_tokens": 192}}, "merge": {"max_length": 1024, "shard_tokens": 8192}}
+DEMO_OVERRIDES = {"generation": {"sampling": {"max_new_tokens": 512}}, "merge": {"max_length": 1024, "shard_tokens": 8192}}
 
 
 def run_dag(logical_date: datetime, conf: dict | None = None):
@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"demo: building/reusing the Kimi tokenizer and tiny model in {REPO / '.cache'}, starting services in {work}", flush=True)
     with dev_stack(work, config_overrides=DEMO_OVERRIDES) as stack:
-        os.environ.update({**stack.env, **airflow_env(work / "airflow")})
+        # Airflow's per-task INFO lines would bury the report; failures still print as warnings/errors.
+        os.environ.update({**stack.env, **airflow_env(work / "airflow"), "AIRFLOW__LOGGING__LOGGING_LEVEL": "WARNING"})
         print(f"demo: S3 (SeaweedFS) at {stack.s3_endpoint}, dev inference server at {stack.inference_url}", flush=True)
         airflow_db_migrate(os.environ.copy())
         config = load_config(stack.config_path)

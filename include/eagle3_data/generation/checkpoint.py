@@ -247,6 +247,13 @@ class StageRun:
         }
 
 
+def reused_summary(store, ref) -> dict:
+    """A complete stage is never regenerated (opening its writer would discard paid work)."""
+    counts = (store.read_manifest(ref).get("extra") or {}).get("counts") or {}
+    return {"uri": store.uri(ref), "complete": True, "reused": True, "stopped_reason": None, "counts": counts,
+            "tokens": 0, "cost_usd": 0.0}
+
+
 def committed_cost(store, ref) -> float:
     """USD of rows earlier attempts committed (parts without a manifest yet), for the budget."""
     import pyarrow.parquet as pq

@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterable
 
 from eagle3_data.errors import UserError
-from eagle3_data.generation.checkpoint import Prompt, StageRun, base_row, parse_prompts, sampling_for
+from eagle3_data.generation.checkpoint import Prompt, StageRun, base_row, parse_prompts, reused_summary, sampling_for
 from eagle3_data.generation.progress import Progress
 from eagle3_data.generation.retry import PERMANENT_STATUS, backoff_s
 
@@ -71,8 +71,7 @@ def generate_overflow(store, ref, prompts: Iterable[dict], tokenizer, base_url: 
     from eagle3_data.tokenizer import chat_template_sha256, tokenizer_files_sha256
 
     if store.is_complete(ref):
-        return {"uri": store.uri(ref), "complete": True, "stopped_reason": None, "counts": {"skipped": "all"},
-                "tokens": 0, "cost_usd": 0.0}
+        return reused_summary(store, ref)
     if not api_key:
         raise UserError("generate_overflow: no API key (set the openrouter connection's password or OPENROUTER_API_KEY)")
     sampling = dict(sampling or {})

@@ -54,8 +54,9 @@ def consistency_report(tokenizer: Any, local_rows: Sequence[dict], overflow_rows
     """Compare calibration samples generated on both paths (generation rows, same sample_ids).
 
     Per sample: how many of the first `first_n` engine ids the reconstruction of the provider's
-    text reproduces before the first difference. `agreement` = share of samples whose first
-    min(first_n, len) ids are identical.
+    text reproduces before the first difference, and whether the texts agree (ids can differ
+    where the text does not: a non-canonical BPE split). `agreement` = share of samples whose first
+    min(first_n, len) ids are identical; `text_agreement` = share whose texts agree.
     """
     from eagle3_data.chat_format import get_output_format
     from eagle3_data.reconstruct import reconstruct_rows, row_to_reconstruct
@@ -69,14 +70,18 @@ def consistency_report(tokenizer: Any, local_rows: Sequence[dict], overflow_rows
         engine = list(local[row.sample_id]["output_ids"])
         n = min(first_n, len(engine), len(ids))
         first_diff = next((i for i in range(n) if engine[i] != ids[i]), None)
+        # Texts of the first n ids each: a BPE split makes one side's n ids cover less text, so
+        # they "agree" when one is a prefix of the other (ignoring a cut multi-byte character).
+        a, b = tokenizer.decode(engine[:n]).rstrip("\ufffd"), tokenizer.decode(ids[:n]).rstrip("\ufffd")
+        common = min(len(a), len(b))
         samples.append({
             "sample_id": row.sample_id,
             "compared": n,
             "first_diff": first_diff,
             "agreeing_prefix": n if first_diff is None else first_diff,
-            "engine_text": tokenizer.decode(engine[:n]),
-            "provider_text": tokenizer.decode(ids[:n]),
-            "same_text": tokenizer.decode(engine[:n]) == tokenizer.decode(ids[:n]),
+            "engine_text": a,
+            "provider_text": b,
+            "same_text": a[:common] == b[:common],
         })
     agree = sum(s["first_diff"] is None for s in samples)
     return {
@@ -84,6 +89,7 @@ def consistency_report(tokenizer: Any, local_rows: Sequence[dict], overflow_rows
         "samples": len(samples),
         "missing": sorted(set(local) ^ {r["sample_id"] for r in overflow_rows if r.get("status") == "ok"}),
         "agreement": agree / len(samples) if samples else None,
+        "text_agreement": sum(s["same_text"] for s in samples) / len(samples) if samples else None,
         "mean_agreeing_prefix": sum(s["agreeing_prefix"] for s in samples) / len(samples) if samples else None,
         "per_sample": samples,
     }

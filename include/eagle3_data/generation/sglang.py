@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 import aiohttp
 
 from eagle3_data.errors import UserError
-from eagle3_data.generation.checkpoint import Prompt, StageRun, base_row, parse_prompts, sampling_for
+from eagle3_data.generation.checkpoint import Prompt, StageRun, base_row, parse_prompts, reused_summary, sampling_for
 from eagle3_data.generation.progress import Progress
 from eagle3_data.generation.retry import PERMANENT_STATUS, backoff_s
 
@@ -42,8 +42,7 @@ def generate_local(store, ref, prompts: Iterable[dict], tokenizer, endpoints: Se
     from eagle3_data.tokenizer import chat_template_sha256, tokenizer_files_sha256
 
     if store.is_complete(ref):
-        return {"uri": store.uri(ref), "complete": True, "stopped_reason": None, "counts": {"skipped": "all"},
-                "tokens": 0, "cost_usd": 0.0}
+        return reused_summary(store, ref)
     if not endpoints:
         raise UserError("generate_local: no SGLang endpoints given")
     fmt = get_output_format(tokenizer)

@@ -1,0 +1,118 @@
+"""Generation pieces that need no server: backoff, budget, routing, prompt checks, stop-id normalisation."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from email.utils import format_datetime
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from eagle3_data.errors import UserError
+from eagle3_data.generation.checkpoint import parse_prompts, sampling_for
+from eagle3_data.generation.openrouter import Budget
+from eagle3_data.generation.progress import LogProgress
+from eagle3_data.generation.retry import backoff_s, parse_retry_after
+from eagle3_data.generation.routing import assign_routes, consistency_report, local_capacity
+
+
+def test_backoff_honours_retry_after_and_grows():
+    rng = random.Random(0)
+    assert backoff_s(1, retry_after="7", rng=rng) >= 7
+    assert parse_retry_after("1.5") == 1.5 and parse_retry_after(None) is None and parse_retry_after("soon") is None
+    later = format_datetime(datetime.now(timezone.utc) + timedelta(seconds=30), usegmt=True)
+    assert 25 < parse_retry_after(later) <= 30
+    early = [backoff_s(1, base_s=1, rng=rng) for _ in range(200)]
+    late = [backoff_s(6, base_s=1, cap_s=60, rng=rng) for _ in range(200)]
+    assert max(early) <= 1 and sum(late) / 200 > 10 and max(late) <= 60
+
+
+def test_budget_stops_before_the_cap():
+    b = Budget(1.0, spent_usd=0.2, first_estimate_usd=0.1, max_new_tokens=100)
+    assert b.allows(7) and not b.allows(8)  # 0.2 + 8 x 0.1 = 1.0 is allowed, one more is not
+    b.add(0.05, completion_tokens=50)  # 0.001 USD/token x 100 tokens -> 0.1 upper bound per request
+    assert b.estimate == pytest.approx(0.1) and b.spent == pytest.approx(0.25)
+    b.add(0.0)  # a failure without an answer changes nothing
+    assert b.estimate == pytest.approx(0.1)
+    assert not Budget(0.0).allows(0) and Budget(None).allows(10**6)
+
+
+def rows(n: int) -> list[dict]:
+    return [{"sample_id": f"id{i}", "dataset": "d", "messages": json.dumps([{"role": "user", "content": str(i)}]),
+             "tools": None} for i in range(n)]
+
+
+def test_routes_are_exact_deterministic_and_order_free():
+    a = assign_routes(rows(1000), strategy="fraction", overflow_fraction=0.25, calibration_samples=10)
+    counts = {r: sum(x["route"] == r for x in a) for r in ("local", "overflow", "both")}
+    assert counts == {"local": 740, "overflow": 250, "both": 10}
+    b = assign_routes(list(reversed(rows(1000))), strategy="fraction", overflow_fraction=0.25, calibration_samples=10)
+    assert {x["sample_id"]: x["route"] for x in a} == {x["sample_id"]: x["route"] for x in b}
+    cap = assign_routes(rows(100), strategy="capacity", local_capacity=local_capacity(50.0, 60.0, 100.0))
+    assert sum(x["route"] == "local" for x in cap) == 30
+    with pytest.raises(UserError, match="strategy"):
+        assign_routes(rows(3), strategy="random")
+
+
+def test_prompt_rows_are_checked_with_record_and_field():
+    with pytest.raises(UserError, match=r"prompt 1 \(sample_id 'id0'\).*'sample_id' is duplicated"):
+        parse_prompts(rows(1) + rows(1), "d", None)
+    bad = rows(2)
+    bad[1]["messages"] = "{not json"
+    with pytest.raises(UserError, match=r"prompt 1 \(sample_id 'id1'\).*not valid JSON"):
+        parse_prompts(bad, "d", None)
+    routed = assign_routes(rows(40), overflow_fraction=0.5, calibration_samples=3)
+    local = parse_prompts(routed, "d", ("local", "both"))
+    assert len(local) == 20 and sum(p.raw["route"] == "both" for p in local) == 3
+    both = next(p for p in local if p.raw["route"] == "both")
+    assert sampling_for(both, {"temperature": 1.0, "top_p": 0.9})["temperature"] == 0.0
+
+
+def test_local_stop_id_normalisation(kimi_tokenizer):
+    from eagle3_data.chat_format import get_output_format
+    from eagle3_data.generation.sglang import _SGLangRun
+
+    fmt = get_output_format(kimi_tokenizer)
+    run = _SGLangRun.__new__(_SGLangRun)
+    run.fmt = fmt
+    im_end = fmt.stop_token_ids[0]
+    stop = {"type": "stop", "matched": im_end}
+    assert run._normalise({"output_ids": [1, 2], "meta_info": {"finish_reason": stop}}) == ([1, 2, im_end], "stop")
+    assert run._normalise({"output_ids": [1, im_end], "meta_info": {"finish_reason": stop}}) == ([1, im_end], "stop")
+    assert run._normalise({"output_ids": [1, 2], "meta_info": {"finish_reason": {"type": "length", "length": 2}}}) == ([1, 2], "length")
+    with pytest.raises(ValueError, match="matched=163533"):  # "chas" is no stop token
+        run._normalise({"output_ids": [1, 2], "meta_info": {"finish_reason": {"type": "stop", "matched": 163533}}})
+    with pytest.raises(ValueError):
+        run._normalise({"output_ids": [1, im_end], "meta_info": {"finish_reason": {"type": "length"}}})
+
+
+def test_consistency_report_finds_the_first_difference(kimi_tokenizer):
+    from eagle3_data.chat_format import get_output_format
+
+    fmt = get_output_format(kimi_tokenizer)
+    text = "Let me think.</think>The answer is 42.<|im_end|>"
+    ids = kimi_tokenizer.encode(text, add_special_tokens=False)
+    local = [{"sample_id": "a", "status": "ok", "output_ids": ids}, {"sample_id": "b", "status": "ok", "output_ids": ids}]
+    over = [{"sample_id": "a", "status": "ok", "reasoning": "Let me think.", "content": "The answer is 42.",
+             "tool_calls": None, "finish_reason": "stop", "messages": "[]"},
+            {"sample_id": "b", "status": "ok", "reasoning": "Let me think.", "content": "The answer is 43.",
+             "tool_calls": None, "finish_reason": "stop", "messages": "[]"}]
+    report = consistency_report(kimi_tokenizer, local, over, first_n=64)
+    by = {s["sample_id"]: s for s in report["per_sample"]}
+    assert by["a"]["first_diff"] is None and by["a"]["compared"] == len(ids)
+    # FACTS.md: [9413, 1019, 2704, 13, 163607, 1008, 7574, 387, 220, 5512, 13, 163586]; "42" is id 5512
+    assert ids[9] == 5512 and by["b"]["first_diff"] == 9 and not by["b"]["same_text"]
+    assert report["agreement"] == 0.5 and fmt is not None
+
+
+def test_log_progress_writes_steady_lines(caplog):
+    caplog.set_level(logging.INFO)
+    p = LogProgress(logging.getLogger("t"), interval_s=0.0)
+    p.start(100, already_done=10, label="gen")
+    p.update(ok=30, failed=2, tokens=3000, cost_usd=0.5)
+    p.tick()
+    p.close()
+    line = caplog.records[-2].getMessage()
+    assert "42/100 done, 2 failed" in line and "$0.5000" in line and "ETA" in line
