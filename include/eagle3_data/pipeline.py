@@ -519,11 +519,12 @@ def load_route(run: Run, store, dataset: str) -> dict:
     nothing is written but the plan: counts, token and cost estimates."""
     import hashlib
 
+    from eagle3_data.generation.routing import assign_routes
     from eagle3_data.prompts import load_prompts
 
     ds, g = run.config.dataset(dataset), run.config.generation
     loaded = load_prompts(ds.prompts, dataset, date=run.date, sampling=_sampling(run), repeats=g.repeats, client=store.client)
-    rows = route_prompts(loaded.rows, run.config.routing)
+    rows = assign_routes(loaded.rows, **vars(run.config.routing))
     counts = {"prompts": len(rows), "rejects": len(loaded.rejects)}
     for r in rows:
         counts[r["route"]] = counts.get(r["route"], 0) + 1
@@ -565,18 +566,3 @@ def _estimate(run: Run, rows: list[dict]) -> dict:
         "max_overflow_usd": round(min(usd, run.config.generation.overflow.max_usd), 6),
     }
 
-
-def route_prompts(rows: list[dict], routing) -> list[dict]:
-    """Set each row's route. Ranks come from a hash of the sample_id, so a sample's route does not
-    depend on file order and counts are exact: `fraction` sends round(n * overflow_fraction)
-    samples to OpenRouter, `capacity` keeps `local_capacity` local; the first
-    `calibration_samples` local ones go both ways, to compare the two paths."""
-    import hashlib
-
-    ranked = sorted(rows, key=lambda r: hashlib.sha256(r["sample_id"].encode()).digest())
-    n = len(ranked)
-    n_local = n - round(n * routing.overflow_fraction) if routing.strategy == "fraction" else min(n, routing.local_capacity)
-    route = {}
-    for i, r in enumerate(ranked):
-        route[r["sample_id"]] = ("both" if i < routing.calibration_samples else "local") if i < n_local else "overflow"
-    return [{**r, "route": route[r["sample_id"]]} for r in rows]

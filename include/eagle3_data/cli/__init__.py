@@ -28,13 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eagle3-data", description=__doc__.splitlines()[0])
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(f"eagle3_data.cli.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name == f"eagle3_data.cli.{name}":
-                continue  # command group not built yet
-            raise
-        module.register(subparsers)
+        importlib.import_module(f"eagle3_data.cli.{name}").register(subparsers)
     return parser
 
 

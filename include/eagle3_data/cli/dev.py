@@ -12,10 +12,4 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     dev = subparsers.add_parser("dev", help="offline builders and embedded services")
     dev_sub = dev.add_subparsers(dest="dev_command", required=True)
     for name in DEV_COMMAND_MODULES:
-        try:
-            module = importlib.import_module(f"eagle3_data.cli.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name == f"eagle3_data.cli.{name}":
-                continue
-            raise
-        module.register(dev_sub)
+        importlib.import_module(f"eagle3_data.cli.{name}").register(dev_sub)
