@@ -5,8 +5,9 @@
    thread overlaps serialisation with compute).
 2. naive: the anchors' way, one sample per forward of the full causal LM with
    `output_hidden_states=True` and one `torch.save` file per sample (SpecForge layout).
-Also bytes per token of the packed bf16 and fp8 shards against the minimum 3*H*2, and fp8's
-measured relative error. Runs on CUDA when present (bf16), else CPU (fp32).
+Also bytes per token of the packed shards (bf16 storage, the default whatever the compute dtype;
+fp32 storage; fp8) against the minimum 3*H*2, and fp8's measured relative error. Computes on CUDA
+when present (bf16), else CPU (fp32).
 
     .venv/bin/python benchmarks/extract_throughput.py [--samples 48] [--model DIR]
 """
@@ -40,15 +41,10 @@ def sync(device: str) -> None:
 def ensure_model(path: Path | None) -> Path:
     if path is not None:
         return path
-    from eagle3_data.dev.kimi_tokenizer import build_kimi_tokenizer
-    from eagle3_data.dev.tiny_model import build_tiny_model
+    from eagle3_data.dev.kimi_tokenizer import cached_kimi_tokenizer
+    from eagle3_data.dev.tiny_model import cached_tiny_model
 
-    tok, model = REPO / ".cache/bench-kimi-tokenizer", REPO / ".cache/bench-tiny-model"
-    if not (tok / "tokenizer.json").exists():
-        build_kimi_tokenizer(tok)
-    if not (model / "model.safetensors").exists():
-        build_tiny_model(tok, model)
-    return model
+    return cached_tiny_model(cached_kimi_tokenizer(REPO / ".cache"), REPO / ".cache")
 
 
 def make_rows(n: int, seed: int, vocab: int) -> list[dict]:
@@ -87,8 +83,9 @@ def main() -> None:
         sync(info.device)
         return time.perf_counter() - t0
 
-    def extract(tmp: Path, use_fp8: bool = False) -> tuple[float, dict]:
-        opts = ExtractOptions(token_budget=args.token_budget, out_shard_tokens=16_384, use_fp8=use_fp8)
+    def extract(tmp: Path, use_fp8: bool = False, storage_dtype: str = "bf16") -> tuple[float, dict]:
+        opts = ExtractOptions(token_budget=args.token_budget, out_shard_tokens=16_384, use_fp8=use_fp8,
+                              storage_dtype=storage_dtype)
         t0 = time.perf_counter()
         summary = extract_rows(backend, rows, tmp, "bench", opts)
         return time.perf_counter() - t0, summary
@@ -121,19 +118,22 @@ def main() -> None:
         (tmp / "naive").mkdir()
         t_naive = min(naive(tmp / "naive") for _ in range(args.repeats))
         _, summary8 = extract(tmp / "fp8", use_fp8=True)
+        _, summary32 = extract(tmp / "fp32", storage_dtype="fp32")
         reader = ShardReader(next((tmp / "x0").glob("*.safetensors")))
         sample = reader.sample(0).aux_hidden_states
         rel = fp8.relative_error(sample, len(layer_ids))
         naive_bytes = sum(p.stat().st_size for p in (tmp / "naive").glob("*.ckpt"))
 
     h = info.hidden_size
-    print(f"device={info.device} dtype={info.dtype} model={info.name} L={info.num_layers} H={h} "
+    print(f"device={info.device} compute dtype={info.dtype} model={info.name} L={info.num_layers} H={h} "
           f"samples={len(rows)} tokens={tokens} batches={len(batches)} token_budget={args.token_budget}")
     print(f"bare forward      {tokens / t_bare:10.0f} tok/s")
     print(f"extract (packed)  {tokens / t_extract:10.0f} tok/s   extract/bare = {t_bare / t_extract:.2f}")
     print(f"naive per-sample  {tokens / t_naive:10.0f} tok/s   extract/naive = {t_naive / t_extract:.2f}")
-    print(f"bytes/token: packed bf16 aux {summary['bytes_per_token']:.1f} (min 3*H*2 = {3 * h * 2}, "
-          f"ratio {summary['bytes_per_token'] / (3 * h * 2):.3f}); fp8 aux {summary8['bytes_per_token']:.1f} "
+    print(f"bytes/token: packed aux stored {summary['dtype']} (computed {summary['compute_dtype']}) "
+          f"{summary['bytes_per_token']:.1f} (min 3*H*2 = {3 * h * 2}, "
+          f"ratio {summary['bytes_per_token'] / (3 * h * 2):.3f}); stored {summary32['dtype']} "
+          f"{summary32['bytes_per_token']:.1f} (ratio {summary32['bytes_per_token'] / (3 * h * 2):.3f}); fp8 aux {summary8['bytes_per_token']:.1f} "
           f"({summary8['bytes_per_token'] / summary['bytes_per_token']:.2f}x of bf16, rel. error {rel:.4f}); "
           f"naive files (aux + last) {naive_bytes / tokens:.1f} in {len(rows)} files")
 

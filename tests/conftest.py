@@ -24,18 +24,9 @@ pytest_plugins = [
 @pytest.fixture(scope="session")
 def kimi_tokenizer_dir() -> Path:
     """The real Kimi tokenizer, built once from splintr-rs and cached across runs in .cache/."""
-    import hashlib
+    from eagle3_data.dev.kimi_tokenizer import cached_kimi_tokenizer
 
-    from eagle3_data.dev import kimi_tokenizer
-
-    # Keyed on the builder and the template, so a change to either rebuilds the cache.
-    key = hashlib.sha256(
-        Path(kimi_tokenizer.__file__).read_bytes() + kimi_tokenizer.CHAT_TEMPLATE_PATH.read_bytes()
-    ).hexdigest()[:16]
-    out = CACHE / f"kimi-tokenizer-{key}"
-    if not (out / "tokenizer.json").exists():
-        kimi_tokenizer.build_kimi_tokenizer(out)
-    return out
+    return cached_kimi_tokenizer(CACHE)
 
 
 @pytest.fixture(scope="session")

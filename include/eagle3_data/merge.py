@@ -194,8 +194,9 @@ def merge_datasets(
                     dataset = row.get("dataset") or ref.dataset
                     row["dataset"] = dataset
                     order += 1
-                    if row.get("status") != "ok":
-                        stats[dataset][f"failed_{row.get('source') or 'unknown'}"] += 1
+                    if row.get("status") != "ok":  # failed, or unreconstructable (text cannot determine the ids)
+                        kind = "unreconstructable" if row.get("status") == "unreconstructable" else "failed"
+                        stats[dataset][f"{kind}_{row.get('source') or 'unknown'}"] += 1
                         continue
                     _check_row(row, ref)
                     key = shuffle_key(seed, row["sample_id"])

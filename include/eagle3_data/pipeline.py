@@ -179,7 +179,7 @@ def reconstruct(run: Run, store, dataset: str) -> dict:
     params = {"thinking": run.config.generation.sampling.thinking, **hashes}
     if (manifest := current_manifest(store, ref, params, [src])) is not None:
         return {"uri": store.uri(ref), "rows": manifest["rows"], "reused": True}
-    fmt, counts = get_output_format(tokenizer), {"ok": 0, "failed": 0}
+    fmt, counts = get_output_format(tokenizer), {"ok": 0, "failed": 0, "unreconstructable": 0}
     with store.writer(ref, "generations", rows_per_part=1024, params=params, inputs=[src], fresh=True, **hashes) as w:
         for batch in store.iter_batches(src):
             rows = batch.to_pylist()
@@ -188,9 +188,13 @@ def reconstruct(run: Run, store, dataset: str) -> dict:
             by_id = {r["sample_id"]: r for r in ok}
             out = []
             for item, ids in reconstruct_rows(tokenizer, todo):
-                out.append({**by_id[item.sample_id], "output_ids": ids})
+                if item.unreconstructable:  # text cannot determine the ids: kept for the billing report, never merged
+                    out.append({**by_id[item.sample_id], "status": "unreconstructable", "error": f"unreconstructable: {item.unreconstructable}"})
+                    counts["unreconstructable"] += 1
+                else:
+                    out.append({**by_id[item.sample_id], "output_ids": ids})
+                    counts["ok"] += 1
             out += [r for r in rows if r["status"] != "ok"]
-            counts["ok"] += len(ok)
             counts["failed"] += len(rows) - len(ok)
             w.write(out)
         manifest = w.commit(extra={"counts": counts})
@@ -205,9 +209,22 @@ def _ok_batches(store, ref, columns):
         yield batch.filter(pc.equal(batch.column("status"), "ok")).select(columns)
 
 
+def _rows_with_ids(store, ref, ids: set[str]):
+    """Rows of these sample_ids only, filtered in Arrow: a large stage is never turned into dicts."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if not ids:
+        return
+    keys = pa.array(sorted(ids), pa.string())
+    for batch in store.iter_batches(ref):
+        yield from batch.filter(pc.is_in(batch.column("sample_id"), value_set=keys)).to_pylist()
+
+
 def validate(run: Run, store, dataset: str) -> dict:
     """Round trip on local ids + billed-vs-reconstructed counts on overflow rows; raise GateFailed
     (message: why, and the report's URI) when either fails. The report is written either way."""
+    from eagle3_data.generation.routing import consistency_report
     from eagle3_data.validate import (
         ValidationSummary,
         compare_billed_counts,
@@ -237,16 +254,25 @@ def validate(run: Run, store, dataset: str) -> dict:
             local_report = summary.report()
             billing = compare_billed_counts(
                 (
-                    (r["sample_id"], int((r["usage"] or {}).get("completion_tokens") or 0), len(r["output_ids"]))
-                    for b in _ok_batches(store, rebuilt, ["sample_id", "usage", "output_ids"])
+                    (r["sample_id"], int((r["usage"] or {}).get("completion_tokens") or 0), len(r["output_ids"] or []),
+                     r["error"] if r["status"] == "unreconstructable" else None)
+                    for b in store.iter_batches(rebuilt, columns=["sample_id", "usage", "output_ids", "status", "error"])
                     for r in b.to_pylist()
+                    if r["status"] in ("ok", "unreconstructable")
                 ),
                 max_aggregate_deviation=thresholds.max_billing_deviation,
             )
             reasons = [f"local round trip: {r}" for r in local_report["gate"]["reasons"] if not (r == "no valid samples" and billing["rows"])]
             reasons += [f"overflow billing: {r}" for r in billing["gate"]["reasons"]]
-            gate = {"passed": not reasons, "reasons": reasons, "thresholds": vars(thresholds)}
-            store.put_json(ref, VALIDATION_REPORT, {**local_report, "dataset": dataset, "run_gate": gate})
+            gate = {"passed": not reasons, "reasons": reasons, "thresholds": vars(thresholds),
+                    "notes": [f"overflow billing: {n}" for n in billing["gate"]["notes"]]}
+            # Calibration: samples routed "both", engine ids vs the provider's reconstructed text.
+            # Informational, not a gate: docs/generation.md says what it can and cannot prove.
+            both = {r["sample_id"] for b in store.iter_batches(_ref(run, PROMPTS, dataset), columns=["sample_id", "route"])
+                    for r in b.to_pylist() if r["route"] == "both"}
+            calibration = consistency_report(tokenizer, _rows_with_ids(store, local, both), _rows_with_ids(store, rebuilt, both),
+                                             sample_ids=both)
+            store.put_json(ref, VALIDATION_REPORT, {**local_report, "dataset": dataset, "run_gate": gate, "calibration": calibration})
             store.put_json(ref, BILLING_REPORT, {**billing, "dataset": dataset})
             manifest = w.commit(extra={"gate": gate, "counts": local_report["counts"]}, files=[VALIDATION_REPORT, BILLING_REPORT])
     gate = manifest["extra"]["gate"]

@@ -2,6 +2,13 @@
 
 One encode over the whole rendered generation (never per part): BPE merges across part
 boundaries exactly as they would in the model's own tokenisation of that text.
+
+Faithful only when the provider's text holds everything the model generated. A generation cut by
+the length limit can lose its tail on the way to us: the provider's tool parser (SGLang's kimi_k2
+detector, and the dev server) returns the content before `<|tool_calls_section_begin|>` plus the
+*complete* calls only, dropping a partial call, the section markers, and any whole section with no
+complete call yet; a cut inside a multi-byte character arrives as U+FFFD. Such rows are
+`unreconstructable` (`unreconstructable_reason`): rebuilding them would give fewer or wrong ids.
 """
 
 from __future__ import annotations
@@ -49,6 +56,27 @@ def reconstruct_batch(
     return fmt.codec.encode_batch(texts)
 
 
+def unreconstructable_reason(message: AssistantMessage, finish_reason: str, tools_offered: bool) -> str | None:
+    """Why the text of this generation does not determine its ids, or None when it does.
+
+    Only a length cut loses text. Still faithful: cut inside reasoning or content of a request
+    without tools (all text arrives; at worst a `</think>` generated as the very last token is
+    not visible, so the ids are a strict prefix, never wrong ones). Not faithful: any cut with
+    tools offered, because a tool section cut before its first complete call vanishes without
+    a trace (the content before it looks like an ordinary content cut), and a cut after complete
+    calls leaves the partial call and the section end unknown.
+    """
+    if normalize_finish_reason(finish_reason) != "length":
+        return None
+    if message.tool_calls:
+        return "truncated inside tool-call section"
+    if tools_offered:
+        return "truncated with tools offered (a cut tool-call section is dropped by the provider's tool parser)"
+    if (message.content or message.reasoning or "").endswith("\ufffd"):
+        return "truncated inside a multi-byte character"
+    return None
+
+
 @dataclass
 class ReconstructRow:
     where: str
@@ -56,11 +84,13 @@ class ReconstructRow:
     message: AssistantMessage
     finish_reason: str
     tool_call_index_start: int
+    unreconstructable: str | None = None  # why the text cannot determine the ids (see module docstring)
 
 
 def row_to_reconstruct(fmt: OutputFormat, row: dict[str, Any], where: str) -> ReconstructRow:
     """An OpenRouter-style row (`reasoning`, `content`, `tool_calls`, `finish_reason`, `sample_id`,
-    optional `messages` for the conversation-wide tool-call index) -> what reconstruction needs."""
+    optional `messages` for the conversation-wide tool-call index, optional `tools` = the tools
+    the request offered) -> what reconstruction needs."""
     if not isinstance(row, dict):
         raise UserError(f"{where}: not a JSON object")
     sample_id = row.get("sample_id")
@@ -83,7 +113,16 @@ def row_to_reconstruct(fmt: OutputFormat, row: dict[str, Any], where: str) -> Re
             raise UserError(f"{where}: field 'messages' is not valid JSON ({exc})") from exc
     if not isinstance(history, list) or not all(isinstance(m, dict) for m in history):
         raise UserError(f"{where}: field 'messages' is not a list of chat messages")
-    return ReconstructRow(where, sample_id, message, finish, fmt.tool_call_index_start(history))
+    tools = row.get("tools") or []
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{where}: field 'tools' is not valid JSON ({exc})") from exc
+    if not isinstance(tools, list):
+        raise UserError(f"{where}: field 'tools' is not a list of tools")
+    reason = unreconstructable_reason(message, finish, bool(tools))
+    return ReconstructRow(where, sample_id, message, finish, fmt.tool_call_index_start(history), reason)
 
 
 def reconstruct_rows(

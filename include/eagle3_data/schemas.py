@@ -41,8 +41,8 @@ GENERATIONS = pa.schema(
         ("prompt_ids", pa.list_(pa.int32())),
         ("output_ids", pa.list_(pa.int32())),  # engine ids (sglang) or reconstructed (openrouter)
         ("source", pa.string()),  # "sglang" | "openrouter"
-        ("status", pa.string()),  # "ok" | "failed"
-        ("error", pa.string()),  # reason when failed
+        ("status", pa.string()),  # "ok" | "failed" | "unreconstructable" (overflow text cannot determine the ids)
+        ("error", pa.string()),  # reason when not ok
         ("reasoning", pa.string()),
         ("content", pa.string()),
         ("tool_calls", pa.string()),  # canonical JSON list, null when none

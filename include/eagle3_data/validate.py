@@ -436,19 +436,28 @@ def validation_rows_table(results: Iterable[RowResult], dataset: str, source: st
 
 
 def compare_billed_counts(
-    rows: Iterable[tuple[str, int, int]],
+    rows: Iterable[tuple[str, int, int] | tuple[str, int, int, str | None]],
     *,
     max_aggregate_deviation: float = DEFAULT_MAX_BILLING_DEVIATION,
     worst: int = 20,
 ) -> dict[str, Any]:
     """OpenRouter's `usage.completion_tokens` vs reconstructed lengths, per (sample_id, billed,
-    reconstructed). The provider counted with the model's own tokenizer, so an aggregate gap
-    means reconstruction (or the provider's text) differs systematically; gate on it."""
+    reconstructed[, unreconstructable reason]). The provider counted with the model's own
+    tokenizer, so an aggregate gap means reconstruction (or the provider's text) differs
+    systematically; gate on it. Rows with a reason (text that cannot determine the ids, see
+    `reconstruct.unreconstructable_reason`) would show a gap that says nothing about
+    reconstruction: they are counted under `excluded` and left out of the deviation."""
     billed_total = rebuilt_total = n = 0
     abs_sum = 0.0
     top: list[tuple[float, str, int, int]] = []
+    excluded: dict[str, Any] = {"rows": 0, "billed_completion_tokens": 0, "reasons": {}}
 
-    for sample_id, billed, rebuilt in rows:
+    for sample_id, billed, rebuilt, *reason in rows:
+        if reason and reason[0]:
+            excluded["rows"] += 1
+            excluded["billed_completion_tokens"] += billed
+            excluded["reasons"][reason[0]] = excluded["reasons"].get(reason[0], 0) + 1
+            continue
         n += 1
         billed_total += billed
         rebuilt_total += rebuilt
@@ -463,8 +472,13 @@ def compare_billed_counts(
     reasons = []
     if abs(aggregate) > max_aggregate_deviation:
         reasons.append(f"aggregate deviation {aggregate:+.4%} exceeds ±{max_aggregate_deviation:.2%}")
+    notes = [
+        f"{count} row(s) excluded from the deviation and from training data, unreconstructable: {why}"
+        for why, count in sorted(excluded["reasons"].items())
+    ]
     return {
-        "rows": n,
+        "rows": n,  # faithful rows: the ones the deviation is computed over
+        "excluded": excluded,
         "billed_completion_tokens": billed_total,
         "reconstructed_completion_tokens": rebuilt_total,
         "deviation": aggregate,
@@ -473,5 +487,5 @@ def compare_billed_counts(
             {"sample_id": s, "billed": b, "reconstructed": r, "deviation": (r - b) / b if b else None}
             for _, s, b, r in sorted(top, reverse=True)
         ],
-        "gate": {"passed": not reasons, "reasons": reasons, "max_aggregate_deviation": max_aggregate_deviation},
+        "gate": {"passed": not reasons, "reasons": reasons, "notes": notes, "max_aggregate_deviation": max_aggregate_deviation},
     }

@@ -163,6 +163,8 @@ def test_full_run_one_gate_fails_others_complete(stack, dag):
     report = store.get_json(StageRef(RUN_KEY, "validate", "chat"), "report.json")
     assert not report["run_gate"]["passed"]
     assert any("bpe_only rate" in r for r in report["run_gate"]["reasons"]), report["run_gate"]
+    calibration = report["calibration"]  # the one sample routed "both": split ids, same text
+    assert calibration["samples"] == 1 and calibration["missing"] == [] and calibration["text_disagreements"] == [], calibration
     merged = store.read_manifest(StageRef(RUN_KEY, "merge", "all"))
     assert sorted(merged["extra"]["datasets"]) == ["code", "tool_calls"]
     hs = store.read_manifest(StageRef(RUN_KEY, "hidden_states", "all"))

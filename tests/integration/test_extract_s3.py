@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from eagle3_data.cli import main
+from eagle3_data.errors import UserError
+from eagle3_data.hidden_states.backends import TransformersBackend
 from eagle3_data.hidden_states.extract import commit_extraction, extract_shard
 from eagle3_data.hidden_states.shards import ShardReader
 from eagle3_data.merge import merged_shards
@@ -52,6 +54,7 @@ def test_merge_and_extract_cli_against_s3(store, generations, tiny_model_dir, s3
     manifest = store.read_manifest(out_ref)
     extra = manifest["extra"]
     assert extra["layer_ids"] == [1, 3, 4] and extra["convention"] == "output"
+    assert (extra["dtype"], extra["compute_dtype"]) == ("bfloat16", "float32")  # stored bf16, computed fp32 on CPU
     assert extra["totals"]["samples"] == 20
     assert manifest["inputs"][0]["uri"] == uri(merge_ref)
     # the stored shard of one sample matches its merged record; no padding stored
@@ -91,3 +94,11 @@ def test_extract_shard_resumes_by_shard_and_commit_waits_for_all(store, generati
     result = commit_extraction(store, merge_ref, out_ref, params={"convention": "output"})
     assert result["totals"]["samples"] == 20
     assert json.dumps(store.read_manifest(out_ref)["params"]) == '{"convention": "output"}'
+    # shards stored in different dtypes cannot make one stage
+    mixed_ref = StageRef(RUN, "extract_hidden_states", "mixed")
+    backend = TransformersBackend(tiny_model_dir)
+    for i, shard in enumerate(summary["shards"]):
+        extract_shard(store, shard, tiny_model_dir, mixed_ref, storage_dtype="fp32" if i == 0 else "bf16",
+                      backend=backend)
+    with pytest.raises(UserError, match="different \\['aux_encoding', 'dtype'\\]"):
+        commit_extraction(store, merge_ref, mixed_ref)

@@ -86,13 +86,18 @@ def test_reconstruct_cli(verified_cache, kimi_tokenizer_dir, tmp_path, capsys):
         {"sample_id": "a", "reasoning": "Let me think.", "content": "The answer is 42.", "finish_reason": "stop"},
         {"sample_id": "b", "reasoning": "hm", "content": "", "finish_reason": "tool_calls",
          "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"sample_id": "c", "reasoning": "hm", "content": "", "finish_reason": "length",
+         "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
     ]
     src = _write(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out.jsonl"
     assert main(["reconstruct", "--tokenizer", str(kimi_tokenizer_dir), "--input", src, "--out", str(out)]) == 0
     got = [json.loads(line) for line in out.read_text().splitlines()]
-    assert got[0] == {"sample_id": "a", "finish_reason": "stop", "output_ids": REFERENCE_IDS}
+    assert got[0] == {"sample_id": "a", "finish_reason": "stop", "output_ids": REFERENCE_IDS, "unreconstructable": None}
     assert 163597 in got[1]["output_ids"]
+    assert got[2] == {"sample_id": "c", "finish_reason": "length", "output_ids": None,
+                      "unreconstructable": "truncated inside tool-call section"}
+    assert "2 samples, 1 unreconstructable" in capsys.readouterr().out
     assert main(["reconstruct", "--tokenizer", str(kimi_tokenizer_dir), "--input", src, "--out", str(tmp_path / "o.parquet")]) == 0
     assert pq.read_table(tmp_path / "o.parquet").column("output_ids").to_pylist()[0] == REFERENCE_IDS
     bad = _write(tmp_path / "bad.jsonl", [rows[0], {"sample_id": "z", "content": "x", "finish_reason": "content_filter"}])

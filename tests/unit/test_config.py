@@ -69,13 +69,14 @@ def test_params_override_config_and_pick_the_run_key():
 
 
 def test_routing_is_stable_and_exact():
-    from eagle3_data.pipeline import route_prompts
+    """The pipeline's routing config maps onto generation.routing.assign_routes' keywords."""
+    from eagle3_data.generation.routing import assign_routes
 
     cfg = load_config().with_overrides({"routing": {"overflow_fraction": 0.25, "calibration_samples": 2}})
     rows = [{"sample_id": f"s{i}"} for i in range(20)]
-    routed = [r["route"] for r in route_prompts(rows, cfg.routing)]
+    routed = [r["route"] for r in assign_routes(rows, **vars(cfg.routing))]
     assert routed.count("overflow") == 5 and routed.count("both") == 2 and routed.count("local") == 13
-    shuffled = route_prompts(list(reversed(rows)), cfg.routing)
-    assert {r["sample_id"]: r["route"] for r in shuffled} == {r["sample_id"]: r["route"] for r in route_prompts(rows, cfg.routing)}
+    shuffled = assign_routes(list(reversed(rows)), **vars(cfg.routing))
+    assert {r["sample_id"]: r["route"] for r in shuffled} == {r["sample_id"]: r["route"] for r in assign_routes(rows, **vars(cfg.routing))}
     capacity = cfg.with_overrides({"routing": {"strategy": "capacity", "local_capacity": 3, "calibration_samples": 0}})
-    assert [r["route"] for r in route_prompts(rows, capacity.routing)].count("local") == 3
+    assert [r["route"] for r in assign_routes(rows, **vars(capacity.routing))].count("local") == 3

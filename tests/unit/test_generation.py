@@ -105,6 +105,28 @@ def test_consistency_report_finds_the_first_difference(kimi_tokenizer):
     # FACTS.md: [9413, 1019, 2704, 13, 163607, 1008, 7574, 387, 220, 5512, 13, 163586]; "42" is id 5512
     assert ids[9] == 5512 and by["b"]["first_diff"] == 9 and not by["b"]["same_text"]
     assert report["agreement"] == 0.5 and fmt is not None
+    assert report["text_disagreements"] == ["b"] and report["missing"] == []
+
+
+def test_consistency_report_compares_only_the_calibration_samples(kimi_tokenizer):
+    """The pipeline passes whole stages and the ids routed "both": others are ignored, a calibration
+    sample that failed on one path is named, and a non-canonical split (same text) is told apart."""
+    text = "Let me think.</think>The answer is 42.<|im_end|>"
+    ids = kimi_tokenizer.encode(text, add_special_tokens=False)
+    split = ids[:9] + kimi_tokenizer.encode("4", add_special_tokens=False) + kimi_tokenizer.encode("2", add_special_tokens=False) + ids[10:]
+    assert kimi_tokenizer.decode(split) == text and split != ids
+    over = {"status": "ok", "reasoning": "Let me think.", "content": "The answer is 42.", "tool_calls": None,
+            "finish_reason": "stop", "messages": "[]"}
+    local = [{"sample_id": s, "status": "ok", "output_ids": split if s == "bpe" else ids} for s in ("same", "bpe", "lost", "local-only")]
+    provider = [{**over, "sample_id": s} for s in ("same", "bpe", "overflow-only")] + [{**over, "sample_id": "lost", "status": "failed"}]
+    report = consistency_report(kimi_tokenizer, iter(local), iter(provider), first_n=64, sample_ids={"same", "bpe", "lost"})
+    by = {s["sample_id"]: s for s in report["per_sample"]}
+    assert sorted(by) == ["bpe", "same"] and report["missing"] == ["lost"]
+    assert by["same"]["first_diff"] is None and by["bpe"]["first_diff"] == 9 and by["bpe"]["same_text"]
+    assert report["agreement"] == 0.5 and report["text_agreement"] == 1.0 and report["text_disagreements"] == []
+    assert "same weights" in report["cannot_prove"]
+    empty = consistency_report(kimi_tokenizer, local, provider, sample_ids=set())
+    assert empty["samples"] == 0 and empty["agreement"] is None and empty["missing"] == []
 
 
 def test_log_progress_writes_steady_lines(caplog):

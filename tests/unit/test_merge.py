@@ -73,7 +73,8 @@ def two_datasets(store):
     # c0..c4 also came back from OpenRouter (calibration overlap): the local ground truth must win
     write_stage(store, overflow, [gen_row(f"c{i}", "chat", "openrouter", [100 + i] * 5, [9] * 4) for i in range(5)]
                 + [gen_row(f"o{i}", "chat", "openrouter", [200 + i] * 4, [8] * 30) for i in range(6)]
-                + [gen_row("o-fail", "chat", "openrouter", None, None, status="failed")])
+                + [gen_row("o-fail", "chat", "openrouter", None, None, status="failed")]
+                + [gen_row("o-cut", "chat", "openrouter", [201] * 3, [8] * 2, status="unreconstructable")])
     write_stage(store, tools, [gen_row(f"t{i}", "tools", "sglang", [300 + i] * 3, [6] * 5) for i in range(15)])
     return [local, overflow, tools]
 
@@ -87,7 +88,8 @@ def test_merge_dedupes_counts_and_shards(store, two_datasets, tmp_path):
     assert all(by_id[f"c{i}"]["source"] == "sglang" and 9 not in by_id[f"c{i}"]["input_ids"] for i in range(5))
     chat, tools = summary["datasets"]["chat"], summary["datasets"]["tools"]
     assert chat["duplicates"] == 5 and chat["dropped_too_long"] == 6
-    assert chat["failed_sglang"] == 1 and chat["failed_openrouter"] == 1
+    assert chat["failed_sglang"] == 1 and chat["failed_openrouter"] == 1 and chat["unreconstructable_openrouter"] == 1
+    assert "o-cut" not in by_id  # short enough to be kept, but its text could not determine its ids
     assert chat["samples"] == 20 and tools["samples"] == 15
     assert chat["tokens"] == sum(len(by_id[f"c{i}"]["input_ids"]) for i in range(20))
     assert tools["loss_tokens"] == 15 * 5

@@ -69,3 +69,88 @@ def test_parsed_local_generation_reconstructs_its_ids(kimi_tokenizer):
 def test_bad_rows_name_row_and_field(kimi_tokenizer, row, match):
     with pytest.raises(UserError, match=match):
         row_to_reconstruct(get_output_format(kimi_tokenizer), row, "line 3")
+
+
+# ---------------------------------------------------------------- length cuts: faithful or not
+
+def _provider_message(tok, ids: list[int]) -> AssistantMessage:
+    """What a provider returns for generated ids, as SGLang's kimi_k2 parsers do: reasoning up to
+    `</think>`; content = text before `<|tool_calls_section_begin|>`; only complete calls."""
+    import re
+
+    text = tok.decode(ids)
+    reasoning, closed, rest = (text.split("</think>", 1) + [""])[0], "</think>" in text, text.split("</think>", 1)[-1]
+    if not closed:
+        return AssistantMessage(reasoning=reasoning, content="")
+    content = rest.split("<|tool_calls_section_begin|>", 1)[0]
+    calls = re.findall(r"<\|tool_call_begin\|>\s*(?:functions\.)?([\w.]+):\d+\s*<\|tool_call_argument_begin\|>(.*?)<\|tool_call_end\|>", rest)
+    return AssistantMessage(reasoning=reasoning, content=content, tool_calls=[ToolCall("x", n, a) for n, a in calls])
+
+
+FULL_TOOL_TEXT = ("Look it up 东京 🙂.</think>Calling now.<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0"
+                  '<|tool_call_argument_begin|>{"x": "多"}<|tool_call_end|><|tool_call_begin|>functions.g:1'
+                  '<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|><|im_end|>')
+FULL_PLAIN_TEXT = "Think: 東京 and 🚀 and naïve.</think>The answer — 四十二 🙂 — is\n\n```py\nx = 1\n```<|im_end|>"
+
+
+def test_every_cut_inside_a_tool_section_is_unreconstructable(kimi_tokenizer):
+    """Cut after every generated token of a tool-calling answer: with tools offered no cut is
+    called faithful; the ones the provider's text visibly breaks say why."""
+    from eagle3_data.reconstruct import unreconstructable_reason
+
+    ids = kimi_tokenizer.encode(FULL_TOOL_TEXT, add_special_tokens=False)
+    section = ids.index(kimi_tokenizer.convert_tokens_to_ids("<|tool_calls_section_begin|>"))
+    first_call_end = ids.index(kimi_tokenizer.convert_tokens_to_ids("<|tool_call_end|>"))
+    for n in range(1, len(ids)):
+        msg = _provider_message(kimi_tokenizer, ids[:n])
+        reason = unreconstructable_reason(msg, "length", tools_offered=True)
+        assert reason is not None, n
+        if n > first_call_end:  # at least one complete call came back
+            assert reason == "truncated inside tool-call section", n
+        elif n > section:  # the section vanished from the text: indistinguishable from a content cut
+            assert msg.tool_calls == [] and reason.startswith("truncated with tools offered"), n
+            assert len(reconstruct(kimi_tokenizer, msg, "length")) < n  # why it must not be trusted
+    full = _provider_message(kimi_tokenizer, ids[:-1])
+    assert unreconstructable_reason(full, "tool_calls", tools_offered=True) is None  # finished: faithful
+
+
+def test_cuts_inside_reasoning_or_content_without_tools_rebuild_the_generated_ids(kimi_tokenizer):
+    """Every cut of a plain answer: faithful ones rebuild exactly the generated prefix (the cut
+    right after `</think>` rebuilds the prefix without it); cuts inside a multi-byte character
+    are refused."""
+    from eagle3_data.reconstruct import unreconstructable_reason
+
+    ids = kimi_tokenizer.encode(FULL_PLAIN_TEXT, add_special_tokens=False)
+    think_end = ids.index(kimi_tokenizer.convert_tokens_to_ids("</think>"))
+    faithful = refused = 0
+    for n in range(1, len(ids)):
+        msg = _provider_message(kimi_tokenizer, ids[:n])
+        reason = unreconstructable_reason(msg, "length", tools_offered=False)
+        if kimi_tokenizer.decode(ids[:n]).endswith("\ufffd"):
+            assert reason == "truncated inside a multi-byte character", n
+            refused += 1
+            continue
+        assert reason is None, n
+        rebuilt = reconstruct(kimi_tokenizer, msg, "length")
+        assert rebuilt == (ids[: n - 1] if n == think_end + 1 else ids[:n]), n
+        faithful += 1
+    assert refused >= 1 and faithful > 20
+
+
+def test_row_to_reconstruct_marks_truncated_rows(kimi_tokenizer):
+    fmt = get_output_format(kimi_tokenizer)
+    tools = json.dumps([{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    call = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    cases = [
+        ({"content": "x", "tool_calls": call, "finish_reason": "length", "tools": tools}, "truncated inside tool-call section"),
+        ({"content": "x", "finish_reason": "length", "tools": tools}, "truncated with tools offered"),
+        ({"content": "x", "finish_reason": "length", "tools": "[]"}, None),
+        ({"reasoning": "r", "content": "", "finish_reason": "length"}, None),
+        ({"content": "x", "tool_calls": call, "finish_reason": "tool_calls", "tools": tools}, None),
+        ({"content": "东\ufffd", "finish_reason": "length"}, "truncated inside a multi-byte character"),
+    ]
+    for row, want in cases:
+        rec = row_to_reconstruct(fmt, {"sample_id": "s", **row}, "line 1")
+        assert rec.unreconstructable is None if want is None else rec.unreconstructable.startswith(want), row
+    with pytest.raises(UserError, match=r"line 1 \(sample_id s\): field 'tools' is not valid JSON"):
+        row_to_reconstruct(fmt, {"sample_id": "s", "content": "x", "finish_reason": "stop", "tools": "[{"}, "line 1")

@@ -185,3 +185,16 @@ def test_billing_deviation():
     assert ok["worst_samples"][0]["sample_id"] == "b"
     bad = compare_billed_counts([("a", 1000, 1100)], max_aggregate_deviation=0.05)
     assert not bad["gate"]["passed"] and "+10.0000%" in bad["gate"]["reasons"][0]
+
+
+def test_billing_excludes_unreconstructable_rows_and_still_gates_faithful_ones():
+    cut = "truncated inside tool-call section"
+    rows = [("a", 1000, 1000, None), ("b", 48, 30, cut), ("c", 48, 20, cut), ("d", 500, 500)]
+    ok = compare_billed_counts(rows)
+    assert ok["gate"]["passed"] and ok["deviation"] == 0.0 and ok["rows"] == 2
+    assert ok["excluded"] == {"rows": 2, "billed_completion_tokens": 96, "reasons": {cut: 2}}
+    assert ok["gate"]["notes"] == [f"2 row(s) excluded from the deviation and from training data, unreconstructable: {cut}"]
+    assert {w["sample_id"] for w in ok["worst_samples"]} == {"a", "d"}
+    bad = compare_billed_counts([*rows, ("e", 1000, 900, None)])
+    assert not bad["gate"]["passed"] and bad["excluded"]["rows"] == 2
+    assert bad["deviation"] == pytest.approx(-100 / 2500)

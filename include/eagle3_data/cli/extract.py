@@ -19,6 +19,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="'output of layer i' (SpecForge, Model-Optimizer) or 'input to layer i' (speculators, vLLM)")
     p.add_argument("--last-hidden", action="store_true", help="also store the final-norm hidden state (SpecForge needs it)")
     p.add_argument("--fp8", action="store_true", help="store aux states as fp8 e4m3 with a per-row scale (half the bytes)")
+    p.add_argument("--storage-dtype", choices=["bf16", "fp32", "compute"], default="bf16",
+                   help="dtype of the stored states whatever the forward ran in (compute: keep the forward's)")
     p.add_argument("--token-budget", type=int, default=16_384, help="padded tokens per forward")
     p.add_argument("--shard-tokens", type=int, default=65_536, help="tokens per output file")
     add_store_args(p)
@@ -69,11 +71,12 @@ def _run_extract(args: argparse.Namespace) -> int:
         shards = merged_shards(store, merge_ref)
         for shard in shards:
             summary = extract_shard(store, shard, args.model, out_ref, convention=args.convention, layers=layers,
-                                    last_hidden=args.last_hidden, use_fp8=args.fp8, token_budget=args.token_budget,
-                                    out_shard_tokens=args.shard_tokens, backend=backend)
+                                    last_hidden=args.last_hidden, use_fp8=args.fp8, storage_dtype=args.storage_dtype,
+                                    token_budget=args.token_budget, out_shard_tokens=args.shard_tokens, backend=backend)
             print(f"{shard['name']}: {summary['samples']} samples, {summary['tokens']} tokens"
                   f"{' (already done)' if summary.get('skipped') else ''}")
-        params = {"convention": args.convention, "layers": layers, "last_hidden": args.last_hidden, "fp8": args.fp8}
+        params = {"convention": args.convention, "layers": layers, "last_hidden": args.last_hidden, "fp8": args.fp8,
+                  "storage_dtype": args.storage_dtype}
         print(json.dumps(commit_extraction(store, merge_ref, out_ref, params=params), indent=1))
         return 0
     src = Path(args.input)
@@ -81,7 +84,8 @@ def _run_extract(args: argparse.Namespace) -> int:
     if not paths or not all(p.exists() for p in paths):
         raise UserError(f"--input {args.input}: no merged parquet shards there")
     options = ExtractOptions(convention=args.convention, layer_ids=layers, last_hidden=args.last_hidden,
-                             token_budget=args.token_budget, out_shard_tokens=args.shard_tokens, use_fp8=args.fp8)
+                             token_budget=args.token_budget, out_shard_tokens=args.shard_tokens, use_fp8=args.fp8,
+                             storage_dtype=args.storage_dtype)
     for path in paths:
         summary = extract_rows(backend, read_merged_rows([path]), args.out, path.stem, options)
         print(json.dumps({k: v for k, v in summary.items() if k != "norms"}))

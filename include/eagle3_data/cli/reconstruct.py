@@ -10,8 +10,9 @@ from pathlib import Path
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("reconstruct", help="rebuild output ids from reasoning/content/tool_calls text")
     p.add_argument("--tokenizer", required=True, help="HF tokenizer directory or s3://bucket/prefix")
-    p.add_argument("--input", required=True, help="JSONL or .parquet: sample_id, reasoning, content, tool_calls, finish_reason, [messages]")
-    p.add_argument("--out", required=True, help="JSONL or .parquet: sample_id, finish_reason, output_ids")
+    p.add_argument("--input", required=True, help="JSONL or .parquet: sample_id, reasoning, content, tool_calls, finish_reason, [messages], [tools]")
+    p.add_argument("--out", required=True, help="JSONL or .parquet: sample_id, finish_reason, output_ids, unreconstructable "
+                   "(the reason when the text cannot determine the ids; output_ids is then null)")
     p.add_argument("--trust-remote-code", action="store_true")
     p.set_defaults(func=_run)
 
@@ -27,14 +28,22 @@ def _run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".partial")
-    results = ({"sample_id": r.sample_id, "finish_reason": r.finish_reason, "output_ids": ids} for r, ids in reconstruct_rows(tokenizer, rows))
+    excluded = []
+
+    def results():
+        for r, ids in reconstruct_rows(tokenizer, rows):
+            if r.unreconstructable:
+                excluded.append(r.sample_id)
+            yield {"sample_id": r.sample_id, "finish_reason": r.finish_reason,
+                   "output_ids": None if r.unreconstructable else ids, "unreconstructable": r.unreconstructable}
+
     try:
-        n = _write(tmp, out.suffix, results)
+        n = _write(tmp, out.suffix, results())
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     tmp.replace(out)  # a failed run leaves no half-written output under the final name
-    print(f"reconstructed {n} samples -> {out}")
+    print(f"reconstructed {n - len(excluded)} samples, {len(excluded)} unreconstructable (output_ids null) -> {out}")
     return 0
 
 
@@ -45,7 +54,8 @@ def _write(path: Path, suffix: str, records) -> int:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        schema = pa.schema([("sample_id", pa.string()), ("finish_reason", pa.string()), ("output_ids", pa.list_(pa.int32()))])
+        schema = pa.schema([("sample_id", pa.string()), ("finish_reason", pa.string()), ("output_ids", pa.list_(pa.int32())),
+                            ("unreconstructable", pa.string())])
         with pq.ParquetWriter(path, schema) as writer:
             batch: list[dict] = []
             for rec in records:

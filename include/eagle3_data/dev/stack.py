@@ -9,7 +9,6 @@ returns: Airflow connections as AIRFLOW_CONN_* and the pipeline config as EAGLE3
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -36,30 +35,17 @@ TINY_MODEL_ARGS = {"seed": 0, "layers": 8, "hidden": 64}
 
 
 def tokenizer_dir() -> Path:
-    """The Kimi tokenizer, built once (key: builder + template, as tests/conftest.py)."""
-    from eagle3_data.dev import kimi_tokenizer
+    """The Kimi tokenizer, built once (same cache entry as tests/conftest.py)."""
+    from eagle3_data.dev.kimi_tokenizer import cached_kimi_tokenizer
 
-    key = hashlib.sha256(
-        Path(kimi_tokenizer.__file__).read_bytes() + kimi_tokenizer.CHAT_TEMPLATE_PATH.read_bytes()
-    ).hexdigest()[:16]
-    out = CACHE / f"kimi-tokenizer-{key}"
-    if not (out / "tokenizer.json").exists():
-        kimi_tokenizer.build_kimi_tokenizer(out)
-    return out
+    return cached_kimi_tokenizer(CACHE)
 
 
 def tiny_model_dir(tok_dir: Path) -> Path:
-    """The tiny random DeepSeek-V3 (key as tests/fixtures/model.py), built atomically once."""
-    from eagle3_data.dev import tiny_model
+    """The tiny random DeepSeek-V3 (same cache entry as tests/fixtures/model.py), built once."""
+    from eagle3_data.dev.tiny_model import cached_tiny_model
 
-    source = Path(tiny_model.__file__).read_bytes() + repr(sorted(TINY_MODEL_ARGS.items())).encode()
-    key = hashlib.sha256(source + str(tok_dir.name).encode()).hexdigest()[:16]
-    out = CACHE / f"tiny-deepseek-v3-{key}"
-    if not (out / "model.safetensors").exists():
-        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-        tiny_model.build_tiny_model(tok_dir, tmp, **TINY_MODEL_ARGS)
-        tmp.rename(out)
-    return out
+    return cached_tiny_model(tok_dir, CACHE, **TINY_MODEL_ARGS)
 
 
 def airflow_env(home: Path) -> dict[str, str]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from eagle3_data.errors import UserError
@@ -49,21 +49,38 @@ def assign_routes(rows: Sequence[dict], *, strategy: str = "fraction", overflow_
     return [{**r, "route": route[r["sample_id"]]} for r in rows]
 
 
-def consistency_report(tokenizer: Any, local_rows: Sequence[dict], overflow_rows: Sequence[dict],
-                       first_n: int = 64) -> dict:
+# Stored with every report, so a reader of the numbers knows what they can and cannot carry.
+CAN_PROVE = ("at temperature 0, ids that differ in the first tokens while the texts differ too mean the provider "
+             "does not serve the same model, chat template, system prompt or reasoning setting (sample and "
+             "position named); ids that agree over N tokens show the provider's text reconstructs to exactly "
+             "the engine's tokens there")
+CANNOT_PROVE = ("that the provider serves the same weights (two quantisations agree greedily for many tokens, then "
+                "drift), that its sampling at temperature > 0 matches, or that it keeps doing so after the "
+                "calibration window; differing ids with agreeing text are a non-canonical BPE split, not a provider "
+                "problem; greedy decoding is not bit-reproducible across batch sizes and kernels, so read an "
+                "agreement below 1.0 per sample, not as a threshold")
+
+
+def consistency_report(tokenizer: Any, local_rows: Iterable[dict], overflow_rows: Iterable[dict],
+                       first_n: int = 64, sample_ids: Iterable[str] | None = None) -> dict:
     """Compare calibration samples generated on both paths (generation rows, same sample_ids).
 
     Per sample: how many of the first `first_n` engine ids the reconstruction of the provider's
     text reproduces before the first difference, and whether the texts agree (ids can differ
     where the text does not: a non-canonical BPE split). `agreement` = share of samples whose first
-    min(first_n, len) ids are identical; `text_agreement` = share whose texts agree.
+    min(first_n, len) ids are identical; `text_agreement` = share whose texts agree;
+    `text_disagreements` = the samples that point at a different model or template.
+    `sample_ids`: the samples routed "both"; only they are compared, and `missing` names those
+    not generated ok on both paths. Without it, every sample ok on either side is considered.
     """
     from eagle3_data.chat_format import get_output_format
     from eagle3_data.reconstruct import reconstruct_rows, row_to_reconstruct
 
+    wanted = None if sample_ids is None else set(sample_ids)
     fmt = get_output_format(tokenizer)
-    local = {r["sample_id"]: r for r in local_rows if r.get("status") == "ok"}
-    pairs = [r for r in overflow_rows if r.get("status") == "ok" and r["sample_id"] in local]
+    local = {r["sample_id"]: r for r in local_rows if r.get("status") == "ok" and (wanted is None or r["sample_id"] in wanted)}
+    provider_ok = [r for r in overflow_rows if r.get("status") == "ok" and (wanted is None or r["sample_id"] in wanted)]
+    pairs = [r for r in provider_ok if r["sample_id"] in local]
     recon = reconstruct_rows(tokenizer, (row_to_reconstruct(fmt, _plain(r), f"overflow row {r['sample_id']}") for r in pairs))
     samples = []
     for row, ids in recon:
@@ -84,13 +101,18 @@ def consistency_report(tokenizer: Any, local_rows: Sequence[dict], overflow_rows
             "same_text": a[:common] == b[:common],
         })
     agree = sum(s["first_diff"] is None for s in samples)
+    ok_both = {s["sample_id"] for s in samples}
+    expected = wanted if wanted is not None else set(local) | {r["sample_id"] for r in provider_ok}
     return {
         "first_n": first_n,
         "samples": len(samples),
-        "missing": sorted(set(local) ^ {r["sample_id"] for r in overflow_rows if r.get("status") == "ok"}),
+        "missing": sorted(expected - ok_both),
         "agreement": agree / len(samples) if samples else None,
         "text_agreement": sum(s["same_text"] for s in samples) / len(samples) if samples else None,
         "mean_agreeing_prefix": sum(s["agreeing_prefix"] for s in samples) / len(samples) if samples else None,
+        "text_disagreements": sorted(s["sample_id"] for s in samples if not s["same_text"]),
+        "can_prove": CAN_PROVE,
+        "cannot_prove": CANNOT_PROVE,
         "per_sample": samples,
     }
 

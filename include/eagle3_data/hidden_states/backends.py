@@ -28,7 +28,7 @@ class ModelInfo:
 
 @dataclass
 class SampleStates:
-    aux: torch.Tensor  # [T, len(indices) * H], on CPU
+    aux: torch.Tensor  # [T, len(indices) * H], on CPU, in the compute dtype (the extractor casts for storage)
     last: torch.Tensor | None  # [T, H] final-norm output, on CPU
 
 
@@ -47,13 +47,11 @@ class TransformersBackend:
     the language-model head (a [tokens, 163840] matmul) is never run.
     """
 
-    def __init__(self, model_dir: str | Path, *, device: str | None = None, dtype: torch.dtype | None = None,
-                 out_dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, model_dir: str | Path, *, device: str | None = None, dtype: torch.dtype | None = None):
         from transformers import AutoModelForCausalLM
 
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        self.out_dtype = out_dtype
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=self.dtype)
         self.model = model.to(self.device).eval()
         self.decoder = model.get_decoder()
@@ -101,8 +99,8 @@ class TransformersBackend:
         finally:
             for h in hooks:
                 h.remove()
-        aux = torch.cat([captured[i] for i in indices], dim=-1).to(self.out_dtype)
-        last = out.last_hidden_state.to(self.out_dtype) if last_hidden else None
+        aux = torch.cat([captured[i] for i in indices], dim=-1)
+        last = out.last_hidden_state if last_hidden else None
         return aux, last, lengths
 
     def forward(self, batch: Sequence[Sequence[int]], indices: list[int], last_hidden: bool) -> list[SampleStates]:

@@ -23,7 +23,7 @@ import torch
 from eagle3_data.errors import UserError
 from eagle3_data.hidden_states.backends import HiddenStateBackend
 from eagle3_data.hidden_states.layers import default_layer_ids, hidden_state_indices
-from eagle3_data.hidden_states.shards import Sample, write_shard
+from eagle3_data.hidden_states.shards import Sample, dtype_name, encoding_name, resolve_storage_dtype, write_shard
 
 OUTLIER_FACTOR = 8.0  # a token whose layer norm exceeds 8x that layer's shard median is reported
 
@@ -40,6 +40,7 @@ class ExtractOptions:
     token_budget: int = 16_384  # padded tokens per forward
     out_shard_tokens: int = 65_536  # tokens per output file
     use_fp8: bool = False
+    storage_dtype: str = "bf16"  # bf16 | fp32 | compute (see shards.resolve_storage_dtype)
 
 
 @dataclass
@@ -160,6 +161,7 @@ def extract_rows(
     info = backend.describe()
     layer_ids = options.layer_ids or default_layer_ids(info.num_layers, options.convention)
     indices = hidden_state_indices(layer_ids, options.convention, info.num_layers)
+    dtype = resolve_storage_dtype(options.storage_dtype, info.dtype)
     check_rows(rows, info.vocab_size)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -168,7 +170,7 @@ def extract_rows(
     def write(samples: list[Sample], index: int) -> dict:
         path = out / f"{stem}-{index:04d}.safetensors"
         size = write_shard(path, samples, layer_ids=layer_ids, convention=options.convention,
-                           model=info.name, dtype=info.dtype, use_fp8=options.use_fp8)
+                           model=info.name, compute_dtype=info.dtype, dtype=dtype, use_fp8=options.use_fp8)
         if on_file is not None:
             on_file(path)
         return {"name": path.name, "samples": len(samples), "tokens": sum(len(s.input_ids) for s in samples),
@@ -191,12 +193,14 @@ def extract_rows(
                 _check_sample(sid, len(row["input_ids"]), st.aux, st.last)
                 stats.norms.append(st.aux.float().reshape(st.aux.shape[0], len(indices), -1).norm(dim=-1))
                 stats.owners.append(sid)
+                # cast now (checks ran in the compute dtype), so queued shards hold storage-size tensors;
+                # fp8 quantises from the compute dtype when the shard is written
                 pending.append(Sample(
                     sample_id=sid,
                     input_ids=torch.as_tensor(row["input_ids"], dtype=torch.int32),
                     loss_mask=torch.as_tensor(row["loss_mask"], dtype=torch.uint8),
-                    aux_hidden_states=st.aux,
-                    last_hidden_states=st.last,
+                    aux_hidden_states=st.aux if options.use_fp8 else st.aux.to(dtype),
+                    last_hidden_states=st.last.to(dtype) if st.last is not None else None,
                 ))
                 pending_tokens += len(row["input_ids"])
             if pending_tokens >= options.out_shard_tokens:
@@ -218,9 +222,10 @@ def extract_rows(
         "layer_ids": layer_ids,
         "convention": options.convention,
         "last_hidden": options.last_hidden,
-        "aux_encoding": "fp8_e4m3_row_scale" if options.use_fp8 else "bf16",
+        "aux_encoding": encoding_name(dtype, options.use_fp8),
         "model": info.name,
-        "dtype": info.dtype,
+        "dtype": dtype_name(dtype),
+        "compute_dtype": info.dtype,
         "device": info.device,
         "forward_seconds": forward_seconds,
         "seconds": time.perf_counter() - started,
@@ -266,6 +271,7 @@ def extract_shard(
     layers: list[int] | None = None,
     last_hidden: bool = False,
     use_fp8: bool = False,
+    storage_dtype: str = "bf16",
     token_budget: int = 16_384,
     out_shard_tokens: int = 65_536,
     backend: HiddenStateBackend | None = None,
@@ -287,7 +293,8 @@ def extract_shard(
     if done_marker in store.committed_files(out_ref):
         return {**store.get_json(out_ref, done_marker), "skipped": True}
     options = ExtractOptions(convention=convention, layer_ids=layers, last_hidden=last_hidden,
-                             token_budget=token_budget, out_shard_tokens=out_shard_tokens, use_fp8=use_fp8)
+                             token_budget=token_budget, out_shard_tokens=out_shard_tokens, use_fp8=use_fp8,
+                             storage_dtype=storage_dtype)
     backend = backend or TransformersBackend(model_dir)
     with tempfile.TemporaryDirectory(prefix="eagle3-extract-", dir=work_dir) as tmp:
         local = store.get_file(merged_ref, name, Path(tmp) / name)
@@ -323,7 +330,8 @@ def commit_extraction(store, merge_ref, out_ref, *, params: dict | None = None) 
         "tokens": sum(s["tokens"] for s in summaries),
         "bytes": sum(s["bytes"] for s in summaries),
     }
-    keys = ("layer_ids", "convention", "last_hidden", "aux_encoding", "model", "dtype", "min_bytes_per_token")
+    keys = ("layer_ids", "convention", "last_hidden", "aux_encoding", "model", "dtype", "compute_dtype",
+            "min_bytes_per_token")
     mixed = [k for k in keys if len({json.dumps(s.get(k)) for s in summaries}) > 1]
     if mixed:
         raise UserError(f"{store.uri(out_ref)}: shards were extracted with different {mixed}; re-extract them alike")

@@ -1,9 +1,10 @@
 """Packed hidden-state shards: many samples per safetensors file, no padding stored.
 
 Layout (ARCHITECTURE.md): `input_ids` int32 [N], `loss_mask` uint8 [N], `offsets` int64 [S+1]
-(sample s is rows offsets[s]:offsets[s+1]), `aux_hidden_states` [N, 3H] in bf16 (or fp8 e4m3 +
-`aux_hidden_states_scale` float32 [N, 3]), optional `last_hidden_states` bf16 [N, H]; metadata
-`layer_ids`, `convention`, `model`, `dtype` (the forward's compute dtype), `sample_ids`.
+(sample s is rows offsets[s]:offsets[s+1]), `aux_hidden_states` [N, 3H] in the storage dtype
+(bf16 by default, whatever the forward ran in; or fp8 e4m3 + `aux_hidden_states_scale` float32
+[N, 3]), optional `last_hidden_states` [N, H] in the storage dtype; metadata `layer_ids`,
+`convention`, `model`, `dtype` (storage), `compute_dtype` (the forward's), `sample_ids`.
 Thousands of samples per file instead of one file each, and a reader that slices one sample
 out through safetensors' lazy slices without reading the rest.
 """
@@ -23,7 +24,38 @@ from eagle3_data.errors import UserError
 from eagle3_data.hidden_states import fp8
 
 FORMAT = "eagle3-packed-hidden-states"
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"  # v2: `dtype` names the storage dtype (v1: the compute dtype, storage always bf16)
+FP8_ENCODING = "fp8_e4m3_row_scale"
+STORAGE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def resolve_storage_dtype(choice: str, compute_dtype: str) -> torch.dtype:
+    """`bf16` (the default: what EAGLE-3 trainers read, half of fp32), `fp32`, or `compute`
+    (keep the forward's own dtype, e.g. fp32 on CPU to compare against a reference exactly)."""
+    if choice == "compute":
+        return _torch_dtype(compute_dtype, "compute_dtype")
+    if choice not in STORAGE_DTYPES:
+        raise UserError(f"storage dtype {choice!r}: expected one of {', '.join(STORAGE_DTYPES)}, compute")
+    return STORAGE_DTYPES[choice]
+
+
+def encoding_name(dtype: torch.dtype, use_fp8: bool) -> str:
+    """The `aux_encoding` recorded with a shard: bf16, fp32, fp8_e4m3_row_scale (or a torch dtype name)."""
+    if use_fp8:
+        return FP8_ENCODING
+    short = {v: k for k, v in STORAGE_DTYPES.items()}
+    return short.get(dtype, dtype_name(dtype))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _torch_dtype(name: str, field: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise UserError(f"field {field}: {name!r} is not a torch dtype")
+    return dtype
 
 
 @dataclass
@@ -36,8 +68,8 @@ class Sample:
 
 
 def write_shard(path: str | Path, samples: list[Sample], *, layer_ids: list[int], convention: str, model: str,
-                dtype: str, use_fp8: bool = False) -> int:
-    """Write one packed shard; returns its size in bytes."""
+                compute_dtype: str, dtype: torch.dtype = torch.bfloat16, use_fp8: bool = False) -> int:
+    """Write one packed shard, float tensors cast to `dtype` (aux to fp8 when `use_fp8`); returns its size in bytes."""
     if not samples:
         raise ValueError("refusing to write an empty shard")
     lengths = torch.tensor([len(s.input_ids) for s in samples], dtype=torch.int64)
@@ -52,17 +84,18 @@ def write_shard(path: str | Path, samples: list[Sample], *, layer_ids: list[int]
     if use_fp8:
         tensors["aux_hidden_states"], tensors["aux_hidden_states_scale"] = fp8.quantize_rows(aux, len(layer_ids))
     else:
-        tensors["aux_hidden_states"] = aux.to(torch.bfloat16).contiguous()
+        tensors["aux_hidden_states"] = aux.to(dtype).contiguous()
     if samples[0].last_hidden_states is not None:
-        tensors["last_hidden_states"] = torch.cat([s.last_hidden_states for s in samples]).to(torch.bfloat16)
+        tensors["last_hidden_states"] = torch.cat([s.last_hidden_states for s in samples]).to(dtype)
     metadata = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "layer_ids": json.dumps(layer_ids),
         "convention": convention,
         "model": model,
-        "dtype": dtype,
-        "aux_encoding": "fp8_e4m3_row_scale" if use_fp8 else "bf16",
+        "dtype": dtype_name(dtype),
+        "compute_dtype": compute_dtype,
+        "aux_encoding": encoding_name(dtype, use_fp8),
         "sample_ids": json.dumps([s.sample_id for s in samples]),
     }
     save_file(tensors, str(path), metadata=metadata)
@@ -85,7 +118,9 @@ class ShardReader:
         self.offsets = self._file.get_tensor("offsets")
         self._index = {sid: i for i, sid in enumerate(self.sample_ids)}
         self.has_last = "last_hidden_states" in self._file.keys()
-        self.is_fp8 = meta.get("aux_encoding") == "fp8_e4m3_row_scale"
+        self.is_fp8 = meta.get("aux_encoding") == FP8_ENCODING
+        # fp8 is dequantised to the shard's storage dtype (v1 shards stored bf16 whatever `dtype` said)
+        self.dtype = torch.bfloat16 if meta.get("format_version") == "1" else _torch_dtype(meta["dtype"], "dtype")
 
     def __len__(self) -> int:
         return len(self.sample_ids)
@@ -106,7 +141,7 @@ class ShardReader:
         start, end = int(self.offsets[i]), int(self.offsets[i + 1])
         aux = self._rows("aux_hidden_states", start, end)
         if self.is_fp8:
-            aux = fp8.dequantize_rows(aux, self._rows("aux_hidden_states_scale", start, end))
+            aux = fp8.dequantize_rows(aux, self._rows("aux_hidden_states_scale", start, end), self.dtype)
         return Sample(
             sample_id=self.sample_ids[i],
             input_ids=self._rows("input_ids", start, end),
