@@ -117,11 +117,14 @@ def test_consistency_report_compares_only_the_calibration_samples(kimi_tokenizer
     assert kimi_tokenizer.decode(split) == text and split != ids
     over = {"status": "ok", "reasoning": "Let me think.", "content": "The answer is 42.", "tool_calls": None,
             "finish_reason": "stop", "messages": "[]"}
-    local = [{"sample_id": s, "status": "ok", "output_ids": split if s == "bpe" else ids} for s in ("same", "bpe", "lost", "local-only")]
+    local = [{"sample_id": s, "status": "ok", "output_ids": split if s == "bpe" else ids} for s in ("same", "bpe", "lost", "cut", "local-only")]
     provider = [{**over, "sample_id": s} for s in ("same", "bpe", "overflow-only")] + [{**over, "sample_id": "lost", "status": "failed"}]
-    report = consistency_report(kimi_tokenizer, iter(local), iter(provider), first_n=64, sample_ids={"same", "bpe", "lost"})
+    # cut at the token limit with tools offered: the text cannot determine the ids, so no comparison
+    provider.append({**over, "sample_id": "cut", "finish_reason": "length", "status": "unreconstructable",
+                     "tools": json.dumps([{"type": "function", "function": {"name": "f", "parameters": {}}}])})
+    report = consistency_report(kimi_tokenizer, iter(local), iter(provider), first_n=64, sample_ids={"same", "bpe", "lost", "cut"})
     by = {s["sample_id"]: s for s in report["per_sample"]}
-    assert sorted(by) == ["bpe", "same"] and report["missing"] == ["lost"]
+    assert sorted(by) == ["bpe", "same"] and report["missing"] == ["lost"] and report["unreconstructable"] == ["cut"]
     assert by["same"]["first_diff"] is None and by["bpe"]["first_diff"] == 9 and by["bpe"]["same_text"]
     assert report["agreement"] == 0.5 and report["text_agreement"] == 1.0 and report["text_disagreements"] == []
     assert "same weights" in report["cannot_prove"]

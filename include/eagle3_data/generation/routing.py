@@ -71,7 +71,9 @@ def consistency_report(tokenizer: Any, local_rows: Iterable[dict], overflow_rows
     min(first_n, len) ids are identical; `text_agreement` = share whose texts agree;
     `text_disagreements` = the samples that point at a different model or template.
     `sample_ids`: the samples routed "both"; only they are compared, and `missing` names those
-    not generated ok on both paths. Without it, every sample ok on either side is considered.
+    not generated ok on both paths (`unreconstructable`: ok, but the provider's text cannot
+    determine the ids, e.g. a tool call cut at the token limit; raw or as the reconstruct stage
+    marked them). Without it, every sample ok on either side is considered.
     """
     from eagle3_data.chat_format import get_output_format
     from eagle3_data.reconstruct import reconstruct_rows, row_to_reconstruct
@@ -79,11 +81,15 @@ def consistency_report(tokenizer: Any, local_rows: Iterable[dict], overflow_rows
     wanted = None if sample_ids is None else set(sample_ids)
     fmt = get_output_format(tokenizer)
     local = {r["sample_id"]: r for r in local_rows if r.get("status") == "ok" and (wanted is None or r["sample_id"] in wanted)}
-    provider_ok = [r for r in overflow_rows if r.get("status") == "ok" and (wanted is None or r["sample_id"] in wanted)]
+    provider_ok = [r for r in overflow_rows if r.get("status") in ("ok", "unreconstructable")
+                   and (wanted is None or r["sample_id"] in wanted)]
     pairs = [r for r in provider_ok if r["sample_id"] in local]
     recon = reconstruct_rows(tokenizer, (row_to_reconstruct(fmt, _plain(r), f"overflow row {r['sample_id']}") for r in pairs))
-    samples = []
+    samples, unreconstructable = [], []
     for row, ids in recon:
+        if row.unreconstructable:  # the text cannot determine the ids: nothing to compare
+            unreconstructable.append(row.sample_id)
+            continue
         engine = list(local[row.sample_id]["output_ids"])
         n = min(first_n, len(engine), len(ids))
         first_diff = next((i for i in range(n) if engine[i] != ids[i]), None)
@@ -106,7 +112,8 @@ def consistency_report(tokenizer: Any, local_rows: Iterable[dict], overflow_rows
     return {
         "first_n": first_n,
         "samples": len(samples),
-        "missing": sorted(expected - ok_both),
+        "missing": sorted(expected - ok_both - set(unreconstructable)),
+        "unreconstructable": sorted(unreconstructable),
         "agreement": agree / len(samples) if samples else None,
         "text_agreement": sum(s["same_text"] for s in samples) / len(samples) if samples else None,
         "mean_agreeing_prefix": sum(s["agreeing_prefix"] for s in samples) / len(samples) if samples else None,
