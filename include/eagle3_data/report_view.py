@@ -34,6 +34,8 @@ ARTIFACT_KINDS = ("validation", "billing")  # stage reports a dataset entry poin
 INLINE_KINDS = ("lengths", "generation")  # small summaries a dataset entry holds inline
 CLASS_COLORS = {"exact": "#2e7d32", "bpe_only": "#f9a825", "special_token": "#6a1b9a", "text_diff": "#c62828"}
 MAX_EXAMPLES = 20  # mismatch examples shown per dataset
+MAX_CALIBRATION_ROWS = 10  # differing calibration samples shown per dataset
+_BAD = " class='bad'"  # a highlighted table row
 
 
 # -- run key and index ---------------------------------------------------------------------------
@@ -136,6 +138,12 @@ class DatasetReport:
         v = self.validation or {}
         return v.get("run_gate") or v.get("gate")
 
+    @property
+    def calibration(self) -> dict[str, Any] | None:
+        """The provider calibration (`generation.routing.consistency_report`) in the validation report."""
+        cal = (self.validation or {}).get("calibration")
+        return cal if isinstance(cal, dict) else None
+
     def summary(self) -> dict[str, Any]:
         """The numbers of the page, for the JSON endpoint and tests."""
         v = self.validation or {}
@@ -153,6 +161,7 @@ class DatasetReport:
             "thresholds": self.thresholds,
             "first_diff_histogram": first_diff_histogram(v.get("mismatches") or []),
             "billing": self.billing,
+            "calibration": _calibration_summary(self.calibration),
             "generation": self.generation,
             "lengths": {k: {s: d.get(s) for s in ("count", "mean", "p50", "p95", "max")} for k, d in (self.lengths or {}).items() if isinstance(d, dict)},
             "errors": self.errors,
@@ -252,6 +261,15 @@ def first_diff_histogram(mismatches: Sequence[Mapping[str, Any]], bins: int = 16
     return {"edges": stats["edges"], "counts": stats["counts"]}
 
 
+def _calibration_summary(cal: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The calibration's numbers without its per-sample texts (those are on the page)."""
+    if cal is None:
+        return None
+    keys = ("first_n", "samples", "agreement", "text_agreement", "mean_agreeing_prefix", "text_disagreements")
+    return {**{k: cal.get(k) for k in keys}, "missing": _bad_row_count(cal.get("missing")),
+            "unreconstructable": _bad_row_count(cal.get("unreconstructable"))}
+
+
 def _bad_row_count(bad_rows: Any) -> int:
     return len(bad_rows) if isinstance(bad_rows, list) else int(bad_rows or 0)
 
@@ -333,6 +351,7 @@ def _dataset_section(d: DatasetReport) -> str:
     out.append(_lengths_block(d.lengths))
     out.append(_generation_block(d.generation))
     out.append(_billing_block(d.billing, d.thresholds.get("max_billing_deviation")))
+    out.append(_calibration_block(d.calibration))
     if d.validation is not None:
         out.append(_examples_block(d.validation.get("mismatches") or []))
     out.append("</section>")
@@ -451,7 +470,8 @@ def _generation_block(generation: Mapping[str, Any] | None) -> str:
 
 def _billing_block(billing: Mapping[str, Any] | None, max_dev: float | None) -> str:
     """Billed (provider's own tokenizer) vs reconstructed completion tokens of the overflow rows."""
-    if not billing or not billing.get("rows"):
+    excluded = billing.get("excluded") if isinstance((billing or {}).get("excluded"), dict) else {}
+    if not billing or not (billing.get("rows") or excluded.get("rows")):
         return ""
     if max_dev is None:
         max_dev = (billing.get("gate") or {}).get("max_aggregate_deviation")
@@ -464,7 +484,12 @@ def _billing_block(billing: Mapping[str, Any] | None, max_dev: float | None) -> 
         ("aggregate deviation", _pct(dev, 3) + (f" (max ±{max_dev:.2%})" if _is_number(max_dev) else "")),
         ("mean |sample deviation|", _pct(billing.get("mean_abs_sample_deviation"), 3)),
     ]
-    body = "".join(f"<tr><th>{escape(k)}</th><td class='num'>{escape(v)}</td></tr>" for k, v in rows)
+    if excluded.get("rows"):  # unreconstructable rows: their gap says nothing about reconstruction
+        rows.append(("excluded, unreconstructable", f"{_num(excluded['rows'])} rows, "
+                     f"{_num(excluded.get('billed_completion_tokens'))} tokens billed"))
+        reasons = excluded.get("reasons") if isinstance(excluded.get("reasons"), dict) else {}
+        rows += [(f"reason: {why}", _num(n)) for why, n in sorted(reasons.items())]
+    body = "".join(f"<tr><th>{escape(str(k))}</th><td class='num'>{escape(v)}</td></tr>" for k, v in rows)
     worst = [w for w in billing.get("worst_samples") or [] if isinstance(w, dict)][:5]
     worst_rows = "".join(
         f"<tr><td><code>{escape(str(w.get('sample_id')))}</code></td><td class='num'>{_num(w.get('billed'))}</td>"
@@ -475,9 +500,62 @@ def _billing_block(billing: Mapping[str, Any] | None, max_dev: float | None) -> 
         "<table class='grid'><tr><th>worst samples</th><th>billed</th><th>reconstructed</th><th>deviation</th></tr>"
         f"{worst_rows}</table>" if worst_rows else ""
     )
+    notes = "".join(f"<li>{escape(str(n))}</li>" for n in (billing.get("gate") or {}).get("notes") or [])
     return (
         f"<h3>Overflow billing check</h3><div class='charts'><table class='kv{' over' if over else ''}'>{body}</table>"
-        f"{worst_table}</div>"
+        f"{worst_table}</div>" + (f"<ul class='notes'>{notes}</ul>" if notes else "")
+    )
+
+
+def _calibration_block(cal: Mapping[str, Any] | None) -> str:
+    """Samples generated on both paths: engine ids vs the provider's reconstructed text. Informational,
+    not a gate; a text disagreement points at a different model, template or reasoning setting."""
+    if cal is None:
+        return ""
+    s = _calibration_summary(cal)
+    n = s["first_n"]
+    disagree = s["text_disagreements"] if isinstance(s["text_disagreements"], list) else []
+    rows = [
+        ("samples compared", _num(s["samples"])),
+        (f"token agreement, first {_num(n)} ids", _pct(s["agreement"])),
+        ("text agreement", _pct(s["text_agreement"])),
+        ("mean agreeing prefix (ids)", _num(s["mean_agreeing_prefix"])),
+        ("text disagreements", _num(len(disagree))),
+        ("missing on a path", _num(s["missing"])),
+        ("unreconstructable", _num(s["unreconstructable"])),
+    ]
+    body = "".join(
+        f"<tr{_BAD if k == 'text disagreements' and disagree else ''}><th>{escape(k)}</th>"
+        f"<td class='num'>{escape(v)}</td></tr>" for k, v in rows
+    )
+    differing = [p for p in cal.get("per_sample") or []
+                 if isinstance(p, dict) and (p.get("first_diff") is not None or not p.get("same_text", True))]
+    differing.sort(key=lambda p: bool(p.get("same_text")))  # text disagreements first
+    shown = differing[:MAX_CALIBRATION_ROWS]
+    sample_rows = "".join(
+        f"<tr{'' if p.get('same_text') else _BAD}><td><code>{escape(str(p.get('sample_id')))}</code></td>"
+        f"<td class='num'>{_num(p.get('first_diff'))}</td><td class='num'>{_num(p.get('agreeing_prefix'))}</td>"
+        f"<td>{'same text (BPE split)' if p.get('same_text') else '<b>text differs</b>'}</td>"
+        f"<td class='text'>{escape(str(p.get('engine_text', '')))}</td>"
+        f"<td class='text'>{escape(str(p.get('provider_text', '')))}</td></tr>"
+        for p in shown
+    )
+    more = f"<p class='muted'>{len(differing) - len(shown)} more differing samples not shown</p>" if len(differing) > len(shown) else ""
+    samples_table = (
+        "<table class='grid'><tr><th>differing sample</th><th>first diff</th><th>agreeing prefix</th><th></th>"
+        f"<th>engine text</th><th>provider text</th></tr>{sample_rows}</table>{more}" if sample_rows else ""
+    )
+    proof = "".join(
+        f"<p class='muted'><b>{label}:</b> {escape(str(cal[key]))}</p>"
+        for key, label in (("can_prove", "Can prove"), ("cannot_prove", "Cannot prove")) if cal.get(key)
+    )
+    warning = (
+        f"<p class='error'>The provider's text differs from the engine's in {len(disagree)} sample(s): it may serve a "
+        "different model, chat template, system prompt or reasoning setting.</p>" if disagree else ""
+    )
+    return (
+        f"<h3>Provider calibration</h3><div class='charts'><table class='kv cal'>{body}</table></div>"
+        f"{warning}{samples_table}{proof}"
     )
 
 
@@ -548,4 +626,6 @@ table.kv th,table.grid th{font-weight:normal;color:#444}table.kv.over td{color:#
 .side{display:inline-block;width:110px;color:#656d76;font-family:system-ui,sans-serif}
 .tok{border:1px solid #cfd8dc;border-radius:3px;padding:0 3px;margin-right:2px;white-space:pre}
 .tok{background:#fff8e1}summary h3{display:inline}
+tr.bad td,tr.bad th{background:#ffebee;color:#b71c1c}td.text{white-space:pre-wrap;max-width:360px;font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12px}
+ul.notes{margin:4px 0;color:#656d76}
 """

@@ -10,6 +10,7 @@ from html import escape
 import pytest
 
 from eagle3_data.errors import UserError
+from eagle3_data.generation.routing import consistency_report
 from eagle3_data.report_view import (
     RUN_REPORT_NAME,
     first_diff_histogram,
@@ -42,17 +43,41 @@ def validation_report(exact: int, bpe_positions: list[int]) -> dict:
     return {**report, "run_gate": gate}
 
 
+def calibration(tokenizer) -> dict:
+    """A provider calibration as pipeline.validate writes it: same, BPE split, differing text (the
+    provider's carries EVIL), failed on one path, unreconstructable (agreeing prefixes 12, 9, 8)."""
+    text = "Let me think.</think>The answer is 42.<|im_end|>"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    split = ids[:9] + tokenizer.encode("4", add_special_tokens=False) + tokenizer.encode("2", add_special_tokens=False) + ids[10:]
+    over = {"status": "ok", "reasoning": "Let me think.", "content": "The answer is 42.", "tool_calls": None,
+            "finish_reason": "stop", "messages": "[]"}
+    local = [{"sample_id": s, "status": "ok", "output_ids": split if s == "bpe" else ids} for s in ("same", "bpe", "evil", "lost", "cut")]
+    provider = [{**over, "sample_id": s} for s in ("same", "bpe")] + [
+        {**over, "sample_id": "evil", "content": f"The answer is {EVIL}"},
+        {**over, "sample_id": "lost", "status": "failed"},
+        {**over, "sample_id": "cut", "finish_reason": "length", "status": "unreconstructable",
+         "tools": json.dumps([{"type": "function", "function": {"name": "f", "parameters": {}}}])},
+    ]
+    return consistency_report(tokenizer, local, provider, first_n=64, sample_ids={"same", "bpe", "evil", "lost", "cut"})
+
+
 @pytest.fixture
-def run_report(store):
-    """Two datasets: tool_calls (failed gate, overflow billing, lengths, generation totals) and chat."""
+def run_report(store, kimi_tokenizer):
+    """Two datasets: tool_calls (failed gate, overflow billing with 2 rows excluded, provider
+    calibration, lengths, generation totals) and chat."""
     tc = StageRef(RUN, "validate", "tool_calls")
     chat = StageRef(RUN, "validate", "chat")
+    cut = "truncated inside tool-call section"
     billing = compare_billed_counts(
-        [(f"o-{i}", 3000 + i, 3000 + i + (3 if i == 4 else 0)) for i in range(13)], max_aggregate_deviation=0.01
+        [(f"o-{i}", 3000 + i, 3000 + i + (3 if i == 4 else 0)) for i in range(13)]
+        + [("x-0", 4096, 4000, cut), ("x-1", 4096, 3900, cut), ("x-2", 1000, 990, f"{EVIL} reason")],
+        max_aggregate_deviation=0.01,
     )
     entries = {
         "tool_calls": {
-            "validation": store.put_json(tc, "report.json", validation_report(42, [1, 3, 3, 40, 41, 130, 7, 9])),
+            "validation": store.put_json(tc, "report.json", {
+                **validation_report(42, [1, 3, 3, 40, 41, 130, 7, 9]), "calibration": calibration(kimi_tokenizer),
+            }),
             "billing": store.put_json(tc, "billing.json", billing),
             "thresholds": THRESHOLDS,
             "lengths": {
@@ -90,6 +115,11 @@ def test_summary_has_the_numbers_written(store, run_report):
     assert tc["gate"]["passed"] is False and tc["bad_rows"] == 1
     assert tc["billing"]["billed_completion_tokens"] == 39078
     assert tc["billing"]["deviation"] == pytest.approx(3 / 39078)
+    assert tc["billing"]["excluded"]["rows"] == 3 and tc["billing"]["excluded"]["billed_completion_tokens"] == 9192
+    cal = tc["calibration"]
+    assert (cal["samples"], cal["missing"], cal["unreconstructable"], cal["text_disagreements"]) == (3, 1, 1, ["evil"])
+    assert cal["agreement"] == pytest.approx(1 / 3) and cal["text_agreement"] == pytest.approx(2 / 3)
+    assert by_name["chat"]["calibration"] is None
     assert tc["generation"]["overflow"]["cost_usd"] == pytest.approx(0.8731)
     assert tc["thresholds"] == THRESHOLDS
     assert tc["lengths"]["prompt_tokens"] == {"count": 5, "mean": 640.2, "p50": 341, "p95": 1500, "max": 1500}
@@ -112,6 +142,28 @@ def test_page_shows_numbers_charts_and_escaped_text(store, run_report):
     assert "gate <b>failed</b>" in html and "bpe_only rate 0.1600 exceeds 0.1" in html
     assert "Example diffs (8 of 8)" in html and "<span class='tok'>·NOR</span>" in html
     assert "http" not in html.replace("http://www.w3.org/2000/svg", "")  # no external assets
+
+
+def test_page_shows_billing_exclusions_and_provider_calibration(store, run_report):
+    html = render_html(load_run_report(store, RUN), title="t")
+    assert EVIL not in html and "<script" not in html.lower()
+    billing = html[html.index("Overflow billing check"):html.index("Provider calibration")]
+    assert "<th>excluded, unreconstructable</th><td class='num'>3 rows, 9,192 tokens billed</td>" in billing
+    assert "<th>reason: truncated inside tool-call section</th><td class='num'>2</td>" in billing
+    assert f"<th>reason: {escape(EVIL)} reason</th><td class='num'>1</td>" in billing
+    assert "2 row(s) excluded from the deviation and from training data, unreconstructable: truncated inside" in billing
+    cal = html[html.index("Provider calibration"):html.index("Example diffs")]
+    for label, value in [("samples compared", "3"), ("token agreement, first 64 ids", "33.33%"), ("text agreement", "66.67%"),
+                         ("mean agreeing prefix (ids)", "9.7"), ("missing on a path", "1"), ("unreconstructable", "1")]:
+        assert f"<th>{label}</th><td class='num'>{value}</td>" in cal
+    assert "<tr class='bad'><th>text disagreements</th><td class='num'>1</td>" in cal
+    assert "text differs from the engine's in 1 sample(s)" in cal
+    rows = re.findall(r"<tr( class='bad')?><td><code>(\w+)</code></td><td class='num'>(\d+)</td>", cal)
+    assert rows == [(" class='bad'", "evil", "8"), ("", "bpe", "9")]  # text disagreement first, highlighted
+    assert escape("The answer is <script>alert") in cal and "same text (BPE split)" in cal
+    assert "<b>Cannot prove:</b> that the provider serves the same weights" in cal and "<b>Can prove:</b>" in cal
+    chat = html[html.index("<section id='ds-chat'>"):html.index("<section id='ds-tool_calls'>")]
+    assert "Provider calibration" not in chat and "Overflow billing check" not in chat
 
 
 def test_missing_artifact_is_reported_not_raised(store, run_report):
