@@ -455,7 +455,7 @@ def publish(run: Run, store) -> dict:
     """Write the run report (per-dataset gates, counts, tokens, cost, hidden-state bytes, where
     everything is); raise GateFailed after writing it when any selected dataset failed, so the
     run ends failed and no Asset event announces it."""
-    from eagle3_data.report_view import generation_lengths, write_run_report
+    from eagle3_data.report_view import generation_lengths
 
     if run.dry_run:
         plans = {name: store.get_json(_ref(run, PLAN, name), PLAN_REPORT) for name in run.datasets}

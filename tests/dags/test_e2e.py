@@ -132,7 +132,6 @@ def _clear(dag, run_id: str, task_id: str, map_index: int) -> list[str]:
     include_downstream: the same two calls, on the same serialized DAG."""
     from airflow.models.dagrun import DagRun
     from airflow.models.taskinstance import clear_task_instances, find_relevant_relatives
-    from airflow.serialization.definitions.dag import SerializedDAG  # noqa: F401 (type of the dag below)
     from airflow.serialization.serialized_objects import DagSerialization
     from airflow.utils.session import create_session
 

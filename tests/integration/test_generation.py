@@ -71,7 +71,6 @@ def test_overflow_text_matches_local_ids_and_key_never_stored(store, start_dev_s
                                 sampling=SAMPLING, concurrency=8, journal_dir=tmp_path)
     assert summary["complete"] and summary["counts"]["ok"] == 12 and summary["cost_usd"] > 0, summary
     by_id = {r["sample_id"]: r for r in store.read_table(local).to_pylist()}
-    fmt = get_output_format(kimi_tokenizer)
     for r in store.read_table(over).to_pylist():
         assert r["output_ids"] is None and r["source"] == "openrouter"
         assert json.loads(r["provenance"])["generation_id"].startswith("gen-")

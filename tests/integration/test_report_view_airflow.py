@@ -13,7 +13,6 @@ import secrets
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 from urllib.parse import quote
@@ -22,7 +21,8 @@ import httpx
 import pytest
 import yaml
 
-from eagle3_data.dev.stack import airflow_db_migrate, airflow_env, free_port
+from eagle3_data.dev.processes import free_port, wait_http_ok
+from eagle3_data.dev.stack import airflow_db_migrate, airflow_env
 from eagle3_data.report_view import length_stats, write_run_report
 from eagle3_data.storage import ArtifactStore, StageRef
 
@@ -76,20 +76,6 @@ def write_report(store: ArtifactStore) -> None:
     }, dag_id=DAG_ID)
 
 
-def wait_healthy(base: str, proc: subprocess.Popen, log: Path, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"api-server exited {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{base}/api/v2/monitor/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"api-server not healthy after {timeout}s:\n{log.read_text()[-3000:]}")
-
-
 @pytest.fixture(scope="module")
 def api_server(tmp_path_factory, s3_server):
     """(base_url, admin password, env) of a running api-server with the plugin; stopped by PID."""
@@ -133,7 +119,7 @@ def api_server(tmp_path_factory, s3_server):
             env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )
     try:
-        wait_healthy(base, proc, log)
+        wait_http_ok(f"{base}/api/v2/monitor/health", [proc], "api-server", log)
         yield base, password, env
     finally:
         os.killpg(proc.pid, signal.SIGTERM)  # the group this fixture started: server + its worker

@@ -307,36 +307,28 @@ class DevServerProcess:
     """The dev server as a child process on a free 127.0.0.1 port; `stop()` kills it by PID."""
 
     def __init__(self, tokenizer_dir: str | Path, config_path: str | Path | None = None, log_path: str | Path | None = None,
-                 startup_timeout_s: float = 120.0):
+                 startup_timeout_s: float = 120.0, *, pipeline_config: str | Path | None = None):
         import os
-        import socket
         import subprocess
         import sys
 
-        import httpx
+        from eagle3_data.dev.processes import free_port, wait_http_ok
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-c", "from eagle3_data.cli import main; raise SystemExit(main())", "dev", "serve",
                "--port", str(self.port), "--tokenizer", str(tokenizer_dir)]
         if config_path:
             cmd += ["--config", str(config_path)]
-        self._log = open(log_path or os.devnull, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.time() + startup_timeout_s
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                self._log.close()
-                raise RuntimeError(f"dev server exited with code {self.proc.returncode} (log: {log_path})")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"dev server did not become healthy in {startup_timeout_s} s")
+        if pipeline_config:
+            cmd += ["--pipeline-config", str(pipeline_config)]
+        self._log = open(log_path or os.devnull, "ab")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            wait_http_ok(f"{self.url}/health", [self.proc], "dev inference server", log_path, startup_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
 
     def stats(self) -> dict:
         import httpx

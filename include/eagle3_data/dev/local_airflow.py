@@ -19,7 +19,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from eagle3_data.config import DAG_ID, OPENROUTER_POOL, load_config
-from eagle3_data.dev.stack import REPO, airflow_db_migrate, airflow_env, dev_stack, free_port, upload_prompts
+from eagle3_data.dev.processes import free_port, wait_http_ok
+from eagle3_data.dev.stack import REPO, airflow_db_migrate, airflow_env, dev_stack, upload_prompts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
                 out = open(logs / f"{name}.log", "ab")
                 procs.append(subprocess.Popen([str(bin_dir / "airflow"), *cmd], env=env, stdout=out, stderr=subprocess.STDOUT,
                                               stdin=subprocess.DEVNULL, start_new_session=True))
-            _wait_ready(port, procs, logs)
+            wait_http_ok(f"http://127.0.0.1:{port}/api/v2/monitor/health", procs, "an Airflow process", logs, 180)
             print(
                 f"\nAirflow UI: http://127.0.0.1:{port}  (login: none needed, every user is admin on this local setup)\n"
                 f"DAG {DAG_ID} is paused: unpause it, then Trigger (the form shows the params).\n"
@@ -77,22 +78,6 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             for p in procs:
                 _stop_group(p)
-
-
-def _wait_ready(port: int, procs: list[subprocess.Popen], logs: Path, timeout: float = 180) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(p.poll() is not None for p in procs):
-            raise SystemExit(f"an Airflow process exited during start-up: see {logs}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/api/v2/monitor/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise SystemExit(f"Airflow api-server not healthy on port {port} after {timeout:.0f}s: see {logs}")
 
 
 def _stop_group(proc: subprocess.Popen) -> None:

@@ -13,10 +13,8 @@ import json
 import logging
 import os
 import secrets
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -69,12 +67,6 @@ def airflow_db_migrate(env: dict[str, str]) -> None:
         raise UserError(f"airflow db migrate failed:\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class DevStack:
     workdir: Path
@@ -123,6 +115,7 @@ def dev_stack(workdir: str | os.PathLike, *, config_overrides: dict | None = Non
     """Start SeaweedFS and the dev inference server, write the pipeline config, and yield the
     stack; everything started here is stopped on exit, by PID."""
     from eagle3_data.config import load_config
+    from eagle3_data.dev.inference_server import DevServerProcess
     from eagle3_data.dev.seaweedfs import start_seaweedfs, stop_seaweedfs
 
     work = Path(workdir).resolve()
@@ -138,17 +131,9 @@ def dev_stack(workdir: str | os.PathLike, *, config_overrides: dict | None = Non
         stack.callback(stop_seaweedfs, work / "s3", 0.5)
         s3.client().create_bucket(Bucket=config.storage.bucket)
 
-        port = free_port()
-        server_log = open(work / "inference-server.log", "ab")
-        stack.callback(server_log.close)
-        proc = subprocess.Popen(
-            [sys.executable, "-c", "import sys; from eagle3_data.cli import main; sys.exit(main())", "dev", "serve", "--port", str(port),
-             "--tokenizer", str(tok), "--pipeline-config", str(config_path)],
-            stdout=server_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        )
-        stack.callback(_stop, proc)
-        url = f"http://127.0.0.1:{port}"
-        _wait_http(f"{url}/health", proc, work / "inference-server.log")
+        server = DevServerProcess(tok, log_path=work / "inference-server.log", pipeline_config=config_path)
+        stack.callback(server.stop)
+        port, url = server.port, server.url
 
         aws = {"conn_type": "aws", "login": access, "password": secret,
                "extra": {"endpoint_url": s3.endpoint_url, "region_name": "us-east-1"}}
@@ -164,29 +149,3 @@ def dev_stack(workdir: str | os.PathLike, *, config_overrides: dict | None = Non
             "TRANSFORMERS_OFFLINE": "1",
         }
         yield DevStack(work, config_path, s3.endpoint_url, url, env, s3)
-
-
-def _wait_http(url: str, proc: subprocess.Popen, logfile: Path, timeout: float = 120) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise UserError(f"dev inference server exited with {proc.returncode}: see {logfile}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise UserError(f"dev inference server did not answer {url} within {timeout:.0f}s: see {logfile}")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)

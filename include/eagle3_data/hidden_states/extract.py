@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import torch
 
@@ -24,6 +24,9 @@ from eagle3_data.errors import UserError
 from eagle3_data.hidden_states.backends import HiddenStateBackend
 from eagle3_data.hidden_states.layers import default_layer_ids, hidden_state_indices
 from eagle3_data.hidden_states.shards import Sample, dtype_name, encoding_name, resolve_storage_dtype, write_shard
+
+if TYPE_CHECKING:
+    from eagle3_data.storage import StageRef
 
 OUTLIER_FACTOR = 8.0  # a token whose layer norm exceeds 8x that layer's shard median is reported
 
@@ -244,7 +247,7 @@ def read_merged_rows(paths: Iterable[str | Path]) -> list[dict]:
     return rows
 
 
-def _shard_ref(shard) -> tuple["StageRef", str]:
+def _shard_ref(shard) -> tuple[StageRef, str]:
     """A merged shard as the merge summary lists it ({run_key, stage, dataset, name}) or (ref, name)."""
     from eagle3_data.storage import StageRef
 
