@@ -14,6 +14,7 @@ from __future__ import annotations
 import heapq
 import json
 import multiprocessing
+import signal
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -295,6 +296,9 @@ _FORKED: Validator | None = None  # set in the parent just before forking; child
 
 
 def _forked_init() -> None:
+    # A host process (an Airflow task, pytest after dag.test) may have installed a SIGTERM handler
+    # that does not exit; inherited by a worker, it would make Pool.terminate() wait forever.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     codec = _FORKED.codec
     if hasattr(codec, "num_threads"):
         codec.num_threads, codec._pool = 1, None  # the parent's threads do not survive a fork
@@ -311,7 +315,8 @@ def _validate_forked(
     global _FORKED
     _FORKED = validator
     try:
-        with multiprocessing.get_context("fork").Pool(workers, initializer=_forked_init) as pool:
+        pool = multiprocessing.get_context("fork").Pool(workers, initializer=_forked_init)
+        try:
             inflight: deque = deque()
             for items in _chunks(rows, chunk_rows):
                 _good_rows(items, on_bad_row)
@@ -320,6 +325,13 @@ def _validate_forked(
                     yield from inflight.popleft().get()
             while inflight:
                 yield from inflight.popleft().get()
+        except BaseException:  # bad row, or the consumer stopped early (GeneratorExit)
+            pool.terminate()
+            raise
+        else:
+            pool.close()  # all work done: the workers exit on their own
+        finally:
+            pool.join()
     finally:
         _FORKED = None
 

@@ -118,6 +118,26 @@ def test_forked_workers_give_the_same_results(kimi_tokenizer, enc):
     assert [r.cls for r in forked].count("special_token") == 1
 
 
+@pytest.mark.timeout(120)
+def test_forked_workers_finish_under_a_host_sigterm_handler_that_does_not_exit(kimi_tokenizer, enc):
+    """A host process (an Airflow task; pytest after dag.test) may hold a SIGTERM handler that does
+    not exit, and forked workers inherit it: a pool that relied on SIGTERM to stop them hung a full
+    run once. Workers must be reaped both after a complete run and after an early stop."""
+    import multiprocessing
+    import signal
+
+    rows = [InputRow(f"line {i}", f"s{i}", enc(f"step {i}</think>answer<|im_end|>")) for i in range(12)]
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        assert [r.cls for r in validate_rows(kimi_tokenizer, rows, chunk_rows=3, workers=2)] == ["exact"] * 12
+        stopped_early = validate_rows(kimi_tokenizer, rows, chunk_rows=3, workers=2)
+        assert next(stopped_early).cls == "exact"
+        stopped_early.close()  # GeneratorExit inside the pool: workers must still be reaped
+        assert multiprocessing.active_children() == []
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _jsonl(path, lines):
     path.write_bytes(b"".join((line if isinstance(line, bytes) else (line if isinstance(line, str) else json.dumps(line)).encode()) + b"\n" for line in lines))
     return path
