@@ -15,9 +15,11 @@ import heapq
 import json
 import multiprocessing
 import signal
+import threading
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -295,9 +297,22 @@ def _good_rows(items: list, on_bad_row: str) -> list[InputRow]:
 _FORKED: Validator | None = None  # set in the parent just before forking; children inherit it
 
 
+@contextmanager
+def _default_sigterm() -> Iterator[None]:
+    """Fork workers with SIGTERM's default action. A host process (an Airflow task; pytest after
+    dag.test) may hold a handler that does not exit: a worker born with it swallows the SIGTERM of
+    Pool.terminate() and the pool's join waits forever."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal.signal is main-thread only; _forked_init still resets it in the worker
+        return
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _forked_init() -> None:
-    # A host process (an Airflow task, pytest after dag.test) may have installed a SIGTERM handler
-    # that does not exit; inherited by a worker, it would make Pool.terminate() wait forever.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     codec = _FORKED.codec
     if hasattr(codec, "num_threads"):
@@ -315,7 +330,8 @@ def _validate_forked(
     global _FORKED
     _FORKED = validator
     try:
-        pool = multiprocessing.get_context("fork").Pool(workers, initializer=_forked_init)
+        with _default_sigterm():
+            pool = multiprocessing.get_context("fork").Pool(workers, initializer=_forked_init)
         try:
             inflight: deque = deque()
             for items in _chunks(rows, chunk_rows):

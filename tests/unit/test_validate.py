@@ -11,6 +11,7 @@ import pytest
 from eagle3_data.chat_format import get_output_format
 from eagle3_data.errors import UserError
 from eagle3_data.validate import (
+    BadRow,
     InputRow,
     RowResult,
     compare_billed_counts,
@@ -133,6 +134,10 @@ def test_forked_workers_finish_under_a_host_sigterm_handler_that_does_not_exit(k
         stopped_early = validate_rows(kimi_tokenizer, rows, chunk_rows=3, workers=2)
         assert next(stopped_early).cls == "exact"
         stopped_early.close()  # GeneratorExit inside the pool: workers must still be reaped
+        for _ in range(5):  # a bad first row stops the pool while its workers are still starting
+            bad_first = [BadRow("line 0", "s0", "output_ids", "missing")] + rows
+            with pytest.raises(UserError, match="line 0"):
+                list(validate_rows(kimi_tokenizer, bad_first, chunk_rows=3, workers=2))
         assert multiprocessing.active_children() == []
     finally:
         signal.signal(signal.SIGTERM, previous)
