@@ -105,22 +105,10 @@ def row_to_reconstruct(fmt: OutputFormat, row: dict[str, Any], where: str) -> Re
     except (json.JSONDecodeError, TypeError, AttributeError) as exc:
         raise UserError(f"{where}: field 'tool_calls' is not a list of OpenAI tool calls ({exc})") from exc
     finish = normalize_finish_reason(row.get("finish_reason"), where=where)
-    history = row.get("messages") or []
-    if isinstance(history, str):
-        try:
-            history = json.loads(history)
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{where}: field 'messages' is not valid JSON ({exc})") from exc
-    if not isinstance(history, list) or not all(isinstance(m, dict) for m in history):
+    history = _json_list(row, "messages", where)
+    if not all(isinstance(m, dict) for m in history):
         raise UserError(f"{where}: field 'messages' is not a list of chat messages")
-    tools = row.get("tools") or []
-    if isinstance(tools, str):
-        try:
-            tools = json.loads(tools)
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{where}: field 'tools' is not valid JSON ({exc})") from exc
-    if not isinstance(tools, list):
-        raise UserError(f"{where}: field 'tools' is not a list of tools")
+    tools = _json_list(row, "tools", where)
     reason = unreconstructable_reason(message, finish, bool(tools))
     return ReconstructRow(where, sample_id, message, finish, fmt.tool_call_index_start(history), reason)
 
@@ -167,3 +155,16 @@ def read_records(path: str | Path) -> Iterator[tuple[str, Any]]:
                     yield f"line {n}", json.loads(line)
                 except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
                     raise UserError(f"line {n}: invalid JSON ({exc})") from exc
+
+
+def _json_list(row: dict, field: str, where: str) -> list:
+    """An optional list field, given as a list or as its JSON text (Parquet stores it as text)."""
+    value = row.get(field) or []
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{where}: field {field!r} is not valid JSON ({exc})") from exc
+    if not isinstance(value, list):
+        raise UserError(f"{where}: field {field!r} is not a list")
+    return value
