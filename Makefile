@@ -3,8 +3,15 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The vLLM engine's own venv (requirements-vllm.txt says why); used through a subprocess.
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_REMOVED := torchvision torchaudio torchcodec triton
+# The launchers live in include/eagle3_devtools/, outside the eagle3-data wheel: run them from the checkout.
+DEVTOOLS := PYTHONPATH=include $(PY) -m eagle3_devtools
 
-.PHONY: install test demo airflow bench clean
+.PHONY: install vllm-venv system-packages test demo airflow cluster bench clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -14,17 +21,41 @@ $(STAMP): requirements.txt pyproject.toml
 
 install: $(STAMP)
 
-test: $(STAMP)
+# Debian packages for `make cluster` and tests/cluster (Postgres, Redis) and the browser test
+# (Chromium): installed with apt-get when missing (as root, else through sudo).
+SYSTEM_PACKAGES := postgresql redis-server chromium
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+system-packages:
+	@if ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1 && command -v redis-server >/dev/null && command -v chromium >/dev/null; then :; \
+	else echo "installing $(SYSTEM_PACKAGES) with apt-get"; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $(SYSTEM_PACKAGES); fi
+
+# pip check must list nothing but the four removed packages as missing.
+$(VLLM_STAMP): requirements-vllm.txt
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet -r requirements-vllm.txt
+	$(VLLM_PY) -m pip uninstall --quiet -y $(VLLM_REMOVED)
+	! $(VLLM_PY) -m pip check 2>/dev/null | grep -v -E "requires (torchvision|torchaudio|torchcodec|triton), which is not installed"
+	$(VLLM_PY) -c "import vllm, vllm.entrypoints.openai.api_server"
+	touch $(VLLM_STAMP)
+
+vllm-venv: $(VLLM_STAMP)
+
+test: $(STAMP) $(VLLM_STAMP) system-packages
 	$(PY) -m pytest -q tests
 
 demo: $(STAMP)
-	$(PY) -m eagle3_data.dev.demo
+	$(DEVTOOLS).demo
 
 airflow: $(STAMP)
-	$(PY) -m eagle3_data.dev.local_airflow
+	$(DEVTOOLS).local_airflow
+
+# CeleryExecutor on Postgres + Redis, two workers (queues default, gpu): docker-compose.yaml's shape, loopback only.
+cluster: $(STAMP) system-packages
+	$(DEVTOOLS).cluster
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) .cache
+	rm -rf $(VENV) $(VLLM_VENV) .cache

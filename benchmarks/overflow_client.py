@@ -56,14 +56,12 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from eagle3_data.dev.inference_server import DevServerProcess
-    from eagle3_data.dev.kimi_tokenizer import build_kimi_tokenizer
+    from eagle3_data.dev.kimi_tokenizer import cached_kimi_tokenizer
     from eagle3_data.dev.seaweedfs import start_seaweedfs, stop_seaweedfs
     from eagle3_data.generation.openrouter import generate_overflow
     from eagle3_data.storage import ArtifactStore, StageRef
 
-    tok_dir = REPO / ".cache" / "kimi-tokenizer"
-    if not (tok_dir / "tokenizer.json").exists():
-        build_kimi_tokenizer(tok_dir)
+    tok_dir = cached_kimi_tokenizer(REPO / ".cache")  # .cache/kimi-tokenizer-<key>, built once
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
     C, L, N = args.concurrency, args.latency, args.requests
     ideal = C / L

@@ -47,11 +47,12 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from eagle3_data.dev.inference_server import DevServerProcess
+    from eagle3_data.dev.kimi_tokenizer import cached_kimi_tokenizer
     from eagle3_data.dev.seaweedfs import start_seaweedfs, stop_seaweedfs
     from eagle3_data.generation.sglang import generate_local
     from eagle3_data.storage import ArtifactStore, StageRef
 
-    tok_dir = REPO / ".cache" / "kimi-tokenizer"
+    tok_dir = cached_kimi_tokenizer(REPO / ".cache")  # .cache/kimi-tokenizer-<key>, built once
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
     N, L, D = args.requests, args.latency, args.in_flight
     ideal = D / L

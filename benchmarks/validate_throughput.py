@@ -73,7 +73,8 @@ def raw_rate(enc, path: Path) -> tuple[float, float]:
 def run_validate(tokenizer_dir: Path, path: Path, report: Path) -> tuple[float, int, int, float]:
     """Wall seconds, exit code, peak RSS (KiB, largest process) and CPU seconds (all its
     processes) of one `eagle3-data validate` command."""
-    cmd = [str(REPO / ".venv/bin/eagle3-data"), "validate", "--tokenizer", str(tokenizer_dir), "--input", str(path), "--report", str(report)]
+    cmd = [str(REPO / ".venv/bin/eagle3-data"), "validate", "--tokenizer", str(tokenizer_dir), "--thinking", "--input", str(path),
+           "--report", str(report)]
     start = time.perf_counter()
     pid = os.posix_spawn(cmd[0], cmd, os.environ)
     _, status, usage = os.wait4(pid, 0)

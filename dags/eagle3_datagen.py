@@ -2,14 +2,19 @@
 
 Wiring only: every task calls one function of `eagle3_data.pipeline` and passes S3 URIs and
 counts, never data. Nothing heavy is imported at module level (the dag-processor re-parses this
-file constantly): the library is imported inside the tasks.
+file constantly): the library is imported inside the tasks. The trigger form's params are
+generated from the config's pydantic fields (`eagle3_data.config.run_param_schemas`), so their
+types, enums, bounds and descriptions are the config's own.
+
+Per dataset, local and overflow generation run side by side (both read only the routed prompts);
+reconstruct waits for both.
 
 Failure policy: a failed validation gate fails that dataset's `validate` instance (message: the
 report URI); the other datasets continue, `merge` runs on the datasets whose gate passed, and
-`publish` writes the run report and then fails, so the run ends failed and no Asset event tells a
-training DAG to consume it. Fix the dataset, clear its mapped instance + downstream (or trigger
+`publish` (trigger rule all_done) writes the run report and then fails, so the run ends failed
+and no Asset event tells a training DAG to consume it. Fix the dataset, clear its mapped instance + downstream (or trigger
 with `datasets=[it]` and the same run key), and `publish` emits the Asset once every selected
-dataset passed.
+dataset passed. A rerun that changes nothing skips `publish`: the same result is announced once.
 """
 
 from __future__ import annotations
@@ -18,17 +23,7 @@ from datetime import timedelta
 
 from airflow.sdk import Asset, Param, TriggerRule, dag, get_current_context, task, task_group
 
-from eagle3_data.config import (
-    AWS_CONN_ID,
-    DAG_ID,
-    GPU_QUEUE,
-    LAYER_CONVENTIONS,
-    OPENROUTER_CONN_ID,
-    OPENROUTER_POOL,
-    ROUTING_STRATEGIES,
-    SGLANG_CONN_ID,
-    load_config,
-)
+from eagle3_data.config import AWS_CONN_ID, DAG_ID, GPU_QUEUE, OPENROUTER_POOL, load_config, run_param_schemas
 
 CONFIG = load_config()
 TRAINING_DATA = Asset(
@@ -36,6 +31,7 @@ TRAINING_DATA = Asset(
     uri=f"s3://{CONFIG.storage.bucket}/{CONFIG.storage.prefix}/runs/",
     group="eagle3",
 )
+ASSET_EXTRA = ("run_key", "report_uri", "merged_uri", "hidden_states_uri", "datasets")
 
 NETWORK_RETRIES = {
     "retries": 4,
@@ -44,79 +40,12 @@ NETWORK_RETRIES = {
     "max_retry_delay": timedelta(minutes=10),
 }
 
-
-def _rate(description: str) -> Param:
-    return Param(None, type=["null", "number"], minimum=0, maximum=1, description=description)
-
-
-PARAMS = {
-    "datasets": Param(
-        CONFIG.dataset_names,
-        type="array",
-        items={"type": "string", "enum": CONFIG.dataset_names},
-        minItems=1,
-        uniqueItems=True,
-        description="Datasets to process. Others keep their committed artifacts of this run key.",
-    ),
-    "run_name": Param(
-        None,
-        type=["null", "string"],
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9._=+-]{0,127}$",
-        description="Run key for a manual run (artifacts under runs/{run_name}/). Empty: "
-        "date=YYYY-MM-DD of the logical date. Reuse a name to resume or rerun datasets.",
-    ),
-    "overflow_strategy": Param(
-        CONFIG.routing.strategy,
-        type="string",
-        enum=list(ROUTING_STRATEGIES),
-        description="fraction: overflow_fraction of samples go to OpenRouter; capacity: the local "
-        "endpoints take routing.local_capacity samples and the rest overflows.",
-    ),
-    "overflow_fraction": Param(
-        CONFIG.routing.overflow_fraction,
-        type="number",
-        minimum=0,
-        maximum=1,
-        description="Share of samples generated on OpenRouter (strategy=fraction).",
-    ),
-    "max_usd": Param(
-        CONFIG.generation.overflow.max_usd,
-        type="number",
-        minimum=0,
-        description="Hard OpenRouter spend cap per dataset in this run (USD).",
-    ),
-    "max_bpe_mismatch_rate": _rate(
-        "Gate: max share of local samples whose ids differ from re-encoding only by BPE merges. "
-        "Empty: the config's value, per-dataset overrides included."
-    ),
-    "max_billing_deviation": _rate(
-        "Gate: max |billed - reconstructed| / billed completion tokens on overflow rows. "
-        "Empty: the config's value, per-dataset overrides included."
-    ),
-    "max_length": Param(
-        CONFIG.merge.max_length,
-        type="integer",
-        minimum=16,
-        description="Max tokens per training sample (prompt + output); longer ones follow merge.length_policy.",
-    ),
-    "layer_convention": Param(
-        CONFIG.hidden_states.convention,
-        type="string",
-        enum=list(LAYER_CONVENTIONS),
-        description="Aux hidden-state layers: output (output of layers 1, L/2-1, L-4: SpecForge) or "
-        "input (input to layers 2, L/2, L-3 + last: vLLM/speculators).",
-    ),
-    "skip_hidden_states": Param(False, type="boolean", description="Stop after merge (no GPU stage)."),
-    "dry_run": Param(
-        False,
-        type="boolean",
-        description="Plan only: prompt counts, routing, token and cost estimates. No generation, no spend.",
-    ),
-}
+PARAMS = {name: Param(**spec) for name, spec in run_param_schemas(CONFIG).items()}
 
 
 def _run():
-    """This task's resolved run (config + params + run key) and an ArtifactStore on aws_default."""
+    """This task's resolved run (config + params + run key) and an ArtifactStore on aws_default.
+    Every task resolves it, so an unknown or invalid param fails the first task, naming it."""
     from airflow.providers.amazon.aws.hooks.s3 import S3Hook
 
     from eagle3_data import pipeline
@@ -129,18 +58,29 @@ def _run():
 
 def _gate(fn, *args):
     """Call a stage; a failed gate or bad input/config (UserError) becomes AirflowFailException:
-    no retries, since retrying cannot fix data. An unreachable S3 stays retryable."""
+    no retries, since retrying cannot fix data. An unreachable S3 or a stage still leased by
+    another attempt stays retryable."""
     from airflow.sdk.exceptions import AirflowFailException
 
     from eagle3_data.errors import UserError
-    from eagle3_data.storage import StorageUnavailable
+    from eagle3_data.storage import StageBusy, StorageUnavailable
 
     try:
         return fn(*args)
-    except StorageUnavailable:
+    except (StorageUnavailable, StageBusy):  # weather: an outage, or a zombie attempt's lease not yet expired
         raise
     except UserError as exc:
         raise AirflowFailException(str(exc)) from None
+
+
+def _connection(read, conn_id: str):
+    """A hook's reading of its connection; a missing or malformed one fails without retries."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    try:
+        return read()
+    except Exception as exc:  # the SDK raises its own not-found type; the message is what matters
+        raise AirflowFailException(f"Airflow connection {conn_id!r} is not usable: {exc}") from None
 
 
 @dag(
@@ -156,8 +96,10 @@ def _gate(fn, *args):
 def eagle3_datagen():
     @task(**NETWORK_RETRIES)
     def audit_tokenizer() -> list[str]:
-        """Fails before any spend when a special id is wrong; returns the datasets to map over."""
+        """Fails before any spend when a param, the bucket, a prompt source or a special id is wrong;
+        returns the datasets to map over."""
         pipeline, run, store = _run()
+        _gate(pipeline.preflight, run, store)
         _gate(pipeline.audit_tokenizer, run, store)
         return run.datasets
 
@@ -167,36 +109,39 @@ def eagle3_datagen():
         def load_route(dataset: str) -> dict:
             _set_map_name(dataset)
             pipeline, run, store = _run()
-            return _gate(pipeline.load_route, run, store, dataset)
+            return _gate(pipeline.load_route, run, store, dataset).as_dict()
 
         @task(map_index_template="{{ dataset }}", queue=GPU_QUEUE, **NETWORK_RETRIES)
         def generate_local(dataset: str, routed: dict) -> dict:
-            from airflow.sdk import Connection
+            from hooks.sglang import SGLangHook
 
             _set_map_name(dataset)
             pipeline, run, store = _run()
             if run.dry_run:
                 return {"dry_run": True}
-            endpoints = pipeline.sglang_endpoints(_conn(Connection, SGLANG_CONN_ID))
-            return _gate(pipeline.generate_local, run, store, dataset, endpoints)
+            hook = SGLangHook()
+            endpoints = _connection(hook.get_endpoints, hook.sglang_conn_id)
+            return _gate(pipeline.generate_local, run, store, dataset, endpoints).as_dict()
 
         @task(map_index_template="{{ dataset }}", pool=OPENROUTER_POOL, **NETWORK_RETRIES)
-        def generate_overflow(dataset: str, local: dict) -> dict:
-            from airflow.sdk import Connection
+        def generate_overflow(dataset: str, routed: dict) -> dict:
+            from hooks.openrouter import OpenRouterHook
 
             _set_map_name(dataset)
             pipeline, run, store = _run()
             if run.dry_run:
                 return {"dry_run": True}
-            return _gate(pipeline.generate_overflow, run, store, dataset, _conn(Connection, OPENROUTER_CONN_ID))
+            hook = OpenRouterHook()
+            base_url, api_key = _connection(hook.get_base_url_and_key, hook.openrouter_conn_id)
+            return _gate(pipeline.generate_overflow, run, store, dataset, base_url, api_key).as_dict()
 
         @task(map_index_template="{{ dataset }}", **NETWORK_RETRIES)
-        def reconstruct(dataset: str, overflow: dict) -> dict:
+        def reconstruct(dataset: str, local: dict, overflow: dict) -> dict:
             _set_map_name(dataset)
             pipeline, run, store = _run()
             if run.dry_run:
                 return {"dry_run": True}
-            return _gate(pipeline.reconstruct, run, store, dataset)
+            return _gate(pipeline.reconstruct, run, store, dataset).as_dict()
 
         @task(map_index_template="{{ dataset }}")
         def validate(dataset: str, reconstructed: dict) -> dict:
@@ -204,10 +149,11 @@ def eagle3_datagen():
             pipeline, run, store = _run()
             if run.dry_run:
                 return {"dry_run": True}
-            return _gate(pipeline.validate, run, store, dataset)
+            return _gate(pipeline.validate, run, store, dataset).as_dict()
 
         routed = load_route(dataset)
-        return validate(dataset, reconstruct(dataset, generate_overflow(dataset, generate_local(dataset, routed))))
+        generated = (generate_local(dataset, routed), generate_overflow(dataset, routed))
+        return validate(dataset, reconstruct(dataset, *generated))
 
     @task(trigger_rule=TriggerRule.ALL_DONE, **NETWORK_RETRIES)
     def merge() -> list[dict]:
@@ -215,46 +161,45 @@ def eagle3_datagen():
         if run.dry_run:
             return []
         result = _gate(pipeline.merge, run, store)
-        return [] if run.skip_hidden_states else result["shards"]
+        # one entry per GPU worker (hidden_states.workers), each a share of the shards by tokens
+        return [] if run.skip_hidden_states else pipeline.extract_workers(run, store, result.shards)
 
-    @task(map_index_template="{{ shard_name }}", queue=GPU_QUEUE, **NETWORK_RETRIES)
-    def extract_hidden_states(shard: dict) -> dict:
-        _set_map_name(shard["name"], key="shard_name")
+    @task(map_index_template="{{ extract_worker }}", queue=GPU_QUEUE, **NETWORK_RETRIES)
+    def extract_hidden_states(work: dict) -> dict:
+        """One GPU worker: loads the model once and extracts its shards in turn; a retry skips
+        the shards an earlier attempt committed."""
+        _set_map_name(f"worker {work['worker']}: {len(work['shards'])} shards", key="extract_worker")
         pipeline, run, store = _run()
-        return _gate(pipeline.extract_hidden_states, run, store, shard)
+        return _gate(pipeline.extract_hidden_states, run, store, work).as_dict()
 
-    @task(trigger_rule=TriggerRule.NONE_FAILED, outlets=[TRAINING_DATA])
+    @task(trigger_rule=TriggerRule.ALL_DONE, outlets=[TRAINING_DATA])
     def publish() -> dict:
+        """Runs whatever failed upstream: the run report is written for a failed run too (the one
+        a person most wants to read), then the task fails unless everything needed for training
+        is there. Emits the Asset event when the published result is new; a skipped task emits no
+        outlet event (Airflow 3.3), so a dry run and a rerun that changes nothing end skipped."""
         from airflow.sdk.exceptions import AirflowSkipException
 
         pipeline, run, store = _run()
-        report = _gate(pipeline.publish, run, store)
+        result = _gate(pipeline.publish, run, store)
         if run.dry_run:
-            raise AirflowSkipException(f"dry run: plan written to {report['report_uri']}; nothing published")
-        get_current_context()["outlet_events"][TRAINING_DATA].extra = {
-            k: report[k] for k in ("run_key", "report_uri", "merged_uri", "hidden_states_uri", "datasets")
-        }
-        return report
+            raise AirflowSkipException(f"dry run: plan written to {result.report_uri}; nothing published")
+        if not result.changed:
+            raise AirflowSkipException(f"already published: {result.summary_uri} is unchanged; no new Asset event")
+        report = result.as_dict()
+        get_current_context()["outlet_events"][TRAINING_DATA].extra = {k: report[k] for k in ASSET_EXTRA}
+        return {k: v for k, v in report.items() if k != "summary"}
 
     audit = audit_tokenizer()
     validated = per_dataset.expand(dataset=audit)
-    shards = merge()
-    validated >> shards
-    extract_hidden_states.expand(shard=shards) >> publish()
+    workers = merge()
+    validated >> workers
+    extract_hidden_states.expand(work=workers) >> publish()
 
 
 def _set_map_name(value: str, key: str = "dataset") -> None:
     """Expose the mapped value to `map_index_template` (rendered from the task's context)."""
     get_current_context()[key] = value  # type: ignore[literal-required]
-
-
-def _conn(connection_cls, conn_id: str):
-    try:
-        return connection_cls.get(conn_id)
-    except Exception as exc:  # the SDK raises its own not-found type; the message is what matters
-        from airflow.sdk.exceptions import AirflowFailException
-
-        raise AirflowFailException(f"Airflow connection {conn_id!r} is not usable: {exc}") from None
 
 
 eagle3_datagen()

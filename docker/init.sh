@@ -6,7 +6,8 @@ set -euo pipefail
 # Overflow generation tasks share this pool (dags/eagle3_datagen.py: pool=OPENROUTER_POOL).
 airflow pools set openrouter "${OPENROUTER_POOL_SLOTS:-256}" "OpenRouter overflow generation (eagle3-datagen)"
 
-# The pipeline's bucket, named by the pipeline config, through the aws_default connection.
+# The pipeline's bucket, named by the pipeline config, through the aws_default connection: the one
+# deliberate bucket-creation step (`eagle3-data s3 init` outside Airflow); tasks never create it.
 python - <<'PY'
 from airflow.providers.amazon.aws.hooks.s3 import S3Hook
 
@@ -14,6 +15,6 @@ from eagle3_data.config import AWS_CONN_ID, load_config
 from eagle3_data.storage import ArtifactStore
 
 storage = load_config().storage
-ArtifactStore(S3Hook(aws_conn_id=AWS_CONN_ID).get_conn(), storage.bucket, storage.prefix).ensure_bucket()
+ArtifactStore(S3Hook(aws_conn_id=AWS_CONN_ID).get_conn(), storage.bucket, storage.prefix).init_bucket()
 print(f"bucket {storage.bucket} ready")
 PY

@@ -5,7 +5,10 @@ DAG run to it. The page shows prompt and model text, so every route requires a s
 with read access to the DAG's runs: plugin apps are not behind Airflow's auth by default, so the
 routes reuse the api-server's own dependency (`requires_access_dag`), which reads the JWT from the
 `Authorization: Bearer` header or the UI's `_token` cookie and asks the configured auth manager.
-The data and HTML come from `eagle3_data.report_view`; this file only wires Airflow to it.
+The data and HTML come from `eagle3_data.report` (the run key from `eagle3_data.run_key`); this
+file only wires Airflow to them. Answers: 200 the report; 404 no such run, or no report for it
+(yet); 503 S3 unreachable or its bucket missing (the report may well exist: an outage is not "no
+report"); 401/403 from the auth dependency.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ def _run_key(session, dag_id: str, run_id: str) -> str:
 
     from airflow.models.dagrun import DagRun
     from eagle3_data.errors import UserError
-    from eagle3_data.report_view import run_key_for
+    from eagle3_data.run_key import run_key_for
 
     dag_run = session.scalar(select(DagRun).where(DagRun.dag_id == dag_id, DagRun.run_id == run_id))
     if dag_run is None:
@@ -47,7 +50,7 @@ def _load(run_key: str):
     """The run's report from the pipeline's bucket, through the `aws_default` connection."""
     from airflow.providers.amazon.aws.hooks.s3 import S3Hook
     from eagle3_data.config import AWS_CONN_ID, load_config
-    from eagle3_data.report_view import load_run_report
+    from eagle3_data.report import load_run_report
     from eagle3_data.storage import ArtifactStore
 
     storage = load_config().storage
@@ -55,15 +58,21 @@ def _load(run_key: str):
     return load_run_report(store, run_key)
 
 
+def _one_line(exc: Exception) -> str:
+    return " ".join(str(exc).split())
+
+
 @app.get("/{dag_id}/{run_id}", response_class=HTMLResponse, dependencies=_can_read_runs)
 def report_page(dag_id: str, run_id: str, session: SessionDep) -> HTMLResponse:
     from eagle3_data.errors import UserError
-    from eagle3_data.report_view import render_html, render_missing
+    from eagle3_data.report import STORAGE_OUTAGES, render_html, render_missing, render_unavailable
 
     run_key = _run_key(session, dag_id, run_id)
     title = f"{TITLE}: {dag_id} / {run_id}"
     try:
         report = _load(run_key)
+    except STORAGE_OUTAGES as exc:
+        return HTMLResponse(render_unavailable(run_key, _one_line(exc), title=title), status_code=503)
     except UserError as exc:  # no index yet, or one this version cannot read
         return HTMLResponse(render_missing(run_key, str(exc), title=title), status_code=404)
     return HTMLResponse(render_html(report, title=title))
@@ -73,10 +82,13 @@ def report_page(dag_id: str, run_id: str, session: SessionDep) -> HTMLResponse:
 def report_summary(dag_id: str, run_id: str, session: SessionDep) -> dict[str, Any]:
     """The page's numbers, for scripts and tests."""
     from eagle3_data.errors import UserError
+    from eagle3_data.report import STORAGE_OUTAGES
 
     run_key = _run_key(session, dag_id, run_id)
     try:
         return _load(run_key).summary()
+    except STORAGE_OUTAGES as exc:
+        raise HTTPException(503, _one_line(exc)) from None
     except UserError as exc:
         raise HTTPException(404, str(exc)) from None
 

@@ -1,19 +1,34 @@
-"""The pipeline configuration: one YAML file, validated into frozen dataclasses.
+"""The pipeline configuration: one YAML file, validated into frozen pydantic models.
 
 Every knob that changes what is generated or how it is judged lives here, so a run's manifests
-can record it and a rerun with the same config reproduces the same keys. Trigger-form params are
-applied with `PipelineConfig.with_overrides`, which goes through the same validation as the file:
-a bad value is refused with the key's dotted path, whether it came from YAML or from the UI.
+can record it and a rerun with the same config reproduces the same keys. The models refuse what
+they do not know (`extra="forbid"`): a mistyped gate threshold must stop the run, not silently
+fall back to its default and turn the gate off. Every bad key is reported, one line each, with
+its dotted path and the nearest valid key.
+
+Trigger-form params are applied with `PipelineConfig.with_overrides`, which goes through the same
+validation as the file; `run_param_schemas` derives the DAG's trigger-form `Params` (type, enum,
+bounds, description) from these same fields, so the form and the file cannot drift.
+
+Where the default file is: `eagle3_data/defaults/pipeline.yaml`, package data (a wheel install
+has it). Sources (`tokenizer.source`, `model.source`) are a local path (relative paths resolve
+against the config file's directory), an `s3://` prefix, or `dev:NAME`, one of the builds
+`eagle3_data.dev.sources` makes offline (the real Kimi tokenizer, the tiny DeepSeek-V3): the
+packaged default is a dev config that runs anywhere; production points `$EAGLE3_CONFIG` at its own.
 """
 
 from __future__ import annotations
 
 import copy
+import difflib
 import os
 import re
-from dataclasses import asdict, dataclass, field
+import types
+import typing
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator
 
 from eagle3_data.errors import UserError
 
@@ -24,117 +39,224 @@ OPENROUTER_POOL = "openrouter"
 GPU_QUEUE = "gpu"
 DAG_ID = "eagle3_datagen"
 
-DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "config" / "pipeline.yaml"
 CONFIG_ENV = "EAGLE3_CONFIG"
+DEV_SOURCE_SCHEME = "dev:"
 
-ROUTING_STRATEGIES = ("fraction", "capacity")
-LENGTH_POLICIES = ("truncate", "drop")
-LAYER_CONVENTIONS = ("output", "input")
+RoutingStrategy = Literal["fraction", "capacity", "balanced"]
+LengthPolicy = Literal["truncate", "drop"]
+LayerConvention = Literal["output", "input"]
+LocalEngine = Literal["sglang", "vllm"]
+HiddenStatesBackend = Literal["transformers", "vllm"]
+ROUTING_STRATEGIES: tuple[str, ...] = get_args(RoutingStrategy)
+LENGTH_POLICIES: tuple[str, ...] = get_args(LengthPolicy)
+LAYER_CONVENTIONS: tuple[str, ...] = get_args(LayerConvention)
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 
+# The gate's default thresholds, in one place (validate.py's library defaults use these too).
+DEFAULT_MAX_BPE_MISMATCH_RATE = 0.10
+DEFAULT_MAX_BILLING_DEVIATION = 0.01
+DEFAULT_MAX_BAD_ROW_RATE = 0.0
+DEFAULT_MAX_MISSING_USAGE_RATE = 0.0
 
-@dataclass(frozen=True)
-class StorageConfig:
-    bucket: str
-    prefix: str
-
-
-@dataclass(frozen=True)
-class TokenizerConfig:
-    source: str  # HF tokenizer dir (local path) or s3:// prefix holding one
-    expected_special_ids: dict[str, int]  # audited by name before any spend
+Rate = Annotated[float, Field(ge=0.0, le=1.0)]
 
 
-@dataclass(frozen=True)
-class ModelConfig:
-    name: str  # recorded in provenance and hidden-state metadata
-    source: str  # HF model dir (local path) or s3:// prefix, for hidden-state extraction
+class _Model(BaseModel):
+    """Frozen, strict (no bool-as-int, no "1" as 1), and refusing unknown keys."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _empty_section(cls, value: Any, info: ValidationInfo) -> Any:
+        """A section left empty in YAML (`routing:` with every line commented out) is null: read
+        it as an empty mapping, i.e. all defaults."""
+        if value is None:
+            annotation = cls.model_fields[info.field_name].annotation
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+                return {}
+        return value
 
 
-@dataclass(frozen=True)
-class SamplingConfig:
+class StorageConfig(_Model):
+    bucket: str = Field(description="S3 bucket of every artifact (created by `eagle3-data s3 init`)")
+    prefix: str = Field("eagle3-datagen", description="key prefix inside the bucket")
+
+    @field_validator("prefix")
+    @classmethod
+    def _strip(cls, v: str) -> str:
+        return v.strip("/")
+
+
+class TokenizerConfig(_Model):
+    source: str = Field(description="HF tokenizer dir, s3:// prefix holding one, or dev:kimi-tokenizer")
+    expected_special_ids: dict[str, Annotated[int, Field(ge=0)]] = Field(
+        description="audited by name before any spend: encode(name) == [id] and decode([id]) == name"
+    )
+
+    @field_validator("expected_special_ids")
+    @classmethod
+    def _stop_token(cls, v: dict[str, int]) -> dict[str, int]:
+        if "<|im_end|>" not in v:
+            raise ValueError("must include <|im_end|> (the stop token)")
+        return v
+
+
+class ModelConfig(_Model):
+    name: str = Field(description="recorded in provenance and hidden-state metadata")
+    source: str = Field(description="HF model dir, s3:// prefix, or dev:tiny-deepseek-v3 (hidden-state extraction)")
+
+
+class SamplingConfig(_Model):
     """Part of every sample_id: changing it makes new samples, never overwrites old ones."""
 
-    temperature: float
-    top_p: float
-    max_new_tokens: int
-    thinking: bool
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description="sampling temperature")
+    top_p: float = Field(1.0, ge=0.0, le=1.0, description="nucleus sampling mass")
+    max_new_tokens: int = Field(2048, ge=1, le=262_144, description="generation length cap per sample")
+    thinking: bool = Field(True, description="generate with the model's thinking section")
 
 
-@dataclass(frozen=True)
-class LocalGenerationConfig:
-    in_flight_per_endpoint: int
-    rows_per_part: int
+class LocalGenerationConfig(_Model):
+    engine: LocalEngine = Field("sglang", description="local inference engine behind the endpoints")
+    in_flight_per_endpoint: int = Field(64, ge=1, le=4096, description="concurrent requests per endpoint")
+    rows_per_part: int = Field(256, ge=1, le=1_000_000, description="checkpoint every N samples")
+    warmup_timeout_s: float = Field(600.0, gt=0, description="how long to wait for endpoints to become ready")
+    max_endpoint_failures: int = Field(3, ge=1, description="consecutive failures before an endpoint is dropped")
 
 
-@dataclass(frozen=True)
-class OverflowGenerationConfig:
-    model: str  # OpenRouter model slug
-    provider: dict[str, Any]  # OpenRouter provider routing (order, allow_fallbacks, ...)
-    concurrency: int
-    max_usd: float  # hard spend cap per dataset and run
-    price_usd_per_mtok: dict[str, float]  # {prompt, completion}: dry-run cost estimates only
-    rows_per_part: int
+class PriceConfig(_Model):
+    prompt: float = Field(0.0, ge=0.0, description="USD per million prompt tokens")
+    completion: float = Field(0.0, ge=0.0, description="USD per million completion tokens")
 
 
-@dataclass(frozen=True)
-class GenerationConfig:
-    sampling: SamplingConfig
-    repeats: int
-    local: LocalGenerationConfig
+class OverflowGenerationConfig(_Model):
+    model: str = Field(description="OpenRouter model slug")
+    provider: dict[str, Any] = Field(default_factory=dict, description="OpenRouter provider routing (order, allow_fallbacks, ...)")
+    concurrency: int = Field(256, ge=1, le=4096, description="concurrent OpenRouter requests per task")
+    max_usd: float = Field(10.0, ge=0.0, description="Hard OpenRouter spend cap per dataset in this run (USD).")
+    price_usd_per_mtok: PriceConfig = Field(default_factory=PriceConfig, description="prices answers without usage.cost and dry-run estimates")
+    rows_per_part: int = Field(64, ge=1, le=1_000_000, description="checkpoint every N samples")
+
+
+class GenerationConfig(_Model):
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    repeats: int = Field(1, ge=1, le=64, description="samples per prompt")
+    local: LocalGenerationConfig = Field(default_factory=LocalGenerationConfig)
     overflow: OverflowGenerationConfig
 
 
-@dataclass(frozen=True)
-class RoutingConfig:
-    strategy: str  # fraction | capacity
-    overflow_fraction: float  # strategy=fraction: share of samples sent to OpenRouter
-    local_capacity: int  # strategy=capacity: samples the local endpoints take per dataset and run
-    calibration_samples: int  # generated on both paths to compare them
+class RoutingConfig(_Model):
+    strategy: RoutingStrategy = Field(
+        "fraction",
+        description="fraction: overflow_fraction of samples go to OpenRouter; capacity: the local "
+        "endpoints take routing.local_capacity samples and the rest overflows; balanced: split so local and "
+        "overflow, running at once, finish together (local_endpoints x in_flight_per_endpoint / local_latency_s "
+        "against overflow concurrency / overflow_latency_s).",
+    )
+    overflow_fraction: float = Field(0.0, ge=0.0, le=1.0, description="Share of samples generated on OpenRouter (strategy=fraction).")
+    local_capacity: int = Field(0, ge=0, description="strategy=capacity: samples the local endpoints take per dataset and run")
+    calibration_samples: int = Field(0, ge=0, description="generated on both paths to compare them")
+    local_endpoints: int = Field(1, ge=0, description="strategy=balanced (and the plan): local engine endpoints serving the run")
+    local_latency_s: float = Field(
+        60.0, gt=0, description="strategy=balanced (and the plan): observed seconds per local sample at "
+        "generation.local.in_flight_per_endpoint requests in flight (a previous run's or a calibration's)",
+    )
+    overflow_latency_s: float = Field(
+        6.0, gt=0, description="strategy=balanced (and the plan): observed seconds per OpenRouter request "
+        "(at generation.overflow.concurrency in flight)",
+    )
 
 
-@dataclass(frozen=True)
-class ValidationConfig:
-    max_bpe_mismatch_rate: float  # local samples whose ids differ only by BPE merges (special/text diffs always fail)
-    max_billing_deviation: float  # |billed - reconstructed| / billed, overflow rows
+class ValidationConfig(_Model):
+    """Gate thresholds; a dataset's `validation:` overrides single fields of the global ones."""
+
+    max_bpe_mismatch_rate: Rate = Field(
+        DEFAULT_MAX_BPE_MISMATCH_RATE,
+        description="Gate: max share of local samples whose ids differ from re-encoding only by BPE merges.",
+    )
+    max_billing_deviation: Rate = Field(
+        DEFAULT_MAX_BILLING_DEVIATION,
+        description="Gate: max |billed - reconstructed| / billed completion tokens on overflow rows.",
+    )
+    max_bad_row_rate: Rate = Field(DEFAULT_MAX_BAD_ROW_RATE, description="Gate: max share of rows that could not be validated at all.")
+    max_missing_usage_rate: Rate = Field(DEFAULT_MAX_MISSING_USAGE_RATE, description="Gate: max share of overflow rows without billed usage.")
+    allow_unvalidated_overflow: bool = Field(False, description="Pass overflow rows when no local sample could validate the format.")
+
+    def rates(self) -> dict[str, float]:
+        """The numeric thresholds (what the run report shows next to each rate)."""
+        return {k: v for k, v in self.model_dump().items() if not isinstance(v, bool)}
 
 
-@dataclass(frozen=True)
-class MergeConfig:
-    max_length: int
-    length_policy: str  # truncate | drop
-    shard_tokens: int
-    seed: int
+class MergeConfig(_Model):
+    max_length: int = Field(
+        8192, ge=16, le=1_048_576,
+        description="Max tokens per training sample (prompt + output); longer ones follow merge.length_policy.",
+    )
+    length_policy: LengthPolicy = Field("truncate", description="what happens to samples over max_length")
+    shard_tokens: int = Field(1_000_000, ge=1, description="tokens per merged shard")
+    seed: int = Field(0, ge=0, description="shuffle seed")
 
 
-@dataclass(frozen=True)
-class HiddenStatesConfig:
-    convention: str  # output ("output of layer i", SpecForge) | input ("input to layer i", vLLM)
-    last_hidden: bool
-    batch_tokens: int
+class HiddenStatesConfig(_Model):
+    convention: LayerConvention = Field(
+        "output",
+        description="Aux hidden-state layers: output (output of layers 1, L/2-1, L-4: SpecForge) or "
+        "input (input to layers 2, L/2, L-3 + last: vLLM/speculators).",
+    )
+    last_hidden: bool = Field(False, description="also store the last layer's hidden state")
+    batch_tokens: int = Field(8192, ge=1, description="tokens per forward batch")
+    backend: HiddenStatesBackend = Field("transformers", description="extraction backend")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per extraction worker (vllm backend)")
+    workers: int = Field(
+        1, ge=1, description="GPU extraction workers: one task each that loads the model once and extracts its "
+        "share of the merged shards (balanced by tokens), skipping shards an earlier attempt committed",
+    )
 
 
-@dataclass(frozen=True)
-class DatasetConfig:
-    name: str
-    prompts: str  # root (s3:// or local) holding {name}/date=YYYY-MM-DD/*.jsonl|parquet, or a file (eagle3_data.prompts)
-    validation: ValidationConfig  # global thresholds with this dataset's overrides applied
-    dev_bpe_split_rate: float  # dev inference server only: share of outputs sampled with split BPE
+class LimitsConfig(_Model):
+    max_message_bytes: int = Field(1_000_000, ge=1, description="largest accepted prompt row (bytes of its messages)")
+    max_prompt_tokens: int | None = Field(None, ge=1, description="longest accepted prompt; empty: the model's context")
 
 
-@dataclass(frozen=True)
-class PipelineConfig:
+class DevConfig(_Model):
+    bpe_split_rate: Rate = Field(0.0, description="dev inference server only: share of outputs sampled with split BPE")
+
+
+class DatasetConfig(_Model):
+    name: str = Field(pattern=NAME_RE.pattern, description="dataset name (S3 path segment)")
+    prompts: str | None = Field(
+        None, description="root (s3:// or local) holding {name}/date=YYYY-MM-DD/*.jsonl|parquet, or a file; default prompts_root"
+    )
+    validation: ValidationConfig = Field(
+        default_factory=ValidationConfig,
+        description="the global thresholds with this dataset's overrides applied",
+    )
+    dev: DevConfig = Field(default_factory=DevConfig)
+
+    @property
+    def dev_bpe_split_rate(self) -> float:
+        return self.dev.bpe_split_rate
+
+
+class PipelineConfig(_Model):
     storage: StorageConfig
-    schedule: str | None
+    schedule: str | None = Field("@daily", description="cron, preset, or null for manual runs only")
+    prompts_root: str | None = Field(None, description="default s3://{bucket}/{prefix}/prompts")
     tokenizer: TokenizerConfig
     model: ModelConfig
     generation: GenerationConfig
-    routing: RoutingConfig
-    validation: ValidationConfig
-    merge: MergeConfig
-    hidden_states: HiddenStatesConfig
-    datasets: tuple[DatasetConfig, ...]
-    raw: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
+    validation: ValidationConfig = Field(default_factory=ValidationConfig)
+    merge: MergeConfig = Field(default_factory=MergeConfig)
+    hidden_states: HiddenStatesConfig = Field(default_factory=HiddenStatesConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    datasets: tuple[DatasetConfig, ...] = Field(strict=False, min_length=1)
+    _raw: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    @property
+    def raw(self) -> dict[str, Any]:
+        """The mapping this config was validated from (a copy): overrides merge into it."""
+        return copy.deepcopy(self._raw)
 
     @property
     def dataset_names(self) -> list[str]:
@@ -146,29 +268,44 @@ class PipelineConfig:
                 return d
         raise UserError(f"datasets: no dataset named {name!r} (configured: {', '.join(self.dataset_names)})")
 
-    def with_overrides(self, overrides: dict[str, Any]) -> PipelineConfig:
-        """A new config with `overrides` deep-merged into the file's values, validated again."""
-        raw = copy.deepcopy(self.raw)
-        _deep_merge(raw, overrides)
-        return _parse(raw)
+    def with_overrides(self, overrides: dict[str, Any], *, where: str = "config") -> PipelineConfig:
+        """A new config with `overrides` deep-merged into the file's values, validated again
+        (an unknown key in `overrides` is refused like one in the file)."""
+        raw = self.raw
+        deep_merge(raw, overrides)
+        return parse_config(raw, where=where)
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.pop("raw")
-        return d
+        return self.model_dump(mode="json")
 
 
-def load_config(path: str | Path | None = None) -> PipelineConfig:
-    """Read and validate the config: `path`, else $EAGLE3_CONFIG, else include/config/pipeline.yaml.
+# -- loading -----------------------------------------------------------------------------------
+DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent / "defaults" / "pipeline.yaml"  # package data
+
+
+def default_config_raw() -> dict[str, Any]:
+    """The packaged default config as a plain mapping, to copy and modify (e.g. the dev stack)."""
+    import yaml
+
+    return yaml.safe_load(DEFAULT_CONFIG_PATH.read_text(encoding="utf-8"))
+
+
+def config_path(path: str | os.PathLike | None = None) -> Path:
+    """Which file `load_config(path)` reads: `path`, else $EAGLE3_CONFIG, else the packaged default."""
+    return Path(path or os.environ.get(CONFIG_ENV) or DEFAULT_CONFIG_PATH)
+
+
+def load_config(path: str | os.PathLike | None = None) -> PipelineConfig:
+    """Read and validate the config: `path`, else $EAGLE3_CONFIG, else the packaged default.
 
     Relative local paths in the file (tokenizer.source, model.source) resolve against the
     file's own directory, so the config works from any working directory.
     """
     import yaml
 
-    p = Path(path or os.environ.get(CONFIG_ENV) or DEFAULT_CONFIG_PATH)
+    p = config_path(path)
     try:
-        raw = yaml.safe_load(p.read_text())
+        raw = yaml.safe_load(p.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise UserError(f"config file {p} does not exist") from None
     except yaml.YAMLError as exc:
@@ -179,186 +316,218 @@ def load_config(path: str | Path | None = None) -> PipelineConfig:
         section = raw.get(key)
         if isinstance(section, dict) and isinstance(section.get("source"), str):
             section["source"] = _resolve_local(section["source"], p.parent)
-    return _parse(raw)
+    return parse_config(raw)
+
+
+def resolve_source(source: str) -> str:
+    """A tokenizer/model source as a loader takes it: `dev:NAME` becomes the cached dev build's
+    directory (built on first use); paths and s3:// prefixes are returned unchanged. Manifests
+    record the unresolved source, so they do not depend on where a cache lives."""
+    if source.startswith(DEV_SOURCE_SCHEME):
+        from eagle3_data.dev.sources import resolve_dev_source
+
+        return str(resolve_dev_source(source[len(DEV_SOURCE_SCHEME):]))
+    return source
 
 
 def _resolve_local(source: str, base: Path) -> str:
     source = os.path.expandvars(source)
-    if "://" in source or Path(source).is_absolute():
+    if "://" in source or source.startswith(DEV_SOURCE_SCHEME) or Path(source).is_absolute():
         return source
     return str((base / source).resolve())
 
 
-def _deep_merge(into: dict[str, Any], overrides: dict[str, Any]) -> None:
+def deep_merge(into: dict[str, Any], overrides: dict[str, Any]) -> None:
+    """Merge `overrides` into `into` in place: mappings recursively, anything else replaced."""
     for k, v in overrides.items():
         if isinstance(v, dict) and isinstance(into.get(k), dict):
-            _deep_merge(into[k], v)
+            deep_merge(into[k], v)
         else:
             into[k] = copy.deepcopy(v)
 
 
-class _Section:
-    """Typed reads from one mapping; every error names the full dotted key."""
-
-    def __init__(self, data: Any, path: str):
-        if data is None:
-            data = {}
-        if not isinstance(data, dict):
-            raise UserError(f"config {path}: expected a mapping, got {type(data).__name__}")
-        self.data, self.path = data, path
-
-    def key(self, name: str) -> str:
-        return f"{self.path}.{name}" if self.path else name
-
-    def get(self, name: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
-        if name not in self.data or self.data[name] is None:
-            if default is ...:
-                raise UserError(f"config {self.key(name)}: required")
-            return default
-        value = self.data[name]
-        if kind in (float, int) and isinstance(value, bool):
-            raise UserError(f"config {self.key(name)}: expected a number, got {value!r}")
-        if kind is float and isinstance(value, int):
-            value = float(value)
-        if not isinstance(value, kind):
-            want = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
-            raise UserError(f"config {self.key(name)}: expected {want}, got {value!r}")
-        return value
-
-    def number(self, name: str, kind: type, default: Any = ..., lo: float | None = None, hi: float | None = None) -> Any:
-        value = self.get(name, kind, default)
-        if lo is not None and value < lo or hi is not None and value > hi:
-            raise UserError(f"config {self.key(name)}: {value!r} is outside [{lo}, {hi}]")
-        return value
-
-    def choice(self, name: str, choices: tuple[str, ...], default: Any = ...) -> str:
-        value = self.get(name, str, default)
-        if value not in choices:
-            raise UserError(f"config {self.key(name)}: {value!r} is not one of {', '.join(choices)}")
-        return value
-
-    def sub(self, name: str) -> _Section:
-        return _Section(self.data.get(name), self.key(name))
+def parse_config(raw: dict[str, Any], *, where: str = "config") -> PipelineConfig:
+    """Validate a raw mapping; every problem is one line `{where} {dotted.path}: {what}`."""
+    try:
+        cfg = PipelineConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise UserError("\n".join(dict.fromkeys(_error_lines(exc, PipelineConfig, where)))) from None
+    problems = []
+    seen: set[str] = set()
+    for i, d in enumerate(cfg.datasets):
+        if d.name in seen:
+            problems.append(f"{where} datasets[{i}].name: {d.name!r} is listed twice")
+        seen.add(d.name)
+    if problems:
+        raise UserError("\n".join(problems))
+    cfg = _inherit(cfg, raw)
+    cfg._raw = copy.deepcopy(raw)
+    return cfg
 
 
-def _validation(s: _Section, base: ValidationConfig | None) -> ValidationConfig:
-    def rate(name: str) -> float:
-        return s.number(name, float, getattr(base, name) if base else ..., 0.0, 1.0)
+def _inherit(cfg: PipelineConfig, raw: dict[str, Any]) -> PipelineConfig:
+    """Fill what datasets inherit: the global thresholds under the keys a dataset did not set,
+    and the prompts root."""
+    root = (cfg.prompts_root or f"s3://{cfg.storage.bucket}/{cfg.storage.prefix}/prompts").rstrip("/")
+    datasets = []
+    for d in cfg.datasets:
+        own = d.validation.model_dump(include=d.validation.model_fields_set)
+        datasets.append(d.model_copy(update={
+            "prompts": d.prompts or root,
+            "validation": cfg.validation.model_copy(update=own),
+        }))
+    return cfg.model_copy(update={"datasets": tuple(datasets), "prompts_root": root})
 
-    return ValidationConfig(
-        max_bpe_mismatch_rate=rate("max_bpe_mismatch_rate"),
-        max_billing_deviation=rate("max_billing_deviation"),
-    )
+
+# -- error lines -------------------------------------------------------------------------------
+def dotted(loc: tuple[Any, ...]) -> str:
+    """('datasets', 3, 'name') -> 'datasets[3].name'."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
 
 
-def _prices(s: _Section) -> dict[str, float]:
-    return {k: s.number(k, float, 0.0, 0.0, None) for k in ("prompt", "completion")}
+def _error_lines(exc: ValidationError, model: type[BaseModel], where: str) -> list[str]:
+    lines = []
+    for err in exc.errors(include_url=False):
+        loc = tuple(err["loc"])
+        if err["type"] == "extra_forbidden":
+            lines.append(f"{where} {dotted(loc)}: {unknown_key_message(str(loc[-1]), _keys_at(model, loc[:-1]))}")
+        elif err["type"] == "missing":
+            lines.append(f"{where} {dotted(loc)}: required")
+        else:
+            got = repr(err.get("input"))
+            got = got if len(got) <= 80 else got[:77] + "..."
+            msg = err["msg"].removeprefix("Value error, ").replace("a valid tuple", "a list")
+            lines.append(f"{where} {dotted(loc)}: {msg} (got {got})")
+    return lines
 
 
-def _parse(raw: dict[str, Any]) -> PipelineConfig:
-    top = _Section(raw, "")
+def unknown_key_message(key: str, valid: list[str], what: str = "key") -> str:
+    """'unknown key (did you mean X?)', naming the nearest valid key, or listing them."""
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    if close:
+        return f"unknown {what} (did you mean {close[0]}?)"
+    return f"unknown {what} (valid: {', '.join(valid)})" if valid else f"unknown {what}"
 
-    st = top.sub("storage")
-    storage = StorageConfig(bucket=st.get("bucket", str), prefix=st.get("prefix", str, "eagle3-datagen").strip("/"))
 
-    tk = top.sub("tokenizer")
-    expected = tk.get("expected_special_ids", dict)
-    for name, tid in expected.items():
-        if not isinstance(name, str) or isinstance(tid, bool) or not isinstance(tid, int) or tid < 0:
-            raise UserError(f"config tokenizer.expected_special_ids.{name}: expected a non-negative int id, got {tid!r}")
-    if "<|im_end|>" not in expected:
-        raise UserError("config tokenizer.expected_special_ids: must include <|im_end|> (the stop token)")
-    tokenizer = TokenizerConfig(source=tk.get("source", str), expected_special_ids=dict(expected))
+def _keys_at(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """Field names of the model found by following `loc` from `model` ([] when not a model)."""
+    tp: Any = model
+    for part in loc:
+        tp = _unwrap(tp)
+        if isinstance(part, int):
+            args = [a for a in get_args(tp) if a is not Ellipsis]
+            tp = args[0] if args else None
+        elif isinstance(tp, type) and issubclass(tp, BaseModel) and part in tp.model_fields:
+            tp = tp.model_fields[part].annotation
+        else:
+            return []
+    tp = _unwrap(tp)
+    return list(tp.model_fields) if isinstance(tp, type) and issubclass(tp, BaseModel) else []
 
-    md = top.sub("model")
-    model = ModelConfig(name=md.get("name", str), source=md.get("source", str))
 
-    gen = top.sub("generation")
-    sp = gen.sub("sampling")
-    loc = gen.sub("local")
-    ov = gen.sub("overflow")
-    generation = GenerationConfig(
-        sampling=SamplingConfig(
-            temperature=sp.number("temperature", float, 1.0, 0.0, 2.0),
-            top_p=sp.number("top_p", float, 1.0, 0.0, 1.0),
-            max_new_tokens=sp.number("max_new_tokens", int, 2048, 1, 262_144),
-            thinking=sp.get("thinking", bool, True),
-        ),
-        repeats=gen.number("repeats", int, 1, 1, 64),
-        local=LocalGenerationConfig(
-            in_flight_per_endpoint=loc.number("in_flight_per_endpoint", int, 64, 1, 4096),
-            rows_per_part=loc.number("rows_per_part", int, 256, 1, 1_000_000),
-        ),
-        overflow=OverflowGenerationConfig(
-            model=ov.get("model", str),
-            provider=ov.get("provider", dict, {}),
-            concurrency=ov.number("concurrency", int, 16, 1, 1024),
-            max_usd=ov.number("max_usd", float, 10.0, 0.0, None),
-            price_usd_per_mtok=_prices(ov.sub("price_usd_per_mtok")),
-            rows_per_part=ov.number("rows_per_part", int, 64, 1, 1_000_000),
-        ),
-    )
+def _unwrap(tp: Any) -> Any:
+    """Optional[X] / Annotated[X, ...] -> X."""
+    while True:
+        origin = typing.get_origin(tp)
+        if origin is Annotated:
+            tp = get_args(tp)[0]
+        elif origin in (typing.Union, types.UnionType):
+            args = [a for a in get_args(tp) if a is not type(None)]
+            if len(args) != 1:
+                return tp
+            tp = args[0]
+        else:
+            return tp
 
-    rt = top.sub("routing")
-    routing = RoutingConfig(
-        strategy=rt.choice("strategy", ROUTING_STRATEGIES, "fraction"),
-        overflow_fraction=rt.number("overflow_fraction", float, 0.0, 0.0, 1.0),
-        local_capacity=rt.number("local_capacity", int, 0, 0, None),
-        calibration_samples=rt.number("calibration_samples", int, 0, 0, None),
-    )
 
-    validation = _validation(top.sub("validation"), ValidationConfig(0.10, 0.01))
+# -- trigger params (the DAG's form) -----------------------------------------------------------
+# Trigger param -> the config field it overrides. Bounds, enums and descriptions come from that
+# field; thresholds are nullable (empty keeps the config's per-dataset values).
+CONFIG_PARAMS: dict[str, str] = {
+    "overflow_strategy": "routing.strategy",
+    "overflow_fraction": "routing.overflow_fraction",
+    "max_usd": "generation.overflow.max_usd",
+    "max_bpe_mismatch_rate": "validation.max_bpe_mismatch_rate",
+    "max_billing_deviation": "validation.max_billing_deviation",
+    "max_length": "merge.max_length",
+    "layer_convention": "hidden_states.convention",
+}
+THRESHOLD_PARAMS = ("max_bpe_mismatch_rate", "max_billing_deviation")
+RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._=+-]{0,127}$"
 
-    mg = top.sub("merge")
-    merge = MergeConfig(
-        max_length=mg.number("max_length", int, 8192, 16, 1_048_576),
-        length_policy=mg.choice("length_policy", LENGTH_POLICIES, "truncate"),
-        shard_tokens=mg.number("shard_tokens", int, 1_000_000, 1, None),
-        seed=mg.number("seed", int, 0, 0, None),
-    )
 
-    hs = top.sub("hidden_states")
-    hidden_states = HiddenStatesConfig(
-        convention=hs.choice("convention", LAYER_CONVENTIONS, "output"),
-        last_hidden=hs.get("last_hidden", bool, False),
-        batch_tokens=hs.number("batch_tokens", int, 8192, 1, None),
-    )
+def config_field(dotted_path: str) -> Any:
+    """The pydantic FieldInfo of a dotted config path, e.g. 'routing.overflow_fraction'."""
+    model: Any = PipelineConfig
+    *parents, name = dotted_path.split(".")
+    for part in parents:
+        model = _unwrap(model.model_fields[part].annotation)
+    return model.model_fields[name]
 
-    prompts_root = top.get("prompts_root", str, f"s3://{storage.bucket}/{storage.prefix}/prompts").rstrip("/")
-    items = top.get("datasets", list)
-    if not items:
-        raise UserError("config datasets: at least one dataset is required")
-    datasets: list[DatasetConfig] = []
-    for i, item in enumerate(items):
-        ds = _Section(item, f"datasets[{i}]")
-        name = ds.get("name", str)
-        if not NAME_RE.match(name):
-            raise UserError(f"config datasets[{i}].name: {name!r} must match {NAME_RE.pattern}")
-        if name in {d.name for d in datasets}:
-            raise UserError(f"config datasets[{i}].name: {name!r} is listed twice")
-        datasets.append(
-            DatasetConfig(
-                name=name,
-                prompts=ds.get("prompts", str, prompts_root),
-                validation=_validation(ds.sub("validation"), validation),
-                dev_bpe_split_rate=ds.sub("dev").number("bpe_split_rate", float, 0.0, 0.0, 1.0),
-            )
-        )
 
-    schedule = raw.get("schedule", "@daily")
-    if schedule is not None and not isinstance(schedule, str):
-        raise UserError(f"config schedule: expected a cron string, preset or null, got {schedule!r}")
+def config_value(config: PipelineConfig, dotted_path: str) -> Any:
+    value: Any = config
+    for part in dotted_path.split("."):
+        value = getattr(value, part)
+    return value
 
-    return PipelineConfig(
-        storage=storage,
-        schedule=schedule,
-        tokenizer=tokenizer,
-        model=model,
-        generation=generation,
-        routing=routing,
-        validation=validation,
-        merge=merge,
-        hidden_states=hidden_states,
-        datasets=tuple(datasets),
-        raw=copy.deepcopy(raw),
-    )
+
+def _field_schema(info: Any, *, nullable: bool) -> dict[str, Any]:
+    """JSON schema of one config field (type, enum, bounds), as Airflow's Param takes it."""
+    from pydantic import TypeAdapter
+
+    base = _unwrap(info.annotation)
+    schema = TypeAdapter(Annotated[base, *info.metadata] if info.metadata else base).json_schema()
+    schema.pop("title", None)
+    if nullable:
+        schema["type"] = [schema["type"], "null"] if isinstance(schema.get("type"), str) else ["null"]
+        if "enum" in schema:
+            schema["enum"] = [*schema["enum"], None]
+    return schema
+
+
+def run_param_schemas(config: PipelineConfig) -> dict[str, dict[str, Any]]:
+    """Every trigger param as `{name: {"default": ..., "description": ..., **json_schema}}`,
+    ready for `airflow.sdk.Param(**spec)`. Config-backed params take the field's schema and
+    description; their default is the config's value (thresholds: empty)."""
+    out: dict[str, dict[str, Any]] = {
+        "datasets": {
+            "default": config.dataset_names, "type": "array",
+            "items": {"type": "string", "enum": config.dataset_names}, "minItems": 1, "uniqueItems": True,
+            "description": "Datasets to process. Others keep their committed artifacts of this run key.",
+        },
+        "run_name": {
+            "default": None, "type": ["null", "string"], "pattern": RUN_NAME_PATTERN,
+            "description": "Run key for a manual run (artifacts under runs/{run_name}/). Empty: "
+            "date=YYYY-MM-DD of the logical date. Reuse a name to resume or rerun datasets.",
+        },
+    }
+    for name, path in CONFIG_PARAMS.items():
+        info = config_field(path)
+        nullable = name in THRESHOLD_PARAMS
+        description = info.description or path
+        if nullable:
+            description += " Empty: the config's value, per-dataset overrides included."
+        out[name] = {
+            "default": None if nullable else config_value(config, path),
+            "description": f"{description} (config: {path})",
+            **_field_schema(info, nullable=nullable),
+        }
+    out["skip_hidden_states"] = {"default": False, "type": "boolean", "description": "Stop after merge (no GPU stage)."}
+    out["dry_run"] = {
+        "default": False, "type": "boolean",
+        "description": "Plan only: prompt counts, routing, token and cost estimates. No generation, no spend.",
+    }
+    return out
+
+
+def check_run_params(params: dict[str, Any], config: PipelineConfig) -> None:
+    """Refuse trigger conf keys that are not params (a mistyped name must not be ignored);
+    every unknown key is one line naming it and the nearest param."""
+    known = list(run_param_schemas(config))
+    bad = [k for k in params if k not in known]
+    if bad:
+        raise UserError("\n".join(f"params.{k}: {unknown_key_message(k, known, 'param')}" for k in bad))

@@ -19,7 +19,8 @@ import hashlib
 import io
 import json
 import re
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ class PromptLoad:
     rejects: list[dict]  # schemas.REJECTS shape
     sources: list[dict] = field(default_factory=list)  # {"uri", "bytes", "sha256"}: manifest inputs
     counts: dict[str, int] = field(default_factory=dict)
+    origins: dict[str, tuple[str, int, str]] = field(default_factory=dict, repr=False)  # sample_id -> (file, line, raw)
 
 
 class _Reject(Exception):
@@ -64,8 +66,14 @@ def load_prompts(
     sampling: dict,
     repeats: int = 1,
     client=None,
+    max_message_bytes: int | None = None,
 ) -> PromptLoad:
-    """Load, validate and normalise one dataset's prompts; see the module docstring for `source`."""
+    """Load, validate and normalise one dataset's prompts; see the module docstring for `source`.
+
+    `client`: the caller's S3 client, required for an s3:// source (Airflow passes aws_default's).
+    A message whose canonical JSON is over `max_message_bytes` bytes (config
+    limits.max_message_bytes) is rejected; the token limit needs the tokenizer and is applied
+    after, by `limit_prompt_tokens`, so bad files fail before the tokenizer loads."""
     check_name(dataset, "dataset")
     if date is not None and not _DATE.fullmatch(date):
         raise UserError(f"invalid date {date!r}: expected YYYY-MM-DD")
@@ -82,7 +90,10 @@ def load_prompts(
             try:
                 if record is None:
                     raise _Reject("", "not valid JSON")
+                if isinstance(record, _Reject):
+                    raise record
                 messages, tools, ignored = _normalise(record)
+                _check_bytes(messages, max_message_bytes)
             except _Reject as exc:
                 load.counts["rejected"] += 1
                 load.rejects.append(
@@ -103,6 +114,7 @@ def load_prompts(
                     load.counts["duplicates"] += 1
                     continue
                 seen.add(sid)
+                load.origins[sid] = (f.uri, line, raw[:_RAW_LIMIT])
                 load.rows.append(
                     {
                         "sample_id": sid,
@@ -120,7 +132,99 @@ def load_prompts(
 
 
 def write_prompt_load(store, ref: StageRef, load: PromptLoad, *, params: dict | None = None, rows_per_part: int = 4096) -> dict:
-    """Write a load as a `prompts` stage with `rejects.parquet` beside it; counts in the manifest."""
+    """Write a load as a `prompts` stage with `rejects.parquet` beside it; counts in the manifest.
+    A load with no accepted row is refused (UserError) and nothing is written."""
+    require_rows(load, store.uri(ref))
+    data = rejects_parquet(load)
+    with store.writer(ref, "prompts", rows_per_part=rows_per_part, params=params, inputs=load.sources) as w:
+        store.put_bytes(ref, "rejects.parquet", data)
+        w.write(load.rows)
+        return w.commit(extra={"counts": dict(load.counts)}, files=["rejects.parquet"])
+
+
+def _check_bytes(messages: list[dict], max_bytes: int | None) -> None:
+    if max_bytes is not None:
+        for i, m in enumerate(messages):
+            size = len(canonical_json(m).encode())
+            if size > max_bytes:
+                raise _Reject(f"messages[{i}]", f"{size} bytes, over the limit of {max_bytes} (limits.max_message_bytes)")
+
+
+def limit_prompt_tokens(load: PromptLoad, max_tokens: int | None,
+                        count_tokens: Callable[[list[dict], list[dict] | None], int]) -> None:
+    """Move the rows whose prompt is over `max_tokens` tokens (as `count_tokens(messages, tools)`
+    renders it: the chat template's generation prompt) to the rejects, before any request. A
+    prompt the template cannot render is rejected too. Repeats of one prompt are counted once."""
+    if max_tokens is None:
+        return
+    keep, verdicts = [], {}
+    for row in load.rows:
+        key = (row["messages"], row["tools"])
+        if key not in verdicts:
+            try:
+                n = count_tokens(json.loads(row["messages"]), json.loads(row["tools"]) if row["tools"] else None)
+                verdicts[key] = None if n <= max_tokens else f"{n} prompt tokens, over the limit of {max_tokens} (limits.max_prompt_tokens)"
+            except Exception as exc:  # the chat template refuses this conversation
+                verdicts[key] = f"the chat template cannot render it: {str(exc)[:200]}"
+        if verdicts[key] is None:
+            keep.append(row)
+            continue
+        uri, line, raw = load.origins.get(row["sample_id"], ("?", 0, ""))
+        if not any(r["source"] == uri and r["line"] == line for r in load.rejects[-1:]):  # repeats: one reject per line
+            load.rejects.append({"dataset": row["dataset"], "source": uri, "line": line, "field": "messages",
+                                 "reason": f"{uri} line {line}: messages: {verdicts[key]}", "raw": raw})
+            load.counts["rejected"] = load.counts.get("rejected", 0) + 1
+    load.rows = keep
+    load.counts["rows"] = len(keep)
+
+
+def reject_groups(rejects: list[dict]) -> dict[str, list[dict]]:
+    """Rejects grouped by kind (the field with indices dropped, and the reason without values)."""
+    groups: dict[str, list[dict]] = {}
+    for r in rejects:
+        groups.setdefault(_reject_kind(r), []).append(r)
+    return dict(sorted(groups.items(), key=lambda kv: -len(kv[1])))
+
+
+def _reject_kind(r: dict) -> str:
+    field_ = re.sub(r"\[\d+\]", "[]", r.get("field") or "row")
+    reason = r["reason"].split(f"{r.get('field')}: ", 1)[-1] if r.get("field") else r["reason"].rsplit(": ", 1)[-1]
+    reason = re.sub(r"'[^']*'|(?<![\w-])\d+(?![\w-])", "…", reason)[:80]
+    return f"{field_}: {reason}"
+
+
+def format_rejects(load: PromptLoad, per_kind: int = 3, where: str = "") -> str:
+    """What a person must see about a load: rejected / read, a count per kind of reject, and the
+    first few of each kind with their file, line and field."""
+    if not load.rejects:
+        return f"{load.counts.get('read', 0)} prompt rows read, none rejected"
+    lines = [f"REJECTED {len(load.rejects)} of {load.counts.get('read', 0)} prompt rows{where}:"]
+    for kind, rows in reject_groups(load.rejects).items():
+        lines.append(f"  {len(rows):>6} x {kind}")
+        lines += [f"           {r['reason'][:300]}" for r in rows[:per_kind]]
+    return "\n".join(lines)
+
+
+def prompt_token_limit(tokenizer, configured: int | None, max_new_tokens: int) -> int | None:
+    """limits.max_prompt_tokens, else the model's context (the tokenizer's model_max_length) less
+    the generation budget: a longer prompt could not get its answer. None when unknown."""
+    if configured is not None:
+        return configured
+    context = getattr(tokenizer, "model_max_length", None)
+    if not isinstance(context, int) or context <= 0 or context > 10_000_000:  # HF's "unset" is 1e30
+        return None
+    return max(1, context - max_new_tokens)
+
+
+def require_rows(load: PromptLoad, what: str) -> None:
+    """A load without one accepted row stops the stage before anything is written or paid."""
+    if not load.rows:
+        first = load.rejects[0]["reason"] if load.rejects else "the files hold no rows"
+        raise UserError(f"{what}: 0 usable prompt rows ({load.counts.get('read', 0)} read, "
+                        f"{load.counts.get('rejected', 0)} rejected; first: {first}); nothing committed")
+
+
+def rejects_parquet(load: PromptLoad) -> bytes:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -128,10 +232,7 @@ def write_prompt_load(store, ref: StageRef, load: PromptLoad, *, params: dict | 
 
     sink = io.BytesIO()
     pq.write_table(pa.Table.from_pylist(load.rejects, schema=schema_for("rejects")), sink, compression="zstd")
-    with store.writer(ref, "prompts", rows_per_part=rows_per_part, params=params, inputs=load.sources) as w:
-        store.put_bytes(ref, "rejects.parquet", sink.getvalue())
-        w.write(load.rows)
-        return w.commit(extra={"counts": dict(load.counts)}, files=["rejects.parquet"])
+    return sink.getvalue()
 
 
 # -- validation and normalisation -------------------------------------------------------------------
@@ -277,9 +378,7 @@ def _split_s3(uri: str) -> tuple[str, str]:
 def _resolve(source: str, dataset: str, date: str | None, client) -> list[_File]:
     if source.startswith("s3://"):
         if client is None:
-            from eagle3_data.storage import s3_client
-
-            client = s3_client()
+            raise UserError(f"prompts {source}: an s3:// source needs the caller's S3 client (client=...)")
         return _resolve_s3(source, dataset, date, client)
     return _resolve_local(Path(source), dataset, date)
 
@@ -305,6 +404,9 @@ def _resolve_local(root: Path, dataset: str, date: str | None) -> list[_File]:
     for c in candidates:
         path = Path(c)
         if not c.endswith("/") and path.is_file():
+            if not c.endswith(PROMPT_FILE_SUFFIXES):
+                raise UserError(f"prompts {path}: unsupported file type {path.suffix or '(none)'!r}: expected "
+                                f"{' or '.join(PROMPT_FILE_SUFFIXES)} (OpenAI messages per row)")
             return [_File(uri=str(path), size=path.stat().st_size, path=path)]
         if c.endswith("/") and path.is_dir():
             files = _prompt_files([str(p) for p in path.iterdir() if p.is_file()])
@@ -323,6 +425,9 @@ def _resolve_s3(source: str, dataset: str, date: str | None, client) -> list[_Fi
             page_iter = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=c, Delimiter="/")
             objects = {o["Key"]: o["Size"] for page in page_iter for o in page.get("Contents", [])}
             if not c.endswith("/") and c in objects:
+                if not c.endswith(PROMPT_FILE_SUFFIXES):
+                    raise UserError(f"prompts s3://{bucket}/{c}: unsupported file type: expected "
+                                    f"{' or '.join(PROMPT_FILE_SUFFIXES)}")
                 return [_File(uri=f"s3://{bucket}/{c}", size=objects[c], bucket=bucket, key=c)]
             if c.endswith("/"):
                 keys = _prompt_files(list(objects))
@@ -351,7 +456,12 @@ def _read_records(f: _File, client, digest) -> Iterator[tuple[int, str, Any]]:
                 line += 1
                 yield line, json.dumps(row, ensure_ascii=False, default=str), row
         return
-    for line, raw in enumerate(data.decode("utf-8", errors="replace").splitlines(), start=1):
+    for line, raw_bytes in enumerate(data.split(b"\n"), start=1):
+        try:
+            raw = raw_bytes.decode("utf-8")
+        except UnicodeDecodeError as exc:  # rejected, never "repaired" to U+FFFD and paid for
+            yield line, raw_bytes.decode("utf-8", errors="replace"), _Reject("", f"invalid UTF-8 at byte {exc.start} of the line")
+            continue
         if not raw.strip():
             continue
         try:

@@ -1,72 +1,92 @@
 """Text -> ids with the model's own format: the overflow path's only source of training ids.
 
-One encode over the whole rendered generation (never per part): BPE merges across part
-boundaries exactly as they would in the model's own tokenisation of that text.
+Model-produced strings (reasoning, content, tool names, arguments) are text: they are encoded
+as ordinary text (tiktoken's `encode_ordinary`, the HF backend with special parsing off), so a
+literal `<|im_end|>` a provider passes through becomes the six text tokens the model emitted;
+the structural ids (`</think>`, the tool-section tokens, the stop id) are inserted by name from
+the format. BPE never merges across a special token, so encoding the pieces between structural
+ids equals one encode of the whole rendered generation.
 
-Faithful only when the provider's text holds everything the model generated. A generation cut by
-the length limit can lose its tail on the way to us: the provider's tool parser (SGLang's kimi_k2
-detector, and the dev server) returns the content before `<|tool_calls_section_begin|>` plus the
-*complete* calls only, dropping a partial call, the section markers, and any whole section with no
-complete call yet; a cut inside a multi-byte character arrives as U+FFFD. Such rows are
-`unreconstructable` (`unreconstructable_reason`): rebuilding them would give fewer or wrong ids.
+Faithful only when the provider's text holds everything the model generated. Rows whose text
+cannot determine the ids are `unreconstructable` with a reason (`unreconstructable_reason`),
+counted in the report and never merged, instead of getting a confident wrong rebuild:
+- a length cut that may lose text: the provider's tool parser (SGLang's kimi_k2 detector, and the
+  dev server) returns the content before `<|tool_calls_section_begin|>` plus the *complete* calls
+  only, dropping a partial call, the section markers, and any whole section with no complete call
+  yet; a cut inside a multi-byte character arrives as U+FFFD;
+- a tool name that is not among the offered tools (a provider shortening `web.search_v2` to
+  `search_v2`): the offered name the call id carries is used when there is one;
+- reasoning that was billed (`reasoning_tokens` > 0) but is absent from the answer;
+- reasoning returned although thinking is off (nothing in the format can carry it);
+- a `finish_reason` the format cannot rebuild (`content_filter`, `error`, ...).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagle3_data.chat_format import AssistantMessage, OutputFormat, get_output_format, normalize_finish_reason
+from eagle3_data.chat_format import AssistantMessage, OutputFormat, ToolCall, normalize_finish_reason
 from eagle3_data.errors import UserError
 
 CHUNK_ROWS = 512
 
+# The name a Kimi call id carries (`functions.web.search_v2:0` -> `web.search_v2`).
+_ID_NAME = re.compile(r"^(?:functions\.)?(?P<name>[\w.\-]+):\d+$")
+
 
 def reconstruct(
-    tokenizer: Any,
-    message: AssistantMessage,
-    finish_reason: str,
-    tool_call_index_start: int = 0,
-    *,
-    thinking: bool = True,
+    fmt: OutputFormat, message: AssistantMessage, finish_reason: str, tool_call_index_start: int = 0
 ) -> list[int]:
     """Output ids for one assistant message (see `reconstruct_batch`)."""
-    return reconstruct_batch(tokenizer, [message], [finish_reason], [tool_call_index_start], thinking=thinking)[0]
+    return reconstruct_batch(fmt, [message], [finish_reason], [tool_call_index_start])[0]
 
 
 def reconstruct_batch(
-    tokenizer: Any,
+    fmt: OutputFormat,
     messages: Sequence[AssistantMessage],
     finish_reasons: Sequence[str],
     tool_call_index_starts: Sequence[int] | None = None,
-    *,
-    thinking: bool = True,
 ) -> list[list[int]]:
-    """Output ids for many messages: render each, then one batched encode."""
-    fmt = get_output_format(tokenizer)
+    """Output ids for many messages in the format's mode: render each into text pieces and
+    structural ids, then one batched ordinary encode of all the pieces."""
     starts = tool_call_index_starts if tool_call_index_starts is not None else [0] * len(messages)
     if not len(messages) == len(finish_reasons) == len(starts):
         raise ValueError("messages, finish_reasons and tool_call_index_starts differ in length")
-    texts = [
-        fmt.render(m, f, s, thinking=thinking) for m, f, s in zip(messages, finish_reasons, starts)
-    ]
-    return fmt.codec.encode_batch(texts)
+    return fmt.encode_parts_batch([fmt.render_parts(m, f, s) for m, f, s in zip(messages, finish_reasons, starts)])
 
 
-def unreconstructable_reason(message: AssistantMessage, finish_reason: str, tools_offered: bool) -> str | None:
+def unreconstructable_reason(
+    message: AssistantMessage,
+    finish_reason: str,
+    tools_offered: bool,
+    *,
+    thinking: bool,
+    billed_reasoning_tokens: int | None = None,
+) -> str | None:
     """Why the text of this generation does not determine its ids, or None when it does.
 
-    Only a length cut loses text. Still faithful: cut inside reasoning or content of a request
-    without tools (all text arrives; at worst a `</think>` generated as the very last token is
-    not visible, so the ids are a strict prefix, never wrong ones). Not faithful: any cut with
-    tools offered, because a tool section cut before its first complete call vanishes without
-    a trace (the content before it looks like an ordinary content cut), and a cut after complete
-    calls leaves the partial call and the section end unknown.
+    Length cuts: still faithful are cuts inside reasoning or content of a request without tools
+    (all text arrives; at worst a `</think>` generated as the very last token is not visible, so
+    the ids are a strict prefix, never wrong ones). Not faithful: any cut with tools offered,
+    because a tool section cut before its first complete call vanishes without a trace (the
+    content before it looks like an ordinary content cut), and a cut after complete calls leaves
+    the partial call and the section end unknown. `thinking` (the format's mode) and the billed
+    reasoning count catch reasoning the answer cannot carry or does not carry.
     """
-    if normalize_finish_reason(finish_reason) != "length":
+    if not thinking and message.reasoning:
+        return "reasoning returned although thinking is off (the format cannot carry it)"
+    if billed_reasoning_tokens and not message.reasoning:
+        return f"reasoning billed ({billed_reasoning_tokens} tokens) but absent from the answer"
+    try:
+        finish = normalize_finish_reason(finish_reason)
+    except UserError:
+        return f"finish_reason {finish_reason!r} cannot be rebuilt (expected stop, tool_calls or length)"
+    if finish != "length":
         return None
     if message.tool_calls:
         return "truncated inside tool-call section"
@@ -74,6 +94,30 @@ def unreconstructable_reason(message: AssistantMessage, finish_reason: str, tool
         return "truncated with tools offered (a cut tool-call section is dropped by the provider's tool parser)"
     if (message.content or message.reasoning or "").endswith("\ufffd"):
         return "truncated inside a multi-byte character"
+    return None
+
+
+def resolve_tool_names(message: AssistantMessage, tools: list[dict[str, Any]] | None) -> str | None:
+    """Put each call under the name of an offered tool, in place; the reason when one cannot be.
+
+    A provider may shorten a name (vLLM's kimi_k2 parser returns `search_v2` for the offered
+    `web.search_v2`) while the call id still carries the full one: the offered name the id
+    carries wins. `tools` None = unknown (no check)."""
+    if tools is None or not message.tool_calls:
+        return None
+    offered = {(t.get("function") or {}).get("name") for t in tools if isinstance(t, dict)}
+    fixed = []
+    for call in message.tool_calls:
+        if call.name in offered:
+            fixed.append(call)
+            continue
+        m = _ID_NAME.match(call.id or "")
+        if m and m["name"] in offered:
+            fixed.append(ToolCall(call.id, m["name"], call.arguments))
+            continue
+        shown = ", ".join(sorted(n for n in offered if n)) or "none"
+        return f"tool name {call.name!r} is not among the offered tools ({shown})"
+    message.tool_calls = fixed
     return None
 
 
@@ -85,12 +129,14 @@ class ReconstructRow:
     finish_reason: str
     tool_call_index_start: int
     unreconstructable: str | None = None  # why the text cannot determine the ids (see module docstring)
+    literal_special: list[str] = field(default_factory=list)  # special-token names found as text
 
 
 def row_to_reconstruct(fmt: OutputFormat, row: dict[str, Any], where: str) -> ReconstructRow:
     """An OpenRouter-style row (`reasoning`, `content`, `tool_calls`, `finish_reason`, `sample_id`,
     optional `messages` for the conversation-wide tool-call index, optional `tools` = the tools
-    the request offered) -> what reconstruction needs."""
+    the request offered (absent = unknown), optional `usage` for the billed reasoning) -> what
+    reconstruction needs."""
     if not isinstance(row, dict):
         raise UserError(f"{where}: not a JSON object")
     sample_id = row.get("sample_id")
@@ -104,34 +150,62 @@ def row_to_reconstruct(fmt: OutputFormat, row: dict[str, Any], where: str) -> Re
         message = AssistantMessage.from_openai(row)
     except (json.JSONDecodeError, TypeError, AttributeError) as exc:
         raise UserError(f"{where}: field 'tool_calls' is not a list of OpenAI tool calls ({exc})") from exc
-    finish = normalize_finish_reason(row.get("finish_reason"), where=where)
+    finish = row.get("finish_reason")
+    if not isinstance(finish, str):
+        raise UserError(f"{where}: field 'finish_reason' is {finish!r}; expected a string such as 'stop'")
     history = _json_list(row, "messages", where)
     if not all(isinstance(m, dict) for m in history):
         raise UserError(f"{where}: field 'messages' is not a list of chat messages")
-    tools = _json_list(row, "tools", where)
-    reason = unreconstructable_reason(message, finish, bool(tools))
-    return ReconstructRow(where, sample_id, message, finish, fmt.tool_call_index_start(history), reason)
+    tools = _json_list(row, "tools", where) if "tools" in row else None
+    reason = unreconstructable_reason(
+        message, finish, bool(tools), thinking=fmt.thinking, billed_reasoning_tokens=_billed_reasoning(row, where)
+    ) or resolve_tool_names(message, tools)
+    literal = fmt.literal_special_text(
+        [message.reasoning, message.content] + [t for c in message.tool_calls for t in (c.name, c.arguments)]
+    )
+    return ReconstructRow(where, sample_id, message, finish, fmt.tool_call_index_start(history), reason, literal)
+
+
+def _billed_reasoning(row: dict[str, Any], where: str) -> int | None:
+    """`usage.reasoning_tokens` (generation rows) or `usage.completion_tokens_details.reasoning_tokens`
+    (an OpenAI/OpenRouter response)."""
+    usage = row.get("usage")
+    if isinstance(usage, str):
+        try:
+            usage = json.loads(usage)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{where}: field 'usage' is not valid JSON ({exc})") from exc
+    if not isinstance(usage, dict):
+        return None
+    value = usage.get("reasoning_tokens")
+    if value is None:
+        value = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens")
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise UserError(f"{where}: field 'usage.reasoning_tokens' is {value!r}, not a count")
+    return value
 
 
 def reconstruct_rows(
-    tokenizer: Any, rows: Iterable[ReconstructRow], chunk: int = CHUNK_ROWS
+    fmt: OutputFormat, rows: Iterable[ReconstructRow], chunk: int = CHUNK_ROWS
 ) -> Iterator[tuple[ReconstructRow, list[int]]]:
-    """Streams (row, output_ids) in bounded chunks: memory does not grow with the input."""
+    """Streams (row, output_ids) in bounded chunks: memory does not grow with the input.
+    Unreconstructable rows come back with no ids (`[]`): nothing trustworthy can be built."""
     buf: list[ReconstructRow] = []
     for row in rows:
         buf.append(row)
         if len(buf) >= chunk:
-            yield from _flush(tokenizer, buf)
+            yield from _flush(fmt, buf)
             buf = []
     if buf:
-        yield from _flush(tokenizer, buf)
+        yield from _flush(fmt, buf)
 
 
-def _flush(tokenizer: Any, rows: list[ReconstructRow]) -> Iterator[tuple[ReconstructRow, list[int]]]:
-    ids = reconstruct_batch(
-        tokenizer, [r.message for r in rows], [r.finish_reason for r in rows], [r.tool_call_index_start for r in rows]
-    )
-    yield from zip(rows, ids)
+def _flush(fmt: OutputFormat, rows: list[ReconstructRow]) -> Iterator[tuple[ReconstructRow, list[int]]]:
+    todo = [r for r in rows if not r.unreconstructable]
+    ids = iter(reconstruct_batch(fmt, [r.message for r in todo], [r.finish_reason for r in todo],
+                                 [r.tool_call_index_start for r in todo]))
+    for r in rows:
+        yield r, ([] if r.unreconstructable else next(ids))
 
 
 def read_records(path: str | Path) -> Iterator[tuple[str, Any]]:
@@ -143,7 +217,11 @@ def read_records(path: str | Path) -> Iterator[tuple[str, Any]]:
         import pyarrow.parquet as pq
 
         n = 0
-        for batch in pq.ParquetFile(p).iter_batches(batch_size=1024):
+        try:
+            pf = pq.ParquetFile(p)
+        except Exception as exc:  # pyarrow raises several types for a non-Parquet file
+            raise UserError(f"--input {path}: not a readable Parquet file ({str(exc).splitlines()[0][:120]})") from None
+        for batch in pf.iter_batches(batch_size=1024):
             for record in batch.to_pylist():
                 n += 1
                 yield f"row {n}", record

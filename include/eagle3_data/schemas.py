@@ -57,7 +57,7 @@ VALIDATION_ROWS = pa.schema(
         ("sample_id", pa.string()),
         ("dataset", pa.string()),
         ("source", pa.string()),
-        ("class", pa.string()),  # exact | bpe_only | special_token | text_diff
+        ("class", pa.string()),  # one of eagle3_data.validate.CLASSES
         ("first_diff", pa.int64()),
         ("original", pa.list_(pa.string())),
         ("reconstructed", pa.list_(pa.string())),

@@ -11,6 +11,7 @@ import functools
 import hashlib
 import json
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,6 +33,10 @@ class Codec(Protocol):
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]: ...
 
+    def encode_ordinary_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Model-produced text: special-token names in it are ordinary text, never special ids."""
+        ...
+
     def decode(self, ids: Sequence[int]) -> str: ...
 
     def decode_bytes(self, ids: Sequence[int]) -> bytes:
@@ -49,6 +54,9 @@ def _byte_level_decoder() -> dict[str, int]:
     return table
 
 
+_HF_FLAG_LOCK = threading.Lock()  # guards HF backends' `encode_special_tokens` (see encode_ordinary_batch)
+
+
 class HFCodec:
     """Encode/decode through the HF tokenizer (fast backend's batch API when there is one)."""
 
@@ -58,8 +66,21 @@ class HFCodec:
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         if self.backend is not None:
-            return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]
+            with _HF_FLAG_LOCK:
+                return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]
         return [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+
+    def encode_ordinary_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        if self.backend is None:
+            return [self.tokenizer.encode(t, add_special_tokens=False, split_special_tokens=True) for t in texts]
+        # The flag is backend state (a private copy costs seconds of JSON): set it only for this
+        # call, under the lock every HFCodec encode takes, so prompts keep parsing their specials.
+        with _HF_FLAG_LOCK:
+            self.backend.encode_special_tokens = True
+            try:
+                return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]
+            finally:
+                self.backend.encode_special_tokens = False
 
     def decode(self, ids: Sequence[int]) -> str:
         if self.backend is not None:
@@ -93,11 +114,17 @@ class TiktokenCodec:
         self._encode = functools.partial(encoding.encode, allowed_special="all")
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self._map(self._encode, texts)
+
+    def encode_ordinary_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self._map(self.encoding.encode_ordinary, texts)
+
+    def _map(self, fn: Any, texts: Sequence[str]) -> list[list[int]]:
         if len(texts) < 2 or self.num_threads < 2:
-            return [self._encode(t) for t in texts]
+            return [fn(t) for t in texts]
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="tiktoken")
-        return list(self._pool.map(self._encode, texts, chunksize=max(1, len(texts) // (4 * self.num_threads))))
+        return list(self._pool.map(fn, texts, chunksize=max(1, len(texts) // (4 * self.num_threads))))
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.encoding.decode_bytes(ids).decode("utf-8", errors="replace")
@@ -114,6 +141,8 @@ def codecs_agree(a: Codec, b: Codec, vocab_size: int, special_names: Sequence[st
             return f"encode({text[:40]!r}...) differs"
         if a.decode(ea) != b.decode(eb):
             return f"decode of {text[:40]!r}... differs"
+    if a.encode_ordinary_batch(texts) != b.encode_ordinary_batch(texts):
+        return "ordinary encode (special-token names as text) differs"
     sample = list(range(0, vocab_size, max(1, vocab_size // 4096)))
     if a.decode(sample) != b.decode(sample):
         return "decode of sampled ids differs"
@@ -152,6 +181,8 @@ class TiktokenTokenizer:
         self._vocab_size = int(record["vocab_size"])
         self.model = tiktoken_encoding(path / "tiktoken.model", record["pattern"], self._added)
         self.chat_template = None
+        # the HF tokenizer's template hash: stage params (reuse) stay the same on either loader
+        self.template_sha256: str | None = record["template_sha256"]
 
     def __len__(self) -> int:
         return self._vocab_size
@@ -187,10 +218,10 @@ def load_bulk_tokenizer(source: str | os.PathLike, *, trust_remote_code: bool = 
     if local.is_dir() and (local / "tiktoken.model").is_file():
         sha = _dir_sha256(local)
         record_path = _verified_dir() / f"{sha}.json"
-        if record_path.is_file():
-            return TiktokenTokenizer(local, json.loads(record_path.read_text()))
+        if record_path.is_file() and "template_sha256" in (record := json.loads(record_path.read_text())):
+            return TiktokenTokenizer(local, record)  # (a record without the template hash is rewritten below)
     tokenizer = load_tokenizer(local, trust_remote_code=trust_remote_code)
-    fmt = get_output_format(tokenizer)
+    fmt = get_output_format(tokenizer, thinking=True)  # either mode: only its codec is recorded
     pattern = getattr(fmt, "pattern", None)
     if isinstance(fmt.codec, TiktokenCodec) and pattern and (local / "tiktoken.model").is_file():
         record = {
@@ -199,6 +230,7 @@ def load_bulk_tokenizer(source: str | os.PathLike, *, trust_remote_code: bool = 
             "special_tokens": tokenizer.get_added_vocab(),
             "vocab_size": len(tokenizer),
             "tokenizer_sha256": sha,
+            "template_sha256": chat_template_sha256(tokenizer),
         }
         record_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = record_path.with_suffix(f".{os.getpid()}.tmp")
@@ -215,7 +247,8 @@ def load_tokenizer(
     s3_client: Any = None,
 ):
     """AutoTokenizer from a local directory or an `s3://bucket/prefix` (downloaded once into
-    `cache_dir`, keyed by the objects' ETags; `s3_client` defaults to boto3's from the environment)."""
+    `cache_dir`, keyed by the objects' ETags) through the caller's `s3_client` (default:
+    `storage.s3_client()` from the environment)."""
     from transformers import AutoTokenizer
 
     is_s3 = str(source).startswith("s3://")
@@ -233,16 +266,18 @@ def load_tokenizer(
 
 
 def _fetch_s3_prefix(uri: str, cache_dir: str | None, s3: Any) -> Path:
-    """Copy the objects under an S3 prefix into a cache folder keyed by the URI and their ETags."""
-    if s3 is None:
-        import boto3
+    """Copy the objects under an S3 prefix into a cache folder keyed by the URI and their ETags.
+    `s3`: the caller's client (Airflow: aws_default's); without one, `storage.s3_client()` from the
+    environment, with the same retries and one-line outage errors as every other S3 access."""
+    from eagle3_data.storage.client import s3_client, s3_errors
 
-        s3 = boto3.client("s3")
+    s3 = s3 if s3 is not None else s3_client()
     bucket, _, prefix = uri[len("s3://") :].partition("/")
     prefix = prefix.rstrip("/") + "/" if prefix else ""
     objects = []
-    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-        objects += [o for o in page.get("Contents", []) if not o["Key"].endswith("/")]
+    with s3_errors(s3, f"listing the tokenizer files under {uri}"):
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+            objects += [o for o in page.get("Contents", []) if not o["Key"].endswith("/")]
     if not objects:
         raise UserError(f"tokenizer {uri}: no objects under that prefix")
     key = hashlib.sha256(json.dumps([uri] + sorted((o["Key"], o["ETag"]) for o in objects)).encode()).hexdigest()
@@ -251,7 +286,8 @@ def _fetch_s3_prefix(uri: str, cache_dir: str | None, s3: Any) -> Path:
         for o in objects:
             dest = root / o["Key"][len(prefix) :]
             dest.parent.mkdir(parents=True, exist_ok=True)
-            s3.download_file(bucket, o["Key"], str(dest))
+            with s3_errors(s3, f"downloading s3://{bucket}/{o['Key']}"):
+                s3.download_file(bucket, o["Key"], str(dest))
         (root / ".complete").write_text(uri)
     return root
 
@@ -271,6 +307,8 @@ def _dir_sha256(root: Path) -> str:
 
 
 def chat_template_sha256(tokenizer: Any) -> str | None:
+    if isinstance(tokenizer, TiktokenTokenizer):
+        return tokenizer.template_sha256  # recorded from the HF tokenizer of the same files
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):
         template = template.get("default")

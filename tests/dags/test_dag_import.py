@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.fixtures.airflow import REPO
 
 HEAVY = ("torch", "transformers", "pyarrow", "pandas", "tokenizers", "safetensors", "openai", "eagle3_data.pipeline")
@@ -53,11 +55,56 @@ def test_dag_wiring():
         assert tasks[tid].retries > 0 and tasks[tid].retry_exponential_backoff
     assert tasks["dataset.validate"].retries == 0  # a gate is data, not weather
     assert [o.name for o in tasks["publish"].outlets] == ["eagle3_training_data"]
+    assert tasks["publish"].trigger_rule == "all_done"  # the run report is written for failed runs too
     # order: audit -> per-dataset chain -> merge -> hidden states -> publish
     assert tasks["dataset.load_route"].upstream_task_ids == {"audit_tokenizer"}
+    # local and overflow generation run side by side from the routed prompts; reconstruct waits for both
+    # (every task of the mapped group also depends on audit_tokenizer, which it is expanded over)
+    upstream = {t: tasks[f"dataset.{t}"].upstream_task_ids - {"audit_tokenizer"} for t in ("generate_local", "generate_overflow", "reconstruct")}
+    assert upstream["generate_local"] == upstream["generate_overflow"] == {"dataset.load_route"}
+    assert upstream["reconstruct"] == {"dataset.generate_local", "dataset.generate_overflow"}
     assert "dataset.reconstruct" in tasks["dataset.validate"].upstream_task_ids
     assert tasks["merge"].upstream_task_ids == {"dataset.validate"}
     assert tasks["publish"].upstream_task_ids == {"extract_hidden_states"}
     cfg = load_config()
     assert dag.params["datasets"] == cfg.dataset_names
     assert dag.schedule == cfg.schedule
+
+
+def test_params_agree_with_the_config_models():
+    """Every config-backed trigger param has its config field's type, enum, bounds and
+    description, and refuses exactly what the config refuses at its bounds."""
+    import typing
+
+    from airflow.dag_processing.dagbag import DagBag
+    from airflow.sdk.exceptions import ParamValidationError
+
+    from eagle3_data.config import CONFIG_PARAMS, THRESHOLD_PARAMS, config_field, config_value, load_config
+    from eagle3_data.errors import UserError
+
+    params = DagBag(dag_folder=str(REPO / "dags")).dags["eagle3_datagen"].params
+    cfg = load_config()
+    assert {"datasets", "run_name", "skip_hidden_states", "dry_run", *CONFIG_PARAMS} == set(params.keys())
+    for name, path in CONFIG_PARAMS.items():
+        param, info = params.get_param(name), config_field(path)
+        schema = param.schema
+        lo = next((m.ge for m in info.metadata if getattr(m, "ge", None) is not None), None)
+        hi = next((m.le for m in info.metadata if getattr(m, "le", None) is not None), None)
+        assert schema.get("minimum") == lo and schema.get("maximum") == hi, name
+        kind = typing.get_origin(info.annotation)
+        if kind is typing.Literal:
+            assert schema["enum"] == list(typing.get_args(info.annotation)), name
+        else:
+            json_type = {float: "number", int: "integer"}[info.annotation]
+            assert schema["type"] == ([json_type, "null"] if name in THRESHOLD_PARAMS else json_type), name
+        assert info.description in param.description, name
+        assert param.value == (None if name in THRESHOLD_PARAMS else config_value(cfg, path)), name
+        *parents, leaf = path.split(".")
+        for bad in [b for b in (lo is not None and lo - 1, hi is not None and hi + 1) if b is not False]:
+            with pytest.raises(ParamValidationError):
+                param.resolve(bad)
+            override: dict = {leaf: bad}
+            for part in reversed(parents):
+                override = {part: override}
+            with pytest.raises(UserError, match=path.replace(".", r"\.")):
+                cfg.with_overrides(override)

@@ -29,6 +29,7 @@ OVERRIDES = {
     "generation": {"sampling": {"max_new_tokens": MAX_NEW}, "local": {"rows_per_part": 2}, "overflow": {"rows_per_part": 2}},
     "routing": {"overflow_fraction": 0.4, "calibration_samples": 1},
     "merge": {"max_length": 512, "shard_tokens": 1024},
+    "hidden_states": {"workers": 2},  # two GPU-worker tasks, each loading the model once for its shards
     "datasets": [
         {"name": "tool_calls"},
         {"name": "code"},
@@ -39,7 +40,7 @@ OVERRIDES = {
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, airflow_db):
-    from eagle3_data.dev.stack import SAMPLE_DATA, dev_stack, upload_prompts
+    from eagle3_devtools.stack import SAMPLE_DATA, dev_stack, upload_prompts
 
     work = tmp_path_factory.mktemp("e2e")
     small = {}
@@ -169,6 +170,9 @@ def test_full_run_one_gate_fails_others_complete(stack, dag):
     hs = store.read_manifest(StageRef(RUN_KEY, "hidden_states", "all"))
     assert hs["extra"]["totals"]["samples"] == merged["extra"]["totals"]["samples"] > 0
     assert any(f["name"].endswith(".safetensors") for f in hs["files"])
+    n_shards = len([f for f in merged["files"] if f["name"].endswith(".parquet")])
+    extract = [v for (task, _), v in states.items() if task == "extract_hidden_states"]
+    assert extract == ["success"] * min(2, n_shards), states  # one task per GPU worker, not per shard
     assert states[("publish", "-1")] == "failed"  # the run ends failed: nobody trains on it unnoticed
     assert str(dr.state).endswith("failed")
     summary = store.get_json(StageRef(RUN_KEY, "publish", "all"), "summary.json")
@@ -203,11 +207,28 @@ def test_clear_one_dataset_reruns_only_it(stack, dag):
 
 # -- 3. backfill / rerun of the same date: same keys, same manifests ---------------------------
 def test_rerun_same_date_is_idempotent(stack, dag):
-    keys_before, hashes_before = set(_objects(stack)), _manifest_hashes(stack)
+    keys_before, hashes_before, events_before = set(_objects(stack)), _manifest_hashes(stack), _asset_events()
     dr = dag.test(logical_date=DATE)
     assert str(dr.state).endswith("success"), _states(dr)
     assert set(_objects(stack)) == keys_before
     assert _manifest_hashes(stack) == hashes_before
+    # the same result is announced once: publish skips, no second Asset event for training DAGs
+    assert _states(dr)[("publish", "-1")] == "skipped"
+    assert _asset_events() == events_before
+
+
+def test_clear_of_a_successful_run_reuses_everything(stack, dag):
+    """Clearing one dataset's load_route + downstream in a run that succeeded: every stage is
+    reused (hidden states included), nothing changes, and publish announces nothing new."""
+    keys_before, hashes_before, events_before = set(_objects(stack)), _manifest_hashes(stack), _asset_events()
+    run_id = _latest_run_id(dag)
+    _clear(dag, run_id, "dataset.load_route", ["tool_calls", "code", "chat"].index("chat"))
+    _resume(dag, run_id)
+    dr = _run(run_id)
+    assert str(dr.state).endswith("success"), _states(dr)
+    assert _states(dr)[("publish", "-1")] == "skipped"
+    assert set(_objects(stack)) == keys_before and _manifest_hashes(stack) == hashes_before
+    assert _asset_events() == events_before
 
 
 # -- 4. trigger-form rerun of one dataset: datasets=[chat] ----------------------------------------
@@ -235,14 +256,15 @@ def test_wrong_special_id_fails_before_any_request(stack, dag, tmp_path):
     requests_before = stack.server_stats()["requests"]
     os.environ["EAGLE3_CONFIG"] = str(bad)
     try:
-        dr = dag.test(logical_date=None, run_conf={"run_name": "bad-audit"})
+        dr = dag.test(logical_date=datetime(2026, 10, 2, tzinfo=timezone.utc), run_conf={"run_name": "bad-audit"})
     finally:
         os.environ["EAGLE3_CONFIG"] = str(stack.config_path)
     states = _states(dr)
     assert states[("audit_tokenizer", "-1")] == "failed"
-    # merge runs on all_done and fails naming the audit; everything else never started
-    assert states[("merge", "-1")] == "failed"
-    assert all(s in ("upstream_failed", "skipped") for (tid, _), s in states.items() if tid not in ("audit_tokenizer", "merge")), states
+    # merge and publish run on all_done and fail naming the audit; everything else never started
+    assert states[("merge", "-1")] == "failed" and states[("publish", "-1")] == "failed"
+    assert all(s in ("upstream_failed", "skipped") for (tid, _), s in states.items()
+               if tid not in ("audit_tokenizer", "merge", "publish")), states
     assert stack.server_stats()["requests"] == requests_before
     report = _store(stack).get_json(__import__("eagle3_data.storage", fromlist=["StageRef"]).StageRef("bad-audit", "audit", "tokenizer"), "report.json")
     assert any("163533" in p and "chas" in p for p in report["problems"]), report["problems"]
@@ -265,6 +287,33 @@ def test_invalid_params_refused(dag):
         dag.test(logical_date=datetime(2026, 10, 1, tzinfo=timezone.utc), run_conf={"overflow_fraction": 7})
 
 
+def _first_task_failure(dr, capfd) -> str:
+    """What the run printed (dag.test runs tasks in-process), after checking that only the first
+    task ran and failed."""
+    states = _states(dr)
+    assert states[("audit_tokenizer", "-1")] == "failed", states
+    assert all(s in ("upstream_failed", "skipped", "failed") for s in states.values()), states
+    out = capfd.readouterr()
+    return out.out + out.err
+
+
+def test_unknown_conf_key_fails_the_first_task_naming_it(stack, dag, capfd):
+    """Airflow accepts unknown conf keys at trigger time (3.3 has no hook to refuse them); the
+    first task refuses them, naming the key and the nearest param, before any request."""
+    requests_before = stack.server_stats()["requests"]
+    dr = dag.test(logical_date=datetime(2026, 10, 3, tzinfo=timezone.utc), run_conf={"max_bpe_mismatch_rat": 0.5})
+    log = _first_task_failure(dr, capfd)
+    assert "params.max_bpe_mismatch_rat: unknown param (did you mean max_bpe_mismatch_rate?)" in log, log[-3000:]
+    assert stack.server_stats()["requests"] == requests_before
+
+
+def test_run_without_logical_date_fails_the_first_task_saying_why(stack, dag, capfd):
+    dr = dag.test(logical_date=None, run_conf={"run_name": "undated"})
+    log = _first_task_failure(dr, capfd)
+    assert "a run without a logical date has no date partition to read" in log, log[-3000:]
+    assert "dataset chat:" in log
+
+
 def test_dry_run_plans_without_spend(stack, dag):
     requests_before = stack.server_stats()["requests"]
     dr = dag.test(logical_date=DATE, run_conf={"dry_run": True, "run_name": "plan-only"})
@@ -275,6 +324,62 @@ def test_dry_run_plans_without_spend(stack, dag):
     plan = _store(stack).get_json(StageRef("plan-only", "plan", "all"), "plan.json")
     assert set(plan["datasets"]) == {"tool_calls", "code", "chat"}
     assert plan["totals"]["prompt_tokens"] > 0 and plan["totals"]["max_output_tokens"] == 3 * SAMPLES * MAX_NEW + 3 * MAX_NEW
+    # every routing strategy's expected wall time and cost, for the run and for each dataset
+    assert set(plan["strategies"]) == {"fraction", "capacity", "balanced"}
+    assert all(set(p["estimate"]["strategies"]) == set(plan["strategies"]) for p in plan["datasets"].values())
+    assert plan["strategies"]["balanced"]["wall_s"] <= plan["strategies"]["fraction"]["wall_s"]
+
+
+# -- 7. the mode is bound once: a run with thinking off; a server stopping on the wrong id --------
+def _with_config(stack, tmp_path, mutate) -> Path:
+    raw = yaml.safe_load(Path(stack.config_path).read_text())
+    mutate(raw)
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_thinking_off_run_passes_without_think_tokens(stack, dag, tmp_path):
+    """generation.sampling.thinking: false reaches every stage through the one bound format: no
+    reconstructed overflow row holds </think> (163607), and the gates pass."""
+    path = _with_config(stack, tmp_path, lambda raw: raw["generation"]["sampling"].update(thinking=False))
+    os.environ["EAGLE3_CONFIG"] = str(path)
+    try:
+        dr = dag.test(logical_date=DATE, run_conf={"run_name": "no-think", "datasets": ["code"], "skip_hidden_states": True})
+    finally:
+        os.environ["EAGLE3_CONFIG"] = str(stack.config_path)
+    states = _states(dr)
+    assert str(dr.state).endswith("success"), states
+    from eagle3_data.storage import StageRef
+
+    store = _store(stack)
+    rebuilt = [r for b in store.iter_batches(StageRef("no-think", "reconstruct", "code")) for r in b.to_pylist()]
+    assert [r for r in rebuilt if r["status"] == "ok"], rebuilt
+    assert all(163607 not in (r["output_ids"] or []) for r in rebuilt)
+    assert store.read_manifest(StageRef("no-think", "validate", "code"))["extra"]["gate"]["passed"]
+
+
+def test_server_stopping_on_the_wrong_id_fails_the_gate_naming_it(stack, dag):
+    """A misconfigured engine that ends every answer with 163533 ("chas") instead of <|im_end|>."""
+    import httpx
+
+    rates = {d.name: {"noncanonical_rate": d.dev_bpe_split_rate} for d in load_config(stack.config_path).datasets}
+    httpx.post(f"{stack.inference_url}/dev/config", json={"stop_id_override": 163533, "datasets": rates}, timeout=30).raise_for_status()
+    try:
+        dr = dag.test(logical_date=DATE, run_conf={"run_name": "wrong-stop", "datasets": ["code"], "skip_hidden_states": True})
+    finally:
+        httpx.post(f"{stack.inference_url}/dev/config", json={"datasets": rates}, timeout=30).raise_for_status()
+    assert _states(dr)[("dataset.validate", "code")] == "failed"
+    from eagle3_data.storage import StageRef
+
+    report = _store(stack).get_json(StageRef("wrong-stop", "validate", "code"), "report.json")
+    assert not report["run_gate"]["passed"]
+    assert any("163533" in r for r in report["run_gate"]["reasons"]), report["run_gate"]
+    # its only dataset failed, so merge failed too; publish still wrote the run report (the UI tab's index)
+    from eagle3_data.report import run_report_ref
+
+    assert _states(dr)[("merge", "-1")] == "failed" and _states(dr)[("publish", "-1")] == "failed"
+    assert _store(stack).is_complete(run_report_ref("wrong-stop"))
 
 
 def _asset_events() -> list[dict]:

@@ -29,7 +29,7 @@ def prompts(n: int, dataset: str = "tool_calls") -> list[dict]:
 
 def test_local_generation_ids_parse_and_resume(store, start_dev_server, kimi_tokenizer, tmp_path):
     dev_server = start_dev_server({})
-    fmt = get_output_format(kimi_tokenizer)
+    fmt = get_output_format(kimi_tokenizer, thinking=True)
     ref = StageRef(run_key="run-a", stage="generate_local", dataset="tool_calls")
     summary = generate_local(store, ref, prompts(24), kimi_tokenizer, [dev_server.url], SAMPLING,
                              in_flight_per_endpoint=4, rows_per_part=5, journal_dir=tmp_path)
@@ -42,10 +42,15 @@ def test_local_generation_ids_parse_and_resume(store, start_dev_server, kimi_tok
         assert r["status"] == "ok" and r["source"] == "sglang"
         assert r["prompt_ids"] == fmt.generation_prompt_ids(json.loads(r["messages"]),
                                                              json.loads(r["tools"]) if r["tools"] else None)
+        prov = json.loads(r["provenance"])
         if r["finish_reason"] == "stop":
-            assert r["output_ids"][-1] == im_end  # stored WITH the stop id
+            assert r["output_ids"][-1] == im_end  # stored WITH the stop id, as SGLang gives it
+            assert prov["finish_reason"] == {"type": "stop", "matched": im_end}  # the engine's finish, as given
         else:
             assert im_end not in r["output_ids"] and len(r["output_ids"]) == 160
+            assert prov["finish_reason"] == {"type": "length", "length": 160}
+        assert prov["rid"] == f"{r['sample_id']}.0" and prov["weight_version"] == "dev"
+        assert prov["sampling"]["stop_token_ids"] == fmt.stop_token_ids  # the audited ids, always sent
         # what the parser split out is exactly the text of the ids
         rendered = fmt.render(fmt.parse_ids(r["output_ids"], r["finish_reason"]).message, r["finish_reason"])
         assert kimi_tokenizer.decode(r["output_ids"]) == rendered
@@ -90,16 +95,54 @@ def test_overflow_text_matches_local_ids_and_key_never_stored(store, start_dev_s
             assert SECRET not in path.read_text(errors="replace")
 
 
-@pytest.mark.parametrize("include_stop", [False])
-def test_local_normalises_output_without_stop_id(store, start_dev_server, kimi_tokenizer, tmp_path, include_stop):
-    server = start_dev_server({"include_stop_in_output_ids": include_stop})
+def test_local_refuses_ids_that_do_not_match_completion_tokens(store, start_dev_server, kimi_tokenizer, tmp_path):
+    """SGLang's output_ids run through the matched stop token: a server whose ids miss it (fewer
+    ids than meta_info.completion_tokens) is refused, never silently repaired."""
+    server = start_dev_server({"include_stop_in_output_ids": False})
     ref = StageRef(run_key="run-c", stage="generate_local", dataset="chat")
-    generate_local(store, ref, prompts(6, "chat"), kimi_tokenizer, [server.url], dict(SAMPLING, max_new_tokens=4000),
-                   journal_dir=tmp_path)
-    im_end = kimi_tokenizer.convert_tokens_to_ids("<|im_end|>")
-    rows = store.read_table(ref).to_pylist()
-    assert all(r["finish_reason"] == "stop" and r["output_ids"][-1] == im_end for r in rows)
-    assert all(r["output_ids"].count(im_end) == 1 for r in rows)
+    summary = generate_local(store, ref, prompts(3, "chat"), kimi_tokenizer, [server.url],
+                             dict(SAMPLING, max_new_tokens=4000), journal_dir=tmp_path, max_attempts=1)
+    assert summary["counts"]["ok"] == 0, summary
+    assert not summary["complete"]  # retryable: a rerun may meet a correct server
+
+
+def test_sglang_protocol_rids_warmup_readmission(store, start_dev_server, kimi_tokenizer, tmp_path):
+    """A fresh rid per attempt (a retry with the same rid is a 400 "Duplicate request ID" on
+    SGLang), an endpoint that refuses requests is dropped after `max_endpoint_failures` and
+    re-admitted when /health answers again; unknown sampling keys never reach the server."""
+    from eagle3_data.errors import UserError
+
+    server = start_dev_server({"refuse_first": 3})
+    ref = StageRef(run_key="run-p", stage="generate_local", dataset="chat")
+    summary = generate_local(store, ref, prompts(4, "chat"), kimi_tokenizer, [server.url], SAMPLING,
+                             journal_dir=tmp_path, in_flight_per_endpoint=1, max_attempts=6,
+                             max_endpoint_failures=3, health_interval_s=0.05, warmup_timeout_s=60)
+    assert summary["complete"] and summary["counts"]["ok"] == 4, summary
+    rids = {json.loads(r["provenance"])["rid"] for r in store.read_table(ref).to_pylist()}
+    assert any(not rid.endswith(".0") for rid in rids)  # retried with fresh rids, and answered
+    assert server.stats()["requests"]["generate"] and sum(server.stats()["answered"]["generate"].values()) == 4
+    with pytest.raises(UserError, match="'seed' is not an SGLang sampling parameter"):
+        generate_local(store, StageRef(run_key="run-q", stage="generate_local", dataset="chat"), prompts(1, "chat"),
+                       kimi_tokenizer, [server.url], dict(SAMPLING, seed=1), journal_dir=tmp_path)
+    with pytest.raises(UserError, match="sampling.thinking"):
+        generate_local(store, StageRef(run_key="run-q", stage="generate_local", dataset="chat"), prompts(1, "chat"),
+                       kimi_tokenizer, [server.url], {"temperature": 1.0}, journal_dir=tmp_path)
+
+
+def test_sglang_waits_while_the_server_warms_up(store, start_dev_server, kimi_tokenizer, tmp_path):
+    server = start_dev_server({"warmup_s": 1.0})  # /health answers 503 for the first second
+    ref = StageRef(run_key="run-w", stage="generate_local", dataset="chat")
+    summary = generate_local(store, ref, prompts(2, "chat"), kimi_tokenizer, [server.url], SAMPLING,
+                             journal_dir=tmp_path, health_interval_s=0.1, warmup_timeout_s=60)
+    assert summary["complete"] and summary["counts"]["ok"] == 2
+    assert sum(server.stats()["requests"]["generate"].values()) == 2  # nothing was sent before it was ready
+    server.configure({"healthy": False})
+    from eagle3_data.errors import UserError
+
+    with pytest.raises(UserError, match="no healthy SGLang endpoint"):
+        generate_local(store, StageRef(run_key="run-x", stage="generate_local", dataset="chat"), prompts(1, "chat"),
+                       kimi_tokenizer, [server.url], SAMPLING, journal_dir=tmp_path, health_interval_s=0.05,
+                       warmup_timeout_s=0.2)
 
 
 def test_calibration_overlap_agrees_unless_bpe_splits(store, start_dev_server, kimi_tokenizer, tmp_path):
@@ -119,7 +162,7 @@ def test_calibration_overlap_agrees_unless_bpe_splits(store, start_dev_server, k
         generate_overflow(store, over, rows, kimi_tokenizer, server.url + "/v1", SECRET, "m", {}, None,
                           sampling=sampling, concurrency=4, journal_dir=tmp_path)
         assert all(json.loads(r["provenance"])["sampling"]["temperature"] == 0.0 for r in store.read_table(local).to_pylist())
-        reports[ds] = consistency_report(kimi_tokenizer, store.read_table(local).to_pylist(),
+        reports[ds] = consistency_report(get_output_format(kimi_tokenizer, thinking=True), store.read_table(local).to_pylist(),
                                          store.read_table(over).to_pylist(), first_n=10_000)
     assert reports["chat"]["samples"] == 8 and reports["chat"]["agreement"] == 1.0
     split = reports["splitty"]

@@ -1,38 +1,41 @@
-"""The report view's library half against a real S3 (SeaweedFS): index, loading, numbers, HTML."""
+"""The report's library half against a real S3 (SeaweedFS): index, loading, numbers, HTML, Markdown."""
 
 from __future__ import annotations
 
 import json
 import re
 from datetime import datetime, timedelta, timezone
-from html import escape
 
 import pytest
+from markupsafe import escape
 
 from eagle3_data.errors import UserError
 from eagle3_data.generation.routing import consistency_report
-from eagle3_data.report_view import (
+from eagle3_data.report import (
     RUN_REPORT_NAME,
+    DatasetReport,
+    RunReport,
     first_diff_histogram,
     generation_lengths,
     length_stats,
     load_run_report,
     render_html,
-    run_key_for,
+    render_markdown,
     run_report_ref,
     write_run_report,
 )
+from eagle3_data.run_key import run_key_for
 from eagle3_data.storage import StageRef
-from eagle3_data.validate import BadRow, RowResult, ValidationSummary, compare_billed_counts
+from eagle3_data.validate import CLASSES, BadRow, RowResult, ValidationSummary, compare_billed_counts
 
 RUN = "view-test"
 EVIL = "<script>alert('x')</script>"
-THRESHOLDS = {"max_bpe_mismatch_rate": 0.1, "max_text_diff_rate": 0.0, "max_billing_deviation": 0.01}
+THRESHOLDS = {"max_bpe_mismatch_rate": 0.1, "max_text_diff_rate": 0.0, "max_billing_deviation": 0.01, "max_bad_row_rate": 0.05}
 
 
 def validation_report(exact: int, bpe_positions: list[int]) -> dict:
     """A report as validate.py's producers write it (pipeline.validate adds run_gate)."""
-    summary = ValidationSummary(THRESHOLDS["max_bpe_mismatch_rate"])
+    summary = ValidationSummary(THRESHOLDS["max_bpe_mismatch_rate"], max_bad_row_rate=THRESHOLDS["max_bad_row_rate"])
     for i in range(exact):
         summary.add(RowResult(f"ok-{i}", "exact", None, [], [], 100, 100, 100))
     for i, pos in enumerate(bpe_positions):
@@ -58,7 +61,10 @@ def calibration(tokenizer) -> dict:
         {**over, "sample_id": "cut", "finish_reason": "length", "status": "unreconstructable",
          "tools": json.dumps([{"type": "function", "function": {"name": "f", "parameters": {}}}])},
     ]
-    return consistency_report(tokenizer, local, provider, first_n=64, sample_ids={"same", "bpe", "evil", "lost", "cut"})
+    from eagle3_data.chat_format import get_output_format
+
+    fmt = get_output_format(tokenizer, thinking=True)
+    return consistency_report(fmt, local, provider, first_n=64, sample_ids={"same", "bpe", "evil", "lost", "cut"})
 
 
 @pytest.fixture
@@ -109,7 +115,7 @@ def test_summary_has_the_numbers_written(store, run_report):
     by_name = {d["dataset"]: d for d in report.summary()["datasets"]}
     tc = by_name["tool_calls"]
     assert tc["samples"] == 50
-    assert tc["counts"] == {"exact": 42, "bpe_only": 8, "special_token": 0, "text_diff": 0}
+    assert tc["counts"] == {**dict.fromkeys(CLASSES, 0), "exact": 42, "bpe_only": 8}  # every class the gate has
     assert tc["rates"]["bpe_only"] == pytest.approx(0.16)
     assert tc["sample_mismatch_rate"] == pytest.approx(0.16)
     assert tc["gate"]["passed"] is False and tc["bad_rows"] == 1
@@ -241,13 +247,13 @@ def test_cli_renders_the_report(store, run_report, s3_server, tmp_path, monkeypa
     assert summary["datasets"][1]["counts"]["bpe_only"] == 8
     assert main(["report", "--run-key", RUN, *common]) == 0
     assert "Example diffs (8 of 8)" in capsys.readouterr().out
+    assert main(["report", "--run-key", RUN, "--format", "markdown", *common]) == 0
+    assert "## tool_calls\n\n**Gate: FAILED**" in capsys.readouterr().out
     assert main(["report", "--run-key", "nope", *common]) == 2
     assert "runs/nope/report/run/run_report.json does not exist" in capsys.readouterr().err
 
 
 def test_examples_show_the_worst_classes_first():
-    from eagle3_data.report_view import DatasetReport, RunReport
-
     mismatches = [{"sample_id": f"b{i}", "class": "bpe_only", "first_diff": i, "original": ["a"], "reconstructed": ["b"]}
                   for i in range(25)]
     mismatches.append({"sample_id": "t0", "class": "text_diff", "first_diff": 3, "original": ["é"], "reconstructed": ["\ufffd"]})
@@ -256,3 +262,68 @@ def test_examples_show_the_worst_classes_first():
     assert "Example diffs (20 of 26)" in html and "6 more not shown" in html
     examples = html[html.index("Example diffs"):]
     assert examples.index("<code>t0</code>") < examples.index("<code>b0</code>")
+
+
+def test_every_untrusted_string_is_escaped_by_the_templates():
+    """Autoescape, not hand escaping: metacharacters in any field the page prints stay text."""
+    evil = "<img src=x onerror=alert(1)>&\"'"
+    mismatch = {"sample_id": evil, "class": evil, "first_diff": evil, "original": [evil], "reconstructed": evil}
+    validation = {
+        "samples": 2, "counts": {"exact": 1, "text_diff": 1}, "mismatches": [mismatch], "bad_rows": [],
+        "gate": {"passed": False, "reasons": [evil]},
+        "calibration": {"first_n": 8, "samples": 1, "agreement": 0.0, "text_agreement": 0.0, "text_disagreements": [evil],
+                        "per_sample": [{"sample_id": evil, "first_diff": 0, "same_text": False,
+                                        "engine_text": evil, "provider_text": evil}],
+                        "can_prove": evil, "cannot_prove": evil},
+    }
+    billing = {"rows": 1, "deviation": 0.0, "worst_samples": [{"sample_id": evil}], "gate": {"notes": [evil]},
+               "excluded": {"rows": 1, "reasons": {evil: 1}}}
+    dataset = DatasetReport(evil, validation=validation, billing=billing, errors=[evil],
+                            lengths={evil: length_stats([1, 2])}, thresholds={})
+    html = render_html(RunReport(evil, {"created_at": evil}, [dataset]), title=evil)
+    assert "<img" not in html and evil not in html
+    assert html.count(str(escape(evil))) >= 15  # title x2, run key, created_at, name x3, error, reason, ...
+    assert str(escape(evil)) == "&lt;img src=x onerror=alert(1)&gt;&amp;&#34;&#39;"
+    from eagle3_data.report import render_missing, render_unavailable
+
+    for page in (render_missing(evil, evil, title=evil), render_unavailable(evil, evil, title=evil)):
+        assert "<img" not in page and page.count(str(escape(evil))) == 4
+
+
+def test_a_class_the_gate_adds_shows_up_everywhere(monkeypatch):
+    """The report reads validate.CLASSES, so a new class needs no edit to the report or templates."""
+    from eagle3_data import validate
+
+    assert "novel_class" not in validate.CLASSES
+    monkeypatch.setattr(validate, "CLASSES", (*validate.CLASSES, "novel_class"))
+    mismatches = [{"sample_id": "s0", "class": "novel_class", "first_diff": 4, "original": ["<|tool_call_begin|>"],
+                   "reconstructed": ["<|tool_calls_section_begin|>"]},
+                  {"sample_id": "b0", "class": "bpe_only", "first_diff": 2, "original": [" N", "OR"], "reconstructed": [" NOR"]}]
+    validation = {"samples": 10, "counts": {"exact": 7, "bpe_only": 1, "novel_class": 2}, "mismatches": mismatches,
+                  "gate": {"passed": False, "reasons": ["2 sample(s) classified novel_class"]}}
+    report = RunReport("k", {}, [DatasetReport("chat", validation=validation, thresholds={"max_bpe_mismatch_rate": 0.1})])
+    (summary,) = report.summary()["datasets"]
+    assert summary["counts"]["novel_class"] == 2 and summary["rates"]["novel_class"] == pytest.approx(0.2)
+    html = render_html(report, title="t")
+    assert "<th>novel_class</th>" in html  # overview column
+    assert "text-anchor='end'>novel_class</text>" in html and "2 (20.0%)" in html  # class bars
+    assert html.count(">novel_class</text>") == 2 and "20.00%" in html  # and its rate against the gate
+    examples = html[html.index("Example diffs"):]
+    assert ">novel_class</span> <code>s0</code>" in examples and examples.index("s0") < examples.index("b0")
+    assert "| novel_class | 2 |" in render_markdown(report, title="t")
+
+
+def test_markdown_comes_from_the_same_data(store, run_report):
+    report = load_run_report(store, RUN)
+    md = render_markdown(report, title="Run <b>")
+    assert md.startswith("# Run <b>\n\nRun key `view-test`")
+    chat, tool_calls = md.index("\n## chat\n"), md.index("\n## tool_calls\n")
+    assert chat < tool_calls and "**Gate: PASSED**" in md[chat:tool_calls]
+    tc = md[tool_calls:]
+    assert "**Gate: FAILED**\n- bpe_only rate 0.1600 exceeds 0.1\n" in tc
+    assert "Samples: 50; sample mismatch rate 16.0000%; token agreement" in tc
+    assert "| bpe_only | 8 |" in tc and "| completion tokens billed | 39,078 |" in tc
+    assert f"| reason: {EVIL.replace('<', '&lt;')} reason | 1 |" in tc  # no raw HTML outside code spans
+    assert tc.count("| bpe_only | ") == 1 + 8 and "### Bad rows (skipped)" in tc
+    bare = render_markdown(report.datasets[1].validation)  # what `eagle3-data validate` writes beside its JSON
+    assert bare.startswith("# Reconstruction validation\n\n**Gate: FAILED**") and "## Mismatches" in bare

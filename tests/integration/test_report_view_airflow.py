@@ -1,8 +1,9 @@
-"""The validation-report plugin inside a real Airflow api-server: auth, routing, numbers.
+"""The validation-report plugin inside a real Airflow api-server: auth, routing, numbers, outages.
 
 One api-server (own AIRFLOW_HOME, SQLite, SimpleAuthManager with a password user, loopback, free
 port) loads plugins/ and reads a report written into a real SeaweedFS bucket through the
-`aws_default` connection, exactly as in a deployment.
+`aws_default` connection (in the metadata DB, edited through the REST API as an admin would),
+exactly as in a deployment.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ import pytest
 import yaml
 
 from eagle3_data.dev.processes import free_port, wait_http_ok
-from eagle3_data.dev.stack import airflow_db_migrate, airflow_env
-from eagle3_data.report_view import length_stats, write_run_report
+from eagle3_devtools.stack import airflow_db_migrate, airflow_env
+from eagle3_data.config import DEFAULT_CONFIG_PATH
+from eagle3_data.report import length_stats, write_run_report
 from eagle3_data.storage import ArtifactStore, StageRef
+from eagle3_data.validate import CLASSES
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -76,6 +79,12 @@ def write_report(store: ArtifactStore) -> None:
     }, dag_id=DAG_ID)
 
 
+def aws_extra(endpoint_url: str) -> dict:
+    """`aws_default`'s extra; one attempt, so a refused connection answers at once."""
+    return {"endpoint_url": endpoint_url, "region_name": "us-east-1",
+            "config_kwargs": {"retries": {"total_max_attempts": 1}, "connect_timeout": 2}}
+
+
 @pytest.fixture(scope="module")
 def api_server(tmp_path_factory, s3_server):
     """(base_url, admin password, env) of a running api-server with the plugin; stopped by PID."""
@@ -87,7 +96,7 @@ def api_server(tmp_path_factory, s3_server):
 
     bucket = f"view-{uuid.uuid4().hex[:12]}"
     s3_server.client().create_bucket(Bucket=bucket)
-    cfg = yaml.safe_load((REPO / "include" / "config" / "pipeline.yaml").read_text())
+    cfg = yaml.safe_load(DEFAULT_CONFIG_PATH.read_text())
     cfg["storage"]["bucket"] = bucket
     (home / "pipeline.yaml").write_text(yaml.safe_dump(cfg))
     store = ArtifactStore(s3_server.client(), bucket, cfg["storage"]["prefix"])
@@ -102,9 +111,6 @@ def api_server(tmp_path_factory, s3_server):
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(home / "passwords.json"),
         "AIRFLOW__API_AUTH__JWT_SECRET": secrets.token_hex(32),
-        "AIRFLOW_CONN_AWS_DEFAULT": json.dumps({
-            "conn_type": "aws", "login": s3_server.access_key, "password": s3_server.secret_key,
-            "extra": {"endpoint_url": s3_server.endpoint_url, "region_name": "us-east-1"}}),
         "EAGLE3_CONFIG": str(home / "pipeline.yaml"),
     }
     airflow_db_migrate(env)
@@ -120,6 +126,12 @@ def api_server(tmp_path_factory, s3_server):
         )
     try:
         wait_http_ok(f"{base}/api/v2/monitor/health", [proc], "api-server", log)
+        r = httpx.post(f"{base}/auth/token", json={"username": "admin", "password": password})
+        auth = {"Authorization": f"Bearer {r.json()['access_token']}"}
+        r = httpx.post(f"{base}/api/v2/connections", headers=auth, json={
+            "connection_id": "aws_default", "conn_type": "aws", "login": s3_server.access_key,
+            "password": s3_server.secret_key, "extra": json.dumps(aws_extra(s3_server.endpoint_url))})
+        assert r.status_code == 201, r.text
         yield base, password, env
     finally:
         os.killpg(proc.pid, signal.SIGTERM)  # the group this fixture started: server + its worker
@@ -188,7 +200,7 @@ def test_summary_serves_the_numbers(api_server, token, runs):
     assert r.status_code == 200, r.text
     (ds,) = r.json()["datasets"]
     assert r.json()["run_key"] == RUN_NAME
-    assert ds["counts"] == {"exact": 37, "bpe_only": 2, "special_token": 0, "text_diff": 1}
+    assert ds["counts"] == {**dict.fromkeys(CLASSES, 0), "exact": 37, "bpe_only": 2, "text_diff": 1}
     assert ds["rates"]["text_diff"] == pytest.approx(0.025)
     assert ds["sample_mismatch_rate"] == pytest.approx(0.075)
     assert ds["billing"]["billed_completion_tokens"] == 18321
@@ -212,3 +224,44 @@ def test_plugin_registers_the_run_tab(api_server, token):
     (view,) = plugin["external_views"]
     assert view["href"] == "/eagle3-report/{DAG_ID}/{RUN_ID}" and view["destination"] == "dag_run"
     assert plugin["fastapi_apps"][0]["url_prefix"] == "/eagle3-report"
+
+
+def test_storage_outage_is_503_with_the_error_not_no_report(api_server, token, runs, s3_server):
+    """S3 unreachable (aws_default pointed at a closed port) or the bucket gone: 503 naming the
+    storage error in one line, not a 404 "no report"; the page is back once S3 answers."""
+    base, _, env = api_server
+    auth = {"Authorization": f"Bearer {token}"}
+    page, summary = page_url(base, runs["named"]), page_url(base, runs["named"], "/summary.json")
+
+    def point_aws_default_at(endpoint_url: str) -> None:
+        r = httpx.patch(f"{base}/api/v2/connections/aws_default", params={"update_mask": "extra"}, headers=auth,
+                        json={"connection_id": "aws_default", "conn_type": "aws",
+                              "extra": json.dumps(aws_extra(endpoint_url))})
+        assert r.status_code == 200, r.text
+
+    point_aws_default_at(f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    try:
+        r = httpx.get(summary, headers=auth, timeout=60)
+        assert r.status_code == 503, r.text
+        detail = r.json()["detail"]
+        assert "unreachable while reading s3://" in detail and "\n" not in detail
+        r = httpx.get(page, headers=auth, timeout=60)
+        assert r.status_code == 503 and "Storage unavailable: S3 at http://127.0.0.1:" in r.text
+        assert "No validation report" not in r.text and s3_server.secret_key not in r.text
+        assert httpx.get(summary, timeout=60).status_code == 401  # auth still comes first
+    finally:
+        point_aws_default_at(s3_server.endpoint_url)
+    assert httpx.get(summary, headers=auth).status_code == 200
+
+    config = Path(env["EAGLE3_CONFIG"])
+    original = config.read_text()
+    cfg = yaml.safe_load(original)
+    cfg["storage"]["bucket"] = f"gone-{uuid.uuid4().hex[:12]}"
+    config.write_text(yaml.safe_dump(cfg))
+    try:
+        r = httpx.get(summary, headers=auth)
+        assert r.status_code == 503 and f"bucket '{cfg['storage']['bucket']}' does not exist" in r.json()["detail"]
+        assert "s3 init" in r.json()["detail"]
+    finally:
+        config.write_text(original)
+    assert httpx.get(page, headers=auth).status_code == 200

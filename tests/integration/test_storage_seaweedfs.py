@@ -83,3 +83,20 @@ def test_start_on_busy_port_is_a_clear_error(tmp_path):
         port = busy.getsockname()[1]
         result = cli("start", "--dir", str(tmp_path / "s3"), "--port", str(port), env=dict(os.environ))
     assert result.returncode == 2 and f"port {port}" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_hundred_buckets_each_get_writable_volumes(tmp_path):
+    """Every bucket is a SeaweedFS collection with volumes of its own: with `weed mini`'s default
+    volume limit a fresh server refused writes at the 72nd bucket ("No writable volumes and no
+    free volumes left"), which broke a full test session that creates a bucket per test."""
+    from eagle3_data.dev.seaweedfs import start_seaweedfs, stop_seaweedfs
+
+    handle = start_seaweedfs(tmp_path / "s3", access_key="many-buckets", secret_key="s" * 32)
+    try:
+        client = handle.client()
+        for i in range(100):
+            client.create_bucket(Bucket=f"bucket-{i:03d}")
+            client.put_object(Bucket=f"bucket-{i:03d}", Key="k", Body=b"v")
+        assert client.get_object(Bucket="bucket-099", Key="k")["Body"].read() == b"v"
+    finally:
+        stop_seaweedfs(tmp_path / "s3", 0.5)

@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 
 from eagle3_data.chat_format import get_output_format
 from eagle3_data.dev.inference_server import create_app
-from eagle3_data.dev.stack import SAMPLE_DATA
+from eagle3_devtools.stack import SAMPLE_DATA
 from eagle3_data.reconstruct import reconstruct_rows, row_to_reconstruct
 from eagle3_data.validate import compare_billed_counts
 
@@ -33,9 +33,9 @@ def test_billing_gate_with_truncated_tool_calls(kimi_tokenizer):
             prompt = kimi_tokenizer.apply_chat_template(p["messages"], tools=p.get("tools") or None, add_generation_prompt=True,
                                                         tokenize=True, return_dict=False)
             engine[sid] = client.post("/generate", json={"input_ids": prompt, "sampling_params": {
-                "max_new_tokens": MAX_TOKENS, "seed": 7}}).json()["output_ids"]
-    fmt = get_output_format(kimi_tokenizer)
-    rebuilt = list(reconstruct_rows(kimi_tokenizer, [row_to_reconstruct(fmt, r, r["sample_id"]) for r in rows]))
+                "max_new_tokens": MAX_TOKENS, "sampling_seed": 7}}).json()["output_ids"]
+    fmt = get_output_format(kimi_tokenizer, thinking=True)
+    rebuilt = list(reconstruct_rows(fmt, [row_to_reconstruct(fmt, r, r["sample_id"]) for r in rows]))
     billed = {r["sample_id"]: r["billed"] for r in rows}
 
     naive = compare_billed_counts((r.sample_id, billed[r.sample_id], len(ids)) for r, ids in rebuilt)

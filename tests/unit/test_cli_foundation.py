@@ -9,9 +9,7 @@ import pytest
 
 from eagle3_data.cli import main
 from eagle3_data.tokenizer import TiktokenTokenizer, load_bulk_tokenizer
-
-REFERENCE_IDS = [9413, 1019, 2704, 13, 163607, 1008, 7574, 387, 220, 5512, 13, 163586]
-IM_END_AS_TEXT = [27, 91, 348, 11129, 91, 29]
+from tests.fixtures.kimi import CHAS, REFERENCE_IDS, THINK_END
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +56,7 @@ def test_audit_cli(kimi_tokenizer_dir, capsys):
 
 
 def test_validate_cli_exit_codes(verified_cache, kimi_tokenizer_dir, tmp_path, capsys):
-    tok = ["--tokenizer", str(kimi_tokenizer_dir)]
+    tok = ["--tokenizer", str(kimi_tokenizer_dir), "--thinking"]
     good = _write(tmp_path / "good.jsonl", [{"sample_id": f"s{i}", "output_ids": REFERENCE_IDS} for i in range(3)])
     report = tmp_path / "out" / "report.json"
     assert main(["validate", *tok, "--input", good, "--report", str(report)]) == 0
@@ -66,19 +64,32 @@ def test_validate_cli_exit_codes(verified_cache, kimi_tokenizer_dir, tmp_path, c
     assert data["counts"]["exact"] == 3 and data["gate"]["passed"]
     assert "**Gate: PASSED**" in report.with_suffix(".md").read_text()
 
-    special = _write(tmp_path / "special.jsonl", [{"sample_id": "x", "output_ids": REFERENCE_IDS[:4] + IM_END_AS_TEXT}])
-    assert main(["validate", *tok, "--input", special, "--report", str(report)]) == 1
-    assert "special_token" in capsys.readouterr().err
-    assert json.loads(report.read_text())["mismatches"][0]["reconstructed"] == ["<|im_end|>"]
+    wrong_stop = _write(tmp_path / "chas.jsonl", [{"sample_id": "x", "output_ids": REFERENCE_IDS[:-1] + [CHAS],
+                                                   "finish_reason": {"type": "stop", "matched": CHAS}}])
+    assert main(["validate", *tok, "--input", wrong_stop, "--report", str(report)]) == 1
+    assert "wrong_stop" in capsys.readouterr().err
+    assert json.loads(report.read_text())["mismatches"][0]["class"] == "wrong_stop"
+
+    # thinking off: the same ids without their `</think>` are exact only in that mode
+    off = _write(tmp_path / "off.jsonl", [{"sample_id": "o", "output_ids": REFERENCE_IDS[REFERENCE_IDS.index(THINK_END) + 1:]}])
+    plain = ["--tokenizer", str(kimi_tokenizer_dir)]
+    assert main(["validate", *plain, "--no-thinking", "--input", off, "--report", str(report)]) == 0
+    assert main(["validate", *plain, "--thinking", "--input", off, "--report", str(report)]) == 1
+    capsys.readouterr()
+    with pytest.raises(SystemExit):  # the mode is required: the rebuild depends on it
+        main(["validate", *plain, "--input", off, "--report", str(report)])
+    assert "--thinking" in capsys.readouterr().err
 
     bad = _write(tmp_path / "bad.jsonl", [{"sample_id": "a", "output_ids": REFERENCE_IDS}, "{oops", {"sample_id": "c", "output_ids": ["x"]}])
     assert main(["validate", *tok, "--input", bad, "--report", str(report)]) == 2
     err = capsys.readouterr().err
     assert "line 2" in err and "invalid JSON" in err and "Traceback" not in err
-    assert main(["validate", *tok, "--input", bad, "--report", str(report), "--on-bad-row", "skip"]) == 0
+    assert main(["validate", *tok, "--input", bad, "--report", str(report), "--on-bad-row", "skip"]) == 1  # bad rows count
     assert [b["row"] for b in json.loads(report.read_text())["bad_rows"]] == ["line 2", "line 3"]
+    assert main(["validate", *tok, "--input", bad, "--report", str(report), "--on-bad-row", "skip",
+                 "--max-bad-row-rate", "0.7"]) == 0
     assert main(["validate", *tok, "--input", str(tmp_path / "missing.jsonl"), "--report", str(report)]) == 2
-    assert main(["validate", "--tokenizer", str(tmp_path), "--input", good, "--report", str(report)]) == 2
+    assert main(["validate", "--tokenizer", str(tmp_path), "--thinking", "--input", good, "--report", str(report)]) == 2
 
 
 def test_reconstruct_cli(verified_cache, kimi_tokenizer_dir, tmp_path, capsys):
@@ -91,16 +102,21 @@ def test_reconstruct_cli(verified_cache, kimi_tokenizer_dir, tmp_path, capsys):
     ]
     src = _write(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out.jsonl"
-    assert main(["reconstruct", "--tokenizer", str(kimi_tokenizer_dir), "--input", src, "--out", str(out)]) == 0
+    tok = ["--tokenizer", str(kimi_tokenizer_dir), "--thinking"]
+    assert main(["reconstruct", *tok, "--input", src, "--out", str(out)]) == 0
     got = [json.loads(line) for line in out.read_text().splitlines()]
     assert got[0] == {"sample_id": "a", "finish_reason": "stop", "output_ids": REFERENCE_IDS, "unreconstructable": None}
     assert 163597 in got[1]["output_ids"]
     assert got[2] == {"sample_id": "c", "finish_reason": "length", "output_ids": None,
                       "unreconstructable": "truncated inside tool-call section"}
     assert "2 samples, 1 unreconstructable" in capsys.readouterr().out
-    assert main(["reconstruct", "--tokenizer", str(kimi_tokenizer_dir), "--input", src, "--out", str(tmp_path / "o.parquet")]) == 0
+    assert main(["reconstruct", *tok, "--input", src, "--out", str(tmp_path / "o.parquet")]) == 0
     assert pq.read_table(tmp_path / "o.parquet").column("output_ids").to_pylist()[0] == REFERENCE_IDS
-    bad = _write(tmp_path / "bad.jsonl", [rows[0], {"sample_id": "z", "content": "x", "finish_reason": "content_filter"}])
-    assert main(["reconstruct", "--tokenizer", str(kimi_tokenizer_dir), "--input", bad, "--out", str(tmp_path / "x.jsonl")]) == 2
-    assert "line 2 (sample_id z): field 'finish_reason'" in capsys.readouterr().err
+    off = tmp_path / "off.jsonl"  # thinking off: no `</think>` the model never generates
+    assert main(["reconstruct", "--tokenizer", str(kimi_tokenizer_dir), "--no-thinking", "--input",
+                 _write(tmp_path / "in_off.jsonl", [{**rows[0], "reasoning": None}]), "--out", str(off)]) == 0
+    assert json.loads(off.read_text())["output_ids"] == REFERENCE_IDS[REFERENCE_IDS.index(THINK_END) + 1:]
+    bad = _write(tmp_path / "bad.jsonl", [rows[0], {"sample_id": "z", "content": 5, "finish_reason": "stop"}])
+    assert main(["reconstruct", *tok, "--input", bad, "--out", str(tmp_path / "x.jsonl")]) == 2
+    assert "line 2 (sample_id z): field 'content'" in capsys.readouterr().err
     assert not (tmp_path / "x.jsonl").exists() and not (tmp_path / "x.jsonl.partial").exists()

@@ -193,7 +193,7 @@ def test_dockerfile_matches_requirements_and_layout():
 def test_bucket_comes_from_the_pipeline_config(compose):
     """init.sh creates the bucket the pipeline config names, through the same connection."""
     init = (REPO / "docker" / "init.sh").read_text()
-    assert "load_config().storage" in init and "ensure_bucket()" in init and "AWS_CONN_ID" in init
+    assert "load_config().storage" in init and "init_bucket()" in init and "AWS_CONN_ID" in init
     mount = compose["services"]["airflow-scheduler"]["volumes"][0]
     assert mount.endswith(":/opt/airflow/include/config/pipeline.yaml:ro")
     assert load_config(REPO / mount.split(":")[0]).storage.bucket  # the mounted default parses

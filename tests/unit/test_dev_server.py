@@ -104,7 +104,7 @@ def call(app, method: str, path: str, **kw) -> httpx.Response:
 
 def test_generate_and_chat_agree(app, kimi_tokenizer, prompt_ids):
     msgs = [{"role": "user", "content": "Find it."}]
-    gen = call(app, "POST", "/generate", json={"input_ids": prompt_ids, "sampling_params": {"max_new_tokens": 4000, "seed": 4}, "rid": "r1"}).json()
+    gen = call(app, "POST", "/generate", json={"input_ids": prompt_ids, "sampling_params": {"max_new_tokens": 4000, "sampling_seed": 4}, "rid": "r1"}).json()
     assert set(gen) == {"text", "output_ids", "meta_info"}
     meta = gen["meta_info"]
     assert meta["id"] == "r1" and meta["prompt_tokens"] == len(prompt_ids)
@@ -160,3 +160,53 @@ def test_injected_faults_on_the_wire(app, kimi_tokenizer):
         call(app, "POST", "/dev/config", json={})
     assert call(app, "GET", "/health").status_code == 200
     assert call(app, "GET", "/get_model_info").json()["is_generation"] is True
+
+
+def test_generate_is_protocol_true(app, kimi_tokenizer, prompt_ids):
+    """The dev server rejects what SGLang 0.5.23 rejects, in its shapes (tests/unit/test_sglang_oracle.py
+    checks the schema texts against SGLang's own contract check)."""
+    r = call(app, "POST", "/generate", json={"input_ids": prompt_ids, "sampling_params": {"seed": 3}})
+    assert r.status_code == 400 and r.json()["error"].startswith("unknown field `seed`, expected one of `max_new_tokens`")
+    r = call(app, "POST", "/generate", json={"input_ids": ["a", "b"]})
+    assert r.status_code == 400 and r.json() == {"error": 'invalid type: string "a", expected a sequence'}
+    r = call(app, "POST", "/generate", json={"input_ids": [1, 163840]})
+    assert r.status_code == 400 and "out of the vocabulary" in r.json()["error"]["message"]
+    r = call(app, "POST", "/generate", json={"input_ids": prompt_ids, "rid": "x.0",
+                                             "sampling_params": {"max_new_tokens": 8, "stop_token_ids": [163586]}})
+    meta = r.json()["meta_info"]
+    assert r.status_code == 200 and meta["id"] == "x.0" and meta["weight_version"] == "dev"
+    assert meta["completion_tokens"] == len(r.json()["output_ids"])
+    assert call(app, "GET", "/model_info").json()["weight_version"] == "dev"
+
+
+def test_duplicate_rid_while_registered_is_a_400(app, prompt_ids):
+    import asyncio
+
+    call(app, "POST", "/dev/config", json={"endpoints": {"generate": {"latency": {"dist": "fixed", "mean": 0.5}}}})
+    try:
+        async def both():
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://dev") as c:
+                body = {"input_ids": prompt_ids, "rid": "same.0", "sampling_params": {"max_new_tokens": 4}}
+                return await asyncio.gather(c.post("/generate", json=body), c.post("/generate", json=body))
+
+        codes = sorted(r.status_code for r in asyncio.run(both()))
+        assert codes == [200, 400]
+    finally:
+        call(app, "POST", "/dev/config", json={})
+
+
+def test_warmup_and_an_endpoint_that_comes_back(app, prompt_ids):
+    body = {"input_ids": prompt_ids, "sampling_params": {"max_new_tokens": 4}}
+    try:
+        call(app, "POST", "/dev/config", json={"warmup_s": 3600})
+        assert call(app, "GET", "/health").status_code == 503
+        assert call(app, "POST", "/generate", json=body).status_code == 503
+        call(app, "POST", "/dev/config", json={"refuse_first": 2})
+        assert call(app, "GET", "/health").status_code == 200
+        assert call(app, "POST", "/generate", json=body).status_code == 503
+        assert call(app, "GET", "/health").status_code == 503  # down until both are refused
+        assert call(app, "POST", "/generate", json=body).status_code == 503
+        assert call(app, "GET", "/health").status_code == 200
+        assert call(app, "POST", "/generate", json=body).status_code == 200
+    finally:
+        call(app, "POST", "/dev/config", json={})

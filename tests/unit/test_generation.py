@@ -70,45 +70,70 @@ def test_prompt_rows_are_checked_with_record_and_field():
     assert sampling_for(both, {"temperature": 1.0, "top_p": 0.9})["temperature"] == 0.0
 
 
-def test_local_stop_id_normalisation(kimi_tokenizer):
-    from eagle3_data.chat_format import get_output_format
-    from eagle3_data.generation.sglang import _SGLangRun
+def test_sglang_answers_are_recorded_as_given_and_checked():
+    """SGLang's output_ids run through the matched stop token and its finish_reason names it: the
+    client keeps both as given (the validator judges a wrong stop id), and refuses an answer whose
+    ids are not as many as meta_info.completion_tokens."""
+    from eagle3_data.generation.sglang import check_answer, error_message
+    from tests.fixtures.kimi import CHAS, IM_END
 
-    fmt = get_output_format(kimi_tokenizer)
-    run = _SGLangRun.__new__(_SGLangRun)
-    run.fmt = fmt
-    im_end = fmt.stop_token_ids[0]
-    stop = {"type": "stop", "matched": im_end}
-    assert run._normalise({"output_ids": [1, 2], "meta_info": {"finish_reason": stop}}) == ([1, 2, im_end], "stop")
-    assert run._normalise({"output_ids": [1, im_end], "meta_info": {"finish_reason": stop}}) == ([1, im_end], "stop")
-    assert run._normalise({"output_ids": [1, 2], "meta_info": {"finish_reason": {"type": "length", "length": 2}}}) == ([1, 2], "length")
-    with pytest.raises(ValueError, match="matched=163533"):  # "chas" is no stop token
-        run._normalise({"output_ids": [1, 2], "meta_info": {"finish_reason": {"type": "stop", "matched": 163533}}})
-    with pytest.raises(ValueError):
-        run._normalise({"output_ids": [1, im_end], "meta_info": {"finish_reason": {"type": "length"}}})
+    stop = {"type": "stop", "matched": IM_END}
+    assert check_answer({"output_ids": [1, IM_END], "meta_info": {"finish_reason": stop, "completion_tokens": 2}})[:2] == (
+        [1, IM_END], stop)
+    chas = {"type": "stop", "matched": CHAS}  # a server told to stop on "chas": recorded, not repaired
+    assert check_answer({"output_ids": [1, CHAS], "meta_info": {"finish_reason": chas}})[:2] == ([1, CHAS], chas)
+    assert check_answer([{"output_ids": [1], "meta_info": {"finish_reason": "length"}}])[1] == {"type": "length"}
+    with pytest.raises(ValueError, match="completion_tokens = 3"):
+        check_answer({"output_ids": [1, IM_END], "meta_info": {"finish_reason": stop, "completion_tokens": 3}})
+    with pytest.raises(ValueError, match="not a list of ints"):
+        check_answer({"output_ids": [1, True], "meta_info": {"finish_reason": stop}})
+    assert error_message('{"error": "unknown field `seed`"}') == "unknown field `seed`"
+    assert error_message('{"error": {"message": "Duplicate request ID detected: a.0"}}') == "Duplicate request ID detected: a.0"
+    assert error_message("plain") == "plain"
 
 
-def test_consistency_report_finds_the_first_difference(kimi_tokenizer):
-    from eagle3_data.chat_format import get_output_format
+def test_sampling_params_are_checked_against_sglangs_keys():
+    from eagle3_data.generation.sglang import SAMPLING_KEYS, check_sampling_params
 
-    fmt = get_output_format(kimi_tokenizer)
-    text = "Let me think.</think>The answer is 42.<|im_end|>"
-    ids = kimi_tokenizer.encode(text, add_special_tokens=False)
+    check_sampling_params({"temperature": 0.6, "top_p": 0.95, "max_new_tokens": 10, "sampling_seed": 1})
+    with pytest.raises(UserError, match=r"'seed' is not an SGLang sampling parameter \(SGLang's key is 'sampling_seed'\)"):
+        check_sampling_params({"temperature": 1.0, "seed": 3})
+    assert "stop_token_ids" in SAMPLING_KEYS and "thinking" not in SAMPLING_KEYS
+
+
+def test_consistency_report_finds_the_first_difference(kimi_fmt):
+    from tests.fixtures.kimi import REFERENCE_IDS, REFERENCE_TEXT
+
+    ids = kimi_fmt.codec.encode_batch([REFERENCE_TEXT])[0]
+    assert ids == REFERENCE_IDS
     local = [{"sample_id": "a", "status": "ok", "output_ids": ids}, {"sample_id": "b", "status": "ok", "output_ids": ids}]
     over = [{"sample_id": "a", "status": "ok", "reasoning": "Let me think.", "content": "The answer is 42.",
              "tool_calls": None, "finish_reason": "stop", "messages": "[]"},
             {"sample_id": "b", "status": "ok", "reasoning": "Let me think.", "content": "The answer is 43.",
              "tool_calls": None, "finish_reason": "stop", "messages": "[]"}]
-    report = consistency_report(kimi_tokenizer, local, over, first_n=64)
+    report = consistency_report(kimi_fmt, local, over, first_n=64)
     by = {s["sample_id"]: s for s in report["per_sample"]}
     assert by["a"]["first_diff"] is None and by["a"]["compared"] == len(ids)
-    # FACTS.md: [9413, 1019, 2704, 13, 163607, 1008, 7574, 387, 220, 5512, 13, 163586]; "42" is id 5512
-    assert ids[9] == 5512 and by["b"]["first_diff"] == 9 and not by["b"]["same_text"]
-    assert report["agreement"] == 0.5 and fmt is not None
+    assert ids[9] == 5512 and by["b"]["first_diff"] == 9 and not by["b"]["same_text"]  # "42" is id 5512
+    assert report["agreement"] == 0.5
     assert report["text_disagreements"] == ["b"] and report["missing"] == []
 
 
-def test_consistency_report_compares_only_the_calibration_samples(kimi_tokenizer):
+def test_consistency_report_with_thinking_off_has_no_think_end(kimi_fmt, kimi_fmt_off):
+    """Calibration used the default (thinking on) whatever the run said: a thinking-off engine id
+    sequence never agreed with its provider's text, by one `</think>`."""
+    from tests.fixtures.kimi import IM_END, THINK_END
+
+    ids = kimi_fmt_off.codec.encode_batch(["The answer is 42.<|im_end|>"])[0]
+    assert THINK_END not in ids and ids[-1] == IM_END
+    local = [{"sample_id": "a", "status": "ok", "output_ids": ids}]
+    over = [{"sample_id": "a", "status": "ok", "reasoning": None, "content": "The answer is 42.", "tool_calls": None,
+             "finish_reason": "stop", "messages": "[]"}]
+    assert consistency_report(kimi_fmt_off, local, over)["agreement"] == 1.0
+    assert consistency_report(kimi_fmt, local, over)["agreement"] == 0.0  # the wrong mode shows as a difference
+
+
+def test_consistency_report_compares_only_the_calibration_samples(kimi_tokenizer, kimi_fmt):
     """The pipeline passes whole stages and the ids routed "both": others are ignored, a calibration
     sample that failed on one path is named, and a non-canonical split (same text) is told apart."""
     text = "Let me think.</think>The answer is 42.<|im_end|>"
@@ -122,13 +147,13 @@ def test_consistency_report_compares_only_the_calibration_samples(kimi_tokenizer
     # cut at the token limit with tools offered: the text cannot determine the ids, so no comparison
     provider.append({**over, "sample_id": "cut", "finish_reason": "length", "status": "unreconstructable",
                      "tools": json.dumps([{"type": "function", "function": {"name": "f", "parameters": {}}}])})
-    report = consistency_report(kimi_tokenizer, iter(local), iter(provider), first_n=64, sample_ids={"same", "bpe", "lost", "cut"})
+    report = consistency_report(kimi_fmt, iter(local), iter(provider), first_n=64, sample_ids={"same", "bpe", "lost", "cut"})
     by = {s["sample_id"]: s for s in report["per_sample"]}
     assert sorted(by) == ["bpe", "same"] and report["missing"] == ["lost"] and report["unreconstructable"] == ["cut"]
     assert by["same"]["first_diff"] is None and by["bpe"]["first_diff"] == 9 and by["bpe"]["same_text"]
     assert report["agreement"] == 0.5 and report["text_agreement"] == 1.0 and report["text_disagreements"] == []
     assert "same weights" in report["cannot_prove"]
-    empty = consistency_report(kimi_tokenizer, local, provider, sample_ids=set())
+    empty = consistency_report(kimi_fmt, local, provider, sample_ids=set())
     assert empty["samples"] == 0 and empty["agreement"] is None and empty["missing"] == []
 
 

@@ -153,7 +153,9 @@ def test_batched_and_unbatched_agree(backend, rows, tmp_path):
     extract_rows(backend, rows, tmp_path / "all", "x", ExtractOptions(token_budget=10_000))  # one padded batch
     alone, batched = read_all(tmp_path / "one"), read_all(tmp_path / "all")
     for sid in alone:
-        assert_bf16_close(batched[sid].aux_hidden_states, alone[sid].aux_hidden_states.float())
+        # both sides are bf16 roundings of fp32 values ~1e-6 apart: a rounding may flip by one bf16
+        # ulp, up to 2^-7 relative (7 stored mantissa bits), not the 2^-8 of one rounding
+        assert_bf16_close(batched[sid].aux_hidden_states, alone[sid].aux_hidden_states.float(), rel=2**-7)
 
 
 class NaNAfter:

@@ -11,7 +11,7 @@ from eagle3_data.errors import UserError
 from eagle3_data.merge import build_record, merge_datasets, merged_shards
 from eagle3_data.storage import IncompleteStage, StageRef
 
-IM_END = 163586
+from tests.fixtures.kimi import IM_END
 
 
 def gen_row(sid, dataset, source, prompt, output, status="ok", finish="stop"):
@@ -81,7 +81,7 @@ def two_datasets(store):
 
 def test_merge_dedupes_counts_and_shards(store, two_datasets, tmp_path):
     summary = merge_datasets(store, two_datasets, "date=2026-11-29", max_length=20, length_policy="drop",
-                             shard_tokens=100, seed=1, rows_per_bucket=8)
+                             shard_tokens=100, seed=1, tokens_per_bucket=40)
     rows = read_all(store, summary, tmp_path)
     by_id = {r["sample_id"]: r for r in rows}
     assert len(by_id) == len(rows) == 20 + 15  # o* are 34 tokens > 20: dropped; c0..c4 deduped
@@ -103,15 +103,15 @@ def test_merge_dedupes_counts_and_shards(store, two_datasets, tmp_path):
 
 
 def test_shuffle_is_seeded_and_independent_of_bucketing(store, two_datasets, tmp_path):
-    def order(seed, rows_per_bucket, run):
+    def order(seed, tokens_per_bucket, run):
         s = merge_datasets(store, two_datasets, run, max_length=64, shard_tokens=10_000, seed=seed,
-                           rows_per_bucket=rows_per_bucket)
+                           tokens_per_bucket=tokens_per_bucket)
         return [r["sample_id"] for r in read_all(store, s, tmp_path)]
 
-    a = order(3, 4, "r1")
+    a = order(3, 30, "r1")
     assert a == order(3, 1000, "r2")  # many buckets or one: same global order
-    assert a != order(4, 4, "r3")
-    assert sorted(a) == sorted(order(4, 4, "r3"))
+    assert a != order(4, 30, "r3")
+    assert sorted(a) == sorted(order(4, 30, "r3"))
     assert a != sorted(a)
 
 
@@ -124,3 +124,13 @@ def test_bad_rows_and_incomplete_inputs_are_user_errors(store):
         merge_datasets(store, [StageRef("r", "generate_local", "missing")], "r")
     with pytest.raises(UserError, match="length_policy"):
         merge_datasets(store, [ref], "r", length_policy="clip")
+
+
+def test_merge_refuses_ids_outside_the_vocabulary_naming_the_sample(store):
+    from tests.fixtures.kimi import VOCAB_SIZE
+
+    ref = StageRef("r", "generate_local", "oov")
+    write_stage(store, ref, [gen_row("ok1", "oov", "sglang", [1, 2], [3, IM_END]),
+                             gen_row("x9", "oov", "sglang", [1, 2], [3, VOCAB_SIZE])])
+    with pytest.raises(UserError, match=r"sample x9: field output_ids holds id 163840, outside the vocabulary \(0..163839\)"):
+        merge_datasets(store, [ref], "r", vocab_size=VOCAB_SIZE)

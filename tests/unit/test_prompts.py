@@ -144,3 +144,60 @@ def test_write_prompt_load_records_counts_rejects_and_inputs(store, tmp_path):
     rejects = pq.read_table(pa.BufferReader(store.get_bytes(ref, "rejects.parquet"))).to_pylist()
     assert [(r["line"], r["field"]) for r in rejects] == [(2, "messages[0].role")]
     assert store.read_table(ref).column("sample_id").to_pylist() == [r["sample_id"] for r in load.rows]
+
+
+# -- loud rejects and limits (issue 13 item 4) ------------------------------------------------------
+def _load_lines(tmp_path, lines: list[bytes], **kw):
+    from eagle3_data.prompts import load_prompts
+
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return load_prompts(str(path), "p", sampling={}, **kw)
+
+
+def test_invalid_utf8_is_a_reject_not_a_replacement(tmp_path):
+    load = _load_lines(tmp_path, [b'{"messages": [{"role": "user", "content": "caf\xe9"}]}',
+                                  '{"messages": [{"role": "user", "content": "café"}]}'.encode()])
+    assert len(load.rows) == 1 and "\ufffd" not in load.rows[0]["messages"]
+    assert load.rejects[0]["line"] == 1 and "invalid UTF-8" in load.rejects[0]["reason"]
+
+
+def test_message_byte_limit_and_prompt_token_limit(tmp_path):
+    from eagle3_data.prompts import limit_prompt_tokens
+
+    msg = lambda text: json.dumps({"messages": [{"role": "user", "content": text}]}).encode()  # noqa: E731
+    load = _load_lines(tmp_path, [msg("a" * 50), msg("short"), msg("b" * 30)], max_message_bytes=60, repeats=2)
+    assert [r["line"] for r in load.rejects] == [1] and "limits.max_message_bytes" in load.rejects[0]["reason"]
+    limit_prompt_tokens(load, 10, lambda messages, tools: len(messages[0]["content"]))
+    assert [r["line"] for r in load.rejects] == [1, 3]  # one reject per line, not per repeat
+    assert "30 prompt tokens, over the limit of 10" in load.rejects[1]["reason"]
+    assert len(load.rows) == 2 and load.counts["rejected"] == 2  # "short" twice (2 repeats)
+
+
+def test_unsupported_file_type_and_empty_loads_are_refused(tmp_path):
+    from eagle3_data.prompts import load_prompts, require_rows
+
+    (tmp_path / "p.csv").write_text("messages\nhi\n")
+    with pytest.raises(UserError, match="unsupported file type '.csv'"):
+        load_prompts(str(tmp_path / "p.csv"), "p", sampling={})
+    load = _load_lines(tmp_path, [b"{bad", b'{"messages": 3}'])
+    with pytest.raises(UserError, match=r"0 usable prompt rows \(2 read, 2 rejected; first: .* line 1: not valid JSON"):
+        require_rows(load, "x")
+
+
+def test_rejects_are_grouped_by_kind_with_the_first_few_shown(tmp_path):
+    from eagle3_data.prompts import format_rejects
+
+    bots = [json.dumps({"messages": [{"role": "bot", "content": str(i)}]}).encode() for i in range(5)]
+    text = format_rejects(_load_lines(tmp_path, [b"{bad", *bots]), per_kind=2)
+    assert text.splitlines()[0] == "REJECTED 6 of 6 prompt rows:"
+    assert "5 x messages[].role: … is not one of system, user, assistant, tool" in text
+    assert "line 2: messages[0].role: 'bot'" in text and "line 3:" in text and "line 4:" not in text
+    assert "1 x row: not valid JSON" in text
+
+
+def test_s3_source_needs_the_callers_client():
+    from eagle3_data.prompts import load_prompts
+
+    with pytest.raises(UserError, match="needs the caller's S3 client"):
+        load_prompts("s3://bucket/prompts", "p", sampling={})

@@ -80,6 +80,7 @@ def test_writer_commits_parts_then_manifest_with_hashes(store):
         store, n=10, rows_per_part=4, params={"temperature": 1.0}, inputs=[upstream], tokenizer_sha256="t" * 64, template_sha256="c" * 64
     )
     assert keys(store) == [
+        "_lease.json",  # released, kept: the next writer takes it over with If-Match
         "_manifest.json",
         "_progress/part-00000.json",
         "_progress/part-00001.json",

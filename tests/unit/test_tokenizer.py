@@ -90,13 +90,17 @@ def _random_text(rng: random.Random) -> str:
 
 def test_tiktoken_fast_path_agrees_with_hf(kimi_tokenizer):
     """The HF tokenizer is the definition of truth; the fast codec must give the same ids and text."""
-    fmt = get_output_format(kimi_tokenizer)
+    fmt = get_output_format(kimi_tokenizer, thinking=True)
     assert isinstance(fmt.codec, TiktokenCodec)
     hf = HFCodec(kimi_tokenizer)
     rng = random.Random(7)
     texts = [_random_text(rng) for _ in range(2000)]
     fast_ids = fmt.codec.encode_batch(texts)
     assert fast_ids == hf.encode_batch(texts)
+    # model-produced text: special-token names are ordinary text on both (tiktoken's encode_ordinary)
+    ordinary = fmt.codec.encode_ordinary_batch(texts)
+    assert ordinary == hf.encode_ordinary_batch(texts)
+    assert not any(i >= 163584 for ids in ordinary for i in ids)
     for ids in fast_ids[:300]:
         assert fmt.codec.decode(ids) == hf.decode(ids)
     ids = [rng.randrange(163840) for _ in range(20000)]  # arbitrary ids, incl. partial UTF-8 bytes

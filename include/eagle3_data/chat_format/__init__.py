@@ -1,7 +1,9 @@
 """The model's output format: render an assistant message to generated text, parse ids back.
 
-`get_output_format(tokenizer)` picks the registered format whose structural tokens the tokenizer
-carries (or the one named); special ids are always derived from the tokenizer by name.
+`get_output_format(tokenizer, thinking=...)` picks the registered format whose structural tokens
+the tokenizer carries (or the one named), bound to the generation mode once: everything after
+(render, parse, the provider's view, reconstruction, validation, calibration) takes the object,
+never a thinking flag. Special ids are always derived from the tokenizer by name.
 A new model family is a new module registering an `OutputFormat` subclass in `FORMATS`.
 """
 
@@ -15,6 +17,7 @@ from eagle3_data.chat_format.base import (
     FinishReason,
     OutputFormat,
     ParsedGeneration,
+    ProviderView,
     ToolCall,
     normalize_finish_reason,
 )
@@ -31,6 +34,7 @@ __all__ = [
     "FORMATS",
     "OutputFormat",
     "ParsedGeneration",
+    "ProviderView",
     "ToolCall",
     "find_output_format",
     "get_output_format",
@@ -46,9 +50,13 @@ def find_output_format(tokenizer: Any, name: str | None = None) -> type[OutputFo
     return next((cls for cls in FORMATS.values() if cls.matches(tokenizer)), None)
 
 
-def get_output_format(tokenizer: Any, name: str | None = None) -> OutputFormat:
-    """The format bound to this tokenizer (built once per tokenizer object: building verifies ids)."""
-    key = (name,)
+def get_output_format(tokenizer: Any, name: str | None = None, *, thinking: bool) -> OutputFormat:
+    """The format bound to this tokenizer and generation mode. `thinking` has no default: the
+    mode is the one fact every rebuild depends on. Built once per (tokenizer, name, mode); the
+    two modes share one verified codec."""
+    if not isinstance(thinking, bool):
+        raise TypeError(f"thinking must be a bool, not {type(thinking).__name__}")
+    key = (name, thinking)
     bound = _BOUND.setdefault(tokenizer, {})
     if key not in bound:
         cls = find_output_format(tokenizer, name)
@@ -57,5 +65,6 @@ def get_output_format(tokenizer: Any, name: str | None = None) -> OutputFormat:
                 f"tokenizer {getattr(tokenizer, 'name_or_path', '?')}: no known output format "
                 f"matches its special tokens (known: {', '.join(FORMATS)})"
             )
-        bound[key] = cls(tokenizer)
+        twin = bound.get((name, not thinking))
+        bound[key] = cls(tokenizer, thinking=thinking, codec=twin.codec if twin else None)
     return bound[key]

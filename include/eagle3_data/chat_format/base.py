@@ -8,7 +8,9 @@ pipeline talks to this interface, so another model family is a new module, not e
 from __future__ import annotations
 
 import json
+import re
 from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -108,15 +110,43 @@ class ParsedGeneration:
     tool_call_index_start: int | None  # the index the model gave its first call, if parseable
 
 
+@dataclass
+class ProviderView:
+    """What an OpenAI-compatible server returns for one generation, and what its parsers reshaped.
+
+    `message` is the OpenAI message the serving engine's reasoning and tool-call parsers make of
+    the generated text (the overflow path never sees more). `notes` names every way that split
+    departs from the generation (an implicit reasoning end, whitespace the tool regexes drop, a
+    call they discard...): a rebuild of such a message cannot be the generated ids, so the gate
+    classes the row `structure` whatever the ids look like.
+    """
+
+    message: dict[str, Any]
+    finish_reason: str
+    notes: list[str]
+    tool_call_index_start: int
+    text: str = ""  # the decoded generation the parsers split (stop token trimmed)
+
+
+Part = str | int  # rendered text, or a structural special id inserted by name
+
+
 class OutputFormat(ABC):
-    """One model family's generation format, bound to a tokenizer."""
+    """One model family's generation format, bound to a tokenizer AND a generation mode.
+
+    The mode (thinking on/off) is fixed at construction (`get_output_format(tok, thinking=...)`),
+    so no render/parse/reconstruct path can forget it: a prompt that ends `<think></think>` and a
+    rebuild that starts with reasoning cannot meet.
+    """
 
     name: str
     structural_tokens: tuple[str, ...]  # names the tokenizer must carry (and the audit checks)
     pattern: str | None = None  # pre-tokenizer regex for a tiktoken fast path, when the family has one
+    thinking: bool
     stop_token_ids: list[int]
     special_ids: dict[str, int]  # every structural token the format uses, by name
     codec: Codec  # bulk encode/decode, equal to the tokenizer's own
+    vocab_size: int
 
     @classmethod
     @abstractmethod
@@ -124,21 +154,44 @@ class OutputFormat(ABC):
         """Whether this tokenizer carries the format's structural tokens."""
 
     @abstractmethod
-    def render(
-        self,
-        message: AssistantMessage,
-        finish_reason: str = "stop",
-        tool_call_index_start: int = 0,
-        *,
-        thinking: bool = True,
-    ) -> str:
+    def render_parts(
+        self, message: AssistantMessage, finish_reason: str, tool_call_index_start: int = 0
+    ) -> list[Part]:
+        """The generation for `message` as text pieces (model-produced strings, encoded as ordinary
+        text) and structural ids (inserted by name): literal special-token text stays text."""
+
+    def render(self, message: AssistantMessage, finish_reason: str, tool_call_index_start: int = 0) -> str:
         """The exact text the model generates for `message` (after the generation prompt)."""
+        names = {tid: name for name, tid in self.special_ids.items()}
+        return "".join(p if isinstance(p, str) else names[p] for p in self.render_parts(message, finish_reason, tool_call_index_start))
+
+    def encode_parts_batch(self, parts: Sequence[Sequence[Part]]) -> list[list[int]]:
+        """Ids of rendered generations: text pieces through one ordinary (no special parsing) batch
+        encode, structural ids spliced in. BPE never merges across a special token, so this equals
+        encoding the whole text with its structural tokens recognised, minus the literal ones."""
+        texts = [p for row in parts for p in row if isinstance(p, str) and p]
+        encoded = iter(self.codec.encode_ordinary_batch(texts))
+        out: list[list[int]] = []
+        for row in parts:
+            ids: list[int] = []
+            for p in row:
+                if isinstance(p, int):
+                    ids.append(p)
+                elif p:
+                    ids += next(encoded)
+            out.append(ids)
+        return out
 
     @abstractmethod
-    def parse_ids(
-        self, ids: list[int], finish_reason: str | None = None, *, thinking: bool = True
-    ) -> ParsedGeneration:
-        """Split generated ids the way the serving engine's parsers do, losslessly."""
+    def parse_ids(self, ids: list[int], finish_reason: str | None = None) -> ParsedGeneration:
+        """Split generated ids losslessly (by id), for the generation rows' message fields."""
+
+    @abstractmethod
+    def provider_view(
+        self, ids: list[int], finish_reason: str, tools: list[dict[str, Any]] | None
+    ) -> ProviderView:
+        """The OpenAI message an OpenAI-compatible server's parsers make of these generated ids
+        (`tools`: the tools offered; None = unknown, taken as offered when a tool section exists)."""
 
     @abstractmethod
     def tool_call_index_start(self, messages: list[dict[str, Any]]) -> int:
@@ -146,6 +199,45 @@ class OutputFormat(ABC):
 
     @abstractmethod
     def generation_prompt_ids(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, thinking: bool = True
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
     ) -> list[int]:
-        """Prompt ids ending with the generation prompt, from the tokenizer's chat template."""
+        """Prompt ids ending with the generation prompt of this format's mode."""
+
+    def literal_special_text(self, texts: Iterable[str | None]) -> list[str]:
+        """Special-token names that occur as literal text in model-produced strings."""
+        pattern = self._literal_pattern()
+        found: set[str] = set()
+        for text in texts:
+            if text:
+                found.update(pattern.findall(text))
+        return sorted(found)
+
+    def _literal_pattern(self) -> re.Pattern:
+        cached = getattr(self, "_literal_re", None)
+        if cached is None:
+            cached = self._literal_re = re.compile(_trie_pattern(self.all_special_names))
+        return cached
+
+    all_special_names: tuple[str, ...] = ()
+
+
+def _trie_pattern(words: Iterable[str]) -> str:
+    """One regex matching any of `words`, as a prefix trie: a flat alternation of 256 special-token
+    names is tried name by name at every position (milliseconds per answer); a trie branches on
+    one character at a time. Longest match wins, as with longest-first alternation."""
+    trie: dict = {}
+    for word in words:
+        node = trie
+        for ch in word:
+            node = node.setdefault(ch, {})
+        node[""] = {}
+
+    def build(node: dict) -> str:
+        end = "" in node
+        branches = [re.escape(ch) + build(child) for ch, child in sorted(node.items()) if ch]
+        if not branches:
+            return ""
+        body = branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
+        return f"(?:{body})?" if end else body
+
+    return build(trie) or "(?!)"

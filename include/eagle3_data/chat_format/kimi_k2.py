@@ -3,9 +3,15 @@
 A generation is `{reasoning}</think>{content}[tool section]<|im_end|>`; the tool section is
 `<|tool_calls_section_begin|>` + per call `<|tool_call_begin|>functions.{name}:{idx}
 <|tool_call_argument_begin|>{json}<|tool_call_end|>` + `<|tool_calls_section_end|>`, `idx`
-counting calls across the whole conversation. Parsing follows SGLang's kimi_k2 reasoning and
-tool-call parsers (`</think>`, or the start of the tool section, ends reasoning) but keeps every
-character, so parse -> render reproduces the generated text exactly.
+counting calls across the whole conversation.
+
+Two splits of generated ids: `parse_ids` is lossless (by id; parse -> render reproduces the ids)
+and fills the local generation rows; `provider_view` is what an OpenAI-compatible server returns,
+text-based exactly as SGLang 0.5.23's kimi_k2 reasoning parser and tool-call detector do it (and
+checked against them in tests/unit/test_sglang_oracle.py): a leading `<think>` is stripped, the
+first `</think>` *text* ends reasoning (else `<|tool_calls_section_begin|>` does), calls come from
+a regex that drops whitespace around ids and arguments and anything that is not `{...}`, and the
+content is the text before the section. The validation gate rebuilds that view.
 """
 
 from __future__ import annotations
@@ -14,10 +20,14 @@ import re
 from pathlib import Path
 from typing import Any
 
+import json
+
 from eagle3_data.chat_format.base import (
     AssistantMessage,
     OutputFormat,
     ParsedGeneration,
+    Part,
+    ProviderView,
     ToolCall,
     normalize_finish_reason,
 )
@@ -55,14 +65,27 @@ CALL_BEGIN = "<|tool_call_begin|>"
 ARG_BEGIN = "<|tool_call_argument_begin|>"
 CALL_END = "<|tool_call_end|>"
 
+THINK_START = "<think>"
+CUT_AFTER_THINK_END = "cut right after </think>: the answer does not show it"
+
 # SGLang's kimi_k2 tool-call id: `functions.{name}:{idx}` (the prefix is optional there too).
 _CALL_ID = re.compile(r"^\s*(?:functions\.)?(?P<name>[^:\s]+):(?P<idx>\d+)\s*$")
+
+# SGLang 0.5.23 KimiK2Detector's regexes (function_call/kimik2_detector.py), whitespace captured
+# so the view can say what they drop; the groups do not change what matches.
+_SGL_CALL = re.compile(
+    r"<\|tool_call_begin\|>(?P<ws1>\s*)(?P<id>[^\s<|]+)(?P<ws2>\s*)<\|tool_call_argument_begin\|>"
+    r"(?P<ws3>\s*)(?P<args>\{.*?\})(?P<ws4>\s*)<\|tool_call_end\|>",
+    re.DOTALL,
+)
+_SGL_ID = re.compile(r"^(?:functions\.)?(?P<name>[\w.\-]+):(?P<index>\d+)$")
+_SGL_COUNTER = re.compile(r"^\d+$")
 
 
 class KimiK2Format(OutputFormat):
     name = "kimi_k2"
     structural_tokens = (
-        "<think>",
+        THINK_START,
         THINK_END,
         IM_END,
         "<|im_user|>",
@@ -83,8 +106,9 @@ class KimiK2Format(OutputFormat):
         vocab = tokenizer.get_added_vocab()
         return all(t in vocab for t in cls.structural_tokens)
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, *, thinking: bool, codec: Codec | None = None):
         self.tokenizer = tokenizer
+        self.thinking = bool(thinking)
         self.special_ids: dict[str, int] = {}
         for name in self.structural_tokens:
             tid, problems = check_token(tokenizer, name)
@@ -92,12 +116,15 @@ class KimiK2Format(OutputFormat):
                 raise UserError(f"tokenizer {tokenizer.name_or_path}: " + "; ".join(problems))
             self.special_ids[name] = tid
         ids = self.special_ids
-        eos = tokenizer.get_added_vocab().get(EOS)
+        added = tokenizer.get_added_vocab()
+        eos = added.get(EOS)
         self.stop_token_ids = [ids[IM_END]] + ([eos] if eos is not None and eos != ids[IM_END] else [])
+        self.vocab_size = len(tokenizer)
+        self.all_special_names = tuple(added)
         self._think_end = ids[THINK_END]
         self._section_begin, self._section_end = ids[SECTION_BEGIN], ids[SECTION_END]
         self._call_begin, self._arg_begin, self._call_end = ids[CALL_BEGIN], ids[ARG_BEGIN], ids[CALL_END]
-        self.codec: Codec = self._fast_codec() or HFCodec(tokenizer)
+        self.codec: Codec = codec or self._fast_codec() or HFCodec(tokenizer)
 
     def _fast_codec(self) -> TiktokenCodec | None:
         """tiktoken over the directory's `tiktoken.model`, used only if it agrees with the HF tokenizer."""
@@ -117,40 +144,48 @@ class KimiK2Format(OutputFormat):
             return None
         return codec
 
-    def render(
-        self,
-        message: AssistantMessage,
-        finish_reason: str = "stop",
-        tool_call_index_start: int = 0,
-        *,
-        thinking: bool = True,
-    ) -> str:
+    # ------------------------------------------------------------------ render
+
+    def render_parts(
+        self, message: AssistantMessage, finish_reason: str, tool_call_index_start: int = 0
+    ) -> list[Part]:
         finish = normalize_finish_reason(finish_reason)
-        parts: list[str] = []
-        if thinking:
+        ids = self.special_ids
+        parts: list[Part] = []
+        if self.thinking:
             closed = message.reasoning_closed
             if closed is None:
                 has_more = bool(message.content) or bool(message.tool_calls) or message.tool_tail is not None
                 closed = finish == "stop" or has_more
             parts.append(message.reasoning or "")
             if closed:
-                parts.append(THINK_END)
+                parts.append(ids[THINK_END])
         elif message.reasoning:
             raise UserError("message has reasoning but thinking is off: nothing in the format can carry it")
         parts.append(message.content or "")
         if message.tool_calls or message.tool_tail is not None:
-            parts.append(SECTION_BEGIN)
+            parts.append(ids[SECTION_BEGIN])
             for offset, call in enumerate(message.tool_calls):
                 call_id = f"functions.{call.name}:{tool_call_index_start + offset}"
-                parts += [CALL_BEGIN, call_id, ARG_BEGIN, call.arguments, CALL_END]
-            parts.append(message.tool_tail if message.tool_tail is not None else SECTION_END)
+                parts += [ids[CALL_BEGIN], call_id, ids[ARG_BEGIN], call.arguments, ids[CALL_END]]
+            if message.tool_tail is not None:
+                parts += self._tail_parts(message.tool_tail)
+            else:
+                parts.append(ids[SECTION_END])
         if finish == "stop":
-            parts.append(IM_END)
-        return "".join(parts)
+            parts.append(ids[IM_END])
+        return parts
 
-    def parse_ids(
-        self, ids: list[int], finish_reason: str | None = None, *, thinking: bool = True
-    ) -> ParsedGeneration:
+    def _tail_parts(self, tail: str) -> list[Part]:
+        """A lossless parse's raw section tail: its structural names are structure (they came
+        from ids), the rest text."""
+        names = {name: tid for name, tid in self.special_ids.items()}
+        pieces = re.split("(" + "|".join(map(re.escape, names)) + ")", tail)
+        return [names.get(p, p) for p in pieces if p]
+
+    # ------------------------------------------------------------------ lossless parse
+
+    def parse_ids(self, ids: list[int], finish_reason: str | None = None) -> ParsedGeneration:
         ids = list(ids)
         stop_id = ids.pop() if ids and ids[-1] in self.stop_token_ids else None
         if stop_id is not None:
@@ -160,7 +195,7 @@ class KimiK2Format(OutputFormat):
         decode = self.codec.decode
         msg = AssistantMessage()
         rest = ids
-        if thinking:
+        if self.thinking:
             end = _index(ids, self._think_end)
             section = _index(ids, self._section_begin)
             if end is not None and (section is None or end < section):
@@ -201,16 +236,139 @@ class KimiK2Format(OutputFormat):
             return calls, None, first_index
         return calls, decode(ids[pos:]), first_index
 
+    # ------------------------------------------------------------------ the provider's view
+
+    def provider_view(
+        self, ids: list[int], finish_reason: str, tools: list[dict[str, Any]] | None
+    ) -> ProviderView:
+        ids = list(ids)
+        if ids and ids[-1] in self.stop_token_ids:
+            ids.pop()  # the server trims the matched stop token from the text
+        finish = normalize_finish_reason(finish_reason)
+        text = self.codec.decode(ids)  # skip_special_tokens=False, as SGLang sets it for these parsers
+        notes: list[str] = []
+        reasoning, normal = split_reasoning(text, force_reasoning=self.thinking, notes=notes)
+        if reasoning is not None and not self.thinking:
+            notes.append("reasoning opened with <think> although thinking is off")
+        if finish == "length" and reasoning is not None and normal == "" and text.endswith(THINK_END):
+            notes.append(CUT_AFTER_THINK_END)
+        content, calls, start = normal, [], 0
+        offered = tools is None or bool(tools)
+        if SECTION_BEGIN in normal:
+            if offered:
+                content, calls, start = self._split_tools(normal, tools, notes)
+            else:
+                notes.append("tool section generated with no tools offered: returned as content text")
+        message: dict[str, Any] = {"role": "assistant", "content": content or ""}
+        message["reasoning_content"] = reasoning or None
+        if calls:
+            message["tool_calls"] = [
+                {"id": f"functions.{name}:{start + i}", "type": "function", "function": {"name": name, "arguments": args}}
+                for i, (name, args) in enumerate(calls)
+            ]
+        out_finish = "length" if finish == "length" else ("tool_calls" if calls else "stop")
+        return ProviderView(message, out_finish, notes, start, text)
+
+    def _split_tools(
+        self, normal: str, tools: list[dict[str, Any]] | None, notes: list[str]
+    ) -> tuple[str, list[tuple[str, str]], int]:
+        """SGLang's `detect_and_parse`: calls by regex over the whole text, content = text before
+        the section. Returns content, [(name, arguments)], and the model's first call index."""
+        bot = normal.find(SECTION_BEGIN)
+        calls: list[tuple[str, str]] = []
+        start: int | None = None
+        pos = bot + len(SECTION_BEGIN)
+        for m in _SGL_CALL.finditer(normal):
+            if m.start() < bot:
+                notes.append("tool call text before the tool section")
+            elif normal[pos : m.start()]:
+                gap = normal[pos : m.start()]
+                notes.append("call dropped by the tool parser" if CALL_BEGIN in gap else "text between tool calls dropped")
+            pos = max(pos, m.end())
+            if any(m[g] for g in ("ws1", "ws2", "ws3", "ws4")):
+                notes.append("whitespace around a tool-call id or arguments dropped")
+            name, index = _call_name(m["id"], tools, m["args"])
+            if name is None:
+                notes.append(f"tool call id {m['id']!r} not understood: call dropped")
+                continue
+            if start is None:
+                start = index if index is not None else 0
+            if m["id"] != f"functions.{name}:{start + len(calls)}":
+                notes.append(f"tool call id {m['id']!r} rewritten by the server")
+            try:
+                json.loads(m["args"])
+            except ValueError:
+                notes.append("tool call arguments are not valid JSON")
+            calls.append((name, m["args"]))
+        tail = normal[pos:]
+        if tail != SECTION_END:
+            if CALL_BEGIN in tail:
+                notes.append("call dropped by the tool parser")
+            elif tail.startswith(SECTION_END):
+                notes.append("text after the tool section dropped")
+            else:
+                notes.append("tool section not closed: its tail is dropped")
+        return normal[:bot], calls, start or 0
+
+    # ------------------------------------------------------------------ prompts
+
     def tool_call_index_start(self, messages: list[dict[str, Any]]) -> int:
         return sum(len(m.get("tool_calls") or []) for m in messages if m.get("role") == "assistant")
 
     def generation_prompt_ids(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, thinking: bool = True
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
     ) -> list[int]:
         text = self.tokenizer.apply_chat_template(
-            messages, tools=tools or None, add_generation_prompt=True, tokenize=False, thinking=thinking
+            messages, tools=tools or None, add_generation_prompt=True, tokenize=False, thinking=self.thinking
         )
         return self.codec.encode_batch([text])[0]
+
+
+def split_reasoning(text: str, *, force_reasoning: bool, notes: list[str] | None = None) -> tuple[str | None, str]:
+    """SGLang 0.5.23 KimiK2Detector.detect_and_parse (reasoning_parser.py): (reasoning, normal text)."""
+    notes = notes if notes is not None else []
+    if not (force_reasoning or THINK_START in text):
+        return None, text
+    processed = text
+    if processed.startswith(THINK_START):
+        notes.append("leading <think> stripped by the reasoning parser")
+    while processed.startswith(THINK_START):
+        processed = processed[len(THINK_START) :]
+    if THINK_END not in processed:
+        idx = processed.find(SECTION_BEGIN)
+        if idx != -1:
+            notes.append("reasoning ended by the tool section without </think>: the rebuild inserts one")
+            return processed[:idx], processed[idx:]
+        return processed, ""
+    reasoning, normal = processed.split(THINK_END, 1)
+    return reasoning, normal
+
+
+def _call_name(call_id: str, tools: list[dict[str, Any]] | None, args: str) -> tuple[str | None, int | None]:
+    """SGLang's `_parse_tool_call_id`: `functions.name:idx`, or a bare counter whose name is
+    inferred from the offered tools (one tool: it; several: the best key overlap)."""
+    m = _SGL_ID.match(call_id)
+    if m:
+        return m["name"], int(m["index"])
+    if not _SGL_COUNTER.match(call_id):
+        return None, None
+    index = int(call_id)
+    fns = [(t.get("function") or {}) for t in tools or []]
+    if len(fns) == 1:
+        return fns[0].get("name"), index
+    try:
+        keys = set(json.loads(args))
+    except (ValueError, TypeError):
+        return None, index
+    best, best_score = None, -1
+    for fn in fns:
+        props = set(((fn.get("parameters") or {}).get("properties") or {}))
+        if not props:
+            continue
+        score = len(keys & props) - len(keys - props)
+        if score > best_score:
+            best, best_score = fn.get("name"), score
+    return best, index
 
 
 def _index(ids: list[int], value: int, start: int = 0) -> int | None:

@@ -20,25 +20,74 @@ COMMAND_MODULES = [
     "merge",
     "extract",
     "report",
+    "config",
+    "stage",
+    "s3",
+    "prompts",
     "dev",
 ]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="eagle3-data", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="eagle3-data", description=__doc__.splitlines()[0],
+                                     epilog="--debug (anywhere): show the traceback of an error")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(f"eagle3_data.cli.{name}").register(subparsers)
     return parser
 
 
+def _known_error(exc: BaseException) -> str | None:
+    """A one-line message for failures that are about the user's data or environment, not a bug:
+    unreadable files, unreachable or refusing S3, malformed JSON/Parquet. None for anything else."""
+    import json
+
+    import pyarrow as pa
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    from eagle3_data.storage.client import describe_client_error
+
+    if isinstance(exc, ClientError):
+        return describe_client_error(exc)
+    if isinstance(exc, BotoCoreError):
+        return f"S3: {exc}"
+    if isinstance(exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)):
+        return f"{exc.strerror}: {exc.filename}" if exc.filename else str(exc)
+    if isinstance(exc, UnicodeDecodeError):
+        return f"not UTF-8 text: {exc.reason} at byte {exc.start}"
+    if isinstance(exc, json.JSONDecodeError):
+        return f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"
+    if isinstance(exc, (pa.ArrowException, OSError)):
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. Bad input, a missing bucket or an unreachable service end in ONE line on
+    stderr and exit 2 (1 for a failed gate); `--debug` (anywhere on the line, or EAGLE3_DEBUG=1)
+    adds the traceback. Anything else is a bug and keeps its traceback."""
+    import os
+    import traceback
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("EAGLE3_DEBUG") == "1"
+    argv = [a for a in argv if a != "--debug"]
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except UserError as exc:
-        print(f"eagle3-data: error: {exc}", file=sys.stderr)
-        return exc.exit_code
+    except KeyboardInterrupt:
+        print("eagle3-data: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        message = str(exc) if isinstance(exc, UserError) else _known_error(exc)
+        if message is None:
+            raise
+        if debug:
+            traceback.print_exc()
+        if not isinstance(exc, UserError):
+            message = " ".join(message.split())[:2000] + " (--debug shows the traceback)"
+        print(f"eagle3-data: error: {message}", file=sys.stderr)
+        return getattr(exc, "exit_code", 2)
 
 
 if __name__ == "__main__":

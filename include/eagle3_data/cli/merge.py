@@ -38,7 +38,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="longer samples: cut at --max-length (SpecForge) or drop (Model-Optimizer)")
     p.add_argument("--shard-tokens", type=int, default=1 << 20, help="target tokens per shard")
     p.add_argument("--seed", type=int, default=0, help="shuffle seed")
-    p.add_argument("--rows-per-bucket", type=int, default=50_000, help="memory bound of the external shuffle")
+    p.add_argument("--tokens-per-bucket", type=int, default=None,
+                   help="memory bound of the external shuffle (~8 bytes per token; default 16.8M tokens)")
     add_store_args(p)
     p.set_defaults(func=_run)
 
@@ -57,7 +58,7 @@ def _run(args: argparse.Namespace) -> int:
     summary = merge_datasets(
         store, [ref for _, _, ref in parsed], args.out_run_key, max_length=args.max_length,
         length_policy=args.length_policy, shard_tokens=args.shard_tokens, seed=args.seed,
-        out_dataset=args.out_dataset, rows_per_bucket=args.rows_per_bucket,
+        out_dataset=args.out_dataset, **({"tokens_per_bucket": args.tokens_per_bucket} if args.tokens_per_bucket else {}),
     )
     print(json.dumps({"uri": summary["uri"], "shards": len(summary["shards"]), "totals": summary["totals"],
                       "datasets": summary["datasets"]}, indent=1))

@@ -13,6 +13,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--input", required=True, help="JSONL or .parquet: sample_id, reasoning, content, tool_calls, finish_reason, [messages], [tools]")
     p.add_argument("--out", required=True, help="JSONL or .parquet: sample_id, finish_reason, output_ids, unreconstructable "
                    "(the reason when the text cannot determine the ids; output_ids is then null)")
+    p.add_argument("--thinking", action=argparse.BooleanOptionalAction, required=True,
+                   help="the generation mode the answers were made with (required: thinking off has no </think>)")
     p.add_argument("--trust-remote-code", action="store_true")
     p.set_defaults(func=_run)
 
@@ -23,7 +25,7 @@ def _run(args: argparse.Namespace) -> int:
     from eagle3_data.tokenizer import load_bulk_tokenizer
 
     tokenizer = load_bulk_tokenizer(args.tokenizer, trust_remote_code=args.trust_remote_code)
-    fmt = get_output_format(tokenizer)
+    fmt = get_output_format(tokenizer, thinking=args.thinking)
     rows = (row_to_reconstruct(fmt, record, where) for where, record in read_records(args.input))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -31,7 +33,7 @@ def _run(args: argparse.Namespace) -> int:
     excluded = []
 
     def results():
-        for r, ids in reconstruct_rows(tokenizer, rows):
+        for r, ids in reconstruct_rows(fmt, rows):
             if r.unreconstructable:
                 excluded.append(r.sample_id)
             yield {"sample_id": r.sample_id, "finish_reason": r.finish_reason,

@@ -8,10 +8,10 @@ import sys
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("report", help="render a run's validation report as HTML or JSON")
+    p = subparsers.add_parser("report", help="render a run's validation report as HTML, Markdown or JSON")
     p.add_argument("--run-key", required=True, help="date=YYYY-MM-DD or the run_name of a manual run")
-    p.add_argument("--config", default=None, help="pipeline config (default: $EAGLE3_CONFIG or include/config/pipeline.yaml)")
-    p.add_argument("--format", choices=["html", "json"], default="html")
+    p.add_argument("--config", default=None, help="pipeline config (default: $EAGLE3_CONFIG or the packaged pipeline.yaml)")
+    p.add_argument("--format", choices=["html", "markdown", "json"], default="html")
     p.add_argument("--out", default="-", help="file to write (default: stdout)")
     p.add_argument("--endpoint-url", default=None, help="S3 endpoint (default: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL)")
     p.add_argument("--region", default=None)
@@ -20,16 +20,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from eagle3_data.config import load_config
-    from eagle3_data.report_view import load_run_report, render_html
+    from eagle3_data.report import load_run_report, render_html, render_markdown
     from eagle3_data.storage import ArtifactStore, s3_client
 
     storage = load_config(args.config).storage
     store = ArtifactStore(s3_client(args.endpoint_url, args.region), storage.bucket, storage.prefix)
     report = load_run_report(store, args.run_key)
+    title = f"EAGLE-3 validation report: {args.run_key}"
     if args.format == "json":
         text = json.dumps(report.summary(), indent=1, ensure_ascii=False) + "\n"
+    elif args.format == "markdown":
+        text = render_markdown(report, title=title)
     else:
-        text = render_html(report, title=f"EAGLE-3 validation report: {args.run_key}")
+        text = render_html(report, title=title)
     if args.out == "-":
         sys.stdout.write(text)
     else:

@@ -10,7 +10,13 @@ YAML shape (every key optional)::
     model: moonshotai/kimi-k2.5
     provider: DevProvider
     price_per_token: {prompt: 6.0e-7, completion: 2.5e-6}   # USD -> usage.cost
-    include_stop_in_output_ids: true     # whether /generate output_ids end with <|im_end|>
+    include_stop_in_output_ids: true     # whether /generate output_ids end with <|im_end|> (SGLang: always)
+    stop_id_override: null               # a misconfigured server: stop with this id instead (e.g. 163533)
+    warmup_s: 0.0                        # /health (and /generate) answer 503 for this long after (re)config
+    healthy: true                        # false: /health and /generate answer 503 (an endpoint that is down)
+    refuse_first: 0                      # the first N /generate requests answer 503, /health too until all N
+                                         # are refused: an endpoint that goes down and comes back
+    weight_version: dev                  # /model_info and meta_info.weight_version
     datasets:                            # picked by header X-Eagle3-Dataset, else "default"
       default: {noncanonical_rate: 0.0}
       tool_calls: {noncanonical_rate: 0.02}
@@ -28,6 +34,7 @@ YAML shape (every key optional)::
         trim_whitespace: 0.1
         rewrite_tool_call_ids: 0.1
         reserialize_arguments: 0.1
+        omit_cost: 0.0                             # answer without usage.cost (a provider that does not price)
         credits_after: null                        # 402 for every request after N answered ones
 """
 
@@ -61,6 +68,7 @@ class EndpointFaults:
     trim_whitespace: float = 0.0
     rewrite_tool_call_ids: float = 0.0
     reserialize_arguments: float = 0.0
+    omit_cost: float = 0.0
     credits_after: int | None = None
 
     def draw(self, rng: random.Random) -> tuple[str | None, set[str], float]:
@@ -73,6 +81,8 @@ class EndpointFaults:
                 break
             u -= p
         rewrites = {name for name in CONTENT_FAULTS if rng.random() < getattr(self, name)}
+        if self.omit_cost and rng.random() < self.omit_cost:  # drawn only when set: other seeds keep their draws
+            rewrites.add("omit_cost")
         return error, rewrites, self._latency(rng)
 
     def _latency(self, rng: random.Random) -> float:
@@ -92,6 +102,11 @@ class ServerConfig:
     provider: str = "DevProvider"
     price_per_token: dict = field(default_factory=lambda: {"prompt": 6.0e-7, "completion": 2.5e-6})
     include_stop_in_output_ids: bool = True
+    stop_id_override: int | None = None
+    warmup_s: float = 0.0
+    healthy: bool = True
+    refuse_first: int = 0
+    weight_version: str = "dev"
     datasets: dict = field(default_factory=lambda: {"default": {"noncanonical_rate": 0.0}})
     endpoints: dict[str, EndpointFaults] = field(default_factory=dict)
 

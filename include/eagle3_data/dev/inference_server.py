@@ -64,6 +64,9 @@ class _State:
 
     def reset(self, config: ServerConfig) -> None:
         self.config = config
+        self.ready_at = time.monotonic() + config.warmup_s
+        self.rids: set[str] = set()  # registered (in-flight) request ids, as SGLang keeps them
+        self.refused = 0
         if hasattr(self, "model"):
             self.model.rates = config.noncanonical_rates()  # keeps its vocabulary tables
         else:
@@ -122,13 +125,21 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
         state.stats.answered[endpoint][key] += 1
         return True
 
-    @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200)
+    def unavailable() -> bool:
+        down = 0 < state.refused < state.config.refuse_first
+        return down or not state.config.healthy or time.monotonic() < state.ready_at
 
-    @app.get("/get_model_info")
+    @app.get("/health")
+    @app.get("/health_generate")
+    async def health() -> Response:
+        """SGLang answers 503 while warming up (its /health runs a one-token generation)."""
+        return Response(status_code=503 if unavailable() else 200)
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")  # deprecated name, still served by SGLang 0.5.23
     async def model_info() -> dict:
-        return {"model_path": state.config.model, "tokenizer_path": str(tok.name_or_path), "is_generation": True}
+        return {"model_path": state.config.model, "tokenizer_path": str(tok.name_or_path), "is_generation": True,
+                "weight_version": state.config.weight_version}
 
     @app.get("/dev/stats")
     async def dev_stats() -> dict:
@@ -151,15 +162,41 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
+        """SGLang's /generate, protocol-true: it rejects what SGLang 0.5.23 rejects, in its shapes
+        (schema errors `{"error": "<str>"}`, input errors `{"error": {"message": ...}}`)."""
         try:
             body = await request.json()
         except ValueError:
-            return JSONResponse({"error": {"message": "body is not JSON"}}, status_code=400)
+            return JSONResponse({"error": "expected value at line 1 column 1"}, status_code=400)
+        if unavailable() or state.refused < state.config.refuse_first:
+            state.refused += 1
+            return JSONResponse({"error": {"message": "The server is not ready"}}, status_code=503)
+        problem = _generate_contract_error(body)
+        if problem is not None:
+            return JSONResponse({"error": problem}, status_code=400)
         batch, prompts = _generate_prompts(body, tok)
         if prompts is None:
-            return JSONResponse({"error": {"message": "need input_ids or text"}}, status_code=400)
+            return JSONResponse({"error": {"message": "Either text, input_ids or input_embeds should be provided."}},
+                                status_code=400)
+        vocab = len(tok)
+        for prompt in prompts:
+            bad = next((t for t in prompt if not 0 <= t < vocab), None)
+            if bad is not None:
+                return JSONResponse({"error": {"message": f"The input_ids {bad} is out of the vocabulary "
+                                               f"(vocab size {vocab})."}}, status_code=400)
         sp = body.get("sampling_params") or {}
         rids = body.get("rid")
+        rid_list = [r for r in (rids if isinstance(rids, list) else [rids]) if r is not None]
+        duplicate = next((r for r in rid_list if r in state.rids), None)
+        if duplicate is not None:
+            return JSONResponse({"error": {"message": f"Duplicate request ID detected: {duplicate}"}}, status_code=400)
+        state.rids.update(rid_list)
+        try:
+            return await _answer_generate(request, body, batch, prompts, sp, rids)
+        finally:
+            state.rids.difference_update(rid_list)
+
+    async def _answer_generate(request: Request, body: dict, batch: bool, prompts, sp: dict, rids) -> Response:
         key = request.headers.get(SAMPLE_HEADER) or (json.dumps(rids) if rids else str(hash(tuple(prompts[0]))))
         error, _, faults = await admit("generate", request, key)
         if error and error not in ("malformed_json", "empty_content"):
@@ -167,25 +204,31 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
         dataset = request.headers.get(DATASET_HEADER)
         outs = []
         started = time.time()
+        override = state.config.stop_id_override
         for i, prompt in enumerate(prompts):
             gen = generate_cached(tuple(prompt), int(sp.get("max_new_tokens", 128)),
-                                  float(sp.get("temperature", 1.0)), sp.get("sampling_seed", sp.get("seed")), dataset)
-            ids = list(gen.output_ids)
-            if gen.matched_stop is not None and not state.config.include_stop_in_output_ids:
+                                  float(sp.get("temperature", 1.0)), sp.get("sampling_seed"), dataset)
+            generated = list(gen.output_ids)
+            matched = gen.matched_stop
+            if matched is not None and override is not None:  # a server told to stop on another id
+                generated[-1] = matched = override
+            ids = generated
+            if matched is not None and not state.config.include_stop_in_output_ids:
                 ids = ids[:-1]
-            finish = ({"type": "stop", "matched": gen.matched_stop} if gen.finish_reason == "stop"
-                      else {"type": "length", "length": len(gen.output_ids)})
+            finish = ({"type": "stop", "matched": matched} if gen.finish_reason == "stop"
+                      else {"type": "length", "length": len(generated)})
             rid = rids[i] if isinstance(rids, list) else rids
             outs.append({
-                "text": tok.decode(gen.output_ids, skip_special_tokens=True),
+                "text": tok.decode(generated[:-1] if matched is not None else generated, skip_special_tokens=True),
                 "output_ids": ids,
                 "meta_info": {
                     "id": rid or uuid.uuid4().hex,
                     "finish_reason": finish,
                     "prompt_tokens": len(prompt),
-                    "completion_tokens": len(gen.output_ids),
+                    "completion_tokens": len(generated),
                     "cached_tokens": 0,
                     "e2e_latency": time.time() - started,
+                    "weight_version": state.config.weight_version,
                     "dev_noncanonical_splits": gen.noncanonical_splits,
                 },
             })
@@ -226,6 +269,62 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
     return app
 
 
+# SGLang 0.5.23's accepted sampling params, in its own order (sglang/api/v1/api_types.py):
+# anything else inside `sampling_params` is a 400 with serde's `unknown field` text.
+SAMPLING_FIELDS = ("max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
+                   "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema",
+                   "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
+                   "spaces_between_special_tokens", "no_stop_trim", "stream_interval", "logit_bias", "sampling_seed",
+                   "custom_params", "beam_width", "watermark", "choice")
+
+
+def _generate_contract_error(body) -> str | None:
+    """The schema checks of SGLang's `generate_contract_error` that a client can trip: the body
+    shape, `input_ids` as ints or lists of ints, and `sampling_params` keys and int fields."""
+    if not isinstance(body, dict):
+        return "invalid type: sequence, expected struct GenerateRequest" if isinstance(body, list) else \
+            "invalid type, expected struct GenerateRequest"
+    ids = body.get("input_ids")
+    if ids is not None:
+        if not isinstance(ids, list):
+            return f"invalid type: {_unexpected(ids)}, expected a value or an array of values for TokenIdsOrList"
+        number = bool(ids) and isinstance(ids[0], (int, float)) and not isinstance(ids[0], bool)
+        rows = [ids] if not ids or number else ids  # [] and [scalar, ...] are one list; else a batch
+        for row in rows:
+            if not isinstance(row, list):
+                return f"invalid type: {_unexpected(row)}, expected a sequence"
+            for t in row:
+                if not (isinstance(t, int) and not isinstance(t, bool)):
+                    return f"invalid type: {_unexpected(t)}, expected i64"
+    sp = body.get("sampling_params")
+    if sp is not None:
+        if not isinstance(sp, dict):
+            return f"invalid type: {_unexpected(sp)}, expected struct SamplingParams"
+        for key, value in sp.items():
+            if key not in SAMPLING_FIELDS:
+                listed = ", ".join(f"`{f}`" for f in SAMPLING_FIELDS)
+                return f"unknown field `{key}`, expected one of {listed}"
+            if key in ("max_new_tokens", "min_new_tokens", "top_k", "n", "sampling_seed") and value is not None \
+                    and not (isinstance(value, int) and not isinstance(value, bool)):
+                return f"invalid type: {_unexpected(value)}, expected i64"
+    return None
+
+
+def _unexpected(v) -> str:
+    """serde's `Unexpected` display, as SGLang's contract errors print it."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return f"boolean `{'true' if v else 'false'}`"
+    if isinstance(v, int):
+        return f"integer `{v}`"
+    if isinstance(v, float):
+        return f"floating point `{v}`"
+    if isinstance(v, str):
+        return f'string "{v}"'
+    return "sequence" if isinstance(v, list) else "map" if isinstance(v, dict) else type(v).__name__
+
+
 def _generate_prompts(body: dict, tok) -> tuple[bool, list[list[int]] | None]:
     ids, text = body.get("input_ids"), body.get("text")
     if ids is not None:
@@ -258,7 +357,7 @@ def _chat_answer(gen: Generation, prompt_tokens: int, config: ServerConfig, rewr
     message = {"role": "assistant", "content": content, "refusal": None, "reasoning": reasoning or None}
     if calls:
         message["tool_calls"] = calls
-    return {
+    answer = {
         "id": "gen-" + uuid.uuid4().hex[:24],
         "provider": config.provider,
         "model": config.model,
@@ -276,6 +375,9 @@ def _chat_answer(gen: Generation, prompt_tokens: int, config: ServerConfig, rewr
             "completion_tokens_details": {"reasoning_tokens": gen.reasoning_tokens},
         },
     }
+    if "omit_cost" in rewrites:
+        del answer["usage"]["cost"]
+    return answer
 
 
 def _openrouter_error(code: int, message: str, headers: dict | None = None) -> JSONResponse:

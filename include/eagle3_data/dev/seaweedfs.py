@@ -91,6 +91,9 @@ def credentials() -> tuple[str, str]:
     )
 
 
+MAX_VOLUMES = 10_000
+
+
 def start_seaweedfs(
     dir: str | os.PathLike,
     port: int | None = None,
@@ -136,6 +139,10 @@ def start_seaweedfs(
         "-s3.port.iceberg=0",
         "-s3.port.lance=0",
         "-master.telemetry=false",
+        # Every bucket is a collection with volumes of its own; mini's auto limit ran out of free
+        # volumes at ~72 buckets ("No writable volumes and no free volumes left"). Volume files
+        # grow as written, so a high cap costs nothing until used.
+        f"-volume.max={MAX_VOLUMES}",
         *(f"-{flag}={value}" for flag, value in ports.items()),
     ]
     env = dict(os.environ, AWS_ACCESS_KEY_ID=access_key, AWS_SECRET_ACCESS_KEY=secret_key)

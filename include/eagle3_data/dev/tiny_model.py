@@ -5,6 +5,13 @@ Kimi-K2.5's text backbone is DeepSeek-V3 (MLA + MoE), so the tiny model exercise
 while the vocabulary comes from the real tokenizer so ids never index out of range. Weights are
 a pure function of the seed and the shape arguments: the same call gives the same
 safetensors bytes, so tests can cache the directory by the hash of this file.
+
+The shapes are also the ones a real engine accepts (vLLM's CPU MLA kernels, ENVIRONMENT.md):
+`kv_lora_rank=512` and `qk_rope_head_dim=64` (the only sizes those kernels take), Kimi-K2.5's
+yarn `rope_parameters` (with `rope_type: default` vLLM's CPU rotary kernel mishandles MLA's
+strided q_pe/k_pe views, 1.2% error), and `topk_method: noaux_tc` + `scoring_func: sigmoid`
+written into config.json: transformers 5.x always routes that way but writes neither key, and
+without them vLLM fails on `e_score_correction_bias` or silently routes with softmax.
 """
 
 from __future__ import annotations
@@ -23,8 +30,23 @@ TOKENIZER_FILES = (
 )
 
 
+# Kimi-K2.5's text config (rope_scaling there; transformers 5.x calls it rope_parameters).
+KIMI_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 50_000.0,
+    "factor": 64.0,
+    "original_max_position_embeddings": 4096,
+    "beta_fast": 1.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+# Routing keys DeepSeek-V3/Kimi checkpoints carry and engines read (transformers does not write them).
+ENGINE_CONFIG_KEYS = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+
+
 def tiny_config(vocab_size: int, *, layers: int = 8, hidden: int = 64, special: dict[str, int] | None = None):
-    """A DeepseekV3Config that builds and runs on CPU in well under a second (ENVIRONMENT.md)."""
+    """A DeepseekV3Config that builds and runs on CPU in about a second, in transformers and in vLLM."""
     from transformers import DeepseekV3Config
 
     special = special or {}
@@ -43,12 +65,13 @@ def tiny_config(vocab_size: int, *, layers: int = 8, hidden: int = 64, special: 
         n_group=2,
         topk_group=1,
         first_k_dense_replace=1,
-        kv_lora_rank=16,
+        kv_lora_rank=512,
         q_lora_rank=32,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=16,
-        v_head_dim=16,
-        max_position_embeddings=16_384,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        max_position_embeddings=262_144,  # Kimi-K2.5: original 4096 x yarn factor 64
+        rope_parameters=dict(KIMI_ROPE),
         bos_token_id=special.get("bos"),
         eos_token_id=special.get("eos"),
         pad_token_id=special.get("pad"),
@@ -96,6 +119,10 @@ def build_tiny_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
+    config_path = out / "config.json"
+    config_json = json.loads(config_path.read_text())
+    config_json.update(ENGINE_CONFIG_KEYS)
+    config_path.write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
     for name in TOKENIZER_FILES:
         src = tokenizer_dir / name
         if src.exists():

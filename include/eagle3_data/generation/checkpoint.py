@@ -6,7 +6,9 @@ Paid work must never be lost or paid twice, so every answer takes three steps:
      `flush_interval_s` seconds, whichever comes first,
   3. on resume, journal rows not yet committed are written again without a request.
 A worker resumed on another machine has no journal: it loses at most the answers of one
-unfinished part (bounded by rows and seconds). Requests in flight at the kill may still be
+unfinished part (bounded by rows and seconds). Only one worker runs a stage at a time: the
+storage writer holds the stage's S3 lease from before the first request to the manifest, and a
+resume re-hashes every committed part before it trusts it (storage/lease.py, storage/writer.py). Requests in flight at the kill may still be
 billed by a provider that does not cancel on disconnect (at most `concurrency` samples).
 
 Failures: a failed row is committed only when it is final: a permanent error (HTTP 400/403, a
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eagle3_data.canonical import canonical_json
 from eagle3_data.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -86,8 +89,8 @@ def base_row(p: Prompt, prompt_ids: list[int] | None, source: str) -> dict[str, 
     return {
         "sample_id": p.sample_id,
         "dataset": p.dataset,
-        "messages": p.raw["messages"] if isinstance(p.raw.get("messages"), str) else _canonical(p.messages),
-        "tools": (p.raw["tools"] if isinstance(p.raw.get("tools"), str) else _canonical(p.tools)) if p.tools else None,
+        "messages": p.raw["messages"] if isinstance(p.raw.get("messages"), str) else canonical_json(p.messages),
+        "tools": (p.raw["tools"] if isinstance(p.raw.get("tools"), str) else canonical_json(p.tools)) if p.tools else None,
         "prompt_ids": prompt_ids,
         "output_ids": None,
         "source": source,
@@ -102,8 +105,12 @@ def base_row(p: Prompt, prompt_ids: list[int] | None, source: str) -> dict[str, 
     }
 
 
-def _canonical(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+def failed_row(p: Prompt, prompt_ids: list[int] | None, source: str, reason: str) -> dict[str, Any]:
+    """A failed generation row; both clients return it as `(row, permanent)`: `permanent` True
+    means the error will not heal (HTTP 400, a prompt the template refuses) and the row is final."""
+    row = base_row(p, prompt_ids, source)
+    row.update(status="failed", error=reason)
+    return row
 
 
 class Stop(Exception):
@@ -116,13 +123,15 @@ class StageRun:
     def __init__(self, store, ref, prompts: list[Prompt], *, rows_per_part: int, params: dict,
                  inputs: list | None = None, tokenizer_sha256: str | None = None,
                  template_sha256: str | None = None, journal_dir: str | Path | None = None,
-                 max_failed_runs: int = 2, flush_interval_s: float = 30.0):
+                 max_failed_runs: int = 2, flush_interval_s: float = 30.0, rerun: bool = False,
+                 side_files: dict[str, bytes] | None = None):
         self.store, self.ref, self.prompts = store, ref, prompts
         self.writer_args = dict(rows_per_part=rows_per_part, params=params, inputs=inputs,
-                                tokenizer_sha256=tokenizer_sha256, template_sha256=template_sha256)
+                                tokenizer_sha256=tokenizer_sha256, template_sha256=template_sha256, reopen=rerun)
         key = hashlib.sha256(json.dumps([store.uri(ref), params], sort_keys=True, default=str).encode()).hexdigest()[:20]
         self.journal_path = Path(journal_dir or default_journal_dir()) / f"{ref.stage}-{ref.dataset}-{key}.jsonl"
         self.max_failed_runs = max_failed_runs
+        self.side_files = dict(side_files or {})  # e.g. rejects.parquet of the CLI's prompt load
         self.flush_interval_s = flush_interval_s
         self.counts = {"ok": 0, "failed": 0, "skipped": 0, "replayed": 0, "retry_later": 0}
         self.tokens = 0
@@ -135,10 +144,13 @@ class StageRun:
         self._last_flush = time.monotonic()
 
     def __enter__(self) -> StageRun:
-        self._cm = self.store.writer(self.ref, "generations", **self.writer_args)
+        # the writer takes the stage's lease first: a second writer fails here, before any request
+        self._cm = self.store.writer(self.ref, "generations", part_summary=part_cost, **self.writer_args)
         self.writer = self._cm.__enter__()
         try:
             self._resume()
+            for name, data in self.side_files.items():
+                self.store.put_bytes(self.ref, name, data)
         except BaseException as exc:
             self._cm.__exit__(type(exc), exc, exc.__traceback__)
             raise
@@ -147,13 +159,21 @@ class StageRun:
     def __exit__(self, exc_type, exc, tb) -> bool:
         self._journal.close()
         if exc_type is not None:
-            self._hand_over()
+            try:
+                self._hand_over()  # the rows land in the writer's buffer even when S3 is down
+            except Exception:
+                pass  # the writer's exit below retries the upload once and says what it kept
         self._cm.__exit__(exc_type, exc, tb)  # flushes what is buffered when an error propagates
+        unsaved = getattr(self.writer, "unsaved_rows", 0)
+        if unsaved:
+            log.warning("%s: the %d answers not in S3 are kept in the local journal %s: a resume on this machine "
+                        "replays them without a request; on another machine they are requested (and paid) again",
+                        self.store.uri(self.ref), unsaved, self.journal_path)
         return exc_type is Stop
 
     def _resume(self) -> None:
         done = self.writer.committed_sample_ids()
-        self.spent_before_usd = committed_cost(self.store, self.ref)
+        self.spent_before_usd = committed_cost(self.store, self.ref, self.writer.committed_records())
         wanted = {p.sample_id for p in self.prompts}
         replay = []
         if self.journal_path.exists():
@@ -177,9 +197,11 @@ class StageRun:
         self._journal: io.TextIOBase = self.journal_path.open("a", encoding="utf-8")
 
     def _load_failures(self) -> dict[str, dict]:
+        from eagle3_data.storage import IncompleteStage
+
         try:
             return dict(self.store.get_json(self.ref, FAILURES_FILE))
-        except Exception:  # absent on a first attempt
+        except IncompleteStage:  # absent on a first attempt (an S3 outage is not "absent": it propagates)
             return {}
 
     def record(self, row: dict, *, permanent: bool = False) -> None:
@@ -215,7 +237,7 @@ class StageRun:
         if stopped_reason is None and not self.counts["retry_later"]:
             self._hand_over()
             self.writer.write(list(self._held.values()))
-            self.writer.commit(extra={"counts": summary["counts"], **(extra or {})}, files=[FAILURES_FILE])
+            self.writer.commit(extra={"counts": summary["counts"], **(extra or {})}, files=[FAILURES_FILE, *self.side_files])
             self._journal.close()
             self.journal_path.unlink(missing_ok=True)
             summary["complete"] = True
@@ -233,8 +255,8 @@ class StageRun:
         """Rows go to the writer in batches: one Arrow conversion per batch, not per row (they are
         journaled already, so batching risks nothing)."""
         if self._rows:
-            self.writer.write(self._rows)
-            self._rows = []
+            rows, self._rows = self._rows, []
+            self.writer.write(rows)  # buffered there before any upload: a failed upload keeps them
 
     def summary(self, stopped_reason: str | None) -> dict:
         return {
@@ -254,15 +276,28 @@ def reused_summary(store, ref) -> dict:
             "tokens": 0, "cost_usd": 0.0}
 
 
-def committed_cost(store, ref) -> float:
-    """USD of rows earlier attempts committed (parts without a manifest yet), for the budget."""
-    import pyarrow.parquet as pq
+def part_cost(table) -> dict:
+    """The summary each generations part's progress record carries, so resume prices committed
+    work from the (verified) records without downloading the parts again."""
+    usage = table.column("usage").to_pylist()
+    return {"cost_usd": sum((u or {}).get("cost_usd") or 0.0 for u in usage)}
 
-    from eagle3_data.storage.writer import scan_progress
 
+def committed_cost(store, ref, records: list[dict]) -> float:
+    """USD of rows earlier attempts committed (verified parts without a manifest yet), for the budget.
+    Records written before summaries existed are priced from their part, read through the store
+    (sha256 checked, a bad part named)."""
     total = 0.0
-    for record in scan_progress(store, ref):
-        body = store.client.get_object(Bucket=store.bucket, Key=store.key(ref, record["name"]))["Body"].read()
-        usage = pq.read_table(io.BytesIO(body), columns=["usage"]).column("usage").to_pylist()
+    for record in records:
+        if "summary" in record:
+            total += record["summary"].get("cost_usd") or 0.0
+            continue
+        with store._download(store.key(ref, record["name"]), record["sha256"], record["bytes"],
+                             store.uri(ref, record["name"])) as f:
+            from eagle3_data.schemas import schema_for
+            from eagle3_data.storage.store import check_part_schema
+
+            usage = check_part_schema(f, schema_for("generations"), store.uri(ref, record["name"])).read(
+                columns=["usage"]).column("usage").to_pylist()
         total += sum((u or {}).get("cost_usd") or 0.0 for u in usage)
     return total

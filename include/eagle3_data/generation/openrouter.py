@@ -17,14 +17,37 @@ import time
 from collections.abc import Iterable
 
 from eagle3_data.errors import UserError
-from eagle3_data.generation.checkpoint import Prompt, StageRun, base_row, parse_prompts, reused_summary, sampling_for
-from eagle3_data.generation.progress import Progress
+from eagle3_data.generation.checkpoint import (
+    Prompt,
+    StageRun,
+    base_row,
+    failed_row,
+    parse_prompts,
+    reused_summary,
+    sampling_for,
+)
+from eagle3_data.generation.progress import Progress, tick_every
 from eagle3_data.generation.retry import PERMANENT_STATUS, backoff_s
 
 log = logging.getLogger(__name__)
 
 SOURCE = "openrouter"
 STOP_STATUS = {401: "unauthorized", 402: "credits"}
+UNPRICED = "unpriced_answer"  # stopped_reason: an answer without usage.cost and no configured price
+
+
+def price_answer(usage: dict, price_usd_per_mtok: dict | None) -> float | None:
+    """USD of one answer: OpenRouter's `usage.cost`, else the configured per-token prices times
+    the reported tokens; None when neither is known (the budget could not bind)."""
+    if usage.get("cost") is not None:
+        return float(usage["cost"])
+    prices = price_usd_per_mtok or {}
+    if not (prices.get("prompt") or prices.get("completion")):
+        return None
+    if usage.get("prompt_tokens") is None or usage.get("completion_tokens") is None:
+        return None
+    return (usage["prompt_tokens"] * (prices.get("prompt") or 0.0)
+            + usage["completion_tokens"] * (prices.get("completion") or 0.0)) / 1e6
 
 
 class Budget:
@@ -58,19 +81,25 @@ def generate_overflow(store, ref, prompts: Iterable[dict], tokenizer, base_url: 
                       concurrency: int = 256, rows_per_part: int = 64, inputs: list | None = None,
                       progress: Progress | None = None, max_attempts: int = 6, request_timeout_s: float = 600.0,
                       first_cost_estimate_usd: float = 0.01, journal_dir=None, flush_interval_s: float = 30.0,
-                      routes: tuple[str, ...] | None = ("overflow", "both")) -> dict:
+                      routes: tuple[str, ...] | None = ("overflow", "both"),
+                      price_usd_per_mtok: dict | None = None, rerun: bool = False,
+                      side_files: dict[str, bytes] | None = None) -> dict:
     """Generate every pending prompt of `ref.dataset` through OpenRouter; summary dict.
 
     `provider`: OpenRouter routing, e.g. {"order": [...], "allow_fallbacks": False, "quantizations":
     [...], "require_parameters": True}. `sampling`: temperature, top_p, max_new_tokens, thinking,
     optional reasoning (OpenRouter's `reasoning` object; default {"enabled": thinking}).
     stopped_reason: None (complete), "budget", "credits" (HTTP 402), "unauthorized" (401),
-    "retryable_failures" (rerun to retry them).
+    "retryable_failures" (rerun to retry them), "unpriced_answer" (an answer came without
+    `usage.cost` and `price_usd_per_mtok` {"prompt", "completion"} is not set while a budget is:
+    the budget could not bind, so nothing more is dispatched).
+    `rerun=True` regenerates a complete stage: answers still in the local journal are replayed
+    first (never paid twice), the rest is requested again.
     """
     from eagle3_data.chat_format import get_output_format
     from eagle3_data.tokenizer import chat_template_sha256, tokenizer_files_sha256
 
-    if store.is_complete(ref):
+    if store.is_complete(ref) and not rerun:
         return reused_summary(store, ref)
     if not api_key:
         raise UserError("generate_overflow: no API key (set the openrouter connection's password or OPENROUTER_API_KEY)")
@@ -84,12 +113,14 @@ def generate_overflow(store, ref, prompts: Iterable[dict], tokenizer, base_url: 
     progress = progress or Progress()
     with StageRun(store, ref, rows, rows_per_part=rows_per_part, params=params, inputs=inputs,
                   tokenizer_sha256=tok_sha, template_sha256=chat_template_sha256(tokenizer),
-                  journal_dir=journal_dir, flush_interval_s=flush_interval_s) as run:
+                  journal_dir=journal_dir, flush_interval_s=flush_interval_s, rerun=rerun,
+                  side_files=side_files) as run:
         progress.start(len(rows), len(rows) - len(run.pending), label=f"generate_overflow {ref.dataset}")
-        client = _OverflowRun(run, get_output_format(tokenizer), base_url, api_key, model, provider or {}, sampling,
-                              thinking, reasoning, concurrency, max_attempts, request_timeout_s, progress, tok_sha,
+        client = _OverflowRun(run, get_output_format(tokenizer, thinking=thinking), base_url, api_key, model,
+                              provider or {}, sampling, thinking, reasoning, concurrency, max_attempts,
+                              request_timeout_s, progress, tok_sha,
                               Budget(budget_usd, run.spent_before_usd, first_cost_estimate_usd,
-                                     sampling.get("max_new_tokens")))
+                                     sampling.get("max_new_tokens")), price_usd_per_mtok)
         stopped = asyncio.run(client.run())
         progress.close()
         run.finish(stopped, extra={"budget_usd": budget_usd, "spent_total_usd": round(client.budget.spent, 6)})
@@ -98,11 +129,13 @@ def generate_overflow(store, ref, prompts: Iterable[dict], tokenizer, base_url: 
 
 class _OverflowRun:
     def __init__(self, run: StageRun, fmt, base_url, api_key, model, provider, sampling, thinking, reasoning,
-                 concurrency, max_attempts, timeout_s, progress, tok_sha, budget: Budget):
+                 concurrency, max_attempts, timeout_s, progress, tok_sha, budget: Budget,
+                 price_usd_per_mtok: dict | None = None):
         self.stage, self.fmt, self.base_url, self._key = run, fmt, base_url, api_key
         self.model, self.provider, self.sampling, self.thinking = model, provider, sampling, thinking
         self.reasoning, self.concurrency, self.max_attempts = reasoning, concurrency, max_attempts
         self.timeout_s, self.progress, self.tok_sha, self.budget = timeout_s, progress, tok_sha, budget
+        self.prices = price_usd_per_mtok
         self.in_flight = 0
         self.stopped: str | None = None
 
@@ -116,18 +149,13 @@ class _OverflowRun:
         client = AsyncOpenAI(base_url=self.base_url, api_key=self._key, max_retries=0, timeout=self.timeout_s,
                              http_client=DefaultAioHttpClient(limits=limits, timeout=self.timeout_s))
         queue = iter(self.stage.pending)
-        ticker = asyncio.create_task(self._tick())
+        ticker = asyncio.create_task(tick_every(self.progress))
         try:
             await asyncio.gather(*(self._worker(client, queue) for _ in range(self.concurrency)))
         finally:
             ticker.cancel()
             await client.close()
         return self.stopped
-
-    async def _tick(self) -> None:
-        while True:
-            await asyncio.sleep(1.0)
-            self.progress.tick()
 
     async def _worker(self, client, queue) -> None:
         while self.stopped is None:
@@ -160,9 +188,9 @@ class _OverflowRun:
         import openai
 
         try:
-            prompt_ids = self.fmt.generation_prompt_ids(p.messages, p.tools, thinking=self.thinking)
+            prompt_ids = self.fmt.generation_prompt_ids(p.messages, p.tools)
         except Exception as exc:
-            return _failed(p, None, f"chat template: {exc}"), True
+            return failed_row(p, None, SOURCE, f"chat template: {exc}"), True
         reason = "no attempt"
         for attempt in range(1, self.max_attempts + 1):
             if self.stopped:
@@ -183,18 +211,18 @@ class _OverflowRun:
                     return None
                 reason = f"HTTP {status}: {_error_message(exc)}"
                 if status in PERMANENT_STATUS:
-                    return _failed(p, prompt_ids, reason), True
+                    return failed_row(p, prompt_ids, SOURCE, reason), True
                 retry_after = exc.response.headers.get("retry-after")
             except (openai.APITimeoutError, openai.APIConnectionError) as exc:
                 reason = f"transport: {type(exc).__name__}"
             except (openai.APIResponseValidationError, ValueError) as exc:
-                return _failed(p, prompt_ids, f"malformed answer: {type(exc).__name__}"), False
+                return failed_row(p, prompt_ids, SOURCE, f"malformed answer: {type(exc).__name__}"), False
             else:
                 return self._row(p, prompt_ids, resp)
             if attempt < self.max_attempts:
                 log.debug("sample %s attempt %d: %s; retrying", p.sample_id, attempt, reason)
                 await asyncio.sleep(backoff_s(attempt, retry_after=retry_after))
-        return _failed(p, prompt_ids, f"gave up after {self.max_attempts} attempts: {reason}"), False
+        return failed_row(p, prompt_ids, SOURCE, f"gave up after {self.max_attempts} attempts: {reason}"), False
 
     def _request(self, p: Prompt) -> dict:
         s = sampling_for(p, self.sampling)
@@ -219,12 +247,19 @@ class _OverflowRun:
         choices = data.get("choices") or []
         usage = data.get("usage") or {}
         details = usage.get("completion_tokens_details") or {}
+        cost = price_answer(usage, self.prices)
+        if cost is None and self.budget.cap is not None:
+            if not self.stopped:
+                log.error("OpenRouter answered sample %s without usage.cost and generation.overflow.price_usd_per_mtok "
+                          "is not set: the budget cannot bind, stopping dispatch (the answer is kept)", p.sample_id)
+            self.stopped = self.stopped or UNPRICED
         row["usage"] = {"prompt_tokens": usage.get("prompt_tokens"), "completion_tokens": usage.get("completion_tokens"),
-                        "reasoning_tokens": details.get("reasoning_tokens"), "cost_usd": usage.get("cost")}
+                        "reasoning_tokens": details.get("reasoning_tokens"), "cost_usd": cost}
         row["provenance"] = json.dumps({
             "model": data.get("model") or self.model, "provider": data.get("provider"), "generation_id": data.get("id"),
             "requested_provider": self.provider, "sampling": sampling_for(p, self.sampling), "thinking": self.thinking,
             "tokenizer_sha256": self.tok_sha, "generated_at": time.time(),
+            "cost_source": "openrouter" if usage.get("cost") is not None else ("configured_price" if cost is not None else None),
         }, sort_keys=True)
         if not choices:
             row.update(status="failed", error="malformed answer: no choices")
@@ -253,8 +288,3 @@ def _error_message(exc) -> str:
     except Exception:
         return str(exc.message)[:200]
 
-
-def _failed(p: Prompt, prompt_ids, reason: str) -> dict:
-    row = base_row(p, prompt_ids, SOURCE)
-    row.update(status="failed", error=reason)
-    return row

@@ -8,6 +8,7 @@ An hours-long task must be readable from its log, so `LogProgress` writes one li
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -44,6 +45,13 @@ class Progress:
         eta_s = f"{eta / 60:.1f} min" if eta != float("inf") else "?"
         return (f"{self.label} {self.done}/{self.total} done, {self.failed} failed, "
                 f"{self.tokens / elapsed:.0f} tokens/s, ${self.cost_usd:.4f}, ETA {eta_s}")
+
+
+async def tick_every(progress: Progress, interval_s: float = 1.0) -> None:
+    """The stage loop's ticker (both clients): `progress.tick()` every second until cancelled."""
+    while True:
+        await asyncio.sleep(interval_s)
+        progress.tick()
 
 
 class LogProgress(Progress):

@@ -6,7 +6,6 @@ import email.utils
 import random
 import time
 
-RETRYABLE_STATUS = {408, 409, 429, 500, 502, 503, 504, 520, 522, 524, 529}
 PERMANENT_STATUS = {400, 401, 403, 404, 413, 422}
 
 

@@ -14,11 +14,9 @@ import hashlib
 import json
 import math
 from collections.abc import Iterable, Sequence
-from typing import Any
 
+from eagle3_data.chat_format import OutputFormat
 from eagle3_data.errors import UserError
-
-ROUTES = ("local", "overflow", "both")
 
 
 def local_capacity(tokens_per_s: float, time_budget_s: float, expected_tokens_per_sample: float) -> int:
@@ -29,19 +27,30 @@ def local_capacity(tokens_per_s: float, time_budget_s: float, expected_tokens_pe
 
 
 def assign_routes(rows: Sequence[dict], *, strategy: str = "fraction", overflow_fraction: float = 0.0,
-                  local_capacity: int = 0, calibration_samples: int = 0) -> list[dict]:
+                  local_capacity: int = 0, calibration_samples: int = 0, local_endpoints: int = 1,
+                  local_latency_s: float = 60.0, overflow_latency_s: float = 6.0, in_flight_per_endpoint: int = 64,
+                  overflow_concurrency: int = 256) -> list[dict]:
     """Rows (schemas.PROMPTS shape) with `route` set.
 
-    fraction: round(n * overflow_fraction) samples overflow; capacity: `local_capacity` stay local.
+    fraction: round(n * overflow_fraction) samples overflow; capacity: `local_capacity` stay local;
+    balanced: the local count that makes both sides, running at once, finish together
+    (generation.balance, from the endpoints, in-flight, concurrency and observed latencies).
     The first `calibration_samples` local-ranked samples get route "both" (they count as local).
     """
-    if strategy not in ("fraction", "capacity"):
-        raise UserError(f"routing strategy {strategy!r}: expected 'fraction' or 'capacity'")
+    from eagle3_data.generation.balance import STRATEGIES, balanced_local_count, side_rates
+
+    if strategy not in STRATEGIES:
+        raise UserError(f"routing strategy {strategy!r}: expected one of {', '.join(STRATEGIES)}")
     if not 0.0 <= overflow_fraction <= 1.0:
         raise UserError(f"routing overflow_fraction {overflow_fraction}: expected a value in [0, 1]")
     ranked = sorted(rows, key=lambda r: hashlib.sha256(r["sample_id"].encode()).digest())
     n = len(ranked)
     n_local = n - round(n * overflow_fraction) if strategy == "fraction" else min(n, max(0, local_capacity))
+    if strategy == "balanced":
+        rates = side_rates(local_endpoints=local_endpoints, in_flight_per_endpoint=in_flight_per_endpoint,
+                           local_latency_s=local_latency_s, overflow_concurrency=overflow_concurrency,
+                           overflow_latency_s=overflow_latency_s)
+        n_local = balanced_local_count(n, calibration_samples, rates)
     n_both = min(max(0, calibration_samples), n_local)
     route = {}
     for i, r in enumerate(ranked):
@@ -61,7 +70,7 @@ CANNOT_PROVE = ("that the provider serves the same weights (two quantisations ag
                 "agreement below 1.0 per sample, not as a threshold")
 
 
-def consistency_report(tokenizer: Any, local_rows: Iterable[dict], overflow_rows: Iterable[dict],
+def consistency_report(fmt: OutputFormat, local_rows: Iterable[dict], overflow_rows: Iterable[dict],
                        first_n: int = 64, sample_ids: Iterable[str] | None = None) -> dict:
     """Compare calibration samples generated on both paths (generation rows, same sample_ids).
 
@@ -73,18 +82,17 @@ def consistency_report(tokenizer: Any, local_rows: Iterable[dict], overflow_rows
     `sample_ids`: the samples routed "both"; only they are compared, and `missing` names those
     not generated ok on both paths (`unreconstructable`: ok, but the provider's text cannot
     determine the ids, e.g. a tool call cut at the token limit; raw or as the reconstruct stage
-    marked them). Without it, every sample ok on either side is considered.
+    marked them). Without it, every sample ok on either side is considered. `fmt` is the output
+    format bound to the run's generation mode: a rebuild in the other mode differs by a `</think>`.
     """
-    from eagle3_data.chat_format import get_output_format
     from eagle3_data.reconstruct import reconstruct_rows, row_to_reconstruct
 
     wanted = None if sample_ids is None else set(sample_ids)
-    fmt = get_output_format(tokenizer)
     local = {r["sample_id"]: r for r in local_rows if r.get("status") == "ok" and (wanted is None or r["sample_id"] in wanted)}
     provider_ok = [r for r in overflow_rows if r.get("status") in ("ok", "unreconstructable")
                    and (wanted is None or r["sample_id"] in wanted)]
     pairs = [r for r in provider_ok if r["sample_id"] in local]
-    recon = reconstruct_rows(tokenizer, (row_to_reconstruct(fmt, _plain(r), f"overflow row {r['sample_id']}") for r in pairs))
+    recon = reconstruct_rows(fmt, (row_to_reconstruct(fmt, _plain(r), f"overflow row {r['sample_id']}") for r in pairs))
     samples, unreconstructable = [], []
     for row, ids in recon:
         if row.unreconstructable:  # the text cannot determine the ids: nothing to compare
@@ -95,7 +103,7 @@ def consistency_report(tokenizer: Any, local_rows: Iterable[dict], overflow_rows
         first_diff = next((i for i in range(n) if engine[i] != ids[i]), None)
         # Texts of the first n ids each: a BPE split makes one side's n ids cover less text, so
         # they "agree" when one is a prefix of the other (ignoring a cut multi-byte character).
-        a, b = tokenizer.decode(engine[:n]).rstrip("\ufffd"), tokenizer.decode(ids[:n]).rstrip("\ufffd")
+        a, b = fmt.codec.decode(engine[:n]).rstrip("\ufffd"), fmt.codec.decode(ids[:n]).rstrip("\ufffd")
         common = min(len(a), len(b))
         samples.append({
             "sample_id": row.sample_id,

@@ -6,6 +6,22 @@ and every endpoint stays `in_flight` deep. A transport failure puts the prompt b
 for any endpoint while the failing worker backs off, so one sick node slows nothing else.
 Prompts go as ids rendered by the tokenizer's chat template, never as text, so the prompt ids
 recorded are the ones the model saw.
+
+SGLang 0.5.23's protocol, as its source has it (srt/managers/io_struct.py, tokenizer_manager.py,
+sampling_params.py, http_server.py):
+- `rid` must be unique while a request is registered, and the server notices a dropped client
+  only every few seconds: each attempt gets a fresh `rid` = `{sample_id}.{attempt}`.
+- unknown keys inside `sampling_params` are a 400 on every request: they are checked against
+  SAMPLING_KEYS before any request (`check_sampling_params`).
+- `/health` runs a one-token generation and answers 503 while the server warms up: endpoints are
+  polled concurrently until ready or `warmup_timeout_s`; one is dropped only after
+  `max_endpoint_failures` consecutive failures and re-admitted when its `/health` answers again.
+- `stop_token_ids` is always sent, from the audited ids (else the server stops on the union of
+  the eos ids in the checkpoint's configs).
+- `output_ids` include the matched stop token and `meta_info.finish_reason` names it; both are
+  recorded as given (the validator decides what a row's stop means), and `len(output_ids)` must
+  equal `meta_info.completion_tokens`. `weight_version` (from `/model_info`, or the deprecated
+  `/get_model_info`) goes into every row's provenance.
 """
 
 from __future__ import annotations
@@ -14,65 +30,132 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import aiohttp
 
 from eagle3_data.errors import UserError
-from eagle3_data.generation.checkpoint import Prompt, StageRun, base_row, parse_prompts, reused_summary, sampling_for
-from eagle3_data.generation.progress import Progress
+from eagle3_data.generation.checkpoint import (
+    Prompt,
+    StageRun,
+    base_row,
+    failed_row,
+    parse_prompts,
+    reused_summary,
+    sampling_for,
+)
+from eagle3_data.generation.progress import Progress, tick_every
 from eagle3_data.generation.retry import PERMANENT_STATUS, backoff_s
 
 log = logging.getLogger(__name__)
 
 SOURCE = "sglang"
 
+# SGLang 0.5.23 SamplingParams.__init__ (srt/sampling/sampling_params.py): any other key inside
+# `sampling_params` is a 400 "Unknown sampling parameter" on every request.
+SAMPLING_KEYS = frozenset({
+    "max_new_tokens", "min_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
+    "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "n", "json_schema", "regex", "ebnf",
+    "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
+    "stream_interval", "logit_bias", "sampling_seed", "custom_params", "beam_width", "watermark", "choice",
+})
+_RENAMED = {"seed": "sampling_seed", "max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
 
-def generate_local(store, ref, prompts: Iterable[dict], tokenizer, endpoints: Sequence[str], sampling: dict, *,
-                   in_flight_per_endpoint: int = 64, rows_per_part: int = 256, model: str = "",
-                   inputs: list | None = None, progress: Progress | None = None, max_attempts: int = 5,
-                   request_timeout_s: float = 3600.0, journal_dir=None, flush_interval_s: float = 30.0,
-                   routes: tuple[str, ...] | None = ("local", "both")) -> dict:
-    """Generate every pending prompt of `ref.dataset` on `endpoints`; summary dict (see StageRun).
 
-    `sampling`: temperature, top_p, max_new_tokens, thinking (+ any other SGLang sampling param).
-    Resumes a killed attempt: committed sample_ids are skipped, journaled answers replayed.
+def check_sampling_params(params: Mapping[str, object], *, where: str = "generation.sampling") -> None:
+    """A config error naming the key, instead of a 400 on every request."""
+    for key in params:
+        if key not in SAMPLING_KEYS:
+            hint = f" (SGLang's key is {_RENAMED[key]!r})" if key in _RENAMED else ""
+            raise UserError(f"{where}: {key!r} is not an SGLang sampling parameter{hint}; "
+                            f"accepted: {', '.join(sorted(SAMPLING_KEYS))}")
+
+
+def generate_local(store, ref, prompts: Iterable[dict], tokenizer, endpoints: Sequence[str], sampling: dict,
+                   **options) -> dict:
+    """Generate every pending prompt of `ref.dataset` on SGLang `endpoints`; summary dict (see StageRun).
+
+    `sampling`: `thinking` (required: the generation mode, bound once into the output format that
+    renders the prompts and names the stop ids) + SGLang sampling params (temperature, top_p,
+    max_new_tokens, ...; checked against SAMPLING_KEYS). Resumes a killed attempt: committed
+    sample_ids are skipped, journaled answers replayed. `rerun=True` reopens a complete stage
+    (parts re-verified, only missing or corrupt rows redone). `options`: see `run_local_stage`.
     """
+    return run_local_stage(_SGLangRun, store, ref, prompts, tokenizer, endpoints, sampling, **options)
+
+
+def run_local_stage(engine: type[_SGLangRun], store, ref, prompts: Iterable[dict], tokenizer,
+                    endpoints: Sequence[str], sampling: dict, *, in_flight_per_endpoint: int = 64,
+                    rows_per_part: int = 256, model: str = "", inputs: list | None = None,
+                    progress: Progress | None = None, max_attempts: int = 5, request_timeout_s: float = 3600.0,
+                    journal_dir=None, flush_interval_s: float = 30.0,
+                    routes: tuple[str, ...] | None = ("local", "both"), rerun: bool = False,
+                    warmup_timeout_s: float = 600.0, max_endpoint_failures: int = 3,
+                    health_interval_s: float = 2.0, side_files: dict[str, bytes] | None = None) -> dict:
+    """One local-generation stage on `engine`'s wire format (SGLang's or vLLM's): the same
+    checkpoints, journal, resume, retries and record schema whichever engine answers."""
     from eagle3_data.chat_format import get_output_format
     from eagle3_data.tokenizer import chat_template_sha256, tokenizer_files_sha256
 
-    if store.is_complete(ref):
+    if store.is_complete(ref) and not rerun:
         return reused_summary(store, ref)
     if not endpoints:
-        raise UserError("generate_local: no SGLang endpoints given")
-    fmt = get_output_format(tokenizer)
-    rows = parse_prompts(prompts, ref.dataset, routes)
+        raise UserError(f"generate_local: no {engine.ENGINE} endpoints given")
     sampling = dict(sampling)
-    thinking = bool(sampling.pop("thinking", True))
+    if not isinstance(sampling.get("thinking"), bool):
+        raise UserError("generate_local: sampling.thinking (true or false) is required: it is the generation mode")
+    fmt = get_output_format(tokenizer, thinking=sampling.pop("thinking"))
+    request = engine.request_sampling(sampling)
+    request.setdefault("stop_token_ids", list(fmt.stop_token_ids))
+    rows = parse_prompts(prompts, ref.dataset, routes)
     tok_sha = tokenizer_files_sha256(tokenizer)
-    params = {"source": SOURCE, "model": model, "sampling": dict(sampling, thinking=thinking)}
+    params = {"source": engine.SOURCE, "model": model, "sampling": dict(request, thinking=fmt.thinking)}
     progress = progress or Progress()
     with StageRun(store, ref, rows, rows_per_part=rows_per_part, params=params, inputs=inputs,
                   tokenizer_sha256=tok_sha, template_sha256=chat_template_sha256(tokenizer),
-                  journal_dir=journal_dir, flush_interval_s=flush_interval_s) as run:
-        progress.start(len(rows), len(rows) - len(run.pending), label=f"generate_local {ref.dataset}")
-        client = _SGLangRun(run, fmt, list(endpoints), sampling, thinking, in_flight_per_endpoint, max_attempts,
-                            request_timeout_s, progress, model, tok_sha)
+                  journal_dir=journal_dir, flush_interval_s=flush_interval_s, rerun=rerun,
+                  side_files=side_files) as run:
+        label = f"generate_local {ref.dataset}" + ("" if engine.SOURCE == SOURCE else f" ({engine.SOURCE})")
+        progress.start(len(rows), len(rows) - len(run.pending), label=label)
+        client = engine(run, fmt, list(endpoints), request, in_flight_per_endpoint, max_attempts,
+                        request_timeout_s, progress, model, tok_sha, warmup_timeout_s, max_endpoint_failures,
+                        health_interval_s)
         stopped = asyncio.run(client.run())
         progress.close()
-        run.finish(stopped, extra={"endpoints": len(endpoints), "max_in_flight": client.max_in_flight})
+        run.finish(stopped, extra={"endpoints": len(endpoints), "max_in_flight": client.max_in_flight,
+                                   **client.finish_extra()})
     return run.result
 
 
 class _SGLangRun:
-    def __init__(self, run: StageRun, fmt, endpoints, sampling, thinking, in_flight, max_attempts, timeout_s,
-                 progress, model, tok_sha):
+    """Shared queue + per-endpoint workers, health, drop/re-admit and retries for one stage.
+    Subclasses change only the wire format: `request_sampling`, `_request`, `_answer`."""
+
+    SOURCE = SOURCE
+    ENGINE = "SGLang"
+
+    @staticmethod
+    def request_sampling(sampling: dict) -> dict:
+        check_sampling_params(sampling)
+        return sampling
+
+    def finish_extra(self) -> dict:
+        return {"weight_versions": self.weight_version}
+
+    def __init__(self, run: StageRun, fmt, endpoints, sampling, in_flight, max_attempts, timeout_s,
+                 progress, model, tok_sha, warmup_timeout_s, max_endpoint_failures, health_interval_s):
         self.stage, self.fmt, self.endpoints = run, fmt, [e.rstrip("/") for e in endpoints]
-        self.sampling, self.thinking, self.in_flight = sampling, thinking, in_flight
+        self.sampling, self.thinking, self.in_flight = sampling, fmt.thinking, in_flight
         self.max_attempts, self.timeout_s, self.progress = max_attempts, timeout_s, progress
         self.model, self.tok_sha = model, tok_sha
+        self.warmup_timeout_s, self.max_failures = warmup_timeout_s, max_endpoint_failures
+        self.health_interval_s = health_interval_s
         self.busy = dict.fromkeys(self.endpoints, 0)
         self.max_in_flight = dict.fromkeys(self.endpoints, 0)
+        self.failures = dict.fromkeys(self.endpoints, 0)  # consecutive, per endpoint
+        self.weight_version: dict[str, str | None] = {}
+        self.workers: dict[str, list[asyncio.Task]] = {}
+        self.stop_reason: str | None = None
 
     async def run(self) -> str | None:
         # aiohttp, not httpx: httpx's connection pool costs several ms of CPU per request at this
@@ -80,58 +163,124 @@ class _SGLangRun:
         connector = aiohttp.TCPConnector(limit=self.in_flight * len(self.endpoints) + 8)
         timeout = aiohttp.ClientTimeout(total=self.timeout_s, connect=10.0)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
-            healthy = await self._healthy(http)
-            queue: asyncio.Queue = asyncio.Queue()
+            self.http = http
+            ready = await asyncio.gather(*(self._wait_ready(e) for e in self.endpoints))
+            healthy = [e for e, ok in zip(self.endpoints, ready) if ok]
+            if not healthy:
+                raise UserError(f"no healthy SGLang endpoint among {self.endpoints} after {self.warmup_timeout_s:g} s "
+                                "of warm-up: check the sglang connection")
+            self.queue: asyncio.Queue = asyncio.Queue()
             for p in self.stage.pending:
-                queue.put_nowait((p, 0))
+                self.queue.put_nowait((p, 0))
             self.outstanding = len(self.stage.pending)
             self.all_done = asyncio.Event()
             if not self.outstanding:
                 return None
-            workers = [asyncio.create_task(self._worker(http, e, queue)) for e in healthy for _ in range(self.in_flight)]
-            ticker = asyncio.create_task(self._tick())
+            for e in healthy:
+                self._admit(e)
+            watchers = [asyncio.create_task(tick_every(self.progress)), asyncio.create_task(self._readmit())]
             try:
                 await self.all_done.wait()
             finally:
-                for w in workers + [ticker]:
-                    w.cancel()
-                await asyncio.gather(*workers, ticker, return_exceptions=True)
+                tasks = watchers + [w for ws in self.workers.values() for w in ws]
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+        return self.stop_reason
+
+    # -- endpoint health -------------------------------------------------------------------
+
+    async def _wait_ready(self, endpoint: str) -> bool:
+        """Poll `/health` while the server warms up (503, refused connections) up to the warm-up."""
+        deadline = time.monotonic() + self.warmup_timeout_s
+        while True:
+            status = await self._health(endpoint)
+            if status == 200:
+                self.weight_version[endpoint] = await self._weight_version(endpoint)
+                return True
+            if time.monotonic() >= deadline:
+                log.warning("SGLang endpoint %s: not ready after %g s (last /health: %s); not used", endpoint,
+                            self.warmup_timeout_s, status)
+                return False
+            await asyncio.sleep(min(self.health_interval_s, max(0.0, deadline - time.monotonic())))
+
+    async def _health(self, endpoint: str) -> int | str:
+        # SGLang's /health itself waits up to ~20 s for its one-token generation.
+        try:
+            async with self.http.get(f"{endpoint}/health", timeout=aiohttp.ClientTimeout(total=30.0)) as r:
+                return r.status
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            return type(exc).__name__
+
+    async def _weight_version(self, endpoint: str) -> str | None:
+        for path in ("/model_info", "/get_model_info"):
+            try:
+                async with self.http.get(f"{endpoint}{path}", timeout=aiohttp.ClientTimeout(total=30.0)) as r:
+                    if r.status == 200:
+                        info = await r.json(content_type=None)
+                        return info.get("weight_version") if isinstance(info, dict) else None
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                continue
         return None
 
-    async def _healthy(self, http: aiohttp.ClientSession) -> list[str]:
-        ok = []
-        for e in self.endpoints:
-            try:
-                async with http.get(f"{e}/health", timeout=aiohttp.ClientTimeout(total=10.0)) as r:
-                    if r.status == 200:
-                        ok.append(e)
-                        continue
-                    log.warning("SGLang endpoint %s: /health answered %d; not used", e, r.status)
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                log.warning("SGLang endpoint %s: /health failed (%s); not used", e, type(exc).__name__)
-        if not ok:
-            raise UserError(f"no healthy SGLang endpoint among {self.endpoints}: check the sglang connection")
-        return ok
+    def _admit(self, endpoint: str) -> None:
+        self.failures[endpoint] = 0
+        self.workers[endpoint] = [asyncio.create_task(self._worker(endpoint)) for _ in range(self.in_flight)]
 
-    async def _tick(self) -> None:
-        while True:
-            await asyncio.sleep(1.0)
-            self.progress.tick()
+    def _drop(self, endpoint: str) -> None:
+        """After `max_endpoint_failures` consecutive failures: its workers stop (their prompts go
+        back on the queue) and `_readmit` watches its /health."""
+        if endpoint not in self.workers:
+            return
+        log.warning("SGLang endpoint %s: %d consecutive failures; dropped until /health answers again",
+                    endpoint, self.failures[endpoint])
+        current = asyncio.current_task()
+        for t in self.workers.pop(endpoint):
+            if t is not current:
+                t.cancel()
 
-    async def _worker(self, http: aiohttp.ClientSession, endpoint: str, queue: asyncio.Queue) -> None:
+    async def _readmit(self) -> None:
+        """Re-admit dropped endpoints that come back; stop the stage when none is left for a warm-up."""
+        alone_since = None
         while True:
-            p, attempts = await queue.get()
+            await asyncio.sleep(self.health_interval_s)
+            for e in [e for e in self.endpoints if e not in self.workers]:
+                if await self._health(e) == 200:
+                    log.info("SGLang endpoint %s: healthy again; re-admitted", e)
+                    self.weight_version[e] = await self._weight_version(e)
+                    self._admit(e)
+            if self.workers:
+                alone_since = None
+            elif alone_since is None:
+                alone_since = time.monotonic()
+            elif time.monotonic() - alone_since > self.warmup_timeout_s:
+                self.stop_reason = f"every SGLang endpoint failed and none came back within {self.warmup_timeout_s:g} s"
+                self.all_done.set()
+                return
+
+    # -- requests --------------------------------------------------------------------------
+
+    async def _worker(self, endpoint: str) -> None:
+        while True:
+            p, attempts = await self.queue.get()
             self.busy[endpoint] += 1
             self.max_in_flight[endpoint] = max(self.max_in_flight[endpoint], self.busy[endpoint])
             try:
-                row, retry = await self._one(http, endpoint, p)
+                row, permanent, endpoint_failed = await self._one(endpoint, p, attempts)
+            except asyncio.CancelledError:
+                self.queue.put_nowait((p, attempts))  # its endpoint was dropped: another one takes it
+                raise
             finally:
                 self.busy[endpoint] -= 1
-            if retry and attempts + 1 < self.max_attempts:
-                queue.put_nowait((p, attempts + 1))  # any endpoint may take it
+            self.failures[endpoint] = self.failures[endpoint] + 1 if endpoint_failed else 0
+            if row["status"] == "failed" and not permanent and attempts + 1 < self.max_attempts:
+                self.queue.put_nowait((p, attempts + 1))  # any endpoint may take it
+                if self.failures[endpoint] >= self.max_failures:
+                    self._drop(endpoint)
+                    return
                 await asyncio.sleep(backoff_s(attempts + 1))
                 continue
-            self._settle(row, permanent=not retry)
+            self._settle(row, permanent=permanent)
 
     def _settle(self, row: dict, permanent: bool) -> None:
         self.stage.record(row, permanent=permanent and row["status"] == "failed")
@@ -142,77 +291,99 @@ class _SGLangRun:
         if self.outstanding == 0:
             self.all_done.set()
 
-    async def _one(self, http: aiohttp.ClientSession, endpoint: str, p: Prompt) -> tuple[dict, bool]:
-        """(row, retryable): an ok row, or a failed row and whether another attempt may fix it."""
+    async def _one(self, endpoint: str, p: Prompt, attempt: int) -> tuple[dict, bool, bool]:
+        """(row, permanent, endpoint failed): an ok row, or a failed row and whether it is final
+        (no attempt can fix it); transport errors and 5xx count against the endpoint."""
+        source = self.SOURCE
         try:
-            prompt_ids = self.fmt.generation_prompt_ids(p.messages, p.tools, thinking=self.thinking)
+            prompt_ids = self.fmt.generation_prompt_ids(p.messages, p.tools)
         except Exception as exc:  # the template refuses this conversation: permanent
-            return _failed(p, None, f"chat template: {exc}"), False
-        row = base_row(p, prompt_ids, SOURCE)
+            return failed_row(p, None, source, f"chat template: {exc}"), True, False
+        row = base_row(p, prompt_ids, source)
         sampling = sampling_for(p, self.sampling)
-        body = {"input_ids": prompt_ids, "sampling_params": sampling, "rid": p.sample_id}
-        headers = {"X-Eagle3-Dataset": p.dataset, "X-Eagle3-Sample-Id": p.sample_id}
+        rid = f"{p.sample_id}.{attempt}"  # fresh per attempt: SGLang refuses a rid still registered
+        path, body = self._request(endpoint, prompt_ids, sampling, rid)
+        headers = {"X-Request-Id": rid, "X-Eagle3-Dataset": p.dataset, "X-Eagle3-Sample-Id": p.sample_id}
+        started = time.monotonic()
         try:
-            async with http.post(f"{endpoint}/generate", json=body, headers=headers) as r:
+            async with self.http.post(f"{endpoint}{path}", json=body, headers=headers) as r:
                 status, text = r.status, await r.text()
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            return _failed(p, prompt_ids, f"transport: {type(exc).__name__} from {endpoint}"), True
+            return failed_row(p, prompt_ids, source, f"transport: {type(exc).__name__} from {endpoint}"), False, True
         if status != 200:
-            reason = f"HTTP {status} from {endpoint}: {text[:200]}"
-            return _failed(p, prompt_ids, reason), status not in PERMANENT_STATUS
+            reason = f"HTTP {status} from {endpoint}: {error_message(text)[:300]}"
+            return failed_row(p, prompt_ids, source, reason), status in PERMANENT_STATUS, status >= 500
         try:
-            answer = json.loads(text)
-            ids, finish = self._normalise(answer)
-        except (ValueError, KeyError, TypeError) as exc:
-            return _failed(p, prompt_ids, f"malformed answer from {endpoint}: {exc}"), True
-        parsed = self.fmt.parse_ids(ids, finish, thinking=self.thinking)
-        msg = parsed.message
-        meta = answer.get("meta_info") or {}
-        reasoning_tokens = ids.index(self.fmt.special_ids["</think>"]) if self.thinking and self.fmt.special_ids["</think>"] in ids else (
-            len(ids) if self.thinking and finish == "length" else 0)
+            ids, finish, engine_provenance = self._answer(json.loads(text), prompt_ids, endpoint)
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
+            return failed_row(p, prompt_ids, source, f"malformed answer from {endpoint}: {exc}"), False, False
+        if finish["type"] not in ("stop", "length"):
+            return failed_row(p, prompt_ids, source, f"finish_reason {finish!r} from {endpoint}"), False, False
+        msg = self.fmt.parse_ids(ids, finish["type"]).message
+        think_end = self.fmt.special_ids["</think>"]
+        reasoning_tokens = (ids.index(think_end) if think_end in ids else len(ids)) if self.thinking else 0
         row.update(
             output_ids=ids,
             reasoning=msg.reasoning,
             content=msg.content,
             tool_calls=json.dumps([c.to_openai() for c in msg.tool_calls], ensure_ascii=False) if msg.tool_calls else None,
-            finish_reason=finish,
+            finish_reason=finish["type"],
             usage={"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
                    "reasoning_tokens": reasoning_tokens, "cost_usd": None},
             provenance=json.dumps({
-                "model": self.model, "endpoint": endpoint, "sampling": sampling, "thinking": self.thinking,
-                "tokenizer_sha256": self.tok_sha, "rid": meta.get("id"), "e2e_latency": meta.get("e2e_latency"),
-                "cached_tokens": meta.get("cached_tokens"), "generated_at": time.time(),
+                "model": self.model, "engine": source, "endpoint": endpoint, "sampling": sampling,
+                "thinking": self.thinking, "tokenizer_sha256": self.tok_sha, "rid": rid,
+                "e2e_latency": round(time.monotonic() - started, 4), "finish_reason": finish,
+                "generated_at": time.time(), **engine_provenance,
             }, sort_keys=True),
         )
-        return row, False
+        return row, False, False
 
-    def _normalise(self, answer: dict) -> tuple[list[int], str]:
-        """Output ids WITH the stop id when generation stopped (SGLang may or may not include it)."""
-        if isinstance(answer, list):
-            answer = answer[0]
-        ids = answer["output_ids"]
-        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
-            raise ValueError("output_ids is not a list of ints")
-        finish = answer["meta_info"]["finish_reason"]
-        kind = finish.get("type") if isinstance(finish, dict) else finish
-        if kind == "length":
-            if ids and ids[-1] in self.fmt.stop_token_ids:
-                raise ValueError("finish_reason length but output ends with a stop id")
-            return ids, "length"
-        if kind != "stop":
-            raise ValueError(f"finish_reason {finish!r}")
-        matched = finish.get("matched") if isinstance(finish, dict) else None
-        if ids and ids[-1] in self.fmt.stop_token_ids:
-            return ids, "stop"
-        if isinstance(matched, int) and matched in self.fmt.stop_token_ids:
-            return ids + [matched], "stop"
-        raise ValueError(f"finish_reason stop with matched={matched!r}, not one of the stop ids {self.fmt.stop_token_ids}")
+    def _request(self, endpoint: str, prompt_ids: list[int], sampling: dict, rid: str) -> tuple[str, dict]:
+        return "/generate", {"input_ids": prompt_ids, "sampling_params": sampling, "rid": rid}
+
+    def _answer(self, answer, prompt_ids: list[int], endpoint: str) -> tuple[list[int], dict, dict]:
+        """(output ids as given, finish_reason object, engine-specific provenance)."""
+        ids, finish, meta = check_answer(answer)
+        return ids, finish, {
+            "e2e_latency": meta.get("e2e_latency"), "cached_tokens": meta.get("cached_tokens"),
+            "weight_version": meta.get("weight_version") or self.weight_version.get(endpoint),
+        }
 
 
-def _failed(p: Prompt, prompt_ids, reason: str) -> dict:
-    row = base_row(p, prompt_ids, SOURCE)
-    row.update(status="failed", error=reason)
-    return row
+def check_answer(answer) -> tuple[list[int], dict, dict]:
+    """(output_ids as given, finish_reason object as given, meta_info) of a /generate answer.
+    SGLang's output_ids run through the matched stop token; they must number `completion_tokens`."""
+    if isinstance(answer, list):
+        answer = answer[0]
+    ids = answer["output_ids"]
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError("output_ids is not a list of ints")
+    meta = answer["meta_info"]
+    finish = meta["finish_reason"]
+    if isinstance(finish, str):
+        finish = {"type": finish}
+    if not isinstance(finish, dict) or not isinstance(finish.get("type"), str):
+        raise ValueError(f"meta_info.finish_reason {finish!r}")
+    completion = meta.get("completion_tokens")
+    if completion is not None and completion != len(ids):
+        raise ValueError(f"len(output_ids) = {len(ids)} but meta_info.completion_tokens = {completion}")
+    return ids, finish, meta
+
+
+def error_message(text: str) -> str:
+    """SGLang's error bodies: `{"error": "<str>"}` (schema errors) or `{"error": {"message": ...}}`;
+    anything else verbatim."""
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return text
+    err = body.get("error") if isinstance(body, dict) else None
+    if isinstance(err, str):
+        return err
+    if isinstance(err, dict) and isinstance(err.get("message"), str):
+        return err["message"]
+    return text
 
 
 def sglang_endpoints(value: str | Sequence[str]) -> list[str]:

@@ -173,7 +173,8 @@ def extract_rows(
     def write(samples: list[Sample], index: int) -> dict:
         path = out / f"{stem}-{index:04d}.safetensors"
         size = write_shard(path, samples, layer_ids=layer_ids, convention=options.convention,
-                           model=info.name, compute_dtype=info.dtype, dtype=dtype, use_fp8=options.use_fp8)
+                           model=info.name, compute_dtype=info.dtype, dtype=dtype, use_fp8=options.use_fp8,
+                           backend=info.backend, engine=info.engine)
         if on_file is not None:
             on_file(path)
         return {"name": path.name, "samples": len(samples), "tokens": sum(len(s.input_ids) for s in samples),
@@ -229,7 +230,9 @@ def extract_rows(
         "model": info.name,
         "dtype": dtype_name(dtype),
         "compute_dtype": info.dtype,
-        "device": info.device,
+        "device": backend.describe().device,  # an engine knows its device once started
+        "backend": info.backend,
+        "engine": info.engine,
         "forward_seconds": forward_seconds,
         "seconds": time.perf_counter() - started,
         "norms": _norm_report(stats, layer_ids),
@@ -334,11 +337,12 @@ def commit_extraction(store, merge_ref, out_ref, *, params: dict | None = None) 
         "bytes": sum(s["bytes"] for s in summaries),
     }
     keys = ("layer_ids", "convention", "last_hidden", "aux_encoding", "model", "dtype", "compute_dtype",
-            "min_bytes_per_token")
+            "min_bytes_per_token", "backend")
     mixed = [k for k in keys if len({json.dumps(s.get(k)) for s in summaries}) > 1]
     if mixed:
         raise UserError(f"{store.uri(out_ref)}: shards were extracted with different {mixed}; re-extract them alike")
     extra = {**{k: first.get(k) for k in keys}, "totals": totals,
+             "engines": sorted({s.get("engine") or "" for s in summaries}),
              "bytes_per_token": totals["bytes"] / totals["tokens"] if totals["tokens"] else 0.0}
     store.commit_files(out_ref, files, params=params, inputs=[merge_ref], extra=extra)
     return {"uri": store.uri(out_ref), **extra}

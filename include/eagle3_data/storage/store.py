@@ -33,12 +33,14 @@ from boto3.s3.transfer import TransferConfig
 from botocore.exceptions import ClientError
 
 import eagle3_data
+from eagle3_data.canonical import canonical_json  # re-exported: the one JSON spelling hashed and stored
 from eagle3_data.errors import UserError
 from eagle3_data.schemas import schema_for
-from eagle3_data.storage.client import s3_errors
+from eagle3_data.storage.client import endpoint_of, s3_errors
 from eagle3_data.storage.refs import (
     CorruptArtifact,
     IncompleteStage,
+    MissingBucket,
     StageRef,
     check_file_name,
     check_name,
@@ -54,9 +56,6 @@ _CHUNK = 8 * 1024 * 1024
 _SECRET_KEY = re.compile(r"(secret|secret_key|password|passwd|api_?key|access_key(_id)?|credentials?|authorization)$")
 
 
-def canonical_json(obj: Any) -> str:
-    """The one JSON spelling hashed and stored: sorted keys, no whitespace, UTF-8 kept."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
 def manifest_hash(manifest: dict) -> str:
@@ -82,6 +81,24 @@ def code_version() -> dict:
         except (OSError, subprocess.SubprocessError):
             sha = None
     return {"version": eagle3_data.__version__, "git_sha": sha}
+
+
+def check_part_schema(source, expected: pa.Schema, label: str) -> pq.ParquetFile:
+    """Open a downloaded part and refuse it, naming part and column, when its footer is unreadable
+    or its columns are missing or of another type than the manifest's schema version says."""
+    try:
+        pf = pq.ParquetFile(source)
+        actual = pf.schema_arrow
+    except (OSError, pa.ArrowException) as exc:
+        raise CorruptArtifact(f"{label}: not a readable Parquet file ({str(exc).splitlines()[0][:120]})") from None
+    for field in expected:
+        if field.name not in actual.names:
+            raise CorruptArtifact(f"{label}: column {field.name!r} is missing (schema "
+                                  f"{(expected.metadata or {}).get(b'eagle3.schema', b'?').decode()} needs it)")
+        got = actual.field(field.name).type
+        if not got.equals(field.type):
+            raise CorruptArtifact(f"{label}: column {field.name!r} is {got}, the schema says {field.type}")
+    return pf
 
 
 def check_no_secrets(obj: Any, where: str) -> None:
@@ -128,26 +145,53 @@ class ArtifactStore:
         return f"s3://{self.bucket}/{self.key(ref, name)}"
 
     # -- bucket and low-level objects ----------------------------------------------------------
-    def ensure_bucket(self) -> None:
-        """Create the bucket when missing (dev servers; on AWS it is usually made by infra)."""
+    def bucket_exists(self) -> bool:
         with s3_errors(self.client, f"checking bucket {self.bucket}"):
             try:
                 self.client.head_bucket(Bucket=self.bucket)
-                return
+                return True
             except ClientError as exc:
                 if exc.response.get("Error", {}).get("Code") not in ("404", "NoSuchBucket", "NotFound"):
                     raise
+                return False
+
+    def check_bucket(self) -> None:
+        """A missing bucket is a setup step not done, never something a task creates on its own."""
+        if not self.bucket_exists():
+            raise MissingBucket(
+                f"bucket {self.bucket!r} does not exist at {endpoint_of(self.client)}: create it once with "
+                f"`eagle3-data s3 init --bucket {self.bucket}` (or your infrastructure's tooling)"
+            )
+
+    def init_bucket(self) -> bool:
+        """Create the bucket (the explicit setup step `eagle3-data s3 init`); False if it existed."""
+        if self.bucket_exists():
+            return False
+        with s3_errors(self.client, f"creating bucket {self.bucket}"):
             self.client.create_bucket(Bucket=self.bucket)
+        log.info("created bucket %s", self.bucket)
+        return True
+
+    def lease(self, ref: StageRef, ttl_s: float | None = None):
+        """The stage's write lease (one writer per stage), for stages written without `writer()`
+        (file stages): `with store.lease(ref): ...`. StageBusy names the holder."""
+        from eagle3_data.storage.lease import DEFAULT_TTL_S, acquire_lease
+
+        return acquire_lease(self, ref, ttl_s=ttl_s or DEFAULT_TTL_S)
 
     def _put_bytes(self, key: str, data: bytes, sha256: str | None = None, content_type: str = "application/octet-stream") -> None:
         extra: dict[str, Any] = {"ContentType": content_type}
         if sha256:
             extra["Metadata"] = {"sha256": sha256}
         with s3_errors(self.client, f"writing s3://{self.bucket}/{key}"):
-            if len(data) >= self.transfer.multipart_threshold:
-                self.client.upload_fileobj(io.BytesIO(data), self.bucket, key, ExtraArgs=extra, Config=self.transfer)
-            else:
-                self.client.put_object(Bucket=self.bucket, Key=key, Body=data, **extra)
+            try:
+                if len(data) >= self.transfer.multipart_threshold:
+                    self.client.upload_fileobj(io.BytesIO(data), self.bucket, key, ExtraArgs=extra, Config=self.transfer)
+                else:
+                    self.client.put_object(Bucket=self.bucket, Key=key, Body=data, **extra)
+            except ClientError as exc:
+                self._raise_if_no_bucket(exc)
+                raise
 
     def _get_bytes(self, key: str) -> bytes | None:
         """The object's bytes, or None when it does not exist."""
@@ -157,7 +201,15 @@ class ArtifactStore:
             except ClientError as exc:
                 if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
                     return None
+                self._raise_if_no_bucket(exc)
                 raise
+
+    def _raise_if_no_bucket(self, exc: ClientError) -> None:
+        if exc.response.get("Error", {}).get("Code") == "NoSuchBucket":
+            raise MissingBucket(
+                f"bucket {self.bucket!r} does not exist at {endpoint_of(self.client)}: create it once with "
+                f"`eagle3-data s3 init --bucket {self.bucket}`"
+            ) from None
 
     def _exists(self, key: str) -> dict | None:
         with s3_errors(self.client, f"checking s3://{self.bucket}/{key}"):
@@ -165,6 +217,8 @@ class ArtifactStore:
                 return self.client.head_object(Bucket=self.bucket, Key=key)
             except ClientError as exc:
                 if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
+                    if not self.bucket_exists():  # HEAD has no body: a 404 may be the bucket
+                        self.check_bucket()
                     return None
                 raise
 
@@ -178,9 +232,23 @@ class ArtifactStore:
     def _list(self, prefix: str) -> list[dict]:
         out: list[dict] = []
         with s3_errors(self.client, f"listing s3://{self.bucket}/{prefix}"):
-            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
-                out.extend(page.get("Contents", []))
+            try:
+                for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
+                    out.extend(page.get("Contents", []))
+            except ClientError as exc:
+                self._raise_if_no_bucket(exc)
+                raise
         return out
+
+    def put_object(self, key: str, data: bytes, content_type: str = "application/octet-stream") -> str:
+        """One object at a bucket-relative key (not under `prefix`): inputs such as prompt files,
+        whose layout the config names (`{prompts_root}/{dataset}/date=D/`). Returns its URI."""
+        self._put_bytes(key, data, sha256=hashlib.sha256(data).hexdigest(), content_type=content_type)
+        return f"s3://{self.bucket}/{key}"
+
+    def list_objects(self, prefix: str) -> list[dict]:
+        """Objects under a bucket-relative key prefix (dicts with Key, Size, ETag, LastModified)."""
+        return self._list(prefix)
 
     def _download(self, key: str, expected_sha256: str | None, expected_bytes: int | None, label: str) -> tempfile.SpooledTemporaryFile:
         """Stream an object into a spooled temp file (RAM up to 64 MiB, then disk), hashing as it
@@ -192,6 +260,7 @@ class ArtifactStore:
             try:
                 body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"]
             except ClientError as exc:
+                self._raise_if_no_bucket(exc)
                 if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
                     out.close()
                     raise CorruptArtifact(f"{label} is listed in the manifest but missing from S3: rerun the stage") from None
@@ -240,10 +309,11 @@ class ArtifactStore:
         return True
 
     def delete(self, ref: StageRef) -> None:
-        """Remove a stage entirely, manifest first so no reader sees a half-deleted stage."""
+        """Remove a stage entirely, manifest first so no reader sees a half-deleted stage (the
+        lease object stays: take it with `lease(ref)` around this to keep writers out)."""
         self.invalidate(ref)
         base = self.key(ref)
-        objects = [o["Key"] for o in self._list(base)]
+        objects = [o["Key"] for o in self._list(base) if o["Key"] != base + "_lease.json"]
         self._delete(sorted(objects, key=lambda k: not k.startswith(base + PROGRESS)))
 
     def input_record(self, ref: StageRef) -> dict:
@@ -315,10 +385,15 @@ class ArtifactStore:
         tokenizer_sha256: str | None = None,
         template_sha256: str | None = None,
         fresh: bool = False,
+        reopen: bool = False,
+        part_summary=None,
+        lease_ttl_s: float | None = None,
     ):
         """A checkpointing writer; resumes what a killed attempt with the same inputs committed.
 
-        On a complete stage it is a rerun: the manifest is removed first, then the old parts.
+        On a complete stage it is a rerun: the manifest is removed first, then the old parts;
+        with `reopen=True` the parts are kept instead and resumed like a killed attempt's (each
+        re-verified by sha256), so only what is missing or corrupt is produced again.
         `fresh=True` discards an incomplete attempt too (needed when its params differ).
         """
         from eagle3_data.storage.writer import StageWriter
@@ -333,6 +408,9 @@ class ArtifactStore:
             tokenizer_sha256=tokenizer_sha256,
             template_sha256=template_sha256,
             fresh=fresh,
+            reopen=reopen,
+            part_summary=part_summary,
+            **({"lease_ttl_s": lease_ttl_s} if lease_ttl_s else {}),
         )
 
     def _checked_manifest(self, ref: StageRef) -> dict:
@@ -348,9 +426,12 @@ class ArtifactStore:
 
     def iter_batches(self, ref: StageRef, columns: list[str] | None = None, batch_size: int = 1024) -> Iterator[pa.RecordBatch]:
         """Stream the stage's rows, part by part, each part's sha256 checked before it is parsed."""
-        return self._batches(ref, self._checked_manifest(ref)["parts"], columns, batch_size)  # refuses now, not at first next()
+        manifest = self._checked_manifest(ref)  # refuses now, not at first next()
+        schema = schema_for(manifest["schema"]["name"], manifest["schema"]["version"])
+        return self._batches(ref, manifest["parts"], columns, batch_size, schema)
 
-    def _batches(self, ref: StageRef, parts: list[dict], columns: list[str] | None, batch_size: int) -> Iterator[pa.RecordBatch]:
+    def _batches(self, ref: StageRef, parts: list[dict], columns: list[str] | None, batch_size: int,
+                 schema: pa.Schema | None = None) -> Iterator[pa.RecordBatch]:
         def fetch(part: dict):
             return self._download(self.key(ref, part["name"]), part["sha256"], part["bytes"], self.uri(ref, part["name"]))
 
@@ -363,7 +444,12 @@ class ArtifactStore:
                     with current.result() as f:
                         if i + 1 < len(parts):
                             pending = pool.submit(fetch, parts[i + 1])
-                        yield from pq.ParquetFile(f).iter_batches(batch_size=batch_size, columns=columns)
+                        label = self.uri(ref, parts[i]["name"])
+                        pf = check_part_schema(f, schema, label) if schema is not None else pq.ParquetFile(f)
+                        try:
+                            yield from pf.iter_batches(batch_size=batch_size, columns=columns)
+                        except (OSError, pa.ArrowException) as exc:
+                            raise CorruptArtifact(f"{label}: unreadable ({str(exc).splitlines()[0][:120]})") from None
             finally:  # the caller stopped early or a part was bad: drop the prefetched part
                 if pending is not None and not pending.cancel():
                     pending.add_done_callback(lambda fut: fut.exception() is None and fut.result().close())
@@ -378,10 +464,57 @@ class ArtifactStore:
         return pa.Table.from_batches(batches, schema=schema) if batches else schema.empty_table()
 
     def verify(self, ref: StageRef) -> None:
-        """Download and hash every part and file of the manifest; CorruptArtifact names the first bad one."""
+        """Download and hash every part and file of the manifest, and check each part's columns
+        against the manifest's schema version; CorruptArtifact names the first bad one."""
+        problems = self.check(ref)
+        if problems:
+            raise CorruptArtifact(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+
+    def check(self, ref: StageRef) -> list[str]:
+        """Every problem of a complete stage, one line each naming the part or file (empty: sound)."""
         manifest = self.read_manifest(ref)
-        for item in [*manifest.get("parts", []), *manifest.get("files", [])]:
-            self._download(self.key(ref, item["name"]), item["sha256"], item["bytes"], self.uri(ref, item["name"])).close()
+        schema = None
+        if manifest.get("schema"):
+            schema = schema_for(manifest["schema"]["name"], manifest["schema"]["version"])
+        problems = []
+        for kind, items in (("part", manifest.get("parts", [])), ("file", manifest.get("files", []))):
+            for item in items:
+                label = self.uri(ref, item["name"])
+                try:
+                    with self._download(self.key(ref, item["name"]), item["sha256"], item["bytes"], label) as f:
+                        if kind == "part" and schema is not None:
+                            check_part_schema(f, schema, label)
+                except CorruptArtifact as exc:
+                    problems.append(str(exc))
+        return problems
+
+    def stages(self, run_key: str) -> list[StageRef]:
+        """Every complete stage of a run (any stage, any dataset)."""
+        check_name(run_key, "run_key")
+        base = f"{self.prefix}/runs/{run_key}/" if self.prefix else f"runs/{run_key}/"
+        refs = []
+        for obj in self._list(base):
+            rel = obj["Key"][len(base):].split("/")
+            if len(rel) == 3 and rel[2] == MANIFEST:
+                refs.append(StageRef(run_key, rel[0], rel[1]))
+        return sorted(refs)
+
+    def downstream(self, ref: StageRef) -> list[StageRef]:
+        """Complete stages of the same run whose manifests name `ref` as an input, transitively:
+        what a discard of `ref` leaves pointing at data that no longer exists."""
+        inputs = {}
+        for other in self.stages(ref.run_key):
+            if other != ref:
+                inputs[other] = {i.get("uri") for i in self.read_manifest(other).get("inputs", [])}
+        found: list[StageRef] = []
+        frontier = [self.uri(ref)]
+        while frontier:
+            uri = frontier.pop()
+            for other, uris in inputs.items():
+                if uri in uris and other not in found:
+                    found.append(other)
+                    frontier.append(self.uri(other))
+        return sorted(found)
 
     def committed_sample_ids(self, ref: StageRef) -> set[str]:
         """sample_ids in the committed parts of a stage, complete or not (resume and routing use it)."""

@@ -7,6 +7,11 @@ A part counts only once step 2 happened. A resuming writer therefore trusts prog
 whose part exists with the recorded size, deletes parts without one (orphans of a kill between 1
 and 2; their rows are produced again, never counted twice) and continues numbering after the last
 committed part. The manifest is written by `commit()`, last.
+
+One writer per stage: `_open` takes the stage's lease (storage/lease.py) before it reads or
+deletes anything, every part and the manifest are written only while the lease is held, and a
+resuming writer re-hashes every committed part against its progress record before trusting it
+(a part whose bytes changed is named, discarded, and its rows produced again).
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import pyarrow as pa
@@ -22,8 +27,9 @@ import pyarrow.parquet as pq
 
 from eagle3_data.errors import UserError
 from eagle3_data.schemas import schema_for
-from eagle3_data.storage.refs import StageRef, part_name, part_number
-from eagle3_data.storage.store import PROGRESS, ArtifactStore, canonical_json
+from eagle3_data.storage.lease import DEFAULT_TTL_S, LEASE, Lease, acquire_lease
+from eagle3_data.storage.refs import CorruptArtifact, StageRef, part_name, part_number
+from eagle3_data.storage.store import PROGRESS, ArtifactStore, canonical_json, check_part_schema
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +46,10 @@ def scan_progress(store: ArtifactStore, ref: StageRef) -> list[dict]:
             continue
         data = store._get_bytes(obj["Key"])
         if data is not None:
-            records.append(json.loads(data))
+            try:
+                records.append(json.loads(data))
+            except ValueError:
+                log.warning("%s: unreadable progress record, ignored (its part is produced again)", store.uri(ref, rel))
     return sorted(records, key=lambda r: r["part"])
 
 
@@ -59,6 +68,9 @@ class StageWriter:
         tokenizer_sha256: str | None,
         template_sha256: str | None,
         fresh: bool,
+        reopen: bool = False,
+        part_summary: Callable[[pa.Table], dict] | None = None,
+        lease_ttl_s: float = DEFAULT_TTL_S,
     ) -> None:
         if rows_per_part < 1:
             raise UserError(f"rows_per_part must be >= 1, got {rows_per_part}")
@@ -72,6 +84,11 @@ class StageWriter:
         self.tokenizer_sha256 = tokenizer_sha256
         self.template_sha256 = template_sha256
         self.fresh = fresh
+        self.reopen = reopen
+        self.part_summary = part_summary
+        self.lease_ttl_s = lease_ttl_s
+        self.lease: Lease | None = None
+        self._records: list[dict] = []  # progress records of committed parts (verified)
         self.fingerprint = hashlib.sha256(
             canonical_json(
                 {
@@ -89,31 +106,49 @@ class StageWriter:
         self._buffer: list[pa.Table] = []
         self._buffered = 0
         self._next_part = 0
-        self._stats = {"resumed_parts": 0, "resumed_rows": 0, "orphan_parts_removed": 0, "duplicates_skipped": 0}
+        self._stats = {"resumed_parts": 0, "resumed_rows": 0, "orphan_parts_removed": 0, "corrupt_parts_discarded": 0,
+                       "duplicates_skipped": 0}
         self._committed = False
         self._opened = False
+        self.unsaved_rows = 0  # rows still buffered when the writer exited on an error (not in S3)
 
     # -- lifecycle ----------------------------------------------------------------------------
     def __enter__(self) -> StageWriter:
-        self._open()
+        self.lease = acquire_lease(self.store, self.ref, ttl_s=self.lease_ttl_s)
+        try:
+            self._open()
+        except BaseException:
+            self.lease.release()
+            raise
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if self._committed:
-            return
-        if exc_type is None:
-            raise RuntimeError(f"writer for {self.store.uri(self.ref)} closed without commit(): the stage stays incomplete")
-        try:  # the rows already produced are paid for: checkpoint them before the error propagates
-            self.flush()
-        except Exception:
-            log.warning("could not checkpoint %d buffered rows of %s", self._buffered, self.store.uri(self.ref), exc_info=True)
+        try:
+            if self._committed:
+                return
+            if exc_type is None:
+                raise RuntimeError(f"writer for {self.store.uri(self.ref)} closed without commit(): the stage stays incomplete")
+            try:  # the rows already produced are paid for: checkpoint them before the error propagates
+                self.flush()
+            except Exception as err:
+                self.unsaved_rows = self._buffered
+                log.warning("could not checkpoint %d buffered rows of %s (%s): they are NOT in S3; the next attempt "
+                            "produces them again unless a local journal holds them", self._buffered,
+                            self.store.uri(self.ref), str(err).splitlines()[0] if str(err) else type(err).__name__)
+        finally:
+            if self.lease is not None:
+                self.lease.release()
 
     def _open(self) -> None:
         store, ref = self.store, self.ref
-        if store.invalidate(ref) or self.fresh:
-            self._discard_everything()
-        records = scan_progress(store, ref)
-        foreign = [r for r in records if r.get("fingerprint") != self.fingerprint]
+        records = scan_progress(store, ref) if self.reopen and not self.fresh else None
+        foreign = [r for r in records or [] if r.get("fingerprint") != self.fingerprint]
+        if not foreign:  # a reopen that would be refused leaves the complete stage as it is
+            was_complete = store.invalidate(ref)
+            if (was_complete and not self.reopen) or self.fresh:
+                self._discard_everything()
+            records = scan_progress(store, ref)
+            foreign = [r for r in records if r.get("fingerprint") != self.fingerprint]
         if foreign:
             raise UserError(
                 f"{store.uri(ref)} holds {len(foreign)} committed parts of an unfinished attempt with other "
@@ -123,16 +158,25 @@ class StageWriter:
         objects = {o["Key"][len(store.key(ref)) :]: o["Size"] for o in store._list(store.key(ref))}
         valid = []
         for record in records:
-            if objects.get(record["name"]) == record["bytes"]:
+            if objects.get(record["name"]) != record["bytes"]:
+                problem = "progress record without its part (or of another size)"
+            else:
+                problem = self._verify_part(record)
+            if problem is None:
                 valid.append(record)
             else:
-                log.warning("%s: progress record without its part; its rows will be produced again", store.uri(ref, record["name"]))
+                log.warning("%s: %s; discarded, its %d rows will be produced again", store.uri(ref, record["name"]),
+                            problem, record.get("rows", 0))
+                self._stats["corrupt_parts_discarded"] += objects.get(record["name"]) is not None
                 store._delete([store.key(ref, f"{PROGRESS}/{record['name'][: -len('.parquet')]}.json")])
+                store._delete([store.key(ref, record["name"])])
+                objects.pop(record["name"], None)
         valid_names = {r["name"] for r in valid}
         orphans = [name for name in objects if part_number(name) is not None and name not in valid_names]
         if orphans:
             log.warning("%s: removing %d parts of a killed attempt that never got a progress record", store.uri(ref), len(orphans))
             store._delete(store.key(ref, name) for name in orphans)
+        self._records = valid
         for record in valid:
             self._parts.append({k: record[k] for k in ("name", "rows", "bytes", "sha256")})
             self._committed_ids.update(record["sample_ids"])
@@ -143,10 +187,26 @@ class StageWriter:
             log.info("%s: resuming after %d committed parts (%d rows)", store.uri(ref), len(valid), self._stats["resumed_rows"])
         self._opened = True
 
+    def _verify_part(self, record: dict) -> str | None:
+        """Why a committed part must not be trusted (bytes changed since its record, unreadable
+        footer, schema not this stage's), or None. Costs one download per part, once per resume."""
+        try:
+            with self.store._download(self.store.key(self.ref, record["name"]), record["sha256"], record["bytes"],
+                                      self.store.uri(self.ref, record["name"])) as f:
+                check_part_schema(f, self.schema, self.store.uri(self.ref, record["name"]))
+        except CorruptArtifact as exc:
+            return str(exc).split(": rerun the stage")[0].removeprefix(self.store.uri(self.ref, record["name"]) + " ")
+        return None
+
+    def committed_records(self) -> list[dict]:
+        """Progress records of the verified committed parts (with `summary` when a part_summary was given)."""
+        self._require_open()
+        return [dict(r) for r in self._records]
+
     def _discard_everything(self) -> None:
         """Progress records first, so a kill midway leaves nothing a resume would count."""
         base = self.store.key(self.ref)
-        keys = [o["Key"] for o in self.store._list(base)]
+        keys = [o["Key"] for o in self.store._list(base) if o["Key"] != base + LEASE]
         progress = [k for k in keys if k.startswith(base + PROGRESS + "/")]
         self.store._delete(progress)
         self.store._delete(k for k in keys if k not in set(progress))
@@ -183,24 +243,28 @@ class StageWriter:
             self._buffered += table.num_rows
         while self._buffered >= self.rows_per_part:
             whole = pa.concat_tables(self._buffer)
+            self._buffer = [whole]  # one table; rows leave the buffer only once their part is committed
+            self._write_part(whole.slice(0, self.rows_per_part))
             self._buffer = [whole.slice(self.rows_per_part)] if whole.num_rows > self.rows_per_part else []
             self._buffered = whole.num_rows - self.rows_per_part
-            self._write_part(whole.slice(0, self.rows_per_part))
         return len(keep)
 
     def flush(self) -> None:
-        """Commit the buffered rows as a part now, however few."""
+        """Commit the buffered rows as a part now, however few; on an upload error they stay buffered."""
         self._require_open()
         if self._buffered:
             whole = pa.concat_tables(self._buffer)
-            self._buffer, self._buffered = [], 0
+            self._buffer = [whole]
             self._write_part(whole)
+            self._buffer, self._buffered = [], 0
 
     def commit(self, extra: dict | None = None, files: Iterable[str] = ()) -> dict:
         """Flush, then write the manifest, last. `files`: side files already put (reports) that the
         manifest should cover with their sha256."""
         self._require_open()
         self.flush()
+        self.lease.renew()  # fencing: a writer whose lease was taken over never writes a manifest
+        self._check_parts_unchanged()
         manifest = self.store._write_manifest(
             self.ref,
             schema={"name": self.schema_name, "version": int(self.schema.metadata[b"eagle3.schema_version"])},
@@ -244,7 +308,18 @@ class StageWriter:
         except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
             raise UserError(f"{where}: a row does not fit the schema: {exc}") from None
 
+    def _check_parts_unchanged(self) -> None:
+        """Every part the manifest will list still has the bytes this writer recorded (HEAD: size
+        and the sha256 put in its metadata), so no overwritten part is ever committed."""
+        for part in self._parts:
+            head = self.store._exists(self.store.key(self.ref, part["name"]))
+            meta = (head or {}).get("Metadata", {}).get("sha256")
+            if head is None or head["ContentLength"] != part["bytes"] or (meta and meta != part["sha256"]):
+                raise CorruptArtifact(f"{self.store.uri(self.ref, part['name'])} changed after it was committed (another "
+                                      f"writer?): manifest not written; rerun the stage to resume and re-verify")
+
     def _write_part(self, table: pa.Table) -> None:
+        self.lease.check()
         n = self._next_part
         name = part_name(n)
         sink = pa.BufferOutputStream()
@@ -253,17 +328,19 @@ class StageWriter:
         sha = hashlib.sha256(data).hexdigest()
         self.store._put_bytes(self.store.key(self.ref, name), data, sha256=sha)
         sample_ids = table.column("sample_id").to_pylist()
-        self._write_progress(
-            {
-                "part": n,
-                "name": name,
-                "rows": table.num_rows,
-                "bytes": len(data),
-                "sha256": sha,
-                "fingerprint": self.fingerprint,
-                "sample_ids": sample_ids,
-            }
-        )
+        record = {
+            "part": n,
+            "name": name,
+            "rows": table.num_rows,
+            "bytes": len(data),
+            "sha256": sha,
+            "fingerprint": self.fingerprint,
+            "sample_ids": sample_ids,
+        }
+        if self.part_summary is not None:
+            record["summary"] = self.part_summary(table)
+        self._write_progress(record)
+        self._records.append(record)
         self._parts.append({"name": name, "rows": table.num_rows, "bytes": len(data), "sha256": sha})
         self._committed_ids.update(sample_ids)
         self._next_part = n + 1

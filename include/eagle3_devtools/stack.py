@@ -21,15 +21,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagle3_data.config import DEFAULT_CONFIG_PATH
+from eagle3_data.config import deep_merge, default_config_raw
+from eagle3_data.dev.sources import TINY_MODEL_ARGS
 from eagle3_data.errors import UserError
 
 log = logging.getLogger(__name__)
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]  # include/eagle3_devtools/stack.py -> the checkout
 CACHE = REPO / ".cache"
 SAMPLE_DATA = REPO / "include" / "sample_data"
-TINY_MODEL_ARGS = {"seed": 0, "layers": 8, "hidden": 64}
 
 
 def tokenizer_dir() -> Path:
@@ -86,14 +86,13 @@ class DevStack:
 
 
 def write_config(path: Path, *, bucket: str, tokenizer: Path, model: Path, overrides: dict | None = None) -> Path:
-    """The repo's pipeline.yaml pointed at the stack's bucket, tokenizer and model, plus overrides."""
+    """The packaged default config pointed at the stack's bucket, tokenizer and model, plus overrides
+    (merged by the config's own rule, the one params use)."""
     import yaml
 
-    from eagle3_data.config import _deep_merge  # one merge rule for files and params
-
-    raw = yaml.safe_load(DEFAULT_CONFIG_PATH.read_text())
-    _deep_merge(raw, {"storage": {"bucket": bucket}, "tokenizer": {"source": str(tokenizer)}, "model": {"source": str(model)}})
-    _deep_merge(raw, overrides or {})
+    raw = default_config_raw()
+    deep_merge(raw, {"storage": {"bucket": bucket}, "tokenizer": {"source": str(tokenizer)}, "model": {"source": str(model)}})
+    deep_merge(raw, overrides or {})
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path
 
@@ -129,23 +128,32 @@ def dev_stack(workdir: str | os.PathLike, *, config_overrides: dict | None = Non
         access, secret = "dev-" + secrets.token_hex(4), secrets.token_hex(16)
         s3 = start_seaweedfs(work / "s3", access_key=access, secret_key=secret)
         stack.callback(stop_seaweedfs, work / "s3", 0.5)
-        s3.client().create_bucket(Bucket=config.storage.bucket)
+        from eagle3_data.storage import ArtifactStore
+
+        ArtifactStore(s3.client(), config.storage.bucket, config.storage.prefix).init_bucket()  # `eagle3-data s3 init`
 
         server = DevServerProcess(tok, log_path=work / "inference-server.log", pipeline_config=config_path)
         stack.callback(server.stop)
         port, url = server.port, server.url
 
-        aws = {"conn_type": "aws", "login": access, "password": secret,
-               "extra": {"endpoint_url": s3.endpoint_url, "region_name": "us-east-1"}}
-        env = {
-            "EAGLE3_CONFIG": str(config_path),
-            "AIRFLOW_CONN_AWS_DEFAULT": json.dumps(aws),
-            "AIRFLOW_CONN_SGLANG_DEFAULT": json.dumps({"conn_type": "http", "host": "127.0.0.1", "port": port, "schema": "http"}),
-            "AIRFLOW_CONN_OPENROUTER_DEFAULT": json.dumps(
-                {"conn_type": "http", "host": f"{url}/v1", "password": "dev-key-not-a-secret"}
-            ),
-            "EAGLE3_JOURNAL_DIR": str(work / "journal"),
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-        }
+        env = stack_env(work, config_path, s3_endpoint=s3.endpoint_url, access_key=access, secret_key=secret,
+                        inference_port=port, inference_url=url)
         yield DevStack(work, config_path, s3.endpoint_url, url, env, s3)
+
+
+def stack_env(work: Path, config_path: Path, *, s3_endpoint: str, access_key: str, secret_key: str,
+              inference_port: int, inference_url: str) -> dict[str, str]:
+    """What the DAG reads: the connections (same ids and types as docker-compose.yaml) and the config."""
+    aws = {"conn_type": "aws", "login": access_key, "password": secret_key,
+           "extra": {"endpoint_url": s3_endpoint, "region_name": "us-east-1"}}
+    return {
+        "EAGLE3_CONFIG": str(config_path),
+        "AIRFLOW_CONN_AWS_DEFAULT": json.dumps(aws),
+        "AIRFLOW_CONN_SGLANG_DEFAULT": json.dumps({"conn_type": "http", "host": "127.0.0.1", "port": inference_port, "schema": "http"}),
+        "AIRFLOW_CONN_OPENROUTER_DEFAULT": json.dumps(
+            {"conn_type": "http", "host": f"{inference_url}/v1", "password": "dev-key-not-a-secret"}
+        ),
+        "EAGLE3_JOURNAL_DIR": str(work / "journal"),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }

@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from eagle3_data.config import DAG_ID, load_config
-from eagle3_data.dev.stack import REPO, airflow_db_migrate, airflow_env, dev_stack, upload_prompts
+from eagle3_devtools.stack import REPO, airflow_db_migrate, airflow_env, dev_stack, upload_prompts
 
 DEFAULT_WORKDIR = REPO / "demo-output"
 # Small enough for two CPU cores in a few minutes; the shape of a real run.

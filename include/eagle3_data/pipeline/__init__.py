@@ -1,0 +1,85 @@
+"""The stages as the DAG (and the CLI, and tests) call them: thin glue between library modules,
+one module per stage, in the order the DAG runs them:
+
+  run (resolve_run, open_store) -> audit -> route (load_route) -> generate (local | overflow,
+  concurrently) -> reconstruct -> validate (the gate) -> merge -> extract (hidden states) -> publish
+
+Each stage takes a resolved `Run` (config + params + run key), an `ArtifactStore` and, for
+per-dataset stages, a dataset name; it reads its inputs from S3, writes its outputs with a
+manifest, and returns a small typed result of URIs and counts (`results`; the DAG puts
+`as_dict()` into XCom). Reuse follows one rule (`reuse.reusable`): a stage whose manifest is
+complete with the same params and input manifests is not recomputed, so a rerun of one dataset
+(or a backfill of a date already done) leaves every other artifact byte-identical.
+"""
+
+from eagle3_data.pipeline.audit import audit_tokenizer
+from eagle3_data.pipeline.extract import commit_hidden_states, extract_hidden_states, extract_workers, hidden_states_params
+from eagle3_data.pipeline.generate import generate_local, generate_overflow
+from eagle3_data.pipeline.merge import merge
+from eagle3_data.pipeline.publish import publish
+from eagle3_data.pipeline.reconstruct import reconstruct
+from eagle3_data.pipeline.results import (
+    AuditResult,
+    Gate,
+    GenerationResult,
+    MergeResult,
+    PublishResult,
+    ReconstructResult,
+    RouteResult,
+    ShardResult,
+    ValidateResult,
+)
+from eagle3_data.pipeline.reuse import reusable, same_params
+from eagle3_data.pipeline.route import load_route
+from eagle3_data.pipeline.run import (
+    Run,
+    bulk_tokenizer_for,
+    check_prompt_sources,
+    open_store,
+    output_format,
+    preflight,
+    resolve_run,
+    stage_ref,
+    tokenizer_for,
+)
+from eagle3_data.pipeline.validate import gate_results, run_datasets, run_gate, validate
+from eagle3_data.stages import RUN_DATASET
+
+__all__ = [
+    "RUN_DATASET",
+    "AuditResult",
+    "Gate",
+    "GenerationResult",
+    "MergeResult",
+    "PublishResult",
+    "ReconstructResult",
+    "RouteResult",
+    "Run",
+    "ShardResult",
+    "ValidateResult",
+    "audit_tokenizer",
+    "check_prompt_sources",
+    "commit_hidden_states",
+    "extract_workers",
+    "extract_hidden_states",
+    "gate_results",
+    "generate_local",
+    "generate_overflow",
+    "hidden_states_params",
+    "load_route",
+    "merge",
+    "open_store",
+    "output_format",
+    "preflight",
+    "publish",
+    "reconstruct",
+    "resolve_run",
+    "reusable",
+    "run_datasets",
+    "run_gate",
+    "same_params",
+    "stage_ref",
+    "bulk_tokenizer_for",
+    "tokenizer_for",
+    "validate",
+]

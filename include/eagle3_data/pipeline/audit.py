@@ -1,0 +1,34 @@
+"""Stage 1, the tokenizer audit: every special id derived by name and round-tripped, before any
+generation request is sent (a wrong expectation costs nothing)."""
+
+from __future__ import annotations
+
+from eagle3_data.errors import GateFailed
+from eagle3_data.pipeline.results import AuditResult
+from eagle3_data.pipeline.reuse import reusable
+from eagle3_data.pipeline.run import Run, stage_ref, tokenizer_for
+from eagle3_data.stages import AUDIT, AUDIT_DATASET
+
+AUDIT_REPORT = "report.json"
+
+
+def audit_tokenizer(run: Run, store) -> AuditResult:
+    from eagle3_data.tokenizer import audit_tokenizer as audit
+
+    report = audit(tokenizer_for(run, store), run.config.tokenizer.expected_special_ids).to_json()
+    ref = stage_ref(run, AUDIT, AUDIT_DATASET)
+    params = {"source": run.config.tokenizer.source, "expected": run.config.tokenizer.expected_special_ids}
+    manifest = reusable(store, ref, [], params)
+    if report["passed"] and manifest and manifest["tokenizer_sha256"] == report["tokenizer_sha256"]:
+        return AuditResult(store.uri(ref, AUDIT_REPORT), report["tokenizer_sha256"])
+    uri = store.put_json(ref, AUDIT_REPORT, report)
+    if not report["passed"]:
+        raise GateFailed(f"tokenizer audit failed ({'; '.join(report['problems'])}); report: {uri}")
+    store.commit_files(
+        ref,
+        [AUDIT_REPORT],
+        params=params,
+        tokenizer_sha256=report["tokenizer_sha256"],
+        template_sha256=report["chat_template_sha256"],
+    )
+    return AuditResult(uri, report["tokenizer_sha256"])

@@ -1,0 +1,140 @@
+"""Stage 8, publish: the run report and summary (per-dataset gates, counts, tokens, cost,
+hidden-state bytes, where everything is). A run whose selected datasets did not all pass ends
+failed here, after writing them, so nobody trains on it unnoticed."""
+
+from __future__ import annotations
+
+import json
+
+from eagle3_data.errors import GateFailed, UserError
+from eagle3_data.pipeline.extract import commit_hidden_states
+from eagle3_data.pipeline.results import PublishResult
+from eagle3_data.pipeline.route import PLAN_REPORT
+from eagle3_data.pipeline.run import Run, log, stage_ref
+from eagle3_data.pipeline.validate import BILLING_REPORT, gate_results
+from eagle3_data.stages import AUDIT, AUDIT_DATASET, HIDDEN_STATES, LOCAL, MERGE, PLAN, PROMPTS, PUBLISH, RECONSTRUCT, RUN_DATASET, VALIDATE
+
+SUMMARY = "summary.json"
+
+
+def _generation_totals(store, ref) -> dict:
+    """Rows, failures, tokens and USD of one generation stage, from its committed parts."""
+    out = {"ok": 0, "failed": 0, "prompt_tokens": 0, "completion_tokens": 0, "cost_usd": 0.0}
+    if not store.is_complete(ref):
+        return out
+    for batch in store.iter_batches(ref, columns=["status", "usage", "output_ids"]):
+        for r in batch.to_pylist():
+            out["ok" if r["status"] == "ok" else "failed"] += 1
+            usage = r["usage"] or {}
+            out["prompt_tokens"] += usage.get("prompt_tokens") or 0
+            out["completion_tokens"] += usage.get("completion_tokens") or len(r["output_ids"] or [])
+            out["cost_usd"] += usage.get("cost_usd") or 0.0
+    out["cost_usd"] = round(out["cost_usd"], 6)
+    return out
+
+
+def _run_report(store, run_key: str, index: dict) -> str | None:
+    """The UI's run-report index; left untouched when it already says the same (idempotent reruns)."""
+    from eagle3_data.report import RUN_REPORT_NAME, run_report_ref, write_run_report
+
+    if not index:
+        return None
+    ref = run_report_ref(run_key)
+    if store.is_complete(ref) and store.get_json(ref, RUN_REPORT_NAME).get("datasets") == index:
+        return store.uri(ref, RUN_REPORT_NAME)
+    return write_run_report(store, run_key, index)
+
+
+def _plan(run: Run, store) -> PublishResult:
+    from eagle3_data.generation.balance import run_totals
+    from eagle3_data.pipeline.route import rates, seconds_text
+
+    plans = {name: store.get_json(stage_ref(run, PLAN, name), PLAN_REPORT) for name in run.datasets}
+    totals = {k: round(sum(p["estimate"][k] for p in plans.values()), 6) for k in ("prompt_tokens", "max_output_tokens", "max_overflow_usd")}
+    # each routing strategy over the whole run (the datasets share endpoints and provider)
+    strategies = run_totals([p["estimate"].get("strategies", {}) for p in plans.values()], rates(run))
+    for name, p in strategies.items():
+        log.info("dry run plan, routing %s%s: local %d samples (%s s), overflow %d (%s s): wall %s s, overflow <= $%.4f",
+                 name, " (chosen)" if name == run.config.routing.strategy else "", p["local"], seconds_text(p["local_s"]),
+                 p["overflow"], seconds_text(p["overflow_s"]), seconds_text(p["wall_s"]), p["overflow_usd"])
+    uri = store.put_json(stage_ref(run, PLAN, RUN_DATASET), PLAN_REPORT,
+                         {"run_key": run.run_key, "datasets": plans, "totals": totals, "strategies": strategies})
+    log.info("dry run plan: %s", json.dumps({"datasets": plans, "totals": totals, "strategies": strategies}, indent=1))
+    return PublishResult(run_key=run.run_key, report_uri=uri, summary_uri=None, datasets=list(run.datasets), changed=False, totals=totals)
+
+
+def publish(run: Run, store) -> PublishResult:
+    """Write the run report and summary, whatever happened upstream (the DAG runs this task once
+    everything else is done: the report matters most for a run that failed). Then raise GateFailed
+    when anything is missing for training (a dataset's gate, the merge, the hidden states), so the
+    run ends failed and no Asset event announces it. `changed` says whether the summary is new
+    (the DAG emits the Asset event only then)."""
+    from eagle3_data.report import generation_lengths
+
+    if run.dry_run:
+        return _plan(run, store)
+
+    gates = gate_results(run, store)
+    datasets: dict[str, dict] = {}
+    for name, gate in gates.items():
+        prompts = stage_ref(run, PROMPTS, name)
+        datasets[name] = {
+            "gate": gate.as_dict(),
+            "prompts": store.read_manifest(prompts)["rows"] if store.is_complete(prompts) else None,
+            "local": _generation_totals(store, stage_ref(run, LOCAL, name)),
+            "overflow": _generation_totals(store, stage_ref(run, RECONSTRUCT, name)),
+        }
+    index = {
+        n: {
+            "validation": g.report_uri,
+            "billing": store.uri(stage_ref(run, VALIDATE, n), BILLING_REPORT),
+            "thresholds": run.config.dataset(n).validation.rates(),
+            "lengths": generation_lengths(store, [stage_ref(run, LOCAL, n), stage_ref(run, RECONSTRUCT, n)]),
+            "generation": {"local": datasets[n]["local"], "overflow": datasets[n]["overflow"]},
+        }
+        for n, g in gates.items()
+        if g.report_uri
+    }
+    report_uri = _run_report(store, run.run_key, index)
+
+    problems = [f"{n}: {', '.join(g.reasons)} (report {g.report_uri})" for n, g in gates.items() if not g.passed]
+    if not store.is_complete(stage_ref(run, AUDIT, AUDIT_DATASET)):
+        problems.insert(0, "the tokenizer audit did not pass (see task audit_tokenizer)")
+    passed = [n for n, g in gates.items() if g.passed]
+    merge_ref, hs_ref = stage_ref(run, MERGE, RUN_DATASET), stage_ref(run, HIDDEN_STATES, RUN_DATASET)
+    merged = store.read_manifest(merge_ref)["extra"] if passed and store.is_complete(merge_ref) else None
+    if passed and merged is None:
+        problems.append("merge did not complete (see task merge)")
+    hidden = None
+    if merged and not run.skip_hidden_states:
+        try:
+            hidden = commit_hidden_states(run, store)
+        except UserError as exc:  # a shard's extraction never finished
+            problems.append(f"hidden states: {exc}")
+    summary_ref = stage_ref(run, PUBLISH, RUN_DATASET)
+    summary = {
+        "run_key": run.run_key,
+        "report_uri": report_uri,
+        "datasets": datasets,
+        "merged_uri": store.uri(merge_ref) if merged else None,
+        "merged": merged and {"totals": merged["totals"], "shards": len(merged["shards"])},
+        "hidden_states_uri": store.uri(hs_ref) if hidden else None,
+        "hidden_states": hidden and {k: hidden.get(k) for k in ("totals", "layer_ids", "convention", "model", "dtype")},
+        "cost_usd": round(sum(d["overflow"]["cost_usd"] for d in datasets.values()), 6),
+        "summary_uri": store.uri(summary_ref, SUMMARY),
+        # whether the run passed: a failed run that is fixed writes a new summary (and publishes)
+        "passed": not problems,
+    }
+    changed = not (store.is_complete(summary_ref) and store.get_json(summary_ref, SUMMARY) == summary)
+    if changed:
+        store.put_json(summary_ref, SUMMARY, summary)
+        store.commit_files(summary_ref, [SUMMARY], params={"datasets": list(gates)})
+    if problems:
+        raise GateFailed(
+            f"run {run.run_key}: nothing published: " + "; ".join(problems) + f"; run summary: {summary['summary_uri']}"
+        )
+    return PublishResult(
+        run_key=run.run_key, report_uri=report_uri, summary_uri=summary["summary_uri"], datasets=passed,
+        merged_uri=summary["merged_uri"], hidden_states_uri=summary["hidden_states_uri"], cost_usd=summary["cost_usd"],
+        changed=changed, summary=summary,
+    )

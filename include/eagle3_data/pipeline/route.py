@@ -1,0 +1,114 @@
+"""Stage 2, load + route: a dataset's prompts (its date partition for scheduled runs), each with a
+stable sample_id and a route (local | overflow | both); refused rows go to rejects.json. In a dry
+run nothing is written but the plan: counts, token and cost estimates."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from eagle3_data.canonical import canonical_json
+from eagle3_data.errors import UserError
+from eagle3_data.pipeline.results import RouteResult
+from eagle3_data.pipeline.reuse import reusable
+from eagle3_data.pipeline.run import Run, log, output_format, sampling, stage_ref, tokenizer_for
+from eagle3_data.stages import PLAN, PROMPTS
+
+PLAN_REPORT = "plan.json"
+REJECTS = "rejects.json"
+BALANCE_FIELDS = ("local_endpoints", "local_latency_s", "overflow_latency_s")
+
+
+def rates(run: Run):
+    """Samples/s of each side from the configured observations (generation.balance.side_rates)."""
+    from eagle3_data.generation.balance import side_rates
+
+    r, g = run.config.routing, run.config.generation
+    return side_rates(local_endpoints=r.local_endpoints, in_flight_per_endpoint=g.local.in_flight_per_endpoint,
+                      local_latency_s=r.local_latency_s, overflow_concurrency=g.overflow.concurrency,
+                      overflow_latency_s=r.overflow_latency_s)
+
+
+def load_route(run: Run, store, dataset: str) -> RouteResult:
+    from eagle3_data.generation.routing import assign_routes
+    from eagle3_data.prompts import format_rejects, limit_prompt_tokens, load_prompts, prompt_token_limit
+
+    ds, g, limits = run.config.dataset(dataset), run.config.generation, run.config.limits
+    loaded = load_prompts(ds.prompts, dataset, date=run.date, sampling=sampling(run), repeats=g.repeats, client=store.client,
+                          max_message_bytes=limits.max_message_bytes)
+    fmt = output_format(run, store)
+    limit = prompt_token_limit(tokenizer_for(run, store), limits.max_prompt_tokens, g.sampling.max_new_tokens)
+    limit_prompt_tokens(loaded, limit, lambda messages, tools: len(fmt.generation_prompt_ids(messages, tools)))
+    log.info("dataset %s: %s", dataset, format_rejects(loaded))
+    rc = run.config.routing
+    # the balance inputs are recorded only when they decide the routes (rows_sha256 covers the routes)
+    routing = rc.model_dump(exclude=None if rc.strategy == "balanced" else set(BALANCE_FIELDS))
+    # balanced: the local count that makes both sides finish together (generation.balance)
+    rows = assign_routes(loaded.rows, **rc.model_dump(), in_flight_per_endpoint=g.local.in_flight_per_endpoint,
+                         overflow_concurrency=g.overflow.concurrency)
+    counts = {"prompts": len(rows), "rejects": len(loaded.rejects)}
+    for r in rows:
+        counts[r["route"]] = counts.get(r["route"], 0) + 1
+    if run.dry_run:
+        plan = {"dataset": dataset, "source": ds.prompts, "date": run.date, "counts": counts, "estimate": _estimate(run, fmt, rows)}
+        for name, p in plan["estimate"]["strategies"].items():
+            log.info("dataset %s: plan %-8s%s local %d, overflow %d: local %s s, overflow %s s, wall %s s, overflow <= $%.4f",
+                     dataset, name, "*" if p["chosen"] else " ", p["local"], p["overflow"], seconds_text(p["local_s"]),
+                     seconds_text(p["overflow_s"]), seconds_text(p["wall_s"]), p["overflow_usd"])
+        return RouteResult(counts=counts, plan_uri=store.put_json(stage_ref(run, PLAN, dataset), PLAN_REPORT, plan), plan=plan)
+    ref = stage_ref(run, PROMPTS, dataset)
+    params = {
+        "source": ds.prompts, "date": run.date, "sampling": sampling(run), "repeats": g.repeats, "routing": routing,
+        # ASCII-escaped spelling: the hash recorded by every existing prompts manifest (see canonical.py)
+        "rows_sha256": hashlib.sha256(canonical_json(rows, ascii_only=True).encode()).hexdigest(),
+    }
+    if reusable(store, ref, [], params) is None:
+        with store.writer(ref, "prompts", rows_per_part=max(1, len(rows)), params=params, fresh=True) as w:
+            w.write(rows)
+            store.put_json(ref, REJECTS, loaded.rejects)
+            w.commit(extra={"counts": counts}, files=[REJECTS])
+    if not rows:
+        raise UserError(f"dataset {dataset}: no usable prompts in {ds.prompts} (date {run.date}); rejects: {store.uri(ref, REJECTS)}")
+    return RouteResult(counts=counts, uri=store.uri(ref))
+
+
+def _estimate(run: Run, fmt, rows: list[dict]) -> dict:
+    """Upper bounds: every sample uses max_new_tokens; overflow priced at the configured rates."""
+    s, price = run.config.generation.sampling, run.config.generation.overflow.price_usd_per_mtok
+    prompt_tokens, n_prompt = {"local": 0, "overflow": 0}, []
+    for r in rows:
+        n = len(fmt.generation_prompt_ids(json.loads(r["messages"]), json.loads(r["tools"]) if r["tools"] else None))
+        n_prompt.append(n)
+        for side in ("local", "overflow"):
+            if r["route"] in (side, "both"):
+                prompt_tokens[side] += n
+    overflow_n = sum(r["route"] in ("overflow", "both") for r in rows)
+    usd = (prompt_tokens["overflow"] * price.prompt + overflow_n * s.max_new_tokens * price.completion) / 1e6
+    return {
+        "prompt_tokens": sum(prompt_tokens.values()),
+        "max_output_tokens": len(rows) * s.max_new_tokens + sum(r["route"] == "both" for r in rows) * s.max_new_tokens,
+        "max_overflow_usd": round(min(usd, run.config.generation.overflow.max_usd), 6),
+        "strategies": _strategies(run, rows, sum(n_prompt)),
+    }
+
+
+def _strategies(run: Run, rows: list[dict], prompt_tokens: int) -> dict:
+    """Each routing strategy on this dataset's samples: counts per side, each side's finish time
+    with both running at once, the wall time (the later side), and the overflow spend (upper
+    bound: every answer max_new_tokens long, uncapped by max_usd). The rates come from the
+    routing config's observed latencies; the chosen strategy is marked."""
+    from eagle3_data.generation.balance import compare_strategies
+
+    r, s = run.config.routing, run.config.generation.sampling
+    price = run.config.generation.overflow.price_usd_per_mtok
+    per_sample = ((prompt_tokens / len(rows) if rows else 0) * price.prompt + s.max_new_tokens * price.completion) / 1e6
+    plans = compare_strategies(len(rows), overflow_fraction=r.overflow_fraction, local_capacity=r.local_capacity,
+                               calibration=r.calibration_samples, rates=rates(run), usd_per_overflow_sample=per_sample)
+    for name, plan in plans.items():
+        plan["chosen"] = name == r.strategy
+        plan["overflow_usd"] = round(plan["overflow_usd"], 6)
+    return plans
+
+
+def seconds_text(seconds: float | None) -> str:
+    return "never" if seconds is None else f"{seconds:.1f}"

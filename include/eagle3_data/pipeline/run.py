@@ -1,0 +1,175 @@
+"""A DAG run's decisions (`Run`) and what every stage shares: refs, the tokenizer, the format.
+
+`resolve_run` is the first thing every task does: it applies the trigger params to the config
+(validated like the file), refuses unknown params, and picks the run key.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+from eagle3_data.config import (
+    CONFIG_PARAMS,
+    THRESHOLD_PARAMS,
+    PipelineConfig,
+    check_run_params,
+    load_config,
+    resolve_source,
+)
+from eagle3_data.errors import UserError
+
+log = logging.getLogger("eagle3_data.pipeline")
+
+NO_DATE = "a run without a logical date has no date partition to read"
+
+
+@dataclass(frozen=True)
+class Run:
+    """One DAG run's decisions: everything a stage needs besides the store."""
+
+    config: PipelineConfig
+    run_key: str
+    date: str | None  # YYYY-MM-DD prompt partition; None for manual runs without a logical date
+    datasets: list[str]
+    dry_run: bool
+    skip_hidden_states: bool
+
+
+def resolve_run(params: dict[str, Any], logical_date: datetime | None, config: PipelineConfig | None = None) -> Run:
+    """Apply trigger-form params to the config (validated like the file) and pick the run key.
+
+    An unknown param is refused naming it (a mistyped name must not be ignored). Threshold params
+    left empty keep the config's per-dataset values; a value set in the form applies to every
+    dataset of the run.
+    """
+    from eagle3_data.run_key import run_key_for
+
+    config = config or load_config()
+    check_run_params(params, config)
+    if logical_date is None and not params.get("run_name"):
+        raise UserError(
+            f"dag run: {NO_DATE}: trigger it with a logical date, or give it a run_name and point "
+            "the datasets' prompts at undated files (datasets[].prompts)"
+        )
+    overrides: dict[str, Any] = {}
+    for name, path in CONFIG_PARAMS.items():
+        if params.get(name) is None:
+            continue
+        *parents, leaf = path.split(".")
+        node = overrides
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = params[name]
+    thresholds = {k: params[k] for k in THRESHOLD_PARAMS if params.get(k) is not None}
+    if thresholds:
+        overrides["datasets"] = [
+            {**item, "validation": {**(item.get("validation") or {}), **thresholds}} for item in config.raw["datasets"]
+        ]
+    config = config.with_overrides(overrides, where="params") if overrides else config
+    datasets = params.get("datasets") or config.dataset_names
+    if not isinstance(datasets, list) or not all(isinstance(d, str) for d in datasets):
+        raise UserError(f"params.datasets: expected a list of dataset names, got {datasets!r}")
+    for name in datasets:
+        config.dataset(name)  # UserError naming the unknown dataset
+    return Run(
+        config=config,
+        run_key=run_key_for({"run_name": params.get("run_name")}, logical_date),
+        date=f"{logical_date:%Y-%m-%d}" if logical_date is not None else None,
+        datasets=list(dict.fromkeys(datasets)),
+        dry_run=bool(params.get("dry_run")),
+        skip_hidden_states=bool(params.get("skip_hidden_states")),
+    )
+
+
+def preflight(run: Run, store) -> None:
+    """What the first task checks before anything is read or sent: the bucket exists (creating it
+    is a setup step: `eagle3-data s3 init`), and a run without a logical date has undated prompts."""
+    store.check_bucket()
+    check_prompt_sources(run, store)
+
+
+def check_prompt_sources(run: Run, store) -> None:
+    """A run without a logical date reads undated prompt files only: say so now, in the first
+    task, rather than in every load_route after the tokenizer audit."""
+    from eagle3_data.prompts import _resolve
+
+    if run.date is not None:
+        return
+    problems = []
+    for name in run.datasets:
+        source = run.config.dataset(name).prompts
+        try:
+            _resolve(source, name, None, store.client)
+        except UserError as exc:
+            problems.append(f"dataset {name}: {NO_DATE}, and {source} holds no undated prompt file for it ({exc})")
+    if problems:
+        raise UserError("\n".join(problems))
+
+
+def open_store(config: PipelineConfig, client) -> Any:
+    """The run's ArtifactStore. The bucket is not created here: that is a deliberate setup step
+    (`eagle3-data s3 init`); a missing bucket fails with that instruction."""
+    from eagle3_data.storage import ArtifactStore
+
+    return ArtifactStore(client=client, bucket=config.storage.bucket, prefix=config.storage.prefix)
+
+
+def stage_ref(run: Run, stage: str, dataset: str):
+    from eagle3_data.storage import StageRef
+
+    return StageRef(run.run_key, stage, dataset)
+
+
+@lru_cache(maxsize=4)
+def _load_tokenizer(source: str, s3_client: Any):
+    from eagle3_data.tokenizer import load_tokenizer
+
+    return load_tokenizer(resolve_source(source), s3_client=s3_client)
+
+
+def tokenizer_for(run: Run, store):
+    """The run's tokenizer, an s3:// source fetched through the store's client (Airflow:
+    aws_default). Cached per source (and client, for s3://): a task's stages share one."""
+    source = run.config.tokenizer.source
+    return _load_tokenizer(source, store.client if source.startswith("s3://") else None)
+
+
+@lru_cache(maxsize=4)
+def _load_bulk_tokenizer(source: str, s3_client: Any):
+    from eagle3_data.tokenizer import load_bulk_tokenizer
+
+    return load_bulk_tokenizer(resolve_source(source), s3_client=s3_client)
+
+
+def bulk_tokenizer_for(run: Run, store):
+    """The run's tokenizer for stages that only encode/decode (reconstruct, validate, merge): the
+    verified tiktoken fast path (as the CLI's bulk commands use), no transformers import or
+    `tokenizer.json` load, when these exact files were verified on this host before; else the HF
+    tokenizer, verifying them for the next start. Same files and template hashes either way."""
+    source = run.config.tokenizer.source
+    return _load_bulk_tokenizer(source, store.client if source.startswith("s3://") else None)
+
+
+def output_format(run: Run, store, *, template: bool = True):
+    """The model's output format bound to the run's generation mode: the one place that decides
+    thinking on/off for rendering, parsing, reconstruction and validation. `template=False`: a
+    stage that never renders a prompt (no chat template) takes the bulk tokenizer's fast start."""
+    from eagle3_data.chat_format import get_output_format
+
+    tokenizer = tokenizer_for(run, store) if template else bulk_tokenizer_for(run, store)
+    return get_output_format(tokenizer, thinking=run.config.generation.sampling.thinking)
+
+
+def tokenizer_hashes(tokenizer) -> dict[str, str | None]:
+    from eagle3_data.tokenizer import chat_template_sha256, tokenizer_files_sha256
+
+    return {"tokenizer_sha256": tokenizer_files_sha256(tokenizer), "template_sha256": chat_template_sha256(tokenizer)}
+
+
+def sampling(run: Run) -> dict:
+    """The sampling params that are part of every sample_id."""
+    return run.config.generation.sampling.model_dump()

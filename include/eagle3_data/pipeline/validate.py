@@ -1,0 +1,158 @@
+"""Stage 5, the gate: round trip on local ids + billed-vs-reconstructed counts on overflow rows.
+
+The per-row work is `eagle3_data.validate`; this module composes the dataset's run gate from the
+two reports' data (`run_gate`), commits it in the validate manifest, and reads it back for merge
+and publish (`gate_results`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from eagle3_data.config import ValidationConfig
+from eagle3_data.errors import GateFailed
+from eagle3_data.pipeline.results import Gate, ValidateResult
+from eagle3_data.pipeline.reuse import reusable
+from eagle3_data.pipeline.run import Run, bulk_tokenizer_for, output_format, stage_ref, tokenizer_hashes
+from eagle3_data.stages import LOCAL, PROMPTS, RECONSTRUCT, VALIDATE
+
+VALIDATION_REPORT = "report.json"
+BILLING_REPORT = "billing.json"
+_CHUNK = 4096
+
+
+def run_gate(local_report: dict[str, Any], billing: dict[str, Any], thresholds: ValidationConfig) -> Gate:
+    """The dataset's gate: the local round trip's and the overflow billing check's own decisions,
+    each made from its counts (`eagle3_data.validate`), combined; no reason is reinterpreted here.
+    `unvalidated_overflow`: no local sample validated the format while overflow rows exist (fails
+    unless `validation.allow_unvalidated_overflow`; the report flags it either way)."""
+    reasons = [f"local round trip: {r}" for r in local_report["gate"]["reasons"]]
+    reasons += [f"overflow billing: {r}" for r in billing["gate"]["reasons"]]
+    notes = [f"local round trip: {w}" for w in local_report["gate"].get("warnings", [])]
+    notes += [f"overflow billing: {n}" for n in billing["gate"].get("notes", [])]
+    return Gate(passed=not reasons, reasons=reasons, thresholds=thresholds.model_dump(), notes=notes,
+                unvalidated_overflow=local_report["samples"] == 0 and billing["rows"] > 0)
+
+
+def _ok_batches(store, ref, columns):
+    import pyarrow.compute as pc
+
+    for batch in store.iter_batches(ref, columns=[*columns, "status"]):
+        yield batch.filter(pc.equal(batch.column("status"), "ok")).select(columns)
+
+
+def _rows_with_ids(store, ref, ids: set[str]):
+    """Rows of these sample_ids only, filtered in Arrow: a large stage is never turned into dicts."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if not ids:
+        return
+    keys = pa.array(sorted(ids), pa.string())
+    for batch in store.iter_batches(ref):
+        yield from batch.filter(pc.is_in(batch.column("sample_id"), value_set=keys)).to_pylist()
+
+
+def _gate_from_manifest(manifest: dict, report_uri: str | None) -> Gate:
+    g = manifest["extra"]["gate"]
+    return Gate(passed=g["passed"], reasons=list(g["reasons"]), report_uri=report_uri, thresholds=g.get("thresholds") or {},
+                notes=list(g.get("notes") or []), unvalidated_overflow=bool(g.get("unvalidated_overflow")))
+
+
+def validate(run: Run, store, dataset: str, *, workers: int | None = None) -> ValidateResult:
+    """Write the dataset's validation and billing reports and commit its gate; raise GateFailed
+    (message: why, and the report's URI) when the gate fails. The reports are written either way.
+
+    `workers`: forked validation processes, default one per CPU core as `eagle3-data validate`
+    does. Safe inside an Airflow task: the pool forks its workers with SIGTERM's default action
+    and reaps them after a full run and after an early stop, whatever handler the task holds."""
+    from eagle3_data.generation.routing import consistency_report
+    from eagle3_data.validate import COLUMNS as VALIDATE_COLUMNS
+    from eagle3_data.validate import (
+        ValidationSummary,
+        compare_billed_counts,
+        detect_stop_convention,
+        rows_from_batches,
+        validate_rows,
+        validation_rows_table,
+    )
+
+    local, rebuilt, ref = stage_ref(run, LOCAL, dataset), stage_ref(run, RECONSTRUCT, dataset), stage_ref(run, VALIDATE, dataset)
+    thresholds = run.config.dataset(dataset).validation
+    # encode/decode only: the verified tiktoken fast start, no chat template
+    tokenizer, fmt = bulk_tokenizer_for(run, store), output_format(run, store, template=False)
+    hashes = tokenizer_hashes(tokenizer)
+    params = {"thresholds": thresholds.model_dump(), "thinking": run.config.generation.sampling.thinking, **hashes}
+    if (manifest := reusable(store, ref, [local, rebuilt], params)) is None:
+
+        def local_rows():  # two passes: the stop convention over all rows first, then the classes
+            # provenance: the engine's finish_reason (its `matched` stop); tools: what was offered
+            return rows_from_batches(_ok_batches(store, local, list(VALIDATE_COLUMNS)), len(tokenizer))
+
+        stops = detect_stop_convention(fmt, local_rows())
+        summary = ValidationSummary(thresholds.max_bpe_mismatch_rate, stops, thresholds.max_bad_row_rate,
+                                    thresholds.allow_unvalidated_overflow)
+        with store.writer(ref, "validation_rows", rows_per_part=_CHUNK, params=params, inputs=[local, rebuilt], fresh=True, **hashes) as w:
+            chunk = []
+            workers = workers or os.cpu_count() or 1
+            for item in validate_rows(fmt, local_rows(), stops=stops, on_bad_row="skip", workers=workers):
+                summary.add(item)
+                chunk.append(item)
+                if len(chunk) >= _CHUNK:
+                    w.write(validation_rows_table(chunk, dataset, run.config.generation.local.engine))
+                    chunk = []
+            if chunk:
+                w.write(validation_rows_table(chunk, dataset, run.config.generation.local.engine))
+            local_report = summary.report()
+            billing = compare_billed_counts(
+                (
+                    (r["sample_id"], (r["usage"] or {}).get("completion_tokens"), len(r["output_ids"] or []),
+                     r["error"] if r["status"] == "unreconstructable" else None)
+                    for b in store.iter_batches(rebuilt, columns=["sample_id", "usage", "output_ids", "status", "error"])
+                    for r in b.to_pylist()
+                    if r["status"] in ("ok", "unreconstructable")
+                ),
+                max_aggregate_deviation=thresholds.max_billing_deviation,
+                max_missing_usage_rate=thresholds.max_missing_usage_rate,
+            )
+            gate = run_gate(local_report, billing, thresholds).as_dict()
+            gate.pop("report_uri")
+            # Calibration: samples routed "both", engine ids vs the provider's reconstructed text.
+            # Informational, not a gate: docs/generation.md says what it can and cannot prove.
+            both = {r["sample_id"] for b in store.iter_batches(stage_ref(run, PROMPTS, dataset), columns=["sample_id", "route"])
+                    for r in b.to_pylist() if r["route"] == "both"}
+            calibration = consistency_report(fmt, _rows_with_ids(store, local, both), _rows_with_ids(store, rebuilt, both),
+                                             sample_ids=both)
+            store.put_json(ref, VALIDATION_REPORT, {**local_report, "dataset": dataset, "run_gate": gate, "calibration": calibration})
+            store.put_json(ref, BILLING_REPORT, {**billing, "dataset": dataset})
+            manifest = w.commit(extra={"gate": gate, "counts": local_report["counts"]}, files=[VALIDATION_REPORT, BILLING_REPORT])
+    uri = store.uri(ref, VALIDATION_REPORT)
+    gate = _gate_from_manifest(manifest, uri)
+    if not gate.passed:
+        raise GateFailed(f"dataset {dataset}: validation gate failed: {'; '.join(gate.reasons)}; report: {uri}")
+    return ValidateResult(uri=store.uri(ref), report_uri=uri, counts=manifest["extra"]["counts"], gate=gate)
+
+
+def run_datasets(run: Run, store) -> list[str]:
+    """The datasets this run merges and reports: the selected ones, plus datasets of the same run
+    key that an earlier run already validated and passed (a `datasets=[X]` trigger reruns X and
+    keeps the others). A dataset left out of the selection after failing its gate is dropped."""
+    earlier = [
+        n for n in store.datasets(run.run_key, VALIDATE)
+        if n not in run.datasets and n in run.config.dataset_names
+        and store.read_manifest(stage_ref(run, VALIDATE, n))["extra"]["gate"]["passed"]
+    ]
+    return [n for n in run.config.dataset_names if n in run.datasets or n in earlier]
+
+
+def gate_results(run: Run, store) -> dict[str, Gate]:
+    """Each dataset's gate as committed in S3 (missing: its validate never completed)."""
+    out = {}
+    for name in run_datasets(run, store):
+        ref = stage_ref(run, VALIDATE, name)
+        if store.is_complete(ref):
+            out[name] = _gate_from_manifest(store.read_manifest(ref), store.uri(ref, VALIDATION_REPORT))
+        else:
+            out[name] = Gate(passed=False, reasons=["validation did not complete (see the failed task)"])
+    return out

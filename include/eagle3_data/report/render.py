@@ -1,0 +1,297 @@
+"""The run report as HTML (the Airflow tab and `eagle3-data report`) and as Markdown (beside
+`eagle3-data validate`'s JSON, and `eagle3-data report --format markdown`), both from the same
+`RunReport` data.
+
+Markup lives in jinja2 templates (templates/, package data). HTML templates autoescape: the
+report shows model outputs and provider texts, which are untrusted, so no string reaches the page
+unescaped. Charts are inline SVG whose geometry is computed here and drawn by templates/charts
+(no scripts, no external assets: the cluster may have no network and the page must not phone home).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from functools import cache
+from typing import Any
+
+import jinja2
+
+from eagle3_data.report.data import (
+    DatasetReport,
+    RunReport,
+    calibration_summary,
+    classes,
+    is_number,
+    rate_thresholds,
+)
+
+MAX_EXAMPLES = 20  # mismatch examples shown per dataset
+MAX_CALIBRATION_ROWS = 10  # differing calibration samples shown per dataset
+MAX_MARKDOWN_ROWS = 50  # mismatches and bad rows listed per dataset in Markdown
+KNOWN_CLASS_COLORS = {"exact": "#2e7d32", "bpe_only": "#f9a825", "special_token": "#6a1b9a", "text_diff": "#c62828"}
+_SPARE_COLORS = ("#00838f", "#ef6c00", "#4e342e", "#283593", "#ad1457")  # for classes the gate adds later
+
+
+# -- entry points --------------------------------------------------------------------------------
+def render_html(report: RunReport, *, title: str) -> str:
+    """The whole page as one self-contained HTML document."""
+    return _env().get_template("page.html.jinja").render(
+        title=title, report=report, classes=classes(), datasets=[_dataset_view(d) for d in report.datasets],
+    )
+
+
+def render_missing(run_key: str, reason: str, *, title: str) -> str:
+    """The page for a run whose report is not there (yet): says where it was looked for."""
+    return _env().get_template("missing.html.jinja").render(title=title, run_key=run_key, reason=reason)
+
+
+def render_unavailable(run_key: str, reason: str, *, title: str) -> str:
+    """The page for a run whose report could not be read because S3 did not answer: unlike
+    `render_missing` it does not claim the report is absent."""
+    return _env().get_template("unavailable.html.jinja").render(title=title, run_key=run_key, reason=reason)
+
+
+def render_markdown(report: RunReport | DatasetReport | Mapping[str, Any], *, title: str = "Reconstruction validation") -> str:
+    """The validation report as Markdown, for the people deciding whether to train on the data.
+    `report` is a run's report, one dataset's, or a bare validation report (validate.py's dict)."""
+    if isinstance(report, RunReport):
+        datasets, run = report.datasets, report
+    elif isinstance(report, DatasetReport):
+        datasets, run = [report], None
+    else:
+        datasets, run = [DatasetReport(name="", validation=dict(report))], None
+    return _env().get_template("report.md.jinja").render(
+        title=title, run=run, classes=classes(), datasets=[_dataset_view(d) for d in datasets],
+        max_rows=MAX_MARKDOWN_ROWS,
+    )
+
+
+# -- view data -----------------------------------------------------------------------------------
+def _dataset_view(d: DatasetReport) -> dict[str, Any]:
+    """Everything the templates draw for one dataset, with chart geometry already computed."""
+    s = d.summary()
+    gate = d.gate or {}
+    hist = s["first_diff_histogram"]
+    mismatches = list((d.validation or {}).get("mismatches") or [])
+    return {
+        "d": d,
+        "s": s,
+        "status": "passed" if gate.get("passed") else ("failed" if gate else "no report"),
+        "gate": gate,
+        "class_bars": _class_bars(s["counts"], s["samples"]) if d.validation is not None else None,
+        "threshold_bars": _threshold_bars(s) if d.validation is not None else None,
+        "first_diff": _histogram(hist["edges"], hist["counts"], "#c62828") if hist["counts"] else None,
+        "lengths": _lengths(d.lengths),
+        "generation": _generation(d.generation),
+        "billing": _billing(d.billing, d.thresholds.get("max_billing_deviation")),
+        "calibration": _calibration(d.calibration),
+        "examples": _examples(mismatches),
+        "mismatches": mismatches,
+        "bad_rows": [b for b in (d.validation or {}).get("bad_rows") or [] if isinstance(b, dict)],
+    }
+
+
+def class_color(cls: str) -> str:
+    """A class's color; classes the gate adds later take a spare color by their place in `classes()`."""
+    if cls in KNOWN_CLASS_COLORS:
+        return KNOWN_CLASS_COLORS[cls]
+    new = [c for c in classes() if c not in KNOWN_CLASS_COLORS]
+    return _SPARE_COLORS[new.index(cls) % len(_SPARE_COLORS)] if cls in new else "#555"
+
+
+def _class_bars(counts: Mapping[str, int], samples: int) -> dict[str, Any]:
+    width, bar_h, gap, label_w = 420, 26, 10, 110
+    top = max(1, max(counts.values(), default=0))
+    rows = []
+    for i, c in enumerate(counts):
+        w = (width - label_w - 90) * counts[c] / top
+        share = f" ({counts[c] / samples:.1%})" if samples else ""
+        rows.append({"label": c, "y": i * (bar_h + gap), "w": w, "color": class_color(c), "value": f"{counts[c]:,}{share}"})
+    return {"width": width, "height": len(counts) * (bar_h + gap), "bar_h": bar_h, "label_w": label_w, "rows": rows}
+
+
+def _threshold_bars(s: Mapping[str, Any]) -> dict[str, Any]:
+    """Each class rate with a marker at its threshold: a bar past its marker is what failed."""
+    rates = rate_thresholds(s["rates"], s["thresholds"])
+    width, bar_h, gap, label_w = 420, 26, 22, 110
+    scale_max = max([0.01] + [r for _, r, _ in rates] + [t for _, _, t in rates if t is not None]) * 1.15
+    inner = width - label_w - 20
+    rows = []
+    for i, (c, rate, threshold) in enumerate(rates):
+        x = label_w + inner * threshold / scale_max if threshold is not None else None
+        rows.append({
+            "label": c, "y": i * (bar_h + gap) + 4, "w": inner * rate / scale_max, "rate": rate,
+            "over": threshold is not None and rate > threshold, "threshold": threshold, "x": x,
+            "marker_x": min(x + 4, width - 90) if x is not None else None,
+        })
+    return {"width": width, "height": len(rates) * (bar_h + gap) + 6, "bar_h": bar_h, "label_w": label_w,
+            "inner": inner, "rows": rows}
+
+
+def _histogram(edges: Sequence[float], counts: Sequence[int], color: str) -> dict[str, Any]:
+    width, height, left, bottom = 420, 170, 40, 34
+    top = max(1, max(counts, default=0))
+    inner_w, inner_h = width - left - 10, height - bottom - 14
+    bw = inner_w / max(1, len(counts))
+    bars = []
+    for i, n in enumerate(counts):
+        h = inner_h * n / top
+        bars.append({"x": left + i * bw + 1, "y": 14 + inner_h - h, "w": max(1.0, bw - 2), "h": h,
+                     "lo": edges[i], "hi": edges[i + 1], "n": n})
+    return {"width": width, "height": height, "left": left, "inner_w": inner_w, "inner_h": inner_h, "top": top,
+            "color": color, "bars": bars, "first": edges[0], "middle": edges[len(edges) // 2], "last": edges[-1]}
+
+
+def _lengths(lengths: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    figs = []
+    for key, st in sorted((lengths or {}).items()):
+        if not isinstance(st, dict) or not st.get("counts"):
+            continue
+        caption = (
+            f"{key}: n={st.get('count', 0):,}, mean {fmt_num(st.get('mean'))}, p50 {fmt_num(st.get('p50'))}, "
+            f"p95 {fmt_num(st.get('p95'))}, max {fmt_num(st.get('max'))}"
+        )
+        figs.append({"caption": caption, "chart": _histogram(st["edges"], st["counts"], "#1565c0")})
+    return figs
+
+
+def _generation(generation: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    cols = ("ok", "failed", "prompt_tokens", "completion_tokens", "cost_usd")
+    rows = []
+    for path in ("local", "overflow"):
+        t = (generation or {}).get(path)
+        if isinstance(t, dict):
+            rows.append((path, [fmt_usd(t.get(c)) if c == "cost_usd" else fmt_num(t.get(c)) for c in cols]))
+    return {"head": [c.replace("_", " ") for c in cols], "rows": rows} if rows else None
+
+
+def _billing(billing: Mapping[str, Any] | None, max_dev: float | None) -> dict[str, Any] | None:
+    """Billed (provider's own tokenizer) vs reconstructed completion tokens of the overflow rows."""
+    excluded = billing.get("excluded") if isinstance((billing or {}).get("excluded"), dict) else {}
+    if not billing or not (billing.get("rows") or excluded.get("rows")):
+        return None
+    if max_dev is None:
+        max_dev = (billing.get("gate") or {}).get("max_aggregate_deviation")
+    dev = billing.get("deviation")
+    rows = [
+        ("overflow rows", fmt_num(billing.get("rows"))),
+        ("completion tokens billed", fmt_num(billing.get("billed_completion_tokens"))),
+        ("completion tokens reconstructed", fmt_num(billing.get("reconstructed_completion_tokens"))),
+        ("aggregate deviation", fmt_pct(dev, 3) + (f" (max ±{max_dev:.2%})" if is_number(max_dev) else "")),
+        ("mean |sample deviation|", fmt_pct(billing.get("mean_abs_sample_deviation"), 3)),
+    ]
+    if excluded.get("rows"):  # unreconstructable rows: their gap says nothing about reconstruction
+        rows.append(("excluded, unreconstructable", f"{fmt_num(excluded['rows'])} rows, "
+                     f"{fmt_num(excluded.get('billed_completion_tokens'))} tokens billed"))
+        reasons = excluded.get("reasons") if isinstance(excluded.get("reasons"), dict) else {}
+        rows += [(f"reason: {why}", fmt_num(n)) for why, n in sorted(reasons.items())]
+    worst = [w for w in billing.get("worst_samples") or [] if isinstance(w, dict)][:5]
+    return {
+        "over": is_number(dev) and is_number(max_dev) and abs(dev) > max_dev,
+        "rows": rows,
+        "worst": [(str(w.get("sample_id")), fmt_num(w.get("billed")), fmt_num(w.get("reconstructed")),
+                   fmt_pct(w.get("deviation"))) for w in worst],
+        "notes": [str(n) for n in (billing.get("gate") or {}).get("notes") or []],
+    }
+
+
+def _calibration(cal: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """Samples generated on both paths: engine ids vs the provider's reconstructed text. Informational,
+    not a gate; a text disagreement points at a different model, template or reasoning setting."""
+    if cal is None:
+        return None
+    s = calibration_summary(cal)
+    disagree = s["text_disagreements"] if isinstance(s["text_disagreements"], list) else []
+    rows = [
+        ("samples compared", fmt_num(s["samples"]), False),
+        (f"token agreement, first {fmt_num(s['first_n'])} ids", fmt_pct(s["agreement"]), False),
+        ("text agreement", fmt_pct(s["text_agreement"]), False),
+        ("mean agreeing prefix (ids)", fmt_num(s["mean_agreeing_prefix"]), False),
+        ("text disagreements", fmt_num(len(disagree)), bool(disagree)),
+        ("missing on a path", fmt_num(s["missing"]), False),
+        ("unreconstructable", fmt_num(s["unreconstructable"]), False),
+    ]
+    differing = [p for p in cal.get("per_sample") or []
+                 if isinstance(p, dict) and (p.get("first_diff") is not None or not p.get("same_text", True))]
+    differing.sort(key=lambda p: bool(p.get("same_text")))  # text disagreements first
+    shown = differing[:MAX_CALIBRATION_ROWS]
+    return {
+        "rows": rows,
+        "disagreements": len(disagree),
+        "samples": [{"sample_id": str(p.get("sample_id")), "first_diff": fmt_num(p.get("first_diff")),
+                     "agreeing_prefix": fmt_num(p.get("agreeing_prefix")), "same_text": bool(p.get("same_text")),
+                     "engine_text": str(p.get("engine_text", "")), "provider_text": str(p.get("provider_text", ""))}
+                    for p in shown],
+        "more": len(differing) - len(shown),
+        "proof": [(label, str(cal[key])) for key, label in (("can_prove", "Can prove"), ("cannot_prove", "Cannot prove"))
+                  if cal.get(key)],
+    }
+
+
+def _examples(mismatches: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """The worst mismatches first: classes later in CLASSES are the more severe."""
+    if not mismatches:
+        return None
+    severity = {c: i for i, c in enumerate(reversed(classes()))}
+    shown = sorted(mismatches, key=lambda m: severity.get(str(m.get("class")), len(severity)))[:MAX_EXAMPLES]
+    items = [{"cls": str(m.get("class", "?")), "color": class_color(str(m.get("class", "?"))),
+              "sample_id": str(m.get("sample_id", "?")), "first_diff": str(m.get("first_diff")),
+              "original": _token_list(m.get("original")), "reconstructed": _token_list(m.get("reconstructed"))}
+             for m in shown]
+    return {"items": items, "total": len(mismatches), "more": len(mismatches) - len(shown)}
+
+
+def _token_list(seq: Any) -> list[Any] | None:
+    """The differing span (validate.py stores up to 8 tokens from the first difference), or None
+    when the report holds something else there."""
+    return seq if isinstance(seq, list) else None
+
+
+# -- formatting (template filters) ---------------------------------------------------------------
+def fmt_pct(v: Any, digits: int = 2) -> str:
+    return f"{v:.{digits}%}" if is_number(v) else "—"
+
+
+def fmt_usd(v: Any) -> str:
+    return f"${v:,.4f}" if is_number(v) else "—"
+
+
+def fmt_num(v: Any) -> str:
+    if not is_number(v):
+        return "—"
+    return f"{v:,.1f}" if isinstance(v, float) and not v.is_integer() else f"{int(v):,}"
+
+
+def token_text(token: Any) -> str:
+    """A token as shown in its box: spaces as ·, newlines as ↵, so whitespace and BPE splits are visible."""
+    return str(token).replace(" ", "·").replace("\n", "↵")
+
+
+def md_tokens(tokens: Any) -> str:
+    """A token list as one Markdown code cell: repr shows whitespace; `|` and backticks cannot break the table."""
+    return "`" + repr(tokens).replace("|", "\\|").replace("`", "'") + "`"
+
+
+def md_cell(value: Any) -> str:
+    """Untrusted text outside a code span: one line, `|` cannot end a table cell and `<` cannot
+    open raw HTML in a viewer that renders it."""
+    return str(value).replace("|", "\\|").replace("<", "&lt;").replace("\n", " ")
+
+
+@cache
+def _env() -> jinja2.Environment:
+    """One environment per process (templates compile once). HTML templates autoescape; the
+    Markdown template does not (it is not HTML, and escapes its table cells itself)."""
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("eagle3_data.report", "templates"),
+        autoescape=jinja2.select_autoescape(enabled_extensions=("html.jinja",), disabled_extensions=("md.jinja",), default=True),
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        undefined=jinja2.StrictUndefined,
+    )
+    env.filters.update(
+        pct=fmt_pct, usd=fmt_usd, num=fmt_num, tok=token_text, md_tokens=md_tokens, md_cell=md_cell,
+        commas="{:,}".format, commas_g="{:,g}".format, g="{:g}".format,
+    )
+    return env

@@ -1,0 +1,21 @@
+"""Stage names: the `{stage}` segment of `runs/{run_key}/{stage}/{dataset}/`, in flow order.
+
+One place, because the names are S3 paths: the pipeline writes them, merge and the report read
+them, and a rename would orphan every existing run.
+"""
+
+from __future__ import annotations
+
+AUDIT = "audit"
+PLAN = "plan"  # dry runs only
+PROMPTS = "prompts"
+LOCAL = "generate_local"
+OVERFLOW = "generate_overflow"
+RECONSTRUCT = "reconstruct"
+VALIDATE = "validate"
+MERGE = "merge"
+HIDDEN_STATES = "hidden_states"
+PUBLISH = "publish"
+
+RUN_DATASET = "all"  # dataset segment of run-level stages (merge, hidden states, publish)
+AUDIT_DATASET = "tokenizer"  # dataset segment of the tokenizer audit

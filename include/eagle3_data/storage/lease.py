@@ -1,0 +1,236 @@
+"""One writer per stage: a lease object taken and renewed with S3 conditional writes.
+
+Two writers on one stage (an Airflow zombie and its retry, a manual run racing a scheduled one)
+would both pay for every sample and overwrite each other's parts. So a writer first takes
+`{stage}/_lease.json`:
+
+- create with `If-None-Match: *`: of any number of racing writers exactly one gets 200, the
+  others 412 (AWS S3 since 2024-08, SeaweedFS 4.x; proven by tests/integration/test_lease.py);
+- renew (heartbeat, every `ttl_s / 4`) and release with `If-Match: <etag of our last write>`: a
+  writer whose lease was taken over learns it on its next renewal and stops before writing more;
+- an expired or released lease is taken over with `If-Match: <etag we read>`, so of two writers
+  racing for a dead holder's lease, one wins.
+
+Expiry is judged on the S3 server's clock (the lease object's Last-Modified against the Date of
+the response that read it), never by comparing the clocks of two workers.
+Release writes a `released` record rather than deleting: AWS general-purpose buckets honour
+`If-Match` on PUT everywhere, and a conditional PUT is all this protocol needs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from datetime import datetime, timedelta, timezone
+from email.utils import parsedate_to_datetime
+
+from botocore.exceptions import ClientError
+
+from eagle3_data.storage.client import s3_errors
+from eagle3_data.storage.refs import StageRef, StorageError
+
+log = logging.getLogger(__name__)
+
+LEASE = "_lease.json"
+DEFAULT_TTL_S = 120.0
+_CONFLICT = {"PreconditionFailed", "412", "ConditionalRequestConflict", "409"}
+_LIVE_TOKENS: set[str] = set()  # leases this process holds and has not released
+
+
+class StageBusy(StorageError):
+    """Another writer holds the stage's lease."""
+
+
+class LeaseLost(StorageError):
+    """This writer's lease was taken over (or could not be renewed in time): it must stop writing."""
+
+
+def default_owner() -> str:
+    """Who holds a lease, for the message another writer sees: host, pid, and a random tag."""
+    label = os.environ.get("EAGLE3_LEASE_OWNER")
+    if not label and os.environ.get("AIRFLOW_CTX_TASK_ID"):  # Airflow exports these to every task process
+        env = os.environ
+        label = (f"Airflow {env.get('AIRFLOW_CTX_DAG_ID', '?')}.{env['AIRFLOW_CTX_TASK_ID']} run "
+                 f"{env.get('AIRFLOW_CTX_DAG_RUN_ID', '?')} try {env.get('AIRFLOW_CTX_TRY_NUMBER', '?')}")
+    base = f"{socket.gethostname()}:pid {os.getpid()}"
+    return f"{label} ({base})" if label else base
+
+
+def _code(exc: ClientError) -> str:
+    return str(exc.response.get("Error", {}).get("Code", ""))
+
+
+def _server_now(response: dict) -> datetime:
+    date = response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+    try:
+        return parsedate_to_datetime(date) if date else datetime.now(timezone.utc)
+    except (TypeError, ValueError):
+        return datetime.now(timezone.utc)
+
+
+class Lease:
+    """A held lease. Use `acquire_lease(...)`; `check()` before every write, `release()` at the end."""
+
+    def __init__(self, store, ref: StageRef, owner: str, token: str, ttl_s: float, etag: str, took_over: dict | None):
+        self.store, self.ref, self.owner, self.token, self.ttl_s = store, ref, owner, token, ttl_s
+        self.etag = etag
+        self.took_over = took_over  # the expired holder's record when this lease was taken over
+        self._renewed = time.monotonic()
+        self._lost: str | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def key(self) -> str:
+        return self.store.key(self.ref, LEASE)
+
+    def _body(self, state: str) -> bytes:
+        now = datetime.now(timezone.utc)
+        return json.dumps({
+            "owner": self.owner, "token": self.token, "state": state, "ttl_s": self.ttl_s,
+            "host": socket.gethostname(), "pid": os.getpid(),
+            "heartbeat_at": now.isoformat(timespec="seconds"),
+            "expires_at": (now + timedelta(seconds=self.ttl_s)).isoformat(timespec="seconds"),
+        }, sort_keys=True).encode()
+
+    def _put(self, state: str) -> None:
+        with self._lock:
+            if self._lost:
+                raise LeaseLost(self._lost)
+            try:
+                with s3_errors(self.store.client, f"renewing the lease {self.store.uri(self.ref, LEASE)}"):
+                    resp = self.store.client.put_object(Bucket=self.store.bucket, Key=self.key, Body=self._body(state),
+                                                        IfMatch=self.etag, ContentType="application/json")
+            except ClientError as exc:
+                if _code(exc) in _CONFLICT:
+                    self._lost = (f"{self.store.uri(self.ref)}: this writer's lease was taken over by another writer "
+                                  f"(it expired: no heartbeat for {self.ttl_s:.0f} s); stopped before writing more")
+                    raise LeaseLost(self._lost) from None
+                raise
+            self.etag = resp["ETag"]
+            self._renewed = time.monotonic()
+
+    def renew(self) -> None:
+        """Extend the lease now; LeaseLost if someone else holds it."""
+        self._put("held")
+
+    def check(self) -> None:
+        """Refuse to write when the lease is lost, or when it may have expired because heartbeats
+        failed (S3 unreachable): renew synchronously before trusting it again."""
+        if self._lost:
+            raise LeaseLost(self._lost)
+        if time.monotonic() - self._renewed > self.ttl_s / 2:
+            self.renew()
+
+    def start_heartbeat(self) -> None:
+        self._thread = threading.Thread(target=self._beat, name=f"lease-{self.ref.dataset}", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.ttl_s / 4):
+            try:
+                self.renew()
+            except LeaseLost:
+                log.error("%s", self._lost)
+                return
+            except Exception as exc:  # S3 blip: the next beat retries; check() renews before any write
+                log.warning("lease heartbeat for %s failed: %s", self.store.uri(self.ref), exc)
+
+    def release(self) -> None:
+        """Mark the lease released (best effort: an unreachable S3 lets it expire instead)."""
+        self._stop.set()
+        _LIVE_TOKENS.discard(self.token)
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self._lost:
+            return
+        try:
+            self._put("released")
+        except Exception as exc:
+            log.warning("could not release the lease %s (%s); it expires in %.0f s",
+                        self.store.uri(self.ref, LEASE), exc, self.ttl_s)
+        self._lost = "released"
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _holder_dead(holder: dict) -> bool:
+    """A holder on this host whose process is gone (a killed CLI run, a SIGKILLed test worker)
+    can be taken over at once; on another host only expiry says it is dead."""
+    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
+        return False
+    if holder["pid"] == os.getpid():  # this process: dead only if no live Lease object holds it
+        return holder.get("token") not in _LIVE_TOKENS
+    try:
+        os.kill(holder["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def acquire_lease(store, ref: StageRef, *, ttl_s: float = DEFAULT_TTL_S, owner: str | None = None,
+                  heartbeat: bool = True) -> Lease:
+    """Take the stage's lease or raise StageBusy naming the holder and when its lease expires."""
+    owner = owner or default_owner()
+    token = uuid.uuid4().hex
+    lease = Lease(store, ref, owner, token, ttl_s, etag="", took_over=None)
+    client, bucket, key = store.client, store.bucket, lease.key
+    uri = store.uri(ref, LEASE)
+    for _ in range(5):  # create; or read the holder and take over if expired; a lost race reads again
+        with s3_errors(client, f"taking the lease {uri}"):
+            try:
+                resp = client.put_object(Bucket=bucket, Key=key, Body=lease._body("held"), IfNoneMatch="*",
+                                         ContentType="application/json")
+                lease.etag = resp["ETag"]
+                break
+            except ClientError as exc:
+                if _code(exc) not in _CONFLICT:
+                    raise
+            try:
+                current = client.get_object(Bucket=bucket, Key=key)
+            except ClientError as exc:
+                if _code(exc) in ("NoSuchKey", "404", "NotFound"):
+                    continue  # released and deleted in between: try to create again
+                raise
+            holder = json.loads(current["Body"].read() or b"{}")
+            now = _server_now(current)
+            expires = current["LastModified"] + timedelta(seconds=float(holder.get("ttl_s", ttl_s)))
+            if holder.get("state") != "released" and now < expires and not _holder_dead(holder):
+                left = (expires - now).total_seconds()
+                raise StageBusy(
+                    f"{store.uri(ref)} is being written by {holder.get('owner', '?')} (lease "
+                    f"{holder.get('token', '?')[:8]}, last heartbeat {holder.get('heartbeat_at', '?')}, expires "
+                    f"{expires.isoformat(timespec='seconds')}, in {left:.0f} s): refusing a second writer, nothing was "
+                    f"requested or written. Wait for it to finish; if that process is dead, retry after the expiry"
+                )
+            try:
+                resp = client.put_object(Bucket=bucket, Key=key, Body=lease._body("held"), IfMatch=current["ETag"],
+                                         ContentType="application/json")
+            except ClientError as exc:
+                if _code(exc) in _CONFLICT:
+                    continue  # another writer took it over first: read who
+                raise
+            lease.etag = resp["ETag"]
+            if holder.get("state") != "released":
+                lease.took_over = holder
+                log.warning("%s: took over the expired lease of %s (last heartbeat %s); committed parts are re-verified",
+                            store.uri(ref), holder.get("owner"), holder.get("heartbeat_at"))
+            break
+    else:
+        raise StageBusy(f"{store.uri(ref)}: could not take the lease after 5 tries (other writers keep taking it)")
+    _LIVE_TOKENS.add(token)
+    if heartbeat:
+        lease.start_heartbeat()
+    return lease

@@ -1,0 +1,190 @@
+"""Long-running children of a launcher (`make airflow`, `make cluster`): one process group each,
+all stopped together however the launcher is asked to stop.
+
+Why process groups: Airflow's api-server, scheduler and Celery workers fork workers of their
+own, and Postgres forks a backend per connection. Signalling only the PID we started leaves those
+running, re-parented to PID 1 with their ports open. Each child is started in a new session
+(its own group, and out of reach of the terminal's Ctrl-C, which only the launcher should see),
+and stopping sends the signal to the whole group, then SIGKILL after a grace period.
+
+Why signal handlers: Python turns only SIGINT into an exception. SIGTERM (what `kill`, systemd
+and CI send) and SIGHUP (a closed terminal or SSH session) would end the launcher without
+running its `finally` blocks, so `stop_on_signals()` turns both into `Stop`, an exception that
+unwinds through the same cleanup as Ctrl-C.
+
+The group ids are kept in a state file, so a launcher that was SIGKILLed (no cleanup possible)
+has its leftovers removed by the next start on the same work directory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+class Stop(Exception):
+    """The launcher received SIGTERM or SIGHUP: unwind and stop everything."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextmanager
+def stop_on_signals(signals: Sequence[int] = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)) -> Iterator[None]:
+    """Within the block, SIGTERM and SIGHUP raise `Stop` and SIGINT KeyboardInterrupt, once: later
+    signals are ignored, so a second Ctrl-C or TERM cannot cut the cleanup the first one started."""
+
+    def handler(signum, frame):
+        for s in signals:
+            signal.signal(s, signal.SIG_IGN)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise Stop(signum)
+
+    previous = {s: signal.signal(s, handler) for s in signals}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes whose process group is `pgid` (Linux /proc)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()  # after "pid (comm)": state ppid pgrp ...
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry.name))
+    return members
+
+
+def kill_group(pgid: int, sig: int = signal.SIGTERM, grace: float = 10.0) -> None:
+    """Signal the group, wait up to `grace` s for all its members to exit, then SIGKILL the rest."""
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + grace
+    while group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if group_members(pgid):
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + 10
+        while group_members(pgid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def reap_leftovers(state_file: Path) -> list[str]:
+    """SIGKILL the groups a previous launcher on this work dir recorded and did not stop."""
+    if not state_file.exists():
+        return []
+    left = []
+    for name, info in json.loads(state_file.read_text()).items():
+        if group_members(info["pgid"]):
+            kill_group(info["pgid"], signal.SIGKILL, grace=0)
+            left.append(name)
+    state_file.unlink()
+    return left
+
+
+@dataclass
+class Service:
+    name: str
+    argv: list[str]
+    env: dict[str, str] = field(repr=False)
+    log_path: Path
+    stop_signal: int = signal.SIGTERM
+    grace: float = 10.0
+    cwd: Path | None = None
+    proc: subprocess.Popen | None = None
+
+
+class Services:
+    """Start children in their own groups; stop them in reverse order of start."""
+
+    def __init__(self, log_dir: Path, state_file: Path) -> None:
+        self.log_dir = log_dir
+        self.state_file = state_file
+        self.services: dict[str, Service] = {}
+        log_dir.mkdir(parents=True, exist_ok=True)
+
+    def start(self, name: str, argv: list[str], env: dict[str, str], *, user: str | None = None,
+              stop_signal: int = signal.SIGTERM, grace: float = 10.0, cwd: Path | None = None) -> Service:
+        """Start `argv` (as `user` through runuser, when given and we are root) in a new session."""
+        if user and os.geteuid() == 0:
+            argv = ["runuser", "-u", user, "--", *argv]
+        svc = Service(name, list(argv), env, self.log_dir / f"{name}.log", stop_signal, grace, cwd)
+        self.services[name] = svc
+        self._spawn(svc)
+        return svc
+
+    def _spawn(self, svc: Service) -> None:
+        with open(svc.log_path, "ab") as out:
+            svc.proc = subprocess.Popen(svc.argv, env=svc.env, cwd=svc.cwd, stdout=out, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, start_new_session=True)
+        self._save()
+
+    def restart(self, name: str) -> Service:
+        """Stop (if still running) and start again with the same command: a crashed worker's replacement."""
+        svc = self.services[name]
+        self._stop(svc)
+        self._spawn(svc)
+        return svc
+
+    def kill(self, name: str) -> None:
+        """SIGKILL the service's whole group at once, as a crash or the OOM killer would."""
+        kill_group(self.services[name].proc.pid, signal.SIGKILL, grace=0)
+        self.services[name].proc.wait()
+
+    def dead(self) -> list[str]:
+        return [n for n, s in self.services.items() if s.proc.poll() is not None]
+
+    def procs(self) -> list[subprocess.Popen]:
+        return [s.proc for s in self.services.values()]
+
+    def pids(self) -> dict[str, int]:
+        return {n: s.proc.pid for n, s in self.services.items()}
+
+    def stop_all(self) -> None:
+        for svc in reversed(list(self.services.values())):
+            self._stop(svc)
+        self.state_file.unlink(missing_ok=True)
+
+    def _stop(self, svc: Service) -> None:
+        kill_group(svc.proc.pid, svc.stop_signal, svc.grace)  # the leader may be gone while its group lives
+        try:
+            svc.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            svc.proc.kill()
+            svc.proc.wait()
+
+    def _save(self) -> None:
+        state = {n: {"pgid": s.proc.pid, "argv": s.argv[:4]} for n, s in self.services.items() if s.proc}
+        self.state_file.write_text(json.dumps(state, indent=1))
+
+    def __enter__(self) -> Services:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_all()

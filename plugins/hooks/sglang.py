@@ -1,0 +1,57 @@
+"""`SGLangHook`: the local inference endpoints of connection `sglang_default`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from airflow.sdk.bases.hook import BaseHook
+
+from eagle3_data.config import SGLANG_CONN_ID
+
+
+class SGLangHook(BaseHook):
+    """Endpoints from the connection's extra `endpoints` (a list, or one comma/space separated
+    string) when set, else the connection's own `schema://host:port` (schema defaults to http)."""
+
+    conn_name_attr = "sglang_conn_id"
+    default_conn_name = SGLANG_CONN_ID
+    conn_type = "sglang"
+    hook_name = "SGLang"
+
+    def __init__(self, sglang_conn_id: str = default_conn_name, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.sglang_conn_id = sglang_conn_id
+
+    @classmethod
+    def get_ui_field_behaviour(cls) -> dict[str, Any]:
+        return {
+            "hidden_fields": ["login", "password"],
+            "relabeling": {"schema": "Scheme (http or https)"},
+            "placeholders": {
+                "host": "sglang-0.internal",
+                "port": "30000",
+                "schema": "http",
+                "extra": '{"endpoints": ["http://sglang-0:30000", "http://sglang-1:30000"]}',
+            },
+        }
+
+    @classmethod
+    def get_connection_form_widgets(cls) -> dict[str, Any]:
+        """The extra fields, in Airflow 3's provider `conn-fields` format (JSON schema)."""
+        return {
+            "endpoints": {
+                "label": "Endpoints",
+                "description": "SGLang server URLs, comma separated; empty: scheme://host:port of this connection",
+                "schema": {"type": ["string", "null"]},
+            }
+        }
+
+    def get_endpoints(self) -> list[str]:
+        from eagle3_data.generation.sglang import sglang_endpoints
+
+        conn = self.get_connection(self.sglang_conn_id)
+        extra = conn.extra_dejson or {}
+        if extra.get("endpoints"):
+            return sglang_endpoints(extra["endpoints"])
+        port = f":{conn.port}" if conn.port else ""
+        return sglang_endpoints(f"{conn.schema or 'http'}://{conn.host}{port}")

@@ -1,0 +1,66 @@
+"""A person's view of a failed run: signed in through Airflow's login page in headless Chromium,
+on the run's *Validation report* tab, with the page rendered (the plugin's HTML inside the UI's
+frame), and a screenshot kept as a test artifact (test-artifacts/, or $EAGLE3_TEST_ARTIFACTS)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from urllib.parse import quote
+
+import pytest
+
+from eagle3_data.config import DAG_ID
+from tests.cluster.browser import Browser
+from tests.cluster.conftest import KILLED_RUN, REPO
+
+ARTIFACTS = Path(os.environ.get("EAGLE3_TEST_ARTIFACTS") or REPO / "test-artifacts")
+REPORT = "(() => { const f = document.querySelector('iframe'); return f && f.contentDocument })()"
+
+
+@pytest.fixture
+def browser():
+    b = Browser()
+    try:
+        yield b
+    finally:
+        b.close()
+
+
+def test_failed_run_report_tab_in_a_browser(cluster, killed_run, browser):
+    from eagle3_data.storage import StageRef
+
+    expected = killed_run["store"].get_json(StageRef(f"date={killed_run['date']}", "validate", "tool_calls"), "report.json")
+    tab = f"{cluster.base}/dags/{DAG_ID}/runs/{quote(KILLED_RUN)}/plugin/eagle3_validation_report"
+    browser.goto(tab)
+    browser.wait_for("document.querySelector('input[name=username]')", "the sign-in form")  # not signed in yet
+    browser.type_into("input[name=username]", cluster.env.get("EAGLE3_UI_USER", "admin"))
+    browser.type_into("input[name=password]", cluster.password)
+    browser.click("button[type=submit]")
+    browser.wait_for(f"{REPORT} && {REPORT}.querySelector('table.overview tbody tr')", "the report inside the tab")
+    shot = browser.screenshot(ARTIFACTS / "cluster-failed-run-report.png")
+    assert shot.stat().st_size > 10_000
+
+    page = browser.js(f"""(() => {{
+      const d = {REPORT};
+      const heads = [...d.querySelectorAll('table.overview thead th')].map(th => th.innerText.trim());
+      const rows = [...d.querySelectorAll('table.overview tbody tr')].map(tr => [...tr.cells].map(td => td.innerText.trim()));
+      const badges = Object.fromEntries([...d.querySelectorAll('table.overview tbody tr')].map(tr => {{
+        const b = tr.querySelector('span.gate');
+        return [tr.cells[0].innerText.trim(), [b.innerText.trim(), getComputedStyle(b).backgroundColor]];
+      }}));
+      return {{heads, rows, badges,
+               reasons: [...d.querySelectorAll('.gatebox li')].map(li => li.innerText.trim()),
+               tab: [...document.querySelectorAll('a, button')].some(e => e.innerText.trim() === 'Validation report')}};
+    }})()""")
+    assert page["tab"], "the run page shows no 'Validation report' tab"
+    row = dict(zip(page["heads"], next(r for r in page["rows"] if r[0] == "tool_calls")))
+    for cls, n in expected["counts"].items():
+        assert row[cls].replace(",", "") == str(n), (cls, row)
+    assert row["samples"].replace(",", "") == str(expected["samples"])
+    assert page["badges"]["tool_calls"] == ["failed", "rgb(198, 40, 40)"], page  # the red badge
+    assert page["badges"]["code"][0] == "passed" and page["badges"]["code"][1] != "rgb(198, 40, 40)"
+    # The page says where each reason comes from ("local round trip: ..."); the report's own words follow.
+    assert expected["gate"]["reasons"] and all(any(r in shown for shown in page["reasons"]) for r in expected["gate"]["reasons"]), page["reasons"]
+    (ARTIFACTS / "cluster-failed-run-report.json").write_text(json.dumps(page, indent=1))

@@ -1,0 +1,126 @@
+"""The `vllm` hidden-state backend against an independent transformers forward (fp32, CPU).
+
+One engine for the whole session (`vllm_backend`): every test asks for the same vLLM ids, the
+defaults of both conventions plus the last layer ([2, 4, 5] + [8] on the 8-layer tiny model),
+so the worker starts once. The reference is a plain single-sample `AutoModelForCausalLM` forward
+with `output_hidden_states=True`: no hooks, no batching, nothing shared with either backend.
+Tolerance: relative error (max |diff| / max |ref|, per layer) < 1e-5; measured ~1e-7-1e-6.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from eagle3_data.hidden_states.extract import ExtractOptions, extract_rows
+from eagle3_data.hidden_states.shards import ShardReader
+from tests.integration.test_extract_s3 import generations, s3_env  # noqa: F401  (fixtures)
+
+REL = 1e-5
+IM_END = 163_586
+
+
+@pytest.fixture(scope="module")
+def reference_model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+
+
+def reference_states(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got.float() - ref.float()).abs().max() / ref.float().abs().max())
+
+
+def make_rows(lengths, seed, prefix: list[int] | None = None):
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i, n in enumerate(lengths):
+        ids = (prefix or []) + torch.randint(0, 163_584, (n,), generator=g).tolist() + [IM_END]
+        rows.append({"sample_id": f"s{seed}-{i}", "input_ids": ids, "loss_mask": [0] * (len(ids) // 2) + [1] * (len(ids) - len(ids) // 2)})
+    return rows
+
+
+def read_all(out_dir) -> dict:
+    return {s.sample_id: s for p in sorted(out_dir.glob("*.safetensors")) for s in ShardReader(p)}
+
+
+@pytest.mark.parametrize("convention", ["output", "input"])
+def test_aux_and_last_states_equal_an_independent_forward(vllm_backend, reference_model, convention, tmp_path):
+    rows = make_rows([3, 41, 17, 120, 9, 64], seed=1)
+    summary = extract_rows(vllm_backend, rows, tmp_path, "v", ExtractOptions(
+        convention=convention, last_hidden=True, storage_dtype="fp32", token_budget=256, out_shard_tokens=100))
+    assert summary["layer_ids"] == ([1, 3, 4] if convention == "output" else [2, 4, 5])
+    assert len(summary["files"]) > 1 and summary["samples"] == len(rows)
+    stored = read_all(tmp_path)
+    for row in rows:
+        s, hs = stored[row["sample_id"]], reference_states(reference_model, row["input_ids"])
+        assert s.input_ids.tolist() == row["input_ids"] and s.loss_mask.tolist() == row["loss_mask"]
+        aux = s.aux_hidden_states.reshape(len(row["input_ids"]), 3, 64)
+        for j, index in enumerate([2, 4, 5]):  # both conventions' defaults name these tensors
+            assert rel_err(aux[:, j], hs[index][0]) < REL, (row["sample_id"], index)
+        assert rel_err(s.last_hidden_states, hs[8][0]) < REL  # final norm applied to vLLM's id L
+        # the neighbouring layer is a different tensor, far outside the tolerance
+        assert rel_err(aux[:, 0], hs[1][0]) > 100 * REL and rel_err(s.last_hidden_states, hs[7][0]) > 100 * REL
+
+
+def test_shared_long_prefix_gives_full_length_states_for_both(vllm_backend, reference_model, tmp_path):
+    """Prefix caching would hand the second sample a cached prefix without its states (vllm#44485)."""
+    g = torch.Generator().manual_seed(5)
+    prefix = torch.randint(0, 163_584, (700,), generator=g).tolist()
+    first, second = make_rows([5, 30], seed=2, prefix=prefix)
+    extract_rows(vllm_backend, [first, second], tmp_path / "together", "p", ExtractOptions(
+        last_hidden=True, storage_dtype="fp32"))
+    # and once more in separate batches: the prefix is in the engine's cache from the run above
+    extract_rows(vllm_backend, [first], tmp_path / "again", "q", ExtractOptions(last_hidden=True, storage_dtype="fp32"))
+    for out in ("together", "again"):
+        for sid, s in read_all(tmp_path / out).items():
+            row = first if sid == first["sample_id"] else second
+            assert s.aux_hidden_states.shape == (len(row["input_ids"]), 3 * 64)
+            hs = reference_states(reference_model, row["input_ids"])
+            aux = s.aux_hidden_states.reshape(-1, 3, 64)
+            for j, index in enumerate([2, 4, 5]):
+                assert rel_err(aux[:, j], hs[index][0]) < REL
+            assert rel_err(s.last_hidden_states, hs[8][0]) < REL
+
+
+def test_cli_extracts_every_shard_on_the_same_engine_and_the_manifest_records_it(
+        vllm_backend, store, generations, tiny_model_dir, s3_env):
+    from eagle3_data.cli import main
+    from eagle3_data.merge import merged_shards
+    from eagle3_data.storage import StageRef
+    from tests.fixtures.engine import MAX_MODEL_LEN
+    from tests.integration.test_extract_s3 import RUN
+
+    merge_ref, out_ref = StageRef(RUN, "merge", "all"), StageRef(RUN, "extract_hidden_states", "all")
+    assert main(["merge", *sum((["--input", store.uri(r)] for r in generations), []), "--out-run-key", RUN,
+                 "--shard-tokens", "150", "--max-length", "40"]) == 0
+    assert len(merged_shards(store, merge_ref)) > 1
+    starts = vllm_backend.starts
+    assert main(["extract", "--backend", "vllm", "--max-model-len", str(MAX_MODEL_LEN), "--model", str(tiny_model_dir),
+                 "--input", store.uri(merge_ref), "--out", store.uri(out_ref), "--last-hidden"]) == 0
+    assert vllm_backend.starts == starts  # every shard on the engine this process already runs
+    manifest = store.read_manifest(out_ref)
+    assert manifest["params"]["backend"] == manifest["extra"]["backend"] == "vllm"
+    assert manifest["extra"]["engines"] == [vllm_backend.describe().engine]
+    assert manifest["extra"]["totals"]["samples"] == 20
+
+
+def test_shards_record_backend_and_engine_and_the_engine_started_once(vllm_backend, tmp_path):
+    rows = make_rows([8, 12], seed=3)
+    summary = extract_rows(vllm_backend, rows, tmp_path, "m", ExtractOptions(last_hidden=True))
+    meta = ShardReader(next(tmp_path.glob("*.safetensors"))).metadata
+    assert meta["backend"] == summary["backend"] == "vllm"
+    assert meta["engine"] == summary["engine"] and meta["engine"].startswith("vllm 0.32.0")
+    assert (meta["dtype"], meta["compute_dtype"]) == ("bfloat16", "float32")
+    assert summary["device"] == "cpu"
+    assert json.loads(meta["layer_ids"]) == [1, 3, 4]
+    assert vllm_backend.starts == 1  # one engine served every test of the session so far
+    # the connector's per-request files were read and deleted
+    assert not list((vllm_backend._root / "states").glob("*.safetensors*"))

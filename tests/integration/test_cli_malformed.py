@@ -1,0 +1,213 @@
+"""Every CLI command over malformed inputs: exit 2, one line naming the row/part and field, no traceback.
+
+Run in-process (`main(argv)`), against the real SeaweedFS; "S3 down" is a port nothing listens on.
+`--debug` brings the traceback back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import socket
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from eagle3_data.cli import main
+from eagle3_data.schemas import schema_for
+from eagle3_data.storage import StageRef
+
+GOOD = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def env(monkeypatch, s3_server, store, kimi_tokenizer_dir, tmp_path):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server.secret_key)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint_url)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    monkeypatch.setenv("OPENROUTER_API_KEY", "sk-test-not-a-real-key")
+    monkeypatch.setenv("EAGLE3_JOURNAL_DIR", str(tmp_path / "journal"))
+    monkeypatch.chdir(tmp_path)
+    return {"store": store, "tok": str(kimi_tokenizer_dir), "tmp": tmp_path, "bucket": store.bucket,
+            "down": f"http://127.0.0.1:{_free_port()}"}
+
+
+def _jsonl(path, rows) -> str:
+    with open(path, "wb") as f:
+        for r in rows:
+            line = r if isinstance(r, bytes) else (r if isinstance(r, str) else json.dumps(r)).encode()
+            f.write(line + b"\n")
+    return str(path)
+
+
+def _parquet(path, table: pa.Table) -> str:
+    pq.write_table(table, path)
+    return str(path)
+
+
+def _stage_with_part(store, ref: StageRef, table: pa.Table) -> str:
+    """A complete stage whose one part does not match its manifest's schema (another tool wrote it)."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    data = sink.getvalue().to_pybytes()
+    store._put_bytes(store.key(ref, "part-00000.parquet"), data)
+    store._write_manifest(ref, schema={"name": "generations", "version": 1},
+                          parts=[{"name": "part-00000.parquet", "rows": table.num_rows, "bytes": len(data),
+                                  "sha256": hashlib.sha256(data).hexdigest()}],
+                          files=[], inputs=[], params={}, tokenizer_sha256=None, template_sha256=None, extra={})
+    return store.uri(ref).rstrip("/")
+
+
+def _generations(**override) -> pa.Table:
+    schema = schema_for("generations")
+    row = {"sample_id": "s1", "dataset": "d", "messages": json.dumps(GOOD["messages"]), "prompt_ids": [1, 2],
+           "output_ids": [3, 4], "source": "sglang", "status": "ok", "finish_reason": "stop"}
+    table = pa.Table.from_pylist([row], schema=schema)
+    for name, value in override.items():
+        if value is None:
+            table = table.drop_columns([name])
+        else:
+            table = table.set_column(table.schema.get_field_index(name), name, value)
+    return table
+
+
+def _gen(e, prompts, *extra, bucket=None, endpoint=None):
+    return ["generate", "overflow", "--dataset", "chat", "--prompts", prompts, "--run-key", "cli", "--bucket",
+            bucket or e["bucket"], "--tokenizer", e["tok"], "--base-url", "http://127.0.0.1:9/v1",
+            *(["--s3-endpoint", endpoint] if endpoint else []), *extra]
+
+
+def _cases(e):
+    t, store = e["tmp"], e["store"]
+    bad_rows = ["{not json", {"no": "messages"}, {"messages": "[]"}, {"messages": [{"role": "bot", "content": "x"}]},
+                {"messages": [{"role": "user", "content": 5}]}, {**GOOD, "tools": [{"type": "function"}]}]
+    gen_ref = StageRef("cli", "generate_local", "chat")
+    yield "generate: csv file", _gen(e, _jsonl(t / "p.csv", ["messages\nhi"])), ["p.csv", "unsupported file type"]
+    yield "generate: empty file", _gen(e, _jsonl(t / "empty.jsonl", [])), ["0 usable prompt rows"]
+    yield "generate: every row malformed", _gen(e, _jsonl(t / "bad.jsonl", bad_rows)), [
+        "0 usable prompt rows", "line 1", "not valid JSON"]
+    yield "generate: invalid UTF-8", _gen(e, _jsonl(t / "utf.jsonl", [b'{"messages": [{"role": "user", "content": "caf\xe9"}]}'])), [
+        "line 1", "invalid UTF-8"]
+    yield "generate: parquet with wrong types", _gen(e, _parquet(t / "p.parquet", pa.table({"messages": [1, 2]}))), [
+        "line 1", "messages: expected a list, got int"]
+    yield "generate: oversize message", _gen(e, _jsonl(t / "big.jsonl", [{"messages": [{"role": "user", "content": "x" * 1_100_000}]}])), [
+        "messages[0]", "limits.max_message_bytes"]
+    yield "generate: unknown bucket", _gen(e, _jsonl(t / "ok.jsonl", [GOOD]), bucket="no-such-bucket-f13"), [
+        "no-such-bucket-f13", "does not exist", "eagle3-data s3 init"]
+    yield "generate: S3 down", _gen(e, _jsonl(t / "ok2.jsonl", [GOOD]), endpoint=e["down"]), ["unreachable"]
+    yield "reconstruct: not parquet", ["reconstruct", "--thinking", "--tokenizer", e["tok"], "--input", _jsonl(t / "x.parquet", [GOOD]),
+                                       "--out", str(t / "o.jsonl")], ["x.parquet"]
+    yield "reconstruct: wrong types", ["reconstruct", "--thinking", "--tokenizer", e["tok"], "--input",
+                                       _jsonl(t / "r.jsonl", [{"sample_id": 1, "content": 5, "finish_reason": "stop"}]),
+                                       "--out", str(t / "o.jsonl")], ["line 1"]
+    yield "validate: out-of-range ids", ["validate", "--thinking", "--tokenizer", e["tok"], "--input",
+                                         _jsonl(t / "v.jsonl", [{"sample_id": "a", "output_ids": [10**9]}]),
+                                         "--report", str(t / "rep.json"), "--workers", "1"], ["line 1", "output_ids"]
+    yield "validate: ids as strings", ["validate", "--thinking", "--tokenizer", e["tok"], "--input",
+                                       _jsonl(t / "v2.jsonl", [{"sample_id": "a", "output_ids": ["1", "2"]}]),
+                                       "--report", str(t / "rep2.json"), "--workers", "1"], ["line 1", "output_ids"]
+    yield "merge: unknown bucket", ["merge", "--input", "s3://no-such-bucket-f13/p/runs/r/generate_local/chat",
+                                    "--out-run-key", "r"], ["no-such-bucket-f13", "eagle3-data s3 init"]
+    yield "merge: S3 down", ["merge", "--input", f"s3://{e['bucket']}/p/runs/r/generate_local/chat", "--out-run-key", "r",
+                             "--endpoint-url", e["down"]], ["unreachable"]
+    mistyped = _stage_with_part(store, gen_ref, _generations(output_ids=pa.array([["3", "4"]], pa.list_(pa.string()))))
+    yield "merge: ids as strings", ["merge", "--input", mistyped, "--out-run-key", "cli"], [
+        "part-00000.parquet", "output_ids", "list<element: string>"]
+    missing = _stage_with_part(store, StageRef("cli", "generate_overflow", "chat"), _generations(usage=None))
+    yield "merge: part missing a column", ["merge", "--input", missing, "--out-run-key", "cli2"], [
+        "part-00000.parquet", "'usage' is missing"]
+    yield "stage verify: mistyped part", ["stage", "verify", mistyped], ["part-00000.parquet", "output_ids"]
+    yield "stage verify: unknown bucket", ["stage", "verify", "s3://no-such-bucket-f13/runs/r/s/d"], ["eagle3-data s3 init"]
+    yield "stage verify: S3 down", ["stage", "verify", mistyped, "--endpoint-url", e["down"]], ["unreachable"]
+    yield "stage discard: S3 down", ["stage", "discard", mistyped, "--endpoint-url", e["down"]], ["unreachable"]
+    yield "stage verify: not a stage URI", ["stage", "verify", "s3://b/x"], ["expected s3://BUCKET/[PREFIX/]runs/RUN_KEY/STAGE/DATASET"]
+    yield "s3 init: S3 down", ["s3", "init", "--bucket", "x-f13", "--endpoint-url", e["down"]], ["unreachable"]
+    merged = schema_for("merged")
+    yield "extract: not parquet", ["extract", "--model", e["model"], "--input", _jsonl(t / "m.parquet", [GOOD]),
+                                   "--out", str(t / "hs")], ["m.parquet", "not a readable Parquet file"]
+    yield "extract: JSONL input", ["extract", "--model", e["model"], "--input", _jsonl(t / "m.jsonl", [GOOD]),
+                                   "--out", str(t / "hs")], ["m.jsonl", ".parquet"]
+    yield "extract: missing loss_mask", ["extract", "--model", e["model"], "--input",
+                                         _parquet(t / "nl.parquet", pa.table({"sample_id": ["a"], "input_ids": [[1, 2]]})),
+                                         "--out", str(t / "hs")], ["nl.parquet", "loss_mask"]
+    yield "extract: ids as strings", ["extract", "--model", e["model"], "--input",
+                                      _parquet(t / "st.parquet", pa.table({"sample_id": ["a"], "input_ids": [["1"]],
+                                                                           "loss_mask": [[1]]})),
+                                      "--out", str(t / "hs")], ["st.parquet", "input_ids"]
+    yield "extract: out-of-range ids", ["extract", "--model", e["model"], "--input",
+                                        _parquet(t / "oor.parquet", pa.Table.from_pylist(
+                                            [{"sample_id": "a", "input_ids": [1, 10**8], "loss_mask": [0, 1]}],
+                                            schema=pa.schema([merged.field(c) for c in ("sample_id", "input_ids", "loss_mask")]))),
+                                        "--out", str(t / "hs")], ["oor.parquet", "row 1", "input_ids", "100000000"]
+    yield "prompts upload: every row malformed", ["prompts", "upload", "--dataset", "chat", "--date", "2026-11-29",
+                                                  _jsonl(t / "up.jsonl", bad_rows)], ["6 bad row(s)", "up.jsonl"]
+    yield "prompts upload: S3 down", ["prompts", "upload", "--dataset", "chat", "--date", "2026-11-29",
+                                      _jsonl(t / "up2.jsonl", [GOOD]), "--endpoint-url", e["down"]], ["unreachable"]
+    yield "prompts list: S3 down", ["prompts", "list", "--endpoint-url", e["down"]], ["unreachable"]
+    yield "report: S3 down", ["report", "--run-key", "r", "--endpoint-url", e["down"]], ["unreachable"]
+    yield "export-specforge: no shards", ["export-specforge", "--input", str(t), "--out", str(t / "sf")], ["no .safetensors"]
+    yield "export-specforge: unknown bucket", ["export-specforge", "--input", "s3://no-such-bucket-f13/runs/r/extract/all",
+                                               "--out", str(t / "sf")], ["eagle3-data s3 init"]
+    yield "config check: unknown key", ["config", "check", _jsonl(t / "c.yaml", ["storage:", "  buckett: x"])], ["config"]
+    yield "tokenizer audit: not a directory", ["tokenizer", "audit", "--tokenizer", str(t / "nope")], ["nope"]
+
+
+def test_every_command_refuses_malformed_input_in_one_line(env, tiny_model_dir, capsys):
+    env["model"] = str(tiny_model_dir)
+    failures = []
+    for name, argv, expected in _cases(env):
+        code = main(argv)
+        out, err = capsys.readouterr()
+        last = err.strip().splitlines()[-1] if err.strip() else ""
+        problems = []
+        if code != 2:
+            problems.append(f"exit {code}")
+        if "Traceback" in err:
+            problems.append("traceback")
+        if not last.startswith("eagle3-data: error: "):
+            problems.append(f"last line {last[:200]!r}")
+        problems += [f"missing {s!r}" for s in expected if s not in last]
+        if problems:
+            failures.append(f"{name}: {'; '.join(problems)}\n    {last[:400]}")
+    assert not failures, "\n".join(failures)
+
+
+def test_debug_shows_the_traceback(env, capsys):
+    argv = _gen(env, _jsonl(env["tmp"] / "ok.jsonl", [GOOD]), bucket="no-such-bucket-f13")
+    assert main([*argv, "--debug"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.strip().splitlines()[-1].startswith("eagle3-data: error: ")
+
+
+def test_generate_rejects_are_printed_written_and_inputs_recorded(env, start_dev_server, kimi_tokenizer, capsys):
+    server = start_dev_server({})
+    bad = ["{oops", {"messages": [{"role": "bot", "content": "x"}]}, {"messages": [{"role": "bot", "content": "y"}]},
+           b'{"messages": [{"role": "user", "content": "caf\xe9"}]}']
+    path = _jsonl(env["tmp"] / "mixed.jsonl", [GOOD, *bad, {"messages": [{"role": "user", "content": "two"}]}])
+    argv = [*_gen(env, path), "--base-url", server.url + "/v1", "--concurrency", "2"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "REJECTED 4 of 6 prompt rows" in err
+    assert "2 x messages[].role" in err and "line 3: messages[0].role: 'bot'" in err and "invalid UTF-8" in err
+    store, ref = env["store"], StageRef("cli", "generate_overflow", "chat")
+    manifest = store.read_manifest(ref)
+    data = open(path, "rb").read()
+    assert manifest["inputs"] == [{"uri": path, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}]
+    assert "rejects.parquet" in {f["name"] for f in manifest["files"]}
+    rejects = pq.read_table(pa.BufferReader(store.get_bytes(ref, "rejects.parquet"))).to_pylist()
+    assert sorted(r["line"] for r in rejects) == [2, 3, 4, 5]
+    assert {r["field"] for r in rejects} == {"", "messages[0].role"}
+    assert sum(server.stats()["requests"]["chat"].values()) == 2  # only the two good rows were sent
+    # the same command again reuses the stage; another prompt file under the same run key is refused
+    assert main(argv) == 0
+    other = _jsonl(env["tmp"] / "other.jsonl", [{"messages": [{"role": "user", "content": "three"}]}])
+    assert main([*_gen(env, other), "--base-url", server.url + "/v1"]) == 2
+    assert "was made from" in capsys.readouterr().err

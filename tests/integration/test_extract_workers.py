@@ -1,0 +1,99 @@
+"""The hidden-states stage as the DAG runs it: the merged shards split over
+`hidden_states.workers` GPU workers, each loading the model ONCE for all of its shards, resumable
+by shard. Model loads per run = number of workers, not number of shards."""
+
+from __future__ import annotations
+
+import pytest
+
+from eagle3_data.config import load_config
+from eagle3_data.hidden_states import backends
+from eagle3_data.storage import StageRef
+from tests.integration.test_extract_s3 import RUN, generations  # noqa: F401  (fixture)
+
+
+@pytest.fixture
+def counted_loads(monkeypatch):
+    """Every model load, counted; each worker call starts with an empty engine cache, as a fresh
+    Airflow task process does."""
+    loads = []
+
+    class Counted(backends.TransformersBackend):
+        def __init__(self, *a, **kw):
+            loads.append(a[0])
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(backends, "TransformersBackend", Counted)
+    return loads
+
+
+def _run(tiny_model_dir, workers):
+    from eagle3_data.pipeline.run import Run
+
+    config = load_config().with_overrides(
+        {"model": {"source": str(tiny_model_dir)}, "hidden_states": {"workers": workers}, "merge": {"max_length": 40}},
+        where="test")
+    return Run(config=config, run_key=RUN, date=None, datasets=config.dataset_names, dry_run=False, skip_hidden_states=False)
+
+
+def test_one_model_load_per_gpu_worker_resumable_by_shard(store, generations, tiny_model_dir, counted_loads, monkeypatch):  # noqa: F811
+    from eagle3_data import pipeline
+    from eagle3_data.hidden_states import extract as extract_mod
+    from eagle3_data.merge import merge_datasets
+
+    run = _run(tiny_model_dir, workers=2)
+    shards = merge_datasets(store, generations, RUN, shard_tokens=100, max_length=40)["shards"]
+    assert len(shards) >= 4
+    work = pipeline.extract_workers(run, store, shards)
+    assert len(work) == 2
+    assert sorted(s["name"] for w in work for s in w["shards"]) == sorted(s["name"] for s in shards)  # each once
+    assert abs(work[0]["tokens"] - work[1]["tokens"]) <= max(s["tokens"] for s in shards)  # balanced by tokens
+    assert all(len(w["shards"]) >= 2 for w in work)
+
+    # worker 0's first attempt dies after its first shard (a preempted GPU node)
+    real = extract_mod.extract_shard
+    calls = []
+
+    def dies_on_second(*a, **kw):
+        calls.append(a[1]["name"])
+        if len(calls) == 2:
+            raise RuntimeError("node lost")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(extract_mod, "extract_shard", dies_on_second)
+    monkeypatch.setattr(backends, "_SHARED", {})
+    with pytest.raises(RuntimeError, match="node lost"):
+        pipeline.extract_hidden_states(run, store, work[0])
+    monkeypatch.setattr(extract_mod, "extract_shard", real)
+    assert len(counted_loads) == 1
+
+    results = []
+    for w in work:  # the retry of worker 0, then worker 1: each a fresh process
+        monkeypatch.setattr(backends, "_SHARED", {})
+        results.append(pipeline.extract_hidden_states(run, store, w))
+    retry, other = results
+    assert [s.skipped for s in retry.shards] == [True] + [False] * (len(retry.shards) - 1)  # resumed by shard
+    assert not any(s.skipped for s in other.shards)
+    assert (retry.backend_loads, other.backend_loads) == (1, 1)
+    assert len(counted_loads) == 3  # 2 workers, 1 retry: never one load per shard
+    hidden = pipeline.commit_hidden_states(run, store)
+    assert hidden["totals"]["samples"] == 20
+
+    # a rerun with everything committed loads no model at all
+    monkeypatch.setattr(backends, "_SHARED", {})
+    assert pipeline.extract_hidden_states(run, store, work[1]).backend_loads == 0
+    assert len(counted_loads) == 3
+
+
+def test_workers_beyond_the_shards_get_none(tiny_model_dir, store):
+    from eagle3_data import pipeline
+
+    run = _run(tiny_model_dir, workers=8)
+    shards = [{"name": f"shard-{i:05d}.parquet", "tokens": t} for i, t in enumerate([5, 50, 7])]
+    work = pipeline.extract_workers(run, store, shards)
+    assert [len(w["shards"]) for w in work] == [1, 1, 1]
+    assert pipeline.extract_workers(run, None, []) == []
+    untokened = pipeline.extract_workers(_run(tiny_model_dir, workers=2), store, [{"name": f"s{i}"} for i in range(5)])
+    assert [len(w["shards"]) for w in untokened] == [3, 2]  # no token counts: spread by shard count
+    one = pipeline.extract_workers(_run(tiny_model_dir, workers=1), store, shards)
+    assert [s["name"] for s in one[0]["shards"]] == [s["name"] for s in shards]  # merge order kept
