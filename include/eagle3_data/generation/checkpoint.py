@@ -80,6 +80,25 @@ def parse_prompts(rows: Iterable[dict], dataset: str, routes: tuple[str, ...] | 
     return out
 
 
+def generation_mode(sampling: dict, stage: str) -> bool:
+    """Pop `thinking` from a stage's sampling dict: required, never defaulted, since it decides the
+    prompt's ending and how every output is parsed and rebuilt (one mode, bound once)."""
+    thinking = sampling.pop("thinking", None)
+    if not isinstance(thinking, bool):
+        raise UserError(f"{stage}: sampling.thinking (true or false) is required: it is the generation mode")
+    return thinking
+
+
+def overflow_params(model: str, provider: dict | None, sampling: dict, thinking: bool, base_url: str,
+                    source: str) -> tuple[dict, dict]:
+    """(OpenRouter `reasoning` object, the stage's params) for an overflow stage; `sampling`
+    without `thinking`; its optional `reasoning` is popped (default {"enabled": thinking})."""
+    reasoning = sampling.pop("reasoning", None) or {"enabled": thinking}
+    params = {"source": source, "model": model, "provider": provider or {}, "sampling": dict(sampling, thinking=thinking),
+              "reasoning": reasoning, "base_url": base_url}
+    return reasoning, params
+
+
 def sampling_for(p: Prompt, sampling: dict) -> dict:
     """Calibration samples (route "both") are generated greedily on both paths, to be comparable."""
     return dict(sampling, temperature=0.0) if p.raw.get("route") == "both" else sampling

@@ -22,6 +22,8 @@ from eagle3_data.generation.checkpoint import (
     StageRun,
     base_row,
     failed_row,
+    generation_mode,
+    overflow_params,
     parse_prompts,
     reused_summary,
     sampling_for,
@@ -104,12 +106,10 @@ def generate_overflow(store, ref, prompts: Iterable[dict], tokenizer, base_url: 
     if not api_key:
         raise UserError("generate_overflow: no API key (set the openrouter connection's password or OPENROUTER_API_KEY)")
     sampling = dict(sampling or {})
-    thinking = bool(sampling.pop("thinking", True))
-    reasoning = sampling.pop("reasoning", None) or {"enabled": thinking}
+    thinking = generation_mode(sampling, "generate_overflow")
+    reasoning, params = overflow_params(model, provider, sampling, thinking, base_url, SOURCE)
     rows = parse_prompts(prompts, ref.dataset, routes)
     tok_sha = tokenizer_files_sha256(tokenizer)
-    params = {"source": SOURCE, "model": model, "provider": provider or {}, "sampling": dict(sampling, thinking=thinking),
-              "reasoning": reasoning, "base_url": base_url}
     progress = progress or Progress()
     with StageRun(store, ref, rows, rows_per_part=rows_per_part, params=params, inputs=inputs,
                   tokenizer_sha256=tok_sha, template_sha256=chat_template_sha256(tokenizer),

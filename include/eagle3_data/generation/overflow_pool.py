@@ -21,7 +21,7 @@ import multiprocessing
 from collections.abc import Iterable
 
 from eagle3_data.errors import UserError
-from eagle3_data.generation.checkpoint import StageRun, parse_prompts, reused_summary
+from eagle3_data.generation.checkpoint import StageRun, generation_mode, overflow_params, parse_prompts, reused_summary
 from eagle3_data.generation.openrouter import SOURCE, Budget, _OverflowRun
 from eagle3_data.generation.progress import Progress
 
@@ -45,12 +45,10 @@ def generate_overflow_pool(store, ref, prompts: Iterable[dict], tokenizer, base_
     if processes < 1:
         raise UserError(f"processes must be >= 1, got {processes}")
     sampling = dict(sampling or {})
-    thinking = bool(sampling.pop("thinking", True))
-    reasoning = sampling.pop("reasoning", None) or {"enabled": thinking}
+    thinking = generation_mode(sampling, "generate_overflow")
+    reasoning, params = overflow_params(model, provider, sampling, thinking, base_url, SOURCE)
     rows = parse_prompts(prompts, ref.dataset, routes)
     tok_sha = tokenizer_files_sha256(tokenizer)
-    params = {"source": SOURCE, "model": model, "provider": provider or {}, "sampling": dict(sampling, thinking=thinking),
-              "reasoning": reasoning, "base_url": base_url}
     fmt = get_output_format(tokenizer, thinking=thinking)
     per_worker = -(-concurrency // processes)
     # what a worker needs to build its own _OverflowRun (no stage, no progress: the parent has them)

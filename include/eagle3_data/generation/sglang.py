@@ -40,6 +40,7 @@ from eagle3_data.generation.checkpoint import (
     StageRun,
     base_row,
     failed_row,
+    generation_mode,
     parse_prompts,
     reused_summary,
     sampling_for,
@@ -102,9 +103,7 @@ def run_local_stage(engine: type[_SGLangRun], store, ref, prompts: Iterable[dict
     if not endpoints:
         raise UserError(f"generate_local: no {engine.ENGINE} endpoints given")
     sampling = dict(sampling)
-    if not isinstance(sampling.get("thinking"), bool):
-        raise UserError("generate_local: sampling.thinking (true or false) is required: it is the generation mode")
-    fmt = get_output_format(tokenizer, thinking=sampling.pop("thinking"))
+    fmt = get_output_format(tokenizer, thinking=generation_mode(sampling, "generate_local"))
     request = engine.request_sampling(sampling)
     request.setdefault("stop_token_ids", list(fmt.stop_token_ids))
     rows = parse_prompts(prompts, ref.dataset, routes)
