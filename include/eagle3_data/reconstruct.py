@@ -169,12 +169,7 @@ def row_to_reconstruct(fmt: OutputFormat, row: dict[str, Any], where: str) -> Re
 def _billed_reasoning(row: dict[str, Any], where: str) -> int | None:
     """`usage.reasoning_tokens` (generation rows) or `usage.completion_tokens_details.reasoning_tokens`
     (an OpenAI/OpenRouter response)."""
-    usage = row.get("usage")
-    if isinstance(usage, str):
-        try:
-            usage = json.loads(usage)
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{where}: field 'usage' is not valid JSON ({exc})") from exc
+    usage = _json_field(row.get("usage"), "usage", where)
     if not isinstance(usage, dict):
         return None
     value = usage.get("reasoning_tokens")
@@ -235,14 +230,19 @@ def read_records(path: str | Path) -> Iterator[tuple[str, Any]]:
                     raise UserError(f"line {n}: invalid JSON ({exc})") from exc
 
 
-def _json_list(row: dict, field: str, where: str) -> list:
-    """An optional list field, given as a list or as its JSON text (Parquet stores it as text)."""
-    value = row.get(field) or []
+def _json_field(value: Any, field: str, where: str) -> Any:
+    """A field given as its value or as its JSON text (Parquet stores nested fields as text)."""
     if isinstance(value, str):
         try:
-            value = json.loads(value)
+            return json.loads(value)
         except json.JSONDecodeError as exc:
             raise UserError(f"{where}: field {field!r} is not valid JSON ({exc})") from exc
+    return value
+
+
+def _json_list(row: dict, field: str, where: str) -> list:
+    """An optional list field, given as a list or as its JSON text (Parquet stores it as text)."""
+    value = _json_field(row.get(field) or [], field, where)
     if not isinstance(value, list):
         raise UserError(f"{where}: field {field!r} is not a list")
     return value

@@ -37,7 +37,7 @@ from pathlib import Path
 from eagle3_data.config import DAG_ID, GPU_QUEUE, OPENROUTER_POOL, load_config
 from eagle3_data.dev.processes import free_port, wait_http_ok
 from eagle3_data.errors import UserError
-from eagle3_devtools.services import Services, Stop, reap_leftovers, stop_on_signals
+from eagle3_devtools.services import Services, reap_leftovers, run_launcher
 from eagle3_devtools.stack import REPO, DevStack, airflow_env, dev_stack, upload_prompts
 
 DEFAULT_QUEUE = "default"  # Airflow's [operators] default_queue: every task without queue=
@@ -345,19 +345,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config-overrides", type=json.loads, default=None,
                         help=f"pipeline config overrides as JSON (default: {json.dumps(CLUSTER_OVERRIDES)})")
     args = parser.parse_args(argv)
-    with stop_on_signals():
-        try:
-            with cluster(args.workdir, api_port=args.port, config_overrides=args.config_overrides) as c:
-                print(banner(c), flush=True)
-                if args.ready_file:
-                    args.ready_file.write_text(str(c.env_file))
-                return supervise(c)
-        except (KeyboardInterrupt, Stop) as exc:
-            print(f"\ncluster: {type(exc).__name__} {exc}: stopped everything", flush=True)
-            return 0
-        except UserError as exc:
-            print(f"make cluster: error: {exc}", file=sys.stderr)
-            return 2
+    def serve() -> int:
+        with cluster(args.workdir, api_port=args.port, config_overrides=args.config_overrides) as c:
+            print(banner(c), flush=True)
+            if args.ready_file:
+                args.ready_file.write_text(str(c.env_file))
+            return supervise(c)
+
+    return run_launcher("cluster", serve)
 
 
 if __name__ == "__main__":

@@ -19,9 +19,8 @@ from pathlib import Path
 
 from eagle3_data.config import DAG_ID, OPENROUTER_POOL, load_config
 from eagle3_data.dev.processes import free_port, wait_http_ok
-from eagle3_data.errors import UserError
 from eagle3_devtools.cluster import airflow_cmd, env_file_keys, run_airflow, write_env_file
-from eagle3_devtools.services import Services, Stop, reap_leftovers, stop_on_signals
+from eagle3_devtools.services import Services, reap_leftovers, run_launcher
 from eagle3_devtools.stack import REPO, airflow_db_migrate, airflow_env, dev_stack, upload_prompts
 
 
@@ -30,15 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=REPO / "demo-output" / "airflow-ui")
     parser.add_argument("--port", type=int, default=None, help="api-server port (default: a free one)")
     args = parser.parse_args(argv)
-    with stop_on_signals():
-        try:
-            return _serve(args.workdir.resolve(), args.port or free_port())
-        except (KeyboardInterrupt, Stop) as exc:
-            print(f"\nairflow: {type(exc).__name__} {exc}: stopped everything", flush=True)
-            return 0
-        except UserError as exc:
-            print(f"make airflow: error: {exc}", file=sys.stderr)
-            return 2
+    return run_launcher("airflow", lambda: _serve(args.workdir.resolve(), args.port or free_port()))
 
 
 def _serve(work: Path, port: int) -> int:

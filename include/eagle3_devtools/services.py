@@ -23,8 +23,9 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +59,22 @@ def stop_on_signals(signals: Sequence[int] = (signal.SIGTERM, signal.SIGHUP, sig
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+def run_launcher(name: str, serve: Callable[[], int]) -> int:
+    """`make {name}`'s main loop: `serve()` under `stop_on_signals`; Ctrl-C, SIGTERM or SIGHUP stop
+    everything and exit 0, a setup error is one line and exit 2."""
+    from eagle3_data.errors import UserError
+
+    with stop_on_signals():
+        try:
+            return serve()
+        except (KeyboardInterrupt, Stop) as exc:
+            print(f"\n{name}: {type(exc).__name__} {exc}: stopped everything", flush=True)
+            return 0
+        except UserError as exc:
+            print(f"make {name}: error: {exc}", file=sys.stderr)
+            return 2
 
 
 def group_members(pgid: int) -> list[int]:
