@@ -9,7 +9,9 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_REMOVED := torchvision torchaudio torchcodec triton
 # The launchers live in include/eagle3_devtools/, outside the eagle3-data wheel: run them from the checkout.
-DEVTOOLS := PYTHONPATH=include $(PY) -m eagle3_devtools
+# exec: the launcher replaces the recipe's shell, so a SIGTERM to make (which make passes to its
+# child) reaches the launcher and stops every service, instead of killing only the shell.
+DEVTOOLS := exec env PYTHONPATH=include $(PY) -m eagle3_devtools
 
 .PHONY: install vllm-venv system-packages test demo airflow cluster bench clean
 
@@ -44,8 +46,10 @@ vllm-venv: $(VLLM_STAMP)
 test: $(STAMP) $(VLLM_STAMP) system-packages
 	$(PY) -m pytest -q tests
 
-demo: $(STAMP)
-	$(DEVTOOLS).demo
+# ENGINE=vllm: a real vLLM engine (.venv-vllm) for local generation and hidden-state extraction.
+ENGINE ?= dev
+demo: $(STAMP) $(if $(filter vllm,$(ENGINE)),$(VLLM_STAMP))
+	$(DEVTOOLS).demo --engine $(ENGINE)
 
 airflow: $(STAMP)
 	$(DEVTOOLS).local_airflow

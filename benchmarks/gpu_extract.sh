@@ -9,24 +9,13 @@
 #
 # Interpreters (nothing is installed into the system python):
 #   MAIN_PYTHON  torch (CUDA) + transformers>=5.17 + safetensors: the pipeline side, transformers
-#                backend. Default: .venv/bin/python if it sees a GPU, else python3.
+#                backend. Default: the first of .venv/bin/python, the vLLM python, python3 that sees a GPU.
 #   EAGLE3_VLLM_PYTHON  a python with CUDA vLLM 0.32 (`pip install vllm==0.32.0` in its own venv;
 #                NOT requirements-vllm.txt, which is the CPU build). Default: .venv-vllm-cuda/bin/python,
 #                created here with pip when missing (needs network).
 # Figures go to benchmarks/RESULTS.md by hand, with this command and the GPU name.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-
-pick_main() {
-  for py in "${MAIN_PYTHON:-}" .venv/bin/python python3; do
-    [ -n "$py" ] && command -v "$py" >/dev/null 2>&1 || continue
-    if "$py" -c "import torch, transformers, safetensors; assert torch.cuda.is_available()" 2>/dev/null; then
-      echo "$py"; return
-    fi
-  done
-  echo "no python with CUDA torch + transformers found (set MAIN_PYTHON)" >&2; exit 2
-}
-MAIN=$(pick_main)
 
 VLLM_PY=${EAGLE3_VLLM_PYTHON:-.venv-vllm-cuda/bin/python}
 if ! "$VLLM_PY" -c "import vllm, torch; assert torch.cuda.is_available()" 2>/dev/null; then
@@ -36,6 +25,19 @@ if ! "$VLLM_PY" -c "import vllm, torch; assert torch.cuda.is_available()" 2>/dev
   VLLM_PY=.venv-vllm-cuda/bin/python
 fi
 export EAGLE3_VLLM_PYTHON=$VLLM_PY
+
+# The pipeline side needs only torch, transformers>=5.17 and safetensors (hidden_states/ imports
+# nothing else), so CUDA vLLM's own venv (transformers 5.19) serves when no other python sees the GPU.
+pick_main() {
+  for py in "${MAIN_PYTHON:-}" .venv/bin/python "$VLLM_PY" python3; do
+    [ -n "$py" ] && command -v "$py" >/dev/null 2>&1 || continue
+    if "$py" -c "import torch, transformers, safetensors; assert torch.cuda.is_available()" 2>/dev/null; then
+      echo "$py"; return
+    fi
+  done
+  echo "no python with CUDA torch + transformers found (set MAIN_PYTHON)" >&2; exit 2
+}
+MAIN=$(pick_main)
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 echo "main: $MAIN ($("$MAIN" -c 'import torch, transformers; print(torch.__version__, transformers.__version__)'))"

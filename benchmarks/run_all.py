@@ -36,7 +36,6 @@ BENCHMARKS: dict[str, tuple[str, list[str], list[str], Path | None]] = {
     "extract_throughput": ("extract_throughput.py", ["--samples", "16", "--repeats", "1"], [], None),
     "sglang_client": ("sglang_client.py", ["--requests", "256"], [], None),
     "overflow_client": ("overflow_client.py", ["--requests", "1024"], [], None),
-    "overflow_pool": ("overflow_pool.py", ["--requests", "1024", "--rounds", "1"], [], None),
     "merge_memory": ("merge_memory.py", ["--sizes", "500x1195", "2000x1195"], ["--full"], None),
     "scale": ("scale.py", ["--sizes", "100", "400", "--shard-tokens", "65536"], ["--full"], None),
     "stage_startup": ("stage_startup.py", ["--repeats", "2"], [], None),

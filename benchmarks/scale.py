@@ -50,7 +50,10 @@ STAGES = {
     "reconstruct": "RESULT = P.reconstruct(run, store, ds).as_dict()",
     "validate": "r = P.validate(run, store, ds)\nRESULT = {'passed': r.gate.passed, 'reasons': r.gate.reasons, 'counts': r.counts}",
     "merge": "r = P.merge(run, store)\nRESULT = {'shards': r.shards, 'totals': r.totals}",
-    "extract_hidden_states": "RESULT = P.extract_hidden_states(run, store, json.loads(os.environ['BENCH_SHARD'])).as_dict()",
+    # one GPU worker's share, as the DAG maps it (pipeline.extract_workers): here one shard
+    "extract_hidden_states": ("r = P.extract_hidden_states(run, store, {'worker': 0, 'shards': [json.loads(os.environ['BENCH_SHARD'])]})\n"
+                              "RESULT = {'samples': sum(s.samples for s in r.shards), 'tokens': sum(s.tokens for s in r.shards), "
+                              "'backend_loads': r.backend_loads}"),
     "publish": "RESULT = {'changed': P.publish(run, store).changed}",
 }
 
@@ -83,7 +86,9 @@ def run(sizes: list[int], workdir: Path, extract: bool, shard_tokens: int) -> li
 
     datasets = [{"name": f"scale{n}", "prompts": f"s3://eagle3/bench-prompts/scale{n}.jsonl"} for n in sizes]
     overrides = {"datasets": datasets, "routing": {"strategy": "fraction", "overflow_fraction": 0.5},
-                 "generation": {"sampling": {"max_new_tokens": 2048}}, "merge": {"shard_tokens": shard_tokens}}
+                 "generation": {"sampling": {"max_new_tokens": 2048},
+                                                                    # the dev server bills: no cap at 83k
+                                                                    "overflow": {"max_usd": 1e6}}, "merge": {"shard_tokens": shard_tokens}}
     results = []
     with dev_stack(workdir, config_overrides=overrides) as stack:
         from eagle3_data.config import load_config

@@ -14,6 +14,26 @@ SHARED = REPO.parent / "shared"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+
+def _share_botocore_loader() -> None:
+    """One botocore data loader for every boto3 session of this (the test) process.
+
+    Each new boto3 session re-reads and re-parses botocore's JSON service models (~0.25 s of
+    CPU per S3 client), and `dag.test()` runs every task in this process, each opening its
+    store through a new `aws_default` session: ~150 tasks in tests/dags alone. The loader only
+    caches the read-only files shipped with botocore, so sharing it changes no behaviour; the
+    CLI and server subprocesses that tests start still load their own.
+    """
+    import functools
+
+    import botocore.loaders
+    import botocore.session
+
+    botocore.session.create_loader = functools.lru_cache(maxsize=None)(botocore.loaders.create_loader)
+
+
+_share_botocore_loader()
+
 pytest_plugins = [
     f"tests.fixtures.{p.stem}"
     for p in sorted((Path(__file__).parent / "fixtures").glob("*.py"))

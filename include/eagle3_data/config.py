@@ -53,10 +53,12 @@ LAYER_CONVENTIONS: tuple[str, ...] = get_args(LayerConvention)
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 
 # The gate's default thresholds, in one place (validate.py's library defaults use these too).
-DEFAULT_MAX_BPE_MISMATCH_RATE = 0.10
-DEFAULT_MAX_BILLING_DEVIATION = 0.01
-DEFAULT_MAX_BAD_ROW_RATE = 0.0
-DEFAULT_MAX_MISSING_USAGE_RATE = 0.0
+from eagle3_data.gate_defaults import (  # noqa: E402
+    DEFAULT_MAX_BAD_ROW_RATE,
+    DEFAULT_MAX_BILLING_DEVIATION,
+    DEFAULT_MAX_BPE_MISMATCH_RATE,
+    DEFAULT_MAX_MISSING_USAGE_RATE,
+)
 
 Rate = Annotated[float, Field(ge=0.0, le=1.0)]
 
@@ -118,7 +120,9 @@ class SamplingConfig(_Model):
 
 class LocalGenerationConfig(_Model):
     engine: LocalEngine = Field("sglang", description="local inference engine behind the endpoints")
-    in_flight_per_endpoint: int = Field(64, ge=1, le=4096, description="concurrent requests per endpoint")
+    in_flight_per_endpoint: int | None = Field(
+        None, ge=1, le=4096, description="concurrent requests per endpoint; unset: the endpoint's reported capacity "
+        "(SGLang /server_info max_running_requests), else 64 (vLLM reports none)")
     rows_per_part: int = Field(256, ge=1, le=1_000_000, description="checkpoint every N samples")
     warmup_timeout_s: float = Field(600.0, gt=0, description="how long to wait for endpoints to become ready")
     max_endpoint_failures: int = Field(3, ge=1, description="consecutive failures before an endpoint is dropped")
@@ -454,6 +458,7 @@ CONFIG_PARAMS: dict[str, str] = {
     "max_billing_deviation": "validation.max_billing_deviation",
     "max_length": "merge.max_length",
     "layer_convention": "hidden_states.convention",
+    "hidden_states_backend": "hidden_states.backend",
 }
 THRESHOLD_PARAMS = ("max_bpe_mismatch_rate", "max_billing_deviation")
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._=+-]{0,127}$"

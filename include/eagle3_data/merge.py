@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import tempfile
 from collections import Counter, defaultdict
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -375,6 +376,7 @@ def merge_datasets(
     tokens_per_bucket: int = DEFAULT_TOKENS_PER_BUCKET,
     work_dir: str | Path | None = None,
     vocab_size: int | None = None,
+    lease=None,
 ) -> dict:
     """Merge `inputs` (schemas.GENERATIONS stages) into `runs/{out_run_key}/merge/{out_dataset}/`.
 
@@ -385,6 +387,10 @@ def merge_datasets(
     what the extraction stage maps over), per-dataset token statistics and drop counts.
     `tokens_per_bucket` bounds memory (about 8 bytes per token of it while a bucket loads) and
     never changes the output.
+
+    One writer per output stage: the merge takes the stage's lease (`lease`: one the caller already
+    holds), so a second merge of the same run key fails at once with StageBusy instead of
+    overwriting shards the first is writing; the lease is checked again right before the commit.
     """
     if length_policy not in LENGTH_POLICIES:
         raise UserError(f"length_policy {length_policy!r}: expected one of {', '.join(LENGTH_POLICIES)}")
@@ -394,37 +400,39 @@ def merge_datasets(
     if not inputs:
         raise UserError("merge: no inputs given")
     out_ref = StageRef(out_run_key, MERGE, out_dataset)
-    manifests = [store.read_manifest(ref) for ref in inputs]  # refuses incomplete inputs up front
-    tokenizer_sha = _common_hash(manifests, "tokenizer_sha256")
-    template_sha = _common_hash(manifests, "template_sha256")
-    stats: dict[str, Counter] = defaultdict(Counter)
+    with nullcontext(lease) if lease is not None else store.lease(out_ref) as held:
+        manifests = [store.read_manifest(ref) for ref in inputs]  # refuses incomplete inputs up front
+        tokenizer_sha = _common_hash(manifests, "tokenizer_sha256")
+        template_sha = _common_hash(manifests, "template_sha256")
+        stats: dict[str, Counter] = defaultdict(Counter)
 
-    with tempfile.TemporaryDirectory(prefix="eagle3-merge-", dir=work_dir) as tmp:
-        work = Path(tmp)
-        keys, tokens = _spill(store, inputs, seed, stats, work / "spill.arrow", vocab_size)
-        buckets = _partition(work / "spill.arrow", keys, tokens, tokens_per_bucket, work)
-        del keys, tokens
-        shards = _ShardWriter(store, out_ref, work, shard_tokens)
-        for path in buckets:  # one bucket resident at a time: _merge_bucket's table dies with its call
-            _merge_bucket(path, max_length, length_policy, stats, shards)
-        shards.close_shard()
+        with tempfile.TemporaryDirectory(prefix="eagle3-merge-", dir=work_dir) as tmp:
+            work = Path(tmp)
+            keys, tokens = _spill(store, inputs, seed, stats, work / "spill.arrow", vocab_size)
+            buckets = _partition(work / "spill.arrow", keys, tokens, tokens_per_bucket, work)
+            del keys, tokens
+            shards = _ShardWriter(store, out_ref, work, shard_tokens)
+            for path in buckets:  # one bucket resident at a time: _merge_bucket's table dies with its call
+                _merge_bucket(path, max_length, length_policy, stats, shards)
+            shards.close_shard()
 
-    datasets = {name: dict(sorted(c.items())) for name, c in sorted(stats.items())}
-    totals = Counter()
-    for c in stats.values():
-        totals.update({k: v for k, v in c.items() if k != "max_tokens"})
-    summary = {
-        "ref": _ref_dict(out_ref),
-        "uri": store.uri(out_ref),
-        "shards": shards.shards,
-        "datasets": datasets,
-        "totals": dict(sorted(totals.items())),
-    }
-    params = {"max_length": max_length, "length_policy": length_policy, "shard_tokens": shard_tokens, "seed": seed}
-    store.commit_files(out_ref, [s["name"] for s in shards.shards], params=params, inputs=inputs,
-                       tokenizer_sha256=tokenizer_sha, template_sha256=template_sha,
-                       extra={"shards": shards.shards, "datasets": datasets, "totals": summary["totals"]})
-    return summary
+        datasets = {name: dict(sorted(c.items())) for name, c in sorted(stats.items())}
+        totals = Counter()
+        for c in stats.values():
+            totals.update({k: v for k, v in c.items() if k != "max_tokens"})
+        summary = {
+            "ref": _ref_dict(out_ref),
+            "uri": store.uri(out_ref),
+            "shards": shards.shards,
+            "datasets": datasets,
+            "totals": dict(sorted(totals.items())),
+        }
+        params = {"max_length": max_length, "length_policy": length_policy, "shard_tokens": shard_tokens, "seed": seed}
+        held.check()  # fencing: a writer whose lease was taken over commits nothing
+        store.commit_files(out_ref, [s["name"] for s in shards.shards], params=params, inputs=inputs,
+                           tokenizer_sha256=tokenizer_sha, template_sha256=template_sha,
+                           extra={"shards": shards.shards, "datasets": datasets, "totals": summary["totals"]})
+        return summary
 
 
 def merged_shards(store: ArtifactStore, ref: StageRef) -> list[dict]:

@@ -19,7 +19,6 @@ import hashlib
 import io
 import json
 import re
-from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -373,6 +372,12 @@ def _split_s3(uri: str) -> tuple[str, str]:
     if not bucket:
         raise UserError(f"invalid S3 URI {uri!r}: expected s3://bucket/key")
     return bucket, key
+
+
+def prompt_files(source: str, dataset: str, *, date: str | None = None, client=None) -> list[str]:
+    """The URIs of the prompt files `load_prompts` would read for this dataset and date, without
+    reading them: a cheap check that a partition is in place (UserError naming where it looked)."""
+    return [f.uri for f in _resolve(source, dataset, date, client)]
 
 
 def _resolve(source: str, dataset: str, date: str | None, client) -> list[_File]:

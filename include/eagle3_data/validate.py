@@ -51,7 +51,7 @@ from typing import Any
 
 from eagle3_data.chat_format import AssistantMessage, OutputFormat, normalize_finish_reason
 from eagle3_data.chat_format.kimi_k2 import CUT_AFTER_THINK_END
-from eagle3_data.config import (  # the thresholds' defaults live with the config (one place)
+from eagle3_data.gate_defaults import (  # the thresholds' defaults, shared with the config (one place)
     DEFAULT_MAX_BAD_ROW_RATE,
     DEFAULT_MAX_BILLING_DEVIATION,
     DEFAULT_MAX_BPE_MISMATCH_RATE,

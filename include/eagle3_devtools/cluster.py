@@ -37,7 +37,7 @@ from pathlib import Path
 from eagle3_data.config import DAG_ID, GPU_QUEUE, OPENROUTER_POOL, load_config
 from eagle3_data.dev.processes import free_port, wait_http_ok
 from eagle3_data.errors import UserError
-from eagle3_devtools.services import Services, reap_leftovers, run_launcher
+from eagle3_devtools.services import Service, Services, reap_leftovers, run_launcher
 from eagle3_devtools.stack import REPO, DevStack, airflow_env, dev_stack, upload_prompts
 
 DEFAULT_QUEUE = "default"  # Airflow's [operators] default_queue: every task without queue=
@@ -126,7 +126,7 @@ def start_postgres(svc: Services, password: str, base: Path) -> int:
     proc = svc.start("postgres", [str(bindir / "postgres"), "-D", str(base / "data"), "-k", str(base), "-p", str(port),
                                   "-h", "127.0.0.1", "-c", "fsync=off", "-c", "synchronous_commit=off",
                                   "-c", "full_page_writes=off", "-c", "max_connections=200"],
-                     dict(os.environ), user=user, stop_signal=signal.SIGINT).proc  # SIGINT: fast shutdown
+                     dict(os.environ), user=user, stop_signal=signal.SIGINT, infrastructure=True).proc  # SIGINT: fast shutdown
     ready = [*run_as, str(bindir / "pg_isready"), "-q", "-h", str(base), "-p", str(port)]
     _wait(lambda: subprocess.run(ready).returncode == 0, "postgres", [proc], svc.services["postgres"].log_path, 60)
     out = subprocess.run([*run_as, str(bindir / "createdb"), "-h", str(base), "-p", str(port), "-U", "airflow", "airflow"],
@@ -141,7 +141,7 @@ def start_redis(svc: Services, workdir: Path) -> int:
     data = workdir / "redis"
     data.mkdir(parents=True, exist_ok=True)
     proc = svc.start("redis", ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                               "--dir", str(data), "--protected-mode", "yes"], dict(os.environ)).proc
+                               "--dir", str(data), "--protected-mode", "yes"], dict(os.environ), infrastructure=True).proc
 
     def ping() -> bool:
         try:
@@ -163,10 +163,8 @@ def cluster_env(work: Path, stack: DevStack, *, api_port: int, pg_port: int, pg_
 
     db = f"airflow:{pg_password}@127.0.0.1:{pg_port}/airflow"
     env = {
-        **airflow_env(work / "home"),
+        **database_env(work, pg_port=pg_port, pg_password=pg_password),
         **stack.env,
-        "AIRFLOW__CORE__EXECUTOR": "CeleryExecutor",
-        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"postgresql+psycopg2://{db}",
         "AIRFLOW__CELERY__RESULT_BACKEND": f"db+postgresql+psycopg2://{db}",
         "AIRFLOW__CELERY__BROKER_URL": f"redis://127.0.0.1:{redis_port}/0",
         "AIRFLOW__CORE__FERNET_KEY": Fernet.generate_key().decode(),
@@ -200,6 +198,16 @@ def cluster_env(work: Path, stack: DevStack, *, api_port: int, pg_port: int, pg_
     return env
 
 
+def database_env(work: Path, *, pg_port: int, pg_password: str) -> dict[str, str]:
+    """What `airflow db migrate` needs (this machine's AIRFLOW_HOME and the Postgres URL), so the
+    migration can run while SeaweedFS and the dev server start."""
+    return {
+        **airflow_env(work / "home"),
+        "AIRFLOW__CORE__EXECUTOR": "CeleryExecutor",
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"postgresql+psycopg2://airflow:{pg_password}@127.0.0.1:{pg_port}/airflow",
+    }
+
+
 def write_env_file(path: Path, env: dict[str, str], keys: list[str]) -> Path:
     """`source`-able: exports the given keys (0600: it holds the S3 secret and the DB password)."""
     lines = ["# source me: the CLI, boto3 and `airflow` then reach this cluster"]
@@ -225,10 +233,65 @@ def run_airflow(env: dict[str, str], *args: str, timeout: float = 600) -> str:
     return out.stdout
 
 
+def finish_job(svc: Services, job: Service, timeout: float = 600) -> None:
+    """Wait for a one-shot child (a migration, a CLI call) to end; fail with its log's tail if
+    it did not succeed, or if a service died meanwhile. It is then no longer supervised."""
+    _wait(lambda: job.proc.poll() is not None, job.name, [p for p in svc.procs() if p is not job.proc], job.log_path, timeout)
+    svc.forget(job.name)
+    if job.proc.returncode:
+        raise UserError(f"airflow {' '.join(job.argv[1:3])} failed (exit {job.proc.returncode}):\n"
+                        f"{job.log_path.read_text(errors='replace')[-2000:]}")
+
+
+@dataclass
+class ApiClient:
+    """The api-server's REST API as the signed-in admin (a token from /auth/token, as the UI gets)."""
+
+    base: str
+    user: str
+    password: str = field(repr=False)
+    _token: str | None = field(default=None, repr=False)
+
+    def request(self, method: str, path: str, **kw):
+        import httpx
+
+        if self._token is None:
+            r = httpx.post(f"{self.base}/auth/token", json={"username": self.user, "password": self.password}, timeout=30)
+            r.raise_for_status()
+            self._token = r.json()["access_token"]
+        return httpx.request(method, f"{self.base}/api/v2{path}", headers={"Authorization": f"Bearer {self._token}"},
+                             timeout=30, **kw)
+
+    def ok(self, method: str, path: str, **kw) -> bool:
+        import httpx
+
+        try:
+            return self.request(method, path, **kw).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+
+def create_pool(api: ApiClient) -> None:
+    """Pool `openrouter` as docker/init.sh's `airflow pools set` makes it, over REST: the api-server
+    is up anyway, and a CLI process would import Airflow again for one row."""
+    import httpx
+
+    try:
+        r = api.request("POST", "/pools", json={"name": OPENROUTER_POOL, "slots": OPENROUTER_POOL_SLOTS,
+                                                 "description": "OpenRouter overflow generation (eagle3-datagen)"})
+    except httpx.HTTPError as exc:
+        raise UserError(f"creating pool {OPENROUTER_POOL}: {exc}") from None
+    if r.status_code not in (200, 201):
+        raise UserError(f"creating pool {OPENROUTER_POOL} failed: {r.status_code} {r.text[:500]}")
+
+
 def worker_env(env: dict[str, str], queue: str) -> dict[str, str]:
+    """A worker's env: its hostname, and Airflow's Celery config plus a warm-up of what the tasks
+    load (celery_config.py: the tasks, forked from the worker, start with it)."""
     return {
         **env,
         "AIRFLOW__CORE__HOSTNAME_CALLABLE": "eagle3_devtools.cluster.worker_hostname",
+        "AIRFLOW__CELERY__CELERY_CONFIG_OPTIONS": "eagle3_devtools.celery_config.CELERY_CONFIG",
         WORKER_HOSTNAME_ENV: f"{queue}-worker",
         "PYTHONPATH": os.pathsep.join(p for p in (str(REPO / "include"), env.get("PYTHONPATH", "")) if p),
     }
@@ -263,8 +326,10 @@ def _worker_ready(log: Path) -> bool:
 
 @contextmanager
 def cluster(workdir: str | os.PathLike, *, api_port: int | None = None, config_overrides: dict | None = None,
-            worker_concurrency: dict[str, int] | None = None, upload_today: bool = True) -> Iterator[Cluster]:
-    """Start the whole cluster, yield it, stop everything on exit (any exit)."""
+            worker_concurrency: dict[str, int] | None = None, upload_today: bool = True,
+            airflow_overrides: dict[str, str] | None = None) -> Iterator[Cluster]:
+    """Start the whole cluster, yield it, stop everything on exit (any exit). `airflow_overrides`:
+    extra `AIRFLOW__*` settings for every process and the env file (the test tier's timings)."""
     check_system_tools()
     work = Path(workdir).resolve()
     state = work / "services.json"
@@ -286,26 +351,35 @@ def cluster(workdir: str | os.PathLike, *, api_port: int | None = None, config_o
         pg_password, ui_password = secrets.token_urlsafe(16), secrets.token_urlsafe(12)
         pg_port = start_postgres(svc, pg_password, pg_base)
         redis_port = start_redis(svc, work)
+        # The migration needs only the database: it runs while SeaweedFS and the dev server start.
+        migrate = svc.start("db-migrate", airflow_cmd("db", "migrate"),
+                            {**os.environ, **database_env(work, pg_port=pg_port, pg_password=pg_password)})
         dev = stack.enter_context(dev_stack(work, config_overrides=overrides))
         passwords = work / "passwords.json"
         passwords.write_text(json.dumps({ADMIN_USER: ui_password}))
         passwords.chmod(0o600)
         env = {**os.environ, **cluster_env(work, dev, api_port=api_port, pg_port=pg_port, pg_password=pg_password,
-                                           redis_port=redis_port, passwords_file=passwords)}
-        run_airflow(env, "db", "migrate")
-        run_airflow(env, "pools", "set", OPENROUTER_POOL, str(OPENROUTER_POOL_SLOTS), "OpenRouter overflow generation (eagle3-datagen)")
+                                           redis_port=redis_port, passwords_file=passwords), **(airflow_overrides or {})}
         if upload_today:
             upload_prompts(dev.client(), load_config(dev.config_path), f"{datetime.now(timezone.utc):%Y-%m-%d}")
+        finish_job(svc, migrate)
 
         for name, argv in airflow_services(api_port, concurrency).items():
             queue = name.removeprefix("worker-")
             svc.start(name, argv, worker_env(env, queue) if queue in QUEUES else env)
         base = f"http://127.0.0.1:{api_port}"
         wait_http_ok(f"{base}/api/v2/monitor/health", svc.procs(), "an Airflow process", work / "logs", 240)
+        # The Execution API (tasks report to it) builds its versioned routes on its first request:
+        # about 5 s of CPU, which the first task would otherwise wait for, retrying on timeouts.
+        wait_http_ok(f"{base}/execution/health", svc.procs(), "the api-server's Execution API", work / "logs", 240)
         for queue in QUEUES:
             name = f"worker-{queue}"
             _wait(lambda: _worker_ready(svc.services[name].log_path), f"celery worker {queue}", svc.procs(),
                   svc.services[name].log_path, 240)
+        api = ApiClient(base, ADMIN_USER, ui_password)
+        create_pool(api)
+        _wait(lambda: api.ok("GET", f"/dags/{DAG_ID}"), f"DAG {DAG_ID} parsed by the dag-processor", svc.procs(),
+              work / "logs" / "dag-processor.log", 240)  # up: a person can unpause and trigger it
         env_file = write_env_file(work / "cluster.env", env, env_file_keys(env))
         yield Cluster(work, base, ADMIN_USER, ui_password, env, env_file, dev, svc)
 
@@ -344,9 +418,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ready-file", type=Path, default=None, help="write the env file's path here once everything is up")
     parser.add_argument("--config-overrides", type=json.loads, default=None,
                         help=f"pipeline config overrides as JSON (default: {json.dumps(CLUSTER_OVERRIDES)})")
+    parser.add_argument("--airflow-env", type=json.loads, default=None,
+                        help='extra Airflow settings as JSON, e.g. {"AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "600"}')
     args = parser.parse_args(argv)
+    if args.airflow_env is not None and not (isinstance(args.airflow_env, dict) and all(
+            isinstance(k, str) and k.startswith("AIRFLOW__") and isinstance(v, str) for k, v in args.airflow_env.items())):
+        parser.error("--airflow-env: a JSON object of AIRFLOW__SECTION__KEY names to string values")
+
     def serve() -> int:
-        with cluster(args.workdir, api_port=args.port, config_overrides=args.config_overrides) as c:
+        with cluster(args.workdir, api_port=args.port, config_overrides=args.config_overrides,
+                     airflow_overrides=args.airflow_env) as c:
             print(banner(c), flush=True)
             if args.ready_file:
                 args.ready_file.write_text(str(c.env_file))

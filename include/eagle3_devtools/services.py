@@ -112,6 +112,22 @@ def kill_group(pgid: int, sig: int = signal.SIGTERM, grace: float = 10.0) -> Non
             time.sleep(0.05)
 
 
+def stop_groups(groups: list[tuple[int, int]], grace: float) -> None:
+    """`kill_group` for several groups at once: each (pgid, signal) is signalled, then all share
+    one grace period before the SIGKILL of whatever is left."""
+    for pgid, sig in groups:
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace
+    while any(group_members(pgid) for pgid, _ in groups) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pgid, _ in groups:
+        if group_members(pgid):
+            kill_group(pgid, signal.SIGKILL, grace=10)
+
+
 def reap_leftovers(state_file: Path) -> list[str]:
     """SIGKILL the groups a previous launcher on this work dir recorded and did not stop."""
     if not state_file.exists():
@@ -134,11 +150,12 @@ class Service:
     stop_signal: int = signal.SIGTERM
     grace: float = 10.0
     cwd: Path | None = None
+    infrastructure: bool = False  # stopped after the others (see Services.stop_all)
     proc: subprocess.Popen | None = None
 
 
 class Services:
-    """Start children in their own groups; stop them in reverse order of start."""
+    """Start children in their own groups; stop them all, the infrastructure last."""
 
     def __init__(self, log_dir: Path, state_file: Path) -> None:
         self.log_dir = log_dir
@@ -147,11 +164,12 @@ class Services:
         log_dir.mkdir(parents=True, exist_ok=True)
 
     def start(self, name: str, argv: list[str], env: dict[str, str], *, user: str | None = None,
-              stop_signal: int = signal.SIGTERM, grace: float = 10.0, cwd: Path | None = None) -> Service:
+              stop_signal: int = signal.SIGTERM, grace: float = 10.0, cwd: Path | None = None,
+              infrastructure: bool = False) -> Service:
         """Start `argv` (as `user` through runuser, when given and we are root) in a new session."""
         if user and os.geteuid() == 0:
             argv = ["runuser", "-u", user, "--", *argv]
-        svc = Service(name, list(argv), env, self.log_dir / f"{name}.log", stop_signal, grace, cwd)
+        svc = Service(name, list(argv), env, self.log_dir / f"{name}.log", stop_signal, grace, cwd, infrastructure)
         self.services[name] = svc
         self._spawn(svc)
         return svc
@@ -174,6 +192,12 @@ class Services:
         kill_group(self.services[name].proc.pid, signal.SIGKILL, grace=0)
         self.services[name].proc.wait()
 
+    def forget(self, name: str) -> Service:
+        """Stop supervising a one-shot child that has ended (a migration): it is not a dead service."""
+        svc = self.services.pop(name)
+        self._save()
+        return svc
+
     def dead(self) -> list[str]:
         return [n for n, s in self.services.items() if s.proc.poll() is not None]
 
@@ -184,17 +208,27 @@ class Services:
         return {n: s.proc.pid for n, s in self.services.items()}
 
     def stop_all(self) -> None:
-        for svc in reversed(list(self.services.values())):
-            self._stop(svc)
+        """Stop every service: first all those started without `infrastructure`, together, then
+        the infrastructure (a database, a broker) they may still talk to while they shut down.
+        One wave's groups get their signals at once and share one grace period: one by one, the
+        grace periods of a slow-to-exit api-server, scheduler and two workers would add up."""
+        services = list(reversed(self.services.values()))
+        for wave in ([s for s in services if not s.infrastructure], [s for s in services if s.infrastructure]):
+            stop_groups([(s.proc.pid, s.stop_signal) for s in wave], max((s.grace for s in wave), default=0))
+            for svc in wave:
+                self._reap(svc)
         self.state_file.unlink(missing_ok=True)
 
-    def _stop(self, svc: Service) -> None:
-        kill_group(svc.proc.pid, svc.stop_signal, svc.grace)  # the leader may be gone while its group lives
+    def _reap(self, svc: Service) -> None:
         try:
             svc.proc.wait(5)
         except subprocess.TimeoutExpired:
             svc.proc.kill()
             svc.proc.wait()
+
+    def _stop(self, svc: Service) -> None:
+        kill_group(svc.proc.pid, svc.stop_signal, svc.grace)  # the leader may be gone while its group lives
+        self._reap(svc)
 
     def _save(self) -> None:
         state = {n: {"pgid": s.proc.pid, "argv": s.argv[:4]} for n, s in self.services.items() if s.proc}

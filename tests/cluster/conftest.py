@@ -48,6 +48,15 @@ CONFIG_OVERRIDES = deep_merged(CLUSTER_OVERRIDES, {
 })
 
 
+# The test tier's Airflow timings: the DAG file does not change during a session, so the
+# dag-processor parses it once at start instead of every 2 min (a parse costs a core for
+# seconds, at the expense of the runs; `make cluster` keeps re-parsing for people editing it).
+TEST_AIRFLOW_ENV = {
+    "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "3600",
+    "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "3600",
+}
+
+
 def read_env_file(path: Path) -> dict[str, str]:
     env = {}
     for line in path.read_text().splitlines():
@@ -101,7 +110,7 @@ class ClusterHandle:
             state = self.run(run_id)["state"]
             if state in ("success", "failed"):
                 return state
-            time.sleep(2)
+            time.sleep(1)
         pytest.fail(f"run {run_id} still {state} after {timeout:.0f} s: {self.task_states(run_id)}")
 
     def task_instances(self, run_id: str) -> list[dict]:
@@ -137,9 +146,14 @@ class ClusterHandle:
                          secret_key=self.env["AWS_SECRET_ACCESS_KEY"])
 
     def etags(self, bucket: str, prefix: str) -> dict[str, str]:
+        """Every artifact object under `prefix` by ETag. Not the stages' `_lease*.json`: a
+        writer's lock record, rewritten by every attempt that takes the stage, also one that
+        then reuses it (docs/storage.md, "One writer per stage")."""
+        from eagle3_data.storage.lease import is_lease
+
         out = {}
         for page in self.s3().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-            out.update({o["Key"]: o["ETag"] for o in page.get("Contents", [])})
+            out.update({o["Key"]: o["ETag"] for o in page.get("Contents", []) if not is_lease(o["Key"].rsplit("/", 1)[-1])})
         return out
 
     def dev_stats(self) -> dict:
@@ -170,7 +184,7 @@ def cluster(tmp_path_factory) -> ClusterHandle:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO / "include"), os.environ.get("PYTHONPATH")) if p)}
     with open(log, "wb") as out:
         launcher = subprocess.Popen([sys.executable, "-m", "eagle3_devtools.cluster", "--workdir", str(work), "--ready-file", str(ready),
-                                     "--config-overrides", json.dumps(CONFIG_OVERRIDES)],
+                                     "--config-overrides", json.dumps(CONFIG_OVERRIDES), "--airflow-env", json.dumps(TEST_AIRFLOW_ENV)],
                                     env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
                                     preexec_fn=_term_with_parent)
     try:
@@ -198,9 +212,20 @@ def cluster(tmp_path_factory) -> ClusterHandle:
         reap_leftovers(work / "services.json")  # a launcher that could not clean up: its services
 
 
-def upload(cluster: ClusterHandle, dataset: str, day: date) -> None:
-    """The sample file as the `day` partition, with the command a person uses before a backfill."""
-    out = cluster.eagle3("prompts", "upload", "--dataset", dataset, "--date", f"{day}", str(SAMPLE_DATA / f"{dataset}.jsonl"))
+SMALL = 8  # prompts per dataset where a workflow needs a few samples, not the whole sample file
+
+
+def upload(cluster: ClusterHandle, dataset: str, day: date, rows: int | None = None) -> None:
+    """The sample file (or its first `rows` prompts: each sample costs generation, validation
+    and hidden states CPU on a two-core CI machine) as the `day` partition, with the command a
+    person uses before a backfill."""
+    src = SAMPLE_DATA / f"{dataset}.jsonl"
+    if rows is not None:
+        lines = src.read_text().splitlines(keepends=True)[:rows]
+        src = cluster.workdir.parent / f"first-{rows}" / src.name
+        src.parent.mkdir(exist_ok=True)
+        src.write_text("".join(lines))
+    out = cluster.eagle3("prompts", "upload", "--dataset", dataset, "--date", f"{day}", str(src))
     assert f"date={day}/{dataset}.jsonl" in out.stdout
 
 
@@ -227,7 +252,7 @@ def killed_run(cluster) -> dict:
 
     cfg = config(cluster)
     upload(cluster, "tool_calls", KILLED)
-    upload(cluster, "code", KILLED)
+    upload(cluster, "code", KILLED, rows=SMALL)
     dev = httpx.post(f"{cluster.env['EAGLE3_DEV_SERVER_URL']}/dev/config", timeout=30, json={
         "datasets": {d.name: {"noncanonical_rate": d.dev_bpe_split_rate} for d in cfg.datasets},
         "endpoints": {"generate": {"latency": {"dist": "fixed", "mean": 1.0}}}})

@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import json
 import time
-from datetime import date
+from datetime import date, datetime, timedelta, timezone
 
 import httpx
 import pytest
 
 from eagle3_data.config import DAG_ID, GPU_QUEUE
-from tests.cluster.conftest import KILLED_RUN, config, run_prefix, upload
+from tests.cluster.conftest import KILLED_RUN, SMALL, config, run_prefix, upload
 
 FIRST = date(2026, 11, 1)  # the triggered run
-BACKFILL = (date(2026, 11, 2), date(2026, 11, 3))
 GPU_TASKS = {"dataset.generate_local", "extract_hidden_states"}
 
 
@@ -31,7 +30,7 @@ def by_dataset(objects: dict[str, str], prefix: str, dataset: str) -> dict[str, 
 @pytest.fixture(scope="module")
 def first_run(cluster) -> str:
     for ds in ("chat", "code"):
-        upload(cluster, ds, FIRST)
+        upload(cluster, ds, FIRST, rows=SMALL)
     r = cluster.trigger("first", f"{FIRST}T00:00:00Z", {"datasets": ["chat", "code"]})
     assert r.status_code == 200, r.text
     assert cluster.wait_run("first") == "success", cluster.task_states("first")
@@ -48,6 +47,9 @@ def test_triggered_run_succeeds_with_gpu_tasks_on_the_gpu_worker(cluster, first_
         else:
             assert (queue, host) == ("default", "default-worker"), (task_id, queue, host)
     assert {t for t, _, _ in placed} >= GPU_TASKS | {"audit_tokenizer", "dataset.load_route", "publish"}
+    for queue in ("default", GPU_QUEUE):  # both workers loaded the tokenizer once for their tasks (celery_config.py)
+        log = (cluster.workdir / "logs" / f"worker-{queue}.log").read_text(errors="replace")
+        assert "eagle3 worker warm-up: " in log and "warm-up skipped" not in log, log[-2000:]
 
 
 def test_invalid_values_refused_at_trigger_time_naming_the_param(cluster):
@@ -89,72 +91,72 @@ def test_rerun_one_dataset_leaves_the_others_untouched(cluster, first_run):
     assert cluster.generation_requests() == requests_before  # the reused stages paid nothing again
 
 
-@pytest.mark.xfail(strict=False, reason="issue 12, open: on the Celery cluster the backfill's reprocessing "
-                   "phase has not passed yet (Airflow's side-effect scheduled run beside the backfill; see docs/dag.md)")
-def test_two_date_backfill_then_idempotent_reprocessing(cluster):
-    for day in BACKFILL:
-        upload(cluster, "chat", day)
-    conf = json.dumps({"datasets": ["chat"], "skip_hidden_states": True})
-    args = ["backfill", "create", "--dag-id", DAG_ID, "--from-date", f"{BACKFILL[0]}", "--to-date", f"{BACKFILL[-1]}",
-            "--dag-run-conf", conf]
-    known = {r["dag_run_id"] for r in cluster.runs()}
-    cluster.airflow(*args)
-    runs = wait_backfill_runs(cluster, known, len(BACKFILL), stop_scheduled=True)
-    assert {r["state"] for r in runs} == {"success"}, [cluster.task_states(r["dag_run_id"]) for r in runs]
-    assert sorted(r["logical_date"][:10] for r in runs) == [f"{d}" for d in BACKFILL]
-    # Airflow 3.3.2 takes the backfill's last run as the DAG's latest automated run, so with
-    # catchup=False it schedules today's tick at once (docs/dag.md); the documented recipe marks
-    # that run failed. Nothing else may have started beside the backfill.
-    others = [r for r in cluster.runs() if r["dag_run_id"] not in known and r["run_type"] != "backfill"]
-    today = time.strftime("%Y-%m-%d", time.gmtime())
-    assert [(r["run_type"], r["logical_date"][:10], r["state"]) for r in others] in ([], [("scheduled", today, "failed")])
+def backfill_command(days: tuple[date, date]) -> list[str]:
+    """docs/dag.md's (and the README's) backfill command, for `days` and the chat dataset."""
+    return ["backfill", "create", "--dag-id", DAG_ID, "--from-date", f"{days[0]}", "--to-date", f"{days[-1]}",
+            "--reprocess-behavior", "completed", "--max-active-runs", "2",
+            "--dag-run-conf", json.dumps({"datasets": ["chat"], "skip_hidden_states": True})]
 
-    for r in others:  # tasks of the side-effect run that were already running finish first
-        wait_tasks_settled(cluster, r["dag_run_id"])
+
+def test_two_date_backfill_then_idempotent_reprocessing(cluster):
+    """docs/dag.md's backfill recipe, pasted twice: prompts uploaded for yesterday and today,
+    `airflow backfill create` up to today (so Airflow 3.3.2 has no later tick to schedule beside
+    the backfill), both runs succeed; the same command again reprocesses both dates (Airflow
+    allows it once the first backfill is complete) with 0 objects changed and 0 generation
+    requests; and no run other than the backfills' appeared."""
+    today = datetime.now(timezone.utc).date()
+    days = (today - timedelta(days=1), today)
+    for day in days:
+        upload(cluster, "chat", day, rows=SMALL)
+    known = {r["dag_run_id"] for r in cluster.runs()}
+    runs = run_backfill(cluster, backfill_command(days), until_complete=True)
+    assert {r["state"] for r in runs} == {"success"}, [cluster.task_states(r["dag_run_id"]) for r in runs]
+    assert sorted(r["logical_date"][:10] for r in runs) == [f"{d}" for d in days]
 
     bucket = config(cluster).storage.bucket
-    snapshot = {d: cluster.etags(bucket, run_prefix(cluster, d)[1]) for d in BACKFILL}
+    snapshot = {d: cluster.etags(bucket, run_prefix(cluster, d)[1]) for d in days}
+    assert all(snapshot.values()), snapshot
     requests_before = cluster.generation_requests()
-    known = {r["dag_run_id"] for r in cluster.runs()}
-    cluster.airflow(*args, "--reprocess-behavior", "completed")
-    again = wait_backfill_runs(cluster, known, len(BACKFILL), reprocess=True)
-    assert {r["state"] for r in again} == {"success"}
-    assert {d: cluster.etags(bucket, run_prefix(cluster, d)[1]) for d in BACKFILL} == snapshot  # 0 objects changed
+    again = run_backfill(cluster, backfill_command(days))  # the same command: accepted once the first is complete
+    assert {r["dag_run_id"] for r in again} == {r["dag_run_id"] for r in runs}  # the same runs, cleared and run again
+    assert {r["state"] for r in again} == {"success"}, [cluster.task_states(r["dag_run_id"]) for r in again]
+    assert {d: cluster.etags(bucket, run_prefix(cluster, d)[1]) for d in days} == snapshot  # 0 objects changed
     assert cluster.generation_requests() == requests_before  # 0 generation requests
+    others = [(r["run_type"], r["logical_date"], r["state"]) for r in cluster.runs()
+              if r["dag_run_id"] not in known and r["run_type"] != "backfill"]
+    assert others == []  # no scheduled run beside the backfill (docs/dag.md, section 3)
 
 
-def wait_tasks_settled(cluster, run_id: str, timeout: float = 600) -> None:
-    """Until no task instance of `run_id` is queued or running (a run marked failed stops
-    scheduling new tasks; the ones already on a worker run to their end)."""
+def run_backfill(cluster, command: list[str], *, until_complete: bool = False, timeout: float = 900) -> list[dict]:
+    """Create a backfill with the CLI; returns its runs once each has ended after the backfill
+    was created (a reprocessed date keeps its run, cleared and queued again). `until_complete`:
+    also wait until Airflow marks the backfill itself complete, which the scheduler does up to
+    30 s after its last run ended; another backfill of the DAG is refused before that."""
+    before = {b["id"] for b in backfills(cluster)}
+    cluster.airflow(*command)
+    [backfill] = [b for b in backfills(cluster) if b["id"] not in before]
+    created = datetime.fromisoformat(backfill["created_at"])
+    first, last = datetime.fromisoformat(backfill["from_date"]), datetime.fromisoformat(backfill["to_date"])
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        states = cluster.task_states(run_id)
-        if not any(s in ("queued", "running", "scheduled", "up_for_retry", "restarting", "deferred") for s in states.values()):
-            return
-        time.sleep(3)
-    pytest.fail(f"tasks of {run_id} still active: {cluster.task_states(run_id)}")
-
-
-def wait_backfill_runs(cluster, known: set[str], n: int, reprocess: bool = False, timeout: float = 900,
-                       stop_scheduled: bool = False) -> list[dict]:
-    """The backfill's runs once all `n` have finished (a reprocessed date keeps its run id and is
-    cleared instead, so then watch every backfill run's state). `stop_scheduled`: mark a
-    scheduled run that appears meanwhile failed, as docs/dag.md tells a person to."""
-    deadline = time.monotonic() + timeout
-    started = time.monotonic()
-    while time.monotonic() < deadline:
+    while True:
+        runs = [r for r in cluster.runs() if r["run_type"] == "backfill" and first <= datetime.fromisoformat(r["logical_date"]) <= last]
+        ended = runs and all(r["state"] in ("success", "failed") and r["end_date"] and datetime.fromisoformat(r["end_date"]) > created
+                             for r in runs)
+        if ended and until_complete:
+            r = cluster.api("GET", f"/backfills/{backfill['id']}")
+            assert r.status_code == 200, r.text
+            ended = r.json()["completed_at"] is not None
+        if ended:
+            return runs
+        assert time.monotonic() < deadline, [(r["dag_run_id"], r["state"]) for r in runs]
         cluster.check_alive()
-        every = cluster.runs()
-        for r in every:
-            if stop_scheduled and r["run_type"] == "scheduled" and r["dag_run_id"] not in known and r["state"] in ("queued", "running"):
-                patched = cluster.api("PATCH", f"/dags/{DAG_ID}/dagRuns/{r['dag_run_id']}", json={"state": "failed"})
-                assert patched.status_code == 200, patched.text
-        runs = [r for r in every if r["run_type"] == "backfill" and (reprocess or r["dag_run_id"] not in known)]
-        fresh = [r for r in runs if not reprocess or (r["end_date"] or "") > time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(started - 1))]
-        if len(fresh) >= n and all(r["state"] in ("success", "failed") for r in fresh):
-            return fresh
-        time.sleep(3)
-    pytest.fail(f"backfill runs not finished: {[(r['dag_run_id'], r['state']) for r in runs]}")
+        time.sleep(1)
+
+
+def backfills(cluster) -> list[dict]:
+    r = cluster.api("GET", "/backfills", params={"dag_id": DAG_ID, "limit": 100})
+    assert r.status_code == 200, r.text
+    return r.json()["backfills"]
 
 
 def test_sigkill_of_the_generating_worker_is_retried_without_loss_or_duplicates(cluster, killed_run):

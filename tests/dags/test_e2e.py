@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from eagle3_data.config import DAG_ID, load_config
+from tests.fixtures.airflow import DAG_TEST_BUCKET, dag_stack
 
 pytestmark = pytest.mark.slow
 
@@ -40,23 +41,9 @@ OVERRIDES = {
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, airflow_db):
-    from eagle3_devtools.stack import SAMPLE_DATA, dev_stack, upload_prompts
-
-    work = tmp_path_factory.mktemp("e2e")
-    small = {}
-    for name in ("tool_calls", "code", "chat"):
-        lines = (SAMPLE_DATA / f"{name}.jsonl").read_text().splitlines()[:SAMPLES]
-        (work / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
-        small[name] = work / f"{name}.jsonl"
-    with dev_stack(work, config_overrides=OVERRIDES, bucket="e2e") as s:
-        saved = {k: os.environ.get(k) for k in s.env}
-        os.environ.update(s.env)
-        upload_prompts(s.client(), load_config(s.config_path), f"{DATE:%Y-%m-%d}", small)
-        try:
-            yield s
-        finally:
-            for k, v in saved.items():
-                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    with dag_stack(tmp_path_factory.mktemp("e2e"), ("tool_calls", "code", "chat"), SAMPLES, f"{DATE:%Y-%m-%d}",
+                   config_overrides=OVERRIDES) as s:
+        yield s
 
 
 @pytest.fixture
@@ -86,7 +73,7 @@ def _objects(stack, dataset: str | None = None) -> dict[str, tuple[str, int, str
     """Every object of the run (or of one dataset's stages): key -> (ETag, size, LastModified)."""
     client, out = stack.client(), {}
     prefix = f"eagle3-datagen/runs/{RUN_KEY}/"
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket="e2e", Prefix=prefix):
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=DAG_TEST_BUCKET, Prefix=prefix):
         for o in page.get("Contents", []):
             parts = o["Key"][len(prefix) :].split("/")
             if dataset is None or (parts[0] in PER_DATASET_STAGES and parts[1] == dataset):
@@ -97,7 +84,7 @@ def _objects(stack, dataset: str | None = None) -> dict[str, tuple[str, int, str
 def _manifest_hashes(stack) -> dict[str, str]:
     client = stack.client()
     return {
-        k: json.loads(client.get_object(Bucket="e2e", Key=k)["Body"].read())["manifest_sha256"]
+        k: json.loads(client.get_object(Bucket=DAG_TEST_BUCKET, Key=k)["Body"].read())["manifest_sha256"]
         for k in _objects(stack)
         if k.endswith("/_manifest.json")
     }

@@ -30,8 +30,9 @@ def reference_model(tiny_model_dir):
 
 
 def reference_states(model, ids):
+    """The decoder's hidden_states tuple (the LM head's [T, 163840] logits are never needed)."""
     with torch.no_grad():
-        return model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+        return model.model(torch.tensor([ids]), output_hidden_states=True).hidden_states
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,7 +24,7 @@ import pytest
 import yaml
 
 from eagle3_data.dev.processes import free_port, wait_http_ok
-from eagle3_devtools.stack import airflow_db_migrate, airflow_env
+from eagle3_devtools.stack import airflow_env
 from eagle3_data.config import DEFAULT_CONFIG_PATH
 from eagle3_data.report import length_stats, write_run_report
 from eagle3_data.storage import ArtifactStore, StageRef
@@ -86,8 +87,12 @@ def aws_extra(endpoint_url: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def api_server(tmp_path_factory, s3_server):
-    """(base_url, admin password, env) of a running api-server with the plugin; stopped by PID."""
+def api_server(tmp_path_factory, s3_server, airflow_db_template):
+    """(base_url, admin password, env) of a running api-server with the plugin; stopped by PID.
+
+    Its home gets a copy of the session's freshly migrated DB (no second `airflow db migrate`),
+    and `dags reserialize` runs while the api-server starts: both are Airflow start-ups of
+    seconds of CPU each, and the server needs the DAG only when the first run is created."""
     home = tmp_path_factory.mktemp("airflow-view")
     (home / "dags").mkdir()
     (home / "dags" / "probe.py").write_text(PROBE_DAG)
@@ -113,8 +118,7 @@ def api_server(tmp_path_factory, s3_server):
         "AIRFLOW__API_AUTH__JWT_SECRET": secrets.token_hex(32),
         "EAGLE3_CONFIG": str(home / "pipeline.yaml"),
     }
-    airflow_db_migrate(env)
-    subprocess.run([str(BIN / "airflow"), "dags", "reserialize"], env=env, check=True, capture_output=True, timeout=300)
+    shutil.copyfile(airflow_db_template, home / "airflow.db")
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"
@@ -125,6 +129,7 @@ def api_server(tmp_path_factory, s3_server):
             env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )
     try:
+        subprocess.run([str(BIN / "airflow"), "dags", "reserialize"], env=env, check=True, capture_output=True, timeout=300)
         wait_http_ok(f"{base}/api/v2/monitor/health", [proc], "api-server", log)
         r = httpx.post(f"{base}/auth/token", json={"username": "admin", "password": password})
         auth = {"Authorization": f"Bearer {r.json()['access_token']}"}
@@ -136,7 +141,7 @@ def api_server(tmp_path_factory, s3_server):
     finally:
         os.killpg(proc.pid, signal.SIGTERM)  # the group this fixture started: server + its worker
         try:
-            proc.wait(timeout=15)
+            proc.wait(timeout=3)  # a throw-away server on a throw-away SQLite: no need to wait long
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()

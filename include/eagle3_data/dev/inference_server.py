@@ -141,6 +141,19 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
         return {"model_path": state.config.model, "tokenizer_path": str(tok.name_or_path), "is_generation": True,
                 "weight_version": state.config.weight_version}
 
+    @app.get("/server_info")
+    @app.get("/get_server_info")  # deprecated name, still served by SGLang 0.5.23
+    async def server_info() -> dict:
+        """SGLang's server info, the part a client reads: server args merged with the scheduler's
+        init info, one `internal_states` entry per data-parallel rank, the version. Only
+        `max_running_requests` is the config's (`max_running_requests`, None as when SGLang was
+        launched without `--max-running-requests`); the rest are fixed stand-ins."""
+        mrr = state.config.max_running_requests
+        return {"model_path": state.config.model, "tokenizer_path": str(tok.name_or_path), "dp_size": 1,
+                "max_running_requests": mrr, "max_total_num_tokens": 1 << 20, "max_req_input_len": (1 << 20) - 1,
+                "status": "ready", "weight_version": state.config.weight_version,
+                "internal_states": [{"max_running_requests": mrr, "last_gen_throughput": 0.0}], "version": "0.5.23"}
+
     @app.get("/dev/stats")
     async def dev_stats() -> dict:
         return state.stats.to_dict()

@@ -108,15 +108,19 @@ def compare_strategies(n: int, *, overflow_fraction: float, local_capacity: int,
     }
 
 
-def run_totals(per_dataset: list[dict[str, dict[str, Any]]], rates: Rates) -> dict[str, dict[str, Any]]:
+def run_totals(per_dataset: list[dict[str, dict[str, Any]]], rates: Rates | None = None) -> dict[str, dict[str, Any]]:
     """Every strategy over a whole run: the datasets share the same endpoints and provider, so
-    each side's counts add up and its finish time is the sum over its rate (`compare_strategies`
-    results of each dataset in, the same shape out)."""
+    each side's counts add up and its finish time is the sum of the datasets' times on it (each
+    at its own rate: a dataset's rates may come from its previous run), or the total count over
+    `rates` when given (`compare_strategies` results of each dataset in, the same shape out)."""
     out: dict[str, dict[str, Any]] = {}
     for name in STRATEGIES:
         plans = [d[name] for d in per_dataset if name in d]
         local, overflow = sum(p["local"] for p in plans), sum(p["overflow"] for p in plans)
-        local_s, overflow_s = _seconds(local, rates.local), _seconds(overflow, rates.overflow)
+        if rates is not None:
+            local_s, overflow_s = _seconds(local, rates.local), _seconds(overflow, rates.overflow)
+        else:
+            local_s, overflow_s = (sum(math.inf if p[k] is None else p[k] for p in plans) for k in ("local_s", "overflow_s"))
         out[name] = Split(local=local, overflow=overflow, local_s=local_s, overflow_s=overflow_s,
                           wall_s=max(local_s, overflow_s),
                           overflow_usd=round(sum(p["overflow_usd"] for p in plans), 6)).as_dict()

@@ -121,10 +121,21 @@ def generate_overflow(store, ref, prompts: Iterable[dict], tokenizer, base_url: 
                               request_timeout_s, progress, tok_sha,
                               Budget(budget_usd, run.spent_before_usd, first_cost_estimate_usd,
                                      sampling.get("max_new_tokens")), price_usd_per_mtok)
-        stopped = asyncio.run(client.run())
+        stopped = run_event_loop(client.run())
         progress.close()
-        run.finish(stopped, extra={"budget_usd": budget_usd, "spent_total_usd": round(client.budget.spent, 6)})
+        run.finish(stopped, extra={"budget_usd": budget_usd, "spent_total_usd": round(client.budget.spent, 6),
+                                   **client.timing()})
     return run.result
+
+
+def run_event_loop(coro):
+    """Run the client on uvloop (pinned in requirements.txt), else the stdlib loop: uvloop's
+    C event loop takes ~0.1-0.3 ms less client CPU per request at C=256 (benchmarks/RESULTS.md)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
 
 
 class _OverflowRun:
@@ -138,16 +149,17 @@ class _OverflowRun:
         self.prices = price_usd_per_mtok
         self.in_flight = 0
         self.stopped: str | None = None
+        self.latency_sum, self.answered, self.started = 0.0, 0, time.monotonic()
+
+    def timing(self) -> dict:
+        """For the manifest (and the next run's `balanced` routing): the concurrency and the mean
+        seconds per answered sample of this attempt (retries and their backoff included)."""
+        return {"concurrency": self.concurrency, "answered": self.answered,
+                "wall_s": round(time.monotonic() - self.started, 3),
+                "latency_s_mean": round(self.latency_sum / self.answered, 4) if self.answered else None}
 
     async def run(self) -> str | None:
-        import httpx2
-        from openai import AsyncOpenAI, DefaultAioHttpClient
-
-        # aiohttp transport: httpx's pool costs ~10x more CPU per request at 256 connections
-        # (benchmarks/RESULTS.md), which on a small worker caps throughput far below C/L.
-        limits = httpx2.Limits(max_connections=self.concurrency + 8, max_keepalive_connections=self.concurrency + 8)
-        client = AsyncOpenAI(base_url=self.base_url, api_key=self._key, max_retries=0, timeout=self.timeout_s,
-                             http_client=DefaultAioHttpClient(limits=limits, timeout=self.timeout_s))
+        client = SdkPost(self.base_url, self._key, self.concurrency, self.timeout_s)
         queue = iter(self.stage.pending)
         ticker = asyncio.create_task(tick_every(self.progress))
         try:
@@ -169,6 +181,7 @@ class _OverflowRun:
             if p is None:
                 return
             self.in_flight += 1
+            started = time.monotonic()
             try:
                 result = await self._sample(client, p)
             finally:
@@ -176,6 +189,9 @@ class _OverflowRun:
             if result is None:
                 continue  # stopped (402/401): the sample stays pending for the next attempt
             row, permanent = result
+            if row["status"] == "ok":
+                self.latency_sum += time.monotonic() - started
+                self.answered += 1
             cost = (row.get("usage") or {}).get("cost_usd") or 0.0
             self.budget.add(cost, (row.get("usage") or {}).get("completion_tokens"))
             self.stage.record(row, permanent=permanent)
@@ -197,11 +213,7 @@ class _OverflowRun:
                 return None
             retry_after = None
             try:
-                # The SDK's generic POST: its auth, base URL, timeouts and error classes, without
-                # the typed-param transform and pydantic models of `chat.completions.create`
-                # (~5 ms CPU per call, the bottleneck at C=256: benchmarks/RESULTS.md).
-                resp = await client.post("/chat/completions", cast_to=object, body=self._request(p),
-                                         options={"headers": self._headers(p)})
+                resp = await client.post(self._request(p), self._headers(p))
             except openai.APIStatusError as exc:
                 status = exc.status_code
                 if status in STOP_STATUS:
@@ -279,6 +291,65 @@ class _OverflowRun:
         elif any(not c["function"]["name"] or not isinstance(c["function"]["arguments"], str) for c in calls):
             row.update(status="failed", error="malformed tool call: missing name or arguments")
         return row, False
+
+
+class SdkPost:
+    """POST /chat/completions as the openai SDK would send it, at a quarter of its CPU.
+
+    The SDK builds the client: base URL normalisation, the `Authorization` header from the key
+    (`auth_headers`) and its default headers (User-Agent, X-Stainless-*), and the error classes:
+    a non-2xx answer becomes the SDK's own exception (`RateLimitError`, `AuthenticationError`,
+    `InternalServerError`, ... via its `_make_status_error_from_response`, `.response.headers`
+    carrying Retry-After), a transport failure `APIConnectionError`/`APITimeoutError`. What is
+    left out is the SDK's per-request pipeline (option models copied twice, httpx2 URL and header
+    objects, redirects/auth hooks, the vendored transport adapting aiohttp to httpx2): 2.3-3.2 ms
+    CPU per request against 0.6-0.7 ms for this send over the same aiohttp; the whole stage went
+    from 2.6-3.5 to 1.0-1.7 ms per request, one core from ~300 to 600-960 requests/s
+    (benchmarks/RESULTS.md). The SDK's own retries are off anyway (our loop in `_sample` sees
+    every attempt), a static API key needs none of its token-refresh hooks, and OpenRouter does
+    not redirect (a 3xx is raised like any other non-2xx status).
+    """
+
+    def __init__(self, base_url: str, api_key: str, concurrency: int, timeout_s: float):
+        import aiohttp
+        from openai import AsyncOpenAI
+
+        self.sdk = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout_s)
+        self.url = str(self.sdk.base_url) + "chat/completions"  # the SDK keeps a trailing slash
+        self.headers = {k: v for k, v in {**self.sdk.default_headers, **self.sdk.auth_headers}.items()
+                        if isinstance(v, str)}
+        self.http = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=concurrency + 8, keepalive_timeout=60),
+            timeout=aiohttp.ClientTimeout(total=timeout_s))
+
+    async def post(self, body: dict, headers: dict) -> object:
+        """The decoded JSON answer; raises the SDK's exception classes (a non-JSON 2xx body: ValueError)."""
+        import aiohttp
+        import openai
+
+        try:
+            async with self.http.post(self.url, data=json.dumps(body).encode(), headers={**self.headers, **headers}) as r:
+                content = await r.read()
+                status, raw_headers = r.status, r.raw_headers
+        except asyncio.TimeoutError as exc:
+            raise openai.APITimeoutError(request=self._request()) from exc
+        except aiohttp.ClientError as exc:
+            raise openai.APIConnectionError(request=self._request()) from exc
+        if status >= 300:
+            import httpx2
+
+            response = httpx2.Response(status, headers=raw_headers, content=content, request=self._request())
+            raise self.sdk._make_status_error_from_response(response)
+        return json.loads(content)
+
+    def _request(self):
+        import httpx2
+
+        return httpx2.Request("POST", self.url)  # what the SDK's exceptions carry; no key in it
+
+    async def close(self) -> None:
+        await self.http.close()
+        await self.sdk.close()
 
 
 def _error_message(exc) -> str:

@@ -22,6 +22,11 @@ sampling_params.py, http_server.py):
   recorded as given (the validator decides what a row's stop means), and `len(output_ids)` must
   equal `meta_info.completion_tokens`. `weight_version` (from `/model_info`, or the deprecated
   `/get_model_info`) goes into every row's provenance.
+- In flight per endpoint: `in_flight_per_endpoint` when set (the override); else what the endpoint
+  reports as its capacity, SGLang's `max_running_requests` from `/server_info` (`/get_server_info`
+  before 0.5.23 renamed it; server args merged with scheduler info, so the value the server was
+  launched with, per data-parallel rank summed from `internal_states` when the top level has none);
+  else DEFAULT_IN_FLIGHT. More in flight than the server runs only queues in its waiting list.
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ from eagle3_data.generation.retry import PERMANENT_STATUS, backoff_s
 log = logging.getLogger(__name__)
 
 SOURCE = "sglang"
+DEFAULT_IN_FLIGHT = 64  # per endpoint, when neither the config nor the endpoint says
+MAX_IN_FLIGHT = 4096  # a reported capacity is clamped to the config's own bound
 
 # SGLang 0.5.23 SamplingParams.__init__ (srt/sampling/sampling_params.py): any other key inside
 # `sampling_params` is a 400 "Unknown sampling parameter" on every request.
@@ -86,7 +93,7 @@ def generate_local(store, ref, prompts: Iterable[dict], tokenizer, endpoints: Se
 
 
 def run_local_stage(engine: type[_SGLangRun], store, ref, prompts: Iterable[dict], tokenizer,
-                    endpoints: Sequence[str], sampling: dict, *, in_flight_per_endpoint: int = 64,
+                    endpoints: Sequence[str], sampling: dict, *, in_flight_per_endpoint: int | None = None,
                     rows_per_part: int = 256, model: str = "", inputs: list | None = None,
                     progress: Progress | None = None, max_attempts: int = 5, request_timeout_s: float = 3600.0,
                     journal_dir=None, flush_interval_s: float = 30.0,
@@ -122,7 +129,7 @@ def run_local_stage(engine: type[_SGLangRun], store, ref, prompts: Iterable[dict
         stopped = asyncio.run(client.run())
         progress.close()
         run.finish(stopped, extra={"endpoints": len(endpoints), "max_in_flight": client.max_in_flight,
-                                   **client.finish_extra()})
+                                   **client.timing(), **client.finish_extra()})
     return run.result
 
 
@@ -132,6 +139,8 @@ class _SGLangRun:
 
     SOURCE = SOURCE
     ENGINE = "SGLang"
+    # where the engine reports its capacity (max_running_requests); () = it does not
+    CAPACITY_PATHS: tuple[str, ...] = ("/server_info", "/get_server_info")
 
     @staticmethod
     def request_sampling(sampling: dict) -> dict:
@@ -144,7 +153,7 @@ class _SGLangRun:
     def __init__(self, run: StageRun, fmt, endpoints, sampling, in_flight, max_attempts, timeout_s,
                  progress, model, tok_sha, warmup_timeout_s, max_endpoint_failures, health_interval_s):
         self.stage, self.fmt, self.endpoints = run, fmt, [e.rstrip("/") for e in endpoints]
-        self.sampling, self.thinking, self.in_flight = sampling, fmt.thinking, in_flight
+        self.sampling, self.thinking, self.in_flight = sampling, fmt.thinking, in_flight  # None: ask the endpoint
         self.max_attempts, self.timeout_s, self.progress = max_attempts, timeout_s, progress
         self.model, self.tok_sha = model, tok_sha
         self.warmup_timeout_s, self.max_failures = warmup_timeout_s, max_endpoint_failures
@@ -153,13 +162,17 @@ class _SGLangRun:
         self.max_in_flight = dict.fromkeys(self.endpoints, 0)
         self.failures = dict.fromkeys(self.endpoints, 0)  # consecutive, per endpoint
         self.weight_version: dict[str, str | None] = {}
+        self.capacity: dict[str, int] = {}  # workers per endpoint
+        self.capacity_source: dict[str, str] = {}  # "config" | "server_info" | "default"
+        self.latency_sum, self.answered, self.started = 0.0, 0, time.monotonic()
         self.workers: dict[str, list[asyncio.Task]] = {}
         self.stop_reason: str | None = None
 
     async def run(self) -> str | None:
         # aiohttp, not httpx: httpx's connection pool costs several ms of CPU per request at this
         # depth and left the slots 60% empty against a fast server (benchmarks/RESULTS.md).
-        connector = aiohttp.TCPConnector(limit=self.in_flight * len(self.endpoints) + 8)
+        # no pool limit: the workers bound the connections (per endpoint, known only after /server_info)
+        connector = aiohttp.TCPConnector(limit=0)
         timeout = aiohttp.ClientTimeout(total=self.timeout_s, connect=10.0)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
             self.http = http
@@ -196,6 +209,7 @@ class _SGLangRun:
             status = await self._health(endpoint)
             if status == 200:
                 self.weight_version[endpoint] = await self._weight_version(endpoint)
+                await self._size(endpoint)
                 return True
             if time.monotonic() >= deadline:
                 log.warning("SGLang endpoint %s: not ready after %g s (last /health: %s); not used", endpoint,
@@ -222,9 +236,43 @@ class _SGLangRun:
                 continue
         return None
 
+    async def _size(self, endpoint: str) -> None:
+        """Workers for `endpoint`: the configured override, else its reported capacity, else the default."""
+        if self.in_flight is not None:
+            self.capacity[endpoint], self.capacity_source[endpoint] = self.in_flight, "config"
+            return
+        reported = await self._reported_capacity(endpoint)
+        if reported is None:
+            self.capacity[endpoint], self.capacity_source[endpoint] = DEFAULT_IN_FLIGHT, "default"
+        else:
+            self.capacity[endpoint], self.capacity_source[endpoint] = min(reported, MAX_IN_FLIGHT), "server_info"
+        log.info("%s endpoint %s: %d in flight (%s)", self.ENGINE, endpoint, self.capacity[endpoint],
+                 "its max_running_requests" if reported is not None else
+                 "default: it reports no capacity; set generation.local.in_flight_per_endpoint")
+
+    async def _reported_capacity(self, endpoint: str) -> int | None:
+        for path in self.CAPACITY_PATHS:
+            try:
+                async with self.http.get(f"{endpoint}{path}", timeout=aiohttp.ClientTimeout(total=30.0)) as r:
+                    if r.status != 200:
+                        continue
+                    info = await r.json(content_type=None)
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                continue
+            return server_capacity(info)
+        return None
+
+    def timing(self) -> dict:
+        """For the manifest (and the next run's `balanced` routing): in flight per endpoint, where
+        that came from, and the mean seconds per answered request of this attempt."""
+        return {"in_flight": dict(self.capacity), "in_flight_source": dict(self.capacity_source),
+                "answered": self.answered, "wall_s": round(time.monotonic() - self.started, 3),
+                "latency_s_mean": round(self.latency_sum / self.answered, 4) if self.answered else None}
+
     def _admit(self, endpoint: str) -> None:
         self.failures[endpoint] = 0
-        self.workers[endpoint] = [asyncio.create_task(self._worker(endpoint)) for _ in range(self.in_flight)]
+        n = self.capacity.get(endpoint, self.in_flight or DEFAULT_IN_FLIGHT)
+        self.workers[endpoint] = [asyncio.create_task(self._worker(endpoint)) for _ in range(n)]
 
     def _drop(self, endpoint: str) -> None:
         """After `max_endpoint_failures` consecutive failures: its workers stop (their prompts go
@@ -247,6 +295,7 @@ class _SGLangRun:
                 if await self._health(e) == 200:
                     log.info("SGLang endpoint %s: healthy again; re-admitted", e)
                     self.weight_version[e] = await self._weight_version(e)
+                    await self._size(e)
                     self._admit(e)
             if self.workers:
                 alone_since = None
@@ -264,6 +313,7 @@ class _SGLangRun:
             p, attempts = await self.queue.get()
             self.busy[endpoint] += 1
             self.max_in_flight[endpoint] = max(self.max_in_flight[endpoint], self.busy[endpoint])
+            started = time.monotonic()
             try:
                 row, permanent, endpoint_failed = await self._one(endpoint, p, attempts)
             except asyncio.CancelledError:
@@ -271,6 +321,9 @@ class _SGLangRun:
                 raise
             finally:
                 self.busy[endpoint] -= 1
+            if row["status"] == "ok":
+                self.latency_sum += time.monotonic() - started
+                self.answered += 1
             self.failures[endpoint] = self.failures[endpoint] + 1 if endpoint_failed else 0
             if row["status"] == "failed" and not permanent and attempts + 1 < self.max_attempts:
                 self.queue.put_nowait((p, attempts + 1))  # any endpoint may take it
@@ -348,6 +401,20 @@ class _SGLangRun:
             "e2e_latency": meta.get("e2e_latency"), "cached_tokens": meta.get("cached_tokens"),
             "weight_version": meta.get("weight_version") or self.weight_version.get(endpoint),
         }
+
+
+def server_capacity(info) -> int | None:
+    """`max_running_requests` of a `/server_info` answer: the top-level server arg, else the sum
+    over the data-parallel ranks' `internal_states`; None when neither is a positive int."""
+    def positive(v):
+        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+    if not isinstance(info, dict):
+        return None
+    if (top := positive(info.get("max_running_requests"))) is not None:
+        return top
+    ranks = [positive(s.get("max_running_requests")) for s in info.get("internal_states") or [] if isinstance(s, dict)]
+    return sum(ranks) if ranks and None not in ranks else None
 
 
 def check_answer(answer) -> tuple[list[int], dict, dict]:

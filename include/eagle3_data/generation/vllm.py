@@ -65,6 +65,9 @@ class _VllmRun(_SGLangRun):
 
     SOURCE = SOURCE
     ENGINE = "vLLM"
+    # vLLM reports no capacity on a production server (/server_info is VLLM_SERVER_DEV_MODE only;
+    # /metrics has running/waiting counts, not max_num_seqs): in flight comes from the config.
+    CAPACITY_PATHS = ()
 
     @staticmethod
     def request_sampling(sampling: dict) -> dict:

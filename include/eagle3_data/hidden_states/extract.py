@@ -301,25 +301,37 @@ def extract_shard(
     options = ExtractOptions(convention=convention, layer_ids=layers, last_hidden=last_hidden,
                              token_budget=token_budget, out_shard_tokens=out_shard_tokens, use_fp8=use_fp8,
                              storage_dtype=storage_dtype)
-    backend = backend or TransformersBackend(model_dir)
-    with tempfile.TemporaryDirectory(prefix="eagle3-extract-", dir=work_dir) as tmp:
-        local = store.get_file(merged_ref, name, Path(tmp) / name)
-        rows = read_merged_rows([local])
-        local.unlink()
+    # One writer per shard, not per stage: the GPU workers of one stage extract different shards in
+    # parallel, while a second writer of the same shard (a zombie and its retry) gets StageBusy.
+    with store.lease(out_ref, scope=Path(name).stem) as lease:
+        if done_marker in store.committed_files(out_ref):  # finished by the writer that held it before us
+            return {**store.get_json(out_ref, done_marker), "skipped": True}
+        backend = backend or TransformersBackend(model_dir)
+        with tempfile.TemporaryDirectory(prefix="eagle3-extract-", dir=work_dir) as tmp:
+            local = store.get_file(merged_ref, name, Path(tmp) / name)
+            rows = read_merged_rows([local])
+            local.unlink()
 
-        def upload(path: Path) -> None:
-            store.put_file(out_ref, path.name, path)
-            path.unlink()
+            def upload(path: Path) -> None:
+                lease.check()  # fencing: a writer whose lease was taken over uploads nothing more
+                store.put_file(out_ref, path.name, path)
+                path.unlink()
 
-        summary = extract_rows(backend, rows, Path(tmp) / "out", Path(name).stem, options, on_file=upload)
-    summary["merged_shard"] = {"run_key": merged_ref.run_key, "stage": merged_ref.stage,
-                               "dataset": merged_ref.dataset, "name": name}
-    store.put_json(out_ref, done_marker, summary)  # last: its presence marks the shard done
+            summary = extract_rows(backend, rows, Path(tmp) / "out", Path(name).stem, options, on_file=upload)
+        summary["merged_shard"] = {"run_key": merged_ref.run_key, "stage": merged_ref.stage,
+                                   "dataset": merged_ref.dataset, "name": name}
+        lease.check()
+        store.put_json(out_ref, done_marker, summary)  # last: its presence marks the shard done
     return summary
 
 
 def commit_extraction(store, merge_ref, out_ref, *, params: dict | None = None) -> dict:
     """Write the extraction manifest once every merged shard has its summary; refuse otherwise."""
+    with store.lease(out_ref) as lease:  # one committer per stage (shard writers hold shard leases)
+        return _commit_extraction(store, merge_ref, out_ref, params, lease)
+
+
+def _commit_extraction(store, merge_ref, out_ref, params: dict | None, lease) -> dict:
     from eagle3_data.merge import merged_shards
     from eagle3_data.storage import IncompleteStage
 
@@ -344,5 +356,6 @@ def commit_extraction(store, merge_ref, out_ref, *, params: dict | None = None) 
     extra = {**{k: first.get(k) for k in keys}, "totals": totals,
              "engines": sorted({s.get("engine") or "" for s in summaries}),
              "bytes_per_token": totals["bytes"] / totals["tokens"] if totals["tokens"] else 0.0}
+    lease.check()
     store.commit_files(out_ref, files, params=params, inputs=[merge_ref], extra=extra)
     return {"uri": store.uri(out_ref), **extra}

@@ -38,6 +38,7 @@ from eagle3_data.hidden_states.backends import ModelInfo, SampleStates
 log = logging.getLogger(__name__)
 
 VLLM_PYTHON_ENV = "EAGLE3_VLLM_PYTHON"
+WORK_DIR_ENV = "EAGLE3_VLLM_WORK_DIR"  # where the connector's files go when no work_dir is given
 REPO = Path(__file__).resolve().parents[3]
 INCLUDE = Path(__file__).resolve().parents[2]  # the directory holding the eagle3_data package
 LOG_TAIL_LINES = 25
@@ -125,8 +126,9 @@ class VllmBackend:
     `dtype`: None = bfloat16 on CUDA, float32 on CPU (the exact tests need fp32: bf16 flips
     a random model's flat logits and moves states by ~1%). `max_model_len` bounds the longest
     sample (prompt + output ids; one more slot is needed for the single generated token).
-    `work_dir` holds the connector's files between the engine's write and our read (put it on
-    fast local disk or /dev/shm on a GPU node: a 16k-token batch of Kimi-K2.5 is ~1 GB).
+    `work_dir` (default $EAGLE3_VLLM_WORK_DIR, else the temp dir) holds the connector's files
+    between the engine's write and our read (put it on fast local disk or /dev/shm on a GPU node:
+    a 16k-token batch of Kimi-K2.5 is ~1 GB).
     """
 
     def __init__(self, model_dir: str | Path, *, tensor_parallel_size: int = 1, dtype: str | None = None,
@@ -151,9 +153,10 @@ class VllmBackend:
         self.gpu_memory_utilization = gpu_memory_utilization
         self.startup_timeout_s = startup_timeout_s
         self.worker_args = list(worker_args)  # extra vllm_worker flags (the benchmark's --plain baseline)
-        self._root = Path(tempfile.mkdtemp(prefix="eagle3-vllm-", dir=work_dir))
+        self._root = Path(tempfile.mkdtemp(prefix="eagle3-vllm-", dir=work_dir or os.environ.get(WORK_DIR_ENV) or None))
         self._proc: subprocess.Popen | None = None
-        self._layer_ids: list[int] | None = None
+        self._layer_ids: list[int] | None = None  # the layers of the running, ready engine
+        self._spawned_ids: list[int] | None = None  # the layers of the engine process started (ready or not)
         self.engine_facts: dict = {}
         self.starts = 0  # engines started by this backend (tests: one per session)
         self.stats = {"requests": 0, "file_bytes": 0, "engine_seconds": 0.0}  # for benchmarks/vllm_extract.py
@@ -167,7 +170,17 @@ class VllmBackend:
         return self._root / "worker.log"
 
     # -- engine process ----------------------------------------------------------------------
+    def prestart(self, indices: list[int], last_hidden: bool) -> None:
+        """Start the engine for these layers now, without waiting for it: the first batch waits.
+        Its minute of imports and loading then overlaps whatever the caller does meanwhile (the
+        test tier starts it at collection)."""
+        self._spawn(vllm_layer_ids(indices, last_hidden, self.info.num_layers))
+
     def _start(self, layer_ids: list[int]) -> None:
+        self._spawn(layer_ids)
+        self._await_ready()
+
+    def _spawn(self, layer_ids: list[int]) -> None:
         self._stop()
         storage = self._root / "states"
         storage.mkdir(exist_ok=True)
@@ -183,6 +196,9 @@ class VllmBackend:
             self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file,
                                           env=env, start_new_session=True)
         self.starts += 1
+        self._spawned_ids = layer_ids
+
+    def _await_ready(self) -> None:
         ready = self._answer(self.startup_timeout_s, "start")
         if not ready.get("ready"):
             raise self._failed(f"unexpected first answer {ready!r}")
@@ -191,7 +207,7 @@ class VllmBackend:
                                f"config.json says {self.info.num_layers} x {self.info.hidden_size}")
         self.engine_facts = ready
         self.info = replace(self.info, device=ready["device"])
-        self._layer_ids = layer_ids
+        self._layer_ids = self._spawned_ids
 
     def _answer(self, timeout_s: float | None, what: str) -> dict:
         assert self._proc is not None and self._proc.stdout is not None
@@ -215,7 +231,7 @@ class VllmBackend:
         return EngineFailed(f"vLLM worker: {reason}\n--- last lines of {self.log_path} ---\n{tail}")
 
     def _stop(self) -> None:
-        proc, self._proc, self._layer_ids = self._proc, None, None
+        proc, self._proc, self._layer_ids, self._spawned_ids = self._proc, None, None, None
         if proc is None or proc.poll() is not None:
             return
         try:
@@ -251,8 +267,10 @@ class VllmBackend:
 
     def request(self, batch: Sequence[Sequence[int]], layer_ids: list[int]) -> dict:
         """One batch through the engine (started or restarted for `layer_ids`): the worker's answer."""
-        if self._layer_ids != layer_ids:
+        if self._spawned_ids != layer_ids:
             self._start(layer_ids)
+        elif self._layer_ids is None:  # prestarted for these layers: wait for it here
+            self._await_ready()
         self._proc.stdin.write((json.dumps({"op": "extract", "batch": [list(map(int, ids)) for ids in batch]}) + "\n").encode())
         self._proc.stdin.flush()
         answer = self._answer(None, "extract")

@@ -18,7 +18,8 @@ and deletes them.
 Engine settings that matter for correctness: the `extract_hidden_states` speculative method
 with the connector (the stock `ExampleHiddenStatesConnector` on CUDA, `CpuHiddenStatesConnector`
 on CPU), `max_tokens=1` (prefill only), prefix caching OFF (a cached prefix is not recomputed,
-so its states would be missing: vllm#44485), no tokenizer (ids in, states out).
+so its states would be missing: vllm#44485), no tokenizer (ids in, states out), language model
+only (Kimi-K2.5's multimodal processor needs a tokenizer; no images here).
 """
 
 from __future__ import annotations
@@ -104,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
         max_model_len=args.max_model_len,
         enable_prefix_caching=False,
         skip_tokenizer_init=True,
+        # Kimi-K2.5 is a vision-language checkpoint (KimiK25ForConditionalGeneration): without this
+        # vLLM builds its multimodal processor, which refuses to start without a tokenizer; ids in,
+        # text-only states out need neither the processor nor the vision encoder's budget.
+        language_model_only=True,
         enforce_eager=on_cpu,
         **kwargs,
     )

@@ -28,7 +28,8 @@ def extract_workers(run: Run, store, shards: list[dict]) -> list[dict]:
     before the workers start: a worker deleting them could delete a concurrent worker's output."""
     out_ref = stage_ref(run, HIDDEN_STATES, RUN_DATASET)
     if shards and store.is_complete(out_ref) and not same_params(store.read_manifest(out_ref), hidden_states_params(run)):
-        store.delete(out_ref)  # other convention or model: start over
+        with store.lease(out_ref):  # StageBusy while another committer works on the stage
+            store.delete(out_ref)  # other convention or model: start over
     n = min(run.config.hidden_states.workers, len(shards))
     loads, assigned = [0] * n, [[] for _ in range(n)]
     for i in sorted(range(len(shards)), key=lambda i: -int(shards[i].get("tokens") or 0)):

@@ -26,11 +26,12 @@ def merge(run: Run, store) -> MergeResult:
     inputs = [ref for name in passed for ref in (stage_ref(run, LOCAL, name), stage_ref(run, RECONSTRUCT, name))]
     params = run.config.merge.model_dump()
     ref = stage_ref(run, MERGE, RUN_DATASET)
-    if reusable(store, ref, inputs, params) is None:
-        store.delete(stage_ref(run, HIDDEN_STATES, RUN_DATASET))  # extracted from the old merge: stale
-        summary = merge_datasets(store, inputs, run.run_key, **params, out_dataset=RUN_DATASET,
-                                 vocab_size=output_format(run, store, template=False).vocab_size)
-        shards, totals = summary["shards"], summary["totals"]
-    else:
-        shards, totals = merged_shards(store, ref), store.read_manifest(ref)["extra"]["totals"]
+    with store.lease(ref) as held:  # one merge per run key: a second (zombie, manual rerun) gets StageBusy
+        if reusable(store, ref, inputs, params) is None:
+            store.delete(stage_ref(run, HIDDEN_STATES, RUN_DATASET))  # extracted from the old merge: stale
+            summary = merge_datasets(store, inputs, run.run_key, **params, out_dataset=RUN_DATASET,
+                                     vocab_size=output_format(run, store, template=False).vocab_size, lease=held)
+            shards, totals = summary["shards"], summary["totals"]
+        else:
+            shards, totals = merged_shards(store, ref), store.read_manifest(ref)["extra"]["totals"]
     return MergeResult(uri=store.uri(ref), datasets=passed, shards=shards, totals=totals)

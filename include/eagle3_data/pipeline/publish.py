@@ -47,12 +47,13 @@ def _run_report(store, run_key: str, index: dict) -> str | None:
 
 def _plan(run: Run, store) -> PublishResult:
     from eagle3_data.generation.balance import run_totals
-    from eagle3_data.pipeline.route import rates, seconds_text
+    from eagle3_data.pipeline.route import seconds_text
 
     plans = {name: store.get_json(stage_ref(run, PLAN, name), PLAN_REPORT) for name in run.datasets}
     totals = {k: round(sum(p["estimate"][k] for p in plans.values()), 6) for k in ("prompt_tokens", "max_output_tokens", "max_overflow_usd")}
     # each routing strategy over the whole run (the datasets share endpoints and provider)
-    strategies = run_totals([p["estimate"].get("strategies", {}) for p in plans.values()], rates(run))
+    # (each dataset's times at its own rates: they may come from its previous run's manifests)
+    strategies = run_totals([p["estimate"].get("strategies", {}) for p in plans.values()])
     for name, p in strategies.items():
         log.info("dry run plan, routing %s%s: local %d samples (%s s), overflow %d (%s s): wall %s s, overflow <= $%.4f",
                  name, " (chosen)" if name == run.config.routing.strategy else "", p["local"], seconds_text(p["local_s"]),

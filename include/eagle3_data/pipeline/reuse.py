@@ -27,7 +27,24 @@ def reusable(store, ref, inputs: list, params: dict | None = None, *, invalidate
     want = [store.input_record(i)["manifest_sha256"] for i in inputs]
     have = [i.get("manifest_sha256") for i in manifest.get("inputs", [])]
     if want == have and (params is None or same_params(manifest, params)):
+        trusted(store, ref, manifest)
         return manifest
     if invalidate:
         store.invalidate(ref)
     return None
+
+
+def trusted(store, ref, manifest: dict) -> None:
+    """A complete stage about to be reused is re-checked cheaply first (`store.quick_check`: one
+    listing, sizes and Last-Modified against the manifest), so a part deleted, truncated or
+    rewritten after the commit is named here, before any downstream stage trusts it, instead of
+    surfacing as a hash mismatch deep inside a later stage (or never, for a stage only reported)."""
+    from eagle3_data.storage import CorruptArtifact
+
+    if problems := store.quick_check(ref, manifest):
+        uri = store.uri(ref)
+        raise CorruptArtifact(
+            f"{problems[0]}{f' (and {len(problems) - 1} more)' if len(problems) > 1 else ''}: the complete stage {uri} "
+            f"changed after its commit, so it is not reused. See `eagle3-data stage verify {uri}`; then "
+            f"`eagle3-data stage discard {uri}` and rerun (generation replays its journal first)"
+        )

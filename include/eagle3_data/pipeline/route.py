@@ -12,21 +12,80 @@ from eagle3_data.errors import UserError
 from eagle3_data.pipeline.results import RouteResult
 from eagle3_data.pipeline.reuse import reusable
 from eagle3_data.pipeline.run import Run, log, output_format, sampling, stage_ref, tokenizer_for
-from eagle3_data.stages import PLAN, PROMPTS
+from eagle3_data.stages import LOCAL, OVERFLOW, PLAN, PROMPTS
 
 PLAN_REPORT = "plan.json"
 REJECTS = "rejects.json"
 BALANCE_FIELDS = ("local_endpoints", "local_latency_s", "overflow_latency_s")
 
 
-def rates(run: Run):
-    """Samples/s of each side from the configured observations (generation.balance.side_rates)."""
-    from eagle3_data.generation.balance import side_rates
+def rate_inputs(run: Run, store, dataset: str) -> dict:
+    """What each side's rate is computed from, and where it came from.
+
+    Per side, the newest committed generation manifest of this dataset in another run that
+    recorded its observed latency (`extra.latency_s_mean`: mean seconds per answered sample):
+    local takes that run's in flight per endpoint (what the endpoints reported or the config set,
+    with the latency it produced: SGLang's latency grows with its batch) times this run's
+    `routing.local_endpoints`; overflow takes this run's concurrency over that run's latency (a
+    provider's latency does not depend on how many requests one client has open). A side with
+    no such manifest uses the config (`routing.local_latency_s`, `overflow_latency_s`,
+    `generation.local.in_flight_per_endpoint` or its default). `source` names the manifest or "config".
+    """
+    from eagle3_data.generation.sglang import DEFAULT_IN_FLIGHT
 
     r, g = run.config.routing, run.config.generation
-    return side_rates(local_endpoints=r.local_endpoints, in_flight_per_endpoint=g.local.in_flight_per_endpoint,
-                      local_latency_s=r.local_latency_s, overflow_concurrency=g.overflow.concurrency,
-                      overflow_latency_s=r.overflow_latency_s)
+    local = {"endpoints": r.local_endpoints, "in_flight_per_endpoint": g.local.in_flight_per_endpoint or DEFAULT_IN_FLIGHT,
+             "latency_s": r.local_latency_s, "source": "config"}
+    overflow = {"concurrency": g.overflow.concurrency, "latency_s": r.overflow_latency_s, "source": "config"}
+    if (prev := previous_generation(store, run.run_key, LOCAL, dataset)) is not None:
+        uri, extra = prev
+        in_flight = [n for n in (extra.get("in_flight") or {}).values() if isinstance(n, int) and n > 0]
+        local.update(latency_s=extra["latency_s_mean"], source=uri)
+        if in_flight:
+            local["in_flight_per_endpoint"] = round(sum(in_flight) / len(in_flight))
+    if (prev := previous_generation(store, run.run_key, OVERFLOW, dataset)) is not None:
+        overflow.update(latency_s=prev[1]["latency_s_mean"], source=prev[0])
+    return {"local": local, "overflow": overflow}
+
+
+def previous_generation(store, run_key: str, stage: str, dataset: str) -> tuple[str, dict] | None:
+    """(manifest URI, its `extra`) of the newest committed `stage` of `dataset` in a run other
+    than `run_key` whose manifest recorded `latency_s_mean`; None when there is none."""
+    from botocore.exceptions import ClientError
+
+    from eagle3_data.storage import StageRef
+    from eagle3_data.storage.store import MANIFEST
+
+    base = f"{store.prefix}/runs/" if store.prefix else "runs/"
+    runs = []
+    for page in store.client.get_paginator("list_objects_v2").paginate(Bucket=store.bucket, Prefix=base, Delimiter="/"):
+        runs += [c["Prefix"][len(base):].rstrip("/") for c in page.get("CommonPrefixes", [])]
+    found = []
+    for other in runs:
+        if other == run_key:
+            continue
+        ref = StageRef(other, stage, dataset)
+        try:
+            head = store.client.head_object(Bucket=store.bucket, Key=store.key(ref, MANIFEST))
+        except ClientError:
+            continue
+        found.append((head["LastModified"], ref))
+    for _, ref in sorted(found, key=lambda f: f[0], reverse=True):
+        extra = store.read_manifest(ref).get("extra") or {}
+        latency = extra.get("latency_s_mean")
+        if isinstance(latency, (int, float)) and latency > 0:
+            return store.uri(ref), extra
+    return None
+
+
+def rates(inputs: dict):
+    """Samples/s of each side (generation.balance.side_rates) from `rate_inputs`."""
+    from eagle3_data.generation.balance import side_rates
+
+    lo, ov = inputs["local"], inputs["overflow"]
+    return side_rates(local_endpoints=lo["endpoints"], in_flight_per_endpoint=lo["in_flight_per_endpoint"],
+                      local_latency_s=lo["latency_s"], overflow_concurrency=ov["concurrency"],
+                      overflow_latency_s=ov["latency_s"])
 
 
 def load_route(run: Run, store, dataset: str) -> RouteResult:
@@ -41,16 +100,27 @@ def load_route(run: Run, store, dataset: str) -> RouteResult:
     limit_prompt_tokens(loaded, limit, lambda messages, tools: len(fmt.generation_prompt_ids(messages, tools)))
     log.info("dataset %s: %s", dataset, format_rejects(loaded))
     rc = run.config.routing
+    balance = rate_inputs(run, store, dataset) if rc.strategy == "balanced" or run.dry_run else None
     # the balance inputs are recorded only when they decide the routes (rows_sha256 covers the routes)
     routing = rc.model_dump(exclude=None if rc.strategy == "balanced" else set(BALANCE_FIELDS))
+    if rc.strategy == "balanced":
+        routing["balance_inputs"] = balance
+        log.info("dataset %s: balanced routing from local %s (%s), overflow %s (%s)", dataset,
+                 _side_text(balance["local"]), balance["local"]["source"], _side_text(balance["overflow"]),
+                 balance["overflow"]["source"])
     # balanced: the local count that makes both sides finish together (generation.balance)
-    rows = assign_routes(loaded.rows, **rc.model_dump(), in_flight_per_endpoint=g.local.in_flight_per_endpoint,
+    rows = assign_routes(loaded.rows, **{**rc.model_dump(), **(_balance_kwargs(balance) if balance else {})},
+                         in_flight_per_endpoint=balance["local"]["in_flight_per_endpoint"] if balance
+                         else g.local.in_flight_per_endpoint or 64,
                          overflow_concurrency=g.overflow.concurrency)
     counts = {"prompts": len(rows), "rejects": len(loaded.rejects)}
     for r in rows:
         counts[r["route"]] = counts.get(r["route"], 0) + 1
     if run.dry_run:
-        plan = {"dataset": dataset, "source": ds.prompts, "date": run.date, "counts": counts, "estimate": _estimate(run, fmt, rows)}
+        plan = {"dataset": dataset, "source": ds.prompts, "date": run.date, "counts": counts,
+                "estimate": _estimate(run, fmt, rows, balance)}
+        log.info("dataset %s: plan rates from local %s, overflow %s", dataset, balance["local"]["source"],
+                 balance["overflow"]["source"])
         for name, p in plan["estimate"]["strategies"].items():
             log.info("dataset %s: plan %-8s%s local %d, overflow %d: local %s s, overflow %s s, wall %s s, overflow <= $%.4f",
                      dataset, name, "*" if p["chosen"] else " ", p["local"], p["overflow"], seconds_text(p["local_s"]),
@@ -72,7 +142,19 @@ def load_route(run: Run, store, dataset: str) -> RouteResult:
     return RouteResult(counts=counts, uri=store.uri(ref))
 
 
-def _estimate(run: Run, fmt, rows: list[dict]) -> dict:
+def _balance_kwargs(balance: dict) -> dict:
+    """assign_routes' balance arguments from `rate_inputs`."""
+    return {"local_endpoints": balance["local"]["endpoints"], "local_latency_s": balance["local"]["latency_s"],
+            "overflow_latency_s": balance["overflow"]["latency_s"]}
+
+
+def _side_text(side: dict) -> str:
+    if "endpoints" in side:
+        return f"{side['endpoints']} x {side['in_flight_per_endpoint']} in flight at {side['latency_s']:g} s"
+    return f"{side['concurrency']} in flight at {side['latency_s']:g} s"
+
+
+def _estimate(run: Run, fmt, rows: list[dict], balance: dict) -> dict:
     """Upper bounds: every sample uses max_new_tokens; overflow priced at the configured rates."""
     s, price = run.config.generation.sampling, run.config.generation.overflow.price_usd_per_mtok
     prompt_tokens, n_prompt = {"local": 0, "overflow": 0}, []
@@ -88,22 +170,25 @@ def _estimate(run: Run, fmt, rows: list[dict]) -> dict:
         "prompt_tokens": sum(prompt_tokens.values()),
         "max_output_tokens": len(rows) * s.max_new_tokens + sum(r["route"] == "both" for r in rows) * s.max_new_tokens,
         "max_overflow_usd": round(min(usd, run.config.generation.overflow.max_usd), 6),
-        "strategies": _strategies(run, rows, sum(n_prompt)),
+        "strategies": _strategies(run, rows, sum(n_prompt), balance),
+        # where each side's rate came from: the previous run's manifest (named) or "config"
+        "rate_inputs": balance,
+        "rates_samples_per_s": {k: round(v, 6) for k, v in vars(rates(balance)).items()},
     }
 
 
-def _strategies(run: Run, rows: list[dict], prompt_tokens: int) -> dict:
+def _strategies(run: Run, rows: list[dict], prompt_tokens: int, balance: dict) -> dict:
     """Each routing strategy on this dataset's samples: counts per side, each side's finish time
     with both running at once, the wall time (the later side), and the overflow spend (upper
     bound: every answer max_new_tokens long, uncapped by max_usd). The rates come from the
-    routing config's observed latencies; the chosen strategy is marked."""
+    previous run's manifests or the routing config (`rate_inputs`); the chosen strategy is marked."""
     from eagle3_data.generation.balance import compare_strategies
 
     r, s = run.config.routing, run.config.generation.sampling
     price = run.config.generation.overflow.price_usd_per_mtok
     per_sample = ((prompt_tokens / len(rows) if rows else 0) * price.prompt + s.max_new_tokens * price.completion) / 1e6
     plans = compare_strategies(len(rows), overflow_fraction=r.overflow_fraction, local_capacity=r.local_capacity,
-                               calibration=r.calibration_samples, rates=rates(run), usd_per_overflow_sample=per_sample)
+                               calibration=r.calibration_samples, rates=rates(balance), usd_per_overflow_sample=per_sample)
     for name, plan in plans.items():
         plan["chosen"] = name == r.strategy
         plan["overflow_usd"] = round(plan["overflow_usd"], 6)

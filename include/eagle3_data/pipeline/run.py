@@ -95,7 +95,7 @@ def preflight(run: Run, store) -> None:
 def check_prompt_sources(run: Run, store) -> None:
     """A run without a logical date reads undated prompt files only: say so now, in the first
     task, rather than in every load_route after the tokenizer audit."""
-    from eagle3_data.prompts import _resolve
+    from eagle3_data.prompts import prompt_files
 
     if run.date is not None:
         return
@@ -103,7 +103,7 @@ def check_prompt_sources(run: Run, store) -> None:
     for name in run.datasets:
         source = run.config.dataset(name).prompts
         try:
-            _resolve(source, name, None, store.client)
+            prompt_files(source, name, client=store.client)
         except UserError as exc:
             problems.append(f"dataset {name}: {NO_DATE}, and {source} holds no undated prompt file for it ({exc})")
     if problems:

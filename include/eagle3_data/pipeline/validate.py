@@ -14,7 +14,8 @@ from eagle3_data.config import ValidationConfig
 from eagle3_data.errors import GateFailed
 from eagle3_data.pipeline.results import Gate, ValidateResult
 from eagle3_data.pipeline.reuse import reusable
-from eagle3_data.pipeline.run import Run, bulk_tokenizer_for, output_format, stage_ref, tokenizer_hashes
+from eagle3_data.pipeline.run import Run, bulk_tokenizer_for, log, output_format, stage_ref, tokenizer_hashes
+from eagle3_data.rejects import REJECTS_FILE
 from eagle3_data.stages import LOCAL, PROMPTS, RECONSTRUCT, VALIDATE
 
 VALIDATION_REPORT = "report.json"
@@ -104,6 +105,7 @@ def validate(run: Run, store, dataset: str, *, workers: int | None = None) -> Va
                     chunk = []
             if chunk:
                 w.write(validation_rows_table(chunk, dataset, run.config.generation.local.engine))
+            _write_rejects(store, ref, dataset, local, summary)
             local_report = summary.report()
             billing = compare_billed_counts(
                 (
@@ -126,12 +128,27 @@ def validate(run: Run, store, dataset: str, *, workers: int | None = None) -> Va
                                              sample_ids=both)
             store.put_json(ref, VALIDATION_REPORT, {**local_report, "dataset": dataset, "run_gate": gate, "calibration": calibration})
             store.put_json(ref, BILLING_REPORT, {**billing, "dataset": dataset})
-            manifest = w.commit(extra={"gate": gate, "counts": local_report["counts"]}, files=[VALIDATION_REPORT, BILLING_REPORT])
+            manifest = w.commit(extra={"gate": gate, "counts": local_report["counts"]},
+                                files=[VALIDATION_REPORT, BILLING_REPORT, REJECTS_FILE])
     uri = store.uri(ref, VALIDATION_REPORT)
     gate = _gate_from_manifest(manifest, uri)
     if not gate.passed:
         raise GateFailed(f"dataset {dataset}: validation gate failed: {'; '.join(gate.reasons)}; report: {uri}")
     return ValidateResult(uri=store.uri(ref), report_uri=uri, counts=manifest["extra"]["counts"], gate=gate)
+
+
+def _write_rejects(store, ref, dataset: str, local, summary) -> None:
+    """The local rows validation could not read (`BadRow`: row, field, reason) as `rejects.parquet`
+    beside the parts, logged per reason; rows in but none readable: fail, commit nothing."""
+    from eagle3_data.rejects import format_rejects, reject, rejects_parquet, require_accepted
+
+    source = store.uri(local)
+    rejects = [reject(dataset, source, int(b["row"].rsplit(" ", 1)[-1]) if b["row"].rsplit(" ", 1)[-1].isdigit() else 0,
+                      b["field"], b["error"], {"sample_id": b["sample_id"]}) for b in summary.bad_rows]
+    accepted = sum(summary.counts.values())
+    store.put_bytes(ref, REJECTS_FILE, rejects_parquet(rejects))
+    (log.warning if rejects else log.info)("%s", format_rejects(rejects, accepted + len(rejects), f"validate {dataset}"))
+    require_accepted(accepted, accepted + len(rejects), rejects, f"validate {dataset}", store.uri(ref, REJECTS_FILE))
 
 
 def run_datasets(run: Run, store) -> list[str]:

@@ -20,7 +20,10 @@ from datetime import datetime, timezone
 from typing import Any
 
 from eagle3_data.errors import UserError
-from eagle3_data.storage import ArtifactStore, StageRef
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # storage imports boto3 + pyarrow: the CLI's validate renders reports without them
+    from eagle3_data.storage import ArtifactStore, StageRef
 from eagle3_data.storage.refs import MissingBucket, StorageError, StorageUnavailable, check_name
 from eagle3_data import validate
 
@@ -46,6 +49,8 @@ def classes() -> tuple[str, ...]:
 # -- index ---------------------------------------------------------------------------------------
 def run_report_ref(run_key: str) -> StageRef:
     """Where the index lives: `runs/{run_key}/report/run/run_report.json`."""
+    from eagle3_data.storage import StageRef
+
     return StageRef(run_key, RUN_REPORT_STAGE, RUN_REPORT_DATASET)
 
 
@@ -104,6 +109,8 @@ def _check_index(index: Any, store: ArtifactStore, run_key: str) -> None:
 
 def _ref_of(store: ArtifactStore, uri: str, field_name: str) -> tuple[StageRef, str]:
     """The (StageRef, file name) of an artifact URI, refusing anything outside this store's runs/."""
+    from eagle3_data.storage import StageRef
+
     base = f"s3://{store.bucket}/{store.prefix + '/' if store.prefix else ''}runs/"
     match = re.fullmatch(re.escape(base) + r"([^/]+)/([^/]+)/([^/]+)/([^/]+)", uri or "")
     if not match:

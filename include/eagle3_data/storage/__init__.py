@@ -3,7 +3,6 @@
 See docs/storage.md for the layout and the commit protocol.
 """
 
-from eagle3_data.storage.client import s3_client
 from eagle3_data.storage.refs import (
     CorruptArtifact,
     IncompleteStage,
@@ -13,9 +12,21 @@ from eagle3_data.storage.refs import (
     StorageUnavailable,
     check_name,
 )
-from eagle3_data.storage.lease import LeaseLost, StageBusy
-from eagle3_data.storage.store import ArtifactStore, canonical_json, code_version, manifest_hash
-from eagle3_data.storage.writer import StageWriter
+
+# Loaded on first use (PEP 562): they import boto3 and pyarrow (~1-2 s of start-up CPU), which
+# the refs and errors above do not need; `eagle3-data validate` renders reports with those alone.
+_LAZY = {"s3_client": "client", "LeaseLost": "lease", "StageBusy": "lease", "ArtifactStore": "store",
+         "canonical_json": "store", "code_version": "store", "manifest_hash": "store", "StageWriter": "writer"}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    globals()[name] = value
+    return value
 
 __all__ = [
     "ArtifactStore",

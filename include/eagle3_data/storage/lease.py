@@ -9,7 +9,12 @@ would both pay for every sample and overwrite each other's parts. So a writer fi
 - renew (heartbeat, every `ttl_s / 4`) and release with `If-Match: <etag of our last write>`: a
   writer whose lease was taken over learns it on its next renewal and stops before writing more;
 - an expired or released lease is taken over with `If-Match: <etag we read>`, so of two writers
-  racing for a dead holder's lease, one wins.
+  racing for a dead holder's lease, one wins (the server checks the etag and writes as one step:
+  AWS S3 since 2024-11, SeaweedFS under its per-object write lock; 16 racing overwrites are tested).
+
+A holder on this host whose process is gone is taken over at once. Threads of one process share a
+pid, so for them "dead" means "token not registered live here": a writer registers its token
+before its first PUT, or a racing thread could read its fresh record, judge it dead and take over.
 
 Expiry is judged on the S3 server's clock (the lease object's Last-Modified against the Date of
 the response that read it), never by comparing the clocks of two workers.
@@ -76,8 +81,10 @@ def _server_now(response: dict) -> datetime:
 class Lease:
     """A held lease. Use `acquire_lease(...)`; `check()` before every write, `release()` at the end."""
 
-    def __init__(self, store, ref: StageRef, owner: str, token: str, ttl_s: float, etag: str, took_over: dict | None):
+    def __init__(self, store, ref: StageRef, owner: str, token: str, ttl_s: float, etag: str, took_over: dict | None,
+                 scope: str | None = None):
         self.store, self.ref, self.owner, self.token, self.ttl_s = store, ref, owner, token, ttl_s
+        self.scope = scope  # None: the whole stage; else one unit of it (a shard), leased on its own
         self.etag = etag
         self.took_over = took_over  # the expired holder's record when this lease was taken over
         self._renewed = time.monotonic()
@@ -87,8 +94,17 @@ class Lease:
         self._thread: threading.Thread | None = None
 
     @property
+    def name(self) -> str:
+        return lease_name(self.scope)
+
+    @property
     def key(self) -> str:
-        return self.store.key(self.ref, LEASE)
+        return self.store.key(self.ref, self.name)
+
+    @property
+    def subject(self) -> str:
+        """What is leased, for messages: the stage URI, plus the unit for a scoped lease."""
+        return self.store.uri(self.ref) + (f" (shard {self.scope})" if self.scope else "")
 
     def _body(self, state: str) -> bytes:
         now = datetime.now(timezone.utc)
@@ -104,12 +120,12 @@ class Lease:
             if self._lost:
                 raise LeaseLost(self._lost)
             try:
-                with s3_errors(self.store.client, f"renewing the lease {self.store.uri(self.ref, LEASE)}"):
+                with s3_errors(self.store.client, f"renewing the lease {self.store.uri(self.ref, self.name)}"):
                     resp = self.store.client.put_object(Bucket=self.store.bucket, Key=self.key, Body=self._body(state),
                                                         IfMatch=self.etag, ContentType="application/json")
             except ClientError as exc:
                 if _code(exc) in _CONFLICT:
-                    self._lost = (f"{self.store.uri(self.ref)}: this writer's lease was taken over by another writer "
+                    self._lost = (f"{self.subject}: this writer's lease was taken over by another writer "
                                   f"(it expired: no heartbeat for {self.ttl_s:.0f} s); stopped before writing more")
                     raise LeaseLost(self._lost) from None
                 raise
@@ -154,7 +170,7 @@ class Lease:
             self._put("released")
         except Exception as exc:
             log.warning("could not release the lease %s (%s); it expires in %.0f s",
-                        self.store.uri(self.ref, LEASE), exc, self.ttl_s)
+                        self.store.uri(self.ref, self.name), exc, self.ttl_s)
         self._lost = "released"
 
     def __enter__(self) -> Lease:
@@ -180,14 +196,42 @@ def _holder_dead(holder: dict) -> bool:
     return False
 
 
+def lease_name(scope: str | None = None) -> str:
+    """The lease object's name in the stage: `_lease.json`, or `_lease.{scope}.json` for one unit
+    (a hidden-state shard: parallel workers on one stage lease their shards, not the stage)."""
+    return LEASE if scope is None else f"_lease.{scope}.json"
+
+
+def is_lease(name: str) -> bool:
+    """A lease object (stage or scoped): not an artifact; `delete` keeps it, listings skip it."""
+    return name.startswith("_lease") and name.endswith(".json")
+
+
 def acquire_lease(store, ref: StageRef, *, ttl_s: float = DEFAULT_TTL_S, owner: str | None = None,
-                  heartbeat: bool = True) -> Lease:
-    """Take the stage's lease or raise StageBusy naming the holder and when its lease expires."""
+                  heartbeat: bool = True, scope: str | None = None) -> Lease:
+    """Take the stage's lease (or, with `scope`, the lease of one unit of it) or raise StageBusy
+    naming the holder and when its lease expires."""
     owner = owner or default_owner()
     token = uuid.uuid4().hex
-    lease = Lease(store, ref, owner, token, ttl_s, etag="", took_over=None)
+    lease = Lease(store, ref, owner, token, ttl_s, etag="", took_over=None, scope=scope)
     client, bucket, key = store.client, store.bucket, lease.key
-    uri = store.uri(ref, LEASE)
+    uri = store.uri(ref, lease.name)
+    store.check_bucket()  # SeaweedFS creates a missing bucket on PUT (AWS refuses): a lease must not do a setup step
+    # Live before any write that could make us the holder: a thread of this process that reads our
+    # record between our PUT and our return must see a live holder, not a dead pid-twin to take over.
+    _LIVE_TOKENS.add(token)
+    try:
+        _acquire(lease, client, bucket, key, uri, ttl_s)
+    except BaseException:
+        _LIVE_TOKENS.discard(token)
+        raise
+    if heartbeat:
+        lease.start_heartbeat()
+    return lease
+
+
+def _acquire(lease: Lease, client, bucket: str, key: str, uri: str, ttl_s: float) -> None:
+    """Create the lease object, or take over an expired/released/dead holder's with If-Match."""
     for _ in range(5):  # create; or read the holder and take over if expired; a lost race reads again
         with s3_errors(client, f"taking the lease {uri}"):
             try:
@@ -205,16 +249,7 @@ def acquire_lease(store, ref: StageRef, *, ttl_s: float = DEFAULT_TTL_S, owner: 
                     continue  # released and deleted in between: try to create again
                 raise
             holder = json.loads(current["Body"].read() or b"{}")
-            now = _server_now(current)
-            expires = current["LastModified"] + timedelta(seconds=float(holder.get("ttl_s", ttl_s)))
-            if holder.get("state") != "released" and now < expires and not _holder_dead(holder):
-                left = (expires - now).total_seconds()
-                raise StageBusy(
-                    f"{store.uri(ref)} is being written by {holder.get('owner', '?')} (lease "
-                    f"{holder.get('token', '?')[:8]}, last heartbeat {holder.get('heartbeat_at', '?')}, expires "
-                    f"{expires.isoformat(timespec='seconds')}, in {left:.0f} s): refusing a second writer, nothing was "
-                    f"requested or written. Wait for it to finish; if that process is dead, retry after the expiry"
-                )
+            _refuse_if_live(lease.subject, holder, current, ttl_s)
             try:
                 resp = client.put_object(Bucket=bucket, Key=key, Body=lease._body("held"), IfMatch=current["ETag"],
                                          ContentType="application/json")
@@ -226,11 +261,36 @@ def acquire_lease(store, ref: StageRef, *, ttl_s: float = DEFAULT_TTL_S, owner: 
             if holder.get("state") != "released":
                 lease.took_over = holder
                 log.warning("%s: took over the expired lease of %s (last heartbeat %s); committed parts are re-verified",
-                            store.uri(ref), holder.get("owner"), holder.get("heartbeat_at"))
+                            lease.subject, holder.get("owner"), holder.get("heartbeat_at"))
             break
     else:
-        raise StageBusy(f"{store.uri(ref)}: could not take the lease after 5 tries (other writers keep taking it)")
-    _LIVE_TOKENS.add(token)
-    if heartbeat:
-        lease.start_heartbeat()
-    return lease
+        raise StageBusy(f"{lease.subject}: could not take the lease after 5 tries (other writers keep taking it)")
+
+
+def _refuse_if_live(subject: str, holder: dict, current: dict, ttl_s: float) -> None:
+    """StageBusy naming the holder and its expiry, unless its lease is released, expired or dead."""
+    now = _server_now(current)
+    expires = current["LastModified"] + timedelta(seconds=float(holder.get("ttl_s", ttl_s)))
+    if holder.get("state") != "released" and now < expires and not _holder_dead(holder):
+        left = (expires - now).total_seconds()
+        raise StageBusy(
+            f"{subject} is being written by {holder.get('owner', '?')} (lease "
+            f"{holder.get('token', '?')[:8]}, last heartbeat {holder.get('heartbeat_at', '?')}, expires "
+            f"{expires.isoformat(timespec='seconds')}, in {left:.0f} s): refusing a second writer, nothing was "
+            f"requested or written. Wait for it to finish; if that process is dead, retry after the expiry"
+        )
+
+
+def refuse_if_busy(store, ref: StageRef, *, ttl_s: float = DEFAULT_TTL_S) -> None:
+    """Fail fast, before a command spends seconds loading its tokenizer, when a live writer holds
+    the stage's lease. Only an early refusal: what excludes a second writer is `acquire_lease`,
+    which the stage's writer still takes (a writer that starts after this check is caught there)."""
+    uri = store.uri(ref, LEASE)
+    with s3_errors(store.client, f"reading the lease {uri}"):
+        try:
+            current = store.client.get_object(Bucket=store.bucket, Key=store.key(ref, LEASE))
+        except ClientError as exc:
+            if _code(exc) in ("NoSuchKey", "404", "NotFound"):
+                return
+            raise
+    _refuse_if_live(store.uri(ref), json.loads(current["Body"].read() or b"{}"), current, ttl_s)

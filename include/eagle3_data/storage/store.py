@@ -172,12 +172,14 @@ class ArtifactStore:
         log.info("created bucket %s", self.bucket)
         return True
 
-    def lease(self, ref: StageRef, ttl_s: float | None = None):
+    def lease(self, ref: StageRef, ttl_s: float | None = None, *, scope: str | None = None):
         """The stage's write lease (one writer per stage), for stages written without `writer()`
-        (file stages): `with store.lease(ref): ...`. StageBusy names the holder."""
+        (file stages): `with store.lease(ref): ...`. `scope` leases one unit of the stage instead
+        (a hidden-state shard), so parallel workers on different units do not block each other.
+        StageBusy names the holder."""
         from eagle3_data.storage.lease import DEFAULT_TTL_S, acquire_lease
 
-        return acquire_lease(self, ref, ttl_s=ttl_s or DEFAULT_TTL_S)
+        return acquire_lease(self, ref, ttl_s=ttl_s or DEFAULT_TTL_S, scope=scope)
 
     def _put_bytes(self, key: str, data: bytes, sha256: str | None = None, content_type: str = "application/octet-stream") -> None:
         extra: dict[str, Any] = {"ContentType": content_type}
@@ -313,7 +315,9 @@ class ArtifactStore:
         lease object stays: take it with `lease(ref)` around this to keep writers out)."""
         self.invalidate(ref)
         base = self.key(ref)
-        objects = [o["Key"] for o in self._list(base) if o["Key"] != base + "_lease.json"]
+        from eagle3_data.storage.lease import is_lease
+
+        objects = [o["Key"] for o in self._list(base) if not is_lease(o["Key"][len(base):])]
         self._delete(sorted(objects, key=lambda k: not k.startswith(base + PROGRESS)))
 
     def input_record(self, ref: StageRef) -> dict:
@@ -486,6 +490,29 @@ class ArtifactStore:
                             check_part_schema(f, schema, label)
                 except CorruptArtifact as exc:
                     problems.append(str(exc))
+        return problems
+
+    def quick_check(self, ref: StageRef, manifest: dict | None = None) -> list[str]:
+        """A complete stage's cheap re-verification before it is reused: one LIST of the stage (no
+        download) says whether every part and file the manifest names is still there with the
+        recorded size and unchanged since the manifest was written (Last-Modified no later than the
+        manifest's: parts are written before their manifest, and any rewrite of a part after the
+        commit gives it a later one). One line per problem, naming the part; empty: sound. A
+        same-size rewrite within the manifest's second escapes it: `verify` (sha256) is the full check."""
+        manifest = manifest if manifest is not None else self.read_manifest(ref)
+        base = self.key(ref)
+        objects = {o["Key"][len(base):]: o for o in self._list(base)}
+        committed = objects.get(MANIFEST, {}).get("LastModified")
+        problems = []
+        for item in [*manifest.get("parts", []), *manifest.get("files", [])]:
+            label, obj = self.uri(ref, item["name"]), objects.get(item["name"])
+            if obj is None:
+                problems.append(f"{label} is listed in the manifest but missing from S3")
+            elif obj["Size"] != item["bytes"]:
+                problems.append(f"{label} has {obj['Size']} bytes, the manifest says {item['bytes']}")
+            elif committed is not None and obj["LastModified"] > committed:
+                problems.append(f"{label} was rewritten at {obj['LastModified'].isoformat(timespec='seconds')}, "
+                                f"after the manifest ({committed.isoformat(timespec='seconds')})")
         return problems
 
     def stages(self, run_key: str) -> list[StageRef]:

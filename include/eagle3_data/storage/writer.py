@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 
 from eagle3_data.errors import UserError
 from eagle3_data.schemas import schema_for
-from eagle3_data.storage.lease import DEFAULT_TTL_S, LEASE, Lease, acquire_lease
+from eagle3_data.storage.lease import DEFAULT_TTL_S, Lease, acquire_lease, is_lease
 from eagle3_data.storage.refs import CorruptArtifact, StageRef, part_name, part_number
 from eagle3_data.storage.store import PROGRESS, ArtifactStore, canonical_json, check_part_schema
 
@@ -206,7 +206,7 @@ class StageWriter:
     def _discard_everything(self) -> None:
         """Progress records first, so a kill midway leaves nothing a resume would count."""
         base = self.store.key(self.ref)
-        keys = [o["Key"] for o in self.store._list(base) if o["Key"] != base + LEASE]
+        keys = [o["Key"] for o in self.store._list(base) if not is_lease(o["Key"][len(base):])]
         progress = [k for k in keys if k.startswith(base + PROGRESS + "/")]
         self.store._delete(progress)
         self.store._delete(k for k in keys if k not in set(progress))

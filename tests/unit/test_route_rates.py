@@ -1,0 +1,63 @@
+"""`balanced` routing and the dry-run plan take each side's rate from the previous run's
+generation manifests of the dataset (observed latency, in flight) when there are any, else from
+the config, and say which."""
+
+from __future__ import annotations
+
+import json
+
+from eagle3_data.config import load_config
+from eagle3_data.storage import StageRef
+
+SIDES = {"generate_local": ("local", {"latency_s_mean": 2.0, "in_flight": {"http://a": 8, "http://b": 8}}),
+         "generate_overflow": ("overflow", {"latency_s_mean": 1.0, "concurrency": 99})}
+
+
+def commit(store, ref, extra):
+    with store.writer(ref, "generations", rows_per_part=1, tokenizer_sha256="t", template_sha256="t") as w:
+        w.commit(extra=extra)
+
+
+def config(tmp_path, kimi_tokenizer_dir):
+    prompts = tmp_path / "chat.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"question {i}"}]}) + "\n" for i in range(40)))
+    return load_config().with_overrides({
+        "tokenizer": {"source": str(kimi_tokenizer_dir)}, "datasets": [{"name": "chat", "prompts": str(prompts)}],
+        "generation": {"local": {"in_flight_per_endpoint": 4}, "overflow": {"concurrency": 12}},
+        "routing": {"strategy": "balanced", "calibration_samples": 2, "local_endpoints": 2,
+                    "local_latency_s": 8.0, "overflow_latency_s": 4.0}}, where="test")
+
+
+def test_balanced_routing_and_the_plan_use_the_previous_runs_manifests(store, kimi_tokenizer_dir, tmp_path):
+    from eagle3_data import pipeline
+    from eagle3_data.pipeline.run import Run
+
+    cfg = config(tmp_path, kimi_tokenizer_dir)
+    first = pipeline.load_route(Run(config=cfg, run_key="plan-0", date=None, datasets=["chat"], dry_run=True,
+                                    skip_hidden_states=False), store, "chat").plan["estimate"]
+    assert {side["source"] for side in first["rate_inputs"].values()} == {"config"}  # no previous run yet
+    # config: local 2 x 4 / 8 s = 1 sample/s, overflow 12 / 4 s = 3/s -> (40 + 2) / 4 = 10.5 local
+    assert first["strategies"]["balanced"]["local"] in (10, 11)
+
+    for stage, (_, extra) in SIDES.items():
+        commit(store, StageRef("old-format", stage, "chat"), {"endpoints": 2})  # no latency recorded: skipped
+        commit(store, StageRef("previous", stage, "chat"), extra)
+        commit(store, StageRef("other-dataset", stage, "code"), {**extra, "latency_s_mean": 100.0})
+    plan_run = Run(config=cfg, run_key="plan-1", date=None, datasets=["chat"], dry_run=True, skip_hidden_states=False)
+    estimate = pipeline.load_route(plan_run, store, "chat").plan["estimate"]
+    inputs = estimate["rate_inputs"]
+    for stage, (side, _) in SIDES.items():
+        assert inputs[side]["source"] == store.uri(StageRef("previous", stage, "chat"))
+    assert inputs["local"] == {**inputs["local"], "endpoints": 2, "in_flight_per_endpoint": 8, "latency_s": 2.0}
+    # this run's concurrency over the previous run's latency (not its concurrency of 99)
+    assert inputs["overflow"] == {**inputs["overflow"], "concurrency": 12, "latency_s": 1.0}
+    assert estimate["rates_samples_per_s"] == {"local": 8.0, "overflow": 12.0}
+    bal = estimate["strategies"]["balanced"]
+    assert bal["local"] in (16, 17) and abs(bal["local_s"] - bal["overflow_s"]) <= 1 / 8  # (40 + 2) x 8 / 20
+
+    # a real (not dry) run routes by the same inputs and records them with the prompts stage
+    run = Run(config=cfg, run_key="real", date=None, datasets=["chat"], dry_run=False, skip_hidden_states=False)
+    counts = pipeline.load_route(run, store, "chat").counts
+    assert counts.get("local", 0) + counts.get("both", 0) == bal["local"]
+    routing = store.read_manifest(pipeline.stage_ref(run, "prompts", "chat"))["params"]["routing"]
+    assert routing["balance_inputs"]["local"]["source"] == inputs["local"]["source"]
