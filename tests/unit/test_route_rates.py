@@ -61,3 +61,18 @@ def test_balanced_routing_and_the_plan_use_the_previous_runs_manifests(store, ki
     assert counts.get("local", 0) + counts.get("both", 0) == bal["local"]
     routing = store.read_manifest(pipeline.stage_ref(run, "prompts", "chat"))["params"]["routing"]
     assert routing["balance_inputs"]["local"]["source"] == inputs["local"]["source"]
+    prompts_ref = pipeline.stage_ref(run, "prompts", "chat")
+    first_manifest = store.read_manifest(prompts_ref)
+
+    # a later run commits with other latencies; rerunning "real" (a clear, a backfill's
+    # reprocessing) must route as its first attempt did: same prompts stage, nothing to pay again
+    for stage, (_, extra) in SIDES.items():
+        commit(store, StageRef("later", stage, "chat"), {**extra, "latency_s_mean": 0.05})
+    assert pipeline.load_route(run, store, "chat").counts == counts
+    assert store.read_manifest(prompts_ref) == first_manifest
+    # a new run key takes the newest observations
+    run2 = Run(config=cfg, run_key="real-2", date=None, datasets=["chat"], dry_run=False, skip_hidden_states=False)
+    fresh = pipeline.load_route(run2, store, "chat").counts
+    routing = store.read_manifest(pipeline.stage_ref(run2, "prompts", "chat"))["params"]["routing"]
+    assert routing["balance_inputs"]["local"]["source"] == store.uri(StageRef("later", "generate_local", "chat"))
+    assert fresh != counts  # local is 40x faster now: more samples go local

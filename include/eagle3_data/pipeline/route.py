@@ -78,6 +78,19 @@ def previous_generation(store, run_key: str, stage: str, dataset: str) -> tuple[
     return None
 
 
+def recorded_balance(store, ref) -> dict | None:
+    """The balance inputs this run's committed prompts stage was routed with, if any.
+
+    A run's routes are decided once. Recomputed on a rerun or a backfill's reprocessing, they
+    would come from whatever run committed since (`previous_generation` takes the newest): other
+    routes, a rewritten prompts stage, and every generation stage after it invalidated and paid
+    for again. So a rerun keeps the inputs its first attempt recorded; a new run key (or a
+    discarded prompts stage) takes fresh ones."""
+    if not store.is_complete(ref):
+        return None
+    return ((store.read_manifest(ref).get("params") or {}).get("routing") or {}).get("balance_inputs")
+
+
 def rates(inputs: dict):
     """Samples/s of each side (generation.balance.side_rates) from `rate_inputs`."""
     from eagle3_data.generation.balance import side_rates
@@ -100,7 +113,11 @@ def load_route(run: Run, store, dataset: str) -> RouteResult:
     limit_prompt_tokens(loaded, limit, lambda messages, tools: len(fmt.generation_prompt_ids(messages, tools)))
     log.info("dataset %s: %s", dataset, format_rejects(loaded))
     rc = run.config.routing
-    balance = rate_inputs(run, store, dataset) if rc.strategy == "balanced" or run.dry_run else None
+    balance = None
+    if rc.strategy == "balanced" and not run.dry_run:
+        balance = recorded_balance(store, stage_ref(run, PROMPTS, dataset))
+    if balance is None and (rc.strategy == "balanced" or run.dry_run):
+        balance = rate_inputs(run, store, dataset)
     # the balance inputs are recorded only when they decide the routes (rows_sha256 covers the routes)
     routing = rc.model_dump(exclude=None if rc.strategy == "balanced" else set(BALANCE_FIELDS))
     if rc.strategy == "balanced":
