@@ -7,6 +7,8 @@ order so machine-load drift hits every variant:
   stage       `generate_overflow` end to end as shipped (`openrouter.SdkPost`: SDK-built client,
               auth and errors over aiohttp; retries, budget, journal, S3 checkpoints; uvloop)
   stage-asyncio  the same on the stdlib event loop
+  stage-gc    the same with the interpreter's default garbage-collection thresholds (the stage
+              raises them while it runs: `openrouter.fewer_gc_pauses`)
   sdk-post    the same stage, requests sent through the SDK's generic `AsyncOpenAI.post` over its
               `DefaultAioHttpClient` transport, stdlib loop (what the stage did before)
 Each line: req/s, fraction of ideal, fraction of the bare baseline of that round, and CPU ms per
@@ -15,13 +17,14 @@ figures. `--server minimal` swaps the dev server for `MinimalChatServer` (canned
 less server CPU per request) to measure the client where the dev server is the limit.
 
     .venv/bin/python benchmarks/overflow_client.py [--concurrency 256] [--latency 0.5] [--requests 4096]
-        [--rounds 3] [--variants bare stage sdk-post] [--server dev|minimal]
+        [--rounds 3] [--variants bare stage stage-gc sdk-post] [--server dev|minimal]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import resource
@@ -87,8 +90,8 @@ def main() -> None:
     ap.add_argument("--latency", type=float, default=0.5)
     ap.add_argument("--requests", type=int, default=4096)
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--variants", nargs="+", default=["bare", "stage", "stage-asyncio", "sdk-post"],
-                    choices=["bare", "stage", "stage-asyncio", "sdk-post"])
+    ap.add_argument("--variants", nargs="+", default=["bare", "stage", "stage-gc", "stage-asyncio", "sdk-post"],
+                    choices=["bare", "stage", "stage-gc", "stage-asyncio", "sdk-post"])
     ap.add_argument("--server", choices=["dev", "minimal"], default="dev")
     args = ap.parse_args()
 
@@ -135,11 +138,13 @@ def main() -> None:
                     if v == "bare":
                         seconds = asyncio.run(bare_client(server.url, rows, C))
                     else:
-                        saved_post, saved_run = openrouter.SdkPost, openrouter.run_event_loop
+                        saved = openrouter.SdkPost, openrouter.run_event_loop, openrouter.fewer_gc_pauses
                         if v == "sdk-post":
                             openrouter.SdkPost = SdkGenericPost
                         if v in ("sdk-post", "stage-asyncio"):
                             openrouter.run_event_loop = asyncio.run
+                        if v == "stage-gc":
+                            openrouter.fewer_gc_pauses = contextlib.nullcontext
                         ref = StageRef(run_key=f"bench-{r}", stage="generate_overflow", dataset=v)
                         t = time.perf_counter()
                         try:
@@ -148,7 +153,7 @@ def main() -> None:
                                 sampling={"max_new_tokens": 256, "thinking": True}, concurrency=C, rows_per_part=256,
                                 journal_dir=Path(tmp) / "journal")
                         finally:
-                            openrouter.SdkPost, openrouter.run_event_loop = saved_post, saved_run
+                            openrouter.SdkPost, openrouter.run_event_loop, openrouter.fewer_gc_pauses = saved
                         seconds = time.perf_counter() - t
                         assert summary["complete"] and summary["counts"]["ok"] == N, summary
                     rps = N / seconds

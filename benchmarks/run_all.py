@@ -38,6 +38,7 @@ BENCHMARKS: dict[str, tuple[str, list[str], list[str], Path | None]] = {
     "overflow_client": ("overflow_client.py", ["--requests", "1024"], [], None),
     "merge_memory": ("merge_memory.py", ["--sizes", "500x1195", "2000x1195"], ["--full"], None),
     "scale": ("scale.py", ["--sizes", "100", "400", "--shard-tokens", "65536"], ["--full"], None),
+    "prompt_memory": ("prompt_memory.py", ["--sizes", "200", "800"], ["--sizes", "1000", "8000", "16000"], None),
     "stage_startup": ("stage_startup.py", ["--repeats", "2"], [], None),
     # vLLM's own venv (make vllm-venv); the full gpu_extract wants a GPU (benchmarks/gpu_extract.sh)
     "vllm_extract": ("vllm_extract.py", ["--samples", "16", "--repeats", "1"], [], REPO / ".venv-vllm" / ".installed"),

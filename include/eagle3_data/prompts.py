@@ -19,12 +19,16 @@ import hashlib
 import io
 import json
 import re
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+
 from eagle3_data.errors import UserError
+from eagle3_data.spill import RowSpill
 from eagle3_data.storage import StageRef, canonical_json, check_name
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -34,13 +38,35 @@ _DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
 _RAW_LIMIT = 2000
 
 
+# What a load spills per accepted row: the prompts stage's columns, and where the row came from
+# (file, line, raw text) for a reject that only the token limit finds, after the load.
+_ORIGIN_COLUMNS = [("source", pa.string()), ("line", pa.int64()), ("raw", pa.string())]
+
+
+class PromptRows(RowSpill):
+    """A load's accepted rows (schemas.PROMPTS shape; `route` left None for the router), spilled
+    to a local file with their origin (file, line, raw text): only their count stays in memory.
+    Iterating yields PROMPTS row dicts; `batches()` Arrow batches of the PROMPTS columns."""
+
+    def __init__(self) -> None:
+        from eagle3_data.schemas import PROMPTS
+
+        super().__init__(pa.schema([*PROMPTS, *_ORIGIN_COLUMNS]))
+        self.columns = PROMPTS.names
+
+    def batches(self, columns: list[str] | None = None):
+        return super().batches(self.columns if columns is None else columns)
+
+    def __iter__(self) -> Iterator[dict]:
+        return self.rows()
+
+
 @dataclass
 class PromptLoad:
-    rows: list[dict]  # schemas.PROMPTS shape; `route` left None for the router
+    rows: PromptRows
     rejects: list[dict]  # schemas.REJECTS shape
     sources: list[dict] = field(default_factory=list)  # {"uri", "bytes", "sha256"}: manifest inputs
     counts: dict[str, int] = field(default_factory=dict)
-    origins: dict[str, tuple[str, int, str]] = field(default_factory=dict, repr=False)  # sample_id -> (file, line, raw)
 
 
 class _Reject(Exception):
@@ -72,14 +98,16 @@ def load_prompts(
     `client`: the caller's S3 client, required for an s3:// source (Airflow passes aws_default's).
     A message whose canonical JSON is over `max_message_bytes` bytes (config
     limits.max_message_bytes) is rejected; the token limit needs the tokenizer and is applied
-    after, by `limit_prompt_tokens`, so bad files fail before the tokenizer loads."""
+    after, by `limit_prompt_tokens`, so bad files fail before the tokenizer loads.
+    Files are read a line (a Parquet batch) at a time and the accepted rows spilled to a local
+    file (`PromptRows`), so memory does not grow with the number of prompts."""
     check_name(dataset, "dataset")
     if date is not None and not _DATE.fullmatch(date):
         raise UserError(f"invalid date {date!r}: expected YYYY-MM-DD")
     if repeats < 1:
         raise UserError(f"repeats must be >= 1, got {repeats}")
     files = _resolve(source, dataset, date, client)
-    load = PromptLoad(rows=[], rejects=[], counts={"read": 0, "rejected": 0, "duplicates": 0, "ignored_fields": 0})
+    load = PromptLoad(rows=PromptRows(), rejects=[], counts={"read": 0, "rejected": 0, "duplicates": 0, "ignored_fields": 0})
     seen: set[str] = set()
     ordinal = 0
     for f in files:
@@ -107,21 +135,24 @@ def load_prompts(
                 )
                 continue
             load.counts["ignored_fields"] += ignored
+            messages_json, tools_json = canonical_json(messages), canonical_json(tools) if tools else None
             for r in range(repeats):
                 sid = sample_id(dataset, messages, tools, sampling, r)
                 if sid in seen:
                     load.counts["duplicates"] += 1
                     continue
                 seen.add(sid)
-                load.origins[sid] = (f.uri, line, raw[:_RAW_LIMIT])
                 load.rows.append(
                     {
                         "sample_id": sid,
                         "dataset": dataset,
                         "sample_index": ordinal * repeats + r,
-                        "messages": canonical_json(messages),
-                        "tools": canonical_json(tools) if tools else None,
+                        "messages": messages_json,
+                        "tools": tools_json,
                         "route": None,
+                        "source": f.uri,
+                        "line": line,
+                        "raw": raw[:_RAW_LIMIT],
                     }
                 )
             ordinal += 1
@@ -137,7 +168,8 @@ def write_prompt_load(store, ref: StageRef, load: PromptLoad, *, params: dict | 
     data = rejects_parquet(load)
     with store.writer(ref, "prompts", rows_per_part=rows_per_part, params=params, inputs=load.sources) as w:
         store.put_bytes(ref, "rejects.parquet", data)
-        w.write(load.rows)
+        for batch in load.rows.batches():
+            w.write(pa.Table.from_batches([batch]))
         return w.commit(extra={"counts": dict(load.counts)}, files=["rejects.parquet"])
 
 
@@ -153,28 +185,31 @@ def limit_prompt_tokens(load: PromptLoad, max_tokens: int | None,
                         count_tokens: Callable[[list[dict], list[dict] | None], int]) -> None:
     """Move the rows whose prompt is over `max_tokens` tokens (as `count_tokens(messages, tools)`
     renders it: the chat template's generation prompt) to the rejects, before any request. A
-    prompt the template cannot render is rejected too. Repeats of one prompt are counted once."""
+    prompt the template cannot render is rejected too. Repeats of one prompt (adjacent rows: the
+    same prompt on another line is a duplicate sample, dropped by the load) are counted once."""
     if max_tokens is None:
         return
-    keep, verdicts = [], {}
-    for row in load.rows:
-        key = (row["messages"], row["tools"])
-        if key not in verdicts:
-            try:
-                n = count_tokens(json.loads(row["messages"]), json.loads(row["tools"]) if row["tools"] else None)
-                verdicts[key] = None if n <= max_tokens else f"{n} prompt tokens, over the limit of {max_tokens} (limits.max_prompt_tokens)"
-            except Exception as exc:  # the chat template refuses this conversation
-                verdicts[key] = f"the chat template cannot render it: {str(exc)[:200]}"
-        if verdicts[key] is None:
-            keep.append(row)
-            continue
-        uri, line, raw = load.origins.get(row["sample_id"], ("?", 0, ""))
-        if not any(r["source"] == uri and r["line"] == line for r in load.rejects[-1:]):  # repeats: one reject per line
-            load.rejects.append({"dataset": row["dataset"], "source": uri, "line": line, "field": "messages",
-                                 "reason": f"{uri} line {line}: messages: {verdicts[key]}", "raw": raw})
-            load.counts["rejected"] = load.counts.get("rejected", 0) + 1
-    load.rows = keep
-    load.counts["rows"] = len(keep)
+    last, verdict, dropped = None, None, []
+    for batch in load.rows.batches(["sample_id", "dataset", "messages", "tools", "source", "line", "raw"]):
+        for row in batch.to_pylist():
+            key = (row["messages"], row["tools"])
+            if key != last:
+                last = key
+                try:
+                    n = count_tokens(json.loads(row["messages"]), json.loads(row["tools"]) if row["tools"] else None)
+                    verdict = None if n <= max_tokens else f"{n} prompt tokens, over the limit of {max_tokens} (limits.max_prompt_tokens)"
+                except Exception as exc:  # the chat template refuses this conversation
+                    verdict = f"the chat template cannot render it: {str(exc)[:200]}"
+            if verdict is None:
+                continue
+            dropped.append(row["sample_id"])
+            uri, line = row["source"], row["line"]
+            if not any(r["source"] == uri and r["line"] == line for r in load.rejects[-1:]):  # repeats: one reject per line
+                load.rejects.append({"dataset": row["dataset"], "source": uri, "line": line, "field": "messages",
+                                     "reason": f"{uri} line {line}: messages: {verdict}", "raw": row["raw"]})
+                load.counts["rejected"] = load.counts.get("rejected", 0) + 1
+    load.rows.drop(dropped)
+    load.counts["rows"] = len(load.rows)
 
 
 def reject_groups(rejects: list[dict]) -> dict[str, list[dict]]:
@@ -445,40 +480,52 @@ def _resolve_s3(source: str, dataset: str, date: str | None, client) -> list[_Fi
 
 
 def _read_records(f: _File, client, digest) -> Iterator[tuple[int, str, Any]]:
-    """(line number, raw text, parsed object or None) per row; feeds `digest` with the file's bytes."""
-    data = _read_bytes(f, client)
-    digest.update(data)
-    if f.uri.endswith(".parquet"):
-        import pyarrow.parquet as pq
+    """(line number, raw text, parsed object or None) per row, a line (a Parquet batch) at a time;
+    feeds `digest` with the file's bytes."""
+    with _open(f, client) as fh:
+        if f.uri.endswith(".parquet"):
+            import pyarrow.parquet as pq
 
-        try:
-            pf = pq.ParquetFile(io.BytesIO(data))
-        except Exception as exc:
-            raise UserError(f"{f.uri}: not a readable Parquet file ({exc})") from None
-        line = 0
-        for batch in pf.iter_batches(batch_size=1024):
-            for row in batch.to_pylist():
-                line += 1
-                yield line, json.dumps(row, ensure_ascii=False, default=str), row
-        return
-    for line, raw_bytes in enumerate(data.split(b"\n"), start=1):
-        try:
-            raw = raw_bytes.decode("utf-8")
-        except UnicodeDecodeError as exc:  # rejected, never "repaired" to U+FFFD and paid for
-            yield line, raw_bytes.decode("utf-8", errors="replace"), _Reject("", f"invalid UTF-8 at byte {exc.start} of the line")
-            continue
-        if not raw.strip():
-            continue
-        try:
-            yield line, raw, json.loads(raw)
-        except ValueError:
-            yield line, raw, None
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(chunk)
+            fh.seek(0)
+            try:
+                pf = pq.ParquetFile(fh)
+            except Exception as exc:
+                raise UserError(f"{f.uri}: not a readable Parquet file ({exc})") from None
+            line = 0
+            for batch in pf.iter_batches(batch_size=1024):
+                for row in batch.to_pylist():
+                    line += 1
+                    yield line, json.dumps(row, ensure_ascii=False, default=str), row
+            return
+        for line, raw_bytes in enumerate(fh, start=1):
+            digest.update(raw_bytes)
+            raw_bytes = raw_bytes.removesuffix(b"\n")
+            try:
+                raw = raw_bytes.decode("utf-8")
+            except UnicodeDecodeError as exc:  # rejected, never "repaired" to U+FFFD and paid for
+                yield line, raw_bytes.decode("utf-8", errors="replace"), _Reject("", f"invalid UTF-8 at byte {exc.start} of the line")
+                continue
+            if not raw.strip():
+                continue
+            try:
+                yield line, raw, json.loads(raw)
+            except ValueError:
+                yield line, raw, None
 
 
-def _read_bytes(f: _File, client) -> bytes:
+def _open(f: _File, client):
+    """The file for reading: a local one as it is; an S3 object streamed into a spooled temp
+    file first (RAM up to 8 MiB, then disk), never held whole in memory."""
     if f.path is not None:
-        return f.path.read_bytes()
+        return f.path.open("rb")
     from eagle3_data.storage.client import s3_errors
 
+    out = tempfile.SpooledTemporaryFile(max_size=8 << 20)
     with s3_errors(client, f"reading {f.uri}"):
-        return client.get_object(Bucket=f.bucket, Key=f.key)["Body"].read()
+        body = client.get_object(Bucket=f.bucket, Key=f.key)["Body"]
+        for chunk in iter(lambda: body.read(1 << 20), b""):
+            out.write(chunk)
+    out.seek(0)
+    return out

@@ -65,6 +65,46 @@ def test_local_generation_ids_parse_and_resume(store, start_dev_server, kimi_tok
     assert sum(dev_server.stats()["requests"]["generate"][f"s{i:04d}"] for i in range(24)) == 24
 
 
+def test_local_generation_draws_prompts_from_a_stream_as_slots_free_up(store, start_dev_server, kimi_tokenizer,
+                                                                        tmp_path, monkeypatch):
+    """The pipeline passes the prompts stage as a stream of rows: the client decodes a prompt
+    only when a free slot takes it, so at most `in_flight` prompts are alive, never all of them
+    queued up front; a spill that cannot be read back stops the stage instead of hanging it."""
+    from eagle3_data.generation import checkpoint
+    from eagle3_data.generation.progress import Progress
+
+    dev_server = start_dev_server({})
+    decode = checkpoint.Prompts.iter
+    state = {"drawn": 0, "settled": 0, "ahead": []}
+
+    def counting(self, skip=()):
+        for p in decode(self, skip):
+            state["drawn"] += 1
+            state["ahead"].append(state["drawn"] - state["settled"])
+            yield p
+
+    class Settled(Progress):
+        def update(self, **counts):
+            super().update(**counts)
+            state["settled"] += counts.get("ok", 0) + counts.get("failed", 0)
+
+    monkeypatch.setattr(checkpoint.Prompts, "iter", counting)
+    ref = StageRef(run_key="run-stream", stage="generate_local", dataset="tool_calls")
+    summary = generate_local(store, ref, iter(prompts(30)), kimi_tokenizer, [dev_server.url], SAMPLING,
+                             in_flight_per_endpoint=3, rows_per_part=8, journal_dir=tmp_path, progress=Settled())
+    assert summary["complete"] and summary["counts"]["ok"] == 30, summary
+    assert state["drawn"] == 30 and max(state["ahead"]) <= 3  # decoded as taken: one per busy slot
+
+    def unreadable(self, skip=()):
+        yield next(decode(self, skip))
+        raise OSError("spill unreadable")
+
+    monkeypatch.setattr(checkpoint.Prompts, "iter", unreadable)
+    with pytest.raises(OSError, match="spill unreadable"):
+        generate_local(store, StageRef("run-stream-2", "generate_local", "tool_calls"), prompts(10), kimi_tokenizer,
+                       [dev_server.url], SAMPLING, in_flight_per_endpoint=3, journal_dir=tmp_path)
+
+
 def test_overflow_text_matches_local_ids_and_key_never_stored(store, start_dev_server, kimi_tokenizer, tmp_path, caplog):
     dev_server = start_dev_server({})
     caplog.set_level("DEBUG")

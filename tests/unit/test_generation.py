@@ -44,16 +44,20 @@ def rows(n: int) -> list[dict]:
              "tools": None} for i in range(n)]
 
 
+def routed(rows: list[dict], **routing) -> list[dict]:
+    return [{**r, "route": route} for r, route in zip(rows, assign_routes([r["sample_id"] for r in rows], **routing))]
+
+
 def test_routes_are_exact_deterministic_and_order_free():
-    a = assign_routes(rows(1000), strategy="fraction", overflow_fraction=0.25, calibration_samples=10)
+    a = routed(rows(1000), strategy="fraction", overflow_fraction=0.25, calibration_samples=10)
     counts = {r: sum(x["route"] == r for x in a) for r in ("local", "overflow", "both")}
     assert counts == {"local": 740, "overflow": 250, "both": 10}
-    b = assign_routes(list(reversed(rows(1000))), strategy="fraction", overflow_fraction=0.25, calibration_samples=10)
+    b = routed(list(reversed(rows(1000))), strategy="fraction", overflow_fraction=0.25, calibration_samples=10)
     assert {x["sample_id"]: x["route"] for x in a} == {x["sample_id"]: x["route"] for x in b}
-    cap = assign_routes(rows(100), strategy="capacity", local_capacity=local_capacity(50.0, 60.0, 100.0))
+    cap = routed(rows(100), strategy="capacity", local_capacity=local_capacity(50.0, 60.0, 100.0))
     assert sum(x["route"] == "local" for x in cap) == 30
     with pytest.raises(UserError, match="strategy"):
-        assign_routes(rows(3), strategy="random")
+        assign_routes(["a", "b", "c"], strategy="random")
 
 
 def test_prompt_rows_are_checked_with_record_and_field():
@@ -63,10 +67,9 @@ def test_prompt_rows_are_checked_with_record_and_field():
     bad[1]["messages"] = "{not json"
     with pytest.raises(UserError, match=r"prompt 1 \(sample_id 'id1'\).*not valid JSON"):
         parse_prompts(bad, "d", None)
-    routed = assign_routes(rows(40), overflow_fraction=0.5, calibration_samples=3)
-    local = parse_prompts(routed, "d", ("local", "both"))
-    assert len(local) == 20 and sum(p.raw["route"] == "both" for p in local) == 3
-    both = next(p for p in local if p.raw["route"] == "both")
+    local = parse_prompts(routed(rows(40), overflow_fraction=0.5, calibration_samples=3), "d", ("local", "both"))
+    assert len(local) == 20 and sum(p.route == "both" for p in local) == 3
+    both = next(p for p in local if p.route == "both")
     assert sampling_for(both, {"temperature": 1.0, "top_p": 0.9})["temperature"] == 0.0
 
 

@@ -80,10 +80,10 @@ def test_malformed_rows_are_rejected_with_line_and_field_and_good_rows_kept(tmp_
 
 def test_normalised_rows_are_canonical_json(tmp_path):
     src = write_jsonl(tmp_path / "d.jsonl", [GOOD[2], {"tools": None, "messages": [{"content": "hi", "role": "user", "name": None}]}])
-    load = load_prompts(str(src), "d", sampling=SAMPLING)
-    first = json.loads(load.rows[0]["messages"])
+    rows = list(load_prompts(str(src), "d", sampling=SAMPLING).rows)
+    first = json.loads(rows[0]["messages"])
     assert first[1] == {"role": "assistant", "tool_calls": [CALL]}  # null content dropped, call kept verbatim
-    assert load.rows[1]["messages"] == '[{"content":"hi","role":"user"}]' and load.rows[1]["tools"] is None
+    assert rows[1]["messages"] == '[{"content":"hi","role":"user"}]' and rows[1]["tools"] is None
 
 
 def test_repeats_and_duplicates(tmp_path):
@@ -158,7 +158,7 @@ def _load_lines(tmp_path, lines: list[bytes], **kw):
 def test_invalid_utf8_is_a_reject_not_a_replacement(tmp_path):
     load = _load_lines(tmp_path, [b'{"messages": [{"role": "user", "content": "caf\xe9"}]}',
                                   '{"messages": [{"role": "user", "content": "café"}]}'.encode()])
-    assert len(load.rows) == 1 and "\ufffd" not in load.rows[0]["messages"]
+    assert len(load.rows) == 1 and "\ufffd" not in next(iter(load.rows))["messages"]
     assert load.rejects[0]["line"] == 1 and "invalid UTF-8" in load.rejects[0]["reason"]
 
 

@@ -9,7 +9,9 @@ A worker resumed on another machine has no journal: it loses at most the answers
 unfinished part (bounded by rows and seconds). Only one worker runs a stage at a time: the
 storage writer holds the stage's S3 lease from before the first request to the manifest, and a
 resume re-hashes every committed part before it trusts it (storage/lease.py, storage/writer.py). Requests in flight at the kill may still be
-billed by a provider that does not cancel on disconnect (at most `concurrency` samples).
+billed by a provider that does not cancel on disconnect (at most `concurrency` samples), and the
+overflow client's answers received but not yet journaled are lost with them (its settler queue:
+at most `concurrency` more, in practice the answers of the last few milliseconds).
 
 Failures: a failed row is committed only when it is final: a permanent error (HTTP 400/403, a
 prompt the template refuses) or a sample that failed in `max_failed_runs` attempts of the stage.
@@ -26,13 +28,16 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Container, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+
 from eagle3_data.canonical import canonical_json
 from eagle3_data.errors import UserError
+from eagle3_data.spill import RowSpill
 
 log = logging.getLogger(__name__)
 
@@ -45,18 +50,51 @@ def default_journal_dir() -> Path:
 
 @dataclass
 class Prompt:
-    """One prompt row (schemas.PROMPTS) with its JSON fields decoded."""
+    """One prompt row (schemas.PROMPTS) with its JSON fields decoded; `messages_json` and
+    `tools_json` are the row's own spellings, copied into the stage's rows unchanged."""
 
     sample_id: str
     dataset: str
     messages: list[dict]
     tools: list[dict] | None
-    raw: dict = field(repr=False)
+    route: str | None
+    messages_json: str = field(repr=False)
+    tools_json: str | None = field(repr=False)
 
 
-def parse_prompts(rows: Iterable[dict], dataset: str, routes: tuple[str, ...] | None) -> list[Prompt]:
-    """Validate prompt rows; a bad one is a UserError naming the record and the field."""
-    out, seen = [], set()
+_SPILLED = pa.schema([("sample_id", pa.string()), ("dataset", pa.string()), ("messages", pa.string()),
+                      ("tools", pa.string()), ("route", pa.string())])
+
+
+class Prompts:
+    """A stage's validated prompts: their sample ids in memory (resume, counts, progress), the
+    rows in a local spill, decoded into `Prompt`s one at a time as they are iterated. A stage
+    of 10^5 prompts with kilobytes of tool schema each thus holds only the prompts in flight."""
+
+    def __init__(self, spill: RowSpill, ids: list[str]) -> None:
+        self.spill, self.ids = spill, ids
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __iter__(self) -> Iterator[Prompt]:
+        return self.iter()
+
+    def iter(self, skip: Container[str] = ()) -> Iterator[Prompt]:
+        """The prompts in input order, those in `skip` (sample ids) left out."""
+        for row in self.spill.rows():
+            if row["sample_id"] in skip:
+                continue
+            tools = json.loads(row["tools"]) if row["tools"] is not None else None
+            yield Prompt(row["sample_id"], row["dataset"], json.loads(row["messages"]), tools or None, row["route"],
+                         row["messages"], row["tools"])
+
+
+def parse_prompts(rows: Iterable[dict], dataset: str, routes: tuple[str, ...] | None) -> Prompts:
+    """Validate prompt rows (every one, before any request); a bad one is a UserError naming the
+    record and the field. Rows of other `routes` are left out. One pass over `rows` (a stream
+    is fine): the kept rows are spilled, not held."""
+    spill, ids, seen = RowSpill(_SPILLED), [], set()
     for i, row in enumerate(rows):
         sid = row.get("sample_id")
         where = f"prompt {i} (sample_id {sid!r})"
@@ -76,8 +114,13 @@ def parse_prompts(rows: Iterable[dict], dataset: str, routes: tuple[str, ...] | 
             raise UserError(f"{where}: field 'messages' must be a non-empty list of chat messages")
         if tools is not None and not isinstance(tools, list):
             raise UserError(f"{where}: field 'tools' must be a list of tools or null")
-        out.append(Prompt(sid, row.get("dataset") or dataset, messages, tools or None, row))
-    return out
+        spill.append({
+            "sample_id": sid, "dataset": row.get("dataset") or dataset, "route": row.get("route"),
+            "messages": row["messages"] if isinstance(row["messages"], str) else canonical_json(messages),
+            "tools": (row["tools"] if isinstance(row["tools"], str) else canonical_json(tools)) if tools else None,
+        })
+        ids.append(sid)
+    return Prompts(spill, ids)
 
 
 def generation_mode(sampling: dict, stage: str) -> bool:
@@ -101,15 +144,15 @@ def overflow_params(model: str, provider: dict | None, sampling: dict, thinking:
 
 def sampling_for(p: Prompt, sampling: dict) -> dict:
     """Calibration samples (route "both") are generated greedily on both paths, to be comparable."""
-    return dict(sampling, temperature=0.0) if p.raw.get("route") == "both" else sampling
+    return dict(sampling, temperature=0.0) if p.route == "both" else sampling
 
 
 def base_row(p: Prompt, prompt_ids: list[int] | None, source: str) -> dict[str, Any]:
     return {
         "sample_id": p.sample_id,
         "dataset": p.dataset,
-        "messages": p.raw["messages"] if isinstance(p.raw.get("messages"), str) else canonical_json(p.messages),
-        "tools": (p.raw["tools"] if isinstance(p.raw.get("tools"), str) else canonical_json(p.tools)) if p.tools else None,
+        "messages": p.messages_json,
+        "tools": p.tools_json if p.tools else None,
         "prompt_ids": prompt_ids,
         "output_ids": None,
         "source": source,
@@ -137,9 +180,12 @@ class Stop(Exception):
 
 
 class StageRun:
-    """Open with `with StageRun(...) as run:`; then `run.pending`, `run.record(row)`, `run.finish()`."""
+    """Open with `with StageRun(...) as run:`; then `run.pending`, `run.record(row)`, `run.finish()`.
 
-    def __init__(self, store, ref, prompts: list[Prompt], *, rows_per_part: int, params: dict,
+    `run.pending` is a one-shot iterator of the prompts not yet done (decoded one at a time, so
+    a client holds only what it has in flight); `run.pending_count` says how many it yields."""
+
+    def __init__(self, store, ref, prompts: Prompts, *, rows_per_part: int, params: dict,
                  inputs: list | None = None, tokenizer_sha256: str | None = None,
                  template_sha256: str | None = None, journal_dir: str | Path | None = None,
                  max_failed_runs: int = 2, flush_interval_s: float = 30.0, rerun: bool = False,
@@ -156,7 +202,8 @@ class StageRun:
         self.tokens = 0
         self.cost_usd = 0.0
         self.spent_before_usd = 0.0
-        self.pending: list[Prompt] = []
+        self.pending: Iterator[Prompt] = iter(())
+        self.pending_count = 0
         self._held: dict[str, dict] = {}  # failed rows not (yet) final
         self._rows: list[dict] = []  # ok rows journaled, not yet handed to the writer
         self._batch = min(64, rows_per_part)
@@ -193,7 +240,7 @@ class StageRun:
     def _resume(self) -> None:
         done = self.writer.committed_sample_ids()
         self.spent_before_usd = committed_cost(self.store, self.ref, self.writer.committed_records())
-        wanted = {p.sample_id for p in self.prompts}
+        wanted = set(self.prompts.ids)
         replay = []
         if self.journal_path.exists():
             for line in self.journal_path.read_text().splitlines():
@@ -210,8 +257,9 @@ class StageRun:
             self.counts["replayed"] = len(replay)
             self.spent_before_usd += sum((r.get("usage") or {}).get("cost_usd") or 0.0 for r in replay)
         self.failures: dict[str, dict] = self._load_failures()
-        self.pending = [p for p in self.prompts if p.sample_id not in done]
-        self.counts["skipped"] = len(self.prompts) - len(self.pending)
+        self.pending_count = sum(sid not in done for sid in self.prompts.ids)
+        self.pending = self.prompts.iter(skip=done)
+        self.counts["skipped"] = len(self.prompts) - self.pending_count
         self.journal_path.parent.mkdir(parents=True, exist_ok=True)
         self._journal: io.TextIOBase = self.journal_path.open("a", encoding="utf-8")
 
@@ -224,7 +272,27 @@ class StageRun:
             return {}
 
     def record(self, row: dict, *, permanent: bool = False) -> None:
-        """An answer (status ok) or a failure (status failed + error) for one pending sample."""
+        """An answer (status ok) or a failure (status failed + error) for one pending sample:
+        `journal`, then `checkpoint` when one is due."""
+        self.journal(row, permanent=permanent)
+        if self.checkpoint_due():
+            self.checkpoint()
+
+    def checkpoint_due(self) -> bool:
+        return len(self._rows) >= self._batch or time.monotonic() - self._last_flush > self.flush_interval_s
+
+    def checkpoint(self) -> None:
+        """Hand the journaled rows to the writer, which uploads a part every `rows_per_part` rows;
+        every `flush_interval_s` it commits what it buffers, however few. This is the blocking
+        half (S3 round trips), so an event loop can run it in a thread (openrouter's settler)."""
+        self._hand_over()
+        if time.monotonic() - self._last_flush > self.flush_interval_s:
+            self.writer.flush()
+            self._last_flush = time.monotonic()
+
+    def journal(self, row: dict, *, permanent: bool = False) -> None:
+        """Count one sample's row; an answer is appended to the local journal (flushed: it survives
+        a SIGKILL) and queued for the writer; a failure is held until it is final (`finish`)."""
         usage = row.get("usage") or {}
         self.cost_usd += usage.get("cost_usd") or 0.0
         if row["status"] == "ok":
@@ -233,12 +301,6 @@ class StageRun:
             self._journal.flush()
             self._rows.append(row)
             self.counts["ok"] += 1
-            if len(self._rows) >= self._batch:
-                self._hand_over()
-            if time.monotonic() - self._last_flush > self.flush_interval_s:
-                self._hand_over()
-                self.writer.flush()
-                self._last_flush = time.monotonic()
             return
         prior = self.failures.get(row["sample_id"], {}).get("runs", 0)
         self.failures[row["sample_id"]] = {"runs": prior + 1, "error": row["error"]}

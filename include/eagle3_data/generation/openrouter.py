@@ -11,10 +11,14 @@ handed to the SDK: it is in no row, manifest, log line or exception message prod
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 from eagle3_data.errors import UserError
 from eagle3_data.generation.checkpoint import (
@@ -115,17 +119,36 @@ def generate_overflow(store, ref, prompts: Iterable[dict], tokenizer, base_url: 
                   tokenizer_sha256=tok_sha, template_sha256=chat_template_sha256(tokenizer),
                   journal_dir=journal_dir, flush_interval_s=flush_interval_s, rerun=rerun,
                   side_files=side_files) as run:
-        progress.start(len(rows), len(rows) - len(run.pending), label=f"generate_overflow {ref.dataset}")
+        progress.start(len(rows), len(rows) - run.pending_count, label=f"generate_overflow {ref.dataset}")
         client = _OverflowRun(run, get_output_format(tokenizer, thinking=thinking), base_url, api_key, model,
                               provider or {}, sampling, thinking, reasoning, concurrency, max_attempts,
                               request_timeout_s, progress, tok_sha,
                               Budget(budget_usd, run.spent_before_usd, first_cost_estimate_usd,
                                      sampling.get("max_new_tokens")), price_usd_per_mtok)
-        stopped = run_event_loop(client.run())
+        with fewer_gc_pauses():
+            stopped = run_event_loop(client.run())
         progress.close()
         run.finish(stopped, extra={"budget_usd": budget_usd, "spent_total_usd": round(client.budget.spent, 6),
                                    **client.timing()})
     return run.result
+
+
+@contextmanager
+def fewer_gc_pauses(threshold: tuple[int, int, int] = (50_000, 20, 1000)):
+    """Rarer garbage collections while the client runs. With the default thresholds (700, 10, 10)
+    the answers' JSON made a young collection every few answers and a full one (every tracked
+    object of the process: tokenizer, template, SDK, pydantic models) every ~second, each a
+    pause of 20-400 ms in which no answer was read and no request sent: 1.8-3.5 s of a 9 s run
+    at C=256 (benchmarks/RESULTS.md). Objects alive before the run are frozen out of the
+    collections; the thresholds are restored after it."""
+    saved = gc.get_threshold()
+    gc.freeze()
+    gc.set_threshold(*threshold)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*saved)
+        gc.unfreeze()
 
 
 def run_event_loop(coro):
@@ -136,6 +159,16 @@ def run_event_loop(coro):
     except ImportError:
         return asyncio.run(coro)
     return uvloop.run(coro)
+
+
+@dataclass(slots=True)
+class _Ready:
+    """A pending prompt made ready off the send path: its ids (or the template's refusal) and
+    its request body, encoded."""
+
+    prompt: Prompt
+    prompt_ids: list[int] | Exception
+    body: bytes
 
 
 class _OverflowRun:
@@ -159,17 +192,62 @@ class _OverflowRun:
                 "latency_s_mean": round(self.latency_sum / self.answered, 4) if self.answered else None}
 
     async def run(self) -> str | None:
+        """`concurrency` workers send; one settler records. A worker hands its answer to the settler
+        and sends its next request at once. With a fixed latency the answers of all C requests come
+        back in one burst, and if each worker first built, journaled and counted its row, the last
+        worker's next request would leave only after all the others' rows (C x ~1 ms at C=256):
+        the achieved rate was 0.74-0.77 of C/L (benchmarks/RESULTS.md). Here the burst's requests
+        leave together (the settler takes one answer per pass of the event loop), and the rows, the
+        budget, the journal, the S3 checkpoints and the next prompts' ids and bodies (`_prepare`)
+        are done while they are out."""
         client = SdkPost(self.base_url, self._key, self.concurrency, self.timeout_s)
-        queue = iter(self.stage.pending)
+        self._prompts = iter(self.stage.pending)
+        # prompts made ready ahead (the settler does it when idle): a burst's worth, and the next
+        self._ready: deque[_Ready] = deque()
+        self._lookahead = 2 * self.concurrency
+        # bounded: a worker waits when the settler is C answers behind, so at most C answers are
+        # received and not yet journaled (what a SIGKILL could lose, besides the C in flight)
+        self._answers: asyncio.Queue = asyncio.Queue(maxsize=self.concurrency)
         ticker = asyncio.create_task(tick_every(self.progress))
+        settler = asyncio.create_task(self._settler())
         try:
-            await asyncio.gather(*(self._worker(client, queue) for _ in range(self.concurrency)))
+            # a worker that fails stops the others after their request in flight, whose answer is paid
+            outcomes = await asyncio.gather(*(self._worker(client) for _ in range(self.concurrency)),
+                                            return_exceptions=True)
         finally:
-            ticker.cancel()
-            await client.close()
+            if not settler.done():
+                await self._answers.put(None)  # after every answer: the settler journals them all first
+            try:
+                await settler  # its error (a journal or S3 failure) is the run's
+            finally:
+                ticker.cancel()
+                await client.close()
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
         return self.stopped
 
-    async def _worker(self, client, queue) -> None:
+    def _prepare(self) -> bool:
+        """Make the next pending prompt ready for its request (ids rendered, body encoded); False
+        when none is left. A prompt the template refuses keeps its error: it becomes a permanent
+        failed row, never a request."""
+        p = next(self._prompts, None)
+        if p is None:
+            return False
+        try:
+            self._ready.append(_Ready(p, self.fmt.generation_prompt_ids(p.messages, p.tools),
+                                      json.dumps(self._request(p)).encode()))
+        except Exception as exc:
+            self._ready.append(_Ready(p, exc, b""))
+        return True
+
+    def _take(self) -> _Ready | None:
+        """A ready prompt; rendered now when the settler had no idle moment to do it ahead."""
+        if not self._ready:
+            self._prepare()
+        return self._ready.popleft() if self._ready else None
+
+    async def _worker(self, client) -> None:
         while self.stopped is None:
             if not self.budget.allows(self.in_flight):
                 if self.in_flight == 0 or not self.budget.allows(0):
@@ -177,43 +255,76 @@ class _OverflowRun:
                     return
                 await asyncio.sleep(0.05)  # wait for in-flight costs to settle the estimate
                 continue
-            p = next(queue, None)
-            if p is None:
+            ready = self._take()
+            if ready is None:
                 return
-            self.in_flight += 1
+            self.in_flight += 1  # until its row is settled: the budget counts answers not yet priced
             started = time.monotonic()
             try:
-                result = await self._sample(client, p)
-            finally:
+                result = await self._sample(client, ready)
+            except BaseException:
                 self.in_flight -= 1
-            if result is None:
-                continue  # stopped (402/401): the sample stays pending for the next attempt
-            row, permanent = result
-            if row["status"] == "ok":
-                self.latency_sum += time.monotonic() - started
-                self.answered += 1
-            cost = (row.get("usage") or {}).get("cost_usd") or 0.0
-            self.budget.add(cost, (row.get("usage") or {}).get("completion_tokens"))
-            self.stage.record(row, permanent=permanent)
-            ok = row["status"] == "ok"
-            self.progress.update(ok=int(ok), failed=int(not ok), cost_usd=cost,
-                                 tokens=(row.get("usage") or {}).get("completion_tokens") or 0)
+                self.stopped = self.stopped or "error"  # the other workers stop sending
+                raise
+            await self._answers.put((ready.prompt, ready.prompt_ids, result, time.monotonic() - started))
 
-    async def _sample(self, client, p: Prompt) -> tuple[dict, bool] | None:
-        """(row, permanent) after retries, or None when the stage must stop."""
+    async def _settler(self) -> None:
+        """Rows from answers, in arrival order: priced, journaled, counted, checkpointed. Yields
+        after each answer, so answers arriving meanwhile send their next requests without waiting
+        for the backlog. When no answer waits, it renders the next prompts ahead (`_prepare`, up
+        to two bursts): the template render is ~40% of the client's CPU per request, and done
+        on the send path it held back 0.05 of C/L (benchmarks/RESULTS.md). If a checkpoint fails (S3 down), the workers stop sending, the answers of the requests
+        still out are journaled as they come (paid: a resume on this machine replays them), and
+        the run ends with that error."""
+        error: BaseException | None = None
+        while True:
+            # idle (no answer waiting): make one more prompt ready, then look again
+            if self._answers.empty() and error is None and len(self._ready) < self._lookahead and self._prepare():
+                await asyncio.sleep(0)
+                continue
+            if (item := await self._answers.get()) is None:
+                break
+            p, prompt_ids, result, latency_s = item
+            self.in_flight -= 1
+            if result is None:  # stopped (402/401): the sample stays pending for the next attempt
+                continue
+            try:
+                self._settle(p, prompt_ids, result, latency_s)  # local: the journal
+                if error is None and self.stage.checkpoint_due():  # S3 uploads in a thread: the loop keeps sending
+                    await asyncio.to_thread(self.stage.checkpoint)
+            except Exception as exc:
+                error, self.stopped = error or exc, self.stopped or "error"
+            await asyncio.sleep(0)
+        if error is not None:
+            raise error
+
+    def _settle(self, p: Prompt, prompt_ids, result, latency_s: float) -> None:
+        # an answer is decoded JSON (a dict when well-formed); a failure is (row, permanent)
+        row, permanent = result if isinstance(result, tuple) else self._row(p, prompt_ids, result)
+        if row["status"] == "ok":
+            self.latency_sum += latency_s
+            self.answered += 1
+        cost = (row.get("usage") or {}).get("cost_usd") or 0.0
+        self.budget.add(cost, (row.get("usage") or {}).get("completion_tokens"))
+        self.stage.journal(row, permanent=permanent)
+        ok = row["status"] == "ok"
+        self.progress.update(ok=int(ok), failed=int(not ok), cost_usd=cost,
+                             tokens=(row.get("usage") or {}).get("completion_tokens") or 0)
+
+    async def _sample(self, client, ready: _Ready) -> object:
+        """The decoded answer, (failed row, permanent) after retries, or None when the stage must stop."""
         import openai
 
-        try:
-            prompt_ids = self.fmt.generation_prompt_ids(p.messages, p.tools)
-        except Exception as exc:
-            return failed_row(p, None, SOURCE, f"chat template: {exc}"), True
+        p, prompt_ids = ready.prompt, ready.prompt_ids
+        if isinstance(prompt_ids, Exception):
+            return failed_row(p, None, SOURCE, f"chat template: {prompt_ids}"), True
         reason = "no attempt"
         for attempt in range(1, self.max_attempts + 1):
             if self.stopped:
                 return None
             retry_after = None
             try:
-                resp = await client.post(self._request(p), self._headers(p))
+                return await client.post(ready.body, self._headers(p))
             except openai.APIStatusError as exc:
                 status = exc.status_code
                 if status in STOP_STATUS:
@@ -229,8 +340,6 @@ class _OverflowRun:
                 reason = f"transport: {type(exc).__name__}"
             except (openai.APIResponseValidationError, ValueError) as exc:
                 return failed_row(p, prompt_ids, SOURCE, f"malformed answer: {type(exc).__name__}"), False
-            else:
-                return self._row(p, prompt_ids, resp)
             if attempt < self.max_attempts:
                 log.debug("sample %s attempt %d: %s; retrying", p.sample_id, attempt, reason)
                 await asyncio.sleep(backoff_s(attempt, retry_after=retry_after))
@@ -322,13 +431,15 @@ class SdkPost:
             connector=aiohttp.TCPConnector(limit=concurrency + 8, keepalive_timeout=60),
             timeout=aiohttp.ClientTimeout(total=timeout_s))
 
-    async def post(self, body: dict, headers: dict) -> object:
-        """The decoded JSON answer; raises the SDK's exception classes (a non-JSON 2xx body: ValueError)."""
+    async def post(self, body: dict | bytes, headers: dict) -> object:
+        """The decoded JSON answer; raises the SDK's exception classes (a non-JSON 2xx body: ValueError).
+        `body`: the request, or its JSON already encoded."""
         import aiohttp
         import openai
 
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
         try:
-            async with self.http.post(self.url, data=json.dumps(body).encode(), headers={**self.headers, **headers}) as r:
+            async with self.http.post(self.url, data=data, headers={**self.headers, **headers}) as r:
                 content = await r.read()
                 status, raw_headers = r.status, r.raw_headers
         except asyncio.TimeoutError as exc:

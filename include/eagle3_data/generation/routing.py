@@ -26,11 +26,14 @@ def local_capacity(tokens_per_s: float, time_budget_s: float, expected_tokens_pe
     return math.floor(tokens_per_s * time_budget_s / expected_tokens_per_sample)
 
 
-def assign_routes(rows: Sequence[dict], *, strategy: str = "fraction", overflow_fraction: float = 0.0,
+def assign_routes(sample_ids: Sequence[str], *, strategy: str = "fraction", overflow_fraction: float = 0.0,
                   local_capacity: int = 0, calibration_samples: int = 0, local_endpoints: int = 1,
                   local_latency_s: float = 60.0, overflow_latency_s: float = 6.0, in_flight_per_endpoint: int = 64,
-                  overflow_concurrency: int = 256) -> list[dict]:
-    """Rows (schemas.PROMPTS shape) with `route` set.
+                  overflow_concurrency: int = 256) -> list[str]:
+    """The route of each sample ("local" | "overflow" | "both"), in the order of `sample_ids`.
+
+    Only the ids are needed (not the rows): the prompts stage spills its rows and routes from
+    the ids alone, so routing costs no memory per prompt beyond its id.
 
     fraction: round(n * overflow_fraction) samples overflow; capacity: `local_capacity` stay local;
     balanced: the local count that makes both sides, running at once, finish together
@@ -43,7 +46,7 @@ def assign_routes(rows: Sequence[dict], *, strategy: str = "fraction", overflow_
         raise UserError(f"routing strategy {strategy!r}: expected one of {', '.join(STRATEGIES)}")
     if not 0.0 <= overflow_fraction <= 1.0:
         raise UserError(f"routing overflow_fraction {overflow_fraction}: expected a value in [0, 1]")
-    ranked = sorted(rows, key=lambda r: hashlib.sha256(r["sample_id"].encode()).digest())
+    ranked = sorted(sample_ids, key=lambda sid: hashlib.sha256(sid.encode()).digest())
     n = len(ranked)
     n_local = n - round(n * overflow_fraction) if strategy == "fraction" else min(n, max(0, local_capacity))
     if strategy == "balanced":
@@ -52,10 +55,8 @@ def assign_routes(rows: Sequence[dict], *, strategy: str = "fraction", overflow_
                            overflow_latency_s=overflow_latency_s)
         n_local = balanced_local_count(n, calibration_samples, rates)
     n_both = min(max(0, calibration_samples), n_local)
-    route = {}
-    for i, r in enumerate(ranked):
-        route[r["sample_id"]] = ("both" if i < n_both else "local") if i < n_local else "overflow"
-    return [{**r, "route": route[r["sample_id"]]} for r in rows]
+    route = {sid: ("both" if i < n_both else "local") if i < n_local else "overflow" for i, sid in enumerate(ranked)}
+    return [route[sid] for sid in sample_ids]
 
 
 # Stored with every report, so a reader of the numbers knows what they can and cannot carry.

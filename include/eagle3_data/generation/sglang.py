@@ -122,7 +122,7 @@ def run_local_stage(engine: type[_SGLangRun], store, ref, prompts: Iterable[dict
                   journal_dir=journal_dir, flush_interval_s=flush_interval_s, rerun=rerun,
                   side_files=side_files) as run:
         label = f"generate_local {ref.dataset}" + ("" if engine.SOURCE == SOURCE else f" ({engine.SOURCE})")
-        progress.start(len(rows), len(rows) - len(run.pending), label=label)
+        progress.start(len(rows), len(rows) - run.pending_count, label=label)
         client = engine(run, fmt, list(endpoints), request, in_flight_per_endpoint, max_attempts,
                         request_timeout_s, progress, model, tok_sha, warmup_timeout_s, max_endpoint_failures,
                         health_interval_s)
@@ -167,6 +167,7 @@ class _SGLangRun:
         self.latency_sum, self.answered, self.started = 0.0, 0, time.monotonic()
         self.workers: dict[str, list[asyncio.Task]] = {}
         self.stop_reason: str | None = None
+        self.feed_error: Exception | None = None
 
     async def run(self) -> str | None:
         # aiohttp, not httpx: httpx's connection pool costs several ms of CPU per request at this
@@ -181,10 +182,11 @@ class _SGLangRun:
             if not healthy:
                 raise UserError(f"no healthy SGLang endpoint among {self.endpoints} after {self.warmup_timeout_s:g} s "
                                 "of warm-up: check the sglang connection")
+            # fresh prompts come from the stage's one-shot iterator as workers free up (only the
+            # prompts in flight are decoded); the queue holds those handed back for another try
+            self.feed = iter(self.stage.pending)
             self.queue: asyncio.Queue = asyncio.Queue()
-            for p in self.stage.pending:
-                self.queue.put_nowait((p, 0))
-            self.outstanding = len(self.stage.pending)
+            self.outstanding = self.stage.pending_count
             self.all_done = asyncio.Event()
             if not self.outstanding:
                 return None
@@ -198,6 +200,8 @@ class _SGLangRun:
                 for t in tasks:
                     t.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
+            if self.feed_error is not None:
+                raise self.feed_error
         return self.stop_reason
 
     # -- endpoint health -------------------------------------------------------------------
@@ -308,9 +312,24 @@ class _SGLangRun:
 
     # -- requests --------------------------------------------------------------------------
 
+    async def _take(self) -> tuple[Prompt, int]:
+        """The next fresh prompt, then (once none is left) those put back: the order of one FIFO
+        queue holding every pending prompt, without decoding them all up front."""
+        if self.feed is not None:
+            try:
+                p = next(self.feed, None)
+            except Exception as exc:  # the local spill is unreadable: stop the stage, do not hang it
+                self.feed_error, self.feed = exc, None
+                self.all_done.set()
+                raise
+            if p is not None:
+                return p, 0
+            self.feed = None
+        return await self.queue.get()
+
     async def _worker(self, endpoint: str) -> None:
         while True:
-            p, attempts = await self.queue.get()
+            p, attempts = await self._take()
             self.busy[endpoint] += 1
             self.max_in_flight[endpoint] = max(self.max_in_flight[endpoint], self.busy[endpoint])
             started = time.monotonic()

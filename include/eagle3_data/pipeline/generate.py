@@ -8,6 +8,8 @@ connections is the hooks' job (plugins/hooks).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from eagle3_data.errors import UserError
 from eagle3_data.pipeline.results import GenerationResult
 from eagle3_data.pipeline.reuse import reusable
@@ -15,8 +17,11 @@ from eagle3_data.pipeline.run import Run, log, sampling, stage_ref, tokenizer_fo
 from eagle3_data.stages import LOCAL, OVERFLOW, PROMPTS
 
 
-def _prompt_rows(store, ref) -> list[dict]:
-    return [r for b in store.iter_batches(ref) for r in b.to_pylist()]
+def _prompt_rows(store, ref) -> Iterator[dict]:
+    """The prompts stage's rows, a batch at a time: the generation client validates and spills
+    them in one pass, so no list of every prompt is ever built."""
+    for batch in store.iter_batches(ref):
+        yield from batch.to_pylist()
 
 
 def _reused(store, ref, prompts) -> GenerationResult | None:

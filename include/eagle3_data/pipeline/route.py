@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
 
 from eagle3_data.canonical import canonical_json
 from eagle3_data.errors import UserError
@@ -14,7 +18,13 @@ from eagle3_data.pipeline.reuse import reusable
 from eagle3_data.pipeline.run import Run, log, output_format, sampling, stage_ref, tokenizer_for
 from eagle3_data.stages import LOCAL, OVERFLOW, PLAN, PROMPTS
 
+if TYPE_CHECKING:
+    from eagle3_data.prompts import PromptRows
+
 PLAN_REPORT = "plan.json"
+# Rows per part of the prompts stage: each holds its conversations and tool schemas (kilobytes
+# each), and the writer buffers one part in memory, so parts are bounded in rows, not one per stage.
+PROMPT_ROWS_PER_PART = 2048
 REJECTS = "rejects.json"
 BALANCE_FIELDS = ("local_endpoints", "local_latency_s", "overflow_latency_s")
 
@@ -103,12 +113,16 @@ def rates(inputs: dict):
 
 def load_route(run: Run, store, dataset: str) -> RouteResult:
     from eagle3_data.generation.routing import assign_routes
-    from eagle3_data.prompts import format_rejects, limit_prompt_tokens, load_prompts, prompt_token_limit
+    from eagle3_data.prompts import format_rejects, limit_prompt_tokens, load_prompts, prompt_files, prompt_token_limit
 
     ds, g, limits = run.config.dataset(dataset), run.config.generation, run.config.limits
+    # missing prompt files fail before the tokenizer's seconds of loading; the tokenizer loads
+    # before the prompts are read, so its transient peak (the stage's largest) is not stacked on
+    # the reader's buffers and pyarrow's first-use pages (~50 MiB)
+    prompt_files(ds.prompts, dataset, date=run.date, client=store.client)
+    fmt = output_format(run, store)
     loaded = load_prompts(ds.prompts, dataset, date=run.date, sampling=sampling(run), repeats=g.repeats, client=store.client,
                           max_message_bytes=limits.max_message_bytes)
-    fmt = output_format(run, store)
     limit = prompt_token_limit(tokenizer_for(run, store), limits.max_prompt_tokens, g.sampling.max_new_tokens)
     limit_prompt_tokens(loaded, limit, lambda messages, tools: len(fmt.generation_prompt_ids(messages, tools)))
     log.info("dataset %s: %s", dataset, format_rejects(loaded))
@@ -126,16 +140,17 @@ def load_route(run: Run, store, dataset: str) -> RouteResult:
                  _side_text(balance["local"]), balance["local"]["source"], _side_text(balance["overflow"]),
                  balance["overflow"]["source"])
     # balanced: the local count that makes both sides finish together (generation.balance)
-    rows = assign_routes(loaded.rows, **{**rc.model_dump(), **(_balance_kwargs(balance) if balance else {})},
-                         in_flight_per_endpoint=balance["local"]["in_flight_per_endpoint"] if balance
-                         else g.local.in_flight_per_endpoint or 64,
-                         overflow_concurrency=g.overflow.concurrency)
-    counts = {"prompts": len(rows), "rejects": len(loaded.rejects)}
-    for r in rows:
-        counts[r["route"]] = counts.get(r["route"], 0) + 1
+    routes = assign_routes([sid for b in loaded.rows.batches(["sample_id"]) for sid in b.column(0).to_pylist()],
+                           **{**rc.model_dump(), **(_balance_kwargs(balance) if balance else {})},
+                           in_flight_per_endpoint=balance["local"]["in_flight_per_endpoint"] if balance
+                           else g.local.in_flight_per_endpoint or 64,
+                           overflow_concurrency=g.overflow.concurrency)
+    counts = {"prompts": len(routes), "rejects": len(loaded.rejects)}
+    for route in routes:
+        counts[route] = counts.get(route, 0) + 1
     if run.dry_run:
         plan = {"dataset": dataset, "source": ds.prompts, "date": run.date, "counts": counts,
-                "estimate": _estimate(run, fmt, rows, balance)}
+                "estimate": _estimate(run, fmt, routed_batches(loaded.rows, routes), counts, balance)}
         log.info("dataset %s: plan rates from local %s, overflow %s", dataset, balance["local"]["source"],
                  balance["overflow"]["source"])
         for name, p in plan["estimate"]["strategies"].items():
@@ -146,17 +161,41 @@ def load_route(run: Run, store, dataset: str) -> RouteResult:
     ref = stage_ref(run, PROMPTS, dataset)
     params = {
         "source": ds.prompts, "date": run.date, "sampling": sampling(run), "repeats": g.repeats, "routing": routing,
-        # ASCII-escaped spelling: the hash recorded by every existing prompts manifest (see canonical.py)
-        "rows_sha256": hashlib.sha256(canonical_json(rows, ascii_only=True).encode()).hexdigest(),
+        "rows_sha256": rows_sha256(routed_batches(loaded.rows, routes)),
     }
     if reusable(store, ref, [], params) is None:
-        with store.writer(ref, "prompts", rows_per_part=max(1, len(rows)), params=params, fresh=True) as w:
-            w.write(rows)
+        with store.writer(ref, "prompts", rows_per_part=PROMPT_ROWS_PER_PART, params=params, fresh=True) as w:
+            for batch in routed_batches(loaded.rows, routes):
+                w.write(pa.Table.from_batches([batch]))
             store.put_json(ref, REJECTS, loaded.rejects)
             w.commit(extra={"counts": counts}, files=[REJECTS])
-    if not rows:
+    if not routes:
         raise UserError(f"dataset {dataset}: no usable prompts in {ds.prompts} (date {run.date}); rejects: {store.uri(ref, REJECTS)}")
     return RouteResult(counts=counts, uri=store.uri(ref))
+
+
+def routed_batches(rows: PromptRows, routes: list[str]) -> Iterator[pa.RecordBatch]:
+    """The loaded rows (`prompts.PromptRows`, in load order) as prompts-stage batches, `route`
+    filled from `routes` (one per row, same order), a batch at a time."""
+    done = 0
+    for batch in rows.batches():
+        i = batch.schema.get_field_index("route")
+        route = pa.array(routes[done:done + batch.num_rows], pa.string())
+        done += batch.num_rows
+        yield batch.set_column(i, batch.schema.field(i), route)
+
+
+def rows_sha256(batches: Iterable[pa.RecordBatch]) -> str:
+    """sha256 of the canonical JSON list of every row, hashed as it streams: the same digest as
+    `canonical_json(rows, ascii_only=True)` of the whole list, whose ASCII-escaped spelling every
+    existing prompts manifest recorded (see canonical.py), so their stages stay reusable."""
+    digest, sep = hashlib.sha256(b"["), b""
+    for batch in batches:
+        for row in batch.to_pylist():
+            digest.update(sep + canonical_json(row, ascii_only=True).encode())
+            sep = b","
+    digest.update(b"]")
+    return digest.hexdigest()
 
 
 def _balance_kwargs(balance: dict) -> dict:
@@ -171,30 +210,31 @@ def _side_text(side: dict) -> str:
     return f"{side['concurrency']} in flight at {side['latency_s']:g} s"
 
 
-def _estimate(run: Run, fmt, rows: list[dict], balance: dict) -> dict:
+def _estimate(run: Run, fmt, batches: Iterable[pa.RecordBatch], counts: dict, balance: dict) -> dict:
     """Upper bounds: every sample uses max_new_tokens; overflow priced at the configured rates."""
     s, price = run.config.generation.sampling, run.config.generation.overflow.price_usd_per_mtok
-    prompt_tokens, n_prompt = {"local": 0, "overflow": 0}, []
-    for r in rows:
-        n = len(fmt.generation_prompt_ids(json.loads(r["messages"]), json.loads(r["tools"]) if r["tools"] else None))
-        n_prompt.append(n)
-        for side in ("local", "overflow"):
-            if r["route"] in (side, "both"):
-                prompt_tokens[side] += n
-    overflow_n = sum(r["route"] in ("overflow", "both") for r in rows)
-    usd = (prompt_tokens["overflow"] * price.prompt + overflow_n * s.max_new_tokens * price.completion) / 1e6
+    prompt_tokens, every_prompt = {"local": 0, "overflow": 0}, 0
+    for batch in batches:
+        for r in batch.to_pylist():
+            n = len(fmt.generation_prompt_ids(json.loads(r["messages"]), json.loads(r["tools"]) if r["tools"] else None))
+            every_prompt += n
+            for side in ("local", "overflow"):
+                if r["route"] in (side, "both"):
+                    prompt_tokens[side] += n
+    n_rows, n_both = counts["prompts"], counts.get("both", 0)
+    usd = (prompt_tokens["overflow"] * price.prompt + (counts.get("overflow", 0) + n_both) * s.max_new_tokens * price.completion) / 1e6
     return {
         "prompt_tokens": sum(prompt_tokens.values()),
-        "max_output_tokens": len(rows) * s.max_new_tokens + sum(r["route"] == "both" for r in rows) * s.max_new_tokens,
+        "max_output_tokens": n_rows * s.max_new_tokens + n_both * s.max_new_tokens,
         "max_overflow_usd": round(min(usd, run.config.generation.overflow.max_usd), 6),
-        "strategies": _strategies(run, rows, sum(n_prompt), balance),
+        "strategies": _strategies(run, n_rows, every_prompt, balance),
         # where each side's rate came from: the previous run's manifest (named) or "config"
         "rate_inputs": balance,
         "rates_samples_per_s": {k: round(v, 6) for k, v in vars(rates(balance)).items()},
     }
 
 
-def _strategies(run: Run, rows: list[dict], prompt_tokens: int, balance: dict) -> dict:
+def _strategies(run: Run, n_rows: int, prompt_tokens: int, balance: dict) -> dict:
     """Each routing strategy on this dataset's samples: counts per side, each side's finish time
     with both running at once, the wall time (the later side), and the overflow spend (upper
     bound: every answer max_new_tokens long, uncapped by max_usd). The rates come from the
@@ -203,8 +243,8 @@ def _strategies(run: Run, rows: list[dict], prompt_tokens: int, balance: dict) -
 
     r, s = run.config.routing, run.config.generation.sampling
     price = run.config.generation.overflow.price_usd_per_mtok
-    per_sample = ((prompt_tokens / len(rows) if rows else 0) * price.prompt + s.max_new_tokens * price.completion) / 1e6
-    plans = compare_strategies(len(rows), overflow_fraction=r.overflow_fraction, local_capacity=r.local_capacity,
+    per_sample = ((prompt_tokens / n_rows if n_rows else 0) * price.prompt + s.max_new_tokens * price.completion) / 1e6
+    plans = compare_strategies(n_rows, overflow_fraction=r.overflow_fraction, local_capacity=r.local_capacity,
                                calibration=r.calibration_samples, rates=rates(balance), usd_per_overflow_sample=per_sample)
     for name, plan in plans.items():
         plan["chosen"] = name == r.strategy
