@@ -5,7 +5,7 @@
   (never Python lists: the writer of a 10^8-token input must not need 10 GB itself).
 - `measure(code, env)`: runs `code` in a fresh Python process, as an Airflow task runs its library
   call, and returns its own work seconds (wall and CPU, timed inside, after imports) and peak RSS
-  (`ru_maxrss` of that process only).
+  (that process's own high-water mark, VmHWM; see MEASURE_EPILOGUE).
 """
 
 from __future__ import annotations
@@ -101,11 +101,18 @@ import json, os, resource, sys, time
 sys.path.insert(0, {repo!r})
 """
 
+# Peak RSS is the process's own VmHWM, not `ru_maxrss`: Linux carries the spawning process's
+# high-water mark across fork/vfork + exec into the child's ru_maxrss, so a benchmark parent that
+# held 1 GiB (scale.py's 83k prompts file) made every stage child report >= 1 GiB.
 MEASURE_EPILOGUE = """
 __work = time.perf_counter() - __t0
 __ru = resource.getrusage(resource.RUSAGE_SELF)
+try:
+    __hwm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+except (OSError, StopIteration):
+    __hwm = __ru.ru_maxrss
 print("@@RESULT@@" + json.dumps({"work_s": __work, "cpu_s": __ru.ru_utime + __ru.ru_stime - __cpu0,
-                                 "peak_rss_mib": __ru.ru_maxrss / 1024, "result": globals().get("RESULT")}))
+                                 "peak_rss_mib": __hwm / 1024, "result": globals().get("RESULT")}))
 """
 
 

@@ -5,7 +5,7 @@
     nice -n 19 .venv/bin/python benchmarks/merge_memory.py --sizes 1000x1195 --merge-kwargs '{"seed": 3}'
 
 Each merge runs in its own process (as the DAG's merge task does) on inputs written to a real
-SeaweedFS beforehand; peak RSS is that process's ru_maxrss, imports included (~130 MiB of it is
+SeaweedFS beforehand; peak RSS is that process's own high-water mark (VmHWM), imports included (~130 MiB of it is
 pyarrow + boto3 + numpy before any row is read). The input is one local dataset plus an overflow
 stage that repeats 10% of its sample ids (the dedupe path) and adds 10% new ones.
 """

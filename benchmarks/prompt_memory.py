@@ -6,7 +6,7 @@
 The same stack, prompts and stage calls as benchmarks/scale.py (a ~5 KB tool schema per prompt,
 half local, half overflow, the dev server at zero latency), but only the stages that hold prompts,
 so a before/after comparison takes minutes, not an hour. Each stage runs in a fresh `nice -n 19`
-process (benchmarks/_harness.measure); its peak RSS is that process's ru_maxrss. `--code DIR`
+process (benchmarks/_harness.measure); its peak RSS is that process's own high-water mark (VmHWM). `--code DIR`
 puts DIR (a copy of an older `include/`) first on the stage processes' PYTHONPATH, so the same
 run can measure the code before a change.
 """

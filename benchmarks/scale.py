@@ -16,7 +16,7 @@ that call it carry ~1k tokens of arguments (the dev server's text answers are sh
 
 Columns: `work s` is the stage call alone (after imports), `process s` the whole process
 (interpreter start and imports included: what a task pays), `CPU s` the process's own CPU (the
-dev server's is not in it), peak RSS its ru_maxrss. `tokens` is prompt + output ids of what the
+dev server's is not in it), peak RSS its own high-water mark (VmHWM). `tokens` is prompt + output ids of what the
 stage produced (generation/reconstruct), read (validate), or wrote (merge, extract).
 """
 
