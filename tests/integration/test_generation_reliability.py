@@ -132,12 +132,14 @@ def test_sigkill_mid_stage_then_resume_cli(store, s3_server, start_dev_server, k
     def journaled() -> int:
         return sum(len(p.read_text().splitlines()) for p in journal.glob("*.jsonl"))
 
-    # kill mid-part: at least 30 answers committed and a few more journaled but not committed
+    # kill mid-part: at least 30 answers committed and 3-6 more journaled but not committed. The
+    # upper bound keeps the kill away from a part upload: with 10 journaled past the last commit
+    # the next part may already be on its way, and would land before the kill
     while time.time() < deadline and proc.poll() is None:
         committed = len(store.committed_sample_ids(ref))
-        if committed >= 30 and journaled() >= committed + 3:
+        if committed >= 30 and committed + 3 <= journaled() <= committed + 6:
             break
-        time.sleep(0.1)
+        time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
     logs.append(proc.communicate()[0])
     killed_at = len(store.committed_sample_ids(ref))
