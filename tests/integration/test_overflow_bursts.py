@@ -76,3 +76,16 @@ def test_a_waves_next_requests_leave_before_its_rows_are_journaled(store, kimi_t
     # while the client runs, garbage collection is rarer; afterwards the process's thresholds are back
     assert set(WaveServer.thresholds) == {(50_000, 20, 1000)} != {before}
     assert gc.get_threshold() == before
+
+
+def test_rarer_gc_leaves_a_host_freeze_as_it_was():
+    """A host process (Airflow's task runner, a forking server) may have frozen objects itself:
+    the client's own freeze/unfreeze must not thaw them."""
+    gc.freeze()
+    try:
+        held = gc.get_freeze_count()
+        with openrouter.fewer_gc_pauses():
+            assert gc.get_threshold() == (50_000, 20, 1000)
+        assert gc.get_freeze_count() == held
+    finally:
+        gc.unfreeze()

@@ -140,15 +140,18 @@ def fewer_gc_pauses(threshold: tuple[int, int, int] = (50_000, 20, 1000)):
     object of the process: tokenizer, template, SDK, pydantic models) every ~second, each a
     pause of 20-400 ms in which no answer was read and no request sent: 1.8-3.5 s of a 9 s run
     at C=256 (benchmarks/RESULTS.md). Objects alive before the run are frozen out of the
-    collections; the thresholds are restored after it."""
-    saved = gc.get_threshold()
-    gc.freeze()
+    collections, unless the host process froze some itself (its freeze is left as it is); the
+    thresholds are restored after the run."""
+    saved, ours = gc.get_threshold(), gc.get_freeze_count() == 0
+    if ours:
+        gc.freeze()
     gc.set_threshold(*threshold)
     try:
         yield
     finally:
         gc.set_threshold(*saved)
-        gc.unfreeze()
+        if ours:
+            gc.unfreeze()
 
 
 def run_event_loop(coro):
