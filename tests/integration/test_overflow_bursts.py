@@ -79,8 +79,8 @@ def test_a_waves_next_requests_leave_before_its_rows_are_journaled(store, kimi_t
 
 
 def test_rarer_gc_leaves_a_host_freeze_as_it_was():
-    """A host process (Airflow's task runner, a forking server) may have frozen objects itself:
-    the client's own freeze/unfreeze must not thaw them."""
+    """A host process may have frozen objects itself (Airflow's Celery worker calls gc.freeze()
+    at start-up, celery_executor_utils): the client's own freeze/unfreeze must not thaw them."""
     gc.freeze()
     try:
         held = gc.get_freeze_count()
