@@ -61,25 +61,13 @@ def rate_inputs(run: Run, store, dataset: str) -> dict:
 def previous_generation(store, run_key: str, stage: str, dataset: str) -> tuple[str, dict] | None:
     """(manifest URI, its `extra`) of the newest committed `stage` of `dataset` in a run other
     than `run_key` whose manifest recorded `latency_s_mean`; None when there is none."""
-    from botocore.exceptions import ClientError
-
     from eagle3_data.storage import StageRef
-    from eagle3_data.storage.store import MANIFEST
 
-    base = f"{store.prefix}/runs/" if store.prefix else "runs/"
-    runs = []
-    for page in store.client.get_paginator("list_objects_v2").paginate(Bucket=store.bucket, Prefix=base, Delimiter="/"):
-        runs += [c["Prefix"][len(base):].rstrip("/") for c in page.get("CommonPrefixes", [])]
     found = []
-    for other in runs:
-        if other == run_key:
-            continue
+    for other in store.run_keys():
         ref = StageRef(other, stage, dataset)
-        try:
-            head = store.client.head_object(Bucket=store.bucket, Key=store.key(ref, MANIFEST))
-        except ClientError:
-            continue
-        found.append((head["LastModified"], ref))
+        if other != run_key and (committed := store.committed_at(ref)) is not None:
+            found.append((committed, ref))
     for _, ref in sorted(found, key=lambda f: f[0], reverse=True):
         extra = store.read_manifest(ref).get("extra") or {}
         latency = extra.get("latency_s_mean")

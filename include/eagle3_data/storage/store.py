@@ -553,12 +553,25 @@ class ArtifactStore:
         """Dataset names with a complete manifest for this stage in this run."""
         check_name(run_key, "run_key")
         check_name(stage, "stage")
-        base = f"{self.prefix}/runs/{run_key}/{stage}/" if self.prefix else f"runs/{run_key}/{stage}/"
+        names = self._children(f"{self.prefix}/runs/{run_key}/{stage}/" if self.prefix else f"runs/{run_key}/{stage}/")
+        return [n for n in names if self.is_complete(StageRef(run_key, stage, n))]
+
+    def run_keys(self) -> list[str]:
+        """Every run key with something stored under it, complete or not."""
+        return self._children(f"{self.prefix}/runs/" if self.prefix else "runs/")
+
+    def committed_at(self, ref: StageRef) -> datetime | None:
+        """When the stage's manifest was written; None while the stage is incomplete."""
+        head = self._exists(self.key(ref, MANIFEST))
+        return None if head is None else head["LastModified"]
+
+    def _children(self, base: str) -> list[str]:
+        """The names one level below `base` (a prefix ending in "/"), sorted."""
         names = set()
         with s3_errors(self.client, f"listing s3://{self.bucket}/{base}"):
             for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base, Delimiter="/"):
                 names.update(p["Prefix"][len(base) :].rstrip("/") for p in page.get("CommonPrefixes", []))
-        return sorted(n for n in names if self.is_complete(StageRef(run_key, stage, n)))
+        return sorted(names)
 
     # -- side files and file stages -------------------------------------------------------------------
     def _file_record_key(self, ref: StageRef, name: str) -> str:
