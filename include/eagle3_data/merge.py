@@ -435,7 +435,8 @@ def merge_datasets(
         return summary
 
 
-def merged_shards(store: ArtifactStore, ref: StageRef) -> list[dict]:
-    """The shard refs of a committed merge stage, from its manifest (never from a listing)."""
-    return list(store.read_manifest(ref).get("extra", {}).get("shards", []))
+def merged_shards(store: ArtifactStore, ref: StageRef, manifest: dict | None = None) -> list[dict]:
+    """The shard refs of a committed merge stage, from its manifest (never from a listing);
+    `manifest`: the caller's copy of it, if it has one."""
+    return list((manifest or store.read_manifest(ref)).get("extra", {}).get("shards", []))
 

@@ -11,22 +11,15 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagle3_data.dev.processes import free_port
+
 SERVED_MODEL_NAME = "tiny-kimi"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -87,15 +80,3 @@ def start_vllm_server(python: str, model_dir: str | os.PathLike, log_path: Path,
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     return VllmServer(f"http://127.0.0.1:{port}", proc, log_path)
-
-
-@contextmanager
-def vllm_server(python: str, model_dir: str | os.PathLike, log_path: Path, *, max_model_len: int = 2048,
-                dtype: str = "float32", startup_timeout_s: float = 600.0) -> Iterator[VllmServer]:
-    """Start the server, wait for /health, yield it, stop it."""
-    server = start_vllm_server(python, model_dir, log_path, max_model_len=max_model_len, dtype=dtype)
-    try:
-        server.wait_healthy(startup_timeout_s)
-        yield server
-    finally:
-        server.stop()

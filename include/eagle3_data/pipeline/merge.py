@@ -27,11 +27,11 @@ def merge(run: Run, store) -> MergeResult:
     params = run.config.merge.model_dump()
     ref = stage_ref(run, MERGE, RUN_DATASET)
     with store.lease(ref) as held:  # one merge per run key: a second (zombie, manual rerun) gets StageBusy
-        if reusable(store, ref, inputs, params) is None:
+        if (manifest := reusable(store, ref, inputs, params)) is None:
             store.delete(stage_ref(run, HIDDEN_STATES, RUN_DATASET))  # extracted from the old merge: stale
             summary = merge_datasets(store, inputs, run.run_key, **params, out_dataset=RUN_DATASET,
                                      vocab_size=output_format(run, store, template=False).vocab_size, lease=held)
             shards, totals = summary["shards"], summary["totals"]
         else:
-            shards, totals = merged_shards(store, ref), store.read_manifest(ref)["extra"]["totals"]
+            shards, totals = merged_shards(store, ref, manifest), manifest["extra"]["totals"]
     return MergeResult(uri=store.uri(ref), datasets=passed, shards=shards, totals=totals)
