@@ -43,8 +43,21 @@ $(VLLM_STAMP): requirements-vllm.txt
 
 vllm-venv: $(VLLM_STAMP)
 
+# Two pytest processes side by side, so that the two cores overlap them: the cluster tier (one
+# Celery cluster, mostly waiting on Airflow's task scheduling) and then the dag.test() tier in
+# one, everything else in the other (docs/dag.md, "What it costs"). The side process's output is
+# printed after the main one's; either failing fails the target.
+SIDE_TESTS := tests/cluster tests/dags
+SIDE_LOG := test-artifacts/cluster-and-dags.log
 test: $(STAMP) $(VLLM_STAMP) system-packages
-	$(PY) -m pytest -q tests
+	@mkdir -p $(dir $(SIDE_LOG))
+	@$(PY) -m pytest -q $(SIDE_TESTS) > $(SIDE_LOG) 2>&1 & side=$$!; \
+	trap 'kill $$side 2>/dev/null' INT TERM; \
+	echo "$(SIDE_TESTS) run beside the rest (log: $(SIDE_LOG))"; \
+	$(PY) -m pytest -q tests $(addprefix --ignore=,$(SIDE_TESTS)); main=$$?; \
+	wait $$side; beside=$$?; \
+	echo "== $(SIDE_TESTS) (exit $$beside) =="; cat $(SIDE_LOG); \
+	test $$main = 0 && test $$beside = 0
 
 # ENGINE=vllm: a real vLLM engine (.venv-vllm) for local generation and hidden-state extraction.
 ENGINE ?= dev

@@ -41,6 +41,8 @@ OVERRIDES = {
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, airflow_db):
+    global _EVENTS_BEFORE
+    _EVENTS_BEFORE = _last_asset_event_id()  # another module's runs of the DAG (tests/engine) are not this story's
     with dag_stack(tmp_path_factory.mktemp("e2e"), ("tool_calls", "code", "chat"), SAMPLES, f"{DATE:%Y-%m-%d}",
                    config_overrides=OVERRIDES) as s:
         yield s
@@ -369,14 +371,30 @@ def test_server_stopping_on_the_wrong_id_fails_the_gate_naming_it(stack, dag):
     assert _store(stack).is_complete(run_report_ref("wrong-stop"))
 
 
-def _asset_events() -> list[dict]:
-    """Extras of the `eagle3_training_data` Asset events recorded so far."""
+_EVENTS_BEFORE = 0  # the last Asset event id before this module's first run
+
+
+def _training_data_events(session):
+    """The `eagle3_training_data` Asset events, oldest first."""
     from airflow.models.asset import AssetEvent, AssetModel
+
+    return (session.query(AssetEvent).join(AssetModel, AssetEvent.asset_id == AssetModel.id)
+            .filter(AssetModel.name == "eagle3_training_data").order_by(AssetEvent.id))
+
+
+def _last_asset_event_id() -> int:
     from airflow.utils.session import create_session
 
     with create_session() as session:
-        q = session.query(AssetEvent).join(AssetModel, AssetEvent.asset_id == AssetModel.id).filter(AssetModel.name == "eagle3_training_data")
-        return [dict(e.extra or {}) for e in q.order_by(AssetEvent.id)]
+        return max((e.id for e in _training_data_events(session)), default=0)
+
+
+def _asset_events() -> list[dict]:
+    """Extras of the Asset events that this module's runs recorded so far."""
+    from airflow.utils.session import create_session
+
+    with create_session() as session:
+        return [dict(e.extra or {}) for e in _training_data_events(session) if e.id > _EVENTS_BEFORE]
 
 
 def _latest_run_id(dag) -> str:

@@ -97,3 +97,24 @@ def test_workers_beyond_the_shards_get_none(tiny_model_dir, store):
     assert [len(w["shards"]) for w in untokened] == [3, 2]  # no token counts: spread by shard count
     one = pipeline.extract_workers(_run(tiny_model_dir, workers=1), store, shards)
     assert [s["name"] for s in one[0]["shards"]] == [s["name"] for s in shards]  # merge order kept
+
+
+def test_stale_hidden_states_are_discarded_under_their_lease(store, generations, tiny_model_dir):  # noqa: F811
+    """A new merge (or other params) discards the run's hidden states, but not under a committer
+    (or `stage discard`) that holds the stage's lease: StageBusy, and the stage stays as it was."""
+    from eagle3_data import pipeline
+    from eagle3_data.hidden_states.extract import commit_extraction, extract_shard
+    from eagle3_data.merge import merge_datasets
+    from eagle3_data.storage import StageBusy
+
+    run = _run(tiny_model_dir, workers=1)
+    merge_ref, out_ref = StageRef(RUN, "merge", "all"), StageRef(RUN, "hidden_states", "all")  # the pipeline's stages
+    for shard in merge_datasets(store, generations, RUN, shard_tokens=400, max_length=40)["shards"]:
+        extract_shard(store, shard, tiny_model_dir, out_ref)
+    commit_extraction(store, merge_ref, out_ref)
+    with store.lease(out_ref):
+        with pytest.raises(StageBusy, match="is being written by"):
+            pipeline.discard_hidden_states(run, store)
+    store.verify(out_ref)
+    pipeline.discard_hidden_states(run, store)
+    assert not store.is_complete(out_ref) and not store.committed_files(out_ref)

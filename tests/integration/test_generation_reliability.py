@@ -112,7 +112,9 @@ def test_credits_exhausted_stops_cleanly(store, start_dev_server, kimi_tokenizer
 def test_sigkill_mid_stage_then_resume_cli(store, s3_server, start_dev_server, kimi_tokenizer_dir, tmp_path):
     """The CLI end to end; a SIGKILL mid-stage; resume: 0 lost, 0 duplicated; journaled answers are
     replayed, not requested again, so only answers in transit at the kill can be paid twice."""
-    server = start_dev_server({"price_per_token": PRICE, "endpoints": {"chat": {"latency": {"dist": "fixed", "mean": 0.05}}}})
+    # 0.15 s per answer at 4 in flight: ~27 answers/s, so the 4-row kill window below lasts ~0.15 s,
+    # several polls even on a loaded machine (at 0.05 s a busy CI machine polled past every window)
+    server = start_dev_server({"price_per_token": PRICE, "endpoints": {"chat": {"latency": {"dist": "fixed", "mean": 0.15}}}})
     src = tmp_path / "chat.jsonl"
     with src.open("w") as f:
         for i in range(100):
@@ -139,7 +141,8 @@ def test_sigkill_mid_stage_then_resume_cli(store, s3_server, start_dev_server, k
         committed = len(store.committed_sample_ids(ref))
         if committed >= 30 and committed + 3 <= journaled() <= committed + 6:
             break
-        time.sleep(0.05)
+        time.sleep(0.02)
+    assert proc.poll() is None, f"the CLI ended before the kill window (exit {proc.returncode}): {proc.communicate()[0][-2000:]}"
     os.kill(proc.pid, signal.SIGKILL)
     logs.append(proc.communicate()[0])
     killed_at = len(store.committed_sample_ids(ref))

@@ -86,6 +86,8 @@ def test_rarer_gc_leaves_a_host_freeze_as_it_was():
         held = gc.get_freeze_count()
         with openrouter.fewer_gc_pauses():
             assert gc.get_threshold() == (50_000, 20, 1000)
-        assert gc.get_freeze_count() == held
+        # not `== held`: a frozen object whose last reference goes (another thread's, say) leaves
+        # the permanent generation, so the count may fall by a few; a thaw empties it
+        assert gc.get_freeze_count() > held // 2 > 0
     finally:
         gc.unfreeze()

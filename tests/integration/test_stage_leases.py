@@ -96,3 +96,26 @@ def test_second_committer_of_an_extraction_fails_fast(store, generations, tiny_m
     assert not store.is_complete(OUT_REF)
     commit_extraction(store, MERGE_REF, OUT_REF)
     store.verify(OUT_REF)
+
+
+def test_a_shard_extracted_from_an_earlier_merge_is_redone_not_committed(store, generations, tiny_model_dir):  # noqa: F811
+    """A re-merge writes other bytes under the same shard names. A worker still extracting the
+    old merge (a zombie; its lease is per shard) can put its summary in place after the re-merge
+    discarded the stage: that summary is neither skipped on resume nor committed, since its
+    states belong to other token ids."""
+    from eagle3_data.hidden_states.extract import merged_sha256s
+    from eagle3_data.storage import IncompleteStage
+
+    old = merge_datasets(store, generations, RUN, shard_tokens=400, max_length=40, seed=1)["shards"]
+    zombie = extract_shard(store, old[0], tiny_model_dir, OUT_REF)
+    new = merge_datasets(store, generations, RUN, shard_tokens=400, max_length=40, seed=2)["shards"]
+    sha = merged_sha256s(store.read_manifest(MERGE_REF))[new[0]["name"]]
+    assert new[0]["name"] == old[0]["name"] and zombie["merged_shard"]["sha256"] != sha
+    for shard in new[1:]:
+        extract_shard(store, shard, tiny_model_dir, OUT_REF)
+    with pytest.raises(IncompleteStage, match=rf"1 merged shards not extracted yet \(or extracted from an earlier merge\): \['{new[0]['name']}'\]"):
+        commit_extraction(store, MERGE_REF, OUT_REF)
+    redone = extract_shard(store, new[0], tiny_model_dir, OUT_REF)
+    assert not redone.get("skipped") and redone["merged_shard"]["sha256"] == sha
+    assert commit_extraction(store, MERGE_REF, OUT_REF)["totals"]["samples"] == sum(s["samples"] for s in new)
+    store.verify(OUT_REF)

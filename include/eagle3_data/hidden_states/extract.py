@@ -10,6 +10,7 @@ per-layer norm outliers go into the summary for a person to look at.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import queue
 import threading
@@ -267,6 +268,25 @@ def summary_name(shard_name: str) -> str:
     return f"{Path(shard_name).stem}.summary.json"
 
 
+def merged_sha256s(merge_manifest: dict) -> dict[str, str]:
+    """The sha256 of every shard a merge manifest lists, by name: what an extraction of a shard
+    is tied to (a re-merge writes new bytes under the same shard names)."""
+    return {f["name"]: f["sha256"] for f in merge_manifest.get("files", [])}
+
+
+def extracted(store, out_ref: StageRef, shard, merged_sha256: str | None, committed: set[str] | None = None) -> dict | None:
+    """The committed summary of `shard` if it was extracted from the bytes `merged_sha256` names,
+    else None (not extracted, or extracted from an earlier merge's shard of the same name: a
+    zombie worker that finished after a re-merge deleted the stage). Only a summary that is
+    `extracted` is skipped on resume or committed, so no states are ever paired with other ids.
+    `committed`: the caller's `store.committed_files(out_ref)`, when it has one."""
+    name = summary_name(_shard_ref(shard)[1])
+    if name not in (store.committed_files(out_ref) if committed is None else committed):
+        return None
+    summary = store.get_json(out_ref, name)
+    return summary if merged_sha256 and summary.get("merged_shard", {}).get("sha256") == merged_sha256 else None
+
+
 def extract_shard(
     store,
     shard,
@@ -282,10 +302,12 @@ def extract_shard(
     out_shard_tokens: int = 65_536,
     backend: HiddenStateBackend | None = None,
     work_dir: str | Path | None = None,
+    merged_sha256: str | None = None,
 ) -> dict:
     """Extract one merged shard into `out_ref` (the DAG maps this over the merge's shards).
 
-    Resumable by shard: a shard whose summary file was committed by an earlier attempt is skipped.
+    Resumable by shard: a shard whose summary was committed by an earlier attempt from the same
+    merged bytes (`merged_sha256`: the merge manifest's, read here unless given) is skipped.
     Each output file is uploaded by the writer thread as soon as it is written, then deleted
     locally, so local disk holds at most a couple of output files. Call `commit_extraction`
     once all shards are done.
@@ -293,22 +315,29 @@ def extract_shard(
     import tempfile
 
     from eagle3_data.hidden_states.backends import TransformersBackend
+    from eagle3_data.storage import IncompleteStage
 
     merged_ref, name = _shard_ref(shard)
-    done_marker = summary_name(name)
-    if done_marker in store.committed_files(out_ref):
-        return {**store.get_json(out_ref, done_marker), "skipped": True}
+    merged_sha256 = merged_sha256 or merged_sha256s(store.read_manifest(merged_ref)).get(name)
+    if merged_sha256 is None:
+        raise IncompleteStage(f"{store.uri(merged_ref, name)} is not in its merge's manifest")
+    if (done := extracted(store, out_ref, shard, merged_sha256)) is not None:
+        return {**done, "skipped": True}
     options = ExtractOptions(convention=convention, layer_ids=layers, last_hidden=last_hidden,
                              token_budget=token_budget, out_shard_tokens=out_shard_tokens, use_fp8=use_fp8,
                              storage_dtype=storage_dtype)
     # One writer per shard, not per stage: the GPU workers of one stage extract different shards in
     # parallel, while a second writer of the same shard (a zombie and its retry) gets StageBusy.
     with store.lease(out_ref, scope=Path(name).stem) as lease:
-        if done_marker in store.committed_files(out_ref):  # finished by the writer that held it before us
-            return {**store.get_json(out_ref, done_marker), "skipped": True}
+        if (done := extracted(store, out_ref, shard, merged_sha256)) is not None:  # done by the writer before us
+            return {**done, "skipped": True}
         backend = backend or TransformersBackend(model_dir)
         with tempfile.TemporaryDirectory(prefix="eagle3-extract-", dir=work_dir) as tmp:
             local = store.get_file(merged_ref, name, Path(tmp) / name)
+            with local.open("rb") as f:
+                if hashlib.file_digest(f, "sha256").hexdigest() != merged_sha256:
+                    raise IncompleteStage(f"{store.uri(merged_ref, name)} differs from its merge manifest "
+                                          f"(a merge is rewriting it): extract once that merge is committed")
             rows = read_merged_rows([local])
             local.unlink()
 
@@ -319,9 +348,9 @@ def extract_shard(
 
             summary = extract_rows(backend, rows, Path(tmp) / "out", Path(name).stem, options, on_file=upload)
         summary["merged_shard"] = {"run_key": merged_ref.run_key, "stage": merged_ref.stage,
-                                   "dataset": merged_ref.dataset, "name": name}
+                                   "dataset": merged_ref.dataset, "name": name, "sha256": merged_sha256}
         lease.check()
-        store.put_json(out_ref, done_marker, summary)  # last: its presence marks the shard done
+        store.put_json(out_ref, summary_name(name), summary)  # last: its presence marks the shard done
     return summary
 
 
@@ -335,12 +364,15 @@ def _commit_extraction(store, merge_ref, out_ref, params: dict | None, lease) ->
     from eagle3_data.merge import merged_shards
     from eagle3_data.storage import IncompleteStage
 
-    shards = merged_shards(store, merge_ref)
+    manifest = store.read_manifest(merge_ref)
+    shards, shas = merged_shards(store, merge_ref, manifest), merged_sha256s(manifest)
     committed = store.committed_files(out_ref)
-    missing = [s["name"] for s in shards if summary_name(s["name"]) not in committed]
+    found = {s["name"]: extracted(store, out_ref, s, shas.get(s["name"]), committed) for s in shards}
+    missing = [name for name, summary in found.items() if summary is None]
     if missing:
-        raise IncompleteStage(f"{store.uri(out_ref)}: {len(missing)} merged shards not extracted yet: {missing[:5]}")
-    summaries = [store.get_json(out_ref, summary_name(s["name"])) for s in shards]
+        raise IncompleteStage(f"{store.uri(out_ref)}: {len(missing)} merged shards not extracted yet "
+                              f"(or extracted from an earlier merge): {missing[:5]}")
+    summaries = list(found.values())
     files = [f["name"] for s in summaries for f in s["files"]] + [summary_name(s["name"]) for s in shards]
     first = summaries[0] if summaries else {}
     totals = {

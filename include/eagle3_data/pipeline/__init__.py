@@ -13,7 +13,13 @@ complete with the same params and input manifests is not recomputed, so a rerun 
 """
 
 from eagle3_data.pipeline.audit import audit_tokenizer
-from eagle3_data.pipeline.extract import commit_hidden_states, extract_hidden_states, extract_workers, hidden_states_params
+from eagle3_data.pipeline.extract import (
+    commit_hidden_states,
+    discard_hidden_states,
+    extract_hidden_states,
+    extract_workers,
+    hidden_states_params,
+)
 from eagle3_data.pipeline.generate import generate_local, generate_overflow
 from eagle3_data.pipeline.merge import merge
 from eagle3_data.pipeline.publish import publish
@@ -60,6 +66,7 @@ __all__ = [
     "audit_tokenizer",
     "check_prompt_sources",
     "commit_hidden_states",
+    "discard_hidden_states",
     "extract_workers",
     "extract_hidden_states",
     "gate_results",

@@ -18,6 +18,17 @@ def hidden_states_params(run: Run) -> dict:
             "backend": h.backend}
 
 
+def discard_hidden_states(run: Run, store) -> None:
+    """Delete the run's hidden states (a new merge or other params make them stale) under the
+    stage's lease: StageBusy while a committer or `stage discard` holds it, so no commit lands
+    half on the deleted stage. A shard worker still running on the old merge may write its
+    summary afterwards: `extracted()` ties a summary to its merged shard's sha256, so that one is
+    redone, never committed."""
+    out_ref = stage_ref(run, HIDDEN_STATES, RUN_DATASET)
+    with store.lease(out_ref):
+        store.delete(out_ref)
+
+
 def extract_workers(run: Run, store, shards: list[dict]) -> list[dict]:
     """The merged shards split over `hidden_states.workers` GPU workers, balanced by tokens
     (largest shard first to the least loaded worker; shard order kept within a worker). The DAG
@@ -28,8 +39,7 @@ def extract_workers(run: Run, store, shards: list[dict]) -> list[dict]:
     before the workers start: a worker deleting them could delete a concurrent worker's output."""
     out_ref = stage_ref(run, HIDDEN_STATES, RUN_DATASET)
     if shards and store.is_complete(out_ref) and not same_params(store.read_manifest(out_ref), hidden_states_params(run)):
-        with store.lease(out_ref):  # StageBusy while another committer works on the stage
-            store.delete(out_ref)  # other convention or model: start over
+        discard_hidden_states(run, store)  # other convention or model: start over
     n = min(run.config.hidden_states.workers, len(shards))
     loads, assigned = [0] * n, [[] for _ in range(n)]
     for i in sorted(range(len(shards)), key=lambda i: -int(shards[i].get("tokens") or 0)):
@@ -47,16 +57,18 @@ def extract_hidden_states(run: Run, store, work: dict) -> ExtractWorkerResult:
     import time
 
     from eagle3_data.hidden_states.backends import shared_backend
-    from eagle3_data.hidden_states.extract import extract_shard, summary_name
+    from eagle3_data.hidden_states.extract import extract_shard, extracted, merged_sha256s
 
     params = hidden_states_params(run)
     out_ref = stage_ref(run, HIDDEN_STATES, RUN_DATASET)  # stale params were cleared by extract_workers
     model_dir = resolve_source(run.config.model.source)
     h = run.config.hidden_states
+    shas = merged_sha256s(store.read_manifest(stage_ref(run, MERGE, RUN_DATASET)))
+    committed = store.committed_files(out_ref)  # one listing: shards done before this worker started
     backend, loads, results = None, 0, []
     for shard in work["shards"]:
-        if summary_name(shard["name"]) in store.committed_files(out_ref):
-            summary = {**store.get_json(out_ref, summary_name(shard["name"])), "skipped": True}
+        if (done := extracted(store, out_ref, shard, shas.get(shard["name"]), committed)) is not None:
+            summary = {**done, "skipped": True}
         else:
             if backend is None:
                 t0 = time.perf_counter()
@@ -67,7 +79,7 @@ def extract_hidden_states(run: Run, store, work: dict) -> ExtractWorkerResult:
                 log.info("hidden states worker %s: %s backend ready in %.1f s for %d shards",
                          work["worker"], params["backend"], time.perf_counter() - t0, len(work["shards"]))
             summary = extract_shard(
-                store, shard, model_dir, out_ref, backend=backend,
+                store, shard, model_dir, out_ref, backend=backend, merged_sha256=shas.get(shard["name"]),
                 convention=params["convention"], last_hidden=params["last_hidden"], token_budget=params["token_budget"],
             )
         results.append(ShardResult(shard=shard["name"], samples=summary["samples"], tokens=summary["tokens"],

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from eagle3_data.errors import GateFailed
+from eagle3_data.pipeline.extract import discard_hidden_states
 from eagle3_data.pipeline.results import MergeResult
 from eagle3_data.pipeline.reuse import reusable
 from eagle3_data.pipeline.run import Run, output_format, stage_ref
 from eagle3_data.pipeline.validate import gate_results
-from eagle3_data.stages import AUDIT, AUDIT_DATASET, HIDDEN_STATES, LOCAL, MERGE, RECONSTRUCT, RUN_DATASET
+from eagle3_data.stages import AUDIT, AUDIT_DATASET, LOCAL, MERGE, RECONSTRUCT, RUN_DATASET
 
 
 def merge(run: Run, store) -> MergeResult:
@@ -28,7 +29,7 @@ def merge(run: Run, store) -> MergeResult:
     ref = stage_ref(run, MERGE, RUN_DATASET)
     with store.lease(ref) as held:  # one merge per run key: a second (zombie, manual rerun) gets StageBusy
         if (manifest := reusable(store, ref, inputs, params)) is None:
-            store.delete(stage_ref(run, HIDDEN_STATES, RUN_DATASET))  # extracted from the old merge: stale
+            discard_hidden_states(run, store)  # extracted from the old merge: stale
             summary = merge_datasets(store, inputs, run.run_key, **params, out_dataset=RUN_DATASET,
                                      vocab_size=output_format(run, store, template=False).vocab_size, lease=held)
             shards, totals = summary["shards"], summary["totals"]
