@@ -16,7 +16,6 @@ Where the files are (`source`):
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import re
 import tempfile
@@ -28,6 +27,7 @@ from typing import Any
 import pyarrow as pa
 
 from eagle3_data.errors import UserError
+from eagle3_data.rejects import REJECTS_FILE, format_rejects, rejects_parquet
 from eagle3_data.spill import RowSpill
 from eagle3_data.storage import StageRef, canonical_json, check_name
 
@@ -165,12 +165,12 @@ def write_prompt_load(store, ref: StageRef, load: PromptLoad, *, params: dict | 
     """Write a load as a `prompts` stage with `rejects.parquet` beside it; counts in the manifest.
     A load with no accepted row is refused (UserError) and nothing is written."""
     require_rows(load, store.uri(ref))
-    data = rejects_parquet(load)
+    data = rejects_parquet(load.rejects)
     with store.writer(ref, "prompts", rows_per_part=rows_per_part, params=params, inputs=load.sources) as w:
-        store.put_bytes(ref, "rejects.parquet", data)
+        store.put_bytes(ref, REJECTS_FILE, data)
         for batch in load.rows.batches():
             w.write(pa.Table.from_batches([batch]))
-        return w.commit(extra={"counts": dict(load.counts)}, files=["rejects.parquet"])
+        return w.commit(extra={"counts": dict(load.counts)}, files=[REJECTS_FILE])
 
 
 def _check_bytes(messages: list[dict], max_bytes: int | None) -> None:
@@ -212,31 +212,10 @@ def limit_prompt_tokens(load: PromptLoad, max_tokens: int | None,
     load.counts["rows"] = len(load.rows)
 
 
-def reject_groups(rejects: list[dict]) -> dict[str, list[dict]]:
-    """Rejects grouped by kind (the field with indices dropped, and the reason without values)."""
-    groups: dict[str, list[dict]] = {}
-    for r in rejects:
-        groups.setdefault(_reject_kind(r), []).append(r)
-    return dict(sorted(groups.items(), key=lambda kv: -len(kv[1])))
-
-
-def _reject_kind(r: dict) -> str:
-    field_ = re.sub(r"\[\d+\]", "[]", r.get("field") or "row")
-    reason = r["reason"].split(f"{r.get('field')}: ", 1)[-1] if r.get("field") else r["reason"].rsplit(": ", 1)[-1]
-    reason = re.sub(r"'[^']*'|(?<![\w-])\d+(?![\w-])", "…", reason)[:80]
-    return f"{field_}: {reason}"
-
-
-def format_rejects(load: PromptLoad, per_kind: int = 3, where: str = "") -> str:
-    """What a person must see about a load: rejected / read, a count per kind of reject, and the
-    first few of each kind with their file, line and field."""
-    if not load.rejects:
-        return f"{load.counts.get('read', 0)} prompt rows read, none rejected"
-    lines = [f"REJECTED {len(load.rejects)} of {load.counts.get('read', 0)} prompt rows{where}:"]
-    for kind, rows in reject_groups(load.rejects).items():
-        lines.append(f"  {len(rows):>6} x {kind}")
-        lines += [f"           {r['reason'][:300]}" for r in rows[:per_kind]]
-    return "\n".join(lines)
+def format_load_rejects(load: PromptLoad, per_kind: int = 3, where: str = "") -> str:
+    """What a person must see about a load (`rejects.format_rejects`): rejected / read, a count
+    per kind of reject, and the first few of each kind with their file, line and field."""
+    return format_rejects(load.rejects, load.counts.get("read", 0), per_kind=per_kind, rows=f"prompt rows{where}")
 
 
 def prompt_token_limit(tokenizer, configured: int | None, max_new_tokens: int) -> int | None:
@@ -256,17 +235,6 @@ def require_rows(load: PromptLoad, what: str) -> None:
         first = load.rejects[0]["reason"] if load.rejects else "the files hold no rows"
         raise UserError(f"{what}: 0 usable prompt rows ({load.counts.get('read', 0)} read, "
                         f"{load.counts.get('rejected', 0)} rejected; first: {first}); nothing committed")
-
-
-def rejects_parquet(load: PromptLoad) -> bytes:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from eagle3_data.schemas import schema_for
-
-    sink = io.BytesIO()
-    pq.write_table(pa.Table.from_pylist(load.rejects, schema=schema_for("rejects")), sink, compression="zstd")
-    return sink.getvalue()
 
 
 # -- validation and normalisation -------------------------------------------------------------------

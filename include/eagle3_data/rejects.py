@@ -1,10 +1,11 @@
-"""Rejected rows of the row stages after generation (reconstruct, validate): kept and shown.
+"""Rejected rows, kept and shown: prompt loading and the row stages after generation
+(reconstruct, validate) share one record, one file and one summary.
 
-A row a stage cannot use was paid for; dropping it silently would hide both the cost and the
-defect. So such a stage writes `rejects.parquet` beside its parts in the one rejects schema
-(`schemas.REJECTS`, the one prompt loading uses: dataset, source, line, field, reason, raw), logs
-a count per kind of reject with the first few of each, and when rows came in but none was
-accepted it fails before its manifest: an empty stage would otherwise be reused as if complete.
+A row a stage cannot use may have been paid for; dropping it silently would hide both the cost
+and the defect. So such a stage writes `rejects.parquet` beside its parts in the one rejects
+schema (`schemas.REJECTS`: dataset, source, line, field, reason, raw), logs a count per kind of
+reject with the first few of each, and when rows came in but none was accepted it fails before
+its manifest: an empty stage would otherwise be reused as if complete.
 """
 
 from __future__ import annotations
@@ -46,25 +47,43 @@ def rejects_parquet(rejects: list[dict]) -> bytes:
 
 def reject_kind(r: dict) -> str:
     """The reason a reject shares with others of its kind: field without indices, reason without
-    the parenthesised detail (a parser's message), quoted values or numbers."""
+    its place (a prompt reject's "<file> line N: <field>: "), the parenthesised detail (a
+    parser's message), quoted values or numbers."""
     field_ = re.sub(r"\[\d+\]", "[]", r.get("field") or "row")
-    reason = re.sub(r"\s*\([^)]*\)", "", r["reason"])
+    reason = r["reason"]
+    if r.get("field") and f"{r['field']}: " in reason:
+        reason = reason.split(f"{r['field']}: ", 1)[1]
+    else:
+        reason = re.sub(r"^.*? line \d+: ", "", reason)
+    reason = re.sub(r"\s*\([^)]*\)", "", reason)
     reason = re.sub(r"'[^']*'|(?<![\w-])\d+(?![\w-])", "…", reason)[:100]
     return f"{field_}: {reason}"
 
 
-def format_rejects(rejects: list[dict], read: int, what: str, per_kind: int = 3) -> str:
-    """A count per kind of reject and the first few of each, with their row and field."""
-    if not rejects:
-        return f"{what}: {read} rows read, none rejected"
+def reject_groups(rejects: list[dict]) -> dict[str, list[dict]]:
+    """Rejects by kind (`reject_kind`), the most common kind first."""
     groups: dict[str, list[dict]] = {}
     for r in rejects:
         groups.setdefault(reject_kind(r), []).append(r)
-    lines = [f"{what}: REJECTED {len(rejects)} of {read} rows:"]
-    for kind, rows in sorted(groups.items(), key=lambda kv: -len(kv[1])):
-        lines.append(f"  {len(rows):>6} x {kind}")
-        lines += [f"           row {r['line']} field {r['field']}: {r['reason'][:300]}" for r in rows[:per_kind]]
+    return dict(sorted(groups.items(), key=lambda kv: -len(kv[1])))
+
+
+def format_rejects(rejects: list[dict], read: int, what: str = "", per_kind: int = 3, rows: str = "rows") -> str:
+    """A count per kind of reject and the first few of each, with their place: a prompt reject's
+    reason starts with its file and line; a stage's reject is shown with its row and field."""
+    head = f"{what}: " if what else ""
+    if not rejects:
+        return f"{head}{read} {rows} read, none rejected"
+    lines = [f"{head}REJECTED {len(rejects)} of {read} {rows}:"]
+    for kind, group in reject_groups(rejects).items():
+        lines.append(f"  {len(group):>6} x {kind}")
+        lines += [f"           {_placed(r)[:300]}" for r in group[:per_kind]]
     return "\n".join(lines)
+
+
+def _placed(r: dict) -> str:
+    located = r["reason"].startswith(f"{r['source']} line ")
+    return r["reason"] if located else f"row {r['line']} field {r['field']}: {r['reason']}"
 
 
 def require_accepted(accepted: int, read: int, rejects: list[dict], what: str, uri: str) -> None:

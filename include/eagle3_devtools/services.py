@@ -95,37 +95,31 @@ def group_members(pgid: int) -> list[int]:
 
 def kill_group(pgid: int, sig: int = signal.SIGTERM, grace: float = 10.0) -> None:
     """Signal the group, wait up to `grace` s for all its members to exit, then SIGKILL the rest."""
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + grace
-    while group_members(pgid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if group_members(pgid):
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + 10
-        while group_members(pgid) and time.monotonic() < deadline:
-            time.sleep(0.05)
+    stop_groups([(pgid, sig)], grace)
 
 
 def stop_groups(groups: list[tuple[int, int]], grace: float) -> None:
-    """`kill_group` for several groups at once: each (pgid, signal) is signalled, then all share
-    one grace period before the SIGKILL of whatever is left."""
+    """Signal each (pgid, signal) at once; all share one grace period, then whatever is left of
+    them gets SIGKILL (and 10 s more to be gone)."""
+    _signal_groups(groups)
+    _wait_gone([pgid for pgid, _ in groups], grace)
+    left = [pgid for pgid, _ in groups if group_members(pgid)]
+    _signal_groups([(pgid, signal.SIGKILL) for pgid in left])
+    _wait_gone(left, 10)
+
+
+def _signal_groups(groups: list[tuple[int, int]]) -> None:
     for pgid, sig in groups:
         try:
             os.killpg(pgid, sig)
         except ProcessLookupError:
             pass
-    deadline = time.monotonic() + grace
-    while any(group_members(pgid) for pgid, _ in groups) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    for pgid, _ in groups:
-        if group_members(pgid):
-            kill_group(pgid, signal.SIGKILL, grace=10)
+
+
+def _wait_gone(pgids: list[int], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(group_members(pgid) for pgid in pgids) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def reap_leftovers(state_file: Path) -> list[str]:

@@ -12,12 +12,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3_data.dev.processes import free_port
+from eagle3_data.dev.processes import free_port, wait_http_ok
+from eagle3_devtools.services import kill_group
 
 SERVED_MODEL_NAME = "tiny-kimi"
 
@@ -40,29 +39,13 @@ class VllmServer:
         return json.dumps({"conn_type": "http", "host": "127.0.0.1", "port": self.port, "schema": "http"})
 
     def wait_healthy(self, timeout_s: float = 600.0) -> None:
-        """Poll /health; a server that exits or stays unhealthy raises RuntimeError with the end of its log."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm server exited ({self.proc.returncode}):\n{self.log_path.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vllm server not healthy in {timeout_s:.0f} s:\n{self.log_path.read_text()[-3000:]}")
-            time.sleep(0.5)
+        """Return once /health answers 200; UserError (naming the log) if the server exits first or the deadline passes."""
+        wait_http_ok(self.url + "/health", [self.proc], "the vllm server", self.log_path, timeout_s)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+            kill_group(self.proc.pid, signal.SIGTERM, grace=30)
+        self.proc.wait()
 
 
 def start_vllm_server(python: str, model_dir: str | os.PathLike, log_path: Path, *, max_model_len: int = 2048,

@@ -186,10 +186,10 @@ def test_unsupported_file_type_and_empty_loads_are_refused(tmp_path):
 
 
 def test_rejects_are_grouped_by_kind_with_the_first_few_shown(tmp_path):
-    from eagle3_data.prompts import format_rejects
+    from eagle3_data.prompts import format_load_rejects
 
     bots = [json.dumps({"messages": [{"role": "bot", "content": str(i)}]}).encode() for i in range(5)]
-    text = format_rejects(_load_lines(tmp_path, [b"{bad", *bots]), per_kind=2)
+    text = format_load_rejects(_load_lines(tmp_path, [b"{bad", *bots]), per_kind=2)
     assert text.splitlines()[0] == "REJECTED 6 of 6 prompt rows:"
     assert "5 x messages[].role: … is not one of system, user, assistant, tool" in text
     assert "line 2: messages[0].role: 'bot'" in text and "line 3:" in text and "line 4:" not in text

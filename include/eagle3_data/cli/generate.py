@@ -57,13 +57,13 @@ def _run(args: argparse.Namespace) -> int:
     from eagle3_data.config import load_config, resolve_source
     from eagle3_data.generation.progress import TqdmProgress
     from eagle3_data.prompts import (
-        format_rejects,
+        format_load_rejects,
         limit_prompt_tokens,
         load_prompts,
         prompt_token_limit,
-        rejects_parquet,
         require_rows,
     )
+    from eagle3_data.rejects import REJECTS_FILE, rejects_parquet
     from eagle3_data.storage import ArtifactStore, StageRef, s3_client
     from eagle3_data.storage.lease import refuse_if_busy
     from eagle3_data.tokenizer import load_tokenizer
@@ -81,7 +81,7 @@ def _run(args: argparse.Namespace) -> int:
     load = load_prompts(args.prompts, args.dataset, date=None, sampling=sampling, repeats=g.repeats, client=client,
                         max_message_bytes=cfg.limits.max_message_bytes)
     if not load.rows:  # fail before the tokenizer loads
-        print(format_rejects(load, where=f" of {args.prompts}"), file=sys.stderr)
+        print(format_load_rejects(load, where=f" of {args.prompts}"), file=sys.stderr)
         require_rows(load, f"--prompts {args.prompts}")
     refuse_if_busy(store, ref)  # a second writer exits here, before the tokenizer's seconds of loading
     if store.is_complete(ref):
@@ -97,7 +97,7 @@ def _run(args: argparse.Namespace) -> int:
     fmt = get_output_format(tokenizer, thinking=g.sampling.thinking)
     limit_prompt_tokens(load, prompt_token_limit(tokenizer, cfg.limits.max_prompt_tokens, g.sampling.max_new_tokens),
                         lambda messages, tools: len(fmt.generation_prompt_ids(messages, tools)))
-    print(format_rejects(load, where=f" of {args.prompts} (rejects.parquet beside the stage's parts)"), file=sys.stderr)
+    print(format_load_rejects(load, where=f" of {args.prompts} (rejects.parquet beside the stage's parts)"), file=sys.stderr)
     require_rows(load, f"--prompts {args.prompts}")
     rows = load.rows
     given = args.endpoint if args.engine == "local" else args.base_url
@@ -109,7 +109,7 @@ def _run(args: argparse.Namespace) -> int:
             stack.callback(server.stop)
             print(f"dev inference server on {server.url}", file=sys.stderr)
         common = dict(inputs=load.sources, progress=TqdmProgress(), journal_dir=args.journal_dir, routes=None,
-                      rerun=args.rerun, side_files={"rejects.parquet": rejects_parquet(load)})
+                      rerun=args.rerun, side_files={REJECTS_FILE: rejects_parquet(load.rejects)})
         if args.engine == "local":
             if cfg.generation.local.engine == "vllm":  # vLLM OpenAI servers instead of SGLang
                 from eagle3_data.generation.vllm import generate_local

@@ -101,7 +101,7 @@ def rates(inputs: dict):
 
 def load_route(run: Run, store, dataset: str) -> RouteResult:
     from eagle3_data.generation.routing import assign_routes
-    from eagle3_data.prompts import format_rejects, limit_prompt_tokens, load_prompts, prompt_files, prompt_token_limit
+    from eagle3_data.prompts import format_load_rejects, limit_prompt_tokens, load_prompts, prompt_files, prompt_token_limit
 
     ds, g, limits = run.config.dataset(dataset), run.config.generation, run.config.limits
     # missing prompt files fail before the tokenizer's seconds of loading; the tokenizer loads
@@ -113,7 +113,7 @@ def load_route(run: Run, store, dataset: str) -> RouteResult:
                           max_message_bytes=limits.max_message_bytes)
     limit = prompt_token_limit(tokenizer_for(run, store), limits.max_prompt_tokens, g.sampling.max_new_tokens)
     limit_prompt_tokens(loaded, limit, lambda messages, tools: len(fmt.generation_prompt_ids(messages, tools)))
-    log.info("dataset %s: %s", dataset, format_rejects(loaded))
+    log.info("dataset %s: %s", dataset, format_load_rejects(loaded))
     rc = run.config.routing
     balance = None
     if rc.strategy == "balanced" and not run.dry_run:
