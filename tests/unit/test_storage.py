@@ -306,8 +306,12 @@ def test_put_file_multipart_roundtrip_and_commit_files(s3, s3_bucket, tmp_path):
     manifest = store.commit_files(ref, [shard.name], params={"layers": [2, 4, 6]})
     assert manifest["files"][0]["sha256"] == hashlib.sha256(shard.read_bytes()).hexdigest()
     store.verify(ref)
-    out = store.get_file(ref, shard.name, tmp_path / "back.safetensors")
+    out = store.get_file(ref, shard.name, tmp_path / "back.safetensors", sha256=manifest["files"][0]["sha256"])
     assert out.read_bytes() == shard.read_bytes()
+    # the caller's manifest names other bytes (the file was uploaded again since): refused, nothing downloaded
+    with pytest.raises(IncompleteStage, match="differs from the manifest that lists it"):
+        store.get_file(ref, shard.name, tmp_path / "stale.safetensors", sha256="0" * 64)
+    assert not (tmp_path / "stale.safetensors").exists()
     flip_byte(store, store.key(ref, shard.name), offset=7)
     with pytest.raises(CorruptArtifact, match=shard.name):
         store.get_file(ref, shard.name, tmp_path / "again.safetensors")

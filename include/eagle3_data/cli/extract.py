@@ -55,7 +55,7 @@ def _run_extract(args: argparse.Namespace) -> int:
     from eagle3_data.errors import UserError
     from eagle3_data.hidden_states.backends import shared_backend
     from eagle3_data.hidden_states.extract import (
-        ExtractOptions, commit_extraction, extract_rows, extract_shard, read_merged_rows,
+        ExtractOptions, commit_extraction, extract_rows, extract_shard, merged_sha256s, read_merged_rows,
     )
     from eagle3_data.merge import merged_shards
 
@@ -81,11 +81,13 @@ def _run_extract(args: argparse.Namespace) -> int:
         if (bucket, prefix) != (out_bucket, out_prefix):
             raise UserError("--input and --out must be in the same bucket and prefix")
         store = open_store(args, bucket, prefix)
-        shards = merged_shards(store, merge_ref)
-        for shard in shards:
+        manifest = store.read_manifest(merge_ref)
+        shas = merged_sha256s(manifest)
+        for shard in merged_shards(store, merge_ref, manifest):
             summary = extract_shard(store, shard, args.model, out_ref, convention=args.convention, layers=layers,
                                     last_hidden=args.last_hidden, use_fp8=args.fp8, storage_dtype=args.storage_dtype,
-                                    token_budget=args.token_budget, out_shard_tokens=args.shard_tokens, backend=backend)
+                                    token_budget=args.token_budget, out_shard_tokens=args.shard_tokens, backend=backend,
+                                    merged_sha256=shas.get(shard["name"]))
             print(f"{shard['name']}: {summary['samples']} samples, {summary['tokens']} tokens"
                   f"{' (already done)' if summary.get('skipped') else ''}")
         params = {"convention": args.convention, "layers": layers, "last_hidden": args.last_hidden, "fp8": args.fp8,

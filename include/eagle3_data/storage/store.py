@@ -638,8 +638,10 @@ class ArtifactStore:
         log.info("uploaded %s (%d bytes)", self.uri(ref, name), size)
         return self.uri(ref, name)
 
-    def get_file(self, ref: StageRef, name: str, local_path: str | os.PathLike) -> Path:
-        """Download (parallel ranged GETs above the threshold) and check the sha256 recorded at upload."""
+    def get_file(self, ref: StageRef, name: str, local_path: str | os.PathLike, *, sha256: str | None = None) -> Path:
+        """Download (parallel ranged GETs above the threshold) and check the sha256 recorded at upload.
+        `sha256`: the one the caller's manifest lists; a file uploaded since with other bytes (the
+        stage is being rewritten) raises IncompleteStage before the download."""
         check_file_name(name)
         path = Path(local_path)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -647,6 +649,9 @@ class ArtifactStore:
         if record is None:
             raise IncompleteStage(f"{self.uri(ref, name)} was never uploaded through the store (no record)")
         expected = json.loads(record)
+        if sha256 is not None and expected["sha256"] != sha256:
+            raise IncompleteStage(f"{self.uri(ref, name)} differs from the manifest that lists it (the stage is "
+                                  f"being rewritten): retry once it is committed")
         with s3_errors(self.client, f"downloading {self.uri(ref, name)}"):
             try:
                 self.client.download_file(self.bucket, self.key(ref, name), str(path), Config=self.transfer)
