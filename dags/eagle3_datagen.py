@@ -58,16 +58,16 @@ def _run():
 
 def _gate(fn, *args):
     """Call a stage; a failed gate or bad input/config (UserError) becomes AirflowFailException:
-    no retries, since retrying cannot fix data. An unreachable S3 or a stage still leased by
-    another attempt stays retryable."""
+    no retries, since retrying cannot fix data. An unreachable S3 or endpoint, or a stage still
+    leased by another attempt, stays retryable."""
     from airflow.sdk.exceptions import AirflowFailException
 
-    from eagle3_data.errors import UserError
-    from eagle3_data.storage import StageBusy, StorageUnavailable
+    from eagle3_data.errors import ServiceUnavailable, UserError
+    from eagle3_data.storage import StageBusy
 
     try:
         return fn(*args)
-    except (StorageUnavailable, StageBusy):  # weather: an outage, or a zombie attempt's lease not yet expired
+    except (ServiceUnavailable, StageBusy):  # weather: S3 or an endpoint down, a zombie attempt's lease not yet expired
         raise
     except UserError as exc:
         raise AirflowFailException(str(exc)) from None

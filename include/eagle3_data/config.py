@@ -125,6 +125,10 @@ class LocalGenerationConfig(_Model):
         "(SGLang /server_info max_running_requests), else 64 (vLLM reports none)")
     rows_per_part: int = Field(256, ge=1, le=1_000_000, description="checkpoint every N samples")
     warmup_timeout_s: float = Field(600.0, gt=0, description="how long to wait for endpoints to become ready")
+    unreachable_timeout_s: float = Field(
+        15.0, gt=0, description="an endpoint that accepts no connection for this long (nothing listening, no route) "
+        "is reported dead before dispatch; one that answers (503 while it loads) is waited for up to warmup_timeout_s")
+    connect_timeout_s: float = Field(5.0, gt=0, description="bound on one TCP connection attempt to an endpoint")
     max_endpoint_failures: int = Field(3, ge=1, description="consecutive failures before an endpoint is dropped")
 
 
@@ -140,6 +144,9 @@ class OverflowGenerationConfig(_Model):
     max_usd: float = Field(10.0, ge=0.0, description="Hard OpenRouter spend cap per dataset in this run (USD).")
     price_usd_per_mtok: PriceConfig = Field(default_factory=PriceConfig, description="prices answers without usage.cost and dry-run estimates")
     rows_per_part: int = Field(64, ge=1, le=1_000_000, description="checkpoint every N samples")
+    unreachable_timeout_s: float = Field(
+        15.0, gt=0, description="the base URL accepting no connection for this long is reported before dispatch")
+    connect_timeout_s: float = Field(5.0, gt=0, description="bound on one TCP connection attempt to the base URL")
 
 
 class GenerationConfig(_Model):

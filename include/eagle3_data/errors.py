@@ -14,3 +14,13 @@ class GateFailed(UserError):
     """A validation gate failed: data is consistent enough to report, not to train on."""
 
     exit_code = 1
+
+
+class ServiceUnavailable(UserError):
+    """A service a stage needs (S3, an inference endpoint) did not answer: the message names it and
+    what was tried. Worth retrying later: the DAG lets Airflow retry it (with backoff), the CLI
+    prints it in one line."""
+
+
+class EndpointUnavailable(ServiceUnavailable):
+    """No inference endpoint (SGLang, vLLM, OpenRouter) accepted a connection or became ready."""

@@ -26,6 +26,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from eagle3_data import json_records
 from eagle3_data.errors import UserError
 from eagle3_data.rejects import REJECTS_FILE, format_rejects, rejects_parquet
 from eagle3_data.spill import RowSpill
@@ -245,10 +246,7 @@ def _normalise(record: Any) -> tuple[list[dict], list[dict] | None, int]:
         raise _Reject("messages", "missing")
     messages = record["messages"]
     if isinstance(messages, str):  # Parquet files often hold the list as a JSON string
-        try:
-            messages = json.loads(messages)
-        except ValueError:
-            raise _Reject("messages", "a string that is not JSON") from None
+        messages = _json_field(messages, "messages")
     if not isinstance(messages, list):
         raise _Reject("messages", f"expected a list, got {type(messages).__name__}")
     if not messages:
@@ -258,10 +256,7 @@ def _normalise(record: Any) -> tuple[list[dict], list[dict] | None, int]:
         raise _Reject(f"messages[{len(out) - 1}].role", "the last message is from the assistant: nothing to generate")
     tools = record.get("tools")
     if isinstance(tools, str):
-        try:
-            tools = json.loads(tools)
-        except ValueError:
-            raise _Reject("tools", "a string that is not JSON") from None
+        tools = _json_field(tools, "tools")
     if tools is not None:
         if not isinstance(tools, list):
             raise _Reject("tools", f"expected a list or null, got {type(tools).__name__}")
@@ -324,10 +319,7 @@ def _tool_call(c: Any, where: str) -> dict:
         args = json.dumps(args, ensure_ascii=False)
     if not isinstance(args, str):
         raise _Reject(f"{where}.function.arguments", f"expected a JSON string, got {type(args).__name__}")
-    try:
-        parsed = json.loads(args)
-    except ValueError:
-        raise _Reject(f"{where}.function.arguments", f"not valid JSON: {args[:80]!r}") from None
+    parsed = _json_field(args, f"{where}.function.arguments", f"not valid JSON: {args[:80]!r}")
     if not isinstance(parsed, dict):
         raise _Reject(f"{where}.function.arguments", f"must be a JSON object, got {type(parsed).__name__}")
     out = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
@@ -336,6 +328,16 @@ def _tool_call(c: Any, where: str) -> dict:
             raise _Reject(f"{where}.id", f"expected a string, got {type(c['id']).__name__}")
         out["id"] = c["id"]
     return out
+
+
+def _json_field(text: str, where: str, invalid: str = "a string that is not JSON") -> Any:
+    """A field that holds JSON as a string, parsed like a line (json_records: depth, surrogates)."""
+    try:
+        return json_records.loads(text)
+    except json_records.JsonRefused as exc:
+        raise _Reject(json_records.join_field(where, exc.field), exc.reason) from None
+    except ValueError:
+        raise _Reject(where, invalid) from None
 
 
 def _tool(t: Any, where: str) -> dict:
@@ -348,10 +350,7 @@ def _tool(t: Any, where: str) -> dict:
         raise _Reject(f"{where}.function.description", f"expected a string, got {type(fn['description']).__name__}")
     params = fn.get("parameters")
     if isinstance(params, str):
-        try:
-            params = json.loads(params)
-        except ValueError:
-            raise _Reject(f"{where}.function.parameters", "a string that is not JSON") from None
+        params = _json_field(params, f"{where}.function.parameters")
     if params is not None and not isinstance(params, dict):
         raise _Reject(f"{where}.function.parameters", f"expected a JSON Schema object, got {type(params).__name__}")
     out_fn = {k: v for k, v in fn.items() if v is not None}
@@ -465,6 +464,11 @@ def _read_records(f: _File, client, digest) -> Iterator[tuple[int, str, Any]]:
             for batch in pf.iter_batches(batch_size=1024):
                 for row in batch.to_pylist():
                     line += 1
+                    try:
+                        json_records.check_value(row)
+                    except json_records.JsonRefused as exc:
+                        yield line, json.dumps(row, default=str)[:_RAW_LIMIT], _Reject(exc.field, exc.reason)
+                        continue
                     yield line, json.dumps(row, ensure_ascii=False, default=str), row
             return
         for line, raw_bytes in enumerate(fh, start=1):
@@ -478,7 +482,9 @@ def _read_records(f: _File, client, digest) -> Iterator[tuple[int, str, Any]]:
             if not raw.strip():
                 continue
             try:
-                yield line, raw, json.loads(raw)
+                yield line, raw, json_records.loads(raw)
+            except json_records.JsonRefused as exc:
+                yield line, raw, _Reject(exc.field, exc.reason)
             except ValueError:
                 yield line, raw, None
 

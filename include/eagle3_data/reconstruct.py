@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_data.chat_format import AssistantMessage, OutputFormat, ToolCall, normalize_finish_reason
+from eagle3_data import json_records
 from eagle3_data.errors import UserError
 
 CHUNK_ROWS = 512
@@ -219,13 +220,19 @@ def read_records(path: str | Path) -> Iterator[tuple[str, Any]]:
         for batch in pf.iter_batches(batch_size=1024):
             for record in batch.to_pylist():
                 n += 1
+                try:
+                    json_records.check_value(record)
+                except json_records.JsonRefused as exc:
+                    raise UserError(f"row {n}: field {exc.field!r} {exc.reason}") from None
                 yield f"row {n}", record
         return
     with open(p, "rb") as fh:
         for n, line in enumerate(fh, 1):
             if line.strip():
                 try:
-                    yield f"line {n}", json.loads(line)
+                    yield f"line {n}", json_records.loads(line)
+                except json_records.JsonRefused as exc:
+                    raise UserError(f"line {n}: field {exc.field or '<line>'!r} {exc.reason}") from None
                 except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
                     raise UserError(f"line {n}: invalid JSON ({exc})") from exc
 
@@ -234,7 +241,9 @@ def _json_field(value: Any, field: str, where: str) -> Any:
     """A field given as its value or as its JSON text (Parquet stores nested fields as text)."""
     if isinstance(value, str):
         try:
-            return json.loads(value)
+            return json_records.loads(value)
+        except json_records.JsonRefused as exc:
+            raise UserError(f"{where}: field {json_records.join_field(field, exc.field)!r} {exc.reason}") from None
         except json.JSONDecodeError as exc:
             raise UserError(f"{where}: field {field!r} is not valid JSON ({exc})") from exc
     return value

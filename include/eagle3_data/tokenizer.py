@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from eagle3_data.errors import UserError
+from eagle3_data.forksafe import PerProcess
 
 # Characters that exercise the pre-tokenizer: scripts, digits, apostrophes, CRLF, emoji, spaces.
 PROBE_TEXT = (
@@ -105,12 +106,14 @@ class HFCodec:
 
 class TiktokenCodec:
     """tiktoken over the same vocabulary: several times faster than the HF backend. Batches are
-    encoded on a persistent thread pool (tiktoken releases the GIL while encoding)."""
+    encoded on a persistent thread pool (tiktoken releases the GIL while encoding), one per
+    process: a task forked from a warm Celery worker that verified the codec builds its own."""
 
     def __init__(self, encoding: Any, num_threads: int | None = None):
         self.encoding = encoding
         self.num_threads = num_threads or min(4, os.cpu_count() or 1)
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool = PerProcess(lambda: ThreadPoolExecutor(self.num_threads, thread_name_prefix="tiktoken"),
+                                discard=lambda pool: pool.shutdown(wait=False))
         self._encode = functools.partial(encoding.encode, allowed_special="all")
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
@@ -122,9 +125,7 @@ class TiktokenCodec:
     def _map(self, fn: Any, texts: Sequence[str]) -> list[list[int]]:
         if len(texts) < 2 or self.num_threads < 2:
             return [fn(t) for t in texts]
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="tiktoken")
-        return list(self._pool.map(fn, texts, chunksize=max(1, len(texts) // (4 * self.num_threads))))
+        return list(self._pool.get().map(fn, texts, chunksize=max(1, len(texts) // (4 * self.num_threads))))
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.encoding.decode_bytes(ids).decode("utf-8", errors="replace")

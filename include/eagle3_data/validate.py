@@ -57,6 +57,7 @@ from eagle3_data.gate_defaults import (  # the thresholds' defaults, shared with
     DEFAULT_MAX_BPE_MISMATCH_RATE,
     DEFAULT_MAX_MISSING_USAGE_RATE,
 )
+from eagle3_data import json_records
 from eagle3_data.errors import UserError
 from eagle3_data.reconstruct import unreconstructable_reason
 
@@ -128,8 +129,8 @@ def _engine_finish(record: dict) -> tuple[Any, Any]:
     prov = record.get("provenance")
     if isinstance(prov, str) and prov:
         try:
-            prov = json.loads(prov)
-        except json.JSONDecodeError:
+            prov = json_records.loads(prov)
+        except ValueError:  # unreadable (or refused) provenance: the finish comes from the row alone
             prov = None
     engine = prov.get("finish_reason") if isinstance(prov, dict) else None
     for obj in (finish, engine):
@@ -168,7 +169,9 @@ def _check_row(where: str, record: Any, vocab_size: int, ints_checked: bool = Fa
     tools = record.get("tools")
     if isinstance(tools, str):
         try:
-            tools = json.loads(tools)
+            tools = json_records.loads(tools)
+        except json_records.JsonRefused as exc:
+            return BadRow(where, sid, json_records.join_field("tools", exc.field), exc.reason)
         except json.JSONDecodeError as exc:
             return BadRow(where, sid, "tools", f"not valid JSON ({exc.msg})")
     if "tools" in record and tools is None:
@@ -185,7 +188,10 @@ def rows_from_jsonl(path: str | Path, vocab_size: int) -> Iterator[InputRow | Ba
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = json_records.loads(line)
+            except json_records.JsonRefused as exc:
+                yield BadRow(f"line {n}", None, exc.field or "<line>", exc.reason)
+                continue
             except json.JSONDecodeError as exc:
                 yield BadRow(f"line {n}", None, "<line>", f"invalid JSON ({exc.msg} at column {exc.colno})")
                 continue
@@ -547,7 +553,7 @@ def _forked_init() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     codec = _FORKED.codec
     if hasattr(codec, "num_threads"):
-        codec.num_threads, codec._pool = 1, None  # the parent's threads do not survive a fork
+        codec.num_threads = 1  # one worker process per core: no encode threads beside it
 
 
 def _forked_validate(items: list) -> list[RowResult | BadRow]:

@@ -19,6 +19,9 @@ from eagle3_data.schemas import schema_for
 from eagle3_data.storage import StageRef
 
 GOOD = {"messages": [{"role": "user", "content": "hi"}]}
+DEEP = "[" * 5000 + "]" * 5000
+HOSTILE = ['{"messages": [{"role": "user", "content": "hi"}], "ignored": %s}' % DEEP,  # RecursionError before
+           '{"messages": [{"role": "user", "content": "half an emoji \\ud83d"}]}']  # UnicodeEncodeError before
 
 
 def _free_port() -> int:
@@ -108,6 +111,16 @@ def _cases(e):
     yield "reconstruct: wrong types", ["reconstruct", "--thinking", "--tokenizer", e["tok"], "--input",
                                        _jsonl(t / "r.jsonl", [{"sample_id": 1, "content": 5, "finish_reason": "stop"}]),
                                        "--out", str(t / "o.jsonl")], ["line 1"]
+    yield "reconstruct: lone surrogate", ["reconstruct", "--thinking", "--tokenizer", e["tok"], "--input",
+                                          _jsonl(t / "rs.jsonl", ['{"sample_id": "a", "content": "x\\ud800", "finish_reason": "stop"}']),
+                                          "--out", str(t / "o.jsonl")], ["line 1", "'content'", "lone surrogate"]
+    yield "reconstruct: nested too deep", ["reconstruct", "--thinking", "--tokenizer", e["tok"], "--input",
+                                           _jsonl(t / "rd.jsonl", ['{"sample_id": "a", "x": %s}' % DEEP]),
+                                           "--out", str(t / "o.jsonl")], ["line 1", "nested deeper than 100 levels"]
+    yield "validate: nested too deep", ["validate", "--thinking", "--tokenizer", e["tok"], "--input",
+                                        _jsonl(t / "vd.jsonl", ['{"sample_id": "a", "output_ids": [1], "p": {"q": %s}}'
+                                                                % ("[" * 200 + "]" * 200)]),
+                                        "--report", str(t / "repd.json"), "--workers", "1"], ["line 1", "p.q", "nested deeper"]
     yield "validate: out-of-range ids", ["validate", "--thinking", "--tokenizer", e["tok"], "--input",
                                          _jsonl(t / "v.jsonl", [{"sample_id": "a", "output_ids": [10**9]}]),
                                          "--report", str(t / "rep.json"), "--workers", "1"], ["line 1", "output_ids"]
@@ -149,6 +162,9 @@ def _cases(e):
                                         "--out", str(t / "hs")], ["oor.parquet", "row 1", "input_ids", "100000000"]
     yield "prompts upload: every row malformed", ["prompts", "upload", "--dataset", "chat", "--date", "2026-11-29",
                                                   _jsonl(t / "up.jsonl", bad_rows)], ["6 bad row(s)", "up.jsonl"]
+    yield "prompts upload: deep and surrogate rows", ["prompts", "upload", "--dataset", "chat", "--date", "2026-11-29",
+                                                      _jsonl(t / "up3.jsonl", [GOOD, *HOSTILE])], [
+        "2 bad row(s)", "up3.jsonl"]
     yield "prompts upload: S3 down", ["prompts", "upload", "--dataset", "chat", "--date", "2026-11-29",
                                       _jsonl(t / "up2.jsonl", [GOOD]), "--endpoint-url", e["down"]], ["unreachable"]
     yield "prompts list: S3 down", ["prompts", "list", "--endpoint-url", e["down"]], ["unreachable"]
@@ -190,21 +206,22 @@ def test_debug_shows_the_traceback(env, capsys):
 def test_generate_rejects_are_printed_written_and_inputs_recorded(env, start_dev_server, kimi_tokenizer, capsys):
     server = start_dev_server({})
     bad = ["{oops", {"messages": [{"role": "bot", "content": "x"}]}, {"messages": [{"role": "bot", "content": "y"}]},
-           b'{"messages": [{"role": "user", "content": "caf\xe9"}]}']
+           b'{"messages": [{"role": "user", "content": "caf\xe9"}]}', *HOSTILE]
     path = _jsonl(env["tmp"] / "mixed.jsonl", [GOOD, *bad, {"messages": [{"role": "user", "content": "two"}]}])
     argv = [*_gen(env, path), "--base-url", server.url + "/v1", "--concurrency", "2"]
     assert main(argv) == 0
     err = capsys.readouterr().err
-    assert "REJECTED 4 of 6 prompt rows" in err
+    assert "REJECTED 6 of 8 prompt rows" in err
     assert "2 x messages[].role" in err and "line 3: messages[0].role: 'bot'" in err and "invalid UTF-8" in err
+    assert "line 6: nested deeper than 100 levels" in err and "line 7: messages[0].content: holds a lone surrogate" in err
     store, ref = env["store"], StageRef("cli", "generate_overflow", "chat")
     manifest = store.read_manifest(ref)
     data = open(path, "rb").read()
     assert manifest["inputs"] == [{"uri": path, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}]
     assert "rejects.parquet" in {f["name"] for f in manifest["files"]}
     rejects = pq.read_table(pa.BufferReader(store.get_bytes(ref, "rejects.parquet"))).to_pylist()
-    assert sorted(r["line"] for r in rejects) == [2, 3, 4, 5]
-    assert {r["field"] for r in rejects} == {"", "messages[0].role"}
+    assert sorted(r["line"] for r in rejects) == [2, 3, 4, 5, 6, 7]
+    assert {r["field"] for r in rejects} == {"", "messages[0].role", "messages[0].content"}
     assert sum(server.stats()["requests"]["chat"].values()) == 2  # only the two good rows were sent
     # the same command again reuses the stage; another prompt file under the same run key is refused
     assert main(argv) == 0

@@ -179,7 +179,7 @@ def test_sglang_waits_while_the_server_warms_up(store, start_dev_server, kimi_to
     server.configure({"healthy": False})
     from eagle3_data.errors import UserError
 
-    with pytest.raises(UserError, match="no healthy SGLang endpoint"):
+    with pytest.raises(UserError, match="no SGLang endpoint is usable: .*not ready after 0.2 s of warm-up"):
         generate_local(store, StageRef(run_key="run-x", stage="generate_local", dataset="chat"), prompts(1, "chat"),
                        kimi_tokenizer, [server.url], SAMPLING, journal_dir=tmp_path, health_interval_s=0.05,
                        warmup_timeout_s=0.2)

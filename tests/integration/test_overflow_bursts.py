@@ -47,6 +47,9 @@ class WaveServer:
             self.waiting = []
         return await done
 
+    async def check_reachable(self, within_s):
+        pass  # in-process: nothing to connect to
+
     async def close(self):
         pass
 

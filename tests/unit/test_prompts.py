@@ -162,6 +162,40 @@ def test_invalid_utf8_is_a_reject_not_a_replacement(tmp_path):
     assert load.rejects[0]["line"] == 1 and "invalid UTF-8" in load.rejects[0]["reason"]
 
 
+DEEP = "[" * 5000 + "]" * 5000  # past the JSON parser's own recursion limit
+
+
+@pytest.mark.parametrize("line, field, reason", [
+    ('{"messages": [{"role": "user", "content": "hi"}], "meta": %s}' % DEEP, "", "nested deeper than 100 levels"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "meta": {"a": %s}}' % ("[" * 150 + "]" * 150), "meta.a",
+     "nested deeper than 100 levels"),
+    ('{"messages": [{"role": "user", "content": "bad \\ud800 surrogate"}]}', "messages[0].content", "lone surrogate"),
+    ('{"messages": [{"role": "user", "content": "cut pair \\ud83d"}]}', "messages[0].content", "lone surrogate"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "tag": "\\udc00"}', "tag", "lone surrogate"),
+    ('{"messages": [{"role": "user", "content": "hi", "name": "x"}], "tools": "[{\\"type\\": \\"function\\", '
+     '\\"function\\": {\\"name\\": \\"f\\", \\"description\\": \\"\\\\udfff\\"}}]"}',
+     "tools[0].function.description", "lone surrogate"),
+])
+def test_deep_nesting_and_lone_surrogates_are_rejects_not_crashes(tmp_path, line, field, reason):
+    """Even in a field the loader ignores: the row is refused by line and field, the others kept."""
+    good = '{"messages": [{"role": "user", "content": "emoji pair \\ud83d\\ude00 is fine"}]}'
+    load = _load_lines(tmp_path, [good.encode(), line.encode(), good.replace("fine", "kept").encode()])
+    assert len(load.rows) == 2 and "\U0001f600" in next(iter(load.rows))["messages"]
+    [reject] = load.rejects
+    assert reject["line"] == 2 and reject["field"] == field and reason in reject["reason"], reject
+    reject["raw"].encode("utf-8")  # what goes to rejects.parquet is text
+
+
+def test_parquet_rows_with_deep_or_surrogate_strings_are_rejects(tmp_path):
+    path = tmp_path / "p.parquet"
+    deep = json.dumps([{"role": "user", "content": "x", "name": "n"}]).replace('"n"', "[" * 120 + "]" * 120)
+    pq.write_table(pa.table({"messages": [json.dumps([USER]), deep, json.dumps([{"role": "user", "content": "\ud800"}])]}),
+                   path)
+    load = load_prompts(str(path), "p", sampling={})
+    assert len(load.rows) == 1
+    assert [(r["line"], r["field"]) for r in load.rejects] == [(2, "messages[0].name"), (3, "messages[0].content")]
+
+
 def test_message_byte_limit_and_prompt_token_limit(tmp_path):
     from eagle3_data.prompts import limit_prompt_tokens
 

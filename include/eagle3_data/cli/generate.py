@@ -119,7 +119,9 @@ def _run(args: argparse.Namespace) -> int:
             summary = generate_local(
                 store, ref, rows, tokenizer, args.endpoint or [server.url], sampling,
                 in_flight_per_endpoint=args.in_flight or g.local.in_flight_per_endpoint,
-                rows_per_part=args.rows_per_part or g.local.rows_per_part, model=cfg.model.name, **common)
+                rows_per_part=args.rows_per_part or g.local.rows_per_part, model=cfg.model.name,
+                warmup_timeout_s=g.local.warmup_timeout_s, unreachable_timeout_s=g.local.unreachable_timeout_s,
+                connect_timeout_s=g.local.connect_timeout_s, **common)
         else:
             from eagle3_data.generation.openrouter import generate_overflow
 
@@ -129,7 +131,9 @@ def _run(args: argparse.Namespace) -> int:
                 g.overflow.provider, g.overflow.max_usd if args.budget_usd is None else args.budget_usd,
                 sampling=sampling, concurrency=args.concurrency or g.overflow.concurrency,
                 price_usd_per_mtok=g.overflow.price_usd_per_mtok.model_dump(),
-                rows_per_part=args.rows_per_part or g.overflow.rows_per_part, **common)
+                rows_per_part=args.rows_per_part or g.overflow.rows_per_part,
+                unreachable_timeout_s=g.overflow.unreachable_timeout_s, connect_timeout_s=g.overflow.connect_timeout_s,
+                **common)
     print(json.dumps(summary, indent=1))
     return 0 if summary.get("complete") else 3
 

@@ -135,6 +135,11 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
         """SGLang answers 503 while warming up (its /health runs a one-token generation)."""
         return Response(status_code=503 if unavailable() else 200)
 
+    @app.get("/v1/models")
+    async def models() -> dict:
+        """The OpenAI-compatible model list (OpenRouter, vLLM and SGLang all serve it)."""
+        return {"object": "list", "data": [{"id": state.config.model, "object": "model", "owned_by": "dev"}]}
+
     @app.get("/model_info")
     @app.get("/get_model_info")  # deprecated name, still served by SGLang 0.5.23
     async def model_info() -> dict:

@@ -20,7 +20,8 @@ from collections.abc import Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from eagle3_data.errors import UserError
+from eagle3_data import json_records
+from eagle3_data.errors import EndpointUnavailable, UserError
 from eagle3_data.generation.checkpoint import (
     Prompt,
     StageRun,
@@ -89,7 +90,8 @@ def generate_overflow(store, ref, prompts: Iterable[dict], tokenizer, base_url: 
                       first_cost_estimate_usd: float = 0.01, journal_dir=None, flush_interval_s: float = 30.0,
                       routes: tuple[str, ...] | None = ("overflow", "both"),
                       price_usd_per_mtok: dict | None = None, rerun: bool = False,
-                      side_files: dict[str, bytes] | None = None) -> dict:
+                      side_files: dict[str, bytes] | None = None, unreachable_timeout_s: float = 15.0,
+                      connect_timeout_s: float = 5.0) -> dict:
     """Generate every pending prompt of `ref.dataset` through OpenRouter; summary dict.
 
     `provider`: OpenRouter routing, e.g. {"order": [...], "allow_fallbacks": False, "quantizations":
@@ -124,10 +126,13 @@ def generate_overflow(store, ref, prompts: Iterable[dict], tokenizer, base_url: 
                               provider or {}, sampling, thinking, reasoning, concurrency, max_attempts,
                               request_timeout_s, progress, tok_sha,
                               Budget(budget_usd, run.spent_before_usd, first_cost_estimate_usd,
-                                     sampling.get("max_new_tokens")), price_usd_per_mtok)
-        with fewer_gc_pauses():
-            stopped = run_event_loop(client.run())
-        progress.close()
+                                     sampling.get("max_new_tokens")), price_usd_per_mtok,
+                              unreachable_timeout_s, connect_timeout_s)
+        try:
+            with fewer_gc_pauses():
+                stopped = run_event_loop(client.run())
+        finally:
+            progress.close()  # a bar left open would swallow the start of the error's line
         run.finish(stopped, extra={"budget_usd": budget_usd, "spent_total_usd": round(client.budget.spent, 6),
                                    **client.timing()})
     return run.result
@@ -177,12 +182,14 @@ class _Ready:
 class _OverflowRun:
     def __init__(self, run: StageRun, fmt, base_url, api_key, model, provider, sampling, thinking, reasoning,
                  concurrency, max_attempts, timeout_s, progress, tok_sha, budget: Budget,
-                 price_usd_per_mtok: dict | None = None):
+                 price_usd_per_mtok: dict | None = None, unreachable_timeout_s: float = 15.0,
+                 connect_timeout_s: float = 5.0):
         self.stage, self.fmt, self.base_url, self._key = run, fmt, base_url, api_key
         self.model, self.provider, self.sampling, self.thinking = model, provider, sampling, thinking
         self.reasoning, self.concurrency, self.max_attempts = reasoning, concurrency, max_attempts
         self.timeout_s, self.progress, self.tok_sha, self.budget = timeout_s, progress, tok_sha, budget
         self.prices = price_usd_per_mtok
+        self.unreachable_timeout_s, self.connect_timeout_s = unreachable_timeout_s, connect_timeout_s
         self.in_flight = 0
         self.stopped: str | None = None
         self.latency_sum, self.answered, self.started = 0.0, 0, time.monotonic()
@@ -203,7 +210,13 @@ class _OverflowRun:
         leave together (the settler takes one answer per pass of the event loop), and the rows, the
         budget, the journal, the S3 checkpoints and the next prompts' ids and bodies (`_prepare`)
         are done while they are out."""
-        client = SdkPost(self.base_url, self._key, self.concurrency, self.timeout_s)
+        client = SdkPost(self.base_url, self._key, self.concurrency, self.timeout_s, self.connect_timeout_s)
+        try:
+            if self.stage.pending_count:
+                await client.check_reachable(self.unreachable_timeout_s)
+        except BaseException:
+            await client.close()
+            raise
         self._prompts = iter(self.stage.pending)
         # prompts made ready ahead (the settler does it when idle): a burst's worth, and the next
         self._ready: deque[_Ready] = deque()
@@ -422,7 +435,7 @@ class SdkPost:
     not redirect (a 3xx is raised like any other non-2xx status).
     """
 
-    def __init__(self, base_url: str, api_key: str, concurrency: int, timeout_s: float):
+    def __init__(self, base_url: str, api_key: str, concurrency: int, timeout_s: float, connect_timeout_s: float = 5.0):
         import aiohttp
         from openai import AsyncOpenAI
 
@@ -430,9 +443,39 @@ class SdkPost:
         self.url = str(self.sdk.base_url) + "chat/completions"  # the SDK keeps a trailing slash
         self.headers = {k: v for k, v in {**self.sdk.default_headers, **self.sdk.auth_headers}.items()
                         if isinstance(v, str)}
+        self.connect_timeout_s = connect_timeout_s
         self.http = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=concurrency + 8, keepalive_timeout=60),
-            timeout=aiohttp.ClientTimeout(total=timeout_s))
+            timeout=aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s))
+
+    async def check_reachable(self, within_s: float) -> None:
+        """Before the first paid request: `GET {base}/models` gets an HTTP answer at all (any
+        status: the host is up and speaks HTTP), else EndpointUnavailable naming the URL and what
+        was tried, after `within_s` of refused or timed-out connections (never a silent wait
+        through every sample's retries)."""
+        import aiohttp
+
+        url = str(self.sdk.base_url) + "models"
+        started, tries = time.monotonic(), 0
+        while True:
+            tries += 1
+            try:
+                async with self.http.get(url, headers=self.headers, timeout=aiohttp.ClientTimeout(
+                        total=30.0, sock_connect=self.connect_timeout_s)) as r:
+                    await r.read()
+                    return
+            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+                last = f"{type(exc).__name__}: {str(exc)[:160]}"
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                return  # it accepted the connection: the requests' own retries take it from here
+            waited = time.monotonic() - started
+            if waited >= within_s:
+                raise EndpointUnavailable(
+                    f"{SOURCE} base URL {self.sdk.base_url}: no connection for {waited:.0f} s ({tries} tries of GET "
+                    f"{url}, last: {last}): nothing was sent. Check the openrouter_default connection's host (or "
+                    "--base-url) and the network")
+            log.info("%s base URL %s: no connection yet (%s); trying again", SOURCE, self.sdk.base_url, last)
+            await asyncio.sleep(min(float(tries), 3.0, max(0.0, within_s - waited)))
 
     async def post(self, body: dict | bytes, headers: dict) -> object:
         """The decoded JSON answer; raises the SDK's exception classes (a non-JSON 2xx body: ValueError).
@@ -454,7 +497,7 @@ class SdkPost:
 
             response = httpx2.Response(status, headers=raw_headers, content=content, request=self._request())
             raise self.sdk._make_status_error_from_response(response)
-        return json.loads(content)
+        return json_records.loads(content)  # a cut surrogate pair in the text is a malformed answer
 
     def _request(self):
         import httpx2

@@ -36,10 +36,11 @@ import json
 import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from typing import NamedTuple
 
 import aiohttp
 
-from eagle3_data.errors import UserError
+from eagle3_data.errors import EndpointUnavailable, UserError
 from eagle3_data.generation.checkpoint import (
     Prompt,
     StageRun,
@@ -99,7 +100,8 @@ def run_local_stage(engine: type[_SGLangRun], store, ref, prompts: Iterable[dict
                     journal_dir=None, flush_interval_s: float = 30.0,
                     routes: tuple[str, ...] | None = ("local", "both"), rerun: bool = False,
                     warmup_timeout_s: float = 600.0, max_endpoint_failures: int = 3,
-                    health_interval_s: float = 2.0, side_files: dict[str, bytes] | None = None) -> dict:
+                    health_interval_s: float = 2.0, side_files: dict[str, bytes] | None = None,
+                    unreachable_timeout_s: float = 15.0, connect_timeout_s: float = 5.0) -> dict:
     """One local-generation stage on `engine`'s wire format (SGLang's or vLLM's): the same
     checkpoints, journal, resume, retries and record schema whichever engine answers."""
     from eagle3_data.chat_format import get_output_format
@@ -125,9 +127,11 @@ def run_local_stage(engine: type[_SGLangRun], store, ref, prompts: Iterable[dict
         progress.start(len(rows), len(rows) - run.pending_count, label=label)
         client = engine(run, fmt, list(endpoints), request, in_flight_per_endpoint, max_attempts,
                         request_timeout_s, progress, model, tok_sha, warmup_timeout_s, max_endpoint_failures,
-                        health_interval_s)
-        stopped = asyncio.run(client.run())
-        progress.close()
+                        health_interval_s, unreachable_timeout_s, connect_timeout_s)
+        try:
+            stopped = asyncio.run(client.run())
+        finally:
+            progress.close()  # a bar left open would swallow the start of the error's line
         run.finish(stopped, extra={"endpoints": len(endpoints), "max_in_flight": client.max_in_flight,
                                    **client.timing(), **client.finish_extra()})
     return run.result
@@ -139,6 +143,7 @@ class _SGLangRun:
 
     SOURCE = SOURCE
     ENGINE = "SGLang"
+    CONNECTION = "the sglang_default connection, or --endpoint"
     # where the engine reports its capacity (max_running_requests); () = it does not
     CAPACITY_PATHS: tuple[str, ...] = ("/server_info", "/get_server_info")
 
@@ -151,13 +156,15 @@ class _SGLangRun:
         return {"weight_versions": self.weight_version}
 
     def __init__(self, run: StageRun, fmt, endpoints, sampling, in_flight, max_attempts, timeout_s,
-                 progress, model, tok_sha, warmup_timeout_s, max_endpoint_failures, health_interval_s):
+                 progress, model, tok_sha, warmup_timeout_s, max_endpoint_failures, health_interval_s,
+                 unreachable_timeout_s, connect_timeout_s):
         self.stage, self.fmt, self.endpoints = run, fmt, [e.rstrip("/") for e in endpoints]
         self.sampling, self.thinking, self.in_flight = sampling, fmt.thinking, in_flight  # None: ask the endpoint
         self.max_attempts, self.timeout_s, self.progress = max_attempts, timeout_s, progress
         self.model, self.tok_sha = model, tok_sha
         self.warmup_timeout_s, self.max_failures = warmup_timeout_s, max_endpoint_failures
         self.health_interval_s = health_interval_s
+        self.unreachable_timeout_s, self.connect_timeout_s = unreachable_timeout_s, connect_timeout_s
         self.busy = dict.fromkeys(self.endpoints, 0)
         self.max_in_flight = dict.fromkeys(self.endpoints, 0)
         self.failures = dict.fromkeys(self.endpoints, 0)  # consecutive, per endpoint
@@ -174,14 +181,22 @@ class _SGLangRun:
         # depth and left the slots 60% empty against a fast server (benchmarks/RESULTS.md).
         # no pool limit: the workers bound the connections (per endpoint, known only after /server_info)
         connector = aiohttp.TCPConnector(limit=0)
-        timeout = aiohttp.ClientTimeout(total=self.timeout_s, connect=10.0)
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=self.connect_timeout_s)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
             self.http = http
-            ready = await asyncio.gather(*(self._wait_ready(e) for e in self.endpoints))
-            healthy = [e for e, ok in zip(self.endpoints, ready) if ok]
+            log.info("%s: waiting for %d endpoint(s) to answer /health: %s", self.ENGINE, len(self.endpoints),
+                     ", ".join(self.endpoints))
+            problems = await asyncio.gather(*(self._wait_ready(e) for e in self.endpoints))
+            for e, problem in zip(self.endpoints, problems):
+                if problem is not None:
+                    log.warning("%s endpoint %s: %s; not used", self.ENGINE, e, problem)
+            healthy = [e for e, problem in zip(self.endpoints, problems) if problem is None]
             if not healthy:
-                raise UserError(f"no healthy SGLang endpoint among {self.endpoints} after {self.warmup_timeout_s:g} s "
-                                "of warm-up: check the sglang connection")
+                raise EndpointUnavailable(
+                    f"no {self.ENGINE} endpoint is usable: "
+                    + "; ".join(f"{e}: {problem}" for e, problem in zip(self.endpoints, problems))
+                    + f". Check the URLs ({self.CONNECTION}) and that the servers run; a server still loading its "
+                    "model that does not listen yet: raise generation.local.unreachable_timeout_s")
             # fresh prompts come from the stage's one-shot iterator as workers free up (only the
             # prompts in flight are decoded); the queue holds those handed back for another try
             self.feed = iter(self.stage.pending)
@@ -206,28 +221,46 @@ class _SGLangRun:
 
     # -- endpoint health -------------------------------------------------------------------
 
-    async def _wait_ready(self, endpoint: str) -> bool:
-        """Poll `/health` while the server warms up (503, refused connections) up to the warm-up."""
-        deadline = time.monotonic() + self.warmup_timeout_s
+    async def _wait_ready(self, endpoint: str) -> str | None:
+        """Poll `/health` until it answers 200 (None), else say what was tried. A server that
+        answers (503 while it loads its model) is waited for up to the warm-up; one that accepts no
+        connection at all (nothing listening, no route to it) is given up after
+        `unreachable_timeout_s` without an answer, so a wrong URL is named in seconds."""
+        started = time.monotonic()
+        answered_at, tries, last, note_at = started, 0, "", started + 10.0
         while True:
             status = await self._health(endpoint)
+            tries += 1
+            now = time.monotonic()
             if status == 200:
                 self.weight_version[endpoint] = await self._weight_version(endpoint)
                 await self._size(endpoint)
-                return True
-            if time.monotonic() >= deadline:
-                log.warning("SGLang endpoint %s: not ready after %g s (last /health: %s); not used", endpoint,
-                            self.warmup_timeout_s, status)
-                return False
-            await asyncio.sleep(min(self.health_interval_s, max(0.0, deadline - time.monotonic())))
+                return None
+            last = f"HTTP {status}" if isinstance(status, int) else status.what
+            if isinstance(status, int) or status.connected:
+                answered_at = now
+            tried = f"{tries} tries of GET {endpoint}/health over {now - started:.0f} s, last: {last}"
+            if now - answered_at >= self.unreachable_timeout_s:
+                return f"no connection for {now - answered_at:.0f} s ({tried})"
+            if now - started >= self.warmup_timeout_s:
+                return f"not ready after {self.warmup_timeout_s:g} s of warm-up ({tried})"
+            if now >= note_at:
+                log.info("%s endpoint %s: waiting for /health (%s)", self.ENGINE, endpoint, tried)
+                note_at = now + 30.0
+            await asyncio.sleep(min(self.health_interval_s, max(0.0, started + self.warmup_timeout_s - now)))
 
-    async def _health(self, endpoint: str) -> int | str:
-        # SGLang's /health itself waits up to ~20 s for its one-token generation.
+    async def _health(self, endpoint: str) -> int | HealthFailure:
+        """The status of `/health`, or what failed (and whether a connection was made at all)."""
+        # SGLang's /health itself waits up to ~20 s for its one-token generation; the connection
+        # attempt is bounded on its own, so a host that drops SYNs is not waited on for 30 s.
         try:
-            async with self.http.get(f"{endpoint}/health", timeout=aiohttp.ClientTimeout(total=30.0)) as r:
+            async with self.http.get(f"{endpoint}/health", timeout=aiohttp.ClientTimeout(
+                    total=30.0, sock_connect=self.connect_timeout_s)) as r:
                 return r.status
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+            return HealthFailure(_describe(exc), connected=False)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            return type(exc).__name__
+            return HealthFailure(_describe(exc), connected=True)
 
     async def _weight_version(self, endpoint: str) -> str | None:
         for path in ("/model_info", "/get_model_info"):
@@ -420,6 +453,20 @@ class _SGLangRun:
             "e2e_latency": meta.get("e2e_latency"), "cached_tokens": meta.get("cached_tokens"),
             "weight_version": meta.get("weight_version") or self.weight_version.get(endpoint),
         }
+
+
+class HealthFailure(NamedTuple):
+    """A `/health` poll that got no status: what failed, and whether the TCP connection was made
+    (a server that accepts connections is alive, if slow; one that refuses them may not exist)."""
+
+    what: str
+    connected: bool
+
+
+def _describe(exc: BaseException) -> str:
+    """An aiohttp/timeout failure in one short line: its type and what it says."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text[:160]}" if text else type(exc).__name__
 
 
 def server_capacity(info) -> int | None:

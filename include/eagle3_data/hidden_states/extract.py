@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 import torch
 
 from eagle3_data.errors import UserError
+from eagle3_data.forksafe import PerProcess
 from eagle3_data.hidden_states.backends import HiddenStateBackend
 from eagle3_data.hidden_states.layers import default_layer_ids, hidden_state_indices
 from eagle3_data.hidden_states.shards import Sample, dtype_name, encoding_name, resolve_storage_dtype, write_shard
@@ -118,35 +119,52 @@ def _norm_report(stats: _ShardStats, layer_ids: list[int], top: int = 5) -> dict
 
 
 class _BackgroundWriter:
-    """Serialises and ships finished shards on a thread while the model keeps computing."""
+    """Serialises and ships finished shards on a thread while the model keeps computing.
+
+    The thread, its queue and what it wrote belong to one process: a child forked while the
+    writer exists starts its own on its first `put` (the parent's thread is not in it, and the
+    shards the parent queued are the parent's to write)."""
 
     def __init__(self, write: Callable[[list[Sample], int], dict], depth: int = 2):
-        self._write = write
-        self._queue: queue.Queue = queue.Queue(maxsize=depth)  # bounds memory to `depth` shards
-        self._error: BaseException | None = None
-        self.results: list[dict] = []
-        self._thread = threading.Thread(target=self._run, name="hidden-state-writer", daemon=True)
-        self._thread.start()
+        self._write, self._depth = write, depth
+        self._state = PerProcess(self._start)
+        self._state.get()
 
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            if self._error is None:
+    def _start(self) -> _WriterState:
+        state = _WriterState(queue.Queue(maxsize=self._depth))  # bounds memory to `depth` shards
+        state.thread = threading.Thread(target=self._run, args=(state,), name="hidden-state-writer", daemon=True)
+        state.thread.start()
+        return state
+
+    def _run(self, state: _WriterState) -> None:
+        while (item := state.queue.get()) is not None:
+            if state.error is None:
                 try:
-                    self.results.append(self._write(*item))
+                    state.results.append(self._write(*item))
                 except BaseException as exc:  # re-raised in the caller's thread by put()/close()
-                    self._error = exc
+                    state.error = exc
 
     def put(self, samples: list[Sample], index: int) -> None:
-        if self._error is not None:
-            raise self._error
-        self._queue.put((samples, index))
+        state = self._state.get()
+        if state.error is not None:
+            raise state.error
+        state.queue.put((samples, index))
 
     def close(self) -> list[dict]:
-        self._queue.put(None)
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self.results
+        state = self._state.get()
+        state.queue.put(None)
+        state.thread.join()
+        if state.error is not None:
+            raise state.error
+        return state.results
+
+
+@dataclass
+class _WriterState:
+    queue: queue.Queue
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+    results: list[dict] = field(default_factory=list)
 
 
 def extract_rows(

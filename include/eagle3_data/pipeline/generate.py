@@ -58,6 +58,7 @@ def generate_local(run: Run, store, dataset: str, endpoints: list[str]) -> Gener
         in_flight_per_endpoint=g.local.in_flight_per_endpoint, rows_per_part=g.local.rows_per_part,
         model=run.config.model.name, inputs=[prompts], progress=LogProgress(log),
         warmup_timeout_s=g.local.warmup_timeout_s, max_endpoint_failures=g.local.max_endpoint_failures,
+        unreachable_timeout_s=g.local.unreachable_timeout_s, connect_timeout_s=g.local.connect_timeout_s,
     )
     return _finished(result, f"generate_local {dataset}")
 
@@ -77,6 +78,7 @@ def generate_overflow(run: Run, store, dataset: str, base_url: str, api_key: str
         api_key, o.model, o.provider, o.max_usd, sampling=sampling(run),
         concurrency=o.concurrency, rows_per_part=o.rows_per_part, inputs=[prompts], progress=LogProgress(log),
         price_usd_per_mtok=o.price_usd_per_mtok.model_dump(),
+        unreachable_timeout_s=o.unreachable_timeout_s, connect_timeout_s=o.connect_timeout_s,
     )
     if result.get("stopped_reason") in ("budget", "credits", "unauthorized", UNPRICED):
         raise UserError(

@@ -17,6 +17,7 @@ from botocore.exceptions import (
     ReadTimeoutError,
 )
 
+from eagle3_data.forksafe import at_fork_in_child
 from eagle3_data.storage.refs import StorageUnavailable
 
 _AUTH_CODES = {"403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "InvalidToken", "ExpiredToken"}
@@ -45,14 +46,30 @@ def s3_client(
         read_timeout=read_timeout,
         s3={"addressing_style": "path"} if endpoint_url else {},
     )
-    return boto3.session.Session().client(
+    return fork_safe(boto3.session.Session().client(
         "s3",
         endpoint_url=endpoint_url,
         region_name=region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
         aws_access_key_id=access_key,
         aws_secret_access_key=secret_key,
         config=config,
-    )
+    ))
+
+
+def fork_safe(client):
+    """Make a boto3 client usable in processes forked after it was used (Airflow's task processes,
+    validate's workers): a child drops the pooled connections it inherited, so its requests open
+    sockets of its own instead of writing into the parent's. Returns the client."""
+    at_fork_in_child(client, _drop_pooled_connections)
+    return client
+
+
+def _drop_pooled_connections(client) -> None:
+    # botocore keeps its urllib3 pools on the endpoint's session; close() empties them. Closing a
+    # socket in the child releases only the child's descriptor: the parent's connection stays up.
+    session = getattr(getattr(client, "_endpoint", None), "http_session", None)
+    if session is not None:
+        session.close()
 
 
 def endpoint_of(client) -> str:

@@ -92,6 +92,7 @@ class Lease:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._holder_pid = os.getpid()  # the process that took it: only it writes the lease object
 
     @property
     def name(self) -> str:
@@ -125,24 +126,69 @@ class Lease:
                                                         IfMatch=self.etag, ContentType="application/json")
             except ClientError as exc:
                 if _code(exc) in _CONFLICT:
-                    self._lost = (f"{self.subject}: this writer's lease was taken over by another writer "
-                                  f"(it expired: no heartbeat for {self.ttl_s:.0f} s); stopped before writing more")
+                    self._lost = f"{self.subject}: {self._replaced_by()}; this writer stopped before writing more"
                     raise LeaseLost(self._lost) from None
                 raise
             self.etag = resp["ETag"]
             self._renewed = time.monotonic()
 
+    def _replaced_by(self) -> str:
+        """What a refused renewal found: who holds the lease object now (read, never assumed)."""
+        try:
+            with s3_errors(self.store.client, f"reading the lease {self.store.uri(self.ref, self.name)}"):
+                current = self.store.client.get_object(Bucket=self.store.bucket, Key=self.key)
+            holder = json.loads(current["Body"].read() or b"{}")
+        except Exception as exc:  # noqa: BLE001 - the refusal is the news; who, only a detail
+            return f"the lease object changed since this writer's last renewal (unreadable now: {exc})"
+        if holder.get("token") == self.token:
+            return f"the lease object was rewritten under this writer's own token by pid {holder.get('pid')}"
+        return (f"the lease was taken over by {holder.get('owner', '?')} (lease {str(holder.get('token', '?'))[:8]}, "
+                f"{holder.get('state', '?')}, last heartbeat {holder.get('heartbeat_at', '?')}; this writer's last "
+                f"renewal was {time.monotonic() - self._renewed:.0f} s ago, its ttl {self.ttl_s:.0f} s)")
+
+    def _forked(self) -> bool:
+        """In a child forked while the lease was held: the parent holds it and renews it (its etag
+        is the one S3 expects); the child writing it would make the parent's next renewal fail."""
+        return os.getpid() != self._holder_pid
+
     def renew(self) -> None:
-        """Extend the lease now; LeaseLost if someone else holds it."""
-        self._put("held")
+        """Extend the lease now; LeaseLost if someone else holds it. In a forked child: verify,
+        without writing, that the parent still holds it."""
+        if self._forked():
+            self._verify_held()
+        else:
+            self._put("held")
 
     def check(self) -> None:
         """Refuse to write when the lease is lost, or when it may have expired because heartbeats
         failed (S3 unreachable): renew synchronously before trusting it again."""
         if self._lost:
             raise LeaseLost(self._lost)
-        if time.monotonic() - self._renewed > self.ttl_s / 2:
+        if time.monotonic() - self._renewed > self.ttl_s / (4 if self._forked() else 2):
             self.renew()
+
+    def _verify_held(self) -> None:
+        """A forked child's renewal: read the lease object; it must still carry this lease's token,
+        held and unexpired on the server's clock."""
+        with s3_errors(self.store.client, f"reading the lease {self.store.uri(self.ref, self.name)}"):
+            try:
+                current = self.store.client.get_object(Bucket=self.store.bucket, Key=self.key)
+            except ClientError as exc:
+                if _code(exc) not in ("NoSuchKey", "404", "NotFound"):
+                    raise
+                current = None
+        holder = json.loads(current["Body"].read() or b"{}") if current is not None else {}
+        if holder.get("token") != self.token or holder.get("state") != "held":
+            self._lost = (f"{self.subject}: the lease this process inherited from pid {self._holder_pid} is no longer "
+                          f"held by it (now: {holder.get('owner', 'nobody')}, {holder.get('state', 'absent')}); "
+                          "stopped before writing more")
+            raise LeaseLost(self._lost)
+        expires = current["LastModified"] + timedelta(seconds=float(holder.get("ttl_s", self.ttl_s)))
+        if _server_now(current) >= expires:
+            self._lost = (f"{self.subject}: the lease this process inherited from pid {self._holder_pid} expired at "
+                          f"{expires.isoformat(timespec='seconds')} (its holder stopped renewing it); stopped before writing more")
+            raise LeaseLost(self._lost)
+        self._renewed = time.monotonic()
 
     def start_heartbeat(self) -> None:
         self._thread = threading.Thread(target=self._beat, name=f"lease-{self.ref.dataset}", daemon=True)
@@ -159,7 +205,11 @@ class Lease:
                 log.warning("lease heartbeat for %s failed: %s", self.store.uri(self.ref), exc)
 
     def release(self) -> None:
-        """Mark the lease released (best effort: an unreachable S3 lets it expire instead)."""
+        """Mark the lease released (best effort: an unreachable S3 lets it expire instead). In a
+        forked child only the child's use of it ends: the parent still holds it."""
+        if self._forked():
+            self._lost = self._lost or f"{self.subject}: released by this process (its parent still holds it)"
+            return
         self._stop.set()
         _LIVE_TOKENS.discard(self.token)
         if self._thread is not None:

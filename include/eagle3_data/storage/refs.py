@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from eagle3_data.errors import UserError
+from eagle3_data.errors import ServiceUnavailable, UserError
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._=+-]{0,127}")
 _PART = re.compile(r"part-(\d{5,})\.parquet")
@@ -32,7 +32,7 @@ class MissingBucket(StorageError):
     """The bucket does not exist: creating it is an explicit setup step (`eagle3-data s3 init`)."""
 
 
-class StorageUnavailable(StorageError):
+class StorageUnavailable(StorageError, ServiceUnavailable):
     """S3 unreachable after the client's retries, or it refused the credentials."""
 
 

@@ -35,8 +35,9 @@ from botocore.exceptions import ClientError
 import eagle3_data
 from eagle3_data.canonical import canonical_json  # re-exported: the one JSON spelling hashed and stored
 from eagle3_data.errors import UserError
+from eagle3_data.forksafe import PerProcess
 from eagle3_data.schemas import schema_for
-from eagle3_data.storage.client import endpoint_of, s3_errors
+from eagle3_data.storage.client import endpoint_of, fork_safe, s3_errors
 from eagle3_data.storage.refs import (
     CorruptArtifact,
     IncompleteStage,
@@ -113,6 +114,38 @@ def check_no_secrets(obj: Any, where: str) -> None:
             check_no_secrets(value, where)
 
 
+class _Prefetch:
+    """Downloads the next part on a worker thread while the caller reads the current one.
+
+    A reader suspended across a fork (a generator the child resumes) finds no thread in the
+    child: it fetches again what the parent had submitted, on a pool of its own."""
+
+    def __init__(self, fetch) -> None:
+        self._fetch = fetch
+        self._pool = PerProcess(lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch"),
+                                discard=lambda pool: pool.shutdown(wait=False, cancel_futures=True))
+        self._pending = None  # (part, future of this process)
+
+    def submit(self, part: dict) -> None:
+        self._pending = (part, self._pool.get().submit(self._fetch, part))
+
+    def take(self):
+        part, future = self._pending
+        self._pending = None
+        if self._pool.inherited():  # forked since submit: the future's thread is the parent's
+            self._pool.reset()
+            future = self._pool.get().submit(self._fetch, part)
+        return future.result()
+
+    def close(self) -> None:
+        if self._pending is not None and not self._pool.inherited():
+            _, future = self._pending
+            if not future.cancel():
+                future.add_done_callback(lambda fut: fut.exception() is None and fut.result().close())
+        self._pending = None
+        self._pool.reset()
+
+
 class ArtifactStore:
     """Stage artifacts on any S3 endpoint through a boto3 client the caller owns."""
 
@@ -126,7 +159,7 @@ class ArtifactStore:
         multipart_chunksize: int = 64 * 1024 * 1024,
         max_concurrency: int = 8,
     ) -> None:
-        self.client = client
+        self.client = fork_safe(client)
         self.bucket = bucket
         segments = [p for p in prefix.strip("/").split("/") if p]
         self.prefix = "/".join(check_name(p, "prefix segment") for p in segments)
@@ -440,23 +473,22 @@ class ArtifactStore:
             return self._download(self.key(ref, part["name"]), part["sha256"], part["bytes"], self.uri(ref, part["name"]))
 
         # one part downloads (and is hashed) while the caller consumes the previous one: two parts in memory at most
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            pending = pool.submit(fetch, parts[0]) if parts else None
-            try:
-                for i in range(len(parts)):
-                    current, pending = pending, None
-                    with current.result() as f:
-                        if i + 1 < len(parts):
-                            pending = pool.submit(fetch, parts[i + 1])
-                        label = self.uri(ref, parts[i]["name"])
-                        pf = check_part_schema(f, schema, label) if schema is not None else pq.ParquetFile(f)
-                        try:
-                            yield from pf.iter_batches(batch_size=batch_size, columns=columns)
-                        except (OSError, pa.ArrowException) as exc:
-                            raise CorruptArtifact(f"{label}: unreadable ({str(exc).splitlines()[0][:120]})") from None
-            finally:  # the caller stopped early or a part was bad: drop the prefetched part
-                if pending is not None and not pending.cancel():
-                    pending.add_done_callback(lambda fut: fut.exception() is None and fut.result().close())
+        ahead = _Prefetch(fetch)
+        try:
+            if parts:
+                ahead.submit(parts[0])
+            for i in range(len(parts)):
+                with ahead.take() as f:
+                    if i + 1 < len(parts):
+                        ahead.submit(parts[i + 1])
+                    label = self.uri(ref, parts[i]["name"])
+                    pf = check_part_schema(f, schema, label) if schema is not None else pq.ParquetFile(f)
+                    try:
+                        yield from pf.iter_batches(batch_size=batch_size, columns=columns)
+                    except (OSError, pa.ArrowException) as exc:
+                        raise CorruptArtifact(f"{label}: unreadable ({str(exc).splitlines()[0][:120]})") from None
+        finally:  # the caller stopped early or a part was bad: drop the prefetched part
+            ahead.close()
 
     def read_table(self, ref: StageRef, columns: list[str] | None = None) -> pa.Table:
         """The whole stage in memory: for small artifacts (reports, rejects, prompt sets)."""
