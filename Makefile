@@ -47,10 +47,16 @@ vllm-venv: $(VLLM_STAMP)
 # Celery cluster, mostly waiting on Airflow's task scheduling) and then the dag.test() tier in
 # one, everything else in the other (docs/dag.md, "What it costs"). The side process's output is
 # printed after the main one's; either failing fails the target.
+# Every run starts as a new machine for what the project caches (EAGLE3_DATA_CACHE: verified
+# codecs, journals, dev: builds; vLLM's cache): an empty folder under test-artifacts/, shared by
+# both processes and every server they start (README, "A first start").
 SIDE_TESTS := tests/cluster tests/dags
 SIDE_LOG := test-artifacts/cluster-and-dags.log
+TEST_CACHE := $(CURDIR)/test-artifacts/cache
+test: export EAGLE3_DATA_CACHE = $(TEST_CACHE)
+test: export VLLM_CACHE_ROOT = $(TEST_CACHE)/vllm
 test: $(STAMP) $(VLLM_STAMP) system-packages
-	@mkdir -p $(dir $(SIDE_LOG))
+	@rm -rf $(TEST_CACHE) && mkdir -p $(TEST_CACHE) $(dir $(SIDE_LOG))
 	@$(PY) -m pytest -q $(SIDE_TESTS) > $(SIDE_LOG) 2>&1 & side=$$!; \
 	trap 'kill $$side 2>/dev/null' INT TERM; \
 	echo "$(SIDE_TESTS) run beside the rest (log: $(SIDE_LOG))"; \

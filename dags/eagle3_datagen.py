@@ -43,6 +43,33 @@ NETWORK_RETRIES = {
 PARAMS = {name: Param(**spec) for name, spec in run_param_schemas(CONFIG).items()}
 
 
+def _timeout(name: str) -> dict:
+    """The task's `execution_timeout` from the config (`timeouts.{name}_s`): a hung task is
+    killed, and retried where it has retries; the retry resumes from the stage's checkpoints."""
+    return {"execution_timeout": timedelta(seconds=getattr(CONFIG.timeouts, f"{name}_s"))}
+
+
+def _size_generation_timeout(context) -> None:
+    """`pre_execute` of a generation task: its execution_timeout from its samples and the measured
+    rates (`pipeline.generation_timeout`, floor and cap from the config). The static value the task
+    is declared with is the cap, so a failure here still leaves it bounded. Its dataset and routed
+    counts are the upstream XComs of its map index (arguments are resolved only after this hook)."""
+    from eagle3_data.stages import LOCAL, OVERFLOW
+
+    pipeline, run, store = _run()
+    task, ti = context["task"], context["ti"]
+    dataset = ti.xcom_pull(task_ids="audit_tokenizer")[ti.map_index]
+    routed = ti.xcom_pull(task_ids="dataset.load_route", map_indexes=ti.map_index) or {}
+    stage = LOCAL if task.task_id.endswith(LOCAL) else OVERFLOW
+    seconds, how = pipeline.generation_timeout(run, store, dataset, stage, routed.get("counts") or {})
+    task.execution_timeout = timedelta(seconds=seconds)
+    task.log.info("execution_timeout %.0f s: %s", seconds, how)
+
+
+GENERATION_TIMEOUT = {"execution_timeout": timedelta(seconds=CONFIG.timeouts.generation_cap_s),
+                      "pre_execute": _size_generation_timeout}
+
+
 def _run():
     """This task's resolved run (config + params + run key) and an ArtifactStore on aws_default.
     Every task resolves it, so an unknown or invalid param fails the first task, naming it."""
@@ -94,7 +121,7 @@ def _connection(read, conn_id: str):
     default_args={"retries": 0},
 )
 def eagle3_datagen():
-    @task(**NETWORK_RETRIES)
+    @task(**NETWORK_RETRIES, **_timeout("audit_tokenizer"))
     def audit_tokenizer() -> list[str]:
         """Fails before any spend when a param, the bucket, a prompt source or a special id is wrong;
         returns the datasets to map over."""
@@ -105,13 +132,13 @@ def eagle3_datagen():
 
     @task_group(group_id="dataset")
     def per_dataset(dataset: str):
-        @task(map_index_template="{{ dataset }}", **NETWORK_RETRIES)
+        @task(map_index_template="{{ dataset }}", **NETWORK_RETRIES, **_timeout("load_route"))
         def load_route(dataset: str) -> dict:
             _set_map_name(dataset)
             pipeline, run, store = _run()
             return _gate(pipeline.load_route, run, store, dataset).as_dict()
 
-        @task(map_index_template="{{ dataset }}", queue=GPU_QUEUE, **NETWORK_RETRIES)
+        @task(map_index_template="{{ dataset }}", queue=GPU_QUEUE, **NETWORK_RETRIES, **GENERATION_TIMEOUT)
         def generate_local(dataset: str, routed: dict) -> dict:
             from hooks.sglang import SGLangHook
 
@@ -123,7 +150,7 @@ def eagle3_datagen():
             endpoints = _connection(hook.get_endpoints, hook.sglang_conn_id)
             return _gate(pipeline.generate_local, run, store, dataset, endpoints).as_dict()
 
-        @task(map_index_template="{{ dataset }}", pool=OPENROUTER_POOL, **NETWORK_RETRIES)
+        @task(map_index_template="{{ dataset }}", pool=OPENROUTER_POOL, **NETWORK_RETRIES, **GENERATION_TIMEOUT)
         def generate_overflow(dataset: str, routed: dict) -> dict:
             from hooks.openrouter import OpenRouterHook
 
@@ -135,7 +162,7 @@ def eagle3_datagen():
             base_url, api_key = _connection(hook.get_base_url_and_key, hook.openrouter_conn_id)
             return _gate(pipeline.generate_overflow, run, store, dataset, base_url, api_key).as_dict()
 
-        @task(map_index_template="{{ dataset }}", **NETWORK_RETRIES)
+        @task(map_index_template="{{ dataset }}", **NETWORK_RETRIES, **_timeout("reconstruct"))
         def reconstruct(dataset: str, local: dict, overflow: dict) -> dict:
             _set_map_name(dataset)
             pipeline, run, store = _run()
@@ -143,7 +170,8 @@ def eagle3_datagen():
                 return {"dry_run": True}
             return _gate(pipeline.reconstruct, run, store, dataset).as_dict()
 
-        @task(map_index_template="{{ dataset }}")
+        # retried only when it did not decide: a failed gate is AirflowFailException (no retries)
+        @task(map_index_template="{{ dataset }}", **NETWORK_RETRIES, **_timeout("validate"))
         def validate(dataset: str, reconstructed: dict) -> dict:
             _set_map_name(dataset)
             pipeline, run, store = _run()
@@ -155,7 +183,7 @@ def eagle3_datagen():
         generated = (generate_local(dataset, routed), generate_overflow(dataset, routed))
         return validate(dataset, reconstruct(dataset, *generated))
 
-    @task(trigger_rule=TriggerRule.ALL_DONE, **NETWORK_RETRIES)
+    @task(trigger_rule=TriggerRule.ALL_DONE, **NETWORK_RETRIES, **_timeout("merge"))
     def merge() -> list[dict]:
         pipeline, run, store = _run()
         if run.dry_run:
@@ -164,7 +192,7 @@ def eagle3_datagen():
         # one entry per GPU worker (hidden_states.workers), each a share of the shards by tokens
         return [] if run.skip_hidden_states else pipeline.extract_workers(run, store, result.shards)
 
-    @task(map_index_template="{{ extract_worker }}", queue=GPU_QUEUE, **NETWORK_RETRIES)
+    @task(map_index_template="{{ extract_worker }}", queue=GPU_QUEUE, **NETWORK_RETRIES, **_timeout("extract_hidden_states"))
     def extract_hidden_states(work: dict) -> dict:
         """One GPU worker: loads the model once and extracts its shards in turn; a retry skips
         the shards an earlier attempt committed."""
@@ -172,7 +200,7 @@ def eagle3_datagen():
         pipeline, run, store = _run()
         return _gate(pipeline.extract_hidden_states, run, store, work).as_dict()
 
-    @task(trigger_rule=TriggerRule.ALL_DONE, outlets=[TRAINING_DATA])
+    @task(trigger_rule=TriggerRule.ALL_DONE, outlets=[TRAINING_DATA], **_timeout("publish"))
     def publish() -> dict:
         """Runs whatever failed upstream: the run report is written for a failed run too (the one
         a person most wants to read), then the task fails unless everything needed for training

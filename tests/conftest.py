@@ -15,6 +15,37 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+def _fresh_machine_caches() -> Path:
+    """Every run of the suite is a new machine's first start for what the project caches: the
+    library's cache root (verified codecs, journals, s3:// tokenizers, dev: builds) and vLLM's
+    are empty folders of this run (`make test` empties its own; a bare `pytest` gets a temp one),
+    inherited by every server, CLI and Airflow process the tests start. A developer's warm
+    ~/.cache once hid a hang that every new user's first `make cluster` hit."""
+    import tempfile
+
+    root = Path(os.environ.get("EAGLE3_DATA_CACHE") or tempfile.mkdtemp(prefix="eagle3-test-cache-"))
+    os.environ["EAGLE3_DATA_CACHE"] = str(root)
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(root / "vllm"))
+    return root
+
+
+TEST_CACHE = _fresh_machine_caches()
+USER_CACHE = Path.home() / ".cache" / "eagle3-data"
+_USER_CACHE_BEFORE = sorted(USER_CACHE.rglob("*")) if USER_CACHE.exists() else []
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The suite never reads or writes the user's own cache: a new file there means a code path
+    that ignores EAGLE3_DATA_CACHE (and would make a second run take other paths than a first)."""
+    after = sorted(USER_CACHE.rglob("*")) if USER_CACHE.exists() else []
+    new = [p for p in after if p not in set(_USER_CACHE_BEFORE)]
+    if new:
+        session.config.get_terminal_writer().line(
+            f"FAILED: the suite wrote {len(new)} file(s) under {USER_CACHE} (the user's cache, not "
+            f"$EAGLE3_DATA_CACHE): {[str(p) for p in new[:5]]}", red=True)
+        session.exitstatus = 1
+
+
 def _share_botocore_loader() -> None:
     """One botocore data loader for every boto3 session of this (the test) process.
 
@@ -34,7 +65,7 @@ def _share_botocore_loader() -> None:
 
 _share_botocore_loader()
 
-pytest_plugins = [
+pytest_plugins = ["tests.hang_report"] + [
     f"tests.fixtures.{p.stem}"
     for p in sorted((Path(__file__).parent / "fixtures").glob("*.py"))
     if p.stem != "__init__"

@@ -229,6 +229,24 @@ class LimitsConfig(_Model):
     max_prompt_tokens: int | None = Field(None, ge=1, description="longest accepted prompt; empty: the model's context")
 
 
+class TimeoutsConfig(_Model):
+    """Airflow's `execution_timeout` of each task: a task that hangs (a stuck engine, a dead
+    socket) is killed and retried, and the retry resumes from the stage's checkpoints. Generation
+    is sized per run from its samples and the measured rates (docs/dag.md, "Timeouts")."""
+
+    audit_tokenizer_s: float = Field(1800.0, gt=0, description="audit_tokenizer (tokenizer load + checks)")
+    load_route_s: float = Field(3600.0, gt=0, description="load_route (reads, renders and routes every prompt)")
+    generation_floor_s: float = Field(1800.0, gt=0, description="generation tasks: never less than this")
+    generation_cap_s: float = Field(172_800.0, gt=0, description="generation tasks: never more than this (48 h)")
+    generation_margin: float = Field(
+        3.0, ge=1.0, description="generation tasks: this many times the time its samples take at the measured rate")
+    reconstruct_s: float = Field(7200.0, gt=0, description="reconstruct")
+    validate_s: float = Field(7200.0, gt=0, description="validate")
+    merge_s: float = Field(7200.0, gt=0, description="merge")
+    extract_hidden_states_s: float = Field(172_800.0, gt=0, description="each hidden-state extraction worker")
+    publish_s: float = Field(1800.0, gt=0, description="publish")
+
+
 class DevConfig(_Model):
     bpe_split_rate: Rate = Field(0.0, description="dev inference server only: share of outputs sampled with split BPE")
 
@@ -261,6 +279,7 @@ class PipelineConfig(_Model):
     merge: MergeConfig = Field(default_factory=MergeConfig)
     hidden_states: HiddenStatesConfig = Field(default_factory=HiddenStatesConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
     datasets: tuple[DatasetConfig, ...] = Field(strict=False, min_length=1)
     _raw: dict[str, Any] = PrivateAttr(default_factory=dict)
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from eagle3_data.cache import cache_root
 from eagle3_data.errors import UserError
 from eagle3_data.forksafe import PerProcess
 
@@ -205,8 +206,7 @@ class TiktokenTokenizer:
 
 
 def _verified_dir() -> Path:
-    root = os.environ.get("EAGLE3_DATA_CACHE") or Path.home() / ".cache" / "eagle3-data"
-    return Path(root) / "verified-codecs"
+    return cache_root() / "verified-codecs"
 
 
 def load_bulk_tokenizer(source: str | os.PathLike, *, trust_remote_code: bool = False, s3_client: Any = None):
@@ -282,7 +282,7 @@ def _fetch_s3_prefix(uri: str, cache_dir: str | None, s3: Any) -> Path:
     if not objects:
         raise UserError(f"tokenizer {uri}: no objects under that prefix")
     key = hashlib.sha256(json.dumps([uri] + sorted((o["Key"], o["ETag"]) for o in objects)).encode()).hexdigest()
-    root = Path(cache_dir or Path.home() / ".cache" / "eagle3-data" / "tokenizers") / key[:16]
+    root = Path(cache_dir or cache_root() / "tokenizers") / key[:16]
     if not (root / ".complete").exists():
         for o in objects:
             dest = root / o["Key"][len(prefix) :]

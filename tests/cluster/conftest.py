@@ -23,6 +23,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.hang_report import watch_logs
+
 from eagle3_data.config import DAG_ID, deep_merge, load_config
 from eagle3_devtools.cluster import CLUSTER_OVERRIDES
 from eagle3_devtools.services import kill_group, reap_leftovers
@@ -181,6 +183,7 @@ def _term_with_parent() -> None:
 def cluster(tmp_path_factory) -> ClusterHandle:
     root = tmp_path_factory.mktemp("cluster")
     work, ready, log = root / "w", root / "ready", root / "launcher.log"
+    watch_logs(root)  # services' and every task attempt's logs, into a timed-out test's report
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO / "include"), os.environ.get("PYTHONPATH")) if p)}
     with open(log, "wb") as out:
         launcher = subprocess.Popen([sys.executable, "-m", "eagle3_devtools.cluster", "--workdir", str(work), "--ready-file", str(ready),

@@ -53,7 +53,15 @@ def test_dag_wiring():
     assert tasks["extract_hidden_states"].queue == GPU_QUEUE
     for tid in ("dataset.generate_local", "dataset.generate_overflow", "audit_tokenizer"):
         assert tasks[tid].retries > 0 and tasks[tid].retry_exponential_backoff
-    assert tasks["dataset.validate"].retries == 0  # a gate is data, not weather
+    # a failed gate is AirflowFailException (never retried: data, not weather); a hang or an outage is
+    assert tasks["dataset.validate"].retries > 0
+    cfg = load_config()
+    for tid, task in tasks.items():  # no task waits forever (docs/dag.md, "Timeouts")
+        assert task.execution_timeout is not None and task.execution_timeout.total_seconds() > 0, tid
+    assert tasks["merge"].execution_timeout.total_seconds() == cfg.timeouts.merge_s
+    for tid in ("dataset.generate_local", "dataset.generate_overflow"):  # sized per run, bounded by the cap
+        assert tasks[tid].execution_timeout.total_seconds() == cfg.timeouts.generation_cap_s
+        assert tasks[tid]._pre_execute_hook is not None
     assert [o.name for o in tasks["publish"].outlets] == ["eagle3_training_data"]
     assert tasks["publish"].trigger_rule == "all_done"  # the run report is written for failed runs too
     # order: audit -> per-dataset chain -> merge -> hidden states -> publish
@@ -66,7 +74,6 @@ def test_dag_wiring():
     assert "dataset.reconstruct" in tasks["dataset.validate"].upstream_task_ids
     assert tasks["merge"].upstream_task_ids == {"dataset.validate"}
     assert tasks["publish"].upstream_task_ids == {"extract_hidden_states"}
-    cfg = load_config()
     assert dag.params["datasets"] == cfg.dataset_names
     assert dag.schedule == cfg.schedule
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -49,7 +50,7 @@ def test_local_generation_ids_parse_and_resume(store, start_dev_server, kimi_tok
         else:
             assert im_end not in r["output_ids"] and len(r["output_ids"]) == 160
             assert prov["finish_reason"] == {"type": "length", "length": 160}
-        assert prov["rid"] == f"{r['sample_id']}.0" and prov["weight_version"] == "dev"
+        assert re.fullmatch(rf"{r['sample_id']}\.[0-9a-f]{{8}}\.0", prov["rid"]) and prov["weight_version"] == "dev"
         assert prov["sampling"]["stop_token_ids"] == fmt.stop_token_ids  # the audited ids, always sent
         # what the parser split out is exactly the text of the ids
         rendered = fmt.render(fmt.parse_ids(r["output_ids"], r["finish_reason"]).message, r["finish_reason"])

@@ -76,3 +76,26 @@ def test_balanced_routing_and_the_plan_use_the_previous_runs_manifests(store, ki
     routing = store.read_manifest(pipeline.stage_ref(run2, "prompts", "chat"))["params"]["routing"]
     assert routing["balance_inputs"]["local"]["source"] == store.uri(StageRef("later", "generate_local", "chat"))
     assert fresh != counts  # local is 40x faster now: more samples go local
+
+
+def test_generation_timeouts_are_sized_from_samples_and_measured_rates(store, kimi_tokenizer_dir, tmp_path):
+    """The generation tasks' execution_timeout: margin x samples / rate, within floor and cap; the
+    rate from the dataset's previous run when one was measured (else the config's)."""
+    from eagle3_data.pipeline import generation_timeout
+    from eagle3_data.pipeline.run import Run
+
+    cfg = config(tmp_path, kimi_tokenizer_dir).with_overrides(
+        {"timeouts": {"generation_floor_s": 100, "generation_cap_s": 5000, "generation_margin": 2.0}}, where="test")
+    run = Run(config=cfg, run_key="now", date=None, datasets=["chat"], dry_run=False, skip_hidden_states=False)
+    counts = {"local": 300, "overflow": 290, "both": 10}
+    # config rates: local 2 x 4 / 8 s = 1 sample/s; overflow 12 / 4 s = 3 samples/s
+    assert generation_timeout(run, store, "chat", "generate_local", counts)[0] == 2.0 * 310 / 1.0
+    assert generation_timeout(run, store, "chat", "generate_overflow", counts)[0] == 2.0 * 300 / 3.0
+    assert generation_timeout(run, store, "chat", "generate_overflow", {"overflow": 1})[0] == 100  # the floor
+    assert generation_timeout(run, store, "chat", "generate_local", {"local": 10**6})[0] == 5000  # the cap
+    for stage, (_, extra) in SIDES.items():
+        commit(store, StageRef("previous", stage, "chat"), extra)
+    # measured: local 2 endpoints x 8 in flight / 2 s = 8 samples/s; overflow 12 / 1 s = 12/s
+    seconds, how = generation_timeout(run, store, "chat", "generate_local", counts)
+    assert seconds == max(100, 2.0 * 310 / 8.0) and store.uri(StageRef("previous", "generate_local", "chat")) in how
+    assert generation_timeout(run, store, "chat", "generate_overflow", counts)[0] == max(100, 2.0 * 300 / 12.0)

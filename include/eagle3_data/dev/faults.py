@@ -36,6 +36,9 @@ YAML shape (every key optional)::
         reserialize_arguments: 0.1
         omit_cost: 0.0                             # answer without usage.cost (a provider that does not price)
         credits_after: null                        # 402 for every request after N answered ones
+        stall_after: null                          # requests N+1 .. N+stall_requests (in arrival order) hang:
+        stall_requests: 0                          #   accepted, answered only after stall_s (a stuck engine;
+        stall_s: 3600                              #   later requests answer normally)
 """
 
 from __future__ import annotations
@@ -70,6 +73,9 @@ class EndpointFaults:
     reserialize_arguments: float = 0.0
     omit_cost: float = 0.0
     credits_after: int | None = None
+    stall_after: int | None = None
+    stall_requests: int = 0
+    stall_s: float = 3600.0
 
     def draw(self, rng: random.Random) -> tuple[str | None, set[str], float]:
         """One request's fate: an error fault (or None), content rewrites, and its latency."""

@@ -101,6 +101,10 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
         state.stats.requests[endpoint][key] += 1
         faults = state.config.faults(endpoint)
         error, rewrites, latency = faults.draw(state.config.rng(endpoint, key, state.stats.requests[endpoint][key]))
+        arrived = sum(state.stats.requests[endpoint].values())
+        if faults.stall_after is not None and faults.stall_after < arrived <= faults.stall_after + faults.stall_requests:
+            state.stats.faults[endpoint]["stall"] += 1
+            error, latency = None, faults.stall_s  # accepted, then never answered in time: a hung engine
         state.stats.in_flight[endpoint] += 1
         state.stats.max_in_flight[endpoint] = max(state.stats.max_in_flight[endpoint], state.stats.in_flight[endpoint])
         try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from eagle3_data.cache import cache_root
 from eagle3_data.errors import UserError
 
 TINY_MODEL_ARGS = {"seed": 0, "layers": 8, "hidden": 64}  # the dev stack's and the tests' tiny model
@@ -19,7 +20,7 @@ DEV_SOURCES = ("kimi-tokenizer", "tiny-deepseek-v3")
 
 
 def dev_cache_root() -> Path:
-    return Path(os.environ.get("EAGLE3_DATA_CACHE") or Path.home() / ".cache" / "eagle3-data") / "dev"
+    return cache_root() / "dev"
 
 
 def resolve_dev_source(name: str, cache_root: str | os.PathLike | None = None) -> Path:

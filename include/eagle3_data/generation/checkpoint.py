@@ -35,6 +35,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from eagle3_data.cache import cache_root
 from eagle3_data.canonical import canonical_json
 from eagle3_data.errors import UserError
 from eagle3_data.spill import RowSpill
@@ -45,7 +46,7 @@ FAILURES_FILE = "failures.json"
 
 
 def default_journal_dir() -> Path:
-    return Path(os.environ.get("EAGLE3_JOURNAL_DIR") or Path.home() / ".cache" / "eagle3-data" / "journal")
+    return Path(os.environ.get("EAGLE3_JOURNAL_DIR") or cache_root() / "journal")
 
 
 @dataclass

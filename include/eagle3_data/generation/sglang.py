@@ -10,7 +10,9 @@ recorded are the ones the model saw.
 SGLang 0.5.23's protocol, as its source has it (srt/managers/io_struct.py, tokenizer_manager.py,
 sampling_params.py, http_server.py):
 - `rid` must be unique while a request is registered, and the server notices a dropped client
-  only every few seconds: each attempt gets a fresh `rid` = `{sample_id}.{attempt}`.
+  only every few seconds (a hung engine never lets it go): each request gets a fresh
+  `rid` = `{sample_id}.{run}.{attempt}`, `run` a random tag of this stage run, so a task retried
+  after a kill does not reuse the rids its killed attempt left registered.
 - unknown keys inside `sampling_params` are a 400 on every request: they are checked against
   SAMPLING_KEYS before any request (`check_sampling_params`).
 - `/health` runs a one-token generation and answers 503 while the server warms up: endpoints are
@@ -35,6 +37,7 @@ import asyncio
 import json
 import logging
 import time
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
@@ -165,6 +168,7 @@ class _SGLangRun:
         self.warmup_timeout_s, self.max_failures = warmup_timeout_s, max_endpoint_failures
         self.health_interval_s = health_interval_s
         self.unreachable_timeout_s, self.connect_timeout_s = unreachable_timeout_s, connect_timeout_s
+        self.run_tag = uuid.uuid4().hex[:8]
         self.busy = dict.fromkeys(self.endpoints, 0)
         self.max_in_flight = dict.fromkeys(self.endpoints, 0)
         self.failures = dict.fromkeys(self.endpoints, 0)  # consecutive, per endpoint
@@ -405,7 +409,7 @@ class _SGLangRun:
             return failed_row(p, None, source, f"chat template: {exc}"), True, False
         row = base_row(p, prompt_ids, source)
         sampling = sampling_for(p, self.sampling)
-        rid = f"{p.sample_id}.{attempt}"  # fresh per attempt: SGLang refuses a rid still registered
+        rid = f"{p.sample_id}.{self.run_tag}.{attempt}"  # fresh per request: SGLang refuses a rid still registered
         path, body = self._request(endpoint, prompt_ids, sampling, rid)
         headers = {"X-Request-Id": rid, "X-Eagle3-Dataset": p.dataset, "X-Eagle3-Sample-Id": p.sample_id}
         started = time.monotonic()

@@ -48,6 +48,7 @@ from eagle3_data.pipeline.run import (
     stage_ref,
     tokenizer_for,
 )
+from eagle3_data.pipeline.timeouts import generation_timeout
 from eagle3_data.pipeline.validate import gate_results, run_datasets, run_gate, validate
 from eagle3_data.stages import RUN_DATASET
 
@@ -72,6 +73,7 @@ __all__ = [
     "gate_results",
     "generate_local",
     "generate_overflow",
+    "generation_timeout",
     "hidden_states_params",
     "load_route",
     "merge",
