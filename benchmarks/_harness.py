@@ -71,10 +71,11 @@ def write_generations(store, ref, n: int, mean_tokens: int, *, source: str = "sg
                       chunk: int = 4096, rows_per_part: int = 1024, id_prefix: str = "s") -> int:
     """Write n synthetic generations rows to `ref` (committed). Returns the token count."""
     from eagle3_data.schemas import GENERATIONS
+    from eagle3_data.storage.writer import StageWriter
 
     rng = np.random.default_rng(seed)
     tokens = 0
-    with store.writer(ref, "generations", rows_per_part=rows_per_part, tokenizer_sha256="tok", template_sha256="tpl") as w:
+    with StageWriter(store, ref, "generations", rows_per_part=rows_per_part, tokenizer_sha256="tok", template_sha256="tpl") as w:
         for start in range(0, n, chunk):
             m = min(chunk, n - start)
             prompt, output = synthetic_ids(rng, m, mean_tokens)

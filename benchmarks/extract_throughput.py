@@ -41,8 +41,8 @@ def sync(device: str) -> None:
 def ensure_model(path: Path | None) -> Path:
     if path is not None:
         return path
-    from eagle3_data.dev.kimi_tokenizer import cached_kimi_tokenizer
-    from eagle3_data.dev.tiny_model import cached_tiny_model
+    from eagle3_data.builds.kimi_tokenizer import cached_kimi_tokenizer
+    from eagle3_data.builds.tiny_model import cached_tiny_model
 
     return cached_tiny_model(cached_kimi_tokenizer(REPO / ".cache"), REPO / ".cache")
 

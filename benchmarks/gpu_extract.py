@@ -39,7 +39,7 @@ def build_model(out: Path, *, layers: int, hidden: int, experts: int, seed: int 
     """A random DeepSeek-V3 of the given size with the shapes and config keys vLLM's MLA and MoE take."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    from eagle3_data.dev.tiny_model import ENGINE_CONFIG_KEYS, KIMI_ROPE
+    from eagle3_data.builds.tiny_model import ENGINE_CONFIG_KEYS, KIMI_ROPE
 
     if (out / "config.json").exists():
         return out

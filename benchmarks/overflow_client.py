@@ -100,7 +100,7 @@ def main() -> None:
     from minimal_server import MinimalServerProcess
 
     from eagle3_data.dev.inference_server import DevServerProcess
-    from eagle3_data.dev.kimi_tokenizer import cached_kimi_tokenizer
+    from eagle3_data.builds.kimi_tokenizer import cached_kimi_tokenizer
     from eagle3_data.dev.seaweedfs import start_seaweedfs, stop_seaweedfs
     from eagle3_data.generation import openrouter
     from eagle3_data.storage import ArtifactStore, StageRef

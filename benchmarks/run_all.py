@@ -24,7 +24,7 @@ REPO = HERE.parent
 
 def _tokenizer() -> str:
     sys.path.insert(0, str(REPO / "include"))
-    from eagle3_data.dev.kimi_tokenizer import cached_kimi_tokenizer
+    from eagle3_data.builds.kimi_tokenizer import cached_kimi_tokenizer
 
     return str(cached_kimi_tokenizer(REPO / ".cache"))
 

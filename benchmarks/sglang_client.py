@@ -47,7 +47,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from eagle3_data.dev.inference_server import DevServerProcess
-    from eagle3_data.dev.kimi_tokenizer import cached_kimi_tokenizer
+    from eagle3_data.builds.kimi_tokenizer import cached_kimi_tokenizer
     from eagle3_data.dev.seaweedfs import start_seaweedfs, stop_seaweedfs
     from eagle3_data.generation.sglang import generate_local
     from eagle3_data.storage import ArtifactStore, StageRef

@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 from eagle3_data.dev.seaweedfs import start_seaweedfs, stop_seaweedfs
 from eagle3_data.schemas import schema_for
 from eagle3_data.storage import ArtifactStore, StageRef
+from eagle3_data.storage.writer import StageWriter
 
 
 def make_rows(n: int, tokens: int) -> list[dict]:
@@ -63,7 +64,7 @@ def main() -> None:
             base_write = time.perf_counter() - t
 
             t = time.perf_counter()
-            with store.writer(ref, "generations", rows_per_part=args.rows_per_part) as w:
+            with StageWriter(store, ref, "generations", rows_per_part=args.rows_per_part) as w:
                 for i in range(0, len(rows), 64):  # a generation stage hands over rows as they complete
                     w.write(rows[i : i + 64])
                 manifest = w.commit()

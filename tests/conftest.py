@@ -75,7 +75,7 @@ pytest_plugins = ["tests.hang_report"] + [
 @pytest.fixture(scope="session")
 def kimi_tokenizer_dir() -> Path:
     """The real Kimi tokenizer, built once from splintr-rs and cached across runs in .cache/."""
-    from eagle3_data.dev.kimi_tokenizer import cached_kimi_tokenizer
+    from eagle3_data.builds.kimi_tokenizer import cached_kimi_tokenizer
 
     return cached_kimi_tokenizer(CACHE)
 

@@ -13,7 +13,7 @@ bounds, description) from these same fields, so the form and the file cannot dri
 Where the default file is: `eagle3_data/defaults/pipeline.yaml`, package data (a wheel install
 has it). Sources (`tokenizer.source`, `model.source`) are a local path (relative paths resolve
 against the config file's directory), an `s3://` prefix, or `dev:NAME`, one of the builds
-`eagle3_data.dev.sources` makes offline (the real Kimi tokenizer, the tiny DeepSeek-V3): the
+`eagle3_data.builds.sources` makes offline (the real Kimi tokenizer, the tiny DeepSeek-V3): the
 packaged default is a dev config that runs anywhere; production points `$EAGLE3_CONFIG` at its own.
 """
 
@@ -354,7 +354,7 @@ def resolve_source(source: str) -> str:
     directory (built on first use); paths and s3:// prefixes are returned unchanged. Manifests
     record the unresolved source, so they do not depend on where a cache lives."""
     if source.startswith(DEV_SOURCE_SCHEME):
-        from eagle3_data.dev.sources import resolve_dev_source
+        from eagle3_data.builds.sources import resolve_dev_source
 
         return str(resolve_dev_source(source[len(DEV_SOURCE_SCHEME):]))
     return source

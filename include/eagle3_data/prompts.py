@@ -31,6 +31,7 @@ from eagle3_data.errors import UserError
 from eagle3_data.rejects import REJECTS_FILE, format_rejects, rejects_parquet
 from eagle3_data.spill import RowSpill
 from eagle3_data.storage import StageRef, canonical_json, check_name
+from eagle3_data.storage.writer import StageWriter
 
 ROLES = ("system", "user", "assistant", "tool")
 MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}
@@ -167,7 +168,7 @@ def write_prompt_load(store, ref: StageRef, load: PromptLoad, *, params: dict | 
     A load with no accepted row is refused (UserError) and nothing is written."""
     require_rows(load, store.uri(ref))
     data = rejects_parquet(load.rejects)
-    with store.writer(ref, "prompts", rows_per_part=rows_per_part, params=params, inputs=load.sources) as w:
+    with StageWriter(store, ref, "prompts", rows_per_part=rows_per_part, params=params, inputs=load.sources) as w:
         store.put_bytes(ref, REJECTS_FILE, data)
         for batch in load.rows.batches():
             w.write(pa.Table.from_batches([batch]))

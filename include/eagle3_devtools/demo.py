@@ -120,7 +120,7 @@ def prestart_extraction(config) -> None:
     where `shared_backend` hands it this very engine (same model, TP and max_model_len), by then
     loaded while generation ran."""
     from eagle3_data.config import resolve_source
-    from eagle3_data.hidden_states.backends import shared_backend
+    from eagle3_data.hidden_states.engines import shared_backend
     from eagle3_data.hidden_states.layers import default_layer_ids, hidden_state_indices
     from eagle3_data.hidden_states.vllm_backend import text_config
 

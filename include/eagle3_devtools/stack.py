@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_data.config import deep_merge, default_config_raw
-from eagle3_data.dev.sources import TINY_MODEL_ARGS
+from eagle3_data.builds.sources import TINY_MODEL_ARGS
 from eagle3_data.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -34,14 +34,14 @@ SAMPLE_DATA = REPO / "include" / "sample_data"
 
 def tokenizer_dir() -> Path:
     """The Kimi tokenizer, built once (same cache entry as tests/conftest.py)."""
-    from eagle3_data.dev.kimi_tokenizer import cached_kimi_tokenizer
+    from eagle3_data.builds.kimi_tokenizer import cached_kimi_tokenizer
 
     return cached_kimi_tokenizer(CACHE)
 
 
 def tiny_model_dir(tok_dir: Path) -> Path:
     """The tiny random DeepSeek-V3 (same cache entry as tests/fixtures/model.py), built once."""
-    from eagle3_data.dev.tiny_model import cached_tiny_model
+    from eagle3_data.builds.tiny_model import cached_tiny_model
 
     return cached_tiny_model(tok_dir, CACHE, **TINY_MODEL_ARGS)
 

@@ -61,8 +61,8 @@ def _stage_with_part(store, ref: StageRef, table: pa.Table) -> str:
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink)
     data = sink.getvalue().to_pybytes()
-    store._put_bytes(store.key(ref, "part-00000.parquet"), data)
-    store._write_manifest(ref, schema={"name": "generations", "version": 1},
+    store.write_object(ref, "part-00000.parquet", data)
+    store.write_manifest(ref, schema={"name": "generations", "version": 1},
                           parts=[{"name": "part-00000.parquet", "rows": table.num_rows, "bytes": len(data),
                                   "sha256": hashlib.sha256(data).hexdigest()}],
                           files=[], inputs=[], params={}, tokenizer_sha256=None, template_sha256=None, extra={})

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from eagle3_data.config import load_config
-from eagle3_data.hidden_states import backends
+from eagle3_data.hidden_states import backends, engines
 from eagle3_data.storage import StageRef
 from tests.integration.test_extract_s3 import RUN, generations  # noqa: F401  (fixture)
 
@@ -23,7 +23,7 @@ def counted_loads(monkeypatch):
             loads.append(a[0])
             super().__init__(*a, **kw)
 
-    monkeypatch.setattr(backends, "TransformersBackend", Counted)
+    monkeypatch.setattr(engines, "TransformersBackend", Counted)
     return loads
 
 
@@ -61,7 +61,7 @@ def test_one_model_load_per_gpu_worker_resumable_by_shard(store, generations, ti
         return real(*a, **kw)
 
     monkeypatch.setattr(extract_mod, "extract_shard", dies_on_second)
-    monkeypatch.setattr(backends, "_SHARED", {})
+    monkeypatch.setattr(engines, "_SHARED", {})
     with pytest.raises(RuntimeError, match="node lost"):
         pipeline.extract_hidden_states(run, store, work[0])
     monkeypatch.setattr(extract_mod, "extract_shard", real)
@@ -69,7 +69,7 @@ def test_one_model_load_per_gpu_worker_resumable_by_shard(store, generations, ti
 
     results = []
     for w in work:  # the retry of worker 0, then worker 1: each a fresh process
-        monkeypatch.setattr(backends, "_SHARED", {})
+        monkeypatch.setattr(engines, "_SHARED", {})
         results.append(pipeline.extract_hidden_states(run, store, w))
     retry, other = results
     assert [s.skipped for s in retry.shards] == [True] + [False] * (len(retry.shards) - 1)  # resumed by shard
@@ -80,7 +80,7 @@ def test_one_model_load_per_gpu_worker_resumable_by_shard(store, generations, ti
     assert hidden["totals"]["samples"] == 20
 
     # a rerun with everything committed loads no model at all
-    monkeypatch.setattr(backends, "_SHARED", {})
+    monkeypatch.setattr(engines, "_SHARED", {})
     assert pipeline.extract_hidden_states(run, store, work[1]).backend_loads == 0
     assert len(counted_loads) == 3
 

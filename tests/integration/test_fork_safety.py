@@ -20,6 +20,7 @@ import pyarrow as pa
 import pytest
 
 from eagle3_data.storage import LeaseLost, StageRef
+from eagle3_data.storage.writer import StageWriter
 
 DEADLINE_S = 20
 
@@ -90,7 +91,7 @@ def test_hidden_state_background_writer():
 
 def test_part_prefetcher_resumed_in_a_child(store):
     ref = StageRef("fork", "prompts", "ds")
-    with store.writer(ref, "prompts", rows_per_part=3) as w:
+    with StageWriter(store, ref, "prompts", rows_per_part=3) as w:
         w.write([{"sample_id": f"s{i}", "dataset": "ds", "sample_index": i, "messages": "[]", "tools": None,
                   "route": "local"} for i in range(12)])
         w.commit()

@@ -15,6 +15,7 @@ from botocore.exceptions import ClientError
 from eagle3_data.generation.openrouter import generate_overflow
 from eagle3_data.storage import LeaseLost, StageBusy, StageRef
 from eagle3_data.storage.lease import LEASE, acquire_lease, refuse_if_busy
+from eagle3_data.storage.writer import StageWriter
 
 from tests.integration.test_generation import SAMPLING, SECRET, prompts
 
@@ -68,7 +69,7 @@ def test_second_writer_fails_fast_naming_holder_and_expiry(store):
         with pytest.raises(StageBusy, match=r"being written by worker-a \(task 1\).*expires 20\d\d-.*in \d+ s"):
             acquire_lease(store, REF, ttl_s=60, owner="worker-b")
         with pytest.raises(StageBusy):
-            with store.writer(REF, "generations"):
+            with StageWriter(store, REF, "generations"):
                 pass
     finally:
         held.release()
@@ -209,12 +210,12 @@ def test_zombie_writer_cannot_corrupt_the_stage(store, tmp_path):
     """Why 1c: a writer whose lease expired (a zombie) is taken over; when it wakes it writes nothing,
     so the complete stage's parts match its manifest."""
     rows = [{"sample_id": f"s{i:03d}", "dataset": "d", "status": "ok"} for i in range(12)]
-    zombie = store.writer(REF, "generations", rows_per_part=4, lease_ttl_s=1)
+    zombie = StageWriter(store, REF, "generations", rows_per_part=4, lease_ttl_s=1)
     zombie.__enter__()
     zombie.lease._stop.set()  # the zombie stops heartbeating (a hung process)
     zombie.write(rows[:4])  # one part committed while the lease was valid
     time.sleep(2.5)
-    with store.writer(REF, "generations", rows_per_part=4) as retry:
+    with StageWriter(store, REF, "generations", rows_per_part=4) as retry:
         assert retry.committed_sample_ids() == {r["sample_id"] for r in rows[:4]}  # verified, resumed
         retry.write(rows[4:])
         retry.commit()

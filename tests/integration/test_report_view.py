@@ -27,6 +27,7 @@ from eagle3_data.report import (
 from eagle3_data.run_key import run_key_for
 from eagle3_data.storage import StageRef
 from eagle3_data.validate import CLASSES, BadRow, RowResult, ValidationSummary, compare_billed_counts
+from eagle3_data.storage.writer import StageWriter
 
 RUN = "view-test"
 EVIL = "<script>alert('x')</script>"
@@ -188,7 +189,7 @@ def test_generation_lengths_reads_ok_rows_of_generation_stages(store):
         {"sample_id": "c", "dataset": "chat", "prompt_ids": [1] * 99, "output_ids": [], "status": "failed"},
     ]
     for ref, part in ((local, rows[:2]), (rebuilt, rows[2:] + [{**rows[0], "sample_id": "d", "output_ids": [3] * 7}])):
-        with store.writer(ref, "generations") as w:
+        with StageWriter(store, ref, "generations") as w:
             w.write(part)
             w.commit()
     lengths = generation_lengths(store, [local, rebuilt, StageRef(RUN, "generate_overflow", "chat")])

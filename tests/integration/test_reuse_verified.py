@@ -9,6 +9,7 @@ import pytest
 
 from eagle3_data.pipeline.reuse import reusable
 from eagle3_data.storage import CorruptArtifact, StageRef
+from eagle3_data.storage.writer import StageWriter
 
 REF = StageRef("date=2026-11-30", "reconstruct", "chat")
 PARAMS = {"thinking": False}
@@ -17,7 +18,7 @@ PARAMS = {"thinking": False}
 @pytest.fixture
 def stage(store):
     rows = [{"sample_id": f"s{i:02d}", "dataset": "chat", "status": "ok", "output_ids": [i, i + 1]} for i in range(9)]
-    with store.writer(REF, "generations", rows_per_part=3, params=PARAMS) as w:
+    with StageWriter(store, REF, "generations", rows_per_part=3, params=PARAMS) as w:
         w.write(rows)
         store.put_json(REF, "report.json", {"rows": 9})
         manifest = w.commit(files=["report.json"])

@@ -9,6 +9,7 @@ import pytest
 from eagle3_data.cli import main
 from eagle3_data.storage import ArtifactStore, MissingBucket, StageRef
 from eagle3_data.storage.lease import acquire_lease
+from eagle3_data.storage.writer import StageWriter
 
 RUN = "date=2026-11-29"
 
@@ -22,7 +23,7 @@ def s3_env(monkeypatch, s3_server):
 
 def _stage(store, stage: str, dataset: str = "chat", inputs=None) -> StageRef:
     ref = StageRef(RUN, stage, dataset)
-    with store.writer(ref, "generations", rows_per_part=2, inputs=inputs) as w:
+    with StageWriter(store, ref, "generations", rows_per_part=2, inputs=inputs) as w:
         w.write([{"sample_id": f"{stage}-{i}", "dataset": dataset, "status": "ok"} for i in range(5)])
         w.commit()
     return ref
@@ -69,8 +70,8 @@ def test_discard_names_the_stages_it_invalidates_and_cascade_removes_them(store,
     assert f"discarded {store.uri(local)}" in out
     assert "2 downstream stages" in err and store.uri(validated) in err and store.uri(merged) in err
     assert store.uri(other) not in err
-    assert not store.is_complete(local) and store._list(store.key(local)) == [
-        o for o in store._list(store.key(local)) if o["Key"].endswith("_lease.json")]
+    assert not store.is_complete(local) and list(store.objects(local)) == [
+        name for name in store.objects(local) if name.endswith("_lease.json")]
     assert store.is_complete(validated) and store.is_complete(merged)
     assert main(["stage", "discard", "--cascade", _uri(store, validated)]) == 0
     assert not store.is_complete(validated) and not store.is_complete(merged) and store.is_complete(other)

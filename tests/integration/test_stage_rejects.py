@@ -15,6 +15,7 @@ from eagle3_data.config import load_config
 from eagle3_data.errors import GateFailed, UserError
 from eagle3_data.schemas import schema_for
 from eagle3_data.storage import StageRef
+from eagle3_data.storage.writer import StageWriter
 
 RUN = "date=2026-11-30"
 IM_END = 163586
@@ -39,7 +40,7 @@ def _row(sid, **kw):
 
 
 def _write(store, ref, rows):
-    with store.writer(ref, "generations", rows_per_part=3, tokenizer_sha256="tok", template_sha256="tpl") as w:
+    with StageWriter(store, ref, "generations", rows_per_part=3, tokenizer_sha256="tok", template_sha256="tpl") as w:
         w.write(rows)
         w.commit()
 
@@ -98,7 +99,7 @@ def _validate_inputs(run, store, dataset, local_rows):
     _write(store, StageRef(RUN, "generate_local", dataset), local_rows)
     _write(store, StageRef(RUN, "generate_overflow", dataset), [])
     reconstruct(run, store, dataset)
-    with store.writer(StageRef(RUN, "prompts", dataset), "prompts", rows_per_part=8) as w:
+    with StageWriter(store, StageRef(RUN, "prompts", dataset), "prompts", rows_per_part=8) as w:
         w.commit()
 
 

@@ -43,7 +43,7 @@ CHILD = textwrap.dedent(
     StageWriter._write_progress = maybe_die
 
     ledger = open(env["T_LEDGER"], "a")
-    with store.writer(ref, "generations", rows_per_part=int(env["T_RPP"]), params={"temperature": 1.0}) as w:
+    with StageWriter(store, ref, "generations", rows_per_part=int(env["T_RPP"]), params={"temperature": 1.0}) as w:
         done = w.committed_sample_ids()
         written = 0
         for i in range(n):
@@ -122,7 +122,7 @@ def test_sigkill_mid_part_then_resume(store, run_child):
 def test_kill_between_part_upload_and_progress_record_then_resume(store, run_child):
     first = run_child(1, T_KILL_BEFORE_PROGRESS_OF_PART=2)
     assert first.returncode == -signal.SIGKILL
-    assert store._exists(store.key(REF, "part-00002.parquet"))  # the orphan is there...
+    assert store.head_object(REF, "part-00002.parquet")  # the orphan is there...
     committed = store.committed_sample_ids(REF)
     assert len(committed) == 2 * ROWS_PER_PART  # ...but not counted
     second = run_child(2)

@@ -12,6 +12,7 @@ from urllib.parse import urlparse
 import pytest
 
 from eagle3_data.storage import ArtifactStore, StageRef, StorageUnavailable, s3_client
+from eagle3_data.storage.writer import StageWriter
 
 REF = StageRef("outage", "generate_local", "chat")
 
@@ -91,7 +92,7 @@ def rows(a: int, b: int) -> list[dict]:
 
 def test_failed_part_upload_keeps_the_rows_buffered_until_s3_is_back(relayed):
     relay, store = relayed
-    with store.writer(REF, "generations", rows_per_part=4) as w:
+    with StageWriter(store, REF, "generations", rows_per_part=4) as w:
         w.write(rows(0, 4))
         relay.down()
         w.write(rows(4, 7))
@@ -109,7 +110,7 @@ def test_outage_message_says_the_unsaved_rows_are_not_in_s3(relayed, caplog):
     relay, store = relayed
     with caplog.at_level(logging.WARNING, logger="eagle3_data.storage.writer"):
         with pytest.raises(RuntimeError, match="generation failed"):
-            with store.writer(REF, "generations", rows_per_part=4) as w:
+            with StageWriter(store, REF, "generations", rows_per_part=4) as w:
                 w.write(rows(0, 6))
                 relay.down()
                 raise RuntimeError("generation failed")

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from eagle3_data.dev.build_cache import cached_build
+from eagle3_data.builds.build_cache import cached_build
 
 
 def writer(calls: list, barrier: threading.Barrier | None = None):
@@ -66,8 +66,8 @@ def test_partial_entry_from_a_non_atomic_builder_is_replaced(tmp_path):
 
 
 def test_fixtures_use_the_library_cache(kimi_tokenizer_dir, tiny_model_dir):
-    from eagle3_data.dev.kimi_tokenizer import cached_kimi_tokenizer
-    from eagle3_data.dev.tiny_model import cached_tiny_model
+    from eagle3_data.builds.kimi_tokenizer import cached_kimi_tokenizer
+    from eagle3_data.builds.tiny_model import cached_tiny_model
     from tests.fixtures.model import TINY_MODEL_ARGS
 
     assert re.fullmatch(r"kimi-tokenizer-[0-9a-f]{16}", kimi_tokenizer_dir.name)

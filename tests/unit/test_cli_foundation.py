@@ -8,7 +8,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from eagle3_data.cli import main
-from eagle3_data.tokenizer import TiktokenTokenizer, load_bulk_tokenizer
+from eagle3_data.codec import TiktokenTokenizer
+from eagle3_data.tokenizer import load_bulk_tokenizer
 from tests.fixtures.kimi import CHAS, REFERENCE_IDS, THINK_END
 
 

@@ -8,6 +8,7 @@ every import, including lazy ones inside functions that importing the module wou
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -75,3 +76,102 @@ def test_devtools_are_outside_the_library():
     devtools = Path(eagle3_devtools.__file__).resolve().parent
     assert devtools.parent == LIBRARY.parent and not devtools.is_relative_to(LIBRARY)
     assert any(airflow_imports((devtools / f).read_text()) for f in ("demo.py", "local_airflow.py"))
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Module -> the library modules it imports at run time (top level and inside functions;
+    `if TYPE_CHECKING:` blocks are annotations, not imports)."""
+    modules = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def resolve(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        tree = ast.parse(path.read_text())
+        skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+                   for child in node.body for n in ast.walk(child)}
+        targets = []
+        for node in ast.walk(tree):
+            if id(node) in skipped:
+                continue
+            if isinstance(node, ast.Import):
+                targets += [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                targets += [base] + [f"{base}.{a.name}" for a in node.names]
+        graph[name] = {r for t in targets if t.startswith(LIBRARY.name) and (r := resolve(t)) and r != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_cycle_finder_sees_a_lazy_circle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circles_in_the_library():
+    """Each module sits above what it imports: no module reaches itself through its imports, lazy
+    ones included (a lazy import that closes a circle only hides it until the call)."""
+    assert cycles(import_graph(LIBRARY)) == []
+
+
+def test_the_library_below_the_cli_never_imports_the_dev_stand_ins():
+    """The dev server, fake S3 and fault models are reached only from the CLI's `dev` commands and
+    the checkout's launchers: a production run cannot start one by accident."""
+    graph = import_graph(LIBRARY)
+    hits = sorted(f"{m} -> {t}" for m, ts in graph.items() for t in ts
+                  if t.startswith(f"{LIBRARY.name}.dev") and not m.startswith((f"{LIBRARY.name}.dev", f"{LIBRARY.name}.cli")))
+    assert hits == []
+
+
+def test_no_private_store_calls_outside_the_store():
+    """The writer, leases, checkpoints and the CLI use the store's public object layer."""
+    pattern = re.compile(r"\bstore\._[a-z]\w*\(")
+    hits = []
+    for path in sorted([*LIBRARY.rglob("*.py"), *(LIBRARY.parents[1] / "plugins").rglob("*.py"),
+                        *(LIBRARY.parents[1] / "dags").rglob("*.py")]):
+        if path.name == "store.py" and path.parent.name == "storage":
+            continue
+        hits += [f"{path}:{n} {line.strip()}" for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    assert hits == [], "\n".join(hits)

@@ -10,6 +10,7 @@ import pytest
 from eagle3_data.errors import UserError
 from eagle3_data.merge import build_record, merge_datasets, merged_shards
 from eagle3_data.storage import IncompleteStage, StageRef
+from eagle3_data.storage.writer import StageWriter
 
 from tests.fixtures.kimi import IM_END
 
@@ -24,7 +25,7 @@ def gen_row(sid, dataset, source, prompt, output, status="ok", finish="stop"):
 
 
 def write_stage(store, ref, rows):
-    with store.writer(ref, "generations", rows_per_part=7, tokenizer_sha256="tok", template_sha256="tpl") as w:
+    with StageWriter(store, ref, "generations", rows_per_part=7, tokenizer_sha256="tok", template_sha256="tpl") as w:
         w.write(rows)
         w.commit()
 

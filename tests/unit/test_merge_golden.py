@@ -20,6 +20,7 @@ import random
 from pathlib import Path
 
 import pytest
+from eagle3_data.storage.writer import StageWriter
 
 GOLDEN = Path(__file__).with_name("merge_golden.json")
 RUN = "date=2026-11-30"
@@ -65,7 +66,7 @@ def write_inputs(store) -> list:
         tools: [_row(rng, f"t{i}", "tools", "sglang") for i in range(1300)],
     }
     for ref, rows in stages.items():
-        with store.writer(ref, "generations", rows_per_part=500, tokenizer_sha256="tok", template_sha256="tpl") as w:
+        with StageWriter(store, ref, "generations", rows_per_part=500, tokenizer_sha256="tok", template_sha256="tpl") as w:
             w.write(rows)
             w.commit()
     return list(stages)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from eagle3_data.config import load_config
+from eagle3_data.storage.writer import StageWriter
 
 
 def test_stage_functions_are_importable_from_the_package():
@@ -51,7 +52,7 @@ def test_bulk_stages_start_on_tiktoken_with_the_hf_hashes(kimi_tokenizer_dir, tm
     import types
 
     from eagle3_data.pipeline import run as run_mod
-    from eagle3_data.tokenizer import TiktokenTokenizer
+    from eagle3_data.codec import TiktokenTokenizer
 
     monkeypatch.setenv("EAGLE3_DATA_CACHE", str(tmp_path))
     config = load_config().with_overrides({"tokenizer": {"source": str(kimi_tokenizer_dir)}}, where="test")
@@ -87,7 +88,7 @@ def test_validate_stage_runs_its_worker_pool_under_a_host_sigterm_handler(store,
     import multiprocessing
     import signal
 
-    import eagle3_data.validate as validate_mod
+    import eagle3_data.validate.pool as validate_mod
     from eagle3_data import pipeline
     from eagle3_data.pipeline.run import Run
     from eagle3_data.stages import LOCAL, PROMPTS, RECONSTRUCT
@@ -100,7 +101,7 @@ def test_validate_stage_runs_its_worker_pool_under_a_host_sigterm_handler(store,
              "finish_reason": "stop"} for i in range(40)]
     for stage, kind, data in ((PROMPTS, "prompts", [{"sample_id": r["sample_id"], "dataset": dataset, "route": "local"} for r in rows]),
                               (LOCAL, "generations", rows), (RECONSTRUCT, "generations", [])):
-        with store.writer(pipeline.stage_ref(run, stage, dataset), kind, rows_per_part=64, params={}, fresh=True) as w:
+        with StageWriter(store, pipeline.stage_ref(run, stage, dataset), kind, rows_per_part=64, params={}, fresh=True) as w:
             if data:
                 w.write(data)
             w.commit()

@@ -191,7 +191,7 @@ def _write_golden() -> None:
     import secrets
     import tempfile
 
-    from eagle3_data.dev.kimi_tokenizer import cached_kimi_tokenizer
+    from eagle3_data.builds.kimi_tokenizer import cached_kimi_tokenizer
     from eagle3_data.dev.seaweedfs import start_seaweedfs, stop_seaweedfs
     from eagle3_data.storage import ArtifactStore
 

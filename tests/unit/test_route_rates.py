@@ -8,13 +8,14 @@ import json
 
 from eagle3_data.config import load_config
 from eagle3_data.storage import StageRef
+from eagle3_data.storage.writer import StageWriter
 
 SIDES = {"generate_local": ("local", {"latency_s_mean": 2.0, "in_flight": {"http://a": 8, "http://b": 8}}),
          "generate_overflow": ("overflow", {"latency_s_mean": 1.0, "concurrency": 99})}
 
 
 def commit(store, ref, extra):
-    with store.writer(ref, "generations", rows_per_part=1, tokenizer_sha256="t", template_sha256="t") as w:
+    with StageWriter(store, ref, "generations", rows_per_part=1, tokenizer_sha256="t", template_sha256="t") as w:
         w.commit(extra=extra)
 
 

@@ -41,14 +41,14 @@ def rows(start: int, stop: int, tag: str = "a") -> list[dict]:
 
 
 def write_all(store, ref=REF, n=10, rows_per_part=4, tag="a", **kw) -> dict:
-    with store.writer(ref, "prompts", rows_per_part=rows_per_part, **kw) as w:
+    with StageWriter(store, ref, "prompts", rows_per_part=rows_per_part, **kw) as w:
         w.write(rows(0, n, tag))
         return w.commit()
 
 
 def keys(store, ref=REF) -> list[str]:
     base = store.key(ref)
-    return sorted(o["Key"][len(base) :] for o in store._list(base))
+    return sorted(o["Key"][len(base) :] for o in store.list_objects(base))
 
 
 def flip_byte(store, key: str, offset: int = 100) -> None:
@@ -104,7 +104,7 @@ def test_writer_commits_parts_then_manifest_with_hashes(store):
 
 
 def test_reader_refuses_stage_without_manifest(store):
-    with store.writer(REF, "prompts", rows_per_part=2) as w:
+    with StageWriter(store, REF, "prompts", rows_per_part=2) as w:
         w.write(rows(0, 5))
         assert not store.is_complete(REF)
         with pytest.raises(IncompleteStage, match="no _manifest.json: stage not complete"):
@@ -135,14 +135,14 @@ def test_iter_batches_stops_early_and_reports_the_bad_part_in_order(store):
 
 
 def test_empty_stage_reads_as_empty_table(store):
-    with store.writer(REF, "generations") as w:
+    with StageWriter(store, REF, "generations") as w:
         w.commit()
     assert store.read_table(REF).num_rows == 0 and store.read_manifest(REF)["parts"] == []
 
 
 def test_writer_without_commit_is_an_error_and_stays_incomplete(store):
     with pytest.raises(RuntimeError, match="without commit"):
-        with store.writer(REF, "prompts") as w:
+        with StageWriter(store, REF, "prompts") as w:
             w.write(rows(0, 2))
     assert not store.is_complete(REF)
 
@@ -152,7 +152,7 @@ def test_unknown_field_in_row_names_it(store):
     bad = rows(0, 2)
     bad[1]["prompt"] = "x"
     with pytest.raises(UserError, match=r"row 1 .*s0001.*\['prompt'\]"):
-        with store.writer(REF, "prompts") as w:
+        with StageWriter(store, REF, "prompts") as w:
             w.write(bad)
 
 
@@ -160,14 +160,14 @@ def test_reading_newer_or_unknown_schema_fails_clearly(store):
     write_all(store, n=2)
     manifest = store.read_manifest(REF)
     for schema, message in [({"name": "prompts", "version": 99}, "newer than this code"), ({"name": "embeddings", "version": 1}, "unknown artifact schema")]:
-        store._put_bytes(store.key(REF, "_manifest.json"), json.dumps(manifest | {"schema": schema}).encode())
+        store.write_object(REF, "_manifest.json", json.dumps(manifest | {"schema": schema}).encode())
         with pytest.raises(UserError, match=message):
             store.read_table(REF)
 
 
 def test_arrow_table_input_is_cast_to_schema(store):
     table = pa.Table.from_pylist(rows(0, 3))
-    with store.writer(REF, "prompts") as w:
+    with StageWriter(store, REF, "prompts") as w:
         w.write(table)
         w.commit()
     assert store.read_table(REF).schema.field("sample_index").type == pa.int64()
@@ -203,7 +203,7 @@ def test_rerun_same_inputs_rewrites_same_keys_and_bytes(store):
 
 def test_rerun_invalidates_old_manifest_before_writing(store):
     write_all(store, n=9, rows_per_part=4, tag="old")
-    with store.writer(REF, "prompts", rows_per_part=4) as w:
+    with StageWriter(store, REF, "prompts", rows_per_part=4) as w:
         assert not store.is_complete(REF)  # old manifest gone before any new part lands
         assert w.committed_sample_ids() == set()  # a rerun starts over
         w.write(rows(0, 5, "new"))
@@ -217,11 +217,11 @@ def test_rerun_invalidates_old_manifest_before_writing(store):
 
 def test_exception_checkpoints_buffer_and_resume_skips_committed(store):
     with pytest.raises(ZeroDivisionError):
-        with store.writer(REF, "prompts", rows_per_part=4) as w:
+        with StageWriter(store, REF, "prompts", rows_per_part=4) as w:
             w.write(rows(0, 6))  # part 0 committed, 2 rows buffered
             1 / 0
     assert store.committed_sample_ids(REF) == {f"s{i:04d}" for i in range(6)}
-    with store.writer(REF, "prompts", rows_per_part=4) as w:
+    with StageWriter(store, REF, "prompts", rows_per_part=4) as w:
         done = w.committed_sample_ids()
         assert done == {f"s{i:04d}" for i in range(6)}
         w.write([r for r in rows(0, 10, "second") if r["sample_id"] not in done])
@@ -241,12 +241,12 @@ def test_orphan_part_without_progress_record_is_not_counted(store, monkeypatch):
 
     monkeypatch.setattr(StageWriter, "_write_progress", die_on_part_1)
     with pytest.raises(KeyboardInterrupt):
-        with store.writer(REF, "prompts", rows_per_part=3) as w:
+        with StageWriter(store, REF, "prompts", rows_per_part=3) as w:
             w.write(rows(0, 7))
     monkeypatch.setattr(StageWriter, "_write_progress", real)
     assert "part-00001.parquet" in keys(store)
     assert store.committed_sample_ids(REF) == {"s0000", "s0001", "s0002"}
-    with store.writer(REF, "prompts", rows_per_part=3) as w:
+    with StageWriter(store, REF, "prompts", rows_per_part=3) as w:
         assert "part-00001.parquet" not in keys(store)  # orphan removed on resume
         w.write([r for r in rows(0, 7) if r["sample_id"] not in w.committed_sample_ids()])
         manifest = w.commit()
@@ -256,7 +256,7 @@ def test_orphan_part_without_progress_record_is_not_counted(store, monkeypatch):
 
 
 def test_duplicate_sample_ids_are_skipped_and_counted(store):
-    with store.writer(REF, "prompts", rows_per_part=3) as w:
+    with StageWriter(store, REF, "prompts", rows_per_part=3) as w:
         w.write(rows(0, 4))
         assert w.write(rows(2, 6)) == 2
         manifest = w.commit()
@@ -265,13 +265,13 @@ def test_duplicate_sample_ids_are_skipped_and_counted(store):
 
 def test_resume_with_different_params_is_refused_unless_fresh(store):
     with pytest.raises(KeyboardInterrupt):
-        with store.writer(REF, "prompts", rows_per_part=2, params={"temperature": 1.0}) as w:
+        with StageWriter(store, REF, "prompts", rows_per_part=2, params={"temperature": 1.0}) as w:
             w.write(rows(0, 4))
             raise KeyboardInterrupt
     with pytest.raises(UserError, match="other params"):
-        with store.writer(REF, "prompts", rows_per_part=2, params={"temperature": 0.5}) as w:
+        with StageWriter(store, REF, "prompts", rows_per_part=2, params={"temperature": 0.5}) as w:
             pass
-    with store.writer(REF, "prompts", rows_per_part=2, params={"temperature": 0.5}, fresh=True) as w:
+    with StageWriter(store, REF, "prompts", rows_per_part=2, params={"temperature": 0.5}, fresh=True) as w:
         assert w.committed_sample_ids() == set()
         w.commit()
     assert store.read_manifest(REF)["rows"] == 0
@@ -279,13 +279,13 @@ def test_resume_with_different_params_is_refused_unless_fresh(store):
 
 def test_input_must_be_complete(store):
     with pytest.raises(IncompleteStage, match="stage not complete"):
-        store.writer(REF, "prompts", inputs=[StageRef("date=2026-11-29", "load", "tool_calls")])
+        StageWriter(store, REF, "prompts", inputs=[StageRef("date=2026-11-29", "load", "tool_calls")])
 
 
 # -- side files and file stages --------------------------------------------------------------------------
 def test_json_side_files_and_manifest_coverage(store):
     store.put_json(REF, "report.json", {"exact": 10})
-    with store.writer(REF, "prompts") as w:
+    with StageWriter(store, REF, "prompts") as w:
         w.write(rows(0, 2))
         manifest = w.commit(files=["report.json"])
     assert store.get_json(REF, "report.json") == {"exact": 10}
@@ -323,7 +323,7 @@ def test_datasets_lists_complete_stages_only(store):
     write_all(store, StageRef("r1", "merge", "chat"), n=2)
     write_all(store, StageRef("r1", "merge", "code"), n=2)
     with pytest.raises(KeyboardInterrupt):
-        with store.writer(StageRef("r1", "merge", "tools"), "prompts", rows_per_part=1) as w:
+        with StageWriter(store, StageRef("r1", "merge", "tools"), "prompts", rows_per_part=1) as w:
             w.write(rows(0, 2))
             raise KeyboardInterrupt
     assert store.datasets("r1", "merge") == ["chat", "code"]
@@ -345,7 +345,7 @@ def test_secret_never_in_manifest_or_logs(store, s3_server, caplog):
     caplog.set_level(logging.DEBUG)
     write_all(store, n=5, rows_per_part=2, params={"endpoint": s3_server.endpoint_url})
     store.read_table(REF)
-    manifest_text = store._get_bytes(store.key(REF, "_manifest.json")).decode()
+    manifest_text = store.read_object(REF, "_manifest.json").decode()
     assert s3_server.secret_key not in manifest_text
     assert s3_server.secret_key not in caplog.text and s3_server.secret_key not in repr(s3_server)
     assert "committed" in caplog.text  # the logs were captured

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from eagle3_data.errors import UserError
-from eagle3_data.tokenizer import Codec
+from eagle3_data.codec import Codec
 
 FinishReason = Literal["stop", "length"]
 
@@ -126,6 +126,9 @@ class ProviderView:
     notes: list[str]
     tool_call_index_start: int
     text: str = ""  # the decoded generation the parsers split (stop token trimmed)
+    # why the answer cannot show the generation's last token (a length cut right after a structural
+    # token the parsers consume): its rebuild is then the ids minus that one, a strict prefix
+    hides_last_token: str | None = None
 
 
 Part = str | int  # rendered text, or a structural special id inserted by name

@@ -32,7 +32,7 @@ from eagle3_data.chat_format.base import (
     normalize_finish_reason,
 )
 from eagle3_data.errors import UserError
-from eagle3_data.tokenizer import (
+from eagle3_data.codec import (
     Codec,
     HFCodec,
     TiktokenCodec,
@@ -250,8 +250,9 @@ class KimiK2Format(OutputFormat):
         reasoning, normal = split_reasoning(text, force_reasoning=self.thinking, notes=notes)
         if reasoning is not None and not self.thinking:
             notes.append("reasoning opened with <think> although thinking is off")
+        hides_last = None
         if finish == "length" and reasoning is not None and normal == "" and text.endswith(THINK_END):
-            notes.append(CUT_AFTER_THINK_END)
+            hides_last = CUT_AFTER_THINK_END
         content, calls, start = normal, [], 0
         offered = tools is None or bool(tools)
         if SECTION_BEGIN in normal:
@@ -267,7 +268,7 @@ class KimiK2Format(OutputFormat):
                 for i, (name, args) in enumerate(calls)
             ]
         out_finish = "length" if finish == "length" else ("tool_calls" if calls else "stop")
-        return ProviderView(message, out_finish, notes, start, text)
+        return ProviderView(message, out_finish, notes, start, text, hides_last)
 
     def _split_tools(
         self, normal: str, tools: list[dict[str, Any]] | None, notes: list[str]

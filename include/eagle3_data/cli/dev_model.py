@@ -18,7 +18,7 @@ def register(dev_sub: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from eagle3_data.dev.tiny_model import build_tiny_model
+    from eagle3_data.builds.tiny_model import build_tiny_model
     from eagle3_data.errors import UserError
 
     if not (Path(args.tokenizer) / "tokenizer.json").exists():

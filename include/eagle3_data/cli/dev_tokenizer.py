@@ -12,7 +12,7 @@ def register(dev_sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from eagle3_data.dev.kimi_tokenizer import build_kimi_tokenizer
+    from eagle3_data.builds.kimi_tokenizer import build_kimi_tokenizer
 
     out = build_kimi_tokenizer(args.out)
     print(out)

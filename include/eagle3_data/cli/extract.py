@@ -53,7 +53,7 @@ def _run_extract(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from eagle3_data.errors import UserError
-    from eagle3_data.hidden_states.backends import shared_backend
+    from eagle3_data.hidden_states.engines import shared_backend
     from eagle3_data.hidden_states.extract import (
         ExtractOptions, commit_extraction, extract_rows, extract_shard, merged_sha256s, read_merged_rows,
     )

@@ -56,7 +56,7 @@ def _discard(args: argparse.Namespace) -> int:
     bucket, prefix, ref = parse_stage_uri(args.uri)
     store = open_store(args, bucket, prefix)
     store.check_bucket()
-    if not store.is_complete(ref) and not store._list(store.key(ref)):
+    if not store.is_complete(ref) and not store.objects(ref):
         raise IncompleteStage(f"{store.uri(ref)}: nothing there to discard")
     downstream = store.downstream(ref)
     targets = [ref, *downstream] if args.cascade else [ref]

@@ -31,7 +31,8 @@ def parse_expectations(items: list[str]) -> dict[str, int]:
 
 
 def _audit(args: argparse.Namespace) -> int:
-    from eagle3_data.tokenizer import audit_tokenizer, load_tokenizer
+    from eagle3_data.tokenizer import load_tokenizer
+    from eagle3_data.tokenizer_audit import audit_tokenizer
 
     expect = parse_expectations(args.expect)
     report = audit_tokenizer(load_tokenizer(args.tokenizer, trust_remote_code=args.trust_remote_code), expect)

@@ -39,6 +39,7 @@ from eagle3_data.cache import cache_root
 from eagle3_data.canonical import canonical_json
 from eagle3_data.errors import UserError
 from eagle3_data.spill import RowSpill
+from eagle3_data.storage.writer import StageWriter
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +213,7 @@ class StageRun:
 
     def __enter__(self) -> StageRun:
         # the writer takes the stage's lease first: a second writer fails here, before any request
-        self._cm = self.store.writer(self.ref, "generations", part_summary=part_cost, **self.writer_args)
+        self._cm = StageWriter(self.store, self.ref, "generations", part_summary=part_cost, **self.writer_args)
         self.writer = self._cm.__enter__()
         try:
             self._resume()
@@ -374,10 +375,9 @@ def committed_cost(store, ref, records: list[dict]) -> float:
         if "summary" in record:
             total += record["summary"].get("cost_usd") or 0.0
             continue
-        with store._download(store.key(ref, record["name"]), record["sha256"], record["bytes"],
-                             store.uri(ref, record["name"])) as f:
+        with store.open_verified(ref, record["name"], sha256=record["sha256"], nbytes=record["bytes"]) as f:
             from eagle3_data.schemas import schema_for
-            from eagle3_data.storage.store import check_part_schema
+            from eagle3_data.storage.parts import check_part_schema
 
             usage = check_part_schema(f, schema_for("generations"), store.uri(ref, record["name"])).read(
                 columns=["usage"]).column("usage").to_pylist()

@@ -3,7 +3,7 @@
 A backend is anything with `describe()` and `forward(batch, indices, last_hidden)`: the
 extractor owns batching, checks and storage, so a faster engine slots in without touching them.
 `transformers` is the reference backend; `vllm` (vllm_backend.py) runs a real serving engine in
-its own venv. `shared_backend` keeps one engine per process across shards. SGLang's HTTP server
+its own venv. `engines.shared_backend` keeps one engine per process across shards. SGLang's HTTP server
 cannot be one today: with
 `--enable-return-hidden-states` it returns only the final hidden state, not the aux layers
 (see docs/hidden_states.md for the sources and how SpecForge runs SGLang in-process instead).
@@ -17,7 +17,6 @@ from typing import Protocol, Sequence
 
 import torch
 
-from eagle3_data.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -119,28 +118,3 @@ class TransformersBackend:
             SampleStates(aux=aux[row, :n], last=last[row, :n] if last is not None else None)
             for row, n in enumerate(lengths)
         ]
-
-
-BACKENDS = ("transformers", "vllm")
-_SHARED: dict[tuple, HiddenStateBackend] = {}
-
-
-def shared_backend(name: str, model_dir: str | Path, *, tensor_parallel_size: int = 1,
-                   max_model_len: int | None = None) -> HiddenStateBackend:
-    """The process's backend for these settings, created on first use and kept.
-
-    Loading a target (or starting an engine) costs minutes on a real node; every shard a worker
-    process extracts reuses the same one.
-    """
-    if name not in BACKENDS:
-        raise UserError(f"hidden-state backend {name!r}: expected one of {', '.join(BACKENDS)}")
-    key = (name, str(Path(model_dir).resolve()), tensor_parallel_size, max_model_len)
-    if key not in _SHARED:
-        if name == "vllm":
-            from eagle3_data.hidden_states.vllm_backend import VllmBackend
-
-            kwargs = {"max_model_len": max_model_len} if max_model_len else {}
-            _SHARED[key] = VllmBackend(model_dir, tensor_parallel_size=tensor_parallel_size, **kwargs)
-        else:
-            _SHARED[key] = TransformersBackend(model_dir)
-    return _SHARED[key]

@@ -13,7 +13,7 @@ AUDIT_REPORT = "report.json"
 
 
 def audit_tokenizer(run: Run, store) -> AuditResult:
-    from eagle3_data.tokenizer import audit_tokenizer as audit
+    from eagle3_data.tokenizer_audit import audit_tokenizer as audit
 
     report = audit(tokenizer_for(run, store), run.config.tokenizer.expected_special_ids).to_json()
     ref = stage_ref(run, AUDIT, AUDIT_DATASET)

@@ -56,7 +56,7 @@ def extract_hidden_states(run: Run, store, work: dict) -> ExtractWorkerResult:
     nothing left loads no model at all."""
     import time
 
-    from eagle3_data.hidden_states.backends import shared_backend
+    from eagle3_data.hidden_states.engines import shared_backend
     from eagle3_data.hidden_states.extract import extract_shard, extracted, merged_sha256s
 
     params = hidden_states_params(run)

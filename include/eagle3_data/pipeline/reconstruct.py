@@ -7,6 +7,7 @@ from eagle3_data.pipeline.results import ReconstructResult
 from eagle3_data.pipeline.reuse import reusable
 from eagle3_data.pipeline.run import Run, bulk_tokenizer_for, log, output_format, stage_ref, tokenizer_hashes
 from eagle3_data.stages import OVERFLOW, RECONSTRUCT
+from eagle3_data.storage.writer import StageWriter
 
 
 def reconstruct(run: Run, store, dataset: str) -> ReconstructResult:
@@ -29,7 +30,7 @@ def reconstruct(run: Run, store, dataset: str) -> ReconstructResult:
     counts = {"ok": 0, "failed": 0, "unreconstructable": 0, "rejected": 0, "literal_special_text": 0}
     rejects: list[dict] = []
     source, line, read = store.uri(src), 0, 0
-    with store.writer(ref, "generations", rows_per_part=1024, params=params, inputs=[src], fresh=True, **hashes) as w:
+    with StageWriter(store, ref, "generations", rows_per_part=1024, params=params, inputs=[src], fresh=True, **hashes) as w:
         for batch in store.iter_batches(src):
             rows = batch.to_pylist()
             todo, lines, out = [], {}, []

@@ -17,6 +17,7 @@ from eagle3_data.pipeline.results import RouteResult
 from eagle3_data.pipeline.reuse import reusable
 from eagle3_data.pipeline.run import Run, log, output_format, sampling, stage_ref, tokenizer_for
 from eagle3_data.stages import LOCAL, OVERFLOW, PLAN, PROMPTS
+from eagle3_data.storage.writer import StageWriter
 
 if TYPE_CHECKING:
     from eagle3_data.prompts import PromptRows
@@ -152,7 +153,7 @@ def load_route(run: Run, store, dataset: str) -> RouteResult:
         "rows_sha256": rows_sha256(routed_batches(loaded.rows, routes)),
     }
     if reusable(store, ref, [], params) is None:
-        with store.writer(ref, "prompts", rows_per_part=PROMPT_ROWS_PER_PART, params=params, fresh=True) as w:
+        with StageWriter(store, ref, "prompts", rows_per_part=PROMPT_ROWS_PER_PART, params=params, fresh=True) as w:
             for batch in routed_batches(loaded.rows, routes):
                 w.write(pa.Table.from_batches([batch]))
             store.put_json(ref, REJECTS, loaded.rejects)

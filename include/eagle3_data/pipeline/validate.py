@@ -17,6 +17,7 @@ from eagle3_data.pipeline.reuse import reusable
 from eagle3_data.pipeline.run import Run, bulk_tokenizer_for, log, output_format, stage_ref, tokenizer_hashes
 from eagle3_data.rejects import REJECTS_FILE
 from eagle3_data.stages import LOCAL, PROMPTS, RECONSTRUCT, VALIDATE
+from eagle3_data.storage.writer import StageWriter
 
 VALIDATION_REPORT = "report.json"
 BILLING_REPORT = "billing.json"
@@ -94,7 +95,7 @@ def validate(run: Run, store, dataset: str, *, workers: int | None = None) -> Va
         stops = detect_stop_convention(fmt, local_rows())
         summary = ValidationSummary(thresholds.max_bpe_mismatch_rate, stops, thresholds.max_bad_row_rate,
                                     thresholds.allow_unvalidated_overflow)
-        with store.writer(ref, "validation_rows", rows_per_part=_CHUNK, params=params, inputs=[local, rebuilt], fresh=True, **hashes) as w:
+        with StageWriter(store, ref, "validation_rows", rows_per_part=_CHUNK, params=params, inputs=[local, rebuilt], fresh=True, **hashes) as w:
             chunk = []
             workers = workers or os.cpu_count() or 1
             for item in validate_rows(fmt, local_rows(), stops=stops, on_bad_row="skip", workers=workers):

@@ -38,6 +38,7 @@ from eagle3_data.errors import UserError
 from eagle3_data.forksafe import PerProcess
 from eagle3_data.schemas import schema_for
 from eagle3_data.storage.client import endpoint_of, fork_safe, s3_errors
+from eagle3_data.storage.parts import PROGRESS, check_part_schema
 from eagle3_data.storage.refs import (
     CorruptArtifact,
     IncompleteStage,
@@ -45,12 +46,12 @@ from eagle3_data.storage.refs import (
     StageRef,
     check_file_name,
     check_name,
+    part_number,
 )
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "_manifest.json"
-PROGRESS = "_progress"
 MANIFEST_FORMAT = "eagle3-datagen/manifest"
 MANIFEST_VERSION = 1
 _CHUNK = 8 * 1024 * 1024
@@ -82,24 +83,6 @@ def code_version() -> dict:
         except (OSError, subprocess.SubprocessError):
             sha = None
     return {"version": eagle3_data.__version__, "git_sha": sha}
-
-
-def check_part_schema(source, expected: pa.Schema, label: str) -> pq.ParquetFile:
-    """Open a downloaded part and refuse it, naming part and column, when its footer is unreadable
-    or its columns are missing or of another type than the manifest's schema version says."""
-    try:
-        pf = pq.ParquetFile(source)
-        actual = pf.schema_arrow
-    except (OSError, pa.ArrowException) as exc:
-        raise CorruptArtifact(f"{label}: not a readable Parquet file ({str(exc).splitlines()[0][:120]})") from None
-    for field in expected:
-        if field.name not in actual.names:
-            raise CorruptArtifact(f"{label}: column {field.name!r} is missing (schema "
-                                  f"{(expected.metadata or {}).get(b'eagle3.schema', b'?').decode()} needs it)")
-        got = actual.field(field.name).type
-        if not got.equals(field.type):
-            raise CorruptArtifact(f"{label}: column {field.name!r} is {got}, the schema says {field.type}")
-    return pf
 
 
 def check_no_secrets(obj: Any, where: str) -> None:
@@ -313,6 +296,50 @@ class ArtifactStore:
         out.seek(0)
         return out
 
+    # -- a stage's objects: the public layer the writer, leases, checkpoints and the CLI use --------
+    def objects(self, ref: StageRef, under: str = "") -> dict[str, dict]:
+        """The stage's objects (only those under `under`, a name prefix such as "_progress/") by
+        name relative to the stage: {name: {"Key", "Size", "ETag", "LastModified"}}."""
+        base = self.key(ref)
+        return {o["Key"][len(base):]: o for o in self._list(base + under)}
+
+    def read_object(self, ref: StageRef, name: str) -> bytes | None:
+        """The bytes of one object of the stage, or None when it does not exist."""
+        return self._get_bytes(self.key(ref, name))
+
+    def write_object(self, ref: StageRef, name: str, data: bytes, *, sha256: str | None = None,
+                     content_type: str = "application/octet-stream") -> None:
+        """One object of the stage (a part, a progress record), its sha256 in its metadata when
+        given. No file record: side files go through `put_bytes` / `put_json` / `put_file`."""
+        self._put_bytes(self.key(ref, name), data, sha256=sha256, content_type=content_type)
+
+    def head_object(self, ref: StageRef, name: str) -> dict | None:
+        """HEAD of one object of the stage (size, metadata), or None when it does not exist."""
+        return self._exists(self.key(ref, name))
+
+    def delete_objects(self, ref: StageRef, names: Iterable[str]) -> None:
+        self._delete(self.key(ref, name) for name in names)
+
+    def open_verified(self, ref: StageRef, name: str, *, sha256: str | None, nbytes: int | None):
+        """One object streamed into a spooled temp file, refused (CorruptArtifact) before anyone
+        parses it when it is missing or its size or sha256 differ from what a record says."""
+        return self._download(self.key(ref, name), sha256, nbytes, self.uri(ref, name))
+
+    def progress_records(self, ref: StageRef) -> list[dict]:
+        """The progress records of a stage's parts (`_progress/part-N.json`), by part number."""
+        records = []
+        for rel, obj in self.objects(ref, f"{PROGRESS}/").items():
+            stem = rel[len(PROGRESS) + 1:]
+            if "/" in stem or not stem.endswith(".json") or part_number(stem[: -len(".json")] + ".parquet") is None:
+                continue
+            data = self._get_bytes(obj["Key"])
+            if data is not None:
+                try:
+                    records.append(json.loads(data))
+                except ValueError:
+                    log.warning("%s: unreadable progress record, ignored (its part is produced again)", self.uri(ref, rel))
+        return sorted(records, key=lambda r: r["part"])
+
     # -- manifests -------------------------------------------------------------------------------
     def is_complete(self, ref: StageRef) -> bool:
         return self._exists(self.key(ref, MANIFEST)) is not None
@@ -358,7 +385,7 @@ class ArtifactStore:
         manifest = self.read_manifest(ref)
         return {"uri": self.uri(ref), "manifest_sha256": manifest.get("manifest_sha256") or manifest_hash(manifest)}
 
-    def _inputs(self, inputs: Iterable[StageRef | dict] | None) -> list[dict]:
+    def input_records(self, inputs: Iterable[StageRef | dict] | None) -> list[dict]:
         records = []
         for item in inputs or []:
             if isinstance(item, StageRef):
@@ -370,7 +397,7 @@ class ArtifactStore:
         check_no_secrets(records, "inputs")
         return records
 
-    def _write_manifest(
+    def write_manifest(
         self,
         ref: StageRef,
         *,
@@ -383,6 +410,9 @@ class ArtifactStore:
         template_sha256: str | None,
         extra: dict | None,
     ) -> dict:
+        """Write the stage's manifest, the object whose presence means "complete": write it last,
+        after every part and file it lists (`inputs` as `input_records` gives them). Refuses
+        credential-looking keys in `params` and `extra`."""
         check_no_secrets(params or {}, "params")
         check_no_secrets(extra or {}, "extra")
         manifest = {
@@ -410,46 +440,7 @@ class ArtifactStore:
         log.info("committed %s: %d rows in %d parts, %d files", self.uri(ref), manifest["rows"], len(parts), len(files))
         return manifest
 
-    # -- parquet stages ----------------------------------------------------------------------------
-    def writer(
-        self,
-        ref: StageRef,
-        schema: str,
-        *,
-        rows_per_part: int = 256,
-        params: dict | None = None,
-        inputs: Iterable[StageRef | dict] | None = None,
-        tokenizer_sha256: str | None = None,
-        template_sha256: str | None = None,
-        fresh: bool = False,
-        reopen: bool = False,
-        part_summary=None,
-        lease_ttl_s: float | None = None,
-    ):
-        """A checkpointing writer; resumes what a killed attempt with the same inputs committed.
-
-        On a complete stage it is a rerun: the manifest is removed first, then the old parts;
-        with `reopen=True` the parts are kept instead and resumed like a killed attempt's (each
-        re-verified by sha256), so only what is missing or corrupt is produced again.
-        `fresh=True` discards an incomplete attempt too (needed when its params differ).
-        """
-        from eagle3_data.storage.writer import StageWriter
-
-        return StageWriter(
-            self,
-            ref,
-            schema,
-            rows_per_part=rows_per_part,
-            params=params,
-            inputs=inputs,
-            tokenizer_sha256=tokenizer_sha256,
-            template_sha256=template_sha256,
-            fresh=fresh,
-            reopen=reopen,
-            part_summary=part_summary,
-            **({"lease_ttl_s": lease_ttl_s} if lease_ttl_s else {}),
-        )
-
+    # -- parquet stages (written by storage.writer.StageWriter) ---------------------------------
     def _checked_manifest(self, ref: StageRef) -> dict:
         manifest = self.read_manifest(ref)
         schema = manifest.get("schema")
@@ -577,9 +568,7 @@ class ArtifactStore:
 
     def committed_sample_ids(self, ref: StageRef) -> set[str]:
         """sample_ids in the committed parts of a stage, complete or not (resume and routing use it)."""
-        from eagle3_data.storage.writer import scan_progress
-
-        return {sid for record in scan_progress(self, ref) for sid in record["sample_ids"]}
+        return {sid for record in self.progress_records(ref) for sid in record["sample_ids"]}
 
     def datasets(self, run_key: str, stage: str) -> list[str]:
         """Dataset names with a complete manifest for this stage in this run."""
@@ -717,19 +706,19 @@ class ArtifactStore:
         extra: dict | None = None,
     ) -> dict:
         """Manifest for a stage whose outputs are files (hidden-state shards): written last."""
-        return self._write_manifest(
+        return self.write_manifest(
             ref,
             schema=None,
             parts=[],
-            files=self._file_entries(ref, names),
-            inputs=self._inputs(inputs),
+            files=self.file_entries(ref, names),
+            inputs=self.input_records(inputs),
             params=params,
             tokenizer_sha256=tokenizer_sha256,
             template_sha256=template_sha256,
             extra=extra,
         )
 
-    def _file_entries(self, ref: StageRef, names: Iterable[str]) -> list[dict]:
+    def file_entries(self, ref: StageRef, names: Iterable[str]) -> list[dict]:
         entries = []
         for name in sorted(set(names)):
             check_file_name(name)

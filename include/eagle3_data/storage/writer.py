@@ -17,44 +17,36 @@ resuming writer re-hashes every committed part against its progress record befor
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from eagle3_data.canonical import canonical_json
 from eagle3_data.errors import UserError
 from eagle3_data.schemas import schema_for
 from eagle3_data.storage.lease import DEFAULT_TTL_S, Lease, acquire_lease, is_lease
+from eagle3_data.storage.parts import PROGRESS, check_part_schema
 from eagle3_data.storage.refs import CorruptArtifact, StageRef, part_name, part_number
-from eagle3_data.storage.store import PROGRESS, ArtifactStore, canonical_json, check_part_schema
+
+if TYPE_CHECKING:
+    from eagle3_data.storage.store import ArtifactStore
 
 log = logging.getLogger(__name__)
 
 ROW_GROUP_ROWS = 1024  # streaming readers get at most this many rows per row group
 
 
-def scan_progress(store: ArtifactStore, ref: StageRef) -> list[dict]:
-    """The progress records of a stage's parts, sorted by part number."""
-    base = store.key(ref, f"{PROGRESS}/")
-    records = []
-    for obj in store._list(base):
-        rel = obj["Key"][len(base) :]
-        if "/" in rel or not rel.endswith(".json") or part_number(rel[: -len(".json")] + ".parquet") is None:
-            continue
-        data = store._get_bytes(obj["Key"])
-        if data is not None:
-            try:
-                records.append(json.loads(data))
-            except ValueError:
-                log.warning("%s: unreadable progress record, ignored (its part is produced again)", store.uri(ref, rel))
-    return sorted(records, key=lambda r: r["part"])
-
-
 class StageWriter:
-    """Use through `ArtifactStore.writer(...)` as a context manager."""
+    """A checkpointing writer of one stage; use it as a context manager:
+    `with StageWriter(store, ref, "generations", params=..., inputs=...) as w: ...; w.commit()`.
+
+    On a complete stage it is a rerun: the manifest is removed first, then the old parts; with
+    `reopen=True` the parts are kept instead and resumed like a killed attempt's (each re-verified
+    by sha256), so only what is missing or corrupt is produced again. `fresh=True` discards an
+    incomplete attempt too (needed when its params differ)."""
 
     def __init__(
         self,
@@ -62,15 +54,15 @@ class StageWriter:
         ref: StageRef,
         schema: str,
         *,
-        rows_per_part: int,
-        params: dict | None,
-        inputs: Iterable[StageRef | dict] | None,
-        tokenizer_sha256: str | None,
-        template_sha256: str | None,
-        fresh: bool,
+        rows_per_part: int = 256,
+        params: dict | None = None,
+        inputs: Iterable[StageRef | dict] | None = None,
+        tokenizer_sha256: str | None = None,
+        template_sha256: str | None = None,
+        fresh: bool = False,
         reopen: bool = False,
         part_summary: Callable[[pa.Table], dict] | None = None,
-        lease_ttl_s: float = DEFAULT_TTL_S,
+        lease_ttl_s: float | None = None,
     ) -> None:
         if rows_per_part < 1:
             raise UserError(f"rows_per_part must be >= 1, got {rows_per_part}")
@@ -80,13 +72,13 @@ class StageWriter:
         self.schema = schema_for(schema)
         self.rows_per_part = rows_per_part
         self.params = params or {}
-        self.inputs = store._inputs(inputs)
+        self.inputs = store.input_records(inputs)
         self.tokenizer_sha256 = tokenizer_sha256
         self.template_sha256 = template_sha256
         self.fresh = fresh
         self.reopen = reopen
         self.part_summary = part_summary
-        self.lease_ttl_s = lease_ttl_s
+        self.lease_ttl_s = lease_ttl_s or DEFAULT_TTL_S
         self.lease: Lease | None = None
         self._records: list[dict] = []  # progress records of committed parts (verified)
         self.fingerprint = hashlib.sha256(
@@ -141,13 +133,13 @@ class StageWriter:
 
     def _open(self) -> None:
         store, ref = self.store, self.ref
-        records = scan_progress(store, ref) if self.reopen and not self.fresh else None
+        records = store.progress_records(ref) if self.reopen and not self.fresh else None
         foreign = [r for r in records or [] if r.get("fingerprint") != self.fingerprint]
         if not foreign:  # a reopen that would be refused leaves the complete stage as it is
             was_complete = store.invalidate(ref)
             if (was_complete and not self.reopen) or self.fresh:
                 self._discard_everything()
-            records = scan_progress(store, ref)
+            records = store.progress_records(ref)
             foreign = [r for r in records if r.get("fingerprint") != self.fingerprint]
         if foreign:
             raise UserError(
@@ -155,7 +147,7 @@ class StageWriter:
                 f"params, inputs or tokenizer: resuming would mix them. Rerun with fresh=True (discards them) "
                 f"or use another run_key"
             )
-        objects = {o["Key"][len(store.key(ref)) :]: o["Size"] for o in store._list(store.key(ref))}
+        objects = {name: o["Size"] for name, o in store.objects(ref).items()}
         valid = []
         for record in records:
             if objects.get(record["name"]) != record["bytes"]:
@@ -168,14 +160,14 @@ class StageWriter:
                 log.warning("%s: %s; discarded, its %d rows will be produced again", store.uri(ref, record["name"]),
                             problem, record.get("rows", 0))
                 self._stats["corrupt_parts_discarded"] += objects.get(record["name"]) is not None
-                store._delete([store.key(ref, f"{PROGRESS}/{record['name'][: -len('.parquet')]}.json")])
-                store._delete([store.key(ref, record["name"])])
+                store.delete_objects(ref, [f"{PROGRESS}/{record['name'][: -len('.parquet')]}.json"])
+                store.delete_objects(ref, [record["name"]])
                 objects.pop(record["name"], None)
         valid_names = {r["name"] for r in valid}
         orphans = [name for name in objects if part_number(name) is not None and name not in valid_names]
         if orphans:
             log.warning("%s: removing %d parts of a killed attempt that never got a progress record", store.uri(ref), len(orphans))
-            store._delete(store.key(ref, name) for name in orphans)
+            store.delete_objects(ref, orphans)
         self._records = valid
         for record in valid:
             self._parts.append({k: record[k] for k in ("name", "rows", "bytes", "sha256")})
@@ -191,8 +183,7 @@ class StageWriter:
         """Why a committed part must not be trusted (bytes changed since its record, unreadable
         footer, schema not this stage's), or None. Costs one download per part, once per resume."""
         try:
-            with self.store._download(self.store.key(self.ref, record["name"]), record["sha256"], record["bytes"],
-                                      self.store.uri(self.ref, record["name"])) as f:
+            with self.store.open_verified(self.ref, record["name"], sha256=record["sha256"], nbytes=record["bytes"]) as f:
                 check_part_schema(f, self.schema, self.store.uri(self.ref, record["name"]))
         except CorruptArtifact as exc:
             return str(exc).split(": rerun the stage")[0].removeprefix(self.store.uri(self.ref, record["name"]) + " ")
@@ -205,11 +196,10 @@ class StageWriter:
 
     def _discard_everything(self) -> None:
         """Progress records first, so a kill midway leaves nothing a resume would count."""
-        base = self.store.key(self.ref)
-        keys = [o["Key"] for o in self.store._list(base) if not is_lease(o["Key"][len(base):])]
-        progress = [k for k in keys if k.startswith(base + PROGRESS + "/")]
-        self.store._delete(progress)
-        self.store._delete(k for k in keys if k not in set(progress))
+        names = [name for name in self.store.objects(self.ref) if not is_lease(name)]
+        progress = [name for name in names if name.startswith(PROGRESS + "/")]
+        self.store.delete_objects(self.ref, progress)
+        self.store.delete_objects(self.ref, [name for name in names if name not in set(progress)])
 
     # -- writing ----------------------------------------------------------------------------------
     def committed_sample_ids(self) -> set[str]:
@@ -265,11 +255,11 @@ class StageWriter:
         self.flush()
         self.lease.renew()  # fencing: a writer whose lease was taken over never writes a manifest
         self._check_parts_unchanged()
-        manifest = self.store._write_manifest(
+        manifest = self.store.write_manifest(
             self.ref,
             schema={"name": self.schema_name, "version": int(self.schema.metadata[b"eagle3.schema_version"])},
             parts=list(self._parts),
-            files=self.store._file_entries(self.ref, files),
+            files=self.store.file_entries(self.ref, files),
             inputs=self.inputs,
             params=self.params,
             tokenizer_sha256=self.tokenizer_sha256,
@@ -282,7 +272,7 @@ class StageWriter:
     # -- internals ----------------------------------------------------------------------------------
     def _require_open(self) -> None:
         if not self._opened:
-            raise RuntimeError("use the writer as a context manager: `with store.writer(...) as w:`")
+            raise RuntimeError("use the writer as a context manager: `with StageWriter(store, ...) as w:`")
         if self._committed:
             raise RuntimeError(f"writer for {self.store.uri(self.ref)} is already committed")
 
@@ -312,7 +302,7 @@ class StageWriter:
         """Every part the manifest will list still has the bytes this writer recorded (HEAD: size
         and the sha256 put in its metadata), so no overwritten part is ever committed."""
         for part in self._parts:
-            head = self.store._exists(self.store.key(self.ref, part["name"]))
+            head = self.store.head_object(self.ref, part["name"])
             meta = (head or {}).get("Metadata", {}).get("sha256")
             if head is None or head["ContentLength"] != part["bytes"] or (meta and meta != part["sha256"]):
                 raise CorruptArtifact(f"{self.store.uri(self.ref, part['name'])} changed after it was committed (another "
@@ -326,7 +316,7 @@ class StageWriter:
         pq.write_table(table.replace_schema_metadata(self.schema.metadata), sink, compression="zstd", row_group_size=ROW_GROUP_ROWS)
         data = sink.getvalue().to_pybytes()
         sha = hashlib.sha256(data).hexdigest()
-        self.store._put_bytes(self.store.key(self.ref, name), data, sha256=sha)
+        self.store.write_object(self.ref, name, data, sha256=sha)
         sample_ids = table.column("sample_id").to_pylist()
         record = {
             "part": n,
@@ -347,5 +337,5 @@ class StageWriter:
         log.info("%s: committed %s (%d rows)", self.store.uri(self.ref), name, table.num_rows)
 
     def _write_progress(self, record: dict) -> None:
-        key = self.store.key(self.ref, f"{PROGRESS}/{record['name'][: -len('.parquet')]}.json")
-        self.store._put_bytes(key, canonical_json(record).encode(), content_type="application/json")
+        name = f"{PROGRESS}/{record['name'][: -len('.parquet')]}.json"
+        self.store.write_object(self.ref, name, canonical_json(record).encode(), content_type="application/json")

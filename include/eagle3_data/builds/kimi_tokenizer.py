@@ -100,7 +100,7 @@ def cached_kimi_tokenizer(cache_root: str | Path) -> Path:
 
     The key hashes this module and the chat template, so a change to either rebuilds it.
     """
-    from eagle3_data.dev.build_cache import cached_build
+    from eagle3_data.builds.build_cache import cached_build
 
     key = Path(__file__).read_bytes() + CHAT_TEMPLATE_PATH.read_bytes()
     return cached_build(cache_root, "kimi-tokenizer", key, "tokenizer.json", build_kimi_tokenizer)

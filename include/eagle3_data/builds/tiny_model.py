@@ -140,7 +140,7 @@ def cached_tiny_model(tokenizer_dir: str | Path, cache_root: str | Path, *, seed
     The key hashes this module, the arguments and the tokenizer directory's name (itself keyed
     by the tokenizer builder), so a stale model can never be tested against.
     """
-    from eagle3_data.dev.build_cache import cached_build
+    from eagle3_data.builds.build_cache import cached_build
 
     args = {"seed": seed, "layers": layers, "hidden": hidden}
     key = Path(__file__).read_bytes() + repr(sorted(args.items())).encode() + Path(tokenizer_dir).name.encode()

@@ -25,13 +25,13 @@ def dev_cache_root() -> Path:
 
 def resolve_dev_source(name: str, cache_root: str | os.PathLike | None = None) -> Path:
     """The directory of dev build `name`, built now if absent."""
-    from eagle3_data.dev.kimi_tokenizer import cached_kimi_tokenizer
+    from eagle3_data.builds.kimi_tokenizer import cached_kimi_tokenizer
 
     root = Path(cache_root) if cache_root else dev_cache_root()
     if name == "kimi-tokenizer":
         return cached_kimi_tokenizer(root)
     if name == "tiny-deepseek-v3":
-        from eagle3_data.dev.tiny_model import cached_tiny_model
+        from eagle3_data.builds.tiny_model import cached_tiny_model
 
         return cached_tiny_model(cached_kimi_tokenizer(root), root, **TINY_MODEL_ARGS)
     raise UserError(f"source dev:{name}: unknown dev build (known: {', '.join('dev:' + n for n in DEV_SOURCES)})")

