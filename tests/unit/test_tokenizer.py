@@ -102,3 +102,10 @@ def test_tiktoken_fast_path_agrees_with_hf(kimi_tokenizer):
     for start in range(0, len(ids), 37):
         assert fmt.codec.decode(ids[start : start + 37]) == hf.decode(ids[start : start + 37])
         assert fmt.codec.decode_bytes(ids[start : start + 37]) == hf.decode_bytes(ids[start : start + 37])
+
+
+def test_audit_requires_the_formats_stop_token_to_be_pinned(kimi_tokenizer):
+    """The config may name any ids, but not leave out the one every generation ends with."""
+    report = audit_tokenizer(kimi_tokenizer, {"</think>": 163607})
+    assert not report.passed
+    assert any("do not pin the stop token '<|im_end|>' of format kimi_k2" in p for p in report.problems), report.problems

@@ -144,6 +144,9 @@ class OutputFormat(ABC):
 
     name: str
     structural_tokens: tuple[str, ...]  # names the tokenizer must carry (and the audit checks)
+    stop_token: str  # the name of the stop token every generation ends with (the config must pin its id)
+    reasoning_end_id: int | None  # the id that closes the reasoning section (None: the format has none)
+    tool_section_id: int | None  # the id that opens a tool-call section (None: no tool calls)
     pattern: str | None = None  # pre-tokenizer regex for a tiktoken fast path, when the family has one
     thinking: bool
     stop_token_ids: list[int]

@@ -84,6 +84,7 @@ _SGL_COUNTER = re.compile(r"^\d+$")
 
 class KimiK2Format(OutputFormat):
     name = "kimi_k2"
+    stop_token = IM_END
     structural_tokens = (
         THINK_START,
         THINK_END,
@@ -121,7 +122,8 @@ class KimiK2Format(OutputFormat):
         self.stop_token_ids = [ids[IM_END]] + ([eos] if eos is not None and eos != ids[IM_END] else [])
         self.vocab_size = len(tokenizer)
         self.all_special_names = tuple(added)
-        self._think_end = ids[THINK_END]
+        self._think_end = self.reasoning_end_id = ids[THINK_END]
+        self.tool_section_id = ids[SECTION_BEGIN]
         self._section_begin, self._section_end = ids[SECTION_BEGIN], ids[SECTION_END]
         self._call_begin, self._arg_begin, self._call_end = ids[CALL_BEGIN], ids[ARG_BEGIN], ids[CALL_END]
         self.codec: Codec = codec or self._fast_codec() or HFCodec(tokenizer)

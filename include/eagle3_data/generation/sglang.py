@@ -428,8 +428,8 @@ class _SGLangRun:
         if finish["type"] not in ("stop", "length"):
             return failed_row(p, prompt_ids, source, f"finish_reason {finish!r} from {endpoint}"), False, False
         msg = self.fmt.parse_ids(ids, finish["type"]).message
-        think_end = self.fmt.special_ids["</think>"]
-        reasoning_tokens = (ids.index(think_end) if think_end in ids else len(ids)) if self.thinking else 0
+        end = self.fmt.reasoning_end_id
+        reasoning_tokens = (ids.index(end) if end in ids else len(ids)) if self.thinking and end is not None else 0
         row.update(
             output_ids=ids,
             reasoning=msg.reasoning,

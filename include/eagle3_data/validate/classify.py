@@ -65,7 +65,7 @@ class Validator:
         self.stop_ids = list(fmt.stop_token_ids)
         self.im_end = self.stop_ids[0]
         self.id_of = {name: tid for name, tid in fmt.tokenizer.get_added_vocab().items()}
-        self.section_begin = fmt.special_ids.get("<|tool_calls_section_begin|>")
+        self.section_begin = fmt.tool_section_id
 
     def _stop(self, row: InputRow) -> tuple[list[int], str, tuple[str, str] | None, str | None]:
         """(ids normalised to end with their stop id, finish, verdict, stop provenance)."""
