@@ -50,7 +50,7 @@ STAGES = {
     "reconstruct": "RESULT = P.reconstruct(run, store, ds).as_dict()",
     "validate": "r = P.validate(run, store, ds)\nRESULT = {'passed': r.gate.passed, 'reasons': r.gate.reasons, 'counts': r.counts}",
     "merge": "r = P.merge(run, store)\nRESULT = {'shards': r.shards, 'totals': r.totals}",
-    # one GPU worker's share, as the DAG maps it (pipeline.extract_workers): here one shard
+    # one GPU worker's share, as the DAG maps it (pipeline.plan_hidden_states): here one shard
     "extract_hidden_states": ("r = P.extract_hidden_states(run, store, {'worker': 0, 'shards': [json.loads(os.environ['BENCH_SHARD'])]})\n"
                               "RESULT = {'samples': sum(s.samples for s in r.shards), 'tokens': sum(s.tokens for s in r.shards), "
                               "'backend_loads': r.backend_loads}"),

@@ -31,7 +31,7 @@ TRAINING_DATA = Asset(
     uri=f"s3://{CONFIG.storage.bucket}/{CONFIG.storage.prefix}/runs/",
     group="eagle3",
 )
-ASSET_EXTRA = ("run_key", "report_uri", "merged_uri", "hidden_states_uri", "datasets")
+ASSET_EXTRA = ("run_key", "report_uri", "merged_uri", "hidden_states_uri", "datasets", "stand_ins")
 
 NETWORK_RETRIES = {
     "retries": 4,
@@ -78,7 +78,7 @@ def _run():
     from eagle3_data import pipeline
 
     ctx = get_current_context()
-    run = _gate(pipeline.resolve_run, dict(ctx["params"]), ctx.get("logical_date"))
+    run = _gate(lambda: pipeline.resolve_run(dict(ctx["params"]), ctx.get("logical_date"), run_id=ctx["run_id"]))
     store = pipeline.open_store(run.config, S3Hook(aws_conn_id=AWS_CONN_ID).get_conn())
     return pipeline, run, store
 
@@ -89,12 +89,12 @@ def _gate(fn, *args):
     leased by another attempt, stays retryable."""
     from airflow.sdk.exceptions import AirflowFailException
 
-    from eagle3_data.errors import ServiceUnavailable, UserError
+    from eagle3_data.errors import Retryable, UserError
     from eagle3_data.storage import StageBusy
 
     try:
         return fn(*args)
-    except (ServiceUnavailable, StageBusy):  # weather: S3 or an endpoint down, a zombie attempt's lease not yet expired
+    except (Retryable, StageBusy):  # weather: S3 or an endpoint down, a stage stopped early, a zombie's lease
         raise
     except UserError as exc:
         raise AirflowFailException(str(exc)) from None
@@ -140,14 +140,14 @@ def eagle3_datagen():
 
         @task(map_index_template="{{ dataset }}", queue=GPU_QUEUE, **NETWORK_RETRIES, **GENERATION_TIMEOUT)
         def generate_local(dataset: str, routed: dict) -> dict:
-            from hooks.sglang import SGLangHook
+            from hooks.local_engine import LocalEngineHook
 
             _set_map_name(dataset)
             pipeline, run, store = _run()
             if run.dry_run:
                 return {"dry_run": True}
-            hook = SGLangHook()
-            endpoints = _connection(hook.get_endpoints, hook.sglang_conn_id)
+            hook = LocalEngineHook()
+            endpoints = _connection(hook.get_endpoints, hook.local_engine_conn_id)
             return _gate(pipeline.generate_local, run, store, dataset, endpoints).as_dict()
 
         @task(map_index_template="{{ dataset }}", pool=OPENROUTER_POOL, **NETWORK_RETRIES, **GENERATION_TIMEOUT)
@@ -184,13 +184,18 @@ def eagle3_datagen():
         return validate(dataset, reconstruct(dataset, *generated))
 
     @task(trigger_rule=TriggerRule.ALL_DONE, **NETWORK_RETRIES, **_timeout("merge"))
-    def merge() -> list[dict]:
+    def merge() -> dict:
         pipeline, run, store = _run()
         if run.dry_run:
-            return []
-        result = _gate(pipeline.merge, run, store)
-        # one entry per GPU worker (hidden_states.workers), each a share of the shards by tokens
-        return [] if run.skip_hidden_states else pipeline.extract_workers(run, store, result.shards)
+            return {"dry_run": True}
+        return _gate(pipeline.merge, run, store).as_dict()
+
+    @task(**NETWORK_RETRIES, **_timeout("plan_hidden_states"))
+    def plan_hidden_states(merged: dict) -> list[dict]:
+        """Which shards each GPU worker extracts (one entry per worker, balanced by tokens); the
+        run's stale states (other params, an earlier merge) are discarded here, before any worker."""
+        pipeline, run, store = _run()
+        return _gate(pipeline.plan_hidden_states, run, store)
 
     @task(map_index_template="{{ extract_worker }}", queue=GPU_QUEUE, **NETWORK_RETRIES, **_timeout("extract_hidden_states"))
     def extract_hidden_states(work: dict) -> dict:
@@ -199,6 +204,13 @@ def eagle3_datagen():
         _set_map_name(f"worker {work['worker']}: {len(work['shards'])} shards", key="extract_worker")
         pipeline, run, store = _run()
         return _gate(pipeline.extract_hidden_states, run, store, work).as_dict()
+
+    @task(**NETWORK_RETRIES, **_timeout("commit_hidden_states"))
+    def commit_hidden_states() -> dict | None:
+        """The hidden-states stage's manifest, once every worker's shards are in (skipped with the
+        workers when there are none: no merge, or hidden states skipped)."""
+        pipeline, run, store = _run()
+        return _gate(pipeline.commit_hidden_states, run, store)
 
     @task(trigger_rule=TriggerRule.ALL_DONE, outlets=[TRAINING_DATA], **_timeout("publish"))
     def publish() -> dict:
@@ -220,9 +232,9 @@ def eagle3_datagen():
 
     audit = audit_tokenizer()
     validated = per_dataset.expand(dataset=audit)
-    workers = merge()
-    validated >> workers
-    extract_hidden_states.expand(work=workers) >> publish()
+    merged = merge()
+    validated >> merged
+    extract_hidden_states.expand(work=plan_hidden_states(merged)) >> commit_hidden_states() >> publish()
 
 
 def _set_map_name(value: str, key: str = "dataset") -> None:

@@ -41,7 +41,7 @@ def _run_key(session, dag_id: str, run_id: str) -> str:
     if dag_run is None:
         raise HTTPException(404, f"no run {run_id!r} of DAG {dag_id!r}")
     try:
-        return run_key_for(dag_run.conf, dag_run.logical_date)
+        return run_key_for(dag_run.conf, dag_run.logical_date, dag_run.run_id)
     except UserError as exc:
         raise HTTPException(422, str(exc)) from None
 

@@ -47,6 +47,11 @@ LengthPolicy = Literal["truncate", "drop"]
 LayerConvention = Literal["output", "input"]
 LocalEngine = Literal["sglang", "vllm"]
 HiddenStatesBackend = Literal["transformers", "vllm"]
+StorageDtype = Literal["bf16", "fp32", "compute"]
+# What a dev config may run on instead of the real thing (stand_ins): recorded in every manifest,
+# the run report and the Asset event, so nobody trains on a stand-in run unknowingly.
+StandIn = Literal["tokenizer", "model", "local_engine", "overflow_provider"]
+STAND_INS: tuple[str, ...] = get_args(StandIn)
 ROUTING_STRATEGIES: tuple[str, ...] = get_args(RoutingStrategy)
 LENGTH_POLICIES: tuple[str, ...] = get_args(LengthPolicy)
 LAYER_CONVENTIONS: tuple[str, ...] = get_args(LayerConvention)
@@ -214,8 +219,14 @@ class HiddenStatesConfig(_Model):
         description="Aux hidden-state layers: output (output of layers 1, L/2-1, L-4: SpecForge) or "
         "input (input to layers 2, L/2, L-3 + last: vLLM/speculators).",
     )
+    layer_ids: tuple[int, ...] | None = Field(
+        None, strict=False, description="aux layer ids in the convention's numbering; empty: EAGLE-3's defaults for it")
     last_hidden: bool = Field(False, description="also store the last layer's hidden state")
     batch_tokens: int = Field(8192, ge=1, description="tokens per forward batch")
+    fp8: bool = Field(False, description="store the aux states as fp8 e4m3 with a per-token scale (half the bytes)")
+    storage_dtype: StorageDtype = Field("bf16", description="dtype of the stored states whatever the forward ran in "
+                                        "(compute: keep the forward's)")
+    shard_tokens: int = Field(65_536, ge=1, description="tokens per hidden-state file")
     backend: HiddenStatesBackend = Field("transformers", description="extraction backend")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs per extraction worker (vllm backend)")
     workers: int = Field(
@@ -243,7 +254,9 @@ class TimeoutsConfig(_Model):
     reconstruct_s: float = Field(7200.0, gt=0, description="reconstruct")
     validate_s: float = Field(7200.0, gt=0, description="validate")
     merge_s: float = Field(7200.0, gt=0, description="merge")
+    plan_hidden_states_s: float = Field(1800.0, gt=0, description="plan_hidden_states (and discarding stale states)")
     extract_hidden_states_s: float = Field(172_800.0, gt=0, description="each hidden-state extraction worker")
+    commit_hidden_states_s: float = Field(1800.0, gt=0, description="commit_hidden_states")
     publish_s: float = Field(1800.0, gt=0, description="publish")
 
 
@@ -280,6 +293,10 @@ class PipelineConfig(_Model):
     hidden_states: HiddenStatesConfig = Field(default_factory=HiddenStatesConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
+    stand_ins: tuple[StandIn, ...] = Field(
+        (), strict=False, description="what this (dev) config runs on instead of the real thing: tokenizer and model "
+        "(dev: builds), local_engine and overflow_provider (the dev inference server). A dev: source is refused "
+        "unless listed here; every manifest, the run report and the Asset event of its runs name them")
     datasets: tuple[DatasetConfig, ...] = Field(strict=False, min_length=1)
     _raw: dict[str, Any] = PrivateAttr(default_factory=dict)
 
@@ -383,6 +400,11 @@ def parse_config(raw: dict[str, Any], *, where: str = "config") -> PipelineConfi
     except ValidationError as exc:
         raise UserError("\n".join(dict.fromkeys(_error_lines(exc, PipelineConfig, where)))) from None
     problems = []
+    for key, kind in (("tokenizer", "tokenizer"), ("model", "model")):
+        source = getattr(cfg, key).source
+        if source.startswith(DEV_SOURCE_SCHEME) and kind not in cfg.stand_ins:
+            problems.append(f"{where} {key}.source: {source} is a dev build, a stand-in: list {kind!r} in stand_ins "
+                            f"(this is a dev config), or name the real {key}")
     seen: set[str] = set()
     for i, d in enumerate(cfg.datasets):
         if d.name in seen:

@@ -16,10 +16,21 @@ class GateFailed(UserError):
     exit_code = 1
 
 
-class ServiceUnavailable(UserError):
+class Retryable(UserError):
+    """A stage stopped for a reason a later attempt may not meet: the DAG lets Airflow retry it
+    (with backoff); the CLI prints the message in one line. What is done is kept either way."""
+
+
+class ServiceUnavailable(Retryable):
     """A service a stage needs (S3, an inference endpoint) did not answer: the message names it and
-    what was tried. Worth retrying later: the DAG lets Airflow retry it (with backoff), the CLI
-    prints it in one line."""
+    what was tried."""
+
+
+class StageStopped(Retryable):
+    """A generation stage stopped before every sample was settled (retryable failures, every
+    endpoint down): its committed rows are kept and the next attempt resumes after them."""
+
+    exit_code = 3
 
 
 class EndpointUnavailable(ServiceUnavailable):

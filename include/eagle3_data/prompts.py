@@ -28,10 +28,9 @@ import pyarrow as pa
 
 from eagle3_data import json_records
 from eagle3_data.errors import UserError
-from eagle3_data.rejects import REJECTS_FILE, format_rejects, rejects_parquet
+from eagle3_data.rejects import format_rejects
 from eagle3_data.spill import RowSpill
-from eagle3_data.storage import StageRef, canonical_json, check_name
-from eagle3_data.storage.writer import StageWriter
+from eagle3_data.storage import canonical_json, check_name
 
 ROLES = ("system", "user", "assistant", "tool")
 MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}
@@ -122,6 +121,7 @@ def load_prompts(
                 if isinstance(record, _Reject):
                     raise record
                 messages, tools, ignored = _normalise(record)
+                source_id = _source_id(record)
                 _check_bytes(messages, max_message_bytes)
             except _Reject as exc:
                 load.counts["rejected"] += 1
@@ -152,6 +152,7 @@ def load_prompts(
                         "messages": messages_json,
                         "tools": tools_json,
                         "route": None,
+                        "source_id": source_id,
                         "source": f.uri,
                         "line": line,
                         "raw": raw[:_RAW_LIMIT],
@@ -161,18 +162,6 @@ def load_prompts(
         load.sources.append({"uri": f.uri, "bytes": f.size, "sha256": digest.hexdigest()})
     load.counts["rows"] = len(load.rows)
     return load
-
-
-def write_prompt_load(store, ref: StageRef, load: PromptLoad, *, params: dict | None = None, rows_per_part: int = 4096) -> dict:
-    """Write a load as a `prompts` stage with `rejects.parquet` beside it; counts in the manifest.
-    A load with no accepted row is refused (UserError) and nothing is written."""
-    require_rows(load, store.uri(ref))
-    data = rejects_parquet(load.rejects)
-    with StageWriter(store, ref, "prompts", rows_per_part=rows_per_part, params=params, inputs=load.sources) as w:
-        store.put_bytes(ref, REJECTS_FILE, data)
-        for batch in load.rows.batches():
-            w.write(pa.Table.from_batches([batch]))
-        return w.commit(extra={"counts": dict(load.counts)}, files=[REJECTS_FILE])
 
 
 def _check_bytes(messages: list[dict], max_bytes: int | None) -> None:
@@ -262,8 +251,19 @@ def _normalise(record: Any) -> tuple[list[dict], list[dict] | None, int]:
         if not isinstance(tools, list):
             raise _Reject("tools", f"expected a list or null, got {type(tools).__name__}")
         tools = [_tool(t, f"tools[{i}]") for i, t in enumerate(tools)] or None
-    ignored = len(set(record) - {"messages", "tools"})
+    ignored = len(set(record) - {"messages", "tools", "id"})
     return out, tools, ignored
+
+
+def _source_id(record: dict) -> str | None:
+    """The row's own `id` (a string or an integer), kept as provenance beside the sample id: the
+    sample id depends only on what is generated, the dataset's id is how its owner finds the row."""
+    value = record.get("id")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise _Reject("id", f"expected a string or an integer, got {type(value).__name__}")
+    return str(value)[:256]
 
 
 def _message(m: Any, where: str) -> dict:

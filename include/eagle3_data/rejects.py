@@ -45,6 +45,15 @@ def rejects_parquet(rejects: list[dict]) -> bytes:
     return sink.getvalue()
 
 
+def read_rejects(store, ref) -> list[dict]:
+    """A stage's `rejects.parquet` as rows (none when the stage refused nothing or has no file)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = store.read_object(ref, REJECTS_FILE)
+    return pq.read_table(pa.BufferReader(data)).to_pylist() if data else []
+
+
 def reject_kind(r: dict) -> str:
     """The reason a reject shares with others of its kind: field without indices, reason without
     its place (a prompt reject's "<file> line N: <field>: "), the parenthesised detail (a

@@ -21,7 +21,7 @@ USAGE = pa.struct(
     ]
 )
 
-PROMPTS = pa.schema(
+PROMPTS_V1 = pa.schema(
     [
         ("sample_id", pa.string()),
         ("dataset", pa.string()),
@@ -31,6 +31,8 @@ PROMPTS = pa.schema(
         ("route", pa.string()),  # "local" | "overflow" | "both" (calibration overlap)
     ]
 )
+# v2: the prompt row's own `id`, kept as provenance beside the sample id (null when it had none)
+PROMPTS = PROMPTS_V1.append(pa.field("source_id", pa.string()))
 
 GENERATIONS = pa.schema(
     [
@@ -101,8 +103,10 @@ REJECTS = pa.schema(
 )
 SCHEMAS["rejects"] = REJECTS
 
-# Per-schema version: bump one when its shape changes incompatibly; readers refuse newer ones.
-SCHEMA_VERSIONS: dict[str, int] = {name: SCHEMA_VERSION for name in SCHEMAS}
+# Per-schema version: bump one when its shape changes; readers refuse newer ones and read the
+# older ones kept here (a column a version added reads as absent from an older part).
+SCHEMA_VERSIONS: dict[str, int] = {**{name: SCHEMA_VERSION for name in SCHEMAS}, "prompts": 2}
+OLDER_SCHEMAS: dict[tuple[str, int], pa.Schema] = {("prompts", 1): PROMPTS_V1}
 
 
 def schema_for(name: str, version: int | None = None) -> pa.Schema:
@@ -112,6 +116,9 @@ def schema_for(name: str, version: int | None = None) -> pa.Schema:
     if name not in SCHEMAS:
         raise UserError(f"unknown artifact schema {name!r} (this code knows {sorted(SCHEMAS)}): written by another tool?")
     current = SCHEMA_VERSIONS[name]
+    if version is not None and (name, version) in OLDER_SCHEMAS:
+        return OLDER_SCHEMAS[name, version].with_metadata(
+            {b"eagle3.schema": name.encode(), b"eagle3.schema_version": str(version).encode()})
     if version is not None and version != current:
         newer = "newer" if version > current else "older"
         raise UserError(

@@ -3,7 +3,13 @@
 Builds (or reuses from .cache/) the Kimi tokenizer and the tiny target model, starts SeaweedFS
 and the dev inference server on free 127.0.0.1 ports, uploads the sample datasets as today's
 prompt partition, runs `eagle3_datagen` with `dag.test()` on SQLite in demo-output/airflow, prints
-what happened and where the artifacts are, and stops everything it started.
+what happened, what was a stand-in and where the artifacts are, and stops everything it started.
+
+Two runs, each under its own run key (`demo-{engine}`, `demo-{engine}-gate`): the sample datasets,
+which pass their gates and are published; then `broken`, the chat prompts answered by an engine
+that splits 90% of its BPE tokens the non-canonical way, which fails its gate, so the report shows
+what a failure looks like and that nothing is published. The S3 data of earlier demos stays: a
+second `make demo` reuses every stage, `make demo ENGINE=vllm` writes beside the first.
 
 `--engine vllm` (`make demo ENGINE=vllm`) puts the real engine in the loop: a `vllm serve` of the
 tiny model (from .venv-vllm, fp32 on CPU) is the local generation endpoint
@@ -25,11 +31,34 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from eagle3_data.config import DAG_ID, deep_merge, load_config
-from eagle3_devtools.stack import REPO, airflow_db_migrate, airflow_env, dev_stack, tiny_model_dir, tokenizer_dir, upload_prompts
+from eagle3_devtools.stack import (
+    REPO,
+    SAMPLE_DATA,
+    airflow_db_migrate,
+    airflow_env,
+    dev_stack,
+    tiny_model_dir,
+    tokenizer_dir,
+    upload_prompts,
+)
 
 DEFAULT_WORKDIR = REPO / "demo-output"
+SAMPLE_DATASETS = ("tool_calls", "code", "chat")
+BROKEN = "broken"  # the chat prompts through an engine that splits BPE tokens: fails its gate on purpose
+BROKEN_PROMPTS = 6
 # Small enough for two CPU cores in a few minutes; the shape of a real run.
-DEMO_OVERRIDES = {"generation": {"sampling": {"max_new_tokens": 512}}, "merge": {"max_length": 1024, "shard_tokens": 8192}}
+DEMO_OVERRIDES = {
+    "generation": {"sampling": {"max_new_tokens": 512}}, "merge": {"max_length": 1024, "shard_tokens": 8192},
+    "datasets": [*({"name": n} for n in SAMPLE_DATASETS),
+                 {"name": BROKEN, "dev": {"bpe_split_rate": 0.9}, "validation": {"max_bpe_mismatch_rate": 0.10}}],
+}
+# What each role is in the demo, for the lines that say so.
+STAND_IN_NAMES = {
+    "tokenizer": "the Kimi-K2.5 tokenizer rebuilt offline (byte-identical vocabulary)",
+    "model": "a tiny random DeepSeek-V3 with Kimi's vocabulary (hidden states)",
+    "local_engine": "the dev inference server as SGLang (generated text, not Kimi-K2.5's)",
+    "overflow_provider": "the dev inference server as OpenRouter (its costs are a price list, nothing is paid)",
+}
 # The real engine for local generation and extraction (`--engine vllm`). The tiny target is a
 # random model: greedy (its sampled ids wander across the whole vocabulary, into split UTF-8
 # bytes), shorter outputs, and the BPE-split gate opened (its ids are rarely the tokenizer's
@@ -38,6 +67,7 @@ VLLM_OVERRIDES = {
     "generation": {"local": {"engine": "vllm"}, "sampling": {"temperature": 0.0, "max_new_tokens": 128}},
     "validation": {"max_bpe_mismatch_rate": 1.0},
     "hidden_states": {"backend": "vllm"},
+    "stand_ins": ["tokenizer", "model", "overflow_provider"],  # the local engine is real here
 }
 VLLM_SERVER_MAX_MODEL_LEN = 4096  # the longest sample prompt + max_new_tokens
 
@@ -69,6 +99,9 @@ def report(stack, config, run_key: str, dag_run) -> str:
     lines = [f"DAG run {dag_run.run_id}: {dag_run.state}", "", "Tasks:"]
     lines += [f"  {tid:32s} {name:12s} {state:8s} {secs:7.1f} s" for tid, name, state, secs in task_states(dag_run)]
     store = open_store(config, stack.client())
+    plan = StageRef(run_key, "plan", RUN_DATASET)
+    if store.read_object(plan, "plan.json") is not None:  # a dry run: the plan, not a summary
+        return "\n".join(lines + [""] + plan_lines(store.get_json(plan, "plan.json"), store.uri(plan, "plan.json")))
     ref = StageRef(run_key, "publish", RUN_DATASET)
     if not store.is_complete(ref):
         lines += ["", f"No run summary at {store.uri(ref)}: the run stopped before publish (see task states above)."]
@@ -91,12 +124,34 @@ def report(stack, config, run_key: str, dag_run) -> str:
         h = s["hidden_states"]
         lines.append(f"Hidden states: {h['totals']['samples']} samples, {h['totals']['tokens']} tokens, {h['totals']['bytes']:,} bytes, "
                      f"layers {h['layer_ids']} ({h['convention']} convention, {h['dtype']}) at {s['hidden_states_uri']}")
-    lines += engine_lines(store, run_key, list(s["datasets"]))
-    lines += [f"Overflow cost: ${s['cost_usd']:.4f}", f"Run report (UI page index): {s['report_uri']}", f"Summary: {s['summary_uri']}"]
+    lines += engine_lines(store, run_key, list(s["datasets"]), s.get("stand_ins") or [])
+    priced = " (a stand-in's price list: nothing was paid)" if "overflow_provider" in (s.get("stand_ins") or []) else ""
+    lines += [f"Overflow cost: ${s['cost_usd']:.4f}{priced}", f"Run report (UI page index): {s['report_uri']}",
+              f"Summary: {s['summary_uri']}"]
+    if s.get("stand_ins"):
+        lines += ["", "Simulated in this run (every manifest and the report say so):"]
+        lines += [f"  {role}: {STAND_IN_NAMES.get(role, role)}" for role in s["stand_ins"]]
     return "\n".join(lines)
 
 
-def engine_lines(store, run_key: str, datasets: list[str]) -> list[str]:
+def plan_lines(plan: dict, uri: str) -> list[str]:
+    """A dry run's plan as a person reads it: per dataset and strategy, samples per side, times, cost."""
+    from eagle3_data.pipeline.route import seconds_text
+
+    t = plan["totals"]
+    lines = [f"Dry run plan ({uri}): nothing generated, nothing spent.",
+             f"  {t['prompt_tokens']:,} prompt tokens, at most {t['max_output_tokens']:,} output tokens, "
+             f"overflow at most ${t['max_overflow_usd']:.4f}"]
+    for name, p in plan["strategies"].items():
+        lines.append(f"  routing {name:9s}: local {p['local']} samples ({seconds_text(p['local_s'])} s), overflow "
+                     f"{p['overflow']} ({seconds_text(p['overflow_s'])} s), wall {seconds_text(p['wall_s'])} s, "
+                     f"overflow <= ${p['overflow_usd']:.4f}")
+    for name, d in plan["datasets"].items():
+        lines.append(f"  {name:12s} {', '.join(f'{k} {v}' for k, v in d['counts'].items())}")
+    return lines
+
+
+def engine_lines(store, run_key: str, datasets: list[str], stand_ins: list[str]) -> list[str]:
     """Which engine produced the local ids and the hidden states, from the stages' manifests."""
     from eagle3_data.pipeline import RUN_DATASET
     from eagle3_data.storage import StageRef
@@ -107,7 +162,8 @@ def engine_lines(store, run_key: str, datasets: list[str]) -> list[str]:
         if store.is_complete(ref):
             m = store.read_manifest(ref)
             served = ", ".join(f"{url} ({name})" for url, name in (m["extra"].get("served_models") or {}).items())
-            lines.append(f"Local generation {ds}: engine {m['params'].get('source')}" + (f" at {served}" if served else ""))
+            simulated = " (the dev inference server speaking its protocol: a stand-in)" if "local_engine" in stand_ins else ""
+            lines.append(f"Local generation {ds}: engine {m['params'].get('source')}{simulated}" + (f" at {served}" if served else ""))
     ref = StageRef(run_key, "hidden_states", RUN_DATASET)
     if store.is_complete(ref):
         extra = store.read_manifest(ref)["extra"]
@@ -139,8 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     work = args.workdir.resolve()
-    shutil.rmtree(work, ignore_errors=True)
+    for old in work.iterdir() if work.exists() else ():  # the S3 data of earlier demos stays
+        if old.name != "s3":
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
     date = datetime.now(timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0)
+    run_key = f"demo-{args.engine}"
 
     print(f"demo: building/reusing the Kimi tokenizer and tiny model in {REPO / '.cache'}, starting services in {work}", flush=True)
     overrides = copy.deepcopy(DEMO_OVERRIDES)
@@ -153,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
 
             deep_merge(overrides, VLLM_OVERRIDES)
             model = tiny_model_dir(tokenizer_dir())  # the stack's model.source
-            work.mkdir(parents=True)
+            work.mkdir(parents=True, exist_ok=True)
             print(f"demo: starting vllm serve ({vllm_python()}) on {model} ...", flush=True)
             server = start_vllm_server(vllm_python(), model, work / "vllm-server.log", max_model_len=VLLM_SERVER_MAX_MODEL_LEN)
             engines.callback(server.stop)
@@ -165,18 +224,42 @@ def main(argv: list[str] | None = None) -> int:
         if server is not None:
             prestart_extraction(config)
         airflow_db_migrate(os.environ.copy())
-        for uri in upload_prompts(stack.client(), config, f"{date:%Y-%m-%d}"):
+        broken = work / f"{BROKEN}.jsonl"
+        broken.write_text("\n".join((SAMPLE_DATA / "chat.jsonl").read_text().splitlines()[:BROKEN_PROMPTS]) + "\n")
+        for uri in upload_prompts(stack.client(), config, f"{date:%Y-%m-%d}", {BROKEN: broken}):
             print(f"demo: uploaded {uri}", flush=True)
         if server is not None:
             server.wait_healthy(600)
             os.environ["AIRFLOW_CONN_SGLANG_DEFAULT"] = server.connection()  # the local engine's connection
             print(f"demo: vLLM OpenAI server at {server.url} (log {server.log_path}); extraction: vllm backend", flush=True)
-        print(f"demo: running {DAG_ID} for {date:%Y-%m-%d} with dag.test() ...", flush=True)
-        dag_run = run_dag(date, json.loads(args.conf))
-        print("\n" + report(stack, config, f"date={date:%Y-%m-%d}", dag_run) + "\n")
+        conf = json.loads(args.conf)
+        print(f"demo: running {DAG_ID} for {date:%Y-%m-%d} with dag.test(), run key {run_key} ...", flush=True)
+        dag_run = run_dag(date, {"run_name": run_key, "datasets": list(SAMPLE_DATASETS), **conf})
+        print("\n" + report(stack, config, run_key, dag_run) + "\n")
+        ok = str(dag_run.state).endswith("success")
+        if not conf.get("dry_run"):
+            gate_key = f"{run_key}-gate"
+            print(f"demo: running {DAG_ID} again, run key {gate_key}: dataset {BROKEN!r}, whose engine splits 90% of "
+                  "its BPE tokens, must fail its gate ...", flush=True)
+            gate_run = run_dag(date, {"run_name": gate_key, "datasets": [BROKEN]})
+            print("\n" + report(stack, config, gate_key, gate_run) + "\n")
+            failed_as_meant = failed_gates(stack, config, gate_key) == [BROKEN]
+            print(f"demo: {BROKEN} failed its gate as meant, and nothing was published for it: the gate at work"
+                  if failed_as_meant else f"demo: {BROKEN} should have failed its gate and did not", flush=True)
+            ok = ok and failed_as_meant
     print(f"demo: services stopped. Artifacts stay in {work / 's3'}; browse them with\n"
           f"  .venv/bin/eagle3-data dev s3 start --dir {work / 's3'}   (then any S3 client), or run `make airflow`.")
-    return 0 if str(dag_run.state) in ("success", "DagRunState.SUCCESS") else 1
+    return 0 if ok else 1
+
+
+def failed_gates(stack, config, run_key: str) -> list[str]:
+    """The datasets whose gate failed in the run, from its validate manifests."""
+    from eagle3_data.pipeline import open_store
+    from eagle3_data.storage import StageRef
+
+    store = open_store(config, stack.client())
+    return [name for name in store.datasets(run_key, "validate")
+            if not store.read_manifest(StageRef(run_key, "validate", name))["extra"]["gate"]["passed"]]
 
 
 if __name__ == "__main__":

@@ -85,13 +85,19 @@ class DevStack:
         return httpx.get(f"{self.inference_url}/dev/stats", timeout=10).json()
 
 
+# The dev stack's stand-ins: the rebuilt tokenizer, the tiny model, and the dev inference server as
+# both engines (a stack that runs a real engine, like `make demo ENGINE=vllm`, overrides the list).
+DEV_STACK_STAND_INS = ("tokenizer", "model", "local_engine", "overflow_provider")
+
+
 def write_config(path: Path, *, bucket: str, tokenizer: Path, model: Path, overrides: dict | None = None) -> Path:
     """The packaged default config pointed at the stack's bucket, tokenizer and model, plus overrides
     (merged by the config's own rule, the one params use)."""
     import yaml
 
     raw = default_config_raw()
-    deep_merge(raw, {"storage": {"bucket": bucket}, "tokenizer": {"source": str(tokenizer)}, "model": {"source": str(model)}})
+    deep_merge(raw, {"storage": {"bucket": bucket}, "tokenizer": {"source": str(tokenizer)}, "model": {"source": str(model)},
+                     "stand_ins": list(DEV_STACK_STAND_INS)})
     deep_merge(raw, overrides or {})
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path

@@ -22,15 +22,17 @@ import httpx
 from websockets.sync.client import connect
 
 CHROMIUM_FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
-                  "--no-default-browser-check", "--disable-extensions", "--window-size=1400,1300", "--hide-scrollbars"]
+                  "--no-default-browser-check", "--disable-extensions", "--hide-scrollbars", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync"]
 
 
 class Browser:
-    def __init__(self, timeout_s: float = 60) -> None:
+    def __init__(self, timeout_s: float = 60, window: tuple[int, int] = (1400, 1300)) -> None:
         binary = shutil.which("chromium") or shutil.which("chromium-browser")
         assert binary, "chromium not installed: `apt-get install -y chromium` (make test does it)"
         self.profile = Path(tempfile.mkdtemp(prefix="eagle3-chromium-"))
-        self.proc = subprocess.Popen([binary, *CHROMIUM_FLAGS, "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0",
+        self.proc = subprocess.Popen([binary, *CHROMIUM_FLAGS, f"--window-size={window[0]},{window[1]}",
+                                      "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0",
                                       f"--user-data-dir={self.profile}", "about:blank"],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         port_file = self.profile / "DevToolsActivePort"

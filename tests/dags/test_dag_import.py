@@ -45,7 +45,9 @@ def test_dag_wiring():
         "dataset.reconstruct",
         "dataset.validate",
         "merge",
+        "plan_hidden_states",
         "extract_hidden_states",
+        "commit_hidden_states",
         "publish",
     }
     assert tasks["dataset.generate_overflow"].pool == OPENROUTER_POOL
@@ -73,7 +75,11 @@ def test_dag_wiring():
     assert upstream["reconstruct"] == {"dataset.generate_local", "dataset.generate_overflow"}
     assert "dataset.reconstruct" in tasks["dataset.validate"].upstream_task_ids
     assert tasks["merge"].upstream_task_ids == {"dataset.validate"}
-    assert tasks["publish"].upstream_task_ids == {"extract_hidden_states"}
+    # the hidden-states stage in its own tasks: plan -> mapped extraction -> commit, then publish
+    assert tasks["plan_hidden_states"].upstream_task_ids == {"merge"}
+    assert tasks["extract_hidden_states"].upstream_task_ids == {"plan_hidden_states"}
+    assert tasks["commit_hidden_states"].upstream_task_ids == {"extract_hidden_states"}
+    assert tasks["publish"].upstream_task_ids == {"commit_hidden_states"}
     assert dag.params["datasets"] == cfg.dataset_names
     assert dag.schedule == cfg.schedule
 

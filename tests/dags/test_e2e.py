@@ -192,6 +192,16 @@ def test_clear_one_dataset_reruns_only_it(stack, dag):
     assert any(after.get(k) != v for k, v in before["chat"].items() if "/validate/" in k)
     events = _asset_events()
     assert len(events) == 1 and events[0]["run_key"] == RUN_KEY and events[0]["datasets"] == ["tool_calls", "code", "chat"]
+    # a run on stand-ins says so: in the event training DAGs read, in every manifest, in the report
+    stand_ins = ["tokenizer", "model", "local_engine", "overflow_provider"]
+    assert events[0]["stand_ins"] == stand_ins
+    store = _store(stack)
+    from eagle3_data.storage import StageRef
+
+    assert store.read_manifest(StageRef(RUN_KEY, "validate", "chat"))["stand_ins"] == stand_ins
+    from eagle3_data.report import RUN_REPORT_NAME, run_report_ref
+
+    assert store.get_json(run_report_ref(RUN_KEY), RUN_REPORT_NAME)["stand_ins"] == stand_ins
 
 
 # -- 3. backfill / rerun of the same date: same keys, same manifests ---------------------------

@@ -32,20 +32,20 @@ def _conn(monkeypatch, conn_id: str, **fields) -> None:
     ],
 )
 def test_sglang_hook_endpoints(monkeypatch, fields, endpoints):
-    from hooks.sglang import SGLangHook
+    from hooks.local_engine import LocalEngineHook
 
     _conn(monkeypatch, "sglang_default", **fields)
-    assert SGLangHook().get_endpoints() == endpoints
+    assert LocalEngineHook().get_endpoints() == endpoints
 
 
 def test_sglang_hook_refuses_a_non_url_endpoint(monkeypatch):
-    from hooks.sglang import SGLangHook
+    from hooks.local_engine import LocalEngineHook
 
     from eagle3_data.errors import UserError
 
     _conn(monkeypatch, "sglang_default", host="x", extra={"endpoints": ["sglang-0:30000"]})
     with pytest.raises(UserError, match="sglang-0:30000"):
-        SGLangHook().get_endpoints()
+        LocalEngineHook().get_endpoints()
 
 
 @pytest.mark.parametrize(
@@ -62,25 +62,25 @@ def test_openrouter_hook_base_url_and_key(monkeypatch, host, base_url):
 
 def test_hooks_declare_their_forms():
     from hooks.openrouter import OpenRouterHook
-    from hooks.sglang import SGLangHook
+    from hooks.local_engine import LocalEngineHook
 
-    for hook in (SGLangHook, OpenRouterHook):
+    for hook in (LocalEngineHook, OpenRouterHook):
         ui = hook.get_ui_field_behaviour()
         assert set(ui) == {"hidden_fields", "relabeling", "placeholders"}
         assert isinstance(hook.get_connection_form_widgets(), dict)
     assert OpenRouterHook.get_ui_field_behaviour()["relabeling"]["password"] == "API key"
-    assert "endpoints" in SGLangHook.get_connection_form_widgets()
+    assert "endpoints" in LocalEngineHook.get_connection_form_widgets()
 
 
 def test_plugins_manager_does_not_load_the_hooks_under_bare_names(tmp_path):
     """The plugins manager imports every file of the plugins folder under its stem; without
-    plugins/.airflowignore, hooks/sglang.py would become `sys.modules["sglang"]`."""
+    plugins/.airflowignore, hooks/local_engine.py would become `sys.modules["local_engine"]`."""
     import os
     import subprocess
 
     code = (
         "import sys\nfrom airflow import plugins_manager as pm\npm.ensure_plugins_loaded()\n"
-        "print(sorted(m for m in ('sglang', 'openrouter', '__init__') if m in sys.modules))\n"
+        "print(sorted(m for m in ('local_engine', 'openrouter', '__init__') if m in sys.modules))\n"
     )
     env = {**os.environ, "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO / "plugins"), "AIRFLOW_HOME": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120, check=True)

@@ -92,20 +92,28 @@ def test_shared_long_prefix_gives_full_length_states_for_both(vllm_backend, refe
 
 
 def test_cli_extracts_every_shard_on_the_same_engine_and_the_manifest_records_it(
-        vllm_backend, store, generations, tiny_model_dir, s3_env):
+        vllm_backend, store, generations, tiny_model_dir, s3_env, tmp_path):
+    import yaml
+
     from eagle3_data.cli import main
+    from eagle3_data.config import default_config_raw
     from eagle3_data.merge import merged_shards
     from eagle3_data.storage import StageRef
     from tests.fixtures.engine import MAX_MODEL_LEN
     from tests.integration.test_extract_s3 import RUN
 
-    merge_ref, out_ref = StageRef(RUN, "merge", "all"), StageRef(RUN, "extract_hidden_states", "all")
+    merge_ref, out_ref = StageRef(RUN, "merge", "all"), StageRef(RUN, "hidden_states", "all")
     assert main(["merge", *sum((["--input", store.uri(r)] for r in generations), []), "--out-run-key", RUN,
                  "--shard-tokens", "150", "--max-length", "40"]) == 0
     assert len(merged_shards(store, merge_ref)) > 1
     starts = vllm_backend.starts
-    assert main(["extract", "--backend", "vllm", "--max-model-len", str(MAX_MODEL_LEN), "--model", str(tiny_model_dir),
-                 "--input", store.uri(merge_ref), "--out", store.uri(out_ref), "--last-hidden"]) == 0
+    # the engine's context is the config's merge.max_length + 1: the one the session's engine has
+    config = tmp_path / "pipeline.yaml"
+    raw = default_config_raw()
+    raw["merge"]["max_length"] = MAX_MODEL_LEN - 1
+    config.write_text(yaml.safe_dump(raw))
+    assert main(["extract", "--config", str(config), "--backend", "vllm", "--model", str(tiny_model_dir),
+                 "--input", store.uri(merge_ref), "--last-hidden"]) == 0
     assert vllm_backend.starts == starts  # every shard on the engine this process already runs
     manifest = store.read_manifest(out_ref)
     assert manifest["params"]["backend"] == manifest["extra"]["backend"] == "vllm"

@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 
-from eagle3_data.generation.vllm import generate_local
+from tests.generation_calls import generate_vllm as generate_local
 from eagle3_data.storage import StageRef
 
 MAX_NEW = 24
@@ -139,7 +139,7 @@ def test_the_gate_runs_on_the_engines_output(vllm_server, store, kimi_tokenizer,
 
 CHILD = """
 import json, sys
-from eagle3_data.generation.vllm import generate_local
+from tests.generation_calls import generate_vllm as generate_local
 from eagle3_data.storage import ArtifactStore, StageRef, s3_client
 from transformers import AutoTokenizer
 a = json.loads(sys.argv[1])

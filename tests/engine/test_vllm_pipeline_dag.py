@@ -38,6 +38,8 @@ DATASETS = ("code",)  # one mapped dataset: the multi-dataset DAG is tests/dags/
 SAMPLES = 4  # prompts per dataset
 MAX_NEW = 16  # a random model never stops: every local row is a `length` cut of MAX_NEW ids
 OVERRIDES = {
+    # the local engine is real here (vLLM): only the tokenizer, the model and OpenRouter are stand-ins
+    "stand_ins": ["tokenizer", "model", "overflow_provider"],
     "generation": {"sampling": {"temperature": 0.0, "max_new_tokens": MAX_NEW},
                    "local": {"engine": "vllm", "rows_per_part": 2, "warmup_timeout_s": 60}},
     "routing": {"overflow_fraction": 0.25, "calibration_samples": 1},
@@ -123,7 +125,7 @@ def test_dag_runs_on_vllm_for_generation_and_extraction(vllm_stack, dag_run, vll
         assert all(r["output_tokens"] == MAX_NEW for r in classed)
 
     # greedy: the DAG's ids are what the engine gives for the same prompt now
-    from eagle3_data.generation.vllm import generate_local
+    from tests.generation_calls import generate_vllm as generate_local
 
     some = sorted(local)[:2]
     again = StageRef("vllm-dag-check", "generate_local", "chat")

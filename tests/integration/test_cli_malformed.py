@@ -83,9 +83,9 @@ def _generations(**override) -> pa.Table:
 
 
 def _gen(e, prompts, *extra, bucket=None, endpoint=None):
-    return ["generate", "overflow", "--dataset", "chat", "--prompts", prompts, "--run-key", "cli", "--bucket",
+    return ["generate", "overflow", "--dataset", "chat", "--prompts", prompts, "--run-key", "cli", "--overflow-fraction", "1", "--bucket",
             bucket or e["bucket"], "--tokenizer", e["tok"], "--base-url", "http://127.0.0.1:9/v1",
-            *(["--s3-endpoint", endpoint] if endpoint else []), *extra]
+            *(["--endpoint-url", endpoint] if endpoint else []), *extra]
 
 
 def _cases(e):
@@ -214,17 +214,18 @@ def test_generate_rejects_are_printed_written_and_inputs_recorded(env, start_dev
     assert "REJECTED 6 of 8 prompt rows" in err
     assert "2 x messages[].role" in err and "line 3: messages[0].role: 'bot'" in err and "invalid UTF-8" in err
     assert "line 6: nested deeper than 100 levels" in err and "line 7: messages[0].content: holds a lone surrogate" in err
-    store, ref = env["store"], StageRef("cli", "generate_overflow", "chat")
-    manifest = store.read_manifest(ref)
-    data = open(path, "rb").read()
-    assert manifest["inputs"] == [{"uri": path, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}]
-    assert "rejects.parquet" in {f["name"] for f in manifest["files"]}
-    rejects = pq.read_table(pa.BufferReader(store.get_bytes(ref, "rejects.parquet"))).to_pylist()
+    # the DAG's layout: the prompts stage (its source, its rows' sha256, rejects.parquet) feeds generation
+    store, ref, prompts = env["store"], StageRef("cli", "generate_overflow", "chat"), StageRef("cli", "prompts", "chat")
+    assert store.read_manifest(ref)["inputs"] == [store.input_record(prompts)]
+    assert store.read_manifest(prompts)["params"]["source"] == path
+    rejects = pq.read_table(pa.BufferReader(store.get_bytes(prompts, "rejects.parquet"))).to_pylist()
     assert sorted(r["line"] for r in rejects) == [2, 3, 4, 5, 6, 7]
     assert {r["field"] for r in rejects} == {"", "messages[0].role", "messages[0].content"}
     assert sum(server.stats()["requests"]["chat"].values()) == 2  # only the two good rows were sent
     # the same command again reuses the stage; another prompt file under the same run key is refused
     assert main(argv) == 0
+    assert sum(server.stats()["requests"]["chat"].values()) == 2
     other = _jsonl(env["tmp"] / "other.jsonl", [{"messages": [{"role": "user", "content": "three"}]}])
     assert main([*_gen(env, other), "--base-url", server.url + "/v1"]) == 2
-    assert "was made from" in capsys.readouterr().err
+    assert "resuming would mix them" in capsys.readouterr().err
+    assert sum(server.stats()["requests"]["chat"].values()) == 2  # nothing sent for the other file

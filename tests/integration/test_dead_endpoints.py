@@ -30,14 +30,13 @@ def _prompts(n: int = 3) -> list[dict]:
 
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
 def test_local_endpoint_with_nothing_listening(store, kimi_tokenizer, tmp_path, engine):
-    from importlib import import_module
+    from tests.generation_calls import generate_local
 
-    generate_local = import_module(f"eagle3_data.generation.{engine}").generate_local
     dead = _dead_url()
     started = time.monotonic()
     with pytest.raises(EndpointUnavailable) as err:
         generate_local(store, StageRef("dead", "generate_local", "ds"), _prompts(), kimi_tokenizer, [dead], SAMPLING,
-                       journal_dir=tmp_path, health_interval_s=0.1, unreachable_timeout_s=1.0)
+                       engine=engine, journal_dir=tmp_path, health_interval_s=0.1, unreachable_timeout_s=1.0)
     assert time.monotonic() - started < 10  # the warm-up (600 s) is for servers that answer
     message = str(err.value)
     assert dead in message and "no connection for" in message and f"GET {dead}/health" in message, message
@@ -47,7 +46,7 @@ def test_local_endpoint_with_nothing_listening(store, kimi_tokenizer, tmp_path, 
 
 def test_a_warming_server_is_still_waited_for(store, start_dev_server, kimi_tokenizer, tmp_path):
     """Answering 503 (loading its model) is not dead: the warm-up, not the connect window, bounds it."""
-    from eagle3_data.generation.sglang import generate_local
+    from tests.generation_calls import generate_local
 
     server = start_dev_server({"warmup_s": 2.0})
     summary = generate_local(store, StageRef("warm", "generate_local", "ds"), _prompts(), kimi_tokenizer, [server.url],
@@ -57,7 +56,7 @@ def test_a_warming_server_is_still_waited_for(store, start_dev_server, kimi_toke
 
 
 def test_one_dead_endpoint_beside_a_live_one_is_named_and_skipped(store, start_dev_server, kimi_tokenizer, tmp_path, caplog):
-    from eagle3_data.generation.sglang import generate_local
+    from tests.generation_calls import generate_local
 
     server, dead = start_dev_server({}), _dead_url()
     summary = generate_local(store, StageRef("half", "generate_local", "ds"), _prompts(), kimi_tokenizer,
@@ -68,7 +67,7 @@ def test_one_dead_endpoint_beside_a_live_one_is_named_and_skipped(store, start_d
 
 
 def test_overflow_base_url_with_nothing_listening(store, kimi_tokenizer, tmp_path):
-    from eagle3_data.generation.openrouter import generate_overflow
+    from tests.generation_calls import generate_overflow
 
     dead = _dead_url()
     with pytest.raises(EndpointUnavailable) as err:

@@ -10,7 +10,7 @@ import torch
 from eagle3_data.cli import main
 from eagle3_data.errors import UserError
 from eagle3_data.hidden_states.backends import TransformersBackend
-from eagle3_data.hidden_states.extract import commit_extraction, extract_shard
+from eagle3_data.hidden_states.extract import ExtractOptions, commit_extraction, extract_shard
 from eagle3_data.hidden_states.shards import ShardReader
 from eagle3_data.merge import merged_shards
 from eagle3_data.storage import IncompleteStage, StageRef
@@ -44,13 +44,13 @@ def generations(store):
 def test_merge_and_extract_cli_against_s3(store, generations, tiny_model_dir, s3_env, tmp_path, capsys):
     uri = lambda ref: store.uri(ref)  # noqa: E731
     merge_ref = StageRef(RUN, "merge", "all")
-    out_ref = StageRef(RUN, "extract_hidden_states", "all")
+    out_ref = StageRef(RUN, "hidden_states", "all")  # the run's hidden-states stage, the DAG's
     assert main(["merge", *sum((["--input", uri(r)] for r in generations), []), "--out-run-key", RUN,
                  "--shard-tokens", "150", "--max-length", "40", "--seed", "5"]) == 0
     shards = merged_shards(store, merge_ref)
     assert len(shards) > 1
-    assert main(["extract", "--model", str(tiny_model_dir), "--input", uri(merge_ref), "--out", uri(out_ref),
-                 "--last-hidden", "--shard-tokens", "100"]) == 0
+    assert main(["extract", "--model", str(tiny_model_dir), "--input", uri(merge_ref), "--last-hidden",
+                 "--shard-tokens", "100"]) == 0
     manifest = store.read_manifest(out_ref)
     extra = manifest["extra"]
     assert extra["layer_ids"] == [1, 3, 4] and extra["convention"] == "output"
@@ -69,8 +69,8 @@ def test_merge_and_extract_cli_against_s3(store, generations, tiny_model_dir, s3
                if int(s.loss_mask.sum()) and len(s.input_ids) < 40)
     capsys.readouterr()
     # rerun: every shard is skipped, the manifest is rewritten with the same content
-    assert main(["extract", "--model", str(tiny_model_dir), "--input", uri(merge_ref), "--out", uri(out_ref),
-                 "--last-hidden", "--shard-tokens", "100"]) == 0
+    assert main(["extract", "--model", str(tiny_model_dir), "--input", uri(merge_ref), "--last-hidden",
+                 "--shard-tokens", "100"]) == 0
     assert capsys.readouterr().out.count("(already done)") == len(shards)
     assert main(["export-specforge", "--input", uri(out_ref), "--out", str(tmp_path / "sf")]) == 0
     assert len(list((tmp_path / "sf").rglob("*.ckpt"))) == 20
@@ -98,7 +98,7 @@ def test_extract_shard_resumes_by_shard_and_commit_waits_for_all(store, generati
     mixed_ref = StageRef(RUN, "extract_hidden_states", "mixed")
     backend = TransformersBackend(tiny_model_dir)
     for i, shard in enumerate(summary["shards"]):
-        extract_shard(store, shard, tiny_model_dir, mixed_ref, storage_dtype="fp32" if i == 0 else "bf16",
+        extract_shard(store, shard, tiny_model_dir, mixed_ref, ExtractOptions(storage_dtype="fp32" if i == 0 else "bf16"),
                       backend=backend)
     with pytest.raises(UserError, match="different \\['aux_encoding', 'dtype'\\]"):
         commit_extraction(store, merge_ref, mixed_ref)

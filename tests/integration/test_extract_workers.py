@@ -8,6 +8,7 @@ import pytest
 
 from eagle3_data.config import load_config
 from eagle3_data.hidden_states import backends, engines
+from eagle3_data.pipeline.extract import split_shards
 from eagle3_data.storage import StageRef
 from tests.integration.test_extract_s3 import RUN, generations  # noqa: F401  (fixture)
 
@@ -44,7 +45,7 @@ def test_one_model_load_per_gpu_worker_resumable_by_shard(store, generations, ti
     run = _run(tiny_model_dir, workers=2)
     shards = merge_datasets(store, generations, RUN, shard_tokens=100, max_length=40)["shards"]
     assert len(shards) >= 4
-    work = pipeline.extract_workers(run, store, shards)
+    work = split_shards(shards, run.config.hidden_states.workers)
     assert len(work) == 2
     assert sorted(s["name"] for w in work for s in w["shards"]) == sorted(s["name"] for s in shards)  # each once
     assert abs(work[0]["tokens"] - work[1]["tokens"]) <= max(s["tokens"] for s in shards)  # balanced by tokens
@@ -90,18 +91,20 @@ def test_workers_beyond_the_shards_get_none(tiny_model_dir, store):
 
     run = _run(tiny_model_dir, workers=8)
     shards = [{"name": f"shard-{i:05d}.parquet", "tokens": t} for i, t in enumerate([5, 50, 7])]
-    work = pipeline.extract_workers(run, store, shards)
+    work = split_shards(shards, run.config.hidden_states.workers)
     assert [len(w["shards"]) for w in work] == [1, 1, 1]
-    assert pipeline.extract_workers(run, None, []) == []
-    untokened = pipeline.extract_workers(_run(tiny_model_dir, workers=2), store, [{"name": f"s{i}"} for i in range(5)])
+    assert split_shards([], 8) == []
+    assert pipeline.plan_hidden_states(run, store) == []  # no merge committed: no worker
+    untokened = split_shards([{"name": f"s{i}"} for i in range(5)], 2)
     assert [len(w["shards"]) for w in untokened] == [3, 2]  # no token counts: spread by shard count
-    one = pipeline.extract_workers(_run(tiny_model_dir, workers=1), store, shards)
+    one = split_shards(shards, 1)
     assert [s["name"] for s in one[0]["shards"]] == [s["name"] for s in shards]  # merge order kept
 
 
 def test_stale_hidden_states_are_discarded_under_their_lease(store, generations, tiny_model_dir):  # noqa: F811
-    """A new merge (or other params) discards the run's hidden states, but not under a committer
-    (or `stage discard`) that holds the stage's lease: StageBusy, and the stage stays as it was."""
+    """Other params or a new merge discard the run's hidden states (in the plan, before any worker),
+    but not under a committer (or `stage discard`) that holds the stage's lease: StageBusy, and the
+    stage stays as it was. States of this merge with these params are kept."""
     from eagle3_data import pipeline
     from eagle3_data.hidden_states.extract import commit_extraction, extract_shard
     from eagle3_data.merge import merge_datasets
@@ -112,9 +115,16 @@ def test_stale_hidden_states_are_discarded_under_their_lease(store, generations,
     for shard in merge_datasets(store, generations, RUN, shard_tokens=400, max_length=40)["shards"]:
         extract_shard(store, shard, tiny_model_dir, out_ref)
     commit_extraction(store, merge_ref, out_ref)
-    with store.lease(out_ref):
+    with store.lease(out_ref):  # committed without the run's params: stale
         with pytest.raises(StageBusy, match="is being written by"):
-            pipeline.discard_hidden_states(run, store)
+            pipeline.discard_stale_hidden_states(run, store)
     store.verify(out_ref)
-    pipeline.discard_hidden_states(run, store)
+    assert pipeline.discard_stale_hidden_states(run, store)
     assert not store.is_complete(out_ref) and not store.committed_files(out_ref)
+    work = pipeline.plan_hidden_states(run, store)  # the run's own extraction: kept
+    for w in work:
+        pipeline.extract_hidden_states(run, store, w)
+    pipeline.commit_hidden_states(run, store)
+    assert not pipeline.discard_stale_hidden_states(run, store) and store.is_complete(out_ref)
+    merge_datasets(store, generations, RUN, shard_tokens=300, max_length=40)  # a new merge: stale again
+    assert pipeline.discard_stale_hidden_states(run, store) and not store.is_complete(out_ref)

@@ -253,7 +253,7 @@ def test_prompt_spill_copied_by_the_child(tmp_path):
 def test_generation_client_runs_in_a_child_after_the_parent_ran(store, start_dev_server, kimi_tokenizer, tmp_path):
     """The HTTP sessions and event loops of a generation stage live for one stage run: a child
     forked after a run builds its own, on the parent's store and tokenizer."""
-    from eagle3_data.generation.sglang import generate_local
+    from tests.generation_calls import generate_local
 
     server = start_dev_server({})
     sampling = {"temperature": 1.0, "top_p": 0.95, "max_new_tokens": 24, "thinking": True}

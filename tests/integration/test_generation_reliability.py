@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_data.generation.openrouter import generate_overflow
-from eagle3_data.generation.sglang import generate_local
+from tests.generation_calls import generate_overflow
+from tests.generation_calls import generate_local
 from eagle3_data.storage import StageRef
 
 from tests.integration.test_generation import SAMPLING, SECRET, prompts
@@ -123,8 +123,8 @@ def test_sigkill_mid_stage_then_resume_cli(store, s3_server, start_dev_server, k
                AWS_DEFAULT_REGION="us-east-1", OPENROUTER_API_KEY=SECRET, EAGLE3_JOURNAL_DIR=str(tmp_path / "journal"))
     cmd = [str(Path(sys.executable).parent / "eagle3-data"), "generate", "overflow", "--dataset", "chat",
            "--prompts", str(src), "--run-key", "kill", "--bucket", store.bucket, "--prefix", store.prefix,
-           "--s3-endpoint", s3_server.endpoint_url, "--tokenizer", str(kimi_tokenizer_dir),
-           "--base-url", server.url + "/v1", "--concurrency", "4", "--rows-per-part", "10", "--budget-usd", "5"]
+           "--endpoint-url", s3_server.endpoint_url, "--overflow-fraction", "1", "--tokenizer", str(kimi_tokenizer_dir),
+           "--base-url", server.url + "/v1", "--concurrency", "4", "--rows-per-part", "10", "--max-usd", "5"]
     ref = StageRef(run_key="kill", stage="generate_overflow", dataset="chat")
     logs = []
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -151,7 +151,7 @@ def test_sigkill_mid_stage_then_resume_cli(store, s3_server, start_dev_server, k
     logs += [done.stdout, done.stderr]
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads(done.stdout)
-    assert summary["complete"] and summary["counts"]["replayed"] > 0, summary
+    assert store.is_complete(ref) and summary["counts"]["replayed"] > 0, summary
     rows = rows_by_id(store, ref)
     assert len(rows) == 100 and all(r["status"] == "ok" for r in rows.values())
     answered = server.stats()["answered"]["chat"]

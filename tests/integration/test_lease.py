@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from botocore.exceptions import ClientError
 
-from eagle3_data.generation.openrouter import generate_overflow
+from tests.generation_calls import generate_overflow
 from eagle3_data.storage import LeaseLost, StageBusy, StageRef
 from eagle3_data.storage.lease import LEASE, acquire_lease, refuse_if_busy
 from eagle3_data.storage.writer import StageWriter
@@ -260,7 +260,7 @@ def test_two_cli_processes_on_one_stage_one_pays_the_other_exits_2(store, s3_ser
                OPENROUTER_API_KEY=SECRET, EAGLE3_JOURNAL_DIR=str(tmp_path / "journal"))
     cmd = [str(Path(sys.executable).parent / "eagle3-data"), "generate", "overflow", "--dataset", "chat",
            "--prompts", str(src), "--run-key", "two", "--bucket", store.bucket, "--prefix", store.prefix,
-           "--s3-endpoint", s3_server.endpoint_url, "--tokenizer", str(kimi_tokenizer_dir),
+           "--endpoint-url", s3_server.endpoint_url, "--overflow-fraction", "1", "--tokenizer", str(kimi_tokenizer_dir),
            "--base-url", server.url + "/v1", "--concurrency", "1", "--rows-per-part", "10"]
     first = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for_requests(server, 3)  # the first one holds the lease and pays

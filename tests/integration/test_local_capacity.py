@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from eagle3_data.generation.sglang import DEFAULT_IN_FLIGHT, generate_local, server_capacity
+from eagle3_data.generation.local import DEFAULT_IN_FLIGHT, server_capacity
+from tests.generation_calls import generate_local
 from eagle3_data.storage import StageRef
 
 SAMPLING = {"temperature": 1.0, "max_new_tokens": 16, "thinking": True}

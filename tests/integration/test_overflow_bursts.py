@@ -13,6 +13,7 @@ from eagle3_data.generation import openrouter
 from eagle3_data.generation.checkpoint import StageRun
 from eagle3_data.storage import StageRef
 
+from tests.generation_calls import generate_overflow
 from tests.integration.test_generation import SAMPLING, SECRET, prompts
 
 C = 4  # workers; 3 waves of C answers each
@@ -65,7 +66,7 @@ def test_a_waves_next_requests_leave_before_its_rows_are_journaled(store, kimi_t
     monkeypatch.setattr(StageRun, "journal", logged_journal)
     WaveServer.events, WaveServer.thresholds = [], []
     before = gc.get_threshold()
-    summary = openrouter.generate_overflow(
+    summary = generate_overflow(
         store, StageRef("bursts", "generate_overflow", "w"), prompts(3 * C, "w"), kimi_tokenizer, "http://unused/v1",
         SECRET, "m", {}, None, sampling=SAMPLING, concurrency=C, rows_per_part=64, journal_dir=tmp_path)
     assert summary["complete"] and summary["counts"]["ok"] == 3 * C, summary

@@ -219,6 +219,8 @@ def test_run_key_for():
         run_key_for({"run_name": "../etc"}, None)
     with pytest.raises(UserError, match="manual run needs a run_name"):
         run_key_for({}, None)
+    # a REST trigger without a logical date: its run id, made a key segment (the report view finds it)
+    assert run_key_for({}, None, "manual__2026-12-01T10:00:00.123+00:00") == "manual__2026-12-01T10-00-00.123+00-00"
 
 
 def test_length_stats_and_histogram():
@@ -306,7 +308,7 @@ def test_a_class_the_gate_adds_shows_up_everywhere(monkeypatch):
     (summary,) = report.summary()["datasets"]
     assert summary["counts"]["novel_class"] == 2 and summary["rates"]["novel_class"] == pytest.approx(0.2)
     html = render_html(report, title="t")
-    assert "<th>novel_class</th>" in html  # overview column
+    assert "<th>novel_<wbr>class</th>" in html  # overview column (wrapped at the underscore: fits 1280 px)
     assert "text-anchor='end'>novel_class</text>" in html and "2 (20.0%)" in html  # class bars
     assert html.count(">novel_class</text>") == 2 and "20.00%" in html  # and its rate against the gate
     examples = html[html.index("Example diffs"):]
@@ -328,3 +330,25 @@ def test_markdown_comes_from_the_same_data(store, run_report):
     assert tc.count("| bpe_only | ") == 1 + 8 and "### Bad rows (skipped)" in tc
     bare = render_markdown(report.datasets[1].validation)  # what `eagle3-data validate` writes beside its JSON
     assert bare.startswith("# Reconstruction validation\n\n**Gate: FAILED**") and "## Mismatches" in bare
+
+
+def test_overview_fits_a_1280_px_window(store, run_report, tmp_path):
+    """Every column of the overview, the gate's included, is visible at 1280 px without scrolling
+    (at 1400 px the table ran past the right edge and hid the gate column)."""
+    from tests.cluster.browser import Browser
+
+    page = tmp_path / "report.html"
+    page.write_text(render_html(load_run_report(store, RUN), title="t"))
+    browser = Browser(window=(1280, 900))
+    try:
+        browser.goto(page.as_uri())
+        browser.wait_for("document.querySelector('table.overview') !== null", "the overview table")
+        fit = browser.js("""(() => {
+          const t = document.querySelector('table.overview'), gate = t.querySelector('span.gate');
+          return {right: t.getBoundingClientRect().right, gate: gate.getBoundingClientRect().right,
+                  view: document.documentElement.clientWidth, scroll: document.documentElement.scrollWidth};
+        })()""")
+    finally:
+        browser.close()
+    assert fit["view"] <= 1280 and fit["right"] <= fit["view"] and fit["gate"] <= fit["view"], fit
+    assert fit["scroll"] <= fit["view"], fit  # nothing else overflows either

@@ -9,9 +9,10 @@ import logging
 
 import pytest
 
-from eagle3_data.generation.openrouter import UNPRICED, generate_overflow, price_answer
+from eagle3_data.generation.openrouter import UNPRICED, price_answer
 from eagle3_data.storage import StageRef
 
+from tests.generation_calls import generate_overflow
 from tests.integration.test_generation import SAMPLING, SECRET, prompts
 
 PRICE = {"prompt": 1e-6, "completion": 1e-5}

@@ -123,7 +123,7 @@ def test_outage_message_says_the_unsaved_rows_are_not_in_s3(relayed, caplog):
 
 def test_generation_outage_keeps_answers_in_the_journal_and_resume_pays_nothing_twice(
         relayed, start_dev_server, kimi_tokenizer, tmp_path, caplog):
-    from eagle3_data.generation.openrouter import generate_overflow
+    from tests.generation_calls import generate_overflow
 
     from tests.integration.test_generation import SAMPLING, SECRET, prompts
 

@@ -41,6 +41,7 @@ def test_cli_start_stop_restart_keeps_data_and_refuses_wrong_keys(tmp_path, s3_s
         assert started.returncode == 0, started.stderr
         info = dict(line.split("=", 1) for line in started.stdout.split())
         assert "cli-test-secret-value" not in started.stdout + started.stderr
+        assert info["secret_key"] == "from:AWS_SECRET_ACCESS_KEY"  # a user's own secret is not echoed
         pid, endpoint = int(info["pid"]), info["endpoint_url"]
         port = int(endpoint.rsplit(":", 1)[1])
         assert (d / "weed.pid").read_text().strip() == str(pid)

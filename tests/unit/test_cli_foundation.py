@@ -77,9 +77,9 @@ def test_validate_cli_exit_codes(verified_cache, kimi_tokenizer_dir, tmp_path, c
     assert main(["validate", *plain, "--no-thinking", "--input", off, "--report", str(report)]) == 0
     assert main(["validate", *plain, "--thinking", "--input", off, "--report", str(report)]) == 1
     capsys.readouterr()
-    with pytest.raises(SystemExit):  # the mode is required: the rebuild depends on it
-        main(["validate", *plain, "--input", off, "--report", str(report)])
-    assert "--thinking" in capsys.readouterr().err
+    # the mode is required for a file (it carries no run config): the rebuild depends on it
+    assert main(["validate", *plain, "--input", off, "--report", str(report)]) == 2
+    assert "--thinking or --no-thinking is required" in capsys.readouterr().err
 
     bad = _write(tmp_path / "bad.jsonl", [{"sample_id": "a", "output_ids": REFERENCE_IDS}, "{oops", {"sample_id": "c", "output_ids": ["x"]}])
     assert main(["validate", *tok, "--input", bad, "--report", str(report)]) == 2
@@ -121,3 +121,18 @@ def test_reconstruct_cli(verified_cache, kimi_tokenizer_dir, tmp_path, capsys):
     assert main(["reconstruct", *tok, "--input", bad, "--out", str(tmp_path / "x.jsonl")]) == 2
     assert "line 2 (sample_id z): field 'content'" in capsys.readouterr().err
     assert not (tmp_path / "x.jsonl").exists() and not (tmp_path / "x.jsonl.partial").exists()
+
+
+def test_dev_s3_prints_the_default_secret_a_client_needs(capsys):
+    """A newcomer who started the dev S3 without keys of their own gets the documented default
+    secret printed (it is no secret); their own AWS_SECRET_ACCESS_KEY is never echoed."""
+    import types
+
+    from eagle3_data.cli.dev_s3 import _print
+    from eagle3_data.dev.seaweedfs import DEV_ACCESS_KEY, DEV_SECRET_KEY
+
+    _print(types.SimpleNamespace(endpoint_url="http://127.0.0.1:1", access_key=DEV_ACCESS_KEY, secret_key=DEV_SECRET_KEY, pid=7))
+    assert f"secret_key={DEV_SECRET_KEY}" in capsys.readouterr().out
+    _print(types.SimpleNamespace(endpoint_url="http://127.0.0.1:1", access_key="k", secret_key="mine-xyz", pid=7))
+    out = capsys.readouterr().out
+    assert "mine-xyz" not in out and "secret_key=from:AWS_SECRET_ACCESS_KEY" in out

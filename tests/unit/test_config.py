@@ -189,10 +189,12 @@ def test_dev_sources_resolve_to_the_cached_builds(tmp_path, monkeypatch, kimi_to
 
 
 # -- runs without a logical date ---------------------------------------------------------------
-def test_run_without_logical_date_or_run_name_fails_saying_why():
+def test_run_without_logical_date_or_run_name_keys_on_its_run_id():
+    """A REST trigger without a logical date (the API's default) used to fail in audit_tokenizer."""
     from eagle3_data.pipeline import resolve_run
 
-    with pytest.raises(UserError, match="a run without a logical date has no date partition to read"):
+    assert resolve_run({}, None, run_id="manual__2026-12-01T10:00:00+00:00").run_key == "manual__2026-12-01T10-00-00+00-00"
+    with pytest.raises(UserError, match="manual run needs a run_name"):
         resolve_run({}, None)
 
 

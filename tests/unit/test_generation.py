@@ -77,7 +77,8 @@ def test_sglang_answers_are_recorded_as_given_and_checked():
     """SGLang's output_ids run through the matched stop token and its finish_reason names it: the
     client keeps both as given (the validator judges a wrong stop id), and refuses an answer whose
     ids are not as many as meta_info.completion_tokens."""
-    from eagle3_data.generation.sglang import check_answer, error_message
+    from eagle3_data.generation.local import PromptCut, error_message
+    from eagle3_data.generation.sglang import check_answer
     from tests.fixtures.kimi import CHAS, IM_END
 
     stop = {"type": "stop", "matched": IM_END}
@@ -90,6 +91,12 @@ def test_sglang_answers_are_recorded_as_given_and_checked():
         check_answer({"output_ids": [1, IM_END], "meta_info": {"finish_reason": stop, "completion_tokens": 3}})
     with pytest.raises(ValueError, match="not a list of ints"):
         check_answer({"output_ids": [1, True], "meta_info": {"finish_reason": stop}})
+    # a server started with --allow-auto-truncate cuts the prompt's tail and reports the cut length
+    assert check_answer({"output_ids": [1], "meta_info": {"finish_reason": stop, "prompt_tokens": 3}}, [5, 6, 7])
+    with pytest.raises(PromptCut, match="3 prompt ids sent, meta_info.prompt_tokens = 2"):
+        check_answer({"output_ids": [1], "meta_info": {"finish_reason": stop, "prompt_tokens": 2}}, [5, 6, 7])
+    assert error_message('{"object": "error", "message": "The request queue is full.", "code": 503}') == \
+        "The request queue is full."
     assert error_message('{"error": "unknown field `seed`"}') == "unknown field `seed`"
     assert error_message('{"error": {"message": "Duplicate request ID detected: a.0"}}') == "Duplicate request ID detected: a.0"
     assert error_message("plain") == "plain"
@@ -172,23 +179,26 @@ def test_log_progress_writes_steady_lines(caplog):
 
 
 @pytest.mark.parametrize("engine", ["openrouter", "sglang", "vllm"])
-def test_every_generation_client_requires_the_generation_mode(engine):
-    """`thinking` decides the prompt's ending and how every answer is parsed and rebuilt: a client
-    that defaulted it (the overflow client once took True) would silently mix modes."""
-    import importlib
-
+def test_the_generation_mode_comes_only_from_the_bound_format(engine, kimi_tokenizer):
+    """`thinking` decides the prompt's ending and how every answer is parsed and rebuilt, so it is
+    bound once into the output format the clients take; a sampling dict that carries it anyway is
+    refused before any request (a client reading it there could mix modes)."""
+    from eagle3_data.chat_format import get_output_format
+    from eagle3_data.generation import local, openrouter
+    from eagle3_data.generation.engines import wire_for
     from eagle3_data.storage import StageRef
 
     class NothingCommitted:
         def is_complete(self, ref):
             return False
 
-    module = importlib.import_module(f"eagle3_data.generation.{engine}")
-    ref = StageRef("r", "generate", "chat")
-    if engine in ("sglang", "vllm"):
-        call = lambda: module.generate_local(NothingCommitted(), ref, [], None, ["http://127.0.0.1:9"], {"temperature": 1.0})
+    fmt, ref, sampling = get_output_format(kimi_tokenizer, thinking=True), StageRef("r", "generate", "chat"), {
+        "temperature": 1.0, "thinking": True}
+    if engine == "openrouter":
+        call = lambda: openrouter.generate_overflow(NothingCommitted(), ref, [], fmt, "http://127.0.0.1:9/v1", "key",
+                                                    openrouter.OverflowRequest("m", sampling=sampling))
     else:
-        call = lambda: module.generate_overflow(NothingCommitted(), ref, [], None, "http://127.0.0.1:9/v1", "key", "m", {}, None,
-                          sampling={"temperature": 1.0})
-    with pytest.raises(UserError, match="sampling.thinking"):
+        call = lambda: local.generate_local(NothingCommitted(), ref, [], fmt, ["http://127.0.0.1:9"], sampling,
+                                            wire=wire_for(engine))
+    with pytest.raises(UserError, match="'thinking' is not a"):
         call()

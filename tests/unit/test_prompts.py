@@ -11,8 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from eagle3_data.errors import UserError
-from eagle3_data.prompts import load_prompts, sample_id, write_prompt_load
-from eagle3_data.storage import StageRef
+from eagle3_data.prompts import load_prompts, sample_id
 
 SAMPLE_DATA = Path(__file__).resolve().parents[2] / "include" / "sample_data"
 SAMPLING = {"temperature": 1.0, "max_tokens": 512}
@@ -69,7 +68,9 @@ def test_malformed_rows_are_rejected_with_line_and_field_and_good_rows_kept(tmp_
     src = write_jsonl(tmp_path / "p" / "mixed.jsonl", rows, extra_lines=["{not json", ""])
     load = load_prompts(str(src), "mixed", sampling=SAMPLING)
     assert len(load.rows) == len(GOOD)
-    assert load.counts == {"read": len(rows) + 1, "rejected": len(BAD) + 1, "duplicates": 0, "ignored_fields": 2, "rows": len(GOOD)}
+    # the row's own `id` is kept (as provenance), not ignored; `meta` is
+    assert load.counts == {"read": len(rows) + 1, "rejected": len(BAD) + 1, "duplicates": 0, "ignored_fields": 1, "rows": len(GOOD)}
+    assert [r["source_id"] for r in load.rows] == [None, None, None, "kept-out"]
     by_line = {r["line"]: r for r in load.rejects}
     for i, (_, field) in enumerate(BAD):
         reject = by_line[3 + i]
@@ -131,19 +132,6 @@ def test_s3_sources_file_prefix_and_date(s3, s3_bucket):
     assert by_date.sources == [{"uri": f"s3://{s3_bucket}/prompts/chat/date=2026-11-29/a.jsonl", "bytes": len(body), "sha256": hashlib.sha256(body).hexdigest()}]
     with pytest.raises(UserError, match="no prompt files"):
         load_prompts(f"s3://{s3_bucket}/prompts", "code", date="2026-11-29", sampling=SAMPLING, client=s3)
-
-
-def test_write_prompt_load_records_counts_rejects_and_inputs(store, tmp_path):
-    src = write_jsonl(tmp_path / "d.jsonl", [GOOD[0], BAD[0][0], GOOD[1]])
-    load = load_prompts(str(src), "d", sampling=SAMPLING)
-    ref = StageRef("date=2026-11-29", "load", "d")
-    manifest = write_prompt_load(store, ref, load, params={"sampling": SAMPLING})
-    assert manifest["extra"]["counts"]["rejected"] == 1 and manifest["rows"] == 2
-    assert manifest["inputs"] == load.sources and [f["name"] for f in manifest["files"]] == ["rejects.parquet"]
-    store.verify(ref)
-    rejects = pq.read_table(pa.BufferReader(store.get_bytes(ref, "rejects.parquet"))).to_pylist()
-    assert [(r["line"], r["field"]) for r in rejects] == [(2, "messages[0].role")]
-    assert store.read_table(ref).column("sample_id").to_pylist() == [r["sample_id"] for r in load.rows]
 
 
 # -- loud rejects and limits (issue 13 item 4) ------------------------------------------------------

@@ -50,7 +50,15 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _print(handle) -> None:
-    # the secret is not printed: it is whatever AWS_SECRET_ACCESS_KEY holds (or the documented default)
+    """How a client connects. The secret is printed only when it is the dev server's documented
+    default (`eagle3_data.dev.seaweedfs.DEV_SECRET_KEY`, nothing secret about it); one taken from
+    AWS_SECRET_ACCESS_KEY stays out of the output: whoever set it knows it."""
+    from eagle3_data.dev.seaweedfs import DEV_SECRET_KEY
+
     print(f"endpoint_url={handle.endpoint_url}")
     print(f"access_key={handle.access_key}")
+    if handle.secret_key == DEV_SECRET_KEY:
+        print(f"secret_key={handle.secret_key}")
+    else:
+        print("secret_key=from:AWS_SECRET_ACCESS_KEY")  # the environment that started it holds it
     print(f"pid={handle.pid}")

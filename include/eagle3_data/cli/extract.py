@@ -4,29 +4,31 @@ from __future__ import annotations
 
 import argparse
 
-from eagle3_data.cli.merge import add_store_args, open_store, parse_stage_uri
+from eagle3_data.cli.runs import add_config_arg, add_store_args, open_store, parse_stage_uri, printed, run_of_stage
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("extract", help="run the target model and store EAGLE-3 aux hidden states")
-    p.add_argument("--model", required=True, help="target model directory (AutoModelForCausalLM)")
     p.add_argument("--input", required=True,
-                   help="merged parquet file or directory, or a merge stage s3://BUCKET/PREFIX/runs/RUN_KEY/merge/DATASET")
-    p.add_argument("--out", required=True,
-                   help="output directory, or a stage s3://BUCKET/PREFIX/runs/RUN_KEY/extract_hidden_states/DATASET")
+                   help="a merge stage s3://BUCKET/[PREFIX/]runs/RUN_KEY/merge/all (writes runs/RUN_KEY/hidden_states/all, "
+                        "the DAG's stage), or merged parquet file(s) / a directory of them (with --out)")
+    p.add_argument("--out", help="file mode: output directory")
+    p.add_argument("--model", help="target model directory (default: the config's model.source)")
     p.add_argument("--layers", default=None, help="comma-separated layer ids (default: EAGLE-3's for the convention)")
-    p.add_argument("--convention", choices=["output", "input"], default="output",
+    p.add_argument("--convention", choices=["output", "input"],
                    help="'output of layer i' (SpecForge, Model-Optimizer) or 'input to layer i' (speculators, vLLM)")
-    p.add_argument("--last-hidden", action="store_true", help="also store the final-norm hidden state (SpecForge needs it)")
-    p.add_argument("--fp8", action="store_true", help="store aux states as fp8 e4m3 with a per-row scale (half the bytes)")
-    p.add_argument("--storage-dtype", choices=["bf16", "fp32", "compute"], default="bf16",
+    p.add_argument("--last-hidden", action=argparse.BooleanOptionalAction, default=None,
+                   help="also store the last layer's state (SpecForge needs it)")
+    p.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=None,
+                   help="store aux states as fp8 e4m3 with a per-row scale (half the bytes)")
+    p.add_argument("--storage-dtype", choices=["bf16", "fp32", "compute"],
                    help="dtype of the stored states whatever the forward ran in (compute: keep the forward's)")
-    p.add_argument("--token-budget", type=int, default=16_384, help="padded tokens per forward")
-    p.add_argument("--shard-tokens", type=int, default=65_536, help="tokens per output file")
-    p.add_argument("--backend", choices=["transformers", "vllm"], default="transformers",
+    p.add_argument("--token-budget", type=int, help="padded tokens per forward (default: the config's batch_tokens)")
+    p.add_argument("--shard-tokens", type=int, help="tokens per output file")
+    p.add_argument("--backend", choices=["transformers", "vllm"],
                    help="transformers forward, or a vLLM engine from .venv-vllm ($EAGLE3_VLLM_PYTHON) started once")
-    p.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm: GPUs of the engine (8 for Kimi-K2.5)")
-    p.add_argument("--max-model-len", type=int, default=8192, help="vllm: longest sample + 1 (the engine's context)")
+    p.add_argument("--tensor-parallel-size", type=int, help="vllm: GPUs of the engine (8 for Kimi-K2.5)")
+    add_config_arg(p)
     add_store_args(p)
     p.set_defaults(func=_run_extract)
 
@@ -48,55 +50,56 @@ def _layers(text: str | None) -> list[int] | None:
         raise UserError(f"--layers {text!r}: expected comma-separated integers such as 1,29,57") from None
 
 
+def overrides_of(args: argparse.Namespace) -> dict:
+    """The flags as `hidden_states` / `model` config overrides: the stage's params follow from the config."""
+    h = {k: v for k, v in (("convention", args.convention), ("layer_ids", _layers(args.layers)),
+                           ("last_hidden", args.last_hidden), ("fp8", args.fp8), ("storage_dtype", args.storage_dtype),
+                           ("batch_tokens", args.token_budget), ("shard_tokens", args.shard_tokens),
+                           ("backend", args.backend), ("tensor_parallel_size", args.tensor_parallel_size)) if v is not None}
+    out: dict = {"hidden_states": {**h, "workers": 1}}  # this process extracts every shard, the model loaded once
+    if args.model:
+        out["model"] = {"source": str(args.model)}
+    return out
+
+
 def _run_extract(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
     from eagle3_data.errors import UserError
-    from eagle3_data.hidden_states.engines import shared_backend
-    from eagle3_data.hidden_states.extract import (
-        ExtractOptions, commit_extraction, extract_rows, extract_shard, merged_sha256s, read_merged_rows,
-    )
-    from eagle3_data.merge import merged_shards
 
-    if not (Path(args.model) / "config.json").exists():
-        raise UserError(f"--model {args.model}: no config.json there")
-    layers = _layers(args.layers)
-    remote_in, remote_out = args.input.startswith("s3://"), args.out.startswith("s3://")
-    if remote_in != remote_out:
-        raise UserError("--input and --out must both be S3 stage URIs or both local paths")
-    if not remote_in:
-        src = Path(args.input)
-        paths = sorted(src.glob("*.parquet")) if src.is_dir() else [src]
-        if not paths or not all(p.exists() for p in paths):
-            raise UserError(f"--input {args.input}: no merged parquet shards there")
-        vocab = json.loads((Path(args.model) / "config.json").read_text()).get("vocab_size")
-        for path in paths:
-            check_merged_file(path, vocab)  # before the model loads: bad input costs no GPU time
-    backend = shared_backend(args.backend, args.model, tensor_parallel_size=args.tensor_parallel_size,
-                             max_model_len=args.max_model_len)
-    if remote_in:
-        bucket, prefix, merge_ref = parse_stage_uri(args.input)
-        out_bucket, out_prefix, out_ref = parse_stage_uri(args.out)
-        if (bucket, prefix) != (out_bucket, out_prefix):
-            raise UserError("--input and --out must be in the same bucket and prefix")
-        store = open_store(args, bucket, prefix)
-        manifest = store.read_manifest(merge_ref)
-        shas = merged_sha256s(manifest)
-        for shard in merged_shards(store, merge_ref, manifest):
-            summary = extract_shard(store, shard, args.model, out_ref, convention=args.convention, layers=layers,
-                                    last_hidden=args.last_hidden, use_fp8=args.fp8, storage_dtype=args.storage_dtype,
-                                    token_budget=args.token_budget, out_shard_tokens=args.shard_tokens, backend=backend,
-                                    merged_sha256=shas.get(shard["name"]))
-            print(f"{shard['name']}: {summary['samples']} samples, {summary['tokens']} tokens"
-                  f"{' (already done)' if summary.get('skipped') else ''}")
-        params = {"convention": args.convention, "layers": layers, "last_hidden": args.last_hidden, "fp8": args.fp8,
-                  "storage_dtype": args.storage_dtype, "backend": args.backend}
-        print(json.dumps(commit_extraction(store, merge_ref, out_ref, params=params), indent=1))
+    if args.input.startswith("s3://"):
+        from eagle3_data import pipeline
+
+        if args.out:
+            raise UserError("--out is for local files: a merge stage's states go to runs/RUN_KEY/hidden_states/all")
+        run, store, _ = run_of_stage(args, args.input, ("merge",), overrides_of(args))
+        for work in pipeline.plan_hidden_states(run, store):  # hidden_states.workers = 1: this process
+            for shard in pipeline.extract_hidden_states(run, store, work).shards:
+                print(f"{shard.shard}: {shard.samples} samples, {shard.tokens} tokens{' (already done)' if shard.skipped else ''}")
+        print(printed(pipeline.commit_hidden_states(run, store)))
         return 0
-    options = ExtractOptions(convention=args.convention, layer_ids=layers, last_hidden=args.last_hidden,
-                             token_budget=args.token_budget, out_shard_tokens=args.shard_tokens, use_fp8=args.fp8,
-                             storage_dtype=args.storage_dtype)
+    from eagle3_data.config import load_config, resolve_source
+    from eagle3_data.hidden_states.engines import shared_backend
+    from eagle3_data.hidden_states.extract import ExtractOptions, extract_rows, read_merged_rows
+
+    if not args.out:
+        raise UserError("--out is required with local merged files")
+    config = load_config(args.config).with_overrides(overrides_of(args), where="command line")
+    model = Path(resolve_source(config.model.source))
+    if not (model / "config.json").exists():
+        raise UserError(f"--model {model}: no config.json there")
+    src = Path(args.input)
+    paths = sorted(src.glob("*.parquet")) if src.is_dir() else [src]
+    if not paths or not all(p.exists() for p in paths):
+        raise UserError(f"--input {args.input}: no merged parquet shards there")
+    vocab = json.loads((model / "config.json").read_text()).get("vocab_size")
+    for path in paths:
+        check_merged_file(path, vocab)  # before the model loads: bad input costs no GPU time
+    h = config.hidden_states
+    backend = shared_backend(h.backend, model, tensor_parallel_size=h.tensor_parallel_size,
+                             max_model_len=config.merge.max_length + 1)
+    options = ExtractOptions.from_config(h)
     for path in paths:
         summary = extract_rows(backend, read_merged_rows([path]), args.out, path.stem, options)
         print(json.dumps({k: v for k, v in summary.items() if k != "norms"}))

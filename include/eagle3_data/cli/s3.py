@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from eagle3_data.cli.merge import add_store_args
+from eagle3_data.cli.runs import add_store_args
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from eagle3_data.cli.merge import add_store_args, open_store, parse_stage_uri
+from eagle3_data.cli.runs import add_store_args, open_store, parse_stage_uri
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -28,7 +28,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Container, Iterable, Iterator
+from collections.abc import Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,10 +62,11 @@ class Prompt:
     route: str | None
     messages_json: str = field(repr=False)
     tools_json: str | None = field(repr=False)
+    source_id: str | None = None  # the prompt row's own id, recorded as provenance
 
 
 _SPILLED = pa.schema([("sample_id", pa.string()), ("dataset", pa.string()), ("messages", pa.string()),
-                      ("tools", pa.string()), ("route", pa.string())])
+                      ("tools", pa.string()), ("route", pa.string()), ("source_id", pa.string())])
 
 
 class Prompts:
@@ -89,7 +90,7 @@ class Prompts:
                 continue
             tools = json.loads(row["tools"]) if row["tools"] is not None else None
             yield Prompt(row["sample_id"], row["dataset"], json.loads(row["messages"]), tools or None, row["route"],
-                         row["messages"], row["tools"])
+                         row["messages"], row["tools"], row["source_id"])
 
 
 def parse_prompts(rows: Iterable[dict], dataset: str, routes: tuple[str, ...] | None) -> Prompts:
@@ -118,6 +119,7 @@ def parse_prompts(rows: Iterable[dict], dataset: str, routes: tuple[str, ...] | 
             raise UserError(f"{where}: field 'tools' must be a list of tools or null")
         spill.append({
             "sample_id": sid, "dataset": row.get("dataset") or dataset, "route": row.get("route"),
+            "source_id": row.get("source_id"),
             "messages": row["messages"] if isinstance(row["messages"], str) else canonical_json(messages),
             "tools": (row["tools"] if isinstance(row["tools"], str) else canonical_json(tools)) if tools else None,
         })
@@ -125,23 +127,18 @@ def parse_prompts(rows: Iterable[dict], dataset: str, routes: tuple[str, ...] | 
     return Prompts(spill, ids)
 
 
-def generation_mode(sampling: dict, stage: str) -> bool:
-    """Pop `thinking` from a stage's sampling dict: required, never defaulted, since it decides the
-    prompt's ending and how every output is parsed and rebuilt (one mode, bound once)."""
-    thinking = sampling.pop("thinking", None)
-    if not isinstance(thinking, bool):
-        raise UserError(f"{stage}: sampling.thinking (true or false) is required: it is the generation mode")
-    return thinking
+@dataclass(frozen=True)
+class StageSetup:
+    """What a generation stage records and where it keeps its own state, besides its prompts, its
+    format and its engine: the same for the local and the overflow stage."""
 
-
-def overflow_params(model: str, provider: dict | None, sampling: dict, thinking: bool, base_url: str,
-                    source: str) -> tuple[dict, dict]:
-    """(OpenRouter `reasoning` object, the stage's params) for an overflow stage; `sampling`
-    without `thinking`; its optional `reasoning` is popped (default {"enabled": thinking})."""
-    reasoning = sampling.pop("reasoning", None) or {"enabled": thinking}
-    params = {"source": source, "model": model, "provider": provider or {}, "sampling": dict(sampling, thinking=thinking),
-              "reasoning": reasoning, "base_url": base_url}
-    return reasoning, params
+    model: str = ""  # the target model's name, recorded in provenance and params
+    inputs: tuple = ()  # upstream manifests (StageRef) or file records ({"uri", "bytes", "sha256"})
+    progress: Any = None  # a generation.progress.Progress; None: silent
+    journal_dir: str | Path | None = None  # None: $EAGLE3_JOURNAL_DIR, else the cache's journal/
+    rerun: bool = False  # reopen a complete stage: re-verify its parts, redo only what is missing
+    routes: tuple[str, ...] | None = None  # the prompts' routes this stage takes; None: the stage's own
+    side_files: Mapping[str, bytes] = field(default_factory=dict)  # files committed beside the parts
 
 
 def sampling_for(p: Prompt, sampling: dict) -> dict:
@@ -187,18 +184,18 @@ class StageRun:
     `run.pending` is a one-shot iterator of the prompts not yet done (decoded one at a time, so
     a client holds only what it has in flight); `run.pending_count` says how many it yields."""
 
-    def __init__(self, store, ref, prompts: Prompts, *, rows_per_part: int, params: dict,
-                 inputs: list | None = None, tokenizer_sha256: str | None = None,
-                 template_sha256: str | None = None, journal_dir: str | Path | None = None,
-                 max_failed_runs: int = 2, flush_interval_s: float = 30.0, rerun: bool = False,
-                 side_files: dict[str, bytes] | None = None):
+    max_failed_runs = 2  # stage attempts a sample may fail in before its failed row is final
+
+    def __init__(self, store, ref, prompts: Prompts, params: dict, hashes: Mapping[str, str | None],
+                 setup: StageSetup, *, rows_per_part: int, flush_interval_s: float = 30.0):
+        """`params`: the stage's (manifest) params; `hashes`: `tokenizer_sha256`, `template_sha256`."""
         self.store, self.ref, self.prompts = store, ref, prompts
-        self.writer_args = dict(rows_per_part=rows_per_part, params=params, inputs=inputs,
-                                tokenizer_sha256=tokenizer_sha256, template_sha256=template_sha256, reopen=rerun)
+        self.writer_args = dict(rows_per_part=rows_per_part, params=params, inputs=list(setup.inputs),
+                                reopen=setup.rerun, **hashes)
         key = hashlib.sha256(json.dumps([store.uri(ref), params], sort_keys=True, default=str).encode()).hexdigest()[:20]
-        self.journal_path = Path(journal_dir or default_journal_dir()) / f"{ref.stage}-{ref.dataset}-{key}.jsonl"
-        self.max_failed_runs = max_failed_runs
-        self.side_files = dict(side_files or {})  # e.g. rejects.parquet of the CLI's prompt load
+        self.journal_path = Path(setup.journal_dir or default_journal_dir()) / f"{ref.stage}-{ref.dataset}-{key}.jsonl"
+        self.side_files = dict(setup.side_files)
+        self.tokenizer_sha256 = hashes.get("tokenizer_sha256")  # recorded in every row's provenance
         self.flush_interval_s = flush_interval_s
         self.counts = {"ok": 0, "failed": 0, "skipped": 0, "replayed": 0, "retry_later": 0}
         self.tokens = 0

@@ -16,19 +16,19 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 from eagle3_data import json_records
 from eagle3_data.errors import EndpointUnavailable, UserError
 from eagle3_data.generation.checkpoint import (
     Prompt,
     StageRun,
+    StageSetup,
     base_row,
     failed_row,
-    generation_mode,
-    overflow_params,
     parse_prompts,
     reused_summary,
     sampling_for,
@@ -39,6 +39,20 @@ from eagle3_data.generation.retry import PERMANENT_STATUS, backoff_s
 log = logging.getLogger(__name__)
 
 SOURCE = "openrouter"
+ROUTES = ("overflow", "both")
+# The config's sampling keys (SGLang's names) -> OpenRouter chat-completion fields; the generation
+# mode is not among them: it is bound into the output format (and sent as `reasoning`).
+REQUEST_FIELDS = {"temperature": "temperature", "top_p": "top_p", "max_new_tokens": "max_tokens", "seed": "seed"}
+
+
+def check_sampling(sampling: Mapping[str, Any], *, where: str = "generation.sampling") -> dict:
+    """The sampling params this client sends; any other key is refused before a request (a key
+    silently dropped would make the overflow share sample differently from the local one)."""
+    for key in sampling:
+        if key not in REQUEST_FIELDS:
+            raise UserError(f"{where}: {key!r} is not a sampling parameter the OpenRouter client sends; "
+                            f"accepted: {', '.join(REQUEST_FIELDS)}")
+    return dict(sampling)
 STOP_STATUS = {401: "unauthorized", 402: "credits"}
 UNPRICED = "unpriced_answer"  # stopped_reason: an answer without usage.cost and no configured price
 
@@ -65,14 +79,14 @@ class Budget:
     limit is unknown; `first_estimate_usd` until the first priced answer.
     """
 
-    def __init__(self, cap_usd: float | None, spent_usd: float = 0.0, first_estimate_usd: float = 0.01,
+    def __init__(self, max_usd: float | None, spent_usd: float = 0.0, first_estimate_usd: float = 0.01,
                  max_new_tokens: int | None = None):
-        self.cap, self.spent, self.estimate = cap_usd, spent_usd, first_estimate_usd
+        self.max_usd, self.spent, self.estimate = max_usd, spent_usd, first_estimate_usd
         self.max_new_tokens = max_new_tokens
         self.seen = False
 
     def allows(self, in_flight: int) -> bool:
-        return self.cap is None or self.spent + (in_flight + 1) * self.estimate <= self.cap
+        return self.max_usd is None or self.spent + (in_flight + 1) * self.estimate <= self.max_usd
 
     def add(self, cost: float, completion_tokens: int | None = None) -> None:
         self.spent += cost
@@ -83,57 +97,79 @@ class Budget:
         self.seen = True
 
 
-def generate_overflow(store, ref, prompts: Iterable[dict], tokenizer, base_url: str, api_key: str, model: str,
-                      provider: dict | None, budget_usd: float | None, *, sampling: dict | None = None,
-                      concurrency: int = 256, rows_per_part: int = 64, inputs: list | None = None,
-                      progress: Progress | None = None, max_attempts: int = 6, request_timeout_s: float = 600.0,
-                      first_cost_estimate_usd: float = 0.01, journal_dir=None, flush_interval_s: float = 30.0,
-                      routes: tuple[str, ...] | None = ("overflow", "both"),
-                      price_usd_per_mtok: dict | None = None, rerun: bool = False,
-                      side_files: dict[str, bytes] | None = None, unreachable_timeout_s: float = 15.0,
-                      connect_timeout_s: float = 5.0) -> dict:
-    """Generate every pending prompt of `ref.dataset` through OpenRouter; summary dict.
+@dataclass(frozen=True)
+class OverflowRequest:
+    """What every sample of the stage asks the provider for: part of the stage's params."""
 
-    `provider`: OpenRouter routing, e.g. {"order": [...], "allow_fallbacks": False, "quantizations":
-    [...], "require_parameters": True}. `sampling`: temperature, top_p, max_new_tokens, thinking,
-    optional reasoning (OpenRouter's `reasoning` object; default {"enabled": thinking}).
+    model: str  # OpenRouter model slug
+    provider: Mapping[str, Any] = field(default_factory=dict)  # routing: order, allow_fallbacks, quantizations, ...
+    sampling: Mapping[str, Any] = field(default_factory=dict)  # temperature, top_p, max_new_tokens, seed
+    reasoning: Mapping[str, Any] | None = None  # OpenRouter's `reasoning` object; None: {"enabled": thinking}
+
+
+@dataclass(frozen=True)
+class OverflowOptions:
+    """How the overflow client runs: `generation.overflow` of the config (`from_config`), with
+    timings a test or benchmark may tighten."""
+
+    concurrency: int = 256
+    rows_per_part: int = 64
+    max_usd: float | None = None  # stop dispatching before spent + in flight would pass it
+    price_usd_per_mtok: Mapping[str, float] | None = None  # prices answers that carry no usage.cost
+    max_attempts: int = 6
+    request_timeout_s: float = 600.0
+    first_cost_estimate_usd: float = 0.01
+    flush_interval_s: float = 30.0
+    unreachable_timeout_s: float = 15.0
+    connect_timeout_s: float = 5.0
+
+    @classmethod
+    def from_config(cls, overflow: Any, **overrides: Any) -> OverflowOptions:
+        """The options an `OverflowGenerationConfig` sets (same field names), plus `overrides`."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{**{k: v for k, v in overflow.model_dump().items() if k in names}, **overrides})
+
+
+def generate_overflow(store, ref, prompts: Iterable[dict], fmt, base_url: str, api_key: str, request: OverflowRequest,
+                      *, options: OverflowOptions = OverflowOptions(), setup: StageSetup = StageSetup()) -> dict:
+    """Generate every pending prompt of `ref.dataset` (routes overflow|both) through OpenRouter;
+    summary dict.
+
+    `fmt`: the output format bound to the generation mode (its prompt ids price the budget's
+    estimate; `reasoning` follows its mode unless the request sets it).
     stopped_reason: None (complete), "budget", "credits" (HTTP 402), "unauthorized" (401),
     "retryable_failures" (rerun to retry them), "unpriced_answer" (an answer came without
-    `usage.cost` and `price_usd_per_mtok` {"prompt", "completion"} is not set while a budget is:
-    the budget could not bind, so nothing more is dispatched).
-    `rerun=True` regenerates a complete stage: answers still in the local journal are replayed
+    `usage.cost` and `options.price_usd_per_mtok` is not set while a budget is: the budget could
+    not bind, so nothing more is dispatched).
+    `setup.rerun` regenerates a complete stage: answers still in the local journal are replayed
     first (never paid twice), the rest is requested again.
     """
-    from eagle3_data.chat_format import get_output_format
     from eagle3_data.tokenizer import chat_template_sha256, tokenizer_files_sha256
 
-    if store.is_complete(ref) and not rerun:
+    if store.is_complete(ref) and not setup.rerun:
         return reused_summary(store, ref)
     if not api_key:
         raise UserError("generate_overflow: no API key (set the openrouter connection's password or OPENROUTER_API_KEY)")
-    sampling = dict(sampling or {})
-    thinking = generation_mode(sampling, "generate_overflow")
-    reasoning, params = overflow_params(model, provider, sampling, thinking, base_url, SOURCE)
-    rows = parse_prompts(prompts, ref.dataset, routes)
-    tok_sha = tokenizer_files_sha256(tokenizer)
-    progress = progress or Progress()
-    with StageRun(store, ref, rows, rows_per_part=rows_per_part, params=params, inputs=inputs,
-                  tokenizer_sha256=tok_sha, template_sha256=chat_template_sha256(tokenizer),
-                  journal_dir=journal_dir, flush_interval_s=flush_interval_s, rerun=rerun,
-                  side_files=side_files) as run:
+    sampling = check_sampling(request.sampling)
+    reasoning = dict(request.reasoning or {"enabled": fmt.thinking})
+    params = {"source": SOURCE, "model": request.model, "provider": dict(request.provider),
+              "sampling": dict(sampling, thinking=fmt.thinking), "reasoning": reasoning, "base_url": base_url}
+    rows = parse_prompts(prompts, ref.dataset, setup.routes if setup.routes is not None else ROUTES)
+    progress = setup.progress or Progress()
+    hashes = {"tokenizer_sha256": tokenizer_files_sha256(fmt.tokenizer), "template_sha256": chat_template_sha256(fmt.tokenizer)}
+    with StageRun(store, ref, rows, params, hashes, setup, rows_per_part=options.rows_per_part,
+                  flush_interval_s=options.flush_interval_s) as run:
         progress.start(len(rows), len(rows) - run.pending_count, label=f"generate_overflow {ref.dataset}")
-        client = _OverflowRun(run, get_output_format(tokenizer, thinking=thinking), base_url, api_key, model,
-                              provider or {}, sampling, thinking, reasoning, concurrency, max_attempts,
-                              request_timeout_s, progress, tok_sha,
-                              Budget(budget_usd, run.spent_before_usd, first_cost_estimate_usd,
-                                     sampling.get("max_new_tokens")), price_usd_per_mtok,
-                              unreachable_timeout_s, connect_timeout_s)
+        budget = Budget(options.max_usd, run.spent_before_usd, options.first_cost_estimate_usd,
+                        sampling.get("max_new_tokens"))
+        client = _OverflowRun(run, fmt, base_url, api_key, replace(request, sampling=sampling, reasoning=reasoning),
+                              options, progress, budget)
         try:
             with fewer_gc_pauses():
                 stopped = run_event_loop(client.run())
         finally:
             progress.close()  # a bar left open would swallow the start of the error's line
-        run.finish(stopped, extra={"budget_usd": budget_usd, "spent_total_usd": round(client.budget.spent, 6),
+        run.finish(stopped, extra={"budget_usd": options.max_usd, "spent_total_usd": round(client.budget.spent, 6),
                                    **client.timing()})
     return run.result
 
@@ -180,16 +216,14 @@ class _Ready:
 
 
 class _OverflowRun:
-    def __init__(self, run: StageRun, fmt, base_url, api_key, model, provider, sampling, thinking, reasoning,
-                 concurrency, max_attempts, timeout_s, progress, tok_sha, budget: Budget,
-                 price_usd_per_mtok: dict | None = None, unreachable_timeout_s: float = 15.0,
-                 connect_timeout_s: float = 5.0):
+    def __init__(self, run: StageRun, fmt, base_url: str, api_key: str, request: OverflowRequest,
+                 options: OverflowOptions, progress: Progress, budget: Budget):
         self.stage, self.fmt, self.base_url, self._key = run, fmt, base_url, api_key
-        self.model, self.provider, self.sampling, self.thinking = model, provider, sampling, thinking
-        self.reasoning, self.concurrency, self.max_attempts = reasoning, concurrency, max_attempts
-        self.timeout_s, self.progress, self.tok_sha, self.budget = timeout_s, progress, tok_sha, budget
-        self.prices = price_usd_per_mtok
-        self.unreachable_timeout_s, self.connect_timeout_s = unreachable_timeout_s, connect_timeout_s
+        self.model, self.provider, self.thinking = request.model, dict(request.provider), fmt.thinking
+        self.sampling, self.reasoning = dict(request.sampling), dict(request.reasoning)
+        self.o, self.concurrency, self.max_attempts = options, options.concurrency, options.max_attempts
+        self.progress, self.tok_sha, self.budget = progress, run.tokenizer_sha256, budget
+        self.prices = options.price_usd_per_mtok
         self.in_flight = 0
         self.stopped: str | None = None
         self.latency_sum, self.answered, self.started = 0.0, 0, time.monotonic()
@@ -210,10 +244,10 @@ class _OverflowRun:
         leave together (the settler takes one answer per pass of the event loop), and the rows, the
         budget, the journal, the S3 checkpoints and the next prompts' ids and bodies (`_prepare`)
         are done while they are out."""
-        client = SdkPost(self.base_url, self._key, self.concurrency, self.timeout_s, self.connect_timeout_s)
+        client = SdkPost(self.base_url, self._key, self.concurrency, self.o.request_timeout_s, self.o.connect_timeout_s)
         try:
             if self.stage.pending_count:
-                await client.check_reachable(self.unreachable_timeout_s)
+                await client.check_reachable(self.o.unreachable_timeout_s)
         except BaseException:
             await client.close()
             raise
@@ -367,8 +401,7 @@ class _OverflowRun:
                 "usage": {"include": True}}
         if p.tools:
             body["tools"] = p.tools
-        for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"), ("max_new_tokens", "max_tokens"),
-                             ("seed", "seed")):
+        for ours, theirs in REQUEST_FIELDS.items():
             if s.get(ours) is not None:
                 body[theirs] = s[ours]
         return body
@@ -385,7 +418,7 @@ class _OverflowRun:
         usage = data.get("usage") or {}
         details = usage.get("completion_tokens_details") or {}
         cost = price_answer(usage, self.prices)
-        if cost is None and self.budget.cap is not None:
+        if cost is None and self.budget.max_usd is not None:
             if not self.stopped:
                 log.error("OpenRouter answered sample %s without usage.cost and generation.overflow.price_usd_per_mtok "
                           "is not set: the budget cannot bind, stopping dispatch (the answer is kept)", p.sample_id)
@@ -397,6 +430,7 @@ class _OverflowRun:
             "requested_provider": self.provider, "sampling": sampling_for(p, self.sampling), "thinking": self.thinking,
             "tokenizer_sha256": self.tok_sha, "generated_at": time.time(),
             "cost_source": "openrouter" if usage.get("cost") is not None else ("configured_price" if cost is not None else None),
+            **({"source_id": p.source_id} if p.source_id is not None else {}),
         }, sort_keys=True)
         if not choices:
             row.update(status="failed", error="malformed answer: no choices")

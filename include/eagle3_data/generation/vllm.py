@@ -1,9 +1,5 @@
-"""Local generation on vLLM: `vllm serve`'s OpenAI API with prompt ids in and exact ids out.
-
-Everything but the wire format is the SGLang client's (generation/sglang.py): the same shared
-queue and per-endpoint workers, warm-up polling of `/health`, endpoint drop and re-admission,
-retries with backoff, `StageRun` checkpoints, journal and resume, and the same record schema,
-so the gate and merge tell the engines apart only by `source` ("vllm").
+"""vLLM's wire format for the local client (`local.LocalRun`): `vllm serve`'s OpenAI API with
+prompt ids in and exact ids out; the rows differ from SGLang's only by `source` ("vllm").
 
 vLLM 0.32's protocol (`vllm/entrypoints/openai/completion/protocol.py`, tried against a real
 server on CPU):
@@ -13,25 +9,23 @@ server on CPU):
 - `token_ids` include the matched stop token (`finish_reason: "stop"`, `stop_reason` the id,
   or null for the checkpoint's eos); `finish_reason: "length"` at `max_tokens`.
 - `stop_token_ids` is always sent from the audited ids; `skip_special_tokens: false` keeps the
-  text honest (the ids are what is stored). Sampling keys are SGLang's names (the config is
-  engine-neutral) and renamed here: max_new_tokens -> max_tokens, min_new_tokens -> min_tokens,
-  sampling_seed -> seed; anything else must be a vLLM key (SAMPLING_KEYS) or the run is refused
-  before any request.
-- `/v1/models` names the served model (sent as `model`, recorded in provenance).
+  text honest (the ids are what is stored). Sampling keys are the config's (SGLang's names) and
+  renamed here: max_new_tokens -> max_tokens, min_new_tokens -> min_tokens, sampling_seed -> seed;
+  anything else must be a vLLM key (SAMPLING_KEYS) or the run is refused before any request.
+- `/v1/models` names the served model (sent as `model`, recorded in provenance). vLLM reports no
+  capacity on a production server (`/server_info` is VLLM_SERVER_DEV_MODE only).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping
+from typing import Any
 
 import aiohttp
 
 from eagle3_data.errors import UserError
-from eagle3_data.generation.sglang import _SGLangRun, run_local_stage
-
-
-SOURCE = "vllm"
+from eagle3_data.generation.local import Answer, PromptCut
 
 # Config (SGLang) name -> vLLM completion-request field.
 RENAMED = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed"}
@@ -54,66 +48,58 @@ def vllm_sampling(sampling: Mapping[str, object], *, where: str = "generation.sa
     return out
 
 
-def generate_local(store, ref, prompts: Iterable[dict], tokenizer, endpoints: Sequence[str], sampling: dict,
-                   **options) -> dict:
-    """`sglang.generate_local`'s contract on vLLM OpenAI servers (`endpoints`: base URLs without /v1)."""
-    return run_local_stage(_VllmRun, store, ref, prompts, tokenizer, endpoints, sampling, **options)
+class VllmWire:
+    source = "vllm"
+    engine = "vLLM"
+    capacity_paths: tuple[str, ...] = ()
 
-
-class _VllmRun(_SGLangRun):
-    """The SGLang client's scheduling, retries and bookkeeping; vLLM's request and answer."""
-
-    SOURCE = SOURCE
-    ENGINE = "vLLM"
-    # vLLM reports no capacity on a production server (/server_info is VLLM_SERVER_DEV_MODE only;
-    # /metrics has running/waiting counts, not max_num_seqs): in flight comes from the config.
-    CAPACITY_PATHS = ()
-
-    @staticmethod
-    def request_sampling(sampling: dict) -> dict:
+    def sampling(self, sampling: Mapping[str, Any]) -> dict:
         return vllm_sampling(sampling)
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.served: dict[str, str | None] = {}
-
-    def finish_extra(self) -> dict:
-        return {"engine": SOURCE, "served_models": self.served}
-
-    async def _weight_version(self, endpoint: str) -> str | None:
-        """vLLM has no weight version; ask /v1/models for the served model name instead."""
+    async def identify(self, http: aiohttp.ClientSession, endpoint: str) -> dict:
+        """vLLM has no weight version: the served model name, from /v1/models."""
         try:
-            async with self.http.get(f"{endpoint}/v1/models", timeout=aiohttp.ClientTimeout(total=30.0)) as r:
+            async with http.get(f"{endpoint}/v1/models", timeout=aiohttp.ClientTimeout(total=30.0)) as r:
                 if r.status == 200:
                     data = (await r.json(content_type=None)).get("data") or []
-                    self.served[endpoint] = data[0]["id"] if data else None
+                    return {"served_model": data[0]["id"] if data else None}
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError, AttributeError):
-            self.served[endpoint] = None
-        return None
+            pass
+        return {"served_model": None}
 
-    def _request(self, endpoint: str, prompt_ids: list[int], sampling: dict, rid: str) -> tuple[str, dict]:
-        body = {"prompt": prompt_ids, "return_token_ids": True, "skip_special_tokens": False,
-                "stream": False, **sampling}
-        if self.served.get(endpoint):
-            body["model"] = self.served[endpoint]
+    def request(self, prompt_ids: list[int], sampling: dict, rid: str, identity: dict) -> tuple[str, dict]:
+        body = {"prompt": prompt_ids, "return_token_ids": True, "skip_special_tokens": False, "stream": False, **sampling}
+        if identity.get("served_model"):
+            body["model"] = identity["served_model"]
         return "/v1/completions", body
 
-    def _answer(self, answer, prompt_ids: list[int], endpoint: str) -> tuple[list[int], dict, dict]:
-        ids, finish, answer = check_answer(answer, prompt_ids)
-        return ids, finish, {"served_model": answer.get("model"), "engine_request_id": answer.get("id")}
+    def answer(self, body: Any, prompt_ids: list[int], identity: dict) -> Answer:
+        ids, finish, body = check_answer(body, prompt_ids)
+        return Answer(ids, finish, {"served_model": body.get("model"), "engine_request_id": body.get("id")})
+
+    def backpressure(self, status: int, text: str) -> bool:
+        return False  # vLLM queues without a bound: no "full" answer
+
+    def manifest_extra(self, identities: dict[str, dict]) -> dict:
+        return {"engine": self.source, "served_models": {e: i.get("served_model") for e, i in identities.items()}}
+
+
+VLLM = VllmWire()
 
 
 def check_answer(answer: dict, prompt_ids: list[int]) -> tuple[list[int], dict, dict]:
     """(completion ids as given, {"type", "matched"}, answer) of a /v1/completions answer.
 
-    The engine must echo the prompt ids it ran (`prompt_token_ids`) and return as many completion
-    ids as `usage.completion_tokens` counts; the matched stop token is inside `token_ids`."""
+    The engine must echo the prompt ids it ran (`prompt_token_ids`, PromptCut otherwise) and return
+    as many completion ids as `usage.completion_tokens` counts; the matched stop token is inside
+    `token_ids`."""
     choice = answer["choices"][0]
     ids = choice["token_ids"]
     if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise ValueError("choices[0].token_ids is not a list of ints (is return_token_ids supported?)")
     if choice.get("prompt_token_ids") is not None and list(choice["prompt_token_ids"]) != list(prompt_ids):
-        raise ValueError("choices[0].prompt_token_ids differ from the prompt ids sent")
+        raise PromptCut(f"choices[0].prompt_token_ids differ from the prompt ids sent ({len(choice['prompt_token_ids'])} "
+                        f"ids ran, {len(prompt_ids)} sent)")
     completion = (answer.get("usage") or {}).get("completion_tokens")
     if completion is not None and completion != len(ids):
         raise ValueError(f"len(token_ids) = {len(ids)} but usage.completion_tokens = {completion}")
@@ -121,3 +107,4 @@ def check_answer(answer: dict, prompt_ids: list[int]) -> tuple[list[int], dict, 
     if not isinstance(kind, str):
         raise ValueError(f"choices[0].finish_reason {kind!r}")
     return ids, {"type": kind, "matched": choice.get("stop_reason")}, answer
+

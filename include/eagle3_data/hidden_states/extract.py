@@ -36,8 +36,10 @@ class CorruptHiddenStates(RuntimeError):
     """The engine returned states that must not be trained on (NaN/Inf, wrong length)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class ExtractOptions:
+    """What decides the extracted bytes (`hidden_states` of the config: `from_config`)."""
+
     convention: str = "output"
     layer_ids: list[int] | None = None  # None: EAGLE-3 defaults for the convention
     last_hidden: bool = False
@@ -45,6 +47,13 @@ class ExtractOptions:
     out_shard_tokens: int = 65_536  # tokens per output file
     use_fp8: bool = False
     storage_dtype: str = "bf16"  # bf16 | fp32 | compute (see shards.resolve_storage_dtype)
+
+    @classmethod
+    def from_config(cls, h) -> ExtractOptions:
+        """From a `HiddenStatesConfig`."""
+        return cls(convention=h.convention, layer_ids=list(h.layer_ids) if h.layer_ids else None,
+                   last_hidden=h.last_hidden, token_budget=h.batch_tokens, out_shard_tokens=h.shard_tokens,
+                   use_fp8=h.fp8, storage_dtype=h.storage_dtype)
 
 
 @dataclass
@@ -281,8 +290,11 @@ def _shard_ref(shard) -> tuple[StageRef, str]:
     return ref, name
 
 
+SUMMARY_SUFFIX = ".summary.json"
+
+
 def summary_name(shard_name: str) -> str:
-    return f"{Path(shard_name).stem}.summary.json"
+    return f"{Path(shard_name).stem}{SUMMARY_SUFFIX}"
 
 
 def merged_sha256s(merge_manifest: dict) -> dict[str, str]:
@@ -309,14 +321,8 @@ def extract_shard(
     shard,
     model_dir: str | Path,
     out_ref,
+    options: ExtractOptions = ExtractOptions(),
     *,
-    convention: str = "output",
-    layers: list[int] | None = None,
-    last_hidden: bool = False,
-    use_fp8: bool = False,
-    storage_dtype: str = "bf16",
-    token_budget: int = 16_384,
-    out_shard_tokens: int = 65_536,
     backend: HiddenStateBackend | None = None,
     work_dir: str | Path | None = None,
     merged_sha256: str | None = None,
@@ -340,9 +346,6 @@ def extract_shard(
         raise IncompleteStage(f"{store.uri(merged_ref, name)} is not in its merge's manifest")
     if (done := extracted(store, out_ref, shard, merged_sha256)) is not None:
         return {**done, "skipped": True}
-    options = ExtractOptions(convention=convention, layer_ids=layers, last_hidden=last_hidden,
-                             token_budget=token_budget, out_shard_tokens=out_shard_tokens, use_fp8=use_fp8,
-                             storage_dtype=storage_dtype)
     # One writer per shard, not per stage: the GPU workers of one stage extract different shards in
     # parallel, while a second writer of the same shard (a zombie and its retry) gets StageBusy.
     with store.lease(out_ref, scope=Path(name).stem) as lease:

@@ -15,10 +15,10 @@ complete with the same params and input manifests is not recomputed, so a rerun 
 from eagle3_data.pipeline.audit import audit_tokenizer
 from eagle3_data.pipeline.extract import (
     commit_hidden_states,
-    discard_hidden_states,
+    discard_stale_hidden_states,
     extract_hidden_states,
-    extract_workers,
     hidden_states_params,
+    plan_hidden_states,
 )
 from eagle3_data.pipeline.generate import generate_local, generate_overflow
 from eagle3_data.pipeline.merge import merge
@@ -67,8 +67,8 @@ __all__ = [
     "audit_tokenizer",
     "check_prompt_sources",
     "commit_hidden_states",
-    "discard_hidden_states",
-    "extract_workers",
+    "discard_stale_hidden_states",
+    "plan_hidden_states",
     "extract_hidden_states",
     "gate_results",
     "generate_local",

@@ -10,37 +10,83 @@ from eagle3_data.pipeline.run import Run, log, stage_ref
 from eagle3_data.stages import HIDDEN_STATES, MERGE, RUN_DATASET
 
 
+# Choices added after the first extraction stages were committed: recorded only away from the value
+# those stages were extracted with, so a stage extracted before they existed is still reused.
+_LATER_CHOICES = {"layer_ids": None, "use_fp8": False, "storage_dtype": "bf16", "out_shard_tokens": 65_536}
+
+
 def hidden_states_params(run: Run) -> dict:
     """What decides the extracted bytes (recorded in the manifest; the model as configured, not
-    where a dev build happens to be cached)."""
-    h = run.config.hidden_states
-    return {"convention": h.convention, "last_hidden": h.last_hidden, "token_budget": h.batch_tokens, "model": run.config.model.source,
-            "backend": h.backend}
+    where a dev build happens to be cached): every extraction choice of the config, so changing
+    any of them re-extracts. The CLI's `extract` builds the same params from the same config."""
+    h, o = run.config.hidden_states, extract_options(run)
+    params = {"convention": o.convention, "last_hidden": o.last_hidden, "token_budget": o.token_budget,
+              "model": run.config.model.source, "backend": h.backend}
+    params.update({k: getattr(o, k) for k, default in _LATER_CHOICES.items() if getattr(o, k) != default})
+    return params
 
 
-def discard_hidden_states(run: Run, store) -> None:
-    """Delete the run's hidden states (a new merge or other params make them stale) under the
-    stage's lease: StageBusy while a committer or `stage discard` holds it, so no commit lands
-    half on the deleted stage. A shard worker still running on the old merge may write its
-    summary afterwards: `extracted()` ties a summary to its merged shard's sha256, so that one is
-    redone, never committed."""
-    out_ref = stage_ref(run, HIDDEN_STATES, RUN_DATASET)
+def extract_options(run: Run):
+    from eagle3_data.hidden_states.extract import ExtractOptions
+
+    return ExtractOptions.from_config(run.config.hidden_states)
+
+
+def discard_stale_hidden_states(run: Run, store) -> bool:
+    """The one place that deletes the run's hidden states: when they were extracted with other
+    params (convention, model, backend, storage) or from another merge than the committed one.
+    Under the stage's lease: StageBusy while a committer or `stage discard` holds it, so no commit
+    lands half on the deleted stage. Called by the plan, before any worker starts (a worker
+    deleting them could delete a concurrent worker's output). A shard worker still running on an
+    old merge may write its summary afterwards: `extracted()` ties a summary to its merged shard's
+    sha256, so that one is redone, never committed. True when something was deleted."""
+    out_ref, merge_ref = stage_ref(run, HIDDEN_STATES, RUN_DATASET), stage_ref(run, MERGE, RUN_DATASET)
+    if not store.objects(out_ref):
+        return False
+    if store.is_complete(out_ref):
+        manifest = store.read_manifest(out_ref)
+        same_merge = [i.get("manifest_sha256") for i in manifest.get("inputs", [])] == \
+            [store.input_record(merge_ref)["manifest_sha256"]]
+        if same_merge and same_params(manifest, hidden_states_params(run)):
+            return False
+    elif not _summaries_of_another_merge(store, out_ref, merge_ref):
+        return False  # an unfinished extraction of this merge: the workers resume it
     with store.lease(out_ref):
         store.delete(out_ref)
+    log.info("discarded the stale hidden states %s (other params or another merge)", store.uri(out_ref))
+    return True
 
 
-def extract_workers(run: Run, store, shards: list[dict]) -> list[dict]:
-    """The merged shards split over `hidden_states.workers` GPU workers, balanced by tokens
+def _summaries_of_another_merge(store, out_ref, merge_ref) -> bool:
+    from eagle3_data.hidden_states.extract import SUMMARY_SUFFIX, merged_sha256s
+
+    current = set(merged_sha256s(store.read_manifest(merge_ref)).values())
+    for name in store.committed_files(out_ref):
+        if name.endswith(SUMMARY_SUFFIX):
+            sha = (store.get_json(out_ref, name).get("merged_shard") or {}).get("sha256")
+            if sha not in current:
+                return True
+    return False
+
+
+def plan_hidden_states(run: Run, store) -> list[dict]:
+    """Which merged shards go to which GPU worker: `hidden_states.workers` shares balanced by tokens
     (largest shard first to the least loaded worker; shard order kept within a worker). The DAG
     maps one `extract_hidden_states` task over each: the model is loaded once per worker, not once
-    per shard. No shards (hidden states skipped): no worker.
+    per shard. Stale states are discarded first (`discard_stale_hidden_states`); no merge, or
+    hidden states skipped: no worker."""
+    from eagle3_data.merge import merged_shards
 
-    Hidden states extracted with other params (convention, model, backend) are deleted here, once,
-    before the workers start: a worker deleting them could delete a concurrent worker's output."""
-    out_ref = stage_ref(run, HIDDEN_STATES, RUN_DATASET)
-    if shards and store.is_complete(out_ref) and not same_params(store.read_manifest(out_ref), hidden_states_params(run)):
-        discard_hidden_states(run, store)  # other convention or model: start over
-    n = min(run.config.hidden_states.workers, len(shards))
+    merge_ref = stage_ref(run, MERGE, RUN_DATASET)
+    if run.dry_run or run.skip_hidden_states or not store.is_complete(merge_ref):
+        return []
+    discard_stale_hidden_states(run, store)
+    return split_shards(merged_shards(store, merge_ref), run.config.hidden_states.workers)
+
+
+def split_shards(shards: list[dict], workers: int) -> list[dict]:
+    """`shards` over `workers` workers, balanced by tokens (see `plan_hidden_states`)."""
+    n = min(workers, len(shards))
     loads, assigned = [0] * n, [[] for _ in range(n)]
     for i in sorted(range(len(shards)), key=lambda i: -int(shards[i].get("tokens") or 0)):
         w = min(range(n), key=lambda k: (loads[k], len(assigned[k]), k))  # no token counts: by shard count
@@ -60,7 +106,7 @@ def extract_hidden_states(run: Run, store, work: dict) -> ExtractWorkerResult:
     from eagle3_data.hidden_states.extract import extract_shard, extracted, merged_sha256s
 
     params = hidden_states_params(run)
-    out_ref = stage_ref(run, HIDDEN_STATES, RUN_DATASET)  # stale params were cleared by extract_workers
+    out_ref = stage_ref(run, HIDDEN_STATES, RUN_DATASET)  # stale states were discarded by the plan
     model_dir = resolve_source(run.config.model.source)
     h = run.config.hidden_states
     shas = merged_sha256s(store.read_manifest(stage_ref(run, MERGE, RUN_DATASET)))
@@ -78,16 +124,16 @@ def extract_hidden_states(run: Run, store, work: dict) -> ExtractWorkerResult:
                 loads += 1
                 log.info("hidden states worker %s: %s backend ready in %.1f s for %d shards",
                          work["worker"], params["backend"], time.perf_counter() - t0, len(work["shards"]))
-            summary = extract_shard(
-                store, shard, model_dir, out_ref, backend=backend, merged_sha256=shas.get(shard["name"]),
-                convention=params["convention"], last_hidden=params["last_hidden"], token_budget=params["token_budget"],
-            )
+            summary = extract_shard(store, shard, model_dir, out_ref, extract_options(run), backend=backend,
+                                    merged_sha256=shas.get(shard["name"]))
         results.append(ShardResult(shard=shard["name"], samples=summary["samples"], tokens=summary["tokens"],
                                    bytes=summary["bytes"], skipped=bool(summary.get("skipped"))))
     return ExtractWorkerResult(worker=work["worker"], backend_loads=loads, shards=results)
 
 
 def commit_hidden_states(run: Run, store) -> dict:
+    """The hidden-states stage's manifest, once every merged shard's summary is in (its own DAG
+    task, after the workers): IncompleteStage naming the shards missing otherwise."""
     from eagle3_data.hidden_states.extract import commit_extraction
 
     out_ref, merge_ref = stage_ref(run, HIDDEN_STATES, RUN_DATASET), stage_ref(run, MERGE, RUN_DATASET)

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from eagle3_data.errors import UserError
+from eagle3_data.errors import StageStopped, UserError
 from eagle3_data.pipeline.results import GenerationResult
 from eagle3_data.pipeline.reuse import reusable
-from eagle3_data.pipeline.run import Run, log, sampling, stage_ref, tokenizer_for
+from eagle3_data.pipeline.run import Run, log, output_format, sampling, stage_ref
 from eagle3_data.stages import LOCAL, OVERFLOW, PROMPTS
 
 
@@ -33,52 +33,44 @@ def _finished(result: dict, what: str) -> GenerationResult:
     """A stage that stopped early (endpoints down, budget, retryable failures) raises, so Airflow
     retries it; committed rows are kept and skipped by the next attempt."""
     if result.get("stopped_reason") or not result.get("complete", True):
-        raise RuntimeError(f"{what} stopped before completion: {result.get('stopped_reason')}; counts {result.get('counts')}")
+        raise StageStopped(f"{what} stopped before completion: {result.get('stopped_reason')}; counts "
+                           f"{result.get('counts')}; committed rows are kept and the next attempt resumes after them")
     return GenerationResult(uri=result["uri"], counts=result.get("counts") or {}, tokens=result.get("tokens"),
                             cost_usd=result.get("cost_usd"))
 
 
-def generate_local(run: Run, store, dataset: str, endpoints: list[str]) -> GenerationResult:
+def generate_local(run: Run, store, dataset: str, endpoints: list[str], *, rerun: bool = False) -> GenerationResult:
     """The samples routed local|both on the local engine's `endpoints` (http(s) URLs)."""
-    from eagle3_data.generation.progress import LogProgress
-
-    if run.config.generation.local.engine == "vllm":
-        from eagle3_data.generation.vllm import generate_local as generate
-    else:
-        from eagle3_data.generation.sglang import generate_local as generate
+    from eagle3_data.generation.engines import wire_for
+    from eagle3_data.generation.local import LocalOptions
+    from eagle3_data.generation.local import generate_local as generate
 
     prompts, ref = stage_ref(run, PROMPTS, dataset), stage_ref(run, LOCAL, dataset)
-    if (reused := _reused(store, ref, prompts)) is not None:
+    if not rerun and (reused := _reused(store, ref, prompts)) is not None:
         return reused
     if not endpoints:
         raise UserError(f"generate_local {dataset}: no local endpoints configured")
     g = run.config.generation
     result = generate(
-        store, ref, _prompt_rows(store, prompts), tokenizer_for(run, store), endpoints, sampling(run),
-        in_flight_per_endpoint=g.local.in_flight_per_endpoint, rows_per_part=g.local.rows_per_part,
-        model=run.config.model.name, inputs=[prompts], progress=LogProgress(log),
-        warmup_timeout_s=g.local.warmup_timeout_s, max_endpoint_failures=g.local.max_endpoint_failures,
-        unreachable_timeout_s=g.local.unreachable_timeout_s, connect_timeout_s=g.local.connect_timeout_s,
+        store, ref, _prompt_rows(store, prompts), output_format(run, store), endpoints, engine_sampling(run),
+        wire=wire_for(g.local.engine), options=LocalOptions.from_config(g.local), setup=_setup(run, prompts, rerun),
     )
     return _finished(result, f"generate_local {dataset}")
 
 
-def generate_overflow(run: Run, store, dataset: str, base_url: str, api_key: str) -> GenerationResult:
+def generate_overflow(run: Run, store, dataset: str, base_url: str, api_key: str, *, rerun: bool = False) -> GenerationResult:
     """The samples routed overflow|both through OpenRouter at `base_url` with `api_key` (never logged)."""
-    from eagle3_data.generation.openrouter import UNPRICED
+    from eagle3_data.generation.openrouter import UNPRICED, OverflowOptions, OverflowRequest
     from eagle3_data.generation.openrouter import generate_overflow as generate
-    from eagle3_data.generation.progress import LogProgress
 
     prompts, ref = stage_ref(run, PROMPTS, dataset), stage_ref(run, OVERFLOW, dataset)
-    if (reused := _reused(store, ref, prompts)) is not None:
+    if not rerun and (reused := _reused(store, ref, prompts)) is not None:
         return reused
     o = run.config.generation.overflow
     result = generate(
-        store, ref, _prompt_rows(store, prompts), tokenizer_for(run, store), base_url,
-        api_key, o.model, o.provider, o.max_usd, sampling=sampling(run),
-        concurrency=o.concurrency, rows_per_part=o.rows_per_part, inputs=[prompts], progress=LogProgress(log),
-        price_usd_per_mtok=o.price_usd_per_mtok.model_dump(),
-        unreachable_timeout_s=o.unreachable_timeout_s, connect_timeout_s=o.connect_timeout_s,
+        store, ref, _prompt_rows(store, prompts), output_format(run, store), base_url, api_key,
+        OverflowRequest(model=o.model, provider=o.provider, sampling=engine_sampling(run)),
+        options=OverflowOptions.from_config(o), setup=_setup(run, prompts, rerun),
     )
     if result.get("stopped_reason") in ("budget", "credits", "unauthorized", UNPRICED):
         raise UserError(
@@ -86,3 +78,16 @@ def generate_overflow(run: Run, store, dataset: str, base_url: str, api_key: str
             f"of max_usd {o.max_usd}); committed rows are kept and skipped on rerun"
         )
     return _finished(result, f"generate_overflow {dataset}")
+
+
+def engine_sampling(run: Run) -> dict:
+    """The sampling params an engine receives: the config's, the generation mode aside (it is
+    bound into the output format, `pipeline.output_format`)."""
+    return {k: v for k, v in sampling(run).items() if k != "thinking"}
+
+
+def _setup(run: Run, prompts, rerun: bool):
+    from eagle3_data.generation.checkpoint import StageSetup
+    from eagle3_data.generation.progress import LogProgress
+
+    return StageSetup(model=run.config.model.name, inputs=(prompts,), progress=LogProgress(log), rerun=rerun)

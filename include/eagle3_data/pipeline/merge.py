@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from eagle3_data.errors import GateFailed
-from eagle3_data.pipeline.extract import discard_hidden_states
 from eagle3_data.pipeline.results import MergeResult
 from eagle3_data.pipeline.reuse import reusable
 from eagle3_data.pipeline.run import Run, output_format, stage_ref
@@ -28,8 +27,7 @@ def merge(run: Run, store) -> MergeResult:
     params = run.config.merge.model_dump()
     ref = stage_ref(run, MERGE, RUN_DATASET)
     with store.lease(ref) as held:  # one merge per run key: a second (zombie, manual rerun) gets StageBusy
-        if (manifest := reusable(store, ref, inputs, params)) is None:
-            discard_hidden_states(run, store)  # extracted from the old merge: stale
+        if (manifest := reusable(store, ref, inputs, params)) is None:  # its hidden states are stale: the plan discards them
             summary = merge_datasets(store, inputs, run.run_key, **params, out_dataset=RUN_DATASET,
                                      vocab_size=output_format(run, store, template=False).vocab_size, lease=held)
             shards, totals = summary["shards"], summary["totals"]

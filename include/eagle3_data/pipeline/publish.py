@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import json
 
-from eagle3_data.errors import GateFailed, UserError
-from eagle3_data.pipeline.extract import commit_hidden_states
+from eagle3_data.errors import GateFailed
+from eagle3_data.pipeline.extract import hidden_states_params
 from eagle3_data.pipeline.results import PublishResult
+from eagle3_data.pipeline.reuse import reusable
 from eagle3_data.pipeline.route import PLAN_REPORT
 from eagle3_data.pipeline.run import Run, log, stage_ref
 from eagle3_data.pipeline.validate import BILLING_REPORT, gate_results
@@ -33,16 +34,17 @@ def _generation_totals(store, ref) -> dict:
     return out
 
 
-def _run_report(store, run_key: str, index: dict) -> str | None:
+def _run_report(store, run_key: str, index: dict, stand_ins) -> str | None:
     """The UI's run-report index; left untouched when it already says the same (idempotent reruns)."""
     from eagle3_data.report import RUN_REPORT_NAME, run_report_ref, write_run_report
 
     if not index:
         return None
     ref = run_report_ref(run_key)
-    if store.is_complete(ref) and store.get_json(ref, RUN_REPORT_NAME).get("datasets") == index:
+    if store.is_complete(ref) and (old := store.get_json(ref, RUN_REPORT_NAME)).get("datasets") == index \
+            and old.get("stand_ins", []) == list(stand_ins):
         return store.uri(ref, RUN_REPORT_NAME)
-    return write_run_report(store, run_key, index)
+    return write_run_report(store, run_key, index, stand_ins=stand_ins)
 
 
 def _plan(run: Run, store) -> PublishResult:
@@ -96,7 +98,7 @@ def publish(run: Run, store) -> PublishResult:
         for n, g in gates.items()
         if g.report_uri
     }
-    report_uri = _run_report(store, run.run_key, index)
+    report_uri = _run_report(store, run.run_key, index, run.config.stand_ins)
 
     problems = [f"{n}: {', '.join(g.reasons)} (report {g.report_uri})" for n, g in gates.items() if not g.passed]
     if not store.is_complete(stage_ref(run, AUDIT, AUDIT_DATASET)):
@@ -108,10 +110,11 @@ def publish(run: Run, store) -> PublishResult:
         problems.append("merge did not complete (see task merge)")
     hidden = None
     if merged and not run.skip_hidden_states:
-        try:
-            hidden = commit_hidden_states(run, store)
-        except UserError as exc:  # a shard's extraction never finished
-            problems.append(f"hidden states: {exc}")
+        committed = reusable(store, hs_ref, [merge_ref], hidden_states_params(run))
+        hidden = committed and committed["extra"]
+        if hidden is None:
+            problems.append(f"hidden states: {store.uri(hs_ref)} is not committed for this merge and its params "
+                            "(see tasks extract_hidden_states and commit_hidden_states)")
     summary_ref = stage_ref(run, PUBLISH, RUN_DATASET)
     summary = {
         "run_key": run.run_key,
@@ -123,6 +126,7 @@ def publish(run: Run, store) -> PublishResult:
         "hidden_states": hidden and {k: hidden.get(k) for k in ("totals", "layer_ids", "convention", "model", "dtype")},
         "cost_usd": round(sum(d["overflow"]["cost_usd"] for d in datasets.values()), 6),
         "summary_uri": store.uri(summary_ref, SUMMARY),
+        "stand_ins": list(run.config.stand_ins),
         # whether the run passed: a failed run that is fixed writes a new summary (and publishes)
         "passed": not problems,
     }
@@ -137,5 +141,5 @@ def publish(run: Run, store) -> PublishResult:
     return PublishResult(
         run_key=run.run_key, report_uri=report_uri, summary_uri=summary["summary_uri"], datasets=passed,
         merged_uri=summary["merged_uri"], hidden_states_uri=summary["hidden_states_uri"], cost_usd=summary["cost_usd"],
-        changed=changed, summary=summary,
+        changed=changed, summary=summary, stand_ins=list(run.config.stand_ins),
     )

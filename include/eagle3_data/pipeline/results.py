@@ -110,3 +110,4 @@ class PublishResult(_Result):
     changed: bool = True
     totals: dict[str, Any] | None = None  # dry run: the plan's totals
     summary: dict[str, Any] = field(default_factory=dict, repr=False)
+    stand_ins: list[str] = field(default_factory=list)  # what the run ran on instead of the real thing

@@ -1,5 +1,5 @@
 """Stage 2, load + route: a dataset's prompts (its date partition for scheduled runs), each with a
-stable sample_id and a route (local | overflow | both); refused rows go to rejects.json. In a dry
+stable sample_id and a route (local | overflow | both); refused rows go to rejects.parquet. In a dry
 run nothing is written but the plan: counts, token and cost estimates."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import pyarrow as pa
 from eagle3_data.canonical import canonical_json
 from eagle3_data.errors import UserError
 from eagle3_data.pipeline.results import RouteResult
+from eagle3_data.rejects import REJECTS_FILE, rejects_parquet
 from eagle3_data.pipeline.reuse import reusable
 from eagle3_data.pipeline.run import Run, log, output_format, sampling, stage_ref, tokenizer_for
 from eagle3_data.stages import LOCAL, OVERFLOW, PLAN, PROMPTS
@@ -26,7 +27,6 @@ PLAN_REPORT = "plan.json"
 # Rows per part of the prompts stage: each holds its conversations and tool schemas (kilobytes
 # each), and the writer buffers one part in memory, so parts are bounded in rows, not one per stage.
 PROMPT_ROWS_PER_PART = 2048
-REJECTS = "rejects.json"
 BALANCE_FIELDS = ("local_endpoints", "local_latency_s", "overflow_latency_s")
 
 
@@ -42,7 +42,7 @@ def rate_inputs(run: Run, store, dataset: str) -> dict:
     no such manifest uses the config (`routing.local_latency_s`, `overflow_latency_s`,
     `generation.local.in_flight_per_endpoint` or its default). `source` names the manifest or "config".
     """
-    from eagle3_data.generation.sglang import DEFAULT_IN_FLIGHT
+    from eagle3_data.generation.local import DEFAULT_IN_FLIGHT
 
     r, g = run.config.routing, run.config.generation
     local = {"endpoints": r.local_endpoints, "in_flight_per_endpoint": g.local.in_flight_per_endpoint or DEFAULT_IN_FLIGHT,
@@ -156,10 +156,13 @@ def load_route(run: Run, store, dataset: str) -> RouteResult:
         with StageWriter(store, ref, "prompts", rows_per_part=PROMPT_ROWS_PER_PART, params=params, fresh=True) as w:
             for batch in routed_batches(loaded.rows, routes):
                 w.write(pa.Table.from_batches([batch]))
-            store.put_json(ref, REJECTS, loaded.rejects)
-            w.commit(extra={"counts": counts}, files=[REJECTS])
+            store.put_bytes(ref, REJECTS_FILE, rejects_parquet(loaded.rejects))
+            w.commit(extra={"counts": counts}, files=[REJECTS_FILE])
     if not routes:
-        raise UserError(f"dataset {dataset}: no usable prompts in {ds.prompts} (date {run.date}); rejects: {store.uri(ref, REJECTS)}")
+        first = loaded.rejects[0]["reason"] if loaded.rejects else "the files hold no rows"
+        raise UserError(f"dataset {dataset}: 0 usable prompt rows in {ds.prompts} (date {run.date}; "
+                        f"{loaded.counts.get('read', 0)} read, {len(loaded.rejects)} rejected; first: {first}); "
+                        f"rejects: {store.uri(ref, REJECTS_FILE)}")
     return RouteResult(counts=counts, uri=store.uri(ref))
 
 
@@ -181,6 +184,7 @@ def rows_sha256(batches: Iterable[pa.RecordBatch]) -> str:
     digest, sep = hashlib.sha256(b"["), b""
     for batch in batches:
         for row in batch.to_pylist():
+            row.pop("source_id", None)  # provenance, not what is generated: a stage made before it existed stays reusable
             digest.update(sep + canonical_json(row, ascii_only=True).encode())
             sep = b","
     digest.update(b"]")

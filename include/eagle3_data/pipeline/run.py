@@ -39,22 +39,19 @@ class Run:
     skip_hidden_states: bool
 
 
-def resolve_run(params: dict[str, Any], logical_date: datetime | None, config: PipelineConfig | None = None) -> Run:
+def resolve_run(params: dict[str, Any], logical_date: datetime | None, config: PipelineConfig | None = None, *,
+                run_id: str | None = None) -> Run:
     """Apply trigger-form params to the config (validated like the file) and pick the run key.
 
     An unknown param is refused naming it (a mistyped name must not be ignored). Threshold params
     left empty keep the config's per-dataset values; a value set in the form applies to every
-    dataset of the run.
+    dataset of the run. A run without a logical date or a run_name keys on its `run_id` (and
+    reads undated prompt files: `preflight` says so in the first task).
     """
     from eagle3_data.run_key import run_key_for
 
     config = config or load_config()
     check_run_params(params, config)
-    if logical_date is None and not params.get("run_name"):
-        raise UserError(
-            f"dag run: {NO_DATE}: trigger it with a logical date, or give it a run_name and point "
-            "the datasets' prompts at undated files (datasets[].prompts)"
-        )
     overrides: dict[str, Any] = {}
     for name, path in CONFIG_PARAMS.items():
         if params.get(name) is None:
@@ -77,7 +74,7 @@ def resolve_run(params: dict[str, Any], logical_date: datetime | None, config: P
         config.dataset(name)  # UserError naming the unknown dataset
     return Run(
         config=config,
-        run_key=run_key_for({"run_name": params.get("run_name")}, logical_date),
+        run_key=run_key_for({"run_name": params.get("run_name")}, logical_date, run_id),
         date=f"{logical_date:%Y-%m-%d}" if logical_date is not None else None,
         datasets=list(dict.fromkeys(datasets)),
         dry_run=bool(params.get("dry_run")),
@@ -112,10 +109,12 @@ def check_prompt_sources(run: Run, store) -> None:
 
 def open_store(config: PipelineConfig, client) -> Any:
     """The run's ArtifactStore. The bucket is not created here: that is a deliberate setup step
-    (`eagle3-data s3 init`); a missing bucket fails with that instruction."""
+    (`eagle3-data s3 init`); a missing bucket fails with that instruction. Its manifests name the
+    config's stand-ins."""
     from eagle3_data.storage import ArtifactStore
 
-    return ArtifactStore(client=client, bucket=config.storage.bucket, prefix=config.storage.prefix)
+    return ArtifactStore(client=client, bucket=config.storage.bucket, prefix=config.storage.prefix,
+                         stand_ins=config.stand_ins)
 
 
 def stage_ref(run: Run, stage: str, dataset: str):

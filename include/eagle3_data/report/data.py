@@ -61,6 +61,7 @@ def write_run_report(
     *,
     dag_id: str | None = None,
     run_id: str | None = None,
+    stand_ins: Sequence[str] = (),
 ) -> str:
     """Write and commit the index. `datasets` maps name -> {validation: uri, billing?: uri,
     thresholds?: {name: number}, lengths?: `generation_lengths(...)`, generation?: {local: totals,
@@ -73,6 +74,7 @@ def write_run_report(
         "run_id": run_id,
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "datasets": {name: dict(entry) for name, entry in datasets.items()},
+        "stand_ins": list(stand_ins),  # what the run ran on instead of the real thing (the page says so)
     }
     _check_index(index, store, run_key)
     ref = run_report_ref(run_key)

@@ -141,8 +141,12 @@ class ArtifactStore:
         multipart_threshold: int = 64 * 1024 * 1024,
         multipart_chunksize: int = 64 * 1024 * 1024,
         max_concurrency: int = 8,
+        stand_ins: Iterable[str] = (),
     ) -> None:
         self.client = fork_safe(client)
+        # what the run that writes through this store ran on instead of the real thing (a dev
+        # config's `stand_ins`): named in every manifest it writes, so it travels with the data
+        self.stand_ins = tuple(stand_ins)
         self.bucket = bucket
         segments = [p for p in prefix.strip("/").split("/") if p]
         self.prefix = "/".join(check_name(p, "prefix segment") for p in segments)
@@ -433,6 +437,8 @@ class ArtifactStore:
             "template_sha256": template_sha256,
             "extra": extra or {},
         }
+        if self.stand_ins:
+            manifest["stand_ins"] = list(self.stand_ins)
         manifest["manifest_sha256"] = manifest_hash(manifest)
         manifest["created_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
         body = json.dumps(manifest, indent=1, sort_keys=True, ensure_ascii=False).encode()

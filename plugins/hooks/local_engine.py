@@ -1,4 +1,6 @@
-"""`SGLangHook`: the local inference endpoints of connection `sglang_default`."""
+"""`LocalEngineHook`: the local inference endpoints (SGLang or vLLM servers, per the config's
+`generation.local.engine`) of connection `sglang_default` (its id kept from when SGLang was the
+only engine: deployments already define it)."""
 
 from __future__ import annotations
 
@@ -9,18 +11,18 @@ from airflow.sdk.bases.hook import BaseHook
 from eagle3_data.config import SGLANG_CONN_ID
 
 
-class SGLangHook(BaseHook):
+class LocalEngineHook(BaseHook):
     """Endpoints from the connection's extra `endpoints` (a list, or one comma/space separated
     string) when set, else the connection's own `schema://host:port` (schema defaults to http)."""
 
-    conn_name_attr = "sglang_conn_id"
+    conn_name_attr = "local_engine_conn_id"
     default_conn_name = SGLANG_CONN_ID
-    conn_type = "sglang"
-    hook_name = "SGLang"
+    conn_type = "sglang"  # the connection type deployments already registered
+    hook_name = "Local inference engine (SGLang or vLLM)"
 
-    def __init__(self, sglang_conn_id: str = default_conn_name, **kwargs: Any) -> None:
+    def __init__(self, local_engine_conn_id: str = default_conn_name, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.sglang_conn_id = sglang_conn_id
+        self.local_engine_conn_id = local_engine_conn_id
 
     @classmethod
     def get_ui_field_behaviour(cls) -> dict[str, Any]:
@@ -41,17 +43,17 @@ class SGLangHook(BaseHook):
         return {
             "endpoints": {
                 "label": "Endpoints",
-                "description": "SGLang server URLs, comma separated; empty: scheme://host:port of this connection",
+                "description": "SGLang or vLLM server URLs, comma separated; empty: scheme://host:port of this connection",
                 "schema": {"type": ["string", "null"]},
             }
         }
 
     def get_endpoints(self) -> list[str]:
-        from eagle3_data.generation.sglang import sglang_endpoints
+        from eagle3_data.generation.local import local_endpoints
 
-        conn = self.get_connection(self.sglang_conn_id)
+        conn = self.get_connection(self.local_engine_conn_id)
         extra = conn.extra_dejson or {}
         if extra.get("endpoints"):
-            return sglang_endpoints(extra["endpoints"])
+            return local_endpoints(extra["endpoints"])
         port = f":{conn.port}" if conn.port else ""
-        return sglang_endpoints(f"{conn.schema or 'http'}://{conn.host}{port}")
+        return local_endpoints(f"{conn.schema or 'http'}://{conn.host}{port}")

@@ -1,0 +1,85 @@
+"""What the stage commands share: a `Run` made from the same config models the DAG resolves, an
+ArtifactStore opened the way the pipeline opens it, and stage URIs parsed into both.
+
+A stage the CLI commits is the one the DAG would commit for the same config, run key and inputs
+(same params, same input manifests), so either reuses what the other did.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from eagle3_data.errors import UserError
+
+STAGE_URI = "s3://BUCKET/[PREFIX/]runs/RUN_KEY/STAGE/DATASET"
+
+
+def add_store_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--endpoint-url", default=None, help="S3 endpoint (default: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL)")
+    p.add_argument("--region", default=None)
+
+
+def add_config_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, help="pipeline YAML (default: $EAGLE3_CONFIG, else the packaged default)")
+
+
+def parse_stage_uri(uri: str):
+    """`s3://bucket/[prefix/]runs/{run_key}/{stage}/{dataset}[/]` -> (bucket, prefix, StageRef)."""
+    from eagle3_data.storage import StageRef
+
+    parts = uri.removeprefix("s3://").strip("/").split("/") if uri.startswith("s3://") else []
+    if len(parts) < 5 or parts[-4] != "runs":
+        raise UserError(f"{uri!r}: expected {STAGE_URI}")
+    return parts[0], "/".join(parts[1:-4]), StageRef(parts[-3], parts[-2], parts[-1])
+
+
+def open_store(args: argparse.Namespace, bucket: str, prefix: str, stand_ins=()):
+    from eagle3_data.storage import ArtifactStore, s3_client
+
+    return ArtifactStore(s3_client(getattr(args, "endpoint_url", None), getattr(args, "region", None)), bucket=bucket,
+                         prefix=prefix, stand_ins=stand_ins)
+
+
+def cli_run(args: argparse.Namespace, run_key: str, datasets: list[str], overrides: dict[str, Any] | None = None,
+            *, bucket: str | None = None, prefix: str | None = None):
+    """(Run, store) for a stage command: the config (`--config`) with `overrides` merged as trigger
+    params are (validated again; `overrides["datasets"]`: per-dataset fields by name), datasets the
+    config lacks added with the global thresholds, the store on `bucket`/`prefix` when given."""
+    from eagle3_data.config import deep_merge, load_config
+    from eagle3_data.pipeline import Run, open_store as pipeline_store
+    from eagle3_data.storage import check_name, s3_client
+
+    check_name(run_key, "run key")
+    config = load_config(getattr(args, "config", None))
+    raw_datasets = config.raw["datasets"] + [{"name": d} for d in datasets if d not in config.dataset_names]
+    overrides = dict(overrides or {})
+    for item in overrides.pop("datasets", []):
+        deep_merge(next(d for d in raw_datasets if d["name"] == item["name"]), item)
+    storage = {k: v for k, v in (("bucket", bucket), ("prefix", prefix)) if v is not None}
+    config = config.with_overrides({**overrides, "datasets": raw_datasets, **({"storage": storage} if storage else {})},
+                                   where="command line")
+    client = s3_client(getattr(args, "endpoint_url", None), getattr(args, "region", None))
+    run = Run(config=config, run_key=run_key, date=None, datasets=list(datasets), dry_run=False, skip_hidden_states=False)
+    return run, pipeline_store(config, client)
+
+
+def run_of_stage(args: argparse.Namespace, uri: str, expected_stages: tuple[str, ...], overrides: dict | None = None):
+    """(Run, store, ref) for a command that takes the previous stage's URI: its run key, dataset,
+    bucket and prefix are the URI's."""
+    bucket, prefix, ref = parse_stage_uri(uri)
+    if ref.stage not in expected_stages:
+        raise UserError(f"--input {uri}: a {ref.stage!r} stage; this command takes {' or '.join(expected_stages)} "
+                        f"(the previous stage's URI, printed by the command that wrote it)")
+    from eagle3_data.stages import RUN_DATASET
+
+    datasets = [] if ref.dataset == RUN_DATASET else [ref.dataset]  # a run-level stage (merge/all) names none
+    run, store = cli_run(args, ref.run_key, datasets, overrides, bucket=bucket, prefix=prefix)
+    return run, store, ref
+
+
+def printed(result) -> str:
+    """A stage result as the commands print it: its fields as indented JSON."""
+    import json
+
+    return json.dumps(result.as_dict() if hasattr(result, "as_dict") else result, indent=1, default=str)

@@ -1,0 +1,48 @@
+"""The generation stages called the way the tests describe a stage: a tokenizer and a sampling
+dict that carries `thinking` (as the config's `generation.sampling` does), with the client's
+options as keywords. The library takes them bound and typed (the output format, `LocalOptions`
+/ `OverflowOptions`, `StageSetup`); this is the one place that binds them for the tests."""
+
+from __future__ import annotations
+
+from eagle3_data.chat_format import get_output_format
+from eagle3_data.generation import local, openrouter
+from eagle3_data.generation.checkpoint import StageSetup
+from eagle3_data.generation.engines import wire_for
+
+SETUP = ("model", "inputs", "progress", "journal_dir", "rerun", "routes", "side_files")
+
+
+def _split(options: dict) -> tuple[StageSetup, dict]:
+    setup = {k: options.pop(k) for k in SETUP if k in options}
+    if setup.get("inputs") is not None:
+        setup["inputs"] = tuple(setup["inputs"])
+    if setup.get("side_files") is None:
+        setup.pop("side_files", None)
+    return StageSetup(**setup), options
+
+
+def _bind(tokenizer, sampling: dict):
+    sampling = dict(sampling)
+    return get_output_format(tokenizer, thinking=sampling.pop("thinking")), sampling
+
+
+def generate_local(store, ref, prompts, tokenizer, endpoints, sampling, *, engine: str = "sglang", **options) -> dict:
+    fmt, sampling = _bind(tokenizer, sampling)
+    setup, options = _split(options)
+    return local.generate_local(store, ref, prompts, fmt, endpoints, sampling, wire=wire_for(engine),
+                                options=local.LocalOptions(**options), setup=setup)
+
+
+def generate_vllm(store, ref, prompts, tokenizer, endpoints, sampling, **options) -> dict:
+    return generate_local(store, ref, prompts, tokenizer, endpoints, sampling, engine="vllm", **options)
+
+
+def generate_overflow(store, ref, prompts, tokenizer, base_url, api_key, model, provider, max_usd, *, sampling,
+                      **options) -> dict:
+    fmt, sampling = _bind(tokenizer, sampling)
+    setup, options = _split(options)
+    request = openrouter.OverflowRequest(model=model, provider=provider or {}, sampling=sampling,
+                                         reasoning=options.pop("reasoning", None))
+    return openrouter.generate_overflow(store, ref, prompts, fmt, base_url, api_key, request,
+                                        options=openrouter.OverflowOptions(max_usd=max_usd, **options), setup=setup)
