@@ -170,9 +170,22 @@ def eagle3_datagen():
                 return {"dry_run": True}
             return _gate(pipeline.reconstruct, run, store, dataset).as_dict()
 
+        @task(map_index_template="{{ dataset }}", queue=GPU_QUEUE, **NETWORK_RETRIES, **_timeout("score_policy"))
+        def score_policy(dataset: str, reconstructed: dict) -> dict:
+            """The policy check's scoring: a sample of overflow and local answers on the local engine."""
+            from hooks.local_engine import LocalEngineHook
+
+            _set_map_name(dataset)
+            pipeline, run, store = _run()
+            if run.dry_run:
+                return {"dry_run": True}
+            hook = LocalEngineHook()
+            endpoints = _connection(hook.get_endpoints, hook.local_engine_conn_id)
+            return _gate(pipeline.score_policy, run, store, dataset, endpoints).as_dict()
+
         # retried only when it did not decide: a failed gate is AirflowFailException (no retries)
         @task(map_index_template="{{ dataset }}", **NETWORK_RETRIES, **_timeout("validate"))
-        def validate(dataset: str, reconstructed: dict) -> dict:
+        def validate(dataset: str, scored: dict) -> dict:
             _set_map_name(dataset)
             pipeline, run, store = _run()
             if run.dry_run:
@@ -181,7 +194,7 @@ def eagle3_datagen():
 
         routed = load_route(dataset)
         generated = (generate_local(dataset, routed), generate_overflow(dataset, routed))
-        return validate(dataset, reconstruct(dataset, *generated))
+        return validate(dataset, score_policy(dataset, reconstruct(dataset, *generated)))
 
     @task(trigger_rule=TriggerRule.ALL_DONE, **NETWORK_RETRIES, **_timeout("merge"))
     def merge() -> dict:

@@ -10,6 +10,8 @@ from eagle3_data.generation import local, openrouter
 from eagle3_data.generation.checkpoint import StageSetup
 from eagle3_data.generation.engines import wire_for
 
+# The model the dev server serves (a request for another is a 400, as on OpenRouter).
+MODEL = "moonshotai/kimi-k2.5"
 SETUP = ("model", "inputs", "progress", "journal_dir", "rerun", "routes", "side_files")
 
 

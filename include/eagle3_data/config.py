@@ -62,6 +62,7 @@ from eagle3_data.gate_defaults import (  # noqa: E402
     DEFAULT_MAX_BAD_ROW_RATE,
     DEFAULT_MAX_BILLING_DEVIATION,
     DEFAULT_MAX_BPE_MISMATCH_RATE,
+    DEFAULT_MAX_IDENTITY_MISMATCH_RATE,
     DEFAULT_MAX_MISSING_USAGE_RATE,
 )
 
@@ -115,12 +116,37 @@ class ModelConfig(_Model):
 
 
 class SamplingConfig(_Model):
-    """Part of every sample_id: changing it makes new samples, never overwrites old ones."""
+    """Part of every sample_id: changing it makes new samples, never overwrites old ones.
+
+    Every key is sent to every engine explicitly (SGLang's /generate, vLLM's completions and
+    OpenRouter), because the engines fill an unset key differently: vLLM from the model's
+    generation_config.json, SGLang's /generate from its own neutral defaults. The keys added
+    after the first four are left out of sample ids while at their neutral values (listed in
+    `NEUTRAL_SAMPLING`), so ids made before them stay the same."""
 
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="sampling temperature")
     top_p: float = Field(1.0, ge=0.0, le=1.0, description="nucleus sampling mass")
     max_new_tokens: int = Field(2048, ge=1, le=262_144, description="generation length cap per sample")
     thinking: bool = Field(True, description="generate with the model's thinking section")
+    top_k: int = Field(-1, ge=-1, description="sample from the k most likely tokens; -1: the whole vocabulary")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="drop tokens below min_p x the most likely token's probability")
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0, description="multiplicative penalty on repeated tokens (1: none)")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="additive penalty on tokens present so far")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="additive penalty per occurrence so far")
+    sampling_seed: int | None = Field(None, ge=0, description="the engines' sampling seed (the same for every sample; "
+                                      "empty: each request draws its own)")
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        if v == 0:
+            raise ValueError("0 is no top-k for one engine and greedy for another: use -1 for the whole vocabulary")
+        return v
+
+
+# The sampling keys whose neutral value leaves sample ids as they were before the key existed.
+NEUTRAL_SAMPLING = {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                    "frequency_penalty": 0.0, "sampling_seed": None}
 
 
 class LocalGenerationConfig(_Model):
@@ -135,6 +161,9 @@ class LocalGenerationConfig(_Model):
         "is reported dead before dispatch; one that answers (503 while it loads) is waited for up to warmup_timeout_s")
     connect_timeout_s: float = Field(5.0, gt=0, description="bound on one TCP connection attempt to an endpoint")
     max_endpoint_failures: int = Field(3, ge=1, description="consecutive failures before an endpoint is dropped")
+    served_model: str | None = Field(
+        None, description="the model name every local endpoint must serve (its GET /v1/models); an endpoint serving "
+        "another is not used, an answer naming another is an identity_mismatch row; unset: recorded, not checked")
 
 
 class PriceConfig(_Model):
@@ -152,6 +181,9 @@ class OverflowGenerationConfig(_Model):
     unreachable_timeout_s: float = Field(
         15.0, gt=0, description="the base URL accepting no connection for this long is reported before dispatch")
     connect_timeout_s: float = Field(5.0, gt=0, description="bound on one TCP connection attempt to the base URL")
+    max_identical_errors: int = Field(
+        10, ge=1, description="this many identical permanent errors in a row (a 400 for a parameter the provider "
+        "refuses) stop dispatch with that error instead of failing the dataset row by row")
 
 
 class GenerationConfig(_Model):
@@ -197,10 +229,29 @@ class ValidationConfig(_Model):
     max_bad_row_rate: Rate = Field(DEFAULT_MAX_BAD_ROW_RATE, description="Gate: max share of rows that could not be validated at all.")
     max_missing_usage_rate: Rate = Field(DEFAULT_MAX_MISSING_USAGE_RATE, description="Gate: max share of overflow rows without billed usage.")
     allow_unvalidated_overflow: bool = Field(False, description="Pass overflow rows when no local sample could validate the format.")
+    max_identity_mismatch_rate: Rate = Field(
+        DEFAULT_MAX_IDENTITY_MISMATCH_RATE,
+        description="Gate: max share of answers whose model or provider is not the pinned one (default 0: any fails).")
+    max_policy_logprob_gap: float = Field(
+        0.25, gt=0.0, description="Gate: the policy check fails a dataset whose overflow text's mean log-probability "
+        "per token under the target differs from the local text's by more than this (nats), when significant")
+    policy_max_p_value: Rate = Field(0.001, description="Gate: the policy check's two-sample test significance level")
+    policy_min_samples: int = Field(8, ge=2, description="Gate: fewer scored samples on a side: the policy check "
+                                    "reports, does not decide")
 
     def rates(self) -> dict[str, float]:
         """The numeric thresholds (what the run report shows next to each rate)."""
         return {k: v for k, v in self.model_dump().items() if not isinstance(v, bool)}
+
+
+class PolicyConfig(_Model):
+    """The policy check (eagle3_data.policy): the local engine scores a sample of each dataset's
+    overflow answers and as many local ones; the thresholds are `validation`'s."""
+
+    samples: int = Field(64, ge=0, description="overflow answers scored per dataset, and as many local ones, plus up "
+                         "to as many calibration samples each side; 0: no policy check")
+    seed: int = Field(0, ge=0, description="which samples (a hash of seed and sample id)")
+    in_flight_per_endpoint: int = Field(8, ge=1, le=1024, description="scoring requests in flight per local endpoint")
 
 
 class MergeConfig(_Model):
@@ -252,6 +303,7 @@ class TimeoutsConfig(_Model):
     generation_margin: float = Field(
         3.0, ge=1.0, description="generation tasks: this many times the time its samples take at the measured rate")
     reconstruct_s: float = Field(7200.0, gt=0, description="reconstruct")
+    score_policy_s: float = Field(3600.0, gt=0, description="score_policy (the policy check's scoring requests)")
     validate_s: float = Field(7200.0, gt=0, description="validate")
     merge_s: float = Field(7200.0, gt=0, description="merge")
     plan_hidden_states_s: float = Field(1800.0, gt=0, description="plan_hidden_states (and discarding stale states)")
@@ -289,6 +341,7 @@ class PipelineConfig(_Model):
     generation: GenerationConfig
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
     merge: MergeConfig = Field(default_factory=MergeConfig)
     hidden_states: HiddenStatesConfig = Field(default_factory=HiddenStatesConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)

@@ -1,8 +1,9 @@
 """The gate's default thresholds, in one place: the config's validation defaults and validate.py's
 library defaults both use these. A module of its own so that `eagle3-data validate` does not
-import the config models (pydantic schema building, ~0.4 s CPU at start-up) to read four numbers."""
+import the config models (pydantic schema building, ~0.4 s CPU at start-up) to read a few numbers."""
 
 DEFAULT_MAX_BPE_MISMATCH_RATE = 0.10
 DEFAULT_MAX_BILLING_DEVIATION = 0.01
 DEFAULT_MAX_BAD_ROW_RATE = 0.0
 DEFAULT_MAX_MISSING_USAGE_RATE = 0.0
+DEFAULT_MAX_IDENTITY_MISMATCH_RATE = 0.0

@@ -34,6 +34,8 @@ PROMPTS_V1 = pa.schema(
 # v2: the prompt row's own `id`, kept as provenance beside the sample id (null when it had none)
 PROMPTS = PROMPTS_V1.append(pa.field("source_id", pa.string()))
 
+IDENTITY_MISMATCH = "identity_mismatch"  # a generation row's status: answered by a model/provider not pinned
+
 GENERATIONS = pa.schema(
     [
         ("sample_id", pa.string()),
@@ -43,7 +45,8 @@ GENERATIONS = pa.schema(
         ("prompt_ids", pa.list_(pa.int32())),
         ("output_ids", pa.list_(pa.int32())),  # engine ids (sglang) or reconstructed (openrouter)
         ("source", pa.string()),  # "sglang" | "openrouter"
-        ("status", pa.string()),  # "ok" | "failed" | "unreconstructable" (overflow text cannot determine the ids)
+        # "ok" | "failed" | "unreconstructable" (overflow text cannot determine the ids) | IDENTITY_MISMATCH
+        ("status", pa.string()),
         ("error", pa.string()),  # reason when not ok
         ("reasoning", pa.string()),
         ("content", pa.string()),
@@ -83,11 +86,24 @@ MERGED = pa.schema(
     ]
 )
 
+# The policy check's scored samples: each answer token's log-probability under the target.
+POLICY_SCORES = pa.schema(
+    [
+        ("sample_id", pa.string()),
+        ("dataset", pa.string()),
+        ("side", pa.string()),  # "local" | "overflow"
+        ("route", pa.string()),  # "local" | "overflow" | "both" (calibration)
+        ("scored_tokens", pa.int32()),
+        ("logprobs", pa.list_(pa.float32())),  # of the answer ids, in order (nats)
+    ]
+)
+
 SCHEMAS: dict[str, pa.Schema] = {
     "prompts": PROMPTS,
     "generations": GENERATIONS,
     "validation_rows": VALIDATION_ROWS,
     "merged": MERGED,
+    "policy_scores": POLICY_SCORES,
 }
 
 # Prompt rows the loader refused, kept as an artifact so nobody has to re-derive why a row is missing.

@@ -58,7 +58,9 @@ def start_vllm_server(python: str, model_dir: str | os.PathLike, log_path: Path,
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--served-model-name", SERVED_MODEL_NAME, "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
            "--max-model-len", str(max_model_len), "--enforce-eager", "--attention-backend", "CPU_MLA",
-           "--disable-uvicorn-access-log"]
+           # the chat route splits reasoning as a Kimi provider's server does (the policy check uses
+           # a vllm serve as its overflow "provider"); /v1/completions is unaffected
+           "--reasoning-parser", "kimi_k2", "--disable-uvicorn-access-log"]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

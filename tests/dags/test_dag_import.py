@@ -43,6 +43,7 @@ def test_dag_wiring():
         "dataset.generate_local",
         "dataset.generate_overflow",
         "dataset.reconstruct",
+        "dataset.score_policy",
         "dataset.validate",
         "merge",
         "plan_hidden_states",
@@ -53,6 +54,7 @@ def test_dag_wiring():
     assert tasks["dataset.generate_overflow"].pool == OPENROUTER_POOL
     assert tasks["dataset.generate_local"].queue == GPU_QUEUE
     assert tasks["extract_hidden_states"].queue == GPU_QUEUE
+    assert tasks["dataset.score_policy"].queue == GPU_QUEUE  # it calls the local engine, as generation does
     for tid in ("dataset.generate_local", "dataset.generate_overflow", "audit_tokenizer"):
         assert tasks[tid].retries > 0 and tasks[tid].retry_exponential_backoff
     # a failed gate is AirflowFailException (never retried: data, not weather); a hang or an outage is
@@ -73,7 +75,9 @@ def test_dag_wiring():
     upstream = {t: tasks[f"dataset.{t}"].upstream_task_ids - {"audit_tokenizer"} for t in ("generate_local", "generate_overflow", "reconstruct")}
     assert upstream["generate_local"] == upstream["generate_overflow"] == {"dataset.load_route"}
     assert upstream["reconstruct"] == {"dataset.generate_local", "dataset.generate_overflow"}
-    assert "dataset.reconstruct" in tasks["dataset.validate"].upstream_task_ids
+    # the policy check scores reconstructed answers; the gate decides on its figures
+    assert "dataset.reconstruct" in tasks["dataset.score_policy"].upstream_task_ids
+    assert "dataset.score_policy" in tasks["dataset.validate"].upstream_task_ids
     assert tasks["merge"].upstream_task_ids == {"dataset.validate"}
     # the hidden-states stage in its own tasks: plan -> mapped extraction -> commit, then publish
     assert tasks["plan_hidden_states"].upstream_task_ids == {"merge"}

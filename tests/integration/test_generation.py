@@ -8,7 +8,7 @@ import re
 import pytest
 
 from eagle3_data.chat_format import get_output_format
-from tests.generation_calls import generate_overflow
+from tests.generation_calls import MODEL, generate_overflow
 from tests.generation_calls import generate_local
 from eagle3_data.storage import StageRef
 
@@ -197,7 +197,7 @@ def test_calibration_overlap_agrees_unless_bpe_splits(store, start_dev_server, k
         over = StageRef(run_key="cal", stage="generate_overflow", dataset=ds)
         sampling = dict(SAMPLING, temperature=0.9, max_new_tokens=4000)  # route "both" overrides to 0
         generate_local(store, local, rows, kimi_tokenizer, [server.url], sampling, journal_dir=tmp_path)
-        generate_overflow(store, over, rows, kimi_tokenizer, server.url + "/v1", SECRET, "m", {}, None,
+        generate_overflow(store, over, rows, kimi_tokenizer, server.url + "/v1", SECRET, MODEL, {}, None,
                           sampling=sampling, concurrency=4, journal_dir=tmp_path)
         assert all(json.loads(r["provenance"])["sampling"]["temperature"] == 0.0 for r in store.read_table(local).to_pylist())
         reports[ds] = consistency_report(get_output_format(kimi_tokenizer, thinking=True), store.read_table(local).to_pylist(),

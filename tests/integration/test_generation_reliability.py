@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.generation_calls import generate_overflow
+from tests.generation_calls import MODEL, generate_overflow
 from tests.generation_calls import generate_local
 from eagle3_data.storage import StageRef
 
@@ -39,7 +39,7 @@ def test_overflow_with_20pct_faults_settles_every_sample(store, start_dev_server
     todo = prompts(50)
     summaries = []
     for _ in range(3):  # failures that may heal are retried by the next attempt, final after two
-        s = generate_overflow(store, ref, todo, kimi_tokenizer, server.url + "/v1", SECRET, "m", {}, 10.0,
+        s = generate_overflow(store, ref, todo, kimi_tokenizer, server.url + "/v1", SECRET, MODEL, {}, 10.0,
                               sampling=SAMPLING, concurrency=16, max_attempts=6, request_timeout_s=1.0,
                               journal_dir=tmp_path)
         summaries.append(s)
@@ -83,7 +83,7 @@ def test_budget_cap_holds_and_resume_pays_nothing_twice(store, start_dev_server,
     server = start_dev_server({"price_per_token": PRICE, "endpoints": {"chat": {"latency": {"dist": "fixed", "mean": 0.02}}}})
     ref = StageRef(run_key="budget", stage="generate_overflow", dataset="chat")
     todo = prompts(60, "chat")
-    args = (store, ref, todo, kimi_tokenizer, server.url + "/v1", SECRET, "m", {})
+    args = (store, ref, todo, kimi_tokenizer, server.url + "/v1", SECRET, MODEL, {})
     first = generate_overflow(*args, 0.02, sampling=SAMPLING, concurrency=8, rows_per_part=7, journal_dir=tmp_path)
     assert first["stopped_reason"] == "budget" and not first["complete"], first
     assert 0 < first["cost_usd"] <= 0.02
@@ -100,7 +100,7 @@ def test_budget_cap_holds_and_resume_pays_nothing_twice(store, start_dev_server,
 def test_credits_exhausted_stops_cleanly(store, start_dev_server, kimi_tokenizer, tmp_path):
     server = start_dev_server({"price_per_token": PRICE, "endpoints": {"chat": {"credits_after": 13}}})
     ref = StageRef(run_key="credits", stage="generate_overflow", dataset="chat")
-    s = generate_overflow(store, ref, prompts(40, "chat"), kimi_tokenizer, server.url + "/v1", SECRET, "m", {}, None,
+    s = generate_overflow(store, ref, prompts(40, "chat"), kimi_tokenizer, server.url + "/v1", SECRET, MODEL, {}, None,
                           sampling=SAMPLING, concurrency=4, rows_per_part=5, journal_dir=tmp_path)
     assert s["stopped_reason"] == "credits" and not s["complete"] and s["counts"]["ok"] == 13, s
     assert not store.is_complete(ref)

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from botocore.exceptions import ClientError
 
-from tests.generation_calls import generate_overflow
+from tests.generation_calls import MODEL, generate_overflow
 from eagle3_data.storage import LeaseLost, StageBusy, StageRef
 from eagle3_data.storage.lease import LEASE, acquire_lease, refuse_if_busy
 from eagle3_data.storage.writer import StageWriter
@@ -146,7 +146,7 @@ def test_racing_takeovers_of_an_expired_lease_have_one_winner(store):
 
 # -- Why 1 of issue 13, with the dev server as the paid endpoint ------------------------------------------
 def _overflow(store, server, todo, tmp_path, **kw):
-    return generate_overflow(store, REF, todo, server.tokenizer, server.url + "/v1", SECRET, "m", {}, None,
+    return generate_overflow(store, REF, todo, server.tokenizer, server.url + "/v1", SECRET, MODEL, {}, None,
                              sampling=SAMPLING, concurrency=4, rows_per_part=8, journal_dir=tmp_path, **kw)
 
 

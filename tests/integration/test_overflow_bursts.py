@@ -13,14 +13,14 @@ from eagle3_data.generation import openrouter
 from eagle3_data.generation.checkpoint import StageRun
 from eagle3_data.storage import StageRef
 
-from tests.generation_calls import generate_overflow
+from tests.generation_calls import MODEL, generate_overflow
 from tests.integration.test_generation import SAMPLING, SECRET, prompts
 
 C = 4  # workers; 3 waves of C answers each
 
 
 def answer(sid: str) -> dict:
-    return {"id": f"gen-{sid}", "model": "m", "provider": "p",
+    return {"id": f"gen-{sid}", "model": MODEL, "provider": "Moonshot AI",
             "choices": [{"finish_reason": "stop", "message": {"role": "assistant", "content": f"answer {sid}"}}],
             "usage": {"prompt_tokens": 10, "completion_tokens": 3, "cost": 1e-6}}
 
@@ -51,6 +51,9 @@ class WaveServer:
     async def check_reachable(self, within_s):
         pass  # in-process: nothing to connect to
 
+    async def get_json(self, path, params=None):
+        return {"data": [{"id": MODEL}]} if path == "models" else None
+
     async def close(self):
         pass
 
@@ -68,7 +71,7 @@ def test_a_waves_next_requests_leave_before_its_rows_are_journaled(store, kimi_t
     before = gc.get_threshold()
     summary = generate_overflow(
         store, StageRef("bursts", "generate_overflow", "w"), prompts(3 * C, "w"), kimi_tokenizer, "http://unused/v1",
-        SECRET, "m", {}, None, sampling=SAMPLING, concurrency=C, rows_per_part=64, journal_dir=tmp_path)
+        SECRET, MODEL, {}, None, sampling=SAMPLING, concurrency=C, rows_per_part=64, journal_dir=tmp_path)
     assert summary["complete"] and summary["counts"]["ok"] == 3 * C, summary
     kinds = [kind for kind, _ in WaveServer.events]
     # wave 1 is answered at once: its C next requests (wave 2) leave with at most one of its rows

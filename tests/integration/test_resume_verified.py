@@ -5,6 +5,8 @@ Real SeaweedFS and the dev inference server; its per-sample counters say what wa
 
 from __future__ import annotations
 
+import json
+
 import logging
 
 import pytest
@@ -12,7 +14,7 @@ import pytest
 from eagle3_data.generation.openrouter import UNPRICED, price_answer
 from eagle3_data.storage import StageRef
 
-from tests.generation_calls import generate_overflow
+from tests.generation_calls import MODEL, generate_overflow
 from tests.integration.test_generation import SAMPLING, SECRET, prompts
 
 PRICE = {"prompt": 1e-6, "completion": 1e-5}
@@ -20,7 +22,7 @@ REF = StageRef(run_key="verify", stage="generate_overflow", dataset="chat")
 
 
 def _run(store, server, tok, todo, tmp_path, budget, **kw):
-    return generate_overflow(store, REF, todo, tok, server.url + "/v1", SECRET, "m", {}, budget, sampling=SAMPLING,
+    return generate_overflow(store, REF, todo, tok, server.url + "/v1", SECRET, MODEL, {}, budget, sampling=SAMPLING,
                              concurrency=4, rows_per_part=4, journal_dir=tmp_path, first_cost_estimate_usd=0.001, **kw)
 
 
@@ -92,20 +94,49 @@ def test_price_answer_uses_cost_then_configured_prices():
     assert price_answer({"completion_tokens": 10}, {"prompt": 1.0, "completion": 1.0}) is None
 
 
-def test_answers_without_cost_stop_a_budgeted_stage(store, start_dev_server, kimi_tokenizer, tmp_path):
-    server = start_dev_server({"price_per_token": PRICE, "endpoints": {"chat": {"omit_cost": 1.0}}})
+# OpenRouter's record of each generation never appears (GET /generation?id= answers 404 throughout)
+NO_RECORD = {"omit_cost": 1.0, "generation_lag": 10_000}
+
+
+def test_answers_without_cost_are_priced_from_openrouters_generation_record(store, start_dev_server, kimi_tokenizer,
+                                                                             tmp_path):
+    """No usage.cost and no configured price: the cost comes from GET /generation?id=, asked again
+    while it answers 404 (its record lags the completion), and the budget binds on it."""
+    server = start_dev_server({"price_per_token": PRICE, "endpoints": {"chat": {"omit_cost": 1.0, "generation_lag": 2}}})
     todo = prompts(40, "chat")
-    s = _run(store, server, kimi_tokenizer, todo, tmp_path, 5.0)
+    s = _run(store, server, kimi_tokenizer, todo, tmp_path, 0.01, cost_lookup_delay_s=0.01)
+    assert s["stopped_reason"] == "budget" and 0 < s["cost_usd"] <= 0.01, s
+    rows = _committed_rows(store)
+    assert rows and all(json.loads(r["provenance"])["cost_source"] == "generation_lookup" for r in rows)
+    for r in rows:  # the dev server's price of exactly these tokens
+        u = r["usage"]
+        assert u["cost_usd"] == pytest.approx(u["prompt_tokens"] * PRICE["prompt"] + u["completion_tokens"] * PRICE["completion"])
+
+
+def _committed_rows(store) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    out = []
+    for record in store.progress_records(REF):
+        with store.open_verified(REF, record["name"], sha256=record["sha256"], nbytes=record["bytes"]) as f:
+            out += pq.read_table(f).to_pylist()
+    return out
+
+
+def test_answers_without_cost_stop_a_budgeted_stage(store, start_dev_server, kimi_tokenizer, tmp_path):
+    server = start_dev_server({"price_per_token": PRICE, "endpoints": {"chat": NO_RECORD}})
+    todo = prompts(40, "chat")
+    s = _run(store, server, kimi_tokenizer, todo, tmp_path, 5.0, cost_lookup_delay_s=0.01)
     assert s["stopped_reason"] == UNPRICED and not s["complete"], s
     assert sum(_paid(server).values()) <= 8  # dispatch stopped at the first unpriced answers (4 in flight)
     assert len(store.committed_sample_ids(REF)) == sum(_paid(server).values())  # what was paid is kept
 
 
 def test_answers_without_cost_are_priced_from_configured_prices(store, start_dev_server, kimi_tokenizer, tmp_path):
-    server = start_dev_server({"price_per_token": PRICE, "endpoints": {"chat": {"omit_cost": 1.0}}})
+    server = start_dev_server({"price_per_token": PRICE, "endpoints": {"chat": NO_RECORD}})
     todo = prompts(40, "chat")
     mtok = {"prompt": PRICE["prompt"] * 1e6, "completion": PRICE["completion"] * 1e6}
-    s = _run(store, server, kimi_tokenizer, todo, tmp_path, 0.01, price_usd_per_mtok=mtok)
+    s = _run(store, server, kimi_tokenizer, todo, tmp_path, 0.01, price_usd_per_mtok=mtok, cost_lookup_delay_s=0.01)
     assert s["stopped_reason"] == "budget" and 0 < s["cost_usd"] <= 0.01, s  # max_usd binds
     rows = store.read_table(REF).to_pylist() if store.is_complete(REF) else None
     assert rows is None

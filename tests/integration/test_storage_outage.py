@@ -123,7 +123,7 @@ def test_outage_message_says_the_unsaved_rows_are_not_in_s3(relayed, caplog):
 
 def test_generation_outage_keeps_answers_in_the_journal_and_resume_pays_nothing_twice(
         relayed, start_dev_server, kimi_tokenizer, tmp_path, caplog):
-    from tests.generation_calls import generate_overflow
+    from tests.generation_calls import MODEL, generate_overflow
 
     from tests.integration.test_generation import SAMPLING, SECRET, prompts
 
@@ -141,7 +141,7 @@ def test_generation_outage_keeps_answers_in_the_journal_and_resume_pays_nothing_
             if answered() >= 12:
                 relay.down()
 
-    args = (store, ref, todo, kimi_tokenizer, server.url + "/v1", SECRET, "m", {}, None)
+    args = (store, ref, todo, kimi_tokenizer, server.url + "/v1", SECRET, MODEL, {}, None)
     with caplog.at_level(logging.WARNING):
         with pytest.raises(StorageUnavailable, match="unreachable"):
             generate_overflow(*args, sampling=SAMPLING, concurrency=2, rows_per_part=8, journal_dir=tmp_path,

@@ -11,6 +11,7 @@ import pytest
 from eagle3_data.dev.faults import EndpointFaults, ServerConfig, config_from_dict
 from eagle3_data.dev.text_model import DevTextModel
 from eagle3_data.errors import UserError
+from tests.generation_calls import MODEL
 
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {
     "query": {"type": "string"}, "limit": {"type": "integer"}, "exact": {"type": "boolean"},
@@ -110,7 +111,7 @@ def test_generate_and_chat_agree(app, kimi_tokenizer, prompt_ids):
     assert meta["id"] == "r1" and meta["prompt_tokens"] == len(prompt_ids)
     assert meta["finish_reason"] == {"type": "stop", "matched": kimi_tokenizer.convert_tokens_to_ids("<|im_end|>")}
     assert meta["completion_tokens"] == len(gen["output_ids"])
-    chat = call(app, "POST", "/v1/chat/completions", json={"model": "m", "messages": msgs, "tools": TOOLS, "seed": 4, "max_tokens": 4000}).json()
+    chat = call(app, "POST", "/v1/chat/completions", json={"model": MODEL, "messages": msgs, "tools": TOOLS, "seed": 4, "max_tokens": 4000}).json()
     assert chat["id"].startswith("gen-") and chat["provider"]
     choice = chat["choices"][0]
     msg = choice["message"]
@@ -134,23 +135,23 @@ def test_injected_faults_on_the_wire(app, kimi_tokenizer):
     assert call(app, "POST", "/dev/config", json={"endpoints": {"chat": {"rate_limt": 1}}}).status_code == 400
     try:
         call(app, "POST", "/dev/config", json={"endpoints": {"chat": {"rate_limit": 1.0, "retry_after_s": 2.5}}})
-        r = call(app, "POST", "/v1/chat/completions", json={"model": "m", "messages": msgs})
+        r = call(app, "POST", "/v1/chat/completions", json={"model": MODEL, "messages": msgs})
         assert r.status_code == 429 and r.headers["retry-after"] == "2.5" and r.json()["error"]["code"] == 429
         call(app, "POST", "/dev/config", json={"endpoints": {"chat": {"malformed_json": 1.0}}})
         with pytest.raises(json.JSONDecodeError):
-            json.loads(call(app, "POST", "/v1/chat/completions", json={"model": "m", "messages": msgs}).text)
+            json.loads(call(app, "POST", "/v1/chat/completions", json={"model": MODEL, "messages": msgs}).text)
         call(app, "POST", "/dev/config", json={"endpoints": {"chat": {"credits_after": 1}}})
-        codes = [call(app, "POST", "/v1/chat/completions", json={"model": "m", "messages": msgs}).status_code for _ in range(3)]
+        codes = [call(app, "POST", "/v1/chat/completions", json={"model": MODEL, "messages": msgs}).status_code for _ in range(3)]
         assert codes == [200, 402, 402]
         call(app, "POST", "/dev/config", json={"endpoints": {"chat": {"trim_whitespace": 1.0, "empty_content": 0.0}}})
         for i in range(20):
-            m = call(app, "POST", "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": f"q{i}"}]}).json()
+            m = call(app, "POST", "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": f"q{i}"}]}).json()
             content = m["choices"][0]["message"]["content"]
             assert content == content.strip()
         call(app, "POST", "/dev/config", json={"endpoints": {"chat": {"rewrite_tool_call_ids": 1.0, "reserialize_arguments": 1.0}}})
         calls = []
         for i in range(10):
-            m = call(app, "POST", "/v1/chat/completions", json={"model": "m", "tools": TOOLS,
+            m = call(app, "POST", "/v1/chat/completions", json={"model": MODEL, "tools": TOOLS,
                                                                 "messages": [{"role": "user", "content": f"t{i}"}]}).json()
             calls += m["choices"][0]["message"].get("tool_calls") or []
         assert calls and all(c["id"].startswith("call_") for c in calls)

@@ -154,3 +154,29 @@ def test_dry_run_plan_lists_each_strategy_and_balanced_routes_finish_together(st
     whole = store.get_json(pipeline.stage_ref(plan_run, PLAN, RUN_DATASET), "plan.json")["strategies"]
     assert {n: (p["local"], p["overflow"], p["wall_s"]) for n, p in whole.items()} == {
         n: (p["local"], p["overflow"], p["wall_s"]) for n, p in strategies.items()}
+
+
+@pytest.mark.parametrize("reason,passes", [
+    ("rate_limited", True), ("in_flight_budget", True), ("retryable_failures", True),
+    ("forbidden", False), ("credits", False), ("repeated_error", False), ("budget", False), ("unauthorized", False),
+    ("unpriced_answer", False)])
+def test_overflow_stops_that_pass_by_themselves_are_retried_the_others_fail(reason, passes, monkeypatch):
+    """A 429 storm or the in-flight budget passes: Retryable (Airflow retries the task). A key
+    limit, empty credits, a refused parameter or the budget need a person: UserError (the DAG
+    fails the task without retries). Either way the message carries the provider's words."""
+    from eagle3_data.errors import Retryable, UserError
+    from eagle3_data.generation import openrouter
+    from eagle3_data.pipeline import generate as gen
+    from eagle3_data.pipeline.run import Run
+
+    monkeypatch.setattr(gen, "_reused", lambda *a: None)
+    monkeypatch.setattr(gen, "_prompt_rows", lambda *a: iter(()))
+    monkeypatch.setattr(gen, "output_format", lambda *a, **k: None)
+    monkeypatch.setattr(openrouter, "generate_overflow", lambda *a, **k: {
+        "uri": "s3://b/x", "complete": False, "stopped_reason": reason, "stop_detail": "the provider's words",
+        "counts": {}, "cost_usd": 0.0})
+    config = load_config()
+    run = Run(config=config, run_key="k", date=None, datasets=config.dataset_names, dry_run=False, skip_hidden_states=False)
+    with pytest.raises(UserError, match="the provider's words") as raised:
+        gen.generate_overflow(run, None, "chat", "http://127.0.0.1:9/v1", "key")
+    assert isinstance(raised.value, Retryable) is passes

@@ -29,8 +29,9 @@ TOOLS = [{"type": "function", "function": {"name": n, "parameters": {"type": "ob
 WS = ["", "", "", " ", "\n", " \n "]
 
 
-def _generation(rng: random.Random, fmt) -> tuple[list, bool]:
-    """Parts (text pieces and real special ids) of one generated answer, and whether it was cut."""
+def _generation(rng: random.Random, fmt, history: int = 0) -> tuple[list, bool]:
+    """Parts (text pieces and real special ids) of one generated answer, and whether it was cut;
+    call ids mostly numbered on from the conversation's `history` calls, as Kimi writes them."""
     sid = fmt.special_ids
     parts: list = []
     with_section = rng.random() < 0.5
@@ -45,7 +46,8 @@ def _generation(rng: random.Random, fmt) -> tuple[list, bool]:
         parts += [sid["<|tool_calls_section_begin|>"], rng.choice(WS)]
         for i in range(rng.randint(0, 3)):
             name = rng.choice(NAMES)
-            call_id = rng.choice([f"functions.{name}:{i}"] * 6 + [f"{name}:{i}", str(i), f"functions.{name}"])
+            call_id = rng.choice([f"functions.{name}:{history + i}"] * 6 + [f"functions.{name}:{i}", f"{name}:{i}",
+                                                                             str(i), f"functions.{name}"])
             parts += [sid["<|tool_call_begin|>"], rng.choice(WS), call_id, rng.choice(WS), sid["<|tool_call_argument_begin|>"],
                       rng.choice(WS), rng.choice(ARGS), rng.choice(WS), sid["<|tool_call_end|>"], rng.choice(WS)]
         if rng.random() < 0.9:
@@ -64,18 +66,19 @@ def test_provider_view_equals_sglangs_parsers(sglang_oracle, kimi_tokenizer, thi
     rng = random.Random(10 + thinking)
     disagreements, literal, checked = [], 0, 0
     for n in range(200):
-        parts, cut = _generation(rng, fmt)
+        history = rng.choice([0, 0, 1, 3])
+        parts, cut = _generation(rng, fmt, history)
         [ids] = fmt.encode_parts_batch([parts])
         finish = "stop"
         if cut:
             ids, finish = ids[: rng.randint(0, len(ids) - 1)], "length"
         tools = [] if rng.random() < 0.1 else TOOLS
         text = fmt.codec.decode(ids[:-1] if finish == "stop" else ids)
-        view = fmt.provider_view(ids, finish, tools)
+        view = fmt.provider_view(ids, finish, tools, history)
         ours = {"reasoning": view.message["reasoning_content"], "content": view.message["content"],
-                "calls": [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                "calls": [{"name": c["function"]["name"], "arguments": c["function"]["arguments"], "id": c["id"]}
                           for c in view.message.get("tool_calls", [])]}
-        theirs = sglang_oracle.parse(text, thinking=thinking, tools=tools)
+        theirs = sglang_oracle.parse(text, thinking=thinking, tools=tools, history=history)
         literal += bool(fmt.literal_special_text([t for t in parts if isinstance(t, str)]))
         checked += 1
         if ours != theirs:

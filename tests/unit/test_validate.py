@@ -357,6 +357,26 @@ def test_stripped_stop_ids_pass_with_a_prominent_warning(fmt, enc):
     assert report["gate"]["warnings"][0].startswith("stop ids stripped")
 
 
+def test_stripped_stop_ids_of_mostly_tool_call_turns_pass(fmt, enc):
+    """An engine that strips stop ids, on an agentic dataset: most stop rows are tool-call turns,
+    which all end with `<|tool_calls_section_end|>` (163596). A structural token of the format is
+    no evidence of a wrong stop id: it was read as "the server stops on 163596" and failed a clean
+    dataset. The same dataset stopped on 163533 ("chas") still fails."""
+    calls = [enc(f"r{i}</think>checking<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0"
+                 f'<|tool_call_argument_begin|>{{"a": "c{i}"}}<|tool_call_end|><|tool_calls_section_end|>')
+             for i in range(8)]
+    assert all(c[-1] == fmt.special_ids["<|tool_calls_section_end|>"] == 163596 for c in calls)
+    plain = [enc(f"r{i}.</think>Answer {'x' * i}.") for i in range(3)]
+    rows = [InputRow(f"l{i}", f"s{i}", ids, "stop", tools=TOOLS) for i, ids in enumerate(calls + plain)]
+    report = validate_to_report(fmt, rows)
+    assert report["stop_convention"]["convention"] == "stripped" and report["stop_convention"]["dominant_token"] is None
+    assert report["gate"]["passed"], report["gate"]
+    assert report["counts"]["exact"] == len(rows)
+    chas = [InputRow(f"l{i}", f"s{i}", ids + [CHAS], "stop", tools=TOOLS) for i, ids in enumerate(calls + plain)]
+    report = validate_to_report(fmt, chas)
+    assert report["stop_convention"]["dominant_token"]["id"] == CHAS and not report["gate"]["passed"]
+
+
 def test_the_engines_matched_stop_wins(fmt, enc):
     body = enc("r</think>fine")
     assert _one(fmt, body, "stop", matched=IM_END).cls == "exact"  # reported, ids without it: normalised

@@ -1,5 +1,7 @@
 """A tiny random DeepSeek-V3 with Kimi-K2.5's vocabulary: the target model for offline runs.
 
+Its next-token distributions are peaked (`LM_HEAD_SCALE`), so its text is its own.
+
 Kimi-K2.5's text backbone is DeepSeek-V3 (MLA + MoE), so the tiny model exercises the same
 `transformers` code path (hidden-state indexing, MoE routing, MLA attention) as the real one,
 while the vocabulary comes from the real tokenizer so ids never index out of range. Weights are
@@ -43,6 +45,21 @@ KIMI_ROPE = {
 }
 # Routing keys DeepSeek-V3/Kimi checkpoints carry and engines read (transformers does not write them).
 ENGINE_CONFIG_KEYS = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+# Peaked next-token distributions. A random init leaves the logits within ~0.2 of each other:
+# near-uniform over Kimi's 163840 ids, so any text is about as likely as any other under any seed.
+# Scaled by this, they spread by ~5 (a few tokens hold most of the mass at each step), so a
+# model's sampled text is characteristic of it: the policy check tells two seeds' text apart on
+# CPU. The rows of the tokenizer's added tokens, and of the tokens that are no whole UTF-8 text on
+# their own (byte pieces of a character), are zeroed (logit 0, far below the top ones): sampled
+# text is ordinary text, never a stop, a structural token or a cut character by chance.
+LM_HEAD_SCALE = 30.0
+
+
+def _never_sampled(tokenizer) -> list[int]:
+    """Added (special) tokens and byte pieces: the ids whose lm_head rows are zeroed."""
+    added = set(tokenizer.get_added_vocab().values())
+    pieces = {i for i in range(len(tokenizer)) if i not in added and "\ufffd" in tokenizer.decode([i])}
+    return sorted(added | pieces)
 
 
 def tiny_config(vocab_size: int, *, layers: int = 8, hidden: int = 64, special: dict[str, int] | None = None):
@@ -114,6 +131,8 @@ def build_tiny_model(
                 bias = getattr(module, "e_score_correction_bias", None)
                 if isinstance(bias, torch.Tensor):
                     bias.copy_(torch.randn_like(bias) * 0.01)
+            model.lm_head.weight.mul_(LM_HEAD_SCALE)
+            model.lm_head.weight[_never_sampled(tokenizer)] = 0.0
     model = model.to(torch.bfloat16)
 
     out = Path(out_dir)

@@ -124,7 +124,7 @@ class ProviderView:
     message: dict[str, Any]
     finish_reason: str
     notes: list[str]
-    tool_call_index_start: int
+    tool_call_index_start: int  # the index of the first call id the server returns
     text: str = ""  # the decoded generation the parsers split (stop token trimmed)
     # why the answer cannot show the generation's last token (a length cut right after a structural
     # token the parsers consume): its rebuild is then the ids minus that one, a strict prefix
@@ -194,10 +194,14 @@ class OutputFormat(ABC):
 
     @abstractmethod
     def provider_view(
-        self, ids: list[int], finish_reason: str, tools: list[dict[str, Any]] | None
+        self, ids: list[int], finish_reason: str, tools: list[dict[str, Any]] | None,
+        history_tool_calls: int | None = None,
     ) -> ProviderView:
         """The OpenAI message an OpenAI-compatible server's parsers make of these generated ids
-        (`tools`: the tools offered; None = unknown, taken as offered when a tool section exists)."""
+        (`tools`: the tools offered; None = unknown, taken as offered when a tool section exists).
+        `history_tool_calls`: the tool calls of the conversation's assistant turns before this one
+        (`tool_call_index_start(messages)`), from which the server numbers the call ids it
+        returns; None = unknown, numbered from the model's own first index."""
 
     @abstractmethod
     def tool_call_index_start(self, messages: list[dict[str, Any]]) -> int:

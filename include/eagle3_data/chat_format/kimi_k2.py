@@ -241,7 +241,8 @@ class KimiK2Format(OutputFormat):
     # ------------------------------------------------------------------ the provider's view
 
     def provider_view(
-        self, ids: list[int], finish_reason: str, tools: list[dict[str, Any]] | None
+        self, ids: list[int], finish_reason: str, tools: list[dict[str, Any]] | None,
+        history_tool_calls: int | None = None,
     ) -> ProviderView:
         ids = list(ids)
         if ids and ids[-1] in self.stop_token_ids:
@@ -259,7 +260,7 @@ class KimiK2Format(OutputFormat):
         offered = tools is None or bool(tools)
         if SECTION_BEGIN in normal:
             if offered:
-                content, calls, start = self._split_tools(normal, tools, notes)
+                content, calls, start = self._split_tools(normal, tools, notes, history_tool_calls)
             else:
                 notes.append("tool section generated with no tools offered: returned as content text")
         message: dict[str, Any] = {"role": "assistant", "content": content or ""}
@@ -273,10 +274,13 @@ class KimiK2Format(OutputFormat):
         return ProviderView(message, out_finish, notes, start, text, hides_last)
 
     def _split_tools(
-        self, normal: str, tools: list[dict[str, Any]] | None, notes: list[str]
+        self, normal: str, tools: list[dict[str, Any]] | None, notes: list[str], history: int | None
     ) -> tuple[str, list[tuple[str, str]], int]:
         """SGLang's `detect_and_parse`: calls by regex over the whole text, content = text before
-        the section. Returns content, [(name, arguments)], and the model's first call index."""
+        the section. Returns content, [(name, arguments)], and the index the returned ids start
+        from: SGLang's serving_chat numbers them `functions.{name}:{history + i}` (history: the
+        request's earlier assistant tool calls, `_get_history_tool_calls_cnt`), whatever index
+        the model wrote; unknown history: the model's own first index."""
         bot = normal.find(SECTION_BEGIN)
         calls: list[tuple[str, str]] = []
         start: int | None = None
@@ -295,7 +299,7 @@ class KimiK2Format(OutputFormat):
                 notes.append(f"tool call id {m['id']!r} not understood: call dropped")
                 continue
             if start is None:
-                start = index if index is not None else 0
+                start = history if history is not None else (index if index is not None else 0)
             if m["id"] != f"functions.{name}:{start + len(calls)}":
                 notes.append(f"tool call id {m['id']!r} rewritten by the server")
             try:

@@ -7,8 +7,11 @@ retried request gets a fresh, independent draw (a fault at rate 0.2 never blocks
 YAML shape (every key optional)::
 
     seed: 0
-    model: moonshotai/kimi-k2.5
-    provider: DevProvider
+    model: moonshotai/kimi-k2.5          # the model served: a request for another is a 400, as OpenRouter's
+    canonical_slug: moonshotai/kimi-k2.5-20260127   # its dated slug in GET /v1/models
+    answer_canonical_slug: false         # answers name the model by its canonical slug (as OpenRouter may)
+    provider: Moonshot AI                # who answers when the request pins no provider (display name)
+    providers: [{name: Moonshot AI, slug: moonshotai}, ...]   # GET /v1/providers (default: PROVIDERS)
     price_per_token: {prompt: 6.0e-7, completion: 2.5e-6}   # USD -> usage.cost
     include_stop_in_output_ids: true     # whether /generate output_ids end with <|im_end|> (SGLang: always)
     stop_id_override: null               # a misconfigured server: stop with this id instead (e.g. 163533)
@@ -17,6 +20,8 @@ YAML shape (every key optional)::
     refuse_first: 0                      # the first N /generate requests answer 503, /health too until all N
                                          # are refused: an endpoint that goes down and comes back
     weight_version: dev                  # /model_info and meta_info.weight_version
+    auto_truncate_to: null               # --allow-auto-truncate with this context: longer prompts lose their
+                                         # tail silently; meta_info.prompt_tokens reports the cut length
     datasets:                            # picked by header X-Eagle3-Dataset, else "default"
       default: {noncanonical_rate: 0.0}
       tool_calls: {noncanonical_rate: 0.02}
@@ -35,10 +40,24 @@ YAML shape (every key optional)::
         rewrite_tool_call_ids: 0.1
         reserialize_arguments: 0.1
         omit_cost: 0.0                             # answer without usage.cost (a provider that does not price)
+        generation_lag: 0                          # GET /v1/generation?id= answers 404 this many times first
         credits_after: null                        # 402 for every request after N answered ones
+        forbidden_after: null                      # 403 "Key limit exceeded" for every request after N answered
+        error_in_body: 0.0                         # 200 {"error": {...}}, no choices, no usage (not billed)
+        choice_error: 0.0                          # 200, choices[0].finish_reason "error" + partial text (billed)
+        in_flight_402: 0.0                         # 402 in-flight budget, Retry-After retry_after_s
+        moderation: 0.0                            # 403 moderation flag of this prompt
+        reasoning_details_only: 0.0                # reasoning null, its text in reasoning_details
+        encrypted_reasoning: 0.0                   # reasoning null, reasoning_details encrypted only
+        object_arguments: 0.0                      # tool-call arguments as a JSON object
+        wrong_model: 0.0                           # the answer names other_model
+        other_model: moonshotai/kimi-k2-0905
+        wrong_provider: 0.0                        # the answer names other_provider
+        other_provider: Chutes
         stall_after: null                          # requests N+1 .. N+stall_requests (in arrival order) hang:
         stall_requests: 0                          #   accepted, answered only after stall_s (a stuck engine;
         stall_s: 3600                              #   later requests answer normally)
+        queue_full: 0.0                            # /generate: 503 "The request queue is full." (--max-queued-requests)
 """
 
 from __future__ import annotations
@@ -53,8 +72,20 @@ import yaml
 
 from eagle3_data.errors import UserError
 
-ERROR_FAULTS = ("rate_limit", "server_error", "timeout", "malformed_json", "empty_content", "bad_request")
+# One uniform draw picks at most one error fault, in this order (new ones go last, so that a seed's
+# draws for the old ones stay as they were); an answer's rewrites are drawn independently.
+ERROR_FAULTS = ("rate_limit", "server_error", "timeout", "malformed_json", "empty_content", "bad_request",
+                "error_in_body", "choice_error", "in_flight_402", "moderation", "queue_full")
 CONTENT_FAULTS = ("trim_whitespace", "rewrite_tool_call_ids", "reserialize_arguments")
+# Drawn only when set: other seeds keep their draws.
+OPTIONAL_REWRITES = ("omit_cost", "reasoning_details_only", "encrypted_reasoning", "object_arguments", "wrong_model",
+                     "wrong_provider")
+# OpenRouter's provider table (GET /api/v1/providers: name, slug), the part the dev server serves.
+PROVIDERS = ({"name": "Moonshot AI", "slug": "moonshotai"}, {"name": "Fireworks", "slug": "fireworks"},
+             {"name": "Together", "slug": "together"}, {"name": "DeepInfra", "slug": "deepinfra"},
+             {"name": "Chutes", "slug": "chutes"}, {"name": "Novita", "slug": "novita"},
+             {"name": "Parasail", "slug": "parasail"}, {"name": "AtlasCloud", "slug": "atlas-cloud"},
+             {"name": "BaseTen", "slug": "baseten"}, {"name": "Groq", "slug": "groq"})
 
 
 @dataclass
@@ -72,10 +103,24 @@ class EndpointFaults:
     rewrite_tool_call_ids: float = 0.0
     reserialize_arguments: float = 0.0
     omit_cost: float = 0.0
+    generation_lag: int = 0
     credits_after: int | None = None
+    forbidden_after: int | None = None
+    error_in_body: float = 0.0
+    choice_error: float = 0.0
+    in_flight_402: float = 0.0
+    moderation: float = 0.0
+    reasoning_details_only: float = 0.0
+    encrypted_reasoning: float = 0.0
+    object_arguments: float = 0.0
+    wrong_model: float = 0.0
+    other_model: str = "moonshotai/kimi-k2-0905"
+    wrong_provider: float = 0.0
+    other_provider: str = "Chutes"
     stall_after: int | None = None
     stall_requests: int = 0
     stall_s: float = 3600.0
+    queue_full: float = 0.0
 
     def draw(self, rng: random.Random) -> tuple[str | None, set[str], float]:
         """One request's fate: an error fault (or None), content rewrites, and its latency."""
@@ -87,8 +132,9 @@ class EndpointFaults:
                 break
             u -= p
         rewrites = {name for name in CONTENT_FAULTS if rng.random() < getattr(self, name)}
-        if self.omit_cost and rng.random() < self.omit_cost:  # drawn only when set: other seeds keep their draws
-            rewrites.add("omit_cost")
+        for name in OPTIONAL_REWRITES:
+            if getattr(self, name) and rng.random() < getattr(self, name):
+                rewrites.add(name)
         return error, rewrites, self._latency(rng)
 
     def _latency(self, rng: random.Random) -> float:
@@ -105,7 +151,10 @@ class EndpointFaults:
 class ServerConfig:
     seed: int = 0
     model: str = "moonshotai/kimi-k2.5"
-    provider: str = "DevProvider"
+    canonical_slug: str = "moonshotai/kimi-k2.5-20260127"
+    answer_canonical_slug: bool = False
+    provider: str = "Moonshot AI"
+    providers: list = field(default_factory=lambda: [dict(p) for p in PROVIDERS])
     price_per_token: dict = field(default_factory=lambda: {"prompt": 6.0e-7, "completion": 2.5e-6})
     include_stop_in_output_ids: bool = True
     stop_id_override: int | None = None
@@ -113,6 +162,7 @@ class ServerConfig:
     healthy: bool = True
     refuse_first: int = 0
     weight_version: str = "dev"
+    auto_truncate_to: int | None = None
     max_running_requests: int | None = None  # reported by /server_info as SGLang does; None: not set
     datasets: dict = field(default_factory=lambda: {"default": {"noncanonical_rate": 0.0}})
     endpoints: dict[str, EndpointFaults] = field(default_factory=dict)

@@ -66,6 +66,8 @@ class _State:
         self.config = config
         self.ready_at = time.monotonic() + config.warmup_s
         self.rids: set[str] = set()  # registered (in-flight) request ids, as SGLang keeps them
+        self.generations: dict[str, dict] = {}  # chat answers by id: GET /v1/generation's records
+        self.lookups: Counter = Counter()  # GET /v1/generation tries per id (generation_lag)
         self.refused = 0
         if hasattr(self, "model"):
             self.model.rates = config.noncanonical_rates()  # keeps its vocabulary tables
@@ -111,9 +113,11 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
             await asyncio.sleep(faults.timeout_sleep_s if error == "timeout" else latency)
         finally:
             state.stats.in_flight[endpoint] -= 1
-        if error in (None, "timeout", "malformed_json", "empty_content"):  # answers that are billed
+        if error in (None, "timeout", "malformed_json", "empty_content", "choice_error"):  # answers that are billed
             if faults.credits_after is not None and state.stats.total_answered[endpoint] >= faults.credits_after:
                 error = "credits"
+            elif faults.forbidden_after is not None and state.stats.total_answered[endpoint] >= faults.forbidden_after:
+                error = "forbidden"
             else:
                 state.stats.total_answered[endpoint] += 1
         if error:
@@ -141,8 +145,26 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        """The OpenAI-compatible model list (OpenRouter, vLLM and SGLang all serve it)."""
-        return {"object": "list", "data": [{"id": state.config.model, "object": "model", "owned_by": "dev"}]}
+        """The OpenAI-compatible model list (OpenRouter, vLLM and SGLang all serve it); OpenRouter's
+        cards also carry the model's dated `canonical_slug`."""
+        return {"object": "list", "data": [{"id": state.config.model, "canonical_slug": state.config.canonical_slug,
+                                            "object": "model", "owned_by": "dev"}]}
+
+    @app.get("/v1/providers")
+    async def providers() -> dict:
+        """OpenRouter's provider table: display names and the slugs routing takes."""
+        return {"data": [dict(p, privacy_policy_url=None, terms_of_service_url=None, status_page_url=None)
+                         for p in state.config.providers]}
+
+    @app.get("/v1/generation")
+    async def generation(id: str = "") -> Response:
+        """OpenRouter's record of a chat answer (`total_cost` in USD); like the real one it answers
+        404 for a moment after the completion (`generation_lag` times per id)."""
+        state.lookups[id] += 1
+        record = state.generations.get(id)
+        if record is None or state.lookups[id] <= state.config.faults("chat").generation_lag:
+            return _openrouter_error(404, "Resource not found")
+        return JSONResponse({"data": record})
 
     @app.get("/model_info")
     @app.get("/get_model_info")  # deprecated name, still served by SGLang 0.5.23
@@ -207,6 +229,10 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
                 return JSONResponse({"error": {"message": f"The input_ids {bad} is out of the vocabulary "
                                                f"(vocab size {vocab})."}}, status_code=400)
         sp = body.get("sampling_params") or {}
+        if "choice" in sp:  # in the request schema, not in SamplingParams: a TypeError the route does not catch
+            return Response("Internal Server Error", status_code=500, media_type="text/plain")
+        if (cut := state.config.auto_truncate_to) is not None:
+            prompts = [p[:cut] for p in prompts]  # --allow-auto-truncate: the tail is dropped, silently
         rids = body.get("rid")
         rid_list = [r for r in (rids if isinstance(rids, list) else [rids]) if r is not None]
         duplicate = next((r for r in rid_list if r in state.rids), None)
@@ -221,6 +247,9 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
     async def _answer_generate(request: Request, body: dict, batch: bool, prompts, sp: dict, rids) -> Response:
         key = request.headers.get(SAMPLE_HEADER) or (json.dumps(rids) if rids else str(hash(tuple(prompts[0]))))
         error, _, faults = await admit("generate", request, key)
+        if error == "queue_full":  # SGLang's HTTPException handler: an ErrorResponse body
+            return JSONResponse({"object": "error", "message": "The request queue is full.", "type": "503",
+                                 "param": None, "code": 503}, status_code=503)
         if error and error not in ("malformed_json", "empty_content"):
             return _error_response(error, faults)
         dataset = request.headers.get(DATASET_HEADER)
@@ -240,6 +269,7 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
             finish = ({"type": "stop", "matched": matched} if gen.finish_reason == "stop"
                       else {"type": "length", "length": len(generated)})
             rid = rids[i] if isinstance(rids, list) else rids
+            logprobs = _input_logprobs(prompt, body.get("logprob_start_len", -1)) if body.get("return_logprob") else None
             outs.append({
                 "text": tok.decode(generated[:-1] if matched is not None else generated, skip_special_tokens=True),
                 "output_ids": ids,
@@ -252,6 +282,7 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
                     "e2e_latency": time.time() - started,
                     "weight_version": state.config.weight_version,
                     "dev_noncanonical_splits": gen.noncanonical_splits,
+                    **({"input_token_logprobs": logprobs} if logprobs is not None else {}),
                 },
             })
         await delivered("generate", key, request)
@@ -270,6 +301,8 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
             return _openrouter_error(400, "messages: expected a non-empty list")
         if body.get("stream"):
             return _openrouter_error(400, "stream: not supported by the dev server")
+        if body.get("model") not in (state.config.model, state.config.canonical_slug):
+            return _openrouter_error(400, f"{body.get('model')} is not a valid model ID")
         thinking = (body.get("reasoning") or {}).get("enabled", True) is not False
         try:
             prompt = chat_prompt(json.dumps([messages, tools, thinking]))
@@ -277,13 +310,22 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
             return _openrouter_error(400, f"chat template: {exc}")
         key = request.headers.get(SAMPLE_HEADER) or str(hash(prompt))
         error, rewrites, faults = await admit("chat", request, key)
-        if error and error not in ("malformed_json", "empty_content"):
-            return _error_response(error, faults)
+        provider = _routed_provider(body.get("provider") or {}, state.config)
+        if error and error not in ("malformed_json", "empty_content", "choice_error"):
+            return _error_response(error, faults, provider, state.config.model)
         max_new = body.get("max_completion_tokens") or body.get("max_tokens") or 4096
         gen = generate_cached(prompt, int(max_new), float(body.get("temperature", 1.0)), body.get("seed"),
                               request.headers.get(DATASET_HEADER))
         await delivered("chat", key, request)
-        answer = _chat_answer(gen, len(prompt), state.config, rewrites, empty=error == "empty_content")
+        answer = _chat_answer(gen, len(prompt), state.config, rewrites, empty=error == "empty_content",
+                              provider=provider, faults=faults)
+        if error == "choice_error":
+            _cut_mid_generation(answer, provider)
+        state.generations[answer["id"]] = {
+            "id": answer["id"], "model": answer["model"], "provider_name": answer["provider"],
+            "total_cost": _price(len(prompt), len(gen.output_ids), state.config), "tokens_prompt": len(prompt),
+            "tokens_completion": len(gen.output_ids), "finish_reason": answer["choices"][0]["finish_reason"],
+            "created_at": answer["created"]}
         if error == "malformed_json":
             return Response(json.dumps(answer)[: len(json.dumps(answer)) // 2], media_type="application/json")
         return JSONResponse(answer)
@@ -298,6 +340,25 @@ SAMPLING_FIELDS = ("max_new_tokens", "stop", "stop_token_ids", "stop_regex", "te
                    "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
                    "spaces_between_special_tokens", "no_stop_trim", "stream_interval", "logit_bias", "sampling_seed",
                    "custom_params", "beam_width", "watermark", "choice")
+
+
+def _input_logprobs(prompt: list[int], start: int) -> list[list]:
+    """SGLang's `meta_info.input_token_logprobs` from `logprob_start_len` (`[logprob, id, text]`,
+    the first entry's logprob None). The values are the dev server's own stand-in model: a fixed
+    pseudo-random log-probability per (previous id, id), the same for every text whatever path it
+    came by, so local and overflow text of one dev server score alike; a real engine's are the
+    model's (tests/engine/test_policy_check.py)."""
+    import hashlib
+
+    start = max(start, 0)
+    out: list[list] = []
+    for i in range(start, len(prompt)):
+        if i == start:
+            out.append([None, prompt[i], None])
+            continue
+        u = int.from_bytes(hashlib.blake2b(f"{prompt[i - 1]}:{prompt[i]}".encode(), digest_size=8).digest(), "big") / 2**64
+        out.append([-(0.05 + 6.0 * u * u), prompt[i], None])
+    return out
 
 
 def _generate_contract_error(body) -> str | None:
@@ -359,7 +420,23 @@ def _generate_prompts(body: dict, tok) -> tuple[bool, list[list[int]] | None]:
     return False, None
 
 
-def _chat_answer(gen: Generation, prompt_tokens: int, config: ServerConfig, rewrites: set[str], empty: bool) -> dict:
+def _price(prompt_tokens: int, completion_tokens: int, config: ServerConfig) -> float:
+    price = config.price_per_token
+    return round(prompt_tokens * float(price["prompt"]) + completion_tokens * float(price["completion"]), 10)
+
+
+def _routed_provider(routing: dict, config: ServerConfig) -> str:
+    """The display name of the provider OpenRouter would route to: the first of the pin's
+    `only` or `order` slugs (by the provider table), else the server's `provider`."""
+    names = {p["slug"]: p["name"] for p in config.providers}
+    for slug in (routing.get("only") or routing.get("order") or []):
+        if slug.split("/")[0] in names:
+            return names[slug.split("/")[0]]
+    return config.provider
+
+
+def _chat_answer(gen: Generation, prompt_tokens: int, config: ServerConfig, rewrites: set[str], empty: bool,
+                 provider: str, faults) -> dict:
     reasoning, content, calls = gen.reasoning, gen.content, [dict(c, function=dict(c["function"])) for c in gen.tool_calls]
     if "trim_whitespace" in rewrites:
         reasoning = reasoning.strip() if reasoning else reasoning
@@ -370,19 +447,31 @@ def _chat_answer(gen: Generation, prompt_tokens: int, config: ServerConfig, rewr
     if "reserialize_arguments" in rewrites:
         for c in calls:
             c["function"]["arguments"] = json.dumps(json.loads(c["function"]["arguments"]), separators=(",", ":"))
+    if "object_arguments" in rewrites:
+        for c in calls:
+            c["function"]["arguments"] = json.loads(c["function"]["arguments"])
     if empty:
         reasoning, content, calls = None, "", []
     finish = "length" if gen.finish_reason == "length" else ("tool_calls" if calls else "stop")
-    price = config.price_per_token
     completion = len(gen.output_ids)
-    cost = prompt_tokens * float(price["prompt"]) + completion * float(price["completion"])
     message = {"role": "assistant", "content": content, "refusal": None, "reasoning": reasoning or None}
+    if reasoning and "encrypted_reasoning" in rewrites:
+        message["reasoning"] = None
+        message["reasoning_details"] = [{"type": "reasoning.encrypted", "data": uuid.uuid4().hex * 4,
+                                         "id": None, "format": "unknown", "index": 0}]
+    elif reasoning and "reasoning_details_only" in rewrites:
+        message["reasoning"] = None
+        half = len(reasoning) // 2  # two entries, listed out of order: the reader orders by index
+        message["reasoning_details"] = [
+            {"type": "reasoning.text", "text": reasoning[half:], "signature": None, "format": "unknown", "index": 1},
+            {"type": "reasoning.text", "text": reasoning[:half], "signature": None, "format": "unknown", "index": 0}]
     if calls:
         message["tool_calls"] = calls
     answer = {
         "id": "gen-" + uuid.uuid4().hex[:24],
-        "provider": config.provider,
-        "model": config.model,
+        "provider": faults.other_provider if "wrong_provider" in rewrites else provider,
+        "model": faults.other_model if "wrong_model" in rewrites else (
+            config.canonical_slug if config.answer_canonical_slug else config.model),
         "object": "chat.completion",
         "created": int(time.time()),
         "choices": [{"index": 0, "logprobs": None, "finish_reason": finish,
@@ -391,7 +480,7 @@ def _chat_answer(gen: Generation, prompt_tokens: int, config: ServerConfig, rewr
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": prompt_tokens + completion,
-            "cost": round(cost, 10),
+            "cost": _price(prompt_tokens, completion, config),
             "is_byok": False,
             "prompt_tokens_details": {"cached_tokens": 0},
             "completion_tokens_details": {"reasoning_tokens": gen.reasoning_tokens},
@@ -402,20 +491,55 @@ def _chat_answer(gen: Generation, prompt_tokens: int, config: ServerConfig, rewr
     return answer
 
 
-def _openrouter_error(code: int, message: str, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"code": code, "message": message, "metadata": {}}}, status_code=code,
-                        headers=headers)
+def _cut_mid_generation(answer: dict, provider: str) -> None:
+    """OpenRouter's non-streaming shape for a provider that failed after generation started:
+    the partial text, `finish_reason: "error"` and the error inside the choice (billed)."""
+    choice = answer["choices"][0]
+    message = choice["message"]
+    message["content"] = (message.get("content") or "")[: len(message.get("content") or "") // 2]
+    message.pop("tool_calls", None)
+    choice.update(finish_reason="error", native_finish_reason="error", error={
+        "code": 502, "message": "Provider disconnected mid-stream",
+        "metadata": {"error_type": "provider_unavailable", "provider_name": provider}})
 
 
-def _error_response(error: str, faults) -> Response:
+def _openrouter_error(code: int, message: str, headers: dict | None = None, metadata: dict | None = None,
+                      status: int | None = None) -> JSONResponse:
+    """OpenRouter's error body; `status` differs from `code` only for errors raised once a
+    provider had started (HTTP 200, the error in the body)."""
+    return JSONResponse({"error": {"code": code, "message": message, "metadata": metadata or {}},
+                         "user_id": "user_dev"}, status_code=status or code, headers=headers)
+
+
+def _error_response(error: str, faults, provider: str = "", model: str = "") -> Response:
+    """The bodies OpenRouter answers (errors-and-debugging.mdx; bodies recorded from the service)."""
     if error == "rate_limit":
-        return _openrouter_error(429, "Rate limit exceeded (injected)", {"Retry-After": str(faults.retry_after_s)})
+        return _openrouter_error(429, "Rate limit exceeded (injected)", {"Retry-After": str(faults.retry_after_s)},
+                                 {"error_type": "rate_limit_exceeded"})
     if error == "credits":
-        return _openrouter_error(402, "Insufficient credits (injected)")
+        return _openrouter_error(402, "Insufficient credits. Add more using https://openrouter.ai/credits (injected)",
+                                 metadata={"error_type": "payment_required"})
+    if error == "in_flight_402":
+        hint = str(faults.retry_after_s)
+        return _openrouter_error(
+            402, "This request would exceed your available credits given your current in-flight requests. Retry "
+                 "after in-flight requests settle, or add credits.", {"Retry-After": hint},
+            {"reason": "in_flight_budget_exhausted", "limit_source": "openrouter_in_flight_budget",
+             "remedy_hint": "Retry after your in-flight requests settle (see the Retry-After header).",
+             "headers": {"Retry-After": hint}})
+    if error == "forbidden":
+        return _openrouter_error(403, "Key limit exceeded (total limit). Manage it using https://openrouter.ai/settings/keys")
+    if error == "moderation":
+        return _openrouter_error(403, f"{model} requires moderation on {provider}. Your input was flagged for "
+                                      '"harassment"', metadata={"reasons": ["harassment"], "flagged_input": "...",
+                                                                "provider_name": provider, "model_slug": model})
     if error == "bad_request":
         return _openrouter_error(400, "Provider rejected the request (injected)")
     if error == "server_error":
-        return _openrouter_error(502, "Provider returned error (injected)")
+        return _openrouter_error(502, "Provider returned error (injected)", metadata={"provider_name": provider})
+    if error == "error_in_body":
+        return _openrouter_error(502, "Provider returned error", metadata={"provider_name": provider, "raw": "upstream "
+                                 "connection reset (injected)"}, status=200)
     return _openrouter_error(500, f"unknown fault {error}")
 
 

@@ -13,7 +13,8 @@ billed by a provider that does not cancel on disconnect (at most `concurrency` s
 overflow client's answers received but not yet journaled are lost with them (its settler queue:
 at most `concurrency` more, in practice the answers of the last few milliseconds).
 
-Failures: a failed row is committed only when it is final: a permanent error (HTTP 400/403, a
+Failures: a failed row is committed only when it is final: a paid answer that cannot be used
+(committed at once like an answer: asking again would pay again), a permanent error (HTTP 400, a
 prompt the template refuses) or a sample that failed in `max_failed_runs` attempts of the stage.
 Until then the stage is left incomplete (parts committed, no manifest) so the next attempt (an
 Airflow retry, a rerun of the CLI) retries exactly those samples. Failure counts per sample live in
@@ -197,7 +198,7 @@ class StageRun:
         self.side_files = dict(setup.side_files)
         self.tokenizer_sha256 = hashes.get("tokenizer_sha256")  # recorded in every row's provenance
         self.flush_interval_s = flush_interval_s
-        self.counts = {"ok": 0, "failed": 0, "skipped": 0, "replayed": 0, "retry_later": 0}
+        self.counts = {"ok": 0, "failed": 0, "paid_failed": 0, "skipped": 0, "replayed": 0, "retry_later": 0}
         self.tokens = 0
         self.cost_usd = 0.0
         self.spent_before_usd = 0.0
@@ -289,17 +290,23 @@ class StageRun:
             self.writer.flush()
             self._last_flush = time.monotonic()
 
-    def journal(self, row: dict, *, permanent: bool = False) -> None:
-        """Count one sample's row; an answer is appended to the local journal (flushed: it survives
-        a SIGKILL) and queued for the writer; a failure is held until it is final (`finish`)."""
+    def journal(self, row: dict, *, permanent: bool = False, paid: bool = False) -> None:
+        """Count one sample's row. An answer, and any row of a paid answer (`paid`: a failed or
+        unusable one is final: asking again would pay again), is appended to the local journal
+        (flushed: it survives a SIGKILL) and queued for the writer; an unpaid failure is held
+        until it is final (`finish`)."""
         usage = row.get("usage") or {}
         self.cost_usd += usage.get("cost_usd") or 0.0
-        if row["status"] == "ok":
+        if row["status"] == "ok" or paid:
             self.tokens += usage.get("completion_tokens") or 0
             self._journal.write(json.dumps(row, ensure_ascii=False) + "\n")
             self._journal.flush()
             self._rows.append(row)
-            self.counts["ok"] += 1
+            if row["status"] == "ok":
+                self.counts["ok"] += 1
+            else:
+                self.counts["failed"] += 1
+                self.counts["paid_failed"] += 1
             return
         prior = self.failures.get(row["sample_id"], {}).get("runs", 0)
         self.failures[row["sample_id"]] = {"runs": prior + 1, "error": row["error"]}

@@ -52,6 +52,7 @@ from eagle3_data.generation.checkpoint import (
 )
 from eagle3_data.generation.progress import Progress, tick_every
 from eagle3_data.generation.retry import PERMANENT_STATUS, backoff_s
+from eagle3_data.schemas import IDENTITY_MISMATCH
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class LocalOptions:
     max_endpoint_failures: int = 3
     health_interval_s: float = 2.0
     flush_interval_s: float = 30.0
+    served_model: str | None = None  # the name every endpoint must serve (GET /v1/models); None: recorded only
 
     @classmethod
     def from_config(cls, local: Any, **overrides: Any) -> LocalOptions:
@@ -117,6 +119,12 @@ class Wire(Protocol):
     def backpressure(self, status: int, text: str) -> bool:
         """The engine is full, not failing: retry later without counting against the endpoint."""
 
+    def score_request(self, ids: list[int], first: int, rid: str, identity: dict) -> tuple[str, dict]:
+        """(path, JSON body) of a request for the log-probability of each of `ids[first:]`."""
+
+    def score_answer(self, body: Any, ids: list[int], first: int) -> list[float]:
+        """Those log-probabilities, read and checked against `ids` (ValueError/KeyError: malformed)."""
+
     def manifest_extra(self, identities: dict[str, dict]) -> dict:
         """What the stage's manifest records of the endpoints' identities."""
 
@@ -154,6 +162,18 @@ def generate_local(store, ref, prompts: Iterable[dict], fmt, endpoints: Sequence
         run.finish(stopped, extra={"endpoints": len(endpoints), "max_in_flight": client.max_in_flight,
                                    **client.timing(), **wire.manifest_extra(client.identity)})
     return run.result
+
+
+async def served_model(http: aiohttp.ClientSession, endpoint: str) -> str | None:
+    """The first model `GET /v1/models` names (vLLM and SGLang: the served model name)."""
+    try:
+        async with http.get(f"{endpoint}/v1/models", timeout=aiohttp.ClientTimeout(total=30.0)) as r:
+            if r.status == 200:
+                data = (await r.json(content_type=None)).get("data") or []
+                return data[0]["id"] if data else None
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    return None
 
 
 class HealthFailure(NamedTuple):
@@ -242,8 +262,7 @@ class LocalRun:
             tries += 1
             now = time.monotonic()
             if status == 200:
-                await self._ready(endpoint)
-                return None
+                return await self._ready(endpoint)
             last = f"HTTP {status}" if isinstance(status, int) else status.what
             if isinstance(status, int) or status.connected:
                 answered_at = now
@@ -257,10 +276,15 @@ class LocalRun:
                 note_at = now + 30.0
             await asyncio.sleep(min(self.o.health_interval_s, max(0.0, started + self.o.warmup_timeout_s - now)))
 
-    async def _ready(self, endpoint: str) -> None:
-        """An endpoint just became healthy: what it serves, and how many requests it takes."""
-        self.identity[endpoint] = await self.wire.identify(self.http, endpoint)
+    async def _ready(self, endpoint: str) -> str | None:
+        """An endpoint just became healthy: what it serves (None, or why it is not used: another
+        model than `served_model`), and how many requests it takes."""
+        self.identity[endpoint] = identity = await self.wire.identify(self.http, endpoint)
+        if self.o.served_model is not None and identity.get("served_model") != self.o.served_model:
+            return (f"serves {identity.get('served_model')!r} (GET /v1/models), not generation.local.served_model "
+                    f"{self.o.served_model!r}")
         await self._size(endpoint)
+        return None
 
     async def _health(self, endpoint: str) -> int | HealthFailure:
         """The status of `/health`, or what failed (and whether a connection was made at all)."""
@@ -332,8 +356,10 @@ class LocalRun:
             await asyncio.sleep(self.o.health_interval_s)
             for e in [e for e in self.endpoints if e not in self.workers]:
                 if await self._health(e) == 200:
+                    if (problem := await self._ready(e)) is not None:
+                        log.warning("%s endpoint %s: healthy again but %s; not used", self.wire.engine, e, problem)
+                        continue
                     log.info("%s endpoint %s: healthy again; re-admitted", self.wire.engine, e)
-                    await self._ready(e)
                     self._admit(e)
             if self.workers:
                 alone_since = None
@@ -397,7 +423,7 @@ class LocalRun:
             self._settle(row, permanent=outcome.permanent)
 
     def _settle(self, row: dict, permanent: bool) -> None:
-        self.stage.record(row, permanent=permanent and row["status"] == "failed")
+        self.stage.record(row, permanent=permanent and row["status"] != "ok")
         ok = row["status"] == "ok"
         self.progress.update(ok=int(ok), failed=int(not ok),
                              tokens=(row.get("usage") or {}).get("completion_tokens") or 0)
@@ -431,7 +457,7 @@ class LocalRun:
                 return Outcome(row, backpressure=True)
             reason = f"HTTP {status} from {endpoint}: {error_message(text)[:300]}"
             return Outcome(failed_row(p, prompt_ids, source, reason), permanent=status in PERMANENT_STATUS,
-                           endpoint_failed=status >= 500)
+                           endpoint_failed=status >= 500 or status in (401, 403))
         try:
             ids, finish, engine_provenance = self.wire.answer(json.loads(text), prompt_ids, identity)
         except PromptCut as exc:  # every attempt on this server cuts it the same way
@@ -440,6 +466,12 @@ class LocalRun:
             return Outcome(failed_row(p, prompt_ids, source, f"malformed answer from {endpoint}: {exc}"))
         if finish["type"] not in ("stop", "length"):
             return Outcome(failed_row(p, prompt_ids, source, f"finish_reason {finish!r} from {endpoint}"))
+        named = engine_provenance.get("served_model")
+        if self.o.served_model is not None and named is not None and named != self.o.served_model:
+            row = failed_row(p, prompt_ids, source, f"identity: model: answered by {named!r}, pinned {self.o.served_model!r} "
+                             f"(generation.local.served_model) at {endpoint}")
+            row.update(status=IDENTITY_MISMATCH, provenance=json.dumps({"served_model": named, "endpoint": endpoint}))
+            return Outcome(row, permanent=True)
         msg = self.fmt.parse_ids(ids, finish["type"]).message
         end = self.fmt.reasoning_end_id
         reasoning_tokens = (ids.index(end) if end in ids else len(ids)) if self.fmt.thinking and end is not None else 0

@@ -34,7 +34,25 @@ from eagle3_data.generation.checkpoint import (
     sampling_for,
 )
 from eagle3_data.generation.progress import Progress, tick_every
-from eagle3_data.generation.retry import PERMANENT_STATUS, backoff_s
+from eagle3_data.generation.provider_answers import (
+    IN_FLIGHT_BUDGET,
+    RATE_LIMITED,
+    REPEATED_ERROR,
+    Verdict,
+    body_error,
+    classify_status,
+    describe,
+    error_of,
+    read_message,
+)
+from eagle3_data.generation.provider_identity import (
+    Pin,
+    allowed_providers,
+    model_names,
+    provider_slugs,
+)
+from eagle3_data.generation.retry import backoff_s
+from eagle3_data.schemas import IDENTITY_MISMATCH
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +60,10 @@ SOURCE = "openrouter"
 ROUTES = ("overflow", "both")
 # The config's sampling keys (SGLang's names) -> OpenRouter chat-completion fields; the generation
 # mode is not among them: it is bound into the output format (and sent as `reasoning`).
-REQUEST_FIELDS = {"temperature": "temperature", "top_p": "top_p", "max_new_tokens": "max_tokens", "seed": "seed"}
+REQUEST_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                  "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+                  "frequency_penalty": "frequency_penalty", "max_new_tokens": "max_tokens", "seed": "seed",
+                  "sampling_seed": "seed"}
 
 
 def check_sampling(sampling: Mapping[str, Any], *, where: str = "generation.sampling") -> dict:
@@ -53,8 +74,18 @@ def check_sampling(sampling: Mapping[str, Any], *, where: str = "generation.samp
             raise UserError(f"{where}: {key!r} is not a sampling parameter the OpenRouter client sends; "
                             f"accepted: {', '.join(REQUEST_FIELDS)}")
     return dict(sampling)
-STOP_STATUS = {401: "unauthorized", 402: "credits"}
-UNPRICED = "unpriced_answer"  # stopped_reason: an answer without usage.cost and no configured price
+
+
+def request_sampling(sampling: Mapping[str, Any]) -> dict:
+    """OpenRouter's fields for the config's sampling params. `top_k` -1 (SGLang's "whole
+    vocabulary") is OpenRouter's 0 ("disabled")."""
+    out = {REQUEST_FIELDS[k]: v for k, v in sampling.items() if v is not None}
+    if out.get("top_k") == -1:
+        out["top_k"] = 0
+    return out
+
+
+UNPRICED = "unpriced_answer"  # stopped_reason: an answer without a cost anywhere while a budget binds
 
 
 def price_answer(usage: dict, price_usd_per_mtok: dict | None) -> float | None:
@@ -122,6 +153,9 @@ class OverflowOptions:
     flush_interval_s: float = 30.0
     unreachable_timeout_s: float = 15.0
     connect_timeout_s: float = 5.0
+    max_identical_errors: int = 10  # this many identical permanent errors in a row stop dispatch
+    cost_lookups: int = 4  # GET /generation?id= tries for an answer without usage.cost (its record lags)
+    cost_lookup_delay_s: float = 0.5  # the first wait; doubled after each 404
 
     @classmethod
     def from_config(cls, overflow: Any, **overrides: Any) -> OverflowOptions:
@@ -137,10 +171,13 @@ def generate_overflow(store, ref, prompts: Iterable[dict], fmt, base_url: str, a
 
     `fmt`: the output format bound to the generation mode (its prompt ids price the budget's
     estimate; `reasoning` follows its mode unless the request sets it).
-    stopped_reason: None (complete), "budget", "credits" (HTTP 402), "unauthorized" (401),
-    "retryable_failures" (rerun to retry them), "unpriced_answer" (an answer came without
-    `usage.cost` and `options.price_usd_per_mtok` is not set while a budget is: the budget could
-    not bind, so nothing more is dispatched).
+    stopped_reason (with `stop_detail`, the provider's words, when it answered): None (complete);
+    "budget"; "credits" (402 out of credits), "unauthorized" (401), "forbidden" (403: a key limit,
+    a workspace budget), "repeated_error" (`max_identical_errors` identical permanent errors in a
+    row: a config the provider refuses), "unpriced_answer" (no cost in the answer, none at
+    /generation and no configured price, while a budget binds): a person must act; and
+    "rate_limited", "in_flight_budget" (429s, or 402s for the in-flight budget, past every retry),
+    "retryable_failures": they pass, the next attempt resumes.
     `setup.rerun` regenerates a complete stage: answers still in the local journal are replayed
     first (never paid twice), the rest is requested again.
     """
@@ -170,8 +207,8 @@ def generate_overflow(store, ref, prompts: Iterable[dict], fmt, base_url: str, a
         finally:
             progress.close()  # a bar left open would swallow the start of the error's line
         run.finish(stopped, extra={"budget_usd": options.max_usd, "spent_total_usd": round(client.budget.spent, 6),
-                                   **client.timing()})
-    return run.result
+                                   "identity_pin": client.pin.to_json() if client.pin else None, **client.timing()})
+    return {**run.result, "stop_detail": client.stop_detail}
 
 
 @contextmanager
@@ -215,6 +252,25 @@ class _Ready:
     body: bytes
 
 
+@dataclass(slots=True)
+class _Answer:
+    """A decoded answer body and its price: USD and where it came from (None: not known)."""
+
+    data: dict
+    cost: float | None
+    cost_source: str | None
+
+
+@dataclass(slots=True)
+class _Failed:
+    """A failed sample's row. `permanent`: final now (the same request fails again); `breaker`:
+    the error text the circuit breaker compares (None: it does not count)."""
+
+    row: dict
+    permanent: bool
+    breaker: str | None = None
+
+
 class _OverflowRun:
     def __init__(self, run: StageRun, fmt, base_url: str, api_key: str, request: OverflowRequest,
                  options: OverflowOptions, progress: Progress, budget: Budget):
@@ -226,6 +282,11 @@ class _OverflowRun:
         self.prices = options.price_usd_per_mtok
         self.in_flight = 0
         self.stopped: str | None = None
+        self.stop_detail: str | None = None  # the provider's words for the stop
+        self.pin: Pin | None = None
+        self.paused_until = 0.0  # monotonic: no request leaves before (a 402 in-flight budget, a 429 hint)
+        self._repeats: list[_Failed] = []  # the identical permanent failures in a row, not yet journaled
+        self._identical: tuple[str | None, int] = (None, 0)  # the last outcome's error and its run, as they come
         self.latency_sum, self.answered, self.started = 0.0, 0, time.monotonic()
 
     def timing(self) -> dict:
@@ -234,6 +295,13 @@ class _OverflowRun:
         return {"concurrency": self.concurrency, "answered": self.answered,
                 "wall_s": round(time.monotonic() - self.started, 3),
                 "latency_s_mean": round(self.latency_sum / self.answered, 4) if self.answered else None}
+
+    def _stop(self, reason: str, detail: str | None) -> None:
+        """Stop dispatching (the first reason wins): the workers send nothing more after their
+        request in flight."""
+        if self.stopped is None:
+            self.stopped, self.stop_detail = reason, detail
+            log.error("%s: stopping dispatch (%s)%s", SOURCE, reason, f": {detail}" if detail else "")
 
     async def run(self) -> str | None:
         """`concurrency` workers send; one settler records. A worker hands its answer to the settler
@@ -248,6 +316,7 @@ class _OverflowRun:
         try:
             if self.stage.pending_count:
                 await client.check_reachable(self.o.unreachable_timeout_s)
+                self.pin = await self._read_pin(client)
         except BaseException:
             await client.close()
             raise
@@ -277,6 +346,22 @@ class _OverflowRun:
                 raise outcome
         return self.stopped
 
+    async def _read_pin(self, client: SdkPost) -> Pin:
+        """The names an answer must carry (provider_identity): the pinned model's in the
+        provider's model list and, when the routing restricts providers, the provider table."""
+        listed = await client.get_json("models")
+        names = model_names(self.model, (listed or {}).get("data") or [], self.base_url)
+        allowed, ignored = allowed_providers(self.provider)
+        slug_of: dict[str, str] = {}
+        if allowed is not None or ignored:
+            table = await client.get_json("providers")
+            slug_of = provider_slugs((table or {}).get("data") or [])
+            if not slug_of:
+                raise UserError(f"generation.overflow.provider pins providers ({', '.join(sorted(allowed or ignored))}) "
+                                f"but GET {self.base_url.rstrip('/')}/providers lists none: answers could not be checked, "
+                                "nothing was sent")
+        return Pin(self.model, names, allowed, ignored, slug_of)
+
     def _prepare(self) -> bool:
         """Make the next pending prompt ready for its request (ids rendered, body encoded); False
         when none is left. A prompt the template refuses keeps its error: it becomes a permanent
@@ -301,7 +386,7 @@ class _OverflowRun:
         while self.stopped is None:
             if not self.budget.allows(self.in_flight):
                 if self.in_flight == 0 or not self.budget.allows(0):
-                    self.stopped = self.stopped or "budget"
+                    self._stop("budget", f"spent ${self.budget.spent:.4f} of max_usd {self.budget.max_usd}")
                     return
                 await asyncio.sleep(0.05)  # wait for in-flight costs to settle the estimate
                 continue
@@ -314,7 +399,7 @@ class _OverflowRun:
                 result = await self._sample(client, ready)
             except BaseException:
                 self.in_flight -= 1
-                self.stopped = self.stopped or "error"  # the other workers stop sending
+                self._stop("error", None)  # the other workers stop sending
                 raise
             await self._answers.put((ready.prompt, ready.prompt_ids, result, time.monotonic() - started))
 
@@ -336,74 +421,137 @@ class _OverflowRun:
                 break
             p, prompt_ids, result, latency_s = item
             self.in_flight -= 1
-            if result is None:  # stopped (402/401): the sample stays pending for the next attempt
+            if result is None:  # stopped (402/401/403...): the sample stays pending for the next attempt
                 continue
             try:
                 self._settle(p, prompt_ids, result, latency_s)  # local: the journal
                 if error is None and self.stage.checkpoint_due():  # S3 uploads in a thread: the loop keeps sending
                     await asyncio.to_thread(self.stage.checkpoint)
             except Exception as exc:
-                error, self.stopped = error or exc, self.stopped or "error"
+                error = error or exc
+                self._stop("error", None)
             await asyncio.sleep(0)
+        if error is None and self.stopped != REPEATED_ERROR:
+            self._release_repeats()  # fewer than K identical: those failures are the prompts' own
         if error is not None:
             raise error
 
-    def _settle(self, p: Prompt, prompt_ids, result, latency_s: float) -> None:
-        # an answer is decoded JSON (a dict when well-formed); a failure is (row, permanent)
-        row, permanent = result if isinstance(result, tuple) else self._row(p, prompt_ids, result)
+    def _settle(self, p: Prompt, prompt_ids, result: _Answer | _Failed, latency_s: float) -> None:
+        if isinstance(result, _Failed):
+            if self._breaker(result):
+                return
+            row, permanent, paid = result.row, result.permanent, False
+        else:
+            self._release_repeats()
+            row, paid = self._row(p, prompt_ids, result), True
+            permanent = row["status"] != "ok"  # paid: final whatever it is, never paid again
         if row["status"] == "ok":
             self.latency_sum += latency_s
             self.answered += 1
-        cost = (row.get("usage") or {}).get("cost_usd") or 0.0
-        self.budget.add(cost, (row.get("usage") or {}).get("completion_tokens"))
-        self.stage.journal(row, permanent=permanent)
+        usage = row.get("usage") or {}
+        cost = usage.get("cost_usd") or 0.0
+        self.budget.add(cost, usage.get("completion_tokens"))
+        self.stage.journal(row, permanent=permanent, paid=paid)
         ok = row["status"] == "ok"
-        self.progress.update(ok=int(ok), failed=int(not ok), cost_usd=cost,
-                             tokens=(row.get("usage") or {}).get("completion_tokens") or 0)
+        self.progress.update(ok=int(ok), failed=int(not ok), cost_usd=cost, tokens=usage.get("completion_tokens") or 0)
 
-    async def _sample(self, client, ready: _Ready) -> object:
-        """The decoded answer, (failed row, permanent) after retries, or None when the stage must stop."""
+    def _count(self, error: str | None) -> None:
+        """The circuit breaker's count, as outcomes come back (before the settler has them, so it
+        trips after at most `concurrency - 1` more requests): `max_identical_errors` identical
+        permanent errors in a row stop dispatch with that error. `error` None: another outcome."""
+        last, run = self._identical
+        run = run + 1 if error is not None and error == last else int(error is not None)
+        self._identical = (error, run)
+        if run >= self.o.max_identical_errors:
+            self._stop(REPEATED_ERROR, f"{run} requests in a row failed with: {error}")
+
+    def _breaker(self, failed: _Failed) -> bool:
+        """Identical permanent failures in a row are held back (True: this one is held): if the
+        breaker trips they stay pending (the error is the config's or the account's, not the
+        prompts': a rerun after the fix generates them); a different outcome releases them as
+        the prompts' own."""
+        if failed.breaker is None or (self._repeats and self._repeats[0].breaker != failed.breaker):
+            self._release_repeats()
+            if failed.breaker is None:
+                return False
+        self._repeats.append(failed)
+        return True
+
+    def _release_repeats(self) -> None:
+        held, self._repeats = self._repeats, []
+        for f in held:
+            self.stage.journal(f.row, permanent=f.permanent)
+            self.progress.update(failed=1)
+
+    async def _sample(self, client, ready: _Ready) -> _Answer | _Failed | None:
+        """The decoded answer with its price, a failure after retries, or None when the stage
+        stops (the sample stays pending: nothing is recorded for it)."""
         import openai
 
         p, prompt_ids = ready.prompt, ready.prompt_ids
         if isinstance(prompt_ids, Exception):
-            return failed_row(p, None, SOURCE, f"chat template: {prompt_ids}"), True
-        reason = "no attempt"
+            return _Failed(failed_row(p, None, SOURCE, f"chat template: {prompt_ids}"), True)
+        verdict = Verdict("retry", "no attempt")
         for attempt in range(1, self.max_attempts + 1):
             if self.stopped:
                 return None
-            retry_after = None
-            try:
-                return await client.post(ready.body, self._headers(p))
-            except openai.APIStatusError as exc:
-                status = exc.status_code
-                if status in STOP_STATUS:
-                    if not self.stopped:
-                        log.error("OpenRouter answered %d: stopping dispatch (%s)", status, STOP_STATUS[status])
-                    self.stopped = self.stopped or STOP_STATUS[status]
+            if (wait := self.paused_until - time.monotonic()) > 0:
+                await asyncio.sleep(wait)
+                if self.stopped:
                     return None
-                reason = f"HTTP {status}: {_error_message(exc)}"
-                if status in PERMANENT_STATUS:
-                    return failed_row(p, prompt_ids, SOURCE, reason), True
-                retry_after = exc.response.headers.get("retry-after")
+            try:
+                data = await client.post(ready.body, self._headers(p))
+            except openai.APIStatusError as exc:
+                verdict = classify_status(exc.status_code, _json_or_none(exc.response), exc.response.headers)
             except (openai.APITimeoutError, openai.APIConnectionError) as exc:
-                reason = f"transport: {type(exc).__name__}"
+                verdict = Verdict("retry", f"transport: {type(exc).__name__}")
             except (openai.APIResponseValidationError, ValueError) as exc:
-                return failed_row(p, prompt_ids, SOURCE, f"malformed answer: {type(exc).__name__}"), False
+                # unreadable: whether it was billed is unknown, so the budget counts it at the
+                # estimate of one answer (in this attempt; a rerun cannot know it)
+                self.budget.add(self.budget.estimate)
+                verdict = Verdict("retry", f"malformed answer: {type(exc).__name__}")
+            else:
+                if (verdict := body_error(data)) is None:
+                    self._count(None)
+                    return await self._priced(client, data)
+            if verdict.action == "stop":
+                self._stop(verdict.stop, verdict.reason)
+                return None
+            if verdict.action == "permanent":
+                self._count(verdict.reason)
+                return _Failed(failed_row(p, prompt_ids, SOURCE, verdict.reason), True, breaker=verdict.reason)
+            if verdict.action == "pause":
+                self.paused_until = max(self.paused_until, time.monotonic() + verdict.retry_after_s)
+                log.warning("%s: %s; pausing dispatch %.0f s", SOURCE, verdict.reason, verdict.retry_after_s)
             if attempt < self.max_attempts:
-                log.debug("sample %s attempt %d: %s; retrying", p.sample_id, attempt, reason)
-                await asyncio.sleep(backoff_s(attempt, retry_after=retry_after))
-        return failed_row(p, prompt_ids, SOURCE, f"gave up after {self.max_attempts} attempts: {reason}"), False
+                log.debug("sample %s attempt %d: %s; retrying", p.sample_id, attempt, verdict.reason)
+                await asyncio.sleep(backoff_s(attempt, retry_after=None if verdict.retry_after_s is None
+                                              else str(verdict.retry_after_s)))
+        if verdict.stop in (RATE_LIMITED, IN_FLIGHT_BUDGET):  # the service's limits, not this prompt's fault
+            self._stop(verdict.stop, f"{verdict.reason} (after {self.max_attempts} attempts)")
+            return None
+        self._count(None)
+        return _Failed(failed_row(p, prompt_ids, SOURCE, f"gave up after {self.max_attempts} attempts: {verdict.reason}"),
+                       False)
+
+    async def _priced(self, client, data: dict) -> _Answer:
+        """The answer with its price: `usage.cost`, else OpenRouter's record of the generation
+        (`GET /generation?id=`, retried while it is not there yet), else the configured prices."""
+        usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
+        if usage.get("cost") is not None:
+            return _Answer(data, float(usage["cost"]), "openrouter")
+        if isinstance(data.get("id"), str) and (cost := await client.generation_cost(
+                data["id"], self.o.cost_lookups, self.o.cost_lookup_delay_s)) is not None:
+            return _Answer(data, cost, "generation_lookup")
+        cost = price_answer(usage, self.prices)
+        return _Answer(data, cost, "configured_price" if cost is not None else None)
 
     def _request(self, p: Prompt) -> dict:
-        s = sampling_for(p, self.sampling)
         body = {"model": self.model, "messages": p.messages, "reasoning": self.reasoning, "provider": self.provider,
                 "usage": {"include": True}}
         if p.tools:
             body["tools"] = p.tools
-        for ours, theirs in REQUEST_FIELDS.items():
-            if s.get(ours) is not None:
-                body[theirs] = s[ours]
+        body.update(request_sampling(sampling_for(p, self.sampling)))
         return body
 
     @staticmethod
@@ -411,45 +559,55 @@ class _OverflowRun:
         """Dataset and sample id for the dev server's per-sample counters; providers ignore them."""
         return {"X-Eagle3-Dataset": p.dataset, "X-Eagle3-Sample-Id": p.sample_id}
 
-    def _row(self, p: Prompt, prompt_ids: list[int], resp) -> tuple[dict, bool]:
-        data = resp if isinstance(resp, dict) else {}
+    def _row(self, p: Prompt, prompt_ids: list[int], answer: _Answer) -> dict:
+        """The row of a paid answer: ok, or why it cannot be used (final either way)."""
+        data, cost = answer.data, answer.cost
         row = base_row(p, prompt_ids, SOURCE)
-        choices = data.get("choices") or []
-        usage = data.get("usage") or {}
+        usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
         details = usage.get("completion_tokens_details") or {}
-        cost = price_answer(usage, self.prices)
         if cost is None and self.budget.max_usd is not None:
-            if not self.stopped:
-                log.error("OpenRouter answered sample %s without usage.cost and generation.overflow.price_usd_per_mtok "
-                          "is not set: the budget cannot bind, stopping dispatch (the answer is kept)", p.sample_id)
-            self.stopped = self.stopped or UNPRICED
+            self._stop(UNPRICED, f"sample {p.sample_id}: no usage.cost, no record at /generation and "
+                       "generation.overflow.price_usd_per_mtok is not set: the budget cannot bind (the answer is kept)")
         row["usage"] = {"prompt_tokens": usage.get("prompt_tokens"), "completion_tokens": usage.get("completion_tokens"),
                         "reasoning_tokens": details.get("reasoning_tokens"), "cost_usd": cost}
-        row["provenance"] = json.dumps({
+        choices = data.get("choices") or []
+        choice = choices[0] if choices and isinstance(choices[0], dict) else {}
+        text = read_message(choice.get("message") or {}) if choice else None
+        provenance = {
             "model": data.get("model") or self.model, "provider": data.get("provider"), "generation_id": data.get("id"),
             "requested_provider": self.provider, "sampling": sampling_for(p, self.sampling), "thinking": self.thinking,
-            "tokenizer_sha256": self.tok_sha, "generated_at": time.time(),
-            "cost_source": "openrouter" if usage.get("cost") is not None else ("configured_price" if cost is not None else None),
+            "tokenizer_sha256": self.tok_sha, "generated_at": time.time(), "cost_source": answer.cost_source,
             **({"source_id": p.source_id} if p.source_id is not None else {}),
-        }, sort_keys=True)
-        if not choices:
+            **({"rewritten": list(text.rewritten)} if text and text.rewritten else {}),
+        }
+        row["provenance"] = json.dumps(provenance, sort_keys=True)
+        if not choice:
             row.update(status="failed", error="malformed answer: no choices")
-            return row, False
-        choice = choices[0]
-        msg = choice.get("message") or {}
-        calls = [{"id": c.get("id"), "type": "function",
-                  "function": {"name": (c.get("function") or {}).get("name"), "arguments": (c.get("function") or {}).get("arguments")}}
-                 for c in msg.get("tool_calls") or []]
+            return row
         finish = choice.get("finish_reason")
-        row.update(reasoning=msg.get("reasoning"), content=msg.get("content"),
-                   tool_calls=json.dumps(calls, ensure_ascii=False) if calls else None, finish_reason=finish)
-        if finish not in ("stop", "length", "tool_calls"):
+        row.update(reasoning=text.reasoning, content=text.content, finish_reason=finish,
+                   tool_calls=json.dumps(text.tool_calls, ensure_ascii=False) if text.tool_calls else None)
+        if self.pin is not None and (why := self.pin.mismatch(data.get("model"), data.get("provider"))):
+            row.update(status=IDENTITY_MISMATCH, error=f"identity: {why}")
+        elif finish == "error" or choice.get("error"):
+            row.update(status="failed", error=f"{describe(error_of(choice) or {'message': 'finish_reason error'})} "
+                                             "(mid-generation; the partial answer was billed)")
+        elif finish not in ("stop", "length", "tool_calls"):
             row.update(status="failed", error=f"finish_reason {finish!r}")
-        elif finish != "length" and not (msg.get("content") or "").strip() and not calls:
+        elif text.problem:
+            row.update(status="failed", error=text.problem)
+        elif text.unreconstructable:
+            row.update(status="unreconstructable", error=f"unreconstructable: {text.unreconstructable}")
+        elif finish != "length" and not (text.content or "").strip() and not text.tool_calls:
             row.update(status="failed", error="empty answer: no content and no tool calls")
-        elif any(not c["function"]["name"] or not isinstance(c["function"]["arguments"], str) for c in calls):
-            row.update(status="failed", error="malformed tool call: missing name or arguments")
-        return row, False
+        return row
+
+
+def _json_or_none(response) -> Any:
+    try:
+        return response.json()
+    except Exception:
+        return None
 
 
 class SdkPost:
@@ -478,6 +636,7 @@ class SdkPost:
         self.headers = {k: v for k, v in {**self.sdk.default_headers, **self.sdk.auth_headers}.items()
                         if isinstance(v, str)}
         self.connect_timeout_s = connect_timeout_s
+        self.records = True  # whether GET /generation?id= serves OpenRouter's generation records
         self.http = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=concurrency + 8, keepalive_timeout=60),
             timeout=aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s))
@@ -533,6 +692,51 @@ class SdkPost:
             raise self.sdk._make_status_error_from_response(response)
         return json_records.loads(content)  # a cut surrogate pair in the text is a malformed answer
 
+    async def get_json(self, path: str, params: dict | None = None) -> Any:
+        """`GET {base}/{path}`'s decoded JSON, None when it answers an error status or no JSON
+        (an OpenAI-compatible server without OpenRouter's tables); transport errors propagate."""
+        status, body = await self._get(path, params)
+        return body if status < 300 else None
+
+    async def _get(self, path: str, params: dict | None = None) -> tuple[int, Any]:
+        import aiohttp
+
+        url = str(self.sdk.base_url) + path
+        try:
+            async with self.http.get(url, params=params, headers=self.headers,
+                                     timeout=aiohttp.ClientTimeout(total=30.0, sock_connect=self.connect_timeout_s)) as r:
+                status, content = r.status, await r.read()
+        except asyncio.TimeoutError:
+            return 504, None
+        try:
+            return status, json_records.loads(content)
+        except ValueError:
+            return status, None
+
+    async def generation_cost(self, generation_id: str, tries: int, delay_s: float) -> float | None:
+        """`total_cost` of OpenRouter's record of a generation (`GET /generation?id=`), which
+        often answers 404 for a moment after the completion: retried `tries` times, waiting
+        `delay_s`, then twice as long. None when it never gives a number. A base URL whose 404
+        is not OpenRouter's error body has no such records (vLLM, SGLang): not asked again."""
+        import aiohttp
+
+        for attempt in range(tries if self.records else 0):
+            try:
+                status, record = await self._get("generation", {"id": generation_id})
+            except aiohttp.ClientError:
+                status, record = 0, None
+            if status == 404 and not (isinstance(record, dict) and isinstance(record.get("error"), dict)):
+                self.records = False
+                log.info("%sgeneration is not OpenRouter's generation record: answers without usage.cost are priced "
+                         "from generation.overflow.price_usd_per_mtok", self.sdk.base_url)
+                return None
+            cost = ((record or {}).get("data") or {}).get("total_cost") if isinstance(record, dict) else None
+            if isinstance(cost, (int, float)) and not isinstance(cost, bool):
+                return float(cost)
+            if attempt + 1 < tries:
+                await asyncio.sleep(delay_s * 2 ** attempt)
+        return None
+
     def _request(self):
         import httpx2
 
@@ -541,12 +745,3 @@ class SdkPost:
     async def close(self) -> None:
         await self.http.close()
         await self.sdk.close()
-
-
-def _error_message(exc) -> str:
-    try:
-        body = exc.response.json()
-        return str((body.get("error") or {}).get("message") or body)[:200]
-    except Exception:
-        return str(exc.message)[:200]
-

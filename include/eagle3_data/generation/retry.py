@@ -6,7 +6,10 @@ import email.utils
 import random
 import time
 
-PERMANENT_STATUS = {400, 401, 403, 404, 413, 422}
+# A local engine's answers that the same request would get again (a 401/403 is an auth proxy's
+# refusal of every request: a dropped endpoint, not a failed prompt). The overflow client has its
+# own table (provider_answers.py).
+PERMANENT_STATUS = frozenset({400, 404, 413, 422})
 
 
 def backoff_s(attempt: int, base_s: float = 0.5, cap_s: float = 60.0, retry_after: str | None = None,

@@ -8,8 +8,8 @@ sampling_params.py, http_server.py):
 - `output_ids` include the matched stop token and `meta_info.finish_reason` names it; `len(output_ids)`
   must equal `meta_info.completion_tokens`, and `meta_info.prompt_tokens` the ids sent: a server
   started with `--allow-auto-truncate` cuts a long prompt's tail silently and reports the cut length.
-- `weight_version` (from `/model_info`, or the deprecated `/get_model_info`) goes into every row's
-  provenance; capacity is `max_running_requests` from `/server_info` (`/get_server_info` before
+- `weight_version` (from `/model_info`, or the deprecated `/get_model_info`) and the served model
+  name (`/v1/models`) go into every row's provenance; capacity is `max_running_requests` from `/server_info` (`/get_server_info` before
   0.5.23 renamed it).
 - A full queue (`--max-queued-requests`) answers 503 "The request queue is full.": backpressure.
 """
@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp
 
 from eagle3_data.errors import UserError
-from eagle3_data.generation.local import Answer, PromptCut, error_message
+from eagle3_data.generation.local import Answer, PromptCut, error_message, served_model
 
 # SGLang 0.5.23 SamplingParams fields (srt/sampling/sampling_params.py): any other key inside
 # `sampling_params` is a 400 "unknown field" on every request, or (`choice`) crashes the request.
@@ -56,15 +56,19 @@ class SGLangWire:
         return dict(sampling)
 
     async def identify(self, http: aiohttp.ClientSession, endpoint: str) -> dict:
+        """The weight version (`/model_info`) and the served model name (`/v1/models`: the
+        `--served-model-name`, by default the model path)."""
+        out: dict = {"weight_version": None, "served_model": await served_model(http, endpoint)}
         for path in ("/model_info", "/get_model_info"):
             try:
                 async with http.get(f"{endpoint}{path}", timeout=aiohttp.ClientTimeout(total=30.0)) as r:
                     if r.status == 200:
                         info = await r.json(content_type=None)
-                        return {"weight_version": info.get("weight_version") if isinstance(info, dict) else None}
+                        out["weight_version"] = info.get("weight_version") if isinstance(info, dict) else None
+                        return out
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
                 continue
-        return {"weight_version": None}
+        return out
 
     def request(self, prompt_ids: list[int], sampling: dict, rid: str, identity: dict) -> tuple[str, dict]:
         return "/generate", {"input_ids": prompt_ids, "sampling_params": sampling, "rid": rid}
@@ -79,11 +83,27 @@ class SGLangWire:
     def backpressure(self, status: int, text: str) -> bool:
         return status == 503 and QUEUE_FULL in error_message(text).lower()
 
+    def score_request(self, ids: list[int], first: int, rid: str, identity: dict) -> tuple[str, dict]:
+        """The target's log-probability of `ids[first:]` given what precedes each: one prefill with
+        `return_logprob` from `logprob_start_len = first - 1` (SGLang's first entry is None, so the
+        window starts one token early), one token generated (a prefill-only request is refused
+        when speculative decoding is on)."""
+        return "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+                             "return_logprob": True, "logprob_start_len": first - 1, "rid": rid}
+
+    def score_answer(self, body: Any, ids: list[int], first: int) -> list[float]:
+        entries = (body[0] if isinstance(body, list) else body)["meta_info"]["input_token_logprobs"]
+        window = entries[1:]  # entry 0: ids[first - 1], whose value SGLang leaves None
+        if len(window) != len(ids) - first or any(e[1] != t for e, t in zip(window, ids[first:])):
+            raise ValueError(f"input_token_logprobs cover {len(window)} ids, not the {len(ids) - first} scored")
+        return [float(e[0]) for e in window]
+
     def manifest_extra(self, identities: dict[str, dict]) -> dict:
         return {"weight_versions": {e: i.get("weight_version") for e, i in identities.items()}}
 
 
 SGLANG = SGLangWire()
+
 
 
 def check_answer(answer, prompt_ids: list[int] | None = None) -> tuple[list[int], dict, dict]:

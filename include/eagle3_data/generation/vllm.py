@@ -18,14 +18,13 @@ server on CPU):
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
 
 from eagle3_data.errors import UserError
-from eagle3_data.generation.local import Answer, PromptCut
+from eagle3_data.generation.local import Answer, PromptCut, served_model
 
 # Config (SGLang) name -> vLLM completion-request field.
 RENAMED = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed"}
@@ -45,6 +44,8 @@ def vllm_sampling(sampling: Mapping[str, object], *, where: str = "generation.sa
             raise UserError(f"{where}: {key!r} is not a sampling parameter the vLLM client sends; "
                             f"accepted: {', '.join(sorted(set(SAMPLING_KEYS) | set(RENAMED)))}")
         out[name] = value
+    if out.get("top_k") == -1:
+        out["top_k"] = 0  # the config's (SGLang's) "whole vocabulary" is vLLM's 0
     return out
 
 
@@ -58,14 +59,7 @@ class VllmWire:
 
     async def identify(self, http: aiohttp.ClientSession, endpoint: str) -> dict:
         """vLLM has no weight version: the served model name, from /v1/models."""
-        try:
-            async with http.get(f"{endpoint}/v1/models", timeout=aiohttp.ClientTimeout(total=30.0)) as r:
-                if r.status == 200:
-                    data = (await r.json(content_type=None)).get("data") or []
-                    return {"served_model": data[0]["id"] if data else None}
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError, AttributeError):
-            pass
-        return {"served_model": None}
+        return {"served_model": await served_model(http, endpoint)}
 
     def request(self, prompt_ids: list[int], sampling: dict, rid: str, identity: dict) -> tuple[str, dict]:
         body = {"prompt": prompt_ids, "return_token_ids": True, "skip_special_tokens": False, "stream": False, **sampling}
@@ -79,6 +73,21 @@ class VllmWire:
 
     def backpressure(self, status: int, text: str) -> bool:
         return False  # vLLM queues without a bound: no "full" answer
+
+    def score_request(self, ids: list[int], first: int, rid: str, identity: dict) -> tuple[str, dict]:
+        """The target's log-probability of `ids[first:]`: `prompt_logprobs: 0` returns, at every
+        prompt position, the log-probability of the id that is there (its rank too); one token
+        generated (vLLM's minimum)."""
+        body = {"prompt": ids, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0, "stream": False}
+        if identity.get("served_model"):
+            body["model"] = identity["served_model"]
+        return "/v1/completions", body
+
+    def score_answer(self, body: Any, ids: list[int], first: int) -> list[float]:
+        per_position = body["choices"][0]["prompt_logprobs"]
+        if len(per_position) != len(ids):
+            raise ValueError(f"prompt_logprobs has {len(per_position)} positions for {len(ids)} ids")
+        return [float(per_position[i][str(ids[i])]["logprob"]) for i in range(first, len(ids))]
 
     def manifest_extra(self, identities: dict[str, dict]) -> dict:
         return {"engine": self.source, "served_models": {e: i.get("served_model") for e, i in identities.items()}}

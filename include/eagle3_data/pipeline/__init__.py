@@ -2,7 +2,8 @@
 one module per stage, in the order the DAG runs them:
 
   run (resolve_run, open_store) -> audit -> route (load_route) -> generate (local | overflow,
-  concurrently) -> reconstruct -> validate (the gate) -> merge -> extract (hidden states) -> publish
+  concurrently) -> reconstruct -> policy (score_policy) -> validate (the gate) -> merge -> extract
+  (hidden states) -> publish
 
 Each stage takes a resolved `Run` (config + params + run key), an `ArtifactStore` and, for
 per-dataset stages, a dataset name; it reads its inputs from S3, writes its outputs with a
@@ -22,6 +23,7 @@ from eagle3_data.pipeline.extract import (
 )
 from eagle3_data.pipeline.generate import generate_local, generate_overflow
 from eagle3_data.pipeline.merge import merge
+from eagle3_data.pipeline.policy import score_policy
 from eagle3_data.pipeline.publish import publish
 from eagle3_data.pipeline.reconstruct import reconstruct
 from eagle3_data.pipeline.results import (
@@ -29,6 +31,7 @@ from eagle3_data.pipeline.results import (
     Gate,
     GenerationResult,
     MergeResult,
+    PolicyResult,
     PublishResult,
     ReconstructResult,
     RouteResult,
@@ -58,6 +61,7 @@ __all__ = [
     "Gate",
     "GenerationResult",
     "MergeResult",
+    "PolicyResult",
     "PublishResult",
     "ReconstructResult",
     "RouteResult",
@@ -87,6 +91,7 @@ __all__ = [
     "run_datasets",
     "run_gate",
     "same_params",
+    "score_policy",
     "stage_ref",
     "bulk_tokenizer_for",
     "tokenizer_for",

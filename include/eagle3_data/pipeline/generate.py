@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from eagle3_data.errors import StageStopped, UserError
 from eagle3_data.pipeline.results import GenerationResult
 from eagle3_data.pipeline.reuse import reusable
-from eagle3_data.pipeline.run import Run, log, output_format, sampling, stage_ref
+from eagle3_data.pipeline.run import Run, log, output_format, stage_ref
 from eagle3_data.stages import LOCAL, OVERFLOW, PROMPTS
 
 
@@ -33,7 +33,8 @@ def _finished(result: dict, what: str) -> GenerationResult:
     """A stage that stopped early (endpoints down, budget, retryable failures) raises, so Airflow
     retries it; committed rows are kept and skipped by the next attempt."""
     if result.get("stopped_reason") or not result.get("complete", True):
-        raise StageStopped(f"{what} stopped before completion: {result.get('stopped_reason')}; counts "
+        detail = f" ({result['stop_detail']})" if result.get("stop_detail") else ""
+        raise StageStopped(f"{what} stopped before completion: {result.get('stopped_reason')}{detail}; counts "
                            f"{result.get('counts')}; committed rows are kept and the next attempt resumes after them")
     return GenerationResult(uri=result["uri"], counts=result.get("counts") or {}, tokens=result.get("tokens"),
                             cost_usd=result.get("cost_usd"))
@@ -60,8 +61,9 @@ def generate_local(run: Run, store, dataset: str, endpoints: list[str], *, rerun
 
 def generate_overflow(run: Run, store, dataset: str, base_url: str, api_key: str, *, rerun: bool = False) -> GenerationResult:
     """The samples routed overflow|both through OpenRouter at `base_url` with `api_key` (never logged)."""
-    from eagle3_data.generation.openrouter import UNPRICED, OverflowOptions, OverflowRequest
+    from eagle3_data.generation.openrouter import OverflowOptions, OverflowRequest
     from eagle3_data.generation.openrouter import generate_overflow as generate
+    from eagle3_data.generation.provider_answers import RETRYABLE_STOPS
 
     prompts, ref = stage_ref(run, PROMPTS, dataset), stage_ref(run, OVERFLOW, dataset)
     if not rerun and (reused := _reused(store, ref, prompts)) is not None:
@@ -72,18 +74,20 @@ def generate_overflow(run: Run, store, dataset: str, base_url: str, api_key: str
         OverflowRequest(model=o.model, provider=o.provider, sampling=engine_sampling(run)),
         options=OverflowOptions.from_config(o), setup=_setup(run, prompts, rerun),
     )
-    if result.get("stopped_reason") in ("budget", "credits", "unauthorized", UNPRICED):
-        raise UserError(
-            f"generate_overflow {dataset} stopped: {result['stopped_reason']} (spent ${result.get('cost_usd', 0):.4f} "
-            f"of max_usd {o.max_usd}); committed rows are kept and skipped on rerun"
+    if result.get("stopped_reason") not in (None, "retryable_failures", *RETRYABLE_STOPS):
+        detail = f": {result['stop_detail']}" if result.get("stop_detail") else ""
+        raise UserError(  # the account or the config: a person must act before a retry can pass
+            f"generate_overflow {dataset} stopped: {result['stopped_reason']}{detail} (spent "
+            f"${result.get('cost_usd', 0):.4f}, max_usd {o.max_usd}); committed rows are kept and skipped on rerun"
         )
     return _finished(result, f"generate_overflow {dataset}")
 
 
 def engine_sampling(run: Run) -> dict:
-    """The sampling params an engine receives: the config's, the generation mode aside (it is
-    bound into the output format, `pipeline.output_format`)."""
-    return {k: v for k, v in sampling(run).items() if k != "thinking"}
+    """The sampling params an engine receives: every key of the config's, neutral ones included
+    (an engine fills an unset key its own way; an unset seed is unset on every engine), the
+    generation mode aside (it is bound into the output format, `pipeline.output_format`)."""
+    return {k: v for k, v in run.config.generation.sampling.model_dump().items() if k != "thinking" and v is not None}
 
 
 def _setup(run: Run, prompts, rerun: bool):

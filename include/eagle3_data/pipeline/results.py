@@ -49,6 +49,14 @@ class ReconstructResult(_Result):
 
 
 @dataclass(frozen=True)
+class PolicyResult(_Result):
+    uri: str
+    scored: dict[str, int]  # samples scored per side
+    gap_nats_per_token: float | None
+    reused: bool = False
+
+
+@dataclass(frozen=True)
 class Gate(_Result):
     """One dataset's gate decision, as committed in its validate manifest."""
 

@@ -170,5 +170,9 @@ def tokenizer_hashes(tokenizer) -> dict[str, str | None]:
 
 
 def sampling(run: Run) -> dict:
-    """The sampling params that are part of every sample_id."""
-    return run.config.generation.sampling.model_dump()
+    """The sampling params that are part of every sample_id (the later keys only when set away
+    from their neutral value: `config.NEUTRAL_SAMPLING`)."""
+    from eagle3_data.config import NEUTRAL_SAMPLING
+
+    return {k: v for k, v in run.config.generation.sampling.model_dump().items()
+            if k not in NEUTRAL_SAMPLING or v != NEUTRAL_SAMPLING[k]}

@@ -12,11 +12,13 @@ from typing import Any
 
 from eagle3_data.config import ValidationConfig
 from eagle3_data.errors import GateFailed
+from eagle3_data.pipeline.policy import policy_summary
 from eagle3_data.pipeline.results import Gate, ValidateResult
 from eagle3_data.pipeline.reuse import reusable
 from eagle3_data.pipeline.run import Run, bulk_tokenizer_for, log, output_format, stage_ref, tokenizer_hashes
+from eagle3_data.policy.compare import policy_gate
 from eagle3_data.rejects import REJECTS_FILE
-from eagle3_data.stages import LOCAL, PROMPTS, RECONSTRUCT, VALIDATE
+from eagle3_data.stages import LOCAL, POLICY, PROMPTS, RECONSTRUCT, VALIDATE
 from eagle3_data.storage.writer import StageWriter
 
 VALIDATION_REPORT = "report.json"
@@ -24,15 +26,20 @@ BILLING_REPORT = "billing.json"
 _CHUNK = 4096
 
 
-def run_gate(local_report: dict[str, Any], billing: dict[str, Any], thresholds: ValidationConfig) -> Gate:
-    """The dataset's gate: the local round trip's and the overflow billing check's own decisions,
-    each made from its counts (`eagle3_data.validate`), combined; no reason is reinterpreted here.
+def run_gate(local_report: dict[str, Any], billing: dict[str, Any], thresholds: ValidationConfig,
+             identity: dict[str, Any] | None = None, policy: dict[str, Any] | None = None) -> Gate:
+    """The dataset's gate: the local round trip's, the overflow billing check's, the identity
+    count's and the policy check's own decisions (`eagle3_data.validate`, `eagle3_data.policy`),
+    combined; no reason is reinterpreted here.
     `unvalidated_overflow`: no local sample validated the format while overflow rows exist (fails
     unless `validation.allow_unvalidated_overflow`; the report flags it either way)."""
     reasons = [f"local round trip: {r}" for r in local_report["gate"]["reasons"]]
     reasons += [f"overflow billing: {r}" for r in billing["gate"]["reasons"]]
+    reasons += [f"identity: {r}" for r in (identity or {}).get("gate", {}).get("reasons", [])]
+    reasons += [f"policy: {r}" for r in (policy or {}).get("reasons", [])]
     notes = [f"local round trip: {w}" for w in local_report["gate"].get("warnings", [])]
     notes += [f"overflow billing: {n}" for n in billing["gate"].get("notes", [])]
+    notes += list((policy or {}).get("notes", []))
     return Gate(passed=not reasons, reasons=reasons, thresholds=thresholds.model_dump(), notes=notes,
                 unvalidated_overflow=local_report["samples"] == 0 and billing["rows"] > 0)
 
@@ -73,6 +80,7 @@ def validate(run: Run, store, dataset: str, *, workers: int | None = None) -> Va
     from eagle3_data.validate import COLUMNS as VALIDATE_COLUMNS
     from eagle3_data.validate import (
         ValidationSummary,
+        identity_report,
         compare_billed_counts,
         detect_stop_convention,
         rows_from_batches,
@@ -81,12 +89,14 @@ def validate(run: Run, store, dataset: str, *, workers: int | None = None) -> Va
     )
 
     local, rebuilt, ref = stage_ref(run, LOCAL, dataset), stage_ref(run, RECONSTRUCT, dataset), stage_ref(run, VALIDATE, dataset)
+    policy_ref = stage_ref(run, POLICY, dataset)
+    inputs = [local, rebuilt] + ([policy_ref] if store.is_complete(policy_ref) else [])
     thresholds = run.config.dataset(dataset).validation
     # encode/decode only: the verified tiktoken fast start, no chat template
     tokenizer, fmt = bulk_tokenizer_for(run, store), output_format(run, store, template=False)
     hashes = tokenizer_hashes(tokenizer)
     params = {"thresholds": thresholds.model_dump(), "thinking": run.config.generation.sampling.thinking, **hashes}
-    if (manifest := reusable(store, ref, [local, rebuilt], params)) is None:
+    if (manifest := reusable(store, ref, inputs, params)) is None:
 
         def local_rows():  # two passes: the stop convention over all rows first, then the classes
             # provenance: the engine's finish_reason (its `matched` stop); tools: what was offered
@@ -95,7 +105,8 @@ def validate(run: Run, store, dataset: str, *, workers: int | None = None) -> Va
         stops = detect_stop_convention(fmt, local_rows())
         summary = ValidationSummary(thresholds.max_bpe_mismatch_rate, stops, thresholds.max_bad_row_rate,
                                     thresholds.allow_unvalidated_overflow)
-        with StageWriter(store, ref, "validation_rows", rows_per_part=_CHUNK, params=params, inputs=[local, rebuilt], fresh=True, **hashes) as w:
+        with StageWriter(store, ref, "validation_rows", rows_per_part=_CHUNK, params=params, inputs=inputs, fresh=True,
+                         **hashes) as w:
             chunk = []
             workers = workers or os.cpu_count() or 1
             for item in validate_rows(fmt, local_rows(), stops=stops, on_bad_row="skip", workers=workers):
@@ -119,7 +130,14 @@ def validate(run: Run, store, dataset: str, *, workers: int | None = None) -> Va
                 max_aggregate_deviation=thresholds.max_billing_deviation,
                 max_missing_usage_rate=thresholds.max_missing_usage_rate,
             )
-            gate = run_gate(local_report, billing, thresholds).as_dict()
+            identity = identity_report(
+                (r for ref_ in (local, rebuilt)
+                 for b in store.iter_batches(ref_, columns=["sample_id", "source", "status", "error", "provenance"])
+                 for r in b.to_pylist()),
+                max_rate=thresholds.max_identity_mismatch_rate)
+            policy = policy_gate(policy_summary(run, store, dataset), max_gap=thresholds.max_policy_logprob_gap,
+                                 max_p_value=thresholds.policy_max_p_value, min_samples=thresholds.policy_min_samples)
+            gate = run_gate(local_report, billing, thresholds, identity, policy).as_dict()
             gate.pop("report_uri")
             # Calibration: samples routed "both", engine ids vs the provider's reconstructed text.
             # Informational, not a gate: docs/generation.md says what it can and cannot prove.
@@ -127,9 +145,12 @@ def validate(run: Run, store, dataset: str, *, workers: int | None = None) -> Va
                     for r in b.to_pylist() if r["route"] == "both"}
             calibration = consistency_report(fmt, _rows_with_ids(store, local, both), _rows_with_ids(store, rebuilt, both),
                                              sample_ids=both)
-            store.put_json(ref, VALIDATION_REPORT, {**local_report, "dataset": dataset, "run_gate": gate, "calibration": calibration})
+            store.put_json(ref, VALIDATION_REPORT, {**local_report, "dataset": dataset, "run_gate": gate,
+                                                    "calibration": calibration, "identity": identity,
+                                                    "policy": {**policy, "figures": policy_summary(run, store, dataset)}})
             store.put_json(ref, BILLING_REPORT, {**billing, "dataset": dataset})
-            manifest = w.commit(extra={"gate": gate, "counts": local_report["counts"]},
+            manifest = w.commit(extra={"gate": gate, "counts": local_report["counts"],
+                                       "identity": {k: identity[k] for k in ("answered", "mismatched", "rate")}},
                                 files=[VALIDATION_REPORT, BILLING_REPORT, REJECTS_FILE])
     uri = store.uri(ref, VALIDATION_REPORT)
     gate = _gate_from_manifest(manifest, uri)

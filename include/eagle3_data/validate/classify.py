@@ -96,7 +96,7 @@ class Validator:
 
     def prepare_one(self, row: InputRow) -> _Prepared:
         ids, finish, verdict, stop = self._stop(row)
-        view = self.fmt.provider_view(ids, finish, row.tools)  # the server trims one trailing stop id
+        view = self.fmt.provider_view(ids, finish, row.tools, row.history_tool_calls)  # trims one trailing stop id
         view_ids = ids[:-1] if ids and ids[-1] in self.stop_ids else ids
         notes = list(dict.fromkeys(view.notes))
         message = AssistantMessage.from_openai(view.message)
@@ -123,6 +123,14 @@ class Validator:
 
     def encode(self, prepared: Sequence[_Prepared]) -> list[list[int]]:
         return self.fmt.encode_parts_batch([p.parts for p in prepared])
+
+    def rebuilds(self, rows: Sequence[InputRow]) -> list[list[int] | None]:
+        """The ids the overflow path would have for each row: its provider view rebuilt and
+        encoded, as `validate` compares them; None where the row has no rebuild to stand for it
+        (a wrong stop, a stop string, text that cannot determine the ids)."""
+        prepared = self.prepare(rows)
+        ids = self.encode(prepared)
+        return [None if p.verdict is not None or not p.parts else new for p, new in zip(prepared, ids)]
 
     def validate(self, rows: Sequence[InputRow]) -> list[RowResult]:
         prepared = self.prepare(rows)

@@ -23,6 +23,7 @@ class InputRow:
     finish_reason: str | None = None  # "stop" | "length" | None (infer from the ids)
     matched: int | str | None = None  # the engine's finish_reason.matched: a stop id or a stop string
     tools: list[dict[str, Any]] | None = None  # the tools offered; None = unknown
+    history_tool_calls: int | None = None  # tool calls of the prompt's assistant turns; None = unknown
 
 
 @dataclass
@@ -97,7 +98,22 @@ def _check_row(where: str, record: Any, vocab_size: int, ints_checked: bool = Fa
         tools = []  # the column exists and says: none offered
     if tools is not None and not isinstance(tools, list):
         return BadRow(where, sid, "tools", "not a list of OpenAI tools")
-    return InputRow(where, sid, ids, finish, matched, tools)
+    history = record.get("messages")
+    if isinstance(history, str):
+        if '"tool_calls"' not in history:  # no call in it: no need to parse a long conversation
+            history = 0
+        else:
+            try:
+                history = json_records.loads(history)
+            except json_records.JsonRefused as exc:
+                return BadRow(where, sid, json_records.join_field("messages", exc.field), exc.reason)
+            except json.JSONDecodeError as exc:
+                return BadRow(where, sid, "messages", f"not valid JSON ({exc.msg})")
+    if isinstance(history, list):
+        history = sum(len(m.get("tool_calls") or []) for m in history if isinstance(m, dict) and m.get("role") == "assistant")
+    elif history is not None and not isinstance(history, int):
+        return BadRow(where, sid, "messages", "not a list of chat messages")
+    return InputRow(where, sid, ids, finish, matched, tools, history)
 
 
 def rows_from_jsonl(path: str | Path, vocab_size: int) -> Iterator[InputRow | BadRow]:
@@ -121,8 +137,9 @@ def rows_from_jsonl(path: str | Path, vocab_size: int) -> Iterator[InputRow | Ba
 
 
 # Read when present: the engine's finish (finish_reason, and provenance's finish_reason with its
-# `matched`) and the tools offered (a generation rows' `tools` column: null = none offered).
-OPTIONAL_COLUMNS = ("finish_reason", "provenance", "tools")
+# `matched`), the tools offered (a generation rows' `tools` column: null = none offered) and the
+# prompt's messages (the tool calls before this turn, from which a server numbers call ids).
+OPTIONAL_COLUMNS = ("finish_reason", "provenance", "tools", "messages")
 COLUMNS = ("sample_id", "output_ids", *OPTIONAL_COLUMNS)
 
 

@@ -22,7 +22,10 @@ class StopConvention:
     `<|im_end|>`, and the report says so, since the ids then cannot show a wrong stop id.
     `dominant_token`: the ordinary id that most stop rows end with and that never occurs earlier
     in them; a server stops at the first occurrence of its stop id, so this is what a server told
-    to stop on the wrong id (163533 "chas") produces, and the gate fails naming it.
+    to stop on the wrong id (163533 "chas") produces, and the gate fails naming it. A structural
+    token of the format is never taken for one: a tool-call turn ends with the section's end
+    (`<|tool_calls_section_end|>`) before its stop id, so a stripped dataset of mostly tool-call
+    turns ends with it in most rows, as it should.
     """
 
     kind: str  # "included" | "stripped" | "none" (no stop rows)
@@ -56,6 +59,7 @@ class StopConvention:
 def detect_stop_convention(fmt: OutputFormat, rows: Iterable[InputRow | BadRow]) -> StopConvention:
     """One cheap pass over a dataset's rows (last ids and finish reasons only)."""
     stop_ids = set(fmt.stop_token_ids)
+    structural = set(fmt.special_ids.values())
     conv = StopConvention("none")
     last_counts: Counter = Counter()
     seen_earlier: set[int] = set()
@@ -77,7 +81,7 @@ def detect_stop_convention(fmt: OutputFormat, rows: Iterable[InputRow | BadRow])
             conv.with_stop_id += 1
         else:
             conv.without_stop_id += 1
-            if last is not None:
+            if last is not None and last not in structural:
                 last_counts[last] += 1
                 if ids.index(last) < len(ids) - 1:
                     seen_earlier.add(last)

@@ -1,0 +1,95 @@
+"""Stage 5a, the policy check's scoring (eagle3_data.policy): after reconstruction, before the gate.
+
+The local engine (the endpoints local generation used) scores a sample of the dataset's overflow
+answers on their reconstructed ids and as many local answers on their rebuilt ids; the figures
+are committed with the scored samples, and the validate stage's gate decides on them with the
+dataset's thresholds (`validation.max_policy_logprob_gap`, `policy_max_p_value`,
+`policy_min_samples`).
+"""
+
+from __future__ import annotations
+
+from eagle3_data.pipeline.results import PolicyResult
+from eagle3_data.pipeline.reuse import reusable
+from eagle3_data.pipeline.run import Run, bulk_tokenizer_for, log, output_format, stage_ref, tokenizer_hashes
+from eagle3_data.stages import LOCAL, POLICY, PROMPTS, RECONSTRUCT
+from eagle3_data.storage.writer import StageWriter
+
+POLICY_REPORT = "policy.json"
+SCORES_FILE = "scores.parquet"  # schemas.POLICY_SCORES
+
+
+def _parquet(rows: list[dict]) -> bytes:
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from eagle3_data.schemas import POLICY_SCORES
+
+    buf = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(rows, schema=POLICY_SCORES), buf)
+    return buf.getvalue()
+
+
+def _rows(store, ref, columns):
+    for batch in store.iter_batches(ref, columns=columns):
+        yield from batch.to_pylist()
+
+
+def score_policy(run: Run, store, dataset: str, endpoints: list[str]) -> PolicyResult:
+    """Score the dataset's sample on the local engine's `endpoints` (http(s) URLs) and commit the
+    figures (`policy.json` beside the scored rows). No overflow answers, or `policy.samples` 0:
+    committed as skipped, no request sent."""
+    from eagle3_data.generation.engines import wire_for
+    from eagle3_data.policy import ScoreOptions, local_items, overflow_items, score_items, summarize
+    from eagle3_data.policy.compare import rows as score_rows
+
+    local, rebuilt, prompts, ref = (stage_ref(run, s, dataset) for s in (LOCAL, RECONSTRUCT, PROMPTS, POLICY))
+    tokenizer = bulk_tokenizer_for(run, store)
+    hashes = tokenizer_hashes(tokenizer)
+    cfg = run.config.policy
+    params = {"samples": cfg.samples, "seed": cfg.seed, "engine": run.config.generation.local.engine,
+              "thinking": run.config.generation.sampling.thinking, **hashes}
+    if (manifest := reusable(store, ref, [local, rebuilt], params)) is not None:
+        extra = manifest["extra"]
+        return PolicyResult(uri=store.uri(ref), scored=extra["scored"], gap_nats_per_token=extra["gap_nats_per_token"],
+                            reused=True)
+    routes = {r["sample_id"]: r["route"] for r in _rows(store, prompts, ["sample_id", "route"])}
+    columns = ["sample_id", "status", "prompt_ids", "output_ids", "finish_reason", "provenance", "tools", "messages"]
+    over = overflow_items(_rows(store, rebuilt, columns[:4]), routes, cfg.samples, cfg.seed)
+    if cfg.samples == 0 or not over:
+        summary = {"skipped": "policy.samples is 0" if cfg.samples == 0 else "no overflow answers"}
+        items, scores = [], []
+    else:
+        fmt = output_format(run, store, template=False)
+        mine = local_items(fmt, _rows(store, local, columns), routes, len([i for i in over if i.route != "both"]) or 1,
+                           cfg.seed, len(tokenizer))
+        items = over + mine
+        if not endpoints:
+            from eagle3_data.errors import UserError
+
+            raise UserError(f"score_policy {dataset}: no local endpoints configured to score on")
+        scores, refused = score_items(items, endpoints, wire_for(run.config.generation.local.engine),
+                                      ScoreOptions.from_config(cfg))
+        summary = summarize(items, scores, refused)
+    # the scored samples as a file beside the (empty) parts: a calibration sample is scored on
+    # both sides under one sample_id, which the parts (one row per sample_id) cannot hold
+    with StageWriter(store, ref, "policy_scores", rows_per_part=4096, params=params, inputs=[local, rebuilt],
+                     fresh=True, **hashes) as w:
+        store.put_bytes(ref, SCORES_FILE, _parquet(score_rows(items, scores, dataset)))
+        store.put_json(ref, POLICY_REPORT, {"dataset": dataset, **summary})
+        scored = {side: (summary.get(side) or {}).get("samples", 0) for side in ("local", "overflow")}
+        gap = summary.get("gap_nats_per_token")
+        w.commit(extra={"scored": scored, "gap_nats_per_token": gap, "skipped": summary.get("skipped")},
+                 files=[POLICY_REPORT, SCORES_FILE])
+    log.info("score_policy %s: %s", dataset, summary.get("skipped") or f"scored {scored}, gap {gap}")
+    return PolicyResult(uri=store.uri(ref), scored=scored, gap_nats_per_token=gap)
+
+
+def policy_summary(run: Run, store, dataset: str) -> dict | None:
+    """The committed figures of the dataset's policy check, None when it has none."""
+    ref = stage_ref(run, POLICY, dataset)
+    if not store.is_complete(ref):
+        return None
+    return store.get_json(ref, POLICY_REPORT)

@@ -1,0 +1,24 @@
+"""The policy check: is the provider's text the target model's?
+
+The identity check (generation/provider_identity.py) compares the names an answer carries; a
+provider can serve other weights under the pinned name (a quantisation, an older checkpoint, a
+different model). What the names cannot show, the target model itself can: text the target
+generated is, token by token, as likely under the target as the target's own text; another
+model's text is not. So the local engine scores a sample of the overflow answers, on the ids
+reconstruction gave them, and as many local answers, on the ids the same reconstruction would
+give them (the validator's rebuild: both sides go through one tokenisation path, so BPE
+re-splits cannot move one side only), and the gate compares the two per-token log-probability
+distributions: mean, tail quantiles, and a two-sample test over the samples' mean
+log-probabilities (a sample's tokens are not independent draws; its mean is).
+
+What it can and cannot prove is in docs/generation.md ("The policy check").
+
+Modules, in flow order: `select` (which samples, and their ids), `score` (the engine requests),
+`compare` (the figures and the decision).
+"""
+
+from eagle3_data.policy.compare import policy_gate, summarize
+from eagle3_data.policy.score import ScoreOptions, score_items
+from eagle3_data.policy.select import Item, local_items, overflow_items
+
+__all__ = ["Item", "ScoreOptions", "local_items", "overflow_items", "policy_gate", "score_items", "summarize"]

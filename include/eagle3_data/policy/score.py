@@ -1,0 +1,122 @@
+"""Scoring on the local engine: each item's answer ids, their log-probabilities under the target.
+
+One prefill per item through the engine's own wire (`Wire.score_request`: SGLang's
+`return_logprob` from `logprob_start_len`, vLLM's `prompt_logprobs`), a few in flight per
+endpoint, retried with backoff on transport errors, 5xx and a full queue. An item the engine
+refuses (4xx: longer than its context, say) is left out and counted, never guessed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import aiohttp
+
+from eagle3_data.errors import EndpointUnavailable
+from eagle3_data.generation.local import error_message
+from eagle3_data.generation.retry import backoff_s
+from eagle3_data.policy.select import Item
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ScoreOptions:
+    """`policy` of the config (`from_config`), with timings a test may tighten."""
+
+    in_flight_per_endpoint: int = 8
+    max_attempts: int = 5
+    request_timeout_s: float = 600.0
+    connect_timeout_s: float = 5.0
+    ready_timeout_s: float = 600.0  # an endpoint that answers but is not ready yet (loading)
+
+    @classmethod
+    def from_config(cls, policy: Any, **overrides: Any) -> ScoreOptions:
+        names = {f.name for f in fields(cls)}
+        return cls(**{**{k: v for k, v in policy.model_dump().items() if k in names}, **overrides})
+
+
+def score_items(items: Sequence[Item], endpoints: Sequence[str], wire, options: ScoreOptions = ScoreOptions()
+                ) -> tuple[list[list[float] | None], dict[str, str]]:
+    """(log-probabilities per item, None where the engine refused it; the refusals by sample id)."""
+    if not items:
+        return [], {}
+    return asyncio.run(_Scorer(endpoints, wire, options).run(items))
+
+
+class _Scorer:
+    def __init__(self, endpoints: Sequence[str], wire, options: ScoreOptions):
+        self.endpoints, self.wire, self.o = [e.rstrip("/") for e in endpoints], wire, options
+        self.refused: dict[str, str] = {}
+        self.tag = uuid.uuid4().hex[:8]
+
+    async def run(self, items: Sequence[Item]) -> tuple[list[list[float] | None], dict[str, str]]:
+        timeout = aiohttp.ClientTimeout(total=self.o.request_timeout_s, sock_connect=self.o.connect_timeout_s)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as http:
+            self.http = http
+            ready = [e for e, ok in zip(self.endpoints, await asyncio.gather(*(self._ready(e) for e in self.endpoints)))
+                     if ok]
+            if not ready:
+                raise EndpointUnavailable(f"policy check: no {self.wire.engine} endpoint answered /health "
+                                          f"({', '.join(self.endpoints)}): nothing was scored")
+            self.identity = {e: await self.wire.identify(http, e) for e in ready}
+            queue: asyncio.Queue = asyncio.Queue()
+            for i in range(len(items)):
+                queue.put_nowait(i)
+            out: list[list[float] | None] = [None] * len(items)
+            workers = [self._worker(e, items, queue, out) for e in ready for _ in range(self.o.in_flight_per_endpoint)]
+            await asyncio.gather(*workers)
+        return out, self.refused
+
+    async def _ready(self, endpoint: str) -> bool:
+        started = time.monotonic()
+        while time.monotonic() - started < self.o.ready_timeout_s:
+            try:
+                async with self.http.get(f"{endpoint}/health", timeout=aiohttp.ClientTimeout(
+                        total=30.0, sock_connect=self.o.connect_timeout_s)) as r:
+                    if r.status == 200:
+                        return True
+            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):
+                return False  # nothing listening: named by the caller when no endpoint is left
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                pass
+            await asyncio.sleep(2.0)
+        return False
+
+    async def _worker(self, endpoint: str, items: Sequence[Item], queue: asyncio.Queue, out: list) -> None:
+        while not queue.empty():
+            i = queue.get_nowait()
+            out[i] = await self._one(endpoint, items[i])
+
+    async def _one(self, endpoint: str, item: Item) -> list[float] | None:
+        ids = list(item.ids)
+        last = "no attempt"
+        for attempt in range(1, self.o.max_attempts + 1):
+            path, body = self.wire.score_request(ids, item.first, f"{item.sample_id}.policy.{self.tag}.{attempt}",
+                                                 self.identity[endpoint])
+            try:
+                async with self.http.post(f"{endpoint}{path}", json=body) as r:
+                    status, text = r.status, await r.text()
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                last = f"transport: {type(exc).__name__}"
+            else:
+                if status == 200:
+                    try:
+                        return self.wire.score_answer(json.loads(text), ids, item.first)
+                    except (ValueError, KeyError, TypeError, IndexError) as exc:
+                        last = f"malformed answer: {exc}"
+                elif 400 <= status < 500 and status not in (408, 429):
+                    self.refused[item.sample_id] = f"HTTP {status}: {error_message(text)[:200]}"
+                    return None
+                else:
+                    last = f"HTTP {status}: {error_message(text)[:200]}"
+            await asyncio.sleep(backoff_s(attempt))
+        raise EndpointUnavailable(f"policy check: {endpoint} did not score sample {item.sample_id} in "
+                                  f"{self.o.max_attempts} attempts (last: {last})")

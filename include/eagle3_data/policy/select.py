@@ -1,0 +1,65 @@
+"""Which samples the policy check scores, and the ids it scores them on."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from eagle3_data.chat_format import OutputFormat
+
+
+@dataclass(frozen=True)
+class Item:
+    """One sample to score: the log-probability of `ids[first:]` (the answer) after `ids[:first]`
+    (its prompt)."""
+
+    sample_id: str
+    side: str  # "local" | "overflow"
+    route: str  # "local" | "overflow" | "both" (calibration: greedy on both paths)
+    ids: tuple[int, ...]
+    first: int
+
+
+def pick(sample_ids: Iterable[str], n: int, seed: int) -> list[str]:
+    """`n` of `sample_ids`, the same ones every run (ordered by a hash of the seed and the id:
+    not the input order, which may group samples by topic or length)."""
+    key = lambda s: hashlib.sha256(f"{seed}:{s}".encode()).digest()  # noqa: E731
+    return sorted(sorted(set(sample_ids), key=key)[:n])
+
+
+def _chosen(rows: Iterable[Mapping], routes: Mapping[str, str], side_route: str, n: int, seed: int) -> list[Mapping]:
+    """Up to `n` rows of the side's own route and up to `n` calibration rows (route "both")."""
+    usable = [r for r in rows if r.get("status") == "ok" and r.get("output_ids") and r.get("prompt_ids")]
+    keep: set[str] = set()
+    for route in (side_route, "both"):
+        keep.update(pick((r["sample_id"] for r in usable if routes.get(r["sample_id"]) == route), n, seed))
+    return [r for r in usable if r["sample_id"] in keep]
+
+
+def overflow_items(rows: Iterable[Mapping], routes: Mapping[str, str], n: int, seed: int) -> list[Item]:
+    """The reconstruct stage's rows: their output ids are what reconstruction made of the text."""
+    return [Item(r["sample_id"], "overflow", routes[r["sample_id"]], tuple(r["prompt_ids"]) + tuple(r["output_ids"]),
+                 len(r["prompt_ids"])) for r in _chosen(rows, routes, "overflow", n, seed)]
+
+
+def local_items(fmt: OutputFormat, rows: Iterable[Mapping], routes: Mapping[str, str], n: int, seed: int,
+                vocab_size: int) -> list[Item]:
+    """The local stage's rows, on the ids the overflow path would have given their text (the
+    validator's rebuild); a row without one (a wrong stop, text that cannot determine the ids)
+    is left out."""
+    from eagle3_data.validate import InputRow, Validator, detect_stop_convention, rows_from_batches
+
+    import pyarrow as pa
+
+    chosen = _chosen(rows, routes, "local", n, seed)
+    if not chosen:
+        return []
+    columns = ("sample_id", "output_ids", "finish_reason", "provenance", "tools", "messages")
+    table = pa.Table.from_pylist([{c: r.get(c) for c in columns} for r in chosen])
+    parsed = list(rows_from_batches(table.to_batches(), vocab_size))
+    inputs = [p for p in parsed if isinstance(p, InputRow)]
+    rebuilt = Validator(fmt, detect_stop_convention(fmt, inputs)).rebuilds(inputs)
+    by_id = {r["sample_id"]: r for r in chosen}
+    return [Item(p.sample_id, "local", routes[p.sample_id], tuple(by_id[p.sample_id]["prompt_ids"]) + tuple(ids),
+                 len(by_id[p.sample_id]["prompt_ids"])) for p, ids in zip(inputs, rebuilt) if ids]
