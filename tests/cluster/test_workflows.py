@@ -19,7 +19,7 @@ from eagle3_data.config import DAG_ID, GPU_QUEUE
 from tests.cluster.conftest import KILLED_RUN, SMALL, config, run_prefix, upload
 
 FIRST = date(2026, 11, 1)  # the triggered run
-GPU_TASKS = {"dataset.generate_local", "extract_hidden_states"}
+GPU_TASKS = {"dataset.generate_local", "dataset.score_policy", "extract_hidden_states"}
 
 
 def by_dataset(objects: dict[str, str], prefix: str, dataset: str) -> dict[str, str]:

@@ -68,6 +68,24 @@ def calibration(tokenizer) -> dict:
     return consistency_report(fmt, local, provider, first_n=64, sample_ids={"same", "bpe", "evil", "lost", "cut"})
 
 
+def provider_checks() -> dict:
+    """Identity and policy as pipeline.validate writes them: 1 of 13 answers from another provider;
+    12 local and 12 overflow samples, the overflow ones 1 nat/token less likely (off policy)."""
+    from eagle3_data.policy.compare import policy_gate, summarize
+    from eagle3_data.policy.select import Item
+    from eagle3_data.validate import identity_report
+
+    rows = [{"sample_id": f"o-{i}", "status": "identity_mismatch" if i == 0 else "ok",
+             "error": "provider Other Cloud is not the pin moonshotai" if i == 0 else None,
+             "provenance": json.dumps({"model": "moonshotai/kimi-k2.5", "provider": "Other Cloud" if i == 0 else "Moonshot AI"})}
+            for i in range(13)]
+    items = [Item(f"{side}-{i}", side, side, (1, 2, 3, 4), 1) for side in ("local", "overflow") for i in range(12)]
+    scores = [[-0.2 - 0.01 * (i % 12) - (1.0 if it.side == "overflow" else 0.0)] * 3 for i, it in enumerate(items)]
+    figures = summarize(items, scores, {})
+    policy = policy_gate(figures, max_gap=0.25, max_p_value=0.001, min_samples=8)
+    return {"identity": identity_report(rows), "policy": {**policy, "figures": figures}}
+
+
 @pytest.fixture
 def run_report(store, kimi_tokenizer):
     """Two datasets: tool_calls (failed gate, overflow billing with 2 rows excluded, provider
@@ -84,6 +102,7 @@ def run_report(store, kimi_tokenizer):
         "tool_calls": {
             "validation": store.put_json(tc, "report.json", {
                 **validation_report(42, [1, 3, 3, 40, 41, 130, 7, 9]), "calibration": calibration(kimi_tokenizer),
+                **provider_checks(),
             }),
             "billing": store.put_json(tc, "billing.json", billing),
             "thresholds": THRESHOLDS,
@@ -171,6 +190,25 @@ def test_page_shows_billing_exclusions_and_provider_calibration(store, run_repor
     assert "<b>Cannot prove:</b> that the provider serves the same weights" in cal and "<b>Can prove:</b>" in cal
     chat = html[html.index("<section id='ds-chat'>"):html.index("<section id='ds-tool_calls'>")]
     assert "Provider calibration" not in chat and "Overflow billing check" not in chat
+
+
+def test_page_and_summary_show_identity_and_policy(store, run_report):
+    report = load_run_report(store, RUN)
+    tc = {d["dataset"]: d for d in report.summary()["datasets"]}["tool_calls"]
+    assert (tc["identity"]["answered"], tc["identity"]["mismatched"], tc["identity"]["passed"]) == (13, 1, False)
+    assert tc["policy"]["passed"] is False and tc["policy"]["gap_nats_per_token"] == pytest.approx(1.0)
+    assert tc["policy"]["overflow"]["samples"] == 12
+    html = render_html(report, title="t")
+    part = html[html.index("Provider identity and policy"):html.index("Provider calibration")]
+    assert "<tr class='bad'><th>not the pinned model/provider</th><td class='num'>1 (7.69%)</td>" in part
+    assert "<th>served by moonshotai/kimi-k2.5 @ Moonshot AI</th><td class='num'>12</td>" in part
+    assert "<tr class='bad'><th>policy gap (nats/token, local minus overflow)</th><td class='num'>1.0000</td>" in part
+    assert "overflow text is off the target&#39;s policy" in part
+    assert "1x provider Other Cloud is not the pin moonshotai" in part
+    md = render_markdown(report)
+    assert "| not the pinned model/provider | 1 (7.69%) **(fails)** |" in md
+    chat = html[html.index("<section id='ds-chat'>"):html.index("<section id='ds-tool_calls'>")]
+    assert "Provider identity and policy" not in chat
 
 
 def test_missing_artifact_is_reported_not_raised(store, run_report):

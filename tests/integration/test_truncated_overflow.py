@@ -13,6 +13,7 @@ from eagle3_data.dev.inference_server import create_app
 from eagle3_devtools.stack import SAMPLE_DATA
 from eagle3_data.reconstruct import reconstruct_rows, row_to_reconstruct
 from eagle3_data.validate import compare_billed_counts
+from tests.generation_calls import MODEL
 
 MAX_TOKENS = 48
 PER_DATASET = 16
@@ -25,7 +26,7 @@ def test_billing_gate_with_truncated_tool_calls(kimi_tokenizer):
         for i, line in enumerate((SAMPLE_DATA / f"{name}.jsonl").read_text().splitlines()[:PER_DATASET]):
             p = json.loads(line)
             sid = f"{name}-{i}"
-            answer = client.post("/v1/chat/completions", json={**p, "max_tokens": MAX_TOKENS, "seed": 7}).json()
+            answer = client.post("/v1/chat/completions", json={**p, "model": MODEL, "max_tokens": MAX_TOKENS, "seed": 7}).json()
             choice = answer["choices"][0]
             rows.append({"sample_id": sid, **{k: choice["message"].get(k) for k in ("reasoning", "content", "tool_calls")},
                          "finish_reason": choice["finish_reason"], "tools": p.get("tools"), "messages": p["messages"],

@@ -15,6 +15,7 @@ from eagle3_data.errors import UserError
 COMMAND_MODULES = [
     "tokenizer",
     "reconstruct",
+    "policy",
     "validate",
     "generate",
     "merge",

@@ -145,6 +145,18 @@ class DatasetReport:
         cal = (self.validation or {}).get("calibration")
         return cal if isinstance(cal, dict) else None
 
+    @property
+    def identity(self) -> dict[str, Any] | None:
+        """Who answered (`validate.identity_report`): answers per model @ provider and the mismatches."""
+        ident = (self.validation or {}).get("identity")
+        return ident if isinstance(ident, dict) else None
+
+    @property
+    def policy(self) -> dict[str, Any] | None:
+        """The policy check (`policy.policy_gate` with its `figures`): overflow vs local log-probabilities."""
+        pol = (self.validation or {}).get("policy")
+        return pol if isinstance(pol, dict) else None
+
     def summary(self) -> dict[str, Any]:
         """The numbers of the report, for the JSON endpoint, the renderers and tests."""
         v = self.validation or {}
@@ -163,6 +175,8 @@ class DatasetReport:
             "first_diff_histogram": first_diff_histogram(v.get("mismatches") or []),
             "billing": self.billing,
             "calibration": calibration_summary(self.calibration),
+            "identity": identity_summary(self.identity),
+            "policy": policy_summary(self.policy),
             "generation": self.generation,
             "lengths": {k: {s: d.get(s) for s in ("count", "mean", "p50", "p95", "max")} for k, d in (self.lengths or {}).items() if isinstance(d, dict)},
             "errors": self.errors,
@@ -289,6 +303,26 @@ def calibration_summary(cal: Mapping[str, Any] | None) -> dict[str, Any] | None:
     keys = ("first_n", "samples", "agreement", "text_agreement", "mean_agreeing_prefix", "text_disagreements")
     return {**{k: cal.get(k) for k in keys}, "missing": bad_row_count(cal.get("missing")),
             "unreconstructable": bad_row_count(cal.get("unreconstructable"))}
+
+
+def identity_summary(ident: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The identity counts without the example ids."""
+    if ident is None:
+        return None
+    return {k: ident.get(k) for k in ("answered", "mismatched", "rate", "served", "reasons")} | {
+        "passed": (ident.get("gate") or {}).get("passed")}
+
+
+def policy_summary(policy: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The policy check's decision and headline figures (per side: samples, tokens, mean)."""
+    if policy is None:
+        return None
+    figures = policy.get("figures") if isinstance(policy.get("figures"), dict) else {}
+    sides = {side: {k: (figures.get(side) or {}).get(k) for k in ("samples", "tokens", "mean_logprob")}
+             for side in ("local", "overflow") if isinstance(figures.get(side), dict)}
+    return {"passed": policy.get("passed"), "reasons": list(policy.get("reasons") or []),
+            "notes": list(policy.get("notes") or []), "gap_nats_per_token": figures.get("gap_nats_per_token"),
+            "test": figures.get("test"), **sides}
 
 
 def bad_row_count(bad_rows: Any) -> int:

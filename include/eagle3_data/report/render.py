@@ -85,6 +85,7 @@ def _dataset_view(d: DatasetReport) -> dict[str, Any]:
         "generation": _generation(d.generation),
         "billing": _billing(d.billing, d.thresholds.get("max_billing_deviation")),
         "calibration": _calibration(d.calibration),
+        "provider": _provider(s["identity"], s["policy"]),
         "examples": _examples(mismatches),
         "mismatches": mismatches,
         "bad_rows": [b for b in (d.validation or {}).get("bad_rows") or [] if isinstance(b, dict)],
@@ -193,6 +194,38 @@ def _billing(billing: Mapping[str, Any] | None, max_dev: float | None) -> dict[s
                    fmt_pct(w.get("deviation"))) for w in worst],
         "notes": [str(n) for n in (billing.get("gate") or {}).get("notes") or []],
     }
+
+
+def _provider(identity: Mapping[str, Any] | None, policy: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """Who answered and whether their text is the target's: the identity counts and the policy
+    check's figures (both gate the dataset; the reasons are in the gate's list)."""
+    if identity is None and policy is None:
+        return None
+    rows: list[tuple[str, str, bool]] = []
+    if identity is not None:
+        rows += [("answers checked", fmt_num(identity.get("answered")), False),
+                 ("not the pinned model/provider", f"{fmt_num(identity.get('mismatched'))} ({fmt_pct(identity.get('rate'))})",
+                  identity.get("passed") is False)]
+        rows += [(f"served by {who}", fmt_num(n), False) for who, n in list((identity.get("served") or {}).items())[:5]]
+    if policy is not None:
+        for side in ("local", "overflow"):
+            if isinstance(policy.get(side), dict):
+                fig = policy[side]
+                rows.append((f"{side}: samples / tokens / mean log-prob",
+                             f"{fmt_num(fig.get('samples'))} / {fmt_num(fig.get('tokens'))} / {_nats(fig.get('mean_logprob'))}", False))
+        if policy.get("gap_nats_per_token") is not None:
+            rows.append(("policy gap (nats/token, local minus overflow)", _nats(policy["gap_nats_per_token"]),
+                         policy.get("passed") is False))
+        test = policy.get("test") or {}
+        if test:
+            rows.append(("KS p-value / Mann-Whitney p-value",
+                         f"{_nats(test.get('ks_p_value'))} / {_nats(test.get('mannwhitney_p_value'))}", False))
+    notes = [f"{n}x {why}" for why, n in ((identity or {}).get("reasons") or {}).items()]
+    return {"rows": rows, "reasons": list((policy or {}).get("reasons") or []), "notes": notes + list((policy or {}).get("notes") or [])}
+
+
+def _nats(v: Any) -> str:
+    return f"{v:.4f}" if is_number(v) else "-"
 
 
 def _calibration(cal: Mapping[str, Any] | None) -> dict[str, Any] | None:
