@@ -1,4 +1,7 @@
-"""Prompt datasets: OpenAI chat rows (`messages`, optional `tools`) from JSONL or Parquet, local or S3.
+"""Prompt datasets: chat rows from JSONL, Parquet or a `datasets` save_to_disk folder, local or S3.
+
+A row is OpenAI `messages` (optional `tools`), ShareGPT `conversations` or a plain `prompt`
+string (prompt_layouts maps the last two to messages); every row is validated as messages.
 
 Every good row is normalised to canonical JSON and given a `sample_id` that depends only on what
 is generated (dataset, messages, tools, sampling, repeat number), so a rerun or a backfill finds
@@ -8,8 +11,9 @@ the same ids and skips work already paid for. A malformed row never stops the lo
 Where the files are (`source`):
   date given      {source}/{dataset}/date=YYYY-MM-DD/ *.jsonl|*.parquet (scheduled runs, backfills)
   a file          that file
-  a folder        {source}/{dataset}.jsonl|.parquet, else {source}/{dataset}/ *.jsonl|*.parquet,
-                  else the folder itself when it is named after the dataset
+  a folder        {source}/{dataset}.jsonl|.parquet, else {source}/{dataset}/ *.jsonl|*.parquet|*.arrow,
+                  else the folder itself when it is named after the dataset or is a `datasets`
+                  save_to_disk folder (its state.json lists the .arrow files, in order)
 `source` is a local path or `s3://bucket/key-or-prefix`.
 """
 
@@ -26,7 +30,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from eagle3_data import json_records
+from eagle3_data import json_records, prompt_layouts
 from eagle3_data.errors import UserError
 from eagle3_data.rejects import format_rejects
 from eagle3_data.spill import RowSpill
@@ -34,7 +38,7 @@ from eagle3_data.storage import canonical_json, check_name
 
 ROLES = ("system", "user", "assistant", "tool")
 MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}
-PROMPT_FILE_SUFFIXES = (".jsonl", ".parquet")
+PROMPT_FILE_SUFFIXES = (".jsonl", ".parquet", ".arrow")  # .arrow: a `datasets` save_to_disk folder's files
 _DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
 _RAW_LIMIT = 2000
 
@@ -230,28 +234,30 @@ def require_rows(load: PromptLoad, what: str) -> None:
 
 # -- validation and normalisation -------------------------------------------------------------------
 def _normalise(record: Any) -> tuple[list[dict], list[dict] | None, int]:
+    """(messages, tools, count of ignored fields) of a row in any layout (prompt_layouts)."""
     if not isinstance(record, dict):
         raise _Reject("", f"expected a JSON object, got {type(record).__name__}")
-    if "messages" not in record or record["messages"] is None:
-        raise _Reject("messages", "missing")
-    messages = record["messages"]
+    try:
+        messages, tools, used = prompt_layouts.to_messages(record)
+    except prompt_layouts.LayoutRefused as exc:
+        raise _Reject(exc.field, exc.reason) from None
+    name = "messages" if "messages" in used else f"{prompt_layouts.layout_of(record)} as messages"
     if isinstance(messages, str):  # Parquet files often hold the list as a JSON string
         messages = _json_field(messages, "messages")
     if not isinstance(messages, list):
         raise _Reject("messages", f"expected a list, got {type(messages).__name__}")
     if not messages:
-        raise _Reject("messages", "empty")
-    out = [_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
+        raise _Reject(name, "empty")
+    out = [_message(m, f"{name}[{i}]") for i, m in enumerate(messages)]
     if out[-1]["role"] == "assistant":
-        raise _Reject(f"messages[{len(out) - 1}].role", "the last message is from the assistant: nothing to generate")
-    tools = record.get("tools")
+        raise _Reject(f"{name}[{len(out) - 1}].role", "the last message is from the assistant: nothing to generate")
     if isinstance(tools, str):
         tools = _json_field(tools, "tools")
     if tools is not None:
         if not isinstance(tools, list):
             raise _Reject("tools", f"expected a list or null, got {type(tools).__name__}")
         tools = [_tool(t, f"tools[{i}]") for i, t in enumerate(tools)] or None
-    ignored = len(set(record) - {"messages", "tools", "id"})
+    ignored = len(set(record) - used - {"id"})
     return out, tools, ignored
 
 
@@ -408,19 +414,34 @@ def _candidates(base: str, dataset: str, date: str | None, sep: str = "/") -> li
 
 
 def _resolve_local(root: Path, dataset: str, date: str | None) -> list[_File]:
+    if date is None and (root / "state.json").is_file():
+        return _saved_dataset(root)
     candidates = _candidates(str(root).rstrip("/"), dataset, date)
     for c in candidates:
         path = Path(c)
         if not c.endswith("/") and path.is_file():
             if not c.endswith(PROMPT_FILE_SUFFIXES):
                 raise UserError(f"prompts {path}: unsupported file type {path.suffix or '(none)'!r}: expected "
-                                f"{' or '.join(PROMPT_FILE_SUFFIXES)} (OpenAI messages per row)")
+                                f"{' or '.join(PROMPT_FILE_SUFFIXES)} (chat rows: messages, conversations or prompt)")
             return [_File(uri=str(path), size=path.stat().st_size, path=path)]
         if c.endswith("/") and path.is_dir():
             files = _prompt_files([str(p) for p in path.iterdir() if p.is_file()])
             if files:
                 return [_File(uri=f, size=Path(f).stat().st_size, path=Path(f)) for f in files]
-    raise UserError(f"no prompt files (*.jsonl, *.parquet) for dataset {dataset!r}: looked at {', '.join(candidates)}")
+    raise UserError(f"no prompt files (*.jsonl, *.parquet, *.arrow) for dataset {dataset!r}: looked at {', '.join(candidates)}")
+
+
+def _saved_dataset(root: Path) -> list[_File]:
+    """The Arrow files of a `datasets.Dataset.save_to_disk` folder, in its state.json's order (a
+    DatasetDict's folder holds one such folder per split: name the split's)."""
+    try:
+        names = [d["filename"] for d in json.loads((root / "state.json").read_text())["_data_files"]]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"prompts {root}: state.json is not a `datasets` save_to_disk state ({exc!r})") from None
+    files = [root / n for n in names]
+    if missing := [str(f) for f in files if not f.is_file()]:
+        raise UserError(f"prompts {root}: state.json lists files that are not there: {', '.join(missing[:3])}")
+    return [_File(uri=str(f), size=f.stat().st_size, path=f) for f in files]
 
 
 def _resolve_s3(source: str, dataset: str, date: str | None, client) -> list[_File]:
@@ -442,7 +463,7 @@ def _resolve_s3(source: str, dataset: str, date: str | None, client) -> list[_Fi
                 if keys:
                     return [_File(uri=f"s3://{bucket}/{k}", size=objects[k], bucket=bucket, key=k) for k in keys]
     raise UserError(
-        f"no prompt files (*.jsonl, *.parquet) for dataset {dataset!r} under {source}: looked at "
+        f"no prompt files (*.jsonl, *.parquet, *.arrow) for dataset {dataset!r} under {source}: looked at "
         + ", ".join(f"s3://{bucket}/{c}" for c in candidates)
     )
 
@@ -451,18 +472,12 @@ def _read_records(f: _File, client, digest) -> Iterator[tuple[int, str, Any]]:
     """(line number, raw text, parsed object or None) per row, a line (a Parquet batch) at a time;
     feeds `digest` with the file's bytes."""
     with _open(f, client) as fh:
-        if f.uri.endswith(".parquet"):
-            import pyarrow.parquet as pq
-
+        if f.uri.endswith((".parquet", ".arrow")):
             for chunk in iter(lambda: fh.read(1 << 20), b""):
                 digest.update(chunk)
             fh.seek(0)
-            try:
-                pf = pq.ParquetFile(fh)
-            except Exception as exc:
-                raise UserError(f"{f.uri}: not a readable Parquet file ({exc})") from None
             line = 0
-            for batch in pf.iter_batches(batch_size=1024):
+            for batch in _table_batches(f, fh):
                 for row in batch.to_pylist():
                     line += 1
                     try:
@@ -488,6 +503,29 @@ def _read_records(f: _File, client, digest) -> Iterator[tuple[int, str, Any]]:
                 yield line, raw, _Reject(exc.field, exc.reason)
             except ValueError:
                 yield line, raw, None
+
+
+def _table_batches(f: _File, fh) -> Iterator[pa.RecordBatch]:
+    """Record batches of a Parquet file, or of an Arrow IPC stream (what `datasets` writes; the
+    IPC file format is read too)."""
+    import pyarrow.ipc
+    import pyarrow.parquet as pq
+
+    kind = "Parquet" if f.uri.endswith(".parquet") else "Arrow"
+    try:
+        if kind == "Parquet":
+            yield from pq.ParquetFile(fh).iter_batches(batch_size=1024)
+            return
+        try:
+            reader = pyarrow.ipc.open_stream(fh)
+        except pa.ArrowInvalid:
+            fh.seek(0)
+            file_reader = pyarrow.ipc.open_file(fh)
+            yield from (file_reader.get_batch(i) for i in range(file_reader.num_record_batches))
+            return
+        yield from reader
+    except (pa.ArrowException, OSError) as exc:
+        raise UserError(f"{f.uri}: not a readable {kind} file ({exc})") from None
 
 
 def _open(f: _File, client):

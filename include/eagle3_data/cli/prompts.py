@@ -26,7 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("prompts", help="upload prompt files to a dataset's date partition, list partitions")
     sub = p.add_subparsers(dest="prompts_command", required=True)
     up = sub.add_parser("upload", help="validate FILE(s) and write them to {root}/{dataset}/date=YYYY-MM-DD/")
-    up.add_argument("files", nargs="+", type=Path, metavar="FILE", help=".jsonl or .parquet prompt file(s)")
+    up.add_argument("files", nargs="+", type=Path, metavar="FILE", help=".jsonl, .parquet or .arrow prompt file(s): messages, conversations (ShareGPT) or prompt rows")
     up.add_argument("--dataset", required=True, help="a dataset of the config")
     up.add_argument("--date", required=True, help="the runs' logical date, YYYY-MM-DD")
     up.add_argument("--allow-bad-rows", action="store_true", help="upload even if rows are rejected (they are listed)")
