@@ -13,7 +13,7 @@ VLLM_REMOVED := torchvision torchaudio torchcodec triton
 # child) reaches the launcher and stops every service, instead of killing only the shell.
 DEVTOOLS := exec env PYTHONPATH=include $(PY) -m eagle3_devtools
 
-.PHONY: install vllm-venv system-packages test demo airflow cluster bench clean
+.PHONY: install vllm-venv speculators-venv system-packages test demo airflow cluster bench clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,20 @@ $(VLLM_STAMP): requirements-vllm.txt
 
 vllm-venv: $(VLLM_STAMP)
 
+# vLLM speculators (the trainer of vLLM's speculator format) in its own venv: tests/trainers run its
+# own dataset reader over our exports (requirements-speculators.txt says why --no-deps).
+SPEC_VENV := .venv-speculators
+SPEC_PY := $(SPEC_VENV)/bin/python
+SPEC_STAMP := $(SPEC_VENV)/.installed
+$(SPEC_STAMP): requirements-speculators.txt
+	test -x $(SPEC_PY) || $(PYTHON) -m venv $(SPEC_VENV)
+	$(SPEC_PY) -m pip install --quiet -r requirements-speculators.txt
+	$(SPEC_PY) -m pip install --quiet --no-deps speculators==0.9.0 hs-connectors==0.9.0
+	$(SPEC_PY) -c "import speculators.train.data, hs_connectors.transfer"
+	touch $(SPEC_STAMP)
+
+speculators-venv: $(SPEC_STAMP)
+
 # Two pytest processes side by side, so that the two cores overlap them: the cluster tier (one
 # Celery cluster, mostly waiting on Airflow's task scheduling) and then the dag.test() tier in
 # one, everything else in the other (docs/dag.md, "What it costs"). The side process's output is
@@ -55,7 +69,7 @@ SIDE_LOG := test-artifacts/cluster-and-dags.log
 TEST_CACHE := $(CURDIR)/test-artifacts/cache
 test: export EAGLE3_DATA_CACHE = $(TEST_CACHE)
 test: export VLLM_CACHE_ROOT = $(TEST_CACHE)/vllm
-test: $(STAMP) $(VLLM_STAMP) system-packages
+test: $(STAMP) $(VLLM_STAMP) $(SPEC_STAMP) system-packages
 	@rm -rf $(TEST_CACHE) && mkdir -p $(TEST_CACHE) $(dir $(SIDE_LOG))
 	@$(PY) -m pytest -q $(SIDE_TESTS) > $(SIDE_LOG) 2>&1 & side=$$!; \
 	trap 'kill $$side 2>/dev/null' INT TERM; \

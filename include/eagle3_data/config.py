@@ -272,7 +272,10 @@ class HiddenStatesConfig(_Model):
     )
     layer_ids: tuple[int, ...] | None = Field(
         None, strict=False, description="aux layer ids in the convention's numbering; empty: EAGLE-3's defaults for it")
-    last_hidden: bool = Field(False, description="also store the last layer's hidden state")
+    last_hidden: bool = Field(True, description="also store the last layer's hidden state (every trainer needs it)")
+    last_hidden_norm: Literal["pre", "post"] = Field(
+        "pre", description="the last state before the final norm (speculators; export-specforge applies the norm, "
+        "recorded with the shards) or after it (SpecForge's own convention)")
     batch_tokens: int = Field(8192, ge=1, description="tokens per forward batch")
     fp8: bool = Field(False, description="store the aux states as fp8 e4m3 with a per-token scale (half the bytes)")
     storage_dtype: StorageDtype = Field("bf16", description="dtype of the stored states whatever the forward ran in "
@@ -560,6 +563,9 @@ CONFIG_PARAMS: dict[str, str] = {
     "max_length": "merge.max_length",
     "layer_convention": "hidden_states.convention",
     "hidden_states_backend": "hidden_states.backend",
+    "last_hidden_norm": "hidden_states.last_hidden_norm",
+    "hidden_states_fp8": "hidden_states.fp8",
+    "hidden_states_storage_dtype": "hidden_states.storage_dtype",
 }
 THRESHOLD_PARAMS = ("max_bpe_mismatch_rate", "max_billing_deviation")
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._=+-]{0,127}$"

@@ -112,7 +112,7 @@ def test_params_agree_with_the_config_models():
         if kind is typing.Literal:
             assert schema["enum"] == list(typing.get_args(info.annotation)), name
         else:
-            json_type = {float: "number", int: "integer"}[info.annotation]
+            json_type = {float: "number", int: "integer", bool: "boolean"}[info.annotation]
             assert schema["type"] == ([json_type, "null"] if name in THRESHOLD_PARAMS else json_type), name
         assert info.description in param.description, name
         assert param.value == (None if name in THRESHOLD_PARAMS else config_value(cfg, path)), name

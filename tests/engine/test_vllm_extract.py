@@ -56,7 +56,7 @@ def read_all(out_dir) -> dict:
 def test_aux_and_last_states_equal_an_independent_forward(vllm_backend, reference_model, convention, tmp_path):
     rows = make_rows([3, 41, 17, 120, 9, 64], seed=1)
     summary = extract_rows(vllm_backend, rows, tmp_path, "v", ExtractOptions(
-        convention=convention, last_hidden=True, storage_dtype="fp32", token_budget=256, out_shard_tokens=100))
+        convention=convention, last_hidden=True, last_hidden_norm="post", storage_dtype="fp32", token_budget=256, out_shard_tokens=100))
     assert summary["layer_ids"] == ([1, 3, 4] if convention == "output" else [2, 4, 5])
     assert len(summary["files"]) > 1 and summary["samples"] == len(rows)
     stored = read_all(tmp_path)
@@ -77,9 +77,9 @@ def test_shared_long_prefix_gives_full_length_states_for_both(vllm_backend, refe
     prefix = torch.randint(0, 163_584, (700,), generator=g).tolist()
     first, second = make_rows([5, 30], seed=2, prefix=prefix)
     extract_rows(vllm_backend, [first, second], tmp_path / "together", "p", ExtractOptions(
-        last_hidden=True, storage_dtype="fp32"))
+        last_hidden=True, last_hidden_norm="post", storage_dtype="fp32"))
     # and once more in separate batches: the prefix is in the engine's cache from the run above
-    extract_rows(vllm_backend, [first], tmp_path / "again", "q", ExtractOptions(last_hidden=True, storage_dtype="fp32"))
+    extract_rows(vllm_backend, [first], tmp_path / "again", "q", ExtractOptions(last_hidden=True, last_hidden_norm="post", storage_dtype="fp32"))
     for out in ("together", "again"):
         for sid, s in read_all(tmp_path / out).items():
             row = first if sid == first["sample_id"] else second

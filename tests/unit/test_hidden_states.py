@@ -66,6 +66,18 @@ def reference_states(model, ids) -> tuple:
         return model(torch.tensor([ids]), output_hidden_states=True).hidden_states
 
 
+def reference_pre_norm(model, ids) -> torch.Tensor:
+    """The last decoder layer's output, before the final norm (transformers' hidden_states[-1] is after it)."""
+    captured = {}
+    hook = model.model.layers[-1].register_forward_hook(lambda _m, _a, out: captured.setdefault("x", out[0] if isinstance(out, tuple) else out))
+    try:
+        with torch.no_grad():
+            model(torch.tensor([ids]))
+    finally:
+        hook.remove()
+    return captured["x"][0]
+
+
 def read_all(out_dir) -> dict:
     return {s.sample_id: s for p in sorted(out_dir.glob("*.safetensors")) for s in ShardReader(p)}
 
@@ -103,7 +115,9 @@ def test_stored_states_equal_an_independent_forward(backend, reference_model, ro
         assert s.input_ids.tolist() == row["input_ids"] and s.loss_mask.tolist() == row["loss_mask"]
         assert s.aux_hidden_states.shape == (len(row["input_ids"]), 3 * 64)
         assert_bf16_close(s.aux_hidden_states, torch.cat([hs[2][0], hs[4][0], hs[5][0]], -1))
-        assert_bf16_close(s.last_hidden_states, hs[-1][0])
+        pre = reference_pre_norm(reference_model, row["input_ids"])
+        assert_bf16_close(s.last_hidden_states, pre)  # the default: before the final norm
+        assert (s.last_hidden_states.float() - hs[-1][0]).abs().max() > 0.1 * hs[-1][0].abs().max()  # not the normed one
         # off by one would be a different tensor, far outside the tolerance
         wrong = torch.cat([hs[1][0], hs[3][0], hs[4][0]], -1)
         assert (s.aux_hidden_states.float() - wrong).abs().max() > 10 * 2**-8 * wrong.abs().max()
@@ -120,7 +134,8 @@ def test_storage_dtype_bf16_by_default_whatever_the_compute_dtype(backend, refer
     assert (summary["dtype"], summary["compute_dtype"]) == ("bfloat16", "float32")
 
     # fp32 keeps the forward's precision: equal to the reference up to summation-order noise only
-    extract_rows(backend, rows, tmp_path / "fp32", "f", ExtractOptions(last_hidden=True, storage_dtype="fp32"))
+    extract_rows(backend, rows, tmp_path / "fp32", "f", ExtractOptions(last_hidden=True, last_hidden_norm="post",
+                                                                        storage_dtype="fp32"))
     path = next((tmp_path / "fp32").glob("*.safetensors"))
     assert tensor_dtypes(path)["aux_hidden_states"] == "F32" and ShardReader(path).metadata["dtype"] == "float32"
     stored = read_all(tmp_path / "fp32")
@@ -128,10 +143,13 @@ def test_storage_dtype_bf16_by_default_whatever_the_compute_dtype(backend, refer
         s = stored[row["sample_id"]]
         hs = reference_states(reference_model, row["input_ids"])
         assert_bf16_close(s.aux_hidden_states, torch.cat([hs[2][0], hs[4][0], hs[5][0]], -1), rel=1e-5)
-        assert_bf16_close(s.last_hidden_states, hs[-1][0], rel=1e-5)
+        assert_bf16_close(s.last_hidden_states, hs[-1][0], rel=1e-5)  # post: the model's own final norm's output
         assert not torch.equal(s.aux_hidden_states, s.aux_hidden_states.bfloat16().float())  # not bf16-rounded
     # "compute" keeps whatever the forward ran in: fp32 on CPU
     extract_rows(backend, rows[:2], tmp_path / "compute", "c", ExtractOptions(storage_dtype="compute"))
+    reader = ShardReader(path)
+    assert reader.last_hidden_norm == "post" and reader.final_norm[1] == backend.final_norm[1]
+    assert torch.equal(reader.final_norm[0], reference_model.model.norm.weight.detach().float())
     assert tensor_dtypes(next((tmp_path / "compute").glob("*.safetensors")))["aux_hidden_states"] == "F32"
     assert resolve_storage_dtype("compute", "bfloat16") == torch.bfloat16
     with pytest.raises(UserError, match="storage dtype 'fp16': expected one of bf16, fp32, compute"):
@@ -167,6 +185,10 @@ class NaNAfter:
     def describe(self):
         return self.inner.describe()
 
+    @property
+    def final_norm(self):
+        return self.inner.final_norm
+
     def forward(self, batch, indices, last_hidden):
         out = self.inner.forward(batch, indices, last_hidden)
         for ids, st in zip(batch, out):
@@ -196,8 +218,8 @@ def test_bad_records_are_refused_before_compute(backend, rows, tmp_path):
 
 
 def test_reader_random_access_and_fp8(backend, rows, tmp_path):
-    extract_rows(backend, rows, tmp_path / "bf16", "x", ExtractOptions(out_shard_tokens=10**6))
-    extract_rows(backend, rows, tmp_path / "fp8", "x", ExtractOptions(out_shard_tokens=10**6, use_fp8=True))
+    extract_rows(backend, rows, tmp_path / "bf16", "x", ExtractOptions(last_hidden=False, out_shard_tokens=10**6))
+    extract_rows(backend, rows, tmp_path / "fp8", "x", ExtractOptions(last_hidden=False, out_shard_tokens=10**6, use_fp8=True))
     exact = ShardReader(next((tmp_path / "bf16").glob("*.safetensors")))
     small = ShardReader(next((tmp_path / "fp8").glob("*.safetensors")))
     assert exact.num_tokens == sum(len(r["input_ids"]) for r in rows)
@@ -230,6 +252,8 @@ def test_export_to_specforge_layout(backend, rows, tmp_path):
     assert len(list((tmp_path / "sf").rglob("*.ckpt"))) == len(rows)
     index = [json.loads(line) for line in (tmp_path / "sf/index.jsonl").read_text().splitlines()]
     stored = read_all(tmp_path / "shards")
+    extract_rows(backend, rows, tmp_path / "post", "x", ExtractOptions(last_hidden_norm="post", out_shard_tokens=100))
+    post = read_all(tmp_path / "post")
     assert sorted(e["sample_id"] for e in index) == sorted(stored)
     for entry in index:
         d = torch.load(tmp_path / "sf" / entry["file"])
@@ -240,6 +264,11 @@ def test_export_to_specforge_layout(backend, rows, tmp_path):
         assert d["input_ids"].shape == (T,) and d["hidden_state"].shape == (1, T, 64)
         assert d["aux_hidden_state"].shape == (1, T, 192)
         assert torch.equal(d["aux_hidden_state"][0], stored[sid].aux_hidden_states)
+        # stored before the norm (the default): the export applies the recorded final norm, giving SpecForge
+        # what a post-norm extraction stores, up to bf16 roundings on both sides (the pre state is rounded
+        # before the norm here, the normed state after it there)
+        assert_bf16_close(d["hidden_state"][0], post[sid].last_hidden_states.float(), rel=2**-6)
+        assert not torch.equal(d["hidden_state"][0], stored[sid].last_hidden_states)
     with pytest.raises(UserError, match="last_hidden_states"):
-        extract_rows(backend, rows[:2], tmp_path / "nolast", "x", ExtractOptions())
+        extract_rows(backend, rows[:2], tmp_path / "nolast", "x", ExtractOptions(last_hidden=False))
         export_specforge(sorted((tmp_path / "nolast").glob("*.safetensors")), tmp_path / "sf2")

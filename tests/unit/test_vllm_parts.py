@@ -9,7 +9,8 @@ import torch
 from eagle3_data.errors import UserError
 from eagle3_data.generation.vllm import check_answer, vllm_sampling
 from eagle3_data.hidden_states.layers import default_layer_ids, hidden_state_indices
-from eagle3_data.hidden_states.vllm_backend import final_norm_weight, rms_norm, text_config, vllm_layer_ids
+from eagle3_data.hidden_states.final_norm import final_norm_weight, rms_norm
+from eagle3_data.hidden_states.vllm_backend import text_config, vllm_layer_ids
 
 
 def test_our_conventions_map_to_vllm_ids():

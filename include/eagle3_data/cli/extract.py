@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 from eagle3_data.cli.runs import add_config_arg, add_store_args, open_store, parse_stage_uri, printed, run_of_stage
 
@@ -18,7 +19,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--convention", choices=["output", "input"],
                    help="'output of layer i' (SpecForge, Model-Optimizer) or 'input to layer i' (speculators, vLLM)")
     p.add_argument("--last-hidden", action=argparse.BooleanOptionalAction, default=None,
-                   help="also store the last layer's state (SpecForge needs it)")
+                   help="also store the last layer's state (every trainer needs it; default: the config's, on)")
+    p.add_argument("--last-hidden-norm", choices=["pre", "post"],
+                   help="the last state before the final norm (speculators; export-specforge normalises it) or after")
     p.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=None,
                    help="store aux states as fp8 e4m3 with a per-row scale (half the bytes)")
     p.add_argument("--storage-dtype", choices=["bf16", "fp32", "compute"],
@@ -38,6 +41,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_store_args(e)
     e.set_defaults(func=_run_export)
 
+    v = subparsers.add_parser("export-speculators", help="write packed shards in vLLM speculators' offline layout")
+    v.add_argument("--input", required=True, help="directory of shards, or an extraction stage s3://.../runs/R/S/D")
+    v.add_argument("--out", required=True, help="directory for speculators' --data-path (a save_to_disk dataset + "
+                   "hidden_states/hs_{i}.safetensors)")
+    v.add_argument("--fp8", action="store_true", help="states as float8_e4m3fn + per-token scales (speculators' fp8 backend)")
+    v.add_argument("--ids-only", action="store_true", help="only the pretokenized rows (input_ids, loss_mask) for "
+                   "online training: no states written")
+    add_store_args(v)
+    v.set_defaults(func=_run_export_speculators)
+
 
 def _layers(text: str | None) -> list[int] | None:
     from eagle3_data.errors import UserError
@@ -53,7 +66,8 @@ def _layers(text: str | None) -> list[int] | None:
 def overrides_of(args: argparse.Namespace) -> dict:
     """The flags as `hidden_states` / `model` config overrides: the stage's params follow from the config."""
     h = {k: v for k, v in (("convention", args.convention), ("layer_ids", _layers(args.layers)),
-                           ("last_hidden", args.last_hidden), ("fp8", args.fp8), ("storage_dtype", args.storage_dtype),
+                           ("last_hidden", args.last_hidden),
+                           ("last_hidden_norm", args.last_hidden_norm), ("fp8", args.fp8), ("storage_dtype", args.storage_dtype),
                            ("batch_tokens", args.token_budget), ("shard_tokens", args.shard_tokens),
                            ("backend", args.backend), ("tensor_parallel_size", args.tensor_parallel_size)) if v is not None}
     out: dict = {"hidden_states": {**h, "workers": 1}}  # this process extracts every shard, the model loaded once
@@ -107,30 +121,48 @@ def _run_extract(args: argparse.Namespace) -> int:
 
 
 def _run_export(args: argparse.Namespace) -> int:
+    from eagle3_data.hidden_states.export import export_specforge
+
+    with _shards_of(args) as paths:
+        print(f"{export_specforge(paths, args.out)} samples written to {args.out}")
+    return 0
+
+
+def _run_export_speculators(args: argparse.Namespace) -> int:
+    from eagle3_data.hidden_states.speculators_export import export_speculators
+
+    with _shards_of(args) as paths:
+        n = export_speculators(paths, args.out, fp8=args.fp8, ids_only=args.ids_only)
+    print(f"{n} samples written to {args.out}" + (" (ids only)" if args.ids_only else ""))
+    return 0
+
+
+@contextlib.contextmanager
+def _shards_of(args: argparse.Namespace):
+    """The input's shards as local paths: a directory's, or an extraction stage's fetched one at a
+    time (local disk holds one shard, not the whole stage)."""
     import tempfile
     from pathlib import Path
 
     from eagle3_data.errors import UserError
-    from eagle3_data.hidden_states.export import export_specforge
 
     if not args.input.startswith("s3://"):
         paths = sorted(Path(args.input).glob("*.safetensors"))
         if not paths:
             raise UserError(f"--input {args.input}: no .safetensors shards there")
-        print(f"{export_specforge(paths, args.out)} samples written to {args.out}")
-        return 0
+        yield paths
+        return
     bucket, prefix, ref = parse_stage_uri(args.input)
     store = open_store(args, bucket, prefix)
     names = [f["name"] for f in store.read_manifest(ref)["files"] if f["name"].endswith(".safetensors")]
     with tempfile.TemporaryDirectory(prefix="eagle3-export-") as tmp:
-        def one_at_a_time():  # local disk holds one shard, not the whole stage
+        def one_at_a_time():
             for name in names:
                 path = store.get_file(ref, name, Path(tmp) / name)
                 yield path
                 path.unlink()
 
-        print(f"{export_specforge(one_at_a_time(), args.out)} samples written to {args.out}")
-    return 0
+        yield one_at_a_time()
 
 
 MERGED_COLUMNS = ("sample_id", "input_ids", "loss_mask")

@@ -1,7 +1,8 @@
 """Engines that run the target model over token ids and hand back the requested hidden states.
 
-A backend is anything with `describe()` and `forward(batch, indices, last_hidden)`: the
-extractor owns batching, checks and storage, so a faster engine slots in without touching them.
+A backend is anything with `describe()`, `final_norm` and `forward(batch, indices, last_hidden)`:
+the extractor owns batching, checks, the final norm and storage, so a faster engine slots in
+without touching them.
 `transformers` is the reference backend; `vllm` (vllm_backend.py) runs a real serving engine in
 its own venv. `engines.shared_backend` keeps one engine per process across shards. SGLang's HTTP server
 cannot be one today: with
@@ -34,10 +35,12 @@ class ModelInfo:
 @dataclass
 class SampleStates:
     aux: torch.Tensor  # [T, len(indices) * H], on CPU, in the compute dtype (the extractor casts for storage)
-    last: torch.Tensor | None  # [T, H] final-norm output, on CPU
+    last: torch.Tensor | None  # [T, H] the last layer's output BEFORE the final norm, on CPU
 
 
 class HiddenStateBackend(Protocol):
+    final_norm: tuple[torch.Tensor, float]  # the final RMSNorm's weight [H] and eps (final_norm.py)
+
     def describe(self) -> ModelInfo: ...
 
     def forward(self, batch: Sequence[Sequence[int]], indices: list[int], last_hidden: bool) -> list[SampleStates]:
@@ -48,8 +51,9 @@ class HiddenStateBackend(Protocol):
 class TransformersBackend:
     """`AutoModelForCausalLM` forward with right padding; captures only the layers asked for.
 
-    Forward hooks on the embedding and decoder layers keep 3 tensors alive instead of L+1, and
-    the language-model head (a [tokens, 163840] matmul) is never run.
+    Forward hooks on the embedding and decoder layers keep 3 tensors alive instead of L+1 (the
+    last one, for `last_hidden`, on the last layer: its output before the final norm), and the
+    language-model head (a [tokens, 163840] matmul) is never run.
     """
 
     def __init__(self, model_dir: str | Path, *, device: str | None = None, dtype: torch.dtype | None = None):
@@ -64,6 +68,8 @@ class TransformersBackend:
         self.layers = self.decoder.layers
         config = model.config
         self.pad_id = config.pad_token_id if config.pad_token_id is not None else 0
+        norm = self.decoder.norm
+        self.final_norm = (norm.weight.detach().cpu(), float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))))
         self.info = ModelInfo(
             name=Path(model_dir).resolve().name,
             num_layers=config.num_hidden_layers,
@@ -94,21 +100,18 @@ class TransformersBackend:
             attention_mask[row, : len(ids)] = 1
         captured: dict[int, torch.Tensor] = {}
         hooks = []
-        for index in sorted(set(indices)):
+        last_index = self.info.num_layers  # hidden_states[L]'s module is the last layer: its output, un-normed
+        for index in sorted(set(indices) | ({last_index} if last_hidden else set())):
             def hook(_module, _args, output, index=index):
                 captured[index] = output[0] if isinstance(output, tuple) else output
             hooks.append(self._module_for(index).register_forward_hook(hook))
         try:
-            out = self.decoder(
-                input_ids=input_ids.to(self.device),
-                attention_mask=attention_mask.to(self.device),
-                use_cache=False,
-            )
+            self.decoder(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device), use_cache=False)
         finally:
             for h in hooks:
                 h.remove()
         aux = torch.cat([captured[i] for i in indices], dim=-1)
-        last = out.last_hidden_state if last_hidden else None
+        last = captured[last_index] if last_hidden else None
         return aux, last, lengths
 
     def forward(self, batch: Sequence[Sequence[int]], indices: list[int], last_hidden: bool) -> list[SampleStates]:

@@ -2,7 +2,8 @@
 
 SpecForge's `OfflineEagle3Dataset` walks a directory for `*.ckpt` files, each a `torch.save`
 dict of one sample: `input_ids` [T], `loss_mask` [T], `hidden_state` [1, T, H] (the final-norm
-state its trainer feeds to the target's LM head) and `aux_hidden_state` [1, T, 3H]. Files are
+state its trainer feeds to the target's LM head: a state stored before the norm gets the final
+norm recorded with its shard applied here) and `aux_hidden_state` [1, T, 3H]. Files are
 grouped `rows_{start}-{end}/data_{i}.ckpt` as its own `prepare_hidden_states.py` writes them;
 `index.jsonl` maps each file back to its sample_id.
 """
@@ -16,6 +17,7 @@ from typing import Iterable
 import torch
 
 from eagle3_data.errors import UserError
+from eagle3_data.hidden_states.final_norm import rms_norm
 from eagle3_data.hidden_states.shards import ShardReader
 
 GROUP_SIZE = 5000
@@ -36,7 +38,11 @@ def export_specforge(shard_paths: Iterable[str | Path], out_dir: str | Path) -> 
                 )
             if not reader.has_last:
                 raise UserError(f"{Path(path).name}: no last_hidden_states; SpecForge needs them (extract with --last-hidden)")
+            pre = reader.last_hidden_norm == "pre"
+            if pre and reader.final_norm is None:
+                raise UserError(f"{Path(path).name}: last state before the final norm, but no final_norm_weight recorded")
             for sample in reader:
+                last = rms_norm(sample.last_hidden_states, *reader.final_norm) if pre else sample.last_hidden_states
                 group = count // GROUP_SIZE * GROUP_SIZE
                 rel = f"rows_{group}-{group + GROUP_SIZE}/data_{count}.ckpt"
                 (out / rel).parent.mkdir(exist_ok=True)
@@ -44,7 +50,7 @@ def export_specforge(shard_paths: Iterable[str | Path], out_dir: str | Path) -> 
                     {
                         "input_ids": sample.input_ids.to(torch.long),
                         "loss_mask": sample.loss_mask.to(torch.long),
-                        "hidden_state": sample.last_hidden_states.unsqueeze(0).clone(),
+                        "hidden_state": last.unsqueeze(0).clone(),
                         "aux_hidden_state": sample.aux_hidden_states.unsqueeze(0).clone(),
                     },
                     out / rel,

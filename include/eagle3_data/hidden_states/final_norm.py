@@ -1,0 +1,61 @@
+"""The target's final RMSNorm, which sits between the last layer's output and the LM head.
+
+EAGLE-3 trainers disagree on which side of it the "last hidden state" is: speculators stores
+the last layer's output before the norm and applies its own frozen `verifier_norm`
+(speculators train/data.py takes `hidden_states[:, -1]` as `verifier_last_hidden_states`);
+SpecForge stores the normed state it feeds to the LM head. The extractor keeps the state before
+the norm (`last_hidden_norm: pre`, the default) and records the norm's weight and eps with every
+shard, so `export-specforge` gives SpecForge its normed state and no export needs the GPU stage
+again; `post` stores the normed state (SpecForge's convention) instead.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from eagle3_data.errors import UserError
+
+NORMS = ("pre", "post")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """DeepSeek-V3's RMSNorm exactly as transformers computes it (fp32 statistics)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * h).to(x.dtype)
+
+
+def final_norm_weight(model_dir: str | Path) -> torch.Tensor:
+    """The final RMSNorm weight, read from the checkpoint alone (the shortest key ending in
+    `model.norm.weight`: `model.norm.weight`, or `language_model.model.norm.weight` for Kimi-K2.5)."""
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+    else:
+        weight_map = {}
+        for f in sorted(model_dir.glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as st:
+                weight_map.update(dict.fromkeys(st.keys(), f.name))
+    keys = sorted((k for k in weight_map if k == "model.norm.weight" or k.endswith(".model.norm.weight")), key=len)
+    if not keys:
+        raise UserError(f"model {model_dir}: no final norm weight (*model.norm.weight) in the checkpoint")
+    with safe_open(str(model_dir / weight_map[keys[0]]), framework="pt") as st:
+        return st.get_tensor(keys[0])
+
+
+def final_norm_eps(model_dir: str | Path) -> float:
+    """`rms_norm_eps` of the model's config (Kimi-K2.5: under `text_config`)."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    return float(cfg.get("rms_norm_eps", (cfg.get("text_config") or {}).get("rms_norm_eps", 1e-6)))
+
+
+def check_norm(choice: str) -> None:
+    if choice not in NORMS:
+        raise UserError(f"last_hidden_norm {choice!r}: expected pre (before the final norm: speculators) or post "
+                        "(after it: SpecForge)")

@@ -1,0 +1,111 @@
+"""Export packed shards to vLLM speculators' offline layout, read by its own `ArrowDataset`.
+
+The layout, as speculators 0.9.0 reads it (train/data.py `ArrowDataset`, hs_connectors
+transfer.py `FileTransfer` / `FP8Transfer`):
+- `{out}/`: a `datasets` `save_to_disk` dataset with `input_ids`, `loss_mask` (int64 lists) and
+  `seq_len`, in torch format (what its `prepare-data` writes; `index.jsonl` beside it maps row i
+  to our sample_id);
+- `{out}/hidden_states/hs_{i}.safetensors` per row i: `hidden_states` bf16 [T, 4, H] (the three
+  aux layers in vLLM's "input to layer i" convention, then the last layer's output BEFORE the
+  final norm: the trainer applies its own frozen `verifier_norm` to `hidden_states[:, -1]`) and
+  `token_ids` int64 [T], equal to the row's input_ids (a mismatch makes the trainer skip the
+  sample, train/data.py:314-322);
+- fp8 (`fp8=True`, read by `FP8Transfer`): `hidden_states` float8_e4m3fn with
+  `hidden_states_scales` float32 [T, 1, 1], one scale per token over all layers
+  (hs_connectors fp8_utils.py: scale = amax / 448, clamped at 1e-12).
+
+`ids_only=True` writes only the dataset: speculators' pretokenized rows (`input_ids` +
+`loss_mask`), which its `prepare-data` passes through and its trainer serves from a vLLM
+endpoint online (`on_missing="generate"`), so no states are stored at all.
+Shards with aux layers in the other convention or a post-norm last state are refused: the
+trainer would train on other layers, or normalise the last state twice, without a word.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from eagle3_data.errors import UserError
+from eagle3_data.hidden_states.shards import ShardReader
+
+CHUNK_ROWS = 4096
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+
+
+def quantize_per_token(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """hs_connectors' per-token fp8: one float32 scale per token over every other dimension."""
+    fp32 = states.float()
+    amax = fp32.abs().amax(dim=tuple(range(1, fp32.dim())), keepdim=True)
+    scale = (amax / FP8_MAX).clamp(min=1e-12)
+    return (fp32 / scale).to(torch.float8_e4m3fn), scale
+
+
+def _check(reader: ShardReader, path: str | Path) -> None:
+    name = Path(path).name
+    if reader.convention != "input":
+        raise UserError(f"{name}: aux layers in the {reader.convention!r} convention; speculators reads vLLM's "
+                        "'input to layer i' ids (re-extract with --convention input)")
+    if not reader.has_last:
+        raise UserError(f"{name}: no last_hidden_states; speculators needs the last layer's state (extract with --last-hidden)")
+    if reader.last_hidden_norm != "pre":
+        raise UserError(f"{name}: the last state is after the final norm; speculators applies its own verifier_norm "
+                        "and would normalise it twice (extract with --last-hidden-norm pre)")
+
+
+def export_speculators(shard_paths: Iterable[str | Path], out_dir: str | Path, *, fp8: bool = False,
+                       ids_only: bool = False) -> int:
+    """Write the dataset (and, unless `ids_only`, one state file per row); returns the rows written."""
+    import datasets
+
+    out = Path(out_dir)
+    states_dir = out / "hidden_states"
+    if not ids_only:
+        states_dir.mkdir(parents=True, exist_ok=True)
+    index_rows: list[dict] = []
+
+    def rows() -> Iterator[dict]:
+        for path in shard_paths:
+            reader = ShardReader(path)
+            if not ids_only:
+                _check(reader, path)
+            for sample in reader:
+                i = len(index_rows)
+                ids = sample.input_ids.to(torch.int64)
+                if not ids_only:
+                    T = ids.shape[0]
+                    stacked = torch.cat([sample.aux_hidden_states.reshape(T, 3, -1),
+                                         sample.last_hidden_states.reshape(T, 1, -1)], dim=1)
+                    tensors = {"token_ids": ids.clone()}
+                    if fp8:
+                        tensors["hidden_states"], tensors["hidden_states_scales"] = quantize_per_token(stacked)
+                    else:
+                        tensors["hidden_states"] = stacked.to(torch.bfloat16).contiguous()
+                    save_file(tensors, str(states_dir / f"hs_{i}.safetensors"))
+                index_rows.append({"row": i, "sample_id": sample.sample_id})
+                yield {"input_ids": ids.tolist(), "loss_mask": sample.loss_mask.to(torch.int64).tolist(),
+                       "seq_len": int(ids.shape[0])}
+
+    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int64")),
+                                  "loss_mask": datasets.Sequence(datasets.Value("int64")),
+                                  "seq_len": datasets.Value("int64")})
+    chunks, chunk = [], []
+    for row in rows():  # Arrow chunks, so memory holds the ids as int64 columns, not Python lists
+        chunk.append(row)
+        if len(chunk) == CHUNK_ROWS:
+            chunks.append(datasets.Dataset.from_list(chunk, features=features))
+            chunk = []
+    if chunk:
+        chunks.append(datasets.Dataset.from_list(chunk, features=features))
+    if not chunks:
+        raise UserError("export-speculators: the shards hold no samples")
+    table = datasets.concatenate_datasets(chunks)
+    table.set_format(type="torch")
+    table.save_to_disk(str(out))
+    with open(out / "index.jsonl", "w") as index:
+        index.writelines(json.dumps(r) + "\n" for r in index_rows)
+    return len(index_rows)

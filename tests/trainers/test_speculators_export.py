@@ -1,0 +1,90 @@
+"""export-speculators, read by vLLM speculators' OWN dataset code (speculators 0.9.0's ArrowDataset
+in .venv-speculators, `make speculators-venv`): every sample loads, ids and states bit-exact
+against our shards, bf16 and fp8; shards it would misread are refused."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle3_data.errors import UserError
+from eagle3_data.hidden_states.backends import TransformersBackend
+from eagle3_data.hidden_states.extract import ExtractOptions, extract_rows
+from eagle3_data.hidden_states.shards import ShardReader
+from eagle3_data.hidden_states.speculators_export import export_speculators, quantize_per_token
+
+REPO = Path(__file__).resolve().parents[2]
+SPEC_PY = REPO / ".venv-speculators" / "bin" / "python"
+READER = Path(__file__).with_name("speculators_reader.py")
+
+
+@pytest.fixture(scope="module")
+def shards(tiny_model_dir, tmp_path_factory) -> list[Path]:
+    """The tiny model's states in speculators' convention (input layers, last state before the norm)."""
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    for i, n in enumerate([5, 33, 12, 47]):
+        ids = torch.randint(0, 163_840, (n,), generator=g).tolist()
+        rows.append({"sample_id": f"s{i}", "input_ids": ids, "loss_mask": [0] * (n // 2) + [1] * (n - n // 2)})
+    out = tmp_path_factory.mktemp("spec-shards")
+    extract_rows(TransformersBackend(tiny_model_dir), rows, out, "x", ExtractOptions(convention="input", token_budget=48, out_shard_tokens=40))
+    return sorted(out.glob("*.safetensors"))
+
+
+def read_with_speculators(export: Path, kind: str, out: Path) -> list[dict]:
+    assert SPEC_PY.exists(), "make speculators-venv builds the reader's venv"
+    done = subprocess.run([str(SPEC_PY), str(READER), str(export), kind, str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [load_file(str(out / f"{i}.safetensors")) for i in range(int(done.stdout.split()[-1]))]
+
+
+def ours(shards: list[Path]) -> list:
+    return [s for p in shards for s in ShardReader(p)]
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+def test_speculators_reads_every_sample_bit_exact(shards, tmp_path, kind):
+    n = export_speculators(shards, tmp_path / "export", fp8=kind == "fp8")
+    loaded, expected = read_with_speculators(tmp_path / "export", kind, tmp_path / "read"), ours(shards)
+    assert n == len(loaded) == len(expected) == 4 and len(shards) > 1
+    index = [json.loads(line) for line in (tmp_path / "export" / "index.jsonl").read_text().splitlines()]
+    assert [e["sample_id"] for e in index] == [s.sample_id for s in expected]
+    for got, s in zip(loaded, expected):
+        T = s.input_ids.shape[0]
+        assert torch.equal(got["input_ids"], s.input_ids.long()) and torch.equal(got["loss_mask"].long(), s.loss_mask.long())
+        states = torch.cat([s.aux_hidden_states.reshape(T, 3, -1), s.last_hidden_states.reshape(T, 1, -1)], 1)
+        if kind == "fp8":  # exactly the reader's dequantisation of our quantisation, and close to the states
+            q, scale = quantize_per_token(states)
+            dequantised = q.to(torch.bfloat16) * scale.to(torch.bfloat16)
+            assert float((dequantised.float() - states.float()).norm() / states.float().norm()) < 0.05
+            states = dequantised
+        assert got["hidden_states"].dtype == torch.bfloat16 and got["hidden_states"].shape == (T, 3 * 64)
+        assert torch.equal(got["hidden_states"], states[:, :3].flatten(1))
+        assert torch.equal(got["verifier_last_hidden_states"], states[:, 3])  # before the norm: the trainer applies its own
+
+
+def test_ids_only_rows_are_speculators_pretokenized_rows(shards, tmp_path):
+    n = export_speculators(shards, tmp_path / "ids", ids_only=True)
+    assert n == 4 and not (tmp_path / "ids" / "hidden_states").exists()
+    code = ("import sys, datasets; d = datasets.load_from_disk(sys.argv[1]); "
+            "print(d.column_names, d.format['type'], [int(x) for x in d['seq_len']])")
+    done = subprocess.run([str(SPEC_PY), "-c", code, str(tmp_path / "ids")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == f"['input_ids', 'loss_mask', 'seq_len'] torch {[len(s.input_ids) for s in ours(shards)]}"
+
+
+def test_shards_speculators_would_misread_are_refused(tiny_model_dir, shards, tmp_path):
+    rows = [{"sample_id": "a", "input_ids": [1, 2, 3, 4], "loss_mask": [0, 0, 1, 1]}]
+    backend = TransformersBackend(tiny_model_dir)
+    for options, why in [(ExtractOptions(convention="output"), "'output' convention"),
+                         (ExtractOptions(convention="input", last_hidden_norm="post"), "normalise it twice"),
+                         (ExtractOptions(convention="input", last_hidden=False), "no last_hidden_states")]:
+        out = tmp_path / why.replace(" ", "_").replace("'", "")
+        extract_rows(backend, rows, out, "x", options)
+        with pytest.raises(UserError, match=why):
+            export_speculators(sorted(out.glob("*.safetensors")), tmp_path / "refused")
