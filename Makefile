@@ -51,8 +51,8 @@ SPEC_STAMP := $(SPEC_VENV)/.installed
 $(SPEC_STAMP): requirements-speculators.txt
 	test -x $(SPEC_PY) || $(PYTHON) -m venv $(SPEC_VENV)
 	$(SPEC_PY) -m pip install --quiet -r requirements-speculators.txt
-	$(SPEC_PY) -m pip install --quiet --no-deps speculators==0.9.0 hs-connectors==0.9.0
-	$(SPEC_PY) -c "import speculators.train.data, hs_connectors.transfer"
+	$(SPEC_PY) -m pip install --quiet --no-deps speculators==0.9.0 hs-connectors==0.9.0 specforge==0.2.0
+	$(SPEC_PY) -c "import speculators.train.data, hs_connectors.transfer, specforge.data.preprocessing"
 	touch $(SPEC_STAMP)
 
 speculators-venv: $(SPEC_STAMP)

@@ -262,6 +262,9 @@ class MergeConfig(_Model):
     length_policy: LengthPolicy = Field("truncate", description="what happens to samples over max_length")
     shard_tokens: int = Field(1_000_000, ge=1, description="tokens per merged shard")
     seed: int = Field(0, ge=0, description="shuffle seed")
+    draft_vocab_size: int = Field(
+        32_000, ge=1, description="the drafter's vocabulary: the most trained target tokens, written beside the shards "
+        "for speculators and SpecForge (capped at the target's vocabulary)")
 
 
 class HiddenStatesConfig(_Model):

@@ -33,6 +33,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from eagle3_data import draft_vocab
 from eagle3_data.config import LENGTH_POLICIES
 from eagle3_data.errors import UserError
 from eagle3_data.schemas import MERGED
@@ -162,8 +163,12 @@ class _ShardWriter:
         self._writer: pq.ParquetWriter | None = None
         self._path: Path | None = None
         self._samples = 0
+        self.trained_counts = np.zeros(0, dtype=np.int64)  # per token id: trained (loss_mask 1) occurrences
 
     def add(self, records: pa.Table) -> None:
+        ids = records["input_ids"].combine_chunks().flatten().to_numpy(zero_copy_only=False)
+        mask = records["loss_mask"].combine_chunks().flatten().to_numpy(zero_copy_only=False)
+        self.trained_counts = draft_vocab.add_counts(self.trained_counts, ids.astype(np.int64), mask)
         start = 0
         for i, n in enumerate(pc.list_value_length(records["input_ids"]).to_pylist()):
             if self._writer is None:
@@ -376,12 +381,15 @@ def merge_datasets(
     tokens_per_bucket: int = DEFAULT_TOKENS_PER_BUCKET,
     work_dir: str | Path | None = None,
     vocab_size: int | None = None,
+    draft_vocab_size: int = 32_000,
     lease=None,
 ) -> dict:
     """Merge `inputs` (schemas.GENERATIONS stages) into `runs/{out_run_key}/merge/{out_dataset}/`.
 
     `vocab_size` (the tokenizer's): an id outside it stops the merge naming the sample; such an
     id can only come from a broken engine or a foreign artifact, and would poison training.
+    The draft vocabulary (`draft_vocab_size` tokens, draft_vocab.py) is written beside the shards
+    in both trainers' formats, with its coverage in the manifest.
 
     Returns the summary also stored in the manifest's `extra`: shard refs (one dict per shard,
     what the extraction stage maps over), per-dataset token statistics and drop counts.
@@ -415,6 +423,10 @@ def merge_datasets(
             for path in buckets:  # one bucket resident at a time: _merge_bucket's table dies with its call
                 _merge_bucket(path, max_length, length_policy, stats, shards)
             shards.close_shard()
+            vocab_files, vocab = draft_vocab.write(work, shards.trained_counts, draft_vocab_size,
+                                                   vocab_size or shards.trained_counts.shape[0])
+            for name in vocab_files:
+                store.put_file(out_ref, name, work / name)
 
         datasets = {name: dict(sorted(c.items())) for name, c in sorted(stats.items())}
         totals = Counter()
@@ -426,12 +438,15 @@ def merge_datasets(
             "shards": shards.shards,
             "datasets": datasets,
             "totals": dict(sorted(totals.items())),
+            "draft_vocab": {**vocab, "files": vocab_files},
         }
-        params = {"max_length": max_length, "length_policy": length_policy, "shard_tokens": shard_tokens, "seed": seed}
+        params = {"max_length": max_length, "length_policy": length_policy, "shard_tokens": shard_tokens, "seed": seed,
+                  "draft_vocab_size": draft_vocab_size}
         held.check()  # fencing: a writer whose lease was taken over commits nothing
-        store.commit_files(out_ref, [s["name"] for s in shards.shards], params=params, inputs=inputs,
+        store.commit_files(out_ref, [s["name"] for s in shards.shards] + vocab_files, params=params, inputs=inputs,
                            tokenizer_sha256=tokenizer_sha, template_sha256=template_sha,
-                           extra={"shards": shards.shards, "datasets": datasets, "totals": summary["totals"]})
+                           extra={"shards": shards.shards, "datasets": datasets, "totals": summary["totals"],
+                                  "draft_vocab": summary["draft_vocab"]})
         return summary
 
 

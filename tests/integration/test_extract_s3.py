@@ -76,6 +76,30 @@ def test_merge_and_extract_cli_against_s3(store, generations, tiny_model_dir, s3
     assert len(list((tmp_path / "sf").rglob("*.ckpt"))) == 20
 
 
+def test_the_default_extraction_exports_to_both_trainers_with_the_draft_vocabulary(store, generations, tiny_model_dir,
+                                                                                   s3_env, tmp_path, capsys):
+    """One extraction feeds every trainer: the config's defaults (last state before the norm),
+    exported both ways from S3, each with the merge's draft vocabulary where its trainer looks."""
+    run = "both-trainers"
+    uri = lambda ref: store.uri(ref)  # noqa: E731
+    assert main(["merge", *sum((["--input", uri(r)] for r in generations), []), "--out-run-key", run,
+                 "--max-length", "40"]) == 0
+    assert main(["extract", "--model", str(tiny_model_dir), "--input", uri(StageRef(run, "merge", "all"))]) == 0
+    hs = uri(StageRef(run, "hidden_states", "all"))
+    extra = store.read_manifest(StageRef(run, "hidden_states", "all"))["extra"]
+    assert (extra["last_hidden"], extra["last_hidden_norm"]) == (True, "pre")
+    vocab = store.read_manifest(StageRef(run, "merge", "all"))["extra"]["draft_vocab"]
+    n = vocab["size"]
+    assert 0 < vocab["coverage"] <= 1 and vocab["trained_tokens"] > 0
+    capsys.readouterr()
+    assert main(["export-specforge", "--input", hs, "--out", str(tmp_path / "sf")]) == 0
+    assert f"draft vocabulary: vocab_mapping-{n}.pt" in capsys.readouterr().out
+    assert len(list((tmp_path / "sf").rglob("*.ckpt"))) == 20 and (tmp_path / "sf" / f"vocab_mapping-{n}.pt").exists()
+    assert main(["export-speculators", "--input", hs, "--out", str(tmp_path / "spec"), "--fp8"]) == 0
+    assert len(list((tmp_path / "spec" / "hidden_states").glob("hs_*.safetensors"))) == 20
+    assert {p.name for p in (tmp_path / "spec").iterdir()} >= {"token_freq.pt", f"d2t-{n}.npy", f"t2d-{n}.npy"}
+
+
 def test_extract_shard_resumes_by_shard_and_commit_waits_for_all(store, generations, tiny_model_dir, tmp_path):
     from eagle3_data.merge import merge_datasets
 

@@ -25,14 +25,14 @@ READER = Path(__file__).with_name("speculators_reader.py")
 
 @pytest.fixture(scope="module")
 def shards(tiny_model_dir, tmp_path_factory) -> list[Path]:
-    """The tiny model's states in speculators' convention (input layers, last state before the norm)."""
+    """The tiny model's states as the DAG extracts them by default (output naming, last state before the norm)."""
     g = torch.Generator().manual_seed(3)
     rows = []
     for i, n in enumerate([5, 33, 12, 47]):
         ids = torch.randint(0, 163_840, (n,), generator=g).tolist()
         rows.append({"sample_id": f"s{i}", "input_ids": ids, "loss_mask": [0] * (n // 2) + [1] * (n - n // 2)})
     out = tmp_path_factory.mktemp("spec-shards")
-    extract_rows(TransformersBackend(tiny_model_dir), rows, out, "x", ExtractOptions(convention="input", token_budget=48, out_shard_tokens=40))
+    extract_rows(TransformersBackend(tiny_model_dir), rows, out, "x", ExtractOptions(token_budget=48, out_shard_tokens=40))
     return sorted(out.glob("*.safetensors"))
 
 
@@ -53,6 +53,8 @@ def test_speculators_reads_every_sample_bit_exact(shards, tmp_path, kind):
     loaded, expected = read_with_speculators(tmp_path / "export", kind, tmp_path / "read"), ours(shards)
     assert n == len(loaded) == len(expected) == 4 and len(shards) > 1
     index = [json.loads(line) for line in (tmp_path / "export" / "index.jsonl").read_text().splitlines()]
+    info = json.loads((tmp_path / "export" / "export_info.json").read_text())
+    assert info["hidden_states"]["aux_layer_ids_vllm"] == [2, 4, 5]  # output of layers [1, 3, 4] of 8
     assert [e["sample_id"] for e in index] == [s.sample_id for s in expected]
     for got, s in zip(loaded, expected):
         T = s.input_ids.shape[0]
@@ -81,9 +83,8 @@ def test_ids_only_rows_are_speculators_pretokenized_rows(shards, tmp_path):
 def test_shards_speculators_would_misread_are_refused(tiny_model_dir, shards, tmp_path):
     rows = [{"sample_id": "a", "input_ids": [1, 2, 3, 4], "loss_mask": [0, 0, 1, 1]}]
     backend = TransformersBackend(tiny_model_dir)
-    for options, why in [(ExtractOptions(convention="output"), "'output' convention"),
-                         (ExtractOptions(convention="input", last_hidden_norm="post"), "normalise it twice"),
-                         (ExtractOptions(convention="input", last_hidden=False), "no last_hidden_states")]:
+    for options, why in [(ExtractOptions(last_hidden_norm="post"), "normalise it twice"),
+                         (ExtractOptions(last_hidden=False), "no last_hidden_states")]:
         out = tmp_path / why.replace(" ", "_").replace("'", "")
         extract_rows(backend, rows, out, "x", options)
         with pytest.raises(UserError, match=why):

@@ -103,6 +103,26 @@ def test_merge_dedupes_counts_and_shards(store, two_datasets, tmp_path):
     assert manifest["tokenizer_sha256"] == "tok" and manifest["params"]["seed"] == 1
 
 
+def test_the_draft_vocabulary_counts_the_merged_rows_trained_tokens(store, two_datasets, tmp_path):
+    import numpy as np
+
+    from tests.fixtures.kimi import VOCAB_SIZE
+
+    summary = merge_datasets(store, two_datasets, "vocab", max_length=64, shard_tokens=100, draft_vocab_size=3,
+                             vocab_size=VOCAB_SIZE)
+    rows = read_all(store, summary, tmp_path)
+    trained = [t for r in rows for t, m in zip(r["input_ids"], r["loss_mask"]) if m]
+    counts = np.bincount(trained, minlength=VOCAB_SIZE)
+    top = sorted(range(VOCAB_SIZE), key=lambda t: (-counts[t], t))[:3]
+    ref = StageRef("vocab", "merge", "all")
+    vocab = store.read_manifest(ref)["extra"]["draft_vocab"]
+    assert vocab["size"] == 3 and vocab["trained_tokens"] == len(trained)
+    assert vocab["coverage"] == pytest.approx(sum(counts[top]) / len(trained))
+    d2t = np.load(store.get_file(ref, "d2t-3.npy", tmp_path / "d2t.npy"))
+    assert (d2t + np.arange(3)).tolist() == sorted(top)
+    assert set(vocab["files"]) == {"token_freq.pt", "d2t-3.npy", "t2d-3.npy", "vocab_mapping-3.pt"}
+
+
 def test_shuffle_is_seeded_and_independent_of_bucketing(store, two_datasets, tmp_path):
     def order(seed, tokens_per_bucket, run):
         s = merge_datasets(store, two_datasets, run, max_length=64, shard_tokens=10_000, seed=seed,

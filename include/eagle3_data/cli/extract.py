@@ -1,4 +1,5 @@
-"""`eagle3-data extract` (merged records -> packed hidden-state shards) and `export-specforge`."""
+"""`eagle3-data extract` (merged records -> packed hidden-state shards), `export-specforge` and
+`export-speculators` (the shards in each trainer's layout, with the merge's draft vocabulary)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     e = subparsers.add_parser("export-specforge", help="write packed shards as SpecForge offline .ckpt files")
     e.add_argument("--input", required=True, help="directory of shards, or an extraction stage s3://.../runs/R/S/D")
     e.add_argument("--out", required=True, help="directory for SpecForge's --train-hidden-states-path")
+    e.add_argument("--draft-vocab", help="a folder holding the merge's vocab_mapping-N.pt (default: beside the shards; "
+                   "an s3:// stage: its merge's)")
     add_store_args(e)
     e.set_defaults(func=_run_export)
 
@@ -48,6 +51,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     v.add_argument("--fp8", action="store_true", help="states as float8_e4m3fn + per-token scales (speculators' fp8 backend)")
     v.add_argument("--ids-only", action="store_true", help="only the pretokenized rows (input_ids, loss_mask) for "
                    "online training: no states written")
+    v.add_argument("--draft-vocab", help="a folder holding the merge's token_freq.pt, d2t-N.npy, t2d-N.npy (default: "
+                   "beside the shards; an s3:// stage: its merge's)")
     add_store_args(v)
     v.set_defaults(func=_run_export_speculators)
 
@@ -123,24 +128,49 @@ def _run_extract(args: argparse.Namespace) -> int:
 def _run_export(args: argparse.Namespace) -> int:
     from eagle3_data.hidden_states.export import export_specforge
 
-    with _shards_of(args) as paths:
-        print(f"{export_specforge(paths, args.out)} samples written to {args.out}")
+    with _shards_of(args, "specforge") as (paths, vocab):
+        n = export_specforge(paths, args.out)
+        _copy_vocab(vocab, args.out)
+    print(f"{n} samples written to {args.out}{_vocab_note(vocab)}")
     return 0
 
 
 def _run_export_speculators(args: argparse.Namespace) -> int:
     from eagle3_data.hidden_states.speculators_export import export_speculators
 
-    with _shards_of(args) as paths:
+    with _shards_of(args, "speculators") as (paths, vocab):
         n = export_speculators(paths, args.out, fp8=args.fp8, ids_only=args.ids_only)
-    print(f"{n} samples written to {args.out}" + (" (ids only)" if args.ids_only else ""))
+        _copy_vocab(vocab, args.out)
+    print(f"{n} samples written to {args.out}" + (" (ids only)" if args.ids_only else "") + _vocab_note(vocab))
     return 0
 
 
+def _copy_vocab(vocab: list, out: str) -> None:
+    import shutil
+
+    for path in vocab:  # where the trainer looks: speculators in its data path, SpecForge's --vocab-mapping-path
+        shutil.copyfile(path, f"{out}/{path.name}")
+
+
+def _vocab_note(vocab: list) -> str:
+    return f"; draft vocabulary: {', '.join(p.name for p in vocab)}" if vocab else "; no draft vocabulary found"
+
+
+def _vocab_file(trainer: str, name: str) -> bool:
+    """Whether `name` is one of the trainer's draft-vocabulary files (draft_vocab.py)."""
+    from eagle3_data.draft_vocab import TOKEN_FREQ
+
+    if trainer == "speculators":
+        return name == TOKEN_FREQ or (name.startswith(("d2t-", "t2d-")) and name.endswith(".npy"))
+    return name.startswith("vocab_mapping-") and name.endswith(".pt")
+
+
 @contextlib.contextmanager
-def _shards_of(args: argparse.Namespace):
-    """The input's shards as local paths: a directory's, or an extraction stage's fetched one at a
-    time (local disk holds one shard, not the whole stage)."""
+def _shards_of(args: argparse.Namespace, trainer: str):
+    """(the input's shards as local paths, the trainer's draft-vocabulary files): a directory's
+    (the vocabulary files beside the shards, or in --draft-vocab), or an extraction stage's, the
+    shards fetched one at a time (local disk holds one shard, not the whole stage) and the
+    vocabulary from the merge stage it was extracted from."""
     import tempfile
     from pathlib import Path
 
@@ -150,19 +180,28 @@ def _shards_of(args: argparse.Namespace):
         paths = sorted(Path(args.input).glob("*.safetensors"))
         if not paths:
             raise UserError(f"--input {args.input}: no .safetensors shards there")
-        yield paths
+        where = Path(args.draft_vocab or args.input)
+        yield paths, (sorted(p for p in where.iterdir() if _vocab_file(trainer, p.name)) if where.is_dir() else [])
         return
     bucket, prefix, ref = parse_stage_uri(args.input)
     store = open_store(args, bucket, prefix)
-    names = [f["name"] for f in store.read_manifest(ref)["files"] if f["name"].endswith(".safetensors")]
+    manifest = store.read_manifest(ref)
+    names = [f["name"] for f in manifest["files"] if f["name"].endswith(".safetensors")]
     with tempfile.TemporaryDirectory(prefix="eagle3-export-") as tmp:
+        vocab = []
+        for record in manifest.get("inputs", []):  # the merge it was extracted from
+            merge_ref = parse_stage_uri(record["uri"])[2]
+            for f in store.read_manifest(merge_ref)["files"]:
+                if _vocab_file(trainer, f["name"]):
+                    vocab.append(store.get_file(merge_ref, f["name"], Path(tmp) / f["name"], sha256=f["sha256"]))
+
         def one_at_a_time():
             for name in names:
                 path = store.get_file(ref, name, Path(tmp) / name)
                 yield path
                 path.unlink()
 
-        yield one_at_a_time()
+        yield one_at_a_time(), vocab
 
 
 MERGED_COLUMNS = ("sample_id", "input_ids", "loss_mask")

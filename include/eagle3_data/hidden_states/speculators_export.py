@@ -6,8 +6,8 @@ transfer.py `FileTransfer` / `FP8Transfer`):
   `seq_len`, in torch format (what its `prepare-data` writes; `index.jsonl` beside it maps row i
   to our sample_id);
 - `{out}/hidden_states/hs_{i}.safetensors` per row i: `hidden_states` bf16 [T, 4, H] (the three
-  aux layers in vLLM's "input to layer i" convention, then the last layer's output BEFORE the
-  final norm: the trainer applies its own frozen `verifier_norm` to `hidden_states[:, -1]`) and
+  aux layers, then the last layer's output BEFORE the final norm: the trainer applies its own
+  frozen `verifier_norm` to `hidden_states[:, -1]`) and
   `token_ids` int64 [T], equal to the row's input_ids (a mismatch makes the trainer skip the
   sample, train/data.py:314-322);
 - fp8 (`fp8=True`, read by `FP8Transfer`): `hidden_states` float8_e4m3fn with
@@ -17,8 +17,10 @@ transfer.py `FileTransfer` / `FP8Transfer`):
 `ids_only=True` writes only the dataset: speculators' pretokenized rows (`input_ids` +
 `loss_mask`), which its `prepare-data` passes through and its trainer serves from a vLLM
 endpoint online (`on_missing="generate"`), so no states are stored at all.
-Shards with aux layers in the other convention or a post-norm last state are refused: the
-trainer would train on other layers, or normalise the last state twice, without a word.
+The aux layers are the same tensors in either naming (layers.py: the output of layer i is the
+input to layer i+1), so the default extraction exports as it is; `export_info.json` names them
+in vLLM's "input to layer i" ids, the ones a speculator's config and vLLM's serving use. A shard
+with a post-norm last state is refused: the trainer would normalise it twice, without a word.
 """
 
 from __future__ import annotations
@@ -45,11 +47,13 @@ def quantize_per_token(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return (fp32 / scale).to(torch.float8_e4m3fn), scale
 
 
+def vllm_layer_ids(reader: ShardReader) -> list[int]:
+    """The shard's aux layers in vLLM's "input to layer i" ids (+1 for the "output" convention)."""
+    return [i + 1 for i in reader.layer_ids] if reader.convention == "output" else list(reader.layer_ids)
+
+
 def _check(reader: ShardReader, path: str | Path) -> None:
     name = Path(path).name
-    if reader.convention != "input":
-        raise UserError(f"{name}: aux layers in the {reader.convention!r} convention; speculators reads vLLM's "
-                        "'input to layer i' ids (re-extract with --convention input)")
     if not reader.has_last:
         raise UserError(f"{name}: no last_hidden_states; speculators needs the last layer's state (extract with --last-hidden)")
     if reader.last_hidden_norm != "pre":
@@ -67,12 +71,16 @@ def export_speculators(shard_paths: Iterable[str | Path], out_dir: str | Path, *
     if not ids_only:
         states_dir.mkdir(parents=True, exist_ok=True)
     index_rows: list[dict] = []
+    layers: set[tuple[int, ...]] = set()
 
     def rows() -> Iterator[dict]:
         for path in shard_paths:
             reader = ShardReader(path)
             if not ids_only:
                 _check(reader, path)
+                layers.add(tuple(vllm_layer_ids(reader)))
+                if len(layers) > 1:
+                    raise UserError(f"{Path(path).name}: aux layers {sorted(layers)} differ between shards; re-extract alike")
             for sample in reader:
                 i = len(index_rows)
                 ids = sample.input_ids.to(torch.int64)
@@ -108,4 +116,8 @@ def export_speculators(shard_paths: Iterable[str | Path], out_dir: str | Path, *
     table.save_to_disk(str(out))
     with open(out / "index.jsonl", "w") as index:
         index.writelines(json.dumps(r) + "\n" for r in index_rows)
+    info = {"samples": len(index_rows), "ids_only": ids_only, "hidden_states": None if ids_only else
+            {"encoding": "fp8_e4m3fn_per_token" if fp8 else "bfloat16", "aux_layer_ids_vllm": list(next(iter(layers))),
+             "last": "the last layer's output before the final norm"}}
+    (out / "export_info.json").write_text(json.dumps(info, indent=1))
     return len(index_rows)

@@ -30,8 +30,6 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
 from eagle3_data.errors import UserError
 from eagle3_data.hidden_states.backends import ModelInfo, SampleStates
 from eagle3_data.hidden_states.final_norm import final_norm_weight
