@@ -201,7 +201,17 @@ def test_clear_one_dataset_reruns_only_it(stack, dag):
     assert store.read_manifest(StageRef(RUN_KEY, "validate", "chat"))["stand_ins"] == stand_ins
     from eagle3_data.report import RUN_REPORT_NAME, run_report_ref
 
-    assert store.get_json(run_report_ref(RUN_KEY), RUN_REPORT_NAME)["stand_ins"] == stand_ins
+    index = store.get_json(run_report_ref(RUN_KEY), RUN_REPORT_NAME)
+    assert index["stand_ins"] == stand_ins
+    # the training data as a whole: the draft vocabulary's coverage and the states' bytes, estimated and written
+    training = index["training"]
+    merged = store.read_manifest(StageRef(RUN_KEY, "merge", "all"))["extra"]
+    assert training["draft_vocab"] == merged["draft_vocab"] and 0 < training["draft_vocab"]["coverage"] <= 1
+    est = training["hidden_states_estimate"]
+    assert est["tokens"] == merged["totals"]["tokens"] and est["hidden_size"] == 64
+    written = store.read_manifest(StageRef(RUN_KEY, "hidden_states", "all"))["extra"]["totals"]["bytes"]
+    assert training["hidden_states_bytes"] == written
+    assert 0.8 < written / est["bytes"]["shards_bf16"] < 1.25  # the estimate is the layout's own arithmetic
 
 
 # -- 3. backfill / rerun of the same date: same keys, same manifests ---------------------------

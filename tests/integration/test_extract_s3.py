@@ -98,6 +98,14 @@ def test_the_default_extraction_exports_to_both_trainers_with_the_draft_vocabula
     assert main(["export-speculators", "--input", hs, "--out", str(tmp_path / "spec"), "--fp8"]) == 0
     assert len(list((tmp_path / "spec" / "hidden_states").glob("hs_*.safetensors"))) == 20
     assert {p.name for p in (tmp_path / "spec").iterdir()} >= {"token_freq.pt", f"d2t-{n}.npy", f"t2d-{n}.npy"}
+    # online training: the merged ids alone, no states
+    merge_uri = uri(StageRef(run, "merge", "all"))
+    assert main(["export-speculators", "--ids-only", "--input", merge_uri, "--out", str(tmp_path / "spec-ids")]) == 0
+    assert not (tmp_path / "spec-ids" / "hidden_states").exists() and (tmp_path / "spec-ids" / "token_freq.pt").exists()
+    assert main(["export-specforge", "--ids-only", "--input", merge_uri, "--out", str(tmp_path / "sf-ids")]) == 0
+    lines = (tmp_path / "sf-ids" / "prompts.jsonl").read_text().splitlines()
+    assert len(lines) == 20 and set(json.loads(lines[0])) == {"input_ids", "loss_mask", "sample_id"}
+    assert main(["export-specforge", "--ids-only", "--input", hs, "--out", str(tmp_path / "x")]) == 2  # not a merge
 
 
 def test_extract_shard_resumes_by_shard_and_commit_waits_for_all(store, generations, tiny_model_dir, tmp_path):

@@ -120,7 +120,12 @@ def run_report(store, kimi_tokenizer):
             "thresholds": THRESHOLDS,
         },
     }
-    return write_run_report(store, RUN, entries, dag_id="eagle3_datagen", run_id="manual__1")
+    training = {"draft_vocab": {"size": 32000, "requested_size": 32000, "trained_tokens": 1_200_000, "distinct_trained": 41_000,
+                                "coverage": 0.9612},
+                "hidden_states_estimate": {"hidden_size": 7168, "tokens": 2_000_000,
+                                           "bytes": {"shards_bf16": 114_698_000_000, "shards_fp8": 71_700_000_000}},
+                "hidden_states_bytes": 114_000_000_000}
+    return write_run_report(store, RUN, entries, dag_id="eagle3_datagen", run_id="manual__1", training=training)
 
 
 def test_index_is_committed_where_the_view_looks(store, run_report):
@@ -209,6 +214,13 @@ def test_page_and_summary_show_identity_and_policy(store, run_report):
     assert "| not the pinned model/provider | 1 (7.69%) **(fails)** |" in md
     chat = html[html.index("<section id='ds-chat'>"):html.index("<section id='ds-tool_calls'>")]
     assert "Provider identity and policy" not in chat
+
+
+def test_page_states_the_draft_vocabulary_and_the_states_bytes(store, run_report):
+    html = render_html(load_run_report(store, RUN), title="t")
+    line = html[html.index("Draft vocabulary"):html.index("<table class='overview'>")]
+    assert "<b>32,000</b> tokens (N = 32,000) cover\n<b>96.12%</b> of the 1,200,000 trained tokens (41,000 distinct)" in line
+    assert "Hidden states at H = 7168: about 115 GB in bf16 shards\n(71.7 GB fp8), 114 GB written." in line
 
 
 def test_missing_artifact_is_reported_not_raised(store, run_report):

@@ -70,14 +70,28 @@ def test_speculators_reads_every_sample_bit_exact(shards, tmp_path, kind):
         assert torch.equal(got["verifier_last_hidden_states"], states[:, 3])  # before the norm: the trainer applies its own
 
 
-def test_ids_only_rows_are_speculators_pretokenized_rows(shards, tmp_path):
-    n = export_speculators(shards, tmp_path / "ids", ids_only=True)
-    assert n == 4 and not (tmp_path / "ids" / "hidden_states").exists()
-    code = ("import sys, datasets; d = datasets.load_from_disk(sys.argv[1]); "
-            "print(d.column_names, d.format['type'], [int(x) for x in d['seq_len']])")
-    done = subprocess.run([str(SPEC_PY), "-c", code, str(tmp_path / "ids")], capture_output=True, text=True, timeout=300)
+def test_ids_only_exports_are_the_trainers_pretokenized_rows(tmp_path):
+    """From the merged rows alone: speculators' dataset as its `load_from_disk` reads it, and
+    SpecForge's JSONL as its own `prepare_prompt_tasks` takes it (pre-tokenized, no tokenizer)."""
+    from eagle3_data.ids_exports import export_specforge_ids, export_speculators_ids
+
+    rows = [{"sample_id": f"m{i}", "input_ids": list(range(5 + i)), "loss_mask": [0, 0] + [1] * (3 + i)} for i in range(4)]
+    assert export_speculators_ids(rows, tmp_path / "spec") == 4 and not (tmp_path / "spec" / "hidden_states").exists()
+    assert export_specforge_ids(rows, tmp_path / "sf") == 4
+    code = ("import sys, json, datasets\n"
+            "from specforge.data.prompt_builder import prepare_prompt_tasks\n"
+            "d = datasets.load_from_disk(sys.argv[1])\n"
+            "tasks = prepare_prompt_tasks(sys.argv[2], None, chat_template=None, max_length=64, is_preformatted=False,\n"
+            "    train_only_last_turn=False, cache_dir=None, cache_key=None, num_proc=None)\n"
+            "print(json.dumps({'columns': d.column_names, 'format': d.format['type'], 'ids': [x.tolist() for x in d['input_ids']],\n"
+            "    'seq_len': [int(x) for x in d['seq_len']], 'specforge': [dict(t['payload']) for t in tasks]}))")
+    done = subprocess.run([str(SPEC_PY), "-c", code, str(tmp_path / "spec"), str(tmp_path / "sf" / "prompts.jsonl")],
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip() == f"['input_ids', 'loss_mask', 'seq_len'] torch {[len(s.input_ids) for s in ours(shards)]}"
+    got = json.loads(done.stdout.splitlines()[-1])
+    assert (got["columns"], got["format"]) == (["input_ids", "loss_mask", "seq_len"], "torch")
+    assert got["ids"] == [r["input_ids"] for r in rows] and got["seq_len"] == [len(r["input_ids"]) for r in rows]
+    assert [(p["input_ids"], p["loss_mask"]) for p in got["specforge"]] == [(r["input_ids"], r["loss_mask"]) for r in rows]
 
 
 def test_shards_speculators_would_misread_are_refused(tiny_model_dir, shards, tmp_path):

@@ -272,3 +272,17 @@ def test_export_to_specforge_layout(backend, rows, tmp_path):
     with pytest.raises(UserError, match="last_hidden_states"):
         extract_rows(backend, rows[:2], tmp_path / "nolast", "x", ExtractOptions(last_hidden=False))
         export_specforge(sorted((tmp_path / "nolast").glob("*.safetensors")), tmp_path / "sf2")
+
+
+def test_storage_estimate_at_kimi_size():
+    """~57 KB per token in bf16 at H = 7168 (4H values of 2 bytes), ~28.7 KB in speculators' fp8:
+    ~8.3 TB for 145 M tokens."""
+    from eagle3_data.hidden_states.storage_estimate import describe, estimate
+
+    est = estimate(145_000_000, 7168)
+    per = est["bytes_per_token"]
+    assert per["shards_bf16"] == 4 * 7168 * 2 + 5 and per["speculators_fp8"] == 4 * 7168 + 12
+    assert 57_000 < per["speculators_bf16"] < 57_400 and 28_600 < per["speculators_fp8"] < 28_800
+    assert 8.2e12 < est["bytes"]["shards_bf16"] < 8.4e12
+    assert "shards_bf16 8.32 TB" in describe(est)
+    assert estimate(10, 7168, last=False)["bytes_per_token"]["shards_bf16"] == 3 * 7168 * 2 + 5

@@ -41,6 +41,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     e.add_argument("--out", required=True, help="directory for SpecForge's --train-hidden-states-path")
     e.add_argument("--draft-vocab", help="a folder holding the merge's vocab_mapping-N.pt (default: beside the shards; "
                    "an s3:// stage: its merge's)")
+    e.add_argument("--ids-only", action="store_true", help="pre-tokenized JSONL (input_ids, loss_mask) of a merge stage "
+                   "for online training: --input s3://.../merge/all or a folder of merged .parquet shards")
     add_store_args(e)
     e.set_defaults(func=_run_export)
 
@@ -49,8 +51,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     v.add_argument("--out", required=True, help="directory for speculators' --data-path (a save_to_disk dataset + "
                    "hidden_states/hs_{i}.safetensors)")
     v.add_argument("--fp8", action="store_true", help="states as float8_e4m3fn + per-token scales (speculators' fp8 backend)")
-    v.add_argument("--ids-only", action="store_true", help="only the pretokenized rows (input_ids, loss_mask) for "
-                   "online training: no states written")
+    v.add_argument("--ids-only", action="store_true", help="speculators' pretokenized rows (input_ids, loss_mask) of a "
+                   "merge stage for online training, no states: --input s3://.../merge/all or a folder of merged .parquet")
     v.add_argument("--draft-vocab", help="a folder holding the merge's token_freq.pt, d2t-N.npy, t2d-N.npy (default: "
                    "beside the shards; an s3:// stage: its merge's)")
     add_store_args(v)
@@ -127,22 +129,75 @@ def _run_extract(args: argparse.Namespace) -> int:
 
 def _run_export(args: argparse.Namespace) -> int:
     from eagle3_data.hidden_states.export import export_specforge
+    from eagle3_data.ids_exports import export_specforge_ids
 
-    with _shards_of(args, "specforge") as (paths, vocab):
-        n = export_specforge(paths, args.out)
-        _copy_vocab(vocab, args.out)
-    print(f"{n} samples written to {args.out}{_vocab_note(vocab)}")
+    if args.ids_only:
+        with _merged_rows(args, "specforge") as (rows, vocab):
+            n = export_specforge_ids(rows, args.out)
+            _copy_vocab(vocab, args.out)
+    else:
+        with _shards_of(args, "specforge") as (paths, vocab):
+            n = export_specforge(paths, args.out)
+            _copy_vocab(vocab, args.out)
+    print(f"{n} samples written to {args.out}" + (" (ids only)" if args.ids_only else "") + _vocab_note(vocab))
     return 0
 
 
 def _run_export_speculators(args: argparse.Namespace) -> int:
     from eagle3_data.hidden_states.speculators_export import export_speculators
+    from eagle3_data.ids_exports import export_speculators_ids
 
-    with _shards_of(args, "speculators") as (paths, vocab):
-        n = export_speculators(paths, args.out, fp8=args.fp8, ids_only=args.ids_only)
-        _copy_vocab(vocab, args.out)
+    if args.ids_only:
+        with _merged_rows(args, "speculators") as (rows, vocab):
+            n = export_speculators_ids(rows, args.out)
+            _copy_vocab(vocab, args.out)
+    else:
+        with _shards_of(args, "speculators") as (paths, vocab):
+            n = export_speculators(paths, args.out, fp8=args.fp8)
+            _copy_vocab(vocab, args.out)
     print(f"{n} samples written to {args.out}" + (" (ids only)" if args.ids_only else "") + _vocab_note(vocab))
     return 0
+
+
+@contextlib.contextmanager
+def _merged_rows(args: argparse.Namespace, trainer: str):
+    """(the merged stage's rows, the trainer's draft-vocabulary files) for an ids-only export:
+    --input a merge stage s3://.../merge/all, or a folder of merged .parquet shards."""
+    import tempfile
+    from pathlib import Path
+
+    from eagle3_data.errors import UserError
+    from eagle3_data.hidden_states.extract import read_merged_rows
+
+    def rows(paths):
+        for path in paths:
+            yield from read_merged_rows([path])
+
+    if not args.input.startswith("s3://"):
+        paths = sorted(Path(args.input).glob("*.parquet"))
+        if not paths:
+            raise UserError(f"--input {args.input}: no merged .parquet shards there (--ids-only exports the merge stage)")
+        where = Path(args.draft_vocab or args.input)
+        yield rows(paths), sorted(p for p in where.iterdir() if _vocab_file(trainer, p.name))
+        return
+    bucket, prefix, ref = parse_stage_uri(args.input)
+    if ref.stage != "merge":
+        raise UserError(f"--input {args.input}: a {ref.stage!r} stage; --ids-only exports the merge stage "
+                        "(s3://.../runs/R/merge/all)")
+    store = open_store(args, bucket, prefix)
+    files = store.read_manifest(ref)["files"]
+    with tempfile.TemporaryDirectory(prefix="eagle3-export-") as tmp:
+        vocab = [store.get_file(ref, f["name"], Path(tmp) / f["name"], sha256=f["sha256"])
+                 for f in files if _vocab_file(trainer, f["name"])]
+
+        def one_at_a_time():
+            for f in files:
+                if f["name"].endswith(".parquet"):
+                    path = store.get_file(ref, f["name"], Path(tmp) / f["name"], sha256=f["sha256"])
+                    yield path
+                    path.unlink()
+
+        yield rows(one_at_a_time()), vocab
 
 
 def _copy_vocab(vocab: list, out: str) -> None:

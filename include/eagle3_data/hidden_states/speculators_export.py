@@ -14,9 +14,7 @@ transfer.py `FileTransfer` / `FP8Transfer`):
   `hidden_states_scales` float32 [T, 1, 1], one scale per token over all layers
   (hs_connectors fp8_utils.py: scale = amax / 448, clamped at 1e-12).
 
-`ids_only=True` writes only the dataset: speculators' pretokenized rows (`input_ids` +
-`loss_mask`), which its `prepare-data` passes through and its trainer serves from a vLLM
-endpoint online (`on_missing="generate"`), so no states are stored at all.
+The ids-only export (ids_exports.py) writes the same dataset from the merged stage alone.
 The aux layers are the same tensors in either naming (layers.py: the output of layer i is the
 input to layer i+1), so the default extraction exports as it is; `export_info.json` names them
 in vLLM's "input to layer i" ids, the ones a speculator's config and vLLM's serving use. A shard
@@ -26,7 +24,7 @@ with a post-norm last state is refused: the trainer would normalise it twice, wi
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -61,63 +59,70 @@ def _check(reader: ShardReader, path: str | Path) -> None:
                         "and would normalise it twice (extract with --last-hidden-norm pre)")
 
 
-def export_speculators(shard_paths: Iterable[str | Path], out_dir: str | Path, *, fp8: bool = False,
-                       ids_only: bool = False) -> int:
-    """Write the dataset (and, unless `ids_only`, one state file per row); returns the rows written."""
+def export_speculators(shard_paths: Iterable[str | Path], out_dir: str | Path, *, fp8: bool = False) -> int:
+    """Write the dataset and one state file per row; returns the rows written."""
+    out = Path(out_dir)
+    states_dir = out / "hidden_states"
+    states_dir.mkdir(parents=True, exist_ok=True)
+    layers: set[tuple[int, ...]] = set()
+
+    def samples() -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+        i = 0
+        for path in shard_paths:
+            reader = ShardReader(path)
+            _check(reader, path)
+            layers.add(tuple(vllm_layer_ids(reader)))
+            if len(layers) > 1:
+                raise UserError(f"{Path(path).name}: aux layers {sorted(layers)} differ between shards; re-extract alike")
+            for sample in reader:
+                ids = sample.input_ids.to(torch.int64)
+                T = ids.shape[0]
+                stacked = torch.cat([sample.aux_hidden_states.reshape(T, 3, -1),
+                                     sample.last_hidden_states.reshape(T, 1, -1)], dim=1)
+                tensors = {"token_ids": ids.clone()}
+                if fp8:
+                    tensors["hidden_states"], tensors["hidden_states_scales"] = quantize_per_token(stacked)
+                else:
+                    tensors["hidden_states"] = stacked.to(torch.bfloat16).contiguous()
+                save_file(tensors, str(states_dir / f"hs_{i}.safetensors"))
+                i += 1
+                yield sample.sample_id, ids, sample.loss_mask
+
+    n = save_rows(samples(), out)
+    info = {"samples": n, "hidden_states": {"encoding": "fp8_e4m3fn_per_token" if fp8 else "bfloat16",
+                                            "aux_layer_ids_vllm": list(next(iter(layers))),
+                                            "last": "the last layer's output before the final norm"}}
+    (out / "export_info.json").write_text(json.dumps(info, indent=1))
+    return n
+
+
+def save_rows(samples: Iterable[tuple[str, Sequence[int] | torch.Tensor, Sequence[int] | torch.Tensor]],
+              out_dir: str | Path) -> int:
+    """The rows as speculators' dataset (`input_ids`, `loss_mask` int64 lists, `seq_len`; torch
+    format, `save_to_disk`) with `index.jsonl` (row -> sample_id); returns the rows written.
+    Built in Arrow chunks, so memory holds the ids as int64 columns, not Python lists."""
     import datasets
 
     out = Path(out_dir)
-    states_dir = out / "hidden_states"
-    if not ids_only:
-        states_dir.mkdir(parents=True, exist_ok=True)
-    index_rows: list[dict] = []
-    layers: set[tuple[int, ...]] = set()
-
-    def rows() -> Iterator[dict]:
-        for path in shard_paths:
-            reader = ShardReader(path)
-            if not ids_only:
-                _check(reader, path)
-                layers.add(tuple(vllm_layer_ids(reader)))
-                if len(layers) > 1:
-                    raise UserError(f"{Path(path).name}: aux layers {sorted(layers)} differ between shards; re-extract alike")
-            for sample in reader:
-                i = len(index_rows)
-                ids = sample.input_ids.to(torch.int64)
-                if not ids_only:
-                    T = ids.shape[0]
-                    stacked = torch.cat([sample.aux_hidden_states.reshape(T, 3, -1),
-                                         sample.last_hidden_states.reshape(T, 1, -1)], dim=1)
-                    tensors = {"token_ids": ids.clone()}
-                    if fp8:
-                        tensors["hidden_states"], tensors["hidden_states_scales"] = quantize_per_token(stacked)
-                    else:
-                        tensors["hidden_states"] = stacked.to(torch.bfloat16).contiguous()
-                    save_file(tensors, str(states_dir / f"hs_{i}.safetensors"))
-                index_rows.append({"row": i, "sample_id": sample.sample_id})
-                yield {"input_ids": ids.tolist(), "loss_mask": sample.loss_mask.to(torch.int64).tolist(),
-                       "seq_len": int(ids.shape[0])}
-
+    out.mkdir(parents=True, exist_ok=True)
     features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int64")),
                                   "loss_mask": datasets.Sequence(datasets.Value("int64")),
                                   "seq_len": datasets.Value("int64")})
-    chunks, chunk = [], []
-    for row in rows():  # Arrow chunks, so memory holds the ids as int64 columns, not Python lists
-        chunk.append(row)
+    chunks, chunk, index = [], [], []
+    for sample_id, ids, mask in samples:
+        ids, mask = [int(x) for x in ids], [int(x) for x in mask]
+        index.append({"row": len(index), "sample_id": sample_id})
+        chunk.append({"input_ids": ids, "loss_mask": mask, "seq_len": len(ids)})
         if len(chunk) == CHUNK_ROWS:
             chunks.append(datasets.Dataset.from_list(chunk, features=features))
             chunk = []
     if chunk:
         chunks.append(datasets.Dataset.from_list(chunk, features=features))
     if not chunks:
-        raise UserError("export-speculators: the shards hold no samples")
+        raise UserError("export-speculators: no samples to export")
     table = datasets.concatenate_datasets(chunks)
     table.set_format(type="torch")
     table.save_to_disk(str(out))
-    with open(out / "index.jsonl", "w") as index:
-        index.writelines(json.dumps(r) + "\n" for r in index_rows)
-    info = {"samples": len(index_rows), "ids_only": ids_only, "hidden_states": None if ids_only else
-            {"encoding": "fp8_e4m3fn_per_token" if fp8 else "bfloat16", "aux_layer_ids_vllm": list(next(iter(layers))),
-             "last": "the last layer's output before the final norm"}}
-    (out / "export_info.json").write_text(json.dumps(info, indent=1))
-    return len(index_rows)
+    with open(out / "index.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in index)
+    return len(index)

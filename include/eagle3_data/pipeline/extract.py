@@ -8,6 +8,7 @@ from eagle3_data.pipeline.results import ExtractWorkerResult, ShardResult
 from eagle3_data.pipeline.reuse import reusable, same_params
 from eagle3_data.pipeline.run import Run, log, stage_ref
 from eagle3_data.stages import HIDDEN_STATES, MERGE, RUN_DATASET
+from eagle3_data.hidden_states.storage_estimate import describe
 
 
 # Choices added after the first extraction stages were committed: recorded only away from the value
@@ -82,7 +83,30 @@ def plan_hidden_states(run: Run, store) -> list[dict]:
     if run.dry_run or run.skip_hidden_states or not store.is_complete(merge_ref):
         return []
     discard_stale_hidden_states(run, store)
-    return split_shards(merged_shards(store, merge_ref), run.config.hidden_states.workers)
+    shards = merged_shards(store, merge_ref)
+    est = storage_estimate(run, sum(int(s.get("tokens") or 0) for s in shards))
+    if est is not None:
+        log.info("hidden states will take about: %s", describe(est))
+    return split_shards(shards, run.config.hidden_states.workers)
+
+
+def storage_estimate(run: Run, tokens: int) -> dict | None:
+    """The bytes the extraction writes for the configured model (its config.json's hidden size)
+    in each layout and dtype; None when the model's config cannot be read here."""
+    import json
+    from pathlib import Path
+
+    from eagle3_data.hidden_states.storage_estimate import estimate
+
+    h = run.config.hidden_states
+    try:
+        cfg = json.loads((Path(resolve_source(run.config.model.source)) / "config.json").read_text())
+    except (OSError, ValueError, Exception):  # a dev: source not built yet, a hub id: no estimate, not a failure
+        return None
+    hidden = (cfg.get("text_config") or cfg).get("hidden_size")
+    if not isinstance(hidden, int):
+        return None
+    return estimate(tokens, hidden, aux_layers=len(h.layer_ids) if h.layer_ids else 3, last=h.last_hidden)
 
 
 def split_shards(shards: list[dict], workers: int) -> list[dict]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from eagle3_data.errors import GateFailed
-from eagle3_data.pipeline.extract import hidden_states_params
+from eagle3_data.pipeline.extract import hidden_states_params, storage_estimate
 from eagle3_data.pipeline.results import PublishResult
 from eagle3_data.pipeline.reuse import reusable
 from eagle3_data.pipeline.route import PLAN_REPORT
@@ -34,7 +34,7 @@ def _generation_totals(store, ref) -> dict:
     return out
 
 
-def _run_report(store, run_key: str, index: dict, stand_ins) -> str | None:
+def _run_report(store, run_key: str, index: dict, stand_ins, training: dict) -> str | None:
     """The UI's run-report index; left untouched when it already says the same (idempotent reruns)."""
     from eagle3_data.report import RUN_REPORT_NAME, run_report_ref, write_run_report
 
@@ -42,9 +42,9 @@ def _run_report(store, run_key: str, index: dict, stand_ins) -> str | None:
         return None
     ref = run_report_ref(run_key)
     if store.is_complete(ref) and (old := store.get_json(ref, RUN_REPORT_NAME)).get("datasets") == index \
-            and old.get("stand_ins", []) == list(stand_ins):
+            and old.get("stand_ins", []) == list(stand_ins) and old.get("training", {}) == training:
         return store.uri(ref, RUN_REPORT_NAME)
-    return write_run_report(store, run_key, index, stand_ins=stand_ins)
+    return write_run_report(store, run_key, index, stand_ins=stand_ins, training=training)
 
 
 def _plan(run: Run, store) -> PublishResult:
@@ -98,8 +98,6 @@ def publish(run: Run, store) -> PublishResult:
         for n, g in gates.items()
         if g.report_uri
     }
-    report_uri = _run_report(store, run.run_key, index, run.config.stand_ins)
-
     problems = [f"{n}: {', '.join(g.reasons)} (report {g.report_uri})" for n, g in gates.items() if not g.passed]
     if not store.is_complete(stage_ref(run, AUDIT, AUDIT_DATASET)):
         problems.insert(0, "the tokenizer audit did not pass (see task audit_tokenizer)")
@@ -115,6 +113,12 @@ def publish(run: Run, store) -> PublishResult:
         if hidden is None:
             problems.append(f"hidden states: {store.uri(hs_ref)} is not committed for this merge and its params "
                             "(see tasks extract_hidden_states and commit_hidden_states)")
+    training = {
+        "draft_vocab": (merged or {}).get("draft_vocab"),
+        "hidden_states_estimate": storage_estimate(run, int(merged["totals"].get("tokens", 0))) if merged else None,
+        "hidden_states_bytes": (hidden or {}).get("totals", {}).get("bytes"),
+    }
+    report_uri = _run_report(store, run.run_key, index, run.config.stand_ins, training)
     summary_ref = stage_ref(run, PUBLISH, RUN_DATASET)
     summary = {
         "run_key": run.run_key,
@@ -123,7 +127,9 @@ def publish(run: Run, store) -> PublishResult:
         "merged_uri": store.uri(merge_ref) if merged else None,
         "merged": merged and {"totals": merged["totals"], "shards": len(merged["shards"])},
         "hidden_states_uri": store.uri(hs_ref) if hidden else None,
-        "hidden_states": hidden and {k: hidden.get(k) for k in ("totals", "layer_ids", "convention", "model", "dtype")},
+        "hidden_states": hidden and {k: hidden.get(k) for k in ("totals", "layer_ids", "convention", "last_hidden_norm",
+                                                                "model", "dtype")},
+        "training": training,
         "cost_usd": round(sum(d["overflow"]["cost_usd"] for d in datasets.values()), 6),
         "summary_uri": store.uri(summary_ref, SUMMARY),
         "stand_ins": list(run.config.stand_ins),

@@ -62,6 +62,7 @@ def write_run_report(
     dag_id: str | None = None,
     run_id: str | None = None,
     stand_ins: Sequence[str] = (),
+    training: Mapping[str, Any] | None = None,
 ) -> str:
     """Write and commit the index. `datasets` maps name -> {validation: uri, billing?: uri,
     thresholds?: {name: number}, lengths?: `generation_lengths(...)`, generation?: {local: totals,
@@ -75,6 +76,8 @@ def write_run_report(
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "datasets": {name: dict(entry) for name, entry in datasets.items()},
         "stand_ins": list(stand_ins),  # what the run ran on instead of the real thing (the page says so)
+        # the training data as a whole: the draft vocabulary's coverage, the hidden states' bytes (estimated, written)
+        "training": dict(training or {}),
     }
     _check_index(index, store, run_key)
     ref = run_report_ref(run_key)

@@ -289,6 +289,12 @@ def fmt_usd(v: Any) -> str:
     return f"${v:,.4f}" if is_number(v) else "—"
 
 
+def fmt_bytes(v: Any) -> str:
+    from eagle3_data.hidden_states.storage_estimate import human_bytes
+
+    return human_bytes(v) if is_number(v) else "-"
+
+
 def fmt_num(v: Any) -> str:
     if not is_number(v):
         return "—"
@@ -325,6 +331,6 @@ def _env() -> jinja2.Environment:
     )
     env.filters.update(
         pct=fmt_pct, usd=fmt_usd, num=fmt_num, tok=token_text, md_tokens=md_tokens, md_cell=md_cell,
-        commas="{:,}".format, commas_g="{:,g}".format, g="{:g}".format,
+        commas="{:,}".format, commas_g="{:,g}".format, g="{:g}".format, bytes=fmt_bytes,
     )
     return env
