@@ -186,9 +186,16 @@ class OverflowGenerationConfig(_Model):
         "refuses) stop dispatch with that error instead of failing the dataset row by row")
 
 
+Regenerate = Literal["final_turn", "every_turn"]
+
+
 class GenerationConfig(_Model):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     repeats: int = Field(1, ge=1, le=64, description="samples per prompt")
+    regenerate: Regenerate = Field(
+        "final_turn", description="final_turn: one sample per row, the answer after its whole history; every_turn: one "
+        "sample per user turn, the answer after the history up to it (the dataset's own earlier turns, as the template "
+        "renders them there)")
     local: LocalGenerationConfig = Field(default_factory=LocalGenerationConfig)
     overflow: OverflowGenerationConfig
 
@@ -561,6 +568,7 @@ CONFIG_PARAMS: dict[str, str] = {
     "overflow_strategy": "routing.strategy",
     "overflow_fraction": "routing.overflow_fraction",
     "max_usd": "generation.overflow.max_usd",
+    "regenerate": "generation.regenerate",
     "max_bpe_mismatch_rate": "validation.max_bpe_mismatch_rate",
     "max_billing_deviation": "validation.max_billing_deviation",
     "max_length": "merge.max_length",

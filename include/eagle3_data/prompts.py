@@ -97,6 +97,7 @@ def load_prompts(
     repeats: int = 1,
     client=None,
     max_message_bytes: int | None = None,
+    regenerate: str = "final_turn",
 ) -> PromptLoad:
     """Load, validate and normalise one dataset's prompts; see the module docstring for `source`.
 
@@ -105,7 +106,9 @@ def load_prompts(
     limits.max_message_bytes) is rejected; the token limit needs the tokenizer and is applied
     after, by `limit_prompt_tokens`, so bad files fail before the tokenizer loads.
     Files are read a line (a Parquet batch) at a time and the accepted rows spilled to a local
-    file (`PromptRows`), so memory does not grow with the number of prompts."""
+    file (`PromptRows`), so memory does not grow with the number of prompts.
+    `regenerate="every_turn"` makes one prompt of each user turn of a row: the messages up to
+    and including it (`turn_prompts`); `final_turn` one of the whole row."""
     check_name(dataset, "dataset")
     if date is not None and not _DATE.fullmatch(date):
         raise UserError(f"invalid date {date!r}: expected YYYY-MM-DD")
@@ -124,9 +127,10 @@ def load_prompts(
                     raise _Reject("", "not valid JSON")
                 if isinstance(record, _Reject):
                     raise record
-                messages, tools, ignored = _normalise(record)
+                messages, tools, ignored = _normalise(record, trailing_answer=regenerate == "every_turn")
                 source_id = _source_id(record)
                 _check_bytes(messages, max_message_bytes)
+                prompts = turn_prompts(messages) if regenerate == "every_turn" else [messages]
             except _Reject as exc:
                 load.counts["rejected"] += 1
                 load.rejects.append(
@@ -141,28 +145,30 @@ def load_prompts(
                 )
                 continue
             load.counts["ignored_fields"] += ignored
-            messages_json, tools_json = canonical_json(messages), canonical_json(tools) if tools else None
-            for r in range(repeats):
-                sid = sample_id(dataset, messages, tools, sampling, r)
-                if sid in seen:
-                    load.counts["duplicates"] += 1
-                    continue
-                seen.add(sid)
-                load.rows.append(
-                    {
-                        "sample_id": sid,
-                        "dataset": dataset,
-                        "sample_index": ordinal * repeats + r,
-                        "messages": messages_json,
-                        "tools": tools_json,
-                        "route": None,
-                        "source_id": source_id,
-                        "source": f.uri,
-                        "line": line,
-                        "raw": raw[:_RAW_LIMIT],
-                    }
-                )
-            ordinal += 1
+            tools_json = canonical_json(tools) if tools else None
+            for prompt in prompts:
+                messages_json = canonical_json(prompt)
+                for r in range(repeats):
+                    sid = sample_id(dataset, prompt, tools, sampling, r)
+                    if sid in seen:
+                        load.counts["duplicates"] += 1
+                        continue
+                    seen.add(sid)
+                    load.rows.append(
+                        {
+                            "sample_id": sid,
+                            "dataset": dataset,
+                            "sample_index": ordinal * repeats + r,
+                            "messages": messages_json,
+                            "tools": tools_json,
+                            "route": None,
+                            "source_id": source_id,
+                            "source": f.uri,
+                            "line": line,
+                            "raw": raw[:_RAW_LIMIT],
+                        }
+                    )
+                ordinal += 1
         load.sources.append({"uri": f.uri, "bytes": f.size, "sha256": digest.hexdigest()})
     load.counts["rows"] = len(load.rows)
     return load
@@ -233,8 +239,20 @@ def require_rows(load: PromptLoad, what: str) -> None:
 
 
 # -- validation and normalisation -------------------------------------------------------------------
-def _normalise(record: Any) -> tuple[list[dict], list[dict] | None, int]:
-    """(messages, tools, count of ignored fields) of a row in any layout (prompt_layouts)."""
+def turn_prompts(messages: list[dict]) -> list[list[dict]]:
+    """Every user turn's prompt: the messages up to and including it. The earlier assistant
+    turns stay the dataset's own (the template renders them as it does at that point: Kimi's
+    drops their reasoning), so each sample is what the model sees when it answers that turn."""
+    out = [messages[: j + 1] for j, m in enumerate(messages) if m["role"] == "user"]
+    if not out:
+        raise _Reject("messages", "no user turn to answer (regenerate: every_turn)")
+    return out
+
+
+def _normalise(record: Any, *, trailing_answer: bool = False) -> tuple[list[dict], list[dict] | None, int]:
+    """(messages, tools, count of ignored fields) of a row in any layout (prompt_layouts);
+    `trailing_answer`: a row may end with the assistant's answer (every_turn regenerates the
+    turns before it)."""
     if not isinstance(record, dict):
         raise _Reject("", f"expected a JSON object, got {type(record).__name__}")
     try:
@@ -249,8 +267,9 @@ def _normalise(record: Any) -> tuple[list[dict], list[dict] | None, int]:
     if not messages:
         raise _Reject(name, "empty")
     out = [_message(m, f"{name}[{i}]") for i, m in enumerate(messages)]
-    if out[-1]["role"] == "assistant":
-        raise _Reject(f"{name}[{len(out) - 1}].role", "the last message is from the assistant: nothing to generate")
+    if out[-1]["role"] == "assistant" and not trailing_answer:
+        raise _Reject(f"{name}[{len(out) - 1}].role", "the last message is from the assistant: nothing to generate "
+                      "(regenerate: every_turn answers its user turns)")
     if isinstance(tools, str):
         tools = _json_field(tools, "tools")
     if tools is not None:

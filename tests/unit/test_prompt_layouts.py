@@ -143,3 +143,46 @@ def test_the_mapped_conversation_renders_with_the_real_template(tmp_path, kimi_t
     paris, oslo, first, second = (text.index(s) for s in ('{"city": "Paris"}', '{"city": "Oslo"}', "18C", "9C"))
     assert paris < oslo < first < second < text.index("and Rome?")
     assert text.count("<|tool_call_begin|>call_0") == 1 and text.count("<|tool_call_begin|>call_1") == 1
+
+
+CONVERSATION = {"conversations": [
+    {"from": "system", "value": "be brief"},
+    {"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"},
+    {"from": "human", "value": "weather?"},
+    {"from": "function_call", "value": json.dumps({"name": "weather", "arguments": {"city": "Oslo"}})},
+    {"from": "observation", "value": "9C"}, {"from": "gpt", "value": "9C in Oslo."},
+    {"from": "human", "value": "thanks"}, {"from": "gpt", "value": "bye"}]}
+
+
+def test_every_turn_is_one_sample_per_user_turn_after_the_datasets_history(tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps(CONVERSATION) + "\n")
+    final = load_prompts(str(path), "c", sampling=SAMPLING)
+    assert not final.rows and final.rejects[0]["field"] == "conversations as messages[8].role"  # ends answered
+    every = load_prompts(str(path), "c", sampling=SAMPLING, regenerate="every_turn")
+    prompts = [json.loads(r["messages"]) for r in every.rows]
+    assert [len(p) for p in prompts] == [2, 4, 8] and all(p[-1]["role"] == "user" for p in prompts)
+    assert prompts[2][:7] == prompts[1] + prompts[2][4:7] and prompts[2][4]["tool_calls"][0]["id"] == "call_0"
+    assert len({r["sample_id"] for r in every.rows}) == 3 and [r["sample_index"] for r in every.rows] == [0, 1, 2]
+    # a turn's sample is the same whatever comes after it in the row: the first equals the row cut there
+    path.write_text(json.dumps({"conversations": CONVERSATION["conversations"][:2]}) + "\n")
+    assert list(load_prompts(str(path), "c", sampling=SAMPLING).rows)[0]["sample_id"] == next(iter(every.rows))["sample_id"]
+
+
+def test_every_turn_renders_the_earlier_turns_as_the_template_does_there(tmp_path, kimi_tokenizer):
+    """What the model saw at turn 3: the earlier answers with their reasoning dropped by Kimi's
+    template (`<think></think>`), ending with the generation prompt."""
+    from eagle3_data.chat_format import get_output_format
+
+    row = {"messages": [{"role": "user", "content": "a"},
+                        {"role": "assistant", "content": "b", "reasoning_content": "thinking about a"},
+                        {"role": "user", "content": "c"}]}
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    rows = list(load_prompts(str(path), "r", sampling=SAMPLING, regenerate="every_turn").rows)
+    fmt = get_output_format(kimi_tokenizer, thinking=True)
+    second = fmt.generation_prompt_ids(json.loads(rows[1]["messages"]), None)
+    text = kimi_tokenizer.decode(second)
+    assert "thinking about a" not in text and "<think></think>b" in text.replace("\n", "")
+    assert second == kimi_tokenizer.apply_chat_template(row["messages"], tokenize=True, add_generation_prompt=True,
+                                                        return_dict=False)

@@ -33,7 +33,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           ("overflow", "OpenRouter chat completions: text, reconstructed later")):
         q = sub.add_parser(engine, help=help_)
         q.add_argument("--dataset", required=True)
-        q.add_argument("--prompts", required=True, help="prompt JSONL/Parquet file or s3:// URI (OpenAI messages + tools)")
+        q.add_argument("--prompts", required=True, help="prompt JSONL/Parquet file, save_to_disk folder or s3:// URI "
+                       "(OpenAI messages + tools, ShareGPT conversations or a prompt string)")
         q.add_argument("--run-key", required=True, help="e.g. date=2026-11-29 or a run name")
         add_config_arg(q)
         q.add_argument("--bucket", help="S3 bucket (default: the config's storage.bucket)")
@@ -57,6 +58,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             q.add_argument("--model", help="model slug (default: the config's generation.overflow.model)")
             q.add_argument("--max-usd", type=float, help="stop dispatching at this spend (default: the config's max_usd)")
             q.add_argument("--concurrency", type=int)
+        q.add_argument("--regenerate", choices=["final_turn", "every_turn"],
+                       help="final_turn: the answer after each row's whole history; every_turn: one sample per user "
+                            "turn (default: the config's generation.regenerate)")
         q.add_argument("--overflow-fraction", type=float,
                        help="share of the samples routed to OpenRouter (the DAG's trigger param; default: the config's "
                             "routing.overflow_fraction)")
@@ -74,6 +78,8 @@ def overrides_of(args: argparse.Namespace) -> dict:
     out: dict = {"datasets": [{"name": args.dataset, "prompts": args.prompts}]}
     if flags := {k: v for k, v in flags.items() if v is not None}:
         out["generation"] = {side: flags}
+    if args.regenerate:
+        out.setdefault("generation", {})["regenerate"] = args.regenerate
     if args.tokenizer:
         out["tokenizer"] = {"source": args.tokenizer}
     if args.overflow_fraction is not None:

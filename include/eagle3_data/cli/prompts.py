@@ -79,7 +79,8 @@ def _upload(args: argparse.Namespace) -> int:
             raise UserError(f"{f}: no such file")
         if f.suffix not in PROMPT_FILE_SUFFIXES:
             raise UserError(f"{f}: expected a {' or '.join(PROMPT_FILE_SUFFIXES)} file")
-        load = load_prompts(str(f), args.dataset, sampling=g.sampling.model_dump(), repeats=g.repeats)
+        load = load_prompts(str(f), args.dataset, sampling=g.sampling.model_dump(), repeats=g.repeats,
+                            regenerate=g.regenerate)
         rejects += load.rejects
         counts.append((f, load.counts))
     for r in rejects[:MAX_REPORTED]:
