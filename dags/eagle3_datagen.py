@@ -110,6 +110,14 @@ def _connection(read, conn_id: str):
         raise AirflowFailException(f"Airflow connection {conn_id!r} is not usable: {exc}") from None
 
 
+def _local_endpoints() -> list[str]:
+    """The local engine's endpoints, from its connection (generation and the policy check's scoring)."""
+    from hooks.local_engine import LocalEngineHook
+
+    hook = LocalEngineHook()
+    return _connection(hook.get_endpoints, hook.local_engine_conn_id)
+
+
 @dag(
     dag_id=DAG_ID,
     schedule=CONFIG.schedule,
@@ -140,15 +148,11 @@ def eagle3_datagen():
 
         @task(map_index_template="{{ dataset }}", queue=GPU_QUEUE, **NETWORK_RETRIES, **GENERATION_TIMEOUT)
         def generate_local(dataset: str, routed: dict) -> dict:
-            from hooks.local_engine import LocalEngineHook
-
             _set_map_name(dataset)
             pipeline, run, store = _run()
             if run.dry_run:
                 return {"dry_run": True}
-            hook = LocalEngineHook()
-            endpoints = _connection(hook.get_endpoints, hook.local_engine_conn_id)
-            return _gate(pipeline.generate_local, run, store, dataset, endpoints).as_dict()
+            return _gate(pipeline.generate_local, run, store, dataset, _local_endpoints()).as_dict()
 
         @task(map_index_template="{{ dataset }}", pool=OPENROUTER_POOL, **NETWORK_RETRIES, **GENERATION_TIMEOUT)
         def generate_overflow(dataset: str, routed: dict) -> dict:
@@ -173,15 +177,11 @@ def eagle3_datagen():
         @task(map_index_template="{{ dataset }}", queue=GPU_QUEUE, **NETWORK_RETRIES, **_timeout("score_policy"))
         def score_policy(dataset: str, reconstructed: dict) -> dict:
             """The policy check's scoring: a sample of overflow and local answers on the local engine."""
-            from hooks.local_engine import LocalEngineHook
-
             _set_map_name(dataset)
             pipeline, run, store = _run()
             if run.dry_run:
                 return {"dry_run": True}
-            hook = LocalEngineHook()
-            endpoints = _connection(hook.get_endpoints, hook.local_engine_conn_id)
-            return _gate(pipeline.score_policy, run, store, dataset, endpoints).as_dict()
+            return _gate(pipeline.score_policy, run, store, dataset, _local_endpoints()).as_dict()
 
         # retried only when it did not decide: a failed gate is AirflowFailException (no retries)
         @task(map_index_template="{{ dataset }}", **NETWORK_RETRIES, **_timeout("validate"))

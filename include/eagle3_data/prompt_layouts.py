@@ -34,10 +34,10 @@ SHAREGPT_ROLES = {
 
 
 class LayoutRefused(Exception):
-    """A row that does not follow its layout: `field` in the layout's own terms."""
+    """A refused row: `field` in its layout's own terms (empty: the whole row), and why."""
 
     def __init__(self, field: str, reason: str) -> None:
-        super().__init__(f"{field}: {reason}")
+        super().__init__(f"{field}: {reason}" if field else reason)
         self.field = field
         self.reason = reason
 
@@ -76,7 +76,7 @@ def _system(record: dict) -> list[dict]:
 def _sharegpt(record: dict) -> list[dict]:
     turns = record["conversations"]
     if isinstance(turns, str):  # Parquet files often hold the list as a JSON string
-        turns = _loads(turns, "conversations")
+        turns = loads_field(turns, "conversations")
     if not isinstance(turns, list):
         raise LayoutRefused("conversations", f"expected a list, got {type(turns).__name__}")
     messages, pending, calls = _system(record), [], 0
@@ -111,7 +111,7 @@ def _sharegpt(record: dict) -> list[dict]:
 
 
 def _calls_in(value: str, where: str) -> list:
-    parsed = _loads(value, where, f"a function_call that is not JSON: {value[:80]!r}")
+    parsed = loads_field(value, where, f"a function_call that is not JSON: {value[:80]!r}")
     calls = parsed if isinstance(parsed, list) else [parsed]
     if not calls:
         raise LayoutRefused(where, "a function_call with no call")
@@ -123,7 +123,7 @@ def _call(c: Any, where: str, k: int) -> dict:
         raise LayoutRefused(f"{where}.name", "missing or not a string")
     args = c.get("arguments", {})
     if isinstance(args, str):
-        args = _loads(args, f"{where}.arguments", f"not valid JSON: {args[:80]!r}")
+        args = loads_field(args, f"{where}.arguments", f"not valid JSON: {args[:80]!r}")
     if not isinstance(args, dict):
         raise LayoutRefused(f"{where}.arguments", f"must be a JSON object, got {type(args).__name__}")
     return {"id": f"call_{k}", "type": "function",
@@ -136,14 +136,14 @@ def _bare_tools(tools: Any) -> Any:
     if isinstance(tools, str):
         if not tools.strip():
             return None
-        tools = _loads(tools, "tools")
+        tools = loads_field(tools, "tools")
     if not isinstance(tools, list):
         return tools  # the caller refuses it with its type
     return [{"type": "function", "function": t} if isinstance(t, dict) and "type" not in t and "name" in t else t
             for t in tools]
 
 
-def _loads(text: str, where: str, invalid: str = "a string that is not JSON") -> Any:
+def loads_field(text: str, where: str, invalid: str = "a string that is not JSON") -> Any:
     """JSON held in a string field, parsed like a line (json_records: nesting depth, surrogates)."""
     try:
         return json_records.loads(text)

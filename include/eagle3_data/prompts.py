@@ -74,11 +74,7 @@ class PromptLoad:
     counts: dict[str, int] = field(default_factory=dict)
 
 
-class _Reject(Exception):
-    def __init__(self, field: str, reason: str) -> None:
-        super().__init__(f"{field}: {reason}" if field else reason)
-        self.field = field
-        self.reason = reason
+_Reject = prompt_layouts.LayoutRefused  # a row refused: the field (as its layout names it) and why
 
 
 def sample_id(dataset: str, messages: list[dict], tools: list[dict] | None, sampling: dict, index: int) -> str:
@@ -255,10 +251,7 @@ def _normalise(record: Any, *, trailing_answer: bool = False) -> tuple[list[dict
     turns before it)."""
     if not isinstance(record, dict):
         raise _Reject("", f"expected a JSON object, got {type(record).__name__}")
-    try:
-        messages, tools, used = prompt_layouts.to_messages(record)
-    except prompt_layouts.LayoutRefused as exc:
-        raise _Reject(exc.field, exc.reason) from None
+    messages, tools, used = prompt_layouts.to_messages(record)
     name = "messages" if "messages" in used else f"{prompt_layouts.layout_of(record)} as messages"
     if isinstance(messages, str):  # Parquet files often hold the list as a JSON string
         messages = _json_field(messages, "messages")
@@ -356,14 +349,7 @@ def _tool_call(c: Any, where: str) -> dict:
     return out
 
 
-def _json_field(text: str, where: str, invalid: str = "a string that is not JSON") -> Any:
-    """A field that holds JSON as a string, parsed like a line (json_records: depth, surrogates)."""
-    try:
-        return json_records.loads(text)
-    except json_records.JsonRefused as exc:
-        raise _Reject(json_records.join_field(where, exc.field), exc.reason) from None
-    except ValueError:
-        raise _Reject(where, invalid) from None
+_json_field = prompt_layouts.loads_field  # a field holding JSON as a string, parsed like a line
 
 
 def _tool(t: Any, where: str) -> dict:

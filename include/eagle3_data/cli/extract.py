@@ -131,30 +131,23 @@ def _run_export(args: argparse.Namespace) -> int:
     from eagle3_data.hidden_states.export import export_specforge
     from eagle3_data.ids_exports import export_specforge_ids
 
-    if args.ids_only:
-        with _merged_rows(args, "specforge") as (rows, vocab):
-            n = export_specforge_ids(rows, args.out)
-            _copy_vocab(vocab, args.out)
-    else:
-        with _shards_of(args, "specforge") as (paths, vocab):
-            n = export_specforge(paths, args.out)
-            _copy_vocab(vocab, args.out)
-    print(f"{n} samples written to {args.out}" + (" (ids only)" if args.ids_only else "") + _vocab_note(vocab))
-    return 0
+    return _export(args, "specforge", export_specforge, export_specforge_ids)
 
 
 def _run_export_speculators(args: argparse.Namespace) -> int:
     from eagle3_data.hidden_states.speculators_export import export_speculators
     from eagle3_data.ids_exports import export_speculators_ids
 
-    if args.ids_only:
-        with _merged_rows(args, "speculators") as (rows, vocab):
-            n = export_speculators_ids(rows, args.out)
-            _copy_vocab(vocab, args.out)
-    else:
-        with _shards_of(args, "speculators") as (paths, vocab):
-            n = export_speculators(paths, args.out, fp8=args.fp8)
-            _copy_vocab(vocab, args.out)
+    return _export(args, "speculators", lambda paths, out: export_speculators(paths, out, fp8=args.fp8),
+                   export_speculators_ids)
+
+
+def _export(args: argparse.Namespace, trainer: str, states, ids_only) -> int:
+    """One export: the extraction's shards through `states`, or with --ids-only the merged rows
+    through `ids_only`; the trainer's draft-vocabulary files copied beside them."""
+    with (_merged_rows if args.ids_only else _shards_of)(args, trainer) as (source, vocab):
+        n = (ids_only if args.ids_only else states)(source, args.out)
+        _copy_vocab(vocab, args.out)
     print(f"{n} samples written to {args.out}" + (" (ids only)" if args.ids_only else "") + _vocab_note(vocab))
     return 0
 

@@ -88,32 +88,34 @@ def _check_row(where: str, record: Any, vocab_size: int, ints_checked: bool = Fa
         return BadRow(where, sid, "finish_reason.matched", f"{matched!r} is not a token id or a stop string")
     tools = record.get("tools")
     if isinstance(tools, str):
-        try:
-            tools = json_records.loads(tools)
-        except json_records.JsonRefused as exc:
-            return BadRow(where, sid, json_records.join_field("tools", exc.field), exc.reason)
-        except json.JSONDecodeError as exc:
-            return BadRow(where, sid, "tools", f"not valid JSON ({exc.msg})")
+        tools = _json_column(tools, "tools", where, sid)
+        if isinstance(tools, BadRow):
+            return tools
     if "tools" in record and tools is None:
         tools = []  # the column exists and says: none offered
     if tools is not None and not isinstance(tools, list):
         return BadRow(where, sid, "tools", "not a list of OpenAI tools")
     history = record.get("messages")
     if isinstance(history, str):
-        if '"tool_calls"' not in history:  # no call in it: no need to parse a long conversation
-            history = 0
-        else:
-            try:
-                history = json_records.loads(history)
-            except json_records.JsonRefused as exc:
-                return BadRow(where, sid, json_records.join_field("messages", exc.field), exc.reason)
-            except json.JSONDecodeError as exc:
-                return BadRow(where, sid, "messages", f"not valid JSON ({exc.msg})")
+        # no call in it: no need to parse a long conversation
+        history = _json_column(history, "messages", where, sid) if '"tool_calls"' in history else 0
+        if isinstance(history, BadRow):
+            return history
     if isinstance(history, list):
         history = sum(len(m.get("tool_calls") or []) for m in history if isinstance(m, dict) and m.get("role") == "assistant")
     elif history is not None and not isinstance(history, int):
         return BadRow(where, sid, "messages", "not a list of chat messages")
     return InputRow(where, sid, ids, finish, matched, tools, history)
+
+
+def _json_column(text: str, field: str, where: str, sid: str) -> Any:
+    """A column holding JSON text, parsed like a line (json_records: depth, surrogates), or the BadRow."""
+    try:
+        return json_records.loads(text)
+    except json_records.JsonRefused as exc:
+        return BadRow(where, sid, json_records.join_field(field, exc.field), exc.reason)
+    except json.JSONDecodeError as exc:
+        return BadRow(where, sid, field, f"not valid JSON ({exc.msg})")
 
 
 def rows_from_jsonl(path: str | Path, vocab_size: int) -> Iterator[InputRow | BadRow]:
