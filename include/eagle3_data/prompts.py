@@ -261,8 +261,7 @@ def _normalise(record: Any, *, trailing_answer: bool = False) -> tuple[list[dict
         raise _Reject(name, "empty")
     out = [_message(m, f"{name}[{i}]") for i, m in enumerate(messages)]
     if out[-1]["role"] == "assistant" and not trailing_answer:
-        raise _Reject(f"{name}[{len(out) - 1}].role", "the last message is from the assistant: nothing to generate "
-                      "(regenerate: every_turn answers its user turns)")
+        raise _Reject(f"{name}[{len(out) - 1}].role", "the last message is from the assistant: nothing to generate")
     if isinstance(tools, str):
         tools = _json_field(tools, "tools")
     if tools is not None:

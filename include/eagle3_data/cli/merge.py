@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from eagle3_data.cli.runs import add_config_arg, add_store_args, cli_run, open_store, parse_stage_uri, printed
+from eagle3_data.cli.runs import add_config_arg, add_store_args, cli_run, parse_stage_uri, printed
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -59,13 +59,16 @@ def _run(args: argparse.Namespace) -> int:
         run, store = cli_run(args, runs.pop(), datasets, overrides, bucket=bucket, prefix=prefix)
         print(printed(pipeline.merge(run, store)))
         return 0
-    from eagle3_data.config import load_config
     from eagle3_data.merge import merge_datasets
+    from eagle3_data.pipeline.run import output_format
 
-    settings = {**load_config(args.config).merge.model_dump(), **_merge_settings(args)}
-    store = open_store(args, bucket, prefix)
+    datasets = list(dict.fromkeys(ref.dataset for _, _, ref in parsed))
+    run, store = cli_run(args, args.out_run_key, datasets, {}, bucket=bucket, prefix=prefix)
+    settings = {**run.config.merge.model_dump(), **_merge_settings(args)}
     summary = merge_datasets(
         store, [ref for _, _, ref in parsed], args.out_run_key, **settings, out_dataset=args.out_dataset,
+        # the tokenizer's vocabulary: ids outside it are refused, and the draft vocabulary's t2d spans it
+        vocab_size=output_format(run, store, template=False).vocab_size,
         **({"tokens_per_bucket": args.tokens_per_bucket} if args.tokens_per_bucket else {}),
     )
     print(json.dumps({"uri": summary["uri"], "shards": len(summary["shards"]), "totals": summary["totals"],
