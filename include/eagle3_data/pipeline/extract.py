@@ -92,16 +92,18 @@ def plan_hidden_states(run: Run, store) -> list[dict]:
 
 def storage_estimate(run: Run, tokens: int) -> dict | None:
     """The bytes the extraction writes for the configured model (its config.json's hidden size)
-    in each layout and dtype; None when the model's config cannot be read here."""
+    in each layout and dtype; None when the model's config cannot be read on this worker (an
+    s3:// or hub source, a path only the GPU nodes mount): an estimate missing is no failure."""
     import json
     from pathlib import Path
 
+    from eagle3_data.errors import UserError
     from eagle3_data.hidden_states.storage_estimate import estimate
 
     h = run.config.hidden_states
     try:
         cfg = json.loads((Path(resolve_source(run.config.model.source)) / "config.json").read_text())
-    except (OSError, ValueError, Exception):  # a dev: source not built yet, a hub id: no estimate, not a failure
+    except (OSError, ValueError, UserError):
         return None
     hidden = (cfg.get("text_config") or cfg).get("hidden_size")
     if not isinstance(hidden, int):
