@@ -38,7 +38,7 @@ def hidden_state_indices(layer_ids: list[int], convention: str, num_layers: int)
     if bad:
         raise UserError(
             f"layer ids {bad} out of range for convention {convention!r} on a {num_layers}-layer model "
-            f"(valid 0..{top}; the final layer's normed output is --last-hidden)"
+            f"(valid 0..{top}; the final layer's output is the last state: --last-hidden)"
         )
     return [i + offset for i in layer_ids]
 
