@@ -135,7 +135,8 @@ def validate(run: Run, store, dataset: str, *, workers: int | None = None) -> Va
                  for b in store.iter_batches(ref_, columns=["sample_id", "source", "status", "error", "provenance"])
                  for r in b.to_pylist()),
                 max_rate=thresholds.max_identity_mismatch_rate)
-            policy = policy_gate(policy_summary(run, store, dataset), max_gap=thresholds.max_policy_logprob_gap,
+            figures = policy_summary(run, store, dataset)
+            policy = policy_gate(figures, max_gap=thresholds.max_policy_logprob_gap,
                                  max_p_value=thresholds.policy_max_p_value, min_samples=thresholds.policy_min_samples)
             gate = run_gate(local_report, billing, thresholds, identity, policy).as_dict()
             gate.pop("report_uri")
@@ -147,7 +148,7 @@ def validate(run: Run, store, dataset: str, *, workers: int | None = None) -> Va
                                              sample_ids=both)
             store.put_json(ref, VALIDATION_REPORT, {**local_report, "dataset": dataset, "run_gate": gate,
                                                     "calibration": calibration, "identity": identity,
-                                                    "policy": {**policy, "figures": policy_summary(run, store, dataset)}})
+                                                    "policy": {**policy, "figures": figures}})
             store.put_json(ref, BILLING_REPORT, {**billing, "dataset": dataset})
             manifest = w.commit(extra={"gate": gate, "counts": local_report["counts"],
                                        "identity": {k: identity[k] for k in ("answered", "mismatched", "rate")}},
