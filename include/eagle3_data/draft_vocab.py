@@ -30,6 +30,13 @@ def file_names(n: int) -> dict[str, list[str]]:
     return {"speculators": [TOKEN_FREQ, f"d2t-{n}.npy", f"t2d-{n}.npy"], "specforge": [f"vocab_mapping-{n}.pt"]}
 
 
+def is_file_of(trainer: str, name: str) -> bool:
+    """Whether `name` is one of the trainer's draft-vocabulary files (`file_names`, any N)."""
+    if trainer == "speculators":
+        return name == TOKEN_FREQ or (name.startswith(("d2t-", "t2d-")) and name.endswith(".npy"))
+    return name.startswith("vocab_mapping-") and name.endswith(".pt")
+
+
 def add_counts(counts: np.ndarray, input_ids: np.ndarray, loss_mask: np.ndarray) -> np.ndarray:
     """`counts` (int64 [V]) plus the trained tokens of flat id/mask arrays (grown for an id past V)."""
     trained = input_ids[loss_mask.astype(bool)]

@@ -32,7 +32,6 @@ def export_specforge_ids(rows: Iterable[Mapping], out_dir: str | Path) -> int:
     n = 0
     with open(out / "prompts.jsonl", "w") as f:
         for r in rows:
-            f.write(json.dumps({"input_ids": [int(x) for x in r["input_ids"]],
-                                "loss_mask": [int(x) for x in r["loss_mask"]], "sample_id": r["sample_id"]}) + "\n")
+            f.write(json.dumps({"input_ids": r["input_ids"], "loss_mask": r["loss_mask"], "sample_id": r["sample_id"]}) + "\n")
             n += 1
     return n

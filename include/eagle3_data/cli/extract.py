@@ -145,52 +145,16 @@ def _run_export_speculators(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace, trainer: str, states, ids_only) -> int:
     """One export: the extraction's shards through `states`, or with --ids-only the merged rows
     through `ids_only`; the trainer's draft-vocabulary files copied beside them."""
-    with (_merged_rows if args.ids_only else _shards_of)(args, trainer) as (source, vocab):
-        n = (ids_only if args.ids_only else states)(source, args.out)
+    from eagle3_data.hidden_states.extract import read_merged_rows
+
+    with _export_input(args, trainer) as (paths, vocab):
+        if args.ids_only:
+            n = ids_only((row for path in paths for row in read_merged_rows([path])), args.out)
+        else:
+            n = states(paths, args.out)
         _copy_vocab(vocab, args.out)
     print(f"{n} samples written to {args.out}" + (" (ids only)" if args.ids_only else "") + _vocab_note(vocab))
     return 0
-
-
-@contextlib.contextmanager
-def _merged_rows(args: argparse.Namespace, trainer: str):
-    """(the merged stage's rows, the trainer's draft-vocabulary files) for an ids-only export:
-    --input a merge stage s3://.../merge/all, or a folder of merged .parquet shards."""
-    import tempfile
-    from pathlib import Path
-
-    from eagle3_data.errors import UserError
-    from eagle3_data.hidden_states.extract import read_merged_rows
-
-    def rows(paths):
-        for path in paths:
-            yield from read_merged_rows([path])
-
-    if not args.input.startswith("s3://"):
-        paths = sorted(Path(args.input).glob("*.parquet"))
-        if not paths:
-            raise UserError(f"--input {args.input}: no merged .parquet shards there (--ids-only exports the merge stage)")
-        where = Path(args.draft_vocab or args.input)
-        yield rows(paths), sorted(p for p in where.iterdir() if _vocab_file(trainer, p.name))
-        return
-    bucket, prefix, ref = parse_stage_uri(args.input)
-    if ref.stage != "merge":
-        raise UserError(f"--input {args.input}: a {ref.stage!r} stage; --ids-only exports the merge stage "
-                        "(s3://.../runs/R/merge/all)")
-    store = open_store(args, bucket, prefix)
-    files = store.read_manifest(ref)["files"]
-    with tempfile.TemporaryDirectory(prefix="eagle3-export-") as tmp:
-        vocab = [store.get_file(ref, f["name"], Path(tmp) / f["name"], sha256=f["sha256"])
-                 for f in files if _vocab_file(trainer, f["name"])]
-
-        def one_at_a_time():
-            for f in files:
-                if f["name"].endswith(".parquet"):
-                    path = store.get_file(ref, f["name"], Path(tmp) / f["name"], sha256=f["sha256"])
-                    yield path
-                    path.unlink()
-
-        yield rows(one_at_a_time()), vocab
 
 
 def _copy_vocab(vocab: list, out: str) -> None:
@@ -204,50 +168,45 @@ def _vocab_note(vocab: list) -> str:
     return f"; draft vocabulary: {', '.join(p.name for p in vocab)}" if vocab else "; no draft vocabulary found"
 
 
-def _vocab_file(trainer: str, name: str) -> bool:
-    """Whether `name` is one of the trainer's draft-vocabulary files (draft_vocab.py)."""
-    from eagle3_data.draft_vocab import TOKEN_FREQ
-
-    if trainer == "speculators":
-        return name == TOKEN_FREQ or (name.startswith(("d2t-", "t2d-")) and name.endswith(".npy"))
-    return name.startswith("vocab_mapping-") and name.endswith(".pt")
-
-
 @contextlib.contextmanager
-def _shards_of(args: argparse.Namespace, trainer: str):
-    """(the input's shards as local paths, the trainer's draft-vocabulary files): a directory's
-    (the vocabulary files beside the shards, or in --draft-vocab), or an extraction stage's, the
-    shards fetched one at a time (local disk holds one shard, not the whole stage) and the
-    vocabulary from the merge stage it was extracted from."""
+def _export_input(args: argparse.Namespace, trainer: str):
+    """(the input's files as local paths, the trainer's draft-vocabulary files). The files: the
+    extraction's .safetensors shards, or with --ids-only the merge stage's .parquet shards; from a
+    folder (the vocabulary beside them, or in --draft-vocab), or from a stage, fetched one at a
+    time (local disk holds one shard, not the whole stage), with the vocabulary of the merge: the
+    stage itself, or the one the extraction came from."""
     import tempfile
     from pathlib import Path
 
+    from eagle3_data.draft_vocab import is_file_of
     from eagle3_data.errors import UserError
 
+    suffix = ".parquet" if args.ids_only else ".safetensors"
     if not args.input.startswith("s3://"):
-        paths = sorted(Path(args.input).glob("*.safetensors"))
+        paths = sorted(Path(args.input).glob(f"*{suffix}"))
         if not paths:
-            raise UserError(f"--input {args.input}: no .safetensors shards there")
+            raise UserError(f"--input {args.input}: " + ("no merged .parquet shards there (--ids-only exports the merge "
+                            "stage)" if args.ids_only else "no .safetensors shards there"))
         where = Path(args.draft_vocab or args.input)
-        yield paths, (sorted(p for p in where.iterdir() if _vocab_file(trainer, p.name)) if where.is_dir() else [])
+        yield paths, (sorted(p for p in where.iterdir() if is_file_of(trainer, p.name)) if where.is_dir() else [])
         return
     bucket, prefix, ref = parse_stage_uri(args.input)
+    if args.ids_only and ref.stage != "merge":
+        raise UserError(f"--input {args.input}: a {ref.stage!r} stage; --ids-only exports the merge stage "
+                        "(s3://.../runs/R/merge/all)")
     store = open_store(args, bucket, prefix)
     manifest = store.read_manifest(ref)
-    names = [f["name"] for f in manifest["files"] if f["name"].endswith(".safetensors")]
+    merges = [ref] if args.ids_only else [parse_stage_uri(r["uri"])[2] for r in manifest.get("inputs", [])]
     with tempfile.TemporaryDirectory(prefix="eagle3-export-") as tmp:
-        vocab = []
-        for record in manifest.get("inputs", []):  # the merge it was extracted from
-            merge_ref = parse_stage_uri(record["uri"])[2]
-            for f in store.read_manifest(merge_ref)["files"]:
-                if _vocab_file(trainer, f["name"]):
-                    vocab.append(store.get_file(merge_ref, f["name"], Path(tmp) / f["name"], sha256=f["sha256"]))
+        vocab = [store.get_file(m, f["name"], Path(tmp) / f["name"], sha256=f["sha256"])
+                 for m in merges for f in store.read_manifest(m)["files"] if is_file_of(trainer, f["name"])]
 
         def one_at_a_time():
-            for name in names:
-                path = store.get_file(ref, name, Path(tmp) / name)
-                yield path
-                path.unlink()
+            for f in manifest["files"]:
+                if f["name"].endswith(suffix):
+                    path = store.get_file(ref, f["name"], Path(tmp) / f["name"], sha256=f["sha256"])
+                    yield path
+                    path.unlink()
 
         yield one_at_a_time(), vocab
 

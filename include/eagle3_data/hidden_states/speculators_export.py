@@ -66,7 +66,7 @@ def export_speculators(shard_paths: Iterable[str | Path], out_dir: str | Path, *
     states_dir.mkdir(parents=True, exist_ok=True)
     layers: set[tuple[int, ...]] = set()
 
-    def samples() -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    def samples() -> Iterator[tuple[str, list[int], list[int]]]:
         i = 0
         for path in shard_paths:
             reader = ShardReader(path)
@@ -86,7 +86,7 @@ def export_speculators(shard_paths: Iterable[str | Path], out_dir: str | Path, *
                     tensors["hidden_states"] = stacked.to(torch.bfloat16).contiguous()
                 save_file(tensors, str(states_dir / f"hs_{i}.safetensors"))
                 i += 1
-                yield sample.sample_id, ids, sample.loss_mask
+                yield sample.sample_id, ids.tolist(), sample.loss_mask.tolist()
 
     n = save_rows(samples(), out)
     info = {"samples": n, "hidden_states": {"encoding": "fp8_e4m3fn_per_token" if fp8 else "bfloat16",
@@ -96,8 +96,7 @@ def export_speculators(shard_paths: Iterable[str | Path], out_dir: str | Path, *
     return n
 
 
-def save_rows(samples: Iterable[tuple[str, Sequence[int] | torch.Tensor, Sequence[int] | torch.Tensor]],
-              out_dir: str | Path) -> int:
+def save_rows(samples: Iterable[tuple[str, Sequence[int], Sequence[int]]], out_dir: str | Path) -> int:
     """The rows as speculators' dataset (`input_ids`, `loss_mask` int64 lists, `seq_len`; torch
     format, `save_to_disk`) with `index.jsonl` (row -> sample_id); returns the rows written.
     Built in Arrow chunks, so memory holds the ids as int64 columns, not Python lists."""
@@ -110,7 +109,6 @@ def save_rows(samples: Iterable[tuple[str, Sequence[int] | torch.Tensor, Sequenc
                                   "seq_len": datasets.Value("int64")})
     chunks, chunk, index = [], [], []
     for sample_id, ids, mask in samples:
-        ids, mask = [int(x) for x in ids], [int(x) for x in mask]
         index.append({"row": len(index), "sample_id": sample_id})
         chunk.append({"input_ids": ids, "loss_mask": mask, "seq_len": len(ids)})
         if len(chunk) == CHUNK_ROWS:
