@@ -184,6 +184,47 @@ class HealthFailure(NamedTuple):
     connected: bool
 
 
+async def health(http: aiohttp.ClientSession, endpoint: str, connect_timeout_s: float) -> int | HealthFailure:
+    """The status of `/health`, or what failed (and whether a connection was made at all)."""
+    # SGLang's /health itself waits up to ~20 s for its one-token generation; the connection
+    # attempt is bounded on its own, so a host that drops SYNs is not waited on for 30 s.
+    try:
+        async with http.get(f"{endpoint}/health", timeout=aiohttp.ClientTimeout(total=30.0, sock_connect=connect_timeout_s)) as r:
+            return r.status
+    except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+        return HealthFailure(describe(exc), connected=False)
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        return HealthFailure(describe(exc), connected=True)
+
+
+async def wait_healthy(http: aiohttp.ClientSession, endpoint: str, engine: str, o) -> str | None:
+    """Poll `/health` until it answers 200 (None), else say what was tried. A server that answers
+    (503 while it loads its model) is waited for up to `o.warmup_timeout_s`; one that accepts no
+    connection at all (nothing listening, no route to it) is given up after
+    `o.unreachable_timeout_s` without an answer, so a wrong URL is named in seconds. `o`: the
+    timings (`LocalOptions`, `policy.ScoreOptions`): also `connect_timeout_s`, `health_interval_s`."""
+    started = time.monotonic()
+    answered_at, tries, last, note_at = started, 0, "", started + 10.0
+    while True:
+        status = await health(http, endpoint, o.connect_timeout_s)
+        tries += 1
+        now = time.monotonic()
+        if status == 200:
+            return None
+        last = f"HTTP {status}" if isinstance(status, int) else status.what
+        if isinstance(status, int) or status.connected:
+            answered_at = now
+        tried = f"{tries} tries of GET {endpoint}/health over {now - started:.0f} s, last: {last}"
+        if now - answered_at >= o.unreachable_timeout_s:
+            return f"no connection for {now - answered_at:.0f} s ({tried})"
+        if now - started >= o.warmup_timeout_s:
+            return f"not ready after {o.warmup_timeout_s:g} s of warm-up ({tried})"
+        if now >= note_at:
+            log.info("%s endpoint %s: waiting for /health (%s)", engine, endpoint, tried)
+            note_at = now + 30.0
+        await asyncio.sleep(min(o.health_interval_s, max(0.0, started + o.warmup_timeout_s - now)))
+
+
 class LocalRun:
     """Shared queue + per-endpoint workers, health, drop/re-admit and retries for one stage."""
 
@@ -251,30 +292,9 @@ class LocalRun:
     # -- endpoint health -------------------------------------------------------------------
 
     async def _wait_ready(self, endpoint: str) -> str | None:
-        """Poll `/health` until it answers 200 (None), else say what was tried. A server that
-        answers (503 while it loads its model) is waited for up to the warm-up; one that accepts no
-        connection at all (nothing listening, no route to it) is given up after
-        `unreachable_timeout_s` without an answer, so a wrong URL is named in seconds."""
-        started = time.monotonic()
-        answered_at, tries, last, note_at = started, 0, "", started + 10.0
-        while True:
-            status = await self._health(endpoint)
-            tries += 1
-            now = time.monotonic()
-            if status == 200:
-                return await self._ready(endpoint)
-            last = f"HTTP {status}" if isinstance(status, int) else status.what
-            if isinstance(status, int) or status.connected:
-                answered_at = now
-            tried = f"{tries} tries of GET {endpoint}/health over {now - started:.0f} s, last: {last}"
-            if now - answered_at >= self.o.unreachable_timeout_s:
-                return f"no connection for {now - answered_at:.0f} s ({tried})"
-            if now - started >= self.o.warmup_timeout_s:
-                return f"not ready after {self.o.warmup_timeout_s:g} s of warm-up ({tried})"
-            if now >= note_at:
-                log.info("%s endpoint %s: waiting for /health (%s)", self.wire.engine, endpoint, tried)
-                note_at = now + 30.0
-            await asyncio.sleep(min(self.o.health_interval_s, max(0.0, started + self.o.warmup_timeout_s - now)))
+        """`wait_healthy`, then what the endpoint serves and takes (`_ready`)."""
+        problem = await wait_healthy(self.http, endpoint, self.wire.engine, self.o)
+        return problem if problem is not None else await self._ready(endpoint)
 
     async def _ready(self, endpoint: str) -> str | None:
         """An endpoint just became healthy: what it serves (None, or why it is not used: another
@@ -285,19 +305,6 @@ class LocalRun:
                     f"{self.o.served_model!r}")
         await self._size(endpoint)
         return None
-
-    async def _health(self, endpoint: str) -> int | HealthFailure:
-        """The status of `/health`, or what failed (and whether a connection was made at all)."""
-        # SGLang's /health itself waits up to ~20 s for its one-token generation; the connection
-        # attempt is bounded on its own, so a host that drops SYNs is not waited on for 30 s.
-        try:
-            async with self.http.get(f"{endpoint}/health", timeout=aiohttp.ClientTimeout(
-                    total=30.0, sock_connect=self.o.connect_timeout_s)) as r:
-                return r.status
-        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
-            return HealthFailure(describe(exc), connected=False)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            return HealthFailure(describe(exc), connected=True)
 
     async def _size(self, endpoint: str) -> None:
         """Workers for `endpoint`: the configured override, else its reported capacity, else the default."""
@@ -355,7 +362,7 @@ class LocalRun:
         while True:
             await asyncio.sleep(self.o.health_interval_s)
             for e in [e for e in self.endpoints if e not in self.workers]:
-                if await self._health(e) == 200:
+                if await health(self.http, e, self.o.connect_timeout_s) == 200:
                     if (problem := await self._ready(e)) is not None:
                         log.warning("%s endpoint %s: healthy again but %s; not used", self.wire.engine, e, problem)
                         continue

@@ -1,8 +1,8 @@
 """Scoring on the local engine: each item's answer ids, their log-probabilities under the target.
 
-One prefill per item through the engine's own wire (`Wire.score_request`: SGLang's
-`return_logprob` from `logprob_start_len`, vLLM's `prompt_logprobs`), a few in flight per
-endpoint, retried with backoff on transport errors, 5xx and a full queue. An item the engine
+Endpoints are waited for as local generation waits for them (`local.wait_healthy`). One prefill
+per item through the engine's own wire (`Wire.score_request`: SGLang's `return_logprob` from
+`logprob_start_len`, vLLM's `prompt_logprobs`), a few in flight per endpoint, retried with backoff on transport errors, 5xx and a full queue. An item the engine
 refuses (4xx: longer than its context, say) is left out and counted, never guessed.
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -20,7 +19,7 @@ from typing import Any
 import aiohttp
 
 from eagle3_data.errors import EndpointUnavailable
-from eagle3_data.generation.local import error_message
+from eagle3_data.generation.local import error_message, wait_healthy
 from eagle3_data.generation.retry import backoff_s
 from eagle3_data.policy.select import Item
 
@@ -35,7 +34,9 @@ class ScoreOptions:
     max_attempts: int = 5
     request_timeout_s: float = 600.0
     connect_timeout_s: float = 5.0
-    ready_timeout_s: float = 600.0  # an endpoint that answers but is not ready yet (loading)
+    warmup_timeout_s: float = 600.0  # an endpoint that answers but is not ready yet (loading)
+    unreachable_timeout_s: float = 15.0  # one that accepts no connection at all
+    health_interval_s: float = 2.0
 
     @classmethod
     def from_config(cls, policy: Any, **overrides: Any) -> ScoreOptions:
@@ -61,11 +62,11 @@ class _Scorer:
         timeout = aiohttp.ClientTimeout(total=self.o.request_timeout_s, sock_connect=self.o.connect_timeout_s)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as http:
             self.http = http
-            ready = [e for e, ok in zip(self.endpoints, await asyncio.gather(*(self._ready(e) for e in self.endpoints)))
-                     if ok]
+            problems = await asyncio.gather(*(wait_healthy(http, e, self.wire.engine, self.o) for e in self.endpoints))
+            ready = [e for e, problem in zip(self.endpoints, problems) if problem is None]
             if not ready:
-                raise EndpointUnavailable(f"policy check: no {self.wire.engine} endpoint answered /health "
-                                          f"({', '.join(self.endpoints)}): nothing was scored")
+                raise EndpointUnavailable(f"policy check: no {self.wire.engine} endpoint is usable: " + "; ".join(
+                    f"{e}: {problem}" for e, problem in zip(self.endpoints, problems)) + ": nothing was scored")
             self.identity = {e: await self.wire.identify(http, e) for e in ready}
             queue: asyncio.Queue = asyncio.Queue()
             for i in range(len(items)):
@@ -74,21 +75,6 @@ class _Scorer:
             workers = [self._worker(e, items, queue, out) for e in ready for _ in range(self.o.in_flight_per_endpoint)]
             await asyncio.gather(*workers)
         return out, self.refused
-
-    async def _ready(self, endpoint: str) -> bool:
-        started = time.monotonic()
-        while time.monotonic() - started < self.o.ready_timeout_s:
-            try:
-                async with self.http.get(f"{endpoint}/health", timeout=aiohttp.ClientTimeout(
-                        total=30.0, sock_connect=self.o.connect_timeout_s)) as r:
-                    if r.status == 200:
-                        return True
-            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):
-                return False  # nothing listening: named by the caller when no endpoint is left
-            except (aiohttp.ClientError, asyncio.TimeoutError):
-                pass
-            await asyncio.sleep(2.0)
-        return False
 
     async def _worker(self, endpoint: str, items: Sequence[Item], queue: asyncio.Queue, out: list) -> None:
         while not queue.empty():
