@@ -9,6 +9,7 @@ dataset's thresholds (`validation.max_policy_logprob_gap`, `policy_max_p_value`,
 
 from __future__ import annotations
 
+from eagle3_data.errors import UserError
 from eagle3_data.pipeline.results import PolicyResult
 from eagle3_data.pipeline.reuse import reusable
 from eagle3_data.pipeline.run import Run, bulk_tokenizer_for, log, output_format, stage_ref, tokenizer_hashes
@@ -61,15 +62,13 @@ def score_policy(run: Run, store, dataset: str, endpoints: list[str]) -> PolicyR
     if cfg.samples == 0 or not over:
         summary = {"skipped": "policy.samples is 0" if cfg.samples == 0 else "no overflow answers"}
         items, scores = [], []
+    elif not endpoints:
+        raise UserError(f"score_policy {dataset}: no local endpoints configured to score on")
     else:
         fmt = output_format(run, store, template=False)
         mine = local_items(fmt, _rows(store, local, columns), routes, len([i for i in over if i.route != "both"]) or 1,
                            cfg.seed, len(tokenizer))
         items = over + mine
-        if not endpoints:
-            from eagle3_data.errors import UserError
-
-            raise UserError(f"score_policy {dataset}: no local endpoints configured to score on")
         scores, refused = score_items(items, endpoints, wire_for(run.config.generation.local.engine),
                                       ScoreOptions.from_config(cfg))
         summary = summarize(items, scores, refused)
