@@ -12,7 +12,7 @@ from eagle3_data.generation.engines import wire_for
 
 # The model the dev server serves (a request for another is a 400, as on OpenRouter).
 MODEL = "moonshotai/kimi-k2.5"
-SETUP = ("model", "inputs", "progress", "journal_dir", "rerun", "routes", "side_files")
+SETUP = ("model", "inputs", "progress", "journal_dir", "rerun", "routes", "side_files", "turns")
 
 
 def _split(options: dict) -> tuple[StageSetup, dict]:

@@ -186,7 +186,8 @@ class OverflowGenerationConfig(_Model):
         "refuses) stop dispatch with that error instead of failing the dataset row by row")
 
 
-Regenerate = Literal["final_turn", "every_turn"]
+Regenerate = Literal["final_turn", "every_turn", "trajectory"]
+History = Literal["dataset", "regenerated"]
 
 
 class GenerationConfig(_Model):
@@ -195,7 +196,13 @@ class GenerationConfig(_Model):
     regenerate: Regenerate = Field(
         "final_turn", description="final_turn: one sample per row, the answer after its whole history; every_turn: one "
         "sample per user turn, the answer after the history up to it (the dataset's own earlier turns, as the template "
-        "renders them there)")
+        "renders them there); trajectory: one sample per user turn, the assistant turns regenerated in order, each "
+        "tool call that matches a recorded one (name, JSON-equal arguments) answered with its recorded result, the "
+        "first one without a result ending the trajectory")
+    history: History = Field(
+        "dataset", description="every_turn and trajectory: the history before a user turn is the dataset's own "
+        "(dataset) or the answers regenerated before it (regenerated, on-policy)")
+    max_trajectory_steps: int = Field(8, ge=1, le=256, description="trajectory: assistant turns per user turn at most")
     local: LocalGenerationConfig = Field(default_factory=LocalGenerationConfig)
     overflow: OverflowGenerationConfig
 
@@ -569,6 +576,7 @@ CONFIG_PARAMS: dict[str, str] = {
     "overflow_fraction": "routing.overflow_fraction",
     "max_usd": "generation.overflow.max_usd",
     "regenerate": "generation.regenerate",
+    "history": "generation.history",
     "max_bpe_mismatch_rate": "validation.max_bpe_mismatch_rate",
     "max_billing_deviation": "validation.max_billing_deviation",
     "max_length": "merge.max_length",

@@ -6,7 +6,10 @@ The final `<|im_end|>` of a finished answer is a generated token and keeps mask 
 emits it, so a drafter that predicts it saves a verification step at every turn end.
 Generations cut by the engine (`finish_reason == "length"`) keep mask 1 on all their tokens:
 they are true target outputs that simply have no end token. Rows cut here by `max_length`
-are marked `truncated`.
+are marked `truncated`. A trajectory (generation.conversations) is one record made of its last
+turn's row: `input_ids` the last turn's prompt and output, mask 1 on every turn's generated
+span and 0 on the tool results and headers between them (`folds`); its earlier turns' rows
+are folded into it.
 
 Memory is bounded by tokens, whatever the number or length of the samples. Pass 1 streams every
 input once into a local Arrow spill file (ok rows only, with a seeded 64-bit hash of the sample_id
@@ -59,6 +62,7 @@ _BUCKET_SCHEMA = pa.schema(
         ("output_ids", _IDS),
         ("finish_reason", pa.string()),
         ("provenance", pa.string()),
+        ("masked", _IDS),  # [start, end) pairs of output positions with mask 0 (a trajectory's tool results); null: none
     ]
 )
 
@@ -78,7 +82,11 @@ def build_record(row: dict, max_length: int, length_policy: str) -> tuple[dict |
     if reason:
         return None, reason
     ids = (prompt + output)[:max_length]
-    mask = ([0] * len(prompt) + [1] * len(output))[:max_length]
+    generated = [1] * len(output)
+    spans = row.get("masked") or []
+    for start, end in zip(spans[::2], spans[1::2]):
+        generated[start:end] = [0] * (end - start)
+    mask = ([0] * len(prompt) + generated)[:max_length]
     return {
         "sample_id": row["sample_id"],
         "dataset": row["dataset"],
@@ -208,10 +216,11 @@ def _ref_dict(ref: StageRef) -> dict:
 
 
 def _spill(store: ArtifactStore, inputs: list[StageRef], seed: int, stats: dict, path: Path,
-           vocab_size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+           vocab_size: int | None = None, folds: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Pass 1: stream every input into one local Arrow file of its ok rows, in input order, with
     their shuffle key and dedupe rank. Returns (key, tokens) per spilled row, the only per-row
-    state kept in memory (16 bytes a row); token ids only ever live in one input batch."""
+    state kept in memory (16 bytes a row); token ids only ever live in one input batch.
+    `folds` (per input, `conversations.trajectory_folds`): turn rows that become a trajectory's record."""
     keys: list[np.ndarray] = []
     tokens: list[np.ndarray] = []
     order = 0
@@ -238,12 +247,20 @@ def _spill(store: ArtifactStore, inputs: list[StageRef], seed: int, stats: dict,
                 if not _rows_look_valid(sids, ok_sources, prompt, output, vocab_size):
                     for i in ok:
                         _check_row(batch.slice(i, 1).to_pylist()[0], ref, vocab_size)
+                masked = pa.nulls(len(ok), _IDS)
+                fold = (folds or {}).get(ref)
+                if fold and any(sid in fold for sid in sids):
+                    ok, sids, prompt, output, masked = _fold(ok, sids, prompt, output, fold, [datasets[i] for i in ok], stats)
+                    rows = batch.take(pa.array(ok, pa.int64()))
+                    ok_sources = [sources[i] for i in ok]
+                    if not ok:
+                        continue
                 key = np.fromiter((shuffle_key(seed, s) for s in sids), np.uint64, len(sids))
                 spilled = pa.RecordBatch.from_arrays(
                     [pa.array(key), pa.array([SOURCE_RANK[s] * 65_536 + index for s in ok_sources], pa.int32()),
-                     pa.array(first_order + np.asarray(ok, np.int64)), rows.column("sample_id"),
+                     pa.array(first_order + np.asarray(ok, np.int64)), pa.array(sids, pa.string()),
                      pa.array([datasets[i] for i in ok], pa.string()), rows.column("source"), prompt, output,
-                     rows.column("finish_reason"), rows.column("provenance")],
+                     rows.column("finish_reason"), rows.column("provenance"), masked],
                     schema=_BUCKET_SCHEMA,
                 )
                 if writer is None:
@@ -257,6 +274,41 @@ def _spill(store: ArtifactStore, inputs: list[StageRef], seed: int, stats: dict,
     if not keys:
         return np.zeros(0, np.uint64), np.zeros(0, np.int64)
     return np.concatenate(keys), np.concatenate(tokens)
+
+
+def _fold(ok: list[int], sids: list[str], prompt: pa.Array, output: pa.Array, folds: dict, datasets: list[str],
+          stats: dict) -> tuple[list[int], list[str], pa.Array, pa.Array, pa.Array]:
+    """A batch's rows with the trajectory folds applied: an earlier turn's row is left out (its
+    tokens are in the last turn's prompt), a last turn's row becomes its trajectory's record
+    (prompt = the first turn's prompt, output = the rest, with the spans that are not generated)."""
+    keep, out_sids, out_prompt, out_output, out_masked = [], [], [], [], []
+    prompts, outputs = prompt.to_pylist(), output.to_pylist()
+    for j, (i, sid) in enumerate(zip(ok, sids)):
+        fold = folds.get(sid, _KEEP)
+        if fold is None:
+            stats[datasets[j]]["trajectory_turns_folded"] += 1
+            continue
+        keep.append(i)
+        if fold is _KEEP:
+            out_sids.append(sid)
+            out_prompt.append(prompts[j])
+            out_output.append(outputs[j])
+            out_masked.append(None)
+            continue
+        base = fold["base"]
+        out_sids.append(fold["sample_id"])
+        out_prompt.append(prompts[j][:base])
+        out_output.append(prompts[j][base:] + outputs[j])
+        out_masked.append(list(fold["masked"]) or None)
+    return (keep, out_sids, pa.array(out_prompt, _IDS), pa.array(out_output, _IDS), pa.array(out_masked, _IDS))
+
+
+_KEEP = object()
+
+
+def _masked_within(spans: list[int] | None, room: int) -> int:
+    """Output positions with mask 0 among the first `room` (what max_length leaves of the output)."""
+    return sum(max(0, min(end, room) - start) for start, end in zip(spans[::2], spans[1::2])) if spans else 0
 
 
 def _partition(spill: Path, keys: np.ndarray, tokens: np.ndarray, tokens_per_bucket: int, work: Path) -> list[Path]:
@@ -312,12 +364,20 @@ def _build_records(rows: pa.Table, max_length: int) -> pa.Table:
     keep = within < np.repeat(length - p, o)
     dest = (within + np.repeat(offsets[:-1] + p, o))[keep]
     ids[dest] = output.flatten().to_numpy()[keep]
+    masked_out = np.zeros(len(p), np.int64)
+    if "masked" in rows.column_names and rows["masked"].null_count < rows.num_rows:
+        for r, spans in enumerate(rows["masked"].to_pylist()):
+            room = int(length[r] - p[r])
+            for start, end in zip((spans or [])[::2], (spans or [])[1::2]):
+                if start < room:
+                    mask[offsets[r] + p[r] + start: offsets[r] + p[r] + min(end, room)] = 0
+            masked_out[r] = _masked_within(spans, room)
     list_offsets = pa.array(offsets.astype(np.int32))
     columns = {
         "input_ids": pa.ListArray.from_arrays(list_offsets, pa.array(ids), type=pa.list_(pa.int32())),
         "loss_mask": pa.ListArray.from_arrays(list_offsets, pa.array(mask), type=pa.list_(pa.uint8())),
         "prompt_tokens": pa.array(p.astype(np.int32)),
-        "output_tokens": pa.array((length - p).astype(np.int32)),
+        "output_tokens": pa.array((length - p - masked_out).astype(np.int32)),
         "truncated": pa.array(p + o > max_length),
     }
     return pa.Table.from_arrays([columns[f.name] if f.name in columns else rows[f.name] for f in MERGED], schema=MERGED)
@@ -343,6 +403,7 @@ def _merge_bucket(path: Path, max_length: int, length_policy: str, stats: dict, 
             stats[datasets[i]]["duplicates"] += 1
     p_len = pc.list_value_length(table["prompt_ids"]).to_pylist()
     o_len = pc.list_value_length(table["output_ids"]).to_pylist()
+    spans = table["masked"].to_pylist() if table["masked"].null_count < table.num_rows else None
     chunk: list[int] = []
     chunk_tokens = 0
     for i in sorted(best.values(), key=lambda i: (keys[i], sids[i])):
@@ -355,7 +416,7 @@ def _merge_bucket(path: Path, max_length: int, length_policy: str, stats: dict, 
         st["samples"] += 1
         st[f"source_{sources[i]}"] += 1
         st["prompt_tokens"] += p_len[i]
-        st["loss_tokens"] += n - p_len[i]
+        st["loss_tokens"] += n - p_len[i] - (_masked_within(spans[i], n - p_len[i]) if spans else 0)
         st["tokens"] += n
         st["truncated"] += p_len[i] + o_len[i] > max_length
         st["max_tokens"] = max(st["max_tokens"], n)
@@ -383,6 +444,7 @@ def merge_datasets(
     vocab_size: int | None = None,
     draft_vocab_size: int = 32_000,
     lease=None,
+    folds: dict | None = None,
 ) -> dict:
     """Merge `inputs` (schemas.GENERATIONS stages) into `runs/{out_run_key}/merge/{out_dataset}/`.
 
@@ -399,6 +461,7 @@ def merge_datasets(
     One writer per output stage: the merge takes the stage's lease (`lease`: one the caller already
     holds), so a second merge of the same run key fails at once with StageBusy instead of
     overwriting shards the first is writing; the lease is checked again right before the commit.
+    `folds`: per input, its trajectories' turn rows (`conversations.trajectory_folds` of its samples).
     """
     if length_policy not in LENGTH_POLICIES:
         raise UserError(f"length_policy {length_policy!r}: expected one of {', '.join(LENGTH_POLICIES)}")
@@ -416,7 +479,7 @@ def merge_datasets(
 
         with tempfile.TemporaryDirectory(prefix="eagle3-merge-", dir=work_dir) as tmp:
             work = Path(tmp)
-            keys, tokens = _spill(store, inputs, seed, stats, work / "spill.arrow", vocab_size)
+            keys, tokens = _spill(store, inputs, seed, stats, work / "spill.arrow", vocab_size, folds)
             buckets = _partition(work / "spill.arrow", keys, tokens, tokens_per_bucket, work)
             del keys, tokens
             shards = _ShardWriter(store, out_ref, work, shard_tokens)

@@ -94,6 +94,7 @@ def load_prompts(
     client=None,
     max_message_bytes: int | None = None,
     regenerate: str = "final_turn",
+    history: str = "dataset",
 ) -> PromptLoad:
     """Load, validate and normalise one dataset's prompts; see the module docstring for `source`.
 
@@ -104,7 +105,13 @@ def load_prompts(
     Files are read a line (a Parquet batch) at a time and the accepted rows spilled to a local
     file (`PromptRows`), so memory does not grow with the number of prompts.
     `regenerate="every_turn"` makes one prompt of each user turn of a row: the messages up to
-    and including it (`turn_prompts`); `final_turn` one of the whole row."""
+    and including it (`turn_prompts`); `final_turn` one of the whole row. `trajectory`, and
+    `every_turn` on the `regenerated` history, keep the whole row (its recorded answers and tool
+    results included) as one prompt: the generation stage asks for its turns in rounds
+    (generation.conversations)."""
+    from eagle3_data.generation.conversations import needs_rounds
+
+    whole = needs_rounds(regenerate, history)
     check_name(dataset, "dataset")
     if date is not None and not _DATE.fullmatch(date):
         raise UserError(f"invalid date {date!r}: expected YYYY-MM-DD")
@@ -123,10 +130,14 @@ def load_prompts(
                     raise _Reject("", "not valid JSON")
                 if isinstance(record, _Reject):
                     raise record
-                messages, tools, ignored = _normalise(record, trailing_answer=regenerate == "every_turn")
+                messages, tools, ignored = _normalise(record, trailing_answer=regenerate != "final_turn")
                 source_id = _source_id(record)
                 _check_bytes(messages, max_message_bytes)
-                prompts = turn_prompts(messages) if regenerate == "every_turn" else [messages]
+                if whole:
+                    turn_prompts(messages, regenerate)  # refuses a row without a user turn
+                    prompts = [messages]
+                else:
+                    prompts = turn_prompts(messages) if regenerate == "every_turn" else [messages]
             except _Reject as exc:
                 load.counts["rejected"] += 1
                 load.rejects.append(
@@ -235,13 +246,13 @@ def require_rows(load: PromptLoad, what: str) -> None:
 
 
 # -- validation and normalisation -------------------------------------------------------------------
-def turn_prompts(messages: list[dict]) -> list[list[dict]]:
+def turn_prompts(messages: list[dict], regenerate: str = "every_turn") -> list[list[dict]]:
     """Every user turn's prompt: the messages up to and including it. The earlier assistant
     turns stay the dataset's own (the template renders them as it does at that point: Kimi's
     drops their reasoning), so each sample is what the model sees when it answers that turn."""
     out = [messages[: j + 1] for j, m in enumerate(messages) if m["role"] == "user"]
     if not out:
-        raise _Reject("messages", "no user turn to answer (regenerate: every_turn)")
+        raise _Reject("messages", f"no user turn to answer (regenerate: {regenerate})")
     return out
 
 

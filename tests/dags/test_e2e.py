@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from eagle3_data.config import DAG_ID, load_config
+from tests.conversation_oracle import CONVERSATIONS, check_conversation_records
 from tests.fixtures.airflow import DAG_TEST_BUCKET, dag_stack
 
 pytestmark = pytest.mark.slow
@@ -433,3 +434,50 @@ def _run(run_id: str):
         dr = session.query(DagRun).filter_by(run_id=run_id).one()
         session.expunge(dr)
         return dr
+
+
+
+
+@pytest.mark.parametrize("mode,history", [("final_turn", "dataset"), ("every_turn", "regenerated"),
+                                          ("trajectory", "dataset")])
+def test_conversations_run_through_the_dag_in_every_mode(mode, history, stack, tmp_path, kimi_tokenizer):
+    """include/sample_data/conversations.jsonl through the whole DAG (local and overflow, gates,
+    merge) with the run's `regenerate` and `history` params: every merged record equals the
+    template's render at each of its turns, loss mask 1 exactly on the generated tokens."""
+    from eagle3_devtools.stack import upload_prompts
+
+    path = _with_config(stack, tmp_path, lambda raw: raw["datasets"].append({"name": "conversations"}))
+    upload_prompts(stack.client(), load_config(path), f"{DATE:%Y-%m-%d}", {"conversations": CONVERSATIONS})
+    run_name = f"conv-{mode}-{history}".replace("_", "-")
+    os.environ["EAGLE3_CONFIG"] = str(path)
+    try:
+        from airflow.dag_processing.dagbag import DagBag
+
+        from tests.fixtures.airflow import REPO
+
+        dag = DagBag(dag_folder=str(REPO / "dags")).dags[DAG_ID]  # parsed with the dataset in its form
+        dr = dag.test(logical_date=DATE, run_conf={"run_name": run_name, "datasets": ["conversations"], "regenerate": mode,
+                                                   "history": history, "skip_hidden_states": mode != "trajectory"})
+    finally:
+        os.environ["EAGLE3_CONFIG"] = str(stack.config_path)
+    states = _states(dr)
+    assert str(dr.state).endswith("success"), states
+    store = _store(stack)
+    counts = check_conversation_records(store, run_name, "conversations", kimi_tokenizer)
+    assert counts.get("sglang") and counts.get("openrouter"), counts  # both paths, each record checked
+    assert bool(counts.get("multi_turn")) == (mode == "trajectory"), counts  # trajectories folded from their turns
+    from eagle3_data.storage import StageRef
+
+    local = store.read_manifest(StageRef(run_name, "generate_local", "conversations"))
+    if mode == "final_turn":
+        assert "conversations" not in local["extra"] and sum(counts.values()) == 4
+    else:
+        figures = local["extra"]["conversations"]
+        assert figures["mode"] == f"{mode}/{history}" and figures["samples"] >= counts["sglang"]
+        from eagle3_data.report import load_run_report, render_html
+
+        report = load_run_report(store, run_name)  # the run report shows them, per path
+        entry = next(d for d in report.datasets if d.name == "conversations")
+        assert entry.generation["conversations"]["local"] == figures
+        html = render_html(report, title="t")
+        assert "Conversations" in html and "splices hit / missed" in html and f"{mode}/{history}" in html

@@ -195,3 +195,43 @@ def test_dag_runs_on_vllm_for_generation_and_extraction(vllm_stack, dag_run, vll
     summary = store.get_json(StageRef(RUN_KEY, "publish", "all"), "summary.json")
     assert summary["hidden_states"]["totals"]["samples"] == len(merged)
     assert all(summary["datasets"][ds]["gate"]["passed"] for ds in DATASETS)
+
+
+def test_conversation_trajectories_run_through_the_dag_on_vllm(vllm_stack, dag_run, tmp_path, kimi_tokenizer):
+    """`regenerate: trajectory` on the regenerated history (the stage runs in rounds) with vLLM as
+    the local engine: every merged record of include/sample_data/conversations.jsonl equals the
+    template's render at each of its turns (tests/conversation_oracle.py), on both paths. The
+    random tiny model never calls a tool, so each trajectory is its first turn (cut at MAX_NEW:
+    `length`) and the thread ends there: the figures say so."""
+    import os
+    from pathlib import Path
+
+    import yaml
+    from airflow.dag_processing.dagbag import DagBag
+
+    from eagle3_data.pipeline import open_store
+    from eagle3_data.storage import StageRef
+    from eagle3_devtools.stack import upload_prompts
+    from tests.conversation_oracle import CONVERSATIONS, check_conversation_records
+    from tests.fixtures.airflow import REPO
+
+    raw = yaml.safe_load(Path(vllm_stack.config_path).read_text())
+    raw["datasets"].append({"name": "conversations"})
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    upload_prompts(vllm_stack.client(), load_config(path), f"{DATE:%Y-%m-%d}", {"conversations": CONVERSATIONS})
+    os.environ["EAGLE3_CONFIG"] = str(path)
+    try:
+        dag = DagBag(dag_folder=str(REPO / "dags")).dags[DAG_ID]
+        dr = dag.test(logical_date=DATE, run_conf={"run_name": "conv-vllm", "datasets": ["conversations"],
+                                                   "regenerate": "trajectory", "history": "regenerated",
+                                                   "hidden_states_backend": "vllm", "skip_hidden_states": True})
+    finally:
+        os.environ["EAGLE3_CONFIG"] = str(vllm_stack.config_path)
+    assert str(dr.state).endswith("success"), _states(dr)
+    store = open_store(load_config(path), vllm_stack.client())
+    counts = check_conversation_records(store, "conv-vllm", "conversations", kimi_tokenizer)
+    assert counts.get("vllm") and counts.get("openrouter"), counts
+    figures = store.read_manifest(StageRef("conv-vllm", "generate_local", "conversations"))["extra"]["conversations"]
+    assert figures["mode"] == "trajectory/regenerated" and figures["samples"] == figures["turns"] == counts["vllm"]
+    assert figures["end"] == {"length": figures["samples"]}

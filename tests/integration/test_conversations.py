@@ -1,36 +1,50 @@
-"""Conversations regenerated turn by turn (`generation.regenerate: every_turn`) through the CLI's
-local stage on the dev server: one sample per user turn of include/sample_data/conversations.jsonl
-(multi-turn, parallel tool calls, ShareGPT and OpenAI layouts, an earlier answer with reasoning),
-each prompt's ids the real Kimi template's render of the history up to that turn."""
+"""Conversations regenerated turn by turn through the CLI's local stage on the dev server, in every
+mode of `generation.regenerate` x `generation.history`, on include/sample_data/conversations.jsonl
+(multi-turn, parallel tool calls with recorded results, ShareGPT and OpenAI layouts, an earlier
+answer with reasoning). Every turn's prompt ids are checked against the real Kimi template's
+render of that turn's messages, and every trajectory's record (ids and loss mask, as the merge
+builds it) against the template's render at each of its turns."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
+import pytest
 import yaml
 
+from eagle3_data.canonical import canonical_json
 from eagle3_data.cli import main
 from eagle3_data.config import default_config_raw
+from eagle3_data.generation.conversations import SAMPLES_FILE, call_key, read_samples, recorded_results, trajectory_folds
+from eagle3_data.merge import _fold, build_record
 from eagle3_data.storage import StageRef
+from tests.conversation_oracle import CONVERSATIONS, IM_END
 
-CONVERSATIONS = Path(__file__).resolve().parents[2] / "include" / "sample_data" / "conversations.jsonl"
 
 
-def test_every_turn_generates_one_sample_per_user_turn_with_the_templates_ids(s3_server, store, kimi_tokenizer,
-                                                                               kimi_tokenizer_dir, tmp_path, monkeypatch):
+def _generate(store, s3_server, kimi_tokenizer_dir, tmp_path, monkeypatch, run_key: str, *flags: str, thinking=True):
     raw = default_config_raw()
     raw["storage"]["bucket"] = store.bucket
     raw["tokenizer"]["source"] = str(kimi_tokenizer_dir)
-    raw["generation"]["sampling"]["max_new_tokens"] = 24
+    raw["generation"]["sampling"].update(max_new_tokens=160, thinking=thinking)
     raw["routing"].update(overflow_fraction=0.0, calibration_samples=0)  # every turn local: exact ids
     (tmp_path / "pipeline.yaml").write_text(yaml.safe_dump(raw))
     for name, value in (("AWS_ACCESS_KEY_ID", s3_server.access_key), ("AWS_SECRET_ACCESS_KEY", s3_server.secret_key),
                         ("AWS_ENDPOINT_URL", s3_server.endpoint_url), ("EAGLE3_JOURNAL_DIR", str(tmp_path / "j"))):
         monkeypatch.setenv(name, value)
     assert main(["generate", "local", "--config", str(tmp_path / "pipeline.yaml"), "--dataset", "chat", "--prompts",
-                 str(CONVERSATIONS), "--run-key", "turns", "--dev", "--regenerate", "every_turn"]) == 0
-    rows = store.read_table(StageRef("turns", "generate_local", "chat")).to_pylist()
+                 str(CONVERSATIONS), "--run-key", run_key, "--dev", *flags]) == 0
+    return store.read_table(StageRef(run_key, "generate_local", "chat")).to_pylist()
+
+
+def _render(tok, messages, tools, thinking=True) -> list[int]:
+    return tok.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=True,
+                                   return_dict=False, thinking=thinking)
+
+
+def test_every_turn_on_the_datasets_history_generates_one_sample_per_user_turn(s3_server, store, kimi_tokenizer,
+                                                                               kimi_tokenizer_dir, tmp_path, monkeypatch):
+    rows = _generate(store, s3_server, kimi_tokenizer_dir, tmp_path, monkeypatch, "turns", "--regenerate", "every_turn")
     lines = [json.loads(line) for line in CONVERSATIONS.read_text().splitlines()]
     user_turns = sum(m["role"] == "user" for r in lines for m in r.get("messages", []))
     user_turns += sum(t["from"] == "human" for r in lines for t in r.get("conversations", []))
@@ -41,10 +55,141 @@ def test_every_turn_generates_one_sample_per_user_turn_with_the_templates_ids(s3
         p = prompts[r["sample_id"]]
         messages, tools = json.loads(p["messages"]), json.loads(p["tools"]) if p["tools"] else None
         assert messages[-1]["role"] == "user"
-        expected = kimi_tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=True,
-                                                      return_dict=False)
-        assert r["prompt_ids"] == expected, r["sample_id"]  # what the model sees when it answers that turn
+        assert r["prompt_ids"] == _render(kimi_tokenizer, messages, tools), r["sample_id"]  # what the model saw
     # each turn's history is the row's own, up to that turn: the longest prompt of trip-1 holds its parallel calls
     longest = max((json.loads(p["messages"]) for p in prompts.values()), key=len)
     assert len(longest) == 9 and [c["function"]["name"] for c in longest[2]["tool_calls"]] == ["get_weather"] * 2
     assert store.read_manifest(StageRef("turns", "prompts", "chat"))["params"]["regenerate"] == "every_turn"
+
+
+def _records(store, ref, rows) -> dict[str, dict]:
+    """The merge's records of a stage's rows, its trajectory folds applied (merge._fold + build_record)."""
+    samples = read_samples(store.get_bytes(ref, SAMPLES_FILE))
+    folds = trajectory_folds(samples)
+    import pyarrow as pa
+
+    ok = [r for r in rows if r["status"] == "ok"]
+    keep, sids, prompt, output, masked = _fold(list(range(len(ok))), [r["sample_id"] for r in ok],
+                                               pa.array([r["prompt_ids"] for r in ok]),
+                                               pa.array([r["output_ids"] for r in ok]), folds, ["chat"] * len(ok),
+                                               {"chat": __import__("collections").Counter()})
+    out = {}
+    for j, (i, sid) in enumerate(zip(keep, sids)):
+        row = {**ok[i], "sample_id": sid, "prompt_ids": prompt[j].as_py(), "output_ids": output[j].as_py(),
+               "masked": masked[j].as_py()}
+        out[sid] = build_record(row, 1 << 20, "truncate")[0]
+    return out, samples
+
+
+@pytest.mark.parametrize("mode,history,thinking", [("trajectory", "dataset", True), ("trajectory", "regenerated", False),
+                                                   ("every_turn", "regenerated", True)])
+def test_turns_regenerated_in_rounds_are_what_the_model_saw(mode, history, thinking, s3_server, store, kimi_tokenizer,
+                                                             kimi_tokenizer_dir, tmp_path, monkeypatch):
+    run_key = f"{mode}-{history}".replace("_", "-")
+    rows = _generate(store, s3_server, kimi_tokenizer_dir, tmp_path, monkeypatch, run_key, "--regenerate", mode,
+                     "--history", history, thinking=thinking)
+    ref = StageRef(run_key, "generate_local", "chat")
+    by_id = {r["sample_id"]: r for r in rows}
+    conversations = {r["sample_id"]: r for r in store.read_table(StageRef(run_key, "prompts", "chat")).to_pylist()}
+    assert len(conversations) == 4  # one prompt row per dataset row: its turns are asked for in rounds
+    for r in rows:  # every turn's prompt is the template's render of its messages
+        tools = json.loads(r["tools"]) if r["tools"] else None
+        assert r["prompt_ids"] == _render(kimi_tokenizer, json.loads(r["messages"]), tools, thinking), r["sample_id"]
+    records, samples = _records(store, ref, rows)
+    figures = store.read_manifest(ref)["extra"]["conversations"]
+    assert figures["samples"] == len(samples) and figures["turns"] == sum(len(s["steps"]) for s in samples)
+    assert sum(figures["end"].values()) == len(samples)
+    user_turns = 10 if (mode, history) == ("trajectory", "dataset") else None
+    if user_turns:
+        assert len(samples) == user_turns  # one trajectory per user turn, each after the row's own history
+    for s in samples:
+        steps = [by_id[sid] for sid in s["steps"]]
+        assert steps and all(t["status"] == "ok" for t in steps)
+        conv = conversations[s["conversation"]]
+        recorded = recorded_results(json.loads(conv["messages"]))
+        last = steps[-1]
+        tools = json.loads(last["tools"]) if last["tools"] else None
+        messages = json.loads(last["messages"])
+        expected_ids = _render(kimi_tokenizer, messages, tools, thinking) + last["output_ids"]
+        expected_mask = [0] * len(expected_ids)
+        for j, t in enumerate(steps):
+            start = len(t["prompt_ids"])
+            if j + 1 < len(steps):  # the turn's render in the next prompt, up to its <|im_end|>
+                nxt = steps[j + 1]["prompt_ids"]
+                assert nxt[:start] == t["prompt_ids"]  # the trajectory's prompts chain
+                end = nxt.index(IM_END, start) + 1
+                # the messages between: this turn's answer, then each call's recorded result, in call order
+                between = json.loads(steps[j + 1]["messages"])[len(json.loads(t["messages"])):]
+                assert between[0]["role"] == "assistant" and mode == "trajectory"
+                calls = between[0]["tool_calls"]
+                assert [m["content"] for m in between[1:]] == [recorded[call_key(c)] for c in calls]
+                assert [m["tool_call_id"] for m in between[1:]] == [c["id"] for c in calls]
+            else:
+                end = start + len(t["output_ids"])
+            expected_mask[start:end] = [1] * (end - start)
+        record = records[s["sample_id"]]
+        assert record["input_ids"] == expected_ids, s["sample_id"]
+        assert record["loss_mask"] == expected_mask, s["sample_id"]
+        assert s["end"] in ("answered", "unmatched_call", "length", "tool_calls", "max_steps")
+        if s["end"] == "unmatched_call":
+            miss = json.loads(s["unmatched"])
+            assert call_key({"function": miss}) not in recorded
+        if mode == "every_turn":
+            assert len(steps) == 1
+    # the earlier-turn rows are folded into their trajectory's record, none is a record of its own
+    assert set(records) == {s["sample_id"] for s in samples}
+    assert figures["splice_hits"] == sum(s["splice_hits"] for s in samples)
+    if mode == "trajectory":
+        assert figures["splice_hits"] > 0 and figures["splice_misses"] > 0  # enum cities hit, free-text queries miss
+        assert max(len(s["steps"]) for s in samples) >= 2
+        assert figures["exact_turns"] == figures["earlier_turns"]  # the dev engine's ids are the template's own
+    if history == "regenerated":  # a later turn's history is the answers generated before it
+        for s in samples:
+            if s["user_turn"] and s["steps"]:
+                first = json.loads(by_id[s["steps"][0]]["messages"])
+                dataset_answers = [m for m in json.loads(conversations[s["conversation"]]["messages"])
+                                   if m["role"] == "assistant"]
+                history_answers = [m for m in first if m["role"] == "assistant"]
+                assert history_answers and not any(canonical_json(m) == canonical_json(d)
+                                                   for m in history_answers for d in dataset_answers)
+
+
+def test_overflow_trajectories_resume_by_turn_and_pay_each_turn_once(store, start_dev_server, kimi_tokenizer, tmp_path):
+    """The overflow path in rounds: a budget stop in the middle of the trajectories leaves the
+    stage incomplete; the next attempt rebuilds every conversation from the committed turns and
+    asks only for the turns after them: the dev server's counters say no turn was paid twice."""
+    from eagle3_data.chat_format import get_output_format
+    from eagle3_data.generation.conversations import TurnDriver
+    from eagle3_data.prompts import load_prompts
+
+    from tests.generation_calls import MODEL, generate_overflow
+
+    server = start_dev_server({"price_per_token": {"prompt": 1e-6, "completion": 1e-5}})
+    sampling = {"temperature": 0.0, "max_new_tokens": 96}
+    rows = list(load_prompts(str(CONVERSATIONS), "chat", sampling=sampling, regenerate="trajectory",
+                             history="regenerated").rows)
+    ref = StageRef("overflow-turns", "generate_overflow", "chat")
+    fmt = get_output_format(kimi_tokenizer, thinking=True)
+
+    def attempt(max_usd):
+        return generate_overflow(store, ref, rows, kimi_tokenizer, server.url + "/v1", "sk-test", MODEL, {}, max_usd,
+                                 sampling={**sampling, "thinking": True}, concurrency=2, rows_per_part=2,
+                                 journal_dir=tmp_path / "j", first_cost_estimate_usd=0.0005,
+                                 turns=TurnDriver("trajectory", "regenerated", fmt))
+
+    first = attempt(0.004)
+    assert first["stopped_reason"] == "budget" and not first["complete"], first
+    paid_first = sum(server.stats()["answered"].get("chat", {}).values())
+    assert 0 < paid_first
+    second = attempt(None)
+    assert second["complete"], second
+    paid = server.stats()["answered"].get("chat", {})
+    assert set(paid.values()) == {1}  # every turn paid once, across both attempts
+    committed = store.read_table(ref).to_pylist()
+    assert sorted(paid) == sorted(r["sample_id"] for r in committed) and len(committed) > paid_first
+    samples = read_samples(store.get_bytes(ref, SAMPLES_FILE))
+    assert {sid for s in samples for sid in s["steps"]} == {r["sample_id"] for r in committed if r["status"] == "ok"}
+    figures = store.read_manifest(ref)["extra"]["conversations"]
+    assert figures["turns"] == len(committed) and figures["splice_hits"] > 0
+    for r in committed:  # the provider was sent each turn's messages; their render is the row's prompt ids
+        assert r["prompt_ids"] == _render(kimi_tokenizer, json.loads(r["messages"]), json.loads(r["tools"]) if r["tools"] else None)

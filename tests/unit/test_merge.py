@@ -155,3 +155,31 @@ def test_merge_refuses_ids_outside_the_vocabulary_naming_the_sample(store):
                              gen_row("x9", "oov", "sglang", [1, 2], [3, VOCAB_SIZE])])
     with pytest.raises(UserError, match=r"sample x9: field output_ids holds id 163840, outside the vocabulary \(0..163839\)"):
         merge_datasets(store, [ref], "r", vocab_size=VOCAB_SIZE)
+
+
+@pytest.mark.parametrize("max_length", [4096, 9])
+def test_trajectory_folds_make_one_record_with_the_tool_results_unmasked(store, tmp_path, max_length):
+    """A two-turn trajectory: turn 1's row is folded away, turn 2's row becomes the record: the
+    first prompt (mask 0), turn 1's answer (1), the tool result and header (0), turn 2's output
+    (1). The columnar path equals build_record, also when max_length cuts inside a masked span;
+    rows outside the folds are merged as they are."""
+    p1, a1, tool, p2_tail, out2 = [1, 2, 3], [10, 11, IM_END], [20, 21], [22], [30, IM_END]
+    p2 = p1 + a1 + tool + p2_tail
+    rows = [gen_row("turn1", "d", "sglang", p1, a1), gen_row("turn2", "d", "sglang", p2, out2),
+            gen_row("plain", "d", "sglang", [5, 6], [7, IM_END])]
+    ref = StageRef("r-fold", "generate_local", "d")
+    write_stage(store, ref, rows)
+    folds = {ref: {"turn1": None, "turn2": {"sample_id": "traj", "base": 3, "masked": [3, 6]}}}
+    summary = merge_datasets(store, [ref], "r-fold-out", max_length=max_length, folds=folds, draft_vocab_size=8)
+    records = {r["sample_id"]: r for r in read_all(store, summary, tmp_path)}
+    assert set(records) == {"traj", "plain"}
+    traj = records["traj"]
+    assert traj["input_ids"] == (p2 + out2)[:max_length]
+    assert traj["loss_mask"] == ([0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1])[:max_length]
+    assert traj["output_tokens"] == sum(traj["loss_mask"]) and traj["prompt_tokens"] == 3
+    expected, _ = build_record({**rows[1], "sample_id": "traj", "prompt_ids": p1, "output_ids": p2[3:] + out2,
+                                "masked": [3, 6]}, max_length, "truncate")
+    assert {k: traj[k] for k in expected} == expected
+    assert records["plain"]["loss_mask"] == [0, 0, 1, 1]
+    stats = summary["datasets"]["d"]
+    assert stats["trajectory_turns_folded"] == 1 and stats["loss_tokens"] == sum(traj["loss_mask"]) + 2

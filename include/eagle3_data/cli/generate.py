@@ -58,9 +58,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             q.add_argument("--model", help="model slug (default: the config's generation.overflow.model)")
             q.add_argument("--max-usd", type=float, help="stop dispatching at this spend (default: the config's max_usd)")
             q.add_argument("--concurrency", type=int)
-        q.add_argument("--regenerate", choices=["final_turn", "every_turn"],
+        q.add_argument("--regenerate", choices=["final_turn", "every_turn", "trajectory"],
                        help="final_turn: the answer after each row's whole history; every_turn: one sample per user "
-                            "turn (default: the config's generation.regenerate)")
+                            "turn; trajectory: each user turn's assistant turns, recorded tool results spliced in "
+                            "(default: the config's generation.regenerate)")
+        q.add_argument("--history", choices=["dataset", "regenerated"],
+                       help="every_turn/trajectory: the history before a user turn is the dataset's own or the "
+                            "answers regenerated before it (default: the config's generation.history)")
         q.add_argument("--overflow-fraction", type=float,
                        help="share of the samples routed to OpenRouter (the DAG's trigger param; default: the config's "
                             "routing.overflow_fraction)")
@@ -78,8 +82,9 @@ def overrides_of(args: argparse.Namespace) -> dict:
     out: dict = {"datasets": [{"name": args.dataset, "prompts": args.prompts}]}
     if flags := {k: v for k, v in flags.items() if v is not None}:
         out["generation"] = {side: flags}
-    if args.regenerate:
-        out.setdefault("generation", {})["regenerate"] = args.regenerate
+    for key in ("regenerate", "history"):
+        if getattr(args, key):
+            out.setdefault("generation", {})[key] = getattr(args, key)
     if args.tokenizer:
         out["tokenizer"] = {"source": args.tokenizer}
     if args.overflow_fraction is not None:

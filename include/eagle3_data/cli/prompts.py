@@ -80,7 +80,7 @@ def _upload(args: argparse.Namespace) -> int:
         if f.suffix not in PROMPT_FILE_SUFFIXES:
             raise UserError(f"{f}: expected a {' or '.join(PROMPT_FILE_SUFFIXES)} file")
         load = load_prompts(str(f), args.dataset, sampling=g.sampling.model_dump(), repeats=g.repeats,
-                            regenerate=g.regenerate)
+                            regenerate=g.regenerate, history=g.history)
         rejects += load.rejects
         counts.append((f, load.counts))
     for r in rejects[:MAX_REPORTED]:

@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import json
 import logging
 import os
 import time
-from collections.abc import Container, Iterable, Iterator, Mapping
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -140,6 +141,7 @@ class StageSetup:
     rerun: bool = False  # reopen a complete stage: re-verify its parts, redo only what is missing
     routes: tuple[str, ...] | None = None  # the prompts' routes this stage takes; None: the stage's own
     side_files: Mapping[str, bytes] = field(default_factory=dict)  # files committed beside the parts
+    turns: Any = None  # a conversations.TurnDriver: the stage runs in rounds (every_turn regenerated, trajectory)
 
 
 def sampling_for(p: Prompt, sampling: dict) -> dict:
@@ -198,6 +200,8 @@ class StageRun:
         self.side_files = dict(setup.side_files)
         self.tokenizer_sha256 = hashes.get("tokenizer_sha256")  # recorded in every row's provenance
         self.flush_interval_s = flush_interval_s
+        self.turns = setup.turns
+        self.total = 0 if self.turns is not None else len(prompts)
         self.counts = {"ok": 0, "failed": 0, "paid_failed": 0, "skipped": 0, "replayed": 0, "retry_later": 0}
         self.tokens = 0
         self.cost_usd = 0.0
@@ -240,7 +244,7 @@ class StageRun:
     def _resume(self) -> None:
         done = self.writer.committed_sample_ids()
         self.spent_before_usd = committed_cost(self.store, self.ref, self.writer.committed_records())
-        wanted = set(self.prompts.ids)
+        wanted = set(self.prompts.ids)  # rounds: the journal (this stage's and params') holds only turns
         replay = []
         if self.journal_path.exists():
             for line in self.journal_path.read_text().splitlines():
@@ -248,7 +252,8 @@ class StageRun:
                     row = json.loads(line)
                 except json.JSONDecodeError:
                     continue  # a line cut by the kill
-                if row.get("sample_id") in wanted and row["sample_id"] not in done:
+                sid = row.get("sample_id")
+                if (sid in wanted or (self.turns is not None and isinstance(sid, str))) and sid not in done:
                     replay.append(row)
                     done.add(row["sample_id"])
         if replay:
@@ -257,11 +262,36 @@ class StageRun:
             self.counts["replayed"] = len(replay)
             self.spent_before_usd += sum((r.get("usage") or {}).get("cost_usd") or 0.0 for r in replay)
         self.failures: dict[str, dict] = self._load_failures()
-        self.pending_count = sum(sid not in done for sid in self.prompts.ids)
-        self.pending = self.prompts.iter(skip=done)
-        self.counts["skipped"] = len(self.prompts) - self.pending_count
+        self._done = done
+        if self.turns is not None:  # the rounds ask for their turns (`add`); the walk needs every final one
+            self.turns.start(self.prompts)
+            self._observe_committed()
+            for row in replay:
+                self.turns.observe(row)
+        else:
+            self.pending_count = sum(sid not in done for sid in self.prompts.ids)
+            self.pending = self.prompts.iter(skip=done)
+            self.counts["skipped"] = len(self.prompts) - self.pending_count
         self.journal_path.parent.mkdir(parents=True, exist_ok=True)
         self._journal: io.TextIOBase = self.journal_path.open("a", encoding="utf-8")
+
+    def _observe_committed(self) -> None:
+        """Hand the turn driver every row earlier attempts committed (verified parts, the columns a
+        walk reads), so a resumed attempt knows where each conversation stands."""
+        import pyarrow.parquet as pq
+
+        columns = ["sample_id", "status", "finish_reason", "content", "reasoning", "tool_calls", "output_ids"]
+        for record in self.writer.committed_records():
+            with self.store.open_verified(self.ref, record["name"], sha256=record["sha256"], nbytes=record["bytes"]) as f:
+                for row in pq.read_table(f, columns=columns).to_pylist():
+                    self.turns.observe(row)
+
+    def add(self, prompts: Prompts) -> None:
+        """A round's prompts (the turns a TurnDriver asks for): `pending` yields those not done."""
+        self.pending_count = sum(sid not in self._done for sid in prompts.ids)
+        self.pending = prompts.iter(skip=self._done)
+        self.counts["skipped"] += len(prompts) - self.pending_count
+        self.total += len(prompts)
 
     def _load_failures(self) -> dict[str, dict]:
         from eagle3_data.storage import IncompleteStage
@@ -302,6 +332,8 @@ class StageRun:
             self._journal.write(json.dumps(row, ensure_ascii=False) + "\n")
             self._journal.flush()
             self._rows.append(row)
+            if self.turns is not None:
+                self.turns.observe(row)
             if row["status"] == "ok":
                 self.counts["ok"] += 1
             else:
@@ -313,6 +345,8 @@ class StageRun:
         if permanent or prior + 1 >= self.max_failed_runs:
             self._held[row["sample_id"]] = row
             self.counts["failed"] += 1
+            if self.turns is not None:
+                self.turns.observe(row)
         else:
             self.counts["retry_later"] += 1
 
@@ -322,6 +356,13 @@ class StageRun:
         self.store.put_json(self.ref, FAILURES_FILE, self.failures)
         summary = self.summary(stopped_reason)
         if stopped_reason is None and not self.counts["retry_later"]:
+            if self.turns is not None:  # every conversation has ended: its samples go beside the parts
+                from eagle3_data.generation.conversations import SAMPLES_FILE
+
+                data, figures = self.turns.samples_file()
+                self.store.put_bytes(self.ref, SAMPLES_FILE, data)
+                self.side_files[SAMPLES_FILE] = data
+                extra = {**(extra or {}), "conversations": figures}
             self._hand_over()
             self.writer.write(list(self._held.values()))
             self.writer.commit(extra={"counts": summary["counts"], **(extra or {})}, files=[FAILURES_FILE, *self.side_files])
@@ -348,12 +389,30 @@ class StageRun:
     def summary(self, stopped_reason: str | None) -> dict:
         return {
             "uri": self.store.uri(self.ref),
-            "counts": dict(self.counts, total=len(self.prompts)),
+            "counts": dict(self.counts, total=self.total),
             "tokens": self.tokens,
             "cost_usd": round(self.cost_usd, 6),
             "spent_before_usd": round(self.spent_before_usd, 6),
             "stopped_reason": stopped_reason,
         }
+
+
+def run_rounds(run: StageRun, dataset: str, go: Callable[[], str | None], progress, label: str) -> str | None:
+    """Run a client (`go`: one pass over `run.pending`, its stop reason) once, or, for a stage
+    whose turns depend on each other (`run.turns`), once per round until no conversation asks for
+    another turn or the client stops."""
+    if run.turns is None:
+        progress.start(run.total, run.total - run.pending_count, label=label)
+        return go()
+    for number in itertools.count(1):
+        rows = run.turns.next_prompts()
+        if not rows:
+            return None
+        run.add(parse_prompts(rows, dataset, None))
+        progress.start(run.pending_count, 0, label=f"{label} round {number}")
+        if stopped := go():
+            return stopped
+    raise AssertionError("unreachable")
 
 
 def reused_summary(store, ref) -> dict:

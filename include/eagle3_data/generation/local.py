@@ -48,6 +48,7 @@ from eagle3_data.generation.checkpoint import (
     failed_row,
     parse_prompts,
     reused_summary,
+    run_rounds,
     sampling_for,
 )
 from eagle3_data.generation.progress import Progress, tick_every
@@ -153,10 +154,10 @@ def generate_local(store, ref, prompts: Iterable[dict], fmt, endpoints: Sequence
     hashes = {"tokenizer_sha256": tokenizer_files_sha256(fmt.tokenizer), "template_sha256": chat_template_sha256(fmt.tokenizer)}
     with StageRun(store, ref, rows, params, hashes, setup, rows_per_part=options.rows_per_part,
                   flush_interval_s=options.flush_interval_s) as run:
-        progress.start(len(rows), len(rows) - run.pending_count, label=f"generate_local {ref.dataset} ({wire.engine})")
         client = LocalRun(run, fmt, endpoints, request, wire, options, setup.model, progress)
         try:
-            stopped = asyncio.run(client.run())
+            stopped = run_rounds(run, ref.dataset, lambda: asyncio.run(client.run()), progress,
+                                 f"generate_local {ref.dataset} ({wire.engine})")
         finally:
             progress.close()  # a bar left open would swallow the start of the error's line
         run.finish(stopped, extra={"endpoints": len(endpoints), "max_in_flight": client.max_in_flight,

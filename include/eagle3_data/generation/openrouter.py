@@ -31,6 +31,7 @@ from eagle3_data.generation.checkpoint import (
     failed_row,
     parse_prompts,
     reused_summary,
+    run_rounds,
     sampling_for,
 )
 from eagle3_data.generation.progress import Progress, tick_every
@@ -196,14 +197,14 @@ def generate_overflow(store, ref, prompts: Iterable[dict], fmt, base_url: str, a
     hashes = {"tokenizer_sha256": tokenizer_files_sha256(fmt.tokenizer), "template_sha256": chat_template_sha256(fmt.tokenizer)}
     with StageRun(store, ref, rows, params, hashes, setup, rows_per_part=options.rows_per_part,
                   flush_interval_s=options.flush_interval_s) as run:
-        progress.start(len(rows), len(rows) - run.pending_count, label=f"generate_overflow {ref.dataset}")
         budget = Budget(options.max_usd, run.spent_before_usd, options.first_cost_estimate_usd,
                         sampling.get("max_new_tokens"))
         client = _OverflowRun(run, fmt, base_url, api_key, replace(request, sampling=sampling, reasoning=reasoning),
                               options, progress, budget)
         try:
             with fewer_gc_pauses():
-                stopped = run_event_loop(client.run())
+                stopped = run_rounds(run, ref.dataset, lambda: run_event_loop(client.run()), progress,
+                                     f"generate_overflow {ref.dataset}")
         finally:
             progress.close()  # a bar left open would swallow the start of the error's line
         run.finish(stopped, extra={"budget_usd": options.max_usd, "spent_total_usd": round(client.budget.spent, 6),

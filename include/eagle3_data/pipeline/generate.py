@@ -51,10 +51,10 @@ def generate_local(run: Run, store, dataset: str, endpoints: list[str], *, rerun
         return reused
     if not endpoints:
         raise UserError(f"generate_local {dataset}: no local endpoints configured")
-    g = run.config.generation
+    g, fmt = run.config.generation, output_format(run, store)
     result = generate(
-        store, ref, _prompt_rows(store, prompts), output_format(run, store), endpoints, engine_sampling(run),
-        wire=wire_for(g.local.engine), options=LocalOptions.from_config(g.local), setup=_setup(run, prompts, rerun),
+        store, ref, _prompt_rows(store, prompts), fmt, endpoints, engine_sampling(run),
+        wire=wire_for(g.local.engine), options=LocalOptions.from_config(g.local), setup=_setup(run, prompts, rerun, fmt),
     )
     return _finished(result, f"generate_local {dataset}")
 
@@ -68,11 +68,11 @@ def generate_overflow(run: Run, store, dataset: str, base_url: str, api_key: str
     prompts, ref = stage_ref(run, PROMPTS, dataset), stage_ref(run, OVERFLOW, dataset)
     if not rerun and (reused := _reused(store, ref, prompts)) is not None:
         return reused
-    o = run.config.generation.overflow
+    o, fmt = run.config.generation.overflow, output_format(run, store)
     result = generate(
-        store, ref, _prompt_rows(store, prompts), output_format(run, store), base_url, api_key,
+        store, ref, _prompt_rows(store, prompts), fmt, base_url, api_key,
         OverflowRequest(model=o.model, provider=o.provider, sampling=engine_sampling(run)),
-        options=OverflowOptions.from_config(o), setup=_setup(run, prompts, rerun),
+        options=OverflowOptions.from_config(o), setup=_setup(run, prompts, rerun, fmt),
     )
     if result.get("stopped_reason") not in (None, "retryable_failures", *RETRYABLE_STOPS):
         detail = f": {result['stop_detail']}" if result.get("stop_detail") else ""
@@ -90,8 +90,15 @@ def engine_sampling(run: Run) -> dict:
     return {k: v for k, v in run.config.generation.sampling.model_dump().items() if k != "thinking" and v is not None}
 
 
-def _setup(run: Run, prompts, rerun: bool):
+def _setup(run: Run, prompts, rerun: bool, fmt):
+    """What both stages record; a turn driver when the turns of a conversation depend on each
+    other (generation.conversations: the stage runs in rounds)."""
     from eagle3_data.generation.checkpoint import StageSetup
+    from eagle3_data.generation.conversations import TurnDriver, needs_rounds
     from eagle3_data.generation.progress import LogProgress
 
-    return StageSetup(model=run.config.model.name, inputs=(prompts,), progress=LogProgress(log), rerun=rerun)
+    g = run.config.generation
+    turns = (TurnDriver(g.regenerate, g.history, fmt, max_steps=g.max_trajectory_steps)
+             if needs_rounds(g.regenerate, g.history) else None)
+    return StageSetup(model=run.config.model.name, inputs=(prompts,), progress=LogProgress(log), rerun=rerun,
+                      turns=turns)

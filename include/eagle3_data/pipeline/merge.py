@@ -7,7 +7,26 @@ from eagle3_data.pipeline.results import MergeResult
 from eagle3_data.pipeline.reuse import reusable
 from eagle3_data.pipeline.run import Run, output_format, stage_ref
 from eagle3_data.pipeline.validate import gate_results
-from eagle3_data.stages import AUDIT, AUDIT_DATASET, LOCAL, MERGE, RECONSTRUCT, RUN_DATASET
+from eagle3_data.stages import AUDIT, AUDIT_DATASET, LOCAL, MERGE, OVERFLOW, RECONSTRUCT, RUN_DATASET
+
+
+def trajectory_folds_of(run: Run, store, datasets: list[str]) -> dict:
+    """The merge's folds per input (conversations.trajectory_folds): the samples the generation
+    stages of `datasets` committed when they ran in rounds; the overflow stage's apply to its
+    reconstruct stage, whose rows carry the ids. Empty for the other modes."""
+    from eagle3_data.generation.conversations import SAMPLES_FILE, read_samples, trajectory_folds
+
+    out = {}
+    for name in datasets:
+        for stage, rows in ((LOCAL, LOCAL), (OVERFLOW, RECONSTRUCT)):
+            ref = stage_ref(run, stage, name)
+            if not store.is_complete(ref):
+                continue
+            entry = next((f for f in store.read_manifest(ref)["files"] if f["name"] == SAMPLES_FILE), None)
+            if entry is not None:
+                with store.open_verified(ref, SAMPLES_FILE, sha256=entry.get("sha256"), nbytes=entry.get("bytes")) as f:
+                    out[stage_ref(run, rows, name)] = trajectory_folds(read_samples(f.read()))
+    return out
 
 
 def merge(run: Run, store) -> MergeResult:
@@ -29,7 +48,8 @@ def merge(run: Run, store) -> MergeResult:
     with store.lease(ref) as held:  # one merge per run key: a second (zombie, manual rerun) gets StageBusy
         if (manifest := reusable(store, ref, inputs, params)) is None:  # its hidden states are stale: the plan discards them
             summary = merge_datasets(store, inputs, run.run_key, **params, out_dataset=RUN_DATASET,
-                                     vocab_size=output_format(run, store, template=False).vocab_size, lease=held)
+                                     vocab_size=output_format(run, store, template=False).vocab_size, lease=held,
+                                     folds=trajectory_folds_of(run, store, passed))
             shards, totals = summary["shards"], summary["totals"]
         else:
             shards, totals = merged_shards(store, ref, manifest), manifest["extra"]["totals"]

@@ -13,7 +13,7 @@ from eagle3_data.pipeline.reuse import reusable
 from eagle3_data.pipeline.route import PLAN_REPORT
 from eagle3_data.pipeline.run import Run, log, stage_ref
 from eagle3_data.pipeline.validate import BILLING_REPORT, gate_results
-from eagle3_data.stages import AUDIT, AUDIT_DATASET, HIDDEN_STATES, LOCAL, MERGE, PLAN, PROMPTS, PUBLISH, RECONSTRUCT, RUN_DATASET, VALIDATE
+from eagle3_data.stages import AUDIT, AUDIT_DATASET, HIDDEN_STATES, LOCAL, MERGE, OVERFLOW, PLAN, PROMPTS, PUBLISH, RECONSTRUCT, RUN_DATASET, VALIDATE
 
 SUMMARY = "summary.json"
 
@@ -66,6 +66,17 @@ def _plan(run: Run, store) -> PublishResult:
     return PublishResult(run_key=run.run_key, report_uri=uri, summary_uri=None, datasets=list(run.datasets), changed=False, totals=totals)
 
 
+def _conversation_figures(store, run: Run, dataset: str) -> dict:
+    """`conversations`: each generation stage's samples figures when it ran in rounds
+    (generation.conversations.figures, in its manifest), by path; nothing otherwise."""
+    out = {}
+    for path, stage in (("local", LOCAL), ("overflow", OVERFLOW)):
+        ref = stage_ref(run, stage, dataset)
+        if store.is_complete(ref) and (figures := (store.read_manifest(ref).get("extra") or {}).get("conversations")):
+            out[path] = figures
+    return {"conversations": out} if out else {}
+
+
 def publish(run: Run, store) -> PublishResult:
     """Write the run report and summary, whatever happened upstream (the DAG runs this task once
     everything else is done: the report matters most for a run that failed). Then raise GateFailed
@@ -93,7 +104,8 @@ def publish(run: Run, store) -> PublishResult:
             "billing": store.uri(stage_ref(run, VALIDATE, n), BILLING_REPORT),
             "thresholds": run.config.dataset(n).validation.rates(),
             "lengths": generation_lengths(store, [stage_ref(run, LOCAL, n), stage_ref(run, RECONSTRUCT, n)]),
-            "generation": {"local": datasets[n]["local"], "overflow": datasets[n]["overflow"]},
+            "generation": {"local": datasets[n]["local"], "overflow": datasets[n]["overflow"],
+                           **_conversation_figures(store, run, n)},
         }
         for n, g in gates.items()
         if g.report_uri

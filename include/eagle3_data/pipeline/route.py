@@ -111,7 +111,8 @@ def load_route(run: Run, store, dataset: str) -> RouteResult:
     prompt_files(ds.prompts, dataset, date=run.date, client=store.client)
     fmt = output_format(run, store)
     loaded = load_prompts(ds.prompts, dataset, date=run.date, sampling=sampling(run), repeats=g.repeats, client=store.client,
-                          max_message_bytes=limits.max_message_bytes, regenerate=g.regenerate)
+                          max_message_bytes=limits.max_message_bytes, regenerate=g.regenerate,
+                          history=g.history)
     limit = prompt_token_limit(tokenizer_for(run, store), limits.max_prompt_tokens, g.sampling.max_new_tokens)
     limit_prompt_tokens(loaded, limit, lambda messages, tools: len(fmt.generation_prompt_ids(messages, tools)))
     log.info("dataset %s: %s", dataset, format_load_rejects(loaded))
@@ -154,6 +155,9 @@ def load_route(run: Run, store, dataset: str) -> RouteResult:
     }
     if g.regenerate != "final_turn":  # recorded only away from the default, so earlier stages are still reused
         params["regenerate"] = g.regenerate
+        params["history"] = g.history
+    if g.regenerate == "trajectory":
+        params["max_trajectory_steps"] = g.max_trajectory_steps
     if reusable(store, ref, [], params) is None:
         with StageWriter(store, ref, "prompts", rows_per_part=PROMPT_ROWS_PER_PART, params=params, fresh=True) as w:
             for batch in routed_batches(loaded.rows, routes):

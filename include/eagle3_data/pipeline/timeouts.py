@@ -22,11 +22,15 @@ def generation_timeout(run: Run, store, dataset: str, stage: str, routed_counts:
 
     t = run.config.timeouts
     samples = sum(int(routed_counts.get(route, 0)) for route in ROUTES[stage])
+    g, per_row = run.config.generation, ""
+    if g.regenerate == "trajectory":  # a row's turns come in rounds: sized for max_trajectory_steps of them
+        samples *= g.max_trajectory_steps
+        per_row = f" (trajectory: sized for {g.max_trajectory_steps} turns a row)"
     inputs = rate_inputs(run, store, dataset)
     side = "local" if stage == LOCAL else "overflow"
     rate = getattr(rates(inputs), side)  # samples per second
     expected = samples / rate if rate > 0 else float("inf")
     seconds = min(t.generation_cap_s, max(t.generation_floor_s, t.generation_margin * expected))
-    how = (f"{samples} samples at {rate:.3g} samples/s (rates from {inputs[side]['source']}): expected "
+    how = (f"{samples} samples{per_row} at {rate:.3g} samples/s (rates from {inputs[side]['source']}): expected "
            f"{expected:.0f} s x {t.generation_margin:g}, floor {t.generation_floor_s:g} s, cap {t.generation_cap_s:g} s")
     return seconds, how

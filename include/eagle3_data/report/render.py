@@ -163,7 +163,28 @@ def _generation(generation: Mapping[str, Any] | None) -> dict[str, Any] | None:
         t = (generation or {}).get(path)
         if isinstance(t, dict):
             rows.append((path, [fmt_usd(t.get(c)) if c == "cost_usd" else fmt_num(t.get(c)) for c in cols]))
-    return {"head": [c.replace("_", " ") for c in cols], "rows": rows} if rows else None
+    return {"head": [c.replace("_", " ") for c in cols], "rows": rows,
+            "conversations": _conversations((generation or {}).get("conversations"))} if rows else None
+
+
+def _conversations(by_path: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """Samples made in rounds (generation.conversations.figures), per path: how many, turns per
+    sample, trajectory lengths, why they ended, the tool-result splices."""
+    if not isinstance(by_path, dict) or not by_path:
+        return None
+    rows = []
+    for path, f in by_path.items():
+        if not isinstance(f, dict):
+            continue
+        lengths = ", ".join(f"{k}: {v}" for k, v in (f.get("turns_per_sample") or {}).items())
+        ends = ", ".join(f"{k} {v}" for k, v in (f.get("end") or {}).items())
+        rows.append((path, [str(f.get("mode", "")), fmt_num(f.get("samples")), fmt_num(f.get("turns")), lengths, ends,
+                            f"{fmt_num(f.get('splice_hits'))} / {fmt_num(f.get('splice_misses'))}",
+                            f"{fmt_num(f.get('exact_turns'))} of {fmt_num(f.get('earlier_turns'))}",
+                            fmt_num(f.get("not_prefix")), fmt_num(f.get("user_turns_not_reached"))]))
+    head = ["mode", "samples", "turns", "turns per sample (turns: samples)", "ended", "splices hit / missed",
+            "earlier turns with the engine's ids", "prompts not chained", "user turns not reached"]
+    return {"head": head, "rows": rows} if rows else None
 
 
 def _billing(billing: Mapping[str, Any] | None, max_dev: float | None) -> dict[str, Any] | None:

@@ -1,0 +1,344 @@
+"""Conversations regenerated turn after turn: `every_turn` on the regenerated history, and `trajectory`.
+
+`final_turn` and `every_turn` on the dataset's own history know every prompt before the first
+request. These two modes do not: a turn's prompt holds the answers generated before it. A
+generation stage in these modes is run in rounds inside one StageRun (one lease, one journal,
+one set of parts): each round asks for the next turn of every conversation still going, as one
+batch, and its answers decide the next round's prompts. Every turn is a generation row of its
+own (its id `step_id`), so it is checkpointed, gated, billed and never paid twice like any
+sample; a resumed attempt rebuilds where each conversation stands from the committed rows.
+
+A *thread* is a chain of turns that depend on each other:
+  every_turn, history regenerated   one per row: each user turn answered after the answers
+                                    generated before it; a turn that calls tools (there is no
+                                    result to give it) or is cut ends the thread;
+  trajectory, history dataset       one per user turn of a row, after the row's own history;
+  trajectory, history regenerated   one per row, its user turns in order after the trajectories
+                                    generated before them.
+In a trajectory the model's tool calls are answered from the row's recorded ones: a call whose
+name and JSON-equal arguments match a recorded call gets that call's result (parallel calls
+each theirs) and the model goes on; the first call with no recorded result ends the trajectory
+there (`unmatched_call`), as does an answer without calls (`answered`), a cut one (`length`), a
+failed turn (`failed`) and `max_steps` turns.
+
+A *sample* is what the model saw: one per user turn. In a trajectory it is the history as
+rendered at its start, then every generated turn, tool result and the final answer: the last
+turn's prompt (Kimi's template keeps the reasoning of the turns of the current tool-call
+trajectory, so every turn's prompt starts with the one before it; `prefix_ok` records that it
+did) plus its output, with loss mask 1 exactly on the generated spans. The stage commits the
+samples beside its parts (`SAMPLES_FILE`); the merge folds each trajectory's turn rows into its
+one record (`trajectory_folds`), the report shows the figures (`figures`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from eagle3_data.canonical import canonical_json
+
+SAMPLES_FILE = "conversation_samples.parquet"
+END_REASONS = ("answered", "unmatched_call", "tool_calls", "length", "failed", "max_steps")
+SAMPLES = pa.schema([
+    ("sample_id", pa.string()),  # the merged record's id
+    ("conversation", pa.string()),  # the prompt row's sample id
+    ("user_turn", pa.int32()),  # which user turn of the row (0-based)
+    ("steps", pa.list_(pa.string())),  # the turns' generation row ids, in order
+    ("end", pa.string()),  # END_REASONS
+    ("splice_hits", pa.int32()),  # tool calls answered from the recorded results
+    ("splice_misses", pa.int32()),  # tool calls with no recorded result (0 or the ending turn's)
+    ("unmatched", pa.string()),  # the first call with no recorded result: {"name", "arguments"}, else null
+    ("base", pa.int32()),  # tokens of the first turn's prompt: the record's prompt part
+    ("masked", pa.list_(pa.int32())),  # [start, end) pairs after `base` that are not generated (tool results, headers)
+    ("prefix_ok", pa.bool_()),  # every turn's prompt starts with the one before it
+    ("exact_turns", pa.int32()),  # earlier turns whose engine ids equal their render in the last prompt (null: text only)
+    ("turns_left", pa.int32()),  # user turns of the row not reached (the thread ended before them)
+])
+
+
+def needs_rounds(regenerate: str, history: str) -> bool:
+    """Whether a turn's prompt depends on answers generated in the same stage."""
+    return regenerate == "trajectory" or (regenerate == "every_turn" and history == "regenerated")
+
+
+def step_id(conversation: str, mode: str, thread: int, step: int) -> str:
+    key = canonical_json({"conversation": conversation, "mode": mode, "thread": thread, "step": step})
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+def sample_of(conversation: str, mode: str, thread: int, user_turn: int) -> str:
+    key = canonical_json({"conversation": conversation, "mode": mode, "thread": thread, "user_turn": user_turn})
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+def call_key(call: Mapping) -> tuple[str, str] | None:
+    """A tool call's name and its arguments as canonical JSON (so `{"a":1, "b":2}` and
+    `{"b": 2, "a": 1}` are one call); None when the arguments are not JSON."""
+    fn = call.get("function") or {}
+    args = fn.get("arguments")
+    try:
+        parsed = json.loads(args) if isinstance(args, str) else args
+    except ValueError:
+        return None
+    return str(fn.get("name")), canonical_json(parsed)
+
+
+def recorded_results(messages: list[dict]) -> dict[tuple[str, str], Any]:
+    """Each recorded call's result (the content of the tool message answering its id), by
+    `call_key`; the first recording of a call wins."""
+    results = {m["tool_call_id"]: m.get("content") for m in messages if m["role"] == "tool"}
+    out: dict[tuple[str, str], Any] = {}
+    for m in messages:
+        for call in m.get("tool_calls") or ():
+            key = call_key(call)
+            if key is not None and call.get("id") in results:
+                out.setdefault(key, results[call["id"]])
+    return out
+
+
+@dataclass
+class Turn:
+    """What a walk needs of one turn's generation row."""
+
+    status: str
+    finish_reason: str | None
+    content: str | None
+    reasoning: str | None
+    tool_calls: list[dict] | None
+    output_len: int | None  # engine ids (None: text only, the overflow path)
+    output_sha: str | None
+
+    @classmethod
+    def of(cls, row: Mapping) -> Turn:
+        calls = row.get("tool_calls")
+        ids = row.get("output_ids")
+        return cls(row["status"], row.get("finish_reason"), row.get("content"), row.get("reasoning"),
+                   json.loads(calls) if isinstance(calls, str) else calls,
+                   None if ids is None else len(ids), None if ids is None else _ids_sha(ids))
+
+    def message(self) -> dict:
+        """The assistant message the next prompt holds (the template renders it)."""
+        m: dict[str, Any] = {"role": "assistant", "content": self.content or ""}
+        if self.reasoning:
+            m["reasoning_content"] = self.reasoning
+        if self.tool_calls:
+            m["tool_calls"] = self.tool_calls
+        return m
+
+
+def _ids_sha(ids: Iterable[int]) -> str:
+    return hashlib.sha256(json.dumps(list(ids)).encode()).hexdigest()
+
+
+@dataclass
+class Sample:
+    user_turn: int
+    steps: list[str] = field(default_factory=list)
+    prompt_lens: list[int] = field(default_factory=list)  # messages in each turn's prompt
+    end: str | None = None
+    hits: int = 0
+    misses: int = 0
+    unmatched: dict | None = None
+
+
+@dataclass
+class Walk:
+    """Where one thread stands: its samples so far, its messages, and the turn it waits for
+    (`pending`: the step id and its prompt's messages) or None when it has ended."""
+
+    samples: list[Sample]
+    messages: list[dict]
+    pending: tuple[str, list[dict]] | None
+    turns_left: int = 0
+
+
+class TurnDriver:
+    """The rounds of one stage: `start(conversations)`, then `observe(row)` for every final turn
+    row (committed, replayed or new), `next_prompts()` for each round, and `samples_file()` +
+    `figures()` at the end."""
+
+    def __init__(self, mode: str, history: str, fmt, *, max_steps: int = 8):
+        if not needs_rounds(mode, history):
+            raise ValueError(f"regenerate {mode!r} with history {history!r} needs no rounds")
+        self.mode, self.history, self.fmt, self.max_steps = mode, history, fmt, max_steps
+        self.tag = f"{mode}/{history}"
+        self.turns: dict[str, Turn] = {}
+        self.asked: set[str] = set()
+        self.conversations = None
+
+    def start(self, conversations) -> None:
+        """`conversations`: the stage's prompt rows (generation.checkpoint.Prompts), one per row."""
+        self.conversations = conversations
+
+    def observe(self, row: Mapping) -> None:
+        self.turns[row["sample_id"]] = Turn.of(row)
+
+    # -- walking -------------------------------------------------------------------------------
+    def threads(self, p) -> Iterator[tuple[int, int]]:
+        """(thread number, index of the user message it starts at) of one conversation."""
+        users = [i for i, m in enumerate(p.messages) if m["role"] == "user"]
+        if self.mode == "trajectory" and self.history == "dataset":
+            yield from enumerate(users)
+        elif users:
+            yield 0, users[0]
+
+    def walk(self, p, thread: int, start: int) -> Walk:
+        users = [i for i, m in enumerate(p.messages) if m["role"] == "user" and i >= start]
+        if self.history == "dataset":
+            users = users[:1]
+        recorded = recorded_results(p.messages) if self.mode == "trajectory" else {}
+        messages = list(p.messages[: start + 1])
+        samples: list[Sample] = []
+        step = 0
+        for u, at in enumerate(users):
+            if u:  # the next user turn after the generated answer, with any system message before it
+                before = at
+                while before - 1 > users[u - 1] and p.messages[before - 1]["role"] == "system":
+                    before -= 1
+                messages += p.messages[before: at + 1]
+            sample = Sample(user_turn=_user_index(p.messages, at))
+            samples.append(sample)
+            while sample.end is None:
+                sid = step_id(p.sample_id, self.tag, thread, step)
+                turn = self.turns.get(sid)
+                if turn is None:
+                    return Walk(samples, messages, (sid, list(messages)), len(users) - u - 1)
+                step += 1
+                if turn.status != "ok":  # the sample is the turns before it
+                    sample.end = "failed"
+                    break
+                sample.steps.append(sid)
+                sample.prompt_lens.append(len(messages))
+                sample.end = self._advance(sample, turn, messages, recorded)
+            if sample.end != "answered":
+                return Walk(samples, messages, None, len(users) - u - 1)
+        return Walk(samples, messages, None)
+
+    def _advance(self, sample: Sample, turn: Turn, messages: list[dict], recorded: dict) -> str | None:
+        """Append what follows `turn` (an ok one) to `messages`; the sample's end reason, or None to go on."""
+        messages.append(turn.message())
+        if turn.finish_reason == "length":
+            return "length"
+        if not turn.tool_calls:
+            return "answered"
+        if self.mode != "trajectory":
+            return "tool_calls"
+        results = [recorded.get(call_key(c), _MISSING) for c in turn.tool_calls]
+        missed = [c for c, r in zip(turn.tool_calls, results) if r is _MISSING]
+        if missed:  # nothing is spliced: the trajectory ends at this turn
+            sample.misses += len(missed)
+            fn = missed[0].get("function") or {}
+            sample.unmatched = {"name": fn.get("name"), "arguments": fn.get("arguments")}
+            return "unmatched_call"
+        sample.hits += len(results)
+        if len(sample.steps) >= self.max_steps:
+            return "max_steps"
+        messages += [{"role": "tool", "tool_call_id": c.get("id") or "", "content": r}
+                     for c, r in zip(turn.tool_calls, results)]
+        return None
+
+    def walks(self) -> Iterator[tuple[Any, int, Walk]]:
+        for p in self.conversations:
+            for thread, start in self.threads(p):
+                yield p, thread, self.walk(p, thread, start)
+
+    def next_prompts(self) -> list[dict]:
+        """The prompt rows of the next turn of every thread still going and not asked for yet
+        (a turn asked and not final yet, a retryable failure, is left to the next attempt)."""
+        out = []
+        for p, _, w in self.walks():
+            if w.pending is None or w.pending[0] in self.asked:
+                continue
+            sid, messages = w.pending
+            self.asked.add(sid)
+            out.append({"sample_id": sid, "dataset": p.dataset, "route": p.route, "source_id": p.source_id,
+                        "messages": canonical_json(messages), "tools": p.tools_json if p.tools else None})
+        return out
+
+    # -- the samples ---------------------------------------------------------------------------
+    def sample_rows(self) -> Iterator[dict]:
+        """One SAMPLES row per sample with at least one turn generated, its mask spans from the
+        template's render of each turn's prompt (the prompts the engine was given)."""
+        for p, thread, w in self.walks():
+            for s in w.samples:
+                if s.steps or s.end == "failed":  # a first turn that failed is a sample lost: counted
+                    yield self._sample_row(p, thread, w, s)
+
+    def _sample_row(self, p, thread: int, w: Walk, s: Sample) -> dict:
+        renders = [self.fmt.generation_prompt_ids(w.messages[:n], p.tools) for n in s.prompt_lens]
+        stops = set(self.fmt.stop_token_ids)
+        base, masked, prefix_ok, exact = len(renders[0]) if renders else 0, [], True, 0
+        for j in range(len(renders) - 1):
+            here, after = renders[j], renders[j + 1]
+            prefix_ok &= after[: len(here)] == here
+            end = next((i + 1 for i in range(len(here), len(after)) if after[i] in stops), len(after))
+            masked += [end - base, len(after) - base]
+            turn = self.turns[s.steps[j]]
+            if turn.output_sha is not None and _ids_sha(after[len(here): len(here) + turn.output_len]) == turn.output_sha:
+                exact += 1
+        last = self.turns[s.steps[-1]] if s.steps else None
+        return {
+            "sample_id": sample_of(p.sample_id, self.tag, thread, s.user_turn), "conversation": p.sample_id,
+            "user_turn": s.user_turn, "steps": s.steps, "end": s.end, "splice_hits": s.hits, "splice_misses": s.misses,
+            "unmatched": json.dumps(s.unmatched, ensure_ascii=False) if s.unmatched else None, "base": base,
+            "masked": masked, "prefix_ok": prefix_ok,
+            "exact_turns": exact if last is not None and last.output_sha is not None else None,
+            "turns_left": w.turns_left if s is w.samples[-1] else 0,
+        }
+
+    def samples_file(self) -> tuple[bytes, dict]:
+        """The SAMPLES Parquet file and its figures (for the manifest and the report)."""
+        rows = list(self.sample_rows())
+        buf = io.BytesIO()
+        pq.write_table(pa.Table.from_pylist(rows, schema=SAMPLES), buf)
+        return buf.getvalue(), figures(rows, self.tag)
+
+
+_MISSING = object()
+
+
+def _user_index(messages: list[dict], at: int) -> int:
+    return sum(m["role"] == "user" for m in messages[:at])
+
+
+def figures(rows: list[dict], tag: str) -> dict:
+    """What the report shows of a stage's samples: how many, turns per sample, why they ended,
+    the splices, and whether every turn's prompt started with the one before it."""
+    steps = Counter(len(r["steps"]) for r in rows)
+    return {
+        "mode": tag, "samples": len(rows), "turns": sum(len(r["steps"]) for r in rows),
+        "turns_per_sample": {str(k): v for k, v in sorted(steps.items())},
+        "end": dict(sorted(Counter(r["end"] for r in rows).items())),
+        "splice_hits": sum(r["splice_hits"] for r in rows), "splice_misses": sum(r["splice_misses"] for r in rows),
+        "not_prefix": sum(not r["prefix_ok"] for r in rows),
+        "exact_turns": sum(r["exact_turns"] or 0 for r in rows),
+        "earlier_turns": sum(len(r["steps"]) - 1 for r in rows),
+        "user_turns_not_reached": sum(r["turns_left"] for r in rows),
+    }
+
+
+def read_samples(data: bytes) -> list[dict]:
+    return pq.read_table(io.BytesIO(data), schema=SAMPLES).to_pylist()
+
+
+def trajectory_folds(samples: Iterable[dict]) -> dict[str, dict]:
+    """For the merge: each sample's last turn row id -> the record it becomes (its id, the prompt
+    part's length, the spans after it that are not generated); the earlier turns' ids -> None
+    (their tokens are in the last turn's prompt). A sample whose turns' prompts do not chain
+    (`prefix_ok` false) keeps each turn as a record of its own."""
+    out: dict[str, dict | None] = {}
+    for s in samples:
+        if not s["prefix_ok"] or not s["steps"]:
+            continue
+        for sid in s["steps"][:-1]:
+            out[sid] = None
+        out[s["steps"][-1]] = {"sample_id": s["sample_id"], "base": s["base"], "masked": s["masked"]}
+    return out
