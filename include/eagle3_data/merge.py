@@ -343,7 +343,8 @@ def _partition(spill: Path, keys: np.ndarray, tokens: np.ndarray, tokens_per_buc
 
 def _build_records(rows: pa.Table, max_length: int) -> pa.Table:
     """MERGED records of rows that `_drop_reason` keeps: input_ids = (prompt + output)[:max_length],
-    loss_mask 0 on the prompt and 1 after it, assembled from flat numpy buffers."""
+    loss_mask 0 on the prompt and 1 after it but for a trajectory's `masked` spans, assembled from
+    flat numpy buffers."""
     prompt, output = rows["prompt_ids"].combine_chunks(), rows["output_ids"].combine_chunks()
     p = pc.list_value_length(prompt).to_numpy().astype(np.int64)
     o = pc.list_value_length(output).to_numpy().astype(np.int64)

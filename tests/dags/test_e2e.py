@@ -468,6 +468,16 @@ def test_conversations_run_through_the_dag_in_every_mode(mode, history, stack, t
     assert bool(counts.get("multi_turn")) == (mode == "trajectory"), counts  # trajectories folded from their turns
     from eagle3_data.storage import StageRef
 
+    # the gate and the billing check are per turn: every local turn's ids validated, every overflow turn billed
+    from eagle3_data.pipeline.validate import BILLING_REPORT
+
+    validate = StageRef(run_name, "validate", "conversations")
+    local_turns = [r for b in store.iter_batches(StageRef(run_name, "generate_local", "conversations")) for r in b.to_pylist()]
+    rebuilt = [r for b in store.iter_batches(StageRef(run_name, "reconstruct", "conversations")) for r in b.to_pylist()]
+    sources = [r["source"] for b in store.iter_batches(validate) for r in b.to_pylist()]
+    assert sources.count("sglang") == sum(r["status"] == "ok" for r in local_turns) > 0
+    billing = store.get_json(validate, BILLING_REPORT)
+    assert billing["rows"] + billing["excluded"]["rows"] + billing["missing_usage"]["rows"] == len(rebuilt) > 0
     local = store.read_manifest(StageRef(run_name, "generate_local", "conversations"))
     if mode == "final_turn":
         assert "conversations" not in local["extra"] and sum(counts.values()) == 4

@@ -197,12 +197,14 @@ def test_dag_runs_on_vllm_for_generation_and_extraction(vllm_stack, dag_run, vll
     assert all(summary["datasets"][ds]["gate"]["passed"] for ds in DATASETS)
 
 
-def test_conversation_trajectories_run_through_the_dag_on_vllm(vllm_stack, dag_run, tmp_path, kimi_tokenizer):
-    """`regenerate: trajectory` on the regenerated history (the stage runs in rounds) with vLLM as
-    the local engine: every merged record of include/sample_data/conversations.jsonl equals the
-    template's render at each of its turns (tests/conversation_oracle.py), on both paths. The
-    random tiny model never calls a tool, so each trajectory is its first turn (cut at MAX_NEW:
-    `length`) and the thread ends there: the figures say so."""
+@pytest.mark.parametrize("mode,history", [("every_turn", "dataset"), ("trajectory", "regenerated")])
+def test_conversations_run_through_the_dag_on_vllm(mode, history, vllm_stack, dag_run, tmp_path, kimi_tokenizer):
+    """include/sample_data/conversations.jsonl through the DAG with vLLM as the local engine, in the
+    modes `final_turn` (the test above) does not cover: `every_turn` (prompts known up front) and
+    `trajectory` on the regenerated history (the stage runs in rounds). Every merged record equals
+    the template's render at each of its turns (tests/conversation_oracle.py), on both paths. The
+    random tiny model never calls a tool, so each trajectory is its first turn, cut at MAX_NEW
+    (`length`), and a regenerated chain ends there: the figures say so."""
     import os
     from pathlib import Path
 
@@ -220,18 +222,28 @@ def test_conversation_trajectories_run_through_the_dag_on_vllm(vllm_stack, dag_r
     path = tmp_path / "pipeline.yaml"
     path.write_text(yaml.safe_dump(raw))
     upload_prompts(vllm_stack.client(), load_config(path), f"{DATE:%Y-%m-%d}", {"conversations": CONVERSATIONS})
+    run_name = f"conv-vllm-{mode}".replace("_", "-")
     os.environ["EAGLE3_CONFIG"] = str(path)
     try:
         dag = DagBag(dag_folder=str(REPO / "dags")).dags[DAG_ID]
-        dr = dag.test(logical_date=DATE, run_conf={"run_name": "conv-vllm", "datasets": ["conversations"],
-                                                   "regenerate": "trajectory", "history": "regenerated",
+        dr = dag.test(logical_date=DATE, run_conf={"run_name": run_name, "datasets": ["conversations"],
+                                                   "regenerate": mode, "history": history,
                                                    "hidden_states_backend": "vllm", "skip_hidden_states": True})
     finally:
         os.environ["EAGLE3_CONFIG"] = str(vllm_stack.config_path)
     assert str(dr.state).endswith("success"), _states(dr)
     store = open_store(load_config(path), vllm_stack.client())
-    counts = check_conversation_records(store, "conv-vllm", "conversations", kimi_tokenizer)
+    counts = check_conversation_records(store, run_name, "conversations", kimi_tokenizer)
     assert counts.get("vllm") and counts.get("openrouter"), counts
-    figures = store.read_manifest(StageRef("conv-vllm", "generate_local", "conversations"))["extra"]["conversations"]
-    assert figures["mode"] == "trajectory/regenerated" and figures["samples"] == figures["turns"] == counts["vllm"]
-    assert figures["end"] == {"length": figures["samples"]}
+    local = store.read_manifest(StageRef(run_name, "generate_local", "conversations"))
+    assert local["params"]["source"] == "vllm"
+    if mode == "every_turn":  # one sample per user turn of the 4 rows, on one path or the other
+        generated = {sid for stage in ("generate_local", "generate_overflow")
+                     for b in store.iter_batches(StageRef(run_name, stage, "conversations")) for sid in b.column("sample_id").to_pylist()}
+        assert len(generated) == 10 and "conversations" not in local["extra"]
+        # merged: all but the overflow answers a cut tool section makes unreconstructable (MAX_NEW is small)
+        assert counts["vllm"] + counts["openrouter"] <= 10
+    else:
+        figures = local["extra"]["conversations"]
+        assert figures["mode"] == "trajectory/regenerated" and figures["samples"] == figures["turns"] == counts["vllm"]
+        assert figures["end"] == {"length": figures["samples"]}

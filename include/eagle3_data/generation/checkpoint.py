@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import itertools
 import json
 import logging
 import os
@@ -244,7 +243,7 @@ class StageRun:
     def _resume(self) -> None:
         done = self.writer.committed_sample_ids()
         self.spent_before_usd = committed_cost(self.store, self.ref, self.writer.committed_records())
-        wanted = set(self.prompts.ids)  # rounds: the journal (this stage's and params') holds only turns
+        wanted = set(self.prompts.ids)  # in rounds every journaled row (this stage's, these params') is a turn
         replay = []
         if self.journal_path.exists():
             for line in self.journal_path.read_text().splitlines():
@@ -404,15 +403,16 @@ def run_rounds(run: StageRun, dataset: str, go: Callable[[], str | None], progre
     if run.turns is None:
         progress.start(run.total, run.total - run.pending_count, label=label)
         return go()
-    for number in itertools.count(1):
-        rows = run.turns.next_prompts()
-        if not rows:
-            return None
+    number = 0
+    while rows := run.turns.next_prompts():
+        if number:
+            progress.close()  # the round before's line (bar); the caller closes the last one
+        number += 1
         run.add(parse_prompts(rows, dataset, None))
         progress.start(run.pending_count, 0, label=f"{label} round {number}")
         if stopped := go():
             return stopped
-    raise AssertionError("unreachable")
+    return None
 
 
 def reused_summary(store, ref) -> dict:

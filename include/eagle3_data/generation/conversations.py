@@ -5,7 +5,7 @@ request. These two modes do not: a turn's prompt holds the answers generated bef
 generation stage in these modes is run in rounds inside one StageRun (one lease, one journal,
 one set of parts): each round asks for the next turn of every conversation still going, as one
 batch, and its answers decide the next round's prompts. Every turn is a generation row of its
-own (its id `step_id`), so it is checkpointed, gated, billed and never paid twice like any
+own (its id `step_id`, a hash chain over its prompt), so it is checkpointed, gated, billed and never paid twice like any
 sample; a resumed attempt rebuilds where each conversation stands from the committed rows.
 
 A *thread* is a chain of turns that depend on each other:
@@ -44,6 +44,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from eagle3_data.canonical import canonical_json
+from eagle3_data.errors import UserError
 
 SAMPLES_FILE = "conversation_samples.parquet"
 END_REASONS = ("answered", "unmatched_call", "tool_calls", "length", "failed", "max_steps")
@@ -69,9 +70,13 @@ def needs_rounds(regenerate: str, history: str) -> bool:
     return regenerate == "trajectory" or (regenerate == "every_turn" and history == "regenerated")
 
 
-def step_id(conversation: str, mode: str, thread: int, step: int) -> str:
-    key = canonical_json({"conversation": conversation, "mode": mode, "thread": thread, "step": step})
-    return hashlib.sha256(key.encode()).hexdigest()[:32]
+def step_id(before: str, appended: list[dict]) -> str:
+    """A turn's generation row id: a hash chain over its prompt, `before` the id of the turn
+    before it (or the thread's root: the row's sample id, the mode, the thread), `appended` the
+    messages its prompt adds to that turn's. The id thus covers the whole prompt: a calibration
+    conversation (route `both`) whose two paths answered differently asks each path for turns
+    with other ids, so the calibration compares only answers to one prompt."""
+    return hashlib.sha256(canonical_json({"after": before, "messages": appended}).encode()).hexdigest()[:32]
 
 
 def sample_of(conversation: str, mode: str, thread: int, user_turn: int) -> str:
@@ -162,8 +167,8 @@ class Walk:
 
 class TurnDriver:
     """The rounds of one stage: `start(conversations)`, then `observe(row)` for every final turn
-    row (committed, replayed or new), `next_prompts()` for each round, and `samples_file()` +
-    `figures()` at the end."""
+    row (committed, replayed or new), `next_prompts()` for each round, and `samples_file()` (the
+    SAMPLES file and its figures) at the end."""
 
     def __init__(self, mode: str, history: str, fmt, *, max_steps: int = 8):
         if not needs_rounds(mode, history):
@@ -172,6 +177,7 @@ class TurnDriver:
         self.tag = f"{mode}/{history}"
         self.turns: dict[str, Turn] = {}
         self.asked: set[str] = set()
+        self._ids: dict[tuple[str, int], str] = {}  # (id before, messages in the prompt) -> step id
         self.conversations = None
 
     def start(self, conversations) -> None:
@@ -197,21 +203,23 @@ class TurnDriver:
         recorded = recorded_results(p.messages) if self.mode == "trajectory" else {}
         messages = list(p.messages[: start + 1])
         samples: list[Sample] = []
-        step = 0
+        before, since = canonical_json([p.sample_id, self.tag, thread]), 0
         for u, at in enumerate(users):
             if u:  # the next user turn after the generated answer, with any system message before it
-                before = at
-                while before - 1 > users[u - 1] and p.messages[before - 1]["role"] == "system":
-                    before -= 1
-                messages += p.messages[before: at + 1]
+                first = at
+                while first - 1 > users[u - 1] and p.messages[first - 1]["role"] == "system":
+                    first -= 1
+                messages += p.messages[first: at + 1]
             sample = Sample(user_turn=_user_index(p.messages, at))
             samples.append(sample)
             while sample.end is None:
-                sid = step_id(p.sample_id, self.tag, thread, step)
+                sid = self._ids.get((before, len(messages)))
+                if sid is None:  # each id is hashed once: a walk in a later round looks it up
+                    sid = self._ids[before, len(messages)] = step_id(before, messages[since:])
                 turn = self.turns.get(sid)
                 if turn is None:
                     return Walk(samples, messages, (sid, list(messages)), len(users) - u - 1)
-                step += 1
+                before, since = sid, len(messages)
                 if turn.status != "ok":  # the sample is the turns before it
                     sample.end = "failed"
                     break
@@ -316,7 +324,7 @@ def figures(rows: list[dict], tag: str) -> dict:
     return {
         "mode": tag, "samples": len(rows), "turns": sum(len(r["steps"]) for r in rows),
         "turns_per_sample": {str(k): v for k, v in sorted(steps.items())},
-        "end": dict(sorted(Counter(r["end"] for r in rows).items())),
+        "end": {k: n for k in END_REASONS if (n := sum(r["end"] == k for r in rows))},
         "splice_hits": sum(r["splice_hits"] for r in rows), "splice_misses": sum(r["splice_misses"] for r in rows),
         "not_prefix": sum(not r["prefix_ok"] for r in rows),
         "exact_turns": sum(r["exact_turns"] or 0 for r in rows),
@@ -338,6 +346,9 @@ def trajectory_folds(samples: Iterable[dict]) -> dict[str, dict]:
     for s in samples:
         if not s["prefix_ok"] or not s["steps"]:
             continue
+        if shared := set(s["steps"]) & out.keys():  # a turn row is one sample's: never folded twice
+            raise UserError(f"sample {s['sample_id']}: turn rows {sorted(shared)[:3]} belong to another sample too "
+                            f"({SAMPLES_FILE} of another version?): rerun the generation stage")
         for sid in s["steps"][:-1]:
             out[sid] = None
         out[s["steps"][-1]] = {"sample_id": s["sample_id"], "base": s["base"], "masked": s["masked"]}
