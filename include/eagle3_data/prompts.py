@@ -133,8 +133,8 @@ def load_prompts(
                 messages, tools, ignored = _normalise(record, trailing_answer=regenerate != "final_turn")
                 source_id = _source_id(record)
                 _check_bytes(messages, max_message_bytes)
-                if whole:
-                    turn_prompts(messages, regenerate)  # refuses a row without a user turn
+                if whole:  # one prompt row; its user turns (refused when none) size the stage's task
+                    user_turns = len(turn_prompts(messages, regenerate))
                     prompts = [messages]
                 else:
                     prompts = turn_prompts(messages) if regenerate == "every_turn" else [messages]
@@ -152,6 +152,8 @@ def load_prompts(
                 )
                 continue
             load.counts["ignored_fields"] += ignored
+            if whole:
+                load.counts["user_turns"] = load.counts.get("user_turns", 0) + user_turns * repeats
             tools_json = canonical_json(tools) if tools else None
             for prompt in prompts:
                 messages_json = canonical_json(prompt)

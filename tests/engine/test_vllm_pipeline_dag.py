@@ -239,7 +239,8 @@ def test_conversations_run_through_the_dag_on_vllm(mode, history, vllm_stack, da
     assert local["params"]["source"] == "vllm"
     if mode == "every_turn":  # one sample per user turn of the 4 rows, on one path or the other
         generated = {sid for stage in ("generate_local", "generate_overflow")
-                     for b in store.iter_batches(StageRef(run_name, stage, "conversations")) for sid in b.column("sample_id").to_pylist()}
+                     for b in store.iter_batches(StageRef(run_name, stage, "conversations"))
+                     for sid in b.column("sample_id").to_pylist()}
         assert len(generated) == 10 and "conversations" not in local["extra"]
         # merged: all but the overflow answers a cut tool section makes unreconstructable (MAX_NEW is small)
         assert counts["vllm"] + counts["openrouter"] <= 10

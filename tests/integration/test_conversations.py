@@ -8,7 +8,9 @@ builds it) against the template's render at each of its turns."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 
+import pyarrow as pa
 import pytest
 import yaml
 
@@ -18,7 +20,7 @@ from eagle3_data.config import default_config_raw
 from eagle3_data.generation.conversations import SAMPLES_FILE, call_key, read_samples, recorded_results, trajectory_folds
 from eagle3_data.merge import _fold, build_record
 from eagle3_data.storage import StageRef
-from tests.conversation_oracle import CONVERSATIONS, IM_END
+from tests.conversation_oracle import CONVERSATIONS, IM_END, render
 
 
 
@@ -37,11 +39,6 @@ def _generate(store, s3_server, kimi_tokenizer_dir, tmp_path, monkeypatch, run_k
     return store.read_table(StageRef(run_key, "generate_local", "chat")).to_pylist()
 
 
-def _render(tok, messages, tools, thinking=True) -> list[int]:
-    return tok.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=True,
-                                   return_dict=False, thinking=thinking)
-
-
 def test_every_turn_on_the_datasets_history_generates_one_sample_per_user_turn(s3_server, store, kimi_tokenizer,
                                                                                kimi_tokenizer_dir, tmp_path, monkeypatch):
     rows = _generate(store, s3_server, kimi_tokenizer_dir, tmp_path, monkeypatch, "turns", "--regenerate", "every_turn")
@@ -55,10 +52,11 @@ def test_every_turn_on_the_datasets_history_generates_one_sample_per_user_turn(s
         p = prompts[r["sample_id"]]
         messages, tools = json.loads(p["messages"]), json.loads(p["tools"]) if p["tools"] else None
         assert messages[-1]["role"] == "user"
-        assert r["prompt_ids"] == _render(kimi_tokenizer, messages, tools), r["sample_id"]  # what the model saw
+        assert r["prompt_ids"] == render(kimi_tokenizer, messages, tools), r["sample_id"]  # what the model saw
     # each turn's history is the row's own, up to that turn: the longest prompt of trip-1 holds its parallel calls
     longest = max((json.loads(p["messages"]) for p in prompts.values()), key=len)
-    assert len(longest) == 11 and [c["function"]["name"] for c in longest[2]["tool_calls"]] == ["get_weather"] * 2 + ["get_local_time"] * 2
+    assert len(longest) == 11
+    assert [c["function"]["name"] for c in longest[2]["tool_calls"]] == ["get_weather"] * 2 + ["get_local_time"] * 2
     assert store.read_manifest(StageRef("turns", "prompts", "chat"))["params"]["regenerate"] == "every_turn"
 
 
@@ -66,13 +64,11 @@ def _records(store, ref, rows) -> dict[str, dict]:
     """The merge's records of a stage's rows, its trajectory folds applied (merge._fold + build_record)."""
     samples = read_samples(store.get_bytes(ref, SAMPLES_FILE))
     folds = trajectory_folds(samples)
-    import pyarrow as pa
-
     ok = [r for r in rows if r["status"] == "ok"]
     keep, sids, prompt, output, masked = _fold(list(range(len(ok))), [r["sample_id"] for r in ok],
                                                pa.array([r["prompt_ids"] for r in ok]),
                                                pa.array([r["output_ids"] for r in ok]), folds, ["chat"] * len(ok),
-                                               {"chat": __import__("collections").Counter()})
+                                               {"chat": Counter()})
     out = {}
     for j, (i, sid) in enumerate(zip(keep, sids)):
         row = {**ok[i], "sample_id": sid, "prompt_ids": prompt[j].as_py(), "output_ids": output[j].as_py(),
@@ -94,7 +90,7 @@ def test_turns_regenerated_in_rounds_are_what_the_model_saw(mode, history, think
     assert len(conversations) == 4  # one prompt row per dataset row: its turns are asked for in rounds
     for r in rows:  # every turn's prompt is the template's render of its messages
         tools = json.loads(r["tools"]) if r["tools"] else None
-        assert r["prompt_ids"] == _render(kimi_tokenizer, json.loads(r["messages"]), tools, thinking), r["sample_id"]
+        assert r["prompt_ids"] == render(kimi_tokenizer, json.loads(r["messages"]), tools, thinking), r["sample_id"]
     records, samples = _records(store, ref, rows)
     figures = store.read_manifest(ref)["extra"]["conversations"]
     print("conversation figures", json.dumps(figures, sort_keys=True))  # docs/generation.md's table: pytest -s
@@ -111,7 +107,7 @@ def test_turns_regenerated_in_rounds_are_what_the_model_saw(mode, history, think
         last = steps[-1]
         tools = json.loads(last["tools"]) if last["tools"] else None
         messages = json.loads(last["messages"])
-        expected_ids = _render(kimi_tokenizer, messages, tools, thinking) + last["output_ids"]
+        expected_ids = render(kimi_tokenizer, messages, tools, thinking) + last["output_ids"]
         expected_mask = [0] * len(expected_ids)
         for j, t in enumerate(steps):
             start = len(t["prompt_ids"])
@@ -195,4 +191,5 @@ def test_overflow_trajectories_resume_by_turn_and_pay_each_turn_once(store, star
     figures = store.read_manifest(ref)["extra"]["conversations"]
     assert figures["turns"] == len(committed) and figures["splice_hits"] > 0
     for r in committed:  # the provider was sent each turn's messages; their render is the row's prompt ids
-        assert r["prompt_ids"] == _render(kimi_tokenizer, json.loads(r["messages"]), json.loads(r["tools"]) if r["tools"] else None)
+        tools = json.loads(r["tools"]) if r["tools"] else None
+        assert r["prompt_ids"] == render(kimi_tokenizer, json.loads(r["messages"]), tools)

@@ -94,6 +94,13 @@ def test_generation_timeouts_are_sized_from_samples_and_measured_rates(store, ki
     assert generation_timeout(run, store, "chat", "generate_overflow", counts)[0] == 2.0 * 300 / 3.0
     assert generation_timeout(run, store, "chat", "generate_overflow", {"overflow": 1})[0] == 100  # the floor
     assert generation_timeout(run, store, "chat", "generate_local", {"local": 10**6})[0] == 5000  # the cap
+    # rows asked for turn by turn count as their user turns, times the steps a trajectory may take
+    turns = {"local": 40, "prompts": 40, "user_turns": 100}
+    traj = run.config.with_overrides({"generation": {"regenerate": "trajectory", "max_trajectory_steps": 4}}, where="test")
+    seconds, how = generation_timeout(Run(**{**vars(run), "config": traj}), store, "chat", "generate_local", turns)
+    assert seconds == 2.0 * 40 * 2.5 * 4 / 1.0 and "2.5 user turns a row x 4 answers" in how
+    every = run.config.with_overrides({"generation": {"regenerate": "every_turn", "history": "regenerated"}}, where="test")
+    assert generation_timeout(Run(**{**vars(run), "config": every}), store, "chat", "generate_local", turns)[0] == 2.0 * 100
     for stage, (_, extra) in SIDES.items():
         commit(store, StageRef("previous", stage, "chat"), extra)
     # measured: local 2 endpoints x 8 in flight / 2 s = 8 samples/s; overflow 12 / 1 s = 12/s

@@ -5,8 +5,9 @@ request. These two modes do not: a turn's prompt holds the answers generated bef
 generation stage in these modes is run in rounds inside one StageRun (one lease, one journal,
 one set of parts): each round asks for the next turn of every conversation still going, as one
 batch, and its answers decide the next round's prompts. Every turn is a generation row of its
-own (its id `step_id`, a hash chain over its prompt), so it is checkpointed, gated, billed and never paid twice like any
-sample; a resumed attempt rebuilds where each conversation stands from the committed rows.
+own (its id `step_id`: a hash chain over its prompt), so it is checkpointed, gated, billed and
+never paid twice like any sample; a resumed attempt rebuilds where each conversation stands
+from the committed and journaled rows.
 
 A *thread* is a chain of turns that depend on each other:
   every_turn, history regenerated   one per row: each user turn answered after the answers

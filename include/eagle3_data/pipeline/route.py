@@ -136,6 +136,8 @@ def load_route(run: Run, store, dataset: str) -> RouteResult:
                            else g.local.in_flight_per_endpoint or 64,
                            overflow_concurrency=g.overflow.concurrency)
     counts = {"prompts": len(routes), "rejects": len(loaded.rejects)}
+    if "user_turns" in loaded.counts:  # rows asked for turn by turn (generation.conversations): sizes the timeouts
+        counts["user_turns"] = loaded.counts["user_turns"]
     for route in routes:
         counts[route] = counts.get(route, 0) + 1
     if run.dry_run:

@@ -6,6 +6,8 @@ A generation task runs as long as its samples take: the same measured rates that
 run, else the config's latencies) give its expected seconds; it may take `generation_margin`
 times that, never less than the floor (a small dataset on a slow start) nor more than the cap.
 A task killed at its bound is retried; the retry resumes from what the first attempt committed.
+Rows asked for turn by turn (`every_turn` on the regenerated history, `trajectory`) count as
+their user turns, times `max_trajectory_steps` answers each in a trajectory: the most they can take.
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ def generation_timeout(run: Run, store, dataset: str, stage: str, routed_counts:
     t = run.config.timeouts
     samples = sum(int(routed_counts.get(route, 0)) for route in ROUTES[stage])
     g, per_row = run.config.generation, ""
-    if g.regenerate == "trajectory":  # a row's turns come in rounds: sized for max_trajectory_steps of them
-        samples *= g.max_trajectory_steps
-        per_row = f" (trajectory: sized for {g.max_trajectory_steps} turns a row)"
+    if routed_counts.get("user_turns") and routed_counts.get("prompts"):  # a row's turns are asked for in rounds
+        steps = g.max_trajectory_steps if g.regenerate == "trajectory" else 1
+        turns_per_row = routed_counts["user_turns"] / routed_counts["prompts"]
+        samples = round(samples * turns_per_row * steps)
+        per_row = f" (turns: {turns_per_row:.3g} user turns a row x {steps} answers each at most)"
     inputs = rate_inputs(run, store, dataset)
     side = "local" if stage == LOCAL else "overflow"
     rate = getattr(rates(inputs), side)  # samples per second
