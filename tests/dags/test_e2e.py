@@ -469,7 +469,7 @@ def test_conversations_run_through_the_dag_in_every_mode(mode, history, stack, t
     from eagle3_data.storage import StageRef
 
     # the gate and the billing check are per turn: every local turn's ids validated, every overflow turn billed
-    from eagle3_data.pipeline.validate import BILLING_REPORT
+    from eagle3_data.pipeline.validate import BILLING_REPORT, VALIDATION_REPORT
 
     validate = StageRef(run_name, "validate", "conversations")
     local_turns = [r for b in store.iter_batches(StageRef(run_name, "generate_local", "conversations")) for r in b.to_pylist()]
@@ -478,6 +478,11 @@ def test_conversations_run_through_the_dag_in_every_mode(mode, history, stack, t
     assert sources.count("sglang") == sum(r["status"] == "ok" for r in local_turns) > 0
     billing = store.get_json(validate, BILLING_REPORT)
     assert billing["rows"] + billing["excluded"]["rows"] + billing["missing_usage"]["rows"] == len(rebuilt) > 0
+    # the calibration conversation's turns are compared, and both sides' turns scored by the policy check
+    report = store.get_json(validate, VALIDATION_REPORT)
+    assert report["calibration"]["samples"] > 0 and not report["calibration"]["missing"], report["calibration"]
+    scored = store.read_manifest(StageRef(run_name, "score_policy", "conversations"))["extra"]
+    assert scored["scored"]["local"] > 0 and scored["scored"]["overflow"] > 0, scored
     local = store.read_manifest(StageRef(run_name, "generate_local", "conversations"))
     if mode == "final_turn":
         assert "conversations" not in local["extra"] and sum(counts.values()) == 4

@@ -38,6 +38,22 @@ def _rows(store, ref, columns):
         yield from batch.to_pylist()
 
 
+def row_routes(run: Run, store, dataset: str) -> dict[str, str]:
+    """The route of each generation row of the dataset: its prompt's (`local`, `overflow`, `both`:
+    calibration). When the stages asked for a conversation's turns in rounds
+    (generation.conversations) the rows are turns, not prompts: a turn is `both` when both paths
+    generated it (its id covers its prompt, so they answered one prompt), else its path's."""
+    from eagle3_data.generation.conversations import needs_rounds
+
+    g = run.config.generation
+    if not needs_rounds(g.regenerate, g.history):
+        return {r["sample_id"]: r["route"] for r in _rows(store, stage_ref(run, PROMPTS, dataset), ["sample_id", "route"])}
+    ids = {side: {r["sample_id"] for r in _rows(store, stage_ref(run, stage, dataset), ["sample_id"])}
+           for side, stage in (("local", LOCAL), ("overflow", RECONSTRUCT)) if store.is_complete(stage_ref(run, stage, dataset))}
+    local, overflow = ids.get("local", set()), ids.get("overflow", set())
+    return {**dict.fromkeys(local, "local"), **dict.fromkeys(overflow, "overflow"), **dict.fromkeys(local & overflow, "both")}
+
+
 def score_policy(run: Run, store, dataset: str, endpoints: list[str]) -> PolicyResult:
     """Score the dataset's sample on the local engine's `endpoints` (http(s) URLs) and commit the
     figures (`policy.json` beside the scored rows). No overflow answers, or `policy.samples` 0:
@@ -46,7 +62,7 @@ def score_policy(run: Run, store, dataset: str, endpoints: list[str]) -> PolicyR
     from eagle3_data.policy import ScoreOptions, local_items, overflow_items, score_items, summarize
     from eagle3_data.policy.compare import rows as score_rows
 
-    local, rebuilt, prompts, ref = (stage_ref(run, s, dataset) for s in (LOCAL, RECONSTRUCT, PROMPTS, POLICY))
+    local, rebuilt, ref = (stage_ref(run, s, dataset) for s in (LOCAL, RECONSTRUCT, POLICY))
     tokenizer = bulk_tokenizer_for(run, store)
     hashes = tokenizer_hashes(tokenizer)
     cfg = run.config.policy
@@ -56,7 +72,7 @@ def score_policy(run: Run, store, dataset: str, endpoints: list[str]) -> PolicyR
         extra = manifest["extra"]
         return PolicyResult(uri=store.uri(ref), scored=extra["scored"], gap_nats_per_token=extra["gap_nats_per_token"],
                             reused=True)
-    routes = {r["sample_id"]: r["route"] for r in _rows(store, prompts, ["sample_id", "route"])}
+    routes = row_routes(run, store, dataset)
     columns = ["sample_id", "status", "prompt_ids", "output_ids", "finish_reason", "provenance", "tools", "messages"]
     over = overflow_items(_rows(store, rebuilt, columns[:4]), routes, cfg.samples, cfg.seed)
     if cfg.samples == 0 or not over:

@@ -12,13 +12,13 @@ from typing import Any
 
 from eagle3_data.config import ValidationConfig
 from eagle3_data.errors import GateFailed
-from eagle3_data.pipeline.policy import policy_summary
+from eagle3_data.pipeline.policy import policy_summary, row_routes
 from eagle3_data.pipeline.results import Gate, ValidateResult
 from eagle3_data.pipeline.reuse import reusable
 from eagle3_data.pipeline.run import Run, bulk_tokenizer_for, log, output_format, stage_ref, tokenizer_hashes
 from eagle3_data.policy.compare import policy_gate
 from eagle3_data.rejects import REJECTS_FILE
-from eagle3_data.stages import LOCAL, POLICY, PROMPTS, RECONSTRUCT, VALIDATE
+from eagle3_data.stages import LOCAL, POLICY, RECONSTRUCT, VALIDATE
 from eagle3_data.storage.writer import StageWriter
 
 VALIDATION_REPORT = "report.json"
@@ -142,8 +142,7 @@ def validate(run: Run, store, dataset: str, *, workers: int | None = None) -> Va
             gate.pop("report_uri")
             # Calibration: samples routed "both", engine ids vs the provider's reconstructed text.
             # Informational, not a gate: docs/generation.md says what it can and cannot prove.
-            both = {r["sample_id"] for b in store.iter_batches(stage_ref(run, PROMPTS, dataset), columns=["sample_id", "route"])
-                    for r in b.to_pylist() if r["route"] == "both"}
+            both = {sid for sid, route in row_routes(run, store, dataset).items() if route == "both"}
             calibration = consistency_report(fmt, _rows_with_ids(store, local, both), _rows_with_ids(store, rebuilt, both),
                                              sample_ids=both)
             store.put_json(ref, VALIDATION_REPORT, {**local_report, "dataset": dataset, "run_gate": gate,
