@@ -274,8 +274,9 @@ class TurnDriver:
 
     # -- the samples ---------------------------------------------------------------------------
     def sample_rows(self) -> Iterator[dict]:
-        """One SAMPLES row per sample with at least one turn generated, its mask spans from the
-        template's render of each turn's prompt (the prompts the engine was given)."""
+        """One SAMPLES row per sample that got an answer (one whose first turn failed too: a sample
+        lost, counted), its mask spans from the template's render of each turn's prompt (the
+        prompts the engine was given)."""
         for p, thread, w in self.walks():
             for s in w.samples:
                 if s.steps or s.end == "failed":  # a first turn that failed is a sample lost: counted
