@@ -41,7 +41,7 @@ def expected_record(tok, turns: list[dict], final_output: list[int], thinking=Tr
     return ids, mask
 
 
-def _stage_rows(store, run_key: str, stage: str, dataset: str) -> dict[str, dict]:
+def stage_rows(store, run_key: str, stage: str, dataset: str) -> dict[str, dict]:
     from eagle3_data.storage import StageRef
 
     ref = StageRef(run_key, stage, dataset)
@@ -64,9 +64,9 @@ def check_conversation_records(store, run_key: str, dataset: str, tok, thinking:
         ref = StageRef(run_key, stage, dataset)
         names = {f["name"] for f in store.read_manifest(ref)["files"]} if store.is_complete(ref) else set()
         samples = read_samples(store.get_bytes(ref, SAMPLES_FILE)) if SAMPLES_FILE in names else []
-        for source in sources:
-            sides[source] = (_stage_rows(store, run_key, stage, dataset), _stage_rows(store, run_key, ids_stage, dataset),
-                             {s["sample_id"]: s for s in samples})
+        side = (stage_rows(store, run_key, stage, dataset), stage_rows(store, run_key, ids_stage, dataset),
+                {s["sample_id"]: s for s in samples})
+        sides.update(dict.fromkeys(sources, side))  # one read of the stage for each engine's name
     merge_ref = StageRef(run_key, "merge", "all")
     max_length = store.read_manifest(merge_ref)["params"]["max_length"]
     counts: dict[str, int] = {}

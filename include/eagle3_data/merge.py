@@ -366,7 +366,7 @@ def _build_records(rows: pa.Table, max_length: int) -> pa.Table:
     dest = (within + np.repeat(offsets[:-1] + p, o))[keep]
     ids[dest] = output.flatten().to_numpy()[keep]
     masked_out = np.zeros(len(p), np.int64)
-    if "masked" in rows.column_names and rows["masked"].null_count < rows.num_rows:
+    if rows["masked"].null_count < rows.num_rows:
         for r, spans in enumerate(rows["masked"].to_pylist()):
             room = int(length[r] - p[r])
             for start, end in zip((spans or [])[::2], (spans or [])[1::2]):

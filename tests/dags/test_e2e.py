@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from eagle3_data.config import DAG_ID, load_config
-from tests.conversation_oracle import CONVERSATIONS, check_conversation_records
+from tests.conversation_oracle import CONVERSATIONS, check_conversation_records, stage_rows
 from tests.fixtures.airflow import DAG_TEST_BUCKET, dag_stack
 
 pytestmark = pytest.mark.slow
@@ -472,8 +472,8 @@ def test_conversations_run_through_the_dag_in_every_mode(mode, history, stack, t
     from eagle3_data.pipeline.validate import BILLING_REPORT, VALIDATION_REPORT
 
     validate = StageRef(run_name, "validate", "conversations")
-    local_turns = [r for b in store.iter_batches(StageRef(run_name, "generate_local", "conversations")) for r in b.to_pylist()]
-    rebuilt = [r for b in store.iter_batches(StageRef(run_name, "reconstruct", "conversations")) for r in b.to_pylist()]
+    local_turns = stage_rows(store, run_name, "generate_local", "conversations").values()
+    rebuilt = stage_rows(store, run_name, "reconstruct", "conversations")
     sources = [r["source"] for b in store.iter_batches(validate) for r in b.to_pylist()]
     assert sources.count("sglang") == sum(r["status"] == "ok" for r in local_turns) > 0
     billing = store.get_json(validate, BILLING_REPORT)

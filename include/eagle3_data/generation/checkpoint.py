@@ -277,13 +277,10 @@ class StageRun:
     def _observe_committed(self) -> None:
         """Hand the turn driver every row earlier attempts committed (verified parts, the columns a
         walk reads), so a resumed attempt knows where each conversation stands."""
-        import pyarrow.parquet as pq
-
         columns = ["sample_id", "status", "finish_reason", "content", "reasoning", "tool_calls", "output_ids"]
         for record in self.writer.committed_records():
-            with self.store.open_verified(self.ref, record["name"], sha256=record["sha256"], nbytes=record["bytes"]) as f:
-                for row in pq.read_table(f, columns=columns).to_pylist():
-                    self.turns.observe(row)
+            for row in committed_part(self.store, self.ref, record, columns).to_pylist():
+                self.turns.observe(row)
 
     def add(self, prompts: Prompts) -> None:
         """A round's prompts (the turns a TurnDriver asks for): `pending` yields those not done."""
@@ -438,11 +435,16 @@ def committed_cost(store, ref, records: list[dict]) -> float:
         if "summary" in record:
             total += record["summary"].get("cost_usd") or 0.0
             continue
-        with store.open_verified(ref, record["name"], sha256=record["sha256"], nbytes=record["bytes"]) as f:
-            from eagle3_data.schemas import schema_for
-            from eagle3_data.storage.parts import check_part_schema
-
-            usage = check_part_schema(f, schema_for("generations"), store.uri(ref, record["name"])).read(
-                columns=["usage"]).column("usage").to_pylist()
+        usage = committed_part(store, ref, record, ["usage"]).column("usage").to_pylist()
         total += sum((u or {}).get("cost_usd") or 0.0 for u in usage)
     return total
+
+
+def committed_part(store, ref, record: dict, columns: list[str]) -> pa.Table:
+    """`columns` of one committed generations part, read through the store (sha256 and schema
+    checked, a bad part named)."""
+    from eagle3_data.schemas import schema_for
+    from eagle3_data.storage.parts import check_part_schema
+
+    with store.open_verified(ref, record["name"], sha256=record["sha256"], nbytes=record["bytes"]) as f:
+        return check_part_schema(f, schema_for("generations"), store.uri(ref, record["name"])).read(columns=columns)

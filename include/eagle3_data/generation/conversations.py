@@ -158,11 +158,11 @@ class Sample:
 @dataclass
 class Walk:
     """Where one thread stands: its samples so far, its messages, and the turn it waits for
-    (`pending`: the step id and its prompt's messages) or None when it has ended."""
+    (`pending`: its step id; `messages` are then its prompt) or None when it has ended."""
 
     samples: list[Sample]
     messages: list[dict]
-    pending: tuple[str, list[dict]] | None
+    pending: str | None
     turns_left: int = 0
 
 
@@ -219,7 +219,7 @@ class TurnDriver:
                     sid = self._ids[before, len(messages)] = step_id(before, messages[since:])
                 turn = self.turns.get(sid)
                 if turn is None:
-                    return Walk(samples, messages, (sid, list(messages)), len(users) - u - 1)
+                    return Walk(samples, messages, sid, len(users) - u - 1)
                 before, since = sid, len(messages)
                 if turn.status != "ok":  # the sample is the turns before it
                     sample.end = "failed"
@@ -264,12 +264,11 @@ class TurnDriver:
         (a turn asked and not final yet, a retryable failure, is left to the next attempt)."""
         out = []
         for p, _, w in self.walks():
-            if w.pending is None or w.pending[0] in self.asked:
+            if w.pending is None or w.pending in self.asked:
                 continue
-            sid, messages = w.pending
-            self.asked.add(sid)
-            out.append({"sample_id": sid, "dataset": p.dataset, "route": p.route, "source_id": p.source_id,
-                        "messages": canonical_json(messages), "tools": p.tools_json if p.tools else None})
+            self.asked.add(w.pending)
+            out.append({"sample_id": w.pending, "dataset": p.dataset, "route": p.route, "source_id": p.source_id,
+                        "messages": canonical_json(w.messages), "tools": p.tools_json if p.tools else None})
         return out
 
     # -- the samples ---------------------------------------------------------------------------
