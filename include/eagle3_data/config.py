@@ -183,7 +183,17 @@ class OverflowGenerationConfig(_Model):
     connect_timeout_s: float = Field(5.0, gt=0, description="bound on one TCP connection attempt to the base URL")
     max_identical_errors: int = Field(
         10, ge=1, description="this many identical permanent errors in a row (a 400 for a parameter the provider "
-        "refuses) stop dispatch with that error instead of failing the dataset row by row")
+        "refuses) stop dispatch with that error instead of failing the dataset row by row; a prompt's own refusal "
+        "(moderation, too large) never counts")
+    stream: bool = Field(
+        True, description="SSE requests: bounded by the silence between bytes, not the answer's length, and named "
+        "(X-Generation-Id) as they open, so a cut one is priced from OpenRouter's record instead of paid again unseen")
+    stream_idle_timeout_s: float = Field(
+        180.0, gt=0, description="a stream silent this long (no token, no keep-alive comment) is cut and priced; "
+        "OpenRouter sends keep-alives while a provider prefills, so this bounds a dead stream, not a long answer")
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="stream: false only: the whole answer's time (a Kimi-K2.5 answer with 16k+ "
+        "reasoning tokens can take longer; the request it cuts is billed and counted at the budget's estimate)")
 
 
 Regenerate = Literal["final_turn", "every_turn", "trajectory"]

@@ -193,3 +193,24 @@ def test_overflow_trajectories_resume_by_turn_and_pay_each_turn_once(store, star
     for r in committed:  # the provider was sent each turn's messages; their render is the row's prompt ids
         tools = json.loads(r["tools"]) if r["tools"] else None
         assert r["prompt_ids"] == render(kimi_tokenizer, json.loads(r["messages"]), tools)
+
+
+@pytest.mark.parametrize("engine,mode", [("local", "final_turn"), ("local", "trajectory"), ("overflow", "final_turn"),
+                                         ("overflow", "trajectory")])
+def test_a_stage_with_nothing_routed_to_it_completes_empty(engine, mode, s3_server, store, kimi_tokenizer_dir,
+                                                           tmp_path, monkeypatch):
+    """`generate local --regenerate trajectory` with nothing routed local ended in
+    `AttributeError: 'LogProgress' object has no attribute '_base'`, masking what happened."""
+    raw = default_config_raw()
+    raw["storage"]["bucket"] = store.bucket
+    raw["tokenizer"]["source"] = str(kimi_tokenizer_dir)
+    raw["routing"].update(overflow_fraction=0.0 if engine == "overflow" else 1.0, calibration_samples=0)
+    (tmp_path / "pipeline.yaml").write_text(yaml.safe_dump(raw))
+    for name, value in (("AWS_ACCESS_KEY_ID", s3_server.access_key), ("AWS_SECRET_ACCESS_KEY", s3_server.secret_key),
+                        ("AWS_ENDPOINT_URL", s3_server.endpoint_url), ("EAGLE3_JOURNAL_DIR", str(tmp_path / "j"))):
+        monkeypatch.setenv(name, value)
+    run_key = f"empty-{engine}-{mode.replace('_', '-')}"
+    assert main(["generate", engine, "--config", str(tmp_path / "pipeline.yaml"), "--dataset", "chat", "--prompts",
+                 str(CONVERSATIONS), "--run-key", run_key, "--dev", "--regenerate", mode]) == 0
+    ref = StageRef(run_key, f"generate_{engine}", "chat")
+    assert store.is_complete(ref) and store.read_table(ref).num_rows == 0

@@ -131,8 +131,8 @@ def test_sigkill_mid_stage_then_resume_cli(store, s3_server, start_dev_server, k
     deadline = time.time() + 240
     journal = tmp_path / "journal"
 
-    def journaled() -> int:
-        return sum(len(p.read_text().splitlines()) for p in journal.glob("*.jsonl"))
+    def journaled() -> int:  # answers, not the records of requests opened (journal_attempt)
+        return sum(not line.startswith('{"attempt"') for p in journal.glob("*.jsonl") for line in p.read_text().splitlines())
 
     # kill mid-part: at least 30 answers committed and 3-6 more journaled but not committed. The
     # upper bound keeps the kill away from a part upload: with 10 journaled past the last commit
@@ -160,6 +160,11 @@ def test_sigkill_mid_stage_then_resume_cli(store, s3_server, start_dev_server, k
     # journaled by the client) can be paid twice: at most one per concurrency slot.
     paid_twice = {k for k, v in answered.items() if v > 1}
     assert max(answered.values()) <= 2 and len(paid_twice) <= 4, paid_twice
+    # and each was counted before it was asked again: the killed process had journaled its stream
+    # as open, the resume priced it from OpenRouter's record of the generation
+    lost = {r["sample_id"]: json.loads(r["provenance"]).get("lost_attempts") or [] for r in rows.values()}
+    assert all(lost[k] and lost[k][0]["cost_source"] == "generation_lookup" for k in paid_twice), lost
+    assert summary["counts"]["lost_attempts"] == sum(map(len, lost.values())) >= len(paid_twice)
     for text in logs:
         assert SECRET not in text
     for obj in store.client.list_objects_v2(Bucket=store.bucket)["Contents"]:

@@ -11,7 +11,8 @@ import logging
 
 import pytest
 
-from eagle3_data.generation.openrouter import UNPRICED, price_answer
+from eagle3_data.generation.openrouter import UNPRICED
+from eagle3_data.generation.openrouter_pricing import Prices, price_answer
 from eagle3_data.storage import StageRef
 
 from tests.generation_calls import MODEL, generate_overflow
@@ -87,11 +88,11 @@ def test_rerun_of_a_complete_stage_reverifies_and_pays_only_for_what_is_bad(stor
 
 
 def test_price_answer_uses_cost_then_configured_prices():
-    assert price_answer({"cost": 0.5, "prompt_tokens": 10, "completion_tokens": 10}, None) == 0.5
-    assert price_answer({"prompt_tokens": 1_000_000, "completion_tokens": 2_000_000},
-                        {"prompt": 1.0, "completion": 3.0}) == pytest.approx(7.0)
-    assert price_answer({"prompt_tokens": 10, "completion_tokens": 10}, {"prompt": 0.0, "completion": 0.0}) is None
-    assert price_answer({"completion_tokens": 10}, {"prompt": 1.0, "completion": 1.0}) is None
+    assert price_answer({"cost": 0.5, "prompt_tokens": 10, "completion_tokens": 10}, Prices()) == 0.5
+    per_mtok = Prices.per_mtok({"prompt": 1.0, "completion": 3.0})
+    assert price_answer({"prompt_tokens": 1_000_000, "completion_tokens": 2_000_000}, per_mtok) == pytest.approx(7.0)
+    assert price_answer({"prompt_tokens": 10, "completion_tokens": 10}, Prices.per_mtok({"prompt": 0.0, "completion": 0.0})) is None
+    assert price_answer({"completion_tokens": 10}, Prices.per_mtok({"prompt": 1.0, "completion": 1.0})) is None
 
 
 # OpenRouter's record of each generation never appears (GET /generation?id= answers 404 throughout)

@@ -12,8 +12,9 @@ import pytest
 
 from eagle3_data.errors import UserError
 from eagle3_data.generation.checkpoint import parse_prompts, sampling_for
-from eagle3_data.generation.openrouter import Budget
-from eagle3_data.generation.progress import LogProgress
+from eagle3_data.generation.openrouter_budget import Budget
+from eagle3_data.generation.openrouter_pricing import Prices
+from eagle3_data.generation.progress import LogProgress, Progress, TqdmProgress
 from eagle3_data.generation.retry import backoff_s, parse_retry_after
 from eagle3_data.generation.routing import assign_routes, consistency_report, local_capacity
 
@@ -31,12 +32,53 @@ def test_backoff_honours_retry_after_and_grows():
 
 def test_budget_stops_before_the_cap():
     b = Budget(1.0, spent_usd=0.2, first_estimate_usd=0.1, max_new_tokens=100)
-    assert b.allows(7) and not b.allows(8)  # 0.2 + 8 x 0.1 = 1.0 is allowed, one more is not
-    b.add(0.05, completion_tokens=50)  # 0.001 USD/token x 100 tokens -> 0.1 upper bound per request
-    assert b.estimate == pytest.approx(0.1) and b.spent == pytest.approx(0.25)
-    b.add(0.0)  # a failure without an answer changes nothing
-    assert b.estimate == pytest.approx(0.1)
-    assert not Budget(0.0).allows(0) and Budget(None).allows(10**6)
+    for _ in range(7):
+        assert b.allows(b.estimate(10))
+        b.reserve(b.estimate(10))
+    assert b.allows(0.1 - 1e-12) and not b.allows(0.1 + 1e-9)  # 0.2 + 8 x 0.1 = 1.0 is the cap
+    b.release(0.1)
+    assert b.allows(0.2 - 1e-9)
+    assert not Budget(0.0).allows(0.01) and Budget(None).allows(10.0**6)
+
+
+PRICES = Prices(prompt=6e-7, completion=2.5e-6)  # USD per token, as OpenRouter's model list gives them
+
+
+def test_a_long_prompt_with_a_short_answer_is_estimated_from_prices_not_a_cost_ratio():
+    """The measured bug: a 30k-token trajectory prompt with a 40-token tool call, its whole cost
+    divided by 40 and times max_new_tokens, estimated ~$0.93 a request, so max_usd 10 held 256
+    in flight to ~10. Priced per kind of token it costs 30000 p + 4096 c at most."""
+    b = Budget(10.0, max_new_tokens=4096, prices=PRICES)
+    answer = {"prompt_tokens": 30_000, "completion_tokens": 40}
+    b.add(30_000 * PRICES.prompt + 40 * PRICES.completion, answer)
+    bound = 30_000 * 6e-7 + 4096 * 2.5e-6
+    assert b.estimate(30_000) == pytest.approx(bound)
+    in_flight = 0
+    while b.allows(b.estimate(30_000)):
+        b.reserve(b.estimate(30_000))
+        in_flight += 1
+    assert in_flight == int((10.0 - b.spent) / bound) >= 256
+
+
+def test_prices_are_learned_from_an_answers_cost_split():
+    b = Budget(10.0, max_new_tokens=1000)
+    assert b.estimate(500) == pytest.approx(0.01)  # the first estimate until an answer is priced
+    usage = {"prompt_tokens": 1000, "completion_tokens": 100,
+             "cost_details": {"upstream_inference_prompt_cost": 1000 * 6e-7, "upstream_inference_completions_cost": 100 * 2.5e-6}}
+    b.add(1000 * 6e-7 + 100 * 2.5e-6, usage)
+    assert b.estimate(500) == pytest.approx(500 * 6e-7 + 1000 * 2.5e-6)
+
+
+def test_without_prices_the_estimate_stays_an_upper_bound():
+    """Learned only from whole costs, each price is at most an answer's cost over its tokens of
+    that kind: the estimate never falls below what a request can cost."""
+    rng = random.Random(3)
+    b = Budget(None, max_new_tokens=512)
+    for _ in range(50):
+        p_tok, c_tok = rng.randint(1, 20_000), rng.randint(1, 512)
+        b.add(p_tok * PRICES.prompt + c_tok * PRICES.completion, {"prompt_tokens": p_tok, "completion_tokens": c_tok})
+        for prompt in (10, 1000, 30_000):
+            assert b.estimate(prompt) >= prompt * PRICES.prompt + 512 * PRICES.completion - 1e-12
 
 
 def rows(n: int) -> list[dict]:
@@ -176,6 +218,17 @@ def test_log_progress_writes_steady_lines(caplog):
     p.close()
     line = caplog.records[-2].getMessage()
     assert "42/100 done, 2 failed" in line and "$0.5000" in line and "ETA" in line
+
+
+@pytest.mark.parametrize("kind", [Progress, LogProgress, TqdmProgress])
+def test_progress_close_is_safe_before_start_and_twice(kind):
+    """`generate local --regenerate trajectory` with nothing routed local ended in
+    `AttributeError: 'LogProgress' object has no attribute '_base'`: no round, so no start, then close."""
+    p = kind()
+    p.close()
+    p.start(3, label="x")
+    p.close()
+    p.close()
 
 
 @pytest.mark.parametrize("engine", ["openrouter", "sglang", "vllm"])

@@ -58,6 +58,10 @@ YAML shape (every key optional)::
         stall_requests: 0                          #   accepted, answered only after stall_s (a stuck engine;
         stall_s: 3600                              #   later requests answer normally)
         queue_full: 0.0                            # /generate: 503 "The request queue is full." (--max-queued-requests)
+        stream_cut: 0.0                            # stream: the connection drops after half the chunks (billed whole)
+        stream_stall: 0.0                          # stream: silent for stall_s after half the chunks (billed whole)
+        keepalive_s: 0.5                           # stream: a ": OPENROUTER PROCESSING" comment this often while
+                                                   #   the answer is prepared (its latency)
 """
 
 from __future__ import annotations
@@ -79,7 +83,7 @@ ERROR_FAULTS = ("rate_limit", "server_error", "timeout", "malformed_json", "empt
 CONTENT_FAULTS = ("trim_whitespace", "rewrite_tool_call_ids", "reserialize_arguments")
 # Drawn only when set: other seeds keep their draws.
 OPTIONAL_REWRITES = ("omit_cost", "reasoning_details_only", "encrypted_reasoning", "object_arguments", "wrong_model",
-                     "wrong_provider")
+                     "wrong_provider", "stream_cut", "stream_stall")
 # OpenRouter's provider table (GET /api/v1/providers: name, slug), the part the dev server serves.
 PROVIDERS = ({"name": "Moonshot AI", "slug": "moonshotai"}, {"name": "Fireworks", "slug": "fireworks"},
              {"name": "Together", "slug": "together"}, {"name": "DeepInfra", "slug": "deepinfra"},
@@ -121,6 +125,9 @@ class EndpointFaults:
     stall_requests: int = 0
     stall_s: float = 3600.0
     queue_full: float = 0.0
+    stream_cut: float = 0.0
+    stream_stall: float = 0.0
+    keepalive_s: float = 0.5
 
     def draw(self, rng: random.Random) -> tuple[str | None, set[str], float]:
         """One request's fate: an error fault (or None), content rewrites, and its latency."""

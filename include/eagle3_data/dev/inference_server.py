@@ -23,7 +23,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from eagle3_data.dev.faults import ServerConfig
 from eagle3_data.dev.text_model import DevTextModel, Generation
@@ -98,8 +98,9 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
                                       tokenize=True, return_dict=False, **kwargs)
         return tuple(ids)
 
-    async def admit(endpoint: str, request: Request, key: str):
-        """Count the request, draw its faults, sleep its latency; returns (error, rewrites)."""
+    async def admit(endpoint: str, request: Request, key: str, wait: bool = True):
+        """Count the request, draw its faults, sleep its latency (`wait`; else a stream spends it
+        sending keep-alives); returns (error, rewrites, faults, latency)."""
         state.stats.requests[endpoint][key] += 1
         faults = state.config.faults(endpoint)
         error, rewrites, latency = faults.draw(state.config.rng(endpoint, key, state.stats.requests[endpoint][key]))
@@ -107,12 +108,14 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
         if faults.stall_after is not None and faults.stall_after < arrived <= faults.stall_after + faults.stall_requests:
             state.stats.faults[endpoint]["stall"] += 1
             error, latency = None, faults.stall_s  # accepted, then never answered in time: a hung engine
-        state.stats.in_flight[endpoint] += 1
-        state.stats.max_in_flight[endpoint] = max(state.stats.max_in_flight[endpoint], state.stats.in_flight[endpoint])
-        try:
-            await asyncio.sleep(faults.timeout_sleep_s if error == "timeout" else latency)
-        finally:
-            state.stats.in_flight[endpoint] -= 1
+        latency = faults.timeout_sleep_s if error == "timeout" else latency
+        if wait:
+            state.stats.in_flight[endpoint] += 1
+            state.stats.max_in_flight[endpoint] = max(state.stats.max_in_flight[endpoint], state.stats.in_flight[endpoint])
+            try:
+                await asyncio.sleep(latency)
+            finally:
+                state.stats.in_flight[endpoint] -= 1
         if error in (None, "timeout", "malformed_json", "empty_content", "choice_error"):  # answers that are billed
             if faults.credits_after is not None and state.stats.total_answered[endpoint] >= faults.credits_after:
                 error = "credits"
@@ -122,7 +125,7 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
                 state.stats.total_answered[endpoint] += 1
         if error:
             state.stats.faults[endpoint][error] += 1
-        return (None if error == "timeout" else error), rewrites, faults
+        return (None if error == "timeout" else error), rewrites, faults, latency
 
     async def delivered(endpoint: str, key: str, request: Request) -> bool:
         """Count an answer as delivered (billed) unless its client is gone; such answers are
@@ -147,8 +150,10 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
     async def models() -> dict:
         """The OpenAI-compatible model list (OpenRouter, vLLM and SGLang all serve it); OpenRouter's
         cards also carry the model's dated `canonical_slug`."""
+        price = state.config.price_per_token
         return {"object": "list", "data": [{"id": state.config.model, "canonical_slug": state.config.canonical_slug,
-                                            "object": "model", "owned_by": "dev"}]}
+                                            "object": "model", "owned_by": "dev",
+                                            "pricing": {"prompt": str(price["prompt"]), "completion": str(price["completion"])}}]}
 
     @app.get("/v1/providers")
     async def providers() -> dict:
@@ -246,7 +251,7 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
 
     async def _answer_generate(request: Request, body: dict, batch: bool, prompts, sp: dict, rids) -> Response:
         key = request.headers.get(SAMPLE_HEADER) or (json.dumps(rids) if rids else str(hash(tuple(prompts[0]))))
-        error, _, faults = await admit("generate", request, key)
+        error, _, faults, _ = await admit("generate", request, key)
         if error == "queue_full":  # SGLang's HTTPException handler: an ErrorResponse body
             return JSONResponse({"object": "error", "message": "The request queue is full.", "type": "503",
                                  "param": None, "code": 503}, status_code=503)
@@ -292,43 +297,84 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
+        """OpenRouter's chat completions, plain or streamed (`stream: true`: SSE, as `_sse` says).
+        The history is read in OpenRouter's documented fields only (`documented_history`)."""
         try:
             body = await request.json()
         except ValueError:
             return _openrouter_error(400, "body is not JSON")
         messages, tools = body.get("messages"), body.get("tools")
-        if not isinstance(messages, list) or not messages:
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             return _openrouter_error(400, "messages: expected a non-empty list")
-        if body.get("stream"):
-            return _openrouter_error(400, "stream: not supported by the dev server")
         if body.get("model") not in (state.config.model, state.config.canonical_slug):
             return _openrouter_error(400, f"{body.get('model')} is not a valid model ID")
         thinking = (body.get("reasoning") or {}).get("enabled", True) is not False
         try:
-            prompt = chat_prompt(json.dumps([messages, tools, thinking]))
+            prompt = chat_prompt(json.dumps([documented_history(messages), tools, thinking]))
         except Exception as exc:  # template errors are the client's bad request
             return _openrouter_error(400, f"chat template: {exc}")
         key = request.headers.get(SAMPLE_HEADER) or str(hash(prompt))
-        error, rewrites, faults = await admit("chat", request, key)
+        stream = body.get("stream") is True
+        error, rewrites, faults, latency = await admit("chat", request, key, wait=not stream)
         provider = _routed_provider(body.get("provider") or {}, state.config)
+        if stream and error == "error_in_body":  # failed after the provider started: an SSE error event
+            body = json.loads(_error_response(error, faults, provider, state.config.model).body)
+            event = {"id": "gen-" + uuid.uuid4().hex[:24], "object": "chat.completion.chunk", "error": body["error"],
+                     "choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "error"}]}
+            return StreamingResponse(iter([b": OPENROUTER PROCESSING\n\n", b"data: " + json.dumps(event).encode()
+                                           + b"\n\n", b"data: [DONE]\n\n"]), media_type="text/event-stream")
         if error and error not in ("malformed_json", "empty_content", "choice_error"):
             return _error_response(error, faults, provider, state.config.model)
         max_new = body.get("max_completion_tokens") or body.get("max_tokens") or 4096
         gen = generate_cached(prompt, int(max_new), float(body.get("temperature", 1.0)), body.get("seed"),
                               request.headers.get(DATASET_HEADER))
-        await delivered("chat", key, request)
         answer = _chat_answer(gen, len(prompt), state.config, rewrites, empty=error == "empty_content",
                               provider=provider, faults=faults)
         if error == "choice_error":
             _cut_mid_generation(answer, provider)
-        state.generations[answer["id"]] = {
+        state.generations[answer["id"]] = {  # billed once the provider started: whatever the client then does
             "id": answer["id"], "model": answer["model"], "provider_name": answer["provider"],
             "total_cost": _price(len(prompt), len(gen.output_ids), state.config), "tokens_prompt": len(prompt),
             "tokens_completion": len(gen.output_ids), "finish_reason": answer["choices"][0]["finish_reason"],
             "created_at": answer["created"]}
+        headers = {"X-Generation-Id": answer["id"]}
+        if stream:
+            return StreamingResponse(_stream_answer(request, key, answer, rewrites, faults, latency), headers=headers,
+                                     media_type="text/event-stream")
+        await delivered("chat", key, request)
         if error == "malformed_json":
-            return Response(json.dumps(answer)[: len(json.dumps(answer)) // 2], media_type="application/json")
-        return JSONResponse(answer)
+            return Response(json.dumps(answer)[: len(json.dumps(answer)) // 2], media_type="application/json",
+                            headers=headers)
+        return JSONResponse(answer, headers=headers)
+
+    async def _stream_answer(request: Request, key: str, answer: dict, rewrites: set[str], faults, latency: float):
+        """The answer as OpenRouter streams it: keep-alive comments while it is prepared (the
+        endpoint's latency), then `_sse`'s events. `stream_cut` drops the connection after half of
+        them, `stream_stall` goes silent for `stall_s` there; both are billed whole, as a provider
+        that does not cancel on disconnect bills them."""
+        state.stats.in_flight["chat"] += 1
+        state.stats.max_in_flight["chat"] = max(state.stats.max_in_flight["chat"], state.stats.in_flight["chat"])
+        try:
+            waited = 0.0
+            yield b": OPENROUTER PROCESSING\n\n"
+            while waited < latency:
+                step = min(faults.keepalive_s or latency, latency - waited)
+                await asyncio.sleep(step)
+                waited += step
+                yield b": OPENROUTER PROCESSING\n\n"
+            events = _sse(answer)
+            for i, event in enumerate(events):
+                if i == len(events) // 2 and "stream_cut" in rewrites:
+                    state.stats.faults["chat"]["stream_cut"] += 1
+                    state.stats.abandoned["chat"] += 1
+                    raise ConnectionAbortedError("stream_cut (injected)")  # the server drops the connection
+                if i == len(events) // 2 and "stream_stall" in rewrites:
+                    state.stats.faults["chat"]["stream_stall"] += 1
+                    await asyncio.sleep(faults.stall_s)
+                yield event
+            await delivered("chat", key, request)
+        finally:
+            state.stats.in_flight["chat"] -= 1
 
     return app
 
@@ -484,11 +530,72 @@ def _chat_answer(gen: Generation, prompt_tokens: int, config: ServerConfig, rewr
             "is_byok": False,
             "prompt_tokens_details": {"cached_tokens": 0},
             "completion_tokens_details": {"reasoning_tokens": gen.reasoning_tokens},
+            "cost_details": {"upstream_inference_prompt_cost": _price(prompt_tokens, 0, config),
+                             "upstream_inference_completions_cost": _price(0, completion, config)},
         },
     }
     if "omit_cost" in rewrites:
         del answer["usage"]["cost"]
     return answer
+
+
+def documented_history(messages: list[dict]) -> list[dict]:
+    """The history as OpenRouter reads it: an assistant turn's reasoning from its documented fields,
+    `reasoning` (text) or the text of its `reasoning_details`, handed to the chat template (which
+    calls it `reasoning_content`); a `reasoning_content` field, which OpenRouter does not
+    document, is dropped, as a provider that reads only the documented fields drops it."""
+    return [_documented_turn(m) if m.get("role") == "assistant" else m for m in messages]
+
+
+def _documented_turn(m: dict) -> dict:
+    reasoning = m.get("reasoning")
+    if reasoning is None:
+        details = [d for d in m.get("reasoning_details") or () if isinstance(d, dict)]
+        texts = sorted((d for d in details if d.get("type") == "reasoning.text"), key=lambda d: d.get("index") or 0)
+        reasoning = "".join(d.get("text") or "" for d in texts) or None
+    out = {k: v for k, v in m.items() if k not in ("reasoning_content", "reasoning", "reasoning_details")}
+    if isinstance(reasoning, str):
+        out["reasoning_content"] = reasoning
+    return out
+
+
+def _sse(answer: dict) -> list[bytes]:
+    """A non-streamed answer as OpenRouter's SSE events: a role chunk, the reasoning, content and
+    tool-call deltas in pieces (each call's id and name first, its arguments after), a last chunk
+    with the finish reason (and, for a provider failing mid-generation, the `error`), a usage
+    chunk with no choices, then `data: [DONE]`."""
+    choice = answer["choices"][0]
+    message = choice["message"]
+    head = {k: answer[k] for k in ("id", "provider", "model", "object", "created")} | {"object": "chat.completion.chunk"}
+
+    def event(delta: dict | None = None, **extra) -> bytes:
+        chunk = dict(head, choices=[{"index": 0, "delta": delta or {}, "finish_reason": None,
+                                     "native_finish_reason": None, "logprobs": None}], **extra)
+        return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+    def pieces(text: str, size: int = 7) -> list[str]:
+        return [text[i:i + size] for i in range(0, len(text), size)]
+
+    events = [event({"role": "assistant", "content": ""})]
+    events += [event({"role": "assistant", "content": "", "reasoning": t}) for t in pieces(message.get("reasoning") or "")]
+    for d in message.get("reasoning_details") or ():
+        events.append(event({"role": "assistant", "content": "", "reasoning_details": [d]}))
+    events += [event({"role": "assistant", "content": t}) for t in pieces(message.get("content") or "")]
+    for i, call in enumerate(message.get("tool_calls") or ()):
+        fn, args = call["function"], call["function"]["arguments"]
+        events.append(event({"role": "assistant", "content": None, "tool_calls": [
+            {"index": i, "id": call["id"], "type": "function", "function": {"name": fn["name"], "arguments": ""}}]}))
+        parts = pieces(args) if isinstance(args, str) else [args]
+        events += [event({"role": "assistant", "content": None, "tool_calls": [
+            {"index": i, "function": {"arguments": part}}]}) for part in parts]
+    last = json.loads(event()[6:])
+    last["choices"][0].update(finish_reason=choice["finish_reason"], native_finish_reason=choice["native_finish_reason"])
+    if choice.get("error"):
+        last["error"] = choice["error"]
+    events.append(b"data: " + json.dumps(last).encode() + b"\n\n")
+    events.append(b"data: " + json.dumps(dict(head, choices=[], usage=answer["usage"])).encode() + b"\n\n")
+    events.append(b"data: [DONE]\n\n")
+    return events
 
 
 def _cut_mid_generation(answer: dict, provider: str) -> None:

@@ -201,10 +201,13 @@ class StageRun:
         self.flush_interval_s = flush_interval_s
         self.turns = setup.turns
         self.total = 0 if self.turns is not None else len(prompts)
-        self.counts = {"ok": 0, "failed": 0, "paid_failed": 0, "skipped": 0, "replayed": 0, "retry_later": 0}
+        self.counts = {"ok": 0, "failed": 0, "paid_failed": 0, "skipped": 0, "replayed": 0, "retry_later": 0,
+                       "lost_attempts": 0}
         self.tokens = 0
         self.cost_usd = 0.0
         self.spent_before_usd = 0.0
+        self.lost_attempts: dict[str, list[dict]] = {}  # sample id -> its priced attempts without an answer
+        self.unsettled_attempts: list[dict] = []  # attempts an earlier process opened and never settled
         self.pending: Iterator[Prompt] = iter(())
         self.pending_count = 0
         self._held: dict[str, dict] = {}  # failed rows not (yet) final
@@ -244,13 +247,16 @@ class StageRun:
         done = self.writer.committed_sample_ids()
         self.spent_before_usd = committed_cost(self.store, self.ref, self.writer.committed_records())
         wanted = set(self.prompts.ids)  # in rounds every journaled row (this stage's, these params') is a turn
-        replay = []
+        replay, attempts = [], {}
         if self.journal_path.exists():
             for line in self.journal_path.read_text().splitlines():
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError:
                     continue  # a line cut by the kill
+                if isinstance(row.get("attempt"), dict):  # journal_attempt's records: the last state of each wins
+                    attempts[row["attempt"].get("attempt")] = row["attempt"]
+                    continue
                 sid = row.get("sample_id")
                 if (sid in wanted or (self.turns is not None and isinstance(sid, str))) and sid not in done:
                     replay.append(row)
@@ -260,6 +266,7 @@ class StageRun:
             self.writer.write(replay)
             self.counts["replayed"] = len(replay)
             self.spent_before_usd += sum((r.get("usage") or {}).get("cost_usd") or 0.0 for r in replay)
+        self._resume_attempts(attempts.values(), done)
         self.failures: dict[str, dict] = self._load_failures()
         self._done = done
         if self.turns is not None:  # the rounds ask for their turns (`add`); the walk needs every final one
@@ -273,6 +280,35 @@ class StageRun:
             self.counts["skipped"] = len(self.prompts) - self.pending_count
         self.journal_path.parent.mkdir(parents=True, exist_ok=True)
         self._journal: io.TextIOBase = self.journal_path.open("a", encoding="utf-8")
+
+    def _resume_attempts(self, attempts: Iterable[dict], done: set[str]) -> None:
+        """Attempts of samples still pending: the priced ones count as spent (their sample's row
+        will carry them), the ones an earlier process opened and never settled are listed for the
+        client to price before it asks again (`unsettled_attempts`). A committed sample's row
+        carries its attempts already."""
+        for a in attempts:
+            if a.get("sample_id") in done:
+                continue
+            if a.get("state") == "settled":
+                self.lost_attempts.setdefault(a["sample_id"], []).append(a)
+                self.spent_before_usd += a.get("cost_usd") or 0.0
+            else:
+                self.unsettled_attempts.append(a)
+        if self.unsettled_attempts:
+            log.warning("%s: %d requests of an earlier attempt were cut while the provider may have billed them: "
+                        "priced before their samples are asked again", self.store.uri(self.ref),
+                        len(self.unsettled_attempts))
+
+    def journal_attempt(self, record: dict) -> None:
+        """A paid-or-maybe-paid request without an answer, in the local journal (flushed): `state`
+        "open" when the provider named its generation, "settled" once it is priced (`cost_usd`,
+        `cost_source`). A resume prices the open ones before their samples are asked again, so no
+        request is retried while the journal says its first attempt may still be billed uncounted."""
+        self._journal.write(json.dumps({"attempt": record}, ensure_ascii=False) + "\n")
+        self._journal.flush()
+        if record.get("state") == "settled":
+            self.cost_usd += record.get("cost_usd") or 0.0
+            self.counts["lost_attempts"] += 1
 
     def _observe_committed(self) -> None:
         """Hand the turn driver every row earlier attempts committed (verified parts, the columns a
@@ -423,7 +459,16 @@ def part_cost(table) -> dict:
     """The summary each generations part's progress record carries, so resume prices committed
     work from the (verified) records without downloading the parts again."""
     usage = table.column("usage").to_pylist()
-    return {"cost_usd": sum((u or {}).get("cost_usd") or 0.0 for u in usage)}
+    return {"cost_usd": sum((u or {}).get("cost_usd") or 0.0 for u in usage) + lost_cost(table)}
+
+
+def lost_cost(table) -> float:
+    """USD of the attempts the rows of `table` lost before their answer (their provenance's
+    `lost_cost_usd`: cut streams, unreadable answers), which their usage does not hold."""
+    if "provenance" not in table.column_names:
+        return 0.0
+    return sum(json.loads(p).get("lost_cost_usd") or 0.0 for p in table.column("provenance").to_pylist()
+               if p and '"lost_cost_usd"' in p)
 
 
 def committed_cost(store, ref, records: list[dict]) -> float:
@@ -435,8 +480,7 @@ def committed_cost(store, ref, records: list[dict]) -> float:
         if "summary" in record:
             total += record["summary"].get("cost_usd") or 0.0
             continue
-        usage = committed_part(store, ref, record, ["usage"]).column("usage").to_pylist()
-        total += sum((u or {}).get("cost_usd") or 0.0 for u in usage)
+        total += part_cost(committed_part(store, ref, record, ["usage", "provenance"]))["cost_usd"]
     return total
 
 

@@ -3,7 +3,8 @@
 An hours-long task must be readable from its log, so `LogProgress` writes one line every
 `interval_s` seconds (done/total, failed, tokens/s, USD, ETA) even when nothing finished in between
 (a stalled provider shows as a flat line, not as silence). Stage functions take any object with
-`start`, `update`, `tick` and `close`.
+`start`, `update`, `tick` and `close`; `close` is safe in any state (before `start`, twice), so a
+stage with nothing to do, or one failing before its first round, ends cleanly.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ class Progress:
     """Counts shared by every progress sink; a plain `Progress()` records and shows nothing."""
 
     def __init__(self) -> None:
-        self.total = self.done = self.failed = self.tokens = 0
+        self.total = self.done = self.failed = self.tokens = self._base = 0
         self.cost_usd = 0.0
+        self.label = ""
         self.started = time.monotonic()
 
     def start(self, total: int, already_done: int = 0, label: str = "") -> None:
@@ -88,4 +90,7 @@ class TqdmProgress(Progress):
         self.bar.set_postfix(failed=self.failed, usd=f"{self.cost_usd:.4f}", refresh=False)
 
     def close(self) -> None:
-        self.bar.close()
+        """Safe in any state: a stage with nothing to do never started its bar."""
+        if getattr(self, "bar", None) is not None:
+            self.bar.close()
+            self.bar = None

@@ -45,12 +45,14 @@ Action = Literal["retry", "pause", "permanent", "stop"]
 class Verdict:
     """What to do with one failed attempt. `reason` names the status, the provider's code and
     message (never the request); `retry_after_s`: the service's hint; `stop`: the stage's
-    stopped_reason when `action` is "stop" (or when retries run out, for a pause or a 429)."""
+    stopped_reason when `action` is "stop" (or when retries run out, for a pause or a 429);
+    `prompt_specific`: the failure is about this prompt, not the config (openrouter_breaker)."""
 
     action: Action
     reason: str
     retry_after_s: float | None = None
     stop: str | None = None
+    prompt_specific: bool = False  # a permanent failure of this prompt's text (moderation, too large): never trips the breaker
 
 
 def error_of(body: Any) -> dict:
@@ -90,10 +92,10 @@ def classify_status(status: int, body: Any, headers: Mapping[str, str]) -> Verdi
         return Verdict("stop", reason, stop=CREDITS)
     if status == 403:
         if _blocks_this_prompt(err, meta):
-            return Verdict("permanent", reason)
+            return Verdict("permanent", reason, prompt_specific=True)
         return Verdict("stop", reason, stop=FORBIDDEN)  # a key limit or policy: every request would get it
     if status in PERMANENT_STATUS:
-        return Verdict("permanent", reason)
+        return Verdict("permanent", reason, prompt_specific=status == 413)  # 413: this prompt is too large
     return Verdict("retry", reason, retry_after, stop=RATE_LIMITED if status == 429 else None)
 
 
