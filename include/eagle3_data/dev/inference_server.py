@@ -192,7 +192,10 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
 
     @app.get("/dev/stats")
     async def dev_stats() -> dict:
-        return state.stats.to_dict()
+        """The counters, and what the chat endpoint billed: every generation it started (answered,
+        abandoned or cut), as OpenRouter's records would add up."""
+        return {**state.stats.to_dict(), "billed_usd": round(sum(g["total_cost"] for g in state.generations.values()), 10),
+                "generations": len(state.generations)}
 
     @app.post("/dev/config")
     async def dev_config(request: Request) -> Response:
