@@ -228,6 +228,8 @@ def test_reused_call_ids_splice_each_calls_own_recorded_result(call_ids, s3_serv
     history_ids = {m["tool_call_id"] for p in store.read_table(StageRef(run_key, "prompts", "chat")).to_pylist()
                    for m in json.loads(p["messages"]) if m["role"] == "tool"}
     assert history_ids == ({"call_0"} if call_ids == "given" else {"functions.get_weather:0", "functions.get_weather:1"})
+    params = store.read_manifest(StageRef(run_key, "prompts", "chat"))["params"]
+    assert params.get("call_ids") == (None if call_ids == "format" else "given")  # a switch is never a stale reuse
     spliced = Counter()
     for r in generated:
         messages = json.loads(r["messages"])
