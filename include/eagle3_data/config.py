@@ -198,6 +198,7 @@ class OverflowGenerationConfig(_Model):
 
 Regenerate = Literal["final_turn", "every_turn", "trajectory"]
 History = Literal["dataset", "regenerated"]
+CallIds = Literal["format", "given"]
 
 
 class GenerationConfig(_Model):
@@ -212,6 +213,11 @@ class GenerationConfig(_Model):
     history: History = Field(
         "dataset", description="every_turn and trajectory: the history before a user turn is the dataset's own "
         "(dataset) or the answers regenerated before it (regenerated, on-policy)")
+    call_ids: CallIds = Field(
+        "format", description="the tool-call ids of the prompts' history: format rewrites a dataset's own (call_w1, "
+        "ShareGPT's call_0) to the model's (Kimi: functions.{name}:{idx}, idx counting the row's calls), each tool "
+        "result re-keyed to the call it answers, since Kimi reads a call's function name from its id; given keeps "
+        "them as the dataset has them")
     max_trajectory_steps: int = Field(8, ge=1, le=256, description="trajectory: assistant turns per user turn at most")
     local: LocalGenerationConfig = Field(default_factory=LocalGenerationConfig)
     overflow: OverflowGenerationConfig

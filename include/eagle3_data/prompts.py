@@ -95,6 +95,7 @@ def load_prompts(
     max_message_bytes: int | None = None,
     regenerate: str = "final_turn",
     history: str = "dataset",
+    call_id: Callable[[str, int], str] | None = None,
 ) -> PromptLoad:
     """Load, validate and normalise one dataset's prompts; see the module docstring for `source`.
 
@@ -108,7 +109,14 @@ def load_prompts(
     and including it (`turn_prompts`); `final_turn` one of the whole row. `trajectory`, and
     `every_turn` on the `regenerated` history, keep the whole row (its recorded answers and tool
     results included) as one prompt: the generation stage asks for its turns in rounds
-    (generation.conversations)."""
+    (generation.conversations).
+    In `final_turn` a row that ends with the dataset's answer is answered again after its last
+    user (or tool) message: the trailing assistant messages are left out of the prompt (counted in
+    `counts["answers_dropped"]`), as the other modes leave them out of every turn's prompt.
+    `call_id`: the output format's own call id (`OutputFormat.call_id`, `generation.call_ids:
+    format`): every call of a row is renamed to it, numbered over the row as the model numbers
+    its calls, and each tool message re-keyed to the call it answers (`pair_results`); None keeps
+    the dataset's ids (`given`)."""
     from eagle3_data.generation.conversations import needs_rounds
 
     whole = needs_rounds(regenerate, history)
@@ -118,7 +126,8 @@ def load_prompts(
     if repeats < 1:
         raise UserError(f"repeats must be >= 1, got {repeats}")
     files = _resolve(source, dataset, date, client)
-    load = PromptLoad(rows=PromptRows(), rejects=[], counts={"read": 0, "rejected": 0, "duplicates": 0, "ignored_fields": 0})
+    load = PromptLoad(rows=PromptRows(), rejects=[],
+                      counts={"read": 0, "rejected": 0, "duplicates": 0, "ignored_fields": 0, "answers_dropped": 0})
     seen: set[str] = set()
     ordinal = 0
     for f in files:
@@ -130,7 +139,7 @@ def load_prompts(
                     raise _Reject("", "not valid JSON")
                 if isinstance(record, _Reject):
                     raise record
-                messages, tools, ignored = _normalise(record, trailing_answer=regenerate != "final_turn")
+                messages, tools, ignored, dropped = _normalise(record, call_id, drop_answer=regenerate == "final_turn")
                 source_id = _source_id(record)
                 _check_bytes(messages, max_message_bytes)
                 if whole:  # one prompt row; its user turns (refused when none) size the stage's task
@@ -152,6 +161,7 @@ def load_prompts(
                 )
                 continue
             load.counts["ignored_fields"] += ignored
+            load.counts["answers_dropped"] += dropped
             if whole:
                 load.counts["user_turns"] = load.counts.get("user_turns", 0) + user_turns * repeats
             tools_json = canonical_json(tools) if tools else None
@@ -258,10 +268,13 @@ def turn_prompts(messages: list[dict], regenerate: str = "every_turn") -> list[l
     return out
 
 
-def _normalise(record: Any, *, trailing_answer: bool = False) -> tuple[list[dict], list[dict] | None, int]:
-    """(messages, tools, count of ignored fields) of a row in any layout (prompt_layouts);
-    `trailing_answer`: a row may end with the assistant's answer (every_turn regenerates the
-    turns before it)."""
+def _normalise(record: Any, call_id: Callable[[str, int], str] | None = None, *,
+               drop_answer: bool = False) -> tuple[list[dict], list[dict] | None, int, bool]:
+    """(messages, tools, count of ignored fields, whether an answer was dropped) of a row in any
+    layout (prompt_layouts), every tool message paired with the call it answers (refused when it
+    answers none) and, given `call_id`, the calls renamed to the format's own ids (see
+    `load_prompts`). `drop_answer` (final_turn): the assistant messages the row ends with are left
+    out, the target answers again after the user or tool message before them."""
     if not isinstance(record, dict):
         raise _Reject("", f"expected a JSON object, got {type(record).__name__}")
     messages, tools, used = prompt_layouts.to_messages(record)
@@ -273,8 +286,15 @@ def _normalise(record: Any, *, trailing_answer: bool = False) -> tuple[list[dict
     if not messages:
         raise _Reject(name, "empty")
     out = [_message(m, f"{name}[{i}]") for i, m in enumerate(messages)]
-    if out[-1]["role"] == "assistant" and not trailing_answer:
-        raise _Reject(f"{name}[{len(out) - 1}].role", "the last message is from the assistant: nothing to generate")
+    answers = prompt_layouts.pair_results(out, name)
+    if call_id is not None:
+        _format_call_ids(out, answers, call_id)
+    end = len(out)
+    while drop_answer and end and out[end - 1]["role"] == "assistant":
+        end -= 1
+    if end < len(out) and not any(m["role"] in ("user", "tool") for m in out[:end]):
+        raise _Reject(f"{name}[{len(out) - 1}].role", "no user or tool message before the assistant's answer: "
+                      "nothing to answer")
     if isinstance(tools, str):
         tools = _json_field(tools, "tools")
     if tools is not None:
@@ -282,7 +302,20 @@ def _normalise(record: Any, *, trailing_answer: bool = False) -> tuple[list[dict
             raise _Reject("tools", f"expected a list or null, got {type(tools).__name__}")
         tools = [_tool(t, f"tools[{i}]") for i, t in enumerate(tools)] or None
     ignored = len(set(record) - used - {"id"})
-    return out, tools, ignored
+    return out[:end], tools, ignored, end < len(out)
+
+
+def _format_call_ids(messages: list[dict], answers: dict[int, tuple[int, int]],
+                     call_id: Callable[[str, int], str]) -> None:
+    """Rename every call (in place) to `call_id(name, k)`, k counting the row's calls in order (as
+    the model counts them: `OutputFormat.tool_call_index_start`), and re-key each tool message
+    to the new id of the call it answers (`answers`: prompt_layouts.pair_results)."""
+    ids: dict[tuple[int, int], str] = {}
+    for i, m in enumerate(messages):
+        for k, call in enumerate(m.get("tool_calls") or ()):
+            call["id"] = ids[i, k] = call_id(call["function"]["name"], len(ids))
+    for j, at in answers.items():
+        messages[j]["tool_call_id"] = ids[at]
 
 
 def _source_id(record: dict) -> str | None:

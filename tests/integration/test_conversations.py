@@ -24,8 +24,10 @@ from tests.conversation_oracle import CONVERSATIONS, IM_END, render
 
 
 
-def _generate(store, s3_server, kimi_tokenizer_dir, tmp_path, monkeypatch, run_key: str, *flags: str, thinking=True):
+def _generate(store, s3_server, kimi_tokenizer_dir, tmp_path, monkeypatch, run_key: str, *flags: str, thinking=True,
+              prompts=CONVERSATIONS, call_ids="format"):
     raw = default_config_raw()
+    raw["generation"]["call_ids"] = call_ids
     raw["storage"]["bucket"] = store.bucket
     raw["tokenizer"]["source"] = str(kimi_tokenizer_dir)
     raw["generation"]["sampling"].update(max_new_tokens=160, thinking=thinking)
@@ -35,7 +37,7 @@ def _generate(store, s3_server, kimi_tokenizer_dir, tmp_path, monkeypatch, run_k
                         ("AWS_ENDPOINT_URL", s3_server.endpoint_url), ("EAGLE3_JOURNAL_DIR", str(tmp_path / "j"))):
         monkeypatch.setenv(name, value)
     assert main(["generate", "local", "--config", str(tmp_path / "pipeline.yaml"), "--dataset", "chat", "--prompts",
-                 str(CONVERSATIONS), "--run-key", run_key, "--dev", *flags]) == 0
+                 str(prompts), "--run-key", run_key, "--dev", *flags]) == 0
     return store.read_table(StageRef(run_key, "generate_local", "chat")).to_pylist()
 
 
@@ -102,8 +104,9 @@ def test_turns_regenerated_in_rounds_are_what_the_model_saw(mode, history, think
     for s in samples:
         steps = [by_id[sid] for sid in s["steps"]]
         assert steps and all(t["status"] == "ok" for t in steps)
-        conv = conversations[s["conversation"]]
-        recorded = recorded_results(json.loads(conv["messages"]))
+        conv = json.loads(conversations[s["conversation"]]["messages"])
+        users = [i for i, m in enumerate(conv) if m["role"] == "user"]
+        recorded = recorded_results(conv, users[s["user_turn"]] if history == "dataset" else users[0])
         last = steps[-1]
         tools = json.loads(last["tools"]) if last["tools"] else None
         messages = json.loads(last["messages"])
@@ -119,7 +122,7 @@ def test_turns_regenerated_in_rounds_are_what_the_model_saw(mode, history, think
                 between = json.loads(steps[j + 1]["messages"])[len(json.loads(t["messages"])):]
                 assert between[0]["role"] == "assistant" and mode == "trajectory"
                 calls = between[0]["tool_calls"]
-                assert [m["content"] for m in between[1:]] == [recorded[call_key(c)] for c in calls]
+                assert [m["content"] for m in between[1:]] == [recorded[call_key(c)].popleft() for c in calls]
                 assert [m["tool_call_id"] for m in between[1:]] == [c["id"] for c in calls]
             else:
                 end = start + len(t["output_ids"])
@@ -130,7 +133,7 @@ def test_turns_regenerated_in_rounds_are_what_the_model_saw(mode, history, think
         assert s["end"] in ("answered", "unmatched_call", "length", "tool_calls", "max_steps")
         if s["end"] == "unmatched_call":
             miss = json.loads(s["unmatched"])
-            assert call_key({"function": miss}) not in recorded
+            assert not recorded.get(call_key({"function": miss}))  # none recorded, or every one taken
         if mode == "every_turn":
             assert len(steps) == 1
     # the earlier-turn rows are folded into their trajectory's record, none is a record of its own
@@ -214,3 +217,47 @@ def test_a_stage_with_nothing_routed_to_it_completes_empty(engine, mode, s3_serv
                  str(CONVERSATIONS), "--run-key", run_key, "--dev", "--regenerate", mode]) == 0
     ref = StageRef(run_key, f"generate_{engine}", "chat")
     assert store.is_complete(ref) and store.read_table(ref).num_rows == 0
+
+
+CITY_RESULTS = {"Lisbon": "Lisbon: 21 C, clear", "Porto": "Porto: 17 C, cloudy"}
+
+
+@pytest.mark.parametrize("call_ids", ["format", "given"])
+def test_reused_call_ids_splice_each_calls_own_recorded_result(call_ids, s3_server, store, kimi_tokenizer_dir, tmp_path,
+                                                              monkeypatch):
+    """A converted dataset reuses `call_0` in every turn (Lisbon in turn 1, Porto in turn 2): each
+    call the dev model makes gets the result recorded for that city, whatever the ids are; with
+    `given` the history keeps `call_0`, with `format` it reads `functions.get_weather:{idx}`."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "enum": list(CITY_RESULTS)}}, "required": ["city"]}}}]
+
+    def turn(city: str) -> list[dict]:
+        return [{"role": "assistant", "content": "", "tool_calls": [{"id": "call_0", "type": "function", "function": {
+                    "name": "get_weather", "arguments": json.dumps({"city": city})}}]},
+                {"role": "tool", "tool_call_id": "call_0", "content": CITY_RESULTS[city]},
+                {"role": "assistant", "content": f"{city} noted."}]
+
+    rows = [{"id": f"trip-{k}", "tools": tools, "messages": [
+        {"role": "user", "content": f"Weather in Lisbon? ({k})"}, *turn("Lisbon"),
+        {"role": "user", "content": f"And in Porto? ({k})"}, *turn("Porto"), {"role": "user", "content": "Thanks."}]}
+        for k in range(8)]
+    path = tmp_path / "reused.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_key = f"reused-{call_ids}"
+    generated = _generate(store, s3_server, kimi_tokenizer_dir, tmp_path, monkeypatch, run_key, "--regenerate",
+                          "trajectory", prompts=path, call_ids=call_ids)
+    history_ids = {m["tool_call_id"] for p in store.read_table(StageRef(run_key, "prompts", "chat")).to_pylist()
+                   for m in json.loads(p["messages"]) if m["role"] == "tool"}
+    assert history_ids == ({"call_0"} if call_ids == "given" else {"functions.get_weather:0", "functions.get_weather:1"})
+    params = store.read_manifest(StageRef(run_key, "prompts", "chat"))["params"]
+    assert params.get("call_ids") == (None if call_ids == "format" else "given")  # a switch is never a stale reuse
+    spliced = Counter()
+    for r in generated:
+        messages = json.loads(r["messages"])
+        for j, m in enumerate(messages):
+            if m["role"] == "tool" and messages[j - 1].get("reasoning_content"):  # after a generated turn: spliced
+                call = next(c for c in messages[j - 1]["tool_calls"] if c["id"] == m["tool_call_id"])
+                city = json.loads(call["function"]["arguments"])["city"]
+                assert m["content"] == CITY_RESULTS[city], (r["sample_id"], call)
+                spliced[city] += 1
+    assert spliced["Lisbon"] and spliced["Porto"], spliced  # both cities were called and answered

@@ -27,9 +27,9 @@ ROW = [
 ]
 
 
-def _driver(mode="trajectory", history="dataset", max_steps=8) -> TurnDriver:
+def _driver(mode="trajectory", history="dataset", max_steps=8, row=ROW) -> TurnDriver:
     d = TurnDriver(mode, history, fmt=None, max_steps=max_steps)
-    d.start(parse_prompts([{"sample_id": "conv", "dataset": "d", "messages": json.dumps(ROW),
+    d.start(parse_prompts([{"sample_id": "conv", "dataset": "d", "messages": json.dumps(row),
                             "tools": json.dumps(WEATHER), "route": "local"}], "d", None))
     return d
 
@@ -51,8 +51,8 @@ def test_calls_match_by_name_and_json_equal_arguments():
     assert call_key(_call(0, '{"unit":"C","city":"Lisbon"}')) == call_key(_call(5, '{"city": "Lisbon", "unit": "C"}'))
     assert call_key(_call(0, '{"city": "Lisbon"}')) != call_key(_call(0, '{"city": "Lisbon", "unit": "C"}'))
     assert call_key(_call(0, "not json")) is None
-    assert recorded_results(ROW) == {call_key(_call(0, '{"city":"Lisbon","unit":"C"}')): "21 clear",
-                                     call_key(_call(0, '{"city":"Porto","unit":"C"}')): "17 cloudy"}
+    assert {k: list(v) for k, v in recorded_results(ROW).items()} == {
+        call_key(_call(0, '{"city":"Lisbon","unit":"C"}')): ["21 clear"], call_key(_call(0, '{"city":"Porto","unit":"C"}')): ["17 cloudy"]}
     assert needs_rounds("trajectory", "dataset") and needs_rounds("every_turn", "regenerated")
     assert not needs_rounds("every_turn", "dataset") and not needs_rounds("final_turn", "regenerated")
 
@@ -102,8 +102,8 @@ def test_why_a_trajectory_ends(finish, status, calls, end):
 def test_max_steps_bounds_a_trajectory():
     d = _driver(max_steps=2)
     sid = next(r for r in d.next_prompts() if len(json.loads(r["messages"])) == 2)["sample_id"]
-    for _ in range(2):
-        d.observe(_answer(sid, calls=[_call(0, '{"city": "Lisbon", "unit": "C"}')]))
+    for city in ("Lisbon", "Porto"):  # each recorded result answers one call
+        d.observe(_answer(sid, calls=[_call(0, f'{{"city": "{city}", "unit": "C"}}')]))
         nxt = [r for r in d.next_prompts() if len(json.loads(r["messages"])) > 2]
         sid = nxt[0]["sample_id"] if nxt else None
     s = next(w for _, _, w in d.walks() if w.samples[0].user_turn == 0).samples[0]
@@ -163,3 +163,73 @@ def test_two_conversations_of_one_shape_never_share_a_turn_id():
         d.observe(_answer(row["sample_id"], content="same answer"))
     second = d.next_prompts()
     assert len({r["sample_id"] for r in first + second}) == 4
+
+
+def _recorded_call(call_id: str, args: str) -> dict:
+    return {"role": "assistant", "content": "", "tool_calls": [
+        {"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": args}}]}
+
+
+# a converted dataset: `call_0` in every turn, each turn's result answering its own turn's call
+REUSED_IDS = [
+    {"role": "user", "content": "weather in Lisbon?"},
+    _recorded_call("call_0", '{"city": "Lisbon"}'), {"role": "tool", "tool_call_id": "call_0", "content": "Lisbon 21"},
+    {"role": "assistant", "content": "21 in Lisbon."},
+    {"role": "user", "content": "and Porto?"},
+    _recorded_call("call_0", '{"city": "Porto"}'), {"role": "tool", "tool_call_id": "call_0", "content": "Porto 17"},
+    {"role": "assistant", "content": "17 in Porto."},
+]
+# the same call polled in two turns, its two recorded results differing
+POLLING = [
+    {"role": "user", "content": "is the Lisbon report ready?"},
+    _recorded_call("call_0", '{"city": "Lisbon"}'), {"role": "tool", "tool_call_id": "call_0", "content": "pending"},
+    _recorded_call("call_1", '{"city": "Lisbon"}'), {"role": "tool", "tool_call_id": "call_1", "content": "ready"},
+    {"role": "assistant", "content": "Ready."},
+    {"role": "user", "content": "check again?"},
+    _recorded_call("call_2", '{"city": "Lisbon"}'), {"role": "tool", "tool_call_id": "call_2", "content": "archived"},
+    {"role": "assistant", "content": "Archived."},
+]
+
+
+def _splices(d: TurnDriver, model_calls: list[str], first_turn=0) -> tuple[list[str], object]:
+    """Answer a trajectory's turns with one get_weather call each (`model_calls`: its arguments),
+    then a plain answer; the results spliced after each call, and the sample."""
+    rows = d.next_prompts()
+    sid = next(r for r in rows if sum(m["role"] == "user" for m in json.loads(r["messages"])) == first_turn + 1)["sample_id"]
+    spliced = []
+    for n, args in enumerate(model_calls):
+        d.observe(_answer(sid, calls=[_call(n, args)]))
+        nxt = [r for r in d.next_prompts() if json.loads(r["messages"])[-1]["role"] == "tool"]
+        if not nxt:
+            break
+        sid = nxt[0]["sample_id"]
+        spliced.append(json.loads(nxt[0]["messages"])[-1]["content"])
+    else:
+        d.observe(_answer(sid, content="done"))
+    s = next(w for _, _, w in d.walks() if w.samples[0].user_turn == first_turn).samples[0]
+    return spliced, s
+
+
+def test_a_result_answers_the_call_before_it_when_ids_are_reused_across_turns():
+    """`call_0` names the Lisbon call in turn 1 and the Porto call in turn 2: each regenerated call
+    gets its own turn's recorded result, never the other's."""
+    spliced, s = _splices(_driver("trajectory", "regenerated", row=REUSED_IDS), ['{"city": "Lisbon"}'])
+    assert spliced == ["Lisbon 21"] and (s.end, s.hits) == ("answered", 1)
+    spliced, s = _splices(_driver("trajectory", "dataset", row=REUSED_IDS), ['{"city": "Porto"}'], first_turn=1)
+    assert spliced == ["Porto 17"] and (s.end, s.hits) == ("answered", 1)
+
+
+def test_a_polled_call_gets_each_recorded_result_once_in_order_then_none():
+    """The model polls as the dataset did: the first poll gets the first recorded result, the next
+    the next; a poll more than recorded is an unmatched call and ends the trajectory."""
+    spliced, s = _splices(_driver("trajectory", "regenerated", row=POLLING), ['{"city": "Lisbon"}'] * 4)
+    assert spliced == ["pending", "ready", "archived"]
+    assert (s.end, s.hits, s.misses) == ("unmatched_call", 3, 1)
+    assert s.unmatched == {"name": "get_weather", "arguments": '{"city": "Lisbon"}'}
+
+
+def test_a_thread_from_a_later_user_turn_takes_that_turns_results_first():
+    """History dataset: the trajectory of user turn 2 starts after turn 1's recorded polls; its first
+    poll gets turn 2's recorded result, then the earlier ones (the history it was given)."""
+    spliced, s = _splices(_driver("trajectory", "dataset", row=POLLING), ['{"city": "Lisbon"}'] * 2, first_turn=1)
+    assert spliced == ["archived", "pending"] and s.hits == 2

@@ -92,7 +92,10 @@ BAD = [  # (row, field the reject names)
     ({"conversations": [{"from": "human", "value": "x"}, {"from": "function_call", "value": "{not json"}]}, "conversations[1].value"),
     ({"conversations": [{"from": "human", "value": "x"}, {"from": "function_call", "value": '{"arguments": {}}'}]},
      "conversations[1].value.name"),
-    ({"conversations": [{"from": "human", "value": "x"}, {"from": "gpt", "value": "done"}]}, "conversations as messages[1].role"),
+    ({"conversations": [{"from": "system", "value": "x"}, {"from": "gpt", "value": "done"}]}, "conversations as messages[1].role"),
+    ({"conversations": [{"from": "human", "value": "x"}, {"from": "function_call", "value": '{"name": "f"}'},
+                        {"from": "gpt", "value": "wait"}, {"from": "observation", "value": "42"}]},
+     "conversations as messages[3].role"),  # a result must follow its call's turn
     ({"conversations": "[" * 5000}, "conversations"),
     ({"conversations": []}, "conversations as messages"),
     ({"prompt": ["not", "a", "string"]}, "prompt"),
@@ -158,8 +161,9 @@ def test_every_turn_is_one_sample_per_user_turn_after_the_datasets_history(tmp_p
     path = tmp_path / "c.jsonl"
     path.write_text(json.dumps(CONVERSATION) + "\n")
     final = load_prompts(str(path), "c", sampling=SAMPLING)
-    assert not final.rows and final.rejects[0]["field"] == "conversations as messages[8].role"  # ends answered
     every = load_prompts(str(path), "c", sampling=SAMPLING, regenerate="every_turn")
+    # final_turn answers the row's last user turn again, its dataset answer left out: every_turn's last sample
+    assert [r["sample_id"] for r in final.rows] == [list(every.rows)[-1]["sample_id"]]
     prompts = [json.loads(r["messages"]) for r in every.rows]
     assert [len(p) for p in prompts] == [2, 4, 8] and all(p[-1]["role"] == "user" for p in prompts)
     assert prompts[2][:7] == prompts[1] + prompts[2][4:7] and prompts[2][4]["tool_calls"][0]["id"] == "call_0"

@@ -32,7 +32,11 @@ BAD = [  # (row, field the reject must name)
     ({"messages": [{"role": "user", "content": "x", "weight": 2}]}, "messages[0].weight"),
     ({"messages": [{"role": "user", "content": 7}]}, "messages[0].content"),
     ({"messages": [USER], "tools": {"name": "f"}}, "tools"),
-    ({"messages": [USER, {"role": "assistant", "content": "done"}]}, "messages[1].role"),
+    ({"messages": [{"role": "system", "content": "be brief"}, {"role": "assistant", "content": "done"}]}, "messages[1].role"),
+    ({"messages": [USER, {"role": "tool", "tool_call_id": "functions.f:0", "content": "42"}]}, "messages[1].role"),
+    ({"messages": [USER, {"role": "assistant", "content": "", "tool_calls": [CALL]},
+                   {"role": "tool", "tool_call_id": "functions.f:0", "content": "42"},
+                   {"role": "tool", "tool_call_id": "functions.f:7", "content": "43"}]}, "messages[3].tool_call_id"),
     ({"messages": [{"role": "tool", "content": "42"}]}, "messages[0].tool_call_id"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content[0]"),
     ({"no_messages": True}, "messages"),
@@ -69,7 +73,8 @@ def test_malformed_rows_are_rejected_with_line_and_field_and_good_rows_kept(tmp_
     load = load_prompts(str(src), "mixed", sampling=SAMPLING)
     assert len(load.rows) == len(GOOD)
     # the row's own `id` is kept (as provenance), not ignored; `meta` is
-    assert load.counts == {"read": len(rows) + 1, "rejected": len(BAD) + 1, "duplicates": 0, "ignored_fields": 1, "rows": len(GOOD)}
+    assert load.counts == {"read": len(rows) + 1, "rejected": len(BAD) + 1, "duplicates": 0, "ignored_fields": 1, "rows": len(GOOD),
+                           "answers_dropped": 0}
     assert [r["source_id"] for r in load.rows] == [None, None, None, "kept-out"]
     by_line = {r["line"]: r for r in load.rejects}
     for i, (_, field) in enumerate(BAD):
@@ -223,3 +228,93 @@ def test_s3_source_needs_the_callers_client():
 
     with pytest.raises(UserError, match="needs the caller's S3 client"):
         load_prompts("s3://bucket/prompts", "p", sampling={})
+
+
+# -- tool-call ids and trailing answers ---------------------------------------------------------------
+def _weather(call_id: str, city: str) -> dict:
+    return {"role": "assistant", "content": "", "tool_calls": [
+        {"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}]}
+
+
+WEATHER_TOOL = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+OPENAI_IDS = {"tools": WEATHER_TOOL, "messages": [  # an OpenAI-style dataset's own ids, reused per turn
+    {"role": "user", "content": "Lisbon?"}, _weather("call_w1", "Lisbon"),
+    {"role": "tool", "tool_call_id": "call_w1", "content": "21"}, {"role": "assistant", "content": "21."},
+    {"role": "user", "content": "Porto?"}, _weather("call_w1", "Porto"),
+    {"role": "tool", "tool_call_id": "call_w1", "content": "17"}, {"role": "assistant", "content": "17."},
+    {"role": "user", "content": "thanks"}]}
+
+
+def _load_one(tmp_path, record, **kwargs) -> list[dict]:
+    src = write_jsonl(tmp_path / "ids.jsonl", [record])
+    load = load_prompts(str(src), "ids", sampling=SAMPLING, **kwargs)
+    assert not load.rejects, load.rejects
+    return json.loads(next(iter(load.rows))["messages"])
+
+
+def test_call_ids_become_the_formats_own_numbered_over_the_row(tmp_path, kimi_tokenizer):
+    """The format's ids (`functions.{name}:{idx}`, idx counting the row's calls across turns) are
+    what the real template renders as each call and its result; `given` keeps the dataset's."""
+    from eagle3_data.chat_format.kimi_k2 import KimiK2Format
+
+    messages = _load_one(tmp_path, OPENAI_IDS, call_id=KimiK2Format.call_id)
+    assert [m["tool_calls"][0]["id"] for m in messages if m.get("tool_calls")] == ["functions.get_weather:0",
+                                                                                 "functions.get_weather:1"]
+    assert [m["tool_call_id"] for m in messages if m["role"] == "tool"] == ["functions.get_weather:0",
+                                                                            "functions.get_weather:1"]
+    text = kimi_tokenizer.apply_chat_template(messages, tools=WEATHER_TOOL, tokenize=False, add_generation_prompt=True)
+    assert "<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>" in text
+    assert "## Return of functions.get_weather:0\n21" in text and "## Return of functions.get_weather:1\n17" in text
+    assert "call_w1" not in text
+    given = _load_one(tmp_path, OPENAI_IDS)
+    assert given == OPENAI_IDS["messages"]
+    assert "## Return of call_w1" in kimi_tokenizer.apply_chat_template(given, tools=WEATHER_TOOL, tokenize=False,
+                                                                        add_generation_prompt=True)
+
+
+def test_sharegpt_calls_take_the_formats_ids(tmp_path):
+    from eagle3_data.chat_format.kimi_k2 import KimiK2Format
+
+    record = {"conversations": [
+        {"from": "human", "value": "Lisbon and Porto?"},
+        {"from": "function_call", "value": json.dumps([{"name": "get_weather", "arguments": {"city": "Lisbon"}},
+                                                       {"name": "get_time", "arguments": {"city": "Porto"}}])},
+        {"from": "observation", "value": "21"}, {"from": "observation", "value": "14:05"},
+        {"from": "gpt", "value": "21, 14:05."}, {"from": "human", "value": "thanks"}]}
+    messages = _load_one(tmp_path, record, call_id=KimiK2Format.call_id)
+    assert [c["id"] for c in messages[1]["tool_calls"]] == ["functions.get_weather:0", "functions.get_time:1"]
+    assert [(m["tool_call_id"], m["content"]) for m in messages[2:4]] == [("functions.get_weather:0", "21"),
+                                                                          ("functions.get_time:1", "14:05")]
+
+
+def test_a_result_pairs_by_id_within_its_call_then_by_position(tmp_path):
+    """Results whose id names a call of the message before them take it; the others take its calls
+    left, in order: here `r-x` answers the second call by position after `b` took its own."""
+    from eagle3_data.chat_format.kimi_k2 import KimiK2Format
+
+    calls = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+        {"id": "b", "type": "function", "function": {"name": "g", "arguments": "{}"}}]}
+    record = {"messages": [USER, calls, {"role": "tool", "tool_call_id": "b", "content": "from g"},
+                           {"role": "tool", "tool_call_id": "r-x", "content": "from f"}]}
+    messages = _load_one(tmp_path, record, call_id=KimiK2Format.call_id)
+    assert [(m["tool_call_id"], m["content"]) for m in messages[2:]] == [("functions.g:1", "from g"),
+                                                                         ("functions.f:0", "from f")]
+
+
+def test_final_turn_answers_again_a_row_that_ends_with_the_datasets_answer(tmp_path):
+    """ShareGPT conversations end with the answer: final_turn leaves it out and regenerates it after
+    the last user message (every row usable), counting the answers it dropped."""
+    rows = [{"conversations": [{"from": "human", "value": f"question {i}"}, {"from": "gpt", "value": f"answer {i}"},
+                               {"from": "human", "value": f"follow-up {i}"}, {"from": "gpt", "value": f"last {i}"}]}
+            for i in range(3)]
+    load = load_prompts(str(write_jsonl(tmp_path / "sharegpt.jsonl", rows)), "sharegpt", sampling=SAMPLING)
+    assert not load.rejects and len(load.rows) == 3 and load.counts["answers_dropped"] == 3
+    for i, row in enumerate(load.rows):
+        messages = json.loads(row["messages"])
+        assert messages[-1] == {"role": "user", "content": f"follow-up {i}"} and len(messages) == 3
+    # a row answered after a tool result: the trailing answer goes, the result stays the last message
+    tool_row = {"messages": [USER, {"role": "assistant", "content": "", "tool_calls": [CALL]},
+                             {"role": "tool", "tool_call_id": "functions.f:0", "content": "42"},
+                             {"role": "assistant", "content": "It is 42."}]}
+    assert _load_one(tmp_path, tool_row)[-1] == {"role": "tool", "tool_call_id": "functions.f:0", "content": "42"}

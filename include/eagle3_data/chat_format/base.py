@@ -207,6 +207,14 @@ class OutputFormat(ABC):
     def tool_call_index_start(self, messages: list[dict[str, Any]]) -> int:
         """Index the next assistant turn's first tool call gets."""
 
+    @staticmethod
+    @abstractmethod
+    def call_id(name: str, index: int) -> str:
+        """The id the model writes for its `index`-th tool call of a conversation (counted over
+        every call, in order), calling `name`. A static method: the prompt loader rewrites a
+        dataset's own ids (`call_0`, `call_w1`) to these before any tokenizer is loaded, so the
+        history reads as the model's own (the name may be nowhere else in the render)."""
+
     @abstractmethod
     def generation_prompt_ids(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None

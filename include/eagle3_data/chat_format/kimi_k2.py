@@ -168,7 +168,7 @@ class KimiK2Format(OutputFormat):
         if message.tool_calls or message.tool_tail is not None:
             parts.append(ids[SECTION_BEGIN])
             for offset, call in enumerate(message.tool_calls):
-                call_id = f"functions.{call.name}:{tool_call_index_start + offset}"
+                call_id = self.call_id(call.name, tool_call_index_start + offset)
                 parts += [ids[CALL_BEGIN], call_id, ids[ARG_BEGIN], call.arguments, ids[CALL_END]]
             if message.tool_tail is not None:
                 parts += self._tail_parts(message.tool_tail)
@@ -267,7 +267,7 @@ class KimiK2Format(OutputFormat):
         message["reasoning_content"] = reasoning or None
         if calls:
             message["tool_calls"] = [
-                {"id": f"functions.{name}:{start + i}", "type": "function", "function": {"name": name, "arguments": args}}
+                {"id": self.call_id(name, start + i), "type": "function", "function": {"name": name, "arguments": args}}
                 for i, (name, args) in enumerate(calls)
             ]
         out_finish = "length" if finish == "length" else ("tool_calls" if calls else "stop")
@@ -300,7 +300,7 @@ class KimiK2Format(OutputFormat):
                 continue
             if start is None:
                 start = history if history is not None else (index if index is not None else 0)
-            if m["id"] != f"functions.{name}:{start + len(calls)}":
+            if m["id"] != self.call_id(name, start + len(calls)):
                 notes.append(f"tool call id {m['id']!r} rewritten by the server")
             try:
                 json.loads(m["args"])
@@ -321,6 +321,12 @@ class KimiK2Format(OutputFormat):
 
     def tool_call_index_start(self, messages: list[dict[str, Any]]) -> int:
         return sum(len(m.get("tool_calls") or []) for m in messages if m.get("role") == "assistant")
+
+    @staticmethod
+    def call_id(name: str, index: int) -> str:
+        """`functions.{name}:{index}`: Kimi's template writes a call's id where the function's name
+        would be, and SGLang's and vLLM's kimi_k2 parsers read the name back from it."""
+        return f"functions.{name}:{index}"
 
     def generation_prompt_ids(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None

@@ -18,9 +18,14 @@ A *thread* is a chain of turns that depend on each other:
                                     generated before them.
 In a trajectory the model's tool calls are answered from the row's recorded ones: a call whose
 name and JSON-equal arguments match a recorded call gets that call's result (parallel calls
-each theirs) and the model goes on; the first call with no recorded result ends the trajectory
-there (`unmatched_call`), as does an answer without calls (`answered`), a cut one (`length`), a
-failed turn (`failed`) and `max_steps` turns.
+each theirs) and the model goes on. A recorded result is the one its tool message gives the call
+it answers in the assistant message right before it (prompt_layouts.pair_results), never looked
+up by id across the row: datasets reuse ids (`call_0` in every turn). Each recorded result
+answers one regenerated call, in order of appearance from the thread's first user turn on (then
+the row's earlier ones): a call polled twice with two recorded results gets the first, then the
+second; a third identical call has none left. The first call with no recorded result left ends
+the trajectory there (`unmatched_call`), as does an answer without calls (`answered`), a cut one
+(`length`), a failed turn (`failed`) and `max_steps` turns.
 
 A *sample* is what the model saw: one per user turn. In a trajectory it is the history as
 rendered at its start, then every generated turn, tool result and the final answer: the last
@@ -36,7 +41,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +51,7 @@ import pyarrow.parquet as pq
 
 from eagle3_data.canonical import canonical_json
 from eagle3_data.errors import UserError
+from eagle3_data.prompt_layouts import pair_results
 
 SAMPLES_FILE = "conversation_samples.parquet"
 END_REASONS = ("answered", "unmatched_call", "tool_calls", "length", "failed", "max_steps")
@@ -97,16 +103,16 @@ def call_key(call: Mapping) -> tuple[str, str] | None:
     return str(fn.get("name")), canonical_json(parsed)
 
 
-def recorded_results(messages: list[dict]) -> dict[tuple[str, str], Any]:
-    """Each recorded call's result (the content of the tool message answering its id), by
-    `call_key`; the first recording of a call wins."""
-    results = {m["tool_call_id"]: m.get("content") for m in messages if m["role"] == "tool"}
-    out: dict[tuple[str, str], Any] = {}
-    for m in messages:
-        for call in m.get("tool_calls") or ():
-            key = call_key(call)
-            if key is not None and call.get("id") in results:
-                out.setdefault(key, results[call["id"]])
+def recorded_results(messages: list[dict], start: int = 0) -> dict[tuple[str, str], deque]:
+    """The recorded results by `call_key`, each key's in the order a walk from message `start`
+    meets its calls: the calls from `start` on first, then the row's earlier ones (the history a
+    thread starting there was given). A walk takes each result once (`popleft`)."""
+    out: dict[tuple[str, str], deque] = {}
+    answered = sorted(pair_results(messages).items(), key=lambda a: (a[1][0] < start, a[1]))
+    for j, (i, k) in answered:
+        key = call_key(messages[i]["tool_calls"][k])
+        if key is not None:
+            out.setdefault(key, deque()).append(messages[j].get("content"))
     return out
 
 
@@ -201,7 +207,7 @@ class TurnDriver:
         users = [i for i, m in enumerate(p.messages) if m["role"] == "user" and i >= start]
         if self.history == "dataset":
             users = users[:1]
-        recorded = recorded_results(p.messages) if self.mode == "trajectory" else {}
+        recorded = recorded_results(p.messages, start) if self.mode == "trajectory" else {}
         messages = list(p.messages[: start + 1])
         samples: list[Sample] = []
         before, since = canonical_json([p.sample_id, self.tag, thread]), 0
@@ -231,8 +237,9 @@ class TurnDriver:
                 return Walk(samples, messages, None, len(users) - u - 1)
         return Walk(samples, messages, None)
 
-    def _advance(self, sample: Sample, turn: Turn, messages: list[dict], recorded: dict) -> str | None:
-        """Append what follows `turn` (an ok one) to `messages`; the sample's end reason, or None to go on."""
+    def _advance(self, sample: Sample, turn: Turn, messages: list[dict], recorded: dict[tuple[str, str], deque]) -> str | None:
+        """Append what follows `turn` (an ok one) to `messages`, taking the results its calls get
+        from `recorded`; the sample's end reason, or None to go on."""
         messages.append(turn.message())
         if turn.finish_reason == "length":
             return "length"
@@ -240,7 +247,7 @@ class TurnDriver:
             return "answered"
         if self.mode != "trajectory":
             return "tool_calls"
-        results = [recorded.get(call_key(c), _MISSING) for c in turn.tool_calls]
+        results = [queue.popleft() if (queue := recorded.get(call_key(c))) else _MISSING for c in turn.tool_calls]
         missed = [c for c, r in zip(turn.tool_calls, results) if r is _MISSING]
         if missed:  # nothing is spliced: the trajectory ends at this turn
             sample.misses += len(missed)

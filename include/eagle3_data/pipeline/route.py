@@ -112,7 +112,7 @@ def load_route(run: Run, store, dataset: str) -> RouteResult:
     fmt = output_format(run, store)
     loaded = load_prompts(ds.prompts, dataset, date=run.date, sampling=sampling(run), repeats=g.repeats, client=store.client,
                           max_message_bytes=limits.max_message_bytes, regenerate=g.regenerate,
-                          history=g.history)
+                          history=g.history, call_id=fmt.call_id if g.call_ids == "format" else None)
     limit = prompt_token_limit(tokenizer_for(run, store), limits.max_prompt_tokens, g.sampling.max_new_tokens)
     limit_prompt_tokens(loaded, limit, lambda messages, tools: len(fmt.generation_prompt_ids(messages, tools)))
     log.info("dataset %s: %s", dataset, format_load_rejects(loaded))
@@ -138,6 +138,8 @@ def load_route(run: Run, store, dataset: str) -> RouteResult:
     counts = {"prompts": len(routes), "rejects": len(loaded.rejects)}
     if "user_turns" in loaded.counts:  # rows asked for turn by turn (generation.conversations): sizes the timeouts
         counts["user_turns"] = loaded.counts["user_turns"]
+    if loaded.counts["answers_dropped"]:  # final_turn: rows whose own answer is regenerated (the provenance kept)
+        counts["answers_dropped"] = loaded.counts["answers_dropped"]
     for route in routes:
         counts[route] = counts.get(route, 0) + 1
     if run.dry_run:
@@ -160,6 +162,8 @@ def load_route(run: Run, store, dataset: str) -> RouteResult:
         params["history"] = g.history
     if g.regenerate == "trajectory":
         params["max_trajectory_steps"] = g.max_trajectory_steps
+    if g.call_ids != "format":  # recorded only away from the default, as `regenerate`
+        params["call_ids"] = g.call_ids
     if reusable(store, ref, [], params) is None:
         with StageWriter(store, ref, "prompts", rows_per_part=PROMPT_ROWS_PER_PART, params=params, fresh=True) as w:
             for batch in routed_batches(loaded.rows, routes):
