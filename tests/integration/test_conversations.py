@@ -63,12 +63,13 @@ def test_every_turn_on_the_datasets_history_generates_one_sample_per_user_turn(s
 def _records(store, ref, rows) -> dict[str, dict]:
     """The merge's records of a stage's rows, its trajectory folds applied (merge._fold + build_record)."""
     samples = read_samples(store.get_bytes(ref, SAMPLES_FILE))
-    folds = trajectory_folds(samples)
+    folds = trajectory_folds(samples, {r["sample_id"]: (r["status"], r["error"]) for r in rows})
     ok = [r for r in rows if r["status"] == "ok"]
-    keep, sids, prompt, output, masked = _fold(list(range(len(ok))), [r["sample_id"] for r in ok],
-                                               pa.array([r["prompt_ids"] for r in ok]),
-                                               pa.array([r["output_ids"] for r in ok]), folds, ["chat"] * len(ok),
-                                               {"chat": Counter()})
+    keep, sids, prompt, output, masked, _ = _fold(list(range(len(ok))), [r["sample_id"] for r in ok],
+                                                  pa.array([r["prompt_ids"] for r in ok]),
+                                                  pa.array([r["output_ids"] for r in ok]),
+                                                  [r["provenance"] for r in ok], folds.rows, ["chat"] * len(ok),
+                                                  {"chat": Counter()})
     out = {}
     for j, (i, sid) in enumerate(zip(keep, sids)):
         row = {**ok[i], "sample_id": sid, "prompt_ids": prompt[j].as_py(), "output_ids": output[j].as_py(),
