@@ -7,10 +7,12 @@ builds it) against the template's render at each of its turns."""
 
 from __future__ import annotations
 
+import io
 import json
 from collections import Counter
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import yaml
 
@@ -194,3 +196,65 @@ def test_overflow_trajectories_resume_by_turn_and_pay_each_turn_once(store, star
     for r in committed:  # the provider was sent each turn's messages; their render is the row's prompt ids
         tools = json.loads(r["tools"]) if r["tools"] else None
         assert r["prompt_ids"] == render(kimi_tokenizer, json.loads(r["messages"]), tools)
+
+
+def test_a_trajectory_cut_at_reconstruct_keeps_its_turns_before_the_cut(store, start_dev_server, kimi_tokenizer,
+                                                                      kimi_tokenizer_dir, tmp_path):
+    """The overflow path, its stages as the DAG runs them (generation in rounds, reconstruct,
+    the merge with `trajectory_folds_of`), on a dev server that cuts every answer to a tool
+    result (`cut_after_tool_result`): a length cut with tools offered, which the generation
+    stage keeps (`ok`, the trajectory ends `length`) and the reconstruct stage marks
+    unreconstructable. Each trajectory that got a tool result is then kept up to its turn before
+    the cut: its record is the template's render of that turn's prompt plus its ids
+    (tests/conversation_oracle.py), none is lost, and the merge manifest's counts add up."""
+    from eagle3_data.chat_format import get_output_format
+    from eagle3_data.config import load_config
+    from eagle3_data.generation.conversations import TurnDriver
+    from eagle3_data.merge import merge_datasets, merged_shards
+    from eagle3_data.pipeline import reconstruct
+    from eagle3_data.pipeline.merge import trajectory_folds_of
+    from eagle3_data.pipeline.run import Run
+    from eagle3_data.prompts import load_prompts
+    from tests.conversation_oracle import check_conversation_records, stage_rows
+    from tests.generation_calls import MODEL, generate_overflow
+
+    server = start_dev_server({"endpoints": {"chat": {"cut_after_tool_result": 6}}})
+    sampling = {"temperature": 0.0, "max_new_tokens": 160}
+    rows = list(load_prompts(str(CONVERSATIONS), "chat", sampling=sampling, regenerate="trajectory",
+                             history="dataset").rows)
+    config = load_config().with_overrides({"tokenizer": {"source": str(kimi_tokenizer_dir)}}, where="test")
+    run = Run(config=config, run_key="cut-trajectories", date=None, datasets=["chat"], dry_run=False,
+              skip_hidden_states=True)
+    ref = StageRef(run.run_key, "generate_overflow", "chat")
+    done = generate_overflow(store, ref, rows, kimi_tokenizer, server.url + "/v1", "sk-test", MODEL, {}, None,
+                             sampling={**sampling, "thinking": True}, concurrency=2, rows_per_part=4,
+                             journal_dir=tmp_path / "j", turns=TurnDriver("trajectory", "dataset",
+                                                                          get_output_format(kimi_tokenizer, thinking=True)))
+    assert done["complete"], done
+    reconstruct(run, store, "chat")
+    rebuilt = stage_rows(store, run.run_key, "reconstruct", "chat")
+    samples = read_samples(store.get_bytes(ref, SAMPLES_FILE))
+    cut = [s for s in samples if len(s["steps"]) > 1 and rebuilt[s["steps"][-1]]["status"] == "unreconstructable"]
+    assert cut and all(s["end"] == "length" for s in cut)  # the fault is exercised: answers to tool results cut
+    summary = merge_datasets(store, [StageRef(run.run_key, "reconstruct", "chat")], run.run_key, max_length=1 << 16,
+                             folds=trajectory_folds_of(run, store, ["chat"]), draft_vocab_size=64)
+    counts = check_conversation_records(store, run.run_key, "chat", kimi_tokenizer)  # every record the oracle's
+    records = {}
+    for shard in merged_shards(store, StageRef(run.run_key, "merge", "all")):
+        records.update({r["sample_id"]: r for r in pq.read_table(io.BytesIO(
+            store.get_bytes(StageRef(run.run_key, "merge", "all"), shard["name"]))).to_pylist()})
+    usable = [s for s in samples if s["steps"] and rebuilt[s["steps"][0]]["status"] == "ok"]
+    assert set(records) == {s["sample_id"] for s in usable} and counts["openrouter"] == len(usable)  # none lost
+    for s in cut:
+        end = json.loads(records[s["sample_id"]]["provenance"])["trajectory"]
+        assert end["end"] == "cut_unreconstructable" and end["turns"] == len(s["steps"]) - 1, end
+        assert "truncated" in end["cut_error"]
+    st = Counter(summary["datasets"]["chat"])
+    print("trajectory merge counts", json.dumps({k: v for k, v in st.items() if k.startswith("trajectory")}))
+    assert st["trajectory_samples"] == len(samples) == (st["trajectory_samples_whole"] + st["trajectory_samples_cut"]
+                                                        + st["trajectory_samples_dropped"]
+                                                        + st["trajectory_samples_unfolded"])
+    assert st["trajectory_samples_cut"] == st["trajectory_cut_unreconstructable"] == len(cut)
+    assert st["trajectory_turns"] == sum(len(s["steps"]) for s in samples) == (
+        st["trajectory_turns_folded"] + st["trajectory_turns_record"] + st["trajectory_turns_dropped"])
+    assert st["trajectory_turns_record"] == st["samples"] == len(records)

@@ -58,6 +58,11 @@ YAML shape (every key optional)::
         stall_requests: 0                          #   accepted, answered only after stall_s (a stuck engine;
         stall_s: 3600                              #   later requests answer normally)
         queue_full: 0.0                            # /generate: 503 "The request queue is full." (--max-queued-requests)
+        inject_system_prompt: null                 # chat: render every request with this system message
+                                                   #   prepended (a provider that adds its own): usage.prompt_tokens
+                                                   #   grows by its render, the answer is generated for that prompt
+        cut_after_tool_result: null                # chat: a request whose last message is a tool result is
+                                                   #   answered with at most this many tokens (finish length)
 """
 
 from __future__ import annotations
@@ -121,6 +126,8 @@ class EndpointFaults:
     stall_requests: int = 0
     stall_s: float = 3600.0
     queue_full: float = 0.0
+    inject_system_prompt: str | None = None
+    cut_after_tool_result: int | None = None
 
     def draw(self, rng: random.Random) -> tuple[str | None, set[str], float]:
         """One request's fate: an error fault (or None), content rewrites, and its latency."""
