@@ -77,6 +77,8 @@ def check_conversation_records(store, run_key: str, dataset: str, tok, thinking:
             rows, ids_rows, samples = sides[rec["source"]]
             sample = samples.get(rec["sample_id"])
             steps = sample["steps"] if sample else [rec["sample_id"]]
+            # a sample is its turns up to the first one whose ids the merge cannot use (not ok in the ids' stage)
+            steps = steps[:next((j for j, sid in enumerate(steps) if ids_rows[sid]["status"] != "ok"), len(steps))]
             turns = [rows[sid] for sid in steps]
             ids, mask = expected_record(tok, turns, ids_rows[steps[-1]]["output_ids"], thinking)
             assert rec["truncated"] == (len(ids) > max_length)

@@ -64,6 +64,9 @@ from eagle3_data.gate_defaults import (  # noqa: E402
     DEFAULT_MAX_BPE_MISMATCH_RATE,
     DEFAULT_MAX_IDENTITY_MISMATCH_RATE,
     DEFAULT_MAX_MISSING_USAGE_RATE,
+    DEFAULT_MAX_PROMPT_BILLING_MEAN_ABS_DIFF,
+    DEFAULT_MAX_PROMPT_BILLING_ROW_DIFF,
+    DEFAULT_MAX_PROMPT_BILLING_ROW_RATE,
 )
 
 Rate = Annotated[float, Field(ge=0.0, le=1.0)]
@@ -256,6 +259,18 @@ class ValidationConfig(_Model):
         DEFAULT_MAX_BILLING_DEVIATION,
         description="Gate: max |billed - reconstructed| / billed completion tokens on overflow rows.",
     )
+    max_prompt_billing_mean_abs_diff: float = Field(
+        DEFAULT_MAX_PROMPT_BILLING_MEAN_ABS_DIFF, ge=0.0,
+        description="Gate: max mean |billed - ours| prompt tokens per overflow answer (usage.prompt_tokens against the "
+        "prompt ids we train on): a provider rendering another prompt (an injected system prompt, tools declared "
+        "another way) fails it")
+    max_prompt_billing_row_diff: int = Field(
+        DEFAULT_MAX_PROMPT_BILLING_ROW_DIFF, ge=0,
+        description="Gate: an overflow answer whose billed prompt tokens differ from its prompt ids by more than this "
+        "is over the tolerance (see max_prompt_billing_row_rate)")
+    max_prompt_billing_row_rate: Rate = Field(
+        DEFAULT_MAX_PROMPT_BILLING_ROW_RATE,
+        description="Gate: max share of overflow answers over max_prompt_billing_row_diff (default 0: any fails, named)")
     max_bad_row_rate: Rate = Field(DEFAULT_MAX_BAD_ROW_RATE, description="Gate: max share of rows that could not be validated at all.")
     max_missing_usage_rate: Rate = Field(DEFAULT_MAX_MISSING_USAGE_RATE, description="Gate: max share of overflow rows without billed usage.")
     allow_unvalidated_overflow: bool = Field(False, description="Pass overflow rows when no local sample could validate the format.")

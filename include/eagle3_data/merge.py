@@ -26,6 +26,7 @@ bytes).
 from __future__ import annotations
 
 import hashlib
+import json
 import tempfile
 from collections import Counter, defaultdict
 from contextlib import nullcontext
@@ -39,6 +40,7 @@ import pyarrow.parquet as pq
 from eagle3_data import draft_vocab
 from eagle3_data.config import LENGTH_POLICIES
 from eagle3_data.errors import UserError
+from eagle3_data.generation.conversations import DROPPED, FOLDED, OWN
 from eagle3_data.schemas import MERGED
 from eagle3_data.stages import MERGE
 from eagle3_data.storage import ArtifactStore, StageRef
@@ -225,11 +227,16 @@ def _spill(store: ArtifactStore, inputs: list[StageRef], seed: int, stats: dict,
     tokens: list[np.ndarray] = []
     order = 0
     writer: pa.ipc.RecordBatchStreamWriter | None = None
+    for ref, fold in (folds or {}).items():  # what became of each sample: whole, cut, dropped
+        stats[ref.dataset].update(fold.counts)
     try:
         for index, ref in enumerate(inputs):
             for batch in store.iter_batches(ref, columns=_COLUMNS):
                 datasets = [d or ref.dataset for d in batch.column("dataset").to_pylist()]
                 sources = batch.column("source").to_pylist()
+                fold = (folds or {}).get(ref)
+                turn_rows = fold.rows if fold else {}
+                all_sids = batch.column("sample_id").to_pylist() if turn_rows else ()
                 ok = []
                 for i, status in enumerate(batch.column("status").to_pylist()):
                     if status == "ok":
@@ -237,6 +244,8 @@ def _spill(store: ArtifactStore, inputs: list[StageRef], seed: int, stats: dict,
                     else:  # failed, or unreconstructable (text cannot determine the ids)
                         kind = "unreconstructable" if status == "unreconstructable" else "failed"
                         stats[datasets[i]][f"{kind}_{sources[i] or 'unknown'}"] += 1
+                        if all_sids and all_sids[i] in turn_rows:  # an unusable turn: its sample is cut before it
+                            stats[datasets[i]]["trajectory_turns_dropped"] += 1
                 first_order, order = order + 1, order + batch.num_rows
                 if not ok:
                     continue
@@ -247,10 +256,10 @@ def _spill(store: ArtifactStore, inputs: list[StageRef], seed: int, stats: dict,
                 if not _rows_look_valid(sids, ok_sources, prompt, output, vocab_size):
                     for i in ok:
                         _check_row(batch.slice(i, 1).to_pylist()[0], ref, vocab_size)
-                masked = pa.nulls(len(ok), _IDS)
-                fold = (folds or {}).get(ref)
-                if fold and any(sid in fold for sid in sids):
-                    ok, sids, prompt, output, masked = _fold(ok, sids, prompt, output, fold, [datasets[i] for i in ok], stats)
+                masked, provenance = pa.nulls(len(ok), _IDS), rows.column("provenance")
+                if turn_rows and any(sid in turn_rows for sid in sids):
+                    ok, sids, prompt, output, masked, provenance = _fold(
+                        ok, sids, prompt, output, provenance.to_pylist(), turn_rows, [datasets[i] for i in ok], stats)
                     rows = batch.take(pa.array(ok, pa.int64()))
                     ok_sources = [sources[i] for i in ok]
                     if not ok:
@@ -260,7 +269,7 @@ def _spill(store: ArtifactStore, inputs: list[StageRef], seed: int, stats: dict,
                     [pa.array(key), pa.array([SOURCE_RANK[s] * 65_536 + index for s in ok_sources], pa.int32()),
                      pa.array(first_order + np.asarray(ok, np.int64)), pa.array(sids, pa.string()),
                      pa.array([datasets[i] for i in ok], pa.string()), rows.column("source"), prompt, output,
-                     rows.column("finish_reason"), rows.column("provenance"), masked],
+                     rows.column("finish_reason"), provenance, masked],
                     schema=_BUCKET_SCHEMA,
                 )
                 if writer is None:
@@ -276,31 +285,40 @@ def _spill(store: ArtifactStore, inputs: list[StageRef], seed: int, stats: dict,
     return np.concatenate(keys), np.concatenate(tokens)
 
 
-def _fold(ok: list[int], sids: list[str], prompt: pa.Array, output: pa.Array, folds: dict, datasets: list[str],
-          stats: dict) -> tuple[list[int], list[str], pa.Array, pa.Array, pa.Array]:
-    """A batch's rows with the trajectory folds applied: an earlier turn's row is left out (its
-    tokens are in the last turn's prompt), a last turn's row becomes its trajectory's record
-    (prompt = the first turn's prompt, output = the rest, with the spans that are not generated)."""
-    keep, out_sids, out_prompt, out_output, out_masked = [], [], [], [], []
+def _fold(ok: list[int], sids: list[str], prompt: pa.Array, output: pa.Array, provenance: list[str | None],
+          turn_rows: dict, datasets: list[str], stats: dict) -> tuple[list[int], list[str], pa.Array, pa.Array, pa.Array, pa.Array]:
+    """A batch's ok rows with the trajectory folds applied (`conversations.Folds.rows`): an
+    earlier turn's row is left out (its tokens are in the record's prompt), a turn after an
+    unusable one is dropped, the last usable turn's row becomes its trajectory's record (prompt =
+    the first turn's prompt, output = the rest, with the spans that are not generated; its
+    provenance says how many turns it keeps and why the trajectory ended). Each turn row is
+    counted as folded, record or dropped, so that the manifest's turn rows add up."""
+    keep, out_sids, out_prompt, out_output, out_masked, out_prov = [], [], [], [], [], []
     prompts, outputs = prompt.to_pylist(), output.to_pylist()
     for j, (i, sid) in enumerate(zip(ok, sids)):
-        fold = folds.get(sid, _KEEP)
-        if fold is None:
-            stats[datasets[j]]["trajectory_turns_folded"] += 1
+        fold = turn_rows.get(sid, _KEEP)
+        if fold in (FOLDED, DROPPED):
+            stats[datasets[j]][f"trajectory_turns_{fold}"] += 1
             continue
         keep.append(i)
-        if fold is _KEEP:
+        if fold is _KEEP or fold == OWN:
+            stats[datasets[j]]["trajectory_turns_record"] += fold == OWN
             out_sids.append(sid)
             out_prompt.append(prompts[j])
             out_output.append(outputs[j])
             out_masked.append(None)
+            out_prov.append(provenance[j])
             continue
+        stats[datasets[j]]["trajectory_turns_record"] += 1
         base = fold["base"]
         out_sids.append(fold["sample_id"])
         out_prompt.append(prompts[j][:base])
         out_output.append(prompts[j][base:] + outputs[j])
         out_masked.append(list(fold["masked"]) or None)
-    return (keep, out_sids, pa.array(out_prompt, _IDS), pa.array(out_output, _IDS), pa.array(out_masked, _IDS))
+        out_prov.append(json.dumps({**(json.loads(provenance[j]) if provenance[j] else {}), "turn_id": sid,
+                                    "trajectory": fold["trajectory"]}, sort_keys=True))
+    return (keep, out_sids, pa.array(out_prompt, _IDS), pa.array(out_output, _IDS), pa.array(out_masked, _IDS),
+            pa.array(out_prov, pa.string()))
 
 
 _KEEP = object()

@@ -7,10 +7,12 @@ builds it) against the template's render at each of its turns."""
 
 from __future__ import annotations
 
+import io
 import json
 from collections import Counter
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import yaml
 
@@ -65,12 +67,13 @@ def test_every_turn_on_the_datasets_history_generates_one_sample_per_user_turn(s
 def _records(store, ref, rows) -> dict[str, dict]:
     """The merge's records of a stage's rows, its trajectory folds applied (merge._fold + build_record)."""
     samples = read_samples(store.get_bytes(ref, SAMPLES_FILE))
-    folds = trajectory_folds(samples)
+    folds = trajectory_folds(samples, {r["sample_id"]: (r["status"], r["error"]) for r in rows})
     ok = [r for r in rows if r["status"] == "ok"]
-    keep, sids, prompt, output, masked = _fold(list(range(len(ok))), [r["sample_id"] for r in ok],
-                                               pa.array([r["prompt_ids"] for r in ok]),
-                                               pa.array([r["output_ids"] for r in ok]), folds, ["chat"] * len(ok),
-                                               {"chat": Counter()})
+    keep, sids, prompt, output, masked, _ = _fold(list(range(len(ok))), [r["sample_id"] for r in ok],
+                                                  pa.array([r["prompt_ids"] for r in ok]),
+                                                  pa.array([r["output_ids"] for r in ok]),
+                                                  [r["provenance"] for r in ok], folds.rows, ["chat"] * len(ok),
+                                                  {"chat": Counter()})
     out = {}
     for j, (i, sid) in enumerate(zip(keep, sids)):
         row = {**ok[i], "sample_id": sid, "prompt_ids": prompt[j].as_py(), "output_ids": output[j].as_py(),
@@ -261,3 +264,65 @@ def test_reused_call_ids_splice_each_calls_own_recorded_result(call_ids, s3_serv
                 assert m["content"] == CITY_RESULTS[city], (r["sample_id"], call)
                 spliced[city] += 1
     assert spliced["Lisbon"] and spliced["Porto"], spliced  # both cities were called and answered
+
+
+def test_a_trajectory_cut_at_reconstruct_keeps_its_turns_before_the_cut(store, start_dev_server, kimi_tokenizer,
+                                                                      kimi_tokenizer_dir, tmp_path):
+    """The overflow path, its stages as the DAG runs them (generation in rounds, reconstruct,
+    the merge with `trajectory_folds_of`), on a dev server that cuts every answer to a tool
+    result (`cut_after_tool_result`): a length cut with tools offered, which the generation
+    stage keeps (`ok`, the trajectory ends `length`) and the reconstruct stage marks
+    unreconstructable. Each trajectory that got a tool result is then kept up to its turn before
+    the cut: its record is the template's render of that turn's prompt plus its ids
+    (tests/conversation_oracle.py), none is lost, and the merge manifest's counts add up."""
+    from eagle3_data.chat_format import get_output_format
+    from eagle3_data.config import load_config
+    from eagle3_data.generation.conversations import TurnDriver
+    from eagle3_data.merge import merge_datasets, merged_shards
+    from eagle3_data.pipeline import reconstruct
+    from eagle3_data.pipeline.merge import trajectory_folds_of
+    from eagle3_data.pipeline.run import Run
+    from eagle3_data.prompts import load_prompts
+    from tests.conversation_oracle import check_conversation_records, stage_rows
+    from tests.generation_calls import MODEL, generate_overflow
+
+    server = start_dev_server({"endpoints": {"chat": {"cut_after_tool_result": 6}}})
+    sampling = {"temperature": 0.0, "max_new_tokens": 160}
+    rows = list(load_prompts(str(CONVERSATIONS), "chat", sampling=sampling, regenerate="trajectory",
+                             history="dataset").rows)
+    config = load_config().with_overrides({"tokenizer": {"source": str(kimi_tokenizer_dir)}}, where="test")
+    run = Run(config=config, run_key="cut-trajectories", date=None, datasets=["chat"], dry_run=False,
+              skip_hidden_states=True)
+    ref = StageRef(run.run_key, "generate_overflow", "chat")
+    done = generate_overflow(store, ref, rows, kimi_tokenizer, server.url + "/v1", "sk-test", MODEL, {}, None,
+                             sampling={**sampling, "thinking": True}, concurrency=2, rows_per_part=4,
+                             journal_dir=tmp_path / "j", turns=TurnDriver("trajectory", "dataset",
+                                                                          get_output_format(kimi_tokenizer, thinking=True)))
+    assert done["complete"], done
+    reconstruct(run, store, "chat")
+    rebuilt = stage_rows(store, run.run_key, "reconstruct", "chat")
+    samples = read_samples(store.get_bytes(ref, SAMPLES_FILE))
+    cut = [s for s in samples if len(s["steps"]) > 1 and rebuilt[s["steps"][-1]]["status"] == "unreconstructable"]
+    assert cut and all(s["end"] == "length" for s in cut)  # the fault is exercised: answers to tool results cut
+    summary = merge_datasets(store, [StageRef(run.run_key, "reconstruct", "chat")], run.run_key, max_length=1 << 16,
+                             folds=trajectory_folds_of(run, store, ["chat"]), draft_vocab_size=64)
+    counts = check_conversation_records(store, run.run_key, "chat", kimi_tokenizer)  # every record the oracle's
+    records = {}
+    for shard in merged_shards(store, StageRef(run.run_key, "merge", "all")):
+        records.update({r["sample_id"]: r for r in pq.read_table(io.BytesIO(
+            store.get_bytes(StageRef(run.run_key, "merge", "all"), shard["name"]))).to_pylist()})
+    usable = [s for s in samples if s["steps"] and rebuilt[s["steps"][0]]["status"] == "ok"]
+    assert set(records) == {s["sample_id"] for s in usable} and counts["openrouter"] == len(usable)  # none lost
+    for s in cut:
+        end = json.loads(records[s["sample_id"]]["provenance"])["trajectory"]
+        assert end["end"] == "cut_unreconstructable" and end["turns"] == len(s["steps"]) - 1, end
+        assert "truncated" in end["cut_error"]
+    st = Counter(summary["datasets"]["chat"])
+    print("trajectory merge counts", json.dumps({k: v for k, v in st.items() if k.startswith("trajectory")}))
+    assert st["trajectory_samples"] == len(samples) == (st["trajectory_samples_whole"] + st["trajectory_samples_cut"]
+                                                        + st["trajectory_samples_dropped"]
+                                                        + st["trajectory_samples_unfolded"])
+    assert st["trajectory_samples_cut"] == st["trajectory_cut_unreconstructable"] == len(cut)
+    assert st["trajectory_turns"] == sum(len(s["steps"]) for s in samples) == (
+        st["trajectory_turns_folded"] + st["trajectory_turns_record"] + st["trajectory_turns_dropped"])
+    assert st["trajectory_turns_record"] == st["samples"] == len(records)

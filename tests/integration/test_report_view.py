@@ -26,7 +26,7 @@ from eagle3_data.report import (
 )
 from eagle3_data.run_key import run_key_for
 from eagle3_data.storage import StageRef
-from eagle3_data.validate import CLASSES, BadRow, RowResult, ValidationSummary, compare_billed_counts
+from eagle3_data.validate import CLASSES, BadRow, RowResult, ValidationSummary, compare_billed_counts, compare_billed_prompts
 from eagle3_data.storage.writer import StageWriter
 
 RUN = "view-test"
@@ -98,6 +98,9 @@ def run_report(store, kimi_tokenizer):
         + [("x-0", 4096, 4000, cut), ("x-1", 4096, 3900, cut), ("x-2", 1000, 990, f"{EVIL} reason")],
         max_aggregate_deviation=0.01,
     )
+    # the prompt side: 12 answers billed 14 tokens more than their prompt ids, one exact, one without a count
+    billing["prompt"] = compare_billed_prompts([(f"o-{i}", 214 + i, 200 + i) for i in range(12)]
+                                               + [("o-12", 90, 90), (EVIL, None, 80)], max_missing_usage_rate=0.5)
     entries = {
         "tool_calls": {
             "validation": store.put_json(tc, "report.json", {
@@ -113,6 +116,10 @@ def run_report(store, kimi_tokenizer):
             "generation": {
                 "local": {"ok": 37, "failed": 0, "prompt_tokens": 20000, "completion_tokens": 41000, "cost_usd": 0.0},
                 "overflow": {"ok": 13, "failed": 1, "prompt_tokens": 7000, "completion_tokens": 39078, "cost_usd": 0.8731},
+                "trajectories": {"trajectory_samples": 10, "trajectory_samples_whole": 8, "trajectory_samples_cut": 1,
+                                 "trajectory_cut_unreconstructable": 1, "trajectory_samples_dropped": 1,
+                                 "trajectory_dropped_failed": 1, "trajectory_turns": 14, "trajectory_turns_folded": 4,
+                                 "trajectory_turns_record": 9, "trajectory_turns_dropped": 1},
             },
         },
         "chat": {
@@ -402,3 +409,26 @@ def test_overview_fits_a_1280_px_window(store, run_report, tmp_path):
         browser.close()
     assert fit["view"] <= 1280 and fit["right"] <= fit["view"] and fit["gate"] <= fit["view"], fit
     assert fit["scroll"] <= fit["view"], fit  # nothing else overflows either
+
+
+def test_page_shows_prompt_billing_and_what_the_merge_made_of_the_trajectories(store, run_report):
+    report = load_run_report(store, RUN)
+    html = render_html(report, title="t")
+    assert EVIL not in html
+    prompt = html[html.index("Overflow prompt billing"):html.index("Provider identity and policy")]
+    for label, value in [("answers compared", "13"), ("mean |billed - ours| per answer", "12.92 (max 1)"),
+                         ("mean billed - ours per answer", "+12.92"), ("answers off by more than 2", "12 (92.31%)"),
+                         ("answers without usage.prompt_tokens", "1")]:
+        assert f"<th>{label}</th><td class='num'>{value}</td>" in prompt, label
+    assert "class='kv over'" in prompt  # the check failed
+    dist = re.findall(r"<tr><td class='num'>([^<]+)</td><td class='num'>(\d+)</td></tr>", prompt)
+    assert dist == [("0", "1"), ("&gt;= +9", "12")]
+    assert "<td><code>o-9</code></td><td class='num'>223</td><td class='num'>209</td><td class='num'>+14</td>" in prompt
+    traj = html[html.index("Trajectories in the merge"):html.index("Overflow billing check")]
+    for label, value in [("kept whole", "8"), ("kept up to their last usable turn", "1 (unreconstructable 1)"),
+                         ("dropped: no usable turn", "1 (failed 1)"), ("turn rows", "14"),
+                         ("folded into a later turn&#39;s record", "4"), ("made a record", "9")]:
+        assert f"<th>{label}</th><td class='num'>{value}</td>" in traj, label
+    md = render_markdown(report, title="t")
+    assert "### Overflow prompt billing" in md and "| >= +9 | 12 |" in md
+    assert "### Trajectories in the merge" in md and "| kept up to their last usable turn | 1 (unreconstructable 1) |" in md

@@ -9,7 +9,8 @@ import json
 import pytest
 
 from eagle3_data.generation.checkpoint import parse_prompts
-from eagle3_data.generation.conversations import TurnDriver, call_key, needs_rounds, recorded_results, trajectory_folds
+from eagle3_data.generation.conversations import (OWN, FOLDED, TurnDriver, call_key, needs_rounds, recorded_results,
+                                                  trajectory_folds)
 
 WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 ROW = [
@@ -131,10 +132,16 @@ def test_a_regenerated_history_holds_the_generated_answers_and_a_resumed_driver_
 
 
 def test_folds_leave_unchained_samples_as_their_turns():
-    samples = [{"sample_id": "a", "steps": ["1", "2"], "prefix_ok": True, "base": 5, "masked": [3, 4]},
-               {"sample_id": "b", "steps": ["3", "4"], "prefix_ok": False, "base": 5, "masked": []},
-               {"sample_id": "c", "steps": [], "prefix_ok": True, "base": 0, "masked": []}]
-    assert trajectory_folds(samples) == {"1": None, "2": {"sample_id": "a", "base": 5, "masked": [3, 4]}}
+    samples = [{"sample_id": "a", "steps": ["1", "2"], "prefix_ok": True, "base": 5, "masked": [3, 4], "end": "answered"},
+               {"sample_id": "b", "steps": ["3", "4"], "prefix_ok": False, "base": 5, "masked": [], "end": "answered"},
+               {"sample_id": "c", "steps": [], "prefix_ok": True, "base": 0, "masked": [], "end": "failed"}]
+    folds = trajectory_folds(samples)
+    assert folds.rows == {"1": FOLDED, "2": {"sample_id": "a", "base": 5, "masked": [3, 4],
+                                             "trajectory": {"turns": 2, "generated_turns": 2, "end": "answered"}},
+                          "3": OWN, "4": OWN}
+    assert folds.counts == {"trajectory_samples": 3, "trajectory_turns": 4, "trajectory_samples_whole": 1,
+                            "trajectory_samples_unfolded": 1, "trajectory_samples_dropped": 1,
+                            "trajectory_dropped_failed": 1}
 
 
 def test_a_turns_id_covers_its_prompt_so_diverging_paths_never_share_one():

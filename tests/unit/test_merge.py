@@ -8,6 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from eagle3_data.errors import UserError
+from eagle3_data.generation.conversations import trajectory_folds
 from eagle3_data.merge import build_record, merge_datasets, merged_shards
 from eagle3_data.storage import IncompleteStage, StageRef
 from eagle3_data.storage.writer import StageWriter
@@ -169,7 +170,8 @@ def test_trajectory_folds_make_one_record_with_the_tool_results_unmasked(store, 
             gen_row("plain", "d", "sglang", [5, 6], [7, IM_END])]
     ref = StageRef("r-fold", "generate_local", "d")
     write_stage(store, ref, rows)
-    folds = {ref: {"turn1": None, "turn2": {"sample_id": "traj", "base": 3, "masked": [3, 6]}}}
+    folds = {ref: trajectory_folds([{"sample_id": "traj", "steps": ["turn1", "turn2"], "prefix_ok": True, "base": 3,
+                                     "masked": [3, 6], "end": "answered"}])}
     summary = merge_datasets(store, [ref], "r-fold-out", max_length=max_length, folds=folds, draft_vocab_size=8)
     records = {r["sample_id"]: r for r in read_all(store, summary, tmp_path)}
     assert set(records) == {"traj", "plain"}
@@ -178,8 +180,64 @@ def test_trajectory_folds_make_one_record_with_the_tool_results_unmasked(store, 
     assert traj["loss_mask"] == ([0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1])[:max_length]
     assert traj["output_tokens"] == sum(traj["loss_mask"]) and traj["prompt_tokens"] == 3
     expected, _ = build_record({**rows[1], "sample_id": "traj", "prompt_ids": p1, "output_ids": p2[3:] + out2,
-                                "masked": [3, 6]}, max_length, "truncate")
+                                "masked": [3, 6], "provenance": traj["provenance"]}, max_length, "truncate")
     assert {k: traj[k] for k in expected} == expected
+    assert json.loads(traj["provenance"]) == {**json.loads(rows[1]["provenance"]), "turn_id": "turn2",
+                                              "trajectory": {"turns": 2, "generated_turns": 2, "end": "answered"}}
     assert records["plain"]["loss_mask"] == [0, 0, 1, 1]
     stats = summary["datasets"]["d"]
     assert stats["trajectory_turns_folded"] == 1 and stats["loss_tokens"] == sum(traj["loss_mask"]) + 2
+
+
+def test_a_trajectory_whose_last_turn_is_unusable_keeps_its_usable_turns(store, tmp_path):
+    """Hand-built turns, the expected records written out token by token. `cut`: three turns, the
+    third unreconstructable (a length cut with tools offered, found at reconstruct): the record is
+    turn 2's prompt + output, mask 1 on turn 1's answer and turn 2's output, 0 on the first
+    prompt and the tool result between them. `mid`: turn 2 answered by another model: the record
+    is turn 1 alone, turn 3 (whose prompt holds that answer) dropped. `lost`: its one turn
+    unusable: dropped. `whole`: two usable turns, one record. Every sample and turn row is
+    counted once, and the counts add up."""
+    t1 = [1, 2, 3]
+    a1 = [10, 11, IM_END]
+    t2 = t1 + a1 + [20, 21]  # + the tool result and the next header
+    a2 = [12, 13, IM_END]
+    t3 = t2 + a2 + [22, 23]
+    rows = [gen_row("c1", "d", "openrouter", t1, a1, finish="tool_calls"),
+            gen_row("c2", "d", "openrouter", t2, a2, finish="tool_calls"),
+            gen_row("c3", "d", "openrouter", t3, [14, 15], status="unreconstructable", finish="length"),
+            gen_row("m1", "d", "openrouter", t1, a1, finish="tool_calls"),
+            gen_row("m2", "d", "openrouter", t2, a2, status="identity_mismatch"),
+            gen_row("m3", "d", "openrouter", [4] + t3[1:], [16, IM_END]),
+            gen_row("l1", "d", "openrouter", [7, 8], [9], status="unreconstructable", finish="length"),
+            gen_row("w1", "d", "openrouter", t1, a1, finish="tool_calls"),
+            gen_row("w2", "d", "openrouter", t2, a2)]
+    ref = StageRef("r-cut", "reconstruct", "d")
+    write_stage(store, ref, rows)
+    masked = [3, 5, 8, 10]  # after the first prompt: turn 1's tool result, turn 2's
+    samples = [{"sample_id": "cut", "steps": ["c1", "c2", "c3"], "end": "length"},
+               {"sample_id": "mid", "steps": ["m1", "m2", "m3"], "end": "answered"},
+               {"sample_id": "lost", "steps": ["l1"], "end": "length"},
+               {"sample_id": "whole", "steps": ["w1", "w2"], "end": "answered"}]
+    samples = [{**s, "prefix_ok": True, "base": 3, "masked": masked[: 2 * len(s["steps"]) - 2]} for s in samples]
+    folds = {ref: trajectory_folds(samples, {r["sample_id"]: (r["status"], r["error"]) for r in rows})}
+    summary = merge_datasets(store, [ref], "r-cut-out", folds=folds, draft_vocab_size=8)
+    records = {r["sample_id"]: r for r in read_all(store, summary, tmp_path)}
+    assert sorted(records) == ["cut", "mid", "whole"]
+    assert records["cut"]["input_ids"] == [1, 2, 3, 10, 11, IM_END, 20, 21, 12, 13, IM_END]
+    assert records["cut"]["loss_mask"] == [0, 0, 0, 1, 1, 1, 0, 0, 1, 1, 1]
+    assert records["whole"]["input_ids"] == records["cut"]["input_ids"]
+    assert records["mid"]["input_ids"] == [1, 2, 3, 10, 11, IM_END] and records["mid"]["loss_mask"] == [0, 0, 0, 1, 1, 1]
+    ends = {sid: json.loads(r["provenance"])["trajectory"] for sid, r in records.items()}
+    assert ends["cut"] == {"turns": 2, "generated_turns": 3, "end": "cut_unreconstructable", "cut_by": "c3",
+                           "cut_error": "boom"}
+    assert ends["mid"]["end"] == "cut_identity_mismatch" and ends["whole"] == {"turns": 2, "generated_turns": 2,
+                                                                               "end": "answered"}
+    st = summary["datasets"]["d"]
+    assert (st["trajectory_samples"], st["trajectory_samples_whole"], st["trajectory_samples_cut"],
+            st["trajectory_samples_dropped"]) == (4, 1, 2, 1)
+    assert (st["trajectory_cut_unreconstructable"], st["trajectory_cut_identity_mismatch"],
+            st["trajectory_dropped_unreconstructable"]) == (1, 1, 1)
+    # turn rows: c1, w1 folded; c2, m1, w2 records; c3, m2, m3, l1 dropped
+    assert (st["trajectory_turns"], st["trajectory_turns_folded"], st["trajectory_turns_record"],
+            st["trajectory_turns_dropped"]) == (9, 2, 3, 4)
+    assert st["samples"] == 3

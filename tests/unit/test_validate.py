@@ -16,6 +16,7 @@ from eagle3_data.validate import (
     InputRow,
     RowResult,
     compare_billed_counts,
+    compare_billed_prompts,
     detect_stop_convention,
     rows_from_batches,
     rows_from_file,
@@ -442,3 +443,25 @@ def test_workers_inside_a_daemonic_process_validate_in_process(fmt, enc, monkeyp
     monkeypatch.setitem(multiprocessing.current_process()._config, "daemon", True)
     assert [r.cls for r in validate_rows(fmt, rows, stops=stops, chunk_rows=3, workers=2)] == ["exact"] * 7
     assert multiprocessing.active_children() == []
+
+
+def test_prompt_billing_fails_a_systematic_gap_naming_the_rows_and_passes_an_exact_count():
+    """14 extra billed prompt tokens per answer (a provider's own system prompt) passed the gate
+    when only completion tokens were compared. Exact counts pass; a gap of 3 on every answer
+    fails both the mean and the per-row check, the rows named with their gap; one answer off by
+    one is within the tolerance; a missing count is missing, not 0."""
+    exact = compare_billed_prompts([("a", 120, 120), ("b", 40, 40)])
+    assert exact["gate"]["passed"] and exact["mean_abs_diff"] == 0.0 and exact["diff_distribution"] == [["0", 2]]
+    gap = compare_billed_prompts([("a", 123, 120), ("b", 43, 40), ("c", 83, 80)])
+    assert not gap["gate"]["passed"] and gap["mean_abs_diff"] == 3.0 and gap["diff_distribution"] == [["+3", 3]]
+    mean, rows = gap["gate"]["reasons"]
+    assert "3.00 tokens per answer" in mean and "max_prompt_billing_mean_abs_diff 1" in mean
+    assert rows.startswith("3 answer(s) (100.00%) billed more than 2 prompt tokens away") and "a (+3), b (+3), c (+3)" in rows
+    near = compare_billed_prompts([("a", 121, 120)] + [(f"r{i}", 50, 50) for i in range(9)])
+    assert near["gate"]["passed"] and near["mean_abs_diff"] == 0.1
+    tails = compare_billed_prompts([("a", 100, 114), ("b", 114, 100)], max_mean_abs_diff=20, max_row_diff=20)
+    assert tails["gate"]["passed"] and tails["diff_distribution"] == [["<= -9", 1], [">= +9", 1]]
+    missing = compare_billed_prompts([("a", None, 120), ("b", 40, 40)])
+    assert missing["rows"] == 1 and missing["missing_usage"] == {"rows": 1, "rate": 0.5, "examples": ["a"]}
+    assert missing["mean_abs_diff"] == 0.0 and not missing["gate"]["passed"]
+    assert "have no usage.prompt_tokens" in missing["gate"]["reasons"][0]

@@ -62,6 +62,11 @@ YAML shape (every key optional)::
         stream_stall: 0.0                          # stream: silent for stall_s after half the chunks (billed whole)
         keepalive_s: 0.5                           # stream: a ": OPENROUTER PROCESSING" comment this often while
                                                    #   the answer is prepared (its latency)
+        inject_system_prompt: null                 # chat: render every request with this system message
+                                                   #   prepended (a provider that adds its own): usage.prompt_tokens
+                                                   #   grows by its render, the answer is generated for that prompt
+        cut_after_tool_result: null                # chat: a request whose last message is a tool result is
+                                                   #   answered with at most this many tokens (finish length)
 """
 
 from __future__ import annotations
@@ -128,6 +133,8 @@ class EndpointFaults:
     stream_cut: float = 0.0
     stream_stall: float = 0.0
     keepalive_s: float = 0.5
+    inject_system_prompt: str | None = None
+    cut_after_tool_result: int | None = None
 
     def draw(self, rng: random.Random) -> tuple[str | None, set[str], float]:
         """One request's fate: an error fault (or None), content rewrites, and its latency."""

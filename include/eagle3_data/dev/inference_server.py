@@ -312,8 +312,10 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
         if body.get("model") not in (state.config.model, state.config.canonical_slug):
             return _openrouter_error(400, f"{body.get('model')} is not a valid model ID")
         thinking = (body.get("reasoning") or {}).get("enabled", True) is not False
+        injected = state.config.faults("chat").inject_system_prompt  # a provider adding its own system message
         try:
-            prompt = chat_prompt(json.dumps([documented_history(messages), tools, thinking]))
+            prompt = chat_prompt(json.dumps([[{"role": "system", "content": injected}] * bool(injected)
+                                             + documented_history(messages), tools, thinking]))
         except Exception as exc:  # template errors are the client's bad request
             return _openrouter_error(400, f"chat template: {exc}")
         key = request.headers.get(SAMPLE_HEADER) or str(hash(prompt))
@@ -329,6 +331,8 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
         if error and error not in ("malformed_json", "empty_content", "choice_error"):
             return _error_response(error, faults, provider, state.config.model)
         max_new = body.get("max_completion_tokens") or body.get("max_tokens") or 4096
+        if faults.cut_after_tool_result is not None and messages[-1].get("role") == "tool":
+            max_new = min(int(max_new), faults.cut_after_tool_result)
         gen = generate_cached(prompt, int(max_new), float(body.get("temperature", 1.0)), body.get("seed"),
                               request.headers.get(DATASET_HEADER))
         answer = _chat_answer(gen, len(prompt), state.config, rewrites, empty=error == "empty_content",

@@ -345,19 +345,67 @@ def read_samples(data: bytes) -> list[dict]:
     return pq.read_table(io.BytesIO(data), schema=SAMPLES).to_pylist()
 
 
-def trajectory_folds(samples: Iterable[dict]) -> dict[str, dict]:
-    """For the merge: each sample's last turn row id -> the record it becomes (its id, the prompt
-    part's length, the spans after it that are not generated); the earlier turns' ids -> None
-    (their tokens are in the last turn's prompt). A sample whose turns' prompts do not chain
-    (`prefix_ok` false) keeps each turn as a record of its own."""
-    out: dict[str, dict | None] = {}
+FOLDED, DROPPED, OWN = "folded", "dropped", "own"  # what the merge does with a turn row (`Folds.rows`)
+
+
+@dataclass
+class Folds:
+    """The merge's plan for one stage's trajectory turn rows (`trajectory_folds`).
+
+    `rows`: each turn row id -> the record it becomes (`sample_id`, `base`, `masked`, and
+    `trajectory`: turns kept, turns generated, end reason), or FOLDED (its tokens are in a later
+    turn's record), DROPPED (unusable, or after an unusable turn of its sample) or OWN (a sample
+    whose prompts did not chain: the row is a record of its own). `counts`: the samples and turn
+    rows in, and what became of each sample (kept whole, kept cut, dropped, unfolded, and the
+    status that cut or dropped it), so that the merge manifest's figures can be added up."""
+
+    rows: dict[str, dict | str] = field(default_factory=dict)
+    counts: Counter = field(default_factory=Counter)
+
+
+def trajectory_folds(samples: Iterable[dict], rows: Mapping[str, tuple[str, str | None]] | None = None) -> Folds:
+    """For the merge: each sample folded into one record made of its turns up to its last usable
+    one. `rows`: the status and error of every row of the stage whose ids the merge takes (the
+    local stage, or the reconstruct stage for the overflow path), by row id; None: every turn
+    is usable. A turn is usable when its row is `ok` there: the reconstruct stage may mark a turn
+    the generation stage answered `unreconstructable` (a length cut with tools offered), and an
+    answer from another model is `identity_mismatch`. Such a turn and every turn after it are
+    dropped (a later turn's prompt holds the unusable answer as if it were the target's); the
+    turns before it still make a record: the last usable turn's prompt plus its output, with
+    the mask spans of its own transitions (`masked` holds one [start, end) pair per transition,
+    so the first k-1 pairs are those of the first k turns). A sample with no usable turn is
+    dropped. Counting these here, not only the rows, is what lets the manifest's figures add up:
+    samples = whole + cut + dropped + unfolded."""
+    out = Folds()
     for s in samples:
-        if not s["prefix_ok"] or not s["steps"]:
+        steps = list(s["steps"])
+        out.counts["trajectory_samples"] += 1
+        out.counts["trajectory_turns"] += len(steps)
+        if not steps:  # its first turn failed: nothing was generated to train on
+            out.counts["trajectory_samples_dropped"] += 1
+            out.counts[f"trajectory_dropped_{s['end']}"] += 1
             continue
-        if shared := set(s["steps"]) & out.keys():  # a turn row is one sample's: never folded twice
+        if shared := set(steps) & out.rows.keys():  # a turn row is one sample's: never folded twice
             raise UserError(f"sample {s['sample_id']}: turn rows {sorted(shared)[:3]} belong to another sample too "
                             f"({SAMPLES_FILE} of another version?): rerun the generation stage")
-        for sid in s["steps"][:-1]:
-            out[sid] = None
-        out[s["steps"][-1]] = {"sample_id": s["sample_id"], "base": s["base"], "masked": s["masked"]}
+        status = [("ok", None) if rows is None else rows.get(sid, ("missing", None)) for sid in steps]
+        usable = next((j for j, (st, _) in enumerate(status) if st != "ok"), len(steps))
+        if not s["prefix_ok"]:  # each usable turn a record of its own
+            out.counts["trajectory_samples_unfolded"] += 1
+            out.rows.update({sid: OWN if j < usable else DROPPED for j, sid in enumerate(steps)})
+            continue
+        out.rows.update({sid: FOLDED if j < usable - 1 else DROPPED for j, sid in enumerate(steps)})
+        if not usable:
+            out.counts["trajectory_samples_dropped"] += 1
+            out.counts[f"trajectory_dropped_{status[0][0]}"] += 1
+            continue
+        cut = usable < len(steps)
+        end = f"cut_{status[usable][0]}" if cut else s["end"]
+        out.counts["trajectory_samples_cut" if cut else "trajectory_samples_whole"] += 1
+        if cut:
+            out.counts[f"trajectory_cut_{status[usable][0]}"] += 1
+        out.rows[steps[usable - 1]] = {
+            "sample_id": s["sample_id"], "base": s["base"], "masked": list(s["masked"])[: 2 * (usable - 1)],
+            "trajectory": {"turns": usable, "generated_turns": len(steps), "end": end,
+                           **({"cut_by": steps[usable], "cut_error": status[usable][1]} if cut else {})}}
     return out

@@ -12,8 +12,11 @@ from eagle3_data.stages import AUDIT, AUDIT_DATASET, LOCAL, MERGE, OVERFLOW, REC
 
 def trajectory_folds_of(run: Run, store, datasets: list[str]) -> dict:
     """The merge's folds per input (conversations.trajectory_folds): the samples the generation
-    stages of `datasets` committed when they ran in rounds; the overflow stage's apply to its
-    reconstruct stage, whose rows carry the ids. Empty for the other modes."""
+    stages of `datasets` committed when they ran in rounds, against the status of each turn in
+    the stage whose rows the merge takes: the overflow stage's samples apply to its reconstruct
+    stage, which may find a turn the provider answered unusable (a length cut with tools
+    offered), so the fold is decided from the rows the merge reads, not from the generation's.
+    Empty for the other modes."""
     from eagle3_data.generation.conversations import SAMPLES_FILE, read_samples, trajectory_folds
 
     out = {}
@@ -25,7 +28,12 @@ def trajectory_folds_of(run: Run, store, datasets: list[str]) -> dict:
             entry = next((f for f in store.read_manifest(ref)["files"] if f["name"] == SAMPLES_FILE), None)
             if entry is not None:
                 with store.open_verified(ref, SAMPLES_FILE, sha256=entry.get("sha256"), nbytes=entry.get("bytes")) as f:
-                    out[stage_ref(run, rows, name)] = trajectory_folds(read_samples(f.read()))
+                    samples = read_samples(f.read())
+                rows_ref = stage_ref(run, rows, name)
+                status = {r["sample_id"]: (r["status"], r["error"])
+                          for b in store.iter_batches(rows_ref, columns=["sample_id", "status", "error"])
+                          for r in b.to_pylist()}
+                out[rows_ref] = trajectory_folds(samples, status)
     return out
 
 

@@ -77,6 +77,13 @@ def _conversation_figures(store, run: Run, dataset: str) -> dict:
     return {"conversations": out} if out else {}
 
 
+def _trajectory_counts(merged: dict | None, dataset: str) -> dict:
+    """`trajectories`: what the merge made of the dataset's trajectories (samples kept whole, kept
+    cut, dropped; turn rows folded, records, dropped: merge._fold), when it had any."""
+    counts = {k: v for k, v in ((merged or {}).get("datasets", {}).get(dataset) or {}).items() if k.startswith("trajectory_")}
+    return {"trajectories": counts} if counts else {}
+
+
 def publish(run: Run, store) -> PublishResult:
     """Write the run report and summary, whatever happened upstream (the DAG runs this task once
     everything else is done: the report matters most for a run that failed). Then raise GateFailed
@@ -98,6 +105,9 @@ def publish(run: Run, store) -> PublishResult:
             "local": _generation_totals(store, stage_ref(run, LOCAL, name)),
             "overflow": _generation_totals(store, stage_ref(run, RECONSTRUCT, name)),
         }
+    passed = [n for n, g in gates.items() if g.passed]
+    merge_ref, hs_ref = stage_ref(run, MERGE, RUN_DATASET), stage_ref(run, HIDDEN_STATES, RUN_DATASET)
+    merged = store.read_manifest(merge_ref)["extra"] if passed and store.is_complete(merge_ref) else None
     index = {
         n: {
             "validation": g.report_uri,
@@ -105,7 +115,7 @@ def publish(run: Run, store) -> PublishResult:
             "thresholds": run.config.dataset(n).validation.rates(),
             "lengths": generation_lengths(store, [stage_ref(run, LOCAL, n), stage_ref(run, RECONSTRUCT, n)]),
             "generation": {"local": datasets[n]["local"], "overflow": datasets[n]["overflow"],
-                           **_conversation_figures(store, run, n)},
+                           **_conversation_figures(store, run, n), **_trajectory_counts(merged, n)},
         }
         for n, g in gates.items()
         if g.report_uri
@@ -113,9 +123,6 @@ def publish(run: Run, store) -> PublishResult:
     problems = [f"{n}: {', '.join(g.reasons)} (report {g.report_uri})" for n, g in gates.items() if not g.passed]
     if not store.is_complete(stage_ref(run, AUDIT, AUDIT_DATASET)):
         problems.insert(0, "the tokenizer audit did not pass (see task audit_tokenizer)")
-    passed = [n for n, g in gates.items() if g.passed]
-    merge_ref, hs_ref = stage_ref(run, MERGE, RUN_DATASET), stage_ref(run, HIDDEN_STATES, RUN_DATASET)
-    merged = store.read_manifest(merge_ref)["extra"] if passed and store.is_complete(merge_ref) else None
     if passed and merged is None:
         problems.append("merge did not complete (see task merge)")
     hidden = None

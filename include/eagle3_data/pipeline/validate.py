@@ -28,13 +28,14 @@ _CHUNK = 4096
 
 def run_gate(local_report: dict[str, Any], billing: dict[str, Any], thresholds: ValidationConfig,
              identity: dict[str, Any] | None = None, policy: dict[str, Any] | None = None) -> Gate:
-    """The dataset's gate: the local round trip's, the overflow billing check's, the identity
-    count's and the policy check's own decisions (`eagle3_data.validate`, `eagle3_data.policy`),
-    combined; no reason is reinterpreted here.
+    """The dataset's gate: the local round trip's, the overflow billing checks' (completion
+    tokens; prompt tokens, `billing["prompt"]`), the identity count's and the policy check's own
+    decisions (`eagle3_data.validate`, `eagle3_data.policy`), combined; no reason is reinterpreted here.
     `unvalidated_overflow`: no local sample validated the format while overflow rows exist (fails
     unless `validation.allow_unvalidated_overflow`; the report flags it either way)."""
     reasons = [f"local round trip: {r}" for r in local_report["gate"]["reasons"]]
     reasons += [f"overflow billing: {r}" for r in billing["gate"]["reasons"]]
+    reasons += [f"overflow prompt billing: {r}" for r in (billing.get("prompt") or {}).get("gate", {}).get("reasons", [])]
     reasons += [f"identity: {r}" for r in (identity or {}).get("gate", {}).get("reasons", [])]
     reasons += [f"policy: {r}" for r in (policy or {}).get("reasons", [])]
     notes = [f"local round trip: {w}" for w in local_report["gate"].get("warnings", [])]
@@ -49,6 +50,20 @@ def _ok_batches(store, ref, columns):
 
     for batch in store.iter_batches(ref, columns=[*columns, "status"]):
         yield batch.filter(pc.equal(batch.column("status"), "ok")).select(columns)
+
+
+def _prompt_billing_rows(store, ref):
+    """(sample_id, usage.prompt_tokens, len(prompt_ids)) of each answer the provider billed and
+    the overflow path keeps (ok or unreconstructable: its prompt ids are ours either way); the
+    lengths from Arrow, so no prompt's ids become Python objects."""
+    import pyarrow.compute as pc
+
+    for b in store.iter_batches(ref, columns=["sample_id", "usage", "prompt_ids", "status"]):
+        lengths = pc.list_value_length(b.column("prompt_ids")).to_pylist()
+        for sid, usage, status, n in zip(b.column("sample_id").to_pylist(), b.column("usage").to_pylist(),
+                                         b.column("status").to_pylist(), lengths):
+            if status in ("ok", "unreconstructable"):
+                yield sid, (usage or {}).get("prompt_tokens"), n or 0
 
 
 def _rows_with_ids(store, ref, ids: set[str]):
@@ -82,6 +97,7 @@ def validate(run: Run, store, dataset: str, *, workers: int | None = None) -> Va
         ValidationSummary,
         identity_report,
         compare_billed_counts,
+        compare_billed_prompts,
         detect_stop_convention,
         rows_from_batches,
         validate_rows,
@@ -130,6 +146,10 @@ def validate(run: Run, store, dataset: str, *, workers: int | None = None) -> Va
                 max_aggregate_deviation=thresholds.max_billing_deviation,
                 max_missing_usage_rate=thresholds.max_missing_usage_rate,
             )
+            billing["prompt"] = compare_billed_prompts(
+                _prompt_billing_rows(store, rebuilt), max_mean_abs_diff=thresholds.max_prompt_billing_mean_abs_diff,
+                max_row_diff=thresholds.max_prompt_billing_row_diff, max_row_rate=thresholds.max_prompt_billing_row_rate,
+                max_missing_usage_rate=thresholds.max_missing_usage_rate)
             identity = identity_report(
                 (r for ref_ in (local, rebuilt)
                  for b in store.iter_batches(ref_, columns=["sample_id", "source", "status", "error", "provenance"])
@@ -149,7 +169,11 @@ def validate(run: Run, store, dataset: str, *, workers: int | None = None) -> Va
                                                     "calibration": calibration, "identity": identity,
                                                     "policy": {**policy, "figures": figures}})
             store.put_json(ref, BILLING_REPORT, {**billing, "dataset": dataset})
+            prompt = billing["prompt"]
             manifest = w.commit(extra={"gate": gate, "counts": local_report["counts"],
+                                       "prompt_billing": {"rows": prompt["rows"], "mean_abs_diff": prompt["mean_abs_diff"],
+                                                          "over_tolerance": prompt["over_tolerance"]["rows"],
+                                                          "missing_usage": prompt["missing_usage"]["rows"]},
                                        "identity": {k: identity[k] for k in ("answered", "mismatched", "rate")}},
                                 files=[VALIDATION_REPORT, BILLING_REPORT, REJECTS_FILE])
     uri = store.uri(ref, VALIDATION_REPORT)

@@ -66,7 +66,9 @@ def write_run_report(
 ) -> str:
     """Write and commit the index. `datasets` maps name -> {validation: uri, billing?: uri,
     thresholds?: {name: number}, lengths?: `generation_lengths(...)`, generation?: {local: totals,
-    overflow: totals}} (totals: ok, failed, prompt_tokens, completion_tokens, cost_usd).
+    overflow: totals, conversations?: figures per path, trajectories?: the merge's trajectory_*
+    counts}} (totals: ok, failed, prompt_tokens, completion_tokens, cost_usd). The billing report
+    holds the completion check and, under `prompt`, the prompt check (validate.billing).
     Returns the index URI."""
     index = {
         "format": RUN_REPORT_FORMAT,

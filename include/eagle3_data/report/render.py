@@ -84,6 +84,7 @@ def _dataset_view(d: DatasetReport) -> dict[str, Any]:
         "lengths": _lengths(d.lengths),
         "generation": _generation(d.generation),
         "billing": _billing(d.billing, d.thresholds.get("max_billing_deviation")),
+        "prompt_billing": _prompt_billing((d.billing or {}).get("prompt")),
         "calibration": _calibration(d.calibration),
         "provider": _provider(s["identity"], s["policy"]),
         "examples": _examples(mismatches),
@@ -164,7 +165,29 @@ def _generation(generation: Mapping[str, Any] | None) -> dict[str, Any] | None:
         if isinstance(t, dict):
             rows.append((path, [fmt_usd(t.get(c)) if c == "cost_usd" else fmt_num(t.get(c)) for c in cols]))
     return {"head": [c.replace("_", " ") for c in cols], "rows": rows,
-            "conversations": _conversations((generation or {}).get("conversations"))} if rows else None
+            "conversations": _conversations((generation or {}).get("conversations")),
+            "trajectories": _trajectories((generation or {}).get("trajectories"))} if rows else None
+
+
+def _trajectories(counts: Mapping[str, Any] | None) -> list[tuple[str, str]] | None:
+    """What the merge made of the trajectories (merge._fold): samples kept whole, kept up to their
+    last usable turn (and which status cut them), dropped; turn rows folded into a record, made
+    the record, dropped. Each group adds up to its first line."""
+    if not isinstance(counts, dict) or not counts.get("trajectory_samples"):
+        return None
+
+    def n(key: str, reasons: str | None = None) -> str:
+        why = ", ".join(f"{k[len(reasons):]} {fmt_num(v)}" for k, v in sorted(counts.items())
+                        if reasons and k.startswith(reasons))
+        return fmt_num(counts.get(key, 0)) + (f" ({why})" if why else "")
+
+    return [("samples", n("trajectory_samples")), ("kept whole", n("trajectory_samples_whole")),
+            ("kept up to their last usable turn", n("trajectory_samples_cut", "trajectory_cut_")),
+            ("dropped: no usable turn", n("trajectory_samples_dropped", "trajectory_dropped_")),
+            ("not folded: prompts not chained", n("trajectory_samples_unfolded")),
+            ("turn rows", n("trajectory_turns")), ("folded into a later turn's record", n("trajectory_turns_folded")),
+            ("made a record", n("trajectory_turns_record")),
+            ("dropped: unusable, or after an unusable turn", n("trajectory_turns_dropped"))]
 
 
 def _conversations(by_path: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -215,6 +238,41 @@ def _billing(billing: Mapping[str, Any] | None, max_dev: float | None) -> dict[s
                    fmt_pct(w.get("deviation"))) for w in worst],
         "notes": [str(n) for n in (billing.get("gate") or {}).get("notes") or []],
     }
+
+
+def _prompt_billing(prompt: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """Billed prompt tokens (the provider's render, its tokenizer) against the prompt ids we
+    train on, per overflow answer (validate.billing.compare_billed_prompts): the figures, the
+    distribution of billed - ours, and the answers furthest off."""
+    if not isinstance(prompt, dict) or not (prompt.get("rows") or (prompt.get("missing_usage") or {}).get("rows")):
+        return None
+    gate = prompt.get("gate") if isinstance(prompt.get("gate"), dict) else {}
+    over = prompt.get("over_tolerance") if isinstance(prompt.get("over_tolerance"), dict) else {}
+    missing = prompt.get("missing_usage") if isinstance(prompt.get("missing_usage"), dict) else {}
+    limit = gate.get("max_mean_abs_diff")
+    rows = [
+        ("answers compared", fmt_num(prompt.get("rows"))),
+        ("prompt tokens billed", fmt_num(prompt.get("billed_prompt_tokens"))),
+        ("prompt tokens of our prompt ids", fmt_num(prompt.get("prompt_ids_tokens"))),
+        ("mean |billed - ours| per answer", _tokens(prompt.get("mean_abs_diff"))
+         + (f" (max {limit:g})" if is_number(limit) else "")),
+        ("mean billed - ours per answer", _tokens(prompt.get("mean_diff"), signed=True)),
+        (f"answers off by more than {gate.get('max_row_diff', '?')}", f"{fmt_num(over.get('rows'))} ({fmt_pct(over.get('rate'))})"),
+        ("answers without usage.prompt_tokens", fmt_num(missing.get("rows"))),
+    ]
+    distribution = [(str(p[0]), fmt_num(p[1])) for p in prompt.get("diff_distribution") or []
+                    if isinstance(p, (list, tuple)) and len(p) == 2]
+    worst = [w for w in prompt.get("worst_samples") or [] if isinstance(w, dict) and w.get("diff")][:5]
+    return {"over": gate.get("passed") is False, "rows": rows, "distribution": distribution,
+            "worst": [(str(w.get("sample_id")), fmt_num(w.get("billed")), fmt_num(w.get("ours")),
+                       _tokens(w.get("diff"), signed=True)) for w in worst]}
+
+
+def _tokens(value: Any, signed: bool = False) -> str:
+    if not is_number(value):
+        return "—"
+    return (f"{value:+,.2f}" if signed else f"{value:,.2f}") if isinstance(value, float) else (
+        f"{value:+,d}" if signed else f"{value:,d}")
 
 
 def _provider(identity: Mapping[str, Any] | None, policy: Mapping[str, Any] | None) -> dict[str, Any] | None:

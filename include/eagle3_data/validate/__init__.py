@@ -35,11 +35,11 @@ classed. The core streams rows in bounded chunks, so memory does not grow with t
 
 Modules, in the order a row goes through them: `rows` (readers), `stops` (the dataset's stop
 convention), `classify` (one row's class), `pool` (chunks on worker processes), `gate` (the
-report and decision), `billing` (the overflow share's billed-token check), `identity` (answers
+report and decision), `billing` (the overflow share's billed-token checks, completion and prompt), `identity` (answers
 from another model or provider than the pinned one).
 """
 
-from eagle3_data.validate.billing import compare_billed_counts
+from eagle3_data.validate.billing import compare_billed_counts, compare_billed_prompts
 from eagle3_data.validate.classify import CLASSES, FAILING_CLASSES, RowResult, Validator
 from eagle3_data.validate.gate import EXAMPLES, ValidationSummary, bad_row_reasons, validate_to_report, validation_rows_table
 from eagle3_data.validate.identity import identity_report
@@ -50,6 +50,7 @@ from eagle3_data.validate.stops import StopConvention, detect_stop_convention
 __all__ = [
     "CHUNK_ROWS", "CLASSES", "COLUMNS", "EXAMPLES", "FAILING_CLASSES", "OPTIONAL_COLUMNS", "BadRow", "InputRow", "RowResult",
     "StopConvention", "ValidationSummary", "Validator", "bad_row_reasons", "can_fork_workers", "compare_billed_counts",
+    "compare_billed_prompts",
     "detect_stop_convention", "identity_report", "rows_from_batches", "rows_from_file", "rows_from_jsonl", "validate_batches",
     "validate_rows", "validate_to_report", "validation_rows_table",
 ]

@@ -1,4 +1,5 @@
-"""The overflow share's check: billed completion tokens against the reconstructed ids."""
+"""The overflow share's checks: billed completion tokens against the reconstructed ids, and billed
+prompt tokens against the prompt ids we train on."""
 
 from __future__ import annotations
 
@@ -6,7 +7,13 @@ import heapq
 from collections.abc import Iterable
 from typing import Any
 
-from eagle3_data.gate_defaults import DEFAULT_MAX_BILLING_DEVIATION, DEFAULT_MAX_MISSING_USAGE_RATE
+from eagle3_data.gate_defaults import (
+    DEFAULT_MAX_BILLING_DEVIATION,
+    DEFAULT_MAX_MISSING_USAGE_RATE,
+    DEFAULT_MAX_PROMPT_BILLING_MEAN_ABS_DIFF,
+    DEFAULT_MAX_PROMPT_BILLING_ROW_DIFF,
+    DEFAULT_MAX_PROMPT_BILLING_ROW_RATE,
+)
 from eagle3_data.validate.gate import EXAMPLES
 
 
@@ -80,5 +87,90 @@ def compare_billed_counts(
             for _, s, b, r in sorted(top, reverse=True)
         ],
         "gate": {"passed": not reasons, "reasons": reasons, "notes": notes, "max_aggregate_deviation": max_aggregate_deviation,
+                 "max_missing_usage_rate": max_missing_usage_rate},
+    }
+
+
+PROMPT_DIFF_BINS = 8  # the distribution keeps each difference up to ±this many tokens, and two tails
+
+
+def compare_billed_prompts(
+    rows: Iterable[tuple[str, int | None, int]],
+    *,
+    max_mean_abs_diff: float = DEFAULT_MAX_PROMPT_BILLING_MEAN_ABS_DIFF,
+    max_row_diff: int = DEFAULT_MAX_PROMPT_BILLING_ROW_DIFF,
+    max_row_rate: float = DEFAULT_MAX_PROMPT_BILLING_ROW_RATE,
+    max_missing_usage_rate: float = DEFAULT_MAX_MISSING_USAGE_RATE,
+    worst: int = 20,
+) -> dict[str, Any]:
+    """OpenRouter's `usage.prompt_tokens` vs len(prompt_ids), per (sample_id, billed, ours) of each
+    overflow answer. The provider counts with the model's own tokenizer; when it rendered the
+    prompt we train on, the two are equal. A provider that renders another prompt (a system
+    prompt of its own, tools declared another way, earlier reasoning dropped) answered another
+    question than the one the record pairs with the answer, and shows here as a difference on
+    every row: the mean absolute difference (tokens per answer) and each row's difference are
+    gated, the rows over `max_row_diff` named with their gap. Cached prompt tokens
+    (`prompt_tokens_details.cached_tokens`) are a part of prompt_tokens, priced lower, not
+    another count: nothing to subtract. A missing count (None) is counted as missing, never as 0."""
+    n = billed_total = ours_total = abs_sum = 0
+    diff_sum = 0
+    bins: dict[int, int] = {}
+    top: list[tuple[int, str, int, int]] = []
+    over: list[dict[str, Any]] = []
+    over_rows = missing_rows = 0
+    missing: list[str] = []
+    for sample_id, billed, ours in rows:
+        if billed is None:
+            missing_rows += 1
+            if len(missing) < EXAMPLES:
+                missing.append(sample_id)
+            continue
+        n += 1
+        billed_total += billed
+        ours_total += ours
+        diff = billed - ours
+        diff_sum += diff
+        abs_sum += abs(diff)
+        key = max(-PROMPT_DIFF_BINS - 1, min(PROMPT_DIFF_BINS + 1, diff))
+        bins[key] = bins.get(key, 0) + 1
+        if abs(diff) > max_row_diff:
+            over_rows += 1
+            if len(over) < EXAMPLES:
+                over.append({"sample_id": sample_id, "billed": billed, "ours": ours, "diff": diff})
+        item = (abs(diff), sample_id, billed, ours)
+        if len(top) < worst:
+            heapq.heappush(top, item)
+        else:
+            heapq.heappushpop(top, item)
+    mean_abs = abs_sum / n if n else 0.0
+    over_rate = over_rows / n if n else 0.0
+    checked = n + missing_rows
+    missing_rate = missing_rows / checked if checked else 0.0
+    reasons = []
+    if mean_abs > max_mean_abs_diff:
+        reasons.append(f"billed prompt tokens differ from the prompt ids by {mean_abs:.2f} tokens per answer on average "
+                       f"(mean {diff_sum / n:+.2f}; {billed_total:,} billed, {ours_total:,} ours over {n} answers), "
+                       f"above max_prompt_billing_mean_abs_diff {max_mean_abs_diff:g}: the provider rendered another prompt")
+    if over_rows and over_rate > max_row_rate:
+        named = ", ".join(f"{o['sample_id']} ({o['diff']:+d})" for o in over[:5])
+        reasons.append(f"{over_rows} answer(s) ({over_rate:.2%}) billed more than {max_row_diff} prompt tokens away from "
+                       f"their prompt ids, above max_prompt_billing_row_rate {max_row_rate:.2%}: {named}")
+    if missing_rows and missing_rate > max_missing_usage_rate:
+        reasons.append(f"{missing_rows} row(s) ({missing_rate:.2%}) have no usage.prompt_tokens, above "
+                       f"max_missing_usage_rate {max_missing_usage_rate:.2%} (e.g. {', '.join(missing[:3])})")
+    labels = {-PROMPT_DIFF_BINS - 1: f"<= {-PROMPT_DIFF_BINS - 1}", PROMPT_DIFF_BINS + 1: f">= +{PROMPT_DIFF_BINS + 1}"}
+    return {
+        "rows": n,
+        "billed_prompt_tokens": billed_total,
+        "prompt_ids_tokens": ours_total,
+        "mean_diff": diff_sum / n if n else 0.0,
+        "mean_abs_diff": mean_abs,
+        # billed - ours: each difference's count, in order (the tails gather the rest)
+        "diff_distribution": [[labels.get(k, f"{k:+d}" if k else "0"), bins[k]] for k in sorted(bins)],
+        "over_tolerance": {"rows": over_rows, "rate": over_rate, "examples": over},
+        "missing_usage": {"rows": missing_rows, "rate": missing_rate, "examples": missing},
+        "worst_samples": [{"sample_id": s, "billed": b, "ours": o, "diff": b - o} for _, s, b, o in sorted(top, reverse=True)],
+        "gate": {"passed": not reasons, "reasons": reasons, "max_mean_abs_diff": max_mean_abs_diff,
+                 "max_row_diff": max_row_diff, "max_row_rate": max_row_rate,
                  "max_missing_usage_rate": max_missing_usage_rate},
     }
