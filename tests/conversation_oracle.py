@@ -92,3 +92,42 @@ def check_conversation_records(store, run_key: str, dataset: str, tok, thinking:
 
 def _shard_rows(store, ref, name: str) -> list[dict]:
     return pq.read_table(io.BytesIO(store.get_bytes(ref, name))).to_pylist()
+
+
+def check_spliced_results(store, run_key: str, dataset: str) -> int:
+    """Every tool result spliced into a trajectory's turns is the one its prompt row recorded for
+    that call: the tool message answering a generated call (by its id within the assistant message
+    right before it) holds a result the row recorded for a call of the same name and JSON-equal
+    arguments. Returns how many results were checked (each turn's prompt repeats the ones before)."""
+    from collections import defaultdict
+
+    from eagle3_data.generation.conversations import SAMPLES_FILE, read_samples
+    from eagle3_data.storage import StageRef
+
+    def key(call: dict) -> tuple[str, str]:
+        return call["function"]["name"], json.dumps(json.loads(call["function"]["arguments"]), sort_keys=True)
+
+    def answered(messages: list[dict]):
+        calls: dict[str, tuple[str, str]] = {}
+        for m in messages:
+            if m["role"] == "assistant":
+                calls = {c["id"]: key(c) for c in m.get("tool_calls") or ()}
+            elif m["role"] == "tool":
+                yield calls[m["tool_call_id"]], m["content"]
+
+    prompts = stage_rows(store, run_key, "prompts", dataset)
+    checked = 0
+    for stage in ("generate_local", "generate_overflow"):
+        ref = StageRef(run_key, stage, dataset)
+        if not store.is_complete(ref):
+            continue
+        rows = stage_rows(store, run_key, stage, dataset)
+        for s in read_samples(store.get_bytes(ref, SAMPLES_FILE)):
+            recorded = defaultdict(list)
+            for call, result in answered(json.loads(prompts[s["conversation"]]["messages"])):
+                recorded[call].append(result)
+            for sid in s["steps"]:
+                for call, result in answered(json.loads(rows[sid]["messages"])):
+                    assert result in recorded[call], (sid, call, result, dict(recorded))
+                    checked += 1
+    return checked

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import pytest
 import yaml
 
 from eagle3_data.config import DAG_ID, load_config
-from tests.conversation_oracle import CONVERSATIONS, check_conversation_records, stage_rows
+from tests.conversation_oracle import CONVERSATIONS, check_conversation_records, check_spliced_results, stage_rows
 from tests.fixtures.airflow import DAG_TEST_BUCKET, dag_stack
 
 pytestmark = pytest.mark.slow
@@ -467,6 +468,17 @@ def test_conversations_run_through_the_dag_in_every_mode(mode, history, stack, t
     assert counts.get("sglang") and counts.get("openrouter"), counts  # both paths, each record checked
     assert bool(counts.get("multi_turn")) == (mode == "trajectory"), counts  # trajectories folded from their turns
     from eagle3_data.storage import StageRef
+
+    if mode == "trajectory":  # every user turn kept, every spliced tool result the one recorded for its call
+        assert check_spliced_results(store, run_name, "conversations") > 0
+        merged = Counter(store.read_manifest(StageRef(run_name, "merge", "all"))["extra"]["datasets"]["conversations"])
+        user_turns = sum(m["role"] == "user" for r in map(json.loads, CONVERSATIONS.read_text().splitlines())
+                         for m in r.get("messages", [])) + sum(
+            t["from"] == "human" for r in map(json.loads, CONVERSATIONS.read_text().splitlines())
+            for t in r.get("conversations", []))
+        assert merged["trajectory_samples_dropped"] == 0 and merged["trajectory_samples"] >= user_turns, merged
+        assert merged["trajectory_samples"] == (merged["trajectory_samples_whole"] + merged["trajectory_samples_cut"]
+                                                + merged["trajectory_samples_unfolded"]), merged
 
     # the gate and the billing check are per turn: every local turn's ids validated, every overflow turn billed
     from eagle3_data.pipeline.validate import BILLING_REPORT, VALIDATION_REPORT

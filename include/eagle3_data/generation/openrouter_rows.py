@@ -62,8 +62,9 @@ class RequestShape:
     def body(self, p: Prompt) -> dict:
         body = {"model": self.model, "messages": provider_messages(p.messages), "reasoning": dict(self.reasoning),
                 "provider": dict(self.provider), "usage": {"include": True}}
-        if self.stream:
-            body["stream"] = True
+        if self.stream:  # usage in the last chunk: OpenRouter always sends it (`stream_options` is a deprecated
+            # no-op there), an OpenAI-compatible server (vLLM) only when asked
+            body.update(stream=True, stream_options={"include_usage": True})
         if p.tools:
             body["tools"] = p.tools
         body.update(request_sampling(sampling_for(p, dict(self.sampling))))
