@@ -136,3 +136,17 @@ def test_long_prompts_keep_full_concurrency_under_a_budget_that_allows_it(
                   first_cost_estimate_usd=0.05)
     assert s["complete"] and s["counts"]["ok"] == 16, s
     assert server.stats()["max_in_flight"]["chat"] == 16
+
+
+def test_an_error_event_that_was_not_billed_is_not_priced_on_resume(store, start_dev_server, kimi_tokenizer, tmp_path):
+    """A stream that opened and then carried only an error event (no output, no usage: not billed)
+    is closed in the journal; the resume prices only what may have been billed."""
+    todo = prompts(3, "chat")
+    server = start_dev_server({"price_per_token": PRICE, "endpoints": {"chat": {"error_in_body": 1.0}}})
+    ref, s = _run(store, server, kimi_tokenizer, todo, tmp_path, "error-events", max_attempts=2,
+                  cost_lookup_delay_s=0.01)
+    assert s["stopped_reason"] == "retryable_failures" and s["cost_usd"] == 0, s
+    server = start_dev_server({"price_per_token": PRICE})
+    ref, s = _run(store, server, kimi_tokenizer, todo, tmp_path, "error-events", cost_lookup_delay_s=0.01)
+    assert s["complete"] and s["counts"]["lost_attempts"] == 0, s
+    assert s["cost_usd"] == pytest.approx(server.stats()["billed_usd"], rel=1e-6)

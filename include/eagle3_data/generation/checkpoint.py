@@ -287,7 +287,7 @@ class StageRun:
         client to price before it asks again (`unsettled_attempts`). A committed sample's row
         carries its attempts already."""
         for a in attempts:
-            if a.get("sample_id") in done:
+            if a.get("sample_id") in done or a.get("state") == "closed":  # closed: an error that was not billed
                 continue
             if a.get("state") == "settled":
                 self.lost_attempts.setdefault(a["sample_id"], []).append(a)
@@ -303,7 +303,8 @@ class StageRun:
         """A paid-or-maybe-paid request without an answer, in the local journal (flushed): `state`
         "open" when the provider named its generation, "settled" once it is priced (`cost_usd`,
         `cost_source`). A resume prices the open ones before their samples are asked again, so no
-        request is retried while the journal says its first attempt may still be billed uncounted."""
+        request is retried while the journal says its first attempt may still be billed uncounted;
+        "closed" when it ended in an error that was not billed (nothing to price)."""
         self._journal.write(json.dumps({"attempt": record}, ensure_ascii=False) + "\n")
         self._journal.flush()
         if record.get("state") == "settled":

@@ -502,9 +502,10 @@ class _OverflowRun:
                 await asyncio.sleep(wait)
                 if self.stopped:
                     return None
-            attempt_id = uuid.uuid4().hex[:16]
+            attempt_id, named = uuid.uuid4().hex[:16], []
 
-            def opened(generation_id: str | None, attempt_id: str = attempt_id) -> None:
+            def opened(generation_id: str | None, attempt_id: str = attempt_id, named: list = named) -> None:
+                named.append(generation_id)
                 self.stage.journal_attempt({"attempt": attempt_id, "sample_id": p.sample_id, "state": "open",
                                             "generation_id": generation_id, "prompt_tokens": len(prompt_ids)})
             try:
@@ -521,7 +522,9 @@ class _OverflowRun:
                 await self._lose(client, p.sample_id, len(prompt_ids), attempt_id, lost.generation_id, lost.why)
                 verdict = Verdict("retry", lost.why)
             else:
-                if (verdict := body_error(data)) is None:
+                if (verdict := body_error(data)) is not None and named:  # an error, not billed: nothing to price
+                    self.stage.journal_attempt({"attempt": attempt_id, "sample_id": p.sample_id, "state": "closed"})
+                if verdict is None:
                     self.breaker.outcome(None)
                     cost, source = await priced(client, data, self.configured_prices, self.o.cost_lookups,
                                                 self.o.cost_lookup_delay_s)
