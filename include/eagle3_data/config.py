@@ -329,6 +329,10 @@ class HiddenStatesConfig(_Model):
     storage_dtype: StorageDtype = Field("bf16", description="dtype of the stored states whatever the forward ran in "
                                         "(compute: keep the forward's)")
     shard_tokens: int = Field(65_536, ge=1, description="tokens per hidden-state file")
+    logprobs: bool = Field(
+        True, description="store every token's log-probability under the target (the final norm and LM head over "
+        "the last state: ~3.5% of a Kimi-K2.5 forward, 4 bytes per token); what proves the extraction against the "
+        "engine's own log-probabilities and scores every row for the policy check")
     backend: HiddenStatesBackend = Field("transformers", description="extraction backend")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs per extraction worker (vllm backend)")
     workers: int = Field(

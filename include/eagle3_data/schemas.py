@@ -36,7 +36,7 @@ PROMPTS = PROMPTS_V1.append(pa.field("source_id", pa.string()))
 
 IDENTITY_MISMATCH = "identity_mismatch"  # a generation row's status: answered by a model/provider not pinned
 
-GENERATIONS = pa.schema(
+GENERATIONS_V1 = pa.schema(
     [
         ("sample_id", pa.string()),
         ("dataset", pa.string()),
@@ -56,6 +56,10 @@ GENERATIONS = pa.schema(
         ("provenance", pa.string()),  # JSON: model, provider, generation_id, sampling, tokenizer_sha256
     ]
 )
+# v2: the local engine's log-probability of each output id, as it reports them (provenance
+# `logprobs.distribution`: vLLM's raw model distribution; SGLang's after temperature scaling, before
+# top-k/top-p, unless its server sets SGLANG_RETURN_ORIGINAL_LOGPROB); null for text-only answers
+GENERATIONS = GENERATIONS_V1.append(pa.field("output_logprobs", pa.list_(pa.float32())))
 
 VALIDATION_ROWS = pa.schema(
     [
@@ -121,8 +125,8 @@ SCHEMAS["rejects"] = REJECTS
 
 # Per-schema version: bump one when its shape changes; readers refuse newer ones and read the
 # older ones kept here (a column a version added reads as absent from an older part).
-SCHEMA_VERSIONS: dict[str, int] = {**{name: SCHEMA_VERSION for name in SCHEMAS}, "prompts": 2}
-OLDER_SCHEMAS: dict[tuple[str, int], pa.Schema] = {("prompts", 1): PROMPTS_V1}
+SCHEMA_VERSIONS: dict[str, int] = {**{name: SCHEMA_VERSION for name in SCHEMAS}, "prompts": 2, "generations": 2}
+OLDER_SCHEMAS: dict[tuple[str, int], pa.Schema] = {("prompts", 1): PROMPTS_V1, ("generations", 1): GENERATIONS_V1}
 
 
 def schema_for(name: str, version: int | None = None) -> pa.Schema:

@@ -166,6 +166,45 @@ def test_conventions_store_the_same_tensors(backend, rows, tmp_path):
     assert reader.layer_ids == [2, 4, 5] and reader.convention == "input"
 
 
+def reference_logprobs(model, ids) -> torch.Tensor:
+    """transformers' own forward and LM head: log p(ids[i] | ids[:i]) for i >= 1."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    return torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
+
+
+def test_target_logprobs_equal_the_models_own_forward_and_head(backend, reference_model, rows, tmp_path):
+    summary = extract_rows(backend, rows, tmp_path, "l", ExtractOptions(last_hidden=False, token_budget=128,
+                                                                        out_shard_tokens=90))
+    stored = read_all(tmp_path)
+    trained = []
+    for row in rows:
+        s = stored[row["sample_id"]]
+        assert s.last_hidden_states is None and s.target_logprobs.dtype == torch.float32
+        assert torch.isnan(s.target_logprobs[0]) and not torch.isnan(s.target_logprobs[1:]).any()
+        ref = reference_logprobs(reference_model, row["input_ids"])
+        assert torch.allclose(s.target_logprobs[1:], ref, atol=1e-4, rtol=0), row["sample_id"]
+        mask = torch.tensor(row["loss_mask"][1:], dtype=torch.bool)
+        trained.append(ref[mask].double())
+    every = torch.cat(trained)
+    figures = summary["logprobs"]
+    assert figures["trained_tokens"] == every.numel()
+    assert figures["mean_trained_logprob"] == pytest.approx(float(every.mean()), abs=1e-4)
+    assert len(figures["least_likely_samples"]) == 5
+
+
+def test_target_logprobs_do_not_depend_on_packing_and_barely_on_batching(backend, rows, tmp_path):
+    """Each sample's log-probabilities come from its own states, chunked from its own start: shards
+    cut anywhere hold the same bits; another batching moves the fp32 states by ~1e-6 only."""
+    extract_rows(backend, rows, tmp_path / "a", "a", ExtractOptions(token_budget=128, out_shard_tokens=40))
+    extract_rows(backend, rows, tmp_path / "b", "b", ExtractOptions(token_budget=128, out_shard_tokens=10_000))
+    extract_rows(backend, rows, tmp_path / "c", "c", ExtractOptions(token_budget=1))
+    a, b, c = read_all(tmp_path / "a"), read_all(tmp_path / "b"), read_all(tmp_path / "c")
+    for sid in a:
+        assert torch.equal(a[sid].target_logprobs.nan_to_num(), b[sid].target_logprobs.nan_to_num())
+        assert torch.allclose(a[sid].target_logprobs[1:], c[sid].target_logprobs[1:], atol=1e-4, rtol=0)
+
+
 def test_batched_and_unbatched_agree(backend, rows, tmp_path):
     extract_rows(backend, rows, tmp_path / "one", "x", ExtractOptions(token_budget=1))  # every sample alone
     extract_rows(backend, rows, tmp_path / "all", "x", ExtractOptions(token_budget=10_000))  # one padded batch
@@ -188,6 +227,10 @@ class NaNAfter:
     @property
     def final_norm(self):
         return self.inner.final_norm
+
+    @property
+    def lm_head(self):
+        return self.inner.lm_head
 
     def forward(self, batch, indices, last_hidden):
         out = self.inner.forward(batch, indices, last_hidden)
@@ -281,8 +324,81 @@ def test_storage_estimate_at_kimi_size():
 
     est = estimate(145_000_000, 7168)
     per = est["bytes_per_token"]
-    assert per["shards_bf16"] == 4 * 7168 * 2 + 5 and per["speculators_fp8"] == 4 * 7168 + 12
+    assert per["shards_bf16"] == 4 * 7168 * 2 + 5 + 4 and per["speculators_fp8"] == 4 * 7168 + 12  # + fp32 logprob
     assert 57_000 < per["speculators_bf16"] < 57_400 and 28_600 < per["speculators_fp8"] < 28_800
     assert 8.2e12 < est["bytes"]["shards_bf16"] < 8.4e12
     assert "shards_bf16 8.32 TB" in describe(est)
-    assert estimate(10, 7168, last=False)["bytes_per_token"]["shards_bf16"] == 3 * 7168 * 2 + 5
+    assert estimate(10, 7168, last=False)["bytes_per_token"]["shards_bf16"] == 3 * 7168 * 2 + 5 + 4
+    assert estimate(10, 7168, logprobs=False)["bytes_per_token"]["shards_bf16"] == 4 * 7168 * 2 + 5
+
+
+class Faulty:
+    """The anchors' silent extraction failures, injected at the backend seam around the real one:
+    states shifted by one position (`shift`), a batch-mate's states (`batchmate`: each sample gets
+    the states of the next sample of its batch, cut or padded to its length), the last state taken
+    one layer early (`early`)."""
+
+    def __init__(self, inner, mode):
+        self.inner, self.mode = inner, mode
+
+    def describe(self):
+        return self.inner.describe()
+
+    @property
+    def final_norm(self):
+        return self.inner.final_norm
+
+    @property
+    def lm_head(self):
+        return self.inner.lm_head
+
+    def forward(self, batch, indices, last_hidden):
+        L = self.inner.describe().num_layers
+        if self.mode == "early":
+            out = self.inner.forward(batch, indices + [L - 1], last_hidden)
+            for st in out:
+                h = st.last.shape[-1]
+                st.aux, st.last = st.aux[:, :-h], st.aux[:, -h:]
+            return out
+        out = self.inner.forward(batch, indices, last_hidden)
+        if self.mode == "shift":
+            for st in out:
+                st.aux, st.last = torch.roll(st.aux, 1, 0), torch.roll(st.last, 1, 0)
+        elif self.mode == "batchmate" and len(out) > 1:
+            lasts = [st.last for st in out]
+            for k, st in enumerate(out):
+                other = lasts[(k + 1) % len(out)]
+                n = st.last.shape[0]
+                st.last = torch.cat([other, other.new_zeros(max(0, n - other.shape[0]), other.shape[1])])[:n]
+        return out
+
+
+def engine_answers_of(model, rows):
+    """What an engine that generated each row's second half would have reported: transformers'
+    own log-probabilities of those ids (the oracle, not the extractor's head)."""
+    from eagle3_data.hidden_states.verify import EngineAnswer
+
+    out = {}
+    for row in rows:
+        first = len(row["input_ids"]) // 2
+        out[row["sample_id"]] = EngineAnswer(tuple(reference_logprobs(model, row["input_ids"])[first - 1:].tolist()))
+    return out
+
+
+@pytest.mark.parametrize("mode", [None, "shift", "batchmate", "early"])
+def test_the_extraction_proves_itself_against_the_engines_logprobs(mode, backend, reference_model, rows, tmp_path):
+    from eagle3_data.hidden_states.verify import ExtractionDisagrees, LogprobCheck
+
+    rows = [{**r, "prompt_tokens": len(r["input_ids"]) // 2} for r in rows if len(r["input_ids"]) > 4]
+    check = LogprobCheck.for_dtype(engine_answers_of(reference_model, rows), "float32")
+    run = lambda: extract_rows(Faulty(backend, mode) if mode else backend, rows, tmp_path, "v",  # noqa: E731
+                               ExtractOptions(token_budget=256), check=check)
+    if mode is None:
+        summary = run()["logprob_check"]
+        assert summary["compared_samples"] == len(rows) and summary["failed_samples"] == 0
+        assert summary["worst_mean_abs_diff"] < 1e-4  # fp32 on both sides: noise far below the tolerance
+        return
+    with pytest.raises(ExtractionDisagrees, match=r"local answers differ from the engine's own .* sample s\d+: mean "
+                                                  r"\|diff\| .* first at position \d+"):
+        run()
+    assert check.failures and all(f["mean_abs_diff"] > 100 * check.tolerance for f in check.failures)

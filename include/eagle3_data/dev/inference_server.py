@@ -278,6 +278,7 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
                       else {"type": "length", "length": len(generated)})
             rid = rids[i] if isinstance(rids, list) else rids
             logprobs = _input_logprobs(prompt, body.get("logprob_start_len", -1)) if body.get("return_logprob") else None
+            generated_logprobs = _output_logprobs(prompt, generated) if body.get("return_logprob") else None
             outs.append({
                 "text": tok.decode(generated[:-1] if matched is not None else generated, skip_special_tokens=True),
                 "output_ids": ids,
@@ -291,6 +292,7 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
                     "weight_version": state.config.weight_version,
                     "dev_noncanonical_splits": gen.noncanonical_splits,
                     **({"input_token_logprobs": logprobs} if logprobs is not None else {}),
+                    **({"output_token_logprobs": generated_logprobs[: len(ids)]} if generated_logprobs is not None else {}),
                 },
             })
         await delivered("generate", key, request)
@@ -395,23 +397,30 @@ SAMPLING_FIELDS = ("max_new_tokens", "stop", "stop_token_ids", "stop_regex", "te
                    "custom_params", "beam_width", "watermark", "choice")
 
 
+def _pair_logprob(previous: int, token: int) -> float:
+    """The dev server's stand-in model: a fixed pseudo-random log-probability per (previous id, id)."""
+    import hashlib
+
+    u = int.from_bytes(hashlib.blake2b(f"{previous}:{token}".encode(), digest_size=8).digest(), "big") / 2**64
+    return -(0.05 + 6.0 * u * u)
+
+
+def _output_logprobs(prompt: list[int], generated: list[int]) -> list[list]:
+    """SGLang's `meta_info.output_token_logprobs` (`[logprob, id, text]` per output id), from the
+    stand-in model `_pair_logprob`."""
+    ids = list(prompt[-1:]) + list(generated)
+    return [[_pair_logprob(ids[i], ids[i + 1]), ids[i + 1], None] for i in range(len(generated))]
+
+
 def _input_logprobs(prompt: list[int], start: int) -> list[list]:
     """SGLang's `meta_info.input_token_logprobs` from `logprob_start_len` (`[logprob, id, text]`,
     the first entry's logprob None). The values are the dev server's own stand-in model: a fixed
     pseudo-random log-probability per (previous id, id), the same for every text whatever path it
     came by, so local and overflow text of one dev server score alike; a real engine's are the
     model's (tests/engine/test_policy_check.py)."""
-    import hashlib
-
     start = max(start, 0)
-    out: list[list] = []
-    for i in range(start, len(prompt)):
-        if i == start:
-            out.append([None, prompt[i], None])
-            continue
-        u = int.from_bytes(hashlib.blake2b(f"{prompt[i - 1]}:{prompt[i]}".encode(), digest_size=8).digest(), "big") / 2**64
-        out.append([-(0.05 + 6.0 * u * u), prompt[i], None])
-    return out
+    return [[None if i == start else _pair_logprob(prompt[i - 1], prompt[i]), prompt[i], None]
+            for i in range(start, len(prompt))]
 
 
 def _generate_contract_error(body) -> str | None:

@@ -92,6 +92,7 @@ class Answer(NamedTuple):
     output_ids: list[int]  # as given: through the matched stop token
     finish: dict  # {"type": "stop" | "length" | ..., "matched": ...}
     provenance: dict  # engine-specific, into the row's provenance
+    logprobs: list[float] | None = None  # the engine's log-probability of each output id (None: not reported)
 
 
 class PromptCut(ValueError):
@@ -119,6 +120,10 @@ class Wire(Protocol):
 
     def backpressure(self, status: int, text: str) -> bool:
         """The engine is full, not failing: retry later without counting against the endpoint."""
+
+    def logprob_distribution(self, sampling: Mapping[str, Any]) -> dict:
+        """Which distribution the engine's output log-probabilities are of (provenance `logprobs`):
+        what the extraction's own must be compared with (hidden_states.verify)."""
 
     def score_request(self, ids: list[int], first: int, rid: str, identity: dict) -> tuple[str, dict]:
         """(path, JSON body) of a request for the log-probability of each of `ids[first:]`."""
@@ -467,7 +472,7 @@ class LocalRun:
             return Outcome(failed_row(p, prompt_ids, source, reason), permanent=status in PERMANENT_STATUS,
                            endpoint_failed=status >= 500 or status in (401, 403))
         try:
-            ids, finish, engine_provenance = self.wire.answer(json.loads(text), prompt_ids, identity)
+            ids, finish, engine_provenance, logprobs = self.wire.answer(json.loads(text), prompt_ids, identity)
         except PromptCut as exc:  # every attempt on this server cuts it the same way
             return Outcome(failed_row(p, prompt_ids, source, f"prompt cut by {endpoint}: {exc}"), permanent=True)
         except (ValueError, KeyError, TypeError, IndexError) as exc:
@@ -485,6 +490,7 @@ class LocalRun:
         reasoning_tokens = (ids.index(end) if end in ids else len(ids)) if self.fmt.thinking and end is not None else 0
         row.update(
             output_ids=ids,
+            output_logprobs=logprobs,
             reasoning=msg.reasoning,
             content=msg.content,
             tool_calls=json.dumps([c.to_openai() for c in msg.tool_calls], ensure_ascii=False) if msg.tool_calls else None,
@@ -495,7 +501,8 @@ class LocalRun:
                 "model": self.model, "engine": source, "endpoint": endpoint, "sampling": sampling,
                 "thinking": self.fmt.thinking, "tokenizer_sha256": self.tok_sha, "rid": rid,
                 "e2e_latency": round(time.monotonic() - started, 4), "finish_reason": finish,
-                "generated_at": time.time(), **engine_provenance, **_source(p),
+                "generated_at": time.time(), "logprobs": self.wire.logprob_distribution(sampling),
+                **engine_provenance, **_source(p),
             }, sort_keys=True),
         )
         return Outcome(row)

@@ -71,14 +71,23 @@ class SGLangWire:
         return out
 
     def request(self, prompt_ids: list[int], sampling: dict, rid: str, identity: dict) -> tuple[str, dict]:
-        return "/generate", {"input_ids": prompt_ids, "sampling_params": sampling, "rid": rid}
+        """`return_logprob`: each output id's log-probability (`meta_info.output_token_logprobs`;
+        with the default `logprob_start_len` -1 no prompt position is scored)."""
+        return "/generate", {"input_ids": prompt_ids, "sampling_params": sampling, "rid": rid, "return_logprob": True}
 
     def answer(self, body: Any, prompt_ids: list[int], identity: dict) -> Answer:
         ids, finish, meta = check_answer(body, prompt_ids)
         return Answer(ids, finish, {
             "e2e_latency": meta.get("e2e_latency"), "cached_tokens": meta.get("cached_tokens"),
             "weight_version": meta.get("weight_version") or identity.get("weight_version"),
-        })
+        }, output_logprobs(meta, ids))
+
+    def logprob_distribution(self, sampling: Mapping[str, Any]) -> dict:
+        """SGLang reports log_softmax(logits / temperature), before top-k/top-p/min-p (its sampler
+        caches them there; SGLANG_RETURN_ORIGINAL_LOGPROB on the server makes them the raw ones). A
+        temperature of 0 is greedy, which SGLang runs at temperature 1 with top-k 1."""
+        t = float(sampling.get("temperature", 1.0))
+        return {"distribution": "temperature_scaled", "temperature": t if t > 1e-6 else 1.0}
 
     def backpressure(self, status: int, text: str) -> bool:
         return status == 503 and QUEUE_FULL in error_message(text).lower()
@@ -129,3 +138,14 @@ def check_answer(answer, prompt_ids: list[int] | None = None) -> tuple[list[int]
         raise PromptCut(f"{len(prompt_ids)} prompt ids sent, meta_info.prompt_tokens = {ran}: the server "
                         "truncated the prompt (--allow-auto-truncate?); its answer is not the model's to this prompt")
     return ids, finish, meta
+
+
+def output_logprobs(meta: Mapping[str, Any], ids: list[int]) -> list[float] | None:
+    """`meta_info.output_token_logprobs` (`[logprob, id, text]` per output id) as floats, checked
+    against the output ids; None when the server sent none."""
+    entries = meta.get("output_token_logprobs")
+    if entries is None:
+        return None
+    if len(entries) != len(ids) or any(e[1] != t for e, t in zip(entries, ids)):
+        raise ValueError(f"meta_info.output_token_logprobs cover {len(entries)} ids that are not the {len(ids)} output ids")
+    return [float(e[0]) for e in entries]

@@ -12,6 +12,7 @@ server on CPU):
   text honest (the ids are what is stored). Sampling keys are the config's (SGLang's names) and
   renamed here: max_new_tokens -> max_tokens, min_new_tokens -> min_tokens, sampling_seed -> seed;
   anything else must be a vLLM key (SAMPLING_KEYS) or the run is refused before any request.
+- `"logprobs": 0` returns each completion id's log-probability (`choices[0].logprobs.token_logprobs`).
 - `/v1/models` names the served model (sent as `model`, recorded in provenance). vLLM reports no
   capacity on a production server (`/server_info` is VLLM_SERVER_DEV_MODE only).
 """
@@ -62,14 +63,22 @@ class VllmWire:
         return {"served_model": await served_model(http, endpoint)}
 
     def request(self, prompt_ids: list[int], sampling: dict, rid: str, identity: dict) -> tuple[str, dict]:
-        body = {"prompt": prompt_ids, "return_token_ids": True, "skip_special_tokens": False, "stream": False, **sampling}
+        body = {"prompt": prompt_ids, "return_token_ids": True, "skip_special_tokens": False, "stream": False,
+                "logprobs": 0, **sampling}
         if identity.get("served_model"):
             body["model"] = identity["served_model"]
         return "/v1/completions", body
 
     def answer(self, body: Any, prompt_ids: list[int], identity: dict) -> Answer:
         ids, finish, body = check_answer(body, prompt_ids)
-        return Answer(ids, finish, {"served_model": body.get("model"), "engine_request_id": body.get("id")})
+        return Answer(ids, finish, {"served_model": body.get("model"), "engine_request_id": body.get("id")},
+                      output_logprobs(body["choices"][0], ids))
+
+    def logprob_distribution(self, sampling: Mapping[str, Any]) -> dict:
+        """vLLM's default `--logprobs-mode raw_logprobs`: the model's own distribution, before any
+        temperature, penalty or top-k/top-p processing (a server started with another mode
+        reports other numbers: leave the default)."""
+        return {"distribution": "raw"}
 
     def backpressure(self, status: int, text: str) -> bool:
         return False  # vLLM queues without a bound: no "full" answer
@@ -117,3 +126,12 @@ def check_answer(answer: dict, prompt_ids: list[int]) -> tuple[list[int], dict, 
         raise ValueError(f"choices[0].finish_reason {kind!r}")
     return ids, {"type": kind, "matched": choice.get("stop_reason")}, answer
 
+
+def output_logprobs(choice: Mapping[str, Any], ids: list[int]) -> list[float] | None:
+    """`choices[0].logprobs.token_logprobs` as floats, one per completion id; None when absent."""
+    values = (choice.get("logprobs") or {}).get("token_logprobs")
+    if values is None:
+        return None
+    if len(values) != len(ids) or any(v is None for v in values):
+        raise ValueError(f"choices[0].logprobs.token_logprobs has {len(values)} values for {len(ids)} completion ids")
+    return [float(v) for v in values]

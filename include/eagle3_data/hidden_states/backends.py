@@ -40,6 +40,7 @@ class SampleStates:
 
 class HiddenStateBackend(Protocol):
     final_norm: tuple[torch.Tensor, float]  # the final RMSNorm's weight [H] and eps (final_norm.py)
+    lm_head: torch.Tensor  # the LM head's weight [V, H]: the target's log-probabilities (logprobs.py)
 
     def describe(self) -> ModelInfo: ...
 
@@ -53,7 +54,8 @@ class TransformersBackend:
 
     Forward hooks on the embedding and decoder layers keep 3 tensors alive instead of L+1 (the
     last one, for `last_hidden`, on the last layer: its output before the final norm), and the
-    language-model head (a [tokens, 163840] matmul) is never run.
+    model's own language-model head (a [tokens, 163840] matmul over the padded batch) is never
+    run: the extractor applies `lm_head` per sample, in bounded chunks (logprobs.py).
     """
 
     def __init__(self, model_dir: str | Path, *, device: str | None = None, dtype: torch.dtype | None = None):
@@ -70,6 +72,7 @@ class TransformersBackend:
         self.pad_id = config.pad_token_id if config.pad_token_id is not None else 0
         norm = self.decoder.norm
         self.final_norm = (norm.weight.detach().cpu(), float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))))
+        self.lm_head = model.get_output_embeddings().weight.detach()
         self.info = ModelInfo(
             name=Path(model_dir).resolve().name,
             num_layers=config.num_hidden_layers,

@@ -25,7 +25,9 @@ from eagle3_data.forksafe import PerProcess
 from eagle3_data.hidden_states.backends import HiddenStateBackend
 from eagle3_data.hidden_states.final_norm import check_norm, rms_norm
 from eagle3_data.hidden_states.layers import default_layer_ids, hidden_state_indices
+from eagle3_data.hidden_states.logprobs import LogprobHead, LogprobStats
 from eagle3_data.hidden_states.shards import Sample, dtype_name, encoding_name, resolve_storage_dtype, write_shard
+from eagle3_data.hidden_states.verify import LogprobCheck, engine_answers
 
 if TYPE_CHECKING:
     from eagle3_data.storage import StageRef
@@ -49,13 +51,14 @@ class ExtractOptions:
     out_shard_tokens: int = 65_536  # tokens per output file
     use_fp8: bool = False
     storage_dtype: str = "bf16"  # bf16 | fp32 | compute (see shards.resolve_storage_dtype)
+    logprobs: bool = True  # every token's log-probability under the target, stored with the states (logprobs.py)
 
     @classmethod
     def from_config(cls, h) -> ExtractOptions:
         """From a `HiddenStatesConfig`."""
         return cls(convention=h.convention, layer_ids=list(h.layer_ids) if h.layer_ids else None,
                    last_hidden=h.last_hidden, last_hidden_norm=h.last_hidden_norm, token_budget=h.batch_tokens, out_shard_tokens=h.shard_tokens,
-                   use_fp8=h.fp8, storage_dtype=h.storage_dtype)
+                   use_fp8=h.fp8, storage_dtype=h.storage_dtype, logprobs=h.logprobs)
 
 
 @dataclass
@@ -185,10 +188,14 @@ def extract_rows(
     stem: str,
     options: ExtractOptions,
     on_file: Callable[[Path], None] | None = None,
+    check: LogprobCheck | None = None,
 ) -> dict:
-    """Extract states for `rows` (sample_id, input_ids, loss_mask) into `{stem}-{k:04d}.safetensors`.
+    """Extract states for `rows` (sample_id, input_ids, loss_mask[, prompt_tokens]) into
+    `{stem}-{k:04d}.safetensors`.
 
     `on_file` is called on the writer thread after each file is written (e.g. upload + delete).
+    `check` (verify.py) compares each local answer's log-probabilities with the engine's own and
+    raises ExtractionDisagrees after the last file, before anything marks the work done.
     """
     info = backend.describe()
     layer_ids = options.layer_ids or default_layer_ids(info.num_layers, options.convention)
@@ -196,6 +203,7 @@ def extract_rows(
     dtype = resolve_storage_dtype(options.storage_dtype, info.dtype)
     check_norm(options.last_hidden_norm)
     final_norm = backend.final_norm if options.last_hidden else None
+    head = LogprobHead(backend.final_norm, backend.lm_head, device=info.device) if options.logprobs else None
     check_rows(rows, info.vocab_size)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -214,6 +222,7 @@ def extract_rows(
 
     writer = _BackgroundWriter(write)
     stats = _ShardStats()
+    logprob_stats = LogprobStats()
     pending: list[Sample] = []
     pending_tokens = 0
     file_index = 0
@@ -221,13 +230,18 @@ def extract_rows(
     try:
         for batch in plan_batches([len(r["input_ids"]) for r in rows], options.token_budget):
             t0 = time.perf_counter()
-            states = backend.forward([rows[i]["input_ids"] for i in batch], indices, options.last_hidden)
+            states = backend.forward([rows[i]["input_ids"] for i in batch], indices, options.last_hidden or options.logprobs)
             forward_seconds += time.perf_counter() - t0
             for i, st in zip(batch, states):
                 row = rows[i]
                 sid = row["sample_id"]
                 _check_sample(sid, len(row["input_ids"]), st.aux, st.last)
-                last = st.last
+                token_logprobs = head.token_logprobs(st.last, row["input_ids"]) if head is not None else None
+                if token_logprobs is not None:
+                    logprob_stats.add(sid, token_logprobs, row["loss_mask"])
+                    if check is not None and row.get("prompt_tokens") is not None:
+                        check.observe(sid, token_logprobs, row["prompt_tokens"])
+                last = st.last if options.last_hidden else None
                 if last is not None and options.last_hidden_norm == "post":
                     last = rms_norm(last, *final_norm)
                 stats.norms.append(st.aux.float().reshape(st.aux.shape[0], len(indices), -1).norm(dim=-1))
@@ -240,6 +254,7 @@ def extract_rows(
                     loss_mask=torch.as_tensor(row["loss_mask"], dtype=torch.uint8),
                     aux_hidden_states=st.aux if options.use_fp8 else st.aux.to(dtype),
                     last_hidden_states=last.to(dtype) if last is not None else None,
+                    target_logprobs=token_logprobs,
                 ))
                 pending_tokens += len(row["input_ids"])
             if pending_tokens >= options.out_shard_tokens:
@@ -249,6 +264,8 @@ def extract_rows(
             writer.put(pending, file_index)
     finally:
         files = writer.close()
+    if check is not None:
+        check.raise_if_failed(f"{stem}: hidden-state extraction")
     tokens = sum(f["tokens"] for f in files)
     size = sum(f["bytes"] for f in files)
     return {
@@ -272,6 +289,8 @@ def extract_rows(
         "forward_seconds": forward_seconds,
         "seconds": time.perf_counter() - started,
         "norms": _norm_report(stats, layer_ids),
+        "logprobs": logprob_stats.summary() if head is not None else None,
+        "logprob_check": check.summary() if check is not None else None,
     }
 
 
@@ -281,7 +300,7 @@ def read_merged_rows(paths: Iterable[str | Path]) -> list[dict]:
 
     rows: list[dict] = []
     for path in paths:
-        table = pq.read_table(str(path), columns=["sample_id", "input_ids", "loss_mask"])
+        table = pq.read_table(str(path), columns=["sample_id", "input_ids", "loss_mask", "prompt_tokens"])
         rows.extend(table.to_pylist())
     return rows
 
@@ -350,7 +369,8 @@ def extract_shard(
     from eagle3_data.storage import IncompleteStage
 
     merged_ref, name = _shard_ref(shard)
-    merged_sha256 = merged_sha256 or merged_sha256s(store.read_manifest(merged_ref)).get(name)
+    merge_manifest = store.read_manifest(merged_ref)
+    merged_sha256 = merged_sha256 or merged_sha256s(merge_manifest).get(name)
     if merged_sha256 is None:
         raise IncompleteStage(f"{store.uri(merged_ref, name)} is not in its merge's manifest")
     if (done := extracted(store, out_ref, shard, merged_sha256)) is not None:
@@ -371,12 +391,40 @@ def extract_shard(
                 store.put_file(out_ref, path.name, path)
                 path.unlink()
 
-            summary = extract_rows(backend, rows, Path(tmp) / "out", Path(name).stem, options, on_file=upload)
+            check = None
+            if options.logprobs:
+                datasets = (merge_manifest.get("extra") or {}).get("datasets") or {}
+                answers, skipped = engine_answers(store, merged_ref.run_key, datasets, {r["sample_id"] for r in rows})
+                check = LogprobCheck.for_dtype(answers, backend.describe().dtype, skipped)
+            summary = extract_rows(backend, rows, Path(tmp) / "out", Path(name).stem, options, on_file=upload,
+                                   check=check)
         summary["merged_shard"] = {"run_key": merged_ref.run_key, "stage": merged_ref.stage,
                                    "dataset": merged_ref.dataset, "name": name, "sha256": merged_sha256}
         lease.check()
         store.put_json(out_ref, summary_name(name), summary)  # last: its presence marks the shard done
     return summary
+
+
+def _logprob_totals(summaries: list[dict]) -> dict:
+    """The shards' log-probability figures added up: the target's mean over every trained token,
+    and what the self-check compared (verify.py)."""
+    stats = [s["logprobs"] for s in summaries if s.get("logprobs")]
+    checks = [s["logprob_check"] for s in summaries if s.get("logprob_check")]
+    out: dict = {}
+    if stats:
+        tokens = sum(x["trained_tokens"] for x in stats)
+        out["logprobs"] = {"trained_tokens": tokens, "mean_trained_logprob":
+                           sum(x["sum_trained_logprob"] for x in stats) / tokens if tokens else None}
+    if checks:
+        skipped: dict[str, int] = {}
+        for c in checks:
+            for k, v in c["not_compared"].items():
+                skipped[k] = skipped.get(k, 0) + v
+        out["logprob_check"] = {"compared_samples": sum(c["compared_samples"] for c in checks),
+                                "compared_tokens": sum(c["compared_tokens"] for c in checks),
+                                "worst_mean_abs_diff": max(c["worst_mean_abs_diff"] for c in checks),
+                                "tolerance": checks[0]["tolerance"], "not_compared": skipped}
+    return out
 
 
 def commit_extraction(store, merge_ref, out_ref, *, params: dict | None = None) -> dict:
@@ -410,7 +458,7 @@ def _commit_extraction(store, merge_ref, out_ref, params: dict | None, lease) ->
     mixed = [k for k in keys if len({json.dumps(s.get(k)) for s in summaries}) > 1]
     if mixed:
         raise UserError(f"{store.uri(out_ref)}: shards were extracted with different {mixed}; re-extract them alike")
-    extra = {**{k: first.get(k) for k in keys}, "totals": totals,
+    extra = {**{k: first.get(k) for k in keys}, "totals": totals, **_logprob_totals(summaries),
              "engines": sorted({s.get("engine") or "" for s in summaries}),
              "bytes_per_token": totals["bytes"] / totals["tokens"] if totals["tokens"] else 0.0}
     lease.check()

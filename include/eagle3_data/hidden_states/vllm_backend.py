@@ -30,9 +30,12 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+import torch
+
 from eagle3_data.errors import UserError
 from eagle3_data.hidden_states.backends import ModelInfo, SampleStates
 from eagle3_data.hidden_states.final_norm import final_norm_weight
+from eagle3_data.hidden_states.logprobs import lm_head_weight
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +120,7 @@ class VllmBackend:
         self.info = ModelInfo(name=self.model_dir.name, num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"],
                               vocab_size=cfg["vocab_size"], dtype=self.dtype, device=device, backend="vllm", engine=engine)
         self.final_norm = (final_norm_weight(self.model_dir), float(cfg.get("rms_norm_eps", 1e-6)))
+        self._lm_head: torch.Tensor | None = None
         self.tensor_parallel_size = tensor_parallel_size
         self.max_model_len = max_model_len
         self.gpu_memory_utilization = gpu_memory_utilization
@@ -130,6 +134,14 @@ class VllmBackend:
         self.starts = 0  # engines started by this backend (tests: one per session)
         self.stats = {"requests": 0, "file_bytes": 0, "engine_seconds": 0.0}  # for benchmarks/vllm_extract.py
         atexit.register(self.close)
+
+    @property
+    def lm_head(self) -> torch.Tensor:
+        """The LM head's weight, read from the checkpoint on first use (the engine's copy lives in
+        the worker's process)."""
+        if self._lm_head is None:
+            self._lm_head = lm_head_weight(self.model_dir)
+        return self._lm_head
 
     def describe(self) -> ModelInfo:
         return self.info

@@ -108,7 +108,8 @@ def storage_estimate(run: Run, tokens: int) -> dict | None:
     hidden = (cfg.get("text_config") or cfg).get("hidden_size")
     if not isinstance(hidden, int):
         return None
-    return estimate(tokens, hidden, aux_layers=len(h.layer_ids) if h.layer_ids else 3, last=h.last_hidden)
+    return estimate(tokens, hidden, aux_layers=len(h.layer_ids) if h.layer_ids else 3, last=h.last_hidden,
+                    logprobs=h.logprobs)
 
 
 def split_shards(shards: list[dict], workers: int) -> list[dict]:

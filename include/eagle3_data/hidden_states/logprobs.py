@@ -1,0 +1,112 @@
+"""The target's log-probability of every token, from the extraction's own last state.
+
+The extraction already runs the target over every merged token; one LM-head product more per
+token (its final RMSNorm, then [H] x [H, V]) gives the log-probability of each token given
+everything before it. That number proves the extraction and the data at once, for every row:
+for a local answer it must equal the engine's own log-probability from generation (states
+shifted by a position, a batch-mate's states, a prefix cache that shortened them or the wrong
+last layer all move it), and over the overflow answers it is the policy check on every row.
+At Kimi-K2.5's size the product is 2 x 163840 x 7168 = 2.35 GFLOP per token against ~64 GFLOP
+for the forward of its 32 B active parameters: ~3.5% of the extraction's compute.
+
+Position i holds log p(ids[i] | ids[:i]); position 0, which nothing predicts, is NaN. Each
+sample is computed alone in chunks of `chunk_tokens` positions from its own start, so its values
+depend only on its own states, never on how samples were batched or packed into shards, and the
+[chunk, V] logits (163840 wide: 168 MB in fp32 at 256 positions) stay a bounded buffer.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from eagle3_data.errors import UserError
+from eagle3_data.hidden_states.final_norm import rms_norm
+
+CHUNK_TOKENS = 256
+
+
+def lm_head_weight(model_dir: str | Path) -> torch.Tensor:
+    """The LM head's weight [V, H], read from the checkpoint alone: the shortest key ending in
+    `lm_head.weight` (`language_model.lm_head.weight` for Kimi-K2.5), else, for a model whose
+    config ties it to the input embedding, `model.embed_tokens.weight`."""
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+    else:
+        weight_map = {}
+        for f in sorted(model_dir.glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as st:
+                weight_map.update(dict.fromkeys(st.keys(), f.name))
+    keys = sorted((k for k in weight_map if k == "lm_head.weight" or k.endswith(".lm_head.weight")), key=len)
+    if not keys:
+        cfg = json.loads((model_dir / "config.json").read_text())
+        if (cfg.get("text_config") or cfg).get("tie_word_embeddings", cfg.get("tie_word_embeddings")):
+            keys = sorted((k for k in weight_map if k.endswith("model.embed_tokens.weight")), key=len)
+    if not keys:
+        raise UserError(f"model {model_dir}: no LM head weight (*lm_head.weight, or tied embeddings) in the checkpoint")
+    with safe_open(str(model_dir / weight_map[keys[0]]), framework="pt") as st:
+        return st.get_tensor(keys[0])
+
+
+class LogprobHead:
+    """The final norm and the LM head, in fp32 on `device`, applied to one sample's last states."""
+
+    def __init__(self, final_norm: tuple[torch.Tensor, float], lm_head: torch.Tensor, *,
+                 device: str | torch.device = "cpu", chunk_tokens: int = CHUNK_TOKENS):
+        self.device = torch.device(device)
+        self.norm_weight = final_norm[0].detach().to(self.device, torch.float32)
+        self.eps = float(final_norm[1])
+        self.head = lm_head.detach().to(self.device, torch.float32)
+        self.chunk_tokens = chunk_tokens
+
+    @torch.inference_mode()
+    def token_logprobs(self, last: torch.Tensor, ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """float32 [T] on the CPU: NaN, then log p(ids[i] | ids[:i]) for i >= 1, from `last`
+        [T, H], the last layer's output before the final norm."""
+        ids = torch.as_tensor(ids, dtype=torch.long)
+        n = int(ids.numel())
+        if last.shape[0] != n:
+            raise ValueError(f"{last.shape[0]} last states for {n} ids")
+        out = torch.full((n,), float("nan"), dtype=torch.float32)
+        for start in range(0, max(n - 1, 0), self.chunk_tokens):
+            end = min(start + self.chunk_tokens, n - 1)
+            h = rms_norm(last[start:end].to(self.device, torch.float32), self.norm_weight, self.eps)
+            logits = h @ self.head.T  # [chunk, V]
+            nxt = ids[start + 1:end + 1].to(self.device)
+            picked = logits.gather(1, nxt[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+            out[start + 1:end + 1] = picked.cpu()
+        return out
+
+
+class LogprobStats:
+    """What a shard's summary says of its log-probabilities: per sample, the mean over its trained
+    tokens (loss mask 1); the figures over all of them; the least likely samples (the likeliest
+    garbage, for a person to read)."""
+
+    def __init__(self, worst: int = 5):
+        self.means: dict[str, float] = {}
+        self.tokens = 0
+        self.total = 0.0
+        self.worst = worst
+
+    def add(self, sample_id: str, token_logprobs: torch.Tensor, loss_mask: Sequence[int]) -> None:
+        trained = torch.as_tensor(loss_mask, dtype=torch.bool) & ~torch.isnan(token_logprobs)
+        if trained.any():
+            values = token_logprobs[trained].double()
+            self.means[sample_id] = float(values.mean())
+            self.tokens += int(values.numel())
+            self.total += float(values.sum())
+
+    def summary(self) -> dict:
+        worst = sorted(self.means.items(), key=lambda kv: kv[1])[: self.worst]
+        return {"trained_tokens": self.tokens, "samples": len(self.means),
+                "sum_trained_logprob": self.total,  # summed, so shards add up (mean = sum / tokens)
+                "mean_trained_logprob": self.total / self.tokens if self.tokens else None,
+                "least_likely_samples": [{"sample_id": sid, "mean_logprob": m} for sid, m in worst]}
