@@ -133,3 +133,56 @@ def test_shards_record_backend_and_engine_and_the_engine_started_once(vllm_backe
     assert vllm_backend.starts == 1  # one engine served every test of the session so far
     # the connector's per-request files were read and deleted
     assert not list((vllm_backend._root / "states").glob("*.safetensors*"))
+
+
+def reference_logprobs(model, ids) -> torch.Tensor:
+    """transformers' own forward and LM head: log p(ids[i] | ids[:i]) for i >= 1 (fp32)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    return torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
+
+
+def test_the_engines_answers_and_their_extraction_agree_on_every_log_probability(
+        vllm_server, vllm_backend, reference_model, store, kimi_tokenizer, tmp_path, capsys):
+    """vLLM generates (sampled at temperature 1, its raw log-probabilities recorded); vLLM's
+    extraction of the same ids computes its own. Both equal transformers' forward; the
+    extraction's self-check passes on them and fails when a fault moves the states. The figures
+    (the fp32 noise the tolerance is set from) are printed."""
+    from eagle3_data.hidden_states.verify import ExtractionDisagrees, LogprobCheck, engine_answers
+    from eagle3_data.storage import StageRef
+    from tests.generation_calls import generate_vllm
+    from tests.unit.test_hidden_states import Faulty
+
+    todo = [{"sample_id": f"lp{i}", "dataset": "chat", "route": "local", "tools": None,
+             "messages": json.dumps([{"role": "user", "content": f"Count to {i} in words."}])} for i in range(6)]
+    ref = StageRef("vllm-logprobs", "generate_local", "chat")
+    summary = generate_vllm(store, ref, todo, kimi_tokenizer, [vllm_server.url],
+                            {"temperature": 1.0, "max_new_tokens": 24, "thinking": True}, journal_dir=tmp_path)
+    assert summary["complete"], summary
+    generated = store.read_table(ref).to_pylist()
+    engine_noise = 0.0
+    for r in generated:
+        assert json.loads(r["provenance"])["logprobs"] == {"distribution": "raw"}
+        ref_lp = reference_logprobs(reference_model, r["prompt_ids"] + r["output_ids"])[len(r["prompt_ids"]) - 1:]
+        assert len(r["output_logprobs"]) == len(r["output_ids"])
+        engine_noise = max(engine_noise, float((torch.tensor(r["output_logprobs"]) - ref_lp).abs().max()))
+    assert engine_noise < 1e-3
+    rows = [{"sample_id": r["sample_id"], "input_ids": r["prompt_ids"] + r["output_ids"], "prompt_tokens": len(r["prompt_ids"]),
+             "loss_mask": [0] * len(r["prompt_ids"]) + [1] * len(r["output_ids"])} for r in generated]
+    answers, skipped = engine_answers(store, "vllm-logprobs", ["chat"], {r["sample_id"] for r in rows})
+    assert len(answers) == 6 and not skipped
+    check = LogprobCheck.for_dtype(answers, "float32")
+    out = extract_rows(vllm_backend, rows, tmp_path / "ok", "ok", ExtractOptions(token_budget=512), check=check)
+    figures = out["logprob_check"]
+    assert figures["compared_samples"] == 6 and figures["failed_samples"] == 0
+    extraction_noise = max(float((s.target_logprobs[1:] - reference_logprobs(reference_model, s.input_ids.tolist())).abs().max())
+                           for s in read_all(tmp_path / "ok").values())
+    with capsys.disabled():
+        print(f"\nlog-probabilities, fp32 CPU: engine vs transformers max |diff| {engine_noise:.2e}; extraction vs "
+              f"transformers {extraction_noise:.2e}; extraction vs engine worst per-sample mean "
+              f"{figures['worst_mean_abs_diff']:.2e} (tolerance {figures['tolerance']})")
+    for mode in ("shift", "batchmate", "early"):  # early: layer 5's output as the last state (of 8)
+        check = LogprobCheck.for_dtype(answers, "float32")
+        with pytest.raises(ExtractionDisagrees, match="first at position"):
+            extract_rows(Faulty(vllm_backend, mode, layer=5 if mode == "early" else None), rows, tmp_path / mode, mode, ExtractOptions(token_budget=512),
+                         check=check)

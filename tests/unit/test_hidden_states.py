@@ -336,10 +336,11 @@ class Faulty:
     """The anchors' silent extraction failures, injected at the backend seam around the real one:
     states shifted by one position (`shift`), a batch-mate's states (`batchmate`: each sample gets
     the states of the next sample of its batch, cut or padded to its length), the last state taken
-    one layer early (`early`)."""
+    one layer early (`early`; `layer`: another hidden_states index taken as the last state, one the
+    extraction captures anyway, so an engine whose captured layers are fixed needs no restart)."""
 
-    def __init__(self, inner, mode):
-        self.inner, self.mode = inner, mode
+    def __init__(self, inner, mode, layer: int | None = None):
+        self.inner, self.mode, self.layer = inner, mode, layer
 
     def describe(self):
         return self.inner.describe()
@@ -354,6 +355,13 @@ class Faulty:
 
     def forward(self, batch, indices, last_hidden):
         L = self.inner.describe().num_layers
+        if self.mode == "early" and self.layer is not None:
+            out = self.inner.forward(batch, indices, last_hidden)
+            k = indices.index(self.layer)
+            for st in out:
+                h = st.last.shape[-1]
+                st.last = st.aux[:, k * h:(k + 1) * h]
+            return out
         if self.mode == "early":
             out = self.inner.forward(batch, indices + [L - 1], last_hidden)
             for st in out:
