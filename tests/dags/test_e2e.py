@@ -214,6 +214,15 @@ def test_clear_one_dataset_reruns_only_it(stack, dag):
     written = store.read_manifest(StageRef(RUN_KEY, "hidden_states", "all"))["extra"]["totals"]["bytes"]
     assert training["hidden_states_bytes"] == written
     assert 0.8 < written / est["bytes"]["shards_bf16"] < 1.25  # the estimate is the layout's own arithmetic
+    # every trained token scored by the target, per path; the dev server's answers are not the
+    # target's, so the extraction's self-check names them as not compared rather than passing them
+    lp, check = training["logprobs"], training["logprob_check"]
+    assert lp["trained_tokens"] == sum(s["trained_tokens"] for s in lp["sources"].values()) > 0
+    assert {"sglang", "openrouter"} <= set(lp["sources"])
+    assert check["compared_samples"] == 0 and check["not_compared"]["stand_in_engine"] > 0
+    from eagle3_data.report import load_run_report, render_html
+
+    assert "Target log-probabilities of the trained tokens" in render_html(load_run_report(store, RUN_KEY), title="t")
 
 
 # -- 3. backfill / rerun of the same date: same keys, same manifests ---------------------------

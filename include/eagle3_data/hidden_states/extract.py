@@ -238,7 +238,7 @@ def extract_rows(
                 _check_sample(sid, len(row["input_ids"]), st.aux, st.last)
                 token_logprobs = head.token_logprobs(st.last, row["input_ids"]) if head is not None else None
                 if token_logprobs is not None:
-                    logprob_stats.add(sid, token_logprobs, row["loss_mask"])
+                    logprob_stats.add(sid, token_logprobs, row["loss_mask"], row.get("source"))
                     if check is not None and row.get("prompt_tokens") is not None:
                         check.observe(sid, token_logprobs, row["prompt_tokens"])
                 last = st.last if options.last_hidden else None
@@ -300,7 +300,7 @@ def read_merged_rows(paths: Iterable[str | Path]) -> list[dict]:
 
     rows: list[dict] = []
     for path in paths:
-        table = pq.read_table(str(path), columns=["sample_id", "input_ids", "loss_mask", "prompt_tokens"])
+        table = pq.read_table(str(path), columns=["sample_id", "source", "input_ids", "loss_mask", "prompt_tokens"])
         rows.extend(table.to_pylist())
     return rows
 
@@ -412,9 +412,22 @@ def _logprob_totals(summaries: list[dict]) -> dict:
     checks = [s["logprob_check"] for s in summaries if s.get("logprob_check")]
     out: dict = {}
     if stats:
+        sources: dict[str, dict] = {}
+        for x in stats:
+            for source, side in x["sources"].items():
+                acc = sources.setdefault(source, {"samples": 0, "trained_tokens": 0, "sum_trained_logprob": 0.0,
+                                                  "histogram": [0] * len(side["histogram"]), "least_likely_samples": []})
+                for k in ("samples", "trained_tokens", "sum_trained_logprob"):
+                    acc[k] += side[k]
+                acc["histogram"] = [a + b for a, b in zip(acc["histogram"], side["histogram"])]
+                acc["least_likely_samples"] = sorted(acc["least_likely_samples"] + side["least_likely_samples"],
+                                                     key=lambda w: w["mean_logprob"])[:5]
+        for acc in sources.values():
+            acc["mean_trained_logprob"] = acc["sum_trained_logprob"] / acc["trained_tokens"] if acc["trained_tokens"] else None
         tokens = sum(x["trained_tokens"] for x in stats)
         out["logprobs"] = {"trained_tokens": tokens, "mean_trained_logprob":
-                           sum(x["sum_trained_logprob"] for x in stats) / tokens if tokens else None}
+                           sum(x["sum_trained_logprob"] for x in stats) / tokens if tokens else None,
+                           "histogram_edges": stats[0]["histogram_edges"], "sources": sources}
     if checks:
         skipped: dict[str, int] = {}
         for c in checks:

@@ -86,27 +86,39 @@ class LogprobHead:
 
 
 class LogprobStats:
-    """What a shard's summary says of its log-probabilities: per sample, the mean over its trained
-    tokens (loss mask 1); the figures over all of them; the least likely samples (the likeliest
-    garbage, for a person to read)."""
+    """What a shard's summary says of its log-probabilities, per source (the merged record's
+    `source`: sglang | vllm | openrouter): per sample the mean over its trained tokens (loss mask
+    1), their sum and count (so shards add up), a histogram of the per-sample means, and the least
+    likely samples (the likeliest garbage, for a person to read)."""
+
+    BINS = tuple(float(b) for b in range(-20, 1))  # per-sample mean log-probability, nats: edges -20..0
 
     def __init__(self, worst: int = 5):
-        self.means: dict[str, float] = {}
-        self.tokens = 0
-        self.total = 0.0
         self.worst = worst
+        self.sides: dict[str, dict] = {}
 
-    def add(self, sample_id: str, token_logprobs: torch.Tensor, loss_mask: Sequence[int]) -> None:
+    def add(self, sample_id: str, token_logprobs: torch.Tensor, loss_mask: Sequence[int], source: str | None = None) -> None:
         trained = torch.as_tensor(loss_mask, dtype=torch.bool) & ~torch.isnan(token_logprobs)
-        if trained.any():
-            values = token_logprobs[trained].double()
-            self.means[sample_id] = float(values.mean())
-            self.tokens += int(values.numel())
-            self.total += float(values.sum())
+        if not trained.any():
+            return
+        values = token_logprobs[trained].double()
+        mean = float(values.mean())
+        side = self.sides.setdefault(source or "unknown", {"samples": 0, "trained_tokens": 0, "sum_trained_logprob": 0.0,
+                                                          "histogram": [0] * (len(self.BINS) + 1), "means": []})
+        side["samples"] += 1
+        side["trained_tokens"] += int(values.numel())
+        side["sum_trained_logprob"] += float(values.sum())
+        side["histogram"][sum(mean >= b for b in self.BINS)] += 1  # bin k: [BINS[k-1], BINS[k]); 0: below -20
+        side["means"].append((mean, sample_id))
 
     def summary(self) -> dict:
-        worst = sorted(self.means.items(), key=lambda kv: kv[1])[: self.worst]
-        return {"trained_tokens": self.tokens, "samples": len(self.means),
-                "sum_trained_logprob": self.total,  # summed, so shards add up (mean = sum / tokens)
-                "mean_trained_logprob": self.total / self.tokens if self.tokens else None,
-                "least_likely_samples": [{"sample_id": sid, "mean_logprob": m} for sid, m in worst]}
+        sides = {}
+        for source, side in sorted(self.sides.items()):
+            worst = sorted(side["means"])[: self.worst]
+            sides[source] = {k: v for k, v in side.items() if k != "means"} | {
+                "least_likely_samples": [{"sample_id": sid, "mean_logprob": m} for m, sid in worst]}
+        tokens = sum(s["trained_tokens"] for s in sides.values())
+        total = sum(s["sum_trained_logprob"] for s in sides.values())
+        return {"trained_tokens": tokens, "sum_trained_logprob": total,
+                "mean_trained_logprob": total / tokens if tokens else None, "histogram_edges": list(self.BINS),
+                "sources": sides}

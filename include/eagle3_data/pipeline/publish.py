@@ -136,6 +136,9 @@ def publish(run: Run, store) -> PublishResult:
         "draft_vocab": (merged or {}).get("draft_vocab"),
         "hidden_states_estimate": storage_estimate(run, int(merged["totals"].get("tokens", 0))) if merged else None,
         "hidden_states_bytes": (hidden or {}).get("totals", {}).get("bytes"),
+        # the target's log-probabilities of the trained tokens per path, and the extraction's self-check
+        "logprobs": (hidden or {}).get("logprobs"),
+        "logprob_check": (hidden or {}).get("logprob_check"),
     }
     report_uri = _run_report(store, run.run_key, index, run.config.stand_ins, training)
     summary_ref = stage_ref(run, PUBLISH, RUN_DATASET)
