@@ -153,7 +153,7 @@ def test_check_weighs_every_sample_the_same_whatever_its_length():
     """A side whose long answers are less likely and short ones more: the statistic is the mean
     of the samples' means (equal weight), not a per-token pool dominated by the long ones."""
     short, long_ = [-0.5] * 10, [-2.0] * 1000
-    out = check([short, long_], [[-1.25] * 50, [-1.25] * 50], th=Thresholds())
+    out = check([short, long_], [[-1.25] * 50, [-1.25] * 50], th=Thresholds())["figures"]
     assert out["local"]["mean_logprob"] == pytest.approx(-1.25)
     assert out["gap_nats_per_token"] == pytest.approx(0.0)
 
@@ -192,7 +192,7 @@ TH = Thresholds(shift=0.1, false_alarm_rate=0.001, power=0.9)
 
 
 def figures(local, overflow, pairs=()):
-    return check(local, overflow, pairs, TH)
+    return check(local, overflow, pairs, TH)["figures"]
 
 
 def spread(mean: float, n: int, sd: float, seed: int = 0) -> list[list[float]]:
@@ -263,6 +263,15 @@ def test_gate_on_identical_calibration_pairs_passes_and_on_a_constant_gap_fails(
     apart = [([-0.2] * 3, [-0.4] * 3)] * 5
     g = policy_gate(figures(local, local, apart), TH)
     assert not g["passed"] and g["decision"]["rejected"] == ["pairs"]
+
+
+def test_check_returns_the_gates_verdict_from_per_token_logprobs():
+    """The entry point for any source of per-token log-probabilities (the extraction's, later):
+    the same verdict the gate gives on the same figures."""
+    local, over = spread(-1.0, 300, 0.3), spread(-1.3, 300, 0.3, seed=1)
+    out = check(local, over, th=TH)
+    assert out == {**policy_gate(out["figures"], TH), "figures": out["figures"]}
+    assert not out["passed"] and out["decision"]["rejected"] == ["sampled"]
 
 
 def test_power_statement_names_each_test_and_its_samples():

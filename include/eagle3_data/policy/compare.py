@@ -138,12 +138,14 @@ def _side(scores: Sequence[ArrayLike]) -> dict[str, Any]:
 
 def check(local: Sequence[ArrayLike], overflow: Sequence[ArrayLike],
           pairs: Sequence[tuple[ArrayLike, ArrayLike]] = (), th: Thresholds = Thresholds()) -> dict[str, Any]:
-    """Figures and decision from per-token log-probabilities: per sample, for each side's sampled
+    """Figures and verdict from per-token log-probabilities: per sample, for each side's sampled
     answers, and (local, overflow) per calibration prompt. The source may be any (scoring
-    requests, the extraction's forward) as long as both sides come from the same one."""
+    requests, the extraction's forward) as long as both sides come from the same one. Returns
+    the gate's verdict (`policy_gate`: passed, reasons, notes, decision) with its `figures`, the
+    shape the validation report stores."""
     pairs = [(p, q) for p, q in pairs if np.size(p) and np.size(q)]
     figures = figures_of(local, overflow, pairs)
-    return {**figures, "decision": decide_figures(figures, th)}
+    return {**policy_gate(figures, th), "figures": figures}
 
 
 def figures_of(local: Sequence[ArrayLike], overflow: Sequence[ArrayLike],
