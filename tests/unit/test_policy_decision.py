@@ -14,7 +14,16 @@ import numpy as np
 import pytest
 from scipy import optimize, stats
 
-from eagle3_data.policy.compare import Thresholds, check, decide, policy_gate, power_statement, required_samples, summarize
+from eagle3_data.policy.compare import (
+    Thresholds,
+    check,
+    decide,
+    policy_gate,
+    power_statement,
+    required_samples,
+    sample_size,
+    summarize,
+)
 from eagle3_data.policy.select import Item
 
 SEEDS = 1000
@@ -130,6 +139,24 @@ def test_required_samples_grow_with_the_spread_and_shrink_with_the_shift():
     assert required_samples(Thresholds(0.2, 0.001, 0.9), 0.3, 0.3) == pytest.approx(n / 4, rel=0.05)
     assert required_samples(th, 0.3, 0.3, tests=2) > n  # alpha split over the pairs' test too
     assert required_samples(th, 0.0, 0.0) == 2
+
+
+def test_sample_size_from_a_pilot_uses_its_spreads_within_the_pilot_and_the_cap():
+    """The pilot's spreads (not its means) set the size; never below the pilot, never above the
+    cap; calibration pairs in the pilot split alpha (a larger size)."""
+    th = Thresholds(shift=0.1, false_alarm_rate=0.001, power=0.9)
+    local, over = spread(-1.0, 32, 0.3), spread(-1.5, 32, 0.3, seed=1)
+    pilot = check(local, over, th=th)["figures"]
+    size = sample_size(th, pilot, 32, 4096)
+    s = [float(np.std(pilot[side]["sample_means"], ddof=1)) for side in ("local", "overflow")]
+    assert size["spreads"] == {"local": pytest.approx(s[0]), "overflow": pytest.approx(s[1])}
+    assert size["chosen"] == size["required"] == required_samples(th, *s) > 32
+    shifted = check(local, [[x + 0.5 for x in o] for o in over], th=th)["figures"]  # other means, same spreads
+    assert sample_size(th, shifted, 32, 4096)["chosen"] == size["chosen"]
+    assert sample_size(th, pilot, 32, 100)["chosen"] == 100
+    assert sample_size(Thresholds(shift=5.0), pilot, 32, 4096)["chosen"] == 32
+    with_pairs = check(local, over, [([-0.2] * 3, [-0.25 - 0.01 * i] * 3) for i in range(4)], th)["figures"]
+    assert sample_size(th, with_pairs, 32, 4096)["required"] == required_samples(th, *s, tests=2)
 
 
 def test_every_row_a_negligible_shift_never_fails_and_the_shift_that_matters_always_does():

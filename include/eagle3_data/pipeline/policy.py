@@ -57,25 +57,14 @@ def row_routes(run: Run, store, dataset: str) -> dict[str, str]:
     return {**dict.fromkeys(local, "local"), **dict.fromkeys(overflow, "overflow"), **dict.fromkeys(local & overflow, "both")}
 
 
-def _spread(scores: list, items: list, side: str) -> float:
-    """The standard deviation of the side's sampled answers' means (0 with fewer than 2)."""
-    from eagle3_data.policy.compare import sample_means
-
-    means = sample_means(s for it, s in zip(items, scores) if s is not None and it.side == side and it.route == side)
-    return float(means.std(ddof=1)) if means.size >= 2 else 0.0
-
-
 def score_policy(run: Run, store, dataset: str, endpoints: list[str]) -> PolicyResult:
     """Score the dataset's sample on the local engine's `endpoints` (http(s) URLs) and commit the
     figures (`policy.json` beside the scored rows; `sizing`: the pilot, its spreads, the sample
-    size they call for, how many were available). No overflow answers, or `policy.max_samples`
-    0: committed as skipped, no request sent.
-
-    The size is chosen from the pilot's spread only, never from its means: the test's
-    false-alarm rate is that of a fixed size (an internal pilot, Wittes and Brittain 1990)."""
+    size they call for, how many were available; `compare.sample_size`). No overflow answers, or
+    `policy.max_samples` 0: committed as skipped, no request sent."""
     from eagle3_data.generation.engines import wire_for
     from eagle3_data.policy import ScoreOptions, local_items, overflow_items, score_items, summarize
-    from eagle3_data.policy.compare import Thresholds, required_samples
+    from eagle3_data.policy.compare import Thresholds, sample_size
     from eagle3_data.policy.compare import rows as score_rows
 
     local, rebuilt, ref = (stage_ref(run, s, dataset) for s in (LOCAL, RECONSTRUCT, POLICY))
@@ -106,25 +95,21 @@ def score_policy(run: Run, store, dataset: str, endpoints: list[str]) -> PolicyR
         wire, options = wire_for(run.config.generation.local.engine), ScoreOptions.from_config(cfg)
         refused: dict[str, str] = {}
         done: dict[tuple, list[float] | None] = {}
-        sizing: dict = {"pilot": n}
-        for round_ in ("pilot", "final"):
-            if round_ == "final":
-                spreads = {side: _spread(scores, items, side) for side in ("local", "overflow")}
-                tests = 2 if summarize(items, scores, {})["pairs"]["samples"] >= 2 else 1  # alpha split over both
-                need = required_samples(th, spreads["local"], spreads["overflow"], tests=tests)
-                sizing.update(spreads=spreads, required=need)
-                if need <= n:
-                    break
-                n = min(need, cfg.max_samples)
-                over = overflow_items(_rows(store, rebuilt, columns[:4]), routes, n, cfg.seed, pairs)
-            mine = local_items(fmt, _rows(store, local, columns), routes, n, cfg.seed, len(tokenizer), pairs)
-            items = over + mine
+
+        def at(n: int) -> tuple[list, list]:
+            """The items at `n` sampled answers a side (and the pairs), scoring only the new ones."""
+            items = (overflow_items(_rows(store, rebuilt, columns[:4]), routes, n, cfg.seed, pairs)
+                     + local_items(fmt, _rows(store, local, columns), routes, n, cfg.seed, len(tokenizer), pairs))
             todo = [it for it in items if (it.side, it.sample_id, it.ids) not in done]
             got, more = score_items(todo, endpoints, wire, options)
             done.update({(it.side, it.sample_id, it.ids): s for it, s in zip(todo, got)})
             refused.update(more)
-            scores = [done[(it.side, it.sample_id, it.ids)] for it in items]
-        sizing["chosen"] = n
+            return items, [done[(it.side, it.sample_id, it.ids)] for it in items]
+
+        items, scores = at(n)  # the pilot
+        sizing = sample_size(th, summarize(items, scores, {}), n, cfg.max_samples)
+        if sizing["chosen"] > n:
+            items, scores = at(sizing["chosen"])
         sizing["available"] = {side: sum(r == side for r in routes.values()) for side in ("local", "overflow")}
         summary = {**summarize(items, scores, refused), "sizing": sizing}
     # the scored samples as a file beside the (empty) parts: a calibration sample is scored on

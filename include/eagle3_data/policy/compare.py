@@ -207,6 +207,19 @@ def required_samples(th: Thresholds, spread_local: float, spread_overflow: float
         n += max(1, n // 50)
 
 
+def sample_size(th: Thresholds, pilot: Mapping[str, Any], scored: int, max_samples: int) -> dict[str, Any]:
+    """How many sampled answers a side to score, from a pilot's figures (`summarize` of what was
+    scored, `scored` a side asked for): `required_samples` at the spreads of its sample means
+    (alpha split when the pilot holds 2 or more calibration pairs), at least the pilot, at most
+    `max_samples`. Only the spreads are used, never the means: the test keeps the false-alarm
+    rate of a fixed size (an internal pilot, Wittes and Brittain 1990)."""
+    spreads = {side: float(np.std(pilot[side]["sample_means"], ddof=1)) if pilot[side]["samples"] >= 2 else 0.0
+               for side in ("local", "overflow")}
+    tests = 2 if (pilot.get("pairs") or {}).get("samples", 0) >= 2 else 1
+    need = required_samples(th, spreads["local"], spreads["overflow"], tests=tests)
+    return {"pilot": scored, "spreads": spreads, "required": need, "chosen": max(scored, min(need, max_samples))}
+
+
 def power_statement(decision: Mapping[str, Any]) -> str:
     """What the check could see, for the sample sizes at hand: per test, the smallest shift it
     detects with the configured power at its false-alarm rate, and whether that is above the
@@ -240,9 +253,9 @@ def policy_gate(summary: dict[str, Any] | None, th: Thresholds) -> dict[str, Any
         return {"passed": True, "reasons": [], "notes": ["policy: no overflow answers to check"]}
     decision = decide_figures(summary, th)
     power = f"policy power: {power_statement(decision)}"
-    underpowered = ([f"policy UNDERPOWERED: it cannot see a shift of {th.shift:g} nats/token with {th.power:.0%} "
-                     "power on these samples (score more: policy.max_samples, or more overflow answers)"]
-                    if decision["underpowered"] else [])
+    short = (f"policy UNDERPOWERED: it cannot see a shift of {th.shift:g} nats/token with {th.power:.0%} "
+             "power on these samples (score more: policy.max_samples, or more overflow answers)")
+    underpowered = [short] if decision["underpowered"] else []
     reasons = []
     for name in decision["rejected"]:
         t = decision["tests"][name]
