@@ -67,6 +67,9 @@ from eagle3_data.gate_defaults import (  # noqa: E402
     DEFAULT_MAX_PROMPT_BILLING_MEAN_ABS_DIFF,
     DEFAULT_MAX_PROMPT_BILLING_ROW_DIFF,
     DEFAULT_MAX_PROMPT_BILLING_ROW_RATE,
+    DEFAULT_POLICY_FALSE_ALARM_RATE,
+    DEFAULT_POLICY_POWER,
+    DEFAULT_POLICY_SHIFT_NATS,
 )
 
 Rate = Annotated[float, Field(ge=0.0, le=1.0)]
@@ -277,12 +280,18 @@ class ValidationConfig(_Model):
     max_identity_mismatch_rate: Rate = Field(
         DEFAULT_MAX_IDENTITY_MISMATCH_RATE,
         description="Gate: max share of answers whose model or provider is not the pinned one (default 0: any fails).")
-    max_policy_logprob_gap: float = Field(
-        0.25, gt=0.0, description="Gate: the policy check fails a dataset whose overflow text's mean log-probability "
-        "per token under the target differs from the local text's by more than this (nats), when significant")
-    policy_max_p_value: Rate = Field(0.001, description="Gate: the policy check's two-sample test significance level")
-    policy_min_samples: int = Field(8, ge=2, description="Gate: fewer scored samples on a side: the policy check "
-                                    "reports, does not decide")
+    policy_shift_nats: float = Field(
+        DEFAULT_POLICY_SHIFT_NATS, gt=0.0,
+        description="Gate: the shift in mean log-probability per token under the target (overflow text vs local, per "
+        "sample) that matters; the policy check fails a shift beyond half of it (its tolerance) when significant, and "
+        "states whether it could see this one with policy_power")
+    policy_false_alarm_rate: float = Field(
+        DEFAULT_POLICY_FALSE_ALARM_RATE, gt=0.0, lt=0.5,
+        description="Gate: the policy check's false-alarm rate: the most often it fails a dataset whose overflow text is "
+        "within the tolerance (an honest provider), split over its tests")
+    policy_power: float = Field(
+        DEFAULT_POLICY_POWER, gt=0.5, lt=1.0,
+        description="the power at which the policy check states its minimum detectable shift and sizes its samples")
 
     def rates(self) -> dict[str, float]:
         """The numeric thresholds (what the run report shows next to each rate)."""
@@ -290,11 +299,15 @@ class ValidationConfig(_Model):
 
 
 class PolicyConfig(_Model):
-    """The policy check (eagle3_data.policy): the local engine scores a sample of each dataset's
-    overflow answers and as many local ones; the thresholds are `validation`'s."""
+    """The policy check (eagle3_data.policy): the local engine scores, per dataset, a pilot of
+    sampled overflow and local answers, then as many as the dataset's `validation.policy_shift_nats`
+    needs at `policy_power` given the pilot's spread, and the calibration pairs; the decision's
+    settings are `validation`'s."""
 
-    samples: int = Field(64, ge=0, description="overflow answers scored per dataset, and as many local ones, plus up "
-                         "to as many calibration samples each side; 0: no policy check")
+    pilot_samples: int = Field(32, ge=2, description="sampled answers scored per side first, to measure the spread of "
+                               "their mean log-probabilities; the sample size is then chosen from it")
+    max_samples: int = Field(4096, ge=0, description="at most this many sampled answers per side, and this many "
+                             "calibration pairs; 0: no policy check")
     seed: int = Field(0, ge=0, description="which samples (a hash of seed and sample id)")
     in_flight_per_endpoint: int = Field(8, ge=1, le=1024, description="scoring requests in flight per local endpoint")
 

@@ -13,3 +13,10 @@ DEFAULT_MAX_IDENTITY_MISMATCH_RATE = 0.0
 DEFAULT_MAX_PROMPT_BILLING_MEAN_ABS_DIFF = 1.0
 DEFAULT_MAX_PROMPT_BILLING_ROW_DIFF = 2
 DEFAULT_MAX_PROMPT_BILLING_ROW_RATE = 0.0
+# The policy check (policy/compare.py): the shift in mean log-probability per token under the
+# target that matters (a provider ignoring top_p 0.95 measured +0.18..+0.57 on the tiny model; a
+# lower-bit quantisation may move it less: lower it and score more to see one), the rate at which
+# an honest provider may fail a dataset, and the power the report states the detectable shift at.
+DEFAULT_POLICY_SHIFT_NATS = 0.1
+DEFAULT_POLICY_FALSE_ALARM_RATE = 0.001
+DEFAULT_POLICY_POWER = 0.9

@@ -6,7 +6,10 @@ answering OpenRouter's chat route under the pinned name: (a) the same server, so
 and weights -> the gate passes; (b) a second server with the tiny model's architecture and other
 weights under the same name -> the identity check cannot see it (same name), the policy check
 fails the dataset naming the figures. Each run goes through the pipeline's own stages: prompts,
-both generations, reconstruction, scoring, the gate.
+both generations, reconstruction, scoring (default policy settings: the pilot takes all 24
+answers a side), the gate. 24 samples a side cannot see the default shift that matters (0.1
+nats/token) with 90% power: the gate says so and still fails another model's text (its shift is
+ten times that).
 """
 
 from __future__ import annotations
@@ -42,7 +45,6 @@ def _run(kimi_tokenizer_dir, run_key: str) -> Run:
         # a random model's text is rarely its tokenizer's canonical split, and re-splits move the
         # billed count: measured and reported here, not what this test is about
         "validation": {"max_bpe_mismatch_rate": 1.0, "max_billing_deviation": 1.0},
-        "policy": {"samples": 24},
         "datasets": [{"name": DATASET}],
     }, where="test")
     return Run(config=config, run_key=run_key, date=None, datasets=[DATASET], dry_run=False, skip_hidden_states=True)
@@ -81,6 +83,8 @@ def test_the_targets_own_text_passes(store, vllm_server, kimi_tokenizer_dir):
     assert result.gate.passed, result.gate
     assert abs(policy.gap_nats_per_token) < 0.25, policy
     assert any(n.startswith("policy: mean log-probability") for n in result.gate.notes), result.gate.notes
+    power = next(n for n in result.gate.notes if n.startswith("policy power: sampled answers (24 + 24): detects a shift"))
+    assert "UNDERPOWERED" in power, power  # too few samples for the default shift that matters: said, not failed
 
 
 def test_another_models_text_under_the_same_name_fails(store, vllm_server, vllm_other_server, kimi_tokenizer_dir):
@@ -90,3 +94,4 @@ def test_another_models_text_under_the_same_name_fails(store, vllm_server, vllm_
     with pytest.raises(GateFailed, match="policy: overflow text is off the target's policy, less likely") as failed:
         validate()
     assert "identity" not in str(failed.value)  # same served name: only the policy check can tell
+    assert "sampled answers: mean log-probability" in str(failed.value) and "over 24 + 24 samples" in str(failed.value)

@@ -71,7 +71,7 @@ def calibration(tokenizer) -> dict:
 def provider_checks() -> dict:
     """Identity and policy as pipeline.validate writes them: 1 of 13 answers from another provider;
     12 local and 12 overflow samples, the overflow ones 1 nat/token less likely (off policy)."""
-    from eagle3_data.policy.compare import policy_gate, summarize
+    from eagle3_data.policy.compare import Thresholds, policy_gate, summarize
     from eagle3_data.policy.select import Item
     from eagle3_data.validate import identity_report
 
@@ -82,7 +82,7 @@ def provider_checks() -> dict:
     items = [Item(f"{side}-{i}", side, side, (1, 2, 3, 4), 1) for side in ("local", "overflow") for i in range(12)]
     scores = [[-0.2 - 0.01 * (i % 12) - (1.0 if it.side == "overflow" else 0.0)] * 3 for i, it in enumerate(items)]
     figures = summarize(items, scores, {})
-    policy = policy_gate(figures, max_gap=0.25, max_p_value=0.001, min_samples=8)
+    policy = policy_gate(figures, Thresholds(shift=0.1, false_alarm_rate=0.001, power=0.9))
     return {"identity": identity_report(rows), "policy": {**policy, "figures": figures}}
 
 
@@ -216,6 +216,9 @@ def test_page_and_summary_show_identity_and_policy(store, run_report):
     assert "<th>served by moonshotai/kimi-k2.5 @ Moonshot AI</th><td class='num'>12</td>" in part
     assert "<tr class='bad'><th>policy gap (nats/token, local minus overflow)</th><td class='num'>1.0000</td>" in part
     assert "overflow text is off the target&#39;s policy" in part
+    # the power statement: 12 + 12 samples cannot see 0.1 nats/token with 90% power (their spread 0.035)
+    assert "<tr class='bad'><th>sampled answers: detects with 90% power (shift that matters 0.1000, tolerated " in part
+    assert " UNDERPOWERED</td>" in part and "policy UNDERPOWERED: it cannot see a shift of 0.1 nats/token" in part
     assert "1x provider Other Cloud is not the pin moonshotai" in part
     md = render_markdown(report)
     assert "| not the pinned model/provider | 1 (7.69%) **(fails)** |" in md

@@ -1,10 +1,13 @@
 """Stage 5a, the policy check's scoring (eagle3_data.policy): after reconstruction, before the gate.
 
-The local engine (the endpoints local generation used) scores a sample of the dataset's overflow
-answers on their reconstructed ids and as many local answers on their rebuilt ids; the figures
-are committed with the scored samples, and the validate stage's gate decides on them with the
-dataset's thresholds (`validation.max_policy_logprob_gap`, `policy_max_p_value`,
-`policy_min_samples`).
+The local engine (the endpoints local generation used) scores sampled overflow answers on their
+reconstructed ids and as many sampled local answers on their rebuilt ids, and the calibration
+pairs (one prompt answered greedily on both paths) on both sides. How many sampled answers: a
+pilot of `policy.pilot_samples` a side measures the spread of the samples' mean log-probabilities;
+the sample then grows to what the dataset's `validation.policy_shift_nats` needs at
+`policy_power` and `policy_false_alarm_rate` (`compare.required_samples`), at most
+`policy.max_samples` a side. The figures are committed with the scored samples, and the validate
+stage's gate decides on them with the same settings.
 """
 
 from __future__ import annotations
@@ -56,17 +59,21 @@ def row_routes(run: Run, store, dataset: str) -> dict[str, str]:
 
 def score_policy(run: Run, store, dataset: str, endpoints: list[str]) -> PolicyResult:
     """Score the dataset's sample on the local engine's `endpoints` (http(s) URLs) and commit the
-    figures (`policy.json` beside the scored rows). No overflow answers, or `policy.samples` 0:
-    committed as skipped, no request sent."""
+    figures (`policy.json` beside the scored rows; `sizing`: the pilot, its spreads, the sample
+    size they call for, how many were available; `compare.sample_size`). No overflow answers, or
+    `policy.max_samples` 0: committed as skipped, no request sent."""
     from eagle3_data.generation.engines import wire_for
     from eagle3_data.policy import ScoreOptions, local_items, overflow_items, score_items, summarize
+    from eagle3_data.policy.compare import Thresholds, sample_size
     from eagle3_data.policy.compare import rows as score_rows
 
     local, rebuilt, ref = (stage_ref(run, s, dataset) for s in (LOCAL, RECONSTRUCT, POLICY))
     tokenizer = bulk_tokenizer_for(run, store)
     hashes = tokenizer_hashes(tokenizer)
     cfg = run.config.policy
-    params = {"samples": cfg.samples, "seed": cfg.seed, "engine": run.config.generation.local.engine,
+    th = Thresholds.from_config(run.config.dataset(dataset).validation)
+    params = {"pilot_samples": cfg.pilot_samples, "max_samples": cfg.max_samples, "seed": cfg.seed,
+              "thresholds": vars(th), "engine": run.config.generation.local.engine,
               "thinking": run.config.generation.sampling.thinking, **hashes}
     if (manifest := reusable(store, ref, [local, rebuilt], params)) is not None:
         extra = manifest["extra"]
@@ -74,27 +81,45 @@ def score_policy(run: Run, store, dataset: str, endpoints: list[str]) -> PolicyR
                             reused=True)
     routes = row_routes(run, store, dataset)
     columns = ["sample_id", "status", "prompt_ids", "output_ids", "finish_reason", "provenance", "tools", "messages"]
-    over = overflow_items(_rows(store, rebuilt, columns[:4]), routes, cfg.samples, cfg.seed)
-    if cfg.samples == 0 or not over:
-        summary = {"skipped": "policy.samples is 0" if cfg.samples == 0 else "no overflow answers"}
-        items, scores = [], []
+    pairs = cfg.max_samples
+    n = min(cfg.pilot_samples, cfg.max_samples)
+    over = overflow_items(_rows(store, rebuilt, columns[:4]), routes, n, cfg.seed, pairs)
+    items: list = []
+    scores: list = []
+    if cfg.max_samples == 0 or not over:
+        summary = {"skipped": "policy.max_samples is 0" if cfg.max_samples == 0 else "no overflow answers"}
     elif not endpoints:
         raise UserError(f"score_policy {dataset}: no local endpoints configured to score on")
     else:
         fmt = output_format(run, store, template=False)
-        mine = local_items(fmt, _rows(store, local, columns), routes, len([i for i in over if i.route != "both"]) or 1,
-                           cfg.seed, len(tokenizer))
-        items = over + mine
-        scores, refused = score_items(items, endpoints, wire_for(run.config.generation.local.engine),
-                                      ScoreOptions.from_config(cfg))
-        summary = summarize(items, scores, refused)
+        wire, options = wire_for(run.config.generation.local.engine), ScoreOptions.from_config(cfg)
+        refused: dict[str, str] = {}
+        done: dict[tuple, list[float] | None] = {}
+
+        def at(n: int) -> tuple[list, list]:
+            """The items at `n` sampled answers a side (and the pairs), scoring only the new ones."""
+            items = (overflow_items(_rows(store, rebuilt, columns[:4]), routes, n, cfg.seed, pairs)
+                     + local_items(fmt, _rows(store, local, columns), routes, n, cfg.seed, len(tokenizer), pairs))
+            todo = [it for it in items if (it.side, it.sample_id, it.ids) not in done]
+            got, more = score_items(todo, endpoints, wire, options)
+            done.update({(it.side, it.sample_id, it.ids): s for it, s in zip(todo, got)})
+            refused.update(more)
+            return items, [done[(it.side, it.sample_id, it.ids)] for it in items]
+
+        items, scores = at(n)  # the pilot
+        sizing = sample_size(th, summarize(items, scores, {}), n, cfg.max_samples)
+        if sizing["chosen"] > n:
+            items, scores = at(sizing["chosen"])
+        sizing["available"] = {side: sum(r == side for r in routes.values()) for side in ("local", "overflow")}
+        summary = {**summarize(items, scores, refused), "sizing": sizing}
     # the scored samples as a file beside the (empty) parts: a calibration sample is scored on
     # both sides under one sample_id, which the parts (one row per sample_id) cannot hold
     with StageWriter(store, ref, "policy_scores", rows_per_part=4096, params=params, inputs=[local, rebuilt],
                      fresh=True, **hashes) as w:
         store.put_bytes(ref, SCORES_FILE, _parquet(score_rows(items, scores, dataset)))
         store.put_json(ref, POLICY_REPORT, {"dataset": dataset, **summary})
-        scored = {side: (summary.get(side) or {}).get("samples", 0) for side in ("local", "overflow")}
+        scored = {side: sum(it.side == side and s is not None for it, s in zip(items, scores))
+                  for side in ("local", "overflow")}
         gap = summary.get("gap_nats_per_token")
         w.commit(extra={"scored": scored, "gap_nats_per_token": gap, "skipped": summary.get("skipped")},
                  files=[POLICY_REPORT, SCORES_FILE])

@@ -16,7 +16,7 @@ from eagle3_data.pipeline.policy import policy_summary, row_routes
 from eagle3_data.pipeline.results import Gate, ValidateResult
 from eagle3_data.pipeline.reuse import reusable
 from eagle3_data.pipeline.run import Run, bulk_tokenizer_for, log, output_format, stage_ref, tokenizer_hashes
-from eagle3_data.policy.compare import policy_gate
+from eagle3_data.policy.compare import Thresholds, policy_gate
 from eagle3_data.rejects import REJECTS_FILE
 from eagle3_data.stages import LOCAL, POLICY, RECONSTRUCT, VALIDATE
 from eagle3_data.storage.writer import StageWriter
@@ -156,8 +156,7 @@ def validate(run: Run, store, dataset: str, *, workers: int | None = None) -> Va
                  for r in b.to_pylist()),
                 max_rate=thresholds.max_identity_mismatch_rate)
             figures = policy_summary(run, store, dataset)
-            policy = policy_gate(figures, max_gap=thresholds.max_policy_logprob_gap,
-                                 max_p_value=thresholds.policy_max_p_value, min_samples=thresholds.policy_min_samples)
+            policy = policy_gate(figures, Thresholds.from_config(thresholds))
             gate = run_gate(local_report, billing, thresholds, identity, policy).as_dict()
             gate.pop("report_uri")
             # Calibration: samples routed "both", engine ids vs the provider's reconstructed text.

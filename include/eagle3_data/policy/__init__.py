@@ -7,9 +7,9 @@ generated is, token by token, as likely under the target as the target's own tex
 model's text is not. So the local engine scores a sample of the overflow answers, on the ids
 reconstruction gave them, and as many local answers, on the ids the same reconstruction would
 give them (the validator's rebuild: both sides go through one tokenisation path, so BPE
-re-splits cannot move one side only), and the gate compares the two per-token log-probability
-distributions: mean, tail quantiles, and a two-sample test over the samples' mean
-log-probabilities (a sample's tokens are not independent draws; its mean is).
+re-splits cannot move one side only), plus the calibration prompts answered on both paths, and
+the gate decides on the samples' mean log-probabilities with a test of stated power
+(`compare`: the sampled answers side against side, the calibration prompts as pairs).
 
 What it can and cannot prove is in docs/generation.md ("The policy check").
 
@@ -17,8 +17,9 @@ Modules, in flow order: `select` (which samples, and their ids), `score` (the en
 `compare` (the figures and the decision).
 """
 
-from eagle3_data.policy.compare import policy_gate, summarize
+from eagle3_data.policy.compare import Thresholds, check, decide, policy_gate, required_samples, summarize
 from eagle3_data.policy.score import ScoreOptions, score_items
 from eagle3_data.policy.select import Item, local_items, overflow_items
 
-__all__ = ["Item", "ScoreOptions", "local_items", "overflow_items", "policy_gate", "score_items", "summarize"]
+__all__ = ["Item", "ScoreOptions", "Thresholds", "check", "decide", "local_items", "overflow_items", "policy_gate",
+           "required_samples", "score_items", "summarize"]

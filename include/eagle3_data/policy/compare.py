@@ -1,81 +1,285 @@
-"""The policy check's figures (per side: tokens, mean, tail quantiles) and its decision."""
+"""The policy check's statistics: the figures, the decision, and its power.
+
+The unit of observation is a sample's mean log-probability per answer token under the target:
+a sample's tokens are not independent draws (one early choice sets the rest), its mean is one
+observation, and every sample weighs the same (a per-token pooled mean lets a few long answers
+decide, and its spread is not the one a test over samples uses). Two tests, each on that unit:
+
+- **sampled**: the local answers against the overflow answers at the configured sampling (the
+  greedy calibration answers never enter these pools: they are far likelier under the target
+  than sampled text and their share differs per side). Statistic D = mean of the local samples'
+  means minus mean of the overflow samples' means (positive: the overflow text is less likely
+  under the target than its own text), Welch's standard error and degrees of freedom.
+- **pairs**: the calibration prompts, answered greedily on both paths: the same prompt, so the
+  per-pair difference d_i = local mean - overflow mean removes the prompt's own difficulty.
+  Statistic mean(d), paired standard error. Honest paths are exchangeable (the same model and
+  sampler behind each), so d is symmetric about 0; greedy text cannot show a sampling parameter
+  the provider ignores, only other weights.
+
+Both are minimum-effect tests: the shift that matters is `shift` (nats/token); a shift up to
+`shift / 2` (the tolerance) is accepted as the same policy, so that with every row scored a
+real but negligible difference (numerics, a kernel) never fails a dataset however small its
+standard error. A test rejects when (|D| - tolerance) / SE > t(1 - a/2, df), a = the
+false-alarm rate split over the tests run (Bonferroni): a provider whose true shift is within
+the tolerance (an honest one: 0) fails with probability at most the false-alarm rate. Its
+minimum detectable shift, the smallest true shift it fails with probability `power`, is
+tolerance + (t(1 - a/2, df) + t(power, df)) * SE; when that exceeds `shift` the check is
+underpowered for the samples at hand and says so (docs/generation.md, "The policy check").
+
+`check` takes per-token log-probabilities from any source (the scoring requests here; the
+extraction's, for every row, later); `decide` takes the per-sample means.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
+from eagle3_data.gate_defaults import (
+    DEFAULT_POLICY_FALSE_ALARM_RATE,
+    DEFAULT_POLICY_POWER,
+    DEFAULT_POLICY_SHIFT_NATS,
+)
 from eagle3_data.policy.select import Item
 
 QUANTILES = (0.01, 0.05, 0.25, 0.5)
+TESTS = ("sampled", "pairs")
 
 
-def _side(scores: Sequence[Sequence[float]]) -> dict[str, Any]:
-    tokens = np.concatenate([np.asarray(s, np.float64) for s in scores]) if scores else np.zeros(0)
-    means = [float(np.mean(s)) for s in scores if len(s)]
-    return {
-        "samples": len(means),
-        "tokens": int(tokens.size),
-        "mean_logprob": float(tokens.mean()) if tokens.size else None,
-        "quantiles": {f"p{int(q * 100)}": float(np.quantile(tokens, q)) for q in QUANTILES} if tokens.size else {},
-        "sample_means": means,
-    }
+@dataclass(frozen=True)
+class Thresholds:
+    """The decision's settings (`validation.policy_shift_nats`, `policy_false_alarm_rate`,
+    `policy_power`)."""
+
+    shift: float = DEFAULT_POLICY_SHIFT_NATS
+    false_alarm_rate: float = DEFAULT_POLICY_FALSE_ALARM_RATE
+    power: float = DEFAULT_POLICY_POWER
+
+    @property
+    def tolerance(self) -> float:
+        """The largest shift accepted as the same policy: half the one that matters, so that the
+        power at the shift that matters is reached with finitely many samples."""
+        return self.shift / 2
+
+    @classmethod
+    def from_config(cls, validation: Any) -> Thresholds:
+        return cls(validation.policy_shift_nats, validation.policy_false_alarm_rate, validation.policy_power)
+
+
+def sample_means(samples: Iterable[ArrayLike]) -> np.ndarray:
+    """Each sample's mean per-token log-probability, empty samples left out."""
+    return np.array([float(np.mean(a)) for a in (np.asarray(s, np.float64) for s in samples) if a.size], np.float64)
+
+
+def _test(diff: float, se: float, df: float, n: tuple[int, ...], th: Thresholds, alpha: float) -> dict[str, Any]:
+    """One minimum-effect test's figures: `diff` (nats/token, local minus overflow), its standard
+    error and degrees of freedom; p-value of H0 |shift| <= tolerance (two one-sided tests, each at
+    alpha / 2), rejected at `alpha`; the minimum detectable shift at `th.power`."""
+    from scipy import stats
+
+    crit = float(stats.t.ppf(1 - alpha / 2, df))
+    if se > 0:
+        p = min(1.0, 2 * float(stats.t.sf((abs(diff) - th.tolerance) / se, df)))
+        mds = th.tolerance + (crit + float(stats.t.ppf(th.power, df))) * se
+    else:  # every sample's mean identical on each side: the difference is exact
+        p, mds = (0.0 if abs(diff) > th.tolerance else 1.0), th.tolerance
+    return {"samples": list(n), "shift": diff, "standard_error": se, "df": df, "p_value": p, "alpha": alpha,
+            "critical_shift": th.tolerance + crit * se, "rejected": p < alpha, "min_detectable_shift": mds,
+            "underpowered": mds > th.shift}
+
+
+def _welch(a: np.ndarray, b: np.ndarray) -> tuple[float, float, float]:
+    va, vb = a.var(ddof=1) / a.size, b.var(ddof=1) / b.size
+    se = math.sqrt(va + vb)
+    df = (va + vb) ** 2 / (va ** 2 / (a.size - 1) + vb ** 2 / (b.size - 1)) if se > 0 else float(a.size + b.size - 2)
+    return float(a.mean() - b.mean()), se, float(df)
+
+
+def decide(local: ArrayLike, overflow: ArrayLike, pairs_local: ArrayLike, pairs_overflow: ArrayLike,
+           th: Thresholds = Thresholds()) -> dict[str, Any]:
+    """The decision on per-sample means: `local`, `overflow` (sampled answers) and the calibration
+    pairs (`pairs_local[i]`, `pairs_overflow[i]`: one prompt). A test needs 2 observations a side
+    (a spread); one that cannot run is absent from `tests`. `rejected`: the tests that reject;
+    `underpowered`: the sampled test is absent or cannot reach `th.power` at `th.shift` (the
+    pairs alone cannot see a sampler's fault)."""
+    a, b = np.asarray(local, np.float64), np.asarray(overflow, np.float64)
+    pl, po = np.asarray(pairs_local, np.float64), np.asarray(pairs_overflow, np.float64)
+    if pl.shape != po.shape:
+        raise ValueError(f"calibration pairs: {pl.shape} local means vs {po.shape} overflow means")
+    runs: dict[str, tuple[float, float, float, tuple[int, ...]]] = {}
+    if a.size >= 2 and b.size >= 2:
+        runs["sampled"] = (*_welch(a, b), (a.size, b.size))
+    if pl.size >= 2:
+        d = pl - po
+        runs["pairs"] = (float(d.mean()), float(d.std(ddof=1) / math.sqrt(d.size)), float(d.size - 1), (d.size,))
+    alpha = th.false_alarm_rate / max(1, len(runs))
+    tests = {name: _test(diff, se, df, n, th, alpha) for name, (diff, se, df, n) in runs.items()}
+    return {"tests": tests, "rejected": [t for t in TESTS if t in tests and tests[t]["rejected"]],
+            "underpowered": "sampled" not in tests or tests["sampled"]["underpowered"],
+            "thresholds": {"shift": th.shift, "tolerance": th.tolerance, "false_alarm_rate": th.false_alarm_rate,
+                           "power": th.power}}
+
+
+def _side(scores: Sequence[ArrayLike]) -> dict[str, Any]:
+    """A side's figures: samples, tokens, the mean of its samples' means (equal weight per
+    sample, the statistic's), the per-token quantiles (the tail: the likeliest garbage)."""
+    means = sample_means(scores)
+    tokens = np.concatenate([np.asarray(s, np.float64) for s in scores]) if len(scores) else np.zeros(0)
+    return {"samples": int(means.size), "tokens": int(tokens.size),
+            "mean_logprob": float(means.mean()) if means.size else None,
+            "token_quantiles": {f"p{int(q * 100)}": float(np.quantile(tokens, q)) for q in QUANTILES} if tokens.size else {},
+            "sample_means": [float(m) for m in means]}
+
+
+def check(local: Sequence[ArrayLike], overflow: Sequence[ArrayLike],
+          pairs: Sequence[tuple[ArrayLike, ArrayLike]] = (), th: Thresholds = Thresholds()) -> dict[str, Any]:
+    """Figures and verdict from per-token log-probabilities: per sample, for each side's sampled
+    answers, and (local, overflow) per calibration prompt. The source may be any (scoring
+    requests, the extraction's forward) as long as both sides come from the same one. Returns
+    the gate's verdict (`policy_gate`: passed, reasons, notes, decision) with its `figures`, the
+    shape the validation report stores."""
+    pairs = [(p, q) for p, q in pairs if np.size(p) and np.size(q)]
+    figures = figures_of(local, overflow, pairs)
+    return {**policy_gate(figures, th), "figures": figures}
+
+
+def figures_of(local: Sequence[ArrayLike], overflow: Sequence[ArrayLike],
+               pairs: Sequence[tuple[ArrayLike, ArrayLike]], pair_ids: Sequence[str] = (),
+               identical: int | None = None) -> dict[str, Any]:
+    """The figures the decision is made on (and the report shows): both sides, the calibration
+    pairs' means, and `gap_nats_per_token` (the sampled test's statistic)."""
+    sides = {"local": _side(local), "overflow": _side(overflow)}
+    pl, po = sample_means(p for p, _ in pairs), sample_means(q for _, q in pairs)
+    d = pl - po
+    gap = (sides["local"]["mean_logprob"] - sides["overflow"]["mean_logprob"]
+           if sides["local"]["samples"] and sides["overflow"]["samples"] else None)
+    return {**sides, "gap_nats_per_token": gap,
+            "pairs": {"samples": int(d.size), "sample_ids": list(pair_ids), "identical_ids": identical,
+                      "mean_difference": float(d.mean()) if d.size else None,
+                      "local_means": [float(x) for x in pl], "overflow_means": [float(x) for x in po]}}
+
+
+def decide_figures(figures: Mapping[str, Any], th: Thresholds) -> dict[str, Any]:
+    """`decide` on committed figures (`figures_of`)."""
+    pairs = figures.get("pairs") or {}
+    return decide(figures["local"]["sample_means"], figures["overflow"]["sample_means"],
+                  pairs.get("local_means") or [], pairs.get("overflow_means") or [], th)
 
 
 def summarize(items: Sequence[Item], scores: Sequence[Sequence[float] | None], refused: dict[str, str]) -> dict[str, Any]:
-    """Both sides' figures and the two-sample test over their samples' mean log-probabilities
-    (Kolmogorov-Smirnov, two-sided; Mann-Whitney U beside it). `gap`: local minus overflow mean
-    log-probability per token, in nats: positive when the overflow text is less likely under the
-    target than the target's own."""
-    from scipy import stats
-
-    sides = {}
-    for side in ("local", "overflow"):
-        sides[side] = _side([s for it, s in zip(items, scores) if it.side == side and s is not None])
-        sides[side]["calibration_samples"] = sum(it.side == side and it.route == "both" and s is not None
-                                                 for it, s in zip(items, scores))
-    a, b = sides["local"]["sample_means"], sides["overflow"]["sample_means"]
-    test = None
-    if len(a) >= 2 and len(b) >= 2:
-        ks = stats.ks_2samp(a, b)
-        mw = stats.mannwhitneyu(a, b, alternative="two-sided")
-        test = {"ks_statistic": float(ks.statistic), "ks_p_value": float(ks.pvalue),
-                "mannwhitney_p_value": float(mw.pvalue)}
-    gap = (sides["local"]["mean_logprob"] - sides["overflow"]["mean_logprob"]
-           if sides["local"]["mean_logprob"] is not None and sides["overflow"]["mean_logprob"] is not None else None)
-    return {"local": sides["local"], "overflow": sides["overflow"], "gap_nats_per_token": gap, "test": test,
+    """The scored items' figures: sampled answers per side (route "local" or "overflow"; greedy
+    calibration answers never among them), and the calibration pairs (route "both", scored on
+    both sides; `identical_ids`: how many of them gave the same ids on both paths)."""
+    scored = [(it, s) for it, s in zip(items, scores) if s is not None and len(s)]
+    pools = {side: [s for it, s in scored if it.side == side and it.route == side] for side in ("local", "overflow")}
+    both = {side: {it.sample_id: (it, s) for it, s in scored if it.side == side and it.route == "both"}
+            for side in ("local", "overflow")}
+    pair_ids = sorted(set(both["local"]) & set(both["overflow"]))
+    pairs = [(both["local"][i][1], both["overflow"][i][1]) for i in pair_ids]
+    identical = sum(both["local"][i][0].ids == both["overflow"][i][0].ids for i in pair_ids)
+    return {**figures_of(pools["local"], pools["overflow"], pairs, pair_ids, identical),
             "refused": dict(sorted(refused.items())[:20]), "refused_count": len(refused)}
 
 
-def policy_gate(summary: dict[str, Any] | None, *, max_gap: float, max_p_value: float, min_samples: int) -> dict[str, Any]:
-    """Fail when the overflow text is off the target's policy: the mean log-probability gap beyond
-    `max_gap` nats per token (either way: less likely is another model; more likely, a greedier
-    sampler than the config's) AND the two-sample test significant at `max_p_value`. Too few
-    samples on a side to tell: a note, not a pass nor a failure."""
+def required_samples(th: Thresholds, spread_local: float, spread_overflow: float, *, tests: int = 1) -> int:
+    """Samples per side (equal on both) for the sampled test to reach `th.power` at `th.shift`,
+    given the spreads (standard deviations) of each side's sample means, with the false-alarm
+    rate split over `tests` tests: the smallest n with tolerance + (t(1 - a/2) + t(power)) *
+    sqrt((s_l^2 + s_o^2) / n) <= shift, df as Welch's for n a side."""
+    from scipy import stats
+
+    alpha, v = th.false_alarm_rate / tests, spread_local ** 2 + spread_overflow ** 2
+    if v == 0:
+        return 2
+    z = stats.norm.ppf(1 - alpha / 2) + stats.norm.ppf(th.power)
+    n = max(2, math.ceil(v * (z / (th.shift - th.tolerance)) ** 2))
+    while True:
+        va, vb = spread_local ** 2 / n, spread_overflow ** 2 / n
+        df = (va + vb) ** 2 / ((va ** 2 + vb ** 2) / (n - 1))
+        t = stats.t.ppf(1 - alpha / 2, df) + stats.t.ppf(th.power, df)
+        if th.tolerance + t * math.sqrt(v / n) <= th.shift:
+            return n
+        n += max(1, n // 50)
+
+
+def sample_size(th: Thresholds, pilot: Mapping[str, Any], scored: int, max_samples: int) -> dict[str, Any]:
+    """How many sampled answers a side to score, from a pilot's figures (`summarize` of what was
+    scored, `scored` a side asked for): `required_samples` at the spreads of its sample means
+    (alpha split when the pilot holds 2 or more calibration pairs), at least the pilot, at most
+    `max_samples`. Only the spreads are used, never the means: the test keeps the false-alarm
+    rate of a fixed size (an internal pilot, Wittes and Brittain 1990)."""
+    spreads = {side: float(np.std(pilot[side]["sample_means"], ddof=1)) if pilot[side]["samples"] >= 2 else 0.0
+               for side in ("local", "overflow")}
+    tests = 2 if (pilot.get("pairs") or {}).get("samples", 0) >= 2 else 1
+    need = required_samples(th, spreads["local"], spreads["overflow"], tests=tests)
+    return {"pilot": scored, "spreads": spreads, "required": need, "chosen": max(scored, min(need, max_samples))}
+
+
+def power_statement(decision: Mapping[str, Any]) -> str:
+    """What the check could see, for the sample sizes at hand: per test, the smallest shift it
+    detects with the configured power at its false-alarm rate, and whether that is above the
+    shift that matters (underpowered)."""
+    th = decision["thresholds"]
+    parts = []
+    for name, what in (("sampled", "sampled answers"), ("pairs", "calibration pairs")):
+        t = decision["tests"].get(name)
+        if t is None:
+            parts.append(f"{what}: not tested (fewer than 2 a side)")
+            continue
+        n = " + ".join(str(x) for x in t["samples"])
+        short = f", UNDERPOWERED (larger than the shift that matters, {th['shift']:g})" if t["underpowered"] else ""
+        parts.append(f"{what} ({n}): detects a shift of {t['min_detectable_shift']:.3f} nats/token with "
+                     f"{th['power']:.0%} power at false-alarm rate {t['alpha']:.2g}{short}")
+    return "; ".join(parts)
+
+
+def policy_gate(summary: dict[str, Any] | None, th: Thresholds) -> dict[str, Any]:
+    """The gate's verdict on the committed figures. Fails when a test rejects: the overflow text
+    is shifted beyond the tolerance (less likely under the target: another model or other weights;
+    more likely: a greedier sampler than the config's). Underpowered (the sampled test cannot
+    see the shift that matters with the samples at hand): a note, not a failure: the shortfall
+    is a property of how many overflow answers exist, not evidence against the provider, and
+    failing on it would fail honest small datasets at any rate; the report flags it."""
     if summary is None:
         return {"passed": True, "reasons": [], "notes": ["policy not scored (no score_policy stage for this run)"]}
     if summary.get("skipped"):
         return {"passed": True, "reasons": [], "notes": [f"policy not checked: {summary['skipped']}"]}
-    local, over = summary["local"], summary["overflow"]
-    if over["samples"] == 0:
+    if summary["overflow"]["samples"] == 0 and (summary.get("pairs") or {}).get("samples", 0) == 0:
         return {"passed": True, "reasons": [], "notes": ["policy: no overflow answers to check"]}
-    if min(local["samples"], over["samples"]) < min_samples:
-        return {"passed": True, "reasons": [], "notes": [
-            f"policy not checked: {local['samples']} local and {over['samples']} overflow samples scored, fewer than "
-            f"validation.policy_min_samples {min_samples} on a side"]}
-    gap, p = summary["gap_nats_per_token"], summary["test"]["ks_p_value"]
-    figures = (f"mean log-probability local {local['mean_logprob']:.3f}, overflow {over['mean_logprob']:.3f} nats/token "
-               f"(gap {gap:+.3f}; p5 {local['quantiles']['p5']:.2f} vs {over['quantiles']['p5']:.2f}), KS p = {p:.2g} over "
-               f"{local['samples']} + {over['samples']} samples")
-    if abs(gap) > max_gap and p < max_p_value:
-        why = ("less likely under the target than its own text: another model or other weights?" if gap > 0 else
+    decision = decide_figures(summary, th)
+    power = f"policy power: {power_statement(decision)}"
+    short = (f"policy UNDERPOWERED: it cannot see a shift of {th.shift:g} nats/token with {th.power:.0%} "
+             "power on these samples (score more: policy.max_samples, or more overflow answers)")
+    underpowered = [short] if decision["underpowered"] else []
+    reasons = []
+    for name in decision["rejected"]:
+        t = decision["tests"][name]
+        why = ("less likely under the target than its own text: another model or other weights?" if t["shift"] > 0 else
                "more likely under the target than its own text: a greedier sampler than the config's?")
-        return {"passed": False, "reasons": [f"overflow text is off the target's policy, {why} {figures}; limits "
-                                             f"max_policy_logprob_gap {max_gap}, policy_max_p_value {max_p_value}"],
-                "notes": []}
-    return {"passed": True, "reasons": [], "notes": [f"policy: {figures}"]}
+        what = "sampled answers" if name == "sampled" else "calibration pairs (same prompt, greedy on both paths)"
+        reasons.append(f"overflow text is off the target's policy, {why} {what}: {_figures(name, t, summary)}; "
+                       f"tolerance {th.tolerance:g} nats/token (half validation.policy_shift_nats {th.shift:g}), "
+                       f"p = {t['p_value']:.2g} < {t['alpha']:.2g}")
+    notes = [f"policy: {_figures(n, decision['tests'][n], summary)}, p = {decision['tests'][n]['p_value']:.2g}"
+             for n in TESTS if n in decision["tests"] and n not in decision["rejected"]]
+    return {"passed": not reasons, "reasons": reasons, "notes": notes + [power] + underpowered,
+            "decision": decision}
+
+
+def _figures(name: str, t: Mapping[str, Any], summary: Mapping[str, Any]) -> str:
+    if name == "sampled":
+        local, over = summary["local"], summary["overflow"]
+        return (f"mean log-probability local {local['mean_logprob']:.3f}, overflow {over['mean_logprob']:.3f} "
+                f"nats/token per sample (shift {t['shift']:+.3f} +- {t['standard_error']:.3f}) over "
+                f"{local['samples']} + {over['samples']} samples")
+    pairs = summary["pairs"]
+    return (f"calibration pairs: mean difference {t['shift']:+.3f} +- {t['standard_error']:.3f} nats/token over "
+            f"{pairs['samples']} prompts ({pairs['identical_ids']} gave the same ids on both paths)")
 
 
 def rows(items: Iterable[Item], scores: Iterable[Sequence[float] | None], dataset: str) -> list[dict]:

@@ -28,23 +28,26 @@ def pick(sample_ids: Iterable[str], n: int, seed: int) -> list[str]:
     return sorted(sorted(set(sample_ids), key=key)[:n])
 
 
-def _chosen(rows: Iterable[Mapping], routes: Mapping[str, str], side_route: str, n: int, seed: int) -> list[Mapping]:
-    """Up to `n` rows of the side's own route and up to `n` calibration rows (route "both")."""
+def _chosen(rows: Iterable[Mapping], routes: Mapping[str, str], side_route: str, n: int, pairs: int,
+            seed: int) -> list[Mapping]:
+    """Up to `n` rows of the side's own route (sampled answers) and up to `pairs` calibration rows
+    (route "both": greedy, compared as pairs, never in the sampled pool). `pick`'s order makes a
+    larger `n` a superset of a smaller one: a pilot's samples stay in the sample it grows into."""
     usable = [r for r in rows if r.get("status") == "ok" and r.get("output_ids") and r.get("prompt_ids")]
     keep: set[str] = set()
-    for route in (side_route, "both"):
-        keep.update(pick((r["sample_id"] for r in usable if routes.get(r["sample_id"]) == route), n, seed))
+    for route, k in ((side_route, n), ("both", pairs)):
+        keep.update(pick((r["sample_id"] for r in usable if routes.get(r["sample_id"]) == route), k, seed))
     return [r for r in usable if r["sample_id"] in keep]
 
 
-def overflow_items(rows: Iterable[Mapping], routes: Mapping[str, str], n: int, seed: int) -> list[Item]:
+def overflow_items(rows: Iterable[Mapping], routes: Mapping[str, str], n: int, seed: int, pairs: int = 0) -> list[Item]:
     """The reconstruct stage's rows: their output ids are what reconstruction made of the text."""
     return [Item(r["sample_id"], "overflow", routes[r["sample_id"]], tuple(r["prompt_ids"]) + tuple(r["output_ids"]),
-                 len(r["prompt_ids"])) for r in _chosen(rows, routes, "overflow", n, seed)]
+                 len(r["prompt_ids"])) for r in _chosen(rows, routes, "overflow", n, pairs, seed)]
 
 
 def local_items(fmt: OutputFormat, rows: Iterable[Mapping], routes: Mapping[str, str], n: int, seed: int,
-                vocab_size: int) -> list[Item]:
+                vocab_size: int, pairs: int = 0) -> list[Item]:
     """The local stage's rows, on the ids the overflow path would have given their text (the
     validator's rebuild); a row without one (a wrong stop, text that cannot determine the ids)
     is left out."""
@@ -52,7 +55,7 @@ def local_items(fmt: OutputFormat, rows: Iterable[Mapping], routes: Mapping[str,
 
     import pyarrow as pa
 
-    chosen = _chosen(rows, routes, "local", n, seed)
+    chosen = _chosen(rows, routes, "local", n, pairs, seed)
     if not chosen:
         return []
     columns = ("sample_id", "output_ids", "finish_reason", "provenance", "tools", "messages")

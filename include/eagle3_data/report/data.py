@@ -319,15 +319,22 @@ def identity_summary(ident: Mapping[str, Any] | None) -> dict[str, Any] | None:
 
 
 def policy_summary(policy: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """The policy check's decision and headline figures (per side: samples, tokens, mean)."""
+    """The policy check's decision and headline figures: per side (samples, tokens, mean of the
+    samples' means), per test (shift, standard error, p-value, minimum detectable shift,
+    underpowered), the calibration pairs, the power statement and the sample sizing."""
     if policy is None:
         return None
     figures = policy.get("figures") if isinstance(policy.get("figures"), dict) else {}
     sides = {side: {k: (figures.get(side) or {}).get(k) for k in ("samples", "tokens", "mean_logprob")}
              for side in ("local", "overflow") if isinstance(figures.get(side), dict)}
+    decision = policy.get("decision") if isinstance(policy.get("decision"), dict) else {}
+    pairs = figures.get("pairs") if isinstance(figures.get("pairs"), dict) else {}
     return {"passed": policy.get("passed"), "reasons": list(policy.get("reasons") or []),
             "notes": list(policy.get("notes") or []), "gap_nats_per_token": figures.get("gap_nats_per_token"),
-            "test": figures.get("test"), **sides}
+            "tests": decision.get("tests") or {}, "thresholds": decision.get("thresholds"),
+            "underpowered": decision.get("underpowered"),
+            "pairs": {k: pairs.get(k) for k in ("samples", "identical_ids", "mean_difference")} if pairs else None,
+            "sizing": figures.get("sizing"), **sides}
 
 
 def bad_row_count(bad_rows: Any) -> int:

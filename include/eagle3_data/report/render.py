@@ -295,12 +295,43 @@ def _provider(identity: Mapping[str, Any] | None, policy: Mapping[str, Any] | No
         if policy.get("gap_nats_per_token") is not None:
             rows.append(("policy gap (nats/token, local minus overflow)", _nats(policy["gap_nats_per_token"]),
                          policy.get("passed") is False))
-        test = policy.get("test") or {}
-        if test:
-            rows.append(("KS p-value / Mann-Whitney p-value",
-                         f"{_nats(test.get('ks_p_value'))} / {_nats(test.get('mannwhitney_p_value'))}", False))
+        rows += _policy_tests(policy)
     notes = [f"{n}x {why}" for why, n in ((identity or {}).get("reasons") or {}).items()]
     return {"rows": rows, "reasons": list((policy or {}).get("reasons") or []), "notes": notes + list((policy or {}).get("notes") or [])}
+
+
+def _policy_tests(policy: Mapping[str, Any]) -> list[tuple[str, str, bool]]:
+    """The decision's rows: per test its shift, p-value and the smallest shift it detects with the
+    configured power (flagged when larger than the shift that matters: underpowered), the
+    calibration pairs, and how the sample was sized."""
+    rows: list[tuple[str, str, bool]] = []
+    th = policy.get("thresholds") or {}
+    for name, label in (("sampled", "sampled answers"), ("pairs", "calibration pairs (same prompt, greedy)")):
+        t = (policy.get("tests") or {}).get(name)
+        if not isinstance(t, dict):
+            continue
+        rows.append((f"{label}: shift +- SE / p-value (level)",
+                     f"{_nats(t.get('shift'))} +- {_nats(t.get('standard_error'))} / {_p(t.get('p_value'))} "
+                     f"({_p(t.get('alpha'))})", bool(t.get("rejected"))))
+        rows.append((f"{label}: detects with {fmt_pct(th.get('power'), 0)} power (shift that matters "
+                     f"{_nats(th.get('shift'))}, tolerated {_nats(th.get('tolerance'))})",
+                     _nats(t.get("min_detectable_shift")) + (" UNDERPOWERED" if t.get("underpowered") else ""),
+                     bool(t.get("underpowered"))))
+    pairs = policy.get("pairs") or {}
+    if pairs.get("samples"):
+        rows.append(("calibration pairs: prompts / same ids on both paths / mean difference",
+                     f"{fmt_num(pairs['samples'])} / {fmt_num(pairs.get('identical_ids'))} / "
+                     f"{_nats(pairs.get('mean_difference'))}", False))
+    sizing = policy.get("sizing") or {}
+    if sizing:
+        rows.append(("policy sample size: pilot / required a side / scored a side",
+                     f"{fmt_num(sizing.get('pilot'))} / {fmt_num(sizing.get('required'))} / {fmt_num(sizing.get('chosen'))}",
+                     False))
+    return rows
+
+
+def _p(v: Any) -> str:
+    return f"{v:.2g}" if is_number(v) else "-"
 
 
 def _nats(v: Any) -> str:

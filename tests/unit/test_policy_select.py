@@ -1,0 +1,32 @@
+"""Which samples the policy check scores (policy/select.py): sampled pools without the greedy
+calibration answers, the calibration pairs on their own count, a pilot contained in the sample
+it grows into."""
+
+from __future__ import annotations
+
+from eagle3_data.policy.select import overflow_items
+
+
+def rows(n: int) -> tuple[list[dict], dict[str, str]]:
+    out, routes = [], {}
+    for i in range(n):
+        sid = f"s{i:03d}"
+        routes[sid] = "both" if i % 5 == 0 else "overflow"
+        out.append({"sample_id": sid, "status": "ok", "prompt_ids": [1, 2], "output_ids": [3, i]})
+    return out, routes
+
+
+def test_sampled_pool_holds_no_calibration_answer_and_pairs_are_counted_apart():
+    data, routes = rows(100)
+    items = overflow_items(data, routes, 10, seed=3, pairs=4)
+    sampled = [it for it in items if it.route == "overflow"]
+    assert len(sampled) == 10 and len([it for it in items if it.route == "both"]) == 4
+    assert all(routes[it.sample_id] == "overflow" for it in sampled)
+    assert [it for it in overflow_items(data, routes, 10, seed=3) if it.route == "both"] == []
+
+
+def test_a_pilot_is_part_of_the_sample_it_grows_into():
+    data, routes = rows(200)
+    pilot = {it.sample_id for it in overflow_items(data, routes, 8, seed=1)}
+    grown = {it.sample_id for it in overflow_items(data, routes, 50, seed=1)}
+    assert len(pilot) == 8 and len(grown) == 50 and pilot < grown
