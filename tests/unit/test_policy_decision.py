@@ -306,3 +306,18 @@ def test_power_statement_names_each_test_and_its_samples():
     text = power_statement(d)
     assert text.startswith("sampled answers (3 + 3): detects a shift of ")
     assert "calibration pairs (2): detects a shift of " in text and "at false-alarm rate 0.0005" in text
+
+
+def test_every_row_gate_compares_local_engines_with_the_provider_by_source():
+    """The extraction's per-sample means by merged source: sglang and vllm are the local side,
+    openrouter the overflow side; a shift of 1 nat/token over hundreds of samples fails, the
+    same distribution passes, and a source the check does not know is left out."""
+    from eagle3_data.policy.compare import Thresholds, every_row_gate
+
+    rng = np.random.default_rng(5)
+    local = {"sglang": list(rng.normal(-2.0, 0.3, 300)), "vllm": list(rng.normal(-2.0, 0.3, 100))}
+    honest = every_row_gate({**local, "openrouter": list(rng.normal(-2.0, 0.3, 400)), "other": [-50.0] * 9}, Thresholds())
+    assert honest["passed"] and honest["decision"]["tests"]["sampled"]["samples"] == [400, 400]
+    shifted = every_row_gate({**local, "openrouter": list(rng.normal(-3.0, 0.3, 400))}, Thresholds())
+    assert not shifted["passed"] and "less likely under the target" in shifted["reasons"][0]
+    assert every_row_gate(local, Thresholds())["notes"] == ["policy: no overflow answers to check"]

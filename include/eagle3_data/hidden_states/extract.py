@@ -238,7 +238,7 @@ def extract_rows(
                 _check_sample(sid, len(row["input_ids"]), st.aux, st.last)
                 token_logprobs = head.token_logprobs(st.last, row["input_ids"]) if head is not None else None
                 if token_logprobs is not None:
-                    logprob_stats.add(sid, token_logprobs, row["loss_mask"], row.get("source"))
+                    logprob_stats.add(sid, token_logprobs, row["loss_mask"], row.get("source"), _greedy(row))
                     if check is not None and row.get("prompt_tokens") is not None:
                         check.observe(sid, token_logprobs, row["prompt_tokens"])
                 last = st.last if options.last_hidden else None
@@ -294,13 +294,20 @@ def extract_rows(
     }
 
 
+def _greedy(row: dict) -> bool:
+    """A calibration answer (generated at temperature 0 on both paths), by its provenance."""
+    sampling = json.loads(row.get("provenance") or "{}").get("sampling") or {}
+    return sampling.get("temperature") == 0
+
+
 def read_merged_rows(paths: Iterable[str | Path]) -> list[dict]:
     """The columns extraction needs from merged parquet shards (schemas.MERGED)."""
     import pyarrow.parquet as pq
 
     rows: list[dict] = []
     for path in paths:
-        table = pq.read_table(str(path), columns=["sample_id", "source", "input_ids", "loss_mask", "prompt_tokens"])
+        table = pq.read_table(str(path), columns=["sample_id", "source", "input_ids", "loss_mask", "prompt_tokens",
+                                                  "provenance"])
         rows.extend(table.to_pylist())
     return rows
 
@@ -319,6 +326,8 @@ def _shard_ref(shard) -> tuple[StageRef, str]:
 
 
 SUMMARY_SUFFIX = ".summary.json"
+# every sampled answer's mean target log-probability per trained token, by source: the every-row policy check's input
+SAMPLE_MEANS = "target_logprob_means.json"
 
 
 def summary_name(shard_name: str) -> str:
@@ -411,12 +420,14 @@ def _logprob_totals(summaries: list[dict]) -> dict:
     stats = [s["logprobs"] for s in summaries if s.get("logprobs")]
     checks = [s["logprob_check"] for s in summaries if s.get("logprob_check")]
     out: dict = {}
+    means: dict[str, list[float]] = {}
     if stats:
         sources: dict[str, dict] = {}
         for x in stats:
             for source, side in x["sources"].items():
                 acc = sources.setdefault(source, {"samples": 0, "trained_tokens": 0, "sum_trained_logprob": 0.0,
                                                   "histogram": [0] * len(side["histogram"]), "least_likely_samples": []})
+                means.setdefault(source, []).extend(side.get("sampled_means") or [])
                 for k in ("samples", "trained_tokens", "sum_trained_logprob"):
                     acc[k] += side[k]
                 acc["histogram"] = [a + b for a, b in zip(acc["histogram"], side["histogram"])]
@@ -428,6 +439,7 @@ def _logprob_totals(summaries: list[dict]) -> dict:
         out["logprobs"] = {"trained_tokens": tokens, "mean_trained_logprob":
                            sum(x["sum_trained_logprob"] for x in stats) / tokens if tokens else None,
                            "histogram_edges": stats[0]["histogram_edges"], "sources": sources}
+        out["sampled_means"] = means  # written beside the shards (SAMPLE_MEANS), not into the manifest
     if checks:
         skipped: dict[str, int] = {}
         for c in checks:
@@ -471,7 +483,11 @@ def _commit_extraction(store, merge_ref, out_ref, params: dict | None, lease) ->
     mixed = [k for k in keys if len({json.dumps(s.get(k)) for s in summaries}) > 1]
     if mixed:
         raise UserError(f"{store.uri(out_ref)}: shards were extracted with different {mixed}; re-extract them alike")
-    extra = {**{k: first.get(k) for k in keys}, "totals": totals, **_logprob_totals(summaries),
+    logprob_totals = _logprob_totals(summaries)
+    if (means := logprob_totals.pop("sampled_means", None)) is not None:
+        store.put_json(out_ref, SAMPLE_MEANS, means)
+        files.append(SAMPLE_MEANS)
+    extra = {**{k: first.get(k) for k in keys}, "totals": totals, **logprob_totals,
              "engines": sorted({s.get("engine") or "" for s in summaries}),
              "bytes_per_token": totals["bytes"] / totals["tokens"] if totals["tokens"] else 0.0}
     lease.check()

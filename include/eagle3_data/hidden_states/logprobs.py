@@ -97,19 +97,26 @@ class LogprobStats:
         self.worst = worst
         self.sides: dict[str, dict] = {}
 
-    def add(self, sample_id: str, token_logprobs: torch.Tensor, loss_mask: Sequence[int], source: str | None = None) -> None:
+    def add(self, sample_id: str, token_logprobs: torch.Tensor, loss_mask: Sequence[int], source: str | None = None,
+            greedy: bool = False) -> None:
+        """`greedy`: a calibration answer (temperature 0), counted but kept out of the sampled
+        answers' means the every-row policy check compares (policy.compare: greedy text is far
+        likelier under the target than sampled text)."""
         trained = torch.as_tensor(loss_mask, dtype=torch.bool) & ~torch.isnan(token_logprobs)
         if not trained.any():
             return
         values = token_logprobs[trained].double()
         mean = float(values.mean())
         side = self.sides.setdefault(source or "unknown", {"samples": 0, "trained_tokens": 0, "sum_trained_logprob": 0.0,
-                                                          "histogram": [0] * (len(self.BINS) + 1), "means": []})
+                                                          "histogram": [0] * (len(self.BINS) + 1), "means": [],
+                                                          "sampled_means": []})
         side["samples"] += 1
         side["trained_tokens"] += int(values.numel())
         side["sum_trained_logprob"] += float(values.sum())
         side["histogram"][sum(mean >= b for b in self.BINS)] += 1  # bin k: [BINS[k-1], BINS[k]); 0: below -20
         side["means"].append((mean, sample_id))
+        if not greedy:
+            side["sampled_means"].append(mean)
 
     def summary(self) -> dict:
         sides = {}

@@ -34,6 +34,14 @@ def _generation_totals(store, ref) -> dict:
     return out
 
 
+def _policy_every_row(run: Run, store, hs_ref) -> dict:
+    """The policy check over every sampled answer the extraction scored (policy.compare.every_row_gate)."""
+    from eagle3_data.hidden_states.extract import SAMPLE_MEANS
+    from eagle3_data.policy.compare import Thresholds, every_row_gate
+
+    return every_row_gate(store.get_json(hs_ref, SAMPLE_MEANS), Thresholds.from_config(run.config.validation))
+
+
 def _run_report(store, run_key: str, index: dict, stand_ins, training: dict) -> str | None:
     """The UI's run-report index; left untouched when it already says the same (idempotent reruns)."""
     from eagle3_data.report import RUN_REPORT_NAME, run_report_ref, write_run_report
@@ -132,7 +140,11 @@ def publish(run: Run, store) -> PublishResult:
         if hidden is None:
             problems.append(f"hidden states: {store.uri(hs_ref)} is not committed for this merge and its params "
                             "(see tasks extract_hidden_states and commit_hidden_states)")
+    every_row = _policy_every_row(run, store, hs_ref) if hidden and hidden.get("logprobs") else None
+    if every_row is not None and not every_row["passed"]:
+        problems.append("policy on every row (the extraction's target log-probabilities): " + "; ".join(every_row["reasons"]))
     training = {
+        "policy_every_row": every_row and {k: every_row[k] for k in ("passed", "reasons", "notes")},
         "draft_vocab": (merged or {}).get("draft_vocab"),
         "hidden_states_estimate": storage_estimate(run, int(merged["totals"].get("tokens", 0))) if merged else None,
         "hidden_states_bytes": (hidden or {}).get("totals", {}).get("bytes"),

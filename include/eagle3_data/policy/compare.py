@@ -271,6 +271,22 @@ def policy_gate(summary: dict[str, Any] | None, th: Thresholds) -> dict[str, Any
             "decision": decision}
 
 
+LOCAL_SOURCES, OVERFLOW_SOURCES = ("sglang", "vllm"), ("openrouter",)
+
+
+def every_row_gate(means_by_source: Mapping[str, Sequence[float]], th: Thresholds) -> dict[str, Any]:
+    """The policy check on every merged row, once the extraction scored them all: the sampled
+    test over each sampled answer's mean target log-probability per trained token (the
+    extraction's, hidden_states.logprobs), local engines' answers against the overflow
+    provider's. No calibration pairs here: a calibration prompt's overflow answer gave way to its
+    local one in the merge. The same decision and tolerance as the scored check (`policy_gate`)."""
+    def side(sources: Sequence[str]) -> dict[str, Any]:
+        means = [float(m) for s in sources for m in means_by_source.get(s) or ()]
+        return {"samples": len(means), "sample_means": means, "mean_logprob": float(np.mean(means)) if means else None,
+                "token_quantiles": {}}
+    return policy_gate({"local": side(LOCAL_SOURCES), "overflow": side(OVERFLOW_SOURCES), "pairs": {"samples": 0}}, th)
+
+
 def _figures(name: str, t: Mapping[str, Any], summary: Mapping[str, Any]) -> str:
     if name == "sampled":
         local, over = summary["local"], summary["overflow"]
