@@ -13,3 +13,6 @@ DEFAULT_MAX_IDENTITY_MISMATCH_RATE = 0.0
 DEFAULT_MAX_PROMPT_BILLING_MEAN_ABS_DIFF = 1.0
 DEFAULT_MAX_PROMPT_BILLING_ROW_DIFF = 2
 DEFAULT_MAX_PROMPT_BILLING_ROW_RATE = 0.0
+# Prompt rows the loader refuses (bad JSON, unknown roles, over the limits), as a share of rows
+# read: a converter that breaks most of a dataset must stop the run at load, not look green.
+DEFAULT_MAX_REJECTED_PROMPT_RATE = 0.01

@@ -14,7 +14,7 @@ import pyarrow as pa
 from eagle3_data.canonical import canonical_json
 from eagle3_data.errors import UserError
 from eagle3_data.pipeline.results import RouteResult
-from eagle3_data.rejects import REJECTS_FILE, rejects_parquet
+from eagle3_data.rejects import REJECTS_FILE, rejects_parquet, require_reject_rate
 from eagle3_data.pipeline.reuse import reusable
 from eagle3_data.pipeline.run import Run, log, output_format, sampling, stage_ref, tokenizer_for
 from eagle3_data.stages import LOCAL, OVERFLOW, PLAN, PROMPTS
@@ -116,6 +116,18 @@ def load_route(run: Run, store, dataset: str) -> RouteResult:
     limit = prompt_token_limit(tokenizer_for(run, store), limits.max_prompt_tokens, g.sampling.max_new_tokens)
     limit_prompt_tokens(loaded, limit, lambda messages, tools: len(fmt.generation_prompt_ids(messages, tools)))
     log.info("dataset %s: %s", dataset, format_load_rejects(loaded))
+    ref = stage_ref(run, PROMPTS, dataset)
+
+    def keep_rejects() -> str:
+        """The rejects beside the stage's parts, to read; nothing is committed (a stage an earlier,
+        more lenient run committed keeps its own file: rewriting it would break its sha256)."""
+        if not store.is_complete(ref):
+            store.put_bytes(ref, REJECTS_FILE, rejects_parquet(loaded.rejects))
+        return store.uri(ref, REJECTS_FILE)
+
+    require_reject_rate(loaded.rejects, loaded.counts["read"], ds.validation.max_rejected_prompt_rate,
+                        f"dataset {dataset}: prompts {ds.prompts}" + (f" (date {run.date})" if run.date else ""),
+                        "validation.max_rejected_prompt_rate", None if run.dry_run else keep_rejects)
     rc = run.config.routing
     balance = None
     if rc.strategy == "balanced" and not run.dry_run:
@@ -152,7 +164,6 @@ def load_route(run: Run, store, dataset: str) -> RouteResult:
                      dataset, name, "*" if p["chosen"] else " ", p["local"], p["overflow"], seconds_text(p["local_s"]),
                      seconds_text(p["overflow_s"]), seconds_text(p["wall_s"]), p["overflow_usd"])
         return RouteResult(counts=counts, plan_uri=store.put_json(stage_ref(run, PLAN, dataset), PLAN_REPORT, plan), plan=plan)
-    ref = stage_ref(run, PROMPTS, dataset)
     params = {
         "source": ds.prompts, "date": run.date, "sampling": sampling(run), "repeats": g.repeats, "routing": routing,
         "rows_sha256": rows_sha256(routed_batches(loaded.rows, routes)),
