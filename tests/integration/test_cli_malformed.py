@@ -98,7 +98,7 @@ def _cases(e):
     yield "generate: csv file", _gen(e, _jsonl(t / "p.csv", ["messages\nhi"])), ["p.csv", "unsupported file type"]
     yield "generate: empty file", _gen(e, _jsonl(t / "empty.jsonl", [])), ["0 usable prompt rows"]
     yield "generate: every row malformed", _gen(e, _jsonl(t / "bad.jsonl", bad_rows)), [
-        "0 usable prompt rows", "line 1", "not valid JSON"]
+        "6 of 6 rows rejected", "max_rejected_prompt_rate", "1 x row: not valid JSON", "line 1"]
     yield "generate: invalid UTF-8", _gen(e, _jsonl(t / "utf.jsonl", [b'{"messages": [{"role": "user", "content": "caf\xe9"}]}'])), [
         "line 1", "invalid UTF-8"]
     yield "generate: parquet with wrong types", _gen(e, _parquet(t / "p.parquet", pa.table({"messages": [1, 2]}))), [
@@ -175,6 +175,14 @@ def _cases(e):
     yield "export-specforge: unknown bucket", ["export-specforge", "--input", "s3://no-such-bucket-f13/runs/r/extract/all",
                                                "--out", str(t / "sf")], ["eagle3-data s3 init"]
     yield "config check: unknown key", ["config", "check", _jsonl(t / "c.yaml", ["storage:", "  buckett: x"])], ["config"]
+    # a wrong special id is bad config whichever command meets it: exit 2 (it used to be 1 in generate)
+    wrong = yaml.safe_load((files("eagle3_data") / "defaults" / "pipeline.yaml").read_text())
+    wrong["tokenizer"]["expected_special_ids"]["<|im_end|>"] = 163533
+    (t / "wrong-id.yaml").write_text(yaml.safe_dump(wrong))
+    yield "generate: wrong special id", _gen(e, _jsonl(t / "ok3.jsonl", [GOOD]), "--config", str(t / "wrong-id.yaml")), [
+        "tokenizer audit failed", "<|im_end|>", "163533"]
+    yield "tokenizer audit: wrong special id", ["tokenizer", "audit", "--tokenizer", e["tok"], "--expect", "<|im_end|>=163533"], [
+        "tokenizer audit failed", "<|im_end|>", "163533"]
     yield "tokenizer audit: not a directory", ["tokenizer", "audit", "--tokenizer", str(t / "nope")], ["nope"]
 
 
