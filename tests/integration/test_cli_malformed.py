@@ -170,6 +170,11 @@ def _cases(e):
     yield "prompts upload: S3 down", ["prompts", "upload", "--dataset", "chat", "--date", "2026-11-29",
                                       _jsonl(t / "up2.jsonl", [GOOD]), "--endpoint-url", e["down"]], ["unreachable"]
     yield "prompts list: S3 down", ["prompts", "list", "--endpoint-url", e["down"]], ["unreachable"]
+    ours = yaml.safe_load((files("eagle3_data") / "defaults" / "pipeline.yaml").read_text())
+    ours["storage"]["bucket"] = e["bucket"]
+    (t / "ours.yaml").write_text(yaml.safe_dump(ours))
+    yield "report: a run never published", ["report", "--run-key", "never-published", "--config", str(t / "ours.yaml")], [
+        "run never-published has no report", "eagle3-data publish --run-key never-published"]
     yield "report: S3 down", ["report", "--run-key", "r", "--endpoint-url", e["down"]], ["unreachable"]
     yield "export-specforge: no shards", ["export-specforge", "--input", str(t), "--out", str(t / "sf")], ["no .safetensors"]
     yield "export-specforge: unknown bucket", ["export-specforge", "--input", "s3://no-such-bucket-f13/runs/r/extract/all",
