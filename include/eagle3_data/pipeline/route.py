@@ -16,7 +16,7 @@ from eagle3_data.errors import UserError
 from eagle3_data.pipeline.results import RouteResult
 from eagle3_data.rejects import REJECTS_FILE, rejects_parquet, require_reject_rate
 from eagle3_data.pipeline.reuse import reusable
-from eagle3_data.pipeline.run import Run, log, output_format, sampling, stage_ref, tokenizer_for
+from eagle3_data.pipeline.run import Run, log, output_format, prompt_date, sampling, stage_ref, tokenizer_for
 from eagle3_data.stages import LOCAL, OVERFLOW, PLAN, PROMPTS
 from eagle3_data.storage.writer import StageWriter
 
@@ -108,9 +108,10 @@ def load_route(run: Run, store, dataset: str) -> RouteResult:
     # missing prompt files fail before the tokenizer's seconds of loading; the tokenizer loads
     # before the prompts are read, so its transient peak (the stage's largest) is not stacked on
     # the reader's buffers and pyarrow's first-use pages (~50 MiB)
-    prompt_files(ds.prompts, dataset, date=run.date, client=store.client)
+    date = prompt_date(run, store, dataset)  # a run without a logical date: the newest partition, or undated
+    prompt_files(ds.prompts, dataset, date=date, client=store.client)
     fmt = output_format(run, store)
-    loaded = load_prompts(ds.prompts, dataset, date=run.date, sampling=sampling(run), repeats=g.repeats, client=store.client,
+    loaded = load_prompts(ds.prompts, dataset, date=date, sampling=sampling(run), repeats=g.repeats, client=store.client,
                           max_message_bytes=limits.max_message_bytes, regenerate=g.regenerate,
                           history=g.history, call_id=fmt.call_id if g.call_ids == "format" else None)
     limit = prompt_token_limit(tokenizer_for(run, store), limits.max_prompt_tokens, g.sampling.max_new_tokens)
@@ -126,7 +127,7 @@ def load_route(run: Run, store, dataset: str) -> RouteResult:
         return store.uri(ref, REJECTS_FILE)
 
     require_reject_rate(loaded.rejects, loaded.counts["read"], ds.validation.max_rejected_prompt_rate,
-                        f"dataset {dataset}: prompts {ds.prompts}" + (f" (date {run.date})" if run.date else ""),
+                        f"dataset {dataset}: prompts {ds.prompts}" + (f" (date {date})" if date else ""),
                         "validation.max_rejected_prompt_rate", None if run.dry_run else keep_rejects)
     rc = run.config.routing
     balance = None
@@ -155,7 +156,7 @@ def load_route(run: Run, store, dataset: str) -> RouteResult:
     for route in routes:
         counts[route] = counts.get(route, 0) + 1
     if run.dry_run:
-        plan = {"dataset": dataset, "source": ds.prompts, "date": run.date, "counts": counts,
+        plan = {"dataset": dataset, "source": ds.prompts, "date": date, "counts": counts,
                 "estimate": _estimate(run, fmt, routed_batches(loaded.rows, routes), counts, balance)}
         log.info("dataset %s: plan rates from local %s, overflow %s", dataset, balance["local"]["source"],
                  balance["overflow"]["source"])
@@ -165,7 +166,7 @@ def load_route(run: Run, store, dataset: str) -> RouteResult:
                      seconds_text(p["overflow_s"]), seconds_text(p["wall_s"]), p["overflow_usd"])
         return RouteResult(counts=counts, plan_uri=store.put_json(stage_ref(run, PLAN, dataset), PLAN_REPORT, plan), plan=plan)
     params = {
-        "source": ds.prompts, "date": run.date, "sampling": sampling(run), "repeats": g.repeats, "routing": routing,
+        "source": ds.prompts, "date": date, "sampling": sampling(run), "repeats": g.repeats, "routing": routing,
         "rows_sha256": rows_sha256(routed_batches(loaded.rows, routes)),
     }
     if g.regenerate != "final_turn":  # recorded only away from the default, so earlier stages are still reused
@@ -183,7 +184,7 @@ def load_route(run: Run, store, dataset: str) -> RouteResult:
             w.commit(extra={"counts": counts}, files=[REJECTS_FILE])
     if not routes:
         first = loaded.rejects[0]["reason"] if loaded.rejects else "the files hold no rows"
-        raise UserError(f"dataset {dataset}: 0 usable prompt rows in {ds.prompts} (date {run.date}; "
+        raise UserError(f"dataset {dataset}: 0 usable prompt rows in {ds.prompts} (date {date}; "
                         f"{loaded.counts.get('read', 0)} read, {len(loaded.rejects)} rejected; first: {first}); "
                         f"rejects: {store.uri(ref, REJECTS_FILE)}")
     return RouteResult(counts=counts, uri=store.uri(ref))
