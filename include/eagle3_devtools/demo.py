@@ -1,9 +1,10 @@
 """`make demo`: the whole DAG on a laptop, from a fresh clone, then a run report.
 
-Builds (or reuses from .cache/) the Kimi tokenizer and the tiny target model, starts SeaweedFS
-and the dev inference server on free 127.0.0.1 ports, uploads the sample datasets as today's
-prompt partition, runs `eagle3_datagen` with `dag.test()` on SQLite in demo-output/airflow, prints
-what happened, what was a stand-in and where the artifacts are, and stops everything it started.
+Builds (or reuses from $EAGLE3_DATA_CACHE/dev, where the CLI's dev: sources live too) the Kimi
+tokenizer and the tiny target model, starts SeaweedFS and the dev inference server on free 127.0.0.1
+ports, uploads the sample datasets as today's prompt partition, runs `eagle3_datagen` with
+`dag.test()` on SQLite in demo-output/airflow, prints what happened, what was a stand-in and where
+the artifacts are, and stops everything it started.
 
 Two runs, each under its own run key (`demo-{engine}`, `demo-{engine}-gate`): the sample datasets,
 which pass their gates and are published; then `broken`, the chat prompts answered by an engine
@@ -30,6 +31,7 @@ from contextlib import ExitStack
 from datetime import datetime, timezone
 from pathlib import Path
 
+from eagle3_data.builds.sources import dev_cache_root
 from eagle3_data.config import DAG_ID, deep_merge, load_config
 from eagle3_devtools.stack import (
     REPO,
@@ -38,7 +40,6 @@ from eagle3_devtools.stack import (
     airflow_env,
     dev_stack,
     tiny_model_dir,
-    tokenizer_dir,
     upload_prompts,
 )
 
@@ -201,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     date = datetime.now(timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0)
     run_key = f"demo-{args.engine}"
 
-    print(f"demo: building/reusing the Kimi tokenizer and tiny model in {REPO / '.cache'}, starting services in {work}", flush=True)
+    print(f"demo: building/reusing the Kimi tokenizer and tiny model in {dev_cache_root()}, starting services in {work}", flush=True)
     overrides = copy.deepcopy(DEMO_OVERRIDES)
     with ExitStack() as engines:
         server = None
@@ -211,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             from eagle3_devtools.vllm_serve import start_vllm_server
 
             deep_merge(overrides, VLLM_OVERRIDES)
-            model = tiny_model_dir(tokenizer_dir())  # the stack's model.source
+            model = tiny_model_dir()  # the stack's model.source
             work.mkdir(parents=True, exist_ok=True)
             print(f"demo: starting vllm serve ({vllm_python()}) on {model} ...", flush=True)
             server = start_vllm_server(vllm_python(), model, work / "vllm-server.log", max_model_len=VLLM_SERVER_MAX_MODEL_LEN)
