@@ -239,7 +239,8 @@ def test_generate_rejects_are_printed_written_and_inputs_recorded(env, start_dev
     (env["tmp"] / "lenient.yaml").write_text(yaml.safe_dump(lenient))
     monkeypatch.setenv("EAGLE3_CONFIG", str(env["tmp"] / "lenient.yaml"))
     assert main(argv) == 0
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert '"rows": 2,' in out  # the stage's rows as its manifest counts them (was null)
     assert "REJECTED 6 of 8 prompt rows" in err
     assert "2 x messages[].role" in err and "line 3: messages[0].role: 'bot'" in err and "invalid UTF-8" in err
     assert "line 6: nested deeper than 100 levels" in err and "line 7: messages[0].content: holds a lone surrogate" in err
