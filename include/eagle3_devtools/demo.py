@@ -248,9 +248,23 @@ def main(argv: list[str] | None = None) -> int:
             print(f"demo: {BROKEN} failed its gate as meant, and nothing was published for it: the gate at work"
                   if failed_as_meant else f"demo: {BROKEN} should have failed its gate and did not", flush=True)
             ok = ok and failed_as_meant
-    print(f"demo: services stopped. Artifacts stay in {work / 's3'}; browse them with\n"
-          f"  .venv/bin/eagle3-data dev s3 start --dir {work / 's3'}   (then any S3 client), or run `make airflow`.")
+    print(reading_lines(work, [run_key] + ([] if conf.get("dry_run") else [f"{run_key}-gate"])), flush=True)
     return 0 if ok else 1
+
+
+def reading_lines(work: Path, run_keys: list[str]) -> str:
+    """The demo's last lines: how to read its runs' reports once its services are stopped. Its S3
+    folder is served again by the CLI's dev S3 (the data outlives the keys it was written with)
+    and the report command renders each run key's Validation report tab as HTML; `make airflow`
+    is another Airflow with its own S3 and runs, so it is not where the demo's runs are."""
+    s3, rel = work / "s3", lambda p: os.path.relpath(p)
+    lines = [f"demo: services stopped. Artifacts stay in {rel(s3)}. To read the runs' reports (the Airflow tab's page):",
+             f'  eval "$(.venv/bin/eagle3-data dev s3 start --dir {rel(s3)})"']
+    lines += [f"  .venv/bin/eagle3-data report --config {rel(work / 'pipeline.yaml')} --run-key {key} "
+              f"--out {rel(work / f'report-{key}.html')}" for key in run_keys]
+    lines += [f"  .venv/bin/eagle3-data dev s3 stop --dir {rel(s3)}",
+              "(`make airflow` starts an Airflow of its own, with its own S3 and runs: not the demo's.)"]
+    return "\n".join(lines)
 
 
 def failed_gates(stack, config, run_key: str) -> list[str]:
