@@ -240,11 +240,17 @@ def _estimate(run: Run, fmt, batches: Iterable[pa.RecordBatch], counts: dict, ba
                     prompt_tokens[side] += n
     n_rows, n_both = counts["prompts"], counts.get("both", 0)
     usd = (prompt_tokens["overflow"] * price.prompt + (counts.get("overflow", 0) + n_both) * s.max_new_tokens * price.completion) / 1e6
+    strategies = _strategies(run, n_rows, every_prompt, balance)
+    chosen = strategies[run.config.routing.strategy]
+    if chosen["overflow"] == counts.get("overflow", 0) + n_both:
+        # the routes taken: their own prompts' tokens, not the average the other strategies are priced
+        # at, so the plan states one overflow bound for them (it said $0.0428 here, $0.0431 there)
+        chosen["overflow_usd"] = round(usd, 6)
     return {
         "prompt_tokens": sum(prompt_tokens.values()),
         "max_output_tokens": n_rows * s.max_new_tokens + n_both * s.max_new_tokens,
         "max_overflow_usd": round(min(usd, run.config.generation.overflow.max_usd), 6),
-        "strategies": _strategies(run, n_rows, every_prompt, balance),
+        "strategies": strategies,
         # where each side's rate came from: the previous run's manifest (named) or "config"
         "rate_inputs": balance,
         "rates_samples_per_s": {k: round(v, 6) for k, v in vars(rates(balance)).items()},
