@@ -67,6 +67,7 @@ from eagle3_data.gate_defaults import (  # noqa: E402
     DEFAULT_MAX_PROMPT_BILLING_MEAN_ABS_DIFF,
     DEFAULT_MAX_PROMPT_BILLING_ROW_DIFF,
     DEFAULT_MAX_PROMPT_BILLING_ROW_RATE,
+    DEFAULT_MAX_REJECTED_PROMPT_RATE,
     DEFAULT_POLICY_FALSE_ALARM_RATE,
     DEFAULT_POLICY_POWER,
     DEFAULT_POLICY_SHIFT_NATS,
@@ -274,6 +275,10 @@ class ValidationConfig(_Model):
     max_prompt_billing_row_rate: Rate = Field(
         DEFAULT_MAX_PROMPT_BILLING_ROW_RATE,
         description="Gate: max share of overflow answers over max_prompt_billing_row_diff (default 0: any fails, named)")
+    max_rejected_prompt_rate: Rate = Field(
+        DEFAULT_MAX_REJECTED_PROMPT_RATE,
+        description="Load + route: max share of prompt rows read that the loader rejects (bad JSON, unknown role, "
+        "over a limit); over it the stage fails, naming the count of each kind of reject, before any generation")
     max_bad_row_rate: Rate = Field(DEFAULT_MAX_BAD_ROW_RATE, description="Gate: max share of rows that could not be validated at all.")
     max_missing_usage_rate: Rate = Field(DEFAULT_MAX_MISSING_USAGE_RATE, description="Gate: max share of overflow rows without billed usage.")
     allow_unvalidated_overflow: bool = Field(False, description="Pass overflow rows when no local sample could validate the format.")

@@ -20,3 +20,6 @@ DEFAULT_MAX_PROMPT_BILLING_ROW_RATE = 0.0
 DEFAULT_POLICY_SHIFT_NATS = 0.1
 DEFAULT_POLICY_FALSE_ALARM_RATE = 0.001
 DEFAULT_POLICY_POWER = 0.9
+# Prompt rows the loader refuses (bad JSON, unknown roles, over the limits), as a share of rows
+# read: a converter that breaks most of a dataset must stop the run at load, not look green.
+DEFAULT_MAX_REJECTED_PROMPT_RATE = 0.01

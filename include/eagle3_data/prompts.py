@@ -439,6 +439,33 @@ def prompt_files(source: str, dataset: str, *, date: str | None = None, client=N
     return [f.uri for f in _resolve(source, dataset, date, client)]
 
 
+def newest_partition(source: str, dataset: str, *, client=None) -> str | None:
+    """The newest YYYY-MM-DD of `{source}/{dataset}/date=YYYY-MM-DD/` folders holding prompt
+    files; None when there is none. What a run without a logical date reads when the source has
+    no undated file for the dataset (a manual trigger of a scheduled deployment)."""
+    if source.startswith("s3://"):
+        from eagle3_data.storage.client import s3_errors
+
+        if client is None:
+            raise UserError(f"prompts {source}: an s3:// source needs the caller's S3 client (client=...)")
+        bucket, key = _split_s3(source)
+        prefix = "/".join(p for p in (key.strip("/"), dataset) if p) + "/"
+        with s3_errors(client, f"listing date partitions under {source}"):
+            pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix, Delimiter="/")
+            names = [c["Prefix"][len(prefix):].rstrip("/") for page in pages for c in page.get("CommonPrefixes", [])]
+    else:
+        folder = Path(source) / dataset
+        names = [p.name for p in folder.iterdir() if p.is_dir()] if folder.is_dir() else []
+    dates = sorted((n.removeprefix("date=") for n in names if n.startswith("date=") and _DATE.fullmatch(n[5:])), reverse=True)
+    for date in dates:  # an empty partition (an upload under way, a mistake) is passed over
+        try:
+            prompt_files(source, dataset, date=date, client=client)
+        except UserError:
+            continue
+        return date
+    return None
+
+
 def _resolve(source: str, dataset: str, date: str | None, client) -> list[_File]:
     if source.startswith("s3://"):
         if client is None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 from eagle3_data.errors import UserError
@@ -101,3 +102,17 @@ def require_accepted(accepted: int, read: int, rejects: list[dict], what: str, u
         first = rejects[0]["reason"] if rejects else "no row was usable"
         raise UserError(f"{what}: 0 of {read} rows accepted ({len(rejects)} rejected; first: {first}); "
                         f"nothing committed; rejects: {uri}")
+
+
+def require_reject_rate(rejects: list[dict], read: int, max_rate: float, what: str, setting: str,
+                        keep: Callable[[], str] | None = None) -> None:
+    """More than `max_rate` of the `read` rows rejected: a UserError of one line with the count of
+    each kind of reject (most common first), the first reject, and where the rejects are
+    (`keep()` writes them and returns their URI; only called on failure). Some rows accepted is
+    not enough: a broken converter drops most of a dataset and the run would still look green."""
+    if not read or len(rejects) <= max_rate * read:
+        return
+    kinds = "; ".join(f"{len(group)} x {kind}" for kind, group in reject_groups(rejects).items())
+    where = f"; rejects: {keep()}" if keep else ""
+    raise UserError(f"{what}: {len(rejects)} of {read} rows rejected ({len(rejects) / read:.2%}), over {setting} "
+                    f"{max_rate:.2%}: {kinds}; first: {rejects[0]['reason'][:300]}{where}")

@@ -1,9 +1,10 @@
 """`make demo`: the whole DAG on a laptop, from a fresh clone, then a run report.
 
-Builds (or reuses from .cache/) the Kimi tokenizer and the tiny target model, starts SeaweedFS
-and the dev inference server on free 127.0.0.1 ports, uploads the sample datasets as today's
-prompt partition, runs `eagle3_datagen` with `dag.test()` on SQLite in demo-output/airflow, prints
-what happened, what was a stand-in and where the artifacts are, and stops everything it started.
+Builds (or reuses from $EAGLE3_DATA_CACHE/dev, where the CLI's dev: sources live too) the Kimi
+tokenizer and the tiny target model, starts SeaweedFS and the dev inference server on free 127.0.0.1
+ports, uploads the sample datasets as today's prompt partition, runs `eagle3_datagen` with
+`dag.test()` on SQLite in demo-output/airflow, prints what happened, what was a stand-in and where
+the artifacts are, and stops everything it started.
 
 Two runs, each under its own run key (`demo-{engine}`, `demo-{engine}-gate`): the sample datasets,
 which pass their gates and are published; then `broken`, the chat prompts answered by an engine
@@ -30,6 +31,7 @@ from contextlib import ExitStack
 from datetime import datetime, timezone
 from pathlib import Path
 
+from eagle3_data.builds.sources import dev_cache_root
 from eagle3_data.config import DAG_ID, deep_merge, load_config
 from eagle3_devtools.stack import (
     REPO,
@@ -38,7 +40,6 @@ from eagle3_devtools.stack import (
     airflow_env,
     dev_stack,
     tiny_model_dir,
-    tokenizer_dir,
     upload_prompts,
 )
 
@@ -201,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     date = datetime.now(timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0)
     run_key = f"demo-{args.engine}"
 
-    print(f"demo: building/reusing the Kimi tokenizer and tiny model in {REPO / '.cache'}, starting services in {work}", flush=True)
+    print(f"demo: building/reusing the Kimi tokenizer and tiny model in {dev_cache_root()}, starting services in {work}", flush=True)
     overrides = copy.deepcopy(DEMO_OVERRIDES)
     with ExitStack() as engines:
         server = None
@@ -211,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             from eagle3_devtools.vllm_serve import start_vllm_server
 
             deep_merge(overrides, VLLM_OVERRIDES)
-            model = tiny_model_dir(tokenizer_dir())  # the stack's model.source
+            model = tiny_model_dir()  # the stack's model.source
             work.mkdir(parents=True, exist_ok=True)
             print(f"demo: starting vllm serve ({vllm_python()}) on {model} ...", flush=True)
             server = start_vllm_server(vllm_python(), model, work / "vllm-server.log", max_model_len=VLLM_SERVER_MAX_MODEL_LEN)
@@ -247,9 +248,23 @@ def main(argv: list[str] | None = None) -> int:
             print(f"demo: {BROKEN} failed its gate as meant, and nothing was published for it: the gate at work"
                   if failed_as_meant else f"demo: {BROKEN} should have failed its gate and did not", flush=True)
             ok = ok and failed_as_meant
-    print(f"demo: services stopped. Artifacts stay in {work / 's3'}; browse them with\n"
-          f"  .venv/bin/eagle3-data dev s3 start --dir {work / 's3'}   (then any S3 client), or run `make airflow`.")
+    print(reading_lines(work, [run_key] + ([] if conf.get("dry_run") else [f"{run_key}-gate"])), flush=True)
     return 0 if ok else 1
+
+
+def reading_lines(work: Path, run_keys: list[str]) -> str:
+    """The demo's last lines: how to read its runs' reports once its services are stopped. Its S3
+    folder is served again by the CLI's dev S3 (the data outlives the keys it was written with)
+    and the report command renders each run key's Validation report tab as HTML; `make airflow`
+    is another Airflow with its own S3 and runs, so it is not where the demo's runs are."""
+    s3, rel = work / "s3", lambda p: os.path.relpath(p)
+    lines = [f"demo: services stopped. Artifacts stay in {rel(s3)}. To read the runs' reports (the Airflow tab's page):",
+             f'  eval "$(.venv/bin/eagle3-data dev s3 start --dir {rel(s3)})"']
+    lines += [f"  .venv/bin/eagle3-data report --config {rel(work / 'pipeline.yaml')} --run-key {key} "
+              f"--out {rel(work / f'report-{key}.html')}" for key in run_keys]
+    lines += [f"  .venv/bin/eagle3-data dev s3 stop --dir {rel(s3)}",
+              "(`make airflow` starts an Airflow of its own, with its own S3 and runs: not the demo's.)"]
+    return "\n".join(lines)
 
 
 def failed_gates(stack, config, run_key: str) -> list[str]:

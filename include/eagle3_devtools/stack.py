@@ -1,8 +1,8 @@
 """The embedded services a laptop run needs, started together and stopped by PID.
 
 `make demo`, `make airflow` and the end-to-end tests all run the real DAG against the same
-stack: the real Kimi tokenizer and a tiny DeepSeek-V3 (cached under .cache/, same keys as the
-test fixtures), SeaweedFS as S3, and the dev inference server standing in for SGLang and
+stack: the real Kimi tokenizer and a tiny DeepSeek-V3 (the `dev:` builds, in their one home
+$EAGLE3_DATA_CACHE/dev, which the CLI's `dev:` sources use too), SeaweedFS as S3, and the dev inference server standing in for SGLang and
 OpenRouter, all on free 127.0.0.1 ports. What the DAG reads comes from the environment the stack
 returns: Airflow connections as AIRFLOW_CONN_* and the pipeline config as EAGLE3_CONFIG.
 """
@@ -22,28 +22,27 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_data.config import deep_merge, default_config_raw
-from eagle3_data.builds.sources import TINY_MODEL_ARGS
 from eagle3_data.errors import UserError
 
 log = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[2]  # include/eagle3_devtools/stack.py -> the checkout
-CACHE = REPO / ".cache"
 SAMPLE_DATA = REPO / "include" / "sample_data"
 
 
-def tokenizer_dir() -> Path:
-    """The Kimi tokenizer, built once (same cache entry as tests/conftest.py)."""
-    from eagle3_data.builds.kimi_tokenizer import cached_kimi_tokenizer
+def tokenizer_dir(builds: Path | None = None) -> Path:
+    """The Kimi tokenizer: the `dev:kimi-tokenizer` build, under `builds` (default
+    $EAGLE3_DATA_CACHE/dev, where the CLI's dev: sources live: one copy, not one per launcher)."""
+    from eagle3_data.builds.sources import resolve_dev_source
 
-    return cached_kimi_tokenizer(CACHE)
+    return resolve_dev_source("kimi-tokenizer", builds)
 
 
-def tiny_model_dir(tok_dir: Path) -> Path:
-    """The tiny random DeepSeek-V3 (same cache entry as tests/fixtures/model.py), built once."""
-    from eagle3_data.builds.tiny_model import cached_tiny_model
+def tiny_model_dir(builds: Path | None = None) -> Path:
+    """The tiny random DeepSeek-V3: the `dev:tiny-deepseek-v3` build, beside the tokenizer."""
+    from eagle3_data.builds.sources import resolve_dev_source
 
-    return cached_tiny_model(tok_dir, CACHE, **TINY_MODEL_ARGS)
+    return resolve_dev_source("tiny-deepseek-v3", builds)
 
 
 def airflow_env(home: Path) -> dict[str, str]:
@@ -116,17 +115,19 @@ def upload_prompts(client, config, date: str, datasets: dict[str, Path] | None =
 
 
 @contextmanager
-def dev_stack(workdir: str | os.PathLike, *, config_overrides: dict | None = None, bucket: str = "eagle3") -> Iterator[DevStack]:
+def dev_stack(workdir: str | os.PathLike, *, config_overrides: dict | None = None, bucket: str = "eagle3",
+              builds: Path | None = None) -> Iterator[DevStack]:
     """Start SeaweedFS and the dev inference server, write the pipeline config, and yield the
-    stack; everything started here is stopped on exit, by PID."""
+    stack; everything started here is stopped on exit, by PID. `builds`: where the dev builds
+    are (default $EAGLE3_DATA_CACHE/dev; the tests pass their fixtures' folder)."""
     from eagle3_data.config import load_config
     from eagle3_data.dev.inference_server import DevServerProcess
     from eagle3_data.dev.seaweedfs import start_seaweedfs, stop_seaweedfs
 
     work = Path(workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    tok = tokenizer_dir()
-    model = tiny_model_dir(tok)
+    tok = tokenizer_dir(builds)
+    model = tiny_model_dir(builds)
     config_path = write_config(work / "pipeline.yaml", bucket=bucket, tokenizer=tok, model=model, overrides=config_overrides)
     config = load_config(config_path)
 

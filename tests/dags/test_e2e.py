@@ -327,11 +327,23 @@ def test_unknown_conf_key_fails_the_first_task_naming_it(stack, dag, capfd):
     assert stack.server_stats()["requests"] == requests_before
 
 
-def test_run_without_logical_date_fails_the_first_task_saying_why(stack, dag, capfd):
-    dr = dag.test(logical_date=None, run_conf={"run_name": "undated"})
-    log = _first_task_failure(dr, capfd)
-    assert "a run without a logical date has no date partition to read" in log, log[-3000:]
-    assert "dataset chat:" in log
+def test_run_without_logical_date_reads_the_newest_partition_and_says_so(stack, dag, caplog):
+    """A manual trigger (the REST API's default `logical_date: null`) of a deployment whose prompts
+    are date partitions reads each dataset's newest partition, and the first task says which. A
+    dry run: the plan records each dataset's date, nothing is sent."""
+    from eagle3_data.storage import StageRef
+
+    bucket, _, prefix = load_config(stack.config_path).dataset("chat").prompts.removeprefix("s3://").partition("/")
+    newer = "".join(json.dumps({"messages": [{"role": "user", "content": f"newer {i}"}]}) + "\n" for i in range(2))
+    stack.client().put_object(Bucket=bucket, Key=f"{prefix.rstrip('/')}/chat/date=2026-11-02/chat.jsonl", Body=newer.encode())
+    requests_before = stack.server_stats()["requests"]
+    dr = dag.test(logical_date=None, run_conf={"run_name": "undated", "dry_run": True, "datasets": ["chat", "code"]})
+    assert str(dr.state).endswith("success"), _states(dr)
+    plans = _store(stack).get_json(StageRef("undated", "plan", "all"), "plan.json")["datasets"]
+    assert (plans["chat"]["date"], plans["chat"]["counts"]["prompts"]) == ("2026-11-02", 2)  # chat's newest, 2 rows
+    assert plans["code"]["date"] == f"{DATE:%Y-%m-%d}"
+    assert "dataset chat: a run without a logical date reads the newest date partition of s3://" in caplog.text
+    assert stack.server_stats()["requests"] == requests_before
 
 
 def test_dry_run_plans_without_spend(stack, dag):

@@ -9,10 +9,12 @@ from __future__ import annotations
 import hashlib
 import json
 import socket
+from importlib.resources import files
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import yaml
 
 from eagle3_data.cli import main
 from eagle3_data.schemas import schema_for
@@ -96,7 +98,7 @@ def _cases(e):
     yield "generate: csv file", _gen(e, _jsonl(t / "p.csv", ["messages\nhi"])), ["p.csv", "unsupported file type"]
     yield "generate: empty file", _gen(e, _jsonl(t / "empty.jsonl", [])), ["0 usable prompt rows"]
     yield "generate: every row malformed", _gen(e, _jsonl(t / "bad.jsonl", bad_rows)), [
-        "0 usable prompt rows", "line 1", "not valid JSON"]
+        "6 of 6 rows rejected", "max_rejected_prompt_rate", "1 x row: not valid JSON", "line 1"]
     yield "generate: invalid UTF-8", _gen(e, _jsonl(t / "utf.jsonl", [b'{"messages": [{"role": "user", "content": "caf\xe9"}]}'])), [
         "line 1", "invalid UTF-8"]
     yield "generate: parquet with wrong types", _gen(e, _parquet(t / "p.parquet", pa.table({"messages": [1, 2]}))), [
@@ -168,11 +170,24 @@ def _cases(e):
     yield "prompts upload: S3 down", ["prompts", "upload", "--dataset", "chat", "--date", "2026-11-29",
                                       _jsonl(t / "up2.jsonl", [GOOD]), "--endpoint-url", e["down"]], ["unreachable"]
     yield "prompts list: S3 down", ["prompts", "list", "--endpoint-url", e["down"]], ["unreachable"]
+    ours = yaml.safe_load((files("eagle3_data") / "defaults" / "pipeline.yaml").read_text())
+    ours["storage"]["bucket"] = e["bucket"]
+    (t / "ours.yaml").write_text(yaml.safe_dump(ours))
+    yield "report: a run never published", ["report", "--run-key", "never-published", "--config", str(t / "ours.yaml")], [
+        "run never-published has no report", "eagle3-data publish --run-key never-published"]
     yield "report: S3 down", ["report", "--run-key", "r", "--endpoint-url", e["down"]], ["unreachable"]
     yield "export-specforge: no shards", ["export-specforge", "--input", str(t), "--out", str(t / "sf")], ["no .safetensors"]
     yield "export-specforge: unknown bucket", ["export-specforge", "--input", "s3://no-such-bucket-f13/runs/r/extract/all",
                                                "--out", str(t / "sf")], ["eagle3-data s3 init"]
     yield "config check: unknown key", ["config", "check", _jsonl(t / "c.yaml", ["storage:", "  buckett: x"])], ["config"]
+    # a wrong special id is bad config whichever command meets it: exit 2 (it used to be 1 in generate)
+    wrong = yaml.safe_load((files("eagle3_data") / "defaults" / "pipeline.yaml").read_text())
+    wrong["tokenizer"]["expected_special_ids"]["<|im_end|>"] = 163533
+    (t / "wrong-id.yaml").write_text(yaml.safe_dump(wrong))
+    yield "generate: wrong special id", _gen(e, _jsonl(t / "ok3.jsonl", [GOOD]), "--config", str(t / "wrong-id.yaml")), [
+        "tokenizer audit failed", "<|im_end|>", "163533"]
+    yield "tokenizer audit: wrong special id", ["tokenizer", "audit", "--tokenizer", e["tok"], "--expect", "<|im_end|>=163533"], [
+        "tokenizer audit failed", "<|im_end|>", "163533"]
     yield "tokenizer audit: not a directory", ["tokenizer", "audit", "--tokenizer", str(t / "nope")], ["nope"]
 
 
@@ -203,19 +218,33 @@ def test_debug_shows_the_traceback(env, capsys):
     assert "Traceback" in err and err.strip().splitlines()[-1].startswith("eagle3-data: error: ")
 
 
-def test_generate_rejects_are_printed_written_and_inputs_recorded(env, start_dev_server, kimi_tokenizer, capsys):
+def test_generate_rejects_are_printed_written_and_inputs_recorded(env, start_dev_server, kimi_tokenizer, capsys, monkeypatch):
     server = start_dev_server({})
     bad = ["{oops", {"messages": [{"role": "bot", "content": "x"}]}, {"messages": [{"role": "bot", "content": "y"}]},
            b'{"messages": [{"role": "user", "content": "caf\xe9"}]}', *HOSTILE]
     path = _jsonl(env["tmp"] / "mixed.jsonl", [GOOD, *bad, {"messages": [{"role": "user", "content": "two"}]}])
     argv = [*_gen(env, path), "--base-url", server.url + "/v1", "--concurrency", "2"]
+    store, ref, prompts = env["store"], StageRef("cli", "generate_overflow", "chat"), StageRef("cli", "prompts", "chat")
+    # 6 of 8 rows rejected is over validation.max_rejected_prompt_rate (default 1%): bad input, exit 2
+    # at load + route, one line counting each kind, the rejects left to read, nothing committed or sent
+    assert main(argv) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("eagle3-data: error: dataset chat: prompts ") and "6 of 8 rows rejected (75.00%), over " \
+        "validation.max_rejected_prompt_rate 1.00%: 2 x messages[].role: " in last, last
+    assert "; 1 x row: not valid JSON" in last and f"rejects: {store.uri(prompts, 'rejects.parquet')}" in last
+    assert len(pq.read_table(pa.BufferReader(store.get_bytes(prompts, "rejects.parquet")))) == 6
+    assert not store.is_complete(prompts) and not server.stats()["requests"].get("chat")
+    lenient = yaml.safe_load((files("eagle3_data") / "defaults" / "pipeline.yaml").read_text())
+    lenient["validation"]["max_rejected_prompt_rate"] = 0.75  # at the threshold passes
+    (env["tmp"] / "lenient.yaml").write_text(yaml.safe_dump(lenient))
+    monkeypatch.setenv("EAGLE3_CONFIG", str(env["tmp"] / "lenient.yaml"))
     assert main(argv) == 0
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert '"rows": 2,' in out  # the stage's rows as its manifest counts them (was null)
     assert "REJECTED 6 of 8 prompt rows" in err
     assert "2 x messages[].role" in err and "line 3: messages[0].role: 'bot'" in err and "invalid UTF-8" in err
     assert "line 6: nested deeper than 100 levels" in err and "line 7: messages[0].content: holds a lone surrogate" in err
     # the DAG's layout: the prompts stage (its source, its rows' sha256, rejects.parquet) feeds generation
-    store, ref, prompts = env["store"], StageRef("cli", "generate_overflow", "chat"), StageRef("cli", "prompts", "chat")
     assert store.read_manifest(ref)["inputs"] == [store.input_record(prompts)]
     assert store.read_manifest(prompts)["params"]["source"] == path
     rejects = pq.read_table(pa.BufferReader(store.get_bytes(prompts, "rejects.parquet"))).to_pylist()

@@ -22,6 +22,11 @@ def cli(*args: str, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run([*CLI, "dev", "s3", *args], env=env, capture_output=True, text=True, timeout=120)
 
 
+def exports(stdout: str) -> dict[str, str]:
+    """The `export NAME=value` lines `dev s3 start|status` prints."""
+    return dict(line.removeprefix("export ").split("=", 1) for line in stdout.splitlines() if line.startswith("export "))
+
+
 def port_open(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.5)
@@ -39,10 +44,10 @@ def test_cli_start_stop_restart_keeps_data_and_refuses_wrong_keys(tmp_path, s3_s
     started = cli("start", "--dir", str(d), env=env)
     try:
         assert started.returncode == 0, started.stderr
-        info = dict(line.split("=", 1) for line in started.stdout.split())
+        info = exports(started.stdout)
         assert "cli-test-secret-value" not in started.stdout + started.stderr
-        assert info["secret_key"] == "from:AWS_SECRET_ACCESS_KEY"  # a user's own secret is not echoed
-        pid, endpoint = int(info["pid"]), info["endpoint_url"]
+        assert "AWS_SECRET_ACCESS_KEY" not in info and info["AWS_ACCESS_KEY_ID"] == "cli-test-key"  # own secret not echoed
+        pid, endpoint = int(started.stdout.split("# pid ", 1)[1].split()[0]), info["AWS_ENDPOINT_URL"]
         port = int(endpoint.rsplit(":", 1)[1])
         assert (d / "weed.pid").read_text().strip() == str(pid)
         if Path("/proc").exists():
@@ -70,7 +75,7 @@ def test_cli_start_stop_restart_keeps_data_and_refuses_wrong_keys(tmp_path, s3_s
 
         again = cli("start", "--dir", str(d), env=env)
         assert again.returncode == 0, again.stderr
-        assert dict(line.split("=", 1) for line in again.stdout.split())["endpoint_url"] == endpoint
+        assert exports(again.stdout)["AWS_ENDPOINT_URL"] == endpoint
         assert client.get_object(Bucket="persist", Key="a/b.txt")["Body"].read() == b"kept"
     finally:
         cli("stop", "--dir", str(d), env=env)

@@ -132,7 +132,9 @@ def test_dev_s3_prints_the_default_secret_a_client_needs(capsys):
     from eagle3_data.dev.seaweedfs import DEV_ACCESS_KEY, DEV_SECRET_KEY
 
     _print(types.SimpleNamespace(endpoint_url="http://127.0.0.1:1", access_key=DEV_ACCESS_KEY, secret_key=DEV_SECRET_KEY, pid=7))
-    assert f"secret_key={DEV_SECRET_KEY}" in capsys.readouterr().out
+    assert capsys.readouterr().out.splitlines()[:3] == [  # lines a shell runs as printed
+        "export AWS_ENDPOINT_URL=http://127.0.0.1:1", f"export AWS_ACCESS_KEY_ID={DEV_ACCESS_KEY}",
+        f"export AWS_SECRET_ACCESS_KEY={DEV_SECRET_KEY}"]
     _print(types.SimpleNamespace(endpoint_url="http://127.0.0.1:1", access_key="k", secret_key="mine-xyz", pid=7))
     out = capsys.readouterr().out
-    assert "mine-xyz" not in out and "secret_key=from:AWS_SECRET_ACCESS_KEY" in out
+    assert "mine-xyz" not in out and "AWS_SECRET_ACCESS_KEY=" not in out and "export AWS_ACCESS_KEY_ID=k\n" in out

@@ -198,20 +198,25 @@ def test_run_without_logical_date_or_run_name_keys_on_its_run_id():
         resolve_run({}, None)
 
 
-def test_undated_run_needs_undated_prompt_files(tmp_path):
+def test_undated_run_checks_its_prompts_in_the_first_task(tmp_path):
+    """A run without a logical date reads undated prompts or the newest partition
+    (tests/unit/test_prompts.py); the first task fails when a dataset has neither."""
     from eagle3_data.pipeline import check_prompt_sources, resolve_run
 
     root = tmp_path / "prompts"
-    (root / "chat" / "date=2026-11-01").mkdir(parents=True)
-    (root / "chat" / "date=2026-11-01" / "a.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    (root / "chat").mkdir(parents=True)
     cfg = load_config().with_overrides({"prompts_root": str(root)})
 
     class Store:
         client = None
 
     run = resolve_run({"run_name": "manual", "datasets": ["chat"]}, None, cfg)
-    with pytest.raises(UserError, match=r"dataset chat: a run without a logical date has no date partition to read"):
+    with pytest.raises(UserError, match=r"dataset chat: a run without a logical date reads the newest date partition "
+                                        r"or undated prompts, and found neither"):
         check_prompt_sources(run, Store())
+    (root / "chat" / "date=2026-11-01").mkdir(parents=True)
+    (root / "chat" / "date=2026-11-01" / "a.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    check_prompt_sources(run, Store())  # its newest partition
     (root / "chat.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
     check_prompt_sources(run, Store())  # an undated file: fine
     check_prompt_sources(resolve_run({"datasets": ["chat"]}, datetime(2026, 11, 1, tzinfo=timezone.utc), cfg), Store())

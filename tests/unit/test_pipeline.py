@@ -129,7 +129,8 @@ def test_dry_run_plan_lists_each_strategy_and_balanced_routes_finish_together(st
     from eagle3_data.pipeline.run import Run
 
     prompts = tmp_path / "chat.jsonl"
-    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"question {i}"}]}) + "\n" for i in range(40)))
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"question {i}" + " more" * (i % 7)}]}) + "\n"
+                               for i in range(40)))  # prompts of several lengths: the average is not every prompt
     overrides = {"tokenizer": {"source": str(kimi_tokenizer_dir)}, "datasets": [{"name": "chat", "prompts": str(prompts)}],
                  "generation": {"local": {"in_flight_per_endpoint": 4}, "overflow": {"concurrency": 12}},
                  "routing": {"strategy": "balanced", "calibration_samples": 2, "local_endpoints": 2,
@@ -147,6 +148,8 @@ def test_dry_run_plan_lists_each_strategy_and_balanced_routes_finish_together(st
     assert abs(bal["local_s"] - bal["overflow_s"]) <= 1.0
     assert bal["wall_s"] <= min(p["wall_s"] for p in strategies.values())
     assert plan["counts"].get("local", 0) + plan["counts"].get("both", 0) == bal["local"]
+    # one overflow bound for the routes taken: the chosen strategy's is the estimate's (both uncapped here)
+    assert bal["overflow_usd"] == plan["estimate"]["max_overflow_usd"] < config.generation.overflow.max_usd
     # the run's plan (publish in a dry run): the same three strategies over all its datasets
     from eagle3_data.stages import PLAN, RUN_DATASET
 

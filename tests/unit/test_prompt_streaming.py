@@ -66,7 +66,8 @@ def _run(tokenizer_dir: Path, folder: Path, run_key: str):
     config = load_config().with_overrides({
         "tokenizer": {"source": str(tokenizer_dir)}, "datasets": [{"name": DATASET, "prompts": str(folder)}],
         "generation": {"sampling": SAMPLING, "repeats": 2}, "limits": {"max_prompt_tokens": 300},
-        "routing": {"strategy": "fraction", "overflow_fraction": 0.4, "calibration_samples": 5}}, where="test")
+        "routing": {"strategy": "fraction", "overflow_fraction": 0.4, "calibration_samples": 5},
+        "validation": {"max_rejected_prompt_rate": 0.02}}, where="test")  # every reject kind: 4 of 334 rows
     return Run(config=config, run_key=run_key, date=None, datasets=[DATASET], dry_run=False, skip_hidden_states=False)
 
 

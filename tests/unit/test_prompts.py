@@ -123,6 +123,35 @@ def test_local_date_partition_and_missing_partition(tmp_path):
         load_prompts(str(tmp_path), "chat", date="2026/11/29", sampling=SAMPLING)
 
 
+def test_a_run_without_logical_date_reads_the_newest_partition_or_undated_prompts(tmp_path, s3, s3_bucket):
+    """prompt_date: the newest partition with files (an empty newer one passed over), locally and
+    in S3; undated prompts when the source has them; neither: one line naming the dataset."""
+    from types import SimpleNamespace
+
+    from eagle3_data.config import load_config
+    from eagle3_data.pipeline.run import Run, prompt_date
+
+    write_jsonl(tmp_path / "chat" / "date=2026-11-28" / "part-0.jsonl", [GOOD[0]])
+    write_jsonl(tmp_path / "chat" / "date=2026-11-29" / "part-0.jsonl", [GOOD[1]])
+    (tmp_path / "chat" / "date=2026-11-30").mkdir()  # an upload not there yet
+    write_jsonl(tmp_path / "code.jsonl", [GOOD[0]])
+    config = load_config().with_overrides({"datasets": [
+        {"name": "chat", "prompts": str(tmp_path)}, {"name": "code", "prompts": str(tmp_path)},
+        {"name": "tool_calls", "prompts": str(tmp_path)}, {"name": "s3chat", "prompts": f"s3://{s3_bucket}/p"}]},
+        where="test")
+    run = Run(config=config, run_key="manual", date=None, datasets=config.dataset_names, dry_run=False,
+              skip_hidden_states=False)
+    store = SimpleNamespace(client=s3)
+    assert prompt_date(run, store, "chat") == "2026-11-29"
+    assert prompt_date(run, store, "code") is None  # its undated file
+    with pytest.raises(UserError, match=r"dataset tool_calls: a run without a logical date .* found neither"):
+        prompt_date(run, store, "tool_calls")
+    s3.put_object(Bucket=s3_bucket, Key="p/s3chat/date=2026-11-27/a.jsonl", Body=b"{}\n")
+    s3.put_object(Bucket=s3_bucket, Key="p/s3chat/date=2026-12-01/a.jsonl", Body=b"{}\n")
+    assert prompt_date(run, store, "s3chat") == "2026-12-01"
+    assert prompt_date(Run(**{**vars(run), "date": "2026-11-28"}), store, "chat") == "2026-11-28"  # a logical date wins
+
+
 def test_s3_sources_file_prefix_and_date(s3, s3_bucket):
     body = (SAMPLE_DATA / "chat.jsonl").read_bytes()
     s3.put_object(Bucket=s3_bucket, Key="prompts/chat/date=2026-11-29/a.jsonl", Body=body)

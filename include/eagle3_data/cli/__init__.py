@@ -21,6 +21,7 @@ COMMAND_MODULES = [
     "merge",
     "extract",
     "report",
+    "publish",
     "config",
     "stage",
     "s3",

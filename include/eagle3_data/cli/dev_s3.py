@@ -10,7 +10,8 @@ def register(dev_sub: argparse._SubParsersAction) -> None:
     sub = p.add_subparsers(dest="s3_command", required=True)
     start = sub.add_parser(
         "start",
-        help="start in the background (keys: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, else dev defaults)",
+        help="start in the background (keys: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, else dev defaults); "
+             "prints the `export` lines a client needs",
     )
     start.add_argument("--dir", required=True, help="data, pid file and log live here (kept across restarts)")
     start.add_argument("--port", type=int, default=None, help="S3 port (default: a free one, or the last one used)")
@@ -50,15 +51,19 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _print(handle) -> None:
-    """How a client connects. The secret is printed only when it is the dev server's documented
-    default (`eagle3_data.dev.seaweedfs.DEV_SECRET_KEY`, nothing secret about it); one taken from
-    AWS_SECRET_ACCESS_KEY stays out of the output: whoever set it knows it."""
+    """How a client connects, as `export` lines a shell runs as they are (`eval "$(eagle3-data
+    dev s3 start --dir DIR)"`): the variables boto3, the CLI and the DAG's stand-alone runs read.
+    The secret is printed only when it is the dev server's documented default
+    (`eagle3_data.dev.seaweedfs.DEV_SECRET_KEY`, nothing secret about it); one taken from
+    AWS_SECRET_ACCESS_KEY stays out of the output: the shell that set it has it already."""
+    import shlex
+
     from eagle3_data.dev.seaweedfs import DEV_SECRET_KEY
 
-    print(f"endpoint_url={handle.endpoint_url}")
-    print(f"access_key={handle.access_key}")
+    print(f"export AWS_ENDPOINT_URL={shlex.quote(handle.endpoint_url)}")
+    print(f"export AWS_ACCESS_KEY_ID={shlex.quote(handle.access_key)}")
     if handle.secret_key == DEV_SECRET_KEY:
-        print(f"secret_key={handle.secret_key}")
+        print(f"export AWS_SECRET_ACCESS_KEY={shlex.quote(handle.secret_key)}")
     else:
-        print("secret_key=from:AWS_SECRET_ACCESS_KEY")  # the environment that started it holds it
-    print(f"pid={handle.pid}")
+        print("# AWS_SECRET_ACCESS_KEY: the one the server was started with (not printed)")
+    print(f"# pid {handle.pid}")

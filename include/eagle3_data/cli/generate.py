@@ -20,7 +20,7 @@ import contextlib
 import os
 import sys
 
-from eagle3_data.cli.runs import add_config_arg, add_store_args, cli_run, printed
+from eagle3_data.cli.runs import add_config_arg, add_store_args, cli_run, dev_server, dev_stand_in, printed
 from eagle3_data.errors import UserError
 
 KEY_ENV = "OPENROUTER_API_KEY"
@@ -94,7 +94,6 @@ def overrides_of(args: argparse.Namespace) -> dict:
 
 def _run(args: argparse.Namespace) -> int:
     from eagle3_data import pipeline
-    from eagle3_data.config import load_config
 
     given = args.endpoint if args.engine == "local" else args.base_url
     if not given and not args.dev:
@@ -105,9 +104,7 @@ def _run(args: argparse.Namespace) -> int:
         raise UserError(f"generate {args.engine}: --dev runs on the dev inference server; drop it to use {given}")
     overrides = overrides_of(args)
     if args.dev:
-        role = "local_engine" if args.engine == "local" else "overflow_provider"
-        declared = load_config(args.config).stand_ins
-        overrides["stand_ins"] = list(dict.fromkeys([*declared, role]))
+        overrides.update(dev_stand_in(args, "local_engine" if args.engine == "local" else "overflow_provider"))
     if args.journal_dir:
         os.environ["EAGLE3_JOURNAL_DIR"] = args.journal_dir
     run, store = cli_run(args, args.run_key, [args.dataset], overrides, bucket=args.bucket, prefix=args.prefix)
@@ -116,7 +113,7 @@ def _run(args: argparse.Namespace) -> int:
     routed = pipeline.load_route(run, store, args.dataset)
     _print_rejects(store, run, args.dataset, routed)
     with contextlib.ExitStack() as stack:
-        url = _dev_server(stack, run, args.dev_config) if args.dev else None
+        url = dev_server(stack, run, args.dev_config) if args.dev else None
         if args.engine == "local":
             result = pipeline.generate_local(run, store, args.dataset, args.endpoint or [url], rerun=args.rerun)
         else:
@@ -139,13 +136,3 @@ def _print_rejects(store, run, dataset: str, routed) -> None:
     print(format_rejects(rejects, read, rows=f"prompt rows of {dataset} ({store.uri(ref, REJECTS_FILE)})"), file=sys.stderr)
     print(f"routed: {', '.join(f'{k} {v}' for k, v in routed.counts.items())} -> {routed.uri}", file=sys.stderr)
 
-
-def _dev_server(stack: contextlib.ExitStack, run, dev_config: str | None) -> str:
-    """Start the dev inference server for the command's duration; its URL."""
-    from eagle3_data.config import resolve_source
-    from eagle3_data.dev.inference_server import DevServerProcess
-
-    server = DevServerProcess(resolve_source(run.config.tokenizer.source), dev_config)
-    stack.callback(server.stop)
-    print(f"dev inference server (a stand-in) on {server.url}", file=sys.stderr)
-    return server.url

@@ -20,11 +20,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from eagle3_data.config import load_config
+    from eagle3_data.errors import UserError
     from eagle3_data.report import load_run_report, render_html, render_markdown
+    from eagle3_data.report.data import RUN_REPORT_NAME, run_report_ref
     from eagle3_data.storage import ArtifactStore, s3_client
 
     storage = load_config(args.config).storage
     store = ArtifactStore(s3_client(args.endpoint_url, args.region), storage.bucket, storage.prefix)
+    if store.head_object(run_report_ref(args.run_key), RUN_REPORT_NAME) is None:
+        raise UserError(f"run {args.run_key} has no report ({store.uri(run_report_ref(args.run_key), RUN_REPORT_NAME)} "
+                        f"does not exist): the DAG's publish task writes it; for a run made with the stage commands, "
+                        f"run `eagle3-data publish --run-key {args.run_key}` first")
     report = load_run_report(store, args.run_key)
     title = f"EAGLE-3 validation report: {args.run_key}"
     if args.format == "json":

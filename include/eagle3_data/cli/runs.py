@@ -8,6 +8,8 @@ A stage the CLI commits is the one the DAG would commit for the same config, run
 from __future__ import annotations
 
 import argparse
+import contextlib
+import sys
 from typing import Any
 
 from eagle3_data.errors import UserError
@@ -83,3 +85,25 @@ def printed(result) -> str:
     import json
 
     return json.dumps(result.as_dict() if hasattr(result, "as_dict") else result, indent=1, default=str)
+
+
+def dev_stand_in(args: argparse.Namespace, role: str) -> dict:
+    """Overrides naming `role` (local_engine, overflow_provider) a stand-in, beside the ones the
+    config declares: every manifest the command writes then says the dev server answered."""
+    from eagle3_data.config import load_config
+
+    declared = load_config(getattr(args, "config", None)).stand_ins
+    return {"stand_ins": list(dict.fromkeys([*declared, role]))}
+
+
+def dev_server(stack: contextlib.ExitStack, run, dev_config: str | None = None) -> str:
+    """Start the dev inference server on the run's tokenizer for the command's duration; its URL.
+    Commands start it themselves (`--dev`) so that nobody has to find the dev tokenizer's folder
+    under the cache to start one by hand."""
+    from eagle3_data.config import resolve_source
+    from eagle3_data.dev.inference_server import DevServerProcess
+
+    server = DevServerProcess(resolve_source(run.config.tokenizer.source), dev_config)
+    stack.callback(server.stop)
+    print(f"dev inference server (a stand-in) on {server.url}", file=sys.stderr)
+    return server.url

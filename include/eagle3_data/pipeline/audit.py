@@ -3,7 +3,7 @@ generation request is sent (a wrong expectation costs nothing)."""
 
 from __future__ import annotations
 
-from eagle3_data.errors import GateFailed
+from eagle3_data.errors import UserError
 from eagle3_data.pipeline.results import AuditResult
 from eagle3_data.pipeline.reuse import reusable
 from eagle3_data.pipeline.run import Run, stage_ref, tokenizer_for
@@ -22,8 +22,8 @@ def audit_tokenizer(run: Run, store) -> AuditResult:
     if report["passed"] and manifest and manifest["tokenizer_sha256"] == report["tokenizer_sha256"]:
         return AuditResult(store.uri(ref, AUDIT_REPORT), report["tokenizer_sha256"])
     uri = store.put_json(ref, AUDIT_REPORT, report)
-    if not report["passed"]:
-        raise GateFailed(f"tokenizer audit failed ({'; '.join(report['problems'])}); report: {uri}")
+    if not report["passed"]:  # a wrong expected id or tokenizer: bad config (exit 2, as `tokenizer audit`), not a gate
+        raise UserError(f"tokenizer audit failed ({'; '.join(report['problems'])}); report: {uri}")
     store.commit_files(
         ref,
         [AUDIT_REPORT],

@@ -29,15 +29,16 @@ def _reused(store, ref, prompts) -> GenerationResult | None:
     return None if manifest is None else GenerationResult(uri=store.uri(ref), rows=manifest["rows"], reused=True)
 
 
-def _finished(result: dict, what: str) -> GenerationResult:
+def _finished(result: dict, what: str, store, ref) -> GenerationResult:
     """A stage that stopped early (endpoints down, budget, retryable failures) raises, so Airflow
-    retries it; committed rows are kept and skipped by the next attempt."""
+    retries it; committed rows are kept and skipped by the next attempt. A complete one reports
+    its rows as its manifest counts them (what the next stage reads), as a reused one does."""
     if result.get("stopped_reason") or not result.get("complete", True):
         detail = f" ({result['stop_detail']})" if result.get("stop_detail") else ""
         raise StageStopped(f"{what} stopped before completion: {result.get('stopped_reason')}{detail}; counts "
                            f"{result.get('counts')}; committed rows are kept and the next attempt resumes after them")
-    return GenerationResult(uri=result["uri"], counts=result.get("counts") or {}, tokens=result.get("tokens"),
-                            cost_usd=result.get("cost_usd"))
+    return GenerationResult(uri=result["uri"], counts=result.get("counts") or {}, rows=store.read_manifest(ref)["rows"],
+                            tokens=result.get("tokens"), cost_usd=result.get("cost_usd"))
 
 
 def generate_local(run: Run, store, dataset: str, endpoints: list[str], *, rerun: bool = False) -> GenerationResult:
@@ -56,7 +57,7 @@ def generate_local(run: Run, store, dataset: str, endpoints: list[str], *, rerun
         store, ref, _prompt_rows(store, prompts), fmt, endpoints, engine_sampling(run),
         wire=wire_for(g.local.engine), options=LocalOptions.from_config(g.local), setup=_setup(run, prompts, rerun, fmt),
     )
-    return _finished(result, f"generate_local {dataset}")
+    return _finished(result, f"generate_local {dataset}", store, ref)
 
 
 def generate_overflow(run: Run, store, dataset: str, base_url: str, api_key: str, *, rerun: bool = False) -> GenerationResult:
@@ -80,7 +81,7 @@ def generate_overflow(run: Run, store, dataset: str, base_url: str, api_key: str
             f"generate_overflow {dataset} stopped: {result['stopped_reason']}{detail} (spent "
             f"${result.get('cost_usd', 0):.4f}, max_usd {o.max_usd}); committed rows are kept and skipped on rerun"
         )
-    return _finished(result, f"generate_overflow {dataset}")
+    return _finished(result, f"generate_overflow {dataset}", store, ref)
 
 
 def engine_sampling(run: Run) -> dict:

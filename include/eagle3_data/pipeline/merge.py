@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from eagle3_data.errors import GateFailed
+from eagle3_data.errors import GateFailed, UserError
 from eagle3_data.pipeline.results import MergeResult
 from eagle3_data.pipeline.reuse import reusable
 from eagle3_data.pipeline.run import Run, output_format, stage_ref
@@ -42,7 +42,7 @@ def merge(run: Run, store) -> MergeResult:
     from eagle3_data.merge import merge_datasets, merged_shards
 
     if not store.is_complete(stage_ref(run, AUDIT, AUDIT_DATASET)):
-        raise GateFailed(f"merge: the tokenizer audit of run {run.run_key} did not pass (see task audit_tokenizer)")
+        raise UserError(f"merge: the tokenizer audit of run {run.run_key} did not pass (see task audit_tokenizer)")
     gates = gate_results(run, store)
     passed = [name for name, g in gates.items() if g.passed]
     if not passed:

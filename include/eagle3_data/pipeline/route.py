@@ -14,9 +14,9 @@ import pyarrow as pa
 from eagle3_data.canonical import canonical_json
 from eagle3_data.errors import UserError
 from eagle3_data.pipeline.results import RouteResult
-from eagle3_data.rejects import REJECTS_FILE, rejects_parquet
+from eagle3_data.rejects import REJECTS_FILE, rejects_parquet, require_reject_rate
 from eagle3_data.pipeline.reuse import reusable
-from eagle3_data.pipeline.run import Run, log, output_format, sampling, stage_ref, tokenizer_for
+from eagle3_data.pipeline.run import Run, log, output_format, prompt_date, sampling, stage_ref, tokenizer_for
 from eagle3_data.stages import LOCAL, OVERFLOW, PLAN, PROMPTS
 from eagle3_data.storage.writer import StageWriter
 
@@ -108,14 +108,27 @@ def load_route(run: Run, store, dataset: str) -> RouteResult:
     # missing prompt files fail before the tokenizer's seconds of loading; the tokenizer loads
     # before the prompts are read, so its transient peak (the stage's largest) is not stacked on
     # the reader's buffers and pyarrow's first-use pages (~50 MiB)
-    prompt_files(ds.prompts, dataset, date=run.date, client=store.client)
+    date = prompt_date(run, store, dataset)  # a run without a logical date: the newest partition, or undated
+    prompt_files(ds.prompts, dataset, date=date, client=store.client)
     fmt = output_format(run, store)
-    loaded = load_prompts(ds.prompts, dataset, date=run.date, sampling=sampling(run), repeats=g.repeats, client=store.client,
+    loaded = load_prompts(ds.prompts, dataset, date=date, sampling=sampling(run), repeats=g.repeats, client=store.client,
                           max_message_bytes=limits.max_message_bytes, regenerate=g.regenerate,
                           history=g.history, call_id=fmt.call_id if g.call_ids == "format" else None)
     limit = prompt_token_limit(tokenizer_for(run, store), limits.max_prompt_tokens, g.sampling.max_new_tokens)
     limit_prompt_tokens(loaded, limit, lambda messages, tools: len(fmt.generation_prompt_ids(messages, tools)))
     log.info("dataset %s: %s", dataset, format_load_rejects(loaded))
+    ref = stage_ref(run, PROMPTS, dataset)
+
+    def keep_rejects() -> str:
+        """The rejects beside the stage's parts, to read; nothing is committed (a stage an earlier,
+        more lenient run committed keeps its own file: rewriting it would break its sha256)."""
+        if not store.is_complete(ref):
+            store.put_bytes(ref, REJECTS_FILE, rejects_parquet(loaded.rejects))
+        return store.uri(ref, REJECTS_FILE)
+
+    require_reject_rate(loaded.rejects, loaded.counts["read"], ds.validation.max_rejected_prompt_rate,
+                        f"dataset {dataset}: prompts {ds.prompts}" + (f" (date {date})" if date else ""),
+                        "validation.max_rejected_prompt_rate", None if run.dry_run else keep_rejects)
     rc = run.config.routing
     balance = None
     if rc.strategy == "balanced" and not run.dry_run:
@@ -143,7 +156,7 @@ def load_route(run: Run, store, dataset: str) -> RouteResult:
     for route in routes:
         counts[route] = counts.get(route, 0) + 1
     if run.dry_run:
-        plan = {"dataset": dataset, "source": ds.prompts, "date": run.date, "counts": counts,
+        plan = {"dataset": dataset, "source": ds.prompts, "date": date, "counts": counts,
                 "estimate": _estimate(run, fmt, routed_batches(loaded.rows, routes), counts, balance)}
         log.info("dataset %s: plan rates from local %s, overflow %s", dataset, balance["local"]["source"],
                  balance["overflow"]["source"])
@@ -152,9 +165,8 @@ def load_route(run: Run, store, dataset: str) -> RouteResult:
                      dataset, name, "*" if p["chosen"] else " ", p["local"], p["overflow"], seconds_text(p["local_s"]),
                      seconds_text(p["overflow_s"]), seconds_text(p["wall_s"]), p["overflow_usd"])
         return RouteResult(counts=counts, plan_uri=store.put_json(stage_ref(run, PLAN, dataset), PLAN_REPORT, plan), plan=plan)
-    ref = stage_ref(run, PROMPTS, dataset)
     params = {
-        "source": ds.prompts, "date": run.date, "sampling": sampling(run), "repeats": g.repeats, "routing": routing,
+        "source": ds.prompts, "date": date, "sampling": sampling(run), "repeats": g.repeats, "routing": routing,
         "rows_sha256": rows_sha256(routed_batches(loaded.rows, routes)),
     }
     if g.regenerate != "final_turn":  # recorded only away from the default, so earlier stages are still reused
@@ -172,7 +184,7 @@ def load_route(run: Run, store, dataset: str) -> RouteResult:
             w.commit(extra={"counts": counts}, files=[REJECTS_FILE])
     if not routes:
         first = loaded.rejects[0]["reason"] if loaded.rejects else "the files hold no rows"
-        raise UserError(f"dataset {dataset}: 0 usable prompt rows in {ds.prompts} (date {run.date}; "
+        raise UserError(f"dataset {dataset}: 0 usable prompt rows in {ds.prompts} (date {date}; "
                         f"{loaded.counts.get('read', 0)} read, {len(loaded.rejects)} rejected; first: {first}); "
                         f"rejects: {store.uri(ref, REJECTS_FILE)}")
     return RouteResult(counts=counts, uri=store.uri(ref))
@@ -228,11 +240,17 @@ def _estimate(run: Run, fmt, batches: Iterable[pa.RecordBatch], counts: dict, ba
                     prompt_tokens[side] += n
     n_rows, n_both = counts["prompts"], counts.get("both", 0)
     usd = (prompt_tokens["overflow"] * price.prompt + (counts.get("overflow", 0) + n_both) * s.max_new_tokens * price.completion) / 1e6
+    strategies = _strategies(run, n_rows, every_prompt, balance)
+    chosen = strategies[run.config.routing.strategy]
+    if chosen["overflow"] == counts.get("overflow", 0) + n_both:
+        # the routes taken: their own prompts' tokens, not the average the other strategies are priced
+        # at, so the plan states one overflow bound for them (it said $0.0428 here, $0.0431 there)
+        chosen["overflow_usd"] = round(usd, 6)
     return {
         "prompt_tokens": sum(prompt_tokens.values()),
         "max_output_tokens": n_rows * s.max_new_tokens + n_both * s.max_new_tokens,
         "max_overflow_usd": round(min(usd, run.config.generation.overflow.max_usd), 6),
-        "strategies": _strategies(run, n_rows, every_prompt, balance),
+        "strategies": strategies,
         # where each side's rate came from: the previous run's manifest (named) or "config"
         "rate_inputs": balance,
         "rates_samples_per_s": {k: round(v, 6) for k, v in vars(rates(balance)).items()},

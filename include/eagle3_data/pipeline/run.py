@@ -24,7 +24,7 @@ from eagle3_data.errors import UserError
 
 log = logging.getLogger("eagle3_data.pipeline")
 
-NO_DATE = "a run without a logical date has no date partition to read"
+NO_DATE = "a run without a logical date reads the newest date partition or undated prompts, and found neither"
 
 
 @dataclass(frozen=True)
@@ -90,21 +90,45 @@ def preflight(run: Run, store) -> None:
 
 
 def check_prompt_sources(run: Run, store) -> None:
-    """A run without a logical date reads undated prompt files only: say so now, in the first
-    task, rather than in every load_route after the tokenizer audit."""
-    from eagle3_data.prompts import prompt_files
-
+    """A run without a logical date: say now, in the first task, which prompts each dataset's
+    load will read (`prompt_date`), or fail naming every dataset that has none, rather than in
+    every load_route after the tokenizer audit."""
     if run.date is not None:
         return
     problems = []
     for name in run.datasets:
-        source = run.config.dataset(name).prompts
         try:
-            prompt_files(source, name, client=store.client)
+            date = prompt_date(run, store, name)
         except UserError as exc:
-            problems.append(f"dataset {name}: {NO_DATE}, and {source} holds no undated prompt file for it ({exc})")
+            problems.append(str(exc))
+            continue
+        source = run.config.dataset(name).prompts
+        log.info("dataset %s: a run without a logical date reads %s", name,
+                 f"the newest date partition of {source}: date={date}" if date else f"the undated prompts of {source}")
     if problems:
         raise UserError("\n".join(problems))
+
+
+def prompt_date(run: Run, store, dataset: str) -> str | None:
+    """The date partition `dataset`'s prompts are read from: the run's logical date. A run without
+    one (a manual trigger: the REST API's default `logical_date: null`) reads the dataset's
+    undated prompts when its source has them (None: a file, `{root}/{dataset}.jsonl`, ...), else
+    the newest `date=YYYY-MM-DD` partition under it, so that triggering a scheduled deployment by
+    hand works; with neither, a UserError naming the dataset and where it looked."""
+    from eagle3_data.prompts import newest_partition, prompt_files
+
+    if run.date is not None:
+        return run.date
+    source = run.config.dataset(dataset).prompts
+    try:
+        prompt_files(source, dataset, client=store.client)
+        return None
+    except UserError as undated:
+        newest = newest_partition(source, dataset, client=store.client)
+        if newest is None:
+            raise UserError(f"dataset {dataset}: {NO_DATE} ({source} has no date=YYYY-MM-DD partition for it), "
+                            f"and no undated prompt file either ({undated})") from None
+        return newest
 
 
 def open_store(config: PipelineConfig, client) -> Any:

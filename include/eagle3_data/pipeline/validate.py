@@ -111,7 +111,8 @@ def validate(run: Run, store, dataset: str, *, workers: int | None = None) -> Va
     # encode/decode only: the verified tiktoken fast start, no chat template
     tokenizer, fmt = bulk_tokenizer_for(run, store), output_format(run, store, template=False)
     hashes = tokenizer_hashes(tokenizer)
-    params = {"thresholds": thresholds.model_dump(), "thinking": run.config.generation.sampling.thinking, **hashes}
+    # the load's threshold is checked by load + route: it changes nothing validated here
+    params = {"thresholds": thresholds.model_dump(exclude={"max_rejected_prompt_rate"}), "thinking": run.config.generation.sampling.thinking, **hashes}
     if (manifest := reusable(store, ref, inputs, params)) is None:
 
         def local_rows():  # two passes: the stop convention over all rows first, then the classes

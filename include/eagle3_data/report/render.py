@@ -101,8 +101,20 @@ def class_color(cls: str) -> str:
     return _SPARE_COLORS[new.index(cls) % len(_SPARE_COLORS)] if cls in new else "#555"
 
 
+# Bar charts: the labels' column is as wide as the longest label needs at the charts' 12 px font
+# (LABEL_CHAR_PX: a sans-serif's wide average, digits and lowercase), the bars keep BAR_AREA_PX.
+# A fixed 110 px cut "unreconstructable" to "nreconstructable" (the label is right-aligned).
+LABEL_CHAR_PX = 7.0
+BAR_AREA_PX = 310
+
+
+def label_width(labels) -> int:
+    return max(110, 14 + int(LABEL_CHAR_PX * max((len(str(x)) for x in labels), default=0) + 0.5))
+
+
 def _class_bars(counts: Mapping[str, int], samples: int) -> dict[str, Any]:
-    width, bar_h, gap, label_w = 420, 26, 10, 110
+    bar_h, gap, label_w = 26, 10, label_width(counts)
+    width = label_w + BAR_AREA_PX
     top = max(1, max(counts.values(), default=0))
     rows = []
     for i, c in enumerate(counts):
@@ -115,7 +127,8 @@ def _class_bars(counts: Mapping[str, int], samples: int) -> dict[str, Any]:
 def _threshold_bars(s: Mapping[str, Any]) -> dict[str, Any]:
     """Each class rate with a marker at its threshold: a bar past its marker is what failed."""
     rates = rate_thresholds(s["rates"], s["thresholds"])
-    width, bar_h, gap, label_w = 420, 26, 22, 110
+    bar_h, gap, label_w = 26, 22, label_width(c for c, _, _ in rates)
+    width = label_w + BAR_AREA_PX
     scale_max = max([0.01] + [r for _, r, _ in rates] + [t for _, _, t in rates if t is not None]) * 1.15
     inner = width - label_w - 20
     rows = []
