@@ -215,11 +215,11 @@ def test_batched_and_unbatched_agree(backend, rows, tmp_path):
         assert_bf16_close(batched[sid].aux_hidden_states, alone[sid].aux_hidden_states.float(), rel=2**-7)
 
 
-class NaNAfter:
-    """Fault injection around the real backend: corrupts one sample's states."""
+class Wrapped:
+    """A backend around the real one (fault injection at the backend seam): all but `forward` is the inner one's."""
 
-    def __init__(self, inner, victim_len, mode):
-        self.inner, self.victim_len, self.mode = inner, victim_len, mode
+    def __init__(self, inner):
+        self.inner = inner
 
     def describe(self):
         return self.inner.describe()
@@ -231,6 +231,14 @@ class NaNAfter:
     @property
     def lm_head(self):
         return self.inner.lm_head
+
+
+class NaNAfter(Wrapped):
+    """Fault injection around the real backend: corrupts one sample's states."""
+
+    def __init__(self, inner, victim_len, mode):
+        super().__init__(inner)
+        self.victim_len, self.mode = victim_len, mode
 
     def forward(self, batch, indices, last_hidden):
         out = self.inner.forward(batch, indices, last_hidden)
@@ -332,7 +340,7 @@ def test_storage_estimate_at_kimi_size():
     assert estimate(10, 7168, logprobs=False)["bytes_per_token"]["shards_bf16"] == 4 * 7168 * 2 + 5
 
 
-class Faulty:
+class Faulty(Wrapped):
     """The anchors' silent extraction failures, injected at the backend seam around the real one:
     states shifted by one position (`shift`), a batch-mate's states (`batchmate`: each sample gets
     the states of the next sample of its batch, cut or padded to its length), the last state taken
@@ -340,18 +348,8 @@ class Faulty:
     extraction captures anyway, so an engine whose captured layers are fixed needs no restart)."""
 
     def __init__(self, inner, mode, layer: int | None = None):
-        self.inner, self.mode, self.layer = inner, mode, layer
-
-    def describe(self):
-        return self.inner.describe()
-
-    @property
-    def final_norm(self):
-        return self.inner.final_norm
-
-    @property
-    def lm_head(self):
-        return self.inner.lm_head
+        super().__init__(inner)
+        self.mode, self.layer = mode, layer
 
     def forward(self, batch, indices, last_hidden):
         L = self.inner.describe().num_layers

@@ -28,9 +28,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (weight.float() * h).to(x.dtype)
 
 
-def final_norm_weight(model_dir: str | Path) -> torch.Tensor:
-    """The final RMSNorm weight, read from the checkpoint alone (the shortest key ending in
-    `model.norm.weight`: `model.norm.weight`, or `language_model.model.norm.weight` for Kimi-K2.5)."""
+def checkpoint_weight(model_dir: str | Path, names: tuple[str, ...]) -> torch.Tensor | None:
+    """One tensor read from a safetensors checkpoint alone (its index, else every file's keys): the
+    shortest key that is one of `names` or ends in `.{name}` (Kimi-K2.5 nests the text model under
+    `language_model.`); None when none is there."""
     from safetensors import safe_open
 
     model_dir = Path(model_dir)
@@ -42,11 +43,20 @@ def final_norm_weight(model_dir: str | Path) -> torch.Tensor:
         for f in sorted(model_dir.glob("*.safetensors")):
             with safe_open(str(f), framework="pt") as st:
                 weight_map.update(dict.fromkeys(st.keys(), f.name))
-    keys = sorted((k for k in weight_map if k == "model.norm.weight" or k.endswith(".model.norm.weight")), key=len)
+    keys = sorted((k for k in weight_map if any(k == n or k.endswith("." + n) for n in names)), key=len)
     if not keys:
-        raise UserError(f"model {model_dir}: no final norm weight (*model.norm.weight) in the checkpoint")
+        return None
     with safe_open(str(model_dir / weight_map[keys[0]]), framework="pt") as st:
         return st.get_tensor(keys[0])
+
+
+def final_norm_weight(model_dir: str | Path) -> torch.Tensor:
+    """The final RMSNorm weight, read from the checkpoint alone (`model.norm.weight`, or
+    `language_model.model.norm.weight` for Kimi-K2.5)."""
+    weight = checkpoint_weight(model_dir, ("model.norm.weight",))
+    if weight is None:
+        raise UserError(f"model {model_dir}: no final norm weight (*model.norm.weight) in the checkpoint")
+    return weight
 
 
 def final_norm_eps(model_dir: str | Path) -> float:

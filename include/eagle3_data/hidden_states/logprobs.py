@@ -24,35 +24,23 @@ from pathlib import Path
 import torch
 
 from eagle3_data.errors import UserError
-from eagle3_data.hidden_states.final_norm import rms_norm
+from eagle3_data.hidden_states.final_norm import checkpoint_weight, rms_norm
 
 CHUNK_TOKENS = 256
 
 
 def lm_head_weight(model_dir: str | Path) -> torch.Tensor:
-    """The LM head's weight [V, H], read from the checkpoint alone: the shortest key ending in
-    `lm_head.weight` (`language_model.lm_head.weight` for Kimi-K2.5), else, for a model whose
-    config ties it to the input embedding, `model.embed_tokens.weight`."""
-    from safetensors import safe_open
-
-    model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-    else:
-        weight_map = {}
-        for f in sorted(model_dir.glob("*.safetensors")):
-            with safe_open(str(f), framework="pt") as st:
-                weight_map.update(dict.fromkeys(st.keys(), f.name))
-    keys = sorted((k for k in weight_map if k == "lm_head.weight" or k.endswith(".lm_head.weight")), key=len)
-    if not keys:
-        cfg = json.loads((model_dir / "config.json").read_text())
+    """The LM head's weight [V, H], read from the checkpoint alone (`lm_head.weight`,
+    `language_model.lm_head.weight` for Kimi-K2.5), else, for a model whose config ties it to the
+    input embedding, `model.embed_tokens.weight`."""
+    weight = checkpoint_weight(model_dir, ("lm_head.weight",))
+    if weight is None:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
         if (cfg.get("text_config") or cfg).get("tie_word_embeddings", cfg.get("tie_word_embeddings")):
-            keys = sorted((k for k in weight_map if k.endswith("model.embed_tokens.weight")), key=len)
-    if not keys:
+            weight = checkpoint_weight(model_dir, ("model.embed_tokens.weight",))
+    if weight is None:
         raise UserError(f"model {model_dir}: no LM head weight (*lm_head.weight, or tied embeddings) in the checkpoint")
-    with safe_open(str(model_dir / weight_map[keys[0]]), framework="pt") as st:
-        return st.get_tensor(keys[0])
+    return weight
 
 
 class LogprobHead:
