@@ -349,10 +349,11 @@ class _OverflowRun:
 
     async def _price_unsettled(self, client: SdkPost) -> None:
         """Price the requests an earlier process opened and never settled (it died with them in
-        flight), before their samples are asked again."""
-        for a in self.stage.unsettled_attempts:
-            await self._lose(client, a["sample_id"], a.get("prompt_tokens") or 0, a.get("attempt"),
-                             a.get("generation_id"), "in flight when an earlier attempt of the stage ended")
+        flight), before their samples are asked again: all at once (each record lookup may wait
+        for OpenRouter's record to appear; up to `concurrency` were in flight)."""
+        await asyncio.gather(*(self._lose(client, a["sample_id"], a.get("prompt_tokens") or 0, a.get("attempt"),
+                                          a.get("generation_id"), "in flight when an earlier attempt of the stage ended")
+                               for a in self.stage.unsettled_attempts))
         self.stage.unsettled_attempts.clear()
 
     async def _lose(self, client: SdkPost, sample_id: str, prompt_tokens: int, attempt: str | None,
