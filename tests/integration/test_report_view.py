@@ -402,7 +402,7 @@ TAB_FRAME_PX = {1280: 936, 1400: 1032}
 def test_overview_fits_the_airflow_tab(store, run_report, tmp_path, window):
     """Every column of the overview, the gate's included, is visible without scrolling sideways in
     the frame the Airflow tab gives the page at a 1280 or 1400 px window: the table fitted a bare
-    1280 px page, yet scrolled sideways inside the tab at 1400 px (1096 px of table in 1032)."""
+    1280 px page, yet scrolled sideways inside the tab at 1400 px (1126 px of table in 1032)."""
     from tests.cluster.browser import Browser
 
     page = tmp_path / "report.html"
