@@ -28,17 +28,21 @@ def browser():
         b.close()
 
 
-def test_failed_run_report_tab_in_a_browser(cluster, killed_run, browser):
-    from eagle3_data.storage import StageRef
-
-    expected = killed_run["store"].get_json(StageRef(f"date={killed_run['date']}", "validate", "tool_calls"), "report.json")
-    tab = f"{cluster.base}/dags/{DAG_ID}/runs/{quote(KILLED_RUN)}/plugin/eagle3_validation_report"
-    browser.goto(tab)
+def open_report_tab(browser: Browser, cluster) -> None:
+    """Sign in through Airflow's login page and wait for the failed run's report inside its tab."""
+    browser.goto(f"{cluster.base}/dags/{DAG_ID}/runs/{quote(KILLED_RUN)}/plugin/eagle3_validation_report")
     browser.wait_for("document.querySelector('input[name=username]')", "the sign-in form")  # not signed in yet
     browser.type_into("input[name=username]", cluster.env.get("EAGLE3_UI_USER", "admin"))
     browser.type_into("input[name=password]", cluster.password)
     browser.click("button[type=submit]")
     browser.wait_for(f"{REPORT} && {REPORT}.querySelector('table.overview tbody tr')", "the report inside the tab")
+
+
+def test_failed_run_report_tab_in_a_browser(cluster, killed_run, browser):
+    from eagle3_data.storage import StageRef
+
+    expected = killed_run["store"].get_json(StageRef(f"date={killed_run['date']}", "validate", "tool_calls"), "report.json")
+    open_report_tab(browser, cluster)
     shot = browser.screenshot(ARTIFACTS / "cluster-failed-run-report.png")
     assert shot.stat().st_size > 10_000
 
@@ -64,3 +68,32 @@ def test_failed_run_report_tab_in_a_browser(cluster, killed_run, browser):
     # The page says where each reason comes from ("local round trip: ..."); the report's own words follow.
     assert expected["gate"]["reasons"] and all(any(r in shown for shown in page["reasons"]) for r in expected["gate"]["reasons"]), page["reasons"]
     (ARTIFACTS / "cluster-failed-run-report.json").write_text(json.dumps(page, indent=1))
+
+
+@pytest.mark.parametrize("width", [1280, 1400])
+def test_report_tab_shows_everything_at_laptop_widths(cluster, killed_run, width):
+    """At a 1280 (and 1400) px window nothing of the report is clipped inside the tab: neither the
+    page nor its overview table scrolls sideways (at 1400 px the overview once did, its gate
+    column out of sight), and every chart label lies inside its chart ('unreconstructable' was
+    cut to 'nreconstructable'). The screenshot is kept for a person to look at."""
+    browser = Browser(window=(width, 1000))
+    try:
+        open_report_tab(browser, cluster)
+        browser.screenshot(ARTIFACTS / f"cluster-report-tab-{width}px.png")
+        fit = browser.js(f"""(() => {{
+          const d = {REPORT}, root = d.documentElement, t = d.querySelector('table.overview');
+          const cut = [...d.querySelectorAll('svg text')].filter(x => {{
+            const s = x.ownerSVGElement.getBoundingClientRect(), r = x.getBoundingClientRect();
+            return r.left < s.left - 0.5 || r.right > s.right + 0.5 || r.top < s.top - 0.5 || r.bottom > s.bottom + 0.5;
+          }}).map(x => x.textContent);
+          return {{frame: root.clientWidth, page_scroll: root.scrollWidth, table_right: t.getBoundingClientRect().right,
+                   table_scroll: t.scrollWidth, table_client: t.clientWidth, labels: d.querySelectorAll('svg text').length, cut,
+                   ui: [document.documentElement.clientWidth, document.documentElement.scrollWidth]}};
+        }})()""")
+    finally:
+        browser.close()
+    (ARTIFACTS / f"cluster-report-tab-{width}px.json").write_text(json.dumps(fit, indent=1))
+    assert fit["page_scroll"] <= fit["frame"] and fit["table_right"] <= fit["frame"], fit
+    assert fit["table_scroll"] <= fit["table_client"], fit
+    assert fit["ui"][1] <= fit["ui"][0], fit  # the Airflow page around the frame does not scroll sideways either
+    assert fit["labels"] > 0 and not fit["cut"], fit

@@ -4,7 +4,9 @@ instead of a silent wait through the warm-up (600 s) or every sample's retries."
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import socket
 import time
 
@@ -12,6 +14,8 @@ import pytest
 import yaml
 
 from eagle3_data.errors import EndpointUnavailable
+from eagle3_data.generation.local import LocalOptions, wait_healthy
+from eagle3_data.generation.openrouter_http import SdkPost
 from eagle3_data.storage import StageRef
 
 SAMPLING = {"temperature": 1.0, "top_p": 0.95, "max_new_tokens": 16, "thinking": True}
@@ -42,6 +46,46 @@ def test_local_endpoint_with_nothing_listening(store, kimi_tokenizer, tmp_path, 
     assert dead in message and "no connection for" in message and f"GET {dead}/health" in message, message
     assert "unreachable_timeout_s" in message
     assert not store.is_complete(StageRef("dead", "generate_local", "ds"))
+
+
+def _waiting_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "waiting for" in r.getMessage()]
+
+
+def test_local_health_wait_says_so_from_its_first_retry(caplog):
+    """A wait on a refused port lasts `unreachable_timeout_s` (15 s by default) before the error:
+    its first retry already prints a WARNING naming the URL, not an INFO line after 10 s that the
+    CLI and the demo (WARNING) never show."""
+    import aiohttp
+
+    dead = _dead_url()
+
+    async def wait():
+        async with aiohttp.ClientSession() as http:
+            return await wait_healthy(http, dead, "sglang", LocalOptions(unreachable_timeout_s=2.0, health_interval_s=0.1))
+
+    problem = asyncio.run(wait())
+    assert problem is not None and "no connection for" in problem
+    lines = _waiting_lines(caplog)
+    assert lines and lines[0].startswith(f"sglang endpoint: waiting for {dead}/health ... (1 tries over"), lines
+
+
+def test_overflow_reachability_check_says_so_from_its_first_retry(caplog):
+    """The overflow client's check before the first paid request: same, its first retry names the URL."""
+    dead = _dead_url()
+
+    async def check():
+        client = SdkPost(dead + "/v1", "sk-test", 1, 5.0)
+        try:
+            await client.check_reachable(2.0)
+        finally:
+            await client.http.close()
+
+    with pytest.raises(EndpointUnavailable, match="no connection for"):
+        asyncio.run(check())
+    lines = _waiting_lines(caplog)
+    assert lines and lines[0].startswith(f"openrouter: waiting for {dead}/v1/models ... (no connection for "), lines
+    assert " s of 2 s, 1 tries, last: ClientConnectorError" in lines[0], lines
 
 
 def test_a_warming_server_is_still_waited_for(store, start_dev_server, kimi_tokenizer, tmp_path):

@@ -52,7 +52,7 @@ from eagle3_data.generation.checkpoint import (
     sampling_for,
 )
 from eagle3_data.generation.progress import Progress, tick_every
-from eagle3_data.generation.retry import PERMANENT_STATUS, backoff_s
+from eagle3_data.generation.retry import PERMANENT_STATUS, WAIT_NOTE_EVERY_S, backoff_s
 from eagle3_data.schemas import IDENTITY_MISMATCH
 
 log = logging.getLogger(__name__)
@@ -210,7 +210,7 @@ async def wait_healthy(http: aiohttp.ClientSession, endpoint: str, engine: str, 
     `o.unreachable_timeout_s` without an answer, so a wrong URL is named in seconds. `o`: the
     timings (`LocalOptions`, `policy.ScoreOptions`): also `connect_timeout_s`, `health_interval_s`."""
     started = time.monotonic()
-    answered_at, tries, last, note_at = started, 0, "", started + 10.0
+    answered_at, tries, last, note_at = started, 0, "", started
     while True:
         status = await health(http, endpoint, o.connect_timeout_s)
         tries += 1
@@ -225,9 +225,10 @@ async def wait_healthy(http: aiohttp.ClientSession, endpoint: str, engine: str, 
             return f"no connection for {now - answered_at:.0f} s ({tried})"
         if now - started >= o.warmup_timeout_s:
             return f"not ready after {o.warmup_timeout_s:g} s of warm-up ({tried})"
-        if now >= note_at:
-            log.info("%s endpoint %s: waiting for /health (%s)", engine, endpoint, tried)
-            note_at = now + 30.0
+        if now >= note_at:  # the first retry already says so: a wait is never silent
+            log.warning("%s endpoint: waiting for %s/health ... (%d tries over %.0f s, last: %s)", engine, endpoint,
+                        tries, now - started, last)
+            note_at = now + WAIT_NOTE_EVERY_S
         await asyncio.sleep(min(o.health_interval_s, max(0.0, started + o.warmup_timeout_s - now)))
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from eagle3_data import json_records
 from eagle3_data.errors import EndpointUnavailable
+from eagle3_data.generation.retry import WAIT_NOTE_EVERY_S
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +184,7 @@ class SdkPost:
         import aiohttp
 
         url = str(self.sdk.base_url) + "models"
-        started, tries = time.monotonic(), 0
+        started, tries, note_at = time.monotonic(), 0, 0.0
         while True:
             tries += 1
             try:
@@ -201,7 +202,10 @@ class SdkPost:
                     f"{SOURCE} base URL {self.sdk.base_url}: no connection for {waited:.0f} s ({tries} tries of GET "
                     f"{url}, last: {last}): nothing was sent. Check the openrouter_default connection's host (or "
                     "--base-url) and the network")
-            log.info("%s base URL %s: no connection yet (%s); trying again", SOURCE, self.sdk.base_url, last)
+            if waited >= note_at:  # the first retry already says so: a wait is never silent
+                log.warning("%s: waiting for %s ... (no connection for %.0f s of %g s, %d tries, last: %s)",
+                            SOURCE, url, waited, within_s, tries, last)
+                note_at = waited + WAIT_NOTE_EVERY_S
             await asyncio.sleep(min(float(tries), 3.0, max(0.0, within_s - waited)))
 
     async def post(self, body: bytes, headers: dict, on_open: Callable[[str | None], None] | None = None) -> object:

@@ -10,6 +10,9 @@ import time
 # refusal of every request: a dropped endpoint, not a failed prompt). The overflow client has its
 # own table (provider_answers.py).
 PERMANENT_STATUS = frozenset({400, 404, 413, 422})
+# An endpoint waited for (no connection yet, or a server still loading): a WARNING line on the
+# first retry, then one every this many seconds, so a wait of 15 s (or a 10-min warm-up) is never silent.
+WAIT_NOTE_EVERY_S = 5.0
 
 
 def backoff_s(attempt: int, base_s: float = 0.5, cap_s: float = 60.0, retry_after: str | None = None,
