@@ -42,7 +42,10 @@ def main() -> None:
     ap.add_argument("--in-flight", type=int, default=64)
     ap.add_argument("--latency", type=float, default=0.5)
     ap.add_argument("--requests", type=int, default=1024)
+    ap.add_argument("--smoke", action="store_true", help="make test's size: seconds, checks the script runs")
     args = ap.parse_args()
+    if args.smoke:
+        args.requests, args.in_flight, args.latency = 64, 16, 0.1
 
     from transformers import AutoTokenizer
 
@@ -88,6 +91,7 @@ def main() -> None:
     print(f"baseline bare aiohttp: {base_rps:7.1f} req/s = {base_rps / ideal:.3f} of ideal")
     print(f"generate_local       : {stage_rps:7.1f} req/s = {stage_rps / ideal:.3f} of ideal (mean depth "
           f"{stage_rps * L:.1f} of {D}), {stage_rps / base_rps:.3f} of baseline; server max in flight {depth}")
+    print(f"RATIO sglang_client generate_local/bare = {stage_rps / base_rps:.3f}; /ideal = {stage_rps / ideal:.3f}")
 
 
 if __name__ == "__main__":
