@@ -580,10 +580,13 @@ def _sse(answer: dict) -> list[bytes]:
     message = choice["message"]
     head = {k: answer[k] for k in ("id", "provider", "model", "object", "created")} | {"object": "chat.completion.chunk"}
 
-    def event(delta: dict | None = None, **extra) -> bytes:
-        chunk = dict(head, choices=[{"index": 0, "delta": delta or {}, "finish_reason": None,
-                                     "native_finish_reason": None, "logprobs": None}], **extra)
-        return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+    # json.dumps(dict(head, choices=[...])) of every event, with the head serialised once: the
+    # same bytes at a fraction of the server's CPU per answer (~60 events)
+    prefix = ("data: " + json.dumps(head)[:-1] + ', "choices": [{"index": 0, "delta": ').encode()
+    suffix = b', "finish_reason": null, "native_finish_reason": null, "logprobs": null}]}\n\n'
+
+    def event(delta: dict | None = None) -> bytes:
+        return prefix + json.dumps(delta or {}).encode() + suffix
 
     def pieces(text: str, size: int = 7) -> list[str]:
         return [text[i:i + size] for i in range(0, len(text), size)]
