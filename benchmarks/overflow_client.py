@@ -12,15 +12,17 @@ order so machine-load drift hits every variant:
                 default; `openrouter_http.SdkPost.stream`; retries, budget, journal, S3
                 checkpoints; uvloop)
   stage-plain   the same with `stream=False` (`SdkPost.post`)
+  stage-previous the same as `stage` with the streamed send as it was before issue 33 (a line
+                iterator, and a new connection per request: `previous_transport`), for the A/B
   stage-asyncio the same as `stage` on the stdlib event loop
   stage-gc      the same as `stage` with the interpreter's default garbage-collection thresholds
                 (the stage raises them while it runs: `openrouter.fewer_gc_pauses`)
 Each line: req/s, fraction of ideal, fraction of the bare baseline of its own kind in that round
 (`stage` and the stage-* streamed variants against `bare-stream`, `stage-plain` against `bare`),
 and CPU ms per request of the client (this process) and of the server (its process), the
-load-independent figures. `--server minimal` swaps the dev server for `MinimalChatServer` (canned
-plain answer, ~10x less server CPU per request; it does not stream, so only `bare` and
-`stage-plain` are meaningful there).
+load-independent figures. `--server minimal` swaps the dev server for `MinimalChatServer` (one
+canned answer, plain or as the dev server's SSE events in one write; ~10x less server CPU per
+request) to measure the client where the dev server, one Python process, is the limit.
 
     .venv/bin/python benchmarks/overflow_client.py [--concurrency 256] [--latency 0.5] [--requests 4096]
         [--rounds 3] [--variants bare bare-stream stage stage-plain] [--server dev|minimal]
@@ -46,8 +48,9 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 MODEL = "moonshotai/kimi-k2.5"  # the dev server's model: a request for another is a 400, as on OpenRouter
-VARIANTS = ["bare", "bare-stream", "stage", "stage-plain", "stage-asyncio", "stage-gc"]
-BASELINE = {"stage": "bare-stream", "stage-asyncio": "bare-stream", "stage-gc": "bare-stream", "stage-plain": "bare"}
+VARIANTS = ["bare", "bare-stream", "stage", "stage-plain", "stage-previous", "stage-asyncio", "stage-gc"]
+BASELINE = {"stage": "bare-stream", "stage-previous": "bare-stream", "stage-asyncio": "bare-stream",
+            "stage-gc": "bare-stream", "stage-plain": "bare"}
 
 
 def prompts(n: int) -> list[dict]:
@@ -79,6 +82,74 @@ async def bare_client(url: str, rows: list[dict], concurrency: int, stream: bool
         t = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         return time.perf_counter() - t
+
+
+def previous_transport():
+    """`stage-previous`: the streamed send as it was before issue 33 (openrouter_http at 509c5d3),
+    for the A/B in one run: aiohttp's line iterator (an await per SSE line), and the response left
+    after `[DONE]` without reading the body's end, so aiohttp closed the connection (a new TCP
+    connection per streamed request)."""
+    import aiohttp
+    import openai
+
+    from eagle3_data import json_records
+    from eagle3_data.generation import openrouter_http as h
+
+    async def read_events_by_line(content, answer, named) -> bool:
+        data: list[str] = []
+
+        def dispatch() -> bool:
+            text = "\n".join(data)
+            data.clear()
+            if text == "[DONE]":
+                return True
+            chunk = json_records.loads(text)
+            if isinstance(chunk, dict):
+                named(chunk.get("id") if isinstance(chunk.get("id"), str) else None)
+            answer.add(chunk)
+            return False
+
+        async for raw in content:
+            line = raw.decode("utf-8").rstrip("\r\n")
+            if not line:
+                if data and dispatch():
+                    return True
+                continue
+            if line.startswith(":"):
+                continue
+            name, _, value = line.partition(":")
+            if name == "data":
+                data.append(value[1:] if value.startswith(" ") else value)
+        return bool(data) and dispatch()
+
+    class PreviousSdkPost(h.SdkPost):
+        async def stream(self, body, headers, on_open=None):
+            answer, opened, gid = h.StreamAnswer(), False, None
+
+            def named(value):
+                nonlocal opened, gid
+                if not opened:
+                    opened, gid = True, value
+                    if on_open is not None:
+                        on_open(value)
+
+            try:
+                async with self.http.post(self.url, data=body, headers={**self.headers, **headers},
+                                          timeout=self.stream_timeout) as r:
+                    if r.status >= 300:
+                        self._raise_status(r.status, r.raw_headers, await r.read())
+                    if r.headers.get(h.GENERATION_HEADER):
+                        named(r.headers[h.GENERATION_HEADER])
+                    done = await read_events_by_line(r.content, answer, named)
+            except asyncio.TimeoutError as exc:
+                raise openai.APITimeoutError(request=self._request()) from exc
+            except aiohttp.ClientError as exc:
+                raise openai.APIConnectionError(request=self._request()) from exc
+            if not done and not answer.finished:
+                raise h.AttemptLost("stream ended without its last chunk", gid or answer.id)
+            return answer.completion()
+
+    return PreviousSdkPost
 
 
 def _cpu() -> float:
@@ -141,7 +212,7 @@ def main() -> None:
             # and the client's first-use costs (imports, template compile, S3 writer): not per request
             run_stage(store, StageRef(run_key="warm", stage="generate_overflow", dataset="w"),
                       [{**row, "sample_id": "w" + row["sample_id"]} for row in prompts(32)], fmt, server.url, 32,
-                      Path(tmp) / "journal", stream=args.server == "dev")
+                      Path(tmp) / "journal")
             for r in range(args.rounds):
                 order = args.variants if r % 2 == 0 else args.variants[::-1]
                 for v in order:
@@ -151,7 +222,9 @@ def main() -> None:
                     if v.startswith("bare"):
                         seconds = asyncio.run(bare_client(server.url, rows, C, stream=v == "bare-stream"))
                     else:
-                        saved = openrouter.run_event_loop, openrouter.fewer_gc_pauses
+                        saved = openrouter.run_event_loop, openrouter.fewer_gc_pauses, openrouter.SdkPost
+                        if v == "stage-previous":
+                            openrouter.SdkPost = previous_transport()
                         if v == "stage-asyncio":
                             openrouter.run_event_loop = asyncio.run
                         if v == "stage-gc":
@@ -162,7 +235,7 @@ def main() -> None:
                             summary = run_stage(store, ref, rows, fmt, server.url, C, Path(tmp) / "journal",
                                                 stream=v != "stage-plain")
                         finally:
-                            openrouter.run_event_loop, openrouter.fewer_gc_pauses = saved
+                            openrouter.run_event_loop, openrouter.fewer_gc_pauses, openrouter.SdkPost = saved
                         seconds = time.perf_counter() - t
                         assert summary["complete"] and summary["counts"]["ok"] == N, summary
                     rps = N / seconds
