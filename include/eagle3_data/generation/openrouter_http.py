@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = "openrouter"
 GENERATION_HEADER = "X-Generation-Id"
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # json_records' check, on the events' bytes
 
 
 class AttemptLost(Exception):
@@ -348,41 +350,70 @@ async def _read_events(content, answer: StreamAnswer, named: Callable[[str | Non
     """Feed an SSE body's data events to `answer` (comment lines skipped, multi-line `data:`
     fields joined, as the SSE spec frames them); True when it ended with `data: [DONE]`.
 
-    Read in whatever pieces the socket gives (`iter_any`) and split into lines here: aiohttp's
-    line iterator costs an await, a buffer search and a resume of the transport per line, ~60
-    lines per answer; that was ~40% of the streamed client's CPU per request
-    (benchmarks/RESULTS.md, overflow streaming)."""
-    data: list[str] = []
+    Read in whatever pieces the socket gives (`iter_any`), split into lines here, and the events
+    complete in a piece decoded by one `json.loads` of them as an array (`_decode_events`):
+    aiohttp's line iterator (an await and a transport resume per line) and a parse per event
+    (~60 per answer) made a streamed request cost the client twice the CPU of a plain one
+    (benchmarks/RESULTS.md, issue 33)."""
+    data: list[bytes] = []  # the data lines of the event being read
+    ready: list[bytes] = []  # events complete in this piece, not decoded yet
 
-    def dispatch() -> bool:
-        text = "\n".join(data)
-        data.clear()
-        if text == "[DONE]":
-            return True
-        chunk = json_records.loads(text)
-        if isinstance(chunk, dict):
-            named(chunk.get("id") if isinstance(chunk.get("id"), str) else None)
-        answer.add(chunk)
-        return False
+    def feed() -> bool:
+        """Decode and add the ready events, in order; True at `[DONE]`."""
+        done = False
+        if b"[DONE]" in ready:
+            done = True
+            del ready[ready.index(b"[DONE]"):]  # nothing after it counts
+        chunks = _decode_events(ready)
+        for chunk in (chunks if chunks is not None else map(json_records.loads, ready)):  # one by one: the
+            if isinstance(chunk, dict):  # events before one that is not JSON are added first, as they came
+                named(chunk.get("id") if isinstance(chunk.get("id"), str) else None)
+            answer.add(chunk)
+        ready.clear()
+        return done
 
-    def line_done(raw: bytes) -> bool:
-        line = raw.decode("utf-8").rstrip("\r")
-        if not line:
-            return bool(data) and dispatch()
-        if line.startswith(":"):
-            return False  # a keep-alive comment (": OPENROUTER PROCESSING")
-        name, _, value = line.partition(":")
-        if name == "data":
-            data.append(value[1:] if value.startswith(" ") else value)
-        return False
+    def line(raw: bytes) -> None:
+        if raw.endswith(b"\r"):
+            raw = raw[:-1]
+        if not raw:
+            if data:
+                ready.append(data[0] if len(data) == 1 else b"\n".join(data))
+                data.clear()
+        elif raw.startswith(b"data:"):
+            data.append(raw[6:] if raw.startswith(b"data: ") else raw[5:])
+        elif raw == b"data":  # a field name alone: an empty value
+            data.append(b"")
+        # else a comment (": OPENROUTER PROCESSING", a keep-alive) or another field: skipped
 
     rest = b""
     async for piece in content.iter_any():
         lines = (rest + piece).split(b"\n")
         rest = lines.pop()  # a line not ended yet (a multi-byte character may be cut in it: bytes until then)
         for raw in lines:
-            if line_done(raw):
-                return True
-    if rest and line_done(rest):
-        return True
-    return bool(data) and dispatch()
+            line(raw)
+        if ready and feed():
+            return True
+    if rest:
+        line(rest)
+    if data:
+        ready.append(b"\n".join(data))
+    return bool(ready) and feed()
+
+
+def _decode_events(events: list[bytes]) -> list[Any] | None:
+    """The events' JSON values, in order, from one `json.loads` of them as an array; None when
+    that cannot stand for a parse of each (one of them could hold what `json_records.loads`
+    refuses, deep nesting or a lone surrogate's escape; one is not JSON): the caller then takes
+    them one by one through `json_records.loads`."""
+    import json
+
+    if len(events) < 2 or any(e.count(b"[") + e.count(b"{") > json_records.MAX_DEPTH for e in events):
+        return None
+    joined = b",".join(events)
+    if _SURROGATE_ESCAPE.search(joined):
+        return None
+    try:
+        values = json.loads(b"[" + joined + b"]")
+    except ValueError:
+        return None
+    return values if len(values) == len(events) else None
