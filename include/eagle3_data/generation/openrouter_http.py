@@ -62,33 +62,38 @@ class StreamAnswer:
     chunks: int = 0
 
     def add(self, chunk: Any) -> None:
+        # called for every event (~60 per answer): each field read once, the head's four only
+        # until they are all known
         if not isinstance(chunk, dict):
             raise ValueError("an SSE data event is not a JSON object")
         self.chunks += 1
-        for key in ("id", "model", "provider", "created"):
-            if getattr(self, key) is None and chunk.get(key) is not None:
-                setattr(self, key, chunk[key])
-        if isinstance(chunk.get("usage"), dict):
-            self.usage = chunk["usage"]
-        if isinstance(chunk.get("error"), (dict, str)):
-            self.error = chunk["error"] if isinstance(chunk["error"], dict) else {"message": chunk["error"]}
+        if self.id is None or self.model is None or self.provider is None or self.created is None:
+            for key in ("id", "model", "provider", "created"):
+                if getattr(self, key) is None and chunk.get(key) is not None:
+                    setattr(self, key, chunk[key])
+        if isinstance(usage := chunk.get("usage"), dict):
+            self.usage = usage
+        if (error := chunk.get("error")) is not None and isinstance(error, (dict, str)):
+            self.error = error if isinstance(error, dict) else {"message": error}
         for choice in chunk.get("choices") or ():
             if not isinstance(choice, dict):
                 continue
             delta = choice.get("delta") or {}
-            if isinstance(delta.get("content"), str) and delta["content"]:
-                self.content.append(delta["content"])
-            if isinstance(delta.get("reasoning"), str) and delta["reasoning"]:
-                self.reasoning.append(delta["reasoning"])
-            for d in delta.get("reasoning_details") or ():
-                self._detail(d)
-            for c in delta.get("tool_calls") or ():
-                self._call(c)
-            if choice.get("finish_reason") is not None:
-                self.finish_reason = choice["finish_reason"]
-                self.native_finish_reason = choice.get("native_finish_reason", self.finish_reason)
-            if isinstance(choice.get("error"), dict):
-                self.error = choice["error"]
+            if (text := delta.get("content")) and isinstance(text, str):
+                self.content.append(text)
+            if (text := delta.get("reasoning")) and isinstance(text, str):
+                self.reasoning.append(text)
+            if details := delta.get("reasoning_details"):
+                for d in details:
+                    self._detail(d)
+            if calls := delta.get("tool_calls"):
+                for c in calls:
+                    self._call(c)
+            if (finish := choice.get("finish_reason")) is not None:
+                self.finish_reason = finish
+                self.native_finish_reason = choice.get("native_finish_reason", finish)
+            if isinstance(error := choice.get("error"), dict):
+                self.error = error
 
     def _detail(self, d: Any) -> None:
         if not isinstance(d, dict):
@@ -387,14 +392,22 @@ async def _read_events(content, answer: StreamAnswer, named: Callable[[str | Non
 
     rest = b""
     async for piece in content.iter_any():
-        lines = (rest + piece).split(b"\n")
-        rest = lines.pop()  # a line not ended yet (a multi-byte character may be cut in it: bytes until then)
-        for raw in lines:
-            line(raw)
+        buf = rest + piece
+        if b"\r" in buf:
+            buf = buf.replace(b"\r\n", b"\n")  # a "\r" left at the end meets its "\n" in the next piece
+        *blocks, rest = buf.split(b"\n\n")  # what follows the last blank line: not ended yet
+        for block in blocks:
+            if not data and block.startswith(b"data: ") and b"\n" not in block:
+                ready.append(block[6:])  # the usual event: one data line
+                continue
+            for raw in block.split(b"\n"):
+                line(raw)
+            line(b"")
         if ready and feed():
             return True
     if rest:
-        line(rest)
+        for raw in rest.split(b"\n"):
+            line(raw)
     if data:
         ready.append(b"\n".join(data))
     return bool(ready) and feed()
