@@ -39,7 +39,7 @@ def test_save_rows_in_batches_writes_what_one_table_would(tmp_path, monkeypatch)
     assert got.with_format(None).to_dict() == whole.to_dict()
     assert [json.loads(line) for line in (tmp_path / "out" / "index.jsonl").read_text().splitlines()] == [
         {"row": i, "sample_id": f"s{i}"} for i in range(len(rows))]
-    assert not [p for p in tmp_path.iterdir() if p.name != "out"]  # the staging file is gone
+    assert not [p for p in tmp_path.iterdir() if p.name != "out"]  # nothing written beside the dataset
 
 
 def test_save_rows_refuses_nothing_to_export(tmp_path):

@@ -99,20 +99,21 @@ def export_speculators(shard_paths: Iterable[str | Path], out_dir: str | Path, *
 
 def save_rows(samples: Iterable[tuple[str, Sequence[int], Sequence[int]]], out_dir: str | Path) -> int:
     """The rows as speculators' dataset (`input_ids`, `loss_mask` int64 lists, `seq_len`; torch
-    format, `save_to_disk`) with `index.jsonl` (row -> sample_id); returns the rows written.
+    format, what `save_to_disk` writes and `load_from_disk` reads) with `index.jsonl` (row ->
+    sample_id); returns the rows written.
 
     Streams in bounded memory: rows are packed into Arrow record batches of at most
-    BATCH_TOKENS tokens (numpy buffers, never a chunk of Python lists) and appended to an Arrow
-    file as they come; `save_to_disk` then copies that memory-mapped file into its shards, and
-    the index is written line by line. Peak memory is one batch, whatever the row count
-    (benchmarks/RESULTS.md, "ids-only export")."""
-    import shutil
-    import tempfile
-
+    BATCH_TOKENS tokens (numpy buffers, never a chunk of Python lists) and appended to the
+    dataset's one Arrow file as they come, the index written line by line; `state.json` and
+    `dataset_info.json` are then written as `save_to_disk` writes them, from the file opened
+    memory-mapped (never read: `save_to_disk` would copy it through memory, its pages counted in
+    the process's RSS). Peak memory is one batch, whatever the row count (benchmarks/RESULTS.md,
+    "ids-only export")."""
     import datasets
     import numpy as np
     import pyarrow as pa
     from datasets.arrow_writer import ArrowWriter
+    from datasets.utils.py_utils import asdict  # the one save_to_disk uses
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -120,46 +121,52 @@ def save_rows(samples: Iterable[tuple[str, Sequence[int], Sequence[int]]], out_d
                                   "loss_mask": datasets.Sequence(datasets.Value("int64")),
                                   "seq_len": datasets.Value("int64")})
     schema = features.arrow_schema
-    tmp = Path(tempfile.mkdtemp(prefix=".save-rows-", dir=out.parent))
+    data_file = out / "data-00000-of-00001.arrow"
     n = 0
-    try:
-        with open(out / "index.jsonl", "w") as index, ArrowWriter(features=features, path=str(tmp / "rows.arrow")) as writer:
-            ids_parts: list[np.ndarray] = []
-            mask_parts: list[np.ndarray] = []
+    with open(out / "index.jsonl", "w") as index, ArrowWriter(features=features, path=str(data_file)) as writer:
+        ids_parts: list[np.ndarray] = []
+        mask_parts: list[np.ndarray] = []
+        tokens = 0
+
+        def flush() -> None:
+            nonlocal tokens
+            lengths = np.fromiter((len(a) for a in ids_parts), np.int64, len(ids_parts))
+            offsets = np.zeros(len(lengths) + 1, np.int32)
+            np.cumsum(lengths, out=offsets[1:])
+            cols = [pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(parts), pa.int64()))
+                    for parts in (ids_parts, mask_parts)]
+            writer.write_table(pa.Table.from_arrays([*cols, pa.array(lengths)], schema=schema))
+            ids_parts.clear()
+            mask_parts.clear()
             tokens = 0
 
-            def flush() -> None:
-                nonlocal tokens
-                lengths = np.fromiter((len(a) for a in ids_parts), np.int64, len(ids_parts))
-                offsets = np.zeros(len(lengths) + 1, np.int32)
-                np.cumsum(lengths, out=offsets[1:])
-                cols = [pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(parts), pa.int64()))
-                        for parts in (ids_parts, mask_parts)]
-                writer.write_table(pa.Table.from_arrays([*cols, pa.array(lengths)], schema=schema))
-                ids_parts.clear()
-                mask_parts.clear()
-                tokens = 0
-
-            for sample_id, ids, mask in samples:
-                ids, mask = _int64(ids), _int64(mask)
-                index.write(json.dumps({"row": n, "sample_id": sample_id}) + "\n")
-                ids_parts.append(ids)
-                mask_parts.append(mask)
-                n += 1
-                tokens += len(ids)
-                if tokens >= BATCH_TOKENS or len(ids_parts) >= BATCH_ROWS:
-                    flush()
-            if ids_parts:
+        for sample_id, ids, mask in samples:
+            ids, mask = _int64(ids), _int64(mask)
+            index.write(json.dumps({"row": n, "sample_id": sample_id}) + "\n")
+            ids_parts.append(ids)
+            mask_parts.append(mask)
+            n += 1
+            tokens += len(ids)
+            if tokens >= BATCH_TOKENS or len(ids_parts) >= BATCH_ROWS:
                 flush()
-            if not n:
-                raise UserError("export-speculators: no samples to export")
-            writer.finalize()
-        table = datasets.Dataset.from_file(str(tmp / "rows.arrow"))  # memory-mapped
-        table.set_format(type="torch")
-        table.save_to_disk(str(out))
-        del table
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if ids_parts:
+            flush()
+        if not n:
+            raise UserError("export-speculators: no samples to export")
+        writer.finalize()
+    table = datasets.Dataset.from_file(str(data_file))  # memory-mapped: nothing read
+    table.set_format(type="torch")
+    # what Dataset.save_to_disk writes beside its shards (datasets 5.x), for this one shard
+    state = {key: table.__dict__[key] for key in
+             ("_fingerprint", "_format_columns", "_format_kwargs", "_format_type", "_output_all_columns")}
+    state["_split"] = str(table.split) if table.split is not None else None
+    state["_data_files"] = [{"filename": data_file.name}]
+    info = asdict(table._info)
+    del table
+    with open(out / "state.json", "w", encoding="utf-8") as f:
+        json.dump(state, f, indent=2, sort_keys=True)
+    with open(out / "dataset_info.json", "w", encoding="utf-8") as f:
+        json.dump({key: info[key] for key in sorted(info)}, f, indent=2)
     return n
 
 
