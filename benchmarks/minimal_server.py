@@ -41,6 +41,9 @@ def _stream_response() -> bytes:
 
 STREAM_RESPONSE = b""  # built at start (serve)
 HEALTH = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"
+_MODELS = json.dumps({"data": [{"id": ANSWER_DICT["model"], "canonical_slug": ANSWER_DICT["model"]}]}).encode()
+MODELS = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: " + str(len(_MODELS)).encode()
+          + b"\r\n\r\n" + _MODELS)  # GET /v1/models: the client's identity pin reads the model's names
 
 
 class Chat(asyncio.Protocol):
@@ -66,7 +69,7 @@ class Chat(asyncio.Protocol):
                 return
             body, self.buf = rest[:length], rest[length:]
             if head.startswith(b"GET"):
-                self.transport.write(HEALTH)
+                self.transport.write(MODELS if head.split(b" ", 2)[1].endswith(b"/models") else HEALTH)
             else:
                 stream = b'"stream":true' in body or b'"stream": true' in body
                 asyncio.get_running_loop().call_later(self.latency, self._answer, STREAM_RESPONSE if stream else RESPONSE)
