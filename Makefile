@@ -58,13 +58,15 @@ $(SPEC_STAMP): requirements-speculators.txt
 speculators-venv: $(SPEC_STAMP)
 
 # Two pytest processes side by side, so that the two cores overlap them: the cluster tier (one
-# Celery cluster, mostly waiting on Airflow's task scheduling) and then the dag.test() tier in
-# one, everything else in the other (docs/dag.md, "What it costs"). The side process's output is
-# printed after the main one's; either failing fails the target.
+# Celery cluster, mostly waiting on Airflow's task scheduling), then the dag.test() tier, then
+# every benchmark at its smoke size (tests/benchmarks: benchmarks/run_all.py --smoke's commands,
+# each must run and print its RATIO line) in one, everything else in the other (docs/dag.md,
+# "What it costs"). The side process's output is printed after the main one's; either failing
+# fails the target.
 # Every run starts as a new machine for what the project caches (EAGLE3_DATA_CACHE: verified
 # codecs, journals, dev: builds; vLLM's cache): an empty folder under test-artifacts/, shared by
 # both processes and every server they start (README, "A first start").
-SIDE_TESTS := tests/cluster tests/dags
+SIDE_TESTS := tests/cluster tests/dags tests/benchmarks
 SIDE_LOG := test-artifacts/cluster-and-dags.log
 TEST_CACHE := $(CURDIR)/test-artifacts/cache
 test: export EAGLE3_DATA_CACHE = $(TEST_CACHE)

@@ -117,11 +117,18 @@ print("@@RESULT@@" + json.dumps({"work_s": __work, "cpu_s": __ru.ru_utime + __ru
 """
 
 
+IN_PROCESS = False  # --smoke: stages run in this process (no interpreter start and imports per stage)
+
+
 def measure(setup: str, work: str, env: dict | None = None, timeout: float = 3600) -> dict:
     """Run `setup` (imports, not timed) then `work` (timed) in a fresh `nice -n 19` Python process.
 
     `work` may set RESULT (JSON-able) to pass something back. Raises with the child's stderr on failure.
+    With IN_PROCESS (a benchmark's --smoke) both run in this process with `env` set meanwhile:
+    seconds, not figures (peak RSS is then this process's high-water mark, not the stage's).
     """
+    if IN_PROCESS:
+        return _measure_here(setup, work, env or {})
     code = (MEASURE_PRELUDE.format(repo=str(REPO)) + textwrap.dedent(setup) + "\n__t0 = time.perf_counter()\n__cpu0 = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])\n"
             + textwrap.dedent(work) + MEASURE_EPILOGUE)
     proc = subprocess.run(["nice", "-n", "19", sys.executable, "-c", code], capture_output=True, text=True,
@@ -130,6 +137,29 @@ def measure(setup: str, work: str, env: dict | None = None, timeout: float = 360
         if line.startswith("@@RESULT@@"):
             return json.loads(line[len("@@RESULT@@"):])
     raise RuntimeError(f"benchmark child failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
+def _measure_here(setup: str, work: str, env: dict) -> dict:
+    import resource
+    import time
+
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update({k: str(v) for k, v in env.items()})
+    try:
+        scope: dict = {"__name__": "__bench__"}
+        exec(compile("import json, os, sys\n" + textwrap.dedent(setup), "<setup>", "exec"), scope)
+        cpu0, t0 = sum(resource.getrusage(resource.RUSAGE_SELF)[:2]), time.perf_counter()
+        exec(compile(textwrap.dedent(work), "<work>", "exec"), scope)
+        work_s, cpu_s = time.perf_counter() - t0, sum(resource.getrusage(resource.RUSAGE_SELF)[:2]) - cpu0
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    hwm = next((int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:")), 0)
+    return {"work_s": work_s, "cpu_s": cpu_s, "peak_rss_mib": hwm / 1024,
+            "result": json.loads(json.dumps(scope.get("RESULT"), default=str))}
 
 
 def table(rows: list[dict], columns: list[tuple[str, str]]) -> str:

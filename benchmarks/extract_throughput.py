@@ -64,7 +64,10 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=48)
     ap.add_argument("--token-budget", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=3, help="best of N for each timed run")
+    ap.add_argument("--smoke", action="store_true", help="make test's size: seconds, checks the script runs")
     args = ap.parse_args()
+    if args.smoke:
+        args.samples, args.repeats = 4, 1
 
     model_dir = ensure_model(args.model)
     backend = TransformersBackend(model_dir)
@@ -131,6 +134,7 @@ def main() -> None:
     print(f"bare forward      {tokens / t_bare:10.0f} tok/s")
     print(f"extract (packed)  {tokens / t_extract:10.0f} tok/s   extract/bare = {t_bare / t_extract:.2f}")
     print(f"naive per-sample  {tokens / t_naive:10.0f} tok/s   extract/naive = {t_naive / t_extract:.2f}")
+    print(f"RATIO extract_throughput extract/bare = {t_bare / t_extract:.2f}")
     print(f"bytes/token: packed aux stored {summary['dtype']} (computed {summary['compute_dtype']}) "
           f"{summary['bytes_per_token']:.1f} (min 3*H*2 = {3 * h * 2}, "
           f"ratio {summary['bytes_per_token'] / (3 * h * 2):.3f}); stored {summary32['dtype']} "

@@ -162,6 +162,7 @@ def main() -> None:
         "bytes_per_token": {"transformers": round(s_hf["bytes_per_token"], 1), "vllm": round(s_v["bytes_per_token"], 1)},
     }
     print(json.dumps(report, indent=1))
+    print(f"RATIO gpu_extract vllm/transformers = {report['vllm_over_transformers']:.2f}")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import measure, seaweedfs, store_for, table, write_generations  # noqa: E402
+from _harness import measure, seaweedfs, slope, store_for, table, write_generations  # noqa: E402
 
 DEFAULT = ["1000x1195", "4000x1195", "16000x1195"]
 FULL = ["83000x1195", "16000x6000"]
@@ -83,7 +83,10 @@ def main() -> int:
                    help="also measure this merge.py (e.g. `git show REV:include/eagle3_data/merge.py > old.py`), "
                         "interleaved with the installed one, with --baseline-kwargs")
     p.add_argument("--baseline-kwargs", default="{}")
+    p.add_argument("--smoke", action="store_true", help="make test's size: seconds, checks the script runs")
     args = p.parse_args()
+    if args.smoke:
+        args.sizes = ["100x200", "200x200"]
     sizes = args.sizes or (DEFAULT + (FULL if args.full else []))
     impls = {"installed": ("", json.loads(args.merge_kwargs))}
     if args.baseline:
@@ -92,6 +95,11 @@ def main() -> int:
     print(table(rows, [("impl", "merge"), ("n", "N"), ("tokens_per_sample", "tokens/sample"), ("tokens", "merged tokens"),
                        ("shards", "shards"), ("work_s", "work s"), ("cpu_s", "CPU s"), ("tok_per_s", "tok/s"),
                        ("peak_rss_mib", "peak RSS MiB")]))
+    for impl in impls:
+        pts = [(r["n"] / 1000, r["peak_rss_mib"]) for r in rows if r["impl"] == impl]
+        if len(pts) >= 2:
+            print(f"RATIO merge_memory {impl} peak RSS largest/smallest N = {pts[-1][1] / pts[0][1]:.2f} "
+                  f"(slope {slope(pts):.1f} MiB per 1k samples)")
     return 0
 
 

@@ -1,5 +1,6 @@
 """A minimal OpenRouter-shaped chat server for the client benchmarks: the smallest server CPU per
-request Python allows (asyncio protocol, no framework, one canned answer after a fixed latency),
+request Python allows (asyncio protocol, no framework, one canned answer after a fixed latency,
+plain or, for a request that asks `"stream": true`, the dev server's SSE events of it in one write),
 so the client can be measured where the dev inference server (FastAPI, chat template, fault
 draws per request) is the limit on a small shared box.
 
@@ -14,16 +15,35 @@ import json
 import subprocess
 import sys
 
-ANSWER = json.dumps({
-    "id": "gen-minimal", "provider": "minimal", "model": "m", "object": "chat.completion", "created": 0,
+ANSWER_DICT = {
+    "id": "gen-minimal", "provider": "minimal", "model": "moonshotai/kimi-k2.5", "object": "chat.completion", "created": 0,
     "choices": [{"index": 0, "finish_reason": "stop", "native_finish_reason": "stop",
-                 "message": {"role": "assistant", "content": "A benchmark answer.", "reasoning": "Short."}}],
+                 "message": {"role": "assistant", "content": "A benchmark answer. " * 10,
+                             "reasoning": "Short reasoning here. " * 10}}],
     "usage": {"prompt_tokens": 12, "completion_tokens": 6, "total_tokens": 18, "cost": 1e-06,
               "completion_tokens_details": {"reasoning_tokens": 2}},
-}).encode()
+}
+ANSWER = json.dumps(ANSWER_DICT).encode()
 RESPONSE = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: " + str(len(ANSWER)).encode()
             + b"\r\n\r\n" + ANSWER)
+
+
+def _stream_response() -> bytes:
+    """The same answer as the dev server streams it (`_sse`: ~60 events of 7-character pieces, then
+    the finish, the usage and `[DONE]`), as one canned SSE body: a request whose body asks
+    `"stream": true` gets this."""
+    from eagle3_data.dev.inference_server import _sse
+
+    body = b": OPENROUTER PROCESSING\n\n" + b"".join(_sse(ANSWER_DICT))
+    return (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: " + str(len(body)).encode()
+            + b"\r\n\r\n" + body)
+
+
+STREAM_RESPONSE = b""  # built at start (serve)
 HEALTH = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"
+_MODELS = json.dumps({"data": [{"id": ANSWER_DICT["model"], "canonical_slug": ANSWER_DICT["model"]}]}).encode()
+MODELS = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: " + str(len(_MODELS)).encode()
+          + b"\r\n\r\n" + _MODELS)  # GET /v1/models: the client's identity pin reads the model's names
 
 
 class Chat(asyncio.Protocol):
@@ -47,19 +67,22 @@ class Chat(asyncio.Protocol):
                     length = int(value)
             if len(rest) < length:
                 return
-            self.buf = rest[length:]
+            body, self.buf = rest[:length], rest[length:]
             if head.startswith(b"GET"):
-                self.transport.write(HEALTH)
+                self.transport.write(MODELS if head.split(b" ", 2)[1].endswith(b"/models") else HEALTH)
             else:
-                asyncio.get_running_loop().call_later(self.latency, self._answer)
+                stream = b'"stream":true' in body or b'"stream": true' in body
+                asyncio.get_running_loop().call_later(self.latency, self._answer, STREAM_RESPONSE if stream else RESPONSE)
 
-    def _answer(self) -> None:
+    def _answer(self, response: bytes) -> None:
         if not self.transport.is_closing():
-            self.transport.write(RESPONSE)
+            self.transport.write(response)
 
 
 async def serve(port: int, latency: float) -> None:
+    global STREAM_RESPONSE
     Chat.latency = latency
+    STREAM_RESPONSE = _stream_response()
     server = await asyncio.get_running_loop().create_server(Chat, "127.0.0.1", port, backlog=4096)
     async with server:
         await server.serve_forever()

@@ -22,12 +22,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _harness import REPO, measure, table  # noqa: E402
-from scale import SETUP, STAGES, prompts_jsonl  # noqa: E402
+from scale import SETUP, STAGES, prompts_jsonl, quiet_server, rss_ratio  # noqa: E402
 
 MEASURED = ("audit_tokenizer", "load_route", "generate_local", "generate_overflow")
 
 
-def run(sizes: list[int], workdir: Path, code: Path | None) -> list[dict]:
+def run(sizes: list[int], workdir: Path, code: Path | None, quiet: bool = False) -> list[dict]:
     from eagle3_devtools.stack import dev_stack
 
     datasets = [{"name": f"mem{n}", "prompts": f"s3://eagle3/bench-prompts/mem{n}.jsonl"} for n in sizes]
@@ -42,6 +42,8 @@ def run(sizes: list[int], workdir: Path, code: Path | None) -> list[dict]:
         if code is not None:
             env["PYTHONPATH"] = str(code)
         client = stack.client()
+        if quiet:
+            quiet_server(stack.inference_url)
         for n in sizes:
             client.put_object(Bucket="eagle3", Key=f"bench-prompts/mem{n}.jsonl", Body=prompts_jsonl(n))
             run_key, ds = f"mem-{n}", f"mem{n}"
@@ -61,14 +63,22 @@ def main() -> int:
     p.add_argument("--sizes", type=int, nargs="*", default=[1000, 8000])
     p.add_argument("--code", type=Path, default=None, help="an include/ folder to run the stages from (default: this checkout)")
     p.add_argument("--json", type=Path, default=None, help="also write the raw rows here")
+    p.add_argument("--smoke", action="store_true", help="make test's size (N = 10, 20), every stage in this process: "
+                   "seconds, checks the script runs; not figures")
     args = p.parse_args()
+    if args.smoke:
+        import _harness
+
+        _harness.IN_PROCESS = True
+        args.sizes = [10, 20]
     with tempfile.TemporaryDirectory(prefix="bench-mem-", dir=REPO / ".cache" if (REPO / ".cache").exists() else None) as tmp:
-        results = run(args.sizes, Path(tmp), args.code.resolve() if args.code else None)
+        results = run(args.sizes, Path(tmp), args.code.resolve() if args.code else None, quiet=args.smoke)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     print()
     print(table(results, [("stage", "stage"), ("n", "N"), ("work_s", "work s"), ("cpu_s", "CPU s"),
                           ("peak_rss_mib", "peak RSS MiB")]))
+    rss_ratio(results, "prompt_memory")
     return 0
 
 

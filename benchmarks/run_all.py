@@ -1,12 +1,15 @@
 """`make bench`: every benchmark in this folder, one after the other, at small sizes by default.
 
     .venv/bin/python benchmarks/run_all.py                 # small sizes: a few minutes on 2 cores
+    .venv/bin/python benchmarks/run_all.py --smoke         # each benchmark's --smoke (what `make test` runs)
     .venv/bin/python benchmarks/run_all.py --full          # each benchmark's own defaults (the RESULTS.md sizes)
     .venv/bin/python benchmarks/run_all.py --only scale merge_memory
 
 Each benchmark runs as its own `nice -n 19` process (the machine is usually shared) and prints its
-own table; this script only prints which ones failed and exits 1 if any did. Benchmarks that need
-something this checkout lacks (the vLLM venv) are reported as skipped, not failed.
+own table and a `RATIO <benchmark> ...` line (its figure against its baseline); this script only
+prints which ones failed and exits 1 if any did. A benchmark that cannot run (a missing venv, a
+missing RATIO line) is a failure, never a skip: tests/benchmarks/test_benchmark_smoke.py runs
+each one's --smoke in `make test`.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ def _tokenizer() -> str:
     return str(cached_kimi_tokenizer(REPO / ".cache"))
 
 
-# name -> (script, small args, full args, requirement or None)
+# name -> (script, small args, full args, requirement or None); --smoke passes ["--smoke"]
 BENCHMARKS: dict[str, tuple[str, list[str], list[str], Path | None]] = {
     "storage_throughput": ("storage_throughput.py", ["--rows", "2000"], [], None),
     "validate_throughput": ("validate_throughput.py", ["--tokens", "500000", "--small", "100000", "--repeat", "1"], [], None),
@@ -39,6 +42,7 @@ BENCHMARKS: dict[str, tuple[str, list[str], list[str], Path | None]] = {
     "merge_memory": ("merge_memory.py", ["--sizes", "500x1195", "2000x1195"], ["--full"], None),
     "scale": ("scale.py", ["--sizes", "100", "400", "--shard-tokens", "65536"], ["--full"], None),
     "prompt_memory": ("prompt_memory.py", ["--sizes", "200", "800"], ["--sizes", "1000", "8000", "16000"], None),
+    "export_memory": ("export_memory.py", ["--sizes", "1000", "5000", "--tokens", "512", "--baseline-max", "5000"], [], None),
     "stage_startup": ("stage_startup.py", ["--repeats", "2"], [], None),
     # vLLM's own venv (make vllm-venv); the full gpu_extract wants a GPU (benchmarks/gpu_extract.sh)
     "vllm_extract": ("vllm_extract.py", ["--samples", "16", "--repeats", "1"], [], REPO / ".venv-vllm" / ".installed"),
@@ -47,25 +51,46 @@ BENCHMARKS: dict[str, tuple[str, list[str], list[str], Path | None]] = {
 NEEDS_TOKENIZER = {"validate_throughput", "stage_startup"}
 
 
+def command(name: str, mode: str) -> list[str]:
+    """The benchmark's command line (without `nice` and the interpreter) in mode small|smoke|full;
+    raises FileNotFoundError when what it needs is missing."""
+    script, small, full, needs = BENCHMARKS[name]
+    if not (HERE / script).exists() or (needs is not None and not needs.exists()):
+        raise FileNotFoundError(f"{name}: missing {needs or script}")
+    args = {"small": small, "smoke": ["--smoke"], "full": full}[mode]
+    extra = ["--tokenizer", _tokenizer()] if name in NEEDS_TOKENIZER else []
+    return [str(HERE / script), *args, *extra]
+
+
+def env() -> dict:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "include"), str(REPO),
+                                                                     os.environ.get("PYTHONPATH")]))}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--full", action="store_true", help="each benchmark's full sizes instead of the small ones")
+    p.add_argument("--smoke", action="store_true", help="each benchmark's --smoke: seconds each (make test)")
     p.add_argument("--only", nargs="*", choices=sorted(BENCHMARKS), help="run these only")
     args = p.parse_args()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "include"), os.environ.get("PYTHONPATH")]))}
+    mode = "full" if args.full else "smoke" if args.smoke else "small"
     outcome: dict[str, str] = {}
-    for name, (script, small, full, needs) in BENCHMARKS.items():
+    for name in BENCHMARKS:
         if args.only and name not in args.only:
             continue
-        if not (HERE / script).exists() or (needs is not None and not needs.exists()):
-            outcome[name] = "skipped (missing " + str(needs or script) + ")"
+        try:
+            cmd = ["nice", "-n", "19", sys.executable, *command(name, mode)]
+        except FileNotFoundError as exc:
+            outcome[name] = f"FAILED ({exc})"
             continue
-        extra = ["--tokenizer", _tokenizer()] if name in NEEDS_TOKENIZER else []
-        cmd = ["nice", "-n", "19", sys.executable, str(HERE / script), *(full if args.full else small), *extra]
         print(f"\n=== {name}: {' '.join(cmd[3:])}", flush=True)
         t = time.perf_counter()
-        rc = subprocess.run(cmd, cwd=REPO, env=env).returncode
-        outcome[name] = f"{'ok' if rc == 0 else f'FAILED (exit {rc})'} in {time.perf_counter() - t:.0f} s"
+        done = subprocess.run(cmd, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        print(done.stdout, end="", flush=True)
+        ratio = any(line.startswith(f"RATIO {name} ") for line in done.stdout.splitlines())
+        ok = done.returncode == 0 and ratio
+        why = f"exit {done.returncode}" if done.returncode else "no RATIO line"
+        outcome[name] = f"{'ok' if ok else f'FAILED ({why})'} in {time.perf_counter() - t:.0f} s"
     print("\n=== summary")
     for name, what in outcome.items():
         print(f"  {name:22s} {what}")

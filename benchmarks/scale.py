@@ -80,7 +80,19 @@ def stage_tokens(store, ref) -> tuple[int, int]:
     return rows, tokens
 
 
-def run(sizes: list[int], workdir: Path, extract: bool, shard_tokens: int) -> list[dict]:
+QUIET = {"latency": {"dist": "fixed", "mean": 0.0}, "rate_limit": 0.0, "server_error": 0.0, "timeout": 0.0,
+         "malformed_json": 0.0, "empty_content": 0.0}
+
+
+def quiet_server(url: str) -> None:
+    """--smoke: the dev server without latency or error faults (no retries and backoff to wait for)."""
+    import httpx
+
+    r = httpx.post(f"{url}/dev/config", json={"endpoints": {"chat": QUIET, "generate": QUIET}}, timeout=30)
+    r.raise_for_status()
+
+
+def run(sizes: list[int], workdir: Path, extract: bool, shard_tokens: int, quiet: bool = False) -> list[dict]:
     from eagle3_data.storage import StageRef
     from eagle3_devtools.stack import dev_stack
 
@@ -96,6 +108,8 @@ def run(sizes: list[int], workdir: Path, extract: bool, shard_tokens: int) -> li
 
         client = stack.client()
         store = open_store(load_config(stack.config_path), client)
+        if quiet:
+            quiet_server(stack.inference_url)
         s3 = stack.s3
         env = {**stack.env, "AWS_ENDPOINT_URL_S3": s3.endpoint_url, "AWS_ACCESS_KEY_ID": s3.access_key,
                "AWS_SECRET_ACCESS_KEY": s3.secret_key, "AWS_REGION": "us-east-1",
@@ -163,6 +177,17 @@ def slopes(results: list[dict]) -> list[dict]:
     return out
 
 
+def rss_ratio(results: list[dict], name: str) -> None:
+    """The RATIO line: per stage, peak RSS at the largest N over the smallest (flat: 1.00); the largest."""
+    by: dict[str, list[tuple[int, float]]] = {}
+    for r in results:
+        by.setdefault(r["stage"], []).append((r["n"], r["peak_rss_mib"]))
+    growth = {s: max(v)[1] / min(v)[1] for s, v in by.items() if len({n for n, _ in v}) > 1}
+    if growth:
+        worst = max(growth, key=growth.get)
+        print(f"RATIO {name} peak RSS largest/smallest N = {growth[worst]:.2f} (the most: {worst})")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", type=int, nargs="*", default=[1000, 4000, 16000])
@@ -170,10 +195,17 @@ def main() -> int:
     p.add_argument("--no-extract", action="store_true", help="skip the one-shard hidden-state extraction")
     p.add_argument("--shard-tokens", type=int, default=1_000_000, help="merge.shard_tokens (the extracted shard's size)")
     p.add_argument("--json", type=Path, default=None, help="also write the raw rows here")
+    p.add_argument("--smoke", action="store_true", help="make test's size (N = 10, 20, no extraction), every stage in this process: "
+                   "seconds, checks the script runs; not figures")
     args = p.parse_args()
+    if args.smoke:
+        import _harness
+
+        _harness.IN_PROCESS = True
+        args.sizes, args.shard_tokens, args.no_extract = [10, 20], 8192, True  # extraction: extract_throughput, vllm_extract
     sizes = args.sizes + ([83_000] if args.full else [])
     with tempfile.TemporaryDirectory(prefix="bench-scale-", dir=REPO / ".cache" if (REPO / ".cache").exists() else None) as tmp:
-        results = run(sizes, Path(tmp), extract=not args.no_extract, shard_tokens=args.shard_tokens)
+        results = run(sizes, Path(tmp), extract=not args.no_extract, shard_tokens=args.shard_tokens, quiet=args.smoke)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     print()
@@ -184,6 +216,7 @@ def main() -> int:
     print(table(slopes(results), [("stage", "stage"), ("work_ms_per_row", "work ms/row"), ("cpu_ms_per_row", "CPU ms/row"),
                                   ("fixed_cpu_s", "fixed CPU s"), ("cpu_at_83k_s", "projected CPU s at 83k"),
                                   ("rss_min", "RSS min MiB"), ("rss_max", "RSS max MiB")]))
+    rss_ratio([r for r in results if r["stage"] != "extract_hidden_states"], "scale")
     return 0
 
 

@@ -42,14 +42,20 @@ def main() -> None:
     ap.add_argument("--in-flight", type=int, default=64)
     ap.add_argument("--latency", type=float, default=0.5)
     ap.add_argument("--requests", type=int, default=1024)
+    ap.add_argument("--smoke", action="store_true", help="make test's size: seconds, checks the script runs")
     args = ap.parse_args()
+    if args.smoke:
+        args.requests, args.in_flight, args.latency = 64, 16, 0.1
 
     from transformers import AutoTokenizer
 
     from eagle3_data.dev.inference_server import DevServerProcess
     from eagle3_data.builds.kimi_tokenizer import cached_kimi_tokenizer
     from eagle3_data.dev.seaweedfs import start_seaweedfs, stop_seaweedfs
-    from eagle3_data.generation.sglang import generate_local
+    from eagle3_data.chat_format import get_output_format
+    from eagle3_data.generation import local
+    from eagle3_data.generation.checkpoint import StageSetup
+    from eagle3_data.generation.engines import wire_for
     from eagle3_data.storage import ArtifactStore, StageRef
 
     tok_dir = cached_kimi_tokenizer(REPO / ".cache")  # .cache/kimi-tokenizer-<key>, built once
@@ -59,7 +65,7 @@ def main() -> None:
     rows = [{"sample_id": f"b{i:06d}", "dataset": "bench", "sample_index": i, "route": "local", "tools": None,
              "messages": json.dumps([{"role": "user", "content": f"Benchmark prompt {i % 64}."}])} for i in range(N)]
     with tempfile.TemporaryDirectory() as tmp:
-        s3 = start_seaweedfs(Path(tmp) / "s3", access_key="bench", secret_key=secrets.token_hex(16))
+        s3 = start_seaweedfs(Path(tmp) / "s3", access_key="bench", secret_key=secrets.token_hex(16), die_with_parent=True)
         server = DevServerProcess(tok_dir)
         try:
             server.configure({"endpoints": {"generate": {"latency": {"dist": "fixed", "mean": L}}}})
@@ -70,8 +76,10 @@ def main() -> None:
             store = ArtifactStore(client=client, bucket="bench", prefix="bench")
             ref = StageRef(run_key="bench", stage="generate_local", dataset="bench")
             t = time.perf_counter()
-            summary = generate_local(store, ref, rows, tok, [server.url], {"max_new_tokens": 256, "thinking": True},
-                                     in_flight_per_endpoint=D, rows_per_part=256, journal_dir=Path(tmp) / "journal")
+            summary = local.generate_local(store, ref, rows, get_output_format(tok, thinking=True), [server.url],
+                                           {"max_new_tokens": 256}, wire=wire_for("sglang"),
+                                           options=local.LocalOptions(in_flight_per_endpoint=D, rows_per_part=256),
+                                           setup=StageSetup(journal_dir=Path(tmp) / "journal"))
             stage_s = time.perf_counter() - t
             assert summary["complete"] and summary["counts"]["ok"] == N, summary
             depth = server.stats()["max_in_flight"]["generate"]
@@ -83,6 +91,7 @@ def main() -> None:
     print(f"baseline bare aiohttp: {base_rps:7.1f} req/s = {base_rps / ideal:.3f} of ideal")
     print(f"generate_local       : {stage_rps:7.1f} req/s = {stage_rps / ideal:.3f} of ideal (mean depth "
           f"{stage_rps * L:.1f} of {D}), {stage_rps / base_rps:.3f} of baseline; server max in flight {depth}")
+    print(f"RATIO sglang_client generate_local/bare = {stage_rps / base_rps:.3f}; /ideal = {stage_rps / ideal:.3f}")
 
 
 if __name__ == "__main__":

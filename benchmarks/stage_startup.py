@@ -43,7 +43,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--smoke", action="store_true", help="make test's size: seconds, checks the script runs")
     args = ap.parse_args()
+    if args.smoke:
+        args.repeats = 1
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "EAGLE3_DATA_CACHE": cache, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         _once(args.tokenizer, "bulk", env)  # first bulk start on this host: verifies and records
@@ -57,6 +60,7 @@ def main() -> None:
     for mode, ts in times.items():
         print(f"{mode:<10} {codecs[mode]:<24} {statistics.median(ts):>9.2f} {min(ts):>7.2f} {max(ts):>7.2f}")
     print(f"speed-up of the stage start: {statistics.median(times['template']) / statistics.median(times['bulk']):.1f}x")
+    print(f"RATIO stage_startup template/bulk = {statistics.median(times['template']) / statistics.median(times['bulk']):.2f}")
 
 
 if __name__ == "__main__":

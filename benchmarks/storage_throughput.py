@@ -46,7 +46,10 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=20000)
     ap.add_argument("--tokens", type=int, default=400)
     ap.add_argument("--rows-per-part", type=int, default=256)
+    ap.add_argument("--smoke", action="store_true", help="make test's size: seconds, checks the script runs")
     args = ap.parse_args()
+    if args.smoke:
+        args.rows = 500
     rows = make_rows(args.rows, args.tokens)
 
     with tempfile.TemporaryDirectory() as d:
@@ -87,6 +90,7 @@ def main() -> None:
     print(f"write: baseline {base_write:.2f}s  store {store_write:.2f}s  ratio store/baseline {store_write / base_write:.2f}")
     print(f"read:  baseline {base_read:.2f}s  store {store_read:.2f}s  ratio store/baseline {store_read / base_read:.2f}")
     print(f"store write {args.rows / store_write:,.0f} rows/s, read {args.rows / store_read:,.0f} rows/s")
+    print(f"RATIO storage_throughput baseline/store write = {base_write / store_write:.2f}, read = {base_read / store_read:.2f}")
 
 
 if __name__ == "__main__":

@@ -43,7 +43,10 @@ def main() -> None:
     ap.add_argument("--token-budget", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--smoke", action="store_true", help="make test's size: seconds, checks the script runs")
     args = ap.parse_args()
+    if args.smoke:
+        args.samples, args.repeats = 4, 1
 
     model_dir = ensure_model(args.model)
     t0 = time.perf_counter()
@@ -92,6 +95,7 @@ def main() -> None:
           f"repeats={args.repeats} (best of); engines + model load {started_s:.0f} s")
     for k in ("vllm_extract", "vllm_engine", "vllm_plain", "transformers"):
         print(f"{k:14s} {rate[k]:9.0f} tok/s")
+    print(f"RATIO vllm_extract vllm_extract/vllm_plain = {rate['vllm_extract'] / rate['vllm_plain']:.2f}")
     print(f"ratios: vllm_extract/vllm_plain = {rate['vllm_extract'] / rate['vllm_plain']:.2f}, "
           f"vllm_engine/vllm_plain = {rate['vllm_engine'] / rate['vllm_plain']:.2f}, "
           f"vllm_extract/transformers = {rate['vllm_extract'] / rate['transformers']:.2f}")

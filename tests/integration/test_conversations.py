@@ -326,3 +326,41 @@ def test_a_trajectory_cut_at_reconstruct_keeps_its_turns_before_the_cut(store, s
     assert st["trajectory_turns"] == sum(len(s["steps"]) for s in samples) == (
         st["trajectory_turns_folded"] + st["trajectory_turns_record"] + st["trajectory_turns_dropped"])
     assert st["trajectory_turns_record"] == st["samples"] == len(records)
+
+
+@pytest.mark.parametrize("path", ["local", "overflow"])
+def test_samples_file_from_the_rows_prompt_ids_equals_the_render(path, store, start_dev_server, kimi_tokenizer, tmp_path):
+    """The samples file is built from the turn rows' own prompt ids, read once as each row is
+    observed (no second render of every turn's prompt at the end of the stage): it is byte for
+    byte the file the template's render of every turn's prompt gives (`_rendered`, what a
+    resumed stage still does for rows committed before it started)."""
+    from eagle3_data.chat_format import get_output_format
+    from eagle3_data.generation import conversations
+    from eagle3_data.generation.conversations import TurnDriver
+    from eagle3_data.prompts import load_prompts
+
+    from tests.generation_calls import MODEL, generate_local, generate_overflow
+
+    server = start_dev_server({})
+    sampling = {"temperature": 0.0, "max_new_tokens": 96}
+    rows = list(load_prompts(str(CONVERSATIONS), "chat", sampling=sampling, regenerate="trajectory",
+                             history="regenerated").rows)
+    driver = TurnDriver("trajectory", "regenerated", get_output_format(kimi_tokenizer, thinking=True))
+    ref = StageRef(f"samples-from-rows-{path}", f"generate_{path}", "chat")
+    common = {"rows_per_part": 4, "journal_dir": tmp_path / "j", "turns": driver}
+    if path == "local":
+        done = generate_local(store, ref, [dict(r, route="local") for r in rows], kimi_tokenizer, [server.url],
+                              {**sampling, "thinking": True}, **common)
+    else:
+        done = generate_overflow(store, ref, rows, kimi_tokenizer, server.url + "/v1", "sk-test", MODEL, {}, None,
+                                 sampling={**sampling, "thinking": True}, concurrency=2, **common)
+    assert done["complete"], done
+    fast = store.get_bytes(ref, conversations.SAMPLES_FILE)
+    samples = read_samples(fast)
+    chained = [s for s in samples if len(s["steps"]) > 1]
+    assert chained and all(sid in driver._pairs for s in chained for sid in s["steps"][1:])  # no render needed
+    if path == "local":
+        assert sum(s["exact_turns"] or 0 for s in chained) > 0
+    driver._pairs.clear()  # every sample rendered, as before
+    rendered, _ = driver.samples_file()
+    assert rendered == fast

@@ -41,6 +41,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+from array import array
 from collections import Counter, deque
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -127,14 +128,18 @@ class Turn:
     tool_calls: list[dict] | None
     output_len: int | None  # engine ids (None: text only, the overflow path)
     output_sha: str | None
+    prompt_len: int | None = None  # the row's prompt ids (the render the engine was given), when it has them
+    prompt_sha: str | None = None
 
     @classmethod
     def of(cls, row: Mapping) -> Turn:
         calls = row.get("tool_calls")
         ids = row.get("output_ids")
+        prompt = row.get("prompt_ids")
         return cls(row["status"], row.get("finish_reason"), row.get("content"), row.get("reasoning"),
                    json.loads(calls) if isinstance(calls, str) else calls,
-                   None if ids is None else len(ids), None if ids is None else _ids_sha(ids))
+                   None if ids is None else len(ids), None if ids is None else _ids_sha(ids),
+                   None if prompt is None else len(prompt), None if prompt is None else _prompt_sha(prompt))
 
     def message(self) -> dict:
         """The assistant message the next prompt holds (the template renders it)."""
@@ -148,6 +153,24 @@ class Turn:
 
 def _ids_sha(ids: Iterable[int]) -> str:
     return hashlib.sha256(json.dumps(list(ids)).encode()).hexdigest()
+
+
+def _prompt_sha(ids) -> str:
+    return hashlib.sha256(array("q", ids).tobytes()).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class Pair:
+    """What a sample row needs of two consecutive turns of a sample (`after` the one whose prompt
+    follows `parent`'s answer), read off `after`'s prompt ids once, when its row is observed:
+    whether it starts with `parent`'s prompt, where the answer's span in it ends (after its first
+    stop token, else the prompt's end), and whether the answer's render equals the engine's ids."""
+
+    parent: str
+    prefix_ok: bool
+    end: int
+    length: int
+    exact: bool
 
 
 @dataclass
@@ -170,6 +193,7 @@ class Walk:
     messages: list[dict]
     pending: str | None
     turns_left: int = 0
+    parent: str | None = None  # the pending turn's previous turn in its sample (None: the sample's first)
 
 
 class TurnDriver:
@@ -185,6 +209,10 @@ class TurnDriver:
         self.turns: dict[str, Turn] = {}
         self.asked: set[str] = set()
         self._ids: dict[tuple[str, int], str] = {}  # (id before, messages in the prompt) -> step id
+        # a turn asked for after an earlier turn of its sample -> that turn; its row is then read once
+        # into a Pair (`observe`), so the samples file needs no second render of the prompts
+        self._parents: dict[str, str] = {}
+        self._pairs: dict[str, Pair] = {}
         self.conversations = None
 
     def start(self, conversations) -> None:
@@ -192,7 +220,21 @@ class TurnDriver:
         self.conversations = conversations
 
     def observe(self, row: Mapping) -> None:
-        self.turns[row["sample_id"]] = Turn.of(row)
+        sid = row["sample_id"]
+        turn = self.turns[sid] = Turn.of(row)
+        parent = self._parents.pop(sid, None)
+        up = self.turns.get(parent) if parent is not None else None
+        if up is not None and up.prompt_sha is not None and turn.status == "ok" and row.get("prompt_ids") is not None:
+            self._pairs[sid] = self._pair(parent, up, row["prompt_ids"])
+
+    def _pair(self, parent: str, here: Turn, after) -> Pair:
+        """`after` (a turn's prompt ids) against its sample's previous turn `here`, as `_sample_row`'s
+        render of both compares them."""
+        n, stops = here.prompt_len, set(self.fmt.stop_token_ids)
+        after = after if isinstance(after, list) else list(after)
+        end = next((i + 1 for i in range(n, len(after)) if after[i] in stops), len(after))
+        exact = here.output_sha is not None and _ids_sha(after[n: n + here.output_len]) == here.output_sha
+        return Pair(parent, _prompt_sha(after[:n]) == here.prompt_sha, end, len(after), exact)
 
     # -- walking -------------------------------------------------------------------------------
     def threads(self, p) -> Iterator[tuple[int, int]]:
@@ -225,7 +267,7 @@ class TurnDriver:
                     sid = self._ids[before, len(messages)] = step_id(before, messages[since:])
                 turn = self.turns.get(sid)
                 if turn is None:
-                    return Walk(samples, messages, sid, len(users) - u - 1)
+                    return Walk(samples, messages, sid, len(users) - u - 1, sample.steps[-1] if sample.steps else None)
                 before, since = sid, len(messages)
                 if turn.status != "ok":  # the sample is the turns before it
                     sample.end = "failed"
@@ -274,6 +316,8 @@ class TurnDriver:
             if w.pending is None or w.pending in self.asked:
                 continue
             self.asked.add(w.pending)
+            if w.parent is not None:
+                self._parents[w.pending] = w.parent
             out.append({"sample_id": w.pending, "dataset": p.dataset, "route": p.route, "source_id": p.source_id,
                         "messages": canonical_json(w.messages), "tools": p.tools_json if p.tools else None})
         return out
@@ -289,6 +333,27 @@ class TurnDriver:
                     yield self._sample_row(p, thread, w, s)
 
     def _sample_row(self, p, thread: int, w: Walk, s: Sample) -> dict:
+        pairs = [self._pairs.get(sid) for sid in s.steps[1:]]
+        if s.steps and self.turns[s.steps[0]].prompt_len is not None and all(
+                pair is not None and pair.parent == s.steps[j] for j, pair in enumerate(pairs)):
+            # the rows' own prompt ids, read once as they were observed
+            base, masked = self.turns[s.steps[0]].prompt_len, []
+            for pair in pairs:
+                masked += [pair.end - base, pair.length - base]
+            prefix_ok, exact = all(pair.prefix_ok for pair in pairs), sum(pair.exact for pair in pairs)
+        else:  # rows observed before their turn was asked for in this process (a resumed stage): rendered
+            base, masked, prefix_ok, exact = self._rendered(p, w, s)
+        last = self.turns[s.steps[-1]] if s.steps else None
+        return {
+            "sample_id": sample_of(p.sample_id, self.tag, thread, s.user_turn), "conversation": p.sample_id,
+            "user_turn": s.user_turn, "steps": s.steps, "end": s.end, "splice_hits": s.hits, "splice_misses": s.misses,
+            "unmatched": json.dumps(s.unmatched, ensure_ascii=False) if s.unmatched else None, "base": base,
+            "masked": masked, "prefix_ok": prefix_ok,
+            "exact_turns": exact if last is not None and last.output_sha is not None else None,
+            "turns_left": w.turns_left if s is w.samples[-1] else 0,
+        }
+
+    def _rendered(self, p, w: Walk, s: Sample) -> tuple[int, list[int], bool, int]:
         renders = [self.fmt.generation_prompt_ids(w.messages[:n], p.tools) for n in s.prompt_lens]
         stops = set(self.fmt.stop_token_ids)
         base, masked, prefix_ok, exact = len(renders[0]) if renders else 0, [], True, 0
@@ -300,15 +365,7 @@ class TurnDriver:
             turn = self.turns[s.steps[j]]
             if turn.output_sha is not None and _ids_sha(after[len(here): len(here) + turn.output_len]) == turn.output_sha:
                 exact += 1
-        last = self.turns[s.steps[-1]] if s.steps else None
-        return {
-            "sample_id": sample_of(p.sample_id, self.tag, thread, s.user_turn), "conversation": p.sample_id,
-            "user_turn": s.user_turn, "steps": s.steps, "end": s.end, "splice_hits": s.hits, "splice_misses": s.misses,
-            "unmatched": json.dumps(s.unmatched, ensure_ascii=False) if s.unmatched else None, "base": base,
-            "masked": masked, "prefix_ok": prefix_ok,
-            "exact_turns": exact if last is not None and last.output_sha is not None else None,
-            "turns_left": w.turns_left if s is w.samples[-1] else 0,
-        }
+        return base, masked, prefix_ok, exact
 
     def samples_file(self) -> tuple[bytes, dict]:
         """The SAMPLES Parquet file and its figures (for the manifest and the report)."""

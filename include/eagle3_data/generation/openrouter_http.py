@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = "openrouter"
 GENERATION_HEADER = "X-Generation-Id"
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # json_records' check, on the events' bytes
 
 
 class AttemptLost(Exception):
@@ -61,33 +63,38 @@ class StreamAnswer:
     chunks: int = 0
 
     def add(self, chunk: Any) -> None:
+        # called for every event (~60 per answer): each field read once, the head's four only
+        # until they are all known
         if not isinstance(chunk, dict):
             raise ValueError("an SSE data event is not a JSON object")
         self.chunks += 1
-        for key in ("id", "model", "provider", "created"):
-            if getattr(self, key) is None and chunk.get(key) is not None:
-                setattr(self, key, chunk[key])
-        if isinstance(chunk.get("usage"), dict):
-            self.usage = chunk["usage"]
-        if isinstance(chunk.get("error"), (dict, str)):
-            self.error = chunk["error"] if isinstance(chunk["error"], dict) else {"message": chunk["error"]}
+        if self.id is None or self.model is None or self.provider is None or self.created is None:
+            for key in ("id", "model", "provider", "created"):
+                if getattr(self, key) is None and chunk.get(key) is not None:
+                    setattr(self, key, chunk[key])
+        if isinstance(usage := chunk.get("usage"), dict):
+            self.usage = usage
+        if (error := chunk.get("error")) is not None and isinstance(error, (dict, str)):
+            self.error = error if isinstance(error, dict) else {"message": error}
         for choice in chunk.get("choices") or ():
             if not isinstance(choice, dict):
                 continue
             delta = choice.get("delta") or {}
-            if isinstance(delta.get("content"), str) and delta["content"]:
-                self.content.append(delta["content"])
-            if isinstance(delta.get("reasoning"), str) and delta["reasoning"]:
-                self.reasoning.append(delta["reasoning"])
-            for d in delta.get("reasoning_details") or ():
-                self._detail(d)
-            for c in delta.get("tool_calls") or ():
-                self._call(c)
-            if choice.get("finish_reason") is not None:
-                self.finish_reason = choice["finish_reason"]
-                self.native_finish_reason = choice.get("native_finish_reason", self.finish_reason)
-            if isinstance(choice.get("error"), dict):
-                self.error = choice["error"]
+            if (text := delta.get("content")) and isinstance(text, str):
+                self.content.append(text)
+            if (text := delta.get("reasoning")) and isinstance(text, str):
+                self.reasoning.append(text)
+            if details := delta.get("reasoning_details"):
+                for d in details:
+                    self._detail(d)
+            if calls := delta.get("tool_calls"):
+                for c in calls:
+                    self._call(c)
+            if (finish := choice.get("finish_reason")) is not None:
+                self.finish_reason = finish
+                self.native_finish_reason = choice.get("native_finish_reason", finish)
+            if isinstance(error := choice.get("error"), dict):
+                self.error = error
 
     def _detail(self, d: Any) -> None:
         if not isinstance(d, dict):
@@ -271,6 +278,8 @@ class SdkPost:
                     except ValueError as exc:
                         raise AttemptLost(f"malformed answer: {str(exc)[:120]}", gid) from exc
                 done = await _read_events(r.content, answer, named)
+                if done:  # the body's end (the chunked terminator) after `[DONE]`: read, so the connection
+                    await r.read()  # goes back to the pool instead of being closed (a new one per request)
         except asyncio.TimeoutError as exc:
             if opened:
                 raise AttemptLost(f"stream idle past the timeout after {answer.chunks} chunks", gid) from exc
@@ -348,29 +357,80 @@ class SdkPost:
 
 async def _read_events(content, answer: StreamAnswer, named: Callable[[str | None], None]) -> bool:
     """Feed an SSE body's data events to `answer` (comment lines skipped, multi-line `data:`
-    fields joined, as the SSE spec frames them); True when it ended with `data: [DONE]`."""
-    data: list[str] = []
+    fields joined, as the SSE spec frames them); True when it ended with `data: [DONE]`.
 
-    def dispatch() -> bool:
-        text = "\n".join(data)
-        data.clear()
-        if text == "[DONE]":
+    Read in whatever pieces the socket gives (`iter_any`), split into lines here, and the events
+    complete in a piece decoded by one `json.loads` of them as an array (`_decode_events`):
+    aiohttp's line iterator (an await and a transport resume per line) and a parse per event
+    (~60 per answer) made a streamed request cost the client twice the CPU of a plain one
+    (benchmarks/RESULTS.md, issue 33)."""
+    data: list[bytes] = []  # the data lines of the event being read
+    ready: list[bytes] = []  # events complete in this piece, not decoded yet
+
+    def feed() -> bool:
+        """Decode and add the ready events, in order; True at `[DONE]`."""
+        done = False
+        if b"[DONE]" in ready:
+            done = True
+            del ready[ready.index(b"[DONE]"):]  # nothing after it counts
+        chunks = _decode_events(ready)
+        for chunk in (chunks if chunks is not None else map(json_records.loads, ready)):  # one by one: the
+            if isinstance(chunk, dict):  # events before one that is not JSON are added first, as they came
+                named(chunk.get("id") if isinstance(chunk.get("id"), str) else None)
+            answer.add(chunk)
+        ready.clear()
+        return done
+
+    def line(raw: bytes) -> None:
+        if raw.endswith(b"\r"):
+            raw = raw[:-1]
+        if not raw:
+            if data:
+                ready.append(data[0] if len(data) == 1 else b"\n".join(data))
+                data.clear()
+        elif raw.startswith(b"data:"):
+            data.append(raw[6:] if raw.startswith(b"data: ") else raw[5:])
+        elif raw == b"data":  # a field name alone: an empty value
+            data.append(b"")
+        # else a comment (": OPENROUTER PROCESSING", a keep-alive) or another field: skipped
+
+    rest = b""
+    async for piece in content.iter_any():
+        buf = rest + piece
+        if b"\r" in buf:
+            buf = buf.replace(b"\r\n", b"\n")  # a "\r" left at the end meets its "\n" in the next piece
+        *blocks, rest = buf.split(b"\n\n")  # what follows the last blank line: not ended yet
+        for block in blocks:
+            if not data and block.startswith(b"data: ") and b"\n" not in block:
+                ready.append(block[6:])  # the usual event: one data line
+                continue
+            for raw in block.split(b"\n"):
+                line(raw)
+            line(b"")
+        if ready and feed():
             return True
-        chunk = json_records.loads(text)
-        if isinstance(chunk, dict):
-            named(chunk.get("id") if isinstance(chunk.get("id"), str) else None)
-        answer.add(chunk)
-        return False
+    if rest:
+        for raw in rest.split(b"\n"):
+            line(raw)
+    if data:
+        ready.append(b"\n".join(data))
+    return bool(ready) and feed()
 
-    async for raw in content:
-        line = raw.decode("utf-8").rstrip("\r\n")
-        if not line:
-            if data and dispatch():
-                return True
-            continue
-        if line.startswith(":"):
-            continue  # a keep-alive comment (": OPENROUTER PROCESSING")
-        name, _, value = line.partition(":")
-        if name == "data":
-            data.append(value[1:] if value.startswith(" ") else value)
-    return bool(data) and dispatch()
+
+def _decode_events(events: list[bytes]) -> list[Any] | None:
+    """The events' JSON values, in order, from one `json.loads` of them as an array; None when
+    that cannot stand for a parse of each (one of them could hold what `json_records.loads`
+    refuses, deep nesting or a lone surrogate's escape; one is not JSON): the caller then takes
+    them one by one through `json_records.loads`."""
+    import json
+
+    if len(events) < 2 or any(e.count(b"[") + e.count(b"{") > json_records.MAX_DEPTH for e in events):
+        return None
+    joined = b",".join(events)
+    if _SURROGATE_ESCAPE.search(joined):
+        return None
+    try:
+        values = json.loads(b"[" + joined + b"]")
+    except ValueError:
+        return None
+    return values if len(values) == len(events) else None

@@ -33,7 +33,8 @@ from safetensors.torch import save_file
 from eagle3_data.errors import UserError
 from eagle3_data.hidden_states.shards import ShardReader
 
-CHUNK_ROWS = 4096
+BATCH_TOKENS = 1 << 20  # tokens per Arrow batch of save_rows: 16 MiB of int64 ids + mask
+BATCH_ROWS = 4096
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 
 
@@ -66,7 +67,7 @@ def export_speculators(shard_paths: Iterable[str | Path], out_dir: str | Path, *
     states_dir.mkdir(parents=True, exist_ok=True)
     layers: set[tuple[int, ...]] = set()
 
-    def samples() -> Iterator[tuple[str, list[int], list[int]]]:
+    def samples() -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
         i = 0
         for path in shard_paths:
             reader = ShardReader(path)
@@ -86,7 +87,7 @@ def export_speculators(shard_paths: Iterable[str | Path], out_dir: str | Path, *
                     tensors["hidden_states"] = stacked.to(torch.bfloat16).contiguous()
                 save_file(tensors, str(states_dir / f"hs_{i}.safetensors"))
                 i += 1
-                yield sample.sample_id, ids.tolist(), sample.loss_mask.tolist()
+                yield sample.sample_id, ids, sample.loss_mask
 
     n = save_rows(samples(), out)
     info = {"samples": n, "hidden_states": {"encoding": "fp8_e4m3fn_per_token" if fp8 else "bfloat16",
@@ -98,29 +99,80 @@ def export_speculators(shard_paths: Iterable[str | Path], out_dir: str | Path, *
 
 def save_rows(samples: Iterable[tuple[str, Sequence[int], Sequence[int]]], out_dir: str | Path) -> int:
     """The rows as speculators' dataset (`input_ids`, `loss_mask` int64 lists, `seq_len`; torch
-    format, `save_to_disk`) with `index.jsonl` (row -> sample_id); returns the rows written.
-    Built in Arrow chunks, so memory holds the ids as int64 columns, not Python lists."""
+    format, what `save_to_disk` writes and `load_from_disk` reads) with `index.jsonl` (row ->
+    sample_id); returns the rows written.
+
+    Streams in bounded memory: rows are packed into Arrow record batches of at most
+    BATCH_TOKENS tokens (numpy buffers, never a chunk of Python lists) and appended to the
+    dataset's one Arrow file as they come, the index written line by line; `state.json` and
+    `dataset_info.json` are then written as `save_to_disk` writes them, from the file opened
+    memory-mapped (never read: `save_to_disk` would copy it through memory, its pages counted in
+    the process's RSS). Peak memory is one batch, whatever the row count (benchmarks/RESULTS.md,
+    "ids-only export")."""
     import datasets
+    import numpy as np
+    import pyarrow as pa
+    from datasets.arrow_writer import ArrowWriter
+    from datasets.utils.py_utils import asdict  # the one save_to_disk uses
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int64")),
                                   "loss_mask": datasets.Sequence(datasets.Value("int64")),
                                   "seq_len": datasets.Value("int64")})
-    chunks, chunk, index = [], [], []
-    for sample_id, ids, mask in samples:
-        index.append({"row": len(index), "sample_id": sample_id})
-        chunk.append({"input_ids": ids, "loss_mask": mask, "seq_len": len(ids)})
-        if len(chunk) == CHUNK_ROWS:
-            chunks.append(datasets.Dataset.from_list(chunk, features=features))
-            chunk = []
-    if chunk:
-        chunks.append(datasets.Dataset.from_list(chunk, features=features))
-    if not chunks:
-        raise UserError("export-speculators: no samples to export")
-    table = datasets.concatenate_datasets(chunks)
+    schema = features.arrow_schema
+    data_file = out / "data-00000-of-00001.arrow"
+    n = 0
+    with open(out / "index.jsonl", "w") as index, ArrowWriter(features=features, path=str(data_file)) as writer:
+        ids_parts: list[np.ndarray] = []
+        mask_parts: list[np.ndarray] = []
+        tokens = 0
+
+        def flush() -> None:
+            nonlocal tokens
+            lengths = np.fromiter((len(a) for a in ids_parts), np.int64, len(ids_parts))
+            offsets = np.zeros(len(lengths) + 1, np.int32)
+            np.cumsum(lengths, out=offsets[1:])
+            cols = [pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(parts), pa.int64()))
+                    for parts in (ids_parts, mask_parts)]
+            writer.write_table(pa.Table.from_arrays([*cols, pa.array(lengths)], schema=schema))
+            ids_parts.clear()
+            mask_parts.clear()
+            tokens = 0
+
+        for sample_id, ids, mask in samples:
+            ids, mask = _int64(ids), _int64(mask)
+            index.write(json.dumps({"row": n, "sample_id": sample_id}) + "\n")
+            ids_parts.append(ids)
+            mask_parts.append(mask)
+            n += 1
+            tokens += len(ids)
+            if tokens >= BATCH_TOKENS or len(ids_parts) >= BATCH_ROWS:
+                flush()
+        if ids_parts:
+            flush()
+        if not n:
+            raise UserError("export-speculators: no samples to export")
+        writer.finalize()
+    table = datasets.Dataset.from_file(str(data_file))  # memory-mapped: nothing read
     table.set_format(type="torch")
-    table.save_to_disk(str(out))
-    with open(out / "index.jsonl", "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in index)
-    return len(index)
+    # what Dataset.save_to_disk writes beside its shards (datasets 5.x), for this one shard
+    state = {key: table.__dict__[key] for key in
+             ("_fingerprint", "_format_columns", "_format_kwargs", "_format_type", "_output_all_columns")}
+    state["_split"] = str(table.split) if table.split is not None else None
+    state["_data_files"] = [{"filename": data_file.name}]
+    info = asdict(table._info)
+    del table
+    with open(out / "state.json", "w", encoding="utf-8") as f:
+        json.dump(state, f, indent=2, sort_keys=True)
+    with open(out / "dataset_info.json", "w", encoding="utf-8") as f:
+        json.dump({key: info[key] for key in sorted(info)}, f, indent=2)
+    return n
+
+
+def _int64(values) -> "np.ndarray":
+    import numpy as np
+
+    if isinstance(values, torch.Tensor):
+        return values.to(torch.int64).numpy()
+    return np.asarray(values, dtype=np.int64)

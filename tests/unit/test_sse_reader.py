@@ -1,0 +1,78 @@
+"""The streamed client's SSE reader (openrouter_http._read_events): whatever pieces the socket
+cuts the body into (mid-line, mid-character), it reads the events one line-by-line parse of the
+whole body reads, decodes them in batches, and still names the generation from the events
+before one that is not JSON."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import pytest
+
+from eagle3_data.dev.inference_server import _sse
+from eagle3_data.generation.openrouter_http import StreamAnswer, _read_events
+
+ANSWER = {"id": "gen-1", "provider": "P", "model": "moonshotai/kimi-k2.5", "object": "chat.completion", "created": 5,
+          "usage": {"prompt_tokens": 3, "completion_tokens": 9, "cost": 1e-6},
+          "choices": [{"finish_reason": "tool_calls", "native_finish_reason": "tool_calls", "message": {
+              "content": "héllo wörld ✓ \\ud83d " * 4, "reasoning": "think " * 12,
+              "reasoning_details": [{"type": "reasoning.text", "text": "x", "index": 0}],
+              "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": "ü"}'}}]}}]}
+
+
+class Pieces:
+    def __init__(self, body: bytes, cuts: list[int]):
+        self.parts = [body[a:b] for a, b in zip([0, *cuts], [*cuts, len(body)])]
+
+    async def iter_any(self):
+        for p in self.parts:
+            yield p
+
+
+def read(body: bytes, cuts: list[int]):
+    answer, names = StreamAnswer(), []
+    done = asyncio.run(_read_events(Pieces(body, cuts), answer, names.append))
+    return done, answer, names
+
+
+def by_line(body: bytes) -> list:
+    events, data = [], []
+    for line in body.decode().split("\n"):
+        line = line.rstrip("\r")
+        if not line:
+            if data:
+                events.append("\n".join(data))
+                data = []
+        elif line.startswith("data:"):
+            data.append(line[6:] if line.startswith("data: ") else line[5:])
+    return [json.loads(e) for e in events if e != "[DONE]"]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_any_cut_of_the_body_reads_the_same_answer(seed):
+    body = b": OPENROUTER PROCESSING\r\n\r\n" + b"".join(_sse(ANSWER))
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, len(body)), [1, 3, 40, 400, len(body) // 2, len(body) - 1][seed]))
+    whole = StreamAnswer()
+    for chunk in by_line(body):
+        whole.add(chunk)
+    done, answer, names = read(body, cuts)
+    assert done and answer.completion() == whole.completion()
+    assert answer.completion()["choices"][0]["message"]["content"] == ANSWER["choices"][0]["message"]["content"]
+    assert names[0] == "gen-1"
+
+
+def test_events_before_one_that_is_not_json_are_added_and_name_the_generation():
+    body = b'data: {"id": "gen-2", "choices": [{"delta": {"content": "a"}}]}\n\ndata: {not json\n\n'
+    answer, names = StreamAnswer(), []
+    with pytest.raises(ValueError):
+        asyncio.run(_read_events(Pieces(body, []), answer, names.append))
+    assert names == ["gen-2"] and answer.chunks == 1 and answer.content == ["a"]
+
+
+def test_a_lone_surrogate_escape_is_refused_as_before():
+    body = b'data: {"id": "g", "choices": []}\n\ndata: {"choices": [{"delta": {"content": "\\ud800"}}]}\n\n'
+    with pytest.raises(ValueError, match="surrogate"):
+        read(body, [])
