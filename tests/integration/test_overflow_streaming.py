@@ -127,7 +127,8 @@ def test_long_prompts_keep_full_concurrency_under_a_budget_that_allows_it(
     16 x (6k x 1e-6 + 160 x 1e-5) = ~$0.12: a $0.5 cap allows all 16 in flight at once. The budget
     prices them from the model list's prices before the first answer, instead of a first guess
     (here $0.05 a request, which would hold 10) or a ratio of whole answers."""
-    server = start_dev_server({"price_per_token": PRICE, "endpoints": {"chat": {"latency": {"dist": "fixed", "mean": 0.5}}}})
+    # 3 s to answer: all 16 are sent long before the first answer, however loaded the machine
+    server = start_dev_server({"price_per_token": PRICE, "endpoints": {"chat": {"latency": {"dist": "fixed", "mean": 3.0}}}})
     long = " ".join(f"Record {i}: the station logged a reading of {i % 97} units." for i in range(400))
     todo = [{"sample_id": f"l{i:02d}", "dataset": "chat", "route": "overflow", "tools": json.dumps(WEATHER),
              "messages": json.dumps([{"role": "user", "content": f"{long}\nSummarise case {i}."}])} for i in range(16)]

@@ -170,7 +170,8 @@ def save_rows(samples: Iterable[tuple[str, Sequence[int], Sequence[int]]], out_d
     return n
 
 
-def _int64(values) -> "np.ndarray":
+def _int64(values):
+    """`values` (a tensor or a list) as an int64 numpy array."""
     import numpy as np
 
     if isinstance(values, torch.Tensor):
