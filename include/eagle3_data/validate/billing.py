@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 from eagle3_data.gate_defaults import (
@@ -15,6 +16,40 @@ from eagle3_data.gate_defaults import (
     DEFAULT_MAX_PROMPT_BILLING_ROW_RATE,
 )
 from eagle3_data.validate.gate import EXAMPLES
+
+
+@dataclass
+class _Missing:
+    """Rows whose billed count is missing (the answer had no `usage`): counted and a few named,
+    never taken as 0 tokens; more of them than the gate's rate fails it (with every count missing
+    there is nothing to compare, which must not read as no difference)."""
+
+    rows: int = 0
+    examples: list[str] = field(default_factory=list)
+
+    def add(self, sample_id: str) -> None:
+        self.rows += 1
+        if len(self.examples) < EXAMPLES:
+            self.examples.append(sample_id)
+
+    def figures(self, compared: int) -> dict[str, Any]:
+        checked = compared + self.rows
+        return {"rows": self.rows, "rate": self.rows / checked if checked else 0.0, "examples": self.examples}
+
+    def reason(self, compared: int, usage_field: str, max_rate: float) -> str | None:
+        rate = self.figures(compared)["rate"]
+        if not self.rows or rate <= max_rate:
+            return None
+        return (f"{self.rows} row(s) ({rate:.2%}) have no usage.{usage_field}, above max_missing_usage_rate "
+                f"{max_rate:.2%} (e.g. {', '.join(self.examples[:3])})")
+
+
+def _keep_worst(top: list[tuple], item: tuple, worst: int) -> None:
+    """Keep the `worst` largest items (by their first field) of a stream in a min-heap."""
+    if len(top) < worst:
+        heapq.heappush(top, item)
+    else:
+        heapq.heappushpop(top, item)
 
 
 def compare_billed_counts(
@@ -37,8 +72,7 @@ def compare_billed_counts(
     abs_sum = 0.0
     top: list[tuple[float, str, int, int]] = []
     excluded: dict[str, Any] = {"rows": 0, "billed_completion_tokens": 0, "reasons": {}}
-    missing: list[str] = []
-    missing_rows = 0
+    missing = _Missing()
 
     for sample_id, billed, rebuilt, *reason in rows:
         if reason and reason[0]:
@@ -47,29 +81,20 @@ def compare_billed_counts(
             excluded["reasons"][reason[0]] = excluded["reasons"].get(reason[0], 0) + 1
             continue
         if billed is None:
-            missing_rows += 1
-            if len(missing) < EXAMPLES:
-                missing.append(sample_id)
+            missing.add(sample_id)
             continue
         n += 1
         billed_total += billed
         rebuilt_total += rebuilt
         dev = (rebuilt - billed) / billed if billed else (0.0 if rebuilt == 0 else 1.0)
         abs_sum += abs(dev)
-        item = (abs(dev), sample_id, billed, rebuilt)
-        if len(top) < worst:
-            heapq.heappush(top, item)
-        else:
-            heapq.heappushpop(top, item)
+        _keep_worst(top, (abs(dev), sample_id, billed, rebuilt), worst)
     aggregate = (rebuilt_total - billed_total) / billed_total if billed_total else 0.0
     reasons = []
     if abs(aggregate) > max_aggregate_deviation:
         reasons.append(f"aggregate deviation {aggregate:+.4%} exceeds ±{max_aggregate_deviation:.2%}")
-    checked = n + missing_rows
-    missing_rate = missing_rows / checked if checked else 0.0
-    if missing_rows and missing_rate > max_missing_usage_rate:
-        reasons.append(f"{missing_rows} row(s) ({missing_rate:.2%}) have no usage.completion_tokens, above "
-                       f"max_missing_usage_rate {max_missing_usage_rate:.2%} (e.g. {', '.join(missing[:3])})")
+    if why := missing.reason(n, "completion_tokens", max_missing_usage_rate):
+        reasons.append(why)
     notes = [
         f"{count} row(s) excluded from the deviation and from training data, unreconstructable: {why}"
         for why, count in sorted(excluded["reasons"].items())
@@ -77,7 +102,7 @@ def compare_billed_counts(
     return {
         "rows": n,  # faithful rows: the ones the deviation is computed over
         "excluded": excluded,
-        "missing_usage": {"rows": missing_rows, "rate": missing_rate, "examples": missing},
+        "missing_usage": missing.figures(n),
         "billed_completion_tokens": billed_total,
         "reconstructed_completion_tokens": rebuilt_total,
         "deviation": aggregate,
@@ -117,13 +142,11 @@ def compare_billed_prompts(
     bins: dict[int, int] = {}
     top: list[tuple[int, str, int, int]] = []
     over: list[dict[str, Any]] = []
-    over_rows = missing_rows = 0
-    missing: list[str] = []
+    over_rows = 0
+    missing = _Missing()
     for sample_id, billed, ours in rows:
         if billed is None:
-            missing_rows += 1
-            if len(missing) < EXAMPLES:
-                missing.append(sample_id)
+            missing.add(sample_id)
             continue
         n += 1
         billed_total += billed
@@ -137,15 +160,9 @@ def compare_billed_prompts(
             over_rows += 1
             if len(over) < EXAMPLES:
                 over.append({"sample_id": sample_id, "billed": billed, "ours": ours, "diff": diff})
-        item = (abs(diff), sample_id, billed, ours)
-        if len(top) < worst:
-            heapq.heappush(top, item)
-        else:
-            heapq.heappushpop(top, item)
+        _keep_worst(top, (abs(diff), sample_id, billed, ours), worst)
     mean_abs = abs_sum / n if n else 0.0
     over_rate = over_rows / n if n else 0.0
-    checked = n + missing_rows
-    missing_rate = missing_rows / checked if checked else 0.0
     reasons = []
     if mean_abs > max_mean_abs_diff:
         reasons.append(f"billed prompt tokens differ from the prompt ids by {mean_abs:.2f} tokens per answer on average "
@@ -155,9 +172,8 @@ def compare_billed_prompts(
         named = ", ".join(f"{o['sample_id']} ({o['diff']:+d})" for o in over[:5])
         reasons.append(f"{over_rows} answer(s) ({over_rate:.2%}) billed more than {max_row_diff} prompt tokens away from "
                        f"their prompt ids, above max_prompt_billing_row_rate {max_row_rate:.2%}: {named}")
-    if missing_rows and missing_rate > max_missing_usage_rate:
-        reasons.append(f"{missing_rows} row(s) ({missing_rate:.2%}) have no usage.prompt_tokens, above "
-                       f"max_missing_usage_rate {max_missing_usage_rate:.2%} (e.g. {', '.join(missing[:3])})")
+    if why := missing.reason(n, "prompt_tokens", max_missing_usage_rate):
+        reasons.append(why)
     labels = {-PROMPT_DIFF_BINS - 1: f"<= {-PROMPT_DIFF_BINS - 1}", PROMPT_DIFF_BINS + 1: f">= +{PROMPT_DIFF_BINS + 1}"}
     return {
         "rows": n,
@@ -168,7 +184,7 @@ def compare_billed_prompts(
         # billed - ours: each difference's count, in order (the tails gather the rest)
         "diff_distribution": [[labels.get(k, f"{k:+d}" if k else "0"), bins[k]] for k in sorted(bins)],
         "over_tolerance": {"rows": over_rows, "rate": over_rate, "examples": over},
-        "missing_usage": {"rows": missing_rows, "rate": missing_rate, "examples": missing},
+        "missing_usage": missing.figures(n),
         "worst_samples": [{"sample_id": s, "billed": b, "ours": o, "diff": b - o} for _, s, b, o in sorted(top, reverse=True)],
         "gate": {"passed": not reasons, "reasons": reasons, "max_mean_abs_diff": max_mean_abs_diff,
                  "max_row_diff": max_row_diff, "max_row_rate": max_row_rate,
