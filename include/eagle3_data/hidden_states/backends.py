@@ -52,6 +52,11 @@ class HiddenStateBackend(Protocol):
 class TransformersBackend:
     """`AutoModelForCausalLM` forward with right padding; captures only the layers asked for.
 
+    A vision-language checkpoint (Kimi-K2.5: `text_config` + `vision_config`, no causal-LM class)
+    loads as `AutoModelForImageTextToText`; its language model is the decoder hooked here, and a
+    sample's `pixels` (the image processor's `pixel_values` and `image_grid_thw`) go through the
+    model's own forward, which puts the vision tower's features at the `<|media_pad|>` positions.
+
     Forward hooks on the embedding and decoder layers keep 3 tensors alive instead of L+1 (the
     last one, for `last_hidden`, on the last layer: its output before the final norm), and the
     model's own language-model head (a [tokens, 163840] matmul over the padded batch) is never
@@ -60,15 +65,17 @@ class TransformersBackend:
 
     def __init__(self, model_dir: str | Path, *, device: str | None = None, dtype: torch.dtype | None = None):
         import transformers
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=self.dtype)
+        self.multimodal = hasattr(AutoConfig.from_pretrained(str(model_dir)), "vision_config")
+        auto = AutoModelForImageTextToText if self.multimodal else AutoModelForCausalLM
+        model = auto.from_pretrained(str(model_dir), dtype=self.dtype)
         self.model = model.to(self.device).eval()
         self.decoder = model.get_decoder()
         self.layers = self.decoder.layers
-        config = model.config
+        config = model.config.get_text_config()
         self.pad_id = config.pad_token_id if config.pad_token_id is not None else 0
         norm = self.decoder.norm
         self.final_norm = (norm.weight.detach().cpu(), float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))))
@@ -92,8 +99,10 @@ class TransformersBackend:
         return self.decoder.embed_tokens if index == 0 else self.layers[index - 1]
 
     @torch.inference_mode()
-    def forward_padded(self, batch: Sequence[Sequence[int]], indices: list[int], last_hidden: bool):
-        """Padded [B, T_max, ...] captures and lengths: the bare forward the benchmark times."""
+    def forward_padded(self, batch: Sequence[Sequence[int]], indices: list[int], last_hidden: bool,
+                       pixels: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """Padded [B, T_max, ...] captures and lengths: the bare forward the benchmark times.
+        `pixels`: the batch's images, (pixel_values, image_grid_thw) in sample and prompt order."""
         lengths = [len(ids) for ids in batch]
         width = max(lengths)
         input_ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
@@ -109,7 +118,12 @@ class TransformersBackend:
                 captured[index] = output[0] if isinstance(output, tuple) else output
             hooks.append(self._module_for(index).register_forward_hook(hook))
         try:
-            self.decoder(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device), use_cache=False)
+            inputs = {"input_ids": input_ids.to(self.device), "attention_mask": attention_mask.to(self.device), "use_cache": False}
+            if pixels is None:
+                self.decoder(**inputs)
+            else:
+                self.model.model(**inputs, pixel_values=pixels[0].to(self.device, self.dtype),
+                                 image_grid_thw=pixels[1].to(self.device))
         finally:
             for h in hooks:
                 h.remove()
@@ -117,8 +131,15 @@ class TransformersBackend:
         last = captured[last_index] if last_hidden else None
         return aux, last, lengths
 
-    def forward(self, batch: Sequence[Sequence[int]], indices: list[int], last_hidden: bool) -> list[SampleStates]:
-        aux, last, lengths = self.forward_padded(batch, indices, last_hidden)
+    def forward(self, batch: Sequence[Sequence[int]], indices: list[int], last_hidden: bool,
+                pixels: Sequence[tuple[torch.Tensor, torch.Tensor] | None] | None = None) -> list[SampleStates]:
+        """`pixels`: per sample, its images' (pixel_values, image_grid_thw) or None (vision-language
+        checkpoints only; the ids hold each image's expanded `<|media_pad|>` run)."""
+        given = [p for p in (pixels or ()) if p is not None]
+        if given and not self.multimodal:
+            raise ValueError(f"{self.info.name}: images given to a text-only model")
+        joined = (torch.cat([p[0] for p in given]), torch.cat([p[1] for p in given])) if given else None
+        aux, last, lengths = self.forward_padded(batch, indices, last_hidden, joined)
         aux, last = aux.cpu(), (last.cpu() if last is not None else None)
         return [
             SampleStates(aux=aux[row, :n], last=last[row, :n] if last is not None else None)

@@ -13,6 +13,15 @@ i.e. exactly the index space of `layers.hidden_state_indices`; vLLM id L is the 
 output BEFORE the final norm: the `last` state as every backend returns it (final_norm.py; the
 extractor applies the checkpoint's final RMSNorm when `last_hidden_norm: post` asks for it).
 Index 0 (the embedding output) is refused: vLLM's DeepSeek forward has no residual there yet.
+
+Images (`max_images` > 0, Kimi-K2.5): `forward(..., images=...)` takes each sample's image bytes
+beside its ids, whose `<|media_pad|>` runs are already expanded. vLLM expands every
+`<|media_pad|>` of a token prompt itself (kimi_k25.py `_get_prompt_updates`: a PromptReplacement
+of the single token, applied even to a run that already has the right length), so each run is
+sent as one pad; the engine runs the vision tower on its own processor's pixels and the states
+cover every position, the image ones included. The engine's expanded prompt ids come back in each
+file (`token_ids`): a sample whose ids differ from ours (our media-token count is not the engine
+processor's) fails, naming the first differing position.
 """
 
 from __future__ import annotations
@@ -48,6 +57,24 @@ LOG_TAIL_LINES = 25
 
 class EngineFailed(RuntimeError):
     """The vLLM worker died or answered an error; the message carries the end of its log."""
+
+
+class PromptIdsDiffer(EngineFailed):
+    """The engine saw other prompt ids than we sent (it expanded a sample's images differently)."""
+
+
+def collapse_runs(ids: Sequence[int], token: int) -> list[int]:
+    """`ids` with every run of `token` cut to one (what vLLM expects of an image's placeholder)."""
+    return [t for i, t in enumerate(ids) if not (t == token and i and ids[i - 1] == token)]
+
+
+def first_difference(ours: Sequence[int], theirs: Sequence[int]) -> int | None:
+    """The first position where two id sequences differ (the shorter one's length if one is a
+    prefix of the other); None when they are equal."""
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        if a != b:
+            return i
+    return None if len(ours) == len(theirs) else min(len(ours), len(theirs))
 
 
 def vllm_python() -> str:
@@ -107,7 +134,7 @@ class VllmBackend:
     def __init__(self, model_dir: str | Path, *, tensor_parallel_size: int = 1, dtype: str | None = None,
                  max_model_len: int = 8192, work_dir: str | Path | None = None, python: str | None = None,
                  startup_timeout_s: float = 1800.0, gpu_memory_utilization: float = 0.9,
-                 worker_args: Sequence[str] = ()):
+                 worker_args: Sequence[str] = (), max_images: int = 0):
         self.model_dir = Path(model_dir).resolve()
         cfg = text_config(self.model_dir)
         self.python = python or vllm_python()
@@ -126,6 +153,10 @@ class VllmBackend:
         self.gpu_memory_utilization = gpu_memory_utilization
         self.startup_timeout_s = startup_timeout_s
         self.worker_args = list(worker_args)  # extra vllm_worker flags (the benchmark's --plain baseline)
+        if max_images:
+            self.worker_args += ["--images", str(max_images)]
+        self.max_images = max_images
+        self.media_pad_id = json.loads((self.model_dir / "config.json").read_text()).get("image_token_id")
         self._root = Path(tempfile.mkdtemp(prefix="eagle3-vllm-", dir=work_dir or os.environ.get(WORK_DIR_ENV) or None))
         self._proc: subprocess.Popen | None = None
         self._layer_ids: list[int] | None = None  # the layers of the running, ready engine
@@ -232,31 +263,59 @@ class VllmBackend:
         shutil.rmtree(self._root, ignore_errors=True)
 
     # -- HiddenStateBackend --------------------------------------------------------------------
-    def forward(self, batch: Sequence[Sequence[int]], indices: list[int], last_hidden: bool) -> list[SampleStates]:
+    def forward(self, batch: Sequence[Sequence[int]], indices: list[int], last_hidden: bool,
+                images: Sequence[Sequence[bytes]] | None = None) -> list[SampleStates]:
+        """`images`: per sample, its images' encoded bytes in prompt order (needs `max_images`)."""
         L = self.info.num_layers
         layer_ids = vllm_layer_ids(indices, last_hidden, L)
         too_long = [len(ids) for ids in batch if len(ids) >= self.max_model_len]
         if too_long:
             raise UserError(f"vllm backend: a sample of {max(too_long)} tokens does not fit max_model_len "
                             f"{self.max_model_len} (prompt + the one generated token); raise it")
-        files = self.request(batch, layer_ids)["files"]
+        files = self.request(batch, layer_ids, images)["files"]
         cols = [layer_ids.index(i) for i in indices]
         out = []
         for ids, path in zip(batch, files, strict=True):
             out.append(self._read(Path(path), ids, cols, layer_ids.index(L) if last_hidden else None))
         return out
 
-    def request(self, batch: Sequence[Sequence[int]], layer_ids: list[int]) -> dict:
+    def request(self, batch: Sequence[Sequence[int]], layer_ids: list[int],
+                images: Sequence[Sequence[bytes]] | None = None) -> dict:
         """One batch through the engine (started or restarted for `layer_ids`): the worker's answer."""
+        message = {"op": "extract", "batch": [list(map(int, ids)) for ids in batch]}
+        if images is not None and any(images):
+            message["images"] = self._image_files(images)
+            message["batch"] = [collapse_runs(ids, self.media_pad_id) if imgs else ids
+                                for ids, imgs in zip(message["batch"], images, strict=True)]
         if self._spawned_ids != layer_ids:
             self._start(layer_ids)
         elif self._layer_ids is None:  # prestarted for these layers: wait for it here
             self._await_ready()
-        self._proc.stdin.write((json.dumps({"op": "extract", "batch": [list(map(int, ids)) for ids in batch]}) + "\n").encode())
+        self._proc.stdin.write((json.dumps(message) + "\n").encode())
         self._proc.stdin.flush()
         answer = self._answer(None, "extract")
         self.stats["engine_seconds"] += answer.get("engine_seconds", 0.0)
         return answer
+
+    def _image_files(self, images: Sequence[Sequence[bytes]]) -> list[list[str]]:
+        """Each image written once, content-addressed, into the work directory the worker reads."""
+        import hashlib
+
+        most = max(len(sample) for sample in images)
+        if most > self.max_images:
+            raise UserError(f"vllm backend: a sample has {most} images; the engine was started for at most "
+                            f"{self.max_images} (max_images)")
+        folder = self._root / "images"
+        folder.mkdir(exist_ok=True)
+        paths = []
+        for sample in images:
+            paths.append([])
+            for data in sample:
+                path = folder / hashlib.sha256(data).hexdigest()
+                if not path.exists():
+                    path.write_bytes(data)
+                paths[-1].append(str(path))
+        return paths
 
     def _read(self, path: Path, ids: Sequence[int], cols: list[int], last_col: int | None) -> SampleStates:
         from safetensors.torch import load_file
@@ -268,9 +327,14 @@ class VllmBackend:
         finally:
             path.unlink(missing_ok=True)
         states, token_ids = data["hidden_states"], data["token_ids"]
-        if token_ids.tolist() != list(ids):
-            raise EngineFailed(f"{path.name}: the engine's token_ids ({token_ids.shape[0]}) are not the request's "
-                               f"{len(ids)} ids: a file belongs to another request")
+        at = first_difference(list(ids), token_ids.tolist())
+        if at is not None:
+            theirs = token_ids.tolist()
+            raise PromptIdsDiffer(
+                f"{path.name}: the engine's prompt ids differ from ours at position {at} (ours "
+                f"{ids[at] if at < len(ids) else 'end'}, engine's {theirs[at] if at < len(theirs) else 'end'}; "
+                f"{len(ids)} ids sent, {len(theirs)} seen): its processor expanded an image to another "
+                f"media-token count, or a file belongs to another request")
         aux = states[:, cols].reshape(states.shape[0], -1)
         last = states[:, last_col] if last_col is not None else None  # before the final norm (vLLM id L)
         return SampleStates(aux=aux, last=last)

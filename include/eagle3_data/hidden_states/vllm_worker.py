@@ -8,7 +8,8 @@ this module imports nothing but the standard library, torch and vLLM (the `eagle
 is on PYTHONPATH, never installed there with its dependencies). One engine lives for the whole
 process: the backend sends batch after batch over stdin, across shards.
 
-Protocol, one JSON object per line: stdin takes `{"op": "extract", "batch": [[ids], ...]}` or
+Protocol, one JSON object per line: stdin takes `{"op": "extract", "batch": [[ids], ...]}` (with
+`--images N`, also `"images": [[path, ...], ...]`: each sample's image files, in prompt order) or
 `{"op": "stop"}`; the protocol stream (the original stdout; vLLM's own prints go to stderr)
 answers first `{"ready": ..., engine facts}`, then per batch `{"files": [path, ...]}` in batch
 order (each a safetensors file of the connector: `hidden_states` [T, n_ids, H] for the sorted
@@ -19,7 +20,18 @@ Engine settings that matter for correctness: the `extract_hidden_states` specula
 with the connector (the stock `ExampleHiddenStatesConnector` on CUDA, `CpuHiddenStatesConnector`
 on CPU), `max_tokens=1` (prefill only), prefix caching OFF (a cached prefix is not recomputed,
 so its states would be missing: vllm#44485), no tokenizer (ids in, states out), language model
-only (Kimi-K2.5's multimodal processor needs a tokenizer; no images here).
+only unless `--images N` (Kimi-K2.5's multimodal processor needs the tokenizer).
+
+Images (`--images N`, up to N per sample): each sample's ids already hold every image's
+`<|media_pad|>` run expanded (what the model sees); vLLM gets the images as `vision_chunk` items
+(Kimi-K2.5's modality) beside them, runs MoonViT on its own processor's pixels, and leaves a run
+that already has its processor's length as it is (so the connector's `token_ids` are our ids
+exactly when our count agrees with vLLM's processor: the backend compares them). On CPU such an
+engine runs multi-process with `spawn`: in one process, vLLM 0.32's Triton-kernel override scan
+(vllm/triton_utils/dispatcher.py:139, `vars(value).get("kernel")` over every loaded module) calls
+`vars()` on llvmlite's `ffi.lib`, whose `__getattr__` answers any name (`AttributeError:
+'_lib_fn_wrapper' object has no attribute 'get'`); numba (hence llvmlite) is loaded by the
+Kimi image processor before the worker starts.
 """
 
 from __future__ import annotations
@@ -41,6 +53,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", help="auto: bfloat16 on GPU, float32 on CPU")
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--images", type=int, default=0, help="up to this many images per sample (0: text only)")
     p.add_argument("--plain", action="store_true",
                    help="no extraction (no speculative method, no connector): the plain-prefill baseline of the benchmark")
     return p.parse_args(argv)
@@ -73,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     from vllm.platforms import current_platform
 
     on_cpu = current_platform.device_type == "cpu"
+    if on_cpu and args.images:  # see the module docstring: one process cannot hold numba and the engine
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     if on_cpu:
         # One process: ~3 s to start instead of ~30 s; the engine is then stepped here (below).
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -98,17 +114,19 @@ def main(argv: list[str] | None = None) -> int:
             "method": "extract_hidden_states", "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}}}
         kwargs["kv_transfer_config"] = connector
+    if args.images:
+        kwargs["limit_mm_per_prompt"] = {"vision_chunk": args.images}
     llm = LLM(
         model=args.model,
         dtype=dtype,
         tensor_parallel_size=args.tensor_parallel_size,
         max_model_len=args.max_model_len,
         enable_prefix_caching=False,
-        skip_tokenizer_init=True,
+        skip_tokenizer_init=not args.images,
         # Kimi-K2.5 is a vision-language checkpoint (KimiK25ForConditionalGeneration): without this
         # vLLM builds its multimodal processor, which refuses to start without a tokenizer; ids in,
         # text-only states out need neither the processor nor the vision encoder's budget.
-        language_model_only=True,
+        language_model_only=not args.images,
         enforce_eager=on_cpu,
         **kwargs,
     )
@@ -128,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             break
         try:
             started = time.perf_counter()
-            outputs = llm.generate([{"prompt_token_ids": ids} for ids in msg["batch"]], params, use_tqdm=False)
+            outputs = llm.generate(_prompts(msg), params, use_tqdm=False)
             if in_process:
                 # generate() returns once every request produced its token; the connector writes a
                 # request's file in a later step (when its blocks are released): step until idle.
@@ -147,6 +165,21 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # reported to the backend, which raises it with the log tail
             out.write(json.dumps({"error": f"{type(exc).__name__}: {exc}"}) + "\n")
     return 0
+
+
+def _prompts(msg: dict) -> list[dict]:
+    """The batch as vLLM prompts: ids, and each sample's images as Kimi-K2.5 `vision_chunk` items."""
+    images = msg.get("images") or [[] for _ in msg["batch"]]
+    prompts = []
+    for ids, paths in zip(msg["batch"], images, strict=True):
+        prompt = {"prompt_token_ids": ids}
+        if paths:
+            from PIL import Image
+
+            prompt["multi_modal_data"] = {
+                "vision_chunk": [{"type": "image", "image": Image.open(p).convert("RGB")} for p in paths]}
+        prompts.append(prompt)
+    return prompts
 
 
 if __name__ == "__main__":

@@ -1,0 +1,186 @@
+"""Extraction with images on the tiny Kimi-K2.5 (vLLM CPU) against transformers' own forward.
+
+The engine here is a second one of the session (`dev:tiny-kimi-k25`, started for images: the
+multimodal processor, the vision tower and the tokenizer are loaded, which the text-only
+extraction engine of tests/fixtures/engine.py never does). The pixels of the reference are
+vLLM's own Kimi-K2.5 image processor's (`KimiK25FusedVisionProcessor`, run alone in the vLLM
+venv): transformers' Kimi-K2.5 image processor imports torchvision, which has no CPU build here.
+The reference is `Kimi_K25ForConditionalGeneration.model(input_ids, pixel_values,
+image_grid_thw, output_hidden_states=True)` on one sample at a time: nothing shared with the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import torch
+
+from eagle3_data.hidden_states.final_norm import rms_norm
+from eagle3_data.hidden_states.vllm_backend import PromptIdsDiffer, VllmBackend
+
+INDICES = [2, 4, 5]
+REL = 1e-4
+MEDIA = {"begin": 163_602, "content": 163_603, "pad": 163_605, "end": 163_604}
+
+PIXELS = r"""
+import io, json, sys
+from PIL import Image
+from safetensors.torch import save_file
+from vllm.transformers_utils.processors.kimi_k25_vision_fused import KimiK25FusedVisionProcessor
+
+model, out, *paths = sys.argv[1:]
+cfg = json.load(open(f"{model}/preprocessor_config.json"))
+proc = KimiK25FusedVisionProcessor.from_dict(cfg)
+tensors = {}
+for i, path in enumerate(paths):
+    got = proc.preprocess([{"type": "image", "image": Image.open(path).convert("RGB")}], return_tensors="pt")
+    tensors[f"pixel_values_{i}"] = got["pixel_values"].contiguous()
+    tensors[f"grid_thws_{i}"] = got["grid_thws"].contiguous()
+save_file(tensors, out)
+"""
+
+
+def png(width: int, height: int, seed: int) -> bytes:
+    """A PNG of seeded random RGB pixels, encoded with the standard library (the pipeline's venv has
+    no PIL; the engine's image reader decodes it)."""
+    import struct
+    import zlib
+
+    g = torch.Generator().manual_seed(seed)
+    pixels = torch.randint(0, 256, (height, width * 3), generator=g, dtype=torch.uint8)
+    raw = b"".join(b"\x00" + bytes(row.tolist()) for row in pixels)
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
+
+
+IMAGES = {"a": png(90, 60, 0), "b": png(41, 70, 1)}
+
+
+@pytest.fixture(scope="module")
+def pixels(vllm_python, tiny_kimi_k25_dir, tmp_path_factory) -> dict:
+    """name -> (pixel_values [N, 3, 14, 14], grid_thw [1, 3]) from vLLM's own Kimi image processor."""
+    from safetensors.torch import load_file
+
+    folder = tmp_path_factory.mktemp("pixels")
+    paths = []
+    for name, data in IMAGES.items():
+        (folder / name).write_bytes(data)
+        paths.append(str(folder / name))
+    out = folder / "pixels.safetensors"
+    subprocess.run([vllm_python, "-c", PIXELS, str(tiny_kimi_k25_dir), str(out), *paths], check=True,
+                   capture_output=True, timeout=600)
+    t = load_file(str(out))
+    return {name: (t[f"pixel_values_{i}"], t[f"grid_thws_{i}"]) for i, name in enumerate(IMAGES)}
+
+
+def media_tokens(grid_thw: torch.Tensor) -> int:
+    """MoonViT merges 2x2 patches into one token (transformers' get_image_features split sizes)."""
+    return int(grid_thw[0, 1:].prod()) // 4
+
+
+def prompt(tokenizer, parts: list, pixels: dict) -> list[int]:
+    """A user turn of text and images (K2.5's media wrapper, pads expanded), then the assistant's start."""
+    def enc(text):
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    ids = [tokenizer.convert_tokens_to_ids("<|im_user|>")] + enc("user") + [tokenizer.convert_tokens_to_ids("<|im_middle|>")]
+    for part in parts:
+        if part in IMAGES:
+            n = media_tokens(pixels[part][1])
+            ids += [MEDIA["begin"]] + enc("image") + [MEDIA["content"]] + [MEDIA["pad"]] * n + [MEDIA["end"]]
+        else:
+            ids += enc(part)
+    return ids + [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|im_assistant|>")] + enc("assistant") + [
+        tokenizer.convert_tokens_to_ids("<|im_middle|>")]
+
+
+@pytest.fixture(scope="module")
+def image_backend(vllm_python, tiny_kimi_k25_dir):
+    backend = VllmBackend(tiny_kimi_k25_dir, max_model_len=2048, max_images=2, python=vllm_python)
+    yield backend
+    backend.close()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_kimi_k25_dir):
+    from transformers import Kimi_K25ForConditionalGeneration
+
+    return Kimi_K25ForConditionalGeneration.from_pretrained(str(tiny_kimi_k25_dir), dtype=torch.float32).eval()
+
+
+def reference_states(model, ids, images, pixels):
+    kwargs = {}
+    if images:
+        kwargs = {"pixel_values": torch.cat([pixels[n][0] for n in images]).float(),
+                  "image_grid_thw": torch.cat([pixels[n][1] for n in images])}
+    with torch.no_grad():
+        return model.model(input_ids=torch.tensor([ids]), output_hidden_states=True, **kwargs).hidden_states
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got.float() - ref.float()).abs().max() / ref.float().abs().max())
+
+
+SAMPLES = [["Describe ", "a", " in one word."], ["b", "Compare with ", "a"], ["No image here."]]
+
+
+def test_hf_backend_batches_image_samples_like_one_forward_each(tiny_kimi_k25_dir, reference, pixels, kimi_tokenizer):
+    """The reference backend: Kimi-K2.5 loads (it has no causal-LM class), a right-padded batch of
+    image and text samples gives each sample's own single forward."""
+    from eagle3_data.hidden_states.backends import TransformersBackend
+
+    backend = TransformersBackend(tiny_kimi_k25_dir, dtype=torch.float32)
+    assert backend.info.num_layers == 8 and backend.info.vocab_size == 163_840
+    batch = [prompt(kimi_tokenizer, parts, pixels) for parts in SAMPLES]
+    per_sample = [[pixels[p] for p in parts if p in IMAGES] for parts in SAMPLES]
+    joined = [(torch.cat([p[0] for p in ps]), torch.cat([p[1] for p in ps])) if ps else None for ps in per_sample]
+    states = backend.forward(batch, INDICES, last_hidden=True, pixels=joined)
+    for parts, ids, got in zip(SAMPLES, batch, states, strict=True):
+        hs = reference_states(reference, ids, [p for p in parts if p in IMAGES], pixels)
+        aux = got.aux.reshape(len(ids), len(INDICES), -1)
+        for j, index in enumerate(INDICES):
+            assert rel_err(aux[:, j], hs[index][0]) < REL, (parts, index)
+        assert rel_err(rms_norm(got.last, *backend.final_norm), hs[8][0]) < REL
+
+
+def test_states_of_image_samples_equal_transformers_forward_with_the_same_pixels(
+        image_backend, reference, pixels, kimi_tokenizer):
+    batch = [prompt(kimi_tokenizer, parts, pixels) for parts in SAMPLES]
+    images = [[IMAGES[p] for p in parts if p in IMAGES] for parts in SAMPLES]
+    states = image_backend.forward(batch, INDICES, last_hidden=True, images=images)  # ids checked against the engine's
+    weight, eps = image_backend.final_norm
+    for parts, ids, got in zip(SAMPLES, batch, states, strict=True):
+        names = [p for p in parts if p in IMAGES]
+        hs = reference_states(reference, ids, names, pixels)
+        aux = got.aux.reshape(len(ids), len(INDICES), -1)
+        for j, index in enumerate(INDICES):
+            assert rel_err(aux[:, j], hs[index][0]) < REL, (parts, index)
+        assert rel_err(rms_norm(got.last, weight, eps), hs[8][0]) < REL, parts
+        if names:  # the image positions carry the vision tower's features, not the pad token's embedding
+            pads = torch.tensor(ids) == MEDIA["pad"]
+            text_only = reference_states(reference, ids, [], pixels)
+            assert rel_err(aux[pads, 0], text_only[INDICES[0]][0][pads]) > 100 * REL
+
+
+def test_an_unexpanded_placeholder_is_a_failure_naming_the_first_differing_position(
+        image_backend, pixels, kimi_tokenizer):
+    """One `<|media_pad|>` where the processor gives n: the engine expands it itself, so the ids it
+    saw are not ours; the failure names the position after our single pad."""
+    ids = prompt(kimi_tokenizer, ["a", "What is it?"], pixels)
+    first = ids.index(MEDIA["pad"])
+    n = media_tokens(pixels["a"][1])
+    assert n > 1
+    short = ids[: first + 1] + ids[first + n:]
+    with pytest.raises(PromptIdsDiffer, match=f"at position {first + 1} "):
+        image_backend.forward([short], INDICES, last_hidden=False, images=[[IMAGES["a"]]])
+
+
+def test_preprocessor_config_is_what_vllms_processor_reads(tiny_kimi_k25_dir):
+    cfg = json.loads((tiny_kimi_k25_dir / "preprocessor_config.json").read_text())["media_proc_cfg"]
+    assert cfg["patch_size"] == 14 and cfg["merge_kernel_size"] == 2
