@@ -10,7 +10,7 @@ from eagle3_data.errors import UserError
 from eagle3_data.generation.vllm import check_answer, vllm_sampling
 from eagle3_data.hidden_states.layers import default_layer_ids, hidden_state_indices
 from eagle3_data.hidden_states.final_norm import final_norm_weight, rms_norm
-from eagle3_data.hidden_states.vllm_backend import text_config, vllm_layer_ids
+from eagle3_data.hidden_states.vllm_backend import collapse_runs, first_difference, text_config, vllm_layer_ids
 
 
 def test_our_conventions_map_to_vllm_ids():
@@ -72,3 +72,16 @@ def test_connector_files_go_to_the_configured_work_dir(tiny_model_dir, tmp_path,
     finally:
         backend.close()
     assert not backend._root.exists()
+
+
+def test_image_placeholder_runs_are_sent_as_one_pad_each():
+    pad, begin, end = 163_605, 163_602, 163_604
+    ids = [1, begin, pad, pad, pad, end, 2, begin, pad, pad, end, pad]
+    assert collapse_runs(ids, pad) == [1, begin, pad, end, 2, begin, pad, end, pad]
+    assert collapse_runs([pad], pad) == [pad] and collapse_runs([], pad) == []
+
+
+def test_first_difference_names_where_two_id_lists_part():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 9, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2 and first_difference([1, 2, 3], [1, 2]) == 2
