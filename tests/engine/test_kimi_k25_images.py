@@ -11,7 +11,6 @@ image_grid_thw, output_hidden_states=True)` on one sample at a time: nothing sha
 
 from __future__ import annotations
 
-import json
 import subprocess
 
 import pytest
@@ -21,7 +20,7 @@ from eagle3_data.hidden_states.final_norm import rms_norm
 from eagle3_data.hidden_states.vllm_backend import PromptIdsDiffer, VllmBackend
 
 INDICES = [2, 4, 5]
-REL = 1e-4
+REL = 1e-5  # measured: vLLM 2.6e-6 (image samples) and 3.9e-7 (text), transformers backend 3.3e-7
 MEDIA = {"begin": 163_602, "content": 163_603, "pad": 163_605, "end": 163_604}
 
 PIXELS = r"""
@@ -180,7 +179,3 @@ def test_an_unexpanded_placeholder_is_a_failure_naming_the_first_differing_posit
     with pytest.raises(PromptIdsDiffer, match=f"at position {first + 1} "):
         image_backend.forward([short], INDICES, last_hidden=False, images=[[IMAGES["a"]]])
 
-
-def test_preprocessor_config_is_what_vllms_processor_reads(tiny_kimi_k25_dir):
-    cfg = json.loads((tiny_kimi_k25_dir / "preprocessor_config.json").read_text())["media_proc_cfg"]
-    assert cfg["patch_size"] == 14 and cfg["merge_kernel_size"] == 2
