@@ -97,7 +97,7 @@ def test_writer_commits_parts_then_manifest_with_hashes(store):
     stored = store.read_manifest(REF)
     assert stored["manifest_sha256"] == manifest["manifest_sha256"]
     assert stored["inputs"] == [{"uri": store.uri(upstream), "manifest_sha256": store.read_manifest(upstream)["manifest_sha256"]}]
-    assert stored["params"] == {"temperature": 1.0} and stored["schema"] == {"name": "prompts", "version": 2}
+    assert stored["params"] == {"temperature": 1.0} and stored["schema"] == {"name": "prompts", "version": 3}
     assert stored["code"]["version"] and stored["tokenizer_sha256"] == "t" * 64 and stored["template_sha256"] == "c" * 64
     table = store.read_table(REF)
     assert table.column("sample_id").to_pylist() == [f"s{i:04d}" for i in range(10)]

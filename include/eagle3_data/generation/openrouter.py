@@ -384,7 +384,7 @@ class _OverflowRun:
         if p is None:
             return False
         try:
-            self._ready.append(_Ready(p, self.fmt.generation_prompt_ids(p.messages, p.tools),
+            self._ready.append(_Ready(p, self.fmt.generation_prompt_ids(p.messages, p.tools, p.images),
                                       json.dumps(self.shape.body(p)).encode(), 0.0))
         except Exception as exc:
             self._ready.append(_Ready(p, exc, b"", 0.0))

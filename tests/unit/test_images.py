@@ -1,0 +1,132 @@
+"""Image prompts: read once, checked, stored by sha256; placeholders counted as the model's processor does."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from eagle3_data.images import ImageSink, expand_media, media_tokens, read_image
+from eagle3_data.prompts import load_prompts
+
+SAMPLING = {"temperature": 1.0, "max_tokens": 512}
+SIZES = [(1, 1), (13, 29), (28, 28), (64, 48), (640, 480), (1920, 1080), (3000, 200), (7169, 50), (9000, 9000), (100, 20000)]
+
+
+def png(width: int, height: int, color: tuple = (200, 30, 90)) -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), color).save(out, format="PNG")
+    return out.getvalue()
+
+
+def _transformers_image_tokens() -> callable:
+    """transformers' own count, lifted from its source: `navit_resize` and
+    Kimi_K25ImageProcessor.get_number_of_image_patches with the class's defaults, divided by
+    merge_size**2 as Kimi_K25Processor does. The module imports torchvision at its top, which has
+    no CPU wheel here, so the two functions are compiled from its text (neither calls torchvision)."""
+    import ast
+    import math
+
+    import transformers
+
+    path = Path(transformers.__file__).parent / "models" / "kimi_k25" / "image_processing_kimi_k25.py"
+    tree = ast.parse(path.read_text())
+    navit = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "navit_resize")
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Kimi_K25ImageProcessor")
+    method = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "get_number_of_image_patches")
+    defaults = {t.targets[0].id: ast.literal_eval(t.value) for t in cls.body if isinstance(t, ast.Assign)
+                and isinstance(t.targets[0], ast.Name) and t.targets[0].id in ("size", "patch_size", "merge_size", "max_patches")}
+    scope: dict = {"math": math}
+    exec(compile(ast.Module([navit, method], []), str(path), "exec"), scope)  # noqa: S102 - transformers' own code
+    proc = type("Defaults", (), defaults)()
+    return lambda width, height: scope["get_number_of_image_patches"](proc, height, width) // defaults["merge_size"] ** 2
+
+
+def test_media_tokens_match_transformers_own_arithmetic():
+    reference = _transformers_image_tokens()
+    assert [media_tokens(w, h) for w, h in SIZES] == [reference(w, h) for w, h in SIZES]
+
+
+def _load(tmp_path: Path, rows: list[dict], store, max_bytes: int = 1 << 20):
+    src = tmp_path / "p" / "img.jsonl"
+    src.parent.mkdir(parents=True, exist_ok=True)
+    src.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    sink = ImageSink(store, max_bytes)
+    return load_prompts(str(src), "img", sampling=SAMPLING, client=store.client, images=sink), sink
+
+
+def _user(*parts) -> dict:
+    return {"messages": [{"role": "user", "content": list(parts)}]}
+
+
+def _image(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def test_image_parts_in_every_source_are_stored_once_by_sha256(tmp_path, store):
+    a, b = png(64, 48), png(30, 30, (1, 2, 3))
+    (tmp_path / "p" / "pics").mkdir(parents=True)
+    (tmp_path / "p" / "pics" / "a.png").write_bytes(a)
+    store.client.put_object(Bucket=store.bucket, Key="inputs/b.png", Body=b)
+    data_a = "data:image/png;base64," + base64.b64encode(a).decode()
+    text = {"type": "text", "text": "what is this?"}
+    rows = [_user(text, _image("pics/a.png")),
+            _user(_image(data_a), text, _image(f"s3://{store.bucket}/inputs/b.png")),
+            {"messages": [{"role": "user", "content": "plain text"}]}]
+    load, sink = _load(tmp_path, rows, store)
+    assert not load.rejects and len(load.rows) == 3
+    got = list(load.rows)
+    first, second = json.loads(got[0]["images"]), json.loads(got[1]["images"])
+    assert got[2]["images"] is None  # a text row is as it always was
+    assert first[0] == second[0]  # the same bytes, from a path and a data URI: one object
+    for ref, data, (w, h) in [(first[0], a, (64, 48)), (second[1], b, (30, 30))]:
+        assert ref["sha256"] == hashlib.sha256(data).hexdigest() and ref["bytes"] == len(data)
+        assert (ref["width"], ref["height"], ref["media_tokens"]) == (w, h, media_tokens(w, h))
+        assert ref["uri"] == f"s3://{store.bucket}/eagle3-datagen/images/sha256/{ref['sha256']}"
+        assert read_image(store, ref) == data
+    # the messages name the stored objects, in the order of the references
+    parts = [p for p in json.loads(got[1]["messages"])[0]["content"] if p["type"] == "image_url"]
+    assert [p["image_url"]["url"] for p in parts] == [r["uri"] for r in second]
+    assert sink.counts["images_stored"] == 2 and load.counts["images"] == 3
+
+
+def test_broken_missing_and_oversized_images_are_rejects_naming_the_part(tmp_path, store):
+    store.client.put_object(Bucket=store.bucket, Key="inputs/ok.png", Body=png(8, 8))
+    text = {"type": "text", "text": "look"}
+    bad = [
+        (_user(text, _image("nowhere.png")), "no such file"),
+        (_user(text, _image("data:image/png;base64," + base64.b64encode(png(8, 8)[:40]).decode())), "not a decodable image"),
+        (_user(text, _image("data:image/png;base64,@@@")), "not valid base64"),
+        (_user(text, _image(f"s3://{store.bucket}/inputs/missing.png")), "no such object"),
+        (_user(text, _image("data:image/png;base64," + base64.b64encode(png(400, 400, (9, 9, 9)) + b"\0" * 5000).decode())), "over the limit"),
+        (_user(text, _image("../escape.png")), "may not leave"),
+    ]
+    load, _ = _load(tmp_path, [r for r, _ in bad] + [_user(text, _image(f"s3://{store.bucket}/inputs/ok.png"))], store, max_bytes=4000)
+    assert len(load.rows) == 1
+    assert [r["field"] for r in load.rejects] == ["messages[0].content[1]"] * len(bad)
+    for reject, (_, why) in zip(load.rejects, bad):
+        assert why in reject["reason"], reject["reason"]
+
+
+def test_image_ids_equal_the_processor_way_of_expanding(kimi_fmt, kimi_tokenizer):
+    """Ours: render, encode, expand each pad id. Transformers' processor: expand `<|media_pad|>` in
+    the rendered text (Kimi_K25Processor.replace_image_token), then tokenize."""
+    refs = [{"media_tokens": media_tokens(640, 480)}, {"media_tokens": media_tokens(13, 29)}]
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "compare "}, _image("s3://b/x"),
+                                             {"type": "text", "text": " with "}, _image("s3://b/y")]}]
+    ours = kimi_fmt.generation_prompt_ids(messages, None, refs)
+    text = kimi_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, thinking=True)
+    pieces = text.split("<|media_pad|>")
+    assert len(pieces) == 3
+    expanded = pieces[0] + "<|media_pad|>" * refs[0]["media_tokens"] + pieces[1] + "<|media_pad|>" * refs[1]["media_tokens"] + pieces[2]
+    assert ours == kimi_tokenizer.encode(expanded, add_special_tokens=False)
+    assert ours.count(kimi_fmt.media_pad_id) == sum(r["media_tokens"] for r in refs)
+    with pytest.raises(Exception, match="placeholder"):
+        expand_media(ours, refs[:1], kimi_fmt.media_pad_id)
