@@ -222,3 +222,42 @@ def expand_media(ids: list[int], refs: list[dict], pad_id: int) -> list[int]:
 def media_mask(ids: list[int], pad_id: int) -> list[bool]:
     """Which ids are image placeholders (never trained on)."""
     return [t == pad_id for t in ids]
+
+
+# -- beside the merged shards -------------------------------------------------------------------
+MERGED_IMAGES_FILE = "images.parquet"
+
+
+def merged_images(store, inputs) -> tuple[bytes, dict] | None:
+    """The image references of every ok input sample that has images, as a Parquet file (sample_id,
+    images) for `MERGED_IMAGES_FILE` beside the merged shards (their rows join on sample_id), and
+    its counts; None when no sample has an image (a text merge is as it always was). Media tokens
+    are prompt ids, which the merge masks (loss_mask 0), so they are never trained on."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    found: dict[str, str] = {}
+    for ref in inputs:
+        for batch in store.iter_batches(ref, columns=["sample_id", "status", "images"]):
+            for sid, status, images in zip(*(batch.column(c).to_pylist() for c in ("sample_id", "status", "images"))):
+                if status == "ok" and images:
+                    found.setdefault(sid, images)
+    if not found:
+        return None
+    sids = sorted(found)
+    refs = [parse_refs(found[s]) for s in sids]
+    out = io.BytesIO()
+    pq.write_table(pa.table({"sample_id": pa.array(sids, pa.string()), "images": pa.array([found[s] for s in sids], pa.string())}), out)
+    return out.getvalue(), {"samples": len(sids), "images": sum(map(len, refs)),
+                            "media_tokens": sum(r["media_tokens"] for rs in refs for r in rs)}
+
+
+def read_merged_images(store, ref) -> dict[str, list[dict]]:
+    """sample_id -> image references of a committed merge stage (empty for a text merge)."""
+    import pyarrow.parquet as pq
+
+    data = store.read_object(ref, MERGED_IMAGES_FILE)
+    if data is None:
+        return {}
+    table = pq.read_table(io.BytesIO(data))
+    return {s: parse_refs(i) for s, i in zip(table["sample_id"].to_pylist(), table["images"].to_pylist())}

@@ -130,3 +130,69 @@ def test_image_ids_equal_the_processor_way_of_expanding(kimi_fmt, kimi_tokenizer
     assert ours.count(kimi_fmt.media_pad_id) == sum(r["media_tokens"] for r in refs)
     with pytest.raises(Exception, match="placeholder"):
         expand_media(ours, refs[:1], kimi_fmt.media_pad_id)
+
+
+def test_sharegpt_images_fill_the_image_markers_in_order(tmp_path, store):
+    (tmp_path / "p").mkdir(parents=True)
+    a, b = png(20, 20), png(40, 10, (5, 5, 5))
+    (tmp_path / "p" / "a.png").write_bytes(a)
+    (tmp_path / "p" / "b.png").write_bytes(b)
+    row = {"conversations": [{"from": "human", "value": "<image>first, then<image>"}, {"from": "gpt", "value": "ok"},
+                             {"from": "human", "value": "and?"}], "images": ["a.png", "b.png"]}
+    load, _ = _load(tmp_path, [row, dict(row, images=["a.png"])], store)
+    assert [r["field"] for r in load.rejects] == ["conversations[0].value"]
+    (got,) = list(load.rows)
+    content = json.loads(got["messages"])[0]["content"]
+    assert [p["type"] for p in content] == ["image_url", "text", "image_url"] and content[1]["text"] == "first, then"
+    assert [r["sha256"] for r in json.loads(got["images"])] == [hashlib.sha256(d).hexdigest() for d in (a, b)]
+
+
+def test_merge_keeps_media_tokens_untrained_and_the_references_beside_the_shards(store, kimi_fmt):
+    import pyarrow.parquet as pq
+
+    from eagle3_data.images import read_merged_images
+    from eagle3_data.merge import merge_datasets
+    from eagle3_data.storage import StageRef
+    from eagle3_data.storage.writer import StageWriter
+
+    refs = [{"uri": "s3://b/k", "sha256": "0" * 64, "bytes": 9, "width": 64, "height": 48, "media_tokens": media_tokens(64, 48)}]
+    messages = [{"role": "user", "content": [_image("s3://b/k"), {"type": "text", "text": "what?"}]}]
+    prompt = kimi_fmt.generation_prompt_ids(messages, None, refs)
+    output = kimi_fmt.codec.encode_batch(["a cat"])[0] + kimi_fmt.stop_token_ids[:1]
+    base = {"dataset": "img", "messages": json.dumps(messages), "source": "vllm", "status": "ok", "finish_reason": "stop"}
+    rows = [dict(base, sample_id="with-image", prompt_ids=prompt, output_ids=output, images=json.dumps(refs)),
+            dict(base, sample_id="text", prompt_ids=kimi_fmt.generation_prompt_ids([{"role": "user", "content": "hi"}]), output_ids=output)]
+    ref = StageRef("date=2026-12-03", "generate_local", "img")
+    with StageWriter(store, ref, "generations", rows_per_part=10, tokenizer_sha256="t", template_sha256="c") as w:
+        w.write(rows)
+        w.commit()
+    summary = merge_datasets(store, [ref], "date=2026-12-03", max_length=4096)
+    out = StageRef("date=2026-12-03", "merge", "all")
+    records = {r["sample_id"]: r for s in summary["shards"]
+               for r in pq.read_table(io.BytesIO(store.read_object(out, s["name"]))).to_pylist()}
+    rec = records["with-image"]
+    pads = [k for k, t in enumerate(rec["input_ids"]) if t == kimi_fmt.media_pad_id]
+    assert len(pads) == refs[0]["media_tokens"] and all(rec["loss_mask"][k] == 0 for k in pads)
+    assert sum(rec["loss_mask"]) == len(output)
+    assert read_merged_images(store, out) == {"with-image": refs}
+    assert store.read_manifest(out)["extra"]["images"] == {"samples": 1, "images": 1, "media_tokens": refs[0]["media_tokens"]}
+
+
+def test_overflow_request_sends_each_image_as_a_data_uri_of_the_stored_bytes(tmp_path, store):
+    from eagle3_data.generation.checkpoint import parse_prompts
+    from eagle3_data.generation.openrouter_rows import RequestShape
+
+    a = png(33, 17)
+    (tmp_path / "p").mkdir(parents=True)
+    (tmp_path / "p" / "a.png").write_bytes(a)
+    load, _ = _load(tmp_path, [_user({"type": "text", "text": "describe"}, _image("a.png"))], store)
+    (p,) = list(parse_prompts(list(load.rows), "img", None))
+    shape = RequestShape("m", {}, {}, {"temperature": 0.0}, False, lambda ref: read_image(store, ref))
+    sent = shape.body(p)["messages"][0]["content"]
+    assert sent[0] == {"type": "text", "text": "describe"} and sent[1]["type"] == "image_url"
+    header, _, payload = sent[1]["image_url"]["url"].partition(",")
+    assert header == "data:image/png;base64" and base64.b64decode(payload) == a
+    assert p.messages[0]["content"][1]["image_url"]["url"].startswith("s3://")  # the prompt keeps its reference
+    corrupt = dict(p.images[0], sha256="f" * 64)
+    with pytest.raises(Exception, match="the reference records"):
+        read_image(store, corrupt)

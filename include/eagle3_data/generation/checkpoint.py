@@ -173,7 +173,7 @@ def base_row(p: Prompt, prompt_ids: list[int] | None, source: str) -> dict[str, 
         "finish_reason": None,
         "usage": None,
         "provenance": None,
-        "images": p.images_json,
+        **({"images": p.images_json} if p.images_json else {}),  # a text row's: null (the column's default)
     }
 
 
