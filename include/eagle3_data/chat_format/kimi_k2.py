@@ -33,7 +33,6 @@ from eagle3_data.chat_format.base import (
     normalize_finish_reason,
 )
 from eagle3_data.errors import UserError
-from eagle3_data.images import MEDIA_PAD, expand_media
 from eagle3_data.codec import (
     Codec,
     HFCodec,
@@ -43,6 +42,7 @@ from eagle3_data.codec import (
     codecs_agree,
     tiktoken_encoding,
 )
+from eagle3_data.images import MEDIA_PAD, expand_media
 
 # Moonshot's pre-tokenizer split (tokenization_kimi.py; splintr.KIMI_PATTERN).
 KIMI_PATTERN = "|".join(

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from eagle3_data.generation.checkpoint import Prompt, base_row, sampling_for
-from eagle3_data.images import data_uri, image_parts
 from eagle3_data.generation.provider_answers import describe, error_of, read_message
 from eagle3_data.generation.provider_identity import Pin
+from eagle3_data.images import data_uri, image_parts
 from eagle3_data.schemas import IDENTITY_MISMATCH
 
 SOURCE = "openrouter"
