@@ -196,3 +196,37 @@ def test_overflow_request_sends_each_image_as_a_data_uri_of_the_stored_bytes(tmp
     corrupt = dict(p.images[0], sha256="f" * 64)
     with pytest.raises(Exception, match="the reference records"):
         read_image(store, corrupt)
+
+
+def test_dev_provider_takes_image_parts_as_openrouter_does_and_bills_their_tokens(kimi_tokenizer, kimi_fmt):
+    """Billed prompt tokens = the template's render with each image's placeholder counted as
+    transformers' processor counts it (the reference, not the code under test); malformed parts
+    are the client's 400, naming the part."""
+    import asyncio
+
+    import httpx
+
+    from eagle3_data.dev.faults import ServerConfig
+    from eagle3_data.dev.inference_server import create_app
+
+    config = ServerConfig()
+    app = create_app(kimi_tokenizer, config)
+
+    def chat(content) -> httpx.Response:
+        async def go():
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://dev") as c:
+                return await c.post("/v1/chat/completions", json={"model": config.model, "max_tokens": 8,
+                                                                  "messages": [{"role": "user", "content": content}]})
+        return asyncio.run(go())
+
+    text = {"type": "text", "text": "what is it?"}
+    uri = "data:image/png;base64," + base64.b64encode(png(300, 120)).decode()
+    answer = chat([_image(uri), text])
+    assert answer.status_code == 200, answer.text
+    rendered = kimi_fmt.generation_prompt_ids([{"role": "user", "content": [_image("x"), text]}])
+    assert answer.json()["usage"]["prompt_tokens"] == len(rendered) - 1 + _transformers_image_tokens()(300, 120)
+    for part, why in [({"type": "image_url", "image_url": "nope"}, "messages[0].content[0].image_url"),
+                      (_image("data:text/plain;base64,aGk="), "expected data:image"),
+                      (_image("data:image/png;base64," + base64.b64encode(b"not a png").decode()), "not a readable image")]:
+        refused = chat([part, text])
+        assert refused.status_code == 400 and why in refused.json()["error"]["message"], refused.text
