@@ -85,7 +85,7 @@ class ImageSink:
     store: Any
     max_bytes: int
     seen: dict[str, dict] = field(default_factory=dict)
-    counts: dict[str, int] = field(default_factory=lambda: {"images": 0, "images_stored": 0, "image_bytes_stored": 0})
+    counts: dict[str, int] = field(default_factory=lambda: {"images_stored": 0, "image_bytes_stored": 0})
 
     def add(self, url: str, base: str, client) -> dict:
         """The reference of the image at `url` (relative paths against the prompt file `base`),
@@ -93,7 +93,6 @@ class ImageSink:
         source = url if url.startswith(("data:", "s3://")) else _join(base, url)
         if source not in self.seen:
             self.seen[source] = self._store(_read_source(source, client, self.max_bytes))
-        self.counts["images"] += 1
         return self.seen[source]
 
     def _store(self, data: bytes) -> dict:
@@ -254,10 +253,17 @@ def merged_images(store, inputs) -> tuple[bytes, dict] | None:
 
 def read_merged_images(store, ref) -> dict[str, list[dict]]:
     """sample_id -> image references of a committed merge stage (empty for a text merge)."""
+    data = store.read_object(ref, MERGED_IMAGES_FILE)
+    return {} if data is None else image_index(data)
+
+
+def image_index(source: bytes | str | Any) -> dict[str, list[dict]]:
+    """sample_id -> image references of a `MERGED_IMAGES_FILE` (its bytes or its path)."""
     import pyarrow.parquet as pq
 
-    data = store.read_object(ref, MERGED_IMAGES_FILE)
-    if data is None:
-        return {}
-    table = pq.read_table(io.BytesIO(data))
+    table = pq.read_table(io.BytesIO(source) if isinstance(source, bytes) else str(source))
     return {s: parse_refs(i) for s, i in zip(table["sample_id"].to_pylist(), table["images"].to_pylist())}
+
+
+LEFT_OUT_FILE = "left_out.jsonl"
+NO_IMAGES_IN_FORMAT = "image sample: SpecForge's offline format holds no images"

@@ -76,6 +76,11 @@ class PromptLoad:
 
 
 _Reject = prompt_layouts.LayoutRefused  # a row refused: the field (as its layout names it) and why
+IMAGE_COUNTS = ("image_rows", "images", "media_tokens", "image_rejects")  # a load's image figures (the report's)
+
+
+class _ImageReject(_Reject):
+    """A row refused for one of its images (counted apart: `image_rejects`)."""
 
 
 def sample_id(dataset: str, messages: list[dict], tools: list[dict] | None, sampling: dict, index: int) -> str:
@@ -156,6 +161,8 @@ def load_prompts(
                     prompts = turn_prompts(messages) if regenerate == "every_turn" else [messages]
             except _Reject as exc:
                 load.counts["rejected"] += 1
+                if isinstance(exc, _ImageReject):
+                    load.counts["image_rejects"] = load.counts.get("image_rejects", 0) + 1
                 load.rejects.append(
                     {
                         "dataset": dataset,
@@ -169,6 +176,9 @@ def load_prompts(
                 continue
             load.counts["ignored_fields"] += ignored
             load.counts["answers_dropped"] += dropped
+            if refs:  # per prompt row (its repeats and turn prompts share its images)
+                for key, n in (("image_rows", 1), ("images", len(refs)), ("media_tokens", sum(r["media_tokens"] for r in refs.values()))):
+                    load.counts[key] = load.counts.get(key, 0) + n
             if whole:
                 load.counts["user_turns"] = load.counts.get("user_turns", 0) + user_turns * repeats
             tools_json = canonical_json(tools) if tools else None
@@ -199,8 +209,6 @@ def load_prompts(
                 ordinal += 1
         load.sources.append({"uri": f.uri, "bytes": f.size, "sha256": digest.hexdigest()})
     load.counts["rows"] = len(load.rows)
-    if images is not None and images.counts["images"]:
-        load.counts.update(images.counts)
     return load
 
 
@@ -212,11 +220,11 @@ def _store_images(messages: list[dict], sink: ImageSink | None, f: _File, client
     for i, j, part in image_parts(messages):
         where = f"messages[{i}].content[{j}]"
         if sink is None:
-            raise _Reject(where, "image parts are read by the prompts stage only (no image store given)")
+            raise _ImageReject(where, "image parts are read by the prompts stage only (no image store given)")
         try:
             ref = sink.add(part["image_url"]["url"], f.uri, client)
         except ImageError as exc:
-            raise _Reject(where, f"image: {exc}") from None
+            raise _ImageReject(where, f"image: {exc}") from None
         part["image_url"] = {"url": ref["uri"]}
         refs[i, j] = ref
     return refs

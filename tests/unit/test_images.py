@@ -93,7 +93,9 @@ def test_image_parts_in_every_source_are_stored_once_by_sha256(tmp_path, store):
     # the messages name the stored objects, in the order of the references
     parts = [p for p in json.loads(got[1]["messages"])[0]["content"] if p["type"] == "image_url"]
     assert [p["image_url"]["url"] for p in parts] == [r["uri"] for r in second]
-    assert sink.counts["images_stored"] == 2 and load.counts["images"] == 3
+    assert sink.counts["images_stored"] == 2
+    assert {k: load.counts[k] for k in ("image_rows", "images", "media_tokens")} == {
+        "image_rows": 2, "images": 3, "media_tokens": 2 * media_tokens(64, 48) + media_tokens(30, 30)}
 
 
 def test_broken_missing_and_oversized_images_are_rejects_naming_the_part(tmp_path, store):
@@ -110,6 +112,7 @@ def test_broken_missing_and_oversized_images_are_rejects_naming_the_part(tmp_pat
     load, _ = _load(tmp_path, [r for r, _ in bad] + [_user(text, _image(f"s3://{store.bucket}/inputs/ok.png"))], store, max_bytes=4000)
     assert len(load.rows) == 1
     assert [r["field"] for r in load.rejects] == ["messages[0].content[1]"] * len(bad)
+    assert load.counts["image_rejects"] == len(bad) and load.counts["images"] == 1
     for reject, (_, why) in zip(load.rejects, bad):
         assert why in reject["reason"], reject["reason"]
 

@@ -92,6 +92,18 @@ def _trajectory_counts(merged: dict | None, dataset: str) -> dict:
     return {"trajectories": counts} if counts else {}
 
 
+def _image_counts(store, prompts_ref) -> dict:
+    """`images`: the dataset's image prompts (rows, images, media tokens, rows refused for an image:
+    prompts.IMAGE_COUNTS, as the prompts stage counted them), when it had any."""
+    from eagle3_data.prompts import IMAGE_COUNTS
+
+    if not store.is_complete(prompts_ref):
+        return {}
+    counts = (store.read_manifest(prompts_ref).get("extra") or {}).get("counts") or {}
+    found = {k: counts[k] for k in IMAGE_COUNTS if counts.get(k)}
+    return {"images": found} if found else {}
+
+
 def publish(run: Run, store) -> PublishResult:
     """Write the run report and summary, whatever happened upstream (the DAG runs this task once
     everything else is done: the report matters most for a run that failed). Then raise GateFailed
@@ -123,7 +135,8 @@ def publish(run: Run, store) -> PublishResult:
             "thresholds": run.config.dataset(n).validation.rates(),
             "lengths": generation_lengths(store, [stage_ref(run, LOCAL, n), stage_ref(run, RECONSTRUCT, n)]),
             "generation": {"local": datasets[n]["local"], "overflow": datasets[n]["overflow"],
-                           **_conversation_figures(store, run, n), **_trajectory_counts(merged, n)},
+                           **_conversation_figures(store, run, n), **_trajectory_counts(merged, n),
+                           **_image_counts(store, stage_ref(run, PROMPTS, n))},
         }
         for n, g in gates.items()
         if g.report_uri

@@ -104,7 +104,8 @@ def rates(inputs: dict):
 def load_route(run: Run, store, dataset: str) -> RouteResult:
     from eagle3_data.generation.routing import assign_routes
     from eagle3_data.images import ImageSink
-    from eagle3_data.prompts import format_load_rejects, limit_prompt_tokens, load_prompts, prompt_files, prompt_token_limit
+    from eagle3_data.prompts import (IMAGE_COUNTS, format_load_rejects, limit_prompt_tokens, load_prompts, prompt_files,
+                                     prompt_token_limit)
 
     ds, g, limits = run.config.dataset(dataset), run.config.generation, run.config.limits
     # missing prompt files fail before the tokenizer's seconds of loading; the tokenizer loads
@@ -154,6 +155,7 @@ def load_route(run: Run, store, dataset: str) -> RouteResult:
     counts = {"prompts": len(routes), "rejects": len(loaded.rejects)}
     if "user_turns" in loaded.counts:  # rows asked for turn by turn (generation.conversations): sizes the timeouts
         counts["user_turns"] = loaded.counts["user_turns"]
+    counts.update({k: loaded.counts[k] for k in IMAGE_COUNTS if loaded.counts.get(k)})  # image prompts: the report's figures
     if loaded.counts["answers_dropped"]:  # final_turn: rows whose own answer is regenerated (the provenance kept)
         counts["answers_dropped"] = loaded.counts["answers_dropped"]
     for route in routes:
