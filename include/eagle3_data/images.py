@@ -79,8 +79,9 @@ def image_key(prefix: str, sha256: str) -> str:
 
 @dataclass
 class ImageSink:
-    """Where the prompts stage puts images: the run's ArtifactStore (its bucket and prefix), the
-    size limit, and what it stored this load (source -> reference: each image read once)."""
+    """Where the prompts stage puts images: the run's ArtifactStore (its bucket and prefix; None:
+    check only, as `eagle3-data prompts upload` does before uploading), the size limit, and what
+    it read this load (source -> reference: each image read once)."""
 
     store: Any
     max_bytes: int
@@ -98,6 +99,9 @@ class ImageSink:
     def _store(self, data: bytes) -> dict:
         mime, width, height = probe(data)
         digest = hashlib.sha256(data).hexdigest()
+        if self.store is None:
+            return {"uri": None, "sha256": digest, "bytes": len(data), "width": width, "height": height,
+                    "media_tokens": media_tokens(width, height)}
         key = image_key(self.store.prefix, digest)
         if not any(o["Key"] == key for o in self.store.list_objects(key)):
             self.store.put_object(key, data, content_type=mime)

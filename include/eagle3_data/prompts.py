@@ -225,7 +225,8 @@ def _store_images(messages: list[dict], sink: ImageSink | None, f: _File, client
             ref = sink.add(part["image_url"]["url"], f.uri, client)
         except ImageError as exc:
             raise _ImageReject(where, f"image: {exc}") from None
-        part["image_url"] = {"url": ref["uri"]}
+        if ref["uri"] is not None:  # None: a check-only sink
+            part["image_url"] = {"url": ref["uri"]}
         refs[i, j] = ref
     return refs
 

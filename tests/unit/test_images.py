@@ -12,6 +12,7 @@ import pytest
 
 from eagle3_data.images import ImageSink, expand_media, media_tokens, read_image
 from eagle3_data.prompts import load_prompts
+from tests.image_oracle import image_tokens, processor_ids
 
 SAMPLING = {"temperature": 1.0, "max_tokens": 512}
 SIZES = [(1, 1), (13, 29), (28, 28), (64, 48), (640, 480), (1920, 1080), (3000, 200), (7169, 50), (9000, 9000), (100, 20000)]
@@ -25,32 +26,8 @@ def png(width: int, height: int, color: tuple = (200, 30, 90)) -> bytes:
     return out.getvalue()
 
 
-def _transformers_image_tokens() -> callable:
-    """transformers' own count, lifted from its source: `navit_resize` and
-    Kimi_K25ImageProcessor.get_number_of_image_patches with the class's defaults, divided by
-    merge_size**2 as Kimi_K25Processor does. The module imports torchvision at its top, which has
-    no CPU wheel here, so the two functions are compiled from its text (neither calls torchvision)."""
-    import ast
-    import math
-
-    import transformers
-
-    path = Path(transformers.__file__).parent / "models" / "kimi_k25" / "image_processing_kimi_k25.py"
-    tree = ast.parse(path.read_text())
-    navit = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "navit_resize")
-    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Kimi_K25ImageProcessor")
-    method = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "get_number_of_image_patches")
-    defaults = {t.targets[0].id: ast.literal_eval(t.value) for t in cls.body if isinstance(t, ast.Assign)
-                and isinstance(t.targets[0], ast.Name) and t.targets[0].id in ("size", "patch_size", "merge_size", "max_patches")}
-    scope: dict = {"math": math}
-    exec(compile(ast.Module([navit, method], []), str(path), "exec"), scope)  # noqa: S102 - transformers' own code
-    proc = type("Defaults", (), defaults)()
-    return lambda width, height: scope["get_number_of_image_patches"](proc, height, width) // defaults["merge_size"] ** 2
-
-
 def test_media_tokens_match_transformers_own_arithmetic():
-    reference = _transformers_image_tokens()
-    assert [media_tokens(w, h) for w, h in SIZES] == [reference(w, h) for w, h in SIZES]
+    assert [media_tokens(w, h) for w, h in SIZES] == [image_tokens(w, h) for w, h in SIZES]
 
 
 def _load(tmp_path: Path, rows: list[dict], store, max_bytes: int = 1 << 20):
@@ -120,16 +97,13 @@ def test_broken_missing_and_oversized_images_are_rejects_naming_the_part(tmp_pat
 def test_image_ids_equal_the_processor_way_of_expanding(kimi_fmt, kimi_tokenizer):
     """Ours: render, encode, expand each pad id. Transformers' processor: expand `<|media_pad|>` in
     the rendered text (Kimi_K25Processor.replace_image_token), then tokenize."""
-    refs = [{"media_tokens": media_tokens(640, 480)}, {"media_tokens": media_tokens(13, 29)}]
+    sizes = [(640, 480), (13, 29)]
+    refs = [{"media_tokens": media_tokens(w, h)} for w, h in sizes]
     messages = [{"role": "system", "content": "be brief"},
                 {"role": "user", "content": [{"type": "text", "text": "compare "}, _image("s3://b/x"),
                                              {"type": "text", "text": " with "}, _image("s3://b/y")]}]
     ours = kimi_fmt.generation_prompt_ids(messages, None, refs)
-    text = kimi_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, thinking=True)
-    pieces = text.split("<|media_pad|>")
-    assert len(pieces) == 3
-    expanded = pieces[0] + "<|media_pad|>" * refs[0]["media_tokens"] + pieces[1] + "<|media_pad|>" * refs[1]["media_tokens"] + pieces[2]
-    assert ours == kimi_tokenizer.encode(expanded, add_special_tokens=False)
+    assert ours == processor_ids(kimi_tokenizer, messages, sizes)
     assert ours.count(kimi_fmt.media_pad_id) == sum(r["media_tokens"] for r in refs)
     with pytest.raises(Exception, match="placeholder"):
         expand_media(ours, refs[:1], kimi_fmt.media_pad_id)
@@ -227,9 +201,37 @@ def test_dev_provider_takes_image_parts_as_openrouter_does_and_bills_their_token
     answer = chat([_image(uri), text])
     assert answer.status_code == 200, answer.text
     rendered = kimi_fmt.generation_prompt_ids([{"role": "user", "content": [_image("x"), text]}])
-    assert answer.json()["usage"]["prompt_tokens"] == len(rendered) - 1 + _transformers_image_tokens()(300, 120)
+    assert answer.json()["usage"]["prompt_tokens"] == len(rendered) - 1 + image_tokens(300, 120)
     for part, why in [({"type": "image_url", "image_url": "nope"}, "messages[0].content[0].image_url"),
                       (_image("data:text/plain;base64,aGk="), "expected data:image"),
                       (_image("data:image/png;base64," + base64.b64encode(b"not a png").decode()), "not a readable image")]:
         refused = chat([part, text])
         assert refused.status_code == 400 and why in refused.json()["error"]["message"], refused.text
+
+
+def test_report_counts_each_datasets_images_media_tokens_and_image_rejects():
+    from eagle3_data.report.data import DatasetReport, RunReport
+    from eagle3_data.report.render import render_html, render_markdown
+
+    generation = {"local": {"ok": 3, "failed": 0, "prompt_tokens": 900, "completion_tokens": 40, "cost_usd": 0.0},
+                  "images": {"image_rows": 3, "images": 4, "media_tokens": 1234, "image_rejects": 2}}
+    report = RunReport("r", {"created_at": None}, [DatasetReport("img", validation={"samples": 3}, generation=generation),
+                                                    DatasetReport("text", validation={"samples": 3}, generation={"local": generation["local"]})])
+    md, html = render_markdown(report), render_html(report, title="t")
+    for text in (md, html):
+        assert text.count("Image prompts") == 1  # the text-only dataset shows none
+    assert "| media tokens (never trained on) | 1,234 |" in md and "| rows refused for an image | 2 |" in md
+    assert "<th>images</th><td class='num'>4</td>" in html
+
+
+def test_sample_image_prompts_are_the_generators_and_load_whole(store, tmp_path):
+    """include/sample_data/images.jsonl is what eagle3_devtools.sample_images writes (PNGs made by
+    hand with zlib), and every row loads: Pillow decodes each image to the size it was made at."""
+    from eagle3_devtools.sample_images import IMAGES, OUT, text
+
+    assert OUT.read_text() == text()
+    sink = ImageSink(store, 1 << 20)
+    load = load_prompts(str(OUT), "images", sampling=SAMPLING, client=store.client, images=sink)
+    assert not load.rejects and load.counts["image_rows"] == load.counts["rows"] == 4
+    sizes = {(r["width"], r["height"]) for row in load.rows for r in json.loads(row["images"])}
+    assert sizes == {(w, h) for w, h, _ in IMAGES.values()}

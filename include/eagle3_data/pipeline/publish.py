@@ -124,6 +124,7 @@ def publish(run: Run, store) -> PublishResult:
             "prompts": store.read_manifest(prompts)["rows"] if store.is_complete(prompts) else None,
             "local": _generation_totals(store, stage_ref(run, LOCAL, name)),
             "overflow": _generation_totals(store, stage_ref(run, RECONSTRUCT, name)),
+            **_image_counts(store, prompts),
         }
     passed = [n for n, g in gates.items() if g.passed]
     merge_ref, hs_ref = stage_ref(run, MERGE, RUN_DATASET), stage_ref(run, HIDDEN_STATES, RUN_DATASET)
