@@ -30,6 +30,28 @@ def test_media_tokens_match_transformers_own_arithmetic():
     assert [media_tokens(w, h) for w, h in SIZES] == [image_tokens(w, h) for w, h in SIZES]
 
 
+def test_media_tokens_match_vllms_fused_kimi_k25_processor():
+    """vLLM's own count (kimi_k25_vision_fused.KimiK25FusedVisionProcessor.media_tokens_calculator,
+    in the vLLM venv) with Kimi-K2.5's media_proc_cfg, over real images of each size: what vLLM
+    expands a placeholder to must be what our prompt ids hold."""
+    import subprocess
+
+    from eagle3_data.hidden_states.vllm_backend import vllm_python
+
+    script = f"""
+import json
+from PIL import Image
+from vllm.transformers_utils.processors.kimi_k25_vision_fused import KimiK25FusedVisionProcessor
+cfg = dict(patch_size=14, merge_kernel_size=[2, 2], in_patch_limit=16384, patch_limit_on_one_side=512,
+           fixed_output_tokens=None, temporal_merge_kernel_size=4, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+proc = KimiK25FusedVisionProcessor(cfg)
+print(json.dumps([proc.media_tokens_calculator({{"type": "image", "image": Image.new("RGB", (w, h))}}) for w, h in {SIZES[:8]!r}]))
+"""
+    done = subprocess.run([vllm_python(), "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert [media_tokens(w, h) for w, h in SIZES[:8]] == json.loads(done.stdout.splitlines()[-1])
+
+
 def _load(tmp_path: Path, rows: list[dict], store, max_bytes: int = 1 << 20):
     src = tmp_path / "p" / "img.jsonl"
     src.parent.mkdir(parents=True, exist_ok=True)
