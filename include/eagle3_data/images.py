@@ -239,8 +239,13 @@ def merged_images(store, inputs) -> tuple[bytes, dict] | None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from eagle3_data.schemas import schema_for
+
     found: dict[str, str] = {}
     for ref in inputs:
+        written = store.read_manifest(ref)["schema"]
+        if "images" not in schema_for(written["name"], written["version"]).names:
+            continue  # a stage written before images existed (generations v1, v2): text only
         for batch in store.iter_batches(ref, columns=["sample_id", "status", "images"]):
             for sid, status, images in zip(*(batch.column(c).to_pylist() for c in ("sample_id", "status", "images"))):
                 if status == "ok" and images:
