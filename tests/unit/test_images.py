@@ -257,3 +257,17 @@ def test_sample_image_prompts_are_the_generators_and_load_whole(store, tmp_path)
     assert not load.rejects and load.counts["image_rows"] == load.counts["rows"] == 4
     sizes = {(r["width"], r["height"]) for row in load.rows for r in json.loads(row["images"])}
     assert sizes == {(w, h) for w, h, _ in IMAGES.values()}
+
+
+def test_the_prompt_token_limit_counts_each_images_media_tokens(tmp_path, store, kimi_fmt):
+    from eagle3_data.prompts import limit_prompt_tokens
+
+    (tmp_path / "p").mkdir(parents=True)
+    (tmp_path / "p" / "big.png").write_bytes(png(640, 480))
+    (tmp_path / "p" / "small.png").write_bytes(png(28, 28))
+    text = {"type": "text", "text": "what is it?"}
+    load, _ = _load(tmp_path, [_user(text, _image("big.png")), _user(text, _image("small.png"))], store)
+    limit_prompt_tokens(load, 100, lambda messages, tools, images=None: len(kimi_fmt.generation_prompt_ids(messages, tools, images)))
+    assert [json.loads(r["images"])[0]["width"] for r in load.rows] == [28]  # 1 media token: under the limit
+    expected = processor_ids(kimi_fmt.tokenizer, [{"role": "user", "content": [text, _image("x")]}], [(640, 480)])
+    assert [r["line"] for r in load.rejects] == [1] and f"{len(expected)} prompt tokens" in load.rejects[0]["reason"]
