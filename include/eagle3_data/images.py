@@ -25,6 +25,7 @@ import hashlib
 import io
 import json
 import math
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,10 +63,15 @@ def probe(data: bytes) -> tuple[str, int, int]:
     from PIL import Image
 
     try:
-        with Image.open(io.BytesIO(data)) as img:
-            kind = img.format
-            img.load()
-            width, height = img.size
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # refused below, by name
+            with Image.open(io.BytesIO(data)) as img:
+                kind, (width, height) = img.format, img.size
+                if width * height > Image.MAX_IMAGE_PIXELS:  # a few compressed bytes can decode to gigabytes
+                    raise ImageError(f"{width}x{height} pixels, over Pillow's decompression-bomb limit of {Image.MAX_IMAGE_PIXELS}")
+                img.load()
+    except ImageError:
+        raise
     except Exception as exc:  # PIL raises many kinds (OSError, SyntaxError, DecompressionBombError, ...)
         raise ImageError(f"not a decodable image ({type(exc).__name__}: {str(exc)[:120]})") from None
     if kind not in FORMATS:
@@ -92,9 +98,10 @@ class ImageSink:
         """The reference of the image at `url` (relative paths against the prompt file `base`),
         stored in the bucket once; ImageError says why it cannot be used."""
         source = url if url.startswith(("data:", "s3://")) else _join(base, url)
-        if source not in self.seen:
-            self.seen[source] = self._store(_read_source(source, client, self.max_bytes))
-        return self.seen[source]
+        key = "data:sha256:" + hashlib.sha256(url.encode()).hexdigest() if url.startswith("data:") else source
+        if key not in self.seen:  # a data URI is known by its hash: the load does not hold every image's text
+            self.seen[key] = self._store(_read_source(source, client, self.max_bytes))
+        return self.seen[key]
 
     def _store(self, data: bytes) -> dict:
         mime, width, height = probe(data)

@@ -107,6 +107,7 @@ def test_broken_missing_and_oversized_images_are_rejects_naming_the_part(tmp_pat
         (_user(text, _image(f"s3://{store.bucket}/inputs/missing.png")), "no such object"),
         (_user(text, _image("data:image/png;base64," + base64.b64encode(png(400, 400, (9, 9, 9)) + b"\0" * 5000).decode())), "over the limit"),
         (_user(text, _image("../escape.png")), "may not leave"),
+        (_user(text, _image("data:image/png;base64," + base64.b64encode(_png_header(10_000, 10_000)).decode())), "decompression-bomb"),
     ]
     load, _ = _load(tmp_path, [r for r, _ in bad] + [_user(text, _image(f"s3://{store.bucket}/inputs/ok.png"))], store, max_bytes=4000)
     assert len(load.rows) == 1
@@ -114,6 +115,18 @@ def test_broken_missing_and_oversized_images_are_rejects_naming_the_part(tmp_pat
     assert load.counts["image_rejects"] == len(bad) and load.counts["images"] == 1
     for reject, (_, why) in zip(load.rejects, bad):
         assert why in reject["reason"], reject["reason"]
+
+
+def _png_header(width: int, height: int) -> bytes:
+    """A PNG that claims width x height pixels in a few bytes (a decompression bomb's header)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b""))
 
 
 def test_image_ids_equal_the_processor_way_of_expanding(kimi_fmt, kimi_tokenizer):
