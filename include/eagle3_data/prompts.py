@@ -220,7 +220,7 @@ def _store_images(messages: list[dict], sink: ImageSink | None, f: _File, client
     for i, j, part in image_parts(messages):
         where = f"messages[{i}].content[{j}]"
         if sink is None:
-            raise _ImageReject(where, "image parts are read by the prompts stage only (no image store given)")
+            raise _Reject(where, "image parts are read by the prompts stage only (no image store given)")
         try:
             ref = sink.add(part["image_url"]["url"], f.uri, client)
         except ImageError as exc:
