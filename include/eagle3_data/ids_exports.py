@@ -21,7 +21,7 @@ from pathlib import Path
 
 def export_speculators_ids(rows: Iterable[Mapping], out_dir: str | Path, images: Mapping[str, list] | None = None) -> int:
     """Merged rows (sample_id, input_ids, loss_mask) as speculators' pretokenized dataset;
-    `images` (sample_id -> references, the merge's images.parquet) go into `index.jsonl`."""
+    `images` (sample_id -> references, the merge's images.jsonl) go into `index.jsonl`."""
     from eagle3_data.hidden_states.speculators_export import save_rows
 
     return save_rows(((r["sample_id"], r["input_ids"], r["loss_mask"]) for r in rows), out_dir, images=images)

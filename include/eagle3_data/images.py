@@ -235,17 +235,15 @@ def media_mask(ids: list[int], pad_id: int) -> list[bool]:
 
 
 # -- beside the merged shards -------------------------------------------------------------------
-MERGED_IMAGES_FILE = "images.parquet"
+# JSON Lines, not Parquet: every reader of a merge folder takes its `*.parquet` files for shards
+MERGED_IMAGES_FILE = "images.jsonl"
 
 
 def merged_images(store, inputs) -> tuple[bytes, dict] | None:
-    """The image references of every ok input sample that has images, as a Parquet file (sample_id,
-    images) for `MERGED_IMAGES_FILE` beside the merged shards (their rows join on sample_id), and
-    its counts; None when no sample has an image (a text merge is as it always was). Media tokens
-    are prompt ids, which the merge masks (loss_mask 0), so they are never trained on."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
+    """The image references of every ok input sample that has images, as `MERGED_IMAGES_FILE`
+    beside the merged shards (one `{"sample_id", "images"}` a line, by sample_id: their rows join
+    on it), and its counts; None when no sample has an image (a text merge is as it always was).
+    Media tokens are prompt ids, which the merge masks (loss_mask 0): never trained on."""
     from eagle3_data.schemas import schema_for
 
     found: dict[str, str] = {}
@@ -259,12 +257,10 @@ def merged_images(store, inputs) -> tuple[bytes, dict] | None:
                     found.setdefault(sid, images)
     if not found:
         return None
-    sids = sorted(found)
-    refs = [parse_refs(found[s]) for s in sids]
-    out = io.BytesIO()
-    pq.write_table(pa.table({"sample_id": pa.array(sids, pa.string()), "images": pa.array([found[s] for s in sids], pa.string())}), out)
-    return out.getvalue(), {"samples": len(sids), "images": sum(map(len, refs)),
-                            "media_tokens": sum(r["media_tokens"] for rs in refs for r in rs)}
+    refs = {sid: parse_refs(found[sid]) for sid in sorted(found)}
+    text = "".join(json.dumps({"sample_id": sid, "images": r}, sort_keys=True) + "\n" for sid, r in refs.items())
+    return text.encode(), {"samples": len(refs), "images": sum(map(len, refs.values())),
+                           "media_tokens": sum(r["media_tokens"] for rs in refs.values() for r in rs)}
 
 
 def read_merged_images(store, ref) -> dict[str, list[dict]]:
@@ -275,10 +271,12 @@ def read_merged_images(store, ref) -> dict[str, list[dict]]:
 
 def image_index(source: bytes | str | Any) -> dict[str, list[dict]]:
     """sample_id -> image references of a `MERGED_IMAGES_FILE` (its bytes or its path)."""
-    import pyarrow.parquet as pq
+    if not isinstance(source, bytes):
+        from pathlib import Path
 
-    table = pq.read_table(io.BytesIO(source) if isinstance(source, bytes) else str(source))
-    return {s: parse_refs(i) for s, i in zip(table["sample_id"].to_pylist(), table["images"].to_pylist())}
+        source = Path(source).read_bytes()
+    lines = (json.loads(line) for line in source.decode().splitlines() if line.strip())
+    return {e["sample_id"]: e["images"] for e in lines}
 
 
 LEFT_OUT_FILE = "left_out.jsonl"

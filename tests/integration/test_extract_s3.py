@@ -139,7 +139,7 @@ def test_extract_shard_resumes_by_shard_and_commit_waits_for_all(store, generati
 def test_exports_of_image_samples_from_s3(store, tiny_model_dir, s3_env, tmp_path, capsys):
     """Image samples through `merge`, `extract` and every export from S3: SpecForge's offline
     format leaves them out and the command names how many (left_out.jsonl: which and why); the
-    ids-only exports and speculators' index carry their references (the merge's images.parquet)."""
+    ids-only exports and speculators' index carry their references (the merge's images.jsonl)."""
     from eagle3_data.images import NO_IMAGES_IN_FORMAT
 
     g = torch.Generator().manual_seed(5)

@@ -145,7 +145,7 @@ def _run_export_speculators(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace, trainer: str, states, ids_only) -> int:
     """One export: the extraction's shards through `states`, or with --ids-only the merged rows
     through `ids_only`; the trainer's draft-vocabulary files copied beside them, the image
-    samples' references (the merge's images.parquet) handed to both."""
+    samples' references (the merge's images.jsonl) handed to both."""
     from pathlib import Path
 
     from eagle3_data.hidden_states.extract import read_merged_rows
