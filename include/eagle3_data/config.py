@@ -361,6 +361,7 @@ class HiddenStatesConfig(_Model):
 
 class LimitsConfig(_Model):
     max_message_bytes: int = Field(1_000_000, ge=1, description="largest accepted prompt row (bytes of its messages)")
+    max_image_bytes: int = Field(20_000_000, ge=1, description="largest accepted image of an image prompt (bytes, encoded)")
     max_prompt_tokens: int | None = Field(None, ge=1, description="longest accepted prompt; empty: the model's context")
 
 

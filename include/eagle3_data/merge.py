@@ -37,7 +37,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from eagle3_data import draft_vocab
+from eagle3_data import draft_vocab, images
 from eagle3_data.config import LENGTH_POLICIES
 from eagle3_data.errors import UserError
 from eagle3_data.generation.conversations import DROPPED, FOLDED, OWN
@@ -509,6 +509,10 @@ def merge_datasets(
                                                    vocab_size or shards.trained_counts.shape[0])
             for name in vocab_files:
                 store.put_file(out_ref, name, work / name)
+        image_files, image_extra = [], {}
+        if (found := images.merged_images(store, inputs)) is not None:  # image samples' references, by sample_id
+            store.put_bytes(out_ref, images.MERGED_IMAGES_FILE, found[0])
+            image_files, image_extra = [images.MERGED_IMAGES_FILE], {"images": found[1]}
 
         datasets = {name: dict(sorted(c.items())) for name, c in sorted(stats.items())}
         totals = Counter()
@@ -525,10 +529,10 @@ def merge_datasets(
         params = {"max_length": max_length, "length_policy": length_policy, "shard_tokens": shard_tokens, "seed": seed,
                   "draft_vocab_size": draft_vocab_size}
         held.check()  # fencing: a writer whose lease was taken over commits nothing
-        store.commit_files(out_ref, [s["name"] for s in shards.shards] + vocab_files, params=params, inputs=inputs,
+        store.commit_files(out_ref, [s["name"] for s in shards.shards] + vocab_files + image_files, params=params, inputs=inputs,
                            tokenizer_sha256=tokenizer_sha, template_sha256=template_sha,
                            extra={"shards": shards.shards, "datasets": datasets, "totals": summary["totals"],
-                                  "draft_vocab": summary["draft_vocab"]})
+                                  "draft_vocab": summary["draft_vocab"], **image_extra})
         return summary
 
 

@@ -9,6 +9,10 @@ A row is one of (the first key found decides):
   top-level `system` string and `tools` (a JSON string of bare function definitions) too;
 - `prompt`: one user message as a plain string (with an optional `system` string).
 
+Images: OpenAI rows carry `image_url` parts (prompts._content); ShareGPT rows (LLaVA,
+LLaMA-Factory) a top-level `images` list of urls/paths, each `<image>` marker in a user turn's value
+taking the next one: the turn becomes text and `image_url` parts, in the value's order.
+
 ShareGPT records no call ids: each call gets `call_{k}` (k counts the calls of the conversation
 from 0) and the results that follow take the pending calls' ids in order, so a parallel call's
 results pair with its calls as the dataset lists them. The loader then rewrites every call id to
@@ -66,7 +70,7 @@ def to_messages(record: dict) -> tuple[Any, Any, set[str]]:
         if not isinstance(prompt, str):
             raise LayoutRefused("prompt", f"expected a string, got {type(prompt).__name__}")
         return _system(record) + [{"role": "user", "content": prompt}], record.get("tools"), {"prompt", "system", "tools"}
-    return _sharegpt(record), _bare_tools(record.get("tools")), {"conversations", "system", "tools"}
+    return _sharegpt(record), _bare_tools(record.get("tools")), {"conversations", "system", "tools", "images"}
 
 
 def _system(record: dict) -> list[dict]:
@@ -85,6 +89,8 @@ def _sharegpt(record: dict) -> list[dict]:
     if not isinstance(turns, list):
         raise LayoutRefused("conversations", f"expected a list, got {type(turns).__name__}")
     messages, pending, calls = _system(record), [], 0
+    images = _sharegpt_images(record.get("images"))
+    markers = 0
     for i, turn in enumerate(turns):
         where = f"conversations[{i}]"
         if not isinstance(turn, dict):
@@ -111,8 +117,40 @@ def _sharegpt(record: dict) -> list[dict]:
         else:
             if role == "user":
                 pending.clear()  # calls left without results: the template renders them as they are
-            messages.append({"role": role, "content": value})
+            content: str | list[dict] = value
+            if role == "user" and IMAGE_MARKER in value:
+                content, markers = _with_images(value, images, markers, f"{where}.value"), markers + value.count(IMAGE_MARKER)
+            messages.append({"role": role, "content": content})
+    if markers != len(images):
+        raise LayoutRefused("images", f"{len(images)} image(s) for {markers} {IMAGE_MARKER} marker(s) in the user turns")
     return messages
+
+
+IMAGE_MARKER = "<image>"
+
+
+def _sharegpt_images(images: Any) -> list[str]:
+    if images is None:
+        return []
+    if isinstance(images, str):
+        images = loads_field(images, "images")
+    if not isinstance(images, list) or not all(isinstance(u, str) and u for u in images):
+        raise LayoutRefused("images", "expected a list of image urls or paths")
+    return images
+
+
+def _with_images(value: str, images: list[str], used: int, where: str) -> list[dict]:
+    """A user turn's value as text and image_url parts, each `<image>` taking the next image."""
+    parts: list[dict] = []
+    for k, text in enumerate(value.split(IMAGE_MARKER)):
+        if k:
+            if used >= len(images):
+                raise LayoutRefused(where, f"more {IMAGE_MARKER} markers than the row's {len(images)} image(s)")
+            parts.append({"type": "image_url", "image_url": {"url": images[used]}})
+            used += 1
+        if text:
+            parts.append({"type": "text", "text": text})
+    return parts
 
 
 def pair_results(messages: list[dict], where: str = "messages") -> dict[int, tuple[int, int]]:

@@ -32,6 +32,7 @@ import pyarrow as pa
 
 from eagle3_data import json_records, prompt_layouts
 from eagle3_data.errors import UserError
+from eagle3_data.images import ImageError, ImageSink, image_parts
 from eagle3_data.rejects import format_rejects
 from eagle3_data.spill import RowSpill
 from eagle3_data.storage import canonical_json, check_name
@@ -75,6 +76,11 @@ class PromptLoad:
 
 
 _Reject = prompt_layouts.LayoutRefused  # a row refused: the field (as its layout names it) and why
+IMAGE_COUNTS = ("image_rows", "images", "media_tokens", "image_rejects")  # a load's image figures (the report's)
+
+
+class _ImageReject(_Reject):
+    """A row refused for one of its images (counted apart: `image_rejects`)."""
 
 
 def sample_id(dataset: str, messages: list[dict], tools: list[dict] | None, sampling: dict, index: int) -> str:
@@ -96,6 +102,7 @@ def load_prompts(
     regenerate: str = "final_turn",
     history: str = "dataset",
     call_id: Callable[[str, int], str] | None = None,
+    images: ImageSink | None = None,
 ) -> PromptLoad:
     """Load, validate and normalise one dataset's prompts; see the module docstring for `source`.
 
@@ -116,7 +123,11 @@ def load_prompts(
     `call_id`: the output format's own call id (`OutputFormat.call_id`, `generation.call_ids:
     format`): every call of a row is renamed to it, numbered over the row as the model numbers
     its calls, and each tool message re-keyed to the call it answers (`pair_results`); None keeps
-    the dataset's ids (`given`)."""
+    the dataset's ids (`given`).
+    `images`: where image parts' images go (images.ImageSink: the run's bucket, the size limit);
+    each is read once, checked and stored, its part rewritten to name the stored object, and the
+    row's `images` column lists their references in prompt order. None: a row with an image part
+    is refused."""
     from eagle3_data.generation.conversations import needs_rounds
 
     whole = needs_rounds(regenerate, history)
@@ -140,6 +151,7 @@ def load_prompts(
                 if isinstance(record, _Reject):
                     raise record
                 messages, tools, ignored, dropped = _normalise(record, call_id, drop_answer=regenerate == "final_turn")
+                refs = _store_images(messages, images, f, client)
                 source_id = _source_id(record)
                 _check_bytes(messages, max_message_bytes)
                 if whole:  # one prompt row; its user turns (refused when none) size the stage's task
@@ -149,6 +161,8 @@ def load_prompts(
                     prompts = turn_prompts(messages) if regenerate == "every_turn" else [messages]
             except _Reject as exc:
                 load.counts["rejected"] += 1
+                if isinstance(exc, _ImageReject):
+                    load.counts["image_rejects"] = load.counts.get("image_rejects", 0) + 1
                 load.rejects.append(
                     {
                         "dataset": dataset,
@@ -162,6 +176,9 @@ def load_prompts(
                 continue
             load.counts["ignored_fields"] += ignored
             load.counts["answers_dropped"] += dropped
+            if refs:  # per prompt row (its repeats and turn prompts share its images)
+                for key, n in (("image_rows", 1), ("images", len(refs)), ("media_tokens", sum(r["media_tokens"] for r in refs.values()))):
+                    load.counts[key] = load.counts.get(key, 0) + n
             if whole:
                 load.counts["user_turns"] = load.counts.get("user_turns", 0) + user_turns * repeats
             tools_json = canonical_json(tools) if tools else None
@@ -173,6 +190,7 @@ def load_prompts(
                         load.counts["duplicates"] += 1
                         continue
                     seen.add(sid)
+                    prompt_refs = [refs[i, j] for i, j, _ in image_parts(prompt)]
                     load.rows.append(
                         {
                             "sample_id": sid,
@@ -182,6 +200,7 @@ def load_prompts(
                             "tools": tools_json,
                             "route": None,
                             "source_id": source_id,
+                            "images": canonical_json(prompt_refs) if prompt_refs else None,
                             "source": f.uri,
                             "line": line,
                             "raw": raw[:_RAW_LIMIT],
@@ -191,6 +210,25 @@ def load_prompts(
         load.sources.append({"uri": f.uri, "bytes": f.size, "sha256": digest.hexdigest()})
     load.counts["rows"] = len(load.rows)
     return load
+
+
+def _store_images(messages: list[dict], sink: ImageSink | None, f: _File, client) -> dict[tuple[int, int], dict]:
+    """Read, check and store every image part of a normalised row (images.ImageSink), rewriting
+    each part's url to the stored object: (message, part) -> its reference. A broken, missing or
+    oversized image refuses the row, naming the part."""
+    refs = {}
+    for i, j, part in image_parts(messages):
+        where = f"messages[{i}].content[{j}]"
+        if sink is None:
+            raise _Reject(where, "image parts are read by the prompts stage only (no image store given)")
+        try:
+            ref = sink.add(part["image_url"]["url"], f.uri, client)
+        except ImageError as exc:
+            raise _ImageReject(where, f"image: {exc}") from None
+        if ref["uri"] is not None:  # None: a check-only sink
+            part["image_url"] = {"url": ref["uri"]}
+        refs[i, j] = ref
+    return refs
 
 
 def _check_bytes(messages: list[dict], max_bytes: int | None) -> None:
@@ -204,19 +242,21 @@ def _check_bytes(messages: list[dict], max_bytes: int | None) -> None:
 def limit_prompt_tokens(load: PromptLoad, max_tokens: int | None,
                         count_tokens: Callable[[list[dict], list[dict] | None], int]) -> None:
     """Move the rows whose prompt is over `max_tokens` tokens (as `count_tokens(messages, tools)`
-    renders it: the chat template's generation prompt) to the rejects, before any request. A
+    renders it: the chat template's generation prompt; an image row's references are passed as
+    `images=`, their media tokens count) to the rejects, before any request. A
     prompt the template cannot render is rejected too. Repeats of one prompt (adjacent rows: the
     same prompt on another line is a duplicate sample, dropped by the load) are counted once."""
     if max_tokens is None:
         return
     last, verdict, dropped = None, None, []
-    for batch in load.rows.batches(["sample_id", "dataset", "messages", "tools", "source", "line", "raw"]):
+    for batch in load.rows.batches(["sample_id", "dataset", "messages", "tools", "images", "source", "line", "raw"]):
         for row in batch.to_pylist():
             key = (row["messages"], row["tools"])
             if key != last:
                 last = key
                 try:
-                    n = count_tokens(json.loads(row["messages"]), json.loads(row["tools"]) if row["tools"] else None)
+                    extra = {"images": json.loads(row["images"])} if row["images"] else {}
+                    n = count_tokens(json.loads(row["messages"]), json.loads(row["tools"]) if row["tools"] else None, **extra)
                     verdict = None if n <= max_tokens else f"{n} prompt tokens, over the limit of {max_tokens} (limits.max_prompt_tokens)"
                 except Exception as exc:  # the chat template refuses this conversation
                     verdict = f"the chat template cannot render it: {str(exc)[:200]}"
@@ -354,22 +394,34 @@ def _message(m: Any, where: str) -> dict:
         if role != "assistant" or "tool_calls" not in m:
             raise _Reject(f"{where}.content", "missing")
     else:
-        m["content"] = _content(m["content"], f"{where}.content")
+        m["content"] = _content(m["content"], f"{where}.content", images=role == "user")
     if role == "tool" and "tool_call_id" not in m:
         raise _Reject(f"{where}.tool_call_id", "missing on a tool message")
     return m
 
 
-def _content(content: Any, where: str) -> str | list[dict]:
+def _content(content: Any, where: str, *, images: bool = False) -> str | list[dict]:
+    """A message's content: a string, or text parts and (`images`: user messages) OpenAI
+    `image_url` parts, whose url `_store_images` resolves."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise _Reject(where, f"expected a string or a list of text parts, got {type(content).__name__}")
+    out = []
     for i, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise _Reject(f"{where}[{i}]", f"only text parts are supported, got {kind!r}")
-    return [{"type": "text", "text": part["text"]} for part in content]
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind == "text" and isinstance(part.get("text"), str):
+            out.append({"type": "text", "text": part["text"]})
+        elif kind == "image_url" and images:
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url  # some datasets give the url as a string
+            if not isinstance(url, str) or not url:
+                raise _Reject(f"{where}[{i}].image_url.url", "missing or not a string")
+            out.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            allowed = "text and image_url" if images else "text"
+            raise _Reject(f"{where}[{i}]", f"only {allowed} parts are supported here, got {kind!r}")
+    return out
 
 
 def _tool_call(c: Any, where: str) -> dict:

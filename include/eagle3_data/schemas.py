@@ -32,7 +32,9 @@ PROMPTS_V1 = pa.schema(
     ]
 )
 # v2: the prompt row's own `id`, kept as provenance beside the sample id (null when it had none)
-PROMPTS = PROMPTS_V1.append(pa.field("source_id", pa.string()))
+PROMPTS_V2 = PROMPTS_V1.append(pa.field("source_id", pa.string()))
+# v3: the prompt's images, canonical JSON list of references in prompt order (images.py), null for text
+PROMPTS = PROMPTS_V2.append(pa.field("images", pa.string()))
 
 IDENTITY_MISMATCH = "identity_mismatch"  # a generation row's status: answered by a model/provider not pinned
 
@@ -59,7 +61,9 @@ GENERATIONS_V1 = pa.schema(
 # v2: the local engine's log-probability of each output id, as it reports them (provenance
 # `logprobs.distribution`: vLLM's raw model distribution; SGLang's after temperature scaling, before
 # top-k/top-p, unless its server sets SGLANG_RETURN_ORIGINAL_LOGPROB); null for text-only answers
-GENERATIONS = GENERATIONS_V1.append(pa.field("output_logprobs", pa.list_(pa.float32())))
+GENERATIONS_V2 = GENERATIONS_V1.append(pa.field("output_logprobs", pa.list_(pa.float32())))
+# v3: the prompt's images (the prompts row's `images`), so merge and extraction can feed them
+GENERATIONS = GENERATIONS_V2.append(pa.field("images", pa.string()))
 
 VALIDATION_ROWS = pa.schema(
     [
@@ -125,8 +129,9 @@ SCHEMAS["rejects"] = REJECTS
 
 # Per-schema version: bump one when its shape changes; readers refuse newer ones and read the
 # older ones kept here (a column a version added reads as absent from an older part).
-SCHEMA_VERSIONS: dict[str, int] = {**{name: SCHEMA_VERSION for name in SCHEMAS}, "prompts": 2, "generations": 2}
-OLDER_SCHEMAS: dict[tuple[str, int], pa.Schema] = {("prompts", 1): PROMPTS_V1, ("generations", 1): GENERATIONS_V1}
+SCHEMA_VERSIONS: dict[str, int] = {**{name: SCHEMA_VERSION for name in SCHEMAS}, "prompts": 3, "generations": 3}
+OLDER_SCHEMAS: dict[tuple[str, int], pa.Schema] = {("prompts", 1): PROMPTS_V1, ("prompts", 2): PROMPTS_V2,
+                                                   ("generations", 1): GENERATIONS_V1, ("generations", 2): GENERATIONS_V2}
 
 
 def schema_for(name: str, version: int | None = None) -> pa.Schema:

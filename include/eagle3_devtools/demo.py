@@ -48,7 +48,7 @@ from eagle3_devtools.stack import (
 )
 
 DEFAULT_WORKDIR = REPO / "demo-output"
-SAMPLE_DATASETS = ("tool_calls", "code", "chat")
+SAMPLE_DATASETS = ("tool_calls", "code", "chat", "images")  # images: image prompts in every layout (sample_images.py)
 BROKEN = "broken"  # the chat prompts through an engine that splits BPE tokens: fails its gate on purpose
 BROKEN_PROMPTS = 6
 # Small enough for two CPU cores in a few minutes; the shape of a real run.
@@ -123,6 +123,9 @@ def report(stack, config, run_key: str, dag_run) -> str:
             f"({d['local']['completion_tokens']} output tokens), overflow {d['overflow']['ok']} ok/{d['overflow']['failed']} failed "
             f"({d['overflow']['completion_tokens']} output tokens, ${d['overflow']['cost_usd']:.4f}); gate {gate}"
         )
+        if im := d.get("images"):
+            lines.append(f"  {'':12s} images: {im.get('image_rows', 0)} prompts with {im.get('images', 0)} images, "
+                         f"{im.get('media_tokens', 0)} media tokens (mask 0), {im.get('image_rejects', 0)} rows refused for an image")
         lines.append(f"  {'':12s} report {d['gate']['report_uri']}")
     if s.get("merged"):
         t = s["merged"]["totals"]

@@ -460,6 +460,59 @@ def _run(run_id: str):
 
 
 
+def test_image_prompts_run_through_the_dag(stack, tmp_path, kimi_tokenizer):
+    """include/sample_data/images.jsonl (every image layout) through the whole DAG on the dev
+    server: each sample's prompt ids are what transformers' Kimi-K2.5 processor makes of its
+    messages and images (tests/image_oracle.py), on both paths; in the merge the media tokens are
+    never trained on and the references sit beside the shards; the report counts them."""
+    import io
+
+    import pyarrow.parquet as pq
+
+    from eagle3_data.images import read_image, read_merged_images
+    from eagle3_data.report import load_run_report
+    from eagle3_data.storage import StageRef
+    from eagle3_devtools.stack import SAMPLE_DATA, upload_prompts
+    from tests.image_oracle import processor_ids
+
+    path = _with_config(stack, tmp_path, lambda raw: raw["datasets"].append({"name": "images"}))
+    upload_prompts(stack.client(), load_config(path), f"{DATE:%Y-%m-%d}", {"images": SAMPLE_DATA / "images.jsonl"})
+    os.environ["EAGLE3_CONFIG"] = str(path)
+    try:
+        from airflow.dag_processing.dagbag import DagBag
+
+        from tests.fixtures.airflow import REPO
+
+        dag = DagBag(dag_folder=str(REPO / "dags")).dags[DAG_ID]  # parsed with the dataset in its form
+        dr = dag.test(logical_date=DATE, run_conf={"run_name": "images", "datasets": ["images"], "skip_hidden_states": True})
+    finally:
+        os.environ["EAGLE3_CONFIG"] = str(stack.config_path)
+    assert str(dr.state).endswith("success"), _states(dr)
+    store = _store(stack)
+    pad = kimi_tokenizer.convert_tokens_to_ids("<|media_pad|>")
+    rows = [r for stage in ("generate_local", "reconstruct") for r in stage_rows(store, "images", stage, "images").values()]
+    sources = Counter()
+    for row in rows:
+        assert row["status"] == "ok", row
+        refs = json.loads(row["images"])
+        assert refs and all(len(read_image(store, r)) == r["bytes"] for r in refs)  # stored, and as recorded
+        expected = processor_ids(kimi_tokenizer, json.loads(row["messages"]), [(r["width"], r["height"]) for r in refs])
+        assert list(row["prompt_ids"]) == expected, row["sample_id"]
+        sources[row["source"]] += 1
+    assert sources["sglang"] and sources["openrouter"], sources
+    merge = StageRef("images", "merge", "all")
+    images = read_merged_images(store, merge)
+    records = [r for s in store.read_manifest(merge)["extra"]["shards"]
+               for r in pq.read_table(io.BytesIO(store.read_object(merge, s["name"]))).to_pylist()]
+    assert records and {r["sample_id"] for r in records} <= set(images)
+    for r in records:
+        pads = [k for k, t in enumerate(r["input_ids"]) if t == pad]
+        assert len(pads) == sum(i["media_tokens"] for i in images[r["sample_id"]]) > 0
+        assert all(r["loss_mask"][k] == 0 for k in pads) and max(pads) < r["prompt_tokens"]
+    entry = next(d for d in load_run_report(store, "images").datasets if d.name == "images")
+    assert entry.generation["images"]["image_rows"] == 4 and entry.generation["images"]["media_tokens"] > 0
+
+
 @pytest.mark.parametrize("mode,history", [("final_turn", "dataset"), ("every_turn", "regenerated"),
                                           ("trajectory", "dataset")])
 def test_conversations_run_through_the_dag_in_every_mode(mode, history, stack, tmp_path, kimi_tokenizer):

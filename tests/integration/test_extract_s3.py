@@ -134,3 +134,33 @@ def test_extract_shard_resumes_by_shard_and_commit_waits_for_all(store, generati
                       backend=backend)
     with pytest.raises(UserError, match="different \\['aux_encoding', 'dtype'\\]"):
         commit_extraction(store, merge_ref, mixed_ref)
+
+
+def test_exports_of_image_samples_from_s3(store, tiny_model_dir, s3_env, tmp_path, capsys):
+    """Image samples through `merge`, `extract` and every export from S3: SpecForge's offline
+    format leaves them out and the command names how many (left_out.jsonl: which and why); the
+    ids-only exports and speculators' index carry their references (the merge's images.jsonl)."""
+    from eagle3_data.images import NO_IMAGES_IN_FORMAT
+
+    g = torch.Generator().manual_seed(5)
+    ids = lambda n: torch.randint(0, 163_584, (n,), generator=g).tolist()  # noqa: E731
+    refs = {f"c{i}": [{"uri": f"s3://b/images/sha256/{i:064d}", "sha256": f"{i:064d}", "bytes": 9, "width": 28,
+                       "height": 28, "media_tokens": 1}] for i in (1, 3)}
+    rows = [{**gen_row(f"c{i}", "chat", "sglang", ids(6), ids(8) + [163586]), "images": json.dumps(refs.get(f"c{i}"))}
+            if f"c{i}" in refs else gen_row(f"c{i}", "chat", "sglang", ids(6), ids(8) + [163586]) for i in range(6)]
+    write_stage(store, StageRef(RUN, "generate_local", "chat"), rows)
+    run, uri = "images", lambda ref: store.uri(ref)  # noqa: E731
+    assert main(["merge", "--input", uri(StageRef(RUN, "generate_local", "chat")), "--out-run-key", run]) == 0
+    assert main(["extract", "--model", str(tiny_model_dir), "--input", uri(StageRef(run, "merge", "all"))]) == 0
+    capsys.readouterr()
+    assert main(["export-specforge", "--input", uri(StageRef(run, "hidden_states", "all")), "--out", str(tmp_path / "sf")]) == 0
+    assert "2 image samples left out" in capsys.readouterr().out
+    left = [json.loads(line) for line in (tmp_path / "sf" / "left_out.jsonl").read_text().splitlines()]
+    assert sorted(e["sample_id"] for e in left) == ["c1", "c3"] and {e["reason"] for e in left} == {NO_IMAGES_IN_FORMAT}
+    assert len(list((tmp_path / "sf").rglob("*.ckpt"))) == 4
+    merge_uri = uri(StageRef(run, "merge", "all"))
+    assert main(["export-speculators", "--input", uri(StageRef(run, "hidden_states", "all")), "--out", str(tmp_path / "spec")]) == 0
+    assert main(["export-specforge", "--ids-only", "--input", merge_uri, "--out", str(tmp_path / "sf-ids")]) == 0
+    for path in (tmp_path / "spec" / "index.jsonl", tmp_path / "sf-ids" / "prompts.jsonl"):
+        got = {e["sample_id"]: e.get("images") for e in map(json.loads, path.read_text().splitlines())}
+        assert got == {f"c{i}": refs.get(f"c{i}") for i in range(6)}, path

@@ -74,3 +74,32 @@ def test_upload_lands_in_the_date_partition_the_run_reads(env, s3, s3_bucket, ca
     lines = capsys.readouterr().out.splitlines()
     size = (SAMPLE / "chat.jsonl").stat().st_size
     assert [line.split() for line in lines[1:]] == [["chat", d, "1", str(size)] for d in ("2026-11-02", "2026-11-03")]
+
+
+def test_image_prompts_are_checked_and_their_image_files_uploaded_beside_them(env, s3, s3_bucket, tmp_path, capsys):
+    """A broken image blocks the upload naming the part; the images a prompt names by relative
+    path land beside it, where the run's prompts stage reads them (and stores them by sha256)."""
+    from eagle3_data.images import ImageSink
+    from eagle3_data.storage import ArtifactStore
+    from eagle3_devtools.sample_images import IMAGES, png
+
+    (tmp_path / "pics").mkdir()
+    (tmp_path / "pics" / "flag.png").write_bytes(png(*IMAGES["flag"]))
+    (tmp_path / "pics" / "broken.png").write_bytes(png(*IMAGES["flag"])[:50])
+    row = lambda name: {"messages": [{"role": "user", "content": [  # noqa: E731
+        {"type": "text", "text": "what flag?"}, {"type": "image_url", "image_url": {"url": f"pics/{name}.png"}}]}]}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(row("broken")) + "\n")
+    assert main(["prompts", "upload", "--dataset", "chat", "--date", "2026-11-04", str(bad)]) == 2
+    assert f"{bad} line 1: messages[0].content[1]: image: not a decodable image" in capsys.readouterr().err
+    good = tmp_path / "good.jsonl"
+    good.write_text(json.dumps(row("flag")) + "\n")
+    assert main(["prompts", "upload", "--dataset", "chat", "--date", "2026-11-04", str(good)]) == 0
+    prefix = f"{env.storage.prefix}/prompts/chat/date=2026-11-04"
+    assert _keys(s3, s3_bucket) == [f"{prefix}/good.jsonl", f"{prefix}/pics/flag.png"]
+    chat = next(d for d in env.datasets if d.name == "chat")
+    store = ArtifactStore(s3, s3_bucket, prefix="runs-test")
+    loaded = load_prompts(chat.prompts, "chat", date="2026-11-04", sampling=env.generation.sampling.model_dump(), client=s3,
+                          images=ImageSink(store, env.limits.max_image_bytes))
+    (got,) = [json.loads(r["images"]) for r in loaded.rows]
+    assert [(r["width"], r["height"]) for r in got] == [IMAGES["flag"][:2]]

@@ -76,8 +76,13 @@ def test_ids_only_exports_are_the_trainers_pretokenized_rows(tmp_path):
     from eagle3_data.ids_exports import export_specforge_ids, export_speculators_ids
 
     rows = [{"sample_id": f"m{i}", "input_ids": list(range(5 + i)), "loss_mask": [0, 0] + [1] * (3 + i)} for i in range(4)]
-    assert export_speculators_ids(rows, tmp_path / "spec") == 4 and not (tmp_path / "spec" / "hidden_states").exists()
-    assert export_specforge_ids(rows, tmp_path / "sf") == 4
+    images = {"m1": [{"uri": "s3://b/images/sha256/" + "a" * 64, "sha256": "a" * 64, "bytes": 9, "width": 2, "height": 2, "media_tokens": 1}]}
+    assert export_speculators_ids(rows, tmp_path / "spec", images) == 4 and not (tmp_path / "spec" / "hidden_states").exists()
+    assert export_specforge_ids(rows, tmp_path / "sf", images) == 4
+    # an image sample's references travel beside its ids (for an online trainer that feeds them)
+    index = [json.loads(line) for line in (tmp_path / "spec" / "index.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (tmp_path / "sf" / "prompts.jsonl").read_text().splitlines()]
+    assert [e.get("images") for e in index] == [l.get("images") for l in lines] == [None, images["m1"], None, None]
     code = ("import sys, json, datasets\n"
             "from specforge.data.prompt_builder import prepare_prompt_tasks\n"
             "d = datasets.load_from_disk(sys.argv[1])\n"

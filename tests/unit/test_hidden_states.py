@@ -408,3 +408,18 @@ def test_the_extraction_proves_itself_against_the_engines_logprobs(mode, backend
                                                   r"\|diff\| .* first at position \d+"):
         run()
     assert check.failures and all(f["mean_abs_diff"] > 100 * check.tolerance for f in check.failures)
+
+
+def test_specforge_export_leaves_image_samples_out_and_names_them(backend, rows, tmp_path):
+    """SpecForge's offline format holds no images: an image sample is not written, and the
+    export says which and why (`left_out.jsonl`), the others as before."""
+    from eagle3_data.images import NO_IMAGES_IN_FORMAT
+
+    extract_rows(backend, rows, tmp_path / "shards", "x", ExtractOptions(last_hidden=True, out_shard_tokens=100))
+    with_images = {rows[1]["sample_id"]: [{"uri": "s3://b/k", "sha256": "0" * 64, "media_tokens": 4}]}
+    n = export_specforge(sorted((tmp_path / "shards").glob("*.safetensors")), tmp_path / "sf", images=with_images)
+    index = [json.loads(line) for line in (tmp_path / "sf/index.jsonl").read_text().splitlines()]
+    left = [json.loads(line) for line in (tmp_path / "sf/left_out.jsonl").read_text().splitlines()]
+    assert n == len(rows) - 1 == len(index) and len(list((tmp_path / "sf").rglob("*.ckpt"))) == n
+    assert rows[1]["sample_id"] not in {e["sample_id"] for e in index}
+    assert left == [{"sample_id": rows[1]["sample_id"], "reason": NO_IMAGES_IN_FORMAT}]

@@ -82,9 +82,9 @@ def load_route_fingerprint(store, tokenizer_dir: Path, root: Path, run_key: str)
     manifest = store.read_manifest(ref)
     from eagle3_data.rejects import read_rejects
 
-    # schema v2 added the rows' own ids (`source_id`, provenance: none in these rows): what must not
-    # change is the content the golden recorded, and `rows_sha256`, which leaves the ids out
-    rows = [{k: v for k, v in r.items() if k != "source_id" or v is not None} for r in store.read_table(ref).to_pylist()]
+    # schema v2 added the rows' own ids (`source_id`, provenance: none in these rows), v3 their images
+    # (none: text rows): what must not change is the content the golden recorded, and `rows_sha256`
+    rows = [{k: v for k, v in r.items() if k not in ("source_id", "images") or v is not None} for r in store.read_table(ref).to_pylist()]
     rejects = json.loads(json.dumps(read_rejects(store, ref)).replace(str(folder), "SRC"))
     return {
         "rows_sha256": manifest["params"]["rows_sha256"],
@@ -154,11 +154,13 @@ def test_rows_sha256_streams_the_hash_of_the_whole_list(tmp_path):
     rows = list(load.rows)
     assert len(rows) > 2 * 512  # more than two spill batches
     routes = assign_routes([r["sample_id"] for r in rows], overflow_fraction=0.3, calibration_samples=4)
-    whole = [{**{k: v for k, v in r.items() if k != "source_id"}, "route": route} for r, route in zip(rows, routes)]
+    # source_id (provenance) and a text row's null images (schema v3) are left out of the hash
+    whole = [{**{k: v for k, v in r.items() if k != "source_id" and not (k == "images" and v is None)}, "route": route}
+             for r, route in zip(rows, routes)]
     assert any("\\u" in canonical_json(r, ascii_only=True) for r in whole)  # the escaped spelling matters here
     assert rows_sha256(routed_batches(load.rows, routes)) == hashlib.sha256(canonical_json(whole, ascii_only=True).encode()).hexdigest()
-    assert [{k: v for k, v in r.items() if k != "source_id"} for b in routed_batches(load.rows, routes)
-            for r in b.to_pylist()] == whole
+    assert [{k: v for k, v in r.items() if k != "source_id" and not (k == "images" and v is None)}
+            for b in routed_batches(load.rows, routes) for r in b.to_pylist()] == whole
     assert rows_sha256([]) == hashlib.sha256(canonical_json([], ascii_only=True).encode()).hexdigest()
 
 

@@ -97,7 +97,7 @@ def test_writer_commits_parts_then_manifest_with_hashes(store):
     stored = store.read_manifest(REF)
     assert stored["manifest_sha256"] == manifest["manifest_sha256"]
     assert stored["inputs"] == [{"uri": store.uri(upstream), "manifest_sha256": store.read_manifest(upstream)["manifest_sha256"]}]
-    assert stored["params"] == {"temperature": 1.0} and stored["schema"] == {"name": "prompts", "version": 2}
+    assert stored["params"] == {"temperature": 1.0} and stored["schema"] == {"name": "prompts", "version": 3}
     assert stored["code"]["version"] and stored["tokenizer_sha256"] == "t" * 64 and stored["template_sha256"] == "c" * 64
     table = store.read_table(REF)
     assert table.column("sample_id").to_pylist() == [f"s{i:04d}" for i in range(10)]
@@ -167,7 +167,7 @@ def test_reading_newer_or_unknown_schema_fails_clearly(store):
 
 
 def test_arrow_table_input_is_cast_to_schema(store):
-    table = pa.Table.from_pylist([{**r, "source_id": None} for r in rows(0, 3)])
+    table = pa.Table.from_pylist([{**r, "source_id": None, "images": None} for r in rows(0, 3)])
     with StageWriter(store, REF, "prompts") as w:
         w.write(table)
         w.commit()
@@ -379,7 +379,7 @@ def test_a_prompts_stage_of_the_older_schema_still_reads():
     from eagle3_data.schemas import schema_for
     from eagle3_data.storage.parts import check_part_schema
 
-    v1, v2 = schema_for("prompts", 1), schema_for("prompts")
+    v1, v2 = schema_for("prompts", 1), schema_for("prompts", 2)
     assert v2.names == [*v1.names, "source_id"] and v1.metadata[b"eagle3.schema_version"] == b"1"
     sink = io.BytesIO()
     pq.write_table(pa.Table.from_pylist([{"sample_id": "s", "dataset": "d", "sample_index": 0, "messages": "[]",

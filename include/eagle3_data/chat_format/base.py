@@ -217,9 +217,11 @@ class OutputFormat(ABC):
 
     @abstractmethod
     def generation_prompt_ids(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+        images: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        """Prompt ids ending with the generation prompt of this format's mode."""
+        """Prompt ids ending with the generation prompt of this format's mode, each image's
+        placeholder expanded to its `media_tokens` (`images`: the row's references, images.py)."""
 
     def literal_special_text(self, texts: Iterable[str | None]) -> list[str]:
         """Special-token names that occur as literal text in model-produced strings."""

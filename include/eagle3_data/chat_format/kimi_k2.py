@@ -17,6 +17,7 @@ content is the text before the section. The validation gate rebuilds that view.
 from __future__ import annotations
 
 import re
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ from eagle3_data.codec import (
     codecs_agree,
     tiktoken_encoding,
 )
+from eagle3_data.images import MEDIA_PAD, expand_media
 
 # Moonshot's pre-tokenizer split (tokenization_kimi.py; splintr.KIMI_PATTERN).
 KIMI_PATTERN = "|".join(
@@ -329,12 +331,22 @@ class KimiK2Format(OutputFormat):
         return f"functions.{name}:{index}"
 
     def generation_prompt_ids(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+        images: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         text = self.tokenizer.apply_chat_template(
             messages, tools=tools or None, add_generation_prompt=True, tokenize=False, thinking=self.thinking
         )
-        return self.codec.encode_batch([text])[0]
+        ids = self.codec.encode_batch([text])[0]
+        return expand_media(ids, images, self.media_pad_id) if images else ids
+
+    @cached_property
+    def media_pad_id(self) -> int:
+        """`<|media_pad|>`'s id: the placeholder the template renders once per image."""
+        tid, problems = check_token(self.tokenizer, MEDIA_PAD)
+        if problems:
+            raise UserError(f"tokenizer {self.tokenizer.name_or_path}: " + "; ".join(problems))
+        return tid
 
 
 def split_reasoning(text: str, *, force_reasoning: bool, notes: list[str] | None = None) -> tuple[str | None, str]:

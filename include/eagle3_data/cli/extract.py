@@ -138,22 +138,29 @@ def _run_export_speculators(args: argparse.Namespace) -> int:
     from eagle3_data.hidden_states.speculators_export import export_speculators
     from eagle3_data.ids_exports import export_speculators_ids
 
-    return _export(args, "speculators", lambda paths, out: export_speculators(paths, out, fp8=args.fp8),
+    return _export(args, "speculators", lambda paths, out, images: export_speculators(paths, out, fp8=args.fp8, images=images),
                    export_speculators_ids)
 
 
 def _export(args: argparse.Namespace, trainer: str, states, ids_only) -> int:
     """One export: the extraction's shards through `states`, or with --ids-only the merged rows
-    through `ids_only`; the trainer's draft-vocabulary files copied beside them."""
-    from eagle3_data.hidden_states.extract import read_merged_rows
+    through `ids_only`; the trainer's draft-vocabulary files copied beside them, the image
+    samples' references (the merge's images.jsonl) handed to both."""
+    from pathlib import Path
 
-    with _export_input(args, trainer) as (paths, vocab):
+    from eagle3_data.hidden_states.extract import read_merged_rows
+    from eagle3_data.images import LEFT_OUT_FILE
+
+    with _export_input(args, trainer) as (paths, vocab, images):
         if args.ids_only:
-            n = ids_only((row for path in paths for row in read_merged_rows([path])), args.out)
+            n = ids_only((row for path in paths for row in read_merged_rows([path])), args.out, images)
         else:
-            n = states(paths, args.out)
+            n = states(paths, args.out, images)
         _copy_vocab(vocab, args.out)
-    print(f"{n} samples written to {args.out}" + (" (ids only)" if args.ids_only else "") + _vocab_note(vocab))
+    left = Path(args.out) / LEFT_OUT_FILE
+    left_out = len(left.read_text().splitlines()) if left.exists() else 0
+    print(f"{n} samples written to {args.out}" + (" (ids only)" if args.ids_only else "") + _vocab_note(vocab)
+          + (f"; {left_out} image samples left out ({trainer}'s format holds no images): {left}" if left_out else ""))
     return 0
 
 
@@ -180,6 +187,7 @@ def _export_input(args: argparse.Namespace, trainer: str):
 
     from eagle3_data.draft_vocab import is_file_of
     from eagle3_data.errors import UserError
+    from eagle3_data.images import MERGED_IMAGES_FILE, image_index
 
     suffix = ".parquet" if args.ids_only else ".safetensors"
     if not args.input.startswith("s3://"):
@@ -188,7 +196,9 @@ def _export_input(args: argparse.Namespace, trainer: str):
             raise UserError(f"--input {args.input}: " + ("no merged .parquet shards there (--ids-only exports the merge "
                             "stage)" if args.ids_only else "no .safetensors shards there"))
         where = Path(args.draft_vocab or args.input)
-        yield paths, (sorted(p for p in where.iterdir() if is_file_of(trainer, p.name)) if where.is_dir() else [])
+        found = [p / MERGED_IMAGES_FILE for p in (where, Path(args.input)) if (p / MERGED_IMAGES_FILE).is_file()]
+        yield (paths, (sorted(p for p in where.iterdir() if is_file_of(trainer, p.name)) if where.is_dir() else []),
+               image_index(found[0]) if found else {})
         return
     bucket, prefix, ref = parse_stage_uri(args.input)
     if args.ids_only and ref.stage != "merge":
@@ -200,6 +210,8 @@ def _export_input(args: argparse.Namespace, trainer: str):
     with tempfile.TemporaryDirectory(prefix="eagle3-export-") as tmp:
         vocab = [store.get_file(m, f["name"], Path(tmp) / f["name"], sha256=f["sha256"])
                  for m in merges for f in store.read_manifest(m)["files"] if is_file_of(trainer, f["name"])]
+        images = {sid: refs for m in merges for f in store.read_manifest(m)["files"] if f["name"] == MERGED_IMAGES_FILE
+                  for sid, refs in image_index(store.get_file(m, f["name"], Path(tmp) / f["name"], sha256=f["sha256"])).items()}
 
         def one_at_a_time():
             for f in manifest["files"]:
@@ -208,7 +220,7 @@ def _export_input(args: argparse.Namespace, trainer: str):
                     yield path
                     path.unlink()
 
-        yield one_at_a_time(), vocab
+        yield one_at_a_time(), vocab, images
 
 
 MERGED_COLUMNS = ("sample_id", "input_ids", "loss_mask")

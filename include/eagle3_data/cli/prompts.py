@@ -66,6 +66,7 @@ def _store(args: argparse.Namespace, bucket: str):
 
 def _upload(args: argparse.Namespace) -> int:
     from eagle3_data.config import load_config
+    from eagle3_data.images import ImageSink
     from eagle3_data.prompts import PROMPT_FILE_SUFFIXES, load_prompts
 
     if not _DATE.fullmatch(args.date):
@@ -73,16 +74,18 @@ def _upload(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     bucket, prefix = _root(config, args.dataset)
     g = config.generation
-    rejects, counts = [], []
+    rejects, counts, images = [], [], []
     for f in args.files:
         if not f.is_file():
             raise UserError(f"{f}: no such file")
         if f.suffix not in PROMPT_FILE_SUFFIXES:
             raise UserError(f"{f}: expected a {' or '.join(PROMPT_FILE_SUFFIXES)} file")
+        sink = ImageSink(None, config.limits.max_image_bytes)  # images checked here, stored by the run's prompts stage
         load = load_prompts(str(f), args.dataset, sampling=g.sampling.model_dump(), repeats=g.repeats,
-                            regenerate=g.regenerate, history=g.history)
+                            regenerate=g.regenerate, history=g.history, images=sink)
         rejects += load.rejects
         counts.append((f, load.counts))
+        images += [(f, Path(s)) for s in sink.seen if not s.startswith(("data:", "s3://"))]  # files beside the prompts
     for r in rejects[:MAX_REPORTED]:
         print(f"bad row: {r['reason']}", file=sys.stderr)
     if len(rejects) > MAX_REPORTED:
@@ -95,6 +98,9 @@ def _upload(args: argparse.Namespace) -> int:
         key = f"{prefix}/{args.dataset}/date={args.date}/{f.name}".lstrip("/")
         uri = store.put_object(key, f.read_bytes())
         print(f"{uri}: {c['rows']} prompts ({c['rejected']} rejected, {c['duplicates']} duplicates)")
+    for f, image in images:  # where the prompts name them: relative to the prompt file
+        key = f"{prefix}/{args.dataset}/date={args.date}/{image.relative_to(f.parent).as_posix()}".lstrip("/")
+        print(f"{store.put_object(key, image.read_bytes())}: image")
     return 0
 
 

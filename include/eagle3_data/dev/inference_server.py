@@ -15,6 +15,8 @@ use to prove no sample is paid twice. Real servers ignore both headers.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import json
 import time
 import uuid
@@ -27,6 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from eagle3_data.dev.faults import ServerConfig
 from eagle3_data.dev.text_model import DevTextModel, Generation
+from eagle3_data.images import MEDIA_PAD, ImageError, expand_media, media_tokens, probe
 
 DATASET_HEADER = "x-eagle3-dataset"
 SAMPLE_HEADER = "x-eagle3-sample-id"
@@ -316,8 +319,15 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
         thinking = (body.get("reasoning") or {}).get("enabled", True) is not False
         injected = state.config.faults("chat").inject_system_prompt  # a provider adding its own system message
         try:
+            pictures = image_inputs(messages)
+        except ValueError as exc:
+            return _openrouter_error(400, str(exc))
+        try:
             prompt = chat_prompt(json.dumps([[{"role": "system", "content": injected}] * bool(injected)
-                                             + documented_history(messages), tools, thinking]))
+                                             + documented_history(_no_image_data(messages) if pictures else messages),
+                                             tools, thinking]))
+            if pictures:  # the model sees (and the provider bills) each image's media tokens
+                prompt = tuple(expand_media(list(prompt), pictures, tok.convert_tokens_to_ids(MEDIA_PAD)))
         except Exception as exc:  # template errors are the client's bad request
             return _openrouter_error(400, f"chat template: {exc}")
         key = request.headers.get(SAMPLE_HEADER) or str(hash(prompt))
@@ -558,6 +568,41 @@ def _chat_answer(gen: Generation, prompt_tokens: int, config: ServerConfig, rewr
     if "omit_cost" in rewrites:
         del answer["usage"]["cost"]
     return answer
+
+
+def image_inputs(messages: list[dict]) -> list[dict]:
+    """The images of a chat request's `image_url` parts, as OpenRouter takes them: each part's
+    `image_url.url` a base64 data URI of an image (this server fetches no https URL); a malformed
+    part is the client's error (ValueError naming it). Returns {"media_tokens"} per image, in order."""
+    out = []
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            if not isinstance(part, dict) or part.get("type") != "image_url":
+                continue
+            where = f"messages[{i}].content[{j}].image_url"
+            spec = part.get("image_url")
+            url = spec.get("url") if isinstance(spec, dict) else None
+            if not isinstance(url, str):
+                raise ValueError(f"{where}: expected an object with a string `url`")
+            if url.startswith(("http://", "https://")):
+                raise ValueError(f"{where}.url: the dev server does not fetch image URLs: send a data URI")
+            head, _, data = url.partition(",")
+            if not (head.startswith("data:image/") and head.endswith(";base64")):
+                raise ValueError(f"{where}.url: expected data:image/<type>;base64,<data>")
+            try:
+                _, width, height = probe(base64.b64decode(data, validate=True))
+            except (binascii.Error, ImageError) as exc:
+                raise ValueError(f"{where}.url: not a readable image ({exc})") from None
+            out.append({"media_tokens": media_tokens(width, height)})
+    return out
+
+
+def _no_image_data(messages: list[dict]) -> list[dict]:
+    """The messages with each image part's data left out (the template renders a placeholder for
+    it; the data would only bloat the render cache's keys)."""
+    return [{**m, "content": [{"type": "image_url"} if isinstance(p, dict) and p.get("type") == "image_url" else p
+                              for p in m["content"]]} if isinstance(m.get("content"), list) else m for m in messages]
 
 
 def documented_history(messages: list[dict]) -> list[dict]:

@@ -64,10 +64,17 @@ class Prompt:
     messages_json: str = field(repr=False)
     tools_json: str | None = field(repr=False)
     source_id: str | None = None  # the prompt row's own id, recorded as provenance
+    images_json: str | None = field(default=None, repr=False)  # the row's `images` (images.py), null for text
+
+    @property
+    def images(self) -> list[dict]:
+        """The prompt's image references in prompt order (empty for a text prompt)."""
+        return json.loads(self.images_json) if self.images_json else []
 
 
 _SPILLED = pa.schema([("sample_id", pa.string()), ("dataset", pa.string()), ("messages", pa.string()),
-                      ("tools", pa.string()), ("route", pa.string()), ("source_id", pa.string())])
+                      ("tools", pa.string()), ("route", pa.string()), ("source_id", pa.string()),
+                      ("images", pa.string())])
 
 
 class Prompts:
@@ -91,7 +98,7 @@ class Prompts:
                 continue
             tools = json.loads(row["tools"]) if row["tools"] is not None else None
             yield Prompt(row["sample_id"], row["dataset"], json.loads(row["messages"]), tools or None, row["route"],
-                         row["messages"], row["tools"], row["source_id"])
+                         row["messages"], row["tools"], row["source_id"], row["images"])
 
 
 def parse_prompts(rows: Iterable[dict], dataset: str, routes: tuple[str, ...] | None) -> Prompts:
@@ -120,7 +127,7 @@ def parse_prompts(rows: Iterable[dict], dataset: str, routes: tuple[str, ...] | 
             raise UserError(f"{where}: field 'tools' must be a list of tools or null")
         spill.append({
             "sample_id": sid, "dataset": row.get("dataset") or dataset, "route": row.get("route"),
-            "source_id": row.get("source_id"),
+            "source_id": row.get("source_id"), "images": _images_json(row.get("images"), where),
             "messages": row["messages"] if isinstance(row["messages"], str) else canonical_json(messages),
             "tools": (row["tools"] if isinstance(row["tools"], str) else canonical_json(tools)) if tools else None,
         })
@@ -166,7 +173,24 @@ def base_row(p: Prompt, prompt_ids: list[int] | None, source: str) -> dict[str, 
         "finish_reason": None,
         "usage": None,
         "provenance": None,
+        **({"images": p.images_json} if p.images_json else {}),  # a text row's: null (the column's default)
     }
+
+
+def _images_json(images: Any, where: str) -> str | None:
+    """A prompt row's `images` as its canonical JSON (null for none); a malformed one is a
+    UserError naming the row."""
+    if not images:
+        return None
+    try:
+        refs = json.loads(images) if isinstance(images, str) else images
+        ok = isinstance(refs, list) and all(isinstance(r, dict) and isinstance(r.get("uri"), str)
+                                            and isinstance(r.get("media_tokens"), int) for r in refs)
+    except json.JSONDecodeError:
+        ok = False
+    if not ok:
+        raise UserError(f"{where}: field 'images' must be a JSON list of image references (uri, sha256, media_tokens)")
+    return images if isinstance(images, str) else canonical_json(refs)
 
 
 def failed_row(p: Prompt, prompt_ids: list[int] | None, source: str, reason: str) -> dict[str, Any]:

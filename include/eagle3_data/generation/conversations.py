@@ -52,6 +52,7 @@ import pyarrow.parquet as pq
 
 from eagle3_data.canonical import canonical_json
 from eagle3_data.errors import UserError
+from eagle3_data.images import refs_for
 from eagle3_data.prompt_layouts import pair_results
 
 SAMPLES_FILE = "conversation_samples.parquet"
@@ -354,7 +355,8 @@ class TurnDriver:
         }
 
     def _rendered(self, p, w: Walk, s: Sample) -> tuple[int, list[int], bool, int]:
-        renders = [self.fmt.generation_prompt_ids(w.messages[:n], p.tools) for n in s.prompt_lens]
+        renders = [self.fmt.generation_prompt_ids(w.messages[:n], p.tools, refs_for(w.messages[:n], p.images))
+                   for n in s.prompt_lens]
         stops = set(self.fmt.stop_token_ids)
         base, masked, prefix_ok, exact = len(renders[0]) if renders else 0, [], True, 0
         for j in range(len(renders) - 1):

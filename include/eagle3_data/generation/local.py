@@ -450,7 +450,7 @@ class LocalRun:
         transport errors and 5xx count against the endpoint, a full queue against nothing."""
         source = self.wire.source
         try:
-            prompt_ids = self.fmt.generation_prompt_ids(p.messages, p.tools)
+            prompt_ids = self.fmt.generation_prompt_ids(p.messages, p.tools, p.images)
         except Exception as exc:  # the template refuses this conversation: permanent
             return Outcome(failed_row(p, None, source, f"chat template: {exc}"), permanent=True)
         row = base_row(p, prompt_ids, source)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from eagle3_data.errors import UserError
+from eagle3_data.images import read_image
 from eagle3_data.generation.checkpoint import (
     Prompt,
     StageRun,
@@ -248,7 +249,7 @@ class _OverflowRun:
         self.stage, self.fmt, self.base_url, self._key = run, fmt, base_url, api_key
         self.model, self.provider = request.model, dict(request.provider)
         self.shape = RequestShape(request.model, self.provider, dict(request.reasoning), dict(request.sampling),
-                                  options.stream)
+                                  options.stream, lambda ref: read_image(run.store, ref))
         self.o, self.concurrency, self.max_attempts = options, options.concurrency, options.max_attempts
         self.progress, self.budget = progress, budget
         # an answer without a cost is priced from the config's prices only: the model list's are the
@@ -384,7 +385,7 @@ class _OverflowRun:
         if p is None:
             return False
         try:
-            self._ready.append(_Ready(p, self.fmt.generation_prompt_ids(p.messages, p.tools),
+            self._ready.append(_Ready(p, self.fmt.generation_prompt_ids(p.messages, p.tools, p.images),
                                       json.dumps(self.shape.body(p)).encode(), 0.0))
         except Exception as exc:
             self._ready.append(_Ready(p, exc, b"", 0.0))

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from eagle3_data.generation.checkpoint import Prompt, base_row, sampling_for
 from eagle3_data.generation.provider_answers import describe, error_of, read_message
 from eagle3_data.generation.provider_identity import Pin
+from eagle3_data.images import data_uri, image_parts
 from eagle3_data.schemas import IDENTITY_MISMATCH
 
 SOURCE = "openrouter"
@@ -40,9 +41,14 @@ def request_sampling(sampling: Mapping[str, Any]) -> dict:
     return out
 
 
-def provider_messages(messages: list[dict]) -> list[dict]:
+def provider_messages(messages: list[dict], image_urls: Sequence[str] = ()) -> list[dict]:
     """The history in OpenRouter's documented fields: an assistant turn's `reasoning_content` sent
-    as `reasoning` (the others are sent as they are)."""
+    as `reasoning`, each image part's url (the stored object's s3:// URI, which no provider can
+    read) replaced by `image_urls` in order (data URIs of the objects); the others as they are."""
+    if image_urls:
+        messages = json.loads(json.dumps(messages))  # the prompt's own messages stay as they are
+        for (i, j, _), url in zip(image_parts(messages), image_urls, strict=True):
+            messages[i]["content"][j] = {"type": "image_url", "image_url": {"url": url}}
     if not any("reasoning_content" in m for m in messages):
         return messages
     return [{**{k: v for k, v in m.items() if k != "reasoning_content"}, "reasoning": m["reasoning_content"]}
@@ -58,9 +64,11 @@ class RequestShape:
     reasoning: Mapping[str, Any]
     sampling: Mapping[str, Any]
     stream: bool
+    image_bytes: Callable[[dict], bytes] | None = None  # an image reference's verified bytes (images.read_image)
 
     def body(self, p: Prompt) -> dict:
-        body = {"model": self.model, "messages": provider_messages(p.messages), "reasoning": dict(self.reasoning),
+        urls = [data_uri(self.image_bytes(ref)) for ref in p.images] if p.images_json and self.image_bytes else []
+        body = {"model": self.model, "messages": provider_messages(p.messages, urls), "reasoning": dict(self.reasoning),
                 "provider": dict(self.provider), "usage": {"include": True}}
         if self.stream:  # usage in the last chunk: OpenRouter always sends it (`stream_options` is a deprecated
             # no-op there), an OpenAI-compatible server (vLLM) only when asked

@@ -5,29 +5,34 @@ dict of one sample: `input_ids` [T], `loss_mask` [T], `hidden_state` [1, T, H] (
 state its trainer feeds to the target's LM head: a state stored before the norm gets the final
 norm recorded with its shard applied here) and `aux_hidden_state` [1, T, 3H]. Files are
 grouped `rows_{start}-{end}/data_{i}.ckpt` as its own `prepare_hidden_states.py` writes them;
-`index.jsonl` maps each file back to its sample_id.
+`index.jsonl` maps each file back to its sample_id. The format holds no images: an image sample
+is left out, named in `left_out.jsonl` with why.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import torch
 
 from eagle3_data.errors import UserError
 from eagle3_data.hidden_states.final_norm import rms_norm
 from eagle3_data.hidden_states.shards import ShardReader
+from eagle3_data.images import LEFT_OUT_FILE, NO_IMAGES_IN_FORMAT
 
 GROUP_SIZE = 5000
 
 
-def export_specforge(shard_paths: Iterable[str | Path], out_dir: str | Path) -> int:
-    """Write one .ckpt per sample; returns the number of samples written."""
+def export_specforge(shard_paths: Iterable[str | Path], out_dir: str | Path,
+                     images: Mapping[str, list] | None = None) -> int:
+    """Write one .ckpt per sample; returns the number of samples written. The samples in `images`
+    (sample_id -> references) are left out, each a line of `left_out.jsonl` (sample_id, reason)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     count = 0
+    (out / LEFT_OUT_FILE).unlink(missing_ok=True)
     with open(out / "index.jsonl", "w") as index:
         for path in shard_paths:
             reader = ShardReader(path)
@@ -42,6 +47,10 @@ def export_specforge(shard_paths: Iterable[str | Path], out_dir: str | Path) -> 
             if pre and reader.final_norm is None:
                 raise UserError(f"{Path(path).name}: last state before the final norm, but no final_norm_weight recorded")
             for sample in reader:
+                if images and sample.sample_id in images:
+                    with open(out / LEFT_OUT_FILE, "a") as left:
+                        left.write(json.dumps({"sample_id": sample.sample_id, "reason": NO_IMAGES_IN_FORMAT}) + "\n")
+                    continue
                 last = rms_norm(sample.last_hidden_states, *reader.final_norm) if pre else sample.last_hidden_states
                 group = count // GROUP_SIZE * GROUP_SIZE
                 rel = f"rows_{group}-{group + GROUP_SIZE}/data_{count}.ckpt"

@@ -24,7 +24,7 @@ with a post-norm last state is refused: the trainer would normalise it twice, wi
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -60,8 +60,10 @@ def _check(reader: ShardReader, path: str | Path) -> None:
                         "and would normalise it twice (extract with --last-hidden-norm pre)")
 
 
-def export_speculators(shard_paths: Iterable[str | Path], out_dir: str | Path, *, fp8: bool = False) -> int:
-    """Write the dataset and one state file per row; returns the rows written."""
+def export_speculators(shard_paths: Iterable[str | Path], out_dir: str | Path, *, fp8: bool = False,
+                       images: Mapping[str, list] | None = None) -> int:
+    """Write the dataset and one state file per row; returns the rows written. `images`
+    (sample_id -> references) go into `index.jsonl`: its training takes states and ids only."""
     out = Path(out_dir)
     states_dir = out / "hidden_states"
     states_dir.mkdir(parents=True, exist_ok=True)
@@ -89,7 +91,7 @@ def export_speculators(shard_paths: Iterable[str | Path], out_dir: str | Path, *
                 i += 1
                 yield sample.sample_id, ids, sample.loss_mask
 
-    n = save_rows(samples(), out)
+    n = save_rows(samples(), out, images=images)
     info = {"samples": n, "hidden_states": {"encoding": "fp8_e4m3fn_per_token" if fp8 else "bfloat16",
                                             "aux_layer_ids_vllm": list(next(iter(layers))),
                                             "last": "the last layer's output before the final norm"}}
@@ -97,7 +99,8 @@ def export_speculators(shard_paths: Iterable[str | Path], out_dir: str | Path, *
     return n
 
 
-def save_rows(samples: Iterable[tuple[str, Sequence[int], Sequence[int]]], out_dir: str | Path) -> int:
+def save_rows(samples: Iterable[tuple[str, Sequence[int], Sequence[int]]], out_dir: str | Path,
+              images: Mapping[str, list] | None = None) -> int:
     """The rows as speculators' dataset (`input_ids`, `loss_mask` int64 lists, `seq_len`; torch
     format, what `save_to_disk` writes and `load_from_disk` reads) with `index.jsonl` (row ->
     sample_id); returns the rows written.
@@ -142,7 +145,8 @@ def save_rows(samples: Iterable[tuple[str, Sequence[int], Sequence[int]]], out_d
 
         for sample_id, ids, mask in samples:
             ids, mask = _int64(ids), _int64(mask)
-            index.write(json.dumps({"row": n, "sample_id": sample_id}) + "\n")
+            refs = images.get(sample_id) if images else None  # an image sample's references, for whoever feeds them
+            index.write(json.dumps({"row": n, "sample_id": sample_id, **({"images": refs} if refs else {})}) + "\n")
             ids_parts.append(ids)
             mask_parts.append(mask)
             n += 1

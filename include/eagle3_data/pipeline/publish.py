@@ -92,6 +92,18 @@ def _trajectory_counts(merged: dict | None, dataset: str) -> dict:
     return {"trajectories": counts} if counts else {}
 
 
+def _image_counts(store, prompts_ref) -> dict:
+    """`images`: the dataset's image prompts (rows, images, media tokens, rows refused for an image:
+    prompts.IMAGE_COUNTS, as the prompts stage counted them), when it had any."""
+    from eagle3_data.prompts import IMAGE_COUNTS
+
+    if not store.is_complete(prompts_ref):
+        return {}
+    counts = (store.read_manifest(prompts_ref).get("extra") or {}).get("counts") or {}
+    found = {k: counts[k] for k in IMAGE_COUNTS if counts.get(k)}
+    return {"images": found} if found else {}
+
+
 def publish(run: Run, store) -> PublishResult:
     """Write the run report and summary, whatever happened upstream (the DAG runs this task once
     everything else is done: the report matters most for a run that failed). Then raise GateFailed
@@ -112,6 +124,7 @@ def publish(run: Run, store) -> PublishResult:
             "prompts": store.read_manifest(prompts)["rows"] if store.is_complete(prompts) else None,
             "local": _generation_totals(store, stage_ref(run, LOCAL, name)),
             "overflow": _generation_totals(store, stage_ref(run, RECONSTRUCT, name)),
+            **_image_counts(store, prompts),
         }
     passed = [n for n, g in gates.items() if g.passed]
     merge_ref, hs_ref = stage_ref(run, MERGE, RUN_DATASET), stage_ref(run, HIDDEN_STATES, RUN_DATASET)
@@ -123,7 +136,8 @@ def publish(run: Run, store) -> PublishResult:
             "thresholds": run.config.dataset(n).validation.rates(),
             "lengths": generation_lengths(store, [stage_ref(run, LOCAL, n), stage_ref(run, RECONSTRUCT, n)]),
             "generation": {"local": datasets[n]["local"], "overflow": datasets[n]["overflow"],
-                           **_conversation_figures(store, run, n), **_trajectory_counts(merged, n)},
+                           **_conversation_figures(store, run, n), **_trajectory_counts(merged, n),
+                           **_image_counts(store, stage_ref(run, PROMPTS, n))},
         }
         for n, g in gates.items()
         if g.report_uri

@@ -13,6 +13,7 @@ import pyarrow as pa
 
 from eagle3_data.canonical import canonical_json
 from eagle3_data.errors import UserError
+from eagle3_data.images import parse_refs
 from eagle3_data.pipeline.results import RouteResult
 from eagle3_data.rejects import REJECTS_FILE, rejects_parquet, require_reject_rate
 from eagle3_data.pipeline.reuse import reusable
@@ -102,7 +103,9 @@ def rates(inputs: dict):
 
 def load_route(run: Run, store, dataset: str) -> RouteResult:
     from eagle3_data.generation.routing import assign_routes
-    from eagle3_data.prompts import format_load_rejects, limit_prompt_tokens, load_prompts, prompt_files, prompt_token_limit
+    from eagle3_data.images import ImageSink
+    from eagle3_data.prompts import (IMAGE_COUNTS, format_load_rejects, limit_prompt_tokens, load_prompts, prompt_files,
+                                     prompt_token_limit)
 
     ds, g, limits = run.config.dataset(dataset), run.config.generation, run.config.limits
     # missing prompt files fail before the tokenizer's seconds of loading; the tokenizer loads
@@ -113,9 +116,10 @@ def load_route(run: Run, store, dataset: str) -> RouteResult:
     fmt = output_format(run, store)
     loaded = load_prompts(ds.prompts, dataset, date=date, sampling=sampling(run), repeats=g.repeats, client=store.client,
                           max_message_bytes=limits.max_message_bytes, regenerate=g.regenerate,
-                          history=g.history, call_id=fmt.call_id if g.call_ids == "format" else None)
+                          history=g.history, call_id=fmt.call_id if g.call_ids == "format" else None,
+                          images=ImageSink(store, limits.max_image_bytes))
     limit = prompt_token_limit(tokenizer_for(run, store), limits.max_prompt_tokens, g.sampling.max_new_tokens)
-    limit_prompt_tokens(loaded, limit, lambda messages, tools: len(fmt.generation_prompt_ids(messages, tools)))
+    limit_prompt_tokens(loaded, limit, lambda messages, tools, images=None: len(fmt.generation_prompt_ids(messages, tools, images)))
     log.info("dataset %s: %s", dataset, format_load_rejects(loaded))
     ref = stage_ref(run, PROMPTS, dataset)
 
@@ -151,6 +155,7 @@ def load_route(run: Run, store, dataset: str) -> RouteResult:
     counts = {"prompts": len(routes), "rejects": len(loaded.rejects)}
     if "user_turns" in loaded.counts:  # rows asked for turn by turn (generation.conversations): sizes the timeouts
         counts["user_turns"] = loaded.counts["user_turns"]
+    counts.update({k: loaded.counts[k] for k in IMAGE_COUNTS if loaded.counts.get(k)})  # image prompts: the report's figures
     if loaded.counts["answers_dropped"]:  # final_turn: rows whose own answer is regenerated (the provenance kept)
         counts["answers_dropped"] = loaded.counts["answers_dropped"]
     for route in routes:
@@ -209,6 +214,8 @@ def rows_sha256(batches: Iterable[pa.RecordBatch]) -> str:
     for batch in batches:
         for row in batch.to_pylist():
             row.pop("source_id", None)  # provenance, not what is generated: a stage made before it existed stays reusable
+            if row.get("images") is None:
+                row.pop("images", None)  # text rows hash as before images existed
             digest.update(sep + canonical_json(row, ascii_only=True).encode())
             sep = b","
     digest.update(b"]")
@@ -233,7 +240,8 @@ def _estimate(run: Run, fmt, batches: Iterable[pa.RecordBatch], counts: dict, ba
     prompt_tokens, every_prompt = {"local": 0, "overflow": 0}, 0
     for batch in batches:
         for r in batch.to_pylist():
-            n = len(fmt.generation_prompt_ids(json.loads(r["messages"]), json.loads(r["tools"]) if r["tools"] else None))
+            n = len(fmt.generation_prompt_ids(json.loads(r["messages"]), json.loads(r["tools"]) if r["tools"] else None,
+                                              parse_refs(r.get("images"))))
             every_prompt += n
             for side in ("local", "overflow"):
                 if r["route"] in (side, "both"):

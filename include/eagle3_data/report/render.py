@@ -179,7 +179,17 @@ def _generation(generation: Mapping[str, Any] | None) -> dict[str, Any] | None:
             rows.append((path, [fmt_usd(t.get(c)) if c == "cost_usd" else fmt_num(t.get(c)) for c in cols]))
     return {"head": [c.replace("_", " ") for c in cols], "rows": rows,
             "conversations": _conversations((generation or {}).get("conversations")),
-            "trajectories": _trajectories((generation or {}).get("trajectories"))} if rows else None
+            "trajectories": _trajectories((generation or {}).get("trajectories")),
+            "images": _images((generation or {}).get("images"))} if rows else None
+
+
+def _images(counts: Mapping[str, Any] | None) -> list[tuple[str, str]] | None:
+    """The dataset's image prompts (prompts.IMAGE_COUNTS), when it had any."""
+    if not isinstance(counts, dict) or not counts:
+        return None
+    labels = (("image_rows", "prompt rows with images"), ("images", "images"),
+              ("media_tokens", "media tokens (never trained on)"), ("image_rejects", "rows refused for an image"))
+    return [(label, fmt_num(counts.get(key, 0))) for key, label in labels]
 
 
 def _trajectories(counts: Mapping[str, Any] | None) -> list[tuple[str, str]] | None:

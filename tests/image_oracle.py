@@ -1,0 +1,48 @@
+"""What transformers' own Kimi-K2.5 processor makes of an image prompt, as the tests' reference.
+
+`image_tokens(width, height)`: Kimi_K25ImageProcessor.get_number_of_image_patches (what vLLM asks
+it for) with the class's defaults, divided by merge_size**2 as Kimi_K25Processor does. The module
+imports torchvision at its top, which has no CPU wheel here, so the two functions are compiled
+from transformers' own source text (neither calls torchvision).
+`processor_ids(tokenizer, messages, sizes)`: the processor's way to the ids: the template's text
+with each `<|media_pad|>` repeated (Kimi_K25Processor.replace_image_token), then tokenized.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+from functools import cache
+from pathlib import Path
+
+
+@cache
+def _count():
+    import transformers
+
+    path = Path(transformers.__file__).parent / "models" / "kimi_k25" / "image_processing_kimi_k25.py"
+    tree = ast.parse(path.read_text())
+    navit = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "navit_resize")
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Kimi_K25ImageProcessor")
+    method = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "get_number_of_image_patches")
+    defaults = {t.targets[0].id: ast.literal_eval(t.value) for t in cls.body if isinstance(t, ast.Assign)
+                and isinstance(t.targets[0], ast.Name) and t.targets[0].id in ("size", "patch_size", "merge_size", "max_patches")}
+    scope: dict = {"math": math}
+    exec(compile(ast.Module([navit, method], []), str(path), "exec"), scope)  # noqa: S102 - transformers' own code
+    return scope["get_number_of_image_patches"], type("Defaults", (), defaults)(), defaults["merge_size"]
+
+
+def image_tokens(width: int, height: int) -> int:
+    patches, proc, merge = _count()
+    return patches(proc, height, width) // merge**2
+
+
+def processor_ids(tokenizer, messages: list[dict], sizes: list[tuple[int, int]], *, tools=None, thinking: bool = True) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=False,
+                                         thinking=thinking)
+    pieces = text.split("<|media_pad|>")
+    assert len(pieces) == len(sizes) + 1, f"{len(pieces) - 1} placeholders for {len(sizes)} images"
+    out = pieces[0]
+    for (w, h), piece in zip(sizes, pieces[1:]):
+        out += "<|media_pad|>" * image_tokens(w, h) + piece
+    return tokenizer.encode(out, add_special_tokens=False)
