@@ -353,6 +353,10 @@ class HiddenStatesConfig(_Model):
         "engine's own log-probabilities and scores every row for the policy check")
     backend: HiddenStatesBackend = Field("transformers", description="extraction backend")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs per extraction worker (vllm backend)")
+    max_images: int = Field(
+        0, ge=0, description="images per sample the vllm backend is started for (a vision-language target: "
+        "Kimi-K2.5); image samples are extracted with their pixels, never over their ids alone: with 0 (or the "
+        "transformers backend) they are left out of extraction, counted and named in the manifest")
     workers: int = Field(
         1, ge=1, description="GPU extraction workers: one task each that loads the model once and extracts its "
         "share of the merged shards (balanced by tokens), skipping shards an earlier attempt committed",

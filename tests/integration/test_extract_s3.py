@@ -136,22 +136,65 @@ def test_extract_shard_resumes_by_shard_and_commit_waits_for_all(store, generati
         commit_extraction(store, merge_ref, mixed_ref)
 
 
+class TakesImages:
+    """The tiny model's backend started "for images": records each sample's image bytes, then
+    runs the text forward (the tiny DeepSeek-V3 has no vision tower; tests/engine's Kimi-K2.5
+    test feeds real pixels through vLLM)."""
+
+    max_images = 1
+
+    def __init__(self, inner):
+        self.inner, self.seen = inner, {}
+        self.final_norm, self.lm_head = inner.final_norm, inner.lm_head
+
+    def describe(self):
+        return self.inner.describe()
+
+    def forward(self, batch, indices, last_hidden, images=None):
+        for ids, imgs in zip(batch, images or [()] * len(batch), strict=True):
+            self.seen[tuple(ids)] = list(imgs)
+        return self.inner.forward(batch, indices, last_hidden)
+
+
 def test_exports_of_image_samples_from_s3(store, tiny_model_dir, s3_env, tmp_path, capsys):
-    """Image samples through `merge`, `extract` and every export from S3: SpecForge's offline
+    """Image samples through `merge`, `extract` and every export from S3. Extraction feeds each
+    image sample its stored, hash-checked bytes when the backend was started for images, and
+    otherwise leaves it out, counted (never states over the ids alone). SpecForge's offline
     format leaves them out and the command names how many (left_out.jsonl: which and why); the
     ids-only exports and speculators' index carry their references (the merge's images.jsonl)."""
-    from eagle3_data.images import NO_IMAGES_IN_FORMAT
+    from eagle3_devtools.sample_images import png
+
+    from eagle3_data.images import NO_IMAGES_IN_FORMAT, ImageSink
 
     g = torch.Generator().manual_seed(5)
     ids = lambda n: torch.randint(0, 163_584, (n,), generator=g).tolist()  # noqa: E731
-    refs = {f"c{i}": [{"uri": f"s3://b/images/sha256/{i:064d}", "sha256": f"{i:064d}", "bytes": 9, "width": 28,
-                       "height": 28, "media_tokens": 1}] for i in (1, 3)}
+    sink = ImageSink(store, max_bytes=1 << 20)
+    pictures = {f"c{i}": png(28, 28, lambda x, y, i=i: (40 * i, x, y)) for i in (1, 3)}
+    refs = {sid: [sink._store(data)] for sid, data in pictures.items()}
     rows = [{**gen_row(f"c{i}", "chat", "sglang", ids(6), ids(8) + [163586]), "images": json.dumps(refs.get(f"c{i}"))}
             if f"c{i}" in refs else gen_row(f"c{i}", "chat", "sglang", ids(6), ids(8) + [163586]) for i in range(6)]
     write_stage(store, StageRef(RUN, "generate_local", "chat"), rows)
     run, uri = "images", lambda ref: store.uri(ref)  # noqa: E731
     assert main(["merge", "--input", uri(StageRef(RUN, "generate_local", "chat")), "--out-run-key", run]) == 0
-    assert main(["extract", "--model", str(tiny_model_dir), "--input", uri(StageRef(run, "merge", "all"))]) == 0
+    merge_ref, out_ref = StageRef(run, "merge", "all"), StageRef(run, "hidden_states", "all")
+    # a text-only backend (hidden_states.max_images 0) leaves the image samples out and counts them
+    text_ref = StageRef(run, "hidden_states", "text-only")
+    for shard in merged_shards(store, merge_ref):
+        extract_shard(store, shard, tiny_model_dir, text_ref)
+    text_only = commit_extraction(store, merge_ref, text_ref)["totals"]
+    assert (text_only["samples"], text_only["left_out_image_samples"]) == (4, 2)
+    # a backend started for images gets every image sample's stored bytes, in prompt order
+    backend = TakesImages(TransformersBackend(tiny_model_dir))
+    for shard in merged_shards(store, merge_ref):
+        extract_shard(store, shard, tiny_model_dir, out_ref, backend=backend)
+    assert commit_extraction(store, merge_ref, out_ref)["totals"]["samples"] == 6
+    by_id = {tuple(r["prompt_ids"] + r["output_ids"]): r["sample_id"] for r in rows}
+    assert {by_id[k]: v for k, v in backend.seen.items() if v} == {sid: [data] for sid, data in pictures.items()}
+    # a stored image that no longer matches its reference is an error naming the sample
+    store.put_object(refs["c1"][0]["uri"].split("/", 3)[3], b"not the same bytes")
+    with pytest.raises(UserError, match="sample c1: field 'images': .*the reference records"):
+        extract_shard(store, merged_shards(store, merge_ref)[0], tiny_model_dir, StageRef(run, "hidden_states", "again"),
+                      backend=TakesImages(TransformersBackend(tiny_model_dir)))
     capsys.readouterr()
     assert main(["export-specforge", "--input", uri(StageRef(run, "hidden_states", "all")), "--out", str(tmp_path / "sf")]) == 0
     assert "2 image samples left out" in capsys.readouterr().out

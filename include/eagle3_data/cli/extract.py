@@ -103,6 +103,7 @@ def _run_extract(args: argparse.Namespace) -> int:
     from eagle3_data.config import load_config, resolve_source
     from eagle3_data.hidden_states.engines import shared_backend
     from eagle3_data.hidden_states.extract import ExtractOptions, extract_rows, read_merged_rows
+    from eagle3_data.images import MERGED_IMAGES_FILE, image_index
 
     if not args.out:
         raise UserError("--out is required with local merged files")
@@ -119,10 +120,18 @@ def _run_extract(args: argparse.Namespace) -> int:
         check_merged_file(path, vocab)  # before the model loads: bad input costs no GPU time
     h = config.hidden_states
     backend = shared_backend(h.backend, model, tensor_parallel_size=h.tensor_parallel_size,
-                             max_model_len=config.merge.max_length + 1)
+                             max_model_len=config.merge.max_length + 1, max_images=h.max_images)
     options = ExtractOptions.from_config(h)
+    # local shards have no store to read their images from: image samples are left out, never
+    # extracted over their ids alone (extract them from the run in S3 with hidden_states.max_images)
+    sidecar = (src if src.is_dir() else src.parent) / MERGED_IMAGES_FILE
+    image_samples = set(image_index(sidecar)) if sidecar.is_file() else set()
     for path in paths:
-        summary = extract_rows(backend, read_merged_rows([path]), args.out, path.stem, options)
+        rows = read_merged_rows([path])
+        kept = [r for r in rows if r["sample_id"] not in image_samples]
+        summary = extract_rows(backend, kept, args.out, path.stem, options)
+        if len(kept) < len(rows):
+            summary["left_out"] = {"image_samples": len(rows) - len(kept), "reason": "local shards: images need the run's store"}
         print(json.dumps({k: v for k, v in summary.items() if k != "norms"}))
     return 0
 

@@ -11,12 +11,13 @@ per-layer norm outliers go into the summary for a person to look at.
 from __future__ import annotations
 
 import json
+import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -28,6 +29,8 @@ from eagle3_data.hidden_states.layers import default_layer_ids, hidden_state_ind
 from eagle3_data.hidden_states.logprobs import LogprobHead, LogprobStats
 from eagle3_data.hidden_states.shards import Sample, dtype_name, encoding_name, resolve_storage_dtype, write_shard
 from eagle3_data.hidden_states.verify import LogprobCheck, engine_answers
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from eagle3_data.storage import StageRef
@@ -189,9 +192,13 @@ def extract_rows(
     options: ExtractOptions,
     on_file: Callable[[Path], None] | None = None,
     check: LogprobCheck | None = None,
+    images: Mapping[str, Sequence[bytes]] | None = None,
 ) -> dict:
     """Extract states for `rows` (sample_id, input_ids, loss_mask[, prompt_tokens]) into
     `{stem}-{k:04d}.safetensors`.
+
+    `images`: sample_id -> its images' encoded bytes in prompt order, for a backend started to take
+    them (`max_images`); the ids already hold each image's expanded `<|media_pad|>` run.
 
     `on_file` is called on the writer thread after each file is written (e.g. upload + delete).
     `check` (verify.py) compares each local answer's log-probabilities with the engine's own and
@@ -230,7 +237,12 @@ def extract_rows(
     try:
         for batch in plan_batches([len(r["input_ids"]) for r in rows], options.token_budget):
             t0 = time.perf_counter()
-            states = backend.forward([rows[i]["input_ids"] for i in batch], indices, options.last_hidden or options.logprobs)
+            ids = [rows[i]["input_ids"] for i in batch]
+            if images:
+                states = backend.forward(ids, indices, options.last_hidden or options.logprobs,
+                                         images=[images.get(rows[i]["sample_id"], ()) for i in batch])
+            else:
+                states = backend.forward(ids, indices, options.last_hidden or options.logprobs)
             forward_seconds += time.perf_counter() - t0
             for i, st in zip(batch, states):
                 row = rows[i]
@@ -394,6 +406,7 @@ def extract_shard(
             local = store.get_file(merged_ref, name, Path(tmp) / name, sha256=merged_sha256)  # a merge rewriting it: refused
             rows = read_merged_rows([local])
             local.unlink()
+            rows, images, left_out = _images_for(store, merged_ref, rows, backend)
 
             def upload(path: Path) -> None:
                 lease.check()  # fencing: a writer whose lease was taken over uploads nothing more
@@ -406,12 +419,38 @@ def extract_shard(
                 answers, skipped = engine_answers(store, merged_ref.run_key, datasets, {r["sample_id"] for r in rows})
                 check = LogprobCheck.for_dtype(answers, backend.describe().dtype, skipped)
             summary = extract_rows(backend, rows, Path(tmp) / "out", Path(name).stem, options, on_file=upload,
-                                   check=check)
+                                   check=check, images=images)
+        summary["left_out"] = left_out
         summary["merged_shard"] = {"run_key": merged_ref.run_key, "stage": merged_ref.stage,
                                    "dataset": merged_ref.dataset, "name": name, "sha256": merged_sha256}
         lease.check()
         store.put_json(out_ref, summary_name(name), summary)  # last: its presence marks the shard done
     return summary
+
+
+def _images_for(store, merged_ref, rows: list[dict], backend) -> tuple[list[dict], dict[str, list[bytes]] | None, dict]:
+    """The shard's image samples: their bytes (read and hash-checked once) for a backend started
+    to take images (`hidden_states.max_images` > 0), else the samples left out, counted and named,
+    never extracted over their ids alone (states without the pixels are not the model's)."""
+    from eagle3_data.images import ImageError, read_image, read_merged_images
+
+    refs = read_merged_images(store, merged_ref)
+    mine = {r["sample_id"]: refs[r["sample_id"]] for r in rows if r["sample_id"] in refs}
+    if not mine:
+        return rows, None, {}
+    if getattr(backend, "max_images", 0) > 0:
+        found: dict[str, list[bytes]] = {}
+        for sid, rs in mine.items():
+            try:
+                found[sid] = [read_image(store, ref) for ref in rs]
+            except ImageError as exc:
+                raise UserError(f"sample {sid}: field 'images': {exc}") from None
+        return rows, found, {}
+    log.warning("%s: %d image samples left out of extraction: the %s backend was not started for images "
+                "(hidden_states.max_images)", merged_ref.path, len(mine), backend.describe().backend)
+    return ([r for r in rows if r["sample_id"] not in mine], None,
+            {"image_samples": len(mine), "sample_ids": sorted(mine)[:20],
+             "reason": "the backend was not started for images (hidden_states.max_images: 0, or a text-only backend)"})
 
 
 def _logprob_totals(summaries: list[dict]) -> dict:
@@ -475,6 +514,7 @@ def _commit_extraction(store, merge_ref, out_ref, params: dict | None, lease) ->
     first = summaries[0] if summaries else {}
     totals = {
         "samples": sum(s["samples"] for s in summaries),
+        "left_out_image_samples": sum((s.get("left_out") or {}).get("image_samples", 0) for s in summaries),
         "tokens": sum(s["tokens"] for s in summaries),
         "bytes": sum(s["bytes"] for s in summaries),
     }

@@ -24,6 +24,8 @@ def hidden_states_params(run: Run) -> dict:
     h, o = run.config.hidden_states, extract_options(run)
     params = {"convention": o.convention, "last_hidden": o.last_hidden, "token_budget": o.token_budget,
               "model": run.config.model.source, "backend": h.backend}
+    if h.max_images:  # image samples extracted instead of left out (absent when 0: earlier manifests stay reusable)
+        params["max_images"] = h.max_images
     params.update({k: getattr(o, k) for k, default in _LATER_CHOICES.items() if getattr(o, k) != default})
     return params
 
@@ -148,7 +150,7 @@ def extract_hidden_states(run: Run, store, work: dict) -> ExtractWorkerResult:
                 t0 = time.perf_counter()
                 # one engine per worker process, kept across its shards (+1: the one generated token)
                 backend = shared_backend(params["backend"], model_dir, tensor_parallel_size=h.tensor_parallel_size,
-                                         max_model_len=run.config.merge.max_length + 1)
+                                         max_model_len=run.config.merge.max_length + 1, max_images=h.max_images)
                 loads += 1
                 log.info("hidden states worker %s: %s backend ready in %.1f s for %d shards",
                          work["worker"], params["backend"], time.perf_counter() - t0, len(work["shards"]))
