@@ -47,6 +47,19 @@ def test_s3_init_is_the_explicit_step_that_creates_the_bucket(s3, capsys):
     store.check_bucket()
 
 
+@pytest.mark.parametrize("write", [
+    lambda store, ref, path: store.put_json(ref, "a.json", {}),
+    lambda store, ref, path: store.put_bytes(ref, "a.md", b"x"),
+    lambda store, ref, path: store.put_file(ref, "shard.bin", path),
+], ids=["put_json", "put_bytes", "put_file"])
+def test_every_side_file_writer_refuses_a_missing_bucket(s3, tmp_path, write):
+    """The side-file writers share one path (overwrite check, PUT, record): none creates a bucket."""
+    name = f"gone-{uuid.uuid4().hex[:12]}"
+    (path := tmp_path / "shard.bin").write_bytes(b"\0" * 64)
+    with pytest.raises(MissingBucket, match=f"bucket '{name}' does not exist.*eagle3-data s3 init --bucket {name}"):
+        write(ArtifactStore(client=s3, bucket=name, prefix="p"), StageRef(RUN, "x", "y"), path)
+
+
 def test_stage_verify_passes_a_sound_stage_and_names_a_corrupt_part(store, capsys):
     ref = _stage(store, "generate_local")
     assert main(["stage", "verify", _uri(store, ref)]) == 0

@@ -36,7 +36,7 @@ from email.utils import parsedate_to_datetime
 
 from botocore.exceptions import ClientError
 
-from eagle3_data.storage.client import s3_errors
+from eagle3_data.storage.client import NOT_FOUND, error_code, s3_errors
 from eagle3_data.storage.refs import StageRef, StorageError
 
 log = logging.getLogger(__name__)
@@ -64,10 +64,6 @@ def default_owner() -> str:
                  f"{env.get('AIRFLOW_CTX_DAG_RUN_ID', '?')} try {env.get('AIRFLOW_CTX_TRY_NUMBER', '?')}")
     base = f"{socket.gethostname()}:pid {os.getpid()}"
     return f"{label} ({base})" if label else base
-
-
-def _code(exc: ClientError) -> str:
-    return str(exc.response.get("Error", {}).get("Code", ""))
 
 
 def _server_now(response: dict) -> datetime:
@@ -125,7 +121,7 @@ class Lease:
                     resp = self.store.client.put_object(Bucket=self.store.bucket, Key=self.key, Body=self._body(state),
                                                         IfMatch=self.etag, ContentType="application/json")
             except ClientError as exc:
-                if _code(exc) in _CONFLICT:
+                if error_code(exc) in _CONFLICT:
                     self._lost = f"{self.subject}: {self._replaced_by()}; this writer stopped before writing more"
                     raise LeaseLost(self._lost) from None
                 raise
@@ -174,7 +170,7 @@ class Lease:
             try:
                 current = self.store.client.get_object(Bucket=self.store.bucket, Key=self.key)
             except ClientError as exc:
-                if _code(exc) not in ("NoSuchKey", "404", "NotFound"):
+                if error_code(exc) not in NOT_FOUND:
                     raise
                 current = None
         holder = json.loads(current["Body"].read() or b"{}") if current is not None else {}
@@ -290,12 +286,12 @@ def _acquire(lease: Lease, client, bucket: str, key: str, uri: str, ttl_s: float
                 lease.etag = resp["ETag"]
                 break
             except ClientError as exc:
-                if _code(exc) not in _CONFLICT:
+                if error_code(exc) not in _CONFLICT:
                     raise
             try:
                 current = client.get_object(Bucket=bucket, Key=key)
             except ClientError as exc:
-                if _code(exc) in ("NoSuchKey", "404", "NotFound"):
+                if error_code(exc) in NOT_FOUND:
                     continue  # released and deleted in between: try to create again
                 raise
             holder = json.loads(current["Body"].read() or b"{}")
@@ -304,7 +300,7 @@ def _acquire(lease: Lease, client, bucket: str, key: str, uri: str, ttl_s: float
                 resp = client.put_object(Bucket=bucket, Key=key, Body=lease._body("held"), IfMatch=current["ETag"],
                                          ContentType="application/json")
             except ClientError as exc:
-                if _code(exc) in _CONFLICT:
+                if error_code(exc) in _CONFLICT:
                     continue  # another writer took it over first: read who
                 raise
             lease.etag = resp["ETag"]
@@ -340,7 +336,7 @@ def refuse_if_busy(store, ref: StageRef, *, ttl_s: float = DEFAULT_TTL_S) -> Non
         try:
             current = store.client.get_object(Bucket=store.bucket, Key=store.key(ref, LEASE))
         except ClientError as exc:
-            if _code(exc) in ("NoSuchKey", "404", "NotFound"):
+            if error_code(exc) in NOT_FOUND:
                 return
             raise
     _refuse_if_live(store.uri(ref), json.loads(current["Body"].read() or b"{}"), current, ttl_s)

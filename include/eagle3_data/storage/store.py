@@ -37,7 +37,7 @@ from eagle3_data.canonical import canonical_json  # re-exported: the one JSON sp
 from eagle3_data.errors import UserError
 from eagle3_data.forksafe import PerProcess
 from eagle3_data.schemas import schema_for
-from eagle3_data.storage.client import endpoint_of, fork_safe, s3_errors
+from eagle3_data.storage.client import NO_BUCKET, NOT_FOUND, endpoint_of, error_code, fork_safe, s3_errors
 from eagle3_data.storage.parts import PROGRESS, check_part_schema
 from eagle3_data.storage.refs import (
     CorruptArtifact,
@@ -56,8 +56,6 @@ MANIFEST_FORMAT = "eagle3-datagen/manifest"
 MANIFEST_VERSION = 1
 _CHUNK = 8 * 1024 * 1024
 _SECRET_KEY = re.compile(r"(secret|secret_key|password|passwd|api_?key|access_key(_id)?|credentials?|authorization)$")
-
-
 
 
 def manifest_hash(manifest: dict) -> str:
@@ -171,17 +169,20 @@ class ArtifactStore:
                 self.client.head_bucket(Bucket=self.bucket)
                 return True
             except ClientError as exc:
-                if exc.response.get("Error", {}).get("Code") not in ("404", "NoSuchBucket", "NotFound"):
+                if error_code(exc) not in NOT_FOUND | {NO_BUCKET}:
                     raise
                 return False
 
     def check_bucket(self) -> None:
         """A missing bucket is a setup step not done, never something a task creates on its own."""
         if not self.bucket_exists():
-            raise MissingBucket(
-                f"bucket {self.bucket!r} does not exist at {endpoint_of(self.client)}: create it once with "
-                f"`eagle3-data s3 init --bucket {self.bucket}` (or your infrastructure's tooling)"
-            )
+            raise self._missing_bucket()
+
+    def _missing_bucket(self) -> MissingBucket:
+        return MissingBucket(
+            f"bucket {self.bucket!r} does not exist at {endpoint_of(self.client)}: create it once with "
+            f"`eagle3-data s3 init --bucket {self.bucket}` (or your infrastructure's tooling)"
+        )
 
     def init_bucket(self) -> bool:
         """Create the bucket (the explicit setup step `eagle3-data s3 init`); False if it existed."""
@@ -201,16 +202,24 @@ class ArtifactStore:
 
         return acquire_lease(self, ref, ttl_s=ttl_s or DEFAULT_TTL_S, scope=scope)
 
-    def _put_bytes(self, key: str, data: bytes, sha256: str | None = None, content_type: str = "application/octet-stream") -> None:
+    def _put(self, key: str, body: bytes | Path, *, sha256: str | None = None,
+             content_type: str = "application/octet-stream") -> None:
+        """The one writer of an object: `body` in memory (one PUT, multipart above the threshold)
+        or a local file (streamed, multipart above the threshold), its sha256 in its metadata when
+        given. Every public writer below comes here, so retries, multipart and the missing
+        bucket's message are the same for all of them."""
         extra: dict[str, Any] = {"ContentType": content_type}
         if sha256:
             extra["Metadata"] = {"sha256": sha256}
-        with s3_errors(self.client, f"writing s3://{self.bucket}/{key}"):
+        what = f"uploading {body} to" if isinstance(body, Path) else "writing"
+        with s3_errors(self.client, f"{what} s3://{self.bucket}/{key}"):
             try:
-                if len(data) >= self.transfer.multipart_threshold:
-                    self.client.upload_fileobj(io.BytesIO(data), self.bucket, key, ExtraArgs=extra, Config=self.transfer)
+                if isinstance(body, Path):
+                    self.client.upload_file(str(body), self.bucket, key, ExtraArgs=extra, Config=self.transfer)
+                elif len(body) >= self.transfer.multipart_threshold:
+                    self.client.upload_fileobj(io.BytesIO(body), self.bucket, key, ExtraArgs=extra, Config=self.transfer)
                 else:
-                    self.client.put_object(Bucket=self.bucket, Key=key, Body=data, **extra)
+                    self.client.put_object(Bucket=self.bucket, Key=key, Body=body, **extra)
             except ClientError as exc:
                 self._raise_if_no_bucket(exc)
                 raise
@@ -221,24 +230,21 @@ class ArtifactStore:
             try:
                 return self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
             except ClientError as exc:
-                if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
+                if error_code(exc) in NOT_FOUND:
                     return None
                 self._raise_if_no_bucket(exc)
                 raise
 
     def _raise_if_no_bucket(self, exc: ClientError) -> None:
-        if exc.response.get("Error", {}).get("Code") == "NoSuchBucket":
-            raise MissingBucket(
-                f"bucket {self.bucket!r} does not exist at {endpoint_of(self.client)}: create it once with "
-                f"`eagle3-data s3 init --bucket {self.bucket}`"
-            ) from None
+        if error_code(exc) == NO_BUCKET:
+            raise self._missing_bucket() from None
 
     def _exists(self, key: str) -> dict | None:
         with s3_errors(self.client, f"checking s3://{self.bucket}/{key}"):
             try:
                 return self.client.head_object(Bucket=self.bucket, Key=key)
             except ClientError as exc:
-                if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
+                if error_code(exc) in NOT_FOUND:
                     if not self.bucket_exists():  # HEAD has no body: a 404 may be the bucket
                         self.check_bucket()
                     return None
@@ -265,7 +271,7 @@ class ArtifactStore:
     def put_object(self, key: str, data: bytes, content_type: str = "application/octet-stream") -> str:
         """One object at a bucket-relative key (not under `prefix`): inputs such as prompt files,
         whose layout the config names (`{prompts_root}/{dataset}/date=D/`). Returns its URI."""
-        self._put_bytes(key, data, sha256=hashlib.sha256(data).hexdigest(), content_type=content_type)
+        self._put(key, data, sha256=hashlib.sha256(data).hexdigest(), content_type=content_type)
         return f"s3://{self.bucket}/{key}"
 
     def list_objects(self, prefix: str) -> list[dict]:
@@ -283,7 +289,7 @@ class ArtifactStore:
                 body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"]
             except ClientError as exc:
                 self._raise_if_no_bucket(exc)
-                if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
+                if error_code(exc) in NOT_FOUND:
                     out.close()
                     raise CorruptArtifact(f"{label} is listed in the manifest but missing from S3: rerun the stage") from None
                 raise
@@ -315,7 +321,7 @@ class ArtifactStore:
                      content_type: str = "application/octet-stream") -> None:
         """One object of the stage (a part, a progress record), its sha256 in its metadata when
         given. No file record: side files go through `put_bytes` / `put_json` / `put_file`."""
-        self._put_bytes(self.key(ref, name), data, sha256=sha256, content_type=content_type)
+        self._put(self.key(ref, name), data, sha256=sha256, content_type=content_type)
 
     def head_object(self, ref: StageRef, name: str) -> dict | None:
         """HEAD of one object of the stage (size, metadata), or None when it does not exist."""
@@ -442,7 +448,7 @@ class ArtifactStore:
         manifest["manifest_sha256"] = manifest_hash(manifest)
         manifest["created_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
         body = json.dumps(manifest, indent=1, sort_keys=True, ensure_ascii=False).encode()
-        self._put_bytes(self.key(ref, MANIFEST), body, content_type="application/json")
+        self.write_object(ref, MANIFEST, body, content_type="application/json")
         log.info("committed %s: %d rows in %d parts, %d files", self.uri(ref), manifest["rows"], len(parts), len(files))
         return manifest
 
@@ -610,27 +616,25 @@ class ArtifactStore:
         if manifest is not None and name in {f["name"] for f in json.loads(manifest).get("files", [])}:
             self.invalidate(ref)
 
-    def _record_file(self, ref: StageRef, name: str, size: int, sha256: str) -> None:
+    def _put_side_file(self, ref: StageRef, name: str, body: bytes | Path, size: int, sha256: str,
+                       content_type: str = "application/octet-stream") -> str:
+        """A side file: a manifest listing the old one invalidated first, then the object, then its
+        record (`_progress/files/<name>.json`), which marks it committed for `committed_files`."""
+        check_file_name(name)
+        self._before_overwrite(ref, name)
+        self._put(self.key(ref, name), body, sha256=sha256, content_type=content_type)
         record = {"name": name, "bytes": size, "sha256": sha256}
-        self._put_bytes(self._file_record_key(ref, name), canonical_json(record).encode(), content_type="application/json")
+        self._put(self._file_record_key(ref, name), canonical_json(record).encode(), content_type="application/json")
+        return self.uri(ref, name)
 
     def put_json(self, ref: StageRef, name: str, obj: Any) -> str:
-        check_file_name(name)
+        """A JSON side file (failures.json, reports)."""
         data = json.dumps(obj, indent=1, sort_keys=True, ensure_ascii=False).encode()
-        sha = hashlib.sha256(data).hexdigest()
-        self._before_overwrite(ref, name)
-        self._put_bytes(self.key(ref, name), data, sha256=sha, content_type="application/json")
-        self._record_file(ref, name, len(data), sha)
-        return self.uri(ref, name)
+        return self.put_bytes(ref, name, data, content_type="application/json")
 
     def put_bytes(self, ref: StageRef, name: str, data: bytes, content_type: str = "application/octet-stream") -> str:
         """A small side file such as report.md."""
-        check_file_name(name)
-        sha = hashlib.sha256(data).hexdigest()
-        self._before_overwrite(ref, name)
-        self._put_bytes(self.key(ref, name), data, sha256=sha, content_type=content_type)
-        self._record_file(ref, name, len(data), sha)
-        return self.uri(ref, name)
+        return self._put_side_file(ref, name, data, len(data), hashlib.sha256(data).hexdigest(), content_type)
 
     def get_json(self, ref: StageRef, name: str) -> Any:
         check_file_name(name)
@@ -656,14 +660,9 @@ class ArtifactStore:
             for chunk in iter(lambda: f.read(_CHUNK), b""):
                 digest.update(chunk)
         size = path.stat().st_size
-        self._before_overwrite(ref, name)
-        with s3_errors(self.client, f"uploading {path} to {self.uri(ref, name)}"):
-            self.client.upload_file(
-                str(path), self.bucket, self.key(ref, name), ExtraArgs={"Metadata": {"sha256": digest.hexdigest()}}, Config=self.transfer
-            )
-        self._record_file(ref, name, size, digest.hexdigest())
-        log.info("uploaded %s (%d bytes)", self.uri(ref, name), size)
-        return self.uri(ref, name)
+        uri = self._put_side_file(ref, name, path, size, digest.hexdigest())
+        log.info("uploaded %s (%d bytes)", uri, size)
+        return uri
 
     def get_file(self, ref: StageRef, name: str, local_path: str | os.PathLike, *, sha256: str | None = None) -> Path:
         """Download (parallel ranged GETs above the threshold) and check the sha256 recorded at upload.
@@ -683,7 +682,7 @@ class ArtifactStore:
             try:
                 self.client.download_file(self.bucket, self.key(ref, name), str(path), Config=self.transfer)
             except ClientError as exc:
-                if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
+                if error_code(exc) in NOT_FOUND:
                     raise CorruptArtifact(f"{self.uri(ref, name)} is recorded as uploaded but missing from S3") from None
                 raise
         digest = hashlib.sha256()
