@@ -20,17 +20,34 @@ packaged default is a dev config that runs anywhere; production points `$EAGLE3_
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 import os
 import re
 import types
 import typing
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from collections.abc import Callable
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator
 
 from eagle3_data.errors import UserError
+# The gate's default thresholds, in one place (validate.py's library defaults use these too).
+from eagle3_data.gate_defaults import (
+    DEFAULT_MAX_BAD_ROW_RATE,
+    DEFAULT_MAX_BILLING_DEVIATION,
+    DEFAULT_MAX_BPE_MISMATCH_RATE,
+    DEFAULT_MAX_IDENTITY_MISMATCH_RATE,
+    DEFAULT_MAX_MISSING_USAGE_RATE,
+    DEFAULT_MAX_PROMPT_BILLING_MEAN_ABS_DIFF,
+    DEFAULT_MAX_PROMPT_BILLING_ROW_DIFF,
+    DEFAULT_MAX_PROMPT_BILLING_ROW_RATE,
+    DEFAULT_MAX_REJECTED_PROMPT_RATE,
+    DEFAULT_POLICY_FALSE_ALARM_RATE,
+    DEFAULT_POLICY_POWER,
+    DEFAULT_POLICY_SHIFT_NATS,
+)
 
 AWS_CONN_ID = "aws_default"
 OPENROUTER_CONN_ID = "openrouter_default"
@@ -57,21 +74,6 @@ LENGTH_POLICIES: tuple[str, ...] = get_args(LengthPolicy)
 LAYER_CONVENTIONS: tuple[str, ...] = get_args(LayerConvention)
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 
-# The gate's default thresholds, in one place (validate.py's library defaults use these too).
-from eagle3_data.gate_defaults import (  # noqa: E402
-    DEFAULT_MAX_BAD_ROW_RATE,
-    DEFAULT_MAX_BILLING_DEVIATION,
-    DEFAULT_MAX_BPE_MISMATCH_RATE,
-    DEFAULT_MAX_IDENTITY_MISMATCH_RATE,
-    DEFAULT_MAX_MISSING_USAGE_RATE,
-    DEFAULT_MAX_PROMPT_BILLING_MEAN_ABS_DIFF,
-    DEFAULT_MAX_PROMPT_BILLING_ROW_DIFF,
-    DEFAULT_MAX_PROMPT_BILLING_ROW_RATE,
-    DEFAULT_MAX_REJECTED_PROMPT_RATE,
-    DEFAULT_POLICY_FALSE_ALARM_RATE,
-    DEFAULT_POLICY_POWER,
-    DEFAULT_POLICY_SHIFT_NATS,
-)
 
 Rate = Annotated[float, Field(ge=0.0, le=1.0)]
 
@@ -91,6 +93,41 @@ class _Model(BaseModel):
             if isinstance(annotation, type) and issubclass(annotation, BaseModel):
                 return {}
         return value
+
+
+T = TypeVar("T")
+
+
+def options_of(section: type[BaseModel]) -> Callable[[type[T]], type[T]]:
+    """Class decorator, under `@dataclass`, for a client's run options (`LocalOptions`,
+    `OverflowOptions`): each annotated field the config `section` also has takes the section's
+    default, declared once, here, so a client run without a config (a test, a benchmark) runs as
+    the default config does. The client's own fields (timings a test tightens) keep the defaults
+    written on them. Build one from a loaded config with `options_from`."""
+
+    def fill(cls: type[T]) -> type[T]:
+        for name in cls.__dict__.get("__annotations__", {}):
+            if name not in section.model_fields or name in cls.__dict__:
+                continue
+            spec = section.model_fields[name]
+            if spec.is_required():
+                raise TypeError(f"{cls.__name__}.{name}: {section.__name__}.{name} has no default to take")
+            default = spec.get_default(call_default_factory=True)
+            if isinstance(default, BaseModel):  # a nested section: the options hold its plain mapping
+                default = default.model_dump()
+            mutable = isinstance(default, (dict, list))
+            setattr(cls, name, dataclasses.field(default_factory=lambda d=default: copy.deepcopy(d)) if mutable
+                    else default)
+        return cls
+
+    return fill
+
+
+def options_from(cls: type[T], section: BaseModel, **overrides: Any) -> T:
+    """The run options `cls` (see `options_of`) a loaded config `section` sets (same field
+    names), plus `overrides`: the one way a client's options come from the config."""
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    return cls(**{**{k: v for k, v in section.model_dump().items() if k in names}, **overrides})
 
 
 class StorageConfig(_Model):

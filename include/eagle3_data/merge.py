@@ -38,7 +38,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from eagle3_data import draft_vocab
-from eagle3_data.config import LENGTH_POLICIES
+from eagle3_data.config import MergeConfig
 from eagle3_data.errors import UserError
 from eagle3_data.generation.conversations import DROPPED, FOLDED, OWN
 from eagle3_data.schemas import MERGED
@@ -452,20 +452,17 @@ def merge_datasets(
     store: ArtifactStore,
     inputs: list[StageRef],
     out_run_key: str,
+    config: MergeConfig = MergeConfig(),
     *,
-    max_length: int = 4096,
-    length_policy: str = "truncate",
-    shard_tokens: int = 1 << 20,
-    seed: int = 0,
     out_dataset: str = "all",
     tokens_per_bucket: int = DEFAULT_TOKENS_PER_BUCKET,
     work_dir: str | Path | None = None,
     vocab_size: int | None = None,
-    draft_vocab_size: int = 32_000,
     lease=None,
     folds: dict | None = None,
 ) -> dict:
-    """Merge `inputs` (schemas.GENERATIONS stages) into `runs/{out_run_key}/merge/{out_dataset}/`.
+    """Merge `inputs` (schemas.GENERATIONS stages) into `runs/{out_run_key}/merge/{out_dataset}/`
+    as `config` (the config's `merge`, validated there) says; its params are `merge_params(config)`.
 
     `vocab_size` (the tokenizer's): an id outside it stops the merge naming the sample; such an
     id can only come from a broken engine or a foreign artifact, and would poison training.
@@ -482,11 +479,8 @@ def merge_datasets(
     overwriting shards the first is writing; the lease is checked again right before the commit.
     `folds`: per input, its trajectories' turn rows (`conversations.trajectory_folds` of its samples).
     """
-    if length_policy not in LENGTH_POLICIES:
-        raise UserError(f"length_policy {length_policy!r}: expected one of {', '.join(LENGTH_POLICIES)}")
-    if max_length < 2 or shard_tokens < 1 or tokens_per_bucket < 1:
-        raise UserError(f"max_length={max_length}, shard_tokens={shard_tokens} and tokens_per_bucket="
-                        f"{tokens_per_bucket} must be positive (max_length >= 2)")
+    if tokens_per_bucket < 1:
+        raise UserError(f"tokens_per_bucket={tokens_per_bucket} must be positive")
     if not inputs:
         raise UserError("merge: no inputs given")
     out_ref = StageRef(out_run_key, MERGE, out_dataset)
@@ -498,14 +492,14 @@ def merge_datasets(
 
         with tempfile.TemporaryDirectory(prefix="eagle3-merge-", dir=work_dir) as tmp:
             work = Path(tmp)
-            keys, tokens = _spill(store, inputs, seed, stats, work / "spill.arrow", vocab_size, folds)
+            keys, tokens = _spill(store, inputs, config.seed, stats, work / "spill.arrow", vocab_size, folds)
             buckets = _partition(work / "spill.arrow", keys, tokens, tokens_per_bucket, work)
             del keys, tokens
-            shards = _ShardWriter(store, out_ref, work, shard_tokens)
+            shards = _ShardWriter(store, out_ref, work, config.shard_tokens)
             for path in buckets:  # one bucket resident at a time: _merge_bucket's table dies with its call
-                _merge_bucket(path, max_length, length_policy, stats, shards)
+                _merge_bucket(path, config.max_length, config.length_policy, stats, shards)
             shards.close_shard()
-            vocab_files, vocab = draft_vocab.write(work, shards.trained_counts, draft_vocab_size,
+            vocab_files, vocab = draft_vocab.write(work, shards.trained_counts, config.draft_vocab_size,
                                                    vocab_size or shards.trained_counts.shape[0])
             for name in vocab_files:
                 store.put_file(out_ref, name, work / name)
@@ -522,14 +516,19 @@ def merge_datasets(
             "totals": dict(sorted(totals.items())),
             "draft_vocab": {**vocab, "files": vocab_files},
         }
-        params = {"max_length": max_length, "length_policy": length_policy, "shard_tokens": shard_tokens, "seed": seed,
-                  "draft_vocab_size": draft_vocab_size}
         held.check()  # fencing: a writer whose lease was taken over commits nothing
-        store.commit_files(out_ref, [s["name"] for s in shards.shards] + vocab_files, params=params, inputs=inputs,
+        store.commit_files(out_ref, [s["name"] for s in shards.shards] + vocab_files, params=merge_params(config),
+                           inputs=inputs,
                            tokenizer_sha256=tokenizer_sha, template_sha256=template_sha,
                            extra={"shards": shards.shards, "datasets": datasets, "totals": summary["totals"],
                                   "draft_vocab": summary["draft_vocab"]})
         return summary
+
+
+def merge_params(config: MergeConfig) -> dict:
+    """The merge stage's manifest params: the whole `merge` section, so a key added to it is in
+    them, and a merge made under another value of it is never reused (pipeline.reuse)."""
+    return config.model_dump(mode="json")
 
 
 def merged_shards(store: ArtifactStore, ref: StageRef, manifest: dict | None = None) -> list[dict]:

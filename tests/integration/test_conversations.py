@@ -278,6 +278,7 @@ def test_a_trajectory_cut_at_reconstruct_keeps_its_turns_before_the_cut(store, s
     from eagle3_data.chat_format import get_output_format
     from eagle3_data.config import load_config
     from eagle3_data.generation.conversations import TurnDriver
+    from eagle3_data.config import MergeConfig
     from eagle3_data.merge import merge_datasets, merged_shards
     from eagle3_data.pipeline import reconstruct
     from eagle3_data.pipeline.merge import trajectory_folds_of
@@ -304,8 +305,9 @@ def test_a_trajectory_cut_at_reconstruct_keeps_its_turns_before_the_cut(store, s
     samples = read_samples(store.get_bytes(ref, SAMPLES_FILE))
     cut = [s for s in samples if len(s["steps"]) > 1 and rebuilt[s["steps"][-1]]["status"] == "unreconstructable"]
     assert cut and all(s["end"] == "length" for s in cut)  # the fault is exercised: answers to tool results cut
-    summary = merge_datasets(store, [StageRef(run.run_key, "reconstruct", "chat")], run.run_key, max_length=1 << 16,
-                             folds=trajectory_folds_of(run, store, ["chat"]), draft_vocab_size=64)
+    summary = merge_datasets(store, [StageRef(run.run_key, "reconstruct", "chat")], run.run_key,
+                             MergeConfig(max_length=1 << 16, draft_vocab_size=64),
+                             folds=trajectory_folds_of(run, store, ["chat"]))
     counts = check_conversation_records(store, run.run_key, "chat", kimi_tokenizer)  # every record the oracle's
     records = {}
     for shard in merged_shards(store, StageRef(run.run_key, "merge", "all")):

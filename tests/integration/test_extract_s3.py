@@ -109,9 +109,10 @@ def test_the_default_extraction_exports_to_both_trainers_with_the_draft_vocabula
 
 
 def test_extract_shard_resumes_by_shard_and_commit_waits_for_all(store, generations, tiny_model_dir, tmp_path):
+    from eagle3_data.config import MergeConfig
     from eagle3_data.merge import merge_datasets
 
-    summary = merge_datasets(store, generations, RUN, shard_tokens=200)
+    summary = merge_datasets(store, generations, RUN, MergeConfig(shard_tokens=200))
     merge_ref = StageRef(**summary["ref"])
     out_ref = StageRef(RUN, "extract_hidden_states", "all")
     first, *rest = summary["shards"]

@@ -7,9 +7,10 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
+from eagle3_data.config import MergeConfig, load_config
 from eagle3_data.errors import UserError
 from eagle3_data.generation.conversations import trajectory_folds
-from eagle3_data.merge import build_record, merge_datasets, merged_shards
+from eagle3_data.merge import build_record, merge_datasets, merge_params, merged_shards
 from eagle3_data.storage import IncompleteStage, StageRef
 from eagle3_data.storage.writer import StageWriter
 
@@ -82,8 +83,9 @@ def two_datasets(store):
 
 
 def test_merge_dedupes_counts_and_shards(store, two_datasets, tmp_path):
-    summary = merge_datasets(store, two_datasets, "date=2026-11-29", max_length=20, length_policy="drop",
-                             shard_tokens=100, seed=1, tokens_per_bucket=40)
+    summary = merge_datasets(store, two_datasets, "date=2026-11-29",
+                             MergeConfig(max_length=20, length_policy="drop", shard_tokens=100, seed=1),
+                             tokens_per_bucket=40)
     rows = read_all(store, summary, tmp_path)
     by_id = {r["sample_id"]: r for r in rows}
     assert len(by_id) == len(rows) == 20 + 15  # o* are 34 tokens > 20: dropped; c0..c4 deduped
@@ -109,7 +111,7 @@ def test_the_draft_vocabulary_counts_the_merged_rows_trained_tokens(store, two_d
 
     from tests.fixtures.kimi import VOCAB_SIZE
 
-    summary = merge_datasets(store, two_datasets, "vocab", max_length=64, shard_tokens=100, draft_vocab_size=3,
+    summary = merge_datasets(store, two_datasets, "vocab", MergeConfig(max_length=64, shard_tokens=100, draft_vocab_size=3),
                              vocab_size=VOCAB_SIZE)
     rows = read_all(store, summary, tmp_path)
     trained = [t for r in rows for t, m in zip(r["input_ids"], r["loss_mask"]) if m]
@@ -126,7 +128,7 @@ def test_the_draft_vocabulary_counts_the_merged_rows_trained_tokens(store, two_d
 
 def test_shuffle_is_seeded_and_independent_of_bucketing(store, two_datasets, tmp_path):
     def order(seed, tokens_per_bucket, run):
-        s = merge_datasets(store, two_datasets, run, max_length=64, shard_tokens=10_000, seed=seed,
+        s = merge_datasets(store, two_datasets, run, MergeConfig(max_length=64, shard_tokens=10_000, seed=seed),
                            tokens_per_bucket=tokens_per_bucket)
         return [r["sample_id"] for r in read_all(store, s, tmp_path)]
 
@@ -137,6 +139,23 @@ def test_shuffle_is_seeded_and_independent_of_bucketing(store, two_datasets, tmp
     assert a != sorted(a)
 
 
+def test_a_key_added_to_the_merge_section_is_in_the_params_so_reuse_sees_it(store, two_datasets):
+    """The manifest's params are the whole `merge` section (pydantic's own dump is the oracle):
+    a key added to it needs no list kept in step, and a merge made under another value of it is
+    not reused (pipeline.reuse compares the params)."""
+    from eagle3_data.pipeline.reuse import reusable
+
+    class Wider(MergeConfig):  # the section as it would be with one more key
+        new_knob: int = 3
+
+    merge_datasets(store, two_datasets, "wider", Wider(max_length=64))
+    ref = StageRef("wider", "merge", "all")
+    assert store.read_manifest(ref)["params"] == Wider(max_length=64).model_dump(mode="json")
+    assert reusable(store, ref, two_datasets, merge_params(Wider(max_length=64))) is not None
+    assert reusable(store, ref, two_datasets, merge_params(Wider(max_length=64, new_knob=4))) is None
+    assert reusable(store, ref, two_datasets, merge_params(MergeConfig(max_length=64))) is None
+
+
 def test_bad_rows_and_incomplete_inputs_are_user_errors(store):
     ref = StageRef("r", "generate_local", "bad")
     write_stage(store, ref, [gen_row("x1", "bad", "sglang", [1, 2], None)])
@@ -145,7 +164,7 @@ def test_bad_rows_and_incomplete_inputs_are_user_errors(store):
     with pytest.raises(IncompleteStage):
         merge_datasets(store, [StageRef("r", "generate_local", "missing")], "r")
     with pytest.raises(UserError, match="length_policy"):
-        merge_datasets(store, [ref], "r", length_policy="clip")
+        load_config().with_overrides({"merge": {"length_policy": "clip"}})  # the merge's settings are validated there
 
 
 def test_merge_refuses_ids_outside_the_vocabulary_naming_the_sample(store):
@@ -172,7 +191,9 @@ def test_trajectory_folds_make_one_record_with_the_tool_results_unmasked(store, 
     write_stage(store, ref, rows)
     folds = {ref: trajectory_folds([{"sample_id": "traj", "steps": ["turn1", "turn2"], "prefix_ok": True, "base": 3,
                                      "masked": [3, 6], "end": "answered"}])}
-    summary = merge_datasets(store, [ref], "r-fold-out", max_length=max_length, folds=folds, draft_vocab_size=8)
+    # a max_length under the config's bound (16): the section built without its validation
+    config = MergeConfig.model_construct(max_length=max_length, draft_vocab_size=8)
+    summary = merge_datasets(store, [ref], "r-fold-out", config, folds=folds)
     records = {r["sample_id"]: r for r in read_all(store, summary, tmp_path)}
     assert set(records) == {"traj", "plain"}
     traj = records["traj"]
@@ -220,7 +241,7 @@ def test_a_trajectory_whose_last_turn_is_unusable_keeps_its_usable_turns(store, 
                {"sample_id": "whole", "steps": ["w1", "w2"], "end": "answered"}]
     samples = [{**s, "prefix_ok": True, "base": 3, "masked": masked[: 2 * len(s["steps"]) - 2]} for s in samples]
     folds = {ref: trajectory_folds(samples, {r["sample_id"]: (r["status"], r["error"]) for r in rows})}
-    summary = merge_datasets(store, [ref], "r-cut-out", folds=folds, draft_vocab_size=8)
+    summary = merge_datasets(store, [ref], "r-cut-out", MergeConfig(draft_vocab_size=8), folds=folds)
     records = {r["sample_id"]: r for r in read_all(store, summary, tmp_path)}
     assert sorted(records) == ["cut", "mid", "whole"]
     assert records["cut"]["input_ids"] == [1, 2, 3, 10, 11, IM_END, 20, 21, 12, 13, IM_END]

@@ -72,13 +72,14 @@ def write_inputs(store) -> list:
     return list(stages)
 
 
-def fingerprint(store, inputs, run_key: str, **kwargs) -> dict:
+def fingerprint(store, inputs, run_key: str, tokens_per_bucket: int, **config) -> dict:
     """What must not change: the shard files' bytes and the manifest's shard list and statistics
     (the draft vocabulary, added after the golden was recorded, is `vocab_of`'s)."""
+    from eagle3_data.config import MergeConfig
     from eagle3_data.merge import merge_datasets
     from eagle3_data.storage import StageRef
 
-    merge_datasets(store, inputs, run_key, **kwargs)
+    merge_datasets(store, inputs, run_key, MergeConfig(**config), tokens_per_bucket=tokens_per_bucket)
     manifest = store.read_manifest(StageRef(run_key, "merge", "all"))
     extra = {k: v for k, v in manifest["extra"].items() if k != "draft_vocab"}
     return {

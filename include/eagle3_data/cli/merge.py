@@ -47,6 +47,9 @@ def _run(args: argparse.Namespace) -> int:
     if len({(b, p) for b, p, _ in parsed}) > 1:
         raise UserError("--input: all inputs must live in the same bucket and prefix")
     bucket, prefix, _ = parsed[0]
+    # the flags override the config's `merge` section, validated with it (a bad value: one line naming the key)
+    overrides = {"merge": settings} if (settings := _merge_settings(args)) else {}
+    datasets = list(dict.fromkeys(ref.dataset for _, _, ref in parsed))
     if args.out_run_key is None:
         from eagle3_data import pipeline
 
@@ -54,19 +57,15 @@ def _run(args: argparse.Namespace) -> int:
         if len(runs) > 1:
             raise UserError(f"--input: stages of several runs ({', '.join(sorted(runs))}): a run's merge takes one run; "
                             "--out-run-key merges stages of several")
-        datasets = list(dict.fromkeys(ref.dataset for _, _, ref in parsed))
-        overrides = {"merge": settings} if (settings := _merge_settings(args)) else {}
         run, store = cli_run(args, runs.pop(), datasets, overrides, bucket=bucket, prefix=prefix)
         print(printed(pipeline.merge(run, store)))
         return 0
     from eagle3_data.merge import merge_datasets
     from eagle3_data.pipeline.run import output_format
 
-    datasets = list(dict.fromkeys(ref.dataset for _, _, ref in parsed))
-    run, store = cli_run(args, args.out_run_key, datasets, {}, bucket=bucket, prefix=prefix)
-    settings = {**run.config.merge.model_dump(), **_merge_settings(args)}
+    run, store = cli_run(args, args.out_run_key, datasets, overrides, bucket=bucket, prefix=prefix)
     summary = merge_datasets(
-        store, [ref for _, _, ref in parsed], args.out_run_key, **settings, out_dataset=args.out_dataset,
+        store, [ref for _, _, ref in parsed], args.out_run_key, run.config.merge, out_dataset=args.out_dataset,
         # the tokenizer's vocabulary: ids outside it are refused, and the draft vocabulary's t2d spans it
         vocab_size=output_format(run, store, template=False).vocab_size,
         **({"tokens_per_bucket": args.tokens_per_bucket} if args.tokens_per_bucket else {}),

@@ -34,11 +34,12 @@ import logging
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 import aiohttp
 
+from eagle3_data.config import LocalGenerationConfig, options_of
 from eagle3_data.errors import EndpointUnavailable, UserError
 from eagle3_data.generation.checkpoint import (
     Prompt,
@@ -63,27 +64,24 @@ ROUTES = ("local", "both")
 
 
 @dataclass(frozen=True)
+@options_of(LocalGenerationConfig)
 class LocalOptions:
-    """How the local client runs: `generation.local` of the config (`from_config`), with timings
-    a test or benchmark may tighten."""
+    """How the local client runs: `generation.local` of the config (`config.options_from`), with
+    timings a test or benchmark may tighten."""
 
-    in_flight_per_endpoint: int | None = None  # None: the endpoint's reported capacity
-    rows_per_part: int = 256
+    # generation.local: the defaults are the config's (config.options_of)
+    in_flight_per_endpoint: int | None  # None: the endpoint's reported capacity
+    rows_per_part: int
+    warmup_timeout_s: float
+    unreachable_timeout_s: float
+    connect_timeout_s: float
+    max_endpoint_failures: int
+    served_model: str | None  # the name every endpoint must serve (GET /v1/models); None: recorded only
+    # the client's own
     max_attempts: int = 5
     request_timeout_s: float = 3600.0
-    warmup_timeout_s: float = 600.0
-    unreachable_timeout_s: float = 15.0
-    connect_timeout_s: float = 5.0
-    max_endpoint_failures: int = 3
     health_interval_s: float = 2.0
     flush_interval_s: float = 30.0
-    served_model: str | None = None  # the name every endpoint must serve (GET /v1/models); None: recorded only
-
-    @classmethod
-    def from_config(cls, local: Any, **overrides: Any) -> LocalOptions:
-        """The options a `LocalGenerationConfig` sets (same field names), plus `overrides`."""
-        names = {f.name for f in fields(cls)}
-        return cls(**{**{k: v for k, v in local.model_dump().items() if k in names}, **overrides})
 
 
 class Answer(NamedTuple):

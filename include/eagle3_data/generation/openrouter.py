@@ -29,9 +29,10 @@ import uuid
 from collections import deque
 from collections.abc import Iterable, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from eagle3_data.config import OverflowGenerationConfig, options_of
 from eagle3_data.errors import UserError
 from eagle3_data.generation.checkpoint import (
     Prompt,
@@ -102,32 +103,28 @@ class OverflowRequest:
 
 
 @dataclass(frozen=True)
+@options_of(OverflowGenerationConfig)
 class OverflowOptions:
-    """How the overflow client runs: `generation.overflow` of the config (`from_config`), with
-    timings a test or benchmark may tighten. The defaults are the config's (tests/unit/test_config.py
-    holds them equal)."""
+    """How the overflow client runs: `generation.overflow` of the config (`config.options_from`),
+    with timings a test or benchmark may tighten."""
 
-    concurrency: int = 256
-    rows_per_part: int = 64
-    max_usd: float | None = None  # stop dispatching before spent + in flight would pass it; None: no cap
-    price_usd_per_mtok: Mapping[str, float] | None = None  # prices answers that carry no usage.cost
+    # generation.overflow: the defaults are the config's (config.options_of)
+    concurrency: int
+    rows_per_part: int
+    max_usd: float | None  # stop dispatching before spent + in flight would pass it; None: no cap
+    price_usd_per_mtok: Mapping[str, float] | None  # prices answers that carry no usage.cost
+    stream: bool  # SSE requests: bounded by silence, named when they open (openrouter_http)
+    stream_idle_timeout_s: float
+    request_timeout_s: float  # a non-streamed request's whole answer
+    unreachable_timeout_s: float
+    connect_timeout_s: float
+    max_identical_errors: int  # this many identical permanent errors in a row stop dispatch
+    # the client's own
     max_attempts: int = 6
-    stream: bool = True  # SSE requests: bounded by silence, named when they open (openrouter_http)
-    stream_idle_timeout_s: float = 180.0
-    request_timeout_s: float = 600.0  # a non-streamed request's whole answer
     first_cost_estimate_usd: float = 0.01
     flush_interval_s: float = 30.0
-    unreachable_timeout_s: float = 15.0
-    connect_timeout_s: float = 5.0
-    max_identical_errors: int = 10  # this many identical permanent errors in a row stop dispatch
     cost_lookups: int = 4  # GET /generation?id= tries for an answer without usage.cost (its record lags)
     cost_lookup_delay_s: float = 0.5  # the first wait; doubled after each 404
-
-    @classmethod
-    def from_config(cls, overflow: Any, **overrides: Any) -> OverflowOptions:
-        """The options an `OverflowGenerationConfig` sets (same field names), plus `overrides`."""
-        names = {f.name for f in fields(cls)}
-        return cls(**{**{k: v for k, v in overflow.model_dump().items() if k in names}, **overrides})
 
 
 def generate_overflow(store, ref, prompts: Iterable[dict], fmt, base_url: str, api_key: str, request: OverflowRequest,

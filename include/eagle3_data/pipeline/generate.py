@@ -43,6 +43,7 @@ def _finished(result: dict, what: str, store, ref) -> GenerationResult:
 
 def generate_local(run: Run, store, dataset: str, endpoints: list[str], *, rerun: bool = False) -> GenerationResult:
     """The samples routed local|both on the local engine's `endpoints` (http(s) URLs)."""
+    from eagle3_data.config import options_from
     from eagle3_data.generation.engines import wire_for
     from eagle3_data.generation.local import LocalOptions
     from eagle3_data.generation.local import generate_local as generate
@@ -55,13 +56,14 @@ def generate_local(run: Run, store, dataset: str, endpoints: list[str], *, rerun
     g, fmt = run.config.generation, output_format(run, store)
     result = generate(
         store, ref, _prompt_rows(store, prompts), fmt, endpoints, engine_sampling(run),
-        wire=wire_for(g.local.engine), options=LocalOptions.from_config(g.local), setup=_setup(run, prompts, rerun, fmt),
+        wire=wire_for(g.local.engine), options=options_from(LocalOptions, g.local), setup=_setup(run, prompts, rerun, fmt),
     )
     return _finished(result, f"generate_local {dataset}", store, ref)
 
 
 def generate_overflow(run: Run, store, dataset: str, base_url: str, api_key: str, *, rerun: bool = False) -> GenerationResult:
     """The samples routed overflow|both through OpenRouter at `base_url` with `api_key` (never logged)."""
+    from eagle3_data.config import options_from
     from eagle3_data.generation.openrouter import OverflowOptions, OverflowRequest
     from eagle3_data.generation.openrouter import generate_overflow as generate
     from eagle3_data.generation.provider_answers import RETRYABLE_STOPS
@@ -73,7 +75,7 @@ def generate_overflow(run: Run, store, dataset: str, base_url: str, api_key: str
     result = generate(
         store, ref, _prompt_rows(store, prompts), fmt, base_url, api_key,
         OverflowRequest(model=o.model, provider=o.provider, sampling=engine_sampling(run)),
-        options=OverflowOptions.from_config(o), setup=_setup(run, prompts, rerun, fmt),
+        options=options_from(OverflowOptions, o), setup=_setup(run, prompts, rerun, fmt),
     )
     if result.get("stopped_reason") not in (None, "retryable_failures", *RETRYABLE_STOPS):
         detail = f": {result['stop_detail']}" if result.get("stop_detail") else ""
