@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from eagle3_data.generation.provider_answers import REPEATED_ERROR
+from eagle3_data.generation.contracts import StopReason
 from eagle3_data.storage import StageRef
 from tests.generation_calls import MODEL, generate_overflow
 from tests.integration.test_generation import SAMPLING, SECRET, WEATHER, prompts
@@ -114,7 +114,7 @@ def test_after_a_trip_every_held_sample_stays_pending_whatever_comes_back(
         "bad_request": 0.85, "latency": {"dist": "uniform", "low": 0.0, "high": 0.1}}}})
     ref, s = _run(store, server, kimi_tokenizer, prompts(80, "chat"), tmp_path, "tripped", max_identical_errors=3,
                   concurrency=8)
-    assert s["stopped_reason"] == REPEATED_ERROR, s
+    assert s["stopped_reason"] == StopReason.REPEATED_ERROR, s
     committed = store.committed_sample_ids(ref)
     answered = set(server.stats()["answered"].get("chat", {}))
     assert s["counts"]["failed"] == 0 and committed <= answered  # nothing committed but answers

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from eagle3_data.generation.provider_answers import IN_FLIGHT_BUDGET, REPEATED_ERROR
+from eagle3_data.generation.contracts import StopReason
 from eagle3_data.schemas import IDENTITY_MISMATCH
 from eagle3_data.storage import StageRef
 from tests.generation_calls import MODEL, generate_overflow
@@ -102,7 +102,7 @@ def test_402_in_flight_budget_pauses_and_retries(store, start_dev_server, kimi_t
     server = start_dev_server({"price_per_token": PRICE, "endpoints": {"chat": {"in_flight_402": 1.0, "retry_after_s": 0.05}}})
     ref = _ref("in-flight-always")
     s = _run(store, server, kimi_tokenizer, prompts(6, "chat"), tmp_path, ref, budget=5.0, max_attempts=2)
-    assert s["stopped_reason"] == IN_FLIGHT_BUDGET and "in-flight requests" in s["stop_detail"], s
+    assert s["stopped_reason"] == StopReason.IN_FLIGHT_BUDGET and "in-flight requests" in s["stop_detail"], s
     assert s["counts"]["failed"] == s["counts"]["retry_later"] == 0 and store.get_json(ref, "failures.json") == {}
 
 
@@ -135,7 +135,7 @@ def test_identical_permanent_errors_trip_the_circuit_breaker(store, start_dev_se
     server = start_dev_server({"price_per_token": PRICE, "endpoints": {"chat": {"bad_request": 1.0}}})
     ref, todo = _ref("breaker"), prompts(60, "chat")
     s = _run(store, server, kimi_tokenizer, todo, tmp_path, ref, budget=5.0, max_identical_errors=5)
-    assert s["stopped_reason"] == REPEATED_ERROR and "HTTP 400: Provider rejected the request" in s["stop_detail"], s
+    assert s["stopped_reason"] == StopReason.REPEATED_ERROR and "HTTP 400: Provider rejected the request" in s["stop_detail"], s
     assert sum(server.stats()["requests"]["chat"].values()) <= 5 + 4  # K, and the ones in flight
     assert s["counts"]["failed"] == 0 and store.get_json(ref, "failures.json") == {}
     server = start_dev_server({"price_per_token": PRICE})

@@ -11,7 +11,7 @@ import logging
 
 import pytest
 
-from eagle3_data.generation.openrouter import UNPRICED
+from eagle3_data.generation.contracts import StopReason
 from eagle3_data.generation.openrouter_pricing import Prices, price_answer
 from eagle3_data.storage import StageRef
 
@@ -128,7 +128,7 @@ def test_answers_without_cost_stop_a_budgeted_stage(store, start_dev_server, kim
     server = start_dev_server({"price_per_token": PRICE, "endpoints": {"chat": NO_RECORD}})
     todo = prompts(40, "chat")
     s = _run(store, server, kimi_tokenizer, todo, tmp_path, 5.0, cost_lookup_delay_s=0.01)
-    assert s["stopped_reason"] == UNPRICED and not s["complete"], s
+    assert s["stopped_reason"] == StopReason.UNPRICED and not s["complete"], s
     assert sum(_paid(server).values()) <= 8  # dispatch stopped at the first unpriced answers (4 in flight)
     assert len(store.committed_sample_ids(REF)) == sum(_paid(server).values())  # what was paid is kept
 

@@ -33,7 +33,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -41,17 +41,18 @@ import aiohttp
 
 from eagle3_data.config import LocalGenerationConfig, options_of
 from eagle3_data.errors import EndpointUnavailable, UserError
+from eagle3_data.chat_format.base import OutputFormat
 from eagle3_data.generation.checkpoint import (
     Prompt,
     StageRun,
     StageSetup,
-    base_row,
-    failed_row,
+    generation_row,
     parse_prompts,
     reused_summary,
     run_rounds,
     sampling_for,
 )
+from eagle3_data.generation.contracts import GenerationRow, HealthTimings, StageSummary, StopReason
 from eagle3_data.generation.progress import Progress, tick_every
 from eagle3_data.generation.retry import PERMANENT_STATUS, WAIT_NOTE_EVERY_S, backoff_s
 from eagle3_data.schemas import IDENTITY_MISMATCH
@@ -133,10 +134,11 @@ class Wire(Protocol):
         """What the stage's manifest records of the endpoints' identities."""
 
 
-def generate_local(store, ref, prompts: Iterable[dict], fmt, endpoints: Sequence[str], sampling: Mapping[str, Any],
-                   *, wire: Wire, options: LocalOptions = LocalOptions(), setup: StageSetup = StageSetup()) -> dict:
+def generate_local(store, ref, prompts: Iterable[dict], fmt: OutputFormat, endpoints: Sequence[str],
+                   sampling: Mapping[str, Any], *, wire: Wire, options: LocalOptions = LocalOptions(),
+                   setup: StageSetup = StageSetup()) -> StageSummary:
     """Generate every pending prompt of `ref.dataset` (routes local|both) on `wire`'s `endpoints`;
-    summary dict (see StageRun).
+    its summary (stopped_reason `endpoints_lost` when every endpoint failed for a warm-up).
 
     `fmt`: the output format bound to the generation mode (renders the prompts, names the stop
     ids, parses the answers). `sampling`: the engine-neutral sampling params (temperature, top_p,
@@ -164,7 +166,8 @@ def generate_local(store, ref, prompts: Iterable[dict], fmt, endpoints: Sequence
         finally:
             progress.close()  # a bar left open would swallow the start of the error's line
         run.finish(stopped, extra={"endpoints": len(endpoints), "max_in_flight": client.max_in_flight,
-                                   **client.timing(), **wire.manifest_extra(client.identity)})
+                                   **client.timing(), **wire.manifest_extra(client.identity)},
+                   stop_detail=client.stop_detail)
     return run.result
 
 
@@ -196,12 +199,12 @@ async def health(http: aiohttp.ClientSession, endpoint: str, connect_timeout_s: 
         async with http.get(f"{endpoint}/health", timeout=aiohttp.ClientTimeout(total=30.0, sock_connect=connect_timeout_s)) as r:
             return r.status
     except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
-        return HealthFailure(describe(exc), connected=False)
+        return HealthFailure(exception_line(exc), connected=False)
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        return HealthFailure(describe(exc), connected=True)
+        return HealthFailure(exception_line(exc), connected=True)
 
 
-async def wait_healthy(http: aiohttp.ClientSession, endpoint: str, engine: str, o) -> str | None:
+async def wait_healthy(http: aiohttp.ClientSession, endpoint: str, engine: str, o: HealthTimings) -> str | None:
     """Poll `/health` until it answers 200 (None), else say what was tried. A server that answers
     (503 while it loads its model) is waited for up to `o.warmup_timeout_s`; one that accepts no
     connection at all (nothing listening, no route to it) is given up after
@@ -233,7 +236,7 @@ async def wait_healthy(http: aiohttp.ClientSession, endpoint: str, engine: str, 
 class LocalRun:
     """Shared queue + per-endpoint workers, health, drop/re-admit and retries for one stage."""
 
-    def __init__(self, run: StageRun, fmt, endpoints: Sequence[str], sampling: dict, wire: Wire,
+    def __init__(self, run: StageRun, fmt: OutputFormat, endpoints: Sequence[str], sampling: dict, wire: Wire,
                  options: LocalOptions, model: str, progress: Progress):
         self.stage, self.fmt, self.endpoints = run, fmt, [e.rstrip("/") for e in endpoints]
         self.sampling, self.wire, self.o = sampling, wire, options
@@ -247,10 +250,19 @@ class LocalRun:
         self.capacity_source: dict[str, str] = {}  # "config" | "server_info" | "default"
         self.latency_sum, self.answered, self.started = 0.0, 0, time.monotonic()
         self.workers: dict[str, list[asyncio.Task]] = {}
-        self.stop_reason: str | None = None
+        self.stop_reason: StopReason | None = None
+        self.stop_detail: str | None = None  # what the stop was, in words
         self.feed_error: Exception | None = None
+        # one pass's (`run`: once per round, each round on an event loop of its own)
+        self.http: aiohttp.ClientSession | None = None
+        # fresh prompts come from the stage's one-shot iterator as workers free up (only the
+        # prompts in flight are decoded); the queue holds those handed back for another try
+        self.feed: Iterator[Prompt] | None = None
+        self.queue: asyncio.Queue[tuple[Prompt, int]] = asyncio.Queue()
+        self.outstanding = 0  # pending samples not yet settled
+        self.all_done = asyncio.Event()
 
-    async def run(self) -> str | None:
+    async def run(self) -> StopReason | None:
         # aiohttp, not httpx: httpx's connection pool costs several ms of CPU per request at this
         # depth and left the slots 60% empty against a fast server (benchmarks/RESULTS.md).
         # no pool limit: the workers bound the connections (per endpoint, known only after /server_info)
@@ -272,12 +284,8 @@ class LocalRun:
                     + ". Check the URLs (the local engine's connection, sglang_default, or --endpoint) and that the "
                     "servers run; a server still loading its model that does not listen yet: raise "
                     "generation.local.unreachable_timeout_s")
-            # fresh prompts come from the stage's one-shot iterator as workers free up (only the
-            # prompts in flight are decoded); the queue holds those handed back for another try
-            self.feed = iter(self.stage.pending)
-            self.queue: asyncio.Queue = asyncio.Queue()
-            self.outstanding = self.stage.pending_count
-            self.all_done = asyncio.Event()
+            self.feed, self.outstanding = iter(self.stage.pending), self.stage.pending_count
+            self.queue, self.all_done = asyncio.Queue(), asyncio.Event()  # bound to the loop they first wait on
             if not self.outstanding:
                 return None
             for e in healthy:
@@ -378,7 +386,8 @@ class LocalRun:
             elif alone_since is None:
                 alone_since = time.monotonic()
             elif time.monotonic() - alone_since > self.o.warmup_timeout_s:
-                self.stop_reason = (f"every {self.wire.engine} endpoint failed and none came back within "
+                self.stop_reason = StopReason.ENDPOINTS_LOST
+                self.stop_detail = (f"every {self.wire.engine} endpoint failed and none came back within "
                                     f"{self.o.warmup_timeout_s:g} s")
                 self.all_done.set()
                 return
@@ -434,7 +443,7 @@ class LocalRun:
                 continue
             self._settle(row, permanent=outcome.permanent)
 
-    def _settle(self, row: dict, permanent: bool) -> None:
+    def _settle(self, row: GenerationRow, permanent: bool) -> None:
         self.stage.record(row, permanent=permanent and row["status"] != "ok")
         ok = row["status"] == "ok"
         self.progress.update(ok=int(ok), failed=int(not ok),
@@ -450,8 +459,8 @@ class LocalRun:
         try:
             prompt_ids = self.fmt.generation_prompt_ids(p.messages, p.tools)
         except Exception as exc:  # the template refuses this conversation: permanent
-            return Outcome(failed_row(p, None, source, f"chat template: {exc}"), permanent=True)
-        row = base_row(p, prompt_ids, source)
+            return Outcome(generation_row(p, None, source, failed=f"chat template: {exc}"), permanent=True)
+        row = generation_row(p, prompt_ids, source)
         sampling = sampling_for(p, self.sampling)
         rid = f"{p.sample_id}.{self.run_tag}.{attempt}"  # fresh per request: SGLang refuses a rid still registered
         identity = self.identity.get(endpoint, {})
@@ -463,25 +472,26 @@ class LocalRun:
                 status, text = r.status, await r.text()
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             reason = f"transport: {type(exc).__name__} from {endpoint}"
-            return Outcome(failed_row(p, prompt_ids, source, reason), endpoint_failed=True)
+            return Outcome(generation_row(p, prompt_ids, source, failed=reason), endpoint_failed=True)
         if status != 200:
             if self.wire.backpressure(status, text):
                 return Outcome(row, backpressure=True)
             reason = f"HTTP {status} from {endpoint}: {error_message(text)[:300]}"
-            return Outcome(failed_row(p, prompt_ids, source, reason), permanent=status in PERMANENT_STATUS,
+            return Outcome(generation_row(p, prompt_ids, source, failed=reason), permanent=status in PERMANENT_STATUS,
                            endpoint_failed=status >= 500 or status in (401, 403))
         try:
             ids, finish, engine_provenance, logprobs = self.wire.answer(json.loads(text), prompt_ids, identity)
         except PromptCut as exc:  # every attempt on this server cuts it the same way
-            return Outcome(failed_row(p, prompt_ids, source, f"prompt cut by {endpoint}: {exc}"), permanent=True)
+            return Outcome(generation_row(p, prompt_ids, source, failed=f"prompt cut by {endpoint}: {exc}"),
+                           permanent=True)
         except (ValueError, KeyError, TypeError, IndexError) as exc:
-            return Outcome(failed_row(p, prompt_ids, source, f"malformed answer from {endpoint}: {exc}"))
+            return Outcome(generation_row(p, prompt_ids, source, failed=f"malformed answer from {endpoint}: {exc}"))
         if finish["type"] not in ("stop", "length"):
-            return Outcome(failed_row(p, prompt_ids, source, f"finish_reason {finish!r} from {endpoint}"))
+            return Outcome(generation_row(p, prompt_ids, source, failed=f"finish_reason {finish!r} from {endpoint}"))
         named = engine_provenance.get("served_model")
         if self.o.served_model is not None and named is not None and named != self.o.served_model:
-            row = failed_row(p, prompt_ids, source, f"identity: model: answered by {named!r}, pinned {self.o.served_model!r} "
-                             f"(generation.local.served_model) at {endpoint}")
+            row = generation_row(p, prompt_ids, source, failed=f"identity: model: answered by {named!r}, pinned "
+                                 f"{self.o.served_model!r} (generation.local.served_model) at {endpoint}")
             row.update(status=IDENTITY_MISMATCH, provenance=json.dumps({"served_model": named, "endpoint": endpoint}))
             return Outcome(row, permanent=True)
         msg = self.fmt.parse_ids(ids, finish["type"]).message
@@ -510,7 +520,7 @@ class LocalRun:
 class Outcome(NamedTuple):
     """One request's result for the worker loop."""
 
-    row: dict
+    row: GenerationRow
     permanent: bool = False  # a failed row no attempt can fix
     endpoint_failed: bool = False  # counts toward dropping the endpoint
     backpressure: bool = False  # the engine is full: the same attempt again later
@@ -521,7 +531,7 @@ def _source(p: Prompt) -> dict:
     return {"source_id": p.source_id} if p.source_id is not None else {}
 
 
-def describe(exc: BaseException) -> str:
+def exception_line(exc: BaseException) -> str:
     """An aiohttp/timeout failure in one short line: its type and what it says."""
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text[:160]}" if text else type(exc).__name__

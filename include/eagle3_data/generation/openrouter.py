@@ -27,22 +27,24 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from eagle3_data.config import OverflowGenerationConfig, options_of
 from eagle3_data.errors import UserError
+from eagle3_data.chat_format.base import OutputFormat
 from eagle3_data.generation.checkpoint import (
     Prompt,
     StageRun,
     StageSetup,
-    failed_row,
+    generation_row,
     parse_prompts,
     reused_summary,
     run_rounds,
 )
+from eagle3_data.generation.contracts import GenerationRow, StageSummary, StopReason
 from eagle3_data.generation.openrouter_breaker import Breaker
 from eagle3_data.generation.openrouter_budget import Budget
 from eagle3_data.generation.openrouter_http import AttemptLost, SdkPost
@@ -57,14 +59,7 @@ from eagle3_data.generation.openrouter_rows import (
     request_sampling,
 )
 from eagle3_data.generation.progress import Progress, tick_every
-from eagle3_data.generation.provider_answers import (
-    IN_FLIGHT_BUDGET,
-    RATE_LIMITED,
-    REPEATED_ERROR,
-    Verdict,
-    body_error,
-    classify_status,
-)
+from eagle3_data.generation.provider_answers import Verdict, body_error, classify_status
 from eagle3_data.generation.provider_identity import (
     Pin,
     allowed_providers,
@@ -76,9 +71,7 @@ from eagle3_data.generation.retry import backoff_s
 log = logging.getLogger(__name__)
 
 ROUTES = ("overflow", "both")
-UNPRICED = "unpriced_answer"  # stopped_reason: an answer without a cost anywhere while a budget binds
-BUDGET, ERROR = "budget", "error"  # stopped_reason: the cap would be passed; the run broke (its error propagates)
-__all__ = ["UNPRICED", "OverflowOptions", "OverflowRequest", "check_sampling", "generate_overflow", "price_answer",
+__all__ = ["OverflowOptions", "OverflowRequest", "check_sampling", "generate_overflow", "price_answer",
            "request_sampling"]
 
 
@@ -127,14 +120,15 @@ class OverflowOptions:
     cost_lookup_delay_s: float = 0.5  # the first wait; doubled after each 404
 
 
-def generate_overflow(store, ref, prompts: Iterable[dict], fmt, base_url: str, api_key: str, request: OverflowRequest,
-                      *, options: OverflowOptions = OverflowOptions(), setup: StageSetup = StageSetup()) -> dict:
+def generate_overflow(store, ref, prompts: Iterable[dict], fmt: OutputFormat, base_url: str, api_key: str,
+                      request: OverflowRequest, *, options: OverflowOptions = OverflowOptions(),
+                      setup: StageSetup = StageSetup()) -> StageSummary:
     """Generate every pending prompt of `ref.dataset` (routes overflow|both) through OpenRouter;
-    summary dict.
+    its summary.
 
     `fmt`: the output format bound to the generation mode (its prompt ids price the budget's
     estimate; `reasoning` follows its mode unless the request sets it).
-    stopped_reason (with `stop_detail`, the provider's words, when it answered): None (complete);
+    stopped_reason (a StopReason, with `stop_detail`, the provider's words, when it answered): None (complete);
     "budget"; "credits" (402 out of credits), "unauthorized" (401), "forbidden" (403: a key limit,
     a workspace budget), "repeated_error" (`max_identical_errors` identical permanent errors in a
     row: a config the provider refuses), "unpriced_answer" (no cost in the answer, none at
@@ -171,8 +165,10 @@ def generate_overflow(store, ref, prompts: Iterable[dict], fmt, base_url: str, a
         finally:
             progress.close()  # a bar left open would swallow the start of the error's line
         run.finish(stopped, extra={"budget_usd": options.max_usd, "spent_total_usd": round(client.budget.spent, 6),
-                                   "identity_pin": client.pin.to_json() if client.pin else None, **client.timing()})
-    return {**run.result, "stop_detail": client.stop_detail}
+                                   "identity_pin": client.pin.to_json() if client.pin else None, **client.timing()},
+                   stop_detail=client.stop_detail)
+    return run.result
+
 
 @contextmanager
 def fewer_gc_pauses(threshold: tuple[int, int, int] = (50_000, 20, 1000)):
@@ -221,7 +217,7 @@ class _Failed:
     """A failed sample's row. `permanent`: final now (the same request fails again); `breaker`:
     the error text the circuit breaker compares (None: it does not count)."""
 
-    row: dict
+    row: GenerationRow
     permanent: bool
     breaker: str | None = None
 
@@ -240,7 +236,7 @@ class _Answer:
 class _OverflowRun:
     """Dispatch: `concurrency` workers send, one settler records (`run`)."""
 
-    def __init__(self, run: StageRun, fmt, base_url: str, api_key: str, request: OverflowRequest,
+    def __init__(self, run: StageRun, fmt: OutputFormat, base_url: str, api_key: str, request: OverflowRequest,
                  options: OverflowOptions, progress: Progress, budget: Budget):
         self.stage, self.fmt, self.base_url, self._key = run, fmt, base_url, api_key
         self.model, self.provider = request.model, dict(request.provider)
@@ -254,13 +250,21 @@ class _OverflowRun:
         self.breaker: Breaker[_Failed] = Breaker(options.max_identical_errors, self._tripped)
         self.lost: dict[str, list[dict]] = {sid: list(a) for sid, a in run.lost_attempts.items()}
         self.in_flight = 0
-        self.stopped: str | None = None
+        self.stopped: StopReason | None = None
         self.stop_detail: str | None = None  # the provider's words for the stop
         self.pin: Pin | None = None
         self.rows = RowContext(request.model, self.provider, dict(request.sampling), fmt.thinking,
                                run.tokenizer_sha256, None)
         self.paused_until = 0.0  # monotonic: no request leaves before (a 402 in-flight budget, a 429 hint)
         self.latency_sum, self.answered, self.started = 0.0, 0, time.monotonic()
+        # one pass's (`run`: once per round, each round on an event loop of its own)
+        self._prompts: Iterator[Prompt] = iter(())  # the pending prompts not yet made ready
+        self._ready: deque[_Ready] = deque()  # made ready ahead (the settler does it when idle)
+        self._lookahead = 2 * self.concurrency  # how many: a burst's worth, and the next
+        # bounded: a worker waits when the settler is C answers behind, so at most C answers are
+        # received and not yet journaled (what a SIGKILL could lose, besides the C in flight)
+        self._answers: asyncio.Queue[tuple[_Ready, _Answer | _Failed | None, float] | None] = asyncio.Queue(
+            maxsize=self.concurrency)
 
     def timing(self) -> dict:
         """For the manifest (and the next run's `balanced` routing): the concurrency and the mean
@@ -269,7 +273,7 @@ class _OverflowRun:
                 "wall_s": round(time.monotonic() - self.started, 3),
                 "latency_s_mean": round(self.latency_sum / self.answered, 4) if self.answered else None}
 
-    def _stop(self, reason: str, detail: str | None) -> None:
+    def _stop(self, reason: StopReason, detail: str | None) -> None:
         """Stop dispatching (the first reason wins): the workers send nothing more after their
         request in flight."""
         if self.stopped is None:
@@ -277,9 +281,9 @@ class _OverflowRun:
             log.error("%s: stopping dispatch (%s)%s", SOURCE, reason, f": {detail}" if detail else "")
 
     def _tripped(self, error: str, run: int) -> None:
-        self._stop(REPEATED_ERROR, f"{run} requests in a row failed with: {error}")
+        self._stop(StopReason.REPEATED_ERROR, f"{run} requests in a row failed with: {error}")
 
-    async def run(self) -> str | None:
+    async def run(self) -> StopReason | None:
         """`concurrency` workers send; one settler records. A worker hands its answer to the settler
         and sends its next request at once. With a fixed latency the answers of all C requests come
         back in one burst, and if each worker first built, journaled and counted its row, the last
@@ -299,13 +303,8 @@ class _OverflowRun:
         except BaseException:
             await client.close()
             raise
-        self._prompts = iter(self.stage.pending)
-        # prompts made ready ahead (the settler does it when idle): a burst's worth, and the next
-        self._ready: deque[_Ready] = deque()
-        self._lookahead = 2 * self.concurrency
-        # bounded: a worker waits when the settler is C answers behind, so at most C answers are
-        # received and not yet journaled (what a SIGKILL could lose, besides the C in flight)
-        self._answers: asyncio.Queue = asyncio.Queue(maxsize=self.concurrency)
+        self._prompts, self._ready = iter(self.stage.pending), deque()
+        self._answers = asyncio.Queue(maxsize=self.concurrency)  # a queue is bound to the loop it first waits on
         ticker = asyncio.create_task(tick_every(self.progress))
         settler = asyncio.create_task(self._settler())
         try:
@@ -403,7 +402,7 @@ class _OverflowRun:
             if not self.budget.allows(ready.estimate):
                 self._ready.appendleft(ready)  # not sent: the next worker (or attempt) takes it
                 if self.in_flight == 0 or self.budget.spent + ready.estimate > (self.budget.max_usd or 0.0):
-                    self._stop(BUDGET, f"spent ${self.budget.spent:.4f} of max_usd {self.budget.max_usd}; the next "
+                    self._stop(StopReason.BUDGET, f"spent ${self.budget.spent:.4f} of max_usd {self.budget.max_usd}; the next "
                                f"request may cost up to ${ready.estimate:.4f}")
                     return
                 await asyncio.sleep(0.05)  # wait for in-flight costs to settle
@@ -416,7 +415,7 @@ class _OverflowRun:
             except BaseException:
                 self.in_flight -= 1
                 self.budget.release(ready.estimate)
-                self._stop(ERROR, None)  # the other workers stop sending
+                self._stop(StopReason.ERROR, None)  # the other workers stop sending
                 raise
             await self._answers.put((ready, result, time.monotonic() - started))
 
@@ -447,7 +446,7 @@ class _OverflowRun:
                     await asyncio.to_thread(self.stage.checkpoint)
             except Exception as exc:
                 error = error or exc
-                self._stop(ERROR, None)
+                self._stop(StopReason.ERROR, None)
         if error is None:
             self._journal_failures(self.breaker.release())  # fewer than K identical: those failures are the prompts' own
         if error is not None:
@@ -465,7 +464,7 @@ class _OverflowRun:
         self._journal_failures(self.breaker.release())
         p = ready.prompt
         if result.cost is None and self.budget.max_usd is not None:
-            self._stop(UNPRICED, f"sample {p.sample_id}: no usage.cost, no record at /generation and "
+            self._stop(StopReason.UNPRICED, f"sample {p.sample_id}: no usage.cost, no record at /generation and "
                        "generation.overflow.price_usd_per_mtok is not set: the budget cannot bind (the answer is kept)")
         row = answer_row(p, ready.prompt_ids, result.data, result.cost, result.cost_source, self.rows, result.lost)
         if row["status"] == "ok":
@@ -490,7 +489,7 @@ class _OverflowRun:
 
         p, prompt_ids = ready.prompt, ready.prompt_ids
         if isinstance(prompt_ids, Exception):
-            return _Failed(failed_row(p, None, SOURCE, f"chat template: {prompt_ids}"), True)
+            return _Failed(generation_row(p, None, SOURCE, failed=f"chat template: {prompt_ids}"), True)
         send = client.stream if self.o.stream else client.post
         verdict = Verdict("retry", "no attempt")
         for attempt in range(1, self.max_attempts + 1):
@@ -541,15 +540,15 @@ class _OverflowRun:
                 log.debug("sample %s attempt %d: %s; retrying", p.sample_id, attempt, verdict.reason)
                 await asyncio.sleep(backoff_s(attempt, retry_after=None if verdict.retry_after_s is None
                                               else str(verdict.retry_after_s)))
-        if verdict.stop in (RATE_LIMITED, IN_FLIGHT_BUDGET):  # the service's limits, not this prompt's fault
+        if verdict.stop in (StopReason.RATE_LIMITED, StopReason.IN_FLIGHT_BUDGET):  # the service's limits, not this prompt's fault
             self._stop(verdict.stop, f"{verdict.reason} (after {self.max_attempts} attempts)")
             return None
         self.breaker.outcome(None)
         return _Failed(self._failed(p, prompt_ids, f"gave up after {self.max_attempts} attempts: {verdict.reason}"), False)
 
-    def _failed(self, p: Prompt, prompt_ids: list[int], reason: str) -> dict:
+    def _failed(self, p: Prompt, prompt_ids: list[int], reason: str) -> GenerationRow:
         """A failed row carrying the attempts its sample lost (paid money the row accounts for)."""
-        return failed_with(failed_row(p, prompt_ids, SOURCE, reason), self.lost.pop(p.sample_id, []))
+        return failed_with(generation_row(p, prompt_ids, SOURCE, failed=reason), self.lost.pop(p.sample_id, []))
 
     @staticmethod
     def _headers(p: Prompt) -> dict:
