@@ -446,20 +446,24 @@ def run_rounds(run: StageRun, dataset: str, go: Callable[[], StopReason | None],
                label: str) -> StopReason | None:
     """Run a client (`go`: one pass over `run.pending`, its stop reason) once, or, for a stage
     whose turns depend on each other (`run.turns`), once per round until no conversation asks for
-    another turn or the client stops."""
-    if run.turns is None:
-        progress.start(run.total, run.total - run.pending_count, label=label)
-        return go()
-    number = 0
-    while rows := run.turns.next_prompts():
-        if number:
-            progress.close()  # the round before's line (bar); the caller closes the last one
-        number += 1
-        run.add(parse_prompts(rows, dataset, None))
-        progress.start(run.pending_count, 0, label=f"{label} round {number}")
-        if stopped := go():
-            return stopped
-    return None
+    another turn or the client stops. `progress` is closed however it ends: a bar left open would
+    swallow the start of an error's line."""
+    try:
+        if run.turns is None:
+            progress.start(run.total, run.total - run.pending_count, label=label)
+            return go()
+        number = 0
+        while rows := run.turns.next_prompts():
+            if number:
+                progress.close()  # the round before's line (bar)
+            number += 1
+            run.add(parse_prompts(rows, dataset, None))
+            progress.start(run.pending_count, 0, label=f"{label} round {number}")
+            if stopped := go():
+                return stopped
+        return None
+    finally:
+        progress.close()
 
 
 def reused_summary(store, ref) -> StageSummary:

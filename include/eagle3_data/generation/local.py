@@ -145,7 +145,7 @@ def generate_local(store, ref, prompts: Iterable[dict], fmt: OutputFormat, endpo
     max_new_tokens, ...), checked by the wire before any request. Resumes a killed attempt:
     committed sample_ids are skipped, journaled answers replayed. `setup.rerun` reopens a complete
     stage (parts re-verified, only missing or corrupt rows redone)."""
-    from eagle3_data.tokenizer import chat_template_sha256, tokenizer_files_sha256
+    from eagle3_data.tokenizer import tokenizer_hashes
 
     if store.is_complete(ref) and not setup.rerun:
         return reused_summary(store, ref)
@@ -155,16 +155,12 @@ def generate_local(store, ref, prompts: Iterable[dict], fmt: OutputFormat, endpo
     request.setdefault("stop_token_ids", list(fmt.stop_token_ids))
     rows = parse_prompts(prompts, ref.dataset, setup.routes if setup.routes is not None else ROUTES)
     params = {"source": wire.source, "model": setup.model, "sampling": dict(request, thinking=fmt.thinking)}
-    progress = setup.progress or Progress()
-    hashes = {"tokenizer_sha256": tokenizer_files_sha256(fmt.tokenizer), "template_sha256": chat_template_sha256(fmt.tokenizer)}
-    with StageRun(store, ref, rows, params, hashes, setup, rows_per_part=options.rows_per_part,
+    progress = setup.progress or Progress()  # closed by run_rounds
+    with StageRun(store, ref, rows, params, tokenizer_hashes(fmt.tokenizer), setup, rows_per_part=options.rows_per_part,
                   flush_interval_s=options.flush_interval_s) as run:
         client = LocalRun(run, fmt, endpoints, request, wire, options, setup.model, progress)
-        try:
-            stopped = run_rounds(run, ref.dataset, lambda: asyncio.run(client.run()), progress,
-                                 f"generate_local {ref.dataset} ({wire.engine})")
-        finally:
-            progress.close()  # a bar left open would swallow the start of the error's line
+        stopped = run_rounds(run, ref.dataset, lambda: asyncio.run(client.run()), progress,
+                             f"generate_local {ref.dataset} ({wire.engine})")
         run.finish(stopped, extra={"endpoints": len(endpoints), "max_in_flight": client.max_in_flight,
                                    **client.timing(), **wire.manifest_extra(client.identity)},
                    stop_detail=client.stop_detail)

@@ -138,7 +138,7 @@ def generate_overflow(store, ref, prompts: Iterable[dict], fmt: OutputFormat, ba
     `setup.rerun` regenerates a complete stage: answers still in the local journal are replayed
     first (never paid twice), the rest is requested again.
     """
-    from eagle3_data.tokenizer import chat_template_sha256, tokenizer_files_sha256
+    from eagle3_data.tokenizer import tokenizer_hashes
 
     if store.is_complete(ref) and not setup.rerun:
         return reused_summary(store, ref)
@@ -149,21 +149,17 @@ def generate_overflow(store, ref, prompts: Iterable[dict], fmt: OutputFormat, ba
     params = {"source": SOURCE, "model": request.model, "provider": dict(request.provider),
               "sampling": dict(sampling, thinking=fmt.thinking), "reasoning": reasoning, "base_url": base_url}
     rows = parse_prompts(prompts, ref.dataset, setup.routes if setup.routes is not None else ROUTES)
-    progress = setup.progress or Progress()
-    hashes = {"tokenizer_sha256": tokenizer_files_sha256(fmt.tokenizer), "template_sha256": chat_template_sha256(fmt.tokenizer)}
-    with StageRun(store, ref, rows, params, hashes, setup, rows_per_part=options.rows_per_part,
+    progress = setup.progress or Progress()  # closed by run_rounds
+    with StageRun(store, ref, rows, params, tokenizer_hashes(fmt.tokenizer), setup, rows_per_part=options.rows_per_part,
                   flush_interval_s=options.flush_interval_s) as run:
         budget = Budget(options.max_usd, run.spent_before_usd, max_new_tokens=sampling.get("max_new_tokens"),
                         prices=Prices.per_mtok(options.price_usd_per_mtok),
                         first_estimate_usd=options.first_cost_estimate_usd)
         client = _OverflowRun(run, fmt, base_url, api_key, replace(request, sampling=sampling, reasoning=reasoning),
                               options, progress, budget)
-        try:
-            with fewer_gc_pauses():
-                stopped = run_rounds(run, ref.dataset, lambda: run_event_loop(client.run()), progress,
-                                     f"generate_overflow {ref.dataset}")
-        finally:
-            progress.close()  # a bar left open would swallow the start of the error's line
+        with fewer_gc_pauses():
+            stopped = run_rounds(run, ref.dataset, lambda: run_event_loop(client.run()), progress,
+                                 f"generate_overflow {ref.dataset}")
         run.finish(stopped, extra={"budget_usd": options.max_usd, "spent_total_usd": round(client.budget.spent, 6),
                                    "identity_pin": client.pin.to_json() if client.pin else None, **client.timing()},
                    stop_detail=client.stop_detail)

@@ -21,6 +21,7 @@ from eagle3_data.config import (
     resolve_source,
 )
 from eagle3_data.errors import UserError
+from eagle3_data.tokenizer import tokenizer_hashes  # noqa: F401 (the stages' one spelling of it, here beside the tokenizers)
 
 log = logging.getLogger("eagle3_data.pipeline")
 
@@ -185,12 +186,6 @@ def output_format(run: Run, store, *, template: bool = True):
 
     tokenizer = tokenizer_for(run, store) if template else bulk_tokenizer_for(run, store)
     return get_output_format(tokenizer, thinking=run.config.generation.sampling.thinking)
-
-
-def tokenizer_hashes(tokenizer) -> dict[str, str | None]:
-    from eagle3_data.tokenizer import chat_template_sha256, tokenizer_files_sha256
-
-    return {"tokenizer_sha256": tokenizer_files_sha256(tokenizer), "template_sha256": chat_template_sha256(tokenizer)}
 
 
 def sampling(run: Run) -> dict:
