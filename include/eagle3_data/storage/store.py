@@ -58,6 +58,15 @@ _CHUNK = 8 * 1024 * 1024
 _SECRET_KEY = re.compile(r"(secret|secret_key|password|passwd|api_?key|access_key(_id)?|credentials?|authorization)$")
 
 
+def file_sha256(path: Path) -> str:
+    """A local file's sha256, read in chunks (shards are gigabytes)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(_CHUNK), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def manifest_hash(manifest: dict) -> str:
     """Content hash of a manifest, blind to when it was written: reruns of equal content match."""
     body = {k: v for k, v in manifest.items() if k not in ("created_at", "manifest_sha256")}
@@ -637,11 +646,7 @@ class ArtifactStore:
         return self._put_side_file(ref, name, data, len(data), hashlib.sha256(data).hexdigest(), content_type)
 
     def get_json(self, ref: StageRef, name: str) -> Any:
-        check_file_name(name)
-        data = self._get_bytes(self.key(ref, name))
-        if data is None:
-            raise IncompleteStage(f"{self.uri(ref, name)} does not exist")
-        return json.loads(data)
+        return json.loads(self.get_bytes(ref, name))
 
     def get_bytes(self, ref: StageRef, name: str) -> bytes:
         check_file_name(name)
@@ -655,12 +660,8 @@ class ArtifactStore:
         written after the upload marks it committed for `committed_files`."""
         check_file_name(name)
         path = Path(local_path)
-        digest = hashlib.sha256()
-        with path.open("rb") as f:
-            for chunk in iter(lambda: f.read(_CHUNK), b""):
-                digest.update(chunk)
         size = path.stat().st_size
-        uri = self._put_side_file(ref, name, path, size, digest.hexdigest())
+        uri = self._put_side_file(ref, name, path, size, file_sha256(path))
         log.info("uploaded %s (%d bytes)", uri, size)
         return uri
 
@@ -685,11 +686,7 @@ class ArtifactStore:
                 if error_code(exc) in NOT_FOUND:
                     raise CorruptArtifact(f"{self.uri(ref, name)} is recorded as uploaded but missing from S3") from None
                 raise
-        digest = hashlib.sha256()
-        with path.open("rb") as f:
-            for chunk in iter(lambda: f.read(_CHUNK), b""):
-                digest.update(chunk)
-        if digest.hexdigest() != expected["sha256"]:
+        if file_sha256(path) != expected["sha256"]:
             path.unlink()
             raise CorruptArtifact(f"{self.uri(ref, name)} is corrupted: its sha256 differs from the one recorded at upload")
         return path
