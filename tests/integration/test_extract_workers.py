@@ -33,14 +33,23 @@ def _run(tiny_model_dir, workers):
 
     config = load_config().with_overrides(
         {"model": {"source": str(tiny_model_dir)}, "hidden_states": {"workers": workers}, "merge": {"max_length": 40}},
-        where="test")
-    return Run(config=config, run_key=RUN, date=None, datasets=config.dataset_names, dry_run=False, skip_hidden_states=False)
+        where="test",
+    )
+    return Run(
+        config=config, run_key=RUN, date=None, datasets=config.dataset_names, dry_run=False, skip_hidden_states=False
+    )
 
 
-def test_one_model_load_per_gpu_worker_resumable_by_shard(store, generations, tiny_model_dir, counted_loads, monkeypatch):  # noqa: F811
+def test_one_model_load_per_gpu_worker_resumable_by_shard(
+    store,
+    generations,  # noqa: F811 (the fixture)
+    tiny_model_dir,
+    counted_loads,
+    monkeypatch,
+):
     from eagle3_data import pipeline
-    from eagle3_data.hidden_states import extract as extract_mod
     from eagle3_data.config import MergeConfig
+    from eagle3_data.hidden_states import extract as extract_mod
     from eagle3_data.merge import merge_datasets
 
     run = _run(tiny_model_dir, workers=2)
@@ -107,8 +116,8 @@ def test_stale_hidden_states_are_discarded_under_their_lease(store, generations,
     but not under a committer (or `stage discard`) that holds the stage's lease: StageBusy, and the
     stage stays as it was. States of this merge with these params are kept."""
     from eagle3_data import pipeline
-    from eagle3_data.hidden_states.extract import commit_extraction, extract_shard
     from eagle3_data.config import MergeConfig
+    from eagle3_data.hidden_states.extract import commit_extraction, extract_shard
     from eagle3_data.merge import merge_datasets
     from eagle3_data.storage import StageBusy
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import random
-from email.utils import format_datetime
 from datetime import datetime, timedelta, timezone
+from email.utils import format_datetime
 
 import pytest
 

@@ -8,8 +8,9 @@ Paid work must never be lost or paid twice, so every answer takes three steps:
 A worker resumed on another machine has no journal: it loses at most the answers of one
 unfinished part (bounded by rows and seconds). Only one worker runs a stage at a time: the
 storage writer holds the stage's S3 lease from before the first request to the manifest, and a
-resume re-hashes every committed part before it trusts it (storage/lease.py, storage/writer.py). Requests in flight at the kill may still be
-billed by a provider that does not cancel on disconnect (at most `concurrency` samples), and the
+resume re-hashes every committed part before it trusts it (storage/lease.py, storage/writer.py).
+Requests in flight at the kill may still be billed by a provider that does not cancel on
+disconnect (at most `concurrency` samples), and the
 overflow client's answers received but not yet journaled are lost with them (its settler queue:
 at most `concurrency` more, in practice the answers of the last few milliseconds).
 
@@ -71,8 +72,16 @@ class Prompt:
     source_id: str | None = None  # the prompt row's own id, recorded as provenance
 
 
-_SPILLED = pa.schema([("sample_id", pa.string()), ("dataset", pa.string()), ("messages", pa.string()),
-                      ("tools", pa.string()), ("route", pa.string()), ("source_id", pa.string())])
+_SPILLED = pa.schema(
+    [
+        ("sample_id", pa.string()),
+        ("dataset", pa.string()),
+        ("messages", pa.string()),
+        ("tools", pa.string()),
+        ("route", pa.string()),
+        ("source_id", pa.string()),
+    ]
+)
 
 
 class Prompts:
@@ -95,8 +104,16 @@ class Prompts:
             if row["sample_id"] in skip:
                 continue
             tools = json.loads(row["tools"]) if row["tools"] is not None else None
-            yield Prompt(row["sample_id"], row["dataset"], json.loads(row["messages"]), tools or None, row["route"],
-                         row["messages"], row["tools"], row["source_id"])
+            yield Prompt(
+                row["sample_id"],
+                row["dataset"],
+                json.loads(row["messages"]),
+                tools or None,
+                row["route"],
+                row["messages"],
+                row["tools"],
+                row["source_id"],
+            )
 
 
 def parse_prompts(rows: Iterable[dict], dataset: str, routes: tuple[str, ...] | None) -> Prompts:
@@ -123,12 +140,16 @@ def parse_prompts(rows: Iterable[dict], dataset: str, routes: tuple[str, ...] | 
             raise UserError(f"{where}: field 'messages' must be a non-empty list of chat messages")
         if tools is not None and not isinstance(tools, list):
             raise UserError(f"{where}: field 'tools' must be a list of tools or null")
-        spill.append({
-            "sample_id": sid, "dataset": row.get("dataset") or dataset, "route": row.get("route"),
-            "source_id": row.get("source_id"),
-            "messages": row["messages"] if isinstance(row["messages"], str) else canonical_json(messages),
-            "tools": (row["tools"] if isinstance(row["tools"], str) else canonical_json(tools)) if tools else None,
-        })
+        spill.append(
+            {
+                "sample_id": sid,
+                "dataset": row.get("dataset") or dataset,
+                "route": row.get("route"),
+                "source_id": row.get("source_id"),
+                "messages": row["messages"] if isinstance(row["messages"], str) else canonical_json(messages),
+                "tools": (row["tools"] if isinstance(row["tools"], str) else canonical_json(tools)) if tools else None,
+            }
+        )
         ids.append(sid)
     return Prompts(spill, ids)
 
@@ -188,21 +209,41 @@ class StageRun:
 
     max_failed_runs = 2  # stage attempts a sample may fail in before its failed row is final
 
-    def __init__(self, store, ref, prompts: Prompts, params: dict, hashes: Mapping[str, str | None],
-                 setup: StageSetup, *, rows_per_part: int, flush_interval_s: float = 30.0):
+    def __init__(
+        self,
+        store,
+        ref,
+        prompts: Prompts,
+        params: dict,
+        hashes: Mapping[str, str | None],
+        setup: StageSetup,
+        *,
+        rows_per_part: int,
+        flush_interval_s: float = 30.0,
+    ):
         """`params`: the stage's (manifest) params; `hashes`: `tokenizer_sha256`, `template_sha256`."""
         self.store, self.ref, self.prompts = store, ref, prompts
-        self.writer_args = dict(rows_per_part=rows_per_part, params=params, inputs=list(setup.inputs),
-                                reopen=setup.rerun, **hashes)
-        key = hashlib.sha256(json.dumps([store.uri(ref), params], sort_keys=True, default=str).encode()).hexdigest()[:20]
+        self.writer_args = dict(
+            rows_per_part=rows_per_part, params=params, inputs=list(setup.inputs), reopen=setup.rerun, **hashes
+        )
+        key = hashlib.sha256(json.dumps([store.uri(ref), params], sort_keys=True, default=str).encode()).hexdigest()[
+            :20
+        ]
         self.journal_path = Path(setup.journal_dir or default_journal_dir()) / f"{ref.stage}-{ref.dataset}-{key}.jsonl"
         self.side_files = dict(setup.side_files)
         self.tokenizer_sha256 = hashes.get("tokenizer_sha256")  # recorded in every row's provenance
         self.flush_interval_s = flush_interval_s
         self.turns = setup.turns
         self.total = 0 if self.turns is not None else len(prompts)
-        self.counts = {"ok": 0, "failed": 0, "paid_failed": 0, "skipped": 0, "replayed": 0, "retry_later": 0,
-                       "lost_attempts": 0}
+        self.counts = {
+            "ok": 0,
+            "failed": 0,
+            "paid_failed": 0,
+            "skipped": 0,
+            "replayed": 0,
+            "retry_later": 0,
+            "lost_attempts": 0,
+        }
         self.tokens = 0
         self.cost_usd = 0.0
         self.spent_before_usd = 0.0
@@ -245,9 +286,13 @@ class StageRun:
         self._cm.__exit__(exc_type, exc, tb)  # flushes what is buffered when an error propagates
         unsaved = getattr(self.writer, "unsaved_rows", 0)
         if unsaved:
-            log.warning("%s: the %d answers not in S3 are kept in the local journal %s: a resume on this machine "
-                        "replays them without a request; on another machine they are requested (and paid) again",
-                        self.store.uri(self.ref), unsaved, self.journal_path)
+            log.warning(
+                "%s: the %d answers not in S3 are kept in the local journal %s: a resume on this machine "
+                "replays them without a request; on another machine they are requested (and paid) again",
+                self.store.uri(self.ref),
+                unsaved,
+                self.journal_path,
+            )
         return exc_type is Stop
 
     def _resume(self) -> None:
@@ -269,7 +314,11 @@ class StageRun:
                     replay.append(row)
                     done.add(row["sample_id"])
         if replay:
-            log.info("%s: %d answers recovered from the local journal, not requested again", self.store.uri(self.ref), len(replay))
+            log.info(
+                "%s: %d answers recovered from the local journal, not requested again",
+                self.store.uri(self.ref),
+                len(replay),
+            )
             self.writer.write(replay)
             self.counts["replayed"] = len(replay)
             self.spent_before_usd += sum((r.get("usage") or {}).get("cost_usd") or 0.0 for r in replay)
@@ -302,9 +351,12 @@ class StageRun:
             else:
                 self.unsettled_attempts.append(a)
         if self.unsettled_attempts:
-            log.warning("%s: %d requests of an earlier attempt were cut while the provider may have billed them: "
-                        "priced before their samples are asked again", self.store.uri(self.ref),
-                        len(self.unsettled_attempts))
+            log.warning(
+                "%s: %d requests of an earlier attempt were cut while the provider may have billed them: "
+                "priced before their samples are asked again",
+                self.store.uri(self.ref),
+                len(self.unsettled_attempts),
+            )
 
     def journal_attempt(self, record: dict) -> None:
         """A paid-or-maybe-paid request without an answer, in the local journal (flushed): `state`
@@ -390,8 +442,9 @@ class StageRun:
         else:
             self.counts["retry_later"] += 1
 
-    def finish(self, stopped_reason: StopReason | None, extra: dict | None = None, *,
-               stop_detail: str | None = None) -> None:
+    def finish(
+        self, stopped_reason: StopReason | None, extra: dict | None = None, *, stop_detail: str | None = None
+    ) -> None:
         """Commit the manifest if every sample is settled, else leave the stage for the next attempt
         (raises Stop, which `__exit__` swallows after the writer checkpointed). Result: `self.result`."""
         self.store.put_json(self.ref, FAILURES_FILE, self.failures)
@@ -408,14 +461,20 @@ class StageRun:
                 extra = {**(extra or {}), "conversations": figures}
             self._hand_over()
             self.writer.write(list(self._held.values()))
-            self.writer.commit(extra={"counts": summary["counts"], **(extra or {})}, files=[FAILURES_FILE, *self.side_files])
+            self.writer.commit(
+                extra={"counts": summary["counts"], **(extra or {})}, files=[FAILURES_FILE, *self.side_files]
+            )
             self._journal.close()
             self.journal_path.unlink(missing_ok=True)
             summary["complete"] = True
             self.result = summary
             return
-        log.warning("%s left incomplete (%s): %s; rerun to resume", self.store.uri(self.ref),
-                    summary["stopped_reason"], summary["counts"])
+        log.warning(
+            "%s left incomplete (%s): %s; rerun to resume",
+            self.store.uri(self.ref),
+            summary["stopped_reason"],
+            summary["counts"],
+        )
         self.result = summary
         raise Stop(summary["stopped_reason"])
 
@@ -428,22 +487,47 @@ class StageRun:
 
     def summary(self, stopped_reason: StopReason | None, stop_detail: str | None = None) -> StageSummary:
         """This attempt's summary, not complete (`finish` says when it is)."""
-        return stage_summary(self.store.uri(self.ref), dict(self.counts, total=self.total), complete=False,
-                             stopped_reason=stopped_reason, stop_detail=stop_detail, tokens=self.tokens,
-                             cost_usd=round(self.cost_usd, 6), spent_before_usd=round(self.spent_before_usd, 6))
+        return stage_summary(
+            self.store.uri(self.ref),
+            dict(self.counts, total=self.total),
+            complete=False,
+            stopped_reason=stopped_reason,
+            stop_detail=stop_detail,
+            tokens=self.tokens,
+            cost_usd=round(self.cost_usd, 6),
+            spent_before_usd=round(self.spent_before_usd, 6),
+        )
 
 
-def stage_summary(uri: str, counts: dict[str, int], *, complete: bool, reused: bool = False,
-                  stopped_reason: StopReason | None = None, stop_detail: str | None = None, tokens: int = 0,
-                  cost_usd: float = 0.0, spent_before_usd: float = 0.0) -> StageSummary:
+def stage_summary(
+    uri: str,
+    counts: dict[str, int],
+    *,
+    complete: bool,
+    reused: bool = False,
+    stopped_reason: StopReason | None = None,
+    stop_detail: str | None = None,
+    tokens: int = 0,
+    cost_usd: float = 0.0,
+    spent_before_usd: float = 0.0,
+) -> StageSummary:
     """The one shape of a generation stage's summary, fresh (`StageRun.summary`) or reused."""
-    return {"uri": uri, "complete": complete, "reused": reused, "stopped_reason": stopped_reason,
-            "stop_detail": stop_detail, "counts": counts, "tokens": tokens, "cost_usd": cost_usd,
-            "spent_before_usd": spent_before_usd}
+    return {
+        "uri": uri,
+        "complete": complete,
+        "reused": reused,
+        "stopped_reason": stopped_reason,
+        "stop_detail": stop_detail,
+        "counts": counts,
+        "tokens": tokens,
+        "cost_usd": cost_usd,
+        "spent_before_usd": spent_before_usd,
+    }
 
 
-def run_rounds(run: StageRun, dataset: str, go: Callable[[], StopReason | None], progress: Progress,
-               label: str) -> StopReason | None:
+def run_rounds(
+    run: StageRun, dataset: str, go: Callable[[], StopReason | None], progress: Progress, label: str
+) -> StopReason | None:
     """Run a client (`go`: one pass over `run.pending`, its stop reason) once, or, for a stage
     whose turns depend on each other (`run.turns`), once per round until no conversation asks for
     another turn or the client stops. `progress` is closed however it ends: a bar left open would
@@ -484,8 +568,11 @@ def lost_cost(table) -> float:
     `lost_cost_usd`: cut streams, unreadable answers), which their usage does not hold."""
     if "provenance" not in table.column_names:
         return 0.0
-    return sum(json.loads(p).get("lost_cost_usd") or 0.0 for p in table.column("provenance").to_pylist()
-               if p and '"lost_cost_usd"' in p)
+    return sum(
+        json.loads(p).get("lost_cost_usd") or 0.0
+        for p in table.column("provenance").to_pylist()
+        if p and '"lost_cost_usd"' in p
+    )
 
 
 def committed_cost(store, ref, records: list[dict]) -> float:

@@ -74,8 +74,9 @@ class StopReason(StrEnum):
         return self in _PASSING
 
 
-_PASSING = frozenset({StopReason.RATE_LIMITED, StopReason.IN_FLIGHT_BUDGET, StopReason.RETRYABLE_FAILURES,
-                      StopReason.ENDPOINTS_LOST})
+_PASSING = frozenset(
+    {StopReason.RATE_LIMITED, StopReason.IN_FLIGHT_BUDGET, StopReason.RETRYABLE_FAILURES, StopReason.ENDPOINTS_LOST}
+)
 
 
 class StageSummary(TypedDict):

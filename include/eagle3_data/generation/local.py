@@ -39,9 +39,9 @@ from typing import Any, NamedTuple, Protocol
 
 import aiohttp
 
+from eagle3_data.chat_format.base import OutputFormat
 from eagle3_data.config import LocalGenerationConfig, options_of
 from eagle3_data.errors import EndpointUnavailable, UserError
-from eagle3_data.chat_format.base import OutputFormat
 from eagle3_data.generation.checkpoint import (
     Prompt,
     StageRun,
@@ -134,9 +134,18 @@ class Wire(Protocol):
         """What the stage's manifest records of the endpoints' identities."""
 
 
-def generate_local(store, ref, prompts: Iterable[dict], fmt: OutputFormat, endpoints: Sequence[str],
-                   sampling: Mapping[str, Any], *, wire: Wire, options: LocalOptions = LocalOptions(),
-                   setup: StageSetup = StageSetup()) -> StageSummary:
+def generate_local(
+    store,
+    ref,
+    prompts: Iterable[dict],
+    fmt: OutputFormat,
+    endpoints: Sequence[str],
+    sampling: Mapping[str, Any],
+    *,
+    wire: Wire,
+    options: LocalOptions = LocalOptions(),
+    setup: StageSetup = StageSetup(),
+) -> StageSummary:
     """Generate every pending prompt of `ref.dataset` (routes local|both) on `wire`'s `endpoints`;
     its summary (stopped_reason `endpoints_lost` when every endpoint failed for a warm-up).
 
@@ -156,14 +165,34 @@ def generate_local(store, ref, prompts: Iterable[dict], fmt: OutputFormat, endpo
     rows = parse_prompts(prompts, ref.dataset, setup.routes if setup.routes is not None else ROUTES)
     params = {"source": wire.source, "model": setup.model, "sampling": dict(request, thinking=fmt.thinking)}
     progress = setup.progress or Progress()  # closed by run_rounds
-    with StageRun(store, ref, rows, params, tokenizer_hashes(fmt.tokenizer), setup, rows_per_part=options.rows_per_part,
-                  flush_interval_s=options.flush_interval_s) as run:
+    with StageRun(
+        store,
+        ref,
+        rows,
+        params,
+        tokenizer_hashes(fmt.tokenizer),
+        setup,
+        rows_per_part=options.rows_per_part,
+        flush_interval_s=options.flush_interval_s,
+    ) as run:
         client = LocalRun(run, fmt, endpoints, request, wire, options, setup.model, progress)
-        stopped = run_rounds(run, ref.dataset, lambda: asyncio.run(client.run()), progress,
-                             f"generate_local {ref.dataset} ({wire.engine})")
-        run.finish(stopped, extra={"endpoints": len(endpoints), "max_in_flight": client.max_in_flight,
-                                   **client.timing(), **wire.manifest_extra(client.identity)},
-                   stop_detail=client.stop_detail)
+        stopped = run_rounds(
+            run,
+            ref.dataset,
+            lambda: asyncio.run(client.run()),
+            progress,
+            f"generate_local {ref.dataset} ({wire.engine})",
+        )
+        run.finish(
+            stopped,
+            extra={
+                "endpoints": len(endpoints),
+                "max_in_flight": client.max_in_flight,
+                **client.timing(),
+                **wire.manifest_extra(client.identity),
+            },
+            stop_detail=client.stop_detail,
+        )
     return run.result
 
 
@@ -192,7 +221,9 @@ async def health(http: aiohttp.ClientSession, endpoint: str, connect_timeout_s: 
     # SGLang's /health itself waits up to ~20 s for its one-token generation; the connection
     # attempt is bounded on its own, so a host that drops SYNs is not waited on for 30 s.
     try:
-        async with http.get(f"{endpoint}/health", timeout=aiohttp.ClientTimeout(total=30.0, sock_connect=connect_timeout_s)) as r:
+        async with http.get(
+            f"{endpoint}/health", timeout=aiohttp.ClientTimeout(total=30.0, sock_connect=connect_timeout_s)
+        ) as r:
             return r.status
     except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
         return HealthFailure(exception_line(exc), connected=False)
@@ -223,8 +254,14 @@ async def wait_healthy(http: aiohttp.ClientSession, endpoint: str, engine: str, 
         if now - started >= o.warmup_timeout_s:
             return f"not ready after {o.warmup_timeout_s:g} s of warm-up ({tried})"
         if now >= note_at:  # the first retry already says so: a wait is never silent
-            log.warning("%s endpoint: waiting for %s/health ... (%d tries over %.0f s, last: %s)", engine, endpoint,
-                        tries, now - started, last)
+            log.warning(
+                "%s endpoint: waiting for %s/health ... (%d tries over %.0f s, last: %s)",
+                engine,
+                endpoint,
+                tries,
+                now - started,
+                last,
+            )
             note_at = now + WAIT_NOTE_EVERY_S
         await asyncio.sleep(min(o.health_interval_s, max(0.0, started + o.warmup_timeout_s - now)))
 
@@ -232,8 +269,17 @@ async def wait_healthy(http: aiohttp.ClientSession, endpoint: str, engine: str, 
 class LocalRun:
     """Shared queue + per-endpoint workers, health, drop/re-admit and retries for one stage."""
 
-    def __init__(self, run: StageRun, fmt: OutputFormat, endpoints: Sequence[str], sampling: dict, wire: Wire,
-                 options: LocalOptions, model: str, progress: Progress):
+    def __init__(
+        self,
+        run: StageRun,
+        fmt: OutputFormat,
+        endpoints: Sequence[str],
+        sampling: dict,
+        wire: Wire,
+        options: LocalOptions,
+        model: str,
+        progress: Progress,
+    ):
         self.stage, self.fmt, self.endpoints = run, fmt, [e.rstrip("/") for e in endpoints]
         self.sampling, self.wire, self.o = sampling, wire, options
         self.model, self.tok_sha, self.progress = model, run.tokenizer_sha256, progress
@@ -266,8 +312,12 @@ class LocalRun:
         timeout = aiohttp.ClientTimeout(total=self.o.request_timeout_s, sock_connect=self.o.connect_timeout_s)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
             self.http = http
-            log.info("%s: waiting for %d endpoint(s) to answer /health: %s", self.wire.engine, len(self.endpoints),
-                     ", ".join(self.endpoints))
+            log.info(
+                "%s: waiting for %d endpoint(s) to answer /health: %s",
+                self.wire.engine,
+                len(self.endpoints),
+                ", ".join(self.endpoints),
+            )
             problems = await asyncio.gather(*(self._wait_ready(e) for e in self.endpoints))
             for e, problem in zip(self.endpoints, problems):
                 if problem is not None:
@@ -279,7 +329,8 @@ class LocalRun:
                     + "; ".join(f"{e}: {problem}" for e, problem in zip(self.endpoints, problems))
                     + ". Check the URLs (the local engine's connection, sglang_default, or --endpoint) and that the "
                     "servers run; a server still loading its model that does not listen yet: raise "
-                    "generation.local.unreachable_timeout_s")
+                    "generation.local.unreachable_timeout_s"
+                )
             self.feed, self.outstanding = iter(self.stage.pending), self.stage.pending_count
             self.queue, self.all_done = asyncio.Queue(), asyncio.Event()  # bound to the loop they first wait on
             if not self.outstanding:
@@ -310,8 +361,10 @@ class LocalRun:
         model than `served_model`), and how many requests it takes."""
         self.identity[endpoint] = identity = await self.wire.identify(self.http, endpoint)
         if self.o.served_model is not None and identity.get("served_model") != self.o.served_model:
-            return (f"serves {identity.get('served_model')!r} (GET /v1/models), not generation.local.served_model "
-                    f"{self.o.served_model!r}")
+            return (
+                f"serves {identity.get('served_model')!r} (GET /v1/models), not generation.local.served_model "
+                f"{self.o.served_model!r}"
+            )
         await self._size(endpoint)
         return None
 
@@ -325,9 +378,15 @@ class LocalRun:
             self.capacity[endpoint], self.capacity_source[endpoint] = DEFAULT_IN_FLIGHT, "default"
         else:
             self.capacity[endpoint], self.capacity_source[endpoint] = min(reported, MAX_IN_FLIGHT), "server_info"
-        log.info("%s endpoint %s: %d in flight (%s)", self.wire.engine, endpoint, self.capacity[endpoint],
-                 "its max_running_requests" if reported is not None else
-                 "default: it reports no capacity; set generation.local.in_flight_per_endpoint")
+        log.info(
+            "%s endpoint %s: %d in flight (%s)",
+            self.wire.engine,
+            endpoint,
+            self.capacity[endpoint],
+            "its max_running_requests"
+            if reported is not None
+            else "default: it reports no capacity; set generation.local.in_flight_per_endpoint",
+        )
 
     async def _reported_capacity(self, endpoint: str) -> int | None:
         for path in self.wire.capacity_paths:
@@ -344,9 +403,13 @@ class LocalRun:
     def timing(self) -> dict:
         """For the manifest (and the next run's `balanced` routing): in flight per endpoint, where
         that came from, and the mean seconds per answered request of this attempt."""
-        return {"in_flight": dict(self.capacity), "in_flight_source": dict(self.capacity_source),
-                "answered": self.answered, "wall_s": round(time.monotonic() - self.started, 3),
-                "latency_s_mean": round(self.latency_sum / self.answered, 4) if self.answered else None}
+        return {
+            "in_flight": dict(self.capacity),
+            "in_flight_source": dict(self.capacity_source),
+            "answered": self.answered,
+            "wall_s": round(time.monotonic() - self.started, 3),
+            "latency_s_mean": round(self.latency_sum / self.answered, 4) if self.answered else None,
+        }
 
     def _admit(self, endpoint: str) -> None:
         self.failures[endpoint] = 0
@@ -358,8 +421,12 @@ class LocalRun:
         back on the queue) and `_readmit` watches its /health."""
         if endpoint not in self.workers:
             return
-        log.warning("%s endpoint %s: %d consecutive failures; dropped until /health answers again",
-                    self.wire.engine, endpoint, self.failures[endpoint])
+        log.warning(
+            "%s endpoint %s: %d consecutive failures; dropped until /health answers again",
+            self.wire.engine,
+            endpoint,
+            self.failures[endpoint],
+        )
         current = asyncio.current_task()
         for t in self.workers.pop(endpoint):
             if t is not current:
@@ -383,8 +450,9 @@ class LocalRun:
                 alone_since = time.monotonic()
             elif time.monotonic() - alone_since > self.o.warmup_timeout_s:
                 self.stop_reason = StopReason.ENDPOINTS_LOST
-                self.stop_detail = (f"every {self.wire.engine} endpoint failed and none came back within "
-                                    f"{self.o.warmup_timeout_s:g} s")
+                self.stop_detail = (
+                    f"every {self.wire.engine} endpoint failed and none came back within {self.o.warmup_timeout_s:g} s"
+                )
                 self.all_done.set()
                 return
 
@@ -442,8 +510,9 @@ class LocalRun:
     def _settle(self, row: GenerationRow, permanent: bool) -> None:
         self.stage.record(row, permanent=permanent and row["status"] != "ok")
         ok = row["status"] == "ok"
-        self.progress.update(ok=int(ok), failed=int(not ok),
-                             tokens=(row.get("usage") or {}).get("completion_tokens") or 0)
+        self.progress.update(
+            ok=int(ok), failed=int(not ok), tokens=(row.get("usage") or {}).get("completion_tokens") or 0
+        )
         self.outstanding -= 1
         if self.outstanding == 0:
             self.all_done.set()
@@ -473,21 +542,30 @@ class LocalRun:
             if self.wire.backpressure(status, text):
                 return Outcome(row, backpressure=True)
             reason = f"HTTP {status} from {endpoint}: {error_message(text)[:300]}"
-            return Outcome(generation_row(p, prompt_ids, source, failed=reason), permanent=status in PERMANENT_STATUS,
-                           endpoint_failed=status >= 500 or status in (401, 403))
+            return Outcome(
+                generation_row(p, prompt_ids, source, failed=reason),
+                permanent=status in PERMANENT_STATUS,
+                endpoint_failed=status >= 500 or status in (401, 403),
+            )
         try:
             ids, finish, engine_provenance, logprobs = self.wire.answer(json.loads(text), prompt_ids, identity)
         except PromptCut as exc:  # every attempt on this server cuts it the same way
-            return Outcome(generation_row(p, prompt_ids, source, failed=f"prompt cut by {endpoint}: {exc}"),
-                           permanent=True)
+            return Outcome(
+                generation_row(p, prompt_ids, source, failed=f"prompt cut by {endpoint}: {exc}"), permanent=True
+            )
         except (ValueError, KeyError, TypeError, IndexError) as exc:
             return Outcome(generation_row(p, prompt_ids, source, failed=f"malformed answer from {endpoint}: {exc}"))
         if finish["type"] not in ("stop", "length"):
             return Outcome(generation_row(p, prompt_ids, source, failed=f"finish_reason {finish!r} from {endpoint}"))
         named = engine_provenance.get("served_model")
         if self.o.served_model is not None and named is not None and named != self.o.served_model:
-            row = generation_row(p, prompt_ids, source, failed=f"identity: model: answered by {named!r}, pinned "
-                                 f"{self.o.served_model!r} (generation.local.served_model) at {endpoint}")
+            row = generation_row(
+                p,
+                prompt_ids,
+                source,
+                failed=f"identity: model: answered by {named!r}, pinned "
+                f"{self.o.served_model!r} (generation.local.served_model) at {endpoint}",
+            )
             row.update(status=IDENTITY_MISMATCH, provenance=json.dumps({"served_model": named, "endpoint": endpoint}))
             return Outcome(row, permanent=True)
         msg = self.fmt.parse_ids(ids, finish["type"]).message
@@ -498,17 +576,34 @@ class LocalRun:
             output_logprobs=logprobs,
             reasoning=msg.reasoning,
             content=msg.content,
-            tool_calls=json.dumps([c.to_openai() for c in msg.tool_calls], ensure_ascii=False) if msg.tool_calls else None,
+            tool_calls=json.dumps([c.to_openai() for c in msg.tool_calls], ensure_ascii=False)
+            if msg.tool_calls
+            else None,
             finish_reason=finish["type"],
-            usage={"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
-                   "reasoning_tokens": reasoning_tokens, "cost_usd": None},
-            provenance=json.dumps({
-                "model": self.model, "engine": source, "endpoint": endpoint, "sampling": sampling,
-                "thinking": self.fmt.thinking, "tokenizer_sha256": self.tok_sha, "rid": rid,
-                "e2e_latency": round(time.monotonic() - started, 4), "finish_reason": finish,
-                "generated_at": time.time(), "logprobs": self.wire.logprob_distribution(sampling),
-                **engine_provenance, **_source(p),
-            }, sort_keys=True),
+            usage={
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": len(ids),
+                "reasoning_tokens": reasoning_tokens,
+                "cost_usd": None,
+            },
+            provenance=json.dumps(
+                {
+                    "model": self.model,
+                    "engine": source,
+                    "endpoint": endpoint,
+                    "sampling": sampling,
+                    "thinking": self.fmt.thinking,
+                    "tokenizer_sha256": self.tok_sha,
+                    "rid": rid,
+                    "e2e_latency": round(time.monotonic() - started, 4),
+                    "finish_reason": finish,
+                    "generated_at": time.time(),
+                    "logprobs": self.wire.logprob_distribution(sampling),
+                    **engine_provenance,
+                    **_source(p),
+                },
+                sort_keys=True,
+            ),
         )
         return Outcome(row)
 
@@ -536,6 +631,7 @@ def exception_line(exc: BaseException) -> str:
 def server_capacity(info) -> int | None:
     """`max_running_requests` of a `/server_info` answer: the top-level server arg, else the sum
     over the data-parallel ranks' `internal_states`; None when neither is a positive int."""
+
     def positive(v):
         return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 

@@ -32,9 +32,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from eagle3_data.chat_format.base import OutputFormat
 from eagle3_data.config import OverflowGenerationConfig, options_of
 from eagle3_data.errors import UserError
-from eagle3_data.chat_format.base import OutputFormat
 from eagle3_data.generation.checkpoint import (
     Prompt,
     StageRun,
@@ -71,8 +71,14 @@ from eagle3_data.generation.retry import backoff_s
 log = logging.getLogger(__name__)
 
 ROUTES = ("overflow", "both")
-__all__ = ["OverflowOptions", "OverflowRequest", "check_sampling", "generate_overflow", "price_answer",
-           "request_sampling"]
+__all__ = [
+    "OverflowOptions",
+    "OverflowRequest",
+    "check_sampling",
+    "generate_overflow",
+    "price_answer",
+    "request_sampling",
+]
 
 
 def check_sampling(sampling: Mapping[str, Any], *, where: str = "generation.sampling") -> dict:
@@ -80,8 +86,10 @@ def check_sampling(sampling: Mapping[str, Any], *, where: str = "generation.samp
     silently dropped would make the overflow share sample differently from the local one)."""
     for key in sampling:
         if key not in REQUEST_FIELDS:
-            raise UserError(f"{where}: {key!r} is not a sampling parameter the OpenRouter client sends; "
-                            f"accepted: {', '.join(REQUEST_FIELDS)}")
+            raise UserError(
+                f"{where}: {key!r} is not a sampling parameter the OpenRouter client sends; "
+                f"accepted: {', '.join(REQUEST_FIELDS)}"
+            )
     return dict(sampling)
 
 
@@ -120,9 +128,18 @@ class OverflowOptions:
     cost_lookup_delay_s: float = 0.5  # the first wait; doubled after each 404
 
 
-def generate_overflow(store, ref, prompts: Iterable[dict], fmt: OutputFormat, base_url: str, api_key: str,
-                      request: OverflowRequest, *, options: OverflowOptions = OverflowOptions(),
-                      setup: StageSetup = StageSetup()) -> StageSummary:
+def generate_overflow(
+    store,
+    ref,
+    prompts: Iterable[dict],
+    fmt: OutputFormat,
+    base_url: str,
+    api_key: str,
+    request: OverflowRequest,
+    *,
+    options: OverflowOptions = OverflowOptions(),
+    setup: StageSetup = StageSetup(),
+) -> StageSummary:
     """Generate every pending prompt of `ref.dataset` (routes overflow|both) through OpenRouter;
     its summary.
 
@@ -143,26 +160,62 @@ def generate_overflow(store, ref, prompts: Iterable[dict], fmt: OutputFormat, ba
     if store.is_complete(ref) and not setup.rerun:
         return reused_summary(store, ref)
     if not api_key:
-        raise UserError("generate_overflow: no API key (set the openrouter connection's password or OPENROUTER_API_KEY)")
+        raise UserError(
+            "generate_overflow: no API key (set the openrouter connection's password or OPENROUTER_API_KEY)"
+        )
     sampling = check_sampling(request.sampling)
     reasoning = dict(request.reasoning or {"enabled": fmt.thinking})
-    params = {"source": SOURCE, "model": request.model, "provider": dict(request.provider),
-              "sampling": dict(sampling, thinking=fmt.thinking), "reasoning": reasoning, "base_url": base_url}
+    params = {
+        "source": SOURCE,
+        "model": request.model,
+        "provider": dict(request.provider),
+        "sampling": dict(sampling, thinking=fmt.thinking),
+        "reasoning": reasoning,
+        "base_url": base_url,
+    }
     rows = parse_prompts(prompts, ref.dataset, setup.routes if setup.routes is not None else ROUTES)
     progress = setup.progress or Progress()  # closed by run_rounds
-    with StageRun(store, ref, rows, params, tokenizer_hashes(fmt.tokenizer), setup, rows_per_part=options.rows_per_part,
-                  flush_interval_s=options.flush_interval_s) as run:
-        budget = Budget(options.max_usd, run.spent_before_usd, max_new_tokens=sampling.get("max_new_tokens"),
-                        prices=Prices.per_mtok(options.price_usd_per_mtok),
-                        first_estimate_usd=options.first_cost_estimate_usd)
-        client = _OverflowRun(run, fmt, base_url, api_key, replace(request, sampling=sampling, reasoning=reasoning),
-                              options, progress, budget)
+    with StageRun(
+        store,
+        ref,
+        rows,
+        params,
+        tokenizer_hashes(fmt.tokenizer),
+        setup,
+        rows_per_part=options.rows_per_part,
+        flush_interval_s=options.flush_interval_s,
+    ) as run:
+        budget = Budget(
+            options.max_usd,
+            run.spent_before_usd,
+            max_new_tokens=sampling.get("max_new_tokens"),
+            prices=Prices.per_mtok(options.price_usd_per_mtok),
+            first_estimate_usd=options.first_cost_estimate_usd,
+        )
+        client = _OverflowRun(
+            run,
+            fmt,
+            base_url,
+            api_key,
+            replace(request, sampling=sampling, reasoning=reasoning),
+            options,
+            progress,
+            budget,
+        )
         with fewer_gc_pauses():
-            stopped = run_rounds(run, ref.dataset, lambda: run_event_loop(client.run()), progress,
-                                 f"generate_overflow {ref.dataset}")
-        run.finish(stopped, extra={"budget_usd": options.max_usd, "spent_total_usd": round(client.budget.spent, 6),
-                                   "identity_pin": client.pin.to_json() if client.pin else None, **client.timing()},
-                   stop_detail=client.stop_detail)
+            stopped = run_rounds(
+                run, ref.dataset, lambda: run_event_loop(client.run()), progress, f"generate_overflow {ref.dataset}"
+            )
+        run.finish(
+            stopped,
+            extra={
+                "budget_usd": options.max_usd,
+                "spent_total_usd": round(client.budget.spent, 6),
+                "identity_pin": client.pin.to_json() if client.pin else None,
+                **client.timing(),
+            },
+            stop_detail=client.stop_detail,
+        )
     return run.result
 
 
@@ -232,12 +285,22 @@ class _Answer:
 class _OverflowRun:
     """Dispatch: `concurrency` workers send, one settler records (`run`)."""
 
-    def __init__(self, run: StageRun, fmt: OutputFormat, base_url: str, api_key: str, request: OverflowRequest,
-                 options: OverflowOptions, progress: Progress, budget: Budget):
+    def __init__(
+        self,
+        run: StageRun,
+        fmt: OutputFormat,
+        base_url: str,
+        api_key: str,
+        request: OverflowRequest,
+        options: OverflowOptions,
+        progress: Progress,
+        budget: Budget,
+    ):
         self.stage, self.fmt, self.base_url, self._key = run, fmt, base_url, api_key
         self.model, self.provider = request.model, dict(request.provider)
-        self.shape = RequestShape(request.model, self.provider, dict(request.reasoning), dict(request.sampling),
-                                  options.stream)
+        self.shape = RequestShape(
+            request.model, self.provider, dict(request.reasoning), dict(request.sampling), options.stream
+        )
         self.o, self.concurrency, self.max_attempts = options, options.concurrency, options.max_attempts
         self.progress, self.budget = progress, budget
         # an answer without a cost is priced from the config's prices only: the model list's are the
@@ -249,8 +312,9 @@ class _OverflowRun:
         self.stopped: StopReason | None = None
         self.stop_detail: str | None = None  # the provider's words for the stop
         self.pin: Pin | None = None
-        self.rows = RowContext(request.model, self.provider, dict(request.sampling), fmt.thinking,
-                               run.tokenizer_sha256, None)
+        self.rows = RowContext(
+            request.model, self.provider, dict(request.sampling), fmt.thinking, run.tokenizer_sha256, None
+        )
         self.paused_until = 0.0  # monotonic: no request leaves before (a 402 in-flight budget, a 429 hint)
         self.latency_sum, self.answered, self.started = 0.0, 0, time.monotonic()
         # one pass's (`run`: once per round, each round on an event loop of its own)
@@ -260,14 +324,18 @@ class _OverflowRun:
         # bounded: a worker waits when the settler is C answers behind, so at most C answers are
         # received and not yet journaled (what a SIGKILL could lose, besides the C in flight)
         self._answers: asyncio.Queue[tuple[_Ready, _Answer | _Failed | None, float] | None] = asyncio.Queue(
-            maxsize=self.concurrency)
+            maxsize=self.concurrency
+        )
 
     def timing(self) -> dict:
         """For the manifest (and the next run's `balanced` routing): the concurrency and the mean
         seconds per answered sample of this attempt (retries and their backoff included)."""
-        return {"concurrency": self.concurrency, "answered": self.answered,
-                "wall_s": round(time.monotonic() - self.started, 3),
-                "latency_s_mean": round(self.latency_sum / self.answered, 4) if self.answered else None}
+        return {
+            "concurrency": self.concurrency,
+            "answered": self.answered,
+            "wall_s": round(time.monotonic() - self.started, 3),
+            "latency_s_mean": round(self.latency_sum / self.answered, 4) if self.answered else None,
+        }
 
     def _stop(self, reason: StopReason, detail: str | None) -> None:
         """Stop dispatching (the first reason wins): the workers send nothing more after their
@@ -288,8 +356,14 @@ class _OverflowRun:
         leave together (the settler takes one answer per pass of the event loop), and the rows, the
         budget, the journal, the S3 checkpoints and the next prompts' ids and bodies (`_prepare`)
         are done while they are out."""
-        client = SdkPost(self.base_url, self._key, self.concurrency, self.o.request_timeout_s, self.o.connect_timeout_s,
-                         stream_idle_timeout_s=self.o.stream_idle_timeout_s)
+        client = SdkPost(
+            self.base_url,
+            self._key,
+            self.concurrency,
+            self.o.request_timeout_s,
+            self.o.connect_timeout_s,
+            stream_idle_timeout_s=self.o.stream_idle_timeout_s,
+        )
         try:
             if self.stage.pending_count or self.stage.unsettled_attempts:
                 await client.check_reachable(self.o.unreachable_timeout_s)
@@ -305,8 +379,9 @@ class _OverflowRun:
         settler = asyncio.create_task(self._settler())
         try:
             # a worker that fails stops the others after their request in flight, whose answer is paid
-            outcomes = await asyncio.gather(*(self._worker(client) for _ in range(self.concurrency)),
-                                            return_exceptions=True)
+            outcomes = await asyncio.gather(
+                *(self._worker(client) for _ in range(self.concurrency)), return_exceptions=True
+            )
         finally:
             if not settler.done():
                 await self._answers.put(None)  # after every answer: the settler journals them all first
@@ -334,22 +409,41 @@ class _OverflowRun:
             table = await client.get_json("providers")
             slug_of = provider_slugs((table or {}).get("data") or [])
             if not slug_of:
-                raise UserError(f"generation.overflow.provider pins providers ({', '.join(sorted(allowed or ignored))}) "
-                                f"but GET {self.base_url.rstrip('/')}/providers lists none: answers could not be checked, "
-                                "nothing was sent")
+                raise UserError(
+                    f"generation.overflow.provider pins providers ({', '.join(sorted(allowed or ignored))}) "
+                    f"but GET {self.base_url.rstrip('/')}/providers lists none: answers could not be checked, "
+                    "nothing was sent"
+                )
         return Pin(self.model, names, allowed, ignored, slug_of)
 
     async def _price_unsettled(self, client: SdkPost) -> None:
         """Price the requests an earlier process opened and never settled (it died with them in
         flight), before their samples are asked again: all at once (each record lookup may wait
         for OpenRouter's record to appear; up to `concurrency` were in flight)."""
-        await asyncio.gather(*(self._lose(client, a["sample_id"], a.get("prompt_tokens") or 0, a.get("attempt"),
-                                          a.get("generation_id"), "in flight when an earlier attempt of the stage ended")
-                               for a in self.stage.unsettled_attempts))
+        await asyncio.gather(
+            *(
+                self._lose(
+                    client,
+                    a["sample_id"],
+                    a.get("prompt_tokens") or 0,
+                    a.get("attempt"),
+                    a.get("generation_id"),
+                    "in flight when an earlier attempt of the stage ended",
+                )
+                for a in self.stage.unsettled_attempts
+            )
+        )
         self.stage.unsettled_attempts.clear()
 
-    async def _lose(self, client: SdkPost, sample_id: str, prompt_tokens: int, attempt: str | None,
-                    generation_id: str | None, why: str) -> None:
+    async def _lose(
+        self,
+        client: SdkPost,
+        sample_id: str,
+        prompt_tokens: int,
+        attempt: str | None,
+        generation_id: str | None,
+        why: str,
+    ) -> None:
         """Count a request that may be billed without an answer: priced from OpenRouter's record of
         its generation, else at the budget's estimate for it (an upper bound), journaled settled
         and kept for the sample's row."""
@@ -359,9 +453,16 @@ class _OverflowRun:
         source = "generation_lookup" if cost is not None else "estimate"
         if cost is None:
             cost = self.budget.estimate(prompt_tokens)
-        record = {"attempt": attempt, "sample_id": sample_id, "generation_id": generation_id,
-                  "prompt_tokens": prompt_tokens, "state": "settled", "cost_usd": cost, "cost_source": source,
-                  "why": why}
+        record = {
+            "attempt": attempt,
+            "sample_id": sample_id,
+            "generation_id": generation_id,
+            "prompt_tokens": prompt_tokens,
+            "state": "settled",
+            "cost_usd": cost,
+            "cost_source": source,
+            "why": why,
+        }
         self.stage.journal_attempt(record)
         self.budget.add(cost)
         self.progress.update(cost_usd=cost)
@@ -376,8 +477,11 @@ class _OverflowRun:
         if p is None:
             return False
         try:
-            self._ready.append(_Ready(p, self.fmt.generation_prompt_ids(p.messages, p.tools),
-                                      json.dumps(self.shape.body(p)).encode(), 0.0))
+            self._ready.append(
+                _Ready(
+                    p, self.fmt.generation_prompt_ids(p.messages, p.tools), json.dumps(self.shape.body(p)).encode(), 0.0
+                )
+            )
         except Exception as exc:
             self._ready.append(_Ready(p, exc, b"", 0.0))
         return True
@@ -398,8 +502,11 @@ class _OverflowRun:
             if not self.budget.allows(ready.estimate):
                 self._ready.appendleft(ready)  # not sent: the next worker (or attempt) takes it
                 if self.in_flight == 0 or self.budget.spent + ready.estimate > (self.budget.max_usd or 0.0):
-                    self._stop(StopReason.BUDGET, f"spent ${self.budget.spent:.4f} of max_usd {self.budget.max_usd}; the next "
-                               f"request may cost up to ${ready.estimate:.4f}")
+                    self._stop(
+                        StopReason.BUDGET,
+                        f"spent ${self.budget.spent:.4f} of max_usd {self.budget.max_usd}; the next "
+                        f"request may cost up to ${ready.estimate:.4f}",
+                    )
                     return
                 await asyncio.sleep(0.05)  # wait for in-flight costs to settle
                 continue
@@ -444,7 +551,9 @@ class _OverflowRun:
                 error = error or exc
                 self._stop(StopReason.ERROR, None)
         if error is None:
-            self._journal_failures(self.breaker.release())  # fewer than K identical: those failures are the prompts' own
+            self._journal_failures(
+                self.breaker.release()
+            )  # fewer than K identical: those failures are the prompts' own
         if error is not None:
             raise error
 
@@ -460,8 +569,11 @@ class _OverflowRun:
         self._journal_failures(self.breaker.release())
         p = ready.prompt
         if result.cost is None and self.budget.max_usd is not None:
-            self._stop(StopReason.UNPRICED, f"sample {p.sample_id}: no usage.cost, no record at /generation and "
-                       "generation.overflow.price_usd_per_mtok is not set: the budget cannot bind (the answer is kept)")
+            self._stop(
+                StopReason.UNPRICED,
+                f"sample {p.sample_id}: no usage.cost, no record at /generation and "
+                "generation.overflow.price_usd_per_mtok is not set: the budget cannot bind (the answer is kept)",
+            )
         row = answer_row(p, ready.prompt_ids, result.data, result.cost, result.cost_source, self.rows, result.lost)
         if row["status"] == "ok":
             self.latency_sum += latency_s
@@ -499,8 +611,16 @@ class _OverflowRun:
 
             def opened(generation_id: str | None, attempt_id: str = attempt_id, named: list = named) -> None:
                 named.append(generation_id)
-                self.stage.journal_attempt({"attempt": attempt_id, "sample_id": p.sample_id, "state": "open",
-                                            "generation_id": generation_id, "prompt_tokens": len(prompt_ids)})
+                self.stage.journal_attempt(
+                    {
+                        "attempt": attempt_id,
+                        "sample_id": p.sample_id,
+                        "state": "open",
+                        "generation_id": generation_id,
+                        "prompt_tokens": len(prompt_ids),
+                    }
+                )
+
             try:
                 data = await send(ready.body, self._headers(p), opened)
             except openai.APIStatusError as exc:
@@ -508,7 +628,9 @@ class _OverflowRun:
             except openai.APITimeoutError as exc:
                 verdict = Verdict("retry", f"transport: {type(exc).__name__}")
                 if not self.o.stream:  # a non-streamed generation the client stopped waiting for is billed
-                    await self._lose(client, p.sample_id, len(prompt_ids), attempt_id, None, "timed out before the answer")
+                    await self._lose(
+                        client, p.sample_id, len(prompt_ids), attempt_id, None, "timed out before the answer"
+                    )
             except openai.APIConnectionError as exc:
                 verdict = Verdict("retry", f"transport: {type(exc).__name__}")
             except AttemptLost as lost:
@@ -519,8 +641,9 @@ class _OverflowRun:
                     self.stage.journal_attempt({"attempt": attempt_id, "sample_id": p.sample_id, "state": "closed"})
                 if verdict is None:
                     self.breaker.outcome(None)
-                    cost, source = await priced(client, data, self.configured_prices, self.o.cost_lookups,
-                                                self.o.cost_lookup_delay_s)
+                    cost, source = await priced(
+                        client, data, self.configured_prices, self.o.cost_lookups, self.o.cost_lookup_delay_s
+                    )
                     return _Answer(data, cost, source, self.lost.pop(p.sample_id, []))
             if verdict.action == "stop":
                 self._stop(verdict.stop, verdict.reason)
@@ -534,13 +657,21 @@ class _OverflowRun:
                 log.warning("%s: %s; pausing dispatch %.0f s", SOURCE, verdict.reason, verdict.retry_after_s)
             if attempt < self.max_attempts:
                 log.debug("sample %s attempt %d: %s; retrying", p.sample_id, attempt, verdict.reason)
-                await asyncio.sleep(backoff_s(attempt, retry_after=None if verdict.retry_after_s is None
-                                              else str(verdict.retry_after_s)))
-        if verdict.stop in (StopReason.RATE_LIMITED, StopReason.IN_FLIGHT_BUDGET):  # the service's limits, not this prompt's fault
+                await asyncio.sleep(
+                    backoff_s(
+                        attempt, retry_after=None if verdict.retry_after_s is None else str(verdict.retry_after_s)
+                    )
+                )
+        if verdict.stop in (
+            StopReason.RATE_LIMITED,
+            StopReason.IN_FLIGHT_BUDGET,
+        ):  # the service's limits, not this prompt's fault
             self._stop(verdict.stop, f"{verdict.reason} (after {self.max_attempts} attempts)")
             return None
         self.breaker.outcome(None)
-        return _Failed(self._failed(p, prompt_ids, f"gave up after {self.max_attempts} attempts: {verdict.reason}"), False)
+        return _Failed(
+            self._failed(p, prompt_ids, f"gave up after {self.max_attempts} attempts: {verdict.reason}"), False
+        )
 
     def _failed(self, p: Prompt, prompt_ids: list[int], reason: str) -> GenerationRow:
         """A failed row carrying the attempts its sample lost (paid money the row accounts for)."""
@@ -557,5 +688,3 @@ def _json_or_none(response) -> Any:
         return response.json()
     except Exception:
         return None
-
-

@@ -46,7 +46,9 @@ class Verdict:
     reason: str
     retry_after_s: float | None = None
     stop: StopReason | None = None
-    prompt_specific: bool = False  # a permanent failure of this prompt's text (moderation, too large): never trips the breaker
+    prompt_specific: bool = (
+        False  # a permanent failure of this prompt's text (moderation, too large): never trips the breaker
+    )
 
 
 def error_of(body: Any) -> dict:
@@ -80,10 +82,11 @@ def classify_status(status: int, body: Any, headers: Mapping[str, str]) -> Verdi
     if status == 401:
         return Verdict("stop", reason, stop=StopReason.UNAUTHORIZED)
     if status == 402:
-        in_flight = ("in_flight" in str(meta.get("limit_source") or "") or "in_flight" in str(meta.get("reason") or ""))
+        in_flight = "in_flight" in str(meta.get("limit_source") or "") or "in_flight" in str(meta.get("reason") or "")
         if in_flight or retry_after is not None:  # reserved for requests in flight: passes when they settle
-            return Verdict("pause", reason, retry_after if retry_after is not None else 30.0,
-                           stop=StopReason.IN_FLIGHT_BUDGET)
+            return Verdict(
+                "pause", reason, retry_after if retry_after is not None else 30.0, stop=StopReason.IN_FLIGHT_BUDGET
+            )
         return Verdict("stop", reason, stop=StopReason.CREDITS)
     if status == 403:
         if _blocks_this_prompt(err, meta):
@@ -97,8 +100,9 @@ def classify_status(status: int, body: Any, headers: Mapping[str, str]) -> Verdi
 def _blocks_this_prompt(err: Mapping, meta: Mapping) -> bool:
     """A moderation flag (`reasons`, `flagged_input`) or a guardrail's pattern match
     (`patterns`, "Request blocked ..."): the prompt's text is refused, not the key."""
-    return bool(meta.get("reasons") or meta.get("flagged_input") or meta.get("patterns")) or \
-        str(err.get("message") or "").startswith("Request blocked")
+    return bool(meta.get("reasons") or meta.get("flagged_input") or meta.get("patterns")) or str(
+        err.get("message") or ""
+    ).startswith("Request blocked")
 
 
 def _retry_after(headers: Mapping[str, str], meta: Mapping) -> float | None:
@@ -122,8 +126,12 @@ def body_error(body: Any) -> Verdict | None:
         return Verdict("retry", "malformed answer: the body is not a JSON object")
     err = error_of(body)
     if err and not body.get("choices"):
-        return Verdict("retry", describe(err), _retry_after({}, err.get("metadata") or {}),
-                       stop=StopReason.RATE_LIMITED if err.get("code") == 429 else None)
+        return Verdict(
+            "retry",
+            describe(err),
+            _retry_after({}, err.get("metadata") or {}),
+            stop=StopReason.RATE_LIMITED if err.get("code") == 429 else None,
+        )
     choices = body.get("choices") or []
     choice = choices[0] if choices and isinstance(choices[0], Mapping) else {}
     if choice.get("finish_reason") == "error" or choice.get("error"):
@@ -152,14 +160,18 @@ def read_message(message: Mapping) -> AnswerText:
     unreconstructable = None
     details = [d for d in message.get("reasoning_details") or [] if isinstance(d, Mapping)]
     if reasoning is None and details:
-        texts = sorted((d for d in details if d.get("type") == "reasoning.text" and d.get("text")),
-                       key=lambda d: d.get("index") or 0)
+        texts = sorted(
+            (d for d in details if d.get("type") == "reasoning.text" and d.get("text")),
+            key=lambda d: d.get("index") or 0,
+        )
         if texts:
             reasoning = "".join(d["text"] for d in texts)
         else:
             kinds = sorted({str(d.get("type")) for d in details})
-            unreconstructable = (f"reasoning returned only as {', '.join(kinds)} (encrypted or summarised by the "
-                                 "provider): the text the model generated is not in the answer")
+            unreconstructable = (
+                f"reasoning returned only as {', '.join(kinds)} (encrypted or summarised by the "
+                "provider): the text the model generated is not in the answer"
+            )
     calls, rewritten, problem = [], [], None
     for c in message.get("tool_calls") or []:
         fn = c.get("function") if isinstance(c, Mapping) and isinstance(c.get("function"), Mapping) else {}
@@ -169,8 +181,13 @@ def read_message(message: Mapping) -> AnswerText:
             rewritten.append("tool_call_arguments_serialised")
         if not fn.get("name") or not isinstance(args, str):
             problem = "malformed tool call: missing name or arguments"
-        calls.append({"id": c.get("id") if isinstance(c, Mapping) else None, "type": "function",
-                      "function": {"name": fn.get("name"), "arguments": args}})
+        calls.append(
+            {
+                "id": c.get("id") if isinstance(c, Mapping) else None,
+                "type": "function",
+                "function": {"name": fn.get("name"), "arguments": args},
+            }
+        )
     if reasoning is not None and not isinstance(reasoning, str):
         problem, reasoning = f"message.reasoning is a {type(reasoning).__name__}, not text", None
     content = message.get("content")

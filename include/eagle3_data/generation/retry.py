@@ -15,8 +15,13 @@ PERMANENT_STATUS = frozenset({400, 404, 413, 422})
 WAIT_NOTE_EVERY_S = 5.0
 
 
-def backoff_s(attempt: int, base_s: float = 0.5, cap_s: float = 60.0, retry_after: str | None = None,
-              rng: random.Random | None = None) -> float:
+def backoff_s(
+    attempt: int,
+    base_s: float = 0.5,
+    cap_s: float = 60.0,
+    retry_after: str | None = None,
+    rng: random.Random | None = None,
+) -> float:
     """Delay before attempt `attempt + 1` (attempt counts from 1)."""
     delay = (rng or random).uniform(0, min(cap_s, base_s * 2 ** (attempt - 1)))
     return max(delay, parse_retry_after(retry_after) or 0.0)

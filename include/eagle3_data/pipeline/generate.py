@@ -39,10 +39,17 @@ def _finished(result: StageSummary, what: str, store, ref) -> GenerationResult:
     its rows as its manifest counts them (what the next stage reads), as a reused one does."""
     if result["stopped_reason"] or not result["complete"]:
         detail = f" ({result['stop_detail']})" if result["stop_detail"] else ""
-        raise StageStopped(f"{what} stopped before completion: {result['stopped_reason']}{detail}; counts "
-                           f"{result['counts']}; committed rows are kept and the next attempt resumes after them")
-    return GenerationResult(uri=result["uri"], counts=result["counts"], rows=store.read_manifest(ref)["rows"],
-                            tokens=result["tokens"], cost_usd=result["cost_usd"])
+        raise StageStopped(
+            f"{what} stopped before completion: {result['stopped_reason']}{detail}; counts "
+            f"{result['counts']}; committed rows are kept and the next attempt resumes after them"
+        )
+    return GenerationResult(
+        uri=result["uri"],
+        counts=result["counts"],
+        rows=store.read_manifest(ref)["rows"],
+        tokens=result["tokens"],
+        cost_usd=result["cost_usd"],
+    )
 
 
 def generate_local(run: Run, store, dataset: str, endpoints: list[str], *, rerun: bool = False) -> GenerationResult:
@@ -59,27 +66,42 @@ def generate_local(run: Run, store, dataset: str, endpoints: list[str], *, rerun
         raise UserError(f"generate_local {dataset}: no local endpoints configured")
     g, fmt = run.config.generation, output_format(run, store)
     result = generate(
-        store, ref, _prompt_rows(store, prompts), fmt, endpoints, engine_sampling(run),
-        wire=wire_for(g.local.engine), options=options_from(LocalOptions, g.local), setup=_setup(run, prompts, rerun, fmt),
+        store,
+        ref,
+        _prompt_rows(store, prompts),
+        fmt,
+        endpoints,
+        engine_sampling(run),
+        wire=wire_for(g.local.engine),
+        options=options_from(LocalOptions, g.local),
+        setup=_setup(run, prompts, rerun, fmt),
     )
     return _finished(result, f"generate_local {dataset}", store, ref)
 
 
-def generate_overflow(run: Run, store, dataset: str, base_url: str, api_key: str, *, rerun: bool = False) -> GenerationResult:
+def generate_overflow(
+    run: Run, store, dataset: str, base_url: str, api_key: str, *, rerun: bool = False
+) -> GenerationResult:
     """The samples routed overflow|both through OpenRouter at `base_url` with `api_key` (never logged)."""
     from eagle3_data.config import options_from
+    from eagle3_data.generation.contracts import StopReason
     from eagle3_data.generation.openrouter import OverflowOptions, OverflowRequest
     from eagle3_data.generation.openrouter import generate_overflow as generate
-    from eagle3_data.generation.contracts import StopReason
 
     prompts, ref = stage_ref(run, PROMPTS, dataset), stage_ref(run, OVERFLOW, dataset)
     if not rerun and (reused := _reused(store, ref, prompts)) is not None:
         return reused
     o, fmt = run.config.generation.overflow, output_format(run, store)
     result = generate(
-        store, ref, _prompt_rows(store, prompts), fmt, base_url, api_key,
+        store,
+        ref,
+        _prompt_rows(store, prompts),
+        fmt,
+        base_url,
+        api_key,
         OverflowRequest(model=o.model, provider=o.provider, sampling=engine_sampling(run)),
-        options=options_from(OverflowOptions, o), setup=_setup(run, prompts, rerun, fmt),
+        options=options_from(OverflowOptions, o),
+        setup=_setup(run, prompts, rerun, fmt),
     )
     if (stopped := result["stopped_reason"]) is not None and not StopReason(stopped).passes:
         detail = f": {result['stop_detail']}" if result["stop_detail"] else ""
@@ -105,7 +127,11 @@ def _setup(run: Run, prompts, rerun: bool, fmt):
     from eagle3_data.generation.progress import LogProgress
 
     g = run.config.generation
-    turns = (TurnDriver(g.regenerate, g.history, fmt, max_steps=g.max_trajectory_steps)
-             if needs_rounds(g.regenerate, g.history) else None)
-    return StageSetup(model=run.config.model.name, inputs=(prompts,), progress=LogProgress(log), rerun=rerun,
-                      turns=turns)
+    turns = (
+        TurnDriver(g.regenerate, g.history, fmt, max_steps=g.max_trajectory_steps)
+        if needs_rounds(g.regenerate, g.history)
+        else None
+    )
+    return StageSetup(
+        model=run.config.model.name, inputs=(prompts,), progress=LogProgress(log), rerun=rerun, turns=turns
+    )

@@ -55,14 +55,16 @@ def s3_client(
         read_timeout=read_timeout,
         s3={"addressing_style": "path"} if endpoint_url else {},
     )
-    return fork_safe(boto3.session.Session().client(
-        "s3",
-        endpoint_url=endpoint_url,
-        region_name=region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
-        aws_access_key_id=access_key,
-        aws_secret_access_key=secret_key,
-        config=config,
-    ))
+    return fork_safe(
+        boto3.session.Session().client(
+            "s3",
+            endpoint_url=endpoint_url,
+            region_name=region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
+            aws_access_key_id=access_key,
+            aws_secret_access_key=secret_key,
+            config=config,
+        )
+    )
 
 
 def fork_safe(client):

@@ -112,8 +112,10 @@ class _Prefetch:
 
     def __init__(self, fetch) -> None:
         self._fetch = fetch
-        self._pool = PerProcess(lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch"),
-                                discard=lambda pool: pool.shutdown(wait=False, cancel_futures=True))
+        self._pool = PerProcess(
+            lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch"),
+            discard=lambda pool: pool.shutdown(wait=False, cancel_futures=True),
+        )
         self._pending = None  # (part, future of this process)
 
     def submit(self, part: dict) -> None:
@@ -211,8 +213,9 @@ class ArtifactStore:
 
         return acquire_lease(self, ref, ttl_s=ttl_s or DEFAULT_TTL_S, scope=scope)
 
-    def _put(self, key: str, body: bytes | Path, *, sha256: str | None = None,
-             content_type: str = "application/octet-stream") -> None:
+    def _put(
+        self, key: str, body: bytes | Path, *, sha256: str | None = None, content_type: str = "application/octet-stream"
+    ) -> None:
         """The one writer of an object: `body` in memory (one PUT, multipart above the threshold)
         or a local file (streamed, multipart above the threshold), its sha256 in its metadata when
         given. Every public writer below comes here, so retries, multipart and the missing
@@ -226,7 +229,9 @@ class ArtifactStore:
                 if isinstance(body, Path):
                     self.client.upload_file(str(body), self.bucket, key, ExtraArgs=extra, Config=self.transfer)
                 elif len(body) >= self.transfer.multipart_threshold:
-                    self.client.upload_fileobj(io.BytesIO(body), self.bucket, key, ExtraArgs=extra, Config=self.transfer)
+                    self.client.upload_fileobj(
+                        io.BytesIO(body), self.bucket, key, ExtraArgs=extra, Config=self.transfer
+                    )
                 else:
                     self.client.put_object(Bucket=self.bucket, Key=key, Body=body, **extra)
             except ClientError as exc:
@@ -287,7 +292,9 @@ class ArtifactStore:
         """Objects under a bucket-relative key prefix (dicts with Key, Size, ETag, LastModified)."""
         return self._list(prefix)
 
-    def _download(self, key: str, expected_sha256: str | None, expected_bytes: int | None, label: str) -> tempfile.SpooledTemporaryFile:
+    def _download(
+        self, key: str, expected_sha256: str | None, expected_bytes: int | None, label: str
+    ) -> tempfile.SpooledTemporaryFile:
         """Stream an object into a spooled temp file (RAM up to 64 MiB, then disk), hashing as it
         comes, and refuse it before anyone parses it if it is missing or its bytes changed."""
         out = tempfile.SpooledTemporaryFile(max_size=64 * 1024 * 1024)
@@ -300,13 +307,17 @@ class ArtifactStore:
                 self._raise_if_no_bucket(exc)
                 if error_code(exc) in NOT_FOUND:
                     out.close()
-                    raise CorruptArtifact(f"{label} is listed in the manifest but missing from S3: rerun the stage") from None
+                    raise CorruptArtifact(
+                        f"{label} is listed in the manifest but missing from S3: rerun the stage"
+                    ) from None
                 raise
             for chunk in iter(lambda: body.read(_CHUNK), b""):
                 digest.update(chunk)
                 out.write(chunk)
                 size += len(chunk)
-        if (expected_bytes is not None and size != expected_bytes) or (expected_sha256 and digest.hexdigest() != expected_sha256):
+        if (expected_bytes is not None and size != expected_bytes) or (
+            expected_sha256 and digest.hexdigest() != expected_sha256
+        ):
             out.close()
             raise CorruptArtifact(
                 f"{label} is corrupted: {size} bytes with sha256 {digest.hexdigest()[:16]}..., the manifest "
@@ -320,14 +331,21 @@ class ArtifactStore:
         """The stage's objects (only those under `under`, a name prefix such as "_progress/") by
         name relative to the stage: {name: {"Key", "Size", "ETag", "LastModified"}}."""
         base = self.key(ref)
-        return {o["Key"][len(base):]: o for o in self._list(base + under)}
+        return {o["Key"][len(base) :]: o for o in self._list(base + under)}
 
     def read_object(self, ref: StageRef, name: str) -> bytes | None:
         """The bytes of one object of the stage, or None when it does not exist."""
         return self._get_bytes(self.key(ref, name))
 
-    def write_object(self, ref: StageRef, name: str, data: bytes, *, sha256: str | None = None,
-                     content_type: str = "application/octet-stream") -> None:
+    def write_object(
+        self,
+        ref: StageRef,
+        name: str,
+        data: bytes,
+        *,
+        sha256: str | None = None,
+        content_type: str = "application/octet-stream",
+    ) -> None:
         """One object of the stage (a part, a progress record), its sha256 in its metadata when
         given. No file record: side files go through `put_bytes` / `put_json` / `put_file`."""
         self._put(self.key(ref, name), data, sha256=sha256, content_type=content_type)
@@ -348,7 +366,7 @@ class ArtifactStore:
         """The progress records of a stage's parts (`_progress/part-N.json`), by part number."""
         records = []
         for rel, obj in self.objects(ref, f"{PROGRESS}/").items():
-            stem = rel[len(PROGRESS) + 1:]
+            stem = rel[len(PROGRESS) + 1 :]
             if "/" in stem or not stem.endswith(".json") or part_number(stem[: -len(".json")] + ".parquet") is None:
                 continue
             data = self._get_bytes(obj["Key"])
@@ -356,7 +374,9 @@ class ArtifactStore:
                 try:
                     records.append(json.loads(data))
                 except ValueError:
-                    log.warning("%s: unreadable progress record, ignored (its part is produced again)", self.uri(ref, rel))
+                    log.warning(
+                        "%s: unreadable progress record, ignored (its part is produced again)", self.uri(ref, rel)
+                    )
         return sorted(records, key=lambda r: r["part"])
 
     # -- manifests -------------------------------------------------------------------------------
@@ -396,7 +416,7 @@ class ArtifactStore:
         base = self.key(ref)
         from eagle3_data.storage.lease import is_lease
 
-        objects = [o["Key"] for o in self._list(base) if not is_lease(o["Key"][len(base):])]
+        objects = [o["Key"] for o in self._list(base) if not is_lease(o["Key"][len(base) :])]
         self._delete(sorted(objects, key=lambda k: not k.startswith(base + PROGRESS)))
 
     def input_record(self, ref: StageRef) -> dict:
@@ -466,23 +486,35 @@ class ArtifactStore:
         manifest = self.read_manifest(ref)
         schema = manifest.get("schema")
         if not schema:
-            raise UserError(f"{self.uri(ref)} holds files, not Parquet parts ({[f['name'] for f in manifest.get('files', [])]})")
+            raise UserError(
+                f"{self.uri(ref)} holds files, not Parquet parts ({[f['name'] for f in manifest.get('files', [])]})"
+            )
         try:
             schema_for(schema["name"], schema["version"])
         except UserError as exc:
             raise UserError(f"{self.uri(ref)}: {exc}") from None
         return manifest
 
-    def iter_batches(self, ref: StageRef, columns: list[str] | None = None, batch_size: int = 1024) -> Iterator[pa.RecordBatch]:
+    def iter_batches(
+        self, ref: StageRef, columns: list[str] | None = None, batch_size: int = 1024
+    ) -> Iterator[pa.RecordBatch]:
         """Stream the stage's rows, part by part, each part's sha256 checked before it is parsed."""
         manifest = self._checked_manifest(ref)  # refuses now, not at first next()
         schema = schema_for(manifest["schema"]["name"], manifest["schema"]["version"])
         return self._batches(ref, manifest["parts"], columns, batch_size, schema)
 
-    def _batches(self, ref: StageRef, parts: list[dict], columns: list[str] | None, batch_size: int,
-                 schema: pa.Schema | None = None) -> Iterator[pa.RecordBatch]:
+    def _batches(
+        self,
+        ref: StageRef,
+        parts: list[dict],
+        columns: list[str] | None,
+        batch_size: int,
+        schema: pa.Schema | None = None,
+    ) -> Iterator[pa.RecordBatch]:
         def fetch(part: dict):
-            return self._download(self.key(ref, part["name"]), part["sha256"], part["bytes"], self.uri(ref, part["name"]))
+            return self._download(
+                self.key(ref, part["name"]), part["sha256"], part["bytes"], self.uri(ref, part["name"])
+            )
 
         # one part downloads (and is hashed) while the caller consumes the previous one: two parts in memory at most
         ahead = _Prefetch(fetch)
@@ -545,7 +577,7 @@ class ArtifactStore:
         same-size rewrite within the manifest's second escapes it: `verify` (sha256) is the full check."""
         manifest = manifest if manifest is not None else self.read_manifest(ref)
         base = self.key(ref)
-        objects = {o["Key"][len(base):]: o for o in self._list(base)}
+        objects = {o["Key"][len(base) :]: o for o in self._list(base)}
         committed = objects.get(MANIFEST, {}).get("LastModified")
         problems = []
         for item in [*manifest.get("parts", []), *manifest.get("files", [])]:
@@ -555,8 +587,10 @@ class ArtifactStore:
             elif obj["Size"] != item["bytes"]:
                 problems.append(f"{label} has {obj['Size']} bytes, the manifest says {item['bytes']}")
             elif committed is not None and obj["LastModified"] > committed:
-                problems.append(f"{label} was rewritten at {obj['LastModified'].isoformat(timespec='seconds')}, "
-                                f"after the manifest ({committed.isoformat(timespec='seconds')})")
+                problems.append(
+                    f"{label} was rewritten at {obj['LastModified'].isoformat(timespec='seconds')}, "
+                    f"after the manifest ({committed.isoformat(timespec='seconds')})"
+                )
         return problems
 
     def stages(self, run_key: str) -> list[StageRef]:
@@ -565,7 +599,7 @@ class ArtifactStore:
         base = f"{self.prefix}/runs/{run_key}/" if self.prefix else f"runs/{run_key}/"
         refs = []
         for obj in self._list(base):
-            rel = obj["Key"][len(base):].split("/")
+            rel = obj["Key"][len(base) :].split("/")
             if len(rel) == 3 and rel[2] == MANIFEST:
                 refs.append(StageRef(run_key, rel[0], rel[1]))
         return sorted(refs)
@@ -611,7 +645,9 @@ class ArtifactStore:
         """The names one level below `base` (a prefix ending in "/"), sorted."""
         names = set()
         with s3_errors(self.client, f"listing s3://{self.bucket}/{base}"):
-            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base, Delimiter="/"):
+            for page in self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=base, Delimiter="/"
+            ):
                 names.update(p["Prefix"][len(base) :].rstrip("/") for p in page.get("CommonPrefixes", []))
         return sorted(names)
 
@@ -625,8 +661,15 @@ class ArtifactStore:
         if manifest is not None and name in {f["name"] for f in json.loads(manifest).get("files", [])}:
             self.invalidate(ref)
 
-    def _put_side_file(self, ref: StageRef, name: str, body: bytes | Path, size: int, sha256: str,
-                       content_type: str = "application/octet-stream") -> str:
+    def _put_side_file(
+        self,
+        ref: StageRef,
+        name: str,
+        body: bytes | Path,
+        size: int,
+        sha256: str,
+        content_type: str = "application/octet-stream",
+    ) -> str:
         """A side file: a manifest listing the old one invalidated first, then the object, then its
         record (`_progress/files/<name>.json`), which marks it committed for `committed_files`."""
         check_file_name(name)
@@ -677,18 +720,24 @@ class ArtifactStore:
             raise IncompleteStage(f"{self.uri(ref, name)} was never uploaded through the store (no record)")
         expected = json.loads(record)
         if sha256 is not None and expected["sha256"] != sha256:
-            raise IncompleteStage(f"{self.uri(ref, name)} differs from the manifest that lists it (the stage is "
-                                  f"being rewritten): retry once it is committed")
+            raise IncompleteStage(
+                f"{self.uri(ref, name)} differs from the manifest that lists it (the stage is "
+                f"being rewritten): retry once it is committed"
+            )
         with s3_errors(self.client, f"downloading {self.uri(ref, name)}"):
             try:
                 self.client.download_file(self.bucket, self.key(ref, name), str(path), Config=self.transfer)
             except ClientError as exc:
                 if error_code(exc) in NOT_FOUND:
-                    raise CorruptArtifact(f"{self.uri(ref, name)} is recorded as uploaded but missing from S3") from None
+                    raise CorruptArtifact(
+                        f"{self.uri(ref, name)} is recorded as uploaded but missing from S3"
+                    ) from None
                 raise
         if file_sha256(path) != expected["sha256"]:
             path.unlink()
-            raise CorruptArtifact(f"{self.uri(ref, name)} is corrupted: its sha256 differs from the one recorded at upload")
+            raise CorruptArtifact(
+                f"{self.uri(ref, name)} is corrupted: its sha256 differs from the one recorded at upload"
+            )
         return path
 
     def committed_files(self, ref: StageRef) -> set[str]:
@@ -726,6 +775,8 @@ class ArtifactStore:
             check_file_name(name)
             data = self._get_bytes(self._file_record_key(ref, name))
             if data is None:
-                raise IncompleteStage(f"{self.uri(ref, name)} was never uploaded through the store (no record): cannot commit it")
+                raise IncompleteStage(
+                    f"{self.uri(ref, name)} was never uploaded through the store (no record): cannot commit it"
+                )
             entries.append(json.loads(data))
         return entries
