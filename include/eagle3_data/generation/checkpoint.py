@@ -41,7 +41,7 @@ from eagle3_data.cache import cache_root
 from eagle3_data.canonical import canonical_json
 from eagle3_data.errors import UserError
 from eagle3_data.generation.contracts import GenerationRow, StageSummary, StopReason
-from eagle3_data.generation.progress import Progress
+from eagle3_data.generation.progress import ProgressSink
 from eagle3_data.spill import RowSpill
 from eagle3_data.storage.writer import StageWriter
 
@@ -161,7 +161,7 @@ class StageSetup:
 
     model: str = ""  # the target model's name, recorded in provenance and params
     inputs: tuple = ()  # upstream manifests (StageRef) or file records ({"uri", "bytes", "sha256"})
-    progress: Progress | None = None  # None: silent
+    progress: ProgressSink | None = None  # None: silent (a plain progress.Progress)
     journal_dir: str | Path | None = None  # None: $EAGLE3_JOURNAL_DIR, else the cache's journal/
     rerun: bool = False  # reopen a complete stage: re-verify its parts, redo only what is missing
     routes: tuple[str, ...] | None = None  # the prompts' routes this stage takes; None: the stage's own
@@ -526,7 +526,7 @@ def stage_summary(
 
 
 def run_rounds(
-    run: StageRun, dataset: str, go: Callable[[], StopReason | None], progress: Progress, label: str
+    run: StageRun, dataset: str, go: Callable[[], StopReason | None], progress: ProgressSink, label: str
 ) -> StopReason | None:
     """Run a client (`go`: one pass over `run.pending`, its stop reason) once, or, for a stage
     whose turns depend on each other (`run.turns`), once per round until no conversation asks for

@@ -7,6 +7,9 @@
   StopReason     why a stage stopped before completion: its `stopped_reason`;
   HealthTimings  the timings an endpoint's `/health` wait reads (local.wait_healthy).
 
+Beside them: the output format is `chat_format.base.OutputFormat`, a progress sink
+`progress.ProgressSink`, a stage's turns `conversations.TurnDriver`.
+
 Plain dicts at run time (TypedDicts): rows go to Arrow and JSON lines as they are, summaries to
 the CLI's JSON output, and every reader indexes them as before.
 """

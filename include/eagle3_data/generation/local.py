@@ -53,7 +53,7 @@ from eagle3_data.generation.checkpoint import (
     sampling_for,
 )
 from eagle3_data.generation.contracts import GenerationRow, HealthTimings, StageSummary, StopReason
-from eagle3_data.generation.progress import Progress, tick_every
+from eagle3_data.generation.progress import Progress, ProgressSink, tick_every
 from eagle3_data.generation.retry import PERMANENT_STATUS, WAIT_NOTE_EVERY_S, backoff_s
 from eagle3_data.schemas import IDENTITY_MISMATCH
 
@@ -278,7 +278,7 @@ class LocalRun:
         wire: Wire,
         options: LocalOptions,
         model: str,
-        progress: Progress,
+        progress: ProgressSink,
     ):
         self.stage, self.fmt, self.endpoints = run, fmt, [e.rstrip("/") for e in endpoints]
         self.sampling, self.wire, self.o = sampling, wire, options

@@ -58,7 +58,7 @@ from eagle3_data.generation.openrouter_rows import (
     failed_with,
     request_sampling,
 )
-from eagle3_data.generation.progress import Progress, tick_every
+from eagle3_data.generation.progress import Progress, ProgressSink, tick_every
 from eagle3_data.generation.provider_answers import Verdict, body_error, classify_status
 from eagle3_data.generation.provider_identity import (
     Pin,
@@ -293,7 +293,7 @@ class _OverflowRun:
         api_key: str,
         request: OverflowRequest,
         options: OverflowOptions,
-        progress: Progress,
+        progress: ProgressSink,
         budget: Budget,
     ):
         self.stage, self.fmt, self.base_url, self._key = run, fmt, base_url, api_key
