@@ -13,7 +13,7 @@ VLLM_REMOVED := torchvision torchaudio torchcodec triton
 # child) reaches the launcher and stops every service, instead of killing only the shell.
 DEVTOOLS := exec env PYTHONPATH=include $(PY) -m eagle3_devtools
 
-.PHONY: install vllm-venv speculators-venv system-packages test demo airflow cluster bench clean
+.PHONY: install vllm-venv speculators-venv system-packages lint test demo airflow cluster bench clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -69,9 +69,14 @@ speculators-venv: $(SPEC_STAMP)
 SIDE_TESTS := tests/cluster tests/dags tests/benchmarks
 SIDE_LOG := test-artifacts/cluster-and-dags.log
 TEST_CACHE := $(CURDIR)/test-artifacts/cache
+# The linter and its formatter, configured in pyproject.toml ([tool.ruff]), over the whole tree.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
 test: export EAGLE3_DATA_CACHE = $(TEST_CACHE)
 test: export VLLM_CACHE_ROOT = $(TEST_CACHE)/vllm
-test: $(STAMP) $(VLLM_STAMP) $(SPEC_STAMP) system-packages
+test: lint $(STAMP) $(VLLM_STAMP) $(SPEC_STAMP) system-packages
 	@rm -rf $(TEST_CACHE) && mkdir -p $(TEST_CACHE) $(dir $(SIDE_LOG))
 	@$(PY) -m pytest -q $(SIDE_TESTS) > $(SIDE_LOG) 2>&1 & side=$$!; \
 	trap 'kill $$side 2>/dev/null' INT TERM; \

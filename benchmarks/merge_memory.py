@@ -36,6 +36,11 @@ from eagle3_data.storage import ArtifactStore, StageRef, s3_client
 store = ArtifactStore(s3_client(), bucket=os.environ["BENCH_BUCKET"], prefix="eagle3-datagen")
 inputs = [StageRef(*r) for r in json.loads(os.environ["BENCH_INPUTS"])]
 kwargs = json.loads(os.environ["BENCH_KWARGS"])
+import inspect
+if "config" in inspect.signature(merge_datasets).parameters:  # this tree's merge: its settings as the config's model
+    from eagle3_data.config import MergeConfig
+    section = {k: kwargs.pop(k) for k in list(kwargs) if k in MergeConfig.model_fields}
+    kwargs = {"config": MergeConfig(**{"max_length": 4096, "shard_tokens": 1 << 20, **section}), **kwargs}
 """
 WORK = """
 s = merge_datasets(store, inputs, os.environ["BENCH_OUT"], **kwargs)

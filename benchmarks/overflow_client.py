@@ -163,7 +163,7 @@ def run_stage(store, ref, rows, fmt, url: str, concurrency: int, journal_dir: Pa
     return openrouter.generate_overflow(
         store, ref, rows, fmt, url + "/v1", "bench-key",
         openrouter.OverflowRequest(model=MODEL, sampling={"max_new_tokens": 256}),
-        options=openrouter.OverflowOptions(concurrency=concurrency, rows_per_part=256, stream=stream),
+        options=openrouter.OverflowOptions(concurrency=concurrency, rows_per_part=256, stream=stream, max_usd=None),
         setup=StageSetup(journal_dir=journal_dir))
 
 

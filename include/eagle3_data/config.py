@@ -20,17 +20,35 @@ packaged default is a dev config that runs anywhere; production points `$EAGLE3_
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 import os
 import re
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator
 
 from eagle3_data.errors import UserError
+
+# The gate's default thresholds, in one place (validate.py's library defaults use these too).
+from eagle3_data.gate_defaults import (
+    DEFAULT_MAX_BAD_ROW_RATE,
+    DEFAULT_MAX_BILLING_DEVIATION,
+    DEFAULT_MAX_BPE_MISMATCH_RATE,
+    DEFAULT_MAX_IDENTITY_MISMATCH_RATE,
+    DEFAULT_MAX_MISSING_USAGE_RATE,
+    DEFAULT_MAX_PROMPT_BILLING_MEAN_ABS_DIFF,
+    DEFAULT_MAX_PROMPT_BILLING_ROW_DIFF,
+    DEFAULT_MAX_PROMPT_BILLING_ROW_RATE,
+    DEFAULT_MAX_REJECTED_PROMPT_RATE,
+    DEFAULT_POLICY_FALSE_ALARM_RATE,
+    DEFAULT_POLICY_POWER,
+    DEFAULT_POLICY_SHIFT_NATS,
+)
 
 AWS_CONN_ID = "aws_default"
 OPENROUTER_CONN_ID = "openrouter_default"
@@ -57,21 +75,6 @@ LENGTH_POLICIES: tuple[str, ...] = get_args(LengthPolicy)
 LAYER_CONVENTIONS: tuple[str, ...] = get_args(LayerConvention)
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 
-# The gate's default thresholds, in one place (validate.py's library defaults use these too).
-from eagle3_data.gate_defaults import (  # noqa: E402
-    DEFAULT_MAX_BAD_ROW_RATE,
-    DEFAULT_MAX_BILLING_DEVIATION,
-    DEFAULT_MAX_BPE_MISMATCH_RATE,
-    DEFAULT_MAX_IDENTITY_MISMATCH_RATE,
-    DEFAULT_MAX_MISSING_USAGE_RATE,
-    DEFAULT_MAX_PROMPT_BILLING_MEAN_ABS_DIFF,
-    DEFAULT_MAX_PROMPT_BILLING_ROW_DIFF,
-    DEFAULT_MAX_PROMPT_BILLING_ROW_RATE,
-    DEFAULT_MAX_REJECTED_PROMPT_RATE,
-    DEFAULT_POLICY_FALSE_ALARM_RATE,
-    DEFAULT_POLICY_POWER,
-    DEFAULT_POLICY_SHIFT_NATS,
-)
 
 Rate = Annotated[float, Field(ge=0.0, le=1.0)]
 
@@ -91,6 +94,42 @@ class _Model(BaseModel):
             if isinstance(annotation, type) and issubclass(annotation, BaseModel):
                 return {}
         return value
+
+
+T = TypeVar("T")
+
+
+def options_of(section: type[BaseModel]) -> Callable[[type[T]], type[T]]:
+    """Class decorator, under `@dataclass`, for a client's run options (`LocalOptions`,
+    `OverflowOptions`): each annotated field the config `section` also has takes the section's
+    default, declared once, here, so a client run without a config (a test, a benchmark) runs as
+    the default config does. The client's own fields (timings a test tightens) keep the defaults
+    written on them. Build one from a loaded config with `options_from`."""
+
+    def fill(cls: type[T]) -> type[T]:
+        for name in cls.__dict__.get("__annotations__", {}):
+            if name not in section.model_fields or name in cls.__dict__:
+                continue
+            spec = section.model_fields[name]
+            if spec.is_required():
+                raise TypeError(f"{cls.__name__}.{name}: {section.__name__}.{name} has no default to take")
+            default = spec.get_default(call_default_factory=True)
+            if isinstance(default, BaseModel):  # a nested section: the options hold its plain mapping
+                default = default.model_dump()
+            mutable = isinstance(default, (dict, list))
+            setattr(
+                cls, name, dataclasses.field(default_factory=lambda d=default: copy.deepcopy(d)) if mutable else default
+            )
+        return cls
+
+    return fill
+
+
+def options_from(cls: type[T], section: BaseModel, **overrides: Any) -> T:
+    """The run options `cls` (see `options_of`) a loaded config `section` sets (same field
+    names), plus `overrides`: the one way a client's options come from the config."""
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    return cls(**{**{k: v for k, v in section.model_dump().items() if k in names}, **overrides})
 
 
 class StorageConfig(_Model):
@@ -136,12 +175,19 @@ class SamplingConfig(_Model):
     max_new_tokens: int = Field(2048, ge=1, le=262_144, description="generation length cap per sample")
     thinking: bool = Field(True, description="generate with the model's thinking section")
     top_k: int = Field(-1, ge=-1, description="sample from the k most likely tokens; -1: the whole vocabulary")
-    min_p: float = Field(0.0, ge=0.0, le=1.0, description="drop tokens below min_p x the most likely token's probability")
-    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0, description="multiplicative penalty on repeated tokens (1: none)")
+    min_p: float = Field(
+        0.0, ge=0.0, le=1.0, description="drop tokens below min_p x the most likely token's probability"
+    )
+    repetition_penalty: float = Field(
+        1.0, gt=0.0, le=2.0, description="multiplicative penalty on repeated tokens (1: none)"
+    )
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="additive penalty on tokens present so far")
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="additive penalty per occurrence so far")
-    sampling_seed: int | None = Field(None, ge=0, description="the engines' sampling seed (the same for every sample; "
-                                      "empty: each request draws its own)")
+    sampling_seed: int | None = Field(
+        None,
+        ge=0,
+        description="the engines' sampling seed (the same for every sample; empty: each request draws its own)",
+    )
 
     @field_validator("top_k")
     @classmethod
@@ -152,25 +198,40 @@ class SamplingConfig(_Model):
 
 
 # The sampling keys whose neutral value leaves sample ids as they were before the key existed.
-NEUTRAL_SAMPLING = {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
-                    "frequency_penalty": 0.0, "sampling_seed": None}
+NEUTRAL_SAMPLING = {
+    "top_k": -1,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "sampling_seed": None,
+}
 
 
 class LocalGenerationConfig(_Model):
     engine: LocalEngine = Field("sglang", description="local inference engine behind the endpoints")
     in_flight_per_endpoint: int | None = Field(
-        None, ge=1, le=4096, description="concurrent requests per endpoint; unset: the endpoint's reported capacity "
-        "(SGLang /server_info max_running_requests), else 64 (vLLM reports none)")
+        None,
+        ge=1,
+        le=4096,
+        description="concurrent requests per endpoint; unset: the endpoint's reported capacity "
+        "(SGLang /server_info max_running_requests), else 64 (vLLM reports none)",
+    )
     rows_per_part: int = Field(256, ge=1, le=1_000_000, description="checkpoint every N samples")
     warmup_timeout_s: float = Field(600.0, gt=0, description="how long to wait for endpoints to become ready")
     unreachable_timeout_s: float = Field(
-        15.0, gt=0, description="an endpoint that accepts no connection for this long (nothing listening, no route) "
-        "is reported dead before dispatch; one that answers (503 while it loads) is waited for up to warmup_timeout_s")
+        15.0,
+        gt=0,
+        description="an endpoint that accepts no connection for this long (nothing listening, no route) "
+        "is reported dead before dispatch; one that answers (503 while it loads) is waited for up to warmup_timeout_s",
+    )
     connect_timeout_s: float = Field(5.0, gt=0, description="bound on one TCP connection attempt to an endpoint")
     max_endpoint_failures: int = Field(3, ge=1, description="consecutive failures before an endpoint is dropped")
     served_model: str | None = Field(
-        None, description="the model name every local endpoint must serve (its GET /v1/models); an endpoint serving "
-        "another is not used, an answer naming another is an identity_mismatch row; unset: recorded, not checked")
+        None,
+        description="the model name every local endpoint must serve (its GET /v1/models); an endpoint serving "
+        "another is not used, an answer naming another is an identity_mismatch row; unset: recorded, not checked",
+    )
 
 
 class PriceConfig(_Model):
@@ -180,27 +241,43 @@ class PriceConfig(_Model):
 
 class OverflowGenerationConfig(_Model):
     model: str = Field(description="OpenRouter model slug")
-    provider: dict[str, Any] = Field(default_factory=dict, description="OpenRouter provider routing (order, allow_fallbacks, ...)")
+    provider: dict[str, Any] = Field(
+        default_factory=dict, description="OpenRouter provider routing (order, allow_fallbacks, ...)"
+    )
     concurrency: int = Field(256, ge=1, le=4096, description="concurrent OpenRouter requests per task")
     max_usd: float = Field(10.0, ge=0.0, description="Hard OpenRouter spend cap per dataset in this run (USD).")
-    price_usd_per_mtok: PriceConfig = Field(default_factory=PriceConfig, description="prices answers without usage.cost and dry-run estimates")
+    price_usd_per_mtok: PriceConfig = Field(
+        default_factory=PriceConfig, description="prices answers without usage.cost and dry-run estimates"
+    )
     rows_per_part: int = Field(64, ge=1, le=1_000_000, description="checkpoint every N samples")
     unreachable_timeout_s: float = Field(
-        15.0, gt=0, description="the base URL accepting no connection for this long is reported before dispatch")
+        15.0, gt=0, description="the base URL accepting no connection for this long is reported before dispatch"
+    )
     connect_timeout_s: float = Field(5.0, gt=0, description="bound on one TCP connection attempt to the base URL")
     max_identical_errors: int = Field(
-        10, ge=1, description="this many identical permanent errors in a row (a 400 for a parameter the provider "
+        10,
+        ge=1,
+        description="this many identical permanent errors in a row (a 400 for a parameter the provider "
         "refuses) stop dispatch with that error instead of failing the dataset row by row; a prompt's own refusal "
-        "(moderation, too large) never counts")
+        "(moderation, too large) never counts",
+    )
     stream: bool = Field(
-        True, description="SSE requests: bounded by the silence between bytes, not the answer's length, and named "
-        "(X-Generation-Id) as they open, so a cut one is priced from OpenRouter's record instead of paid again unseen")
+        True,
+        description="SSE requests: bounded by the silence between bytes, not the answer's length, and named "
+        "(X-Generation-Id) as they open, so a cut one is priced from OpenRouter's record instead of paid again unseen",
+    )
     stream_idle_timeout_s: float = Field(
-        180.0, gt=0, description="a stream silent this long (no token, no keep-alive comment) is cut and priced; "
-        "OpenRouter sends keep-alives while a provider prefills, so this bounds a dead stream, not a long answer")
+        180.0,
+        gt=0,
+        description="a stream silent this long (no token, no keep-alive comment) is cut and priced; "
+        "OpenRouter sends keep-alives while a provider prefills, so this bounds a dead stream, not a long answer",
+    )
     request_timeout_s: float = Field(
-        600.0, gt=0, description="stream: false only: the whole answer's time (a Kimi-K2.5 answer with 16k+ "
-        "reasoning tokens can take longer; the request it cuts is billed and counted at the budget's estimate)")
+        600.0,
+        gt=0,
+        description="stream: false only: the whole answer's time (a Kimi-K2.5 answer with 16k+ "
+        "reasoning tokens can take longer; the request it cuts is billed and counted at the budget's estimate)",
+    )
 
 
 Regenerate = Literal["final_turn", "every_turn", "trajectory"]
@@ -212,19 +289,25 @@ class GenerationConfig(_Model):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     repeats: int = Field(1, ge=1, le=64, description="samples per prompt")
     regenerate: Regenerate = Field(
-        "final_turn", description="final_turn: one sample per row, the answer after its whole history; every_turn: one "
+        "final_turn",
+        description="final_turn: one sample per row, the answer after its whole history; every_turn: one "
         "sample per user turn, the answer after the history up to it (the dataset's own earlier turns, as the template "
         "renders them there); trajectory: one sample per user turn, the assistant turns regenerated in order, each "
         "tool call that matches a recorded one (name, JSON-equal arguments) answered with its recorded result, the "
-        "first one without a result ending the trajectory")
+        "first one without a result ending the trajectory",
+    )
     history: History = Field(
-        "dataset", description="every_turn and trajectory: the history before a user turn is the dataset's own "
-        "(dataset) or the answers regenerated before it (regenerated, on-policy)")
+        "dataset",
+        description="every_turn and trajectory: the history before a user turn is the dataset's own "
+        "(dataset) or the answers regenerated before it (regenerated, on-policy)",
+    )
     call_ids: CallIds = Field(
-        "format", description="the tool-call ids of the prompts' history: format rewrites a dataset's own (call_w1, "
+        "format",
+        description="the tool-call ids of the prompts' history: format rewrites a dataset's own (call_w1, "
         "ShareGPT's call_0) to the model's (Kimi: functions.{name}:{idx}, idx counting the row's calls), each tool "
         "result re-keyed to the call it answers, since Kimi reads a call's function name from its id; given keeps "
-        "them as the dataset has them")
+        "them as the dataset has them",
+    )
     max_trajectory_steps: int = Field(8, ge=1, le=256, description="trajectory: assistant turns per user turn at most")
     local: LocalGenerationConfig = Field(default_factory=LocalGenerationConfig)
     overflow: OverflowGenerationConfig
@@ -238,16 +321,26 @@ class RoutingConfig(_Model):
         "overflow, running at once, finish together (local_endpoints x in_flight_per_endpoint / local_latency_s "
         "against overflow concurrency / overflow_latency_s).",
     )
-    overflow_fraction: float = Field(0.0, ge=0.0, le=1.0, description="Share of samples generated on OpenRouter (strategy=fraction).")
-    local_capacity: int = Field(0, ge=0, description="strategy=capacity: samples the local endpoints take per dataset and run")
+    overflow_fraction: float = Field(
+        0.0, ge=0.0, le=1.0, description="Share of samples generated on OpenRouter (strategy=fraction)."
+    )
+    local_capacity: int = Field(
+        0, ge=0, description="strategy=capacity: samples the local endpoints take per dataset and run"
+    )
     calibration_samples: int = Field(0, ge=0, description="generated on both paths to compare them")
-    local_endpoints: int = Field(1, ge=0, description="strategy=balanced (and the plan): local engine endpoints serving the run")
+    local_endpoints: int = Field(
+        1, ge=0, description="strategy=balanced (and the plan): local engine endpoints serving the run"
+    )
     local_latency_s: float = Field(
-        60.0, gt=0, description="strategy=balanced (and the plan): observed seconds per local sample at "
+        60.0,
+        gt=0,
+        description="strategy=balanced (and the plan): observed seconds per local sample at "
         "generation.local.in_flight_per_endpoint requests in flight (a previous run's or a calibration's)",
     )
     overflow_latency_s: float = Field(
-        6.0, gt=0, description="strategy=balanced (and the plan): observed seconds per OpenRouter request "
+        6.0,
+        gt=0,
+        description="strategy=balanced (and the plan): observed seconds per OpenRouter request "
         "(at generation.overflow.concurrency in flight)",
     )
 
@@ -264,39 +357,61 @@ class ValidationConfig(_Model):
         description="Gate: max |billed - reconstructed| / billed completion tokens on overflow rows.",
     )
     max_prompt_billing_mean_abs_diff: float = Field(
-        DEFAULT_MAX_PROMPT_BILLING_MEAN_ABS_DIFF, ge=0.0,
+        DEFAULT_MAX_PROMPT_BILLING_MEAN_ABS_DIFF,
+        ge=0.0,
         description="Gate: max mean |billed - ours| prompt tokens per overflow answer (usage.prompt_tokens against the "
         "prompt ids we train on): a provider rendering another prompt (an injected system prompt, tools declared "
-        "another way) fails it")
+        "another way) fails it",
+    )
     max_prompt_billing_row_diff: int = Field(
-        DEFAULT_MAX_PROMPT_BILLING_ROW_DIFF, ge=0,
+        DEFAULT_MAX_PROMPT_BILLING_ROW_DIFF,
+        ge=0,
         description="Gate: an overflow answer whose billed prompt tokens differ from its prompt ids by more than this "
-        "is over the tolerance (see max_prompt_billing_row_rate)")
+        "is over the tolerance (see max_prompt_billing_row_rate)",
+    )
     max_prompt_billing_row_rate: Rate = Field(
         DEFAULT_MAX_PROMPT_BILLING_ROW_RATE,
-        description="Gate: max share of overflow answers over max_prompt_billing_row_diff (default 0: any fails, named)")
+        description="Gate: max share of overflow answers over max_prompt_billing_row_diff "
+        "(default 0: any fails, named)",
+    )
     max_rejected_prompt_rate: Rate = Field(
         DEFAULT_MAX_REJECTED_PROMPT_RATE,
         description="Load + route: max share of prompt rows read that the loader rejects (bad JSON, unknown role, "
-        "over a limit); over it the stage fails, naming the count of each kind of reject, before any generation")
-    max_bad_row_rate: Rate = Field(DEFAULT_MAX_BAD_ROW_RATE, description="Gate: max share of rows that could not be validated at all.")
-    max_missing_usage_rate: Rate = Field(DEFAULT_MAX_MISSING_USAGE_RATE, description="Gate: max share of overflow rows without billed usage.")
-    allow_unvalidated_overflow: bool = Field(False, description="Pass overflow rows when no local sample could validate the format.")
+        "over a limit); over it the stage fails, naming the count of each kind of reject, before any generation",
+    )
+    max_bad_row_rate: Rate = Field(
+        DEFAULT_MAX_BAD_ROW_RATE, description="Gate: max share of rows that could not be validated at all."
+    )
+    max_missing_usage_rate: Rate = Field(
+        DEFAULT_MAX_MISSING_USAGE_RATE, description="Gate: max share of overflow rows without billed usage."
+    )
+    allow_unvalidated_overflow: bool = Field(
+        False, description="Pass overflow rows when no local sample could validate the format."
+    )
     max_identity_mismatch_rate: Rate = Field(
         DEFAULT_MAX_IDENTITY_MISMATCH_RATE,
-        description="Gate: max share of answers whose model or provider is not the pinned one (default 0: any fails).")
+        description="Gate: max share of answers whose model or provider is not the pinned one (default 0: any fails).",
+    )
     policy_shift_nats: float = Field(
-        DEFAULT_POLICY_SHIFT_NATS, gt=0.0,
+        DEFAULT_POLICY_SHIFT_NATS,
+        gt=0.0,
         description="Gate: the shift in mean log-probability per token under the target (overflow text vs local, per "
         "sample) that matters; the policy check fails a shift beyond half of it (its tolerance) when significant, and "
-        "states whether it could see this one with policy_power")
+        "states whether it could see this one with policy_power",
+    )
     policy_false_alarm_rate: float = Field(
-        DEFAULT_POLICY_FALSE_ALARM_RATE, gt=0.0, lt=0.5,
-        description="Gate: the policy check's false-alarm rate: the most often it fails a dataset whose overflow text is "
-        "within the tolerance (an honest provider), split over its tests")
+        DEFAULT_POLICY_FALSE_ALARM_RATE,
+        gt=0.0,
+        lt=0.5,
+        description="Gate: the policy check's false-alarm rate: the most often it fails a dataset whose overflow "
+        "text is within the tolerance (an honest provider), split over its tests",
+    )
     policy_power: float = Field(
-        DEFAULT_POLICY_POWER, gt=0.5, lt=1.0,
-        description="the power at which the policy check states its minimum detectable shift and sizes its samples")
+        DEFAULT_POLICY_POWER,
+        gt=0.5,
+        lt=1.0,
+        description="the power at which the policy check states its minimum detectable shift and sizes its samples",
+    )
 
     def rates(self) -> dict[str, float]:
         """The numeric thresholds (what the run report shows next to each rate)."""
@@ -309,25 +424,37 @@ class PolicyConfig(_Model):
     needs at `policy_power` given the pilot's spread, and the calibration pairs; the decision's
     settings are `validation`'s."""
 
-    pilot_samples: int = Field(32, ge=2, description="sampled answers scored per side first, to measure the spread of "
-                               "their mean log-probabilities; the sample size is then chosen from it")
-    max_samples: int = Field(4096, ge=0, description="at most this many sampled answers per side, and this many "
-                             "calibration pairs; 0: no policy check")
+    pilot_samples: int = Field(
+        32,
+        ge=2,
+        description="sampled answers scored per side first, to measure the spread of "
+        "their mean log-probabilities; the sample size is then chosen from it",
+    )
+    max_samples: int = Field(
+        4096,
+        ge=0,
+        description="at most this many sampled answers per side, and this many calibration pairs; 0: no policy check",
+    )
     seed: int = Field(0, ge=0, description="which samples (a hash of seed and sample id)")
     in_flight_per_endpoint: int = Field(8, ge=1, le=1024, description="scoring requests in flight per local endpoint")
 
 
 class MergeConfig(_Model):
     max_length: int = Field(
-        8192, ge=16, le=1_048_576,
+        8192,
+        ge=16,
+        le=1_048_576,
         description="Max tokens per training sample (prompt + output); longer ones follow merge.length_policy.",
     )
     length_policy: LengthPolicy = Field("truncate", description="what happens to samples over max_length")
     shard_tokens: int = Field(1_000_000, ge=1, description="tokens per merged shard")
     seed: int = Field(0, ge=0, description="shuffle seed")
     draft_vocab_size: int = Field(
-        32_000, ge=1, description="the drafter's vocabulary: the most trained target tokens, written beside the shards "
-        "for speculators and SpecForge (capped at the target's vocabulary)")
+        32_000,
+        ge=1,
+        description="the drafter's vocabulary: the most trained target tokens, written beside the shards "
+        "for speculators and SpecForge (capped at the target's vocabulary)",
+    )
 
 
 class HiddenStatesConfig(_Model):
@@ -337,20 +464,26 @@ class HiddenStatesConfig(_Model):
         "input (input to layers 2, L/2, L-3 + last: vLLM/speculators).",
     )
     layer_ids: tuple[int, ...] | None = Field(
-        None, strict=False, description="aux layer ids in the convention's numbering; empty: EAGLE-3's defaults for it")
+        None, strict=False, description="aux layer ids in the convention's numbering; empty: EAGLE-3's defaults for it"
+    )
     last_hidden: bool = Field(True, description="also store the last layer's hidden state (every trainer needs it)")
     last_hidden_norm: Literal["pre", "post"] = Field(
-        "pre", description="the last state before the final norm (speculators; export-specforge applies the norm, "
-        "recorded with the shards) or after it (SpecForge's own convention)")
+        "pre",
+        description="the last state before the final norm (speculators; export-specforge applies the norm, "
+        "recorded with the shards) or after it (SpecForge's own convention)",
+    )
     batch_tokens: int = Field(8192, ge=1, description="tokens per forward batch")
     fp8: bool = Field(False, description="store the aux states as fp8 e4m3 with a per-token scale (half the bytes)")
-    storage_dtype: StorageDtype = Field("bf16", description="dtype of the stored states whatever the forward ran in "
-                                        "(compute: keep the forward's)")
+    storage_dtype: StorageDtype = Field(
+        "bf16", description="dtype of the stored states whatever the forward ran in (compute: keep the forward's)"
+    )
     shard_tokens: int = Field(65_536, ge=1, description="tokens per hidden-state file")
     logprobs: bool = Field(
-        True, description="store every token's log-probability under the target (the final norm and LM head over "
+        True,
+        description="store every token's log-probability under the target (the final norm and LM head over "
         "the last state: ~3.5% of a Kimi-K2.5 forward, 4 bytes per token); what proves the extraction against the "
-        "engine's own log-probabilities and scores every row for the policy check")
+        "engine's own log-probabilities and scores every row for the policy check",
+    )
     backend: HiddenStatesBackend = Field("transformers", description="extraction backend")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs per extraction worker (vllm backend)")
     max_images: int = Field(
@@ -358,7 +491,9 @@ class HiddenStatesConfig(_Model):
         "Kimi-K2.5); image samples are extracted with their pixels, never over their ids alone: with 0 (or the "
         "transformers backend) they are left out of extraction, counted and named in the manifest")
     workers: int = Field(
-        1, ge=1, description="GPU extraction workers: one task each that loads the model once and extracts its "
+        1,
+        ge=1,
+        description="GPU extraction workers: one task each that loads the model once and extracts its "
         "share of the merged shards (balanced by tokens), skipping shards an earlier attempt committed",
     )
 
@@ -379,7 +514,8 @@ class TimeoutsConfig(_Model):
     generation_floor_s: float = Field(1800.0, gt=0, description="generation tasks: never less than this")
     generation_cap_s: float = Field(172_800.0, gt=0, description="generation tasks: never more than this (48 h)")
     generation_margin: float = Field(
-        3.0, ge=1.0, description="generation tasks: this many times the time its samples take at the measured rate")
+        3.0, ge=1.0, description="generation tasks: this many times the time its samples take at the measured rate"
+    )
     reconstruct_s: float = Field(7200.0, gt=0, description="reconstruct")
     score_policy_s: float = Field(3600.0, gt=0, description="score_policy (the policy check's scoring requests)")
     validate_s: float = Field(7200.0, gt=0, description="validate")
@@ -397,7 +533,9 @@ class DevConfig(_Model):
 class DatasetConfig(_Model):
     name: str = Field(pattern=NAME_RE.pattern, description="dataset name (S3 path segment)")
     prompts: str | None = Field(
-        None, description="root (s3:// or local) holding {name}/date=YYYY-MM-DD/*.jsonl|parquet, or a file; default prompts_root"
+        None,
+        description="root (s3:// or local) holding {name}/date=YYYY-MM-DD/*.jsonl|parquet, or a file; "
+        "default prompts_root",
     )
     validation: ValidationConfig = Field(
         default_factory=ValidationConfig,
@@ -425,9 +563,12 @@ class PipelineConfig(_Model):
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
     stand_ins: tuple[StandIn, ...] = Field(
-        (), strict=False, description="what this (dev) config runs on instead of the real thing: tokenizer and model "
+        (),
+        strict=False,
+        description="what this (dev) config runs on instead of the real thing: tokenizer and model "
         "(dev: builds), local_engine and overflow_provider (the dev inference server). A dev: source is refused "
-        "unless listed here; every manifest, the run report and the Asset event of its runs name them")
+        "unless listed here; every manifest, the run report and the Asset event of its runs name them",
+    )
     datasets: tuple[DatasetConfig, ...] = Field(strict=False, min_length=1)
     _raw: dict[str, Any] = PrivateAttr(default_factory=dict)
 
@@ -504,7 +645,7 @@ def resolve_source(source: str) -> str:
     if source.startswith(DEV_SOURCE_SCHEME):
         from eagle3_data.builds.sources import resolve_dev_source
 
-        return str(resolve_dev_source(source[len(DEV_SOURCE_SCHEME):]))
+        return str(resolve_dev_source(source[len(DEV_SOURCE_SCHEME) :]))
     return source
 
 
@@ -534,8 +675,10 @@ def parse_config(raw: dict[str, Any], *, where: str = "config") -> PipelineConfi
     for key, kind in (("tokenizer", "tokenizer"), ("model", "model")):
         source = getattr(cfg, key).source
         if source.startswith(DEV_SOURCE_SCHEME) and kind not in cfg.stand_ins:
-            problems.append(f"{where} {key}.source: {source} is a dev build, a stand-in: list {kind!r} in stand_ins "
-                            f"(this is a dev config), or name the real {key}")
+            problems.append(
+                f"{where} {key}.source: {source} is a dev build, a stand-in: list {kind!r} in stand_ins "
+                f"(this is a dev config), or name the real {key}"
+            )
     seen: set[str] = set()
     for i, d in enumerate(cfg.datasets):
         if d.name in seen:
@@ -555,10 +698,14 @@ def _inherit(cfg: PipelineConfig, raw: dict[str, Any]) -> PipelineConfig:
     datasets = []
     for d in cfg.datasets:
         own = d.validation.model_dump(include=d.validation.model_fields_set)
-        datasets.append(d.model_copy(update={
-            "prompts": d.prompts or root,
-            "validation": cfg.validation.model_copy(update=own),
-        }))
+        datasets.append(
+            d.model_copy(
+                update={
+                    "prompts": d.prompts or root,
+                    "validation": cfg.validation.model_copy(update=own),
+                }
+            )
+        )
     return cfg.model_copy(update={"datasets": tuple(datasets), "prompts_root": root})
 
 
@@ -684,12 +831,17 @@ def run_param_schemas(config: PipelineConfig) -> dict[str, dict[str, Any]]:
     description; their default is the config's value (thresholds: empty)."""
     out: dict[str, dict[str, Any]] = {
         "datasets": {
-            "default": config.dataset_names, "type": "array",
-            "items": {"type": "string", "enum": config.dataset_names}, "minItems": 1, "uniqueItems": True,
+            "default": config.dataset_names,
+            "type": "array",
+            "items": {"type": "string", "enum": config.dataset_names},
+            "minItems": 1,
+            "uniqueItems": True,
             "description": "Datasets to process. Others keep their committed artifacts of this run key.",
         },
         "run_name": {
-            "default": None, "type": ["null", "string"], "pattern": RUN_NAME_PATTERN,
+            "default": None,
+            "type": ["null", "string"],
+            "pattern": RUN_NAME_PATTERN,
             "description": "Run key for a manual run (artifacts under runs/{run_name}/). Empty: "
             "date=YYYY-MM-DD of the logical date. Reuse a name to resume or rerun datasets.",
         },
@@ -707,7 +859,8 @@ def run_param_schemas(config: PipelineConfig) -> dict[str, dict[str, Any]]:
         }
     out["skip_hidden_states"] = {"default": False, "type": "boolean", "description": "Stop after merge (no GPU stage)."}
     out["dry_run"] = {
-        "default": False, "type": "boolean",
+        "default": False,
+        "type": "boolean",
         "description": "Plan only: prompt counts, routing, token and cost estimates. No generation, no spend.",
     }
     return out

@@ -38,7 +38,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from eagle3_data import draft_vocab, images
-from eagle3_data.config import LENGTH_POLICIES
+from eagle3_data.config import MergeConfig
 from eagle3_data.errors import UserError
 from eagle3_data.generation.conversations import DROPPED, FOLDED, OWN
 from eagle3_data.schemas import MERGED
@@ -64,7 +64,10 @@ _BUCKET_SCHEMA = pa.schema(
         ("output_ids", _IDS),
         ("finish_reason", pa.string()),
         ("provenance", pa.string()),
-        ("masked", _IDS),  # [start, end) pairs of output positions with mask 0 (a trajectory's tool results); null: none
+        (
+            "masked",
+            _IDS,
+        ),  # [start, end) pairs of output positions with mask 0 (a trajectory's tool results); null: none
     ]
 )
 
@@ -119,7 +122,9 @@ def _check_row(row: dict, ref: StageRef, vocab_size: int | None = None) -> None:
     if not sid:
         raise UserError(f"{ref.path}: a row has no sample_id")
     if row.get("source") not in SOURCE_RANK:
-        raise UserError(f"{ref.path}: sample {sid}: field source is {row.get('source')!r}, expected one of {sorted(SOURCE_RANK)}")
+        raise UserError(
+            f"{ref.path}: sample {sid}: field source is {row.get('source')!r}, expected one of {sorted(SOURCE_RANK)}"
+        )
     for field in ("prompt_ids", "output_ids"):
         ids = row.get(field)
         if ids is None:
@@ -127,13 +132,17 @@ def _check_row(row: dict, ref: StageRef, vocab_size: int | None = None) -> None:
         if ids and min(ids) < 0:
             raise UserError(f"{ref.path}: sample {sid}: field {field} holds a negative token id")
         if ids and vocab_size is not None and max(ids) >= vocab_size:
-            raise UserError(f"{ref.path}: sample {sid}: field {field} holds id {max(ids)}, outside the vocabulary "
-                            f"(0..{vocab_size - 1})")
+            raise UserError(
+                f"{ref.path}: sample {sid}: field {field} holds id {max(ids)}, outside the vocabulary "
+                f"(0..{vocab_size - 1})"
+            )
     if not row.get("prompt_ids"):
         raise UserError(f"{ref.path}: sample {sid}: field prompt_ids is empty")
 
 
-def _rows_look_valid(sids: list, sources: list, prompt: pa.Array, output: pa.Array, vocab_size: int | None = None) -> bool:
+def _rows_look_valid(
+    sids: list, sources: list, prompt: pa.Array, output: pa.Array, vocab_size: int | None = None
+) -> bool:
     """Every check of `_check_row` over a whole batch of ok rows at C speed; False sends the batch
     through `_check_row` row by row, so the first bad row is named exactly as before."""
     if not all(sids) or not all(s in SOURCE_RANK for s in sources) or prompt.null_count or output.null_count:
@@ -152,8 +161,10 @@ def _rows_look_valid(sids: list, sources: list, prompt: pa.Array, output: pa.Arr
 def _common_hash(manifests: list[dict], field: str) -> str | None:
     values = {m.get(field) for m in manifests} - {None}
     if len(values) > 1:
-        raise UserError(f"inputs disagree on {field} ({sorted(values)}): ids from different tokenizers/templates "
-                        "cannot be merged into one training set")
+        raise UserError(
+            f"inputs disagree on {field} ({sorted(values)}): ids from different tokenizers/templates "
+            "cannot be merged into one training set"
+        )
     return values.pop() if values else None
 
 
@@ -208,7 +219,9 @@ class _ShardWriter:
         self._flush_rows()
         self._writer.close()
         self.store.put_file(self.ref, self._path.name, self._path)
-        self.shards.append({**_ref_dict(self.ref), "name": self._path.name, "samples": self._samples, "tokens": self._tokens})
+        self.shards.append(
+            {**_ref_dict(self.ref), "name": self._path.name, "samples": self._samples, "tokens": self._tokens}
+        )
         self._path.unlink()
         self._writer, self._tokens, self._samples = None, 0, 0
 
@@ -217,8 +230,15 @@ def _ref_dict(ref: StageRef) -> dict:
     return {"run_key": ref.run_key, "stage": ref.stage, "dataset": ref.dataset}
 
 
-def _spill(store: ArtifactStore, inputs: list[StageRef], seed: int, stats: dict, path: Path,
-           vocab_size: int | None = None, folds: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
+def _spill(
+    store: ArtifactStore,
+    inputs: list[StageRef],
+    seed: int,
+    stats: dict,
+    path: Path,
+    vocab_size: int | None = None,
+    folds: dict | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """Pass 1: stream every input into one local Arrow file of its ok rows, in input order, with
     their shuffle key and dedupe rank. Returns (key, tokens) per spilled row, the only per-row
     state kept in memory (16 bytes a row); token ids only ever live in one input batch.
@@ -259,24 +279,36 @@ def _spill(store: ArtifactStore, inputs: list[StageRef], seed: int, stats: dict,
                 masked, provenance = pa.nulls(len(ok), _IDS), rows.column("provenance")
                 if turn_rows and any(sid in turn_rows for sid in sids):
                     ok, sids, prompt, output, masked, provenance = _fold(
-                        ok, sids, prompt, output, provenance.to_pylist(), turn_rows, [datasets[i] for i in ok], stats)
+                        ok, sids, prompt, output, provenance.to_pylist(), turn_rows, [datasets[i] for i in ok], stats
+                    )
                     rows = batch.take(pa.array(ok, pa.int64()))
                     ok_sources = [sources[i] for i in ok]
                     if not ok:
                         continue
                 key = np.fromiter((shuffle_key(seed, s) for s in sids), np.uint64, len(sids))
                 spilled = pa.RecordBatch.from_arrays(
-                    [pa.array(key), pa.array([SOURCE_RANK[s] * 65_536 + index for s in ok_sources], pa.int32()),
-                     pa.array(first_order + np.asarray(ok, np.int64)), pa.array(sids, pa.string()),
-                     pa.array([datasets[i] for i in ok], pa.string()), rows.column("source"), prompt, output,
-                     rows.column("finish_reason"), provenance, masked],
+                    [
+                        pa.array(key),
+                        pa.array([SOURCE_RANK[s] * 65_536 + index for s in ok_sources], pa.int32()),
+                        pa.array(first_order + np.asarray(ok, np.int64)),
+                        pa.array(sids, pa.string()),
+                        pa.array([datasets[i] for i in ok], pa.string()),
+                        rows.column("source"),
+                        prompt,
+                        output,
+                        rows.column("finish_reason"),
+                        provenance,
+                        masked,
+                    ],
                     schema=_BUCKET_SCHEMA,
                 )
                 if writer is None:
                     writer = pa.ipc.new_stream(str(path), _BUCKET_SCHEMA)
                 writer.write_batch(spilled)
                 keys.append(key)
-                tokens.append(pc.add(pc.list_value_length(prompt), pc.list_value_length(output)).to_numpy().astype(np.int64))
+                tokens.append(
+                    pc.add(pc.list_value_length(prompt), pc.list_value_length(output)).to_numpy().astype(np.int64)
+                )
     finally:
         if writer is not None:
             writer.close()
@@ -285,8 +317,16 @@ def _spill(store: ArtifactStore, inputs: list[StageRef], seed: int, stats: dict,
     return np.concatenate(keys), np.concatenate(tokens)
 
 
-def _fold(ok: list[int], sids: list[str], prompt: pa.Array, output: pa.Array, provenance: list[str | None],
-          turn_rows: dict, datasets: list[str], stats: dict) -> tuple[list[int], list[str], pa.Array, pa.Array, pa.Array, pa.Array]:
+def _fold(
+    ok: list[int],
+    sids: list[str],
+    prompt: pa.Array,
+    output: pa.Array,
+    provenance: list[str | None],
+    turn_rows: dict,
+    datasets: list[str],
+    stats: dict,
+) -> tuple[list[int], list[str], pa.Array, pa.Array, pa.Array, pa.Array]:
     """A batch's ok rows with the trajectory folds applied (`conversations.Folds.rows`): an
     earlier turn's row is left out (its tokens are in the record's prompt), a turn after an
     unusable one is dropped, the last usable turn's row becomes its trajectory's record (prompt =
@@ -315,10 +355,24 @@ def _fold(ok: list[int], sids: list[str], prompt: pa.Array, output: pa.Array, pr
         out_prompt.append(prompts[j][:base])
         out_output.append(prompts[j][base:] + outputs[j])
         out_masked.append(list(fold["masked"]) or None)
-        out_prov.append(json.dumps({**(json.loads(provenance[j]) if provenance[j] else {}), "turn_id": sid,
-                                    "trajectory": fold["trajectory"]}, sort_keys=True))
-    return (keep, out_sids, pa.array(out_prompt, _IDS), pa.array(out_output, _IDS), pa.array(out_masked, _IDS),
-            pa.array(out_prov, pa.string()))
+        out_prov.append(
+            json.dumps(
+                {
+                    **(json.loads(provenance[j]) if provenance[j] else {}),
+                    "turn_id": sid,
+                    "trajectory": fold["trajectory"],
+                },
+                sort_keys=True,
+            )
+        )
+    return (
+        keep,
+        out_sids,
+        pa.array(out_prompt, _IDS),
+        pa.array(out_output, _IDS),
+        pa.array(out_masked, _IDS),
+        pa.array(out_prov, pa.string()),
+    )
 
 
 _KEEP = object()
@@ -389,7 +443,7 @@ def _build_records(rows: pa.Table, max_length: int) -> pa.Table:
             room = int(length[r] - p[r])
             for start, end in zip((spans or [])[::2], (spans or [])[1::2]):
                 if start < room:
-                    mask[offsets[r] + p[r] + start: offsets[r] + p[r] + min(end, room)] = 0
+                    mask[offsets[r] + p[r] + start : offsets[r] + p[r] + min(end, room)] = 0
             masked_out[r] = _masked_within(spans, room)
     list_offsets = pa.array(offsets.astype(np.int32))
     columns = {
@@ -452,20 +506,17 @@ def merge_datasets(
     store: ArtifactStore,
     inputs: list[StageRef],
     out_run_key: str,
+    config: MergeConfig = MergeConfig(),
     *,
-    max_length: int = 4096,
-    length_policy: str = "truncate",
-    shard_tokens: int = 1 << 20,
-    seed: int = 0,
     out_dataset: str = "all",
     tokens_per_bucket: int = DEFAULT_TOKENS_PER_BUCKET,
     work_dir: str | Path | None = None,
     vocab_size: int | None = None,
-    draft_vocab_size: int = 32_000,
     lease=None,
     folds: dict | None = None,
 ) -> dict:
-    """Merge `inputs` (schemas.GENERATIONS stages) into `runs/{out_run_key}/merge/{out_dataset}/`.
+    """Merge `inputs` (schemas.GENERATIONS stages) into `runs/{out_run_key}/merge/{out_dataset}/`
+    as `config` (the config's `merge`, validated there) says; its params are `merge_params(config)`.
 
     `vocab_size` (the tokenizer's): an id outside it stops the merge naming the sample; such an
     id can only come from a broken engine or a foreign artifact, and would poison training.
@@ -482,11 +533,8 @@ def merge_datasets(
     overwriting shards the first is writing; the lease is checked again right before the commit.
     `folds`: per input, its trajectories' turn rows (`conversations.trajectory_folds` of its samples).
     """
-    if length_policy not in LENGTH_POLICIES:
-        raise UserError(f"length_policy {length_policy!r}: expected one of {', '.join(LENGTH_POLICIES)}")
-    if max_length < 2 or shard_tokens < 1 or tokens_per_bucket < 1:
-        raise UserError(f"max_length={max_length}, shard_tokens={shard_tokens} and tokens_per_bucket="
-                        f"{tokens_per_bucket} must be positive (max_length >= 2)")
+    if tokens_per_bucket < 1:
+        raise UserError(f"tokens_per_bucket={tokens_per_bucket} must be positive")
     if not inputs:
         raise UserError("merge: no inputs given")
     out_ref = StageRef(out_run_key, MERGE, out_dataset)
@@ -498,15 +546,16 @@ def merge_datasets(
 
         with tempfile.TemporaryDirectory(prefix="eagle3-merge-", dir=work_dir) as tmp:
             work = Path(tmp)
-            keys, tokens = _spill(store, inputs, seed, stats, work / "spill.arrow", vocab_size, folds)
+            keys, tokens = _spill(store, inputs, config.seed, stats, work / "spill.arrow", vocab_size, folds)
             buckets = _partition(work / "spill.arrow", keys, tokens, tokens_per_bucket, work)
             del keys, tokens
-            shards = _ShardWriter(store, out_ref, work, shard_tokens)
+            shards = _ShardWriter(store, out_ref, work, config.shard_tokens)
             for path in buckets:  # one bucket resident at a time: _merge_bucket's table dies with its call
-                _merge_bucket(path, max_length, length_policy, stats, shards)
+                _merge_bucket(path, config.max_length, config.length_policy, stats, shards)
             shards.close_shard()
-            vocab_files, vocab = draft_vocab.write(work, shards.trained_counts, draft_vocab_size,
-                                                   vocab_size or shards.trained_counts.shape[0])
+            vocab_files, vocab = draft_vocab.write(
+                work, shards.trained_counts, config.draft_vocab_size, vocab_size or shards.trained_counts.shape[0]
+            )
             for name in vocab_files:
                 store.put_file(out_ref, name, work / name)
         image_files, image_extra = [], {}
@@ -526,18 +575,32 @@ def merge_datasets(
             "totals": dict(sorted(totals.items())),
             "draft_vocab": {**vocab, "files": vocab_files},
         }
-        params = {"max_length": max_length, "length_policy": length_policy, "shard_tokens": shard_tokens, "seed": seed,
-                  "draft_vocab_size": draft_vocab_size}
         held.check()  # fencing: a writer whose lease was taken over commits nothing
-        store.commit_files(out_ref, [s["name"] for s in shards.shards] + vocab_files + image_files, params=params, inputs=inputs,
-                           tokenizer_sha256=tokenizer_sha, template_sha256=template_sha,
-                           extra={"shards": shards.shards, "datasets": datasets, "totals": summary["totals"],
-                                  "draft_vocab": summary["draft_vocab"], **image_extra})
+        store.commit_files(
+            out_ref,
+            [s["name"] for s in shards.shards] + vocab_files + image_files,
+            params=merge_params(config),
+            inputs=inputs,
+            tokenizer_sha256=tokenizer_sha,
+            template_sha256=template_sha,
+            extra={
+                "shards": shards.shards,
+                "datasets": datasets,
+                "totals": summary["totals"],
+                "draft_vocab": summary["draft_vocab"],
+                **image_extra,
+            },
+        )
         return summary
+
+
+def merge_params(config: MergeConfig) -> dict:
+    """The merge stage's manifest params: the whole `merge` section, so a key added to it is in
+    them, and a merge made under another value of it is never reused (pipeline.reuse)."""
+    return config.model_dump(mode="json")
 
 
 def merged_shards(store: ArtifactStore, ref: StageRef, manifest: dict | None = None) -> list[dict]:
     """The shard refs of a committed merge stage, from its manifest (never from a listing);
     `manifest`: the caller's copy of it, if it has one."""
     return list((manifest or store.read_manifest(ref)).get("extra", {}).get("shards", []))
-

@@ -127,3 +127,9 @@ def chat_template_sha256(tokenizer: Any) -> str | None:
     if isinstance(template, dict):
         template = template.get("default")
     return hashlib.sha256(template.encode()).hexdigest() if template else None
+
+
+def tokenizer_hashes(tokenizer: Any) -> dict[str, str | None]:
+    """What a stage's manifest records of the tokenizer its rows were made with (`tokenizer_sha256`,
+    `template_sha256`): the merge refuses to mix stages whose hashes differ."""
+    return {"tokenizer_sha256": tokenizer_files_sha256(tokenizer), "template_sha256": chat_template_sha256(tokenizer)}

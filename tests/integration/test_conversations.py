@@ -19,15 +19,30 @@ import yaml
 from eagle3_data.canonical import canonical_json
 from eagle3_data.cli import main
 from eagle3_data.config import default_config_raw
-from eagle3_data.generation.conversations import SAMPLES_FILE, call_key, read_samples, recorded_results, trajectory_folds
+from eagle3_data.generation.conversations import (
+    SAMPLES_FILE,
+    call_key,
+    read_samples,
+    recorded_results,
+    trajectory_folds,
+)
 from eagle3_data.merge import _fold, build_record
 from eagle3_data.storage import StageRef
 from tests.conversation_oracle import CONVERSATIONS, IM_END, render
 
 
-
-def _generate(store, s3_server, kimi_tokenizer_dir, tmp_path, monkeypatch, run_key: str, *flags: str, thinking=True,
-              prompts=CONVERSATIONS, call_ids="format"):
+def _generate(
+    store,
+    s3_server,
+    kimi_tokenizer_dir,
+    tmp_path,
+    monkeypatch,
+    run_key: str,
+    *flags: str,
+    thinking=True,
+    prompts=CONVERSATIONS,
+    call_ids="format",
+):
     raw = default_config_raw()
     raw["generation"]["call_ids"] = call_ids
     raw["storage"]["bucket"] = store.bucket
@@ -35,16 +50,38 @@ def _generate(store, s3_server, kimi_tokenizer_dir, tmp_path, monkeypatch, run_k
     raw["generation"]["sampling"].update(max_new_tokens=160, thinking=thinking)
     raw["routing"].update(overflow_fraction=0.0, calibration_samples=0)  # every turn local: exact ids
     (tmp_path / "pipeline.yaml").write_text(yaml.safe_dump(raw))
-    for name, value in (("AWS_ACCESS_KEY_ID", s3_server.access_key), ("AWS_SECRET_ACCESS_KEY", s3_server.secret_key),
-                        ("AWS_ENDPOINT_URL", s3_server.endpoint_url), ("EAGLE3_JOURNAL_DIR", str(tmp_path / "j"))):
+    for name, value in (
+        ("AWS_ACCESS_KEY_ID", s3_server.access_key),
+        ("AWS_SECRET_ACCESS_KEY", s3_server.secret_key),
+        ("AWS_ENDPOINT_URL", s3_server.endpoint_url),
+        ("EAGLE3_JOURNAL_DIR", str(tmp_path / "j")),
+    ):
         monkeypatch.setenv(name, value)
-    assert main(["generate", "local", "--config", str(tmp_path / "pipeline.yaml"), "--dataset", "chat", "--prompts",
-                 str(prompts), "--run-key", run_key, "--dev", *flags]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "local",
+                "--config",
+                str(tmp_path / "pipeline.yaml"),
+                "--dataset",
+                "chat",
+                "--prompts",
+                str(prompts),
+                "--run-key",
+                run_key,
+                "--dev",
+                *flags,
+            ]
+        )
+        == 0
+    )
     return store.read_table(StageRef(run_key, "generate_local", "chat")).to_pylist()
 
 
-def test_every_turn_on_the_datasets_history_generates_one_sample_per_user_turn(s3_server, store, kimi_tokenizer,
-                                                                               kimi_tokenizer_dir, tmp_path, monkeypatch):
+def test_every_turn_on_the_datasets_history_generates_one_sample_per_user_turn(
+    s3_server, store, kimi_tokenizer, kimi_tokenizer_dir, tmp_path, monkeypatch
+):
     rows = _generate(store, s3_server, kimi_tokenizer_dir, tmp_path, monkeypatch, "turns", "--regenerate", "every_turn")
     lines = [json.loads(line) for line in CONVERSATIONS.read_text().splitlines()]
     user_turns = sum(m["role"] == "user" for r in lines for m in r.get("messages", []))
@@ -69,26 +106,50 @@ def _records(store, ref, rows) -> dict[str, dict]:
     samples = read_samples(store.get_bytes(ref, SAMPLES_FILE))
     folds = trajectory_folds(samples, {r["sample_id"]: (r["status"], r["error"]) for r in rows})
     ok = [r for r in rows if r["status"] == "ok"]
-    keep, sids, prompt, output, masked, _ = _fold(list(range(len(ok))), [r["sample_id"] for r in ok],
-                                                  pa.array([r["prompt_ids"] for r in ok]),
-                                                  pa.array([r["output_ids"] for r in ok]),
-                                                  [r["provenance"] for r in ok], folds.rows, ["chat"] * len(ok),
-                                                  {"chat": Counter()})
+    keep, sids, prompt, output, masked, _ = _fold(
+        list(range(len(ok))),
+        [r["sample_id"] for r in ok],
+        pa.array([r["prompt_ids"] for r in ok]),
+        pa.array([r["output_ids"] for r in ok]),
+        [r["provenance"] for r in ok],
+        folds.rows,
+        ["chat"] * len(ok),
+        {"chat": Counter()},
+    )
     out = {}
     for j, (i, sid) in enumerate(zip(keep, sids)):
-        row = {**ok[i], "sample_id": sid, "prompt_ids": prompt[j].as_py(), "output_ids": output[j].as_py(),
-               "masked": masked[j].as_py()}
+        row = {
+            **ok[i],
+            "sample_id": sid,
+            "prompt_ids": prompt[j].as_py(),
+            "output_ids": output[j].as_py(),
+            "masked": masked[j].as_py(),
+        }
         out[sid] = build_record(row, 1 << 20, "truncate")[0]
     return out, samples
 
 
-@pytest.mark.parametrize("mode,history,thinking", [("trajectory", "dataset", True), ("trajectory", "regenerated", False),
-                                                   ("every_turn", "regenerated", True)])
-def test_turns_regenerated_in_rounds_are_what_the_model_saw(mode, history, thinking, s3_server, store, kimi_tokenizer,
-                                                             kimi_tokenizer_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "mode,history,thinking",
+    [("trajectory", "dataset", True), ("trajectory", "regenerated", False), ("every_turn", "regenerated", True)],
+)
+def test_turns_regenerated_in_rounds_are_what_the_model_saw(
+    mode, history, thinking, s3_server, store, kimi_tokenizer, kimi_tokenizer_dir, tmp_path, monkeypatch
+):
     run_key = f"{mode}-{history}".replace("_", "-")
-    rows = _generate(store, s3_server, kimi_tokenizer_dir, tmp_path, monkeypatch, run_key, "--regenerate", mode,
-                     "--history", history, thinking=thinking)
+    rows = _generate(
+        store,
+        s3_server,
+        kimi_tokenizer_dir,
+        tmp_path,
+        monkeypatch,
+        run_key,
+        "--regenerate",
+        mode,
+        "--history",
+        history,
+        thinking=thinking,
+    )
     ref = StageRef(run_key, "generate_local", "chat")
     by_id = {r["sample_id"]: r for r in rows}
     conversations = {r["sample_id"]: r for r in store.read_table(StageRef(run_key, "prompts", "chat")).to_pylist()}
@@ -122,7 +183,7 @@ def test_turns_regenerated_in_rounds_are_what_the_model_saw(mode, history, think
                 assert nxt[:start] == t["prompt_ids"]  # the trajectory's prompts chain
                 end = nxt.index(IM_END, start) + 1
                 # the messages between: this turn's answer, then each call's recorded result, in call order
-                between = json.loads(steps[j + 1]["messages"])[len(json.loads(t["messages"])):]
+                between = json.loads(steps[j + 1]["messages"])[len(json.loads(t["messages"])) :]
                 assert between[0]["role"] == "assistant" and mode == "trajectory"
                 calls = between[0]["tool_calls"]
                 assert [m["content"] for m in between[1:]] == [recorded[call_key(c)].popleft() for c in calls]
@@ -152,11 +213,13 @@ def test_turns_regenerated_in_rounds_are_what_the_model_saw(mode, history, think
         for s in samples:
             if s["user_turn"] and s["steps"]:
                 first = json.loads(by_id[s["steps"][0]]["messages"])
-                dataset_answers = [m for m in json.loads(conversations[s["conversation"]]["messages"])
-                                   if m["role"] == "assistant"]
+                dataset_answers = [
+                    m for m in json.loads(conversations[s["conversation"]]["messages"]) if m["role"] == "assistant"
+                ]
                 history_answers = [m for m in first if m["role"] == "assistant"]
-                assert history_answers and not any(canonical_json(m) == canonical_json(d)
-                                                   for m in history_answers for d in dataset_answers)
+                assert history_answers and not any(
+                    canonical_json(m) == canonical_json(d) for m in history_answers for d in dataset_answers
+                )
 
 
 def test_overflow_trajectories_resume_by_turn_and_pay_each_turn_once(store, start_dev_server, kimi_tokenizer, tmp_path):
@@ -166,21 +229,34 @@ def test_overflow_trajectories_resume_by_turn_and_pay_each_turn_once(store, star
     from eagle3_data.chat_format import get_output_format
     from eagle3_data.generation.conversations import TurnDriver
     from eagle3_data.prompts import load_prompts
-
     from tests.generation_calls import MODEL, generate_overflow
 
     server = start_dev_server({"price_per_token": {"prompt": 1e-6, "completion": 1e-5}})
     sampling = {"temperature": 0.0, "max_new_tokens": 96}
-    rows = list(load_prompts(str(CONVERSATIONS), "chat", sampling=sampling, regenerate="trajectory",
-                             history="regenerated").rows)
+    rows = list(
+        load_prompts(str(CONVERSATIONS), "chat", sampling=sampling, regenerate="trajectory", history="regenerated").rows
+    )
     ref = StageRef("overflow-turns", "generate_overflow", "chat")
     fmt = get_output_format(kimi_tokenizer, thinking=True)
 
     def attempt(max_usd):
-        return generate_overflow(store, ref, rows, kimi_tokenizer, server.url + "/v1", "sk-test", MODEL, {}, max_usd,
-                                 sampling={**sampling, "thinking": True}, concurrency=2, rows_per_part=2,
-                                 journal_dir=tmp_path / "j", first_cost_estimate_usd=0.0005,
-                                 turns=TurnDriver("trajectory", "regenerated", fmt))
+        return generate_overflow(
+            store,
+            ref,
+            rows,
+            kimi_tokenizer,
+            server.url + "/v1",
+            "sk-test",
+            MODEL,
+            {},
+            max_usd,
+            sampling={**sampling, "thinking": True},
+            concurrency=2,
+            rows_per_part=2,
+            journal_dir=tmp_path / "j",
+            first_cost_estimate_usd=0.0005,
+            turns=TurnDriver("trajectory", "regenerated", fmt),
+        )
 
     first = attempt(0.004)
     assert first["stopped_reason"] == "budget" and not first["complete"], first
@@ -201,10 +277,13 @@ def test_overflow_trajectories_resume_by_turn_and_pay_each_turn_once(store, star
         assert r["prompt_ids"] == render(kimi_tokenizer, json.loads(r["messages"]), tools)
 
 
-@pytest.mark.parametrize("engine,mode", [("local", "final_turn"), ("local", "trajectory"), ("overflow", "final_turn"),
-                                         ("overflow", "trajectory")])
-def test_a_stage_with_nothing_routed_to_it_completes_empty(engine, mode, s3_server, store, kimi_tokenizer_dir,
-                                                           tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "engine,mode",
+    [("local", "final_turn"), ("local", "trajectory"), ("overflow", "final_turn"), ("overflow", "trajectory")],
+)
+def test_a_stage_with_nothing_routed_to_it_completes_empty(
+    engine, mode, s3_server, store, kimi_tokenizer_dir, tmp_path, monkeypatch
+):
     """`generate local --regenerate trajectory` with nothing routed local ended in
     `AttributeError: 'LogProgress' object has no attribute '_base'`, masking what happened."""
     raw = default_config_raw()
@@ -212,12 +291,34 @@ def test_a_stage_with_nothing_routed_to_it_completes_empty(engine, mode, s3_serv
     raw["tokenizer"]["source"] = str(kimi_tokenizer_dir)
     raw["routing"].update(overflow_fraction=0.0 if engine == "overflow" else 1.0, calibration_samples=0)
     (tmp_path / "pipeline.yaml").write_text(yaml.safe_dump(raw))
-    for name, value in (("AWS_ACCESS_KEY_ID", s3_server.access_key), ("AWS_SECRET_ACCESS_KEY", s3_server.secret_key),
-                        ("AWS_ENDPOINT_URL", s3_server.endpoint_url), ("EAGLE3_JOURNAL_DIR", str(tmp_path / "j"))):
+    for name, value in (
+        ("AWS_ACCESS_KEY_ID", s3_server.access_key),
+        ("AWS_SECRET_ACCESS_KEY", s3_server.secret_key),
+        ("AWS_ENDPOINT_URL", s3_server.endpoint_url),
+        ("EAGLE3_JOURNAL_DIR", str(tmp_path / "j")),
+    ):
         monkeypatch.setenv(name, value)
     run_key = f"empty-{engine}-{mode.replace('_', '-')}"
-    assert main(["generate", engine, "--config", str(tmp_path / "pipeline.yaml"), "--dataset", "chat", "--prompts",
-                 str(CONVERSATIONS), "--run-key", run_key, "--dev", "--regenerate", mode]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                engine,
+                "--config",
+                str(tmp_path / "pipeline.yaml"),
+                "--dataset",
+                "chat",
+                "--prompts",
+                str(CONVERSATIONS),
+                "--run-key",
+                run_key,
+                "--dev",
+                "--regenerate",
+                mode,
+            ]
+        )
+        == 0
+    )
     ref = StageRef(run_key, f"generate_{engine}", "chat")
     assert store.is_complete(ref) and store.read_table(ref).num_rows == 0
 
@@ -226,32 +327,81 @@ CITY_RESULTS = {"Lisbon": "Lisbon: 21 C, clear", "Porto": "Porto: 17 C, cloudy"}
 
 
 @pytest.mark.parametrize("call_ids", ["format", "given"])
-def test_reused_call_ids_splice_each_calls_own_recorded_result(call_ids, s3_server, store, kimi_tokenizer_dir, tmp_path,
-                                                              monkeypatch):
+def test_reused_call_ids_splice_each_calls_own_recorded_result(
+    call_ids, s3_server, store, kimi_tokenizer_dir, tmp_path, monkeypatch
+):
     """A converted dataset reuses `call_0` in every turn (Lisbon in turn 1, Porto in turn 2): each
     call the dev model makes gets the result recorded for that city, whatever the ids are; with
     `given` the history keeps `call_0`, with `format` it reads `functions.get_weather:{idx}`."""
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string", "enum": list(CITY_RESULTS)}}, "required": ["city"]}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string", "enum": list(CITY_RESULTS)}},
+                    "required": ["city"],
+                },
+            },
+        }
+    ]
 
     def turn(city: str) -> list[dict]:
-        return [{"role": "assistant", "content": "", "tool_calls": [{"id": "call_0", "type": "function", "function": {
-                    "name": "get_weather", "arguments": json.dumps({"city": city})}}]},
-                {"role": "tool", "tool_call_id": "call_0", "content": CITY_RESULTS[city]},
-                {"role": "assistant", "content": f"{city} noted."}]
+        return [
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {
+                        "id": "call_0",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": json.dumps({"city": city})},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_0", "content": CITY_RESULTS[city]},
+            {"role": "assistant", "content": f"{city} noted."},
+        ]
 
-    rows = [{"id": f"trip-{k}", "tools": tools, "messages": [
-        {"role": "user", "content": f"Weather in Lisbon? ({k})"}, *turn("Lisbon"),
-        {"role": "user", "content": f"And in Porto? ({k})"}, *turn("Porto"), {"role": "user", "content": "Thanks."}]}
-        for k in range(8)]
+    rows = [
+        {
+            "id": f"trip-{k}",
+            "tools": tools,
+            "messages": [
+                {"role": "user", "content": f"Weather in Lisbon? ({k})"},
+                *turn("Lisbon"),
+                {"role": "user", "content": f"And in Porto? ({k})"},
+                *turn("Porto"),
+                {"role": "user", "content": "Thanks."},
+            ],
+        }
+        for k in range(8)
+    ]
     path = tmp_path / "reused.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     run_key = f"reused-{call_ids}"
-    generated = _generate(store, s3_server, kimi_tokenizer_dir, tmp_path, monkeypatch, run_key, "--regenerate",
-                          "trajectory", prompts=path, call_ids=call_ids)
-    history_ids = {m["tool_call_id"] for p in store.read_table(StageRef(run_key, "prompts", "chat")).to_pylist()
-                   for m in json.loads(p["messages"]) if m["role"] == "tool"}
-    assert history_ids == ({"call_0"} if call_ids == "given" else {"functions.get_weather:0", "functions.get_weather:1"})
+    generated = _generate(
+        store,
+        s3_server,
+        kimi_tokenizer_dir,
+        tmp_path,
+        monkeypatch,
+        run_key,
+        "--regenerate",
+        "trajectory",
+        prompts=path,
+        call_ids=call_ids,
+    )
+    history_ids = {
+        m["tool_call_id"]
+        for p in store.read_table(StageRef(run_key, "prompts", "chat")).to_pylist()
+        for m in json.loads(p["messages"])
+        if m["role"] == "tool"
+    }
+    assert history_ids == (
+        {"call_0"} if call_ids == "given" else {"functions.get_weather:0", "functions.get_weather:1"}
+    )
     params = store.read_manifest(StageRef(run_key, "prompts", "chat"))["params"]
     assert params.get("call_ids") == (None if call_ids == "format" else "given")  # a switch is never a stale reuse
     spliced = Counter()
@@ -266,8 +416,9 @@ def test_reused_call_ids_splice_each_calls_own_recorded_result(call_ids, s3_serv
     assert spliced["Lisbon"] and spliced["Porto"], spliced  # both cities were called and answered
 
 
-def test_a_trajectory_cut_at_reconstruct_keeps_its_turns_before_the_cut(store, start_dev_server, kimi_tokenizer,
-                                                                      kimi_tokenizer_dir, tmp_path):
+def test_a_trajectory_cut_at_reconstruct_keeps_its_turns_before_the_cut(
+    store, start_dev_server, kimi_tokenizer, kimi_tokenizer_dir, tmp_path
+):
     """The overflow path, its stages as the DAG runs them (generation in rounds, reconstruct,
     the merge with `trajectory_folds_of`), on a dev server that cuts every answer to a tool
     result (`cut_after_tool_result`): a length cut with tools offered, which the generation
@@ -276,7 +427,7 @@ def test_a_trajectory_cut_at_reconstruct_keeps_its_turns_before_the_cut(store, s
     the cut: its record is the template's render of that turn's prompt plus its ids
     (tests/conversation_oracle.py), none is lost, and the merge manifest's counts add up."""
     from eagle3_data.chat_format import get_output_format
-    from eagle3_data.config import load_config
+    from eagle3_data.config import MergeConfig, load_config
     from eagle3_data.generation.conversations import TurnDriver
     from eagle3_data.merge import merge_datasets, merged_shards
     from eagle3_data.pipeline import reconstruct
@@ -288,29 +439,54 @@ def test_a_trajectory_cut_at_reconstruct_keeps_its_turns_before_the_cut(store, s
 
     server = start_dev_server({"endpoints": {"chat": {"cut_after_tool_result": 6}}})
     sampling = {"temperature": 0.0, "max_new_tokens": 160}
-    rows = list(load_prompts(str(CONVERSATIONS), "chat", sampling=sampling, regenerate="trajectory",
-                             history="dataset").rows)
+    rows = list(
+        load_prompts(str(CONVERSATIONS), "chat", sampling=sampling, regenerate="trajectory", history="dataset").rows
+    )
     config = load_config().with_overrides({"tokenizer": {"source": str(kimi_tokenizer_dir)}}, where="test")
-    run = Run(config=config, run_key="cut-trajectories", date=None, datasets=["chat"], dry_run=False,
-              skip_hidden_states=True)
+    run = Run(
+        config=config, run_key="cut-trajectories", date=None, datasets=["chat"], dry_run=False, skip_hidden_states=True
+    )
     ref = StageRef(run.run_key, "generate_overflow", "chat")
-    done = generate_overflow(store, ref, rows, kimi_tokenizer, server.url + "/v1", "sk-test", MODEL, {}, None,
-                             sampling={**sampling, "thinking": True}, concurrency=2, rows_per_part=4,
-                             journal_dir=tmp_path / "j", turns=TurnDriver("trajectory", "dataset",
-                                                                          get_output_format(kimi_tokenizer, thinking=True)))
+    done = generate_overflow(
+        store,
+        ref,
+        rows,
+        kimi_tokenizer,
+        server.url + "/v1",
+        "sk-test",
+        MODEL,
+        {},
+        None,
+        sampling={**sampling, "thinking": True},
+        concurrency=2,
+        rows_per_part=4,
+        journal_dir=tmp_path / "j",
+        turns=TurnDriver("trajectory", "dataset", get_output_format(kimi_tokenizer, thinking=True)),
+    )
     assert done["complete"], done
     reconstruct(run, store, "chat")
     rebuilt = stage_rows(store, run.run_key, "reconstruct", "chat")
     samples = read_samples(store.get_bytes(ref, SAMPLES_FILE))
     cut = [s for s in samples if len(s["steps"]) > 1 and rebuilt[s["steps"][-1]]["status"] == "unreconstructable"]
     assert cut and all(s["end"] == "length" for s in cut)  # the fault is exercised: answers to tool results cut
-    summary = merge_datasets(store, [StageRef(run.run_key, "reconstruct", "chat")], run.run_key, max_length=1 << 16,
-                             folds=trajectory_folds_of(run, store, ["chat"]), draft_vocab_size=64)
+    summary = merge_datasets(
+        store,
+        [StageRef(run.run_key, "reconstruct", "chat")],
+        run.run_key,
+        MergeConfig(max_length=1 << 16, draft_vocab_size=64),
+        folds=trajectory_folds_of(run, store, ["chat"]),
+    )
     counts = check_conversation_records(store, run.run_key, "chat", kimi_tokenizer)  # every record the oracle's
     records = {}
     for shard in merged_shards(store, StageRef(run.run_key, "merge", "all")):
-        records.update({r["sample_id"]: r for r in pq.read_table(io.BytesIO(
-            store.get_bytes(StageRef(run.run_key, "merge", "all"), shard["name"]))).to_pylist()})
+        records.update(
+            {
+                r["sample_id"]: r
+                for r in pq.read_table(
+                    io.BytesIO(store.get_bytes(StageRef(run.run_key, "merge", "all"), shard["name"]))
+                ).to_pylist()
+            }
+        )
     usable = [s for s in samples if s["steps"] and rebuilt[s["steps"][0]]["status"] == "ok"]
     assert set(records) == {s["sample_id"] for s in usable} and counts["openrouter"] == len(usable)  # none lost
     for s in cut:
@@ -319,17 +495,29 @@ def test_a_trajectory_cut_at_reconstruct_keeps_its_turns_before_the_cut(store, s
         assert "truncated" in end["cut_error"]
     st = Counter(summary["datasets"]["chat"])
     print("trajectory merge counts", json.dumps({k: v for k, v in st.items() if k.startswith("trajectory")}))
-    assert st["trajectory_samples"] == len(samples) == (st["trajectory_samples_whole"] + st["trajectory_samples_cut"]
-                                                        + st["trajectory_samples_dropped"]
-                                                        + st["trajectory_samples_unfolded"])
+    assert (
+        st["trajectory_samples"]
+        == len(samples)
+        == (
+            st["trajectory_samples_whole"]
+            + st["trajectory_samples_cut"]
+            + st["trajectory_samples_dropped"]
+            + st["trajectory_samples_unfolded"]
+        )
+    )
     assert st["trajectory_samples_cut"] == st["trajectory_cut_unreconstructable"] == len(cut)
-    assert st["trajectory_turns"] == sum(len(s["steps"]) for s in samples) == (
-        st["trajectory_turns_folded"] + st["trajectory_turns_record"] + st["trajectory_turns_dropped"])
+    assert (
+        st["trajectory_turns"]
+        == sum(len(s["steps"]) for s in samples)
+        == (st["trajectory_turns_folded"] + st["trajectory_turns_record"] + st["trajectory_turns_dropped"])
+    )
     assert st["trajectory_turns_record"] == st["samples"] == len(records)
 
 
 @pytest.mark.parametrize("path", ["local", "overflow"])
-def test_samples_file_from_the_rows_prompt_ids_equals_the_render(path, store, start_dev_server, kimi_tokenizer, tmp_path):
+def test_samples_file_from_the_rows_prompt_ids_equals_the_render(
+    path, store, start_dev_server, kimi_tokenizer, tmp_path
+):
     """The samples file is built from the turn rows' own prompt ids, read once as each row is
     observed (no second render of every turn's prompt at the end of the stage): it is byte for
     byte the file the template's render of every turn's prompt gives (`_rendered`, what a
@@ -338,22 +526,41 @@ def test_samples_file_from_the_rows_prompt_ids_equals_the_render(path, store, st
     from eagle3_data.generation import conversations
     from eagle3_data.generation.conversations import TurnDriver
     from eagle3_data.prompts import load_prompts
-
     from tests.generation_calls import MODEL, generate_local, generate_overflow
 
     server = start_dev_server({})
     sampling = {"temperature": 0.0, "max_new_tokens": 96}
-    rows = list(load_prompts(str(CONVERSATIONS), "chat", sampling=sampling, regenerate="trajectory",
-                             history="regenerated").rows)
+    rows = list(
+        load_prompts(str(CONVERSATIONS), "chat", sampling=sampling, regenerate="trajectory", history="regenerated").rows
+    )
     driver = TurnDriver("trajectory", "regenerated", get_output_format(kimi_tokenizer, thinking=True))
     ref = StageRef(f"samples-from-rows-{path}", f"generate_{path}", "chat")
     common = {"rows_per_part": 4, "journal_dir": tmp_path / "j", "turns": driver}
     if path == "local":
-        done = generate_local(store, ref, [dict(r, route="local") for r in rows], kimi_tokenizer, [server.url],
-                              {**sampling, "thinking": True}, **common)
+        done = generate_local(
+            store,
+            ref,
+            [dict(r, route="local") for r in rows],
+            kimi_tokenizer,
+            [server.url],
+            {**sampling, "thinking": True},
+            **common,
+        )
     else:
-        done = generate_overflow(store, ref, rows, kimi_tokenizer, server.url + "/v1", "sk-test", MODEL, {}, None,
-                                 sampling={**sampling, "thinking": True}, concurrency=2, **common)
+        done = generate_overflow(
+            store,
+            ref,
+            rows,
+            kimi_tokenizer,
+            server.url + "/v1",
+            "sk-test",
+            MODEL,
+            {},
+            None,
+            sampling={**sampling, "thinking": True},
+            concurrency=2,
+            **common,
+        )
     assert done["complete"], done
     fast = store.get_bytes(ref, conversations.SAMPLES_FILE)
     samples = read_samples(fast)

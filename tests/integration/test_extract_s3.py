@@ -34,10 +34,12 @@ def generations(store):
         return torch.randint(0, 163_584, (n,), generator=g).tolist()
 
     refs = [StageRef(RUN, "generate_local", "chat"), StageRef(RUN, "reconstruct", "tools")]
-    write_stage(store, refs[0], [gen_row(f"c{i}", "chat", "sglang", ids(6 + i), ids(10 + 2 * i) + [163586])
-                                 for i in range(12)])
-    write_stage(store, refs[1], [gen_row(f"t{i}", "tools", "openrouter", ids(20), ids(5 + i) + [163586])
-                                 for i in range(8)])
+    write_stage(
+        store, refs[0], [gen_row(f"c{i}", "chat", "sglang", ids(6 + i), ids(10 + 2 * i) + [163586]) for i in range(12)]
+    )
+    write_stage(
+        store, refs[1], [gen_row(f"t{i}", "tools", "openrouter", ids(20), ids(5 + i) + [163586]) for i in range(8)]
+    )
     return refs
 
 
@@ -45,12 +47,40 @@ def test_merge_and_extract_cli_against_s3(store, generations, tiny_model_dir, s3
     uri = lambda ref: store.uri(ref)  # noqa: E731
     merge_ref = StageRef(RUN, "merge", "all")
     out_ref = StageRef(RUN, "hidden_states", "all")  # the run's hidden-states stage, the DAG's
-    assert main(["merge", *sum((["--input", uri(r)] for r in generations), []), "--out-run-key", RUN,
-                 "--shard-tokens", "150", "--max-length", "40", "--seed", "5"]) == 0
+    assert (
+        main(
+            [
+                "merge",
+                *sum((["--input", uri(r)] for r in generations), []),
+                "--out-run-key",
+                RUN,
+                "--shard-tokens",
+                "150",
+                "--max-length",
+                "40",
+                "--seed",
+                "5",
+            ]
+        )
+        == 0
+    )
     shards = merged_shards(store, merge_ref)
     assert len(shards) > 1
-    assert main(["extract", "--model", str(tiny_model_dir), "--input", uri(merge_ref), "--last-hidden",
-                 "--shard-tokens", "100"]) == 0
+    assert (
+        main(
+            [
+                "extract",
+                "--model",
+                str(tiny_model_dir),
+                "--input",
+                uri(merge_ref),
+                "--last-hidden",
+                "--shard-tokens",
+                "100",
+            ]
+        )
+        == 0
+    )
     manifest = store.read_manifest(out_ref)
     extra = manifest["extra"]
     assert extra["layer_ids"] == [1, 3, 4] and extra["convention"] == "output"
@@ -65,25 +95,46 @@ def test_merge_and_extract_cli_against_s3(store, generations, tiny_model_dir, s3
             samples[s.sample_id] = s
     assert sum(len(s.input_ids) for s in samples.values()) == extra["totals"]["tokens"]
     assert all(s.aux_hidden_states.shape == (len(s.input_ids), 192) for s in samples.values())
-    assert all(s.input_ids[s.loss_mask.bool()].tolist()[-1] == 163586 for s in samples.values()
-               if int(s.loss_mask.sum()) and len(s.input_ids) < 40)
+    assert all(
+        s.input_ids[s.loss_mask.bool()].tolist()[-1] == 163586
+        for s in samples.values()
+        if int(s.loss_mask.sum()) and len(s.input_ids) < 40
+    )
     capsys.readouterr()
     # rerun: every shard is skipped, the manifest is rewritten with the same content
-    assert main(["extract", "--model", str(tiny_model_dir), "--input", uri(merge_ref), "--last-hidden",
-                 "--shard-tokens", "100"]) == 0
+    assert (
+        main(
+            [
+                "extract",
+                "--model",
+                str(tiny_model_dir),
+                "--input",
+                uri(merge_ref),
+                "--last-hidden",
+                "--shard-tokens",
+                "100",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.count("(already done)") == len(shards)
     assert main(["export-specforge", "--input", uri(out_ref), "--out", str(tmp_path / "sf")]) == 0
     assert len(list((tmp_path / "sf").rglob("*.ckpt"))) == 20
 
 
-def test_the_default_extraction_exports_to_both_trainers_with_the_draft_vocabulary(store, generations, tiny_model_dir,
-                                                                                   s3_env, tmp_path, capsys):
+def test_the_default_extraction_exports_to_both_trainers_with_the_draft_vocabulary(
+    store, generations, tiny_model_dir, s3_env, tmp_path, capsys
+):
     """One extraction feeds every trainer: the config's defaults (last state before the norm),
     exported both ways from S3, each with the merge's draft vocabulary where its trainer looks."""
     run = "both-trainers"
     uri = lambda ref: store.uri(ref)  # noqa: E731
-    assert main(["merge", *sum((["--input", uri(r)] for r in generations), []), "--out-run-key", run,
-                 "--max-length", "40"]) == 0
+    assert (
+        main(
+            ["merge", *sum((["--input", uri(r)] for r in generations), []), "--out-run-key", run, "--max-length", "40"]
+        )
+        == 0
+    )
     assert main(["extract", "--model", str(tiny_model_dir), "--input", uri(StageRef(run, "merge", "all"))]) == 0
     hs = uri(StageRef(run, "hidden_states", "all"))
     extra = store.read_manifest(StageRef(run, "hidden_states", "all"))["extra"]
@@ -109,9 +160,10 @@ def test_the_default_extraction_exports_to_both_trainers_with_the_draft_vocabula
 
 
 def test_extract_shard_resumes_by_shard_and_commit_waits_for_all(store, generations, tiny_model_dir, tmp_path):
+    from eagle3_data.config import MergeConfig
     from eagle3_data.merge import merge_datasets
 
-    summary = merge_datasets(store, generations, RUN, shard_tokens=200)
+    summary = merge_datasets(store, generations, RUN, MergeConfig(shard_tokens=200))
     merge_ref = StageRef(**summary["ref"])
     out_ref = StageRef(RUN, "extract_hidden_states", "all")
     first, *rest = summary["shards"]
@@ -130,8 +182,14 @@ def test_extract_shard_resumes_by_shard_and_commit_waits_for_all(store, generati
     mixed_ref = StageRef(RUN, "extract_hidden_states", "mixed")
     backend = TransformersBackend(tiny_model_dir)
     for i, shard in enumerate(summary["shards"]):
-        extract_shard(store, shard, tiny_model_dir, mixed_ref, ExtractOptions(storage_dtype="fp32" if i == 0 else "bf16"),
-                      backend=backend)
+        extract_shard(
+            store,
+            shard,
+            tiny_model_dir,
+            mixed_ref,
+            ExtractOptions(storage_dtype="fp32" if i == 0 else "bf16"),
+            backend=backend,
+        )
     with pytest.raises(UserError, match="different \\['aux_encoding', 'dtype'\\]"):
         commit_extraction(store, merge_ref, mixed_ref)
 

@@ -33,17 +33,27 @@ def _run(tiny_model_dir, workers):
 
     config = load_config().with_overrides(
         {"model": {"source": str(tiny_model_dir)}, "hidden_states": {"workers": workers}, "merge": {"max_length": 40}},
-        where="test")
-    return Run(config=config, run_key=RUN, date=None, datasets=config.dataset_names, dry_run=False, skip_hidden_states=False)
+        where="test",
+    )
+    return Run(
+        config=config, run_key=RUN, date=None, datasets=config.dataset_names, dry_run=False, skip_hidden_states=False
+    )
 
 
-def test_one_model_load_per_gpu_worker_resumable_by_shard(store, generations, tiny_model_dir, counted_loads, monkeypatch):  # noqa: F811
+def test_one_model_load_per_gpu_worker_resumable_by_shard(
+    store,
+    generations,  # noqa: F811 (the fixture)
+    tiny_model_dir,
+    counted_loads,
+    monkeypatch,
+):
     from eagle3_data import pipeline
+    from eagle3_data.config import MergeConfig
     from eagle3_data.hidden_states import extract as extract_mod
     from eagle3_data.merge import merge_datasets
 
     run = _run(tiny_model_dir, workers=2)
-    shards = merge_datasets(store, generations, RUN, shard_tokens=100, max_length=40)["shards"]
+    shards = merge_datasets(store, generations, RUN, MergeConfig(shard_tokens=100, max_length=40))["shards"]
     assert len(shards) >= 4
     work = split_shards(shards, run.config.hidden_states.workers)
     assert len(work) == 2
@@ -106,13 +116,14 @@ def test_stale_hidden_states_are_discarded_under_their_lease(store, generations,
     but not under a committer (or `stage discard`) that holds the stage's lease: StageBusy, and the
     stage stays as it was. States of this merge with these params are kept."""
     from eagle3_data import pipeline
+    from eagle3_data.config import MergeConfig
     from eagle3_data.hidden_states.extract import commit_extraction, extract_shard
     from eagle3_data.merge import merge_datasets
     from eagle3_data.storage import StageBusy
 
     run = _run(tiny_model_dir, workers=1)
     merge_ref, out_ref = StageRef(RUN, "merge", "all"), StageRef(RUN, "hidden_states", "all")  # the pipeline's stages
-    for shard in merge_datasets(store, generations, RUN, shard_tokens=400, max_length=40)["shards"]:
+    for shard in merge_datasets(store, generations, RUN, MergeConfig(shard_tokens=400, max_length=40))["shards"]:
         extract_shard(store, shard, tiny_model_dir, out_ref)
     commit_extraction(store, merge_ref, out_ref)
     with store.lease(out_ref):  # committed without the run's params: stale
@@ -126,5 +137,5 @@ def test_stale_hidden_states_are_discarded_under_their_lease(store, generations,
         pipeline.extract_hidden_states(run, store, w)
     pipeline.commit_hidden_states(run, store)
     assert not pipeline.discard_stale_hidden_states(run, store) and store.is_complete(out_ref)
-    merge_datasets(store, generations, RUN, shard_tokens=300, max_length=40)  # a new merge: stale again
+    merge_datasets(store, generations, RUN, MergeConfig(shard_tokens=300, max_length=40))  # a new merge: stale again
     assert pipeline.discard_stale_hidden_states(run, store) and not store.is_complete(out_ref)

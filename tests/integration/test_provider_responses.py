@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from eagle3_data.generation.provider_answers import IN_FLIGHT_BUDGET, REPEATED_ERROR
+from eagle3_data.generation.contracts import StopReason
 from eagle3_data.schemas import IDENTITY_MISMATCH
 from eagle3_data.storage import StageRef
 from tests.generation_calls import MODEL, generate_overflow
@@ -25,9 +25,21 @@ PIN = {"order": ["moonshotai"], "allow_fallbacks": False}
 def _run(store, server, tok, todo, tmp_path, ref, budget=None, provider=None, **kw):
     kw.setdefault("concurrency", 4)
     kw.setdefault("rows_per_part", 4)
-    return generate_overflow(store, ref, todo, tok, server.url + "/v1", SECRET, kw.pop("model", MODEL),
-                             PIN if provider is None else provider, budget, sampling=SAMPLING, journal_dir=tmp_path,
-                             first_cost_estimate_usd=0.001, **kw)
+    return generate_overflow(
+        store,
+        ref,
+        todo,
+        tok,
+        server.url + "/v1",
+        SECRET,
+        kw.pop("model", MODEL),
+        PIN if provider is None else provider,
+        budget,
+        sampling=SAMPLING,
+        journal_dir=tmp_path,
+        first_cost_estimate_usd=0.001,
+        **kw,
+    )
 
 
 def _ref(name: str) -> StageRef:
@@ -50,7 +62,9 @@ def _rows(store, ref) -> dict[str, dict]:
     return out
 
 
-def test_200_with_an_error_is_retried_and_names_the_providers_message(store, start_dev_server, kimi_tokenizer, tmp_path):
+def test_200_with_an_error_is_retried_and_names_the_providers_message(
+    store, start_dev_server, kimi_tokenizer, tmp_path
+):
     server = start_dev_server({"seed": 1, "price_per_token": PRICE, "endpoints": {"chat": {"error_in_body": 0.4}}})
     ref = _ref("body-error")
     s = _run(store, server, kimi_tokenizer, prompts(24, "chat"), tmp_path, ref, budget=5.0)
@@ -63,16 +77,19 @@ def test_200_with_an_error_is_retried_and_names_the_providers_message(store, sta
     s = _run(store, server, kimi_tokenizer, prompts(3, "chat"), tmp_path, ref, budget=5.0, max_attempts=2)
     assert s["stopped_reason"] == "retryable_failures" and s["counts"]["retry_later"] == 3, s
     errors = {f["error"] for f in store.get_json(ref, "failures.json").values()}
-    assert errors == {"gave up after 2 attempts: provider error 502 (Moonshot AI): Provider returned error "
-                      "[upstream connection reset (injected)]"}, errors
+    assert errors == {
+        "gave up after 2 attempts: provider error 502 (Moonshot AI): Provider returned error "
+        "[upstream connection reset (injected)]"
+    }, errors
 
 
 def test_paid_answers_that_fail_are_final_and_never_paid_again(store, start_dev_server, kimi_tokenizer, tmp_path):
     """The measured bug: answers that are paid but unusable (empty, cut by a provider error
     mid-generation) were neither journaled nor counted, so each budget-stopped rerun paid for the
     same samples again (24 -> 48 -> 72 answers for 24 samples)."""
-    server = start_dev_server({"seed": 2, "price_per_token": PRICE,
-                               "endpoints": {"chat": {"empty_content": 0.5, "choice_error": 0.3}}})
+    server = start_dev_server(
+        {"seed": 2, "price_per_token": PRICE, "endpoints": {"chat": {"empty_content": 0.5, "choice_error": 0.3}}}
+    )
     ref, todo = _ref("paid-failures"), prompts(24, "chat")
     spent = []
     for budget in (0.004, 0.008, 5.0):
@@ -92,22 +109,26 @@ def test_paid_answers_that_fail_are_final_and_never_paid_again(store, start_dev_
 
 
 def test_402_in_flight_budget_pauses_and_retries(store, start_dev_server, kimi_tokenizer, tmp_path):
-    server = start_dev_server({"seed": 3, "price_per_token": PRICE,
-                               "endpoints": {"chat": {"in_flight_402": 0.3, "retry_after_s": 0.05}}})
+    server = start_dev_server(
+        {"seed": 3, "price_per_token": PRICE, "endpoints": {"chat": {"in_flight_402": 0.3, "retry_after_s": 0.05}}}
+    )
     ref = _ref("in-flight")
     s = _run(store, server, kimi_tokenizer, prompts(20, "chat"), tmp_path, ref, budget=5.0)
     assert s["complete"] and s["counts"]["ok"] == 20, s  # not stopped as "credits"
     assert server.stats()["faults"]["chat"]["in_flight_402"] >= 3
     # it never passes within the attempts: a stop that passes by itself, the samples left pending
-    server = start_dev_server({"price_per_token": PRICE, "endpoints": {"chat": {"in_flight_402": 1.0, "retry_after_s": 0.05}}})
+    server = start_dev_server(
+        {"price_per_token": PRICE, "endpoints": {"chat": {"in_flight_402": 1.0, "retry_after_s": 0.05}}}
+    )
     ref = _ref("in-flight-always")
     s = _run(store, server, kimi_tokenizer, prompts(6, "chat"), tmp_path, ref, budget=5.0, max_attempts=2)
-    assert s["stopped_reason"] == IN_FLIGHT_BUDGET and "in-flight requests" in s["stop_detail"], s
+    assert s["stopped_reason"] == StopReason.IN_FLIGHT_BUDGET and "in-flight requests" in s["stop_detail"], s
     assert s["counts"]["failed"] == s["counts"]["retry_later"] == 0 and store.get_json(ref, "failures.json") == {}
 
 
-def test_403_key_limit_stops_dispatch_and_a_rerun_after_the_limit_generates_the_rest(store, start_dev_server,
-                                                                                    kimi_tokenizer, tmp_path):
+def test_403_key_limit_stops_dispatch_and_a_rerun_after_the_limit_generates_the_rest(
+    store, start_dev_server, kimi_tokenizer, tmp_path
+):
     server = start_dev_server({"price_per_token": PRICE, "endpoints": {"chat": {"forbidden_after": 6}}})
     ref, todo = _ref("key-limit"), prompts(30, "chat")
     s = _run(store, server, kimi_tokenizer, todo, tmp_path, ref, budget=5.0)
@@ -125,7 +146,9 @@ def test_403_moderation_fails_that_prompt_only(store, start_dev_server, kimi_tok
     s = _run(store, server, kimi_tokenizer, prompts(30, "chat"), tmp_path, ref, budget=5.0)
     assert s["complete"], s
     flagged = [r for r in _rows(store, ref).values() if r["status"] == "failed"]
-    assert flagged and all(r["error"].startswith("HTTP 403 (Moonshot AI): moonshotai/kimi-k2.5 requires moderation") for r in flagged)
+    assert flagged and all(
+        r["error"].startswith("HTTP 403 (Moonshot AI): moonshotai/kimi-k2.5 requires moderation") for r in flagged
+    )
     assert all(server.stats()["requests"]["chat"][r["sample_id"]] == 1 for r in flagged)  # never retried
 
 
@@ -135,7 +158,10 @@ def test_identical_permanent_errors_trip_the_circuit_breaker(store, start_dev_se
     server = start_dev_server({"price_per_token": PRICE, "endpoints": {"chat": {"bad_request": 1.0}}})
     ref, todo = _ref("breaker"), prompts(60, "chat")
     s = _run(store, server, kimi_tokenizer, todo, tmp_path, ref, budget=5.0, max_identical_errors=5)
-    assert s["stopped_reason"] == REPEATED_ERROR and "HTTP 400: Provider rejected the request" in s["stop_detail"], s
+    assert (
+        s["stopped_reason"] == StopReason.REPEATED_ERROR
+        and "HTTP 400: Provider rejected the request" in s["stop_detail"]
+    ), s
     assert sum(server.stats()["requests"]["chat"].values()) <= 5 + 4  # K, and the ones in flight
     assert s["counts"]["failed"] == 0 and store.get_json(ref, "failures.json") == {}
     server = start_dev_server({"price_per_token": PRICE})
@@ -148,7 +174,9 @@ def test_reasoning_only_in_reasoning_details_is_read_in_index_order(store, start
     server = start_dev_server({"seed": 5, "price_per_token": PRICE})
     plain = _ref("reasoning-plain")
     assert _run(store, server, kimi_tokenizer, todo, tmp_path, plain, budget=5.0)["complete"]
-    server = start_dev_server({"seed": 5, "price_per_token": PRICE, "endpoints": {"chat": {"reasoning_details_only": 1.0}}})
+    server = start_dev_server(
+        {"seed": 5, "price_per_token": PRICE, "endpoints": {"chat": {"reasoning_details_only": 1.0}}}
+    )
     detailed = _ref("reasoning-details")
     s = _run(store, server, kimi_tokenizer, todo, tmp_path, detailed, budget=5.0)
     assert s["complete"] and s["counts"]["ok"] == 12, s  # not "reasoning billed but absent"
@@ -176,14 +204,18 @@ def test_object_arguments_are_serialised_and_marked(store, start_dev_server, kim
     assert called
     for r in called:
         for c in json.loads(r["tool_calls"]):
-            assert isinstance(c["function"]["arguments"], str) and isinstance(json.loads(c["function"]["arguments"]), dict)
+            assert isinstance(c["function"]["arguments"], str) and isinstance(
+                json.loads(c["function"]["arguments"]), dict
+            )
         assert json.loads(r["provenance"])["rewritten"] == ["tool_call_arguments_serialised"]
 
 
-def test_answers_from_another_model_or_provider_fail_as_identity_mismatch(store, start_dev_server, kimi_tokenizer,
-                                                                        tmp_path):
-    server = start_dev_server({"seed": 6, "price_per_token": PRICE,
-                               "endpoints": {"chat": {"wrong_model": 0.15, "wrong_provider": 0.15}}})
+def test_answers_from_another_model_or_provider_fail_as_identity_mismatch(
+    store, start_dev_server, kimi_tokenizer, tmp_path
+):
+    server = start_dev_server(
+        {"seed": 6, "price_per_token": PRICE, "endpoints": {"chat": {"wrong_model": 0.15, "wrong_provider": 0.15}}}
+    )
     ref = _ref("identity")
     s = _run(store, server, kimi_tokenizer, prompts(40, "chat"), tmp_path, ref, budget=5.0)
     assert s["complete"], s
@@ -204,9 +236,16 @@ def test_identity_pins_are_checked_before_the_first_request(store, start_dev_ser
         _run(store, server, kimi_tokenizer, prompts(4, "chat"), tmp_path, _ref("bad-pin"), model="moonshotai/kimi-k2")
     assert server.stats()["requests"].get("chat") is None  # nothing sent
     # the answers' dated canonical slug is the same model; no provider pin: any provider
-    server = start_dev_server({"price_per_token": PRICE, "canonical_slug": "moonshotai/kimi-k2.5-0127",
-                               "answer_canonical_slug": True, "provider": "Chutes"})
+    server = start_dev_server(
+        {
+            "price_per_token": PRICE,
+            "canonical_slug": "moonshotai/kimi-k2.5-0127",
+            "answer_canonical_slug": True,
+            "provider": "Chutes",
+        }
+    )
     s = _run(store, server, kimi_tokenizer, prompts(4, "chat"), tmp_path, _ref("any-provider"), provider={})
     assert s["complete"] and s["counts"]["ok"] == 4, s
     assert {json.loads(r["provenance"])["model"] for r in _rows(store, _ref("any-provider")).values()} == {
-        "moonshotai/kimi-k2.5-0127"}
+        "moonshotai/kimi-k2.5-0127"
+    }

@@ -6,15 +6,13 @@ Real SeaweedFS and the dev inference server; its per-sample counters say what wa
 from __future__ import annotations
 
 import json
-
 import logging
 
 import pytest
 
-from eagle3_data.generation.openrouter import UNPRICED
+from eagle3_data.generation.contracts import StopReason
 from eagle3_data.generation.openrouter_pricing import Prices, price_answer
 from eagle3_data.storage import StageRef
-
 from tests.generation_calls import MODEL, generate_overflow
 from tests.integration.test_generation import SAMPLING, SECRET, prompts
 
@@ -23,8 +21,23 @@ REF = StageRef(run_key="verify", stage="generate_overflow", dataset="chat")
 
 
 def _run(store, server, tok, todo, tmp_path, budget, **kw):
-    return generate_overflow(store, REF, todo, tok, server.url + "/v1", SECRET, MODEL, {}, budget, sampling=SAMPLING,
-                             concurrency=4, rows_per_part=4, journal_dir=tmp_path, first_cost_estimate_usd=0.001, **kw)
+    return generate_overflow(
+        store,
+        REF,
+        todo,
+        tok,
+        server.url + "/v1",
+        SECRET,
+        MODEL,
+        {},
+        budget,
+        sampling=SAMPLING,
+        concurrency=4,
+        rows_per_part=4,
+        journal_dir=tmp_path,
+        first_cost_estimate_usd=0.001,
+        **kw,
+    )
 
 
 def _flip(store, name: str, offset: int) -> None:
@@ -45,8 +58,9 @@ def server(start_dev_server):
 
 
 @pytest.mark.parametrize("where", ["body", "footer"])
-def test_resume_discards_a_corrupt_part_and_replays_it_from_the_journal(where, store, server, kimi_tokenizer,
-                                                                        tmp_path, caplog):
+def test_resume_discards_a_corrupt_part_and_replays_it_from_the_journal(
+    where, store, server, kimi_tokenizer, tmp_path, caplog
+):
     todo = prompts(30, "chat")
     first = _run(store, server, kimi_tokenizer, todo, tmp_path, 0.01)
     assert first["stopped_reason"] == "budget" and first["counts"]["ok"] >= 4, first
@@ -91,7 +105,12 @@ def test_price_answer_uses_cost_then_configured_prices():
     assert price_answer({"cost": 0.5, "prompt_tokens": 10, "completion_tokens": 10}, Prices()) == 0.5
     per_mtok = Prices.per_mtok({"prompt": 1.0, "completion": 3.0})
     assert price_answer({"prompt_tokens": 1_000_000, "completion_tokens": 2_000_000}, per_mtok) == pytest.approx(7.0)
-    assert price_answer({"prompt_tokens": 10, "completion_tokens": 10}, Prices.per_mtok({"prompt": 0.0, "completion": 0.0})) is None
+    assert (
+        price_answer(
+            {"prompt_tokens": 10, "completion_tokens": 10}, Prices.per_mtok({"prompt": 0.0, "completion": 0.0})
+        )
+        is None
+    )
     assert price_answer({"completion_tokens": 10}, Prices.per_mtok({"prompt": 1.0, "completion": 1.0})) is None
 
 
@@ -99,11 +118,14 @@ def test_price_answer_uses_cost_then_configured_prices():
 NO_RECORD = {"omit_cost": 1.0, "generation_lag": 10_000}
 
 
-def test_answers_without_cost_are_priced_from_openrouters_generation_record(store, start_dev_server, kimi_tokenizer,
-                                                                             tmp_path):
+def test_answers_without_cost_are_priced_from_openrouters_generation_record(
+    store, start_dev_server, kimi_tokenizer, tmp_path
+):
     """No usage.cost and no configured price: the cost comes from GET /generation?id=, asked again
     while it answers 404 (its record lags the completion), and the budget binds on it."""
-    server = start_dev_server({"price_per_token": PRICE, "endpoints": {"chat": {"omit_cost": 1.0, "generation_lag": 2}}})
+    server = start_dev_server(
+        {"price_per_token": PRICE, "endpoints": {"chat": {"omit_cost": 1.0, "generation_lag": 2}}}
+    )
     todo = prompts(40, "chat")
     s = _run(store, server, kimi_tokenizer, todo, tmp_path, 0.01, cost_lookup_delay_s=0.01)
     assert s["stopped_reason"] == "budget" and 0 < s["cost_usd"] <= 0.01, s
@@ -111,7 +133,9 @@ def test_answers_without_cost_are_priced_from_openrouters_generation_record(stor
     assert rows and all(json.loads(r["provenance"])["cost_source"] == "generation_lookup" for r in rows)
     for r in rows:  # the dev server's price of exactly these tokens
         u = r["usage"]
-        assert u["cost_usd"] == pytest.approx(u["prompt_tokens"] * PRICE["prompt"] + u["completion_tokens"] * PRICE["completion"])
+        assert u["cost_usd"] == pytest.approx(
+            u["prompt_tokens"] * PRICE["prompt"] + u["completion_tokens"] * PRICE["completion"]
+        )
 
 
 def _committed_rows(store) -> list[dict]:
@@ -128,7 +152,7 @@ def test_answers_without_cost_stop_a_budgeted_stage(store, start_dev_server, kim
     server = start_dev_server({"price_per_token": PRICE, "endpoints": {"chat": NO_RECORD}})
     todo = prompts(40, "chat")
     s = _run(store, server, kimi_tokenizer, todo, tmp_path, 5.0, cost_lookup_delay_s=0.01)
-    assert s["stopped_reason"] == UNPRICED and not s["complete"], s
+    assert s["stopped_reason"] == StopReason.UNPRICED and not s["complete"], s
     assert sum(_paid(server).values()) <= 8  # dispatch stopped at the first unpriced answers (4 in flight)
     assert len(store.committed_sample_ids(REF)) == sum(_paid(server).values())  # what was paid is kept
 

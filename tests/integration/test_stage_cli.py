@@ -47,6 +47,23 @@ def test_s3_init_is_the_explicit_step_that_creates_the_bucket(s3, capsys):
     store.check_bucket()
 
 
+@pytest.mark.parametrize(
+    "write",
+    [
+        lambda store, ref, path: store.put_json(ref, "a.json", {}),
+        lambda store, ref, path: store.put_bytes(ref, "a.md", b"x"),
+        lambda store, ref, path: store.put_file(ref, "shard.bin", path),
+    ],
+    ids=["put_json", "put_bytes", "put_file"],
+)
+def test_every_side_file_writer_refuses_a_missing_bucket(s3, tmp_path, write):
+    """The side-file writers share one path (overwrite check, PUT, record): none creates a bucket."""
+    name = f"gone-{uuid.uuid4().hex[:12]}"
+    (path := tmp_path / "shard.bin").write_bytes(b"\0" * 64)
+    with pytest.raises(MissingBucket, match=f"bucket '{name}' does not exist.*eagle3-data s3 init --bucket {name}"):
+        write(ArtifactStore(client=s3, bucket=name, prefix="p"), StageRef(RUN, "x", "y"), path)
+
+
 def test_stage_verify_passes_a_sound_stage_and_names_a_corrupt_part(store, capsys):
     ref = _stage(store, "generate_local")
     assert main(["stage", "verify", _uri(store, ref)]) == 0
@@ -71,7 +88,8 @@ def test_discard_names_the_stages_it_invalidates_and_cascade_removes_them(store,
     assert "2 downstream stages" in err and store.uri(validated) in err and store.uri(merged) in err
     assert store.uri(other) not in err
     assert not store.is_complete(local) and list(store.objects(local)) == [
-        name for name in store.objects(local) if name.endswith("_lease.json")]
+        name for name in store.objects(local) if name.endswith("_lease.json")
+    ]
     assert store.is_complete(validated) and store.is_complete(merged)
     assert main(["stage", "discard", "--cascade", _uri(store, validated)]) == 0
     assert not store.is_complete(validated) and not store.is_complete(merged) and store.is_complete(other)
@@ -103,7 +121,8 @@ def test_tokenizer_s3_fetch_uses_the_callers_client(s3, s3_bucket, kimi_tokenize
         monkeypatch.delenv(var, raising=False)  # only the passed client knows the endpoint and keys
     local = _fetch_s3_prefix(f"s3://{s3_bucket}/tok", str(tmp_path / "cache"), s3)
     assert sorted(p.name for p in local.iterdir() if not p.name.startswith(".")) == sorted(
-        p.name for p in Path(kimi_tokenizer_dir).iterdir() if p.is_file())
+        p.name for p in Path(kimi_tokenizer_dir).iterdir() if p.is_file()
+    )
     down = s3_client("http://127.0.0.1:9", access_key="x", secret_key="y", max_attempts=1)
     with pytest.raises(StorageUnavailable, match="unreachable while listing the tokenizer files"):
         _fetch_s3_prefix(f"s3://{s3_bucket}/tok", str(tmp_path / "cache2"), down)

@@ -13,6 +13,7 @@ import pytest
 
 from eagle3_data import merge as merge_mod
 from eagle3_data.cli import main
+from eagle3_data.config import MergeConfig
 from eagle3_data.hidden_states import extract as extract_mod
 from eagle3_data.hidden_states.extract import commit_extraction, extract_shard
 from eagle3_data.merge import merge_datasets
@@ -40,14 +41,22 @@ def _paused(monkeypatch, module, name, when=lambda *a, **kw: True):
 def test_second_merge_of_one_run_key_fails_fast(store, generations, s3_env, monkeypatch, capsys):  # noqa: F811
     inside, go = _paused(monkeypatch, merge_mod, "_merge_bucket")
     with ThreadPoolExecutor(1) as pool:
-        first = pool.submit(merge_datasets, store, generations, RUN, shard_tokens=150, max_length=40)
+        first = pool.submit(merge_datasets, store, generations, RUN, MergeConfig(shard_tokens=150, max_length=40))
         assert inside.wait(120)
         try:
             with pytest.raises(StageBusy, match=r"merge/all/ is being written by .*expires"):
-                merge_datasets(store, generations, RUN, shard_tokens=150, max_length=40)
+                merge_datasets(store, generations, RUN, MergeConfig(shard_tokens=150, max_length=40))
             capsys.readouterr()
-            argv = ["merge", *sum((["--input", store.uri(r)] for r in generations), []), "--out-run-key", RUN,
-                    "--shard-tokens", "150", "--max-length", "40"]
+            argv = [
+                "merge",
+                *sum((["--input", store.uri(r)] for r in generations), []),
+                "--out-run-key",
+                RUN,
+                "--shard-tokens",
+                "150",
+                "--max-length",
+                "40",
+            ]
             assert main(argv) == 2  # the CLI: exit 2, one line naming the holder
             err = capsys.readouterr().err.strip().splitlines()
             assert "is being written by" in err[-1] and "Traceback" not in "\n".join(err)
@@ -56,17 +65,24 @@ def test_second_merge_of_one_run_key_fails_fast(store, generations, s3_env, monk
         summary = first.result()
     store.verify(MERGE_REF)
     assert store.read_manifest(MERGE_REF)["extra"]["shards"] == summary["shards"]
-    assert merge_datasets(store, generations, RUN, shard_tokens=150, max_length=40)["shards"] == summary["shards"]
+    assert (
+        merge_datasets(store, generations, RUN, MergeConfig(shard_tokens=150, max_length=40))["shards"]
+        == summary["shards"]
+    )
 
 
 def test_extraction_leases_shards_not_the_stage(store, generations, tiny_model_dir, monkeypatch):  # noqa: F811
     """Two GPU workers on different shards of one stage run side by side; a second writer of the
     shard a worker is extracting is refused; the commit waits for no lease of a finished shard."""
-    shards = merge_datasets(store, generations, RUN, shard_tokens=150, max_length=40)["shards"]
+    shards = merge_datasets(store, generations, RUN, MergeConfig(shard_tokens=150, max_length=40))["shards"]
     assert len(shards) >= 2
     held, other = shards[0], shards[1]
-    inside, go = _paused(monkeypatch, extract_mod, "extract_rows", when=lambda _b, _r, _o, stem, *a, **kw:
-                         stem == Path(held["name"]).stem)
+    inside, go = _paused(
+        monkeypatch,
+        extract_mod,
+        "extract_rows",
+        when=lambda _b, _r, _o, stem, *a, **kw: stem == Path(held["name"]).stem,
+    )
     with ThreadPoolExecutor(1) as pool:
         first = pool.submit(extract_shard, store, held, tiny_model_dir, OUT_REF)
         assert inside.wait(120)
@@ -87,7 +103,7 @@ def test_extraction_leases_shards_not_the_stage(store, generations, tiny_model_d
 
 
 def test_second_committer_of_an_extraction_fails_fast(store, generations, tiny_model_dir):  # noqa: F811
-    shards = merge_datasets(store, generations, RUN, shard_tokens=400, max_length=40)["shards"]
+    shards = merge_datasets(store, generations, RUN, MergeConfig(shard_tokens=400, max_length=40))["shards"]
     for shard in shards:
         extract_shard(store, shard, tiny_model_dir, OUT_REF)
     with store.lease(OUT_REF):  # a committer (or `stage discard`) holds the stage
@@ -106,14 +122,17 @@ def test_a_shard_extracted_from_an_earlier_merge_is_redone_not_committed(store, 
     from eagle3_data.hidden_states.extract import merged_sha256s
     from eagle3_data.storage import IncompleteStage
 
-    old = merge_datasets(store, generations, RUN, shard_tokens=400, max_length=40, seed=1)["shards"]
+    old = merge_datasets(store, generations, RUN, MergeConfig(shard_tokens=400, max_length=40, seed=1))["shards"]
     zombie = extract_shard(store, old[0], tiny_model_dir, OUT_REF)
-    new = merge_datasets(store, generations, RUN, shard_tokens=400, max_length=40, seed=2)["shards"]
+    new = merge_datasets(store, generations, RUN, MergeConfig(shard_tokens=400, max_length=40, seed=2))["shards"]
     sha = merged_sha256s(store.read_manifest(MERGE_REF))[new[0]["name"]]
     assert new[0]["name"] == old[0]["name"] and zombie["merged_shard"]["sha256"] != sha
     for shard in new[1:]:
         extract_shard(store, shard, tiny_model_dir, OUT_REF)
-    with pytest.raises(IncompleteStage, match=rf"1 merged shards not extracted yet \(or extracted from an earlier merge\): \['{new[0]['name']}'\]"):
+    with pytest.raises(
+        IncompleteStage,
+        match=rf"1 merged shards not extracted yet \(or extracted from an earlier merge\): \['{new[0]['name']}'\]",
+    ):
         commit_extraction(store, MERGE_REF, OUT_REF)
     redone = extract_shard(store, new[0], tiny_model_dir, OUT_REF)
     assert not redone.get("skipped") and redone["merged_shard"]["sha256"] == sha

@@ -34,9 +34,15 @@ def test_shipped_config_loads():
         (lambda r: r["routing"].update(strategy="random"), "routing.strategy"),
         (lambda r: r["merge"].update(length_policy="squash"), "merge.length_policy"),
         (lambda r: r["hidden_states"].update(convention="middle"), "hidden_states.convention"),
-        (lambda r: r["tokenizer"]["expected_special_ids"].update({"<|im_end|>": "x"}), "tokenizer.expected_special_ids.<|im_end|>"),
+        (
+            lambda r: r["tokenizer"]["expected_special_ids"].update({"<|im_end|>": "x"}),
+            "tokenizer.expected_special_ids.<|im_end|>",
+        ),
         (lambda r: r["datasets"].append({"name": "chat"}), "datasets[3].name"),
-        (lambda r: r["datasets"][1].update(validation={"max_bpe_mismatch_rate": 2}), "datasets[1].validation.max_bpe_mismatch_rate"),
+        (
+            lambda r: r["datasets"][1].update(validation={"max_bpe_mismatch_rate": 2}),
+            "datasets[1].validation.max_bpe_mismatch_rate",
+        ),
         (lambda r: r["generation"]["sampling"].update(max_new_tokens=True), "generation.sampling.max_new_tokens"),
     ],
 )
@@ -100,7 +106,9 @@ def test_typo_in_dataset_overrides_is_refused(tmp_path):
         r["datasets"][0]["dev"] = {"bpe_split": 0.1}
 
     lines = _refused(tmp_path, mutate)
-    assert "config datasets[2].validation.max_billing_deviaton: unknown key (did you mean max_billing_deviation?)" in lines
+    assert (
+        "config datasets[2].validation.max_billing_deviaton: unknown key (did you mean max_billing_deviation?)" in lines
+    )
     assert "config datasets[0].dev.bpe_split: unknown key (did you mean bpe_split_rate?)" in lines
 
 
@@ -121,7 +129,9 @@ def test_every_bad_key_is_reported_one_line_each(tmp_path):
 
 def test_typo_in_trigger_overrides_is_refused():
     cfg = load_config()
-    with pytest.raises(UserError, match=r"^params routing\.overflow_fractio: unknown key \(did you mean overflow_fraction\?\)$"):
+    with pytest.raises(
+        UserError, match=r"^params routing\.overflow_fractio: unknown key \(did you mean overflow_fraction\?\)$"
+    ):
         cfg.with_overrides({"routing": {"overflow_fractio": 0.3}}, where="params")
 
 
@@ -193,7 +203,9 @@ def test_run_without_logical_date_or_run_name_keys_on_its_run_id():
     """A REST trigger without a logical date (the API's default) used to fail in audit_tokenizer."""
     from eagle3_data.pipeline import resolve_run
 
-    assert resolve_run({}, None, run_id="manual__2026-12-01T10:00:00+00:00").run_key == "manual__2026-12-01T10-00-00+00-00"
+    assert (
+        resolve_run({}, None, run_id="manual__2026-12-01T10:00:00+00:00").run_key == "manual__2026-12-01T10-00-00+00-00"
+    )
     with pytest.raises(UserError, match="manual run needs a run_name"):
         resolve_run({}, None)
 
@@ -211,8 +223,11 @@ def test_undated_run_checks_its_prompts_in_the_first_task(tmp_path):
         client = None
 
     run = resolve_run({"run_name": "manual", "datasets": ["chat"]}, None, cfg)
-    with pytest.raises(UserError, match=r"dataset chat: a run without a logical date reads the newest date partition "
-                                        r"or undated prompts, and found neither"):
+    with pytest.raises(
+        UserError,
+        match=r"dataset chat: a run without a logical date reads the newest date partition "
+        r"or undated prompts, and found neither",
+    ):
         check_prompt_sources(run, Store())
     (root / "chat" / "date=2026-11-01").mkdir(parents=True)
     (root / "chat" / "date=2026-11-01" / "a.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
@@ -254,3 +269,27 @@ def test_an_empty_section_means_its_defaults(tmp_path):
     assert cfg.merge.max_length == 8192
     lines = _refused(tmp_path, lambda r: r.update(datasets="chat"))
     assert lines == ["config datasets: Input should be a list (got 'chat')"]
+
+
+@pytest.mark.parametrize("client", ["local", "overflow"])
+def test_client_options_take_the_configs_defaults_and_every_key_it_sets(client):
+    """A client run without a config (tests, benchmarks) runs as the default config does, and a
+    loaded config reaches the client whole: pydantic's own defaults and dump are the oracle."""
+    import dataclasses
+
+    from eagle3_data.config import LocalGenerationConfig, OverflowGenerationConfig, options_from
+    from eagle3_data.generation.local import LocalOptions
+    from eagle3_data.generation.openrouter import OverflowOptions
+
+    options, section = {
+        "local": (LocalOptions, LocalGenerationConfig()),
+        "overflow": (OverflowOptions, OverflowGenerationConfig(model="m")),
+    }[client]
+    shared = [f.name for f in dataclasses.fields(options) if f.name in type(section).model_fields]
+    assert len(shared) >= 6, shared
+    default = options()
+    assert {k: getattr(default, k) for k in shared} == {k: section.model_dump()[k] for k in shared}
+    changed = section.model_copy(update={"rows_per_part": 7, "connect_timeout_s": 1.5})
+    built = options_from(options, changed, max_attempts=2)
+    assert {k: getattr(built, k) for k in shared} == {k: changed.model_dump()[k] for k in shared}
+    assert built.max_attempts == 2

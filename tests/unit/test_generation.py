@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import random
-from email.utils import format_datetime
 from datetime import datetime, timedelta, timezone
+from email.utils import format_datetime
 
 import pytest
 
@@ -255,3 +255,50 @@ def test_the_generation_mode_comes_only_from_the_bound_format(engine, kimi_token
                                             wire=wire_for(engine))
     with pytest.raises(UserError, match="'thinking' is not a"):
         call()
+
+
+def _one_prompt():
+    return next(iter(parse_prompts([{"sample_id": "s1", "messages": [{"role": "user", "content": "hi"}]}], "d", None)))
+
+
+def test_the_one_row_builder_makes_the_generations_schemas_columns():
+    """`GenerationRow` and the rows both clients build have the columns the stage's writer stores
+    (the Parquet schema is the oracle), ok or failed alike."""
+    from eagle3_data.generation.checkpoint import generation_row
+    from eagle3_data.generation.contracts import GenerationRow
+    from eagle3_data.schemas import schema_for
+
+    columns = schema_for("generations").names
+    assert list(GenerationRow.__annotations__) == columns
+    ok, failed = generation_row(_one_prompt(), [1, 2], "sglang"), generation_row(_one_prompt(), None, "vllm", failed="why")
+    assert set(ok) == set(failed) == set(columns)
+    assert (ok["status"], ok["error"], failed["status"], failed["error"]) == ("ok", None, "failed", "why")
+
+
+def test_a_fresh_and_a_reused_stage_summary_have_one_shape(tmp_path):
+    """What `pipeline.generate` reads is there whichever way the stage ended."""
+    from eagle3_data.generation.checkpoint import StageRun, StageSetup, reused_summary
+    from eagle3_data.generation.contracts import StageSummary
+    from eagle3_data.storage import StageRef
+
+    class Manifests:  # the two calls a reused stage's summary makes of the store
+        def uri(self, ref, name=""):
+            return f"s3://b/{ref.path}/{name}"
+
+        def read_manifest(self, ref):
+            return {"extra": {"counts": {"ok": 1, "total": 1}}}
+
+    ref = StageRef("r", "generate_local", "d")
+    prompts = parse_prompts([{"sample_id": "s1", "messages": [{"role": "user", "content": "hi"}]}], "d", None)
+    fresh = StageRun(Manifests(), ref, prompts, {}, {}, StageSetup(journal_dir=tmp_path), rows_per_part=4).summary(None)
+    reused = reused_summary(Manifests(), ref)
+    assert set(fresh) == set(reused) == set(StageSummary.__annotations__)
+    assert (fresh["reused"], fresh["complete"], reused["reused"], reused["complete"]) == (False, False, True, True)
+
+
+def test_stop_reasons_are_their_strings():
+    """Summaries, logs and manifests hold the plain strings (JSON, f-strings), as before the enum."""
+    from eagle3_data.generation.contracts import StopReason
+
+    for reason in StopReason:
+        assert json.loads(json.dumps({"r": reason})) == {"r": reason.value} and f"{reason}" == reason.value == reason

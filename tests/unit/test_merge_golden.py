@@ -20,6 +20,7 @@ import random
 from pathlib import Path
 
 import pytest
+
 from eagle3_data.storage.writer import StageWriter
 
 GOLDEN = Path(__file__).with_name("merge_golden.json")
@@ -36,15 +37,29 @@ def _row(rng: random.Random, sid: str, dataset: str | None, source: str, status:
     """One generations row; lengths straddle the cases' max_length so truncation and drops happen."""
     ok = status == "ok"
     prompt = [rng.randrange(VOCAB) for _ in range(rng.choice([1, 3, 17, 60, 120, 210, 260]))] if ok else None
-    output = [rng.randrange(VOCAB) for _ in range(rng.choice([0, 1, 5, 40, 90, 150, 300]) if rng.random() < 0.97 else 0)] if ok else None
+    output = (
+        [rng.randrange(VOCAB) for _ in range(rng.choice([0, 1, 5, 40, 90, 150, 300]) if rng.random() < 0.97 else 0)]
+        if ok
+        else None
+    )
     if ok and not output and rng.random() < 0.7:
         output = [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 80))]
     return {
-        "sample_id": sid, "dataset": dataset, "messages": "[]", "tools": None,
-        "prompt_ids": prompt, "output_ids": output, "source": source, "status": status,
-        "error": None if ok else "boom", "reasoning": None, "content": None, "tool_calls": None,
+        "sample_id": sid,
+        "dataset": dataset,
+        "messages": "[]",
+        "tools": None,
+        "prompt_ids": prompt,
+        "output_ids": output,
+        "source": source,
+        "status": status,
+        "error": None if ok else "boom",
+        "reasoning": None,
+        "content": None,
+        "tool_calls": None,
         "finish_reason": rng.choice(["stop", "length", "tool_calls", None]),
-        "usage": None, "provenance": None if rng.random() < 0.1 else json.dumps({"model": "tiny", "i": rng.randrange(1000)}),
+        "usage": None,
+        "provenance": None if rng.random() < 0.1 else json.dumps({"model": "tiny", "i": rng.randrange(1000)}),
     }
 
 
@@ -57,28 +72,41 @@ def write_inputs(store) -> list:
     overflow = StageRef(RUN, "reconstruct", "chat")
     tools = StageRef(RUN, "generate_local", "tools")
     stages = {
-        local: [_row(rng, f"c{i}", rng.choice(["chat", None]), "sglang",
-                     rng.choices(["ok", "failed"], [0.97, 0.03])[0]) for i in range(2600)]
+        local: [
+            _row(rng, f"c{i}", rng.choice(["chat", None]), "sglang", rng.choices(["ok", "failed"], [0.97, 0.03])[0])
+            for i in range(2600)
+        ]
         + [_row(rng, f"c{i}", "chat", "sglang") for i in range(0, 2600, 97)],  # in-input duplicates
         overflow: [_row(rng, f"c{i}", "chat", "openrouter") for i in range(0, 2600, 13)]  # overlap: local wins
-        + [_row(rng, f"o{i}", "chat", "openrouter", rng.choices(["ok", "failed", "unreconstructable"], [0.9, 0.05, 0.05])[0])
-           for i in range(900)],
+        + [
+            _row(
+                rng,
+                f"o{i}",
+                "chat",
+                "openrouter",
+                rng.choices(["ok", "failed", "unreconstructable"], [0.9, 0.05, 0.05])[0],
+            )
+            for i in range(900)
+        ],
         tools: [_row(rng, f"t{i}", "tools", "sglang") for i in range(1300)],
     }
     for ref, rows in stages.items():
-        with StageWriter(store, ref, "generations", rows_per_part=500, tokenizer_sha256="tok", template_sha256="tpl") as w:
+        with StageWriter(
+            store, ref, "generations", rows_per_part=500, tokenizer_sha256="tok", template_sha256="tpl"
+        ) as w:
             w.write(rows)
             w.commit()
     return list(stages)
 
 
-def fingerprint(store, inputs, run_key: str, **kwargs) -> dict:
+def fingerprint(store, inputs, run_key: str, tokens_per_bucket: int, **config) -> dict:
     """What must not change: the shard files' bytes and the manifest's shard list and statistics
     (the draft vocabulary, added after the golden was recorded, is `vocab_of`'s)."""
+    from eagle3_data.config import MergeConfig
     from eagle3_data.merge import merge_datasets
     from eagle3_data.storage import StageRef
 
-    merge_datasets(store, inputs, run_key, **kwargs)
+    merge_datasets(store, inputs, run_key, MergeConfig(**config), tokens_per_bucket=tokens_per_bucket)
     manifest = store.read_manifest(StageRef(run_key, "merge", "all"))
     extra = {k: v for k, v in manifest["extra"].items() if k != "draft_vocab"}
     return {
@@ -171,9 +199,20 @@ def test_chunk_records_equal_the_per_row_reference():
     rows = []
     for i in range(300):
         p, o = rng.choice([1, 2, 7, 31, 32, 40]), rng.choice([1, 3, 25, 33, 90])
-        rows.append({"key": i, "rank": 0, "order": i, "sample_id": f"s{i}", "dataset": "d", "source": "sglang",
-                     "prompt_ids": [rng.randrange(VOCAB) for _ in range(p)], "output_ids": [rng.randrange(VOCAB) for _ in range(o)],
-                     "finish_reason": "stop", "provenance": None})
+        rows.append(
+            {
+                "key": i,
+                "rank": 0,
+                "order": i,
+                "sample_id": f"s{i}",
+                "dataset": "d",
+                "source": "sglang",
+                "prompt_ids": [rng.randrange(VOCAB) for _ in range(p)],
+                "output_ids": [rng.randrange(VOCAB) for _ in range(o)],
+                "finish_reason": "stop",
+                "provenance": None,
+            }
+        )
     kept = [r for r in rows if _drop_reason(len(r["prompt_ids"]), len(r["output_ids"]), 32, "truncate") is None]
     assert 0 < len(kept) < len(rows)
     got = _build_records(pa.Table.from_pylist(kept, schema=_BUCKET_SCHEMA), 32).to_pylist()
@@ -189,13 +228,18 @@ def _write_golden() -> None:
     from eagle3_data.storage import ArtifactStore
 
     with tempfile.TemporaryDirectory(prefix="golden-s3-") as root:
-        handle = start_seaweedfs(root, access_key="g-" + secrets.token_hex(4), secret_key=secrets.token_hex(16), die_with_parent=True)
+        handle = start_seaweedfs(
+            root, access_key="g-" + secrets.token_hex(4), secret_key=secrets.token_hex(16), die_with_parent=True
+        )
         try:
             client = handle.client()
             client.create_bucket(Bucket="golden")
             store = ArtifactStore(client=client, bucket="golden", prefix="eagle3-datagen")
             inputs = write_inputs(store)
-            out = {case: fingerprint(store, inputs, f"{RUN}-{case}-0", **kw, **_bucket_variants()[-1]) for case, kw in CASES.items()}
+            out = {
+                case: fingerprint(store, inputs, f"{RUN}-{case}-0", **kw, **_bucket_variants()[-1])
+                for case, kw in CASES.items()
+            }
         finally:
             stop_seaweedfs(root, grace=0.5)
     GOLDEN.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")

@@ -114,12 +114,12 @@ def generation_rows() -> list[dict]:
 
 def parse_fingerprint() -> list[dict]:
     """What the generation stages take from each prompt: the row fields copied into their rows
-    (`base_row`), the decoded messages/tools sent, and the sampling of calibration samples."""
-    from eagle3_data.generation.checkpoint import base_row, parse_prompts, sampling_for
+    (`generation_row`), the decoded messages/tools sent, and the sampling of calibration samples."""
+    from eagle3_data.generation.checkpoint import generation_row, parse_prompts, sampling_for
 
     out = []
     for p in parse_prompts(generation_rows(), DATASET, ("local", "both")):
-        out.append({"base_row": base_row(p, [1, 2], "sglang"), "messages": p.messages, "tools": p.tools,
+        out.append({"base_row": generation_row(p, [1, 2], "sglang"), "messages": p.messages, "tools": p.tools,
                     "sampling": sampling_for(p, {"temperature": 1.0})})
     return out
 

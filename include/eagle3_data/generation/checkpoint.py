@@ -8,8 +8,9 @@ Paid work must never be lost or paid twice, so every answer takes three steps:
 A worker resumed on another machine has no journal: it loses at most the answers of one
 unfinished part (bounded by rows and seconds). Only one worker runs a stage at a time: the
 storage writer holds the stage's S3 lease from before the first request to the manifest, and a
-resume re-hashes every committed part before it trusts it (storage/lease.py, storage/writer.py). Requests in flight at the kill may still be
-billed by a provider that does not cancel on disconnect (at most `concurrency` samples), and the
+resume re-hashes every committed part before it trusts it (storage/lease.py, storage/writer.py).
+Requests in flight at the kill may still be billed by a provider that does not cancel on
+disconnect (at most `concurrency` samples), and the
 overflow client's answers received but not yet journaled are lost with them (its settler queue:
 at most `concurrency` more, in practice the answers of the last few milliseconds).
 
@@ -32,15 +33,20 @@ import time
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
 from eagle3_data.cache import cache_root
 from eagle3_data.canonical import canonical_json
 from eagle3_data.errors import UserError
+from eagle3_data.generation.contracts import GenerationRow, StageSummary, StopReason
+from eagle3_data.generation.progress import ProgressSink
 from eagle3_data.spill import RowSpill
 from eagle3_data.storage.writer import StageWriter
+
+if TYPE_CHECKING:
+    from eagle3_data.generation.conversations import TurnDriver
 
 log = logging.getLogger(__name__)
 
@@ -142,12 +148,12 @@ class StageSetup:
 
     model: str = ""  # the target model's name, recorded in provenance and params
     inputs: tuple = ()  # upstream manifests (StageRef) or file records ({"uri", "bytes", "sha256"})
-    progress: Any = None  # a generation.progress.Progress; None: silent
+    progress: ProgressSink | None = None  # None: silent (a plain progress.Progress)
     journal_dir: str | Path | None = None  # None: $EAGLE3_JOURNAL_DIR, else the cache's journal/
     rerun: bool = False  # reopen a complete stage: re-verify its parts, redo only what is missing
     routes: tuple[str, ...] | None = None  # the prompts' routes this stage takes; None: the stage's own
     side_files: Mapping[str, bytes] = field(default_factory=dict)  # files committed beside the parts
-    turns: Any = None  # a conversations.TurnDriver: the stage runs in rounds (every_turn regenerated, trajectory)
+    turns: TurnDriver | None = None  # the stage runs in rounds (every_turn regenerated, trajectory)
 
 
 def sampling_for(p: Prompt, sampling: dict) -> dict:
@@ -155,7 +161,9 @@ def sampling_for(p: Prompt, sampling: dict) -> dict:
     return dict(sampling, temperature=0.0) if p.route == "both" else sampling
 
 
-def base_row(p: Prompt, prompt_ids: list[int] | None, source: str) -> dict[str, Any]:
+def generation_row(p: Prompt, prompt_ids: list[int] | None, source: str, *, failed: str | None = None) -> GenerationRow:
+    """The one place a generation row is made: `p`'s fields copied as the prompt row spells them,
+    the answer's fields empty for the client to fill; `failed`: the reason of a failed row."""
     return {
         "sample_id": p.sample_id,
         "dataset": p.dataset,
@@ -165,8 +173,8 @@ def base_row(p: Prompt, prompt_ids: list[int] | None, source: str) -> dict[str, 
         "output_ids": None,
         "output_logprobs": None,
         "source": source,
-        "status": "ok",
-        "error": None,
+        "status": "ok" if failed is None else "failed",
+        "error": failed,
         "reasoning": None,
         "content": None,
         "tool_calls": None,
@@ -193,14 +201,6 @@ def _images_json(images: Any, where: str) -> str | None:
     return images if isinstance(images, str) else canonical_json(refs)
 
 
-def failed_row(p: Prompt, prompt_ids: list[int] | None, source: str, reason: str) -> dict[str, Any]:
-    """A failed generation row; both clients return it as `(row, permanent)`: `permanent` True
-    means the error will not heal (HTTP 400, a prompt the template refuses) and the row is final."""
-    row = base_row(p, prompt_ids, source)
-    row.update(status="failed", error=reason)
-    return row
-
-
 class Stop(Exception):
     """Raised inside the writer to leave the stage incomplete with everything done committed."""
 
@@ -213,21 +213,41 @@ class StageRun:
 
     max_failed_runs = 2  # stage attempts a sample may fail in before its failed row is final
 
-    def __init__(self, store, ref, prompts: Prompts, params: dict, hashes: Mapping[str, str | None],
-                 setup: StageSetup, *, rows_per_part: int, flush_interval_s: float = 30.0):
+    def __init__(
+        self,
+        store,
+        ref,
+        prompts: Prompts,
+        params: dict,
+        hashes: Mapping[str, str | None],
+        setup: StageSetup,
+        *,
+        rows_per_part: int,
+        flush_interval_s: float = 30.0,
+    ):
         """`params`: the stage's (manifest) params; `hashes`: `tokenizer_sha256`, `template_sha256`."""
         self.store, self.ref, self.prompts = store, ref, prompts
-        self.writer_args = dict(rows_per_part=rows_per_part, params=params, inputs=list(setup.inputs),
-                                reopen=setup.rerun, **hashes)
-        key = hashlib.sha256(json.dumps([store.uri(ref), params], sort_keys=True, default=str).encode()).hexdigest()[:20]
+        self.writer_args = dict(
+            rows_per_part=rows_per_part, params=params, inputs=list(setup.inputs), reopen=setup.rerun, **hashes
+        )
+        key = hashlib.sha256(json.dumps([store.uri(ref), params], sort_keys=True, default=str).encode()).hexdigest()[
+            :20
+        ]
         self.journal_path = Path(setup.journal_dir or default_journal_dir()) / f"{ref.stage}-{ref.dataset}-{key}.jsonl"
         self.side_files = dict(setup.side_files)
         self.tokenizer_sha256 = hashes.get("tokenizer_sha256")  # recorded in every row's provenance
         self.flush_interval_s = flush_interval_s
         self.turns = setup.turns
         self.total = 0 if self.turns is not None else len(prompts)
-        self.counts = {"ok": 0, "failed": 0, "paid_failed": 0, "skipped": 0, "replayed": 0, "retry_later": 0,
-                       "lost_attempts": 0}
+        self.counts = {
+            "ok": 0,
+            "failed": 0,
+            "paid_failed": 0,
+            "skipped": 0,
+            "replayed": 0,
+            "retry_later": 0,
+            "lost_attempts": 0,
+        }
         self.tokens = 0
         self.cost_usd = 0.0
         self.spent_before_usd = 0.0
@@ -235,10 +255,16 @@ class StageRun:
         self.unsettled_attempts: list[dict] = []  # attempts an earlier process opened and never settled
         self.pending: Iterator[Prompt] = iter(())
         self.pending_count = 0
-        self._held: dict[str, dict] = {}  # failed rows not (yet) final
-        self._rows: list[dict] = []  # ok rows journaled, not yet handed to the writer
+        self.failures: dict[str, dict] = {}  # sample id -> {"runs", "error"}: failures.json
+        self.result: StageSummary | None = None  # set by `finish`
+        self._held: dict[str, GenerationRow] = {}  # failed rows not (yet) final
+        self._rows: list[GenerationRow] = []  # ok rows journaled, not yet handed to the writer
+        self._done: set[str] = set()  # sample ids committed or replayed
         self._batch = min(64, rows_per_part)
         self._last_flush = time.monotonic()
+        self._cm: StageWriter | None = None  # opened by `__enter__`: it takes the stage's lease
+        self.writer: StageWriter | None = None
+        self._journal: io.TextIOBase | None = None  # opened by `_resume`, after the replay
 
     def __enter__(self) -> StageRun:
         # the writer takes the stage's lease first: a second writer fails here, before any request
@@ -254,7 +280,8 @@ class StageRun:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        self._journal.close()
+        if self._journal is not None:
+            self._journal.close()
         if exc_type is not None:
             try:
                 self._hand_over()  # the rows land in the writer's buffer even when S3 is down
@@ -263,9 +290,13 @@ class StageRun:
         self._cm.__exit__(exc_type, exc, tb)  # flushes what is buffered when an error propagates
         unsaved = getattr(self.writer, "unsaved_rows", 0)
         if unsaved:
-            log.warning("%s: the %d answers not in S3 are kept in the local journal %s: a resume on this machine "
-                        "replays them without a request; on another machine they are requested (and paid) again",
-                        self.store.uri(self.ref), unsaved, self.journal_path)
+            log.warning(
+                "%s: the %d answers not in S3 are kept in the local journal %s: a resume on this machine "
+                "replays them without a request; on another machine they are requested (and paid) again",
+                self.store.uri(self.ref),
+                unsaved,
+                self.journal_path,
+            )
         return exc_type is Stop
 
     def _resume(self) -> None:
@@ -287,12 +318,16 @@ class StageRun:
                     replay.append(row)
                     done.add(row["sample_id"])
         if replay:
-            log.info("%s: %d answers recovered from the local journal, not requested again", self.store.uri(self.ref), len(replay))
+            log.info(
+                "%s: %d answers recovered from the local journal, not requested again",
+                self.store.uri(self.ref),
+                len(replay),
+            )
             self.writer.write(replay)
             self.counts["replayed"] = len(replay)
             self.spent_before_usd += sum((r.get("usage") or {}).get("cost_usd") or 0.0 for r in replay)
         self._resume_attempts(attempts.values(), done)
-        self.failures: dict[str, dict] = self._load_failures()
+        self.failures = self._load_failures()
         self._done = done
         if self.turns is not None:  # the rounds ask for their turns (`add`); the walk needs every final one
             self.turns.start(self.prompts)
@@ -304,7 +339,7 @@ class StageRun:
             self.pending = self.prompts.iter(skip=done)
             self.counts["skipped"] = len(self.prompts) - self.pending_count
         self.journal_path.parent.mkdir(parents=True, exist_ok=True)
-        self._journal: io.TextIOBase = self.journal_path.open("a", encoding="utf-8")
+        self._journal = self.journal_path.open("a", encoding="utf-8")
 
     def _resume_attempts(self, attempts: Iterable[dict], done: set[str]) -> None:
         """Attempts of samples still pending: the priced ones count as spent (their sample's row
@@ -320,9 +355,12 @@ class StageRun:
             else:
                 self.unsettled_attempts.append(a)
         if self.unsettled_attempts:
-            log.warning("%s: %d requests of an earlier attempt were cut while the provider may have billed them: "
-                        "priced before their samples are asked again", self.store.uri(self.ref),
-                        len(self.unsettled_attempts))
+            log.warning(
+                "%s: %d requests of an earlier attempt were cut while the provider may have billed them: "
+                "priced before their samples are asked again",
+                self.store.uri(self.ref),
+                len(self.unsettled_attempts),
+            )
 
     def journal_attempt(self, record: dict) -> None:
         """A paid-or-maybe-paid request without an answer, in the local journal (flushed): `state`
@@ -359,7 +397,7 @@ class StageRun:
         except IncompleteStage:  # absent on a first attempt (an S3 outage is not "absent": it propagates)
             return {}
 
-    def record(self, row: dict, *, permanent: bool = False) -> None:
+    def record(self, row: GenerationRow, *, permanent: bool = False) -> None:
         """An answer (status ok) or a failure (status failed + error) for one pending sample:
         `journal`, then `checkpoint` when one is due."""
         self.journal(row, permanent=permanent)
@@ -378,7 +416,7 @@ class StageRun:
             self.writer.flush()
             self._last_flush = time.monotonic()
 
-    def journal(self, row: dict, *, permanent: bool = False, paid: bool = False) -> None:
+    def journal(self, row: GenerationRow, *, permanent: bool = False, paid: bool = False) -> None:
         """Count one sample's row. An answer, and any row of a paid answer (`paid`: a failed or
         unusable one is final: asking again would pay again), is appended to the local journal
         (flushed: it survives a SIGKILL) and queued for the writer; an unpaid failure is held
@@ -408,12 +446,16 @@ class StageRun:
         else:
             self.counts["retry_later"] += 1
 
-    def finish(self, stopped_reason: str | None, extra: dict | None = None) -> None:
+    def finish(
+        self, stopped_reason: StopReason | None, extra: dict | None = None, *, stop_detail: str | None = None
+    ) -> None:
         """Commit the manifest if every sample is settled, else leave the stage for the next attempt
         (raises Stop, which `__exit__` swallows after the writer checkpointed). Result: `self.result`."""
         self.store.put_json(self.ref, FAILURES_FILE, self.failures)
-        summary = self.summary(stopped_reason)
-        if stopped_reason is None and not self.counts["retry_later"]:
+        if stopped_reason is None and self.counts["retry_later"]:
+            stopped_reason = StopReason.RETRYABLE_FAILURES
+        summary = self.summary(stopped_reason, stop_detail)
+        if stopped_reason is None:
             if self.turns is not None:  # every conversation has ended: its samples go beside the parts
                 from eagle3_data.generation.conversations import SAMPLES_FILE
 
@@ -423,17 +465,20 @@ class StageRun:
                 extra = {**(extra or {}), "conversations": figures}
             self._hand_over()
             self.writer.write(list(self._held.values()))
-            self.writer.commit(extra={"counts": summary["counts"], **(extra or {})}, files=[FAILURES_FILE, *self.side_files])
+            self.writer.commit(
+                extra={"counts": summary["counts"], **(extra or {})}, files=[FAILURES_FILE, *self.side_files]
+            )
             self._journal.close()
             self.journal_path.unlink(missing_ok=True)
             summary["complete"] = True
             self.result = summary
             return
-        if stopped_reason is None:
-            summary["stopped_reason"] = "retryable_failures"
-        summary["complete"] = False
-        log.warning("%s left incomplete (%s): %s; rerun to resume", self.store.uri(self.ref),
-                    summary["stopped_reason"], summary["counts"])
+        log.warning(
+            "%s left incomplete (%s): %s; rerun to resume",
+            self.store.uri(self.ref),
+            summary["stopped_reason"],
+            summary["counts"],
+        )
         self.result = summary
         raise Stop(summary["stopped_reason"])
 
@@ -444,41 +489,75 @@ class StageRun:
             rows, self._rows = self._rows, []
             self.writer.write(rows)  # buffered there before any upload: a failed upload keeps them
 
-    def summary(self, stopped_reason: str | None) -> dict:
-        return {
-            "uri": self.store.uri(self.ref),
-            "counts": dict(self.counts, total=self.total),
-            "tokens": self.tokens,
-            "cost_usd": round(self.cost_usd, 6),
-            "spent_before_usd": round(self.spent_before_usd, 6),
-            "stopped_reason": stopped_reason,
-        }
+    def summary(self, stopped_reason: StopReason | None, stop_detail: str | None = None) -> StageSummary:
+        """This attempt's summary, not complete (`finish` says when it is)."""
+        return stage_summary(
+            self.store.uri(self.ref),
+            dict(self.counts, total=self.total),
+            complete=False,
+            stopped_reason=stopped_reason,
+            stop_detail=stop_detail,
+            tokens=self.tokens,
+            cost_usd=round(self.cost_usd, 6),
+            spent_before_usd=round(self.spent_before_usd, 6),
+        )
 
 
-def run_rounds(run: StageRun, dataset: str, go: Callable[[], str | None], progress, label: str) -> str | None:
+def stage_summary(
+    uri: str,
+    counts: dict[str, int],
+    *,
+    complete: bool,
+    reused: bool = False,
+    stopped_reason: StopReason | None = None,
+    stop_detail: str | None = None,
+    tokens: int = 0,
+    cost_usd: float = 0.0,
+    spent_before_usd: float = 0.0,
+) -> StageSummary:
+    """The one shape of a generation stage's summary, fresh (`StageRun.summary`) or reused."""
+    return {
+        "uri": uri,
+        "complete": complete,
+        "reused": reused,
+        "stopped_reason": stopped_reason,
+        "stop_detail": stop_detail,
+        "counts": counts,
+        "tokens": tokens,
+        "cost_usd": cost_usd,
+        "spent_before_usd": spent_before_usd,
+    }
+
+
+def run_rounds(
+    run: StageRun, dataset: str, go: Callable[[], StopReason | None], progress: ProgressSink, label: str
+) -> StopReason | None:
     """Run a client (`go`: one pass over `run.pending`, its stop reason) once, or, for a stage
     whose turns depend on each other (`run.turns`), once per round until no conversation asks for
-    another turn or the client stops."""
-    if run.turns is None:
-        progress.start(run.total, run.total - run.pending_count, label=label)
-        return go()
-    number = 0
-    while rows := run.turns.next_prompts():
-        if number:
-            progress.close()  # the round before's line (bar); the caller closes the last one
-        number += 1
-        run.add(parse_prompts(rows, dataset, None))
-        progress.start(run.pending_count, 0, label=f"{label} round {number}")
-        if stopped := go():
-            return stopped
-    return None
+    another turn or the client stops. `progress` is closed however it ends: a bar left open would
+    swallow the start of an error's line."""
+    try:
+        if run.turns is None:
+            progress.start(run.total, run.total - run.pending_count, label=label)
+            return go()
+        number = 0
+        while rows := run.turns.next_prompts():
+            if number:
+                progress.close()  # the round before's line (bar)
+            number += 1
+            run.add(parse_prompts(rows, dataset, None))
+            progress.start(run.pending_count, 0, label=f"{label} round {number}")
+            if stopped := go():
+                return stopped
+        return None
+    finally:
+        progress.close()
 
 
-def reused_summary(store, ref) -> dict:
+def reused_summary(store, ref) -> StageSummary:
     """A complete stage is never regenerated (opening its writer would discard paid work)."""
     counts = (store.read_manifest(ref).get("extra") or {}).get("counts") or {}
-    return {"uri": store.uri(ref), "complete": True, "reused": True, "stopped_reason": None, "counts": counts,
-            "tokens": 0, "cost_usd": 0.0}
+    return stage_summary(store.uri(ref), counts, complete=True, reused=True)
 
 
 def part_cost(table) -> dict:
@@ -493,8 +572,11 @@ def lost_cost(table) -> float:
     `lost_cost_usd`: cut streams, unreadable answers), which their usage does not hold."""
     if "provenance" not in table.column_names:
         return 0.0
-    return sum(json.loads(p).get("lost_cost_usd") or 0.0 for p in table.column("provenance").to_pylist()
-               if p and '"lost_cost_usd"' in p)
+    return sum(
+        json.loads(p).get("lost_cost_usd") or 0.0
+        for p in table.column("provenance").to_pylist()
+        if p and '"lost_cost_usd"' in p
+    )
 
 
 def committed_cost(store, ref, records: list[dict]) -> float:

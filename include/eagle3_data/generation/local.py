@@ -33,25 +33,27 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 import aiohttp
 
+from eagle3_data.chat_format.base import OutputFormat
+from eagle3_data.config import LocalGenerationConfig, options_of
 from eagle3_data.errors import EndpointUnavailable, UserError
 from eagle3_data.generation.checkpoint import (
     Prompt,
     StageRun,
     StageSetup,
-    base_row,
-    failed_row,
+    generation_row,
     parse_prompts,
     reused_summary,
     run_rounds,
     sampling_for,
 )
-from eagle3_data.generation.progress import Progress, tick_every
+from eagle3_data.generation.contracts import GenerationRow, HealthTimings, StageSummary, StopReason
+from eagle3_data.generation.progress import Progress, ProgressSink, tick_every
 from eagle3_data.generation.retry import PERMANENT_STATUS, WAIT_NOTE_EVERY_S, backoff_s
 from eagle3_data.schemas import IDENTITY_MISMATCH
 
@@ -63,27 +65,24 @@ ROUTES = ("local", "both")
 
 
 @dataclass(frozen=True)
+@options_of(LocalGenerationConfig)
 class LocalOptions:
-    """How the local client runs: `generation.local` of the config (`from_config`), with timings
-    a test or benchmark may tighten."""
+    """How the local client runs: `generation.local` of the config (`config.options_from`), with
+    timings a test or benchmark may tighten."""
 
-    in_flight_per_endpoint: int | None = None  # None: the endpoint's reported capacity
-    rows_per_part: int = 256
+    # generation.local: the defaults are the config's (config.options_of)
+    in_flight_per_endpoint: int | None  # None: the endpoint's reported capacity
+    rows_per_part: int
+    warmup_timeout_s: float
+    unreachable_timeout_s: float
+    connect_timeout_s: float
+    max_endpoint_failures: int
+    served_model: str | None  # the name every endpoint must serve (GET /v1/models); None: recorded only
+    # the client's own
     max_attempts: int = 5
     request_timeout_s: float = 3600.0
-    warmup_timeout_s: float = 600.0
-    unreachable_timeout_s: float = 15.0
-    connect_timeout_s: float = 5.0
-    max_endpoint_failures: int = 3
     health_interval_s: float = 2.0
     flush_interval_s: float = 30.0
-    served_model: str | None = None  # the name every endpoint must serve (GET /v1/models); None: recorded only
-
-    @classmethod
-    def from_config(cls, local: Any, **overrides: Any) -> LocalOptions:
-        """The options a `LocalGenerationConfig` sets (same field names), plus `overrides`."""
-        names = {f.name for f in fields(cls)}
-        return cls(**{**{k: v for k, v in local.model_dump().items() if k in names}, **overrides})
 
 
 class Answer(NamedTuple):
@@ -135,17 +134,27 @@ class Wire(Protocol):
         """What the stage's manifest records of the endpoints' identities."""
 
 
-def generate_local(store, ref, prompts: Iterable[dict], fmt, endpoints: Sequence[str], sampling: Mapping[str, Any],
-                   *, wire: Wire, options: LocalOptions = LocalOptions(), setup: StageSetup = StageSetup()) -> dict:
+def generate_local(
+    store,
+    ref,
+    prompts: Iterable[dict],
+    fmt: OutputFormat,
+    endpoints: Sequence[str],
+    sampling: Mapping[str, Any],
+    *,
+    wire: Wire,
+    options: LocalOptions = LocalOptions(),
+    setup: StageSetup = StageSetup(),
+) -> StageSummary:
     """Generate every pending prompt of `ref.dataset` (routes local|both) on `wire`'s `endpoints`;
-    summary dict (see StageRun).
+    its summary (stopped_reason `endpoints_lost` when every endpoint failed for a warm-up).
 
     `fmt`: the output format bound to the generation mode (renders the prompts, names the stop
     ids, parses the answers). `sampling`: the engine-neutral sampling params (temperature, top_p,
     max_new_tokens, ...), checked by the wire before any request. Resumes a killed attempt:
     committed sample_ids are skipped, journaled answers replayed. `setup.rerun` reopens a complete
     stage (parts re-verified, only missing or corrupt rows redone)."""
-    from eagle3_data.tokenizer import chat_template_sha256, tokenizer_files_sha256
+    from eagle3_data.tokenizer import tokenizer_hashes
 
     if store.is_complete(ref) and not setup.rerun:
         return reused_summary(store, ref)
@@ -155,18 +164,35 @@ def generate_local(store, ref, prompts: Iterable[dict], fmt, endpoints: Sequence
     request.setdefault("stop_token_ids", list(fmt.stop_token_ids))
     rows = parse_prompts(prompts, ref.dataset, setup.routes if setup.routes is not None else ROUTES)
     params = {"source": wire.source, "model": setup.model, "sampling": dict(request, thinking=fmt.thinking)}
-    progress = setup.progress or Progress()
-    hashes = {"tokenizer_sha256": tokenizer_files_sha256(fmt.tokenizer), "template_sha256": chat_template_sha256(fmt.tokenizer)}
-    with StageRun(store, ref, rows, params, hashes, setup, rows_per_part=options.rows_per_part,
-                  flush_interval_s=options.flush_interval_s) as run:
+    progress = setup.progress or Progress()  # closed by run_rounds
+    with StageRun(
+        store,
+        ref,
+        rows,
+        params,
+        tokenizer_hashes(fmt.tokenizer),
+        setup,
+        rows_per_part=options.rows_per_part,
+        flush_interval_s=options.flush_interval_s,
+    ) as run:
         client = LocalRun(run, fmt, endpoints, request, wire, options, setup.model, progress)
-        try:
-            stopped = run_rounds(run, ref.dataset, lambda: asyncio.run(client.run()), progress,
-                                 f"generate_local {ref.dataset} ({wire.engine})")
-        finally:
-            progress.close()  # a bar left open would swallow the start of the error's line
-        run.finish(stopped, extra={"endpoints": len(endpoints), "max_in_flight": client.max_in_flight,
-                                   **client.timing(), **wire.manifest_extra(client.identity)})
+        stopped = run_rounds(
+            run,
+            ref.dataset,
+            lambda: asyncio.run(client.run()),
+            progress,
+            f"generate_local {ref.dataset} ({wire.engine})",
+        )
+        run.finish(
+            stopped,
+            extra={
+                "endpoints": len(endpoints),
+                "max_in_flight": client.max_in_flight,
+                **client.timing(),
+                **wire.manifest_extra(client.identity),
+            },
+            stop_detail=client.stop_detail,
+        )
     return run.result
 
 
@@ -195,15 +221,17 @@ async def health(http: aiohttp.ClientSession, endpoint: str, connect_timeout_s: 
     # SGLang's /health itself waits up to ~20 s for its one-token generation; the connection
     # attempt is bounded on its own, so a host that drops SYNs is not waited on for 30 s.
     try:
-        async with http.get(f"{endpoint}/health", timeout=aiohttp.ClientTimeout(total=30.0, sock_connect=connect_timeout_s)) as r:
+        async with http.get(
+            f"{endpoint}/health", timeout=aiohttp.ClientTimeout(total=30.0, sock_connect=connect_timeout_s)
+        ) as r:
             return r.status
     except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
-        return HealthFailure(describe(exc), connected=False)
+        return HealthFailure(exception_line(exc), connected=False)
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        return HealthFailure(describe(exc), connected=True)
+        return HealthFailure(exception_line(exc), connected=True)
 
 
-async def wait_healthy(http: aiohttp.ClientSession, endpoint: str, engine: str, o) -> str | None:
+async def wait_healthy(http: aiohttp.ClientSession, endpoint: str, engine: str, o: HealthTimings) -> str | None:
     """Poll `/health` until it answers 200 (None), else say what was tried. A server that answers
     (503 while it loads its model) is waited for up to `o.warmup_timeout_s`; one that accepts no
     connection at all (nothing listening, no route to it) is given up after
@@ -226,8 +254,14 @@ async def wait_healthy(http: aiohttp.ClientSession, endpoint: str, engine: str, 
         if now - started >= o.warmup_timeout_s:
             return f"not ready after {o.warmup_timeout_s:g} s of warm-up ({tried})"
         if now >= note_at:  # the first retry already says so: a wait is never silent
-            log.warning("%s endpoint: waiting for %s/health ... (%d tries over %.0f s, last: %s)", engine, endpoint,
-                        tries, now - started, last)
+            log.warning(
+                "%s endpoint: waiting for %s/health ... (%d tries over %.0f s, last: %s)",
+                engine,
+                endpoint,
+                tries,
+                now - started,
+                last,
+            )
             note_at = now + WAIT_NOTE_EVERY_S
         await asyncio.sleep(min(o.health_interval_s, max(0.0, started + o.warmup_timeout_s - now)))
 
@@ -235,8 +269,17 @@ async def wait_healthy(http: aiohttp.ClientSession, endpoint: str, engine: str, 
 class LocalRun:
     """Shared queue + per-endpoint workers, health, drop/re-admit and retries for one stage."""
 
-    def __init__(self, run: StageRun, fmt, endpoints: Sequence[str], sampling: dict, wire: Wire,
-                 options: LocalOptions, model: str, progress: Progress):
+    def __init__(
+        self,
+        run: StageRun,
+        fmt: OutputFormat,
+        endpoints: Sequence[str],
+        sampling: dict,
+        wire: Wire,
+        options: LocalOptions,
+        model: str,
+        progress: ProgressSink,
+    ):
         self.stage, self.fmt, self.endpoints = run, fmt, [e.rstrip("/") for e in endpoints]
         self.sampling, self.wire, self.o = sampling, wire, options
         self.model, self.tok_sha, self.progress = model, run.tokenizer_sha256, progress
@@ -249,10 +292,19 @@ class LocalRun:
         self.capacity_source: dict[str, str] = {}  # "config" | "server_info" | "default"
         self.latency_sum, self.answered, self.started = 0.0, 0, time.monotonic()
         self.workers: dict[str, list[asyncio.Task]] = {}
-        self.stop_reason: str | None = None
+        self.stop_reason: StopReason | None = None
+        self.stop_detail: str | None = None  # what the stop was, in words
         self.feed_error: Exception | None = None
+        # one pass's (`run`: once per round, each round on an event loop of its own)
+        self.http: aiohttp.ClientSession | None = None
+        # fresh prompts come from the stage's one-shot iterator as workers free up (only the
+        # prompts in flight are decoded); the queue holds those handed back for another try
+        self.feed: Iterator[Prompt] | None = None
+        self.queue: asyncio.Queue[tuple[Prompt, int]] = asyncio.Queue()
+        self.outstanding = 0  # pending samples not yet settled
+        self.all_done = asyncio.Event()
 
-    async def run(self) -> str | None:
+    async def run(self) -> StopReason | None:
         # aiohttp, not httpx: httpx's connection pool costs several ms of CPU per request at this
         # depth and left the slots 60% empty against a fast server (benchmarks/RESULTS.md).
         # no pool limit: the workers bound the connections (per endpoint, known only after /server_info)
@@ -260,8 +312,12 @@ class LocalRun:
         timeout = aiohttp.ClientTimeout(total=self.o.request_timeout_s, sock_connect=self.o.connect_timeout_s)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
             self.http = http
-            log.info("%s: waiting for %d endpoint(s) to answer /health: %s", self.wire.engine, len(self.endpoints),
-                     ", ".join(self.endpoints))
+            log.info(
+                "%s: waiting for %d endpoint(s) to answer /health: %s",
+                self.wire.engine,
+                len(self.endpoints),
+                ", ".join(self.endpoints),
+            )
             problems = await asyncio.gather(*(self._wait_ready(e) for e in self.endpoints))
             for e, problem in zip(self.endpoints, problems):
                 if problem is not None:
@@ -273,13 +329,10 @@ class LocalRun:
                     + "; ".join(f"{e}: {problem}" for e, problem in zip(self.endpoints, problems))
                     + ". Check the URLs (the local engine's connection, sglang_default, or --endpoint) and that the "
                     "servers run; a server still loading its model that does not listen yet: raise "
-                    "generation.local.unreachable_timeout_s")
-            # fresh prompts come from the stage's one-shot iterator as workers free up (only the
-            # prompts in flight are decoded); the queue holds those handed back for another try
-            self.feed = iter(self.stage.pending)
-            self.queue: asyncio.Queue = asyncio.Queue()
-            self.outstanding = self.stage.pending_count
-            self.all_done = asyncio.Event()
+                    "generation.local.unreachable_timeout_s"
+                )
+            self.feed, self.outstanding = iter(self.stage.pending), self.stage.pending_count
+            self.queue, self.all_done = asyncio.Queue(), asyncio.Event()  # bound to the loop they first wait on
             if not self.outstanding:
                 return None
             for e in healthy:
@@ -308,8 +361,10 @@ class LocalRun:
         model than `served_model`), and how many requests it takes."""
         self.identity[endpoint] = identity = await self.wire.identify(self.http, endpoint)
         if self.o.served_model is not None and identity.get("served_model") != self.o.served_model:
-            return (f"serves {identity.get('served_model')!r} (GET /v1/models), not generation.local.served_model "
-                    f"{self.o.served_model!r}")
+            return (
+                f"serves {identity.get('served_model')!r} (GET /v1/models), not generation.local.served_model "
+                f"{self.o.served_model!r}"
+            )
         await self._size(endpoint)
         return None
 
@@ -323,9 +378,15 @@ class LocalRun:
             self.capacity[endpoint], self.capacity_source[endpoint] = DEFAULT_IN_FLIGHT, "default"
         else:
             self.capacity[endpoint], self.capacity_source[endpoint] = min(reported, MAX_IN_FLIGHT), "server_info"
-        log.info("%s endpoint %s: %d in flight (%s)", self.wire.engine, endpoint, self.capacity[endpoint],
-                 "its max_running_requests" if reported is not None else
-                 "default: it reports no capacity; set generation.local.in_flight_per_endpoint")
+        log.info(
+            "%s endpoint %s: %d in flight (%s)",
+            self.wire.engine,
+            endpoint,
+            self.capacity[endpoint],
+            "its max_running_requests"
+            if reported is not None
+            else "default: it reports no capacity; set generation.local.in_flight_per_endpoint",
+        )
 
     async def _reported_capacity(self, endpoint: str) -> int | None:
         for path in self.wire.capacity_paths:
@@ -342,9 +403,13 @@ class LocalRun:
     def timing(self) -> dict:
         """For the manifest (and the next run's `balanced` routing): in flight per endpoint, where
         that came from, and the mean seconds per answered request of this attempt."""
-        return {"in_flight": dict(self.capacity), "in_flight_source": dict(self.capacity_source),
-                "answered": self.answered, "wall_s": round(time.monotonic() - self.started, 3),
-                "latency_s_mean": round(self.latency_sum / self.answered, 4) if self.answered else None}
+        return {
+            "in_flight": dict(self.capacity),
+            "in_flight_source": dict(self.capacity_source),
+            "answered": self.answered,
+            "wall_s": round(time.monotonic() - self.started, 3),
+            "latency_s_mean": round(self.latency_sum / self.answered, 4) if self.answered else None,
+        }
 
     def _admit(self, endpoint: str) -> None:
         self.failures[endpoint] = 0
@@ -356,8 +421,12 @@ class LocalRun:
         back on the queue) and `_readmit` watches its /health."""
         if endpoint not in self.workers:
             return
-        log.warning("%s endpoint %s: %d consecutive failures; dropped until /health answers again",
-                    self.wire.engine, endpoint, self.failures[endpoint])
+        log.warning(
+            "%s endpoint %s: %d consecutive failures; dropped until /health answers again",
+            self.wire.engine,
+            endpoint,
+            self.failures[endpoint],
+        )
         current = asyncio.current_task()
         for t in self.workers.pop(endpoint):
             if t is not current:
@@ -380,8 +449,10 @@ class LocalRun:
             elif alone_since is None:
                 alone_since = time.monotonic()
             elif time.monotonic() - alone_since > self.o.warmup_timeout_s:
-                self.stop_reason = (f"every {self.wire.engine} endpoint failed and none came back within "
-                                    f"{self.o.warmup_timeout_s:g} s")
+                self.stop_reason = StopReason.ENDPOINTS_LOST
+                self.stop_detail = (
+                    f"every {self.wire.engine} endpoint failed and none came back within {self.o.warmup_timeout_s:g} s"
+                )
                 self.all_done.set()
                 return
 
@@ -436,11 +507,12 @@ class LocalRun:
                 continue
             self._settle(row, permanent=outcome.permanent)
 
-    def _settle(self, row: dict, permanent: bool) -> None:
+    def _settle(self, row: GenerationRow, permanent: bool) -> None:
         self.stage.record(row, permanent=permanent and row["status"] != "ok")
         ok = row["status"] == "ok"
-        self.progress.update(ok=int(ok), failed=int(not ok),
-                             tokens=(row.get("usage") or {}).get("completion_tokens") or 0)
+        self.progress.update(
+            ok=int(ok), failed=int(not ok), tokens=(row.get("usage") or {}).get("completion_tokens") or 0
+        )
         self.outstanding -= 1
         if self.outstanding == 0:
             self.all_done.set()
@@ -452,8 +524,8 @@ class LocalRun:
         try:
             prompt_ids = self.fmt.generation_prompt_ids(p.messages, p.tools, p.images)
         except Exception as exc:  # the template refuses this conversation: permanent
-            return Outcome(failed_row(p, None, source, f"chat template: {exc}"), permanent=True)
-        row = base_row(p, prompt_ids, source)
+            return Outcome(generation_row(p, None, source, failed=f"chat template: {exc}"), permanent=True)
+        row = generation_row(p, prompt_ids, source)
         sampling = sampling_for(p, self.sampling)
         rid = f"{p.sample_id}.{self.run_tag}.{attempt}"  # fresh per request: SGLang refuses a rid still registered
         identity = self.identity.get(endpoint, {})
@@ -465,25 +537,35 @@ class LocalRun:
                 status, text = r.status, await r.text()
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             reason = f"transport: {type(exc).__name__} from {endpoint}"
-            return Outcome(failed_row(p, prompt_ids, source, reason), endpoint_failed=True)
+            return Outcome(generation_row(p, prompt_ids, source, failed=reason), endpoint_failed=True)
         if status != 200:
             if self.wire.backpressure(status, text):
                 return Outcome(row, backpressure=True)
             reason = f"HTTP {status} from {endpoint}: {error_message(text)[:300]}"
-            return Outcome(failed_row(p, prompt_ids, source, reason), permanent=status in PERMANENT_STATUS,
-                           endpoint_failed=status >= 500 or status in (401, 403))
+            return Outcome(
+                generation_row(p, prompt_ids, source, failed=reason),
+                permanent=status in PERMANENT_STATUS,
+                endpoint_failed=status >= 500 or status in (401, 403),
+            )
         try:
             ids, finish, engine_provenance, logprobs = self.wire.answer(json.loads(text), prompt_ids, identity)
         except PromptCut as exc:  # every attempt on this server cuts it the same way
-            return Outcome(failed_row(p, prompt_ids, source, f"prompt cut by {endpoint}: {exc}"), permanent=True)
+            return Outcome(
+                generation_row(p, prompt_ids, source, failed=f"prompt cut by {endpoint}: {exc}"), permanent=True
+            )
         except (ValueError, KeyError, TypeError, IndexError) as exc:
-            return Outcome(failed_row(p, prompt_ids, source, f"malformed answer from {endpoint}: {exc}"))
+            return Outcome(generation_row(p, prompt_ids, source, failed=f"malformed answer from {endpoint}: {exc}"))
         if finish["type"] not in ("stop", "length"):
-            return Outcome(failed_row(p, prompt_ids, source, f"finish_reason {finish!r} from {endpoint}"))
+            return Outcome(generation_row(p, prompt_ids, source, failed=f"finish_reason {finish!r} from {endpoint}"))
         named = engine_provenance.get("served_model")
         if self.o.served_model is not None and named is not None and named != self.o.served_model:
-            row = failed_row(p, prompt_ids, source, f"identity: model: answered by {named!r}, pinned {self.o.served_model!r} "
-                             f"(generation.local.served_model) at {endpoint}")
+            row = generation_row(
+                p,
+                prompt_ids,
+                source,
+                failed=f"identity: model: answered by {named!r}, pinned "
+                f"{self.o.served_model!r} (generation.local.served_model) at {endpoint}",
+            )
             row.update(status=IDENTITY_MISMATCH, provenance=json.dumps({"served_model": named, "endpoint": endpoint}))
             return Outcome(row, permanent=True)
         msg = self.fmt.parse_ids(ids, finish["type"]).message
@@ -494,17 +576,34 @@ class LocalRun:
             output_logprobs=logprobs,
             reasoning=msg.reasoning,
             content=msg.content,
-            tool_calls=json.dumps([c.to_openai() for c in msg.tool_calls], ensure_ascii=False) if msg.tool_calls else None,
+            tool_calls=json.dumps([c.to_openai() for c in msg.tool_calls], ensure_ascii=False)
+            if msg.tool_calls
+            else None,
             finish_reason=finish["type"],
-            usage={"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
-                   "reasoning_tokens": reasoning_tokens, "cost_usd": None},
-            provenance=json.dumps({
-                "model": self.model, "engine": source, "endpoint": endpoint, "sampling": sampling,
-                "thinking": self.fmt.thinking, "tokenizer_sha256": self.tok_sha, "rid": rid,
-                "e2e_latency": round(time.monotonic() - started, 4), "finish_reason": finish,
-                "generated_at": time.time(), "logprobs": self.wire.logprob_distribution(sampling),
-                **engine_provenance, **_source(p),
-            }, sort_keys=True),
+            usage={
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": len(ids),
+                "reasoning_tokens": reasoning_tokens,
+                "cost_usd": None,
+            },
+            provenance=json.dumps(
+                {
+                    "model": self.model,
+                    "engine": source,
+                    "endpoint": endpoint,
+                    "sampling": sampling,
+                    "thinking": self.fmt.thinking,
+                    "tokenizer_sha256": self.tok_sha,
+                    "rid": rid,
+                    "e2e_latency": round(time.monotonic() - started, 4),
+                    "finish_reason": finish,
+                    "generated_at": time.time(),
+                    "logprobs": self.wire.logprob_distribution(sampling),
+                    **engine_provenance,
+                    **_source(p),
+                },
+                sort_keys=True,
+            ),
         )
         return Outcome(row)
 
@@ -512,7 +611,7 @@ class LocalRun:
 class Outcome(NamedTuple):
     """One request's result for the worker loop."""
 
-    row: dict
+    row: GenerationRow
     permanent: bool = False  # a failed row no attempt can fix
     endpoint_failed: bool = False  # counts toward dropping the endpoint
     backpressure: bool = False  # the engine is full: the same attempt again later
@@ -523,7 +622,7 @@ def _source(p: Prompt) -> dict:
     return {"source_id": p.source_id} if p.source_id is not None else {}
 
 
-def describe(exc: BaseException) -> str:
+def exception_line(exc: BaseException) -> str:
     """An aiohttp/timeout failure in one short line: its type and what it says."""
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text[:160]}" if text else type(exc).__name__
@@ -532,6 +631,7 @@ def describe(exc: BaseException) -> str:
 def server_capacity(info) -> int | None:
     """`max_running_requests` of a `/server_info` answer: the top-level server arg, else the sum
     over the data-parallel ranks' `internal_states`; None when neither is a positive int."""
+
     def positive(v):
         return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 

@@ -27,22 +27,25 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from eagle3_data.chat_format.base import OutputFormat
+from eagle3_data.config import OverflowGenerationConfig, options_of
 from eagle3_data.errors import UserError
 from eagle3_data.images import read_image
 from eagle3_data.generation.checkpoint import (
     Prompt,
     StageRun,
     StageSetup,
-    failed_row,
+    generation_row,
     parse_prompts,
     reused_summary,
     run_rounds,
 )
+from eagle3_data.generation.contracts import GenerationRow, StageSummary, StopReason
 from eagle3_data.generation.openrouter_breaker import Breaker
 from eagle3_data.generation.openrouter_budget import Budget
 from eagle3_data.generation.openrouter_http import AttemptLost, SdkPost
@@ -56,15 +59,8 @@ from eagle3_data.generation.openrouter_rows import (
     failed_with,
     request_sampling,
 )
-from eagle3_data.generation.progress import Progress, tick_every
-from eagle3_data.generation.provider_answers import (
-    IN_FLIGHT_BUDGET,
-    RATE_LIMITED,
-    REPEATED_ERROR,
-    Verdict,
-    body_error,
-    classify_status,
-)
+from eagle3_data.generation.progress import Progress, ProgressSink, tick_every
+from eagle3_data.generation.provider_answers import Verdict, body_error, classify_status
 from eagle3_data.generation.provider_identity import (
     Pin,
     allowed_providers,
@@ -76,10 +72,14 @@ from eagle3_data.generation.retry import backoff_s
 log = logging.getLogger(__name__)
 
 ROUTES = ("overflow", "both")
-UNPRICED = "unpriced_answer"  # stopped_reason: an answer without a cost anywhere while a budget binds
-BUDGET, ERROR = "budget", "error"  # stopped_reason: the cap would be passed; the run broke (its error propagates)
-__all__ = ["UNPRICED", "OverflowOptions", "OverflowRequest", "check_sampling", "generate_overflow", "price_answer",
-           "request_sampling"]
+__all__ = [
+    "OverflowOptions",
+    "OverflowRequest",
+    "check_sampling",
+    "generate_overflow",
+    "price_answer",
+    "request_sampling",
+]
 
 
 def check_sampling(sampling: Mapping[str, Any], *, where: str = "generation.sampling") -> dict:
@@ -87,8 +87,10 @@ def check_sampling(sampling: Mapping[str, Any], *, where: str = "generation.samp
     silently dropped would make the overflow share sample differently from the local one)."""
     for key in sampling:
         if key not in REQUEST_FIELDS:
-            raise UserError(f"{where}: {key!r} is not a sampling parameter the OpenRouter client sends; "
-                            f"accepted: {', '.join(REQUEST_FIELDS)}")
+            raise UserError(
+                f"{where}: {key!r} is not a sampling parameter the OpenRouter client sends; "
+                f"accepted: {', '.join(REQUEST_FIELDS)}"
+            )
     return dict(sampling)
 
 
@@ -103,42 +105,48 @@ class OverflowRequest:
 
 
 @dataclass(frozen=True)
+@options_of(OverflowGenerationConfig)
 class OverflowOptions:
-    """How the overflow client runs: `generation.overflow` of the config (`from_config`), with
-    timings a test or benchmark may tighten. The defaults are the config's (tests/unit/test_config.py
-    holds them equal)."""
+    """How the overflow client runs: `generation.overflow` of the config (`config.options_from`),
+    with timings a test or benchmark may tighten."""
 
-    concurrency: int = 256
-    rows_per_part: int = 64
-    max_usd: float | None = None  # stop dispatching before spent + in flight would pass it; None: no cap
-    price_usd_per_mtok: Mapping[str, float] | None = None  # prices answers that carry no usage.cost
+    # generation.overflow: the defaults are the config's (config.options_of)
+    concurrency: int
+    rows_per_part: int
+    max_usd: float | None  # stop dispatching before spent + in flight would pass it; None: no cap
+    price_usd_per_mtok: Mapping[str, float] | None  # prices answers that carry no usage.cost
+    stream: bool  # SSE requests: bounded by silence, named when they open (openrouter_http)
+    stream_idle_timeout_s: float
+    request_timeout_s: float  # a non-streamed request's whole answer
+    unreachable_timeout_s: float
+    connect_timeout_s: float
+    max_identical_errors: int  # this many identical permanent errors in a row stop dispatch
+    # the client's own
     max_attempts: int = 6
-    stream: bool = True  # SSE requests: bounded by silence, named when they open (openrouter_http)
-    stream_idle_timeout_s: float = 180.0
-    request_timeout_s: float = 600.0  # a non-streamed request's whole answer
     first_cost_estimate_usd: float = 0.01
     flush_interval_s: float = 30.0
-    unreachable_timeout_s: float = 15.0
-    connect_timeout_s: float = 5.0
-    max_identical_errors: int = 10  # this many identical permanent errors in a row stop dispatch
     cost_lookups: int = 4  # GET /generation?id= tries for an answer without usage.cost (its record lags)
     cost_lookup_delay_s: float = 0.5  # the first wait; doubled after each 404
 
-    @classmethod
-    def from_config(cls, overflow: Any, **overrides: Any) -> OverflowOptions:
-        """The options an `OverflowGenerationConfig` sets (same field names), plus `overrides`."""
-        names = {f.name for f in fields(cls)}
-        return cls(**{**{k: v for k, v in overflow.model_dump().items() if k in names}, **overrides})
 
-
-def generate_overflow(store, ref, prompts: Iterable[dict], fmt, base_url: str, api_key: str, request: OverflowRequest,
-                      *, options: OverflowOptions = OverflowOptions(), setup: StageSetup = StageSetup()) -> dict:
+def generate_overflow(
+    store,
+    ref,
+    prompts: Iterable[dict],
+    fmt: OutputFormat,
+    base_url: str,
+    api_key: str,
+    request: OverflowRequest,
+    *,
+    options: OverflowOptions = OverflowOptions(),
+    setup: StageSetup = StageSetup(),
+) -> StageSummary:
     """Generate every pending prompt of `ref.dataset` (routes overflow|both) through OpenRouter;
-    summary dict.
+    its summary.
 
     `fmt`: the output format bound to the generation mode (its prompt ids price the budget's
     estimate; `reasoning` follows its mode unless the request sets it).
-    stopped_reason (with `stop_detail`, the provider's words, when it answered): None (complete);
+    stopped_reason (a StopReason, with `stop_detail`, the provider's words, when it answered): None (complete);
     "budget"; "credits" (402 out of credits), "unauthorized" (401), "forbidden" (403: a key limit,
     a workspace budget), "repeated_error" (`max_identical_errors` identical permanent errors in a
     row: a config the provider refuses), "unpriced_answer" (no cost in the answer, none at
@@ -148,35 +156,69 @@ def generate_overflow(store, ref, prompts: Iterable[dict], fmt, base_url: str, a
     `setup.rerun` regenerates a complete stage: answers still in the local journal are replayed
     first (never paid twice), the rest is requested again.
     """
-    from eagle3_data.tokenizer import chat_template_sha256, tokenizer_files_sha256
+    from eagle3_data.tokenizer import tokenizer_hashes
 
     if store.is_complete(ref) and not setup.rerun:
         return reused_summary(store, ref)
     if not api_key:
-        raise UserError("generate_overflow: no API key (set the openrouter connection's password or OPENROUTER_API_KEY)")
+        raise UserError(
+            "generate_overflow: no API key (set the openrouter connection's password or OPENROUTER_API_KEY)"
+        )
     sampling = check_sampling(request.sampling)
     reasoning = dict(request.reasoning or {"enabled": fmt.thinking})
-    params = {"source": SOURCE, "model": request.model, "provider": dict(request.provider),
-              "sampling": dict(sampling, thinking=fmt.thinking), "reasoning": reasoning, "base_url": base_url}
+    params = {
+        "source": SOURCE,
+        "model": request.model,
+        "provider": dict(request.provider),
+        "sampling": dict(sampling, thinking=fmt.thinking),
+        "reasoning": reasoning,
+        "base_url": base_url,
+    }
     rows = parse_prompts(prompts, ref.dataset, setup.routes if setup.routes is not None else ROUTES)
-    progress = setup.progress or Progress()
-    hashes = {"tokenizer_sha256": tokenizer_files_sha256(fmt.tokenizer), "template_sha256": chat_template_sha256(fmt.tokenizer)}
-    with StageRun(store, ref, rows, params, hashes, setup, rows_per_part=options.rows_per_part,
-                  flush_interval_s=options.flush_interval_s) as run:
-        budget = Budget(options.max_usd, run.spent_before_usd, max_new_tokens=sampling.get("max_new_tokens"),
-                        prices=Prices.per_mtok(options.price_usd_per_mtok),
-                        first_estimate_usd=options.first_cost_estimate_usd)
-        client = _OverflowRun(run, fmt, base_url, api_key, replace(request, sampling=sampling, reasoning=reasoning),
-                              options, progress, budget)
-        try:
-            with fewer_gc_pauses():
-                stopped = run_rounds(run, ref.dataset, lambda: run_event_loop(client.run()), progress,
-                                     f"generate_overflow {ref.dataset}")
-        finally:
-            progress.close()  # a bar left open would swallow the start of the error's line
-        run.finish(stopped, extra={"budget_usd": options.max_usd, "spent_total_usd": round(client.budget.spent, 6),
-                                   "identity_pin": client.pin.to_json() if client.pin else None, **client.timing()})
-    return {**run.result, "stop_detail": client.stop_detail}
+    progress = setup.progress or Progress()  # closed by run_rounds
+    with StageRun(
+        store,
+        ref,
+        rows,
+        params,
+        tokenizer_hashes(fmt.tokenizer),
+        setup,
+        rows_per_part=options.rows_per_part,
+        flush_interval_s=options.flush_interval_s,
+    ) as run:
+        budget = Budget(
+            options.max_usd,
+            run.spent_before_usd,
+            max_new_tokens=sampling.get("max_new_tokens"),
+            prices=Prices.per_mtok(options.price_usd_per_mtok),
+            first_estimate_usd=options.first_cost_estimate_usd,
+        )
+        client = _OverflowRun(
+            run,
+            fmt,
+            base_url,
+            api_key,
+            replace(request, sampling=sampling, reasoning=reasoning),
+            options,
+            progress,
+            budget,
+        )
+        with fewer_gc_pauses():
+            stopped = run_rounds(
+                run, ref.dataset, lambda: run_event_loop(client.run()), progress, f"generate_overflow {ref.dataset}"
+            )
+        run.finish(
+            stopped,
+            extra={
+                "budget_usd": options.max_usd,
+                "spent_total_usd": round(client.budget.spent, 6),
+                "identity_pin": client.pin.to_json() if client.pin else None,
+                **client.timing(),
+            },
+            stop_detail=client.stop_detail,
+        )
+    return run.result
+
 
 @contextmanager
 def fewer_gc_pauses(threshold: tuple[int, int, int] = (50_000, 20, 1000)):
@@ -225,7 +267,7 @@ class _Failed:
     """A failed sample's row. `permanent`: final now (the same request fails again); `breaker`:
     the error text the circuit breaker compares (None: it does not count)."""
 
-    row: dict
+    row: GenerationRow
     permanent: bool
     breaker: str | None = None
 
@@ -244,8 +286,17 @@ class _Answer:
 class _OverflowRun:
     """Dispatch: `concurrency` workers send, one settler records (`run`)."""
 
-    def __init__(self, run: StageRun, fmt, base_url: str, api_key: str, request: OverflowRequest,
-                 options: OverflowOptions, progress: Progress, budget: Budget):
+    def __init__(
+        self,
+        run: StageRun,
+        fmt: OutputFormat,
+        base_url: str,
+        api_key: str,
+        request: OverflowRequest,
+        options: OverflowOptions,
+        progress: ProgressSink,
+        budget: Budget,
+    ):
         self.stage, self.fmt, self.base_url, self._key = run, fmt, base_url, api_key
         self.model, self.provider = request.model, dict(request.provider)
         self.shape = RequestShape(request.model, self.provider, dict(request.reasoning), dict(request.sampling),
@@ -258,22 +309,35 @@ class _OverflowRun:
         self.breaker: Breaker[_Failed] = Breaker(options.max_identical_errors, self._tripped)
         self.lost: dict[str, list[dict]] = {sid: list(a) for sid, a in run.lost_attempts.items()}
         self.in_flight = 0
-        self.stopped: str | None = None
+        self.stopped: StopReason | None = None
         self.stop_detail: str | None = None  # the provider's words for the stop
         self.pin: Pin | None = None
-        self.rows = RowContext(request.model, self.provider, dict(request.sampling), fmt.thinking,
-                               run.tokenizer_sha256, None)
+        self.rows = RowContext(
+            request.model, self.provider, dict(request.sampling), fmt.thinking, run.tokenizer_sha256, None
+        )
         self.paused_until = 0.0  # monotonic: no request leaves before (a 402 in-flight budget, a 429 hint)
         self.latency_sum, self.answered, self.started = 0.0, 0, time.monotonic()
+        # one pass's (`run`: once per round, each round on an event loop of its own)
+        self._prompts: Iterator[Prompt] = iter(())  # the pending prompts not yet made ready
+        self._ready: deque[_Ready] = deque()  # made ready ahead (the settler does it when idle)
+        self._lookahead = 2 * self.concurrency  # how many: a burst's worth, and the next
+        # bounded: a worker waits when the settler is C answers behind, so at most C answers are
+        # received and not yet journaled (what a SIGKILL could lose, besides the C in flight)
+        self._answers: asyncio.Queue[tuple[_Ready, _Answer | _Failed | None, float] | None] = asyncio.Queue(
+            maxsize=self.concurrency
+        )
 
     def timing(self) -> dict:
         """For the manifest (and the next run's `balanced` routing): the concurrency and the mean
         seconds per answered sample of this attempt (retries and their backoff included)."""
-        return {"concurrency": self.concurrency, "answered": self.answered,
-                "wall_s": round(time.monotonic() - self.started, 3),
-                "latency_s_mean": round(self.latency_sum / self.answered, 4) if self.answered else None}
+        return {
+            "concurrency": self.concurrency,
+            "answered": self.answered,
+            "wall_s": round(time.monotonic() - self.started, 3),
+            "latency_s_mean": round(self.latency_sum / self.answered, 4) if self.answered else None,
+        }
 
-    def _stop(self, reason: str, detail: str | None) -> None:
+    def _stop(self, reason: StopReason, detail: str | None) -> None:
         """Stop dispatching (the first reason wins): the workers send nothing more after their
         request in flight."""
         if self.stopped is None:
@@ -281,9 +345,9 @@ class _OverflowRun:
             log.error("%s: stopping dispatch (%s)%s", SOURCE, reason, f": {detail}" if detail else "")
 
     def _tripped(self, error: str, run: int) -> None:
-        self._stop(REPEATED_ERROR, f"{run} requests in a row failed with: {error}")
+        self._stop(StopReason.REPEATED_ERROR, f"{run} requests in a row failed with: {error}")
 
-    async def run(self) -> str | None:
+    async def run(self) -> StopReason | None:
         """`concurrency` workers send; one settler records. A worker hands its answer to the settler
         and sends its next request at once. With a fixed latency the answers of all C requests come
         back in one burst, and if each worker first built, journaled and counted its row, the last
@@ -292,8 +356,14 @@ class _OverflowRun:
         leave together (the settler takes one answer per pass of the event loop), and the rows, the
         budget, the journal, the S3 checkpoints and the next prompts' ids and bodies (`_prepare`)
         are done while they are out."""
-        client = SdkPost(self.base_url, self._key, self.concurrency, self.o.request_timeout_s, self.o.connect_timeout_s,
-                         stream_idle_timeout_s=self.o.stream_idle_timeout_s)
+        client = SdkPost(
+            self.base_url,
+            self._key,
+            self.concurrency,
+            self.o.request_timeout_s,
+            self.o.connect_timeout_s,
+            stream_idle_timeout_s=self.o.stream_idle_timeout_s,
+        )
         try:
             if self.stage.pending_count or self.stage.unsettled_attempts:
                 await client.check_reachable(self.o.unreachable_timeout_s)
@@ -303,19 +373,15 @@ class _OverflowRun:
         except BaseException:
             await client.close()
             raise
-        self._prompts = iter(self.stage.pending)
-        # prompts made ready ahead (the settler does it when idle): a burst's worth, and the next
-        self._ready: deque[_Ready] = deque()
-        self._lookahead = 2 * self.concurrency
-        # bounded: a worker waits when the settler is C answers behind, so at most C answers are
-        # received and not yet journaled (what a SIGKILL could lose, besides the C in flight)
-        self._answers: asyncio.Queue = asyncio.Queue(maxsize=self.concurrency)
+        self._prompts, self._ready = iter(self.stage.pending), deque()
+        self._answers = asyncio.Queue(maxsize=self.concurrency)  # a queue is bound to the loop it first waits on
         ticker = asyncio.create_task(tick_every(self.progress))
         settler = asyncio.create_task(self._settler())
         try:
             # a worker that fails stops the others after their request in flight, whose answer is paid
-            outcomes = await asyncio.gather(*(self._worker(client) for _ in range(self.concurrency)),
-                                            return_exceptions=True)
+            outcomes = await asyncio.gather(
+                *(self._worker(client) for _ in range(self.concurrency)), return_exceptions=True
+            )
         finally:
             if not settler.done():
                 await self._answers.put(None)  # after every answer: the settler journals them all first
@@ -343,22 +409,41 @@ class _OverflowRun:
             table = await client.get_json("providers")
             slug_of = provider_slugs((table or {}).get("data") or [])
             if not slug_of:
-                raise UserError(f"generation.overflow.provider pins providers ({', '.join(sorted(allowed or ignored))}) "
-                                f"but GET {self.base_url.rstrip('/')}/providers lists none: answers could not be checked, "
-                                "nothing was sent")
+                raise UserError(
+                    f"generation.overflow.provider pins providers ({', '.join(sorted(allowed or ignored))}) "
+                    f"but GET {self.base_url.rstrip('/')}/providers lists none: answers could not be checked, "
+                    "nothing was sent"
+                )
         return Pin(self.model, names, allowed, ignored, slug_of)
 
     async def _price_unsettled(self, client: SdkPost) -> None:
         """Price the requests an earlier process opened and never settled (it died with them in
         flight), before their samples are asked again: all at once (each record lookup may wait
         for OpenRouter's record to appear; up to `concurrency` were in flight)."""
-        await asyncio.gather(*(self._lose(client, a["sample_id"], a.get("prompt_tokens") or 0, a.get("attempt"),
-                                          a.get("generation_id"), "in flight when an earlier attempt of the stage ended")
-                               for a in self.stage.unsettled_attempts))
+        await asyncio.gather(
+            *(
+                self._lose(
+                    client,
+                    a["sample_id"],
+                    a.get("prompt_tokens") or 0,
+                    a.get("attempt"),
+                    a.get("generation_id"),
+                    "in flight when an earlier attempt of the stage ended",
+                )
+                for a in self.stage.unsettled_attempts
+            )
+        )
         self.stage.unsettled_attempts.clear()
 
-    async def _lose(self, client: SdkPost, sample_id: str, prompt_tokens: int, attempt: str | None,
-                    generation_id: str | None, why: str) -> None:
+    async def _lose(
+        self,
+        client: SdkPost,
+        sample_id: str,
+        prompt_tokens: int,
+        attempt: str | None,
+        generation_id: str | None,
+        why: str,
+    ) -> None:
         """Count a request that may be billed without an answer: priced from OpenRouter's record of
         its generation, else at the budget's estimate for it (an upper bound), journaled settled
         and kept for the sample's row."""
@@ -368,9 +453,16 @@ class _OverflowRun:
         source = "generation_lookup" if cost is not None else "estimate"
         if cost is None:
             cost = self.budget.estimate(prompt_tokens)
-        record = {"attempt": attempt, "sample_id": sample_id, "generation_id": generation_id,
-                  "prompt_tokens": prompt_tokens, "state": "settled", "cost_usd": cost, "cost_source": source,
-                  "why": why}
+        record = {
+            "attempt": attempt,
+            "sample_id": sample_id,
+            "generation_id": generation_id,
+            "prompt_tokens": prompt_tokens,
+            "state": "settled",
+            "cost_usd": cost,
+            "cost_source": source,
+            "why": why,
+        }
         self.stage.journal_attempt(record)
         self.budget.add(cost)
         self.progress.update(cost_usd=cost)
@@ -407,8 +499,11 @@ class _OverflowRun:
             if not self.budget.allows(ready.estimate):
                 self._ready.appendleft(ready)  # not sent: the next worker (or attempt) takes it
                 if self.in_flight == 0 or self.budget.spent + ready.estimate > (self.budget.max_usd or 0.0):
-                    self._stop(BUDGET, f"spent ${self.budget.spent:.4f} of max_usd {self.budget.max_usd}; the next "
-                               f"request may cost up to ${ready.estimate:.4f}")
+                    self._stop(
+                        StopReason.BUDGET,
+                        f"spent ${self.budget.spent:.4f} of max_usd {self.budget.max_usd}; the next "
+                        f"request may cost up to ${ready.estimate:.4f}",
+                    )
                     return
                 await asyncio.sleep(0.05)  # wait for in-flight costs to settle
                 continue
@@ -420,7 +515,7 @@ class _OverflowRun:
             except BaseException:
                 self.in_flight -= 1
                 self.budget.release(ready.estimate)
-                self._stop(ERROR, None)  # the other workers stop sending
+                self._stop(StopReason.ERROR, None)  # the other workers stop sending
                 raise
             await self._answers.put((ready, result, time.monotonic() - started))
 
@@ -451,9 +546,11 @@ class _OverflowRun:
                     await asyncio.to_thread(self.stage.checkpoint)
             except Exception as exc:
                 error = error or exc
-                self._stop(ERROR, None)
+                self._stop(StopReason.ERROR, None)
         if error is None:
-            self._journal_failures(self.breaker.release())  # fewer than K identical: those failures are the prompts' own
+            self._journal_failures(
+                self.breaker.release()
+            )  # fewer than K identical: those failures are the prompts' own
         if error is not None:
             raise error
 
@@ -469,8 +566,11 @@ class _OverflowRun:
         self._journal_failures(self.breaker.release())
         p = ready.prompt
         if result.cost is None and self.budget.max_usd is not None:
-            self._stop(UNPRICED, f"sample {p.sample_id}: no usage.cost, no record at /generation and "
-                       "generation.overflow.price_usd_per_mtok is not set: the budget cannot bind (the answer is kept)")
+            self._stop(
+                StopReason.UNPRICED,
+                f"sample {p.sample_id}: no usage.cost, no record at /generation and "
+                "generation.overflow.price_usd_per_mtok is not set: the budget cannot bind (the answer is kept)",
+            )
         row = answer_row(p, ready.prompt_ids, result.data, result.cost, result.cost_source, self.rows, result.lost)
         if row["status"] == "ok":
             self.latency_sum += latency_s
@@ -494,7 +594,7 @@ class _OverflowRun:
 
         p, prompt_ids = ready.prompt, ready.prompt_ids
         if isinstance(prompt_ids, Exception):
-            return _Failed(failed_row(p, None, SOURCE, f"chat template: {prompt_ids}"), True)
+            return _Failed(generation_row(p, None, SOURCE, failed=f"chat template: {prompt_ids}"), True)
         send = client.stream if self.o.stream else client.post
         verdict = Verdict("retry", "no attempt")
         for attempt in range(1, self.max_attempts + 1):
@@ -508,8 +608,16 @@ class _OverflowRun:
 
             def opened(generation_id: str | None, attempt_id: str = attempt_id, named: list = named) -> None:
                 named.append(generation_id)
-                self.stage.journal_attempt({"attempt": attempt_id, "sample_id": p.sample_id, "state": "open",
-                                            "generation_id": generation_id, "prompt_tokens": len(prompt_ids)})
+                self.stage.journal_attempt(
+                    {
+                        "attempt": attempt_id,
+                        "sample_id": p.sample_id,
+                        "state": "open",
+                        "generation_id": generation_id,
+                        "prompt_tokens": len(prompt_ids),
+                    }
+                )
+
             try:
                 data = await send(ready.body, self._headers(p), opened)
             except openai.APIStatusError as exc:
@@ -517,7 +625,9 @@ class _OverflowRun:
             except openai.APITimeoutError as exc:
                 verdict = Verdict("retry", f"transport: {type(exc).__name__}")
                 if not self.o.stream:  # a non-streamed generation the client stopped waiting for is billed
-                    await self._lose(client, p.sample_id, len(prompt_ids), attempt_id, None, "timed out before the answer")
+                    await self._lose(
+                        client, p.sample_id, len(prompt_ids), attempt_id, None, "timed out before the answer"
+                    )
             except openai.APIConnectionError as exc:
                 verdict = Verdict("retry", f"transport: {type(exc).__name__}")
             except AttemptLost as lost:
@@ -528,8 +638,9 @@ class _OverflowRun:
                     self.stage.journal_attempt({"attempt": attempt_id, "sample_id": p.sample_id, "state": "closed"})
                 if verdict is None:
                     self.breaker.outcome(None)
-                    cost, source = await priced(client, data, self.configured_prices, self.o.cost_lookups,
-                                                self.o.cost_lookup_delay_s)
+                    cost, source = await priced(
+                        client, data, self.configured_prices, self.o.cost_lookups, self.o.cost_lookup_delay_s
+                    )
                     return _Answer(data, cost, source, self.lost.pop(p.sample_id, []))
             if verdict.action == "stop":
                 self._stop(verdict.stop, verdict.reason)
@@ -543,17 +654,25 @@ class _OverflowRun:
                 log.warning("%s: %s; pausing dispatch %.0f s", SOURCE, verdict.reason, verdict.retry_after_s)
             if attempt < self.max_attempts:
                 log.debug("sample %s attempt %d: %s; retrying", p.sample_id, attempt, verdict.reason)
-                await asyncio.sleep(backoff_s(attempt, retry_after=None if verdict.retry_after_s is None
-                                              else str(verdict.retry_after_s)))
-        if verdict.stop in (RATE_LIMITED, IN_FLIGHT_BUDGET):  # the service's limits, not this prompt's fault
+                await asyncio.sleep(
+                    backoff_s(
+                        attempt, retry_after=None if verdict.retry_after_s is None else str(verdict.retry_after_s)
+                    )
+                )
+        if verdict.stop in (
+            StopReason.RATE_LIMITED,
+            StopReason.IN_FLIGHT_BUDGET,
+        ):  # the service's limits, not this prompt's fault
             self._stop(verdict.stop, f"{verdict.reason} (after {self.max_attempts} attempts)")
             return None
         self.breaker.outcome(None)
-        return _Failed(self._failed(p, prompt_ids, f"gave up after {self.max_attempts} attempts: {verdict.reason}"), False)
+        return _Failed(
+            self._failed(p, prompt_ids, f"gave up after {self.max_attempts} attempts: {verdict.reason}"), False
+        )
 
-    def _failed(self, p: Prompt, prompt_ids: list[int], reason: str) -> dict:
+    def _failed(self, p: Prompt, prompt_ids: list[int], reason: str) -> GenerationRow:
         """A failed row carrying the attempts its sample lost (paid money the row accounts for)."""
-        return failed_with(failed_row(p, prompt_ids, SOURCE, reason), self.lost.pop(p.sample_id, []))
+        return failed_with(generation_row(p, prompt_ids, SOURCE, failed=reason), self.lost.pop(p.sample_id, []))
 
     @staticmethod
     def _headers(p: Prompt) -> dict:
@@ -566,5 +685,3 @@ def _json_or_none(response) -> Any:
         return response.json()
     except Exception:
         return None
-
-

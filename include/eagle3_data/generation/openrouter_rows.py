@@ -17,7 +17,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from eagle3_data.generation.checkpoint import Prompt, base_row, sampling_for
+from eagle3_data.generation.checkpoint import Prompt, generation_row, sampling_for
+from eagle3_data.generation.contracts import GenerationRow
 from eagle3_data.generation.provider_answers import describe, error_of, read_message
 from eagle3_data.generation.provider_identity import Pin
 from eagle3_data.images import data_uri, image_parts
@@ -99,17 +100,17 @@ def lost_provenance(lost: list[dict]) -> dict:
     return {"lost_attempts": lost, "lost_cost_usd": round(sum(a.get("cost_usd") or 0.0 for a in lost), 10)}
 
 
-def failed_with(row: dict, lost: list[dict]) -> dict:
-    """A failed row (checkpoint.failed_row) with the sample's lost attempts in its provenance."""
+def failed_with(row: GenerationRow, lost: list[dict]) -> GenerationRow:
+    """A failed row (checkpoint.generation_row) with the sample's lost attempts in its provenance."""
     if lost:
         row["provenance"] = json.dumps(lost_provenance(lost), sort_keys=True)
     return row
 
 
 def answer_row(p: Prompt, prompt_ids: list[int], data: Mapping[str, Any], cost: float | None, cost_source: str | None,
-               ctx: RowContext, lost: list[dict]) -> dict:
+               ctx: RowContext, lost: list[dict]) -> GenerationRow:
     """The row of a paid answer: ok, or why it cannot be used (final either way)."""
-    row = base_row(p, prompt_ids, SOURCE)
+    row = generation_row(p, prompt_ids, SOURCE)
     usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
     details = usage.get("completion_tokens_details") or {}
     row["usage"] = {"prompt_tokens": usage.get("prompt_tokens"), "completion_tokens": usage.get("completion_tokens"),

@@ -12,6 +12,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Protocol
+
+
+class ProgressSink(Protocol):
+    """What a stage reports its progress to (a test's own sink, or a `Progress` below)."""
+
+    def start(self, total: int, already_done: int = 0, label: str = "") -> None: ...
+
+    def update(self, *, ok: int = 0, failed: int = 0, tokens: int = 0, cost_usd: float = 0.0) -> None: ...
+
+    def tick(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class Progress:
@@ -45,11 +58,13 @@ class Progress:
         rate = (self.done - self._base) / elapsed
         eta = (self.total - self.done) / rate if rate > 0 else float("inf")
         eta_s = f"{eta / 60:.1f} min" if eta != float("inf") else "?"
-        return (f"{self.label} {self.done}/{self.total} done, {self.failed} failed, "
-                f"{self.tokens / elapsed:.0f} tokens/s, ${self.cost_usd:.4f}, ETA {eta_s}")
+        return (
+            f"{self.label} {self.done}/{self.total} done, {self.failed} failed, "
+            f"{self.tokens / elapsed:.0f} tokens/s, ${self.cost_usd:.4f}, ETA {eta_s}"
+        )
 
 
-async def tick_every(progress: Progress, interval_s: float = 1.0) -> None:
+async def tick_every(progress: ProgressSink, interval_s: float = 1.0) -> None:
     """The stage loop's ticker (both clients): `progress.tick()` every second until cancelled."""
     while True:
         await asyncio.sleep(interval_s)

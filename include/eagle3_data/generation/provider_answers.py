@@ -29,15 +29,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from eagle3_data.generation.retry import parse_retry_after
+from eagle3_data.generation.contracts import StopReason
+from eagle3_data.generation.retry import PERMANENT_STATUS, parse_retry_after
 
-# Stop reasons: `stopped_reason` of the stage. The first are the account's state or the config's
-# (a person must act: the DAG fails the task); the last two pass by themselves (Airflow retries).
-UNAUTHORIZED, CREDITS, FORBIDDEN, REPEATED_ERROR = "unauthorized", "credits", "forbidden", "repeated_error"
-RATE_LIMITED, IN_FLIGHT_BUDGET = "rate_limited", "in_flight_budget"
-RETRYABLE_STOPS = frozenset({RATE_LIMITED, IN_FLIGHT_BUDGET})
-
-PERMANENT_STATUS = frozenset({400, 404, 413, 422})  # this prompt's request is wrong: the same again fails again
 Action = Literal["retry", "pause", "permanent", "stop"]
 
 
@@ -51,8 +45,10 @@ class Verdict:
     action: Action
     reason: str
     retry_after_s: float | None = None
-    stop: str | None = None
-    prompt_specific: bool = False  # a permanent failure of this prompt's text (moderation, too large): never trips the breaker
+    stop: StopReason | None = None
+    prompt_specific: bool = (
+        False  # a permanent failure of this prompt's text (moderation, too large): never trips the breaker
+    )
 
 
 def error_of(body: Any) -> dict:
@@ -84,26 +80,29 @@ def classify_status(status: int, body: Any, headers: Mapping[str, str]) -> Verdi
     reason = describe(err, status)
     retry_after = _retry_after(headers, meta)
     if status == 401:
-        return Verdict("stop", reason, stop=UNAUTHORIZED)
+        return Verdict("stop", reason, stop=StopReason.UNAUTHORIZED)
     if status == 402:
-        in_flight = ("in_flight" in str(meta.get("limit_source") or "") or "in_flight" in str(meta.get("reason") or ""))
+        in_flight = "in_flight" in str(meta.get("limit_source") or "") or "in_flight" in str(meta.get("reason") or "")
         if in_flight or retry_after is not None:  # reserved for requests in flight: passes when they settle
-            return Verdict("pause", reason, retry_after if retry_after is not None else 30.0, stop=IN_FLIGHT_BUDGET)
-        return Verdict("stop", reason, stop=CREDITS)
+            return Verdict(
+                "pause", reason, retry_after if retry_after is not None else 30.0, stop=StopReason.IN_FLIGHT_BUDGET
+            )
+        return Verdict("stop", reason, stop=StopReason.CREDITS)
     if status == 403:
         if _blocks_this_prompt(err, meta):
             return Verdict("permanent", reason, prompt_specific=True)
-        return Verdict("stop", reason, stop=FORBIDDEN)  # a key limit or policy: every request would get it
+        return Verdict("stop", reason, stop=StopReason.FORBIDDEN)  # a key limit or policy: every request would get it
     if status in PERMANENT_STATUS:
         return Verdict("permanent", reason, prompt_specific=status == 413)  # 413: this prompt is too large
-    return Verdict("retry", reason, retry_after, stop=RATE_LIMITED if status == 429 else None)
+    return Verdict("retry", reason, retry_after, stop=StopReason.RATE_LIMITED if status == 429 else None)
 
 
 def _blocks_this_prompt(err: Mapping, meta: Mapping) -> bool:
     """A moderation flag (`reasons`, `flagged_input`) or a guardrail's pattern match
     (`patterns`, "Request blocked ..."): the prompt's text is refused, not the key."""
-    return bool(meta.get("reasons") or meta.get("flagged_input") or meta.get("patterns")) or \
-        str(err.get("message") or "").startswith("Request blocked")
+    return bool(meta.get("reasons") or meta.get("flagged_input") or meta.get("patterns")) or str(
+        err.get("message") or ""
+    ).startswith("Request blocked")
 
 
 def _retry_after(headers: Mapping[str, str], meta: Mapping) -> float | None:
@@ -127,8 +126,12 @@ def body_error(body: Any) -> Verdict | None:
         return Verdict("retry", "malformed answer: the body is not a JSON object")
     err = error_of(body)
     if err and not body.get("choices"):
-        return Verdict("retry", describe(err), _retry_after({}, err.get("metadata") or {}),
-                       stop=RATE_LIMITED if err.get("code") == 429 else None)
+        return Verdict(
+            "retry",
+            describe(err),
+            _retry_after({}, err.get("metadata") or {}),
+            stop=StopReason.RATE_LIMITED if err.get("code") == 429 else None,
+        )
     choices = body.get("choices") or []
     choice = choices[0] if choices and isinstance(choices[0], Mapping) else {}
     if choice.get("finish_reason") == "error" or choice.get("error"):
@@ -157,14 +160,18 @@ def read_message(message: Mapping) -> AnswerText:
     unreconstructable = None
     details = [d for d in message.get("reasoning_details") or [] if isinstance(d, Mapping)]
     if reasoning is None and details:
-        texts = sorted((d for d in details if d.get("type") == "reasoning.text" and d.get("text")),
-                       key=lambda d: d.get("index") or 0)
+        texts = sorted(
+            (d for d in details if d.get("type") == "reasoning.text" and d.get("text")),
+            key=lambda d: d.get("index") or 0,
+        )
         if texts:
             reasoning = "".join(d["text"] for d in texts)
         else:
             kinds = sorted({str(d.get("type")) for d in details})
-            unreconstructable = (f"reasoning returned only as {', '.join(kinds)} (encrypted or summarised by the "
-                                 "provider): the text the model generated is not in the answer")
+            unreconstructable = (
+                f"reasoning returned only as {', '.join(kinds)} (encrypted or summarised by the "
+                "provider): the text the model generated is not in the answer"
+            )
     calls, rewritten, problem = [], [], None
     for c in message.get("tool_calls") or []:
         fn = c.get("function") if isinstance(c, Mapping) and isinstance(c.get("function"), Mapping) else {}
@@ -174,8 +181,13 @@ def read_message(message: Mapping) -> AnswerText:
             rewritten.append("tool_call_arguments_serialised")
         if not fn.get("name") or not isinstance(args, str):
             problem = "malformed tool call: missing name or arguments"
-        calls.append({"id": c.get("id") if isinstance(c, Mapping) else None, "type": "function",
-                      "function": {"name": fn.get("name"), "arguments": args}})
+        calls.append(
+            {
+                "id": c.get("id") if isinstance(c, Mapping) else None,
+                "type": "function",
+                "function": {"name": fn.get("name"), "arguments": args},
+            }
+        )
     if reasoning is not None and not isinstance(reasoning, str):
         problem, reasoning = f"message.reasoning is a {type(reasoning).__name__}, not text", None
     content = message.get("content")

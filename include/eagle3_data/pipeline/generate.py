@@ -9,12 +9,16 @@ connections is the hooks' job (plugins/hooks).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from eagle3_data.errors import StageStopped, UserError
 from eagle3_data.pipeline.results import GenerationResult
 from eagle3_data.pipeline.reuse import reusable
 from eagle3_data.pipeline.run import Run, log, output_format, stage_ref
 from eagle3_data.stages import LOCAL, OVERFLOW, PROMPTS
+
+if TYPE_CHECKING:
+    from eagle3_data.generation.contracts import StageSummary
 
 
 def _prompt_rows(store, ref) -> Iterator[dict]:
@@ -29,20 +33,28 @@ def _reused(store, ref, prompts) -> GenerationResult | None:
     return None if manifest is None else GenerationResult(uri=store.uri(ref), rows=manifest["rows"], reused=True)
 
 
-def _finished(result: dict, what: str, store, ref) -> GenerationResult:
+def _finished(result: StageSummary, what: str, store, ref) -> GenerationResult:
     """A stage that stopped early (endpoints down, budget, retryable failures) raises, so Airflow
     retries it; committed rows are kept and skipped by the next attempt. A complete one reports
     its rows as its manifest counts them (what the next stage reads), as a reused one does."""
-    if result.get("stopped_reason") or not result.get("complete", True):
-        detail = f" ({result['stop_detail']})" if result.get("stop_detail") else ""
-        raise StageStopped(f"{what} stopped before completion: {result.get('stopped_reason')}{detail}; counts "
-                           f"{result.get('counts')}; committed rows are kept and the next attempt resumes after them")
-    return GenerationResult(uri=result["uri"], counts=result.get("counts") or {}, rows=store.read_manifest(ref)["rows"],
-                            tokens=result.get("tokens"), cost_usd=result.get("cost_usd"))
+    if result["stopped_reason"] or not result["complete"]:
+        detail = f" ({result['stop_detail']})" if result["stop_detail"] else ""
+        raise StageStopped(
+            f"{what} stopped before completion: {result['stopped_reason']}{detail}; counts "
+            f"{result['counts']}; committed rows are kept and the next attempt resumes after them"
+        )
+    return GenerationResult(
+        uri=result["uri"],
+        counts=result["counts"],
+        rows=store.read_manifest(ref)["rows"],
+        tokens=result["tokens"],
+        cost_usd=result["cost_usd"],
+    )
 
 
 def generate_local(run: Run, store, dataset: str, endpoints: list[str], *, rerun: bool = False) -> GenerationResult:
     """The samples routed local|both on the local engine's `endpoints` (http(s) URLs)."""
+    from eagle3_data.config import options_from
     from eagle3_data.generation.engines import wire_for
     from eagle3_data.generation.local import LocalOptions
     from eagle3_data.generation.local import generate_local as generate
@@ -54,32 +66,48 @@ def generate_local(run: Run, store, dataset: str, endpoints: list[str], *, rerun
         raise UserError(f"generate_local {dataset}: no local endpoints configured")
     g, fmt = run.config.generation, output_format(run, store)
     result = generate(
-        store, ref, _prompt_rows(store, prompts), fmt, endpoints, engine_sampling(run),
-        wire=wire_for(g.local.engine), options=LocalOptions.from_config(g.local), setup=_setup(run, prompts, rerun, fmt),
+        store,
+        ref,
+        _prompt_rows(store, prompts),
+        fmt,
+        endpoints,
+        engine_sampling(run),
+        wire=wire_for(g.local.engine),
+        options=options_from(LocalOptions, g.local),
+        setup=_setup(run, prompts, rerun, fmt),
     )
     return _finished(result, f"generate_local {dataset}", store, ref)
 
 
-def generate_overflow(run: Run, store, dataset: str, base_url: str, api_key: str, *, rerun: bool = False) -> GenerationResult:
+def generate_overflow(
+    run: Run, store, dataset: str, base_url: str, api_key: str, *, rerun: bool = False
+) -> GenerationResult:
     """The samples routed overflow|both through OpenRouter at `base_url` with `api_key` (never logged)."""
+    from eagle3_data.config import options_from
+    from eagle3_data.generation.contracts import StopReason
     from eagle3_data.generation.openrouter import OverflowOptions, OverflowRequest
     from eagle3_data.generation.openrouter import generate_overflow as generate
-    from eagle3_data.generation.provider_answers import RETRYABLE_STOPS
 
     prompts, ref = stage_ref(run, PROMPTS, dataset), stage_ref(run, OVERFLOW, dataset)
     if not rerun and (reused := _reused(store, ref, prompts)) is not None:
         return reused
     o, fmt = run.config.generation.overflow, output_format(run, store)
     result = generate(
-        store, ref, _prompt_rows(store, prompts), fmt, base_url, api_key,
+        store,
+        ref,
+        _prompt_rows(store, prompts),
+        fmt,
+        base_url,
+        api_key,
         OverflowRequest(model=o.model, provider=o.provider, sampling=engine_sampling(run)),
-        options=OverflowOptions.from_config(o), setup=_setup(run, prompts, rerun, fmt),
+        options=options_from(OverflowOptions, o),
+        setup=_setup(run, prompts, rerun, fmt),
     )
-    if result.get("stopped_reason") not in (None, "retryable_failures", *RETRYABLE_STOPS):
-        detail = f": {result['stop_detail']}" if result.get("stop_detail") else ""
+    if (stopped := result["stopped_reason"]) is not None and not StopReason(stopped).passes:
+        detail = f": {result['stop_detail']}" if result["stop_detail"] else ""
         raise UserError(  # the account or the config: a person must act before a retry can pass
             f"generate_overflow {dataset} stopped: {result['stopped_reason']}{detail} (spent "
-            f"${result.get('cost_usd', 0):.4f}, max_usd {o.max_usd}); committed rows are kept and skipped on rerun"
+            f"${result['cost_usd']:.4f}, max_usd {o.max_usd}); committed rows are kept and skipped on rerun"
         )
     return _finished(result, f"generate_overflow {dataset}", store, ref)
 
@@ -99,7 +127,11 @@ def _setup(run: Run, prompts, rerun: bool, fmt):
     from eagle3_data.generation.progress import LogProgress
 
     g = run.config.generation
-    turns = (TurnDriver(g.regenerate, g.history, fmt, max_steps=g.max_trajectory_steps)
-             if needs_rounds(g.regenerate, g.history) else None)
-    return StageSetup(model=run.config.model.name, inputs=(prompts,), progress=LogProgress(log), rerun=rerun,
-                      turns=turns)
+    turns = (
+        TurnDriver(g.regenerate, g.history, fmt, max_steps=g.max_trajectory_steps)
+        if needs_rounds(g.regenerate, g.history)
+        else None
+    )
+    return StageSetup(
+        model=run.config.model.name, inputs=(prompts,), progress=LogProgress(log), rerun=rerun, turns=turns
+    )

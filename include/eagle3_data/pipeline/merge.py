@@ -30,16 +30,18 @@ def trajectory_folds_of(run: Run, store, datasets: list[str]) -> dict:
                 with store.open_verified(ref, SAMPLES_FILE, sha256=entry.get("sha256"), nbytes=entry.get("bytes")) as f:
                     samples = read_samples(f.read())
                 rows_ref = stage_ref(run, rows, name)
-                status = {r["sample_id"]: (r["status"], r["error"])
-                          for b in store.iter_batches(rows_ref, columns=["sample_id", "status", "error"])
-                          for r in b.to_pylist()}
+                status = {
+                    r["sample_id"]: (r["status"], r["error"])
+                    for b in store.iter_batches(rows_ref, columns=["sample_id", "status", "error"])
+                    for r in b.to_pylist()
+                }
                 out[rows_ref] = trajectory_folds(samples, status)
     return out
 
 
 def merge(run: Run, store) -> MergeResult:
     """Merge the datasets whose gate passed; fail when none did. Returns the merged shard refs."""
-    from eagle3_data.merge import merge_datasets, merged_shards
+    from eagle3_data.merge import merge_datasets, merge_params, merged_shards
 
     if not store.is_complete(stage_ref(run, AUDIT, AUDIT_DATASET)):
         raise UserError(f"merge: the tokenizer audit of run {run.run_key} did not pass (see task audit_tokenizer)")
@@ -51,13 +53,22 @@ def merge(run: Run, store) -> MergeResult:
             + "; ".join(f"{n}: {', '.join(g.reasons)} ({g.report_uri})" for n, g in gates.items())
         )
     inputs = [ref for name in passed for ref in (stage_ref(run, LOCAL, name), stage_ref(run, RECONSTRUCT, name))]
-    params = run.config.merge.model_dump()
+    params = merge_params(run.config.merge)
     ref = stage_ref(run, MERGE, RUN_DATASET)
     with store.lease(ref) as held:  # one merge per run key: a second (zombie, manual rerun) gets StageBusy
-        if (manifest := reusable(store, ref, inputs, params)) is None:  # its hidden states are stale: the plan discards them
-            summary = merge_datasets(store, inputs, run.run_key, **params, out_dataset=RUN_DATASET,
-                                     vocab_size=output_format(run, store, template=False).vocab_size, lease=held,
-                                     folds=trajectory_folds_of(run, store, passed))
+        if (
+            manifest := reusable(store, ref, inputs, params)
+        ) is None:  # its hidden states are stale: the plan discards them
+            summary = merge_datasets(
+                store,
+                inputs,
+                run.run_key,
+                run.config.merge,
+                out_dataset=RUN_DATASET,
+                vocab_size=output_format(run, store, template=False).vocab_size,
+                lease=held,
+                folds=trajectory_folds_of(run, store, passed),
+            )
             shards, totals = summary["shards"], summary["totals"]
         else:
             shards, totals = merged_shards(store, ref, manifest), manifest["extra"]["totals"]

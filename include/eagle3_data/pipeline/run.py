@@ -21,6 +21,7 @@ from eagle3_data.config import (
     resolve_source,
 )
 from eagle3_data.errors import UserError
+from eagle3_data.tokenizer import tokenizer_hashes  # noqa: F401 (the stages' one spelling of it, here beside the tokenizers)
 
 log = logging.getLogger("eagle3_data.pipeline")
 
@@ -39,8 +40,13 @@ class Run:
     skip_hidden_states: bool
 
 
-def resolve_run(params: dict[str, Any], logical_date: datetime | None, config: PipelineConfig | None = None, *,
-                run_id: str | None = None) -> Run:
+def resolve_run(
+    params: dict[str, Any],
+    logical_date: datetime | None,
+    config: PipelineConfig | None = None,
+    *,
+    run_id: str | None = None,
+) -> Run:
     """Apply trigger-form params to the config (validated like the file) and pick the run key.
 
     An unknown param is refused naming it (a mistyped name must not be ignored). Threshold params
@@ -103,8 +109,11 @@ def check_prompt_sources(run: Run, store) -> None:
             problems.append(str(exc))
             continue
         source = run.config.dataset(name).prompts
-        log.info("dataset %s: a run without a logical date reads %s", name,
-                 f"the newest date partition of {source}: date={date}" if date else f"the undated prompts of {source}")
+        log.info(
+            "dataset %s: a run without a logical date reads %s",
+            name,
+            f"the newest date partition of {source}: date={date}" if date else f"the undated prompts of {source}",
+        )
     if problems:
         raise UserError("\n".join(problems))
 
@@ -126,8 +135,10 @@ def prompt_date(run: Run, store, dataset: str) -> str | None:
     except UserError as undated:
         newest = newest_partition(source, dataset, client=store.client)
         if newest is None:
-            raise UserError(f"dataset {dataset}: {NO_DATE} ({source} has no date=YYYY-MM-DD partition for it), "
-                            f"and no undated prompt file either ({undated})") from None
+            raise UserError(
+                f"dataset {dataset}: {NO_DATE} ({source} has no date=YYYY-MM-DD partition for it), "
+                f"and no undated prompt file either ({undated})"
+            ) from None
         return newest
 
 
@@ -137,8 +148,9 @@ def open_store(config: PipelineConfig, client) -> Any:
     config's stand-ins."""
     from eagle3_data.storage import ArtifactStore
 
-    return ArtifactStore(client=client, bucket=config.storage.bucket, prefix=config.storage.prefix,
-                         stand_ins=config.stand_ins)
+    return ArtifactStore(
+        client=client, bucket=config.storage.bucket, prefix=config.storage.prefix, stand_ins=config.stand_ins
+    )
 
 
 def stage_ref(run: Run, stage: str, dataset: str):
@@ -187,16 +199,13 @@ def output_format(run: Run, store, *, template: bool = True):
     return get_output_format(tokenizer, thinking=run.config.generation.sampling.thinking)
 
 
-def tokenizer_hashes(tokenizer) -> dict[str, str | None]:
-    from eagle3_data.tokenizer import chat_template_sha256, tokenizer_files_sha256
-
-    return {"tokenizer_sha256": tokenizer_files_sha256(tokenizer), "template_sha256": chat_template_sha256(tokenizer)}
-
-
 def sampling(run: Run) -> dict:
     """The sampling params that are part of every sample_id (the later keys only when set away
     from their neutral value: `config.NEUTRAL_SAMPLING`)."""
     from eagle3_data.config import NEUTRAL_SAMPLING
 
-    return {k: v for k, v in run.config.generation.sampling.model_dump().items()
-            if k not in NEUTRAL_SAMPLING or v != NEUTRAL_SAMPLING[k]}
+    return {
+        k: v
+        for k, v in run.config.generation.sampling.model_dump().items()
+        if k not in NEUTRAL_SAMPLING or v != NEUTRAL_SAMPLING[k]
+    }

@@ -21,6 +21,15 @@ from eagle3_data.forksafe import at_fork_in_child
 from eagle3_data.storage.refs import StorageUnavailable
 
 _AUTH_CODES = {"403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "InvalidToken", "ExpiredToken"}
+# The S3 error codes of an object that is not there: GET's NoSuchKey, and HEAD's bare 404 (a HEAD
+# has no body to name the code; SeaweedFS and AWS say "404" or "NotFound").
+NOT_FOUND = frozenset({"NoSuchKey", "404", "NotFound"})
+NO_BUCKET = "NoSuchBucket"
+
+
+def error_code(exc: ClientError) -> str:
+    """The S3 error code of a refusal ("NoSuchKey", "412", ...): what the callers branch on."""
+    return str(exc.response.get("Error", {}).get("Code", ""))
 
 
 def s3_client(
@@ -46,14 +55,16 @@ def s3_client(
         read_timeout=read_timeout,
         s3={"addressing_style": "path"} if endpoint_url else {},
     )
-    return fork_safe(boto3.session.Session().client(
-        "s3",
-        endpoint_url=endpoint_url,
-        region_name=region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
-        aws_access_key_id=access_key,
-        aws_secret_access_key=secret_key,
-        config=config,
-    ))
+    return fork_safe(
+        boto3.session.Session().client(
+            "s3",
+            endpoint_url=endpoint_url,
+            region_name=region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
+            aws_access_key_id=access_key,
+            aws_secret_access_key=secret_key,
+            config=config,
+        )
+    )
 
 
 def fork_safe(client):
@@ -81,7 +92,7 @@ def describe_client_error(exc: ClientError) -> str:
     err = exc.response.get("Error", {})
     code, msg = err.get("Code", "?"), err.get("Message", "")
     where = err.get("BucketName") or err.get("Key") or ""
-    hint = ": create it once with `eagle3-data s3 init --bucket NAME`" if code == "NoSuchBucket" else ""
+    hint = ": create it once with `eagle3-data s3 init --bucket NAME`" if code == NO_BUCKET else ""
     return f"S3 {exc.operation_name} refused: {code} {msg} {where}".strip() + hint
 
 

@@ -36,7 +36,7 @@ from email.utils import parsedate_to_datetime
 
 from botocore.exceptions import ClientError
 
-from eagle3_data.storage.client import s3_errors
+from eagle3_data.storage.client import NOT_FOUND, error_code, s3_errors
 from eagle3_data.storage.refs import StageRef, StorageError
 
 log = logging.getLogger(__name__)
@@ -60,14 +60,12 @@ def default_owner() -> str:
     label = os.environ.get("EAGLE3_LEASE_OWNER")
     if not label and os.environ.get("AIRFLOW_CTX_TASK_ID"):  # Airflow exports these to every task process
         env = os.environ
-        label = (f"Airflow {env.get('AIRFLOW_CTX_DAG_ID', '?')}.{env['AIRFLOW_CTX_TASK_ID']} run "
-                 f"{env.get('AIRFLOW_CTX_DAG_RUN_ID', '?')} try {env.get('AIRFLOW_CTX_TRY_NUMBER', '?')}")
+        label = (
+            f"Airflow {env.get('AIRFLOW_CTX_DAG_ID', '?')}.{env['AIRFLOW_CTX_TASK_ID']} run "
+            f"{env.get('AIRFLOW_CTX_DAG_RUN_ID', '?')} try {env.get('AIRFLOW_CTX_TRY_NUMBER', '?')}"
+        )
     base = f"{socket.gethostname()}:pid {os.getpid()}"
     return f"{label} ({base})" if label else base
-
-
-def _code(exc: ClientError) -> str:
-    return str(exc.response.get("Error", {}).get("Code", ""))
 
 
 def _server_now(response: dict) -> datetime:
@@ -81,8 +79,17 @@ def _server_now(response: dict) -> datetime:
 class Lease:
     """A held lease. Use `acquire_lease(...)`; `check()` before every write, `release()` at the end."""
 
-    def __init__(self, store, ref: StageRef, owner: str, token: str, ttl_s: float, etag: str, took_over: dict | None,
-                 scope: str | None = None):
+    def __init__(
+        self,
+        store,
+        ref: StageRef,
+        owner: str,
+        token: str,
+        ttl_s: float,
+        etag: str,
+        took_over: dict | None,
+        scope: str | None = None,
+    ):
         self.store, self.ref, self.owner, self.token, self.ttl_s = store, ref, owner, token, ttl_s
         self.scope = scope  # None: the whole stage; else one unit of it (a shard), leased on its own
         self.etag = etag
@@ -109,12 +116,19 @@ class Lease:
 
     def _body(self, state: str) -> bytes:
         now = datetime.now(timezone.utc)
-        return json.dumps({
-            "owner": self.owner, "token": self.token, "state": state, "ttl_s": self.ttl_s,
-            "host": socket.gethostname(), "pid": os.getpid(),
-            "heartbeat_at": now.isoformat(timespec="seconds"),
-            "expires_at": (now + timedelta(seconds=self.ttl_s)).isoformat(timespec="seconds"),
-        }, sort_keys=True).encode()
+        return json.dumps(
+            {
+                "owner": self.owner,
+                "token": self.token,
+                "state": state,
+                "ttl_s": self.ttl_s,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "heartbeat_at": now.isoformat(timespec="seconds"),
+                "expires_at": (now + timedelta(seconds=self.ttl_s)).isoformat(timespec="seconds"),
+            },
+            sort_keys=True,
+        ).encode()
 
     def _put(self, state: str) -> None:
         with self._lock:
@@ -122,10 +136,15 @@ class Lease:
                 raise LeaseLost(self._lost)
             try:
                 with s3_errors(self.store.client, f"renewing the lease {self.store.uri(self.ref, self.name)}"):
-                    resp = self.store.client.put_object(Bucket=self.store.bucket, Key=self.key, Body=self._body(state),
-                                                        IfMatch=self.etag, ContentType="application/json")
+                    resp = self.store.client.put_object(
+                        Bucket=self.store.bucket,
+                        Key=self.key,
+                        Body=self._body(state),
+                        IfMatch=self.etag,
+                        ContentType="application/json",
+                    )
             except ClientError as exc:
-                if _code(exc) in _CONFLICT:
+                if error_code(exc) in _CONFLICT:
                     self._lost = f"{self.subject}: {self._replaced_by()}; this writer stopped before writing more"
                     raise LeaseLost(self._lost) from None
                 raise
@@ -142,9 +161,11 @@ class Lease:
             return f"the lease object changed since this writer's last renewal (unreadable now: {exc})"
         if holder.get("token") == self.token:
             return f"the lease object was rewritten under this writer's own token by pid {holder.get('pid')}"
-        return (f"the lease was taken over by {holder.get('owner', '?')} (lease {str(holder.get('token', '?'))[:8]}, "
-                f"{holder.get('state', '?')}, last heartbeat {holder.get('heartbeat_at', '?')}; this writer's last "
-                f"renewal was {time.monotonic() - self._renewed:.0f} s ago, its ttl {self.ttl_s:.0f} s)")
+        return (
+            f"the lease was taken over by {holder.get('owner', '?')} (lease {str(holder.get('token', '?'))[:8]}, "
+            f"{holder.get('state', '?')}, last heartbeat {holder.get('heartbeat_at', '?')}; this writer's last "
+            f"renewal was {time.monotonic() - self._renewed:.0f} s ago, its ttl {self.ttl_s:.0f} s)"
+        )
 
     def _forked(self) -> bool:
         """In a child forked while the lease was held: the parent holds it and renews it (its etag
@@ -174,19 +195,23 @@ class Lease:
             try:
                 current = self.store.client.get_object(Bucket=self.store.bucket, Key=self.key)
             except ClientError as exc:
-                if _code(exc) not in ("NoSuchKey", "404", "NotFound"):
+                if error_code(exc) not in NOT_FOUND:
                     raise
                 current = None
         holder = json.loads(current["Body"].read() or b"{}") if current is not None else {}
         if holder.get("token") != self.token or holder.get("state") != "held":
-            self._lost = (f"{self.subject}: the lease this process inherited from pid {self._holder_pid} is no longer "
-                          f"held by it (now: {holder.get('owner', 'nobody')}, {holder.get('state', 'absent')}); "
-                          "stopped before writing more")
+            self._lost = (
+                f"{self.subject}: the lease this process inherited from pid {self._holder_pid} is no longer "
+                f"held by it (now: {holder.get('owner', 'nobody')}, {holder.get('state', 'absent')}); "
+                "stopped before writing more"
+            )
             raise LeaseLost(self._lost)
         expires = current["LastModified"] + timedelta(seconds=float(holder.get("ttl_s", self.ttl_s)))
         if _server_now(current) >= expires:
-            self._lost = (f"{self.subject}: the lease this process inherited from pid {self._holder_pid} expired at "
-                          f"{expires.isoformat(timespec='seconds')} (its holder stopped renewing it); stopped before writing more")
+            self._lost = (
+                f"{self.subject}: the lease this process inherited from pid {self._holder_pid} expired at "
+                f"{expires.isoformat(timespec='seconds')} (its holder stopped renewing it); stopped before writing more"
+            )
             raise LeaseLost(self._lost)
         self._renewed = time.monotonic()
 
@@ -219,8 +244,12 @@ class Lease:
         try:
             self._put("released")
         except Exception as exc:
-            log.warning("could not release the lease %s (%s); it expires in %.0f s",
-                        self.store.uri(self.ref, self.name), exc, self.ttl_s)
+            log.warning(
+                "could not release the lease %s (%s); it expires in %.0f s",
+                self.store.uri(self.ref, self.name),
+                exc,
+                self.ttl_s,
+            )
         self._lost = "released"
 
     def __enter__(self) -> Lease:
@@ -257,8 +286,15 @@ def is_lease(name: str) -> bool:
     return name.startswith("_lease") and name.endswith(".json")
 
 
-def acquire_lease(store, ref: StageRef, *, ttl_s: float = DEFAULT_TTL_S, owner: str | None = None,
-                  heartbeat: bool = True, scope: str | None = None) -> Lease:
+def acquire_lease(
+    store,
+    ref: StageRef,
+    *,
+    ttl_s: float = DEFAULT_TTL_S,
+    owner: str | None = None,
+    heartbeat: bool = True,
+    scope: str | None = None,
+) -> Lease:
     """Take the stage's lease (or, with `scope`, the lease of one unit of it) or raise StageBusy
     naming the holder and when its lease expires."""
     owner = owner or default_owner()
@@ -285,33 +321,43 @@ def _acquire(lease: Lease, client, bucket: str, key: str, uri: str, ttl_s: float
     for _ in range(5):  # create; or read the holder and take over if expired; a lost race reads again
         with s3_errors(client, f"taking the lease {uri}"):
             try:
-                resp = client.put_object(Bucket=bucket, Key=key, Body=lease._body("held"), IfNoneMatch="*",
-                                         ContentType="application/json")
+                resp = client.put_object(
+                    Bucket=bucket, Key=key, Body=lease._body("held"), IfNoneMatch="*", ContentType="application/json"
+                )
                 lease.etag = resp["ETag"]
                 break
             except ClientError as exc:
-                if _code(exc) not in _CONFLICT:
+                if error_code(exc) not in _CONFLICT:
                     raise
             try:
                 current = client.get_object(Bucket=bucket, Key=key)
             except ClientError as exc:
-                if _code(exc) in ("NoSuchKey", "404", "NotFound"):
+                if error_code(exc) in NOT_FOUND:
                     continue  # released and deleted in between: try to create again
                 raise
             holder = json.loads(current["Body"].read() or b"{}")
             _refuse_if_live(lease.subject, holder, current, ttl_s)
             try:
-                resp = client.put_object(Bucket=bucket, Key=key, Body=lease._body("held"), IfMatch=current["ETag"],
-                                         ContentType="application/json")
+                resp = client.put_object(
+                    Bucket=bucket,
+                    Key=key,
+                    Body=lease._body("held"),
+                    IfMatch=current["ETag"],
+                    ContentType="application/json",
+                )
             except ClientError as exc:
-                if _code(exc) in _CONFLICT:
+                if error_code(exc) in _CONFLICT:
                     continue  # another writer took it over first: read who
                 raise
             lease.etag = resp["ETag"]
             if holder.get("state") != "released":
                 lease.took_over = holder
-                log.warning("%s: took over the expired lease of %s (last heartbeat %s); committed parts are re-verified",
-                            lease.subject, holder.get("owner"), holder.get("heartbeat_at"))
+                log.warning(
+                    "%s: took over the expired lease of %s (last heartbeat %s); committed parts are re-verified",
+                    lease.subject,
+                    holder.get("owner"),
+                    holder.get("heartbeat_at"),
+                )
             break
     else:
         raise StageBusy(f"{lease.subject}: could not take the lease after 5 tries (other writers keep taking it)")
@@ -340,7 +386,7 @@ def refuse_if_busy(store, ref: StageRef, *, ttl_s: float = DEFAULT_TTL_S) -> Non
         try:
             current = store.client.get_object(Bucket=store.bucket, Key=store.key(ref, LEASE))
         except ClientError as exc:
-            if _code(exc) in ("NoSuchKey", "404", "NotFound"):
+            if error_code(exc) in NOT_FOUND:
                 return
             raise
     _refuse_if_live(store.uri(ref), json.loads(current["Body"].read() or b"{}"), current, ttl_s)

@@ -37,7 +37,7 @@ from eagle3_data.canonical import canonical_json  # re-exported: the one JSON sp
 from eagle3_data.errors import UserError
 from eagle3_data.forksafe import PerProcess
 from eagle3_data.schemas import schema_for
-from eagle3_data.storage.client import endpoint_of, fork_safe, s3_errors
+from eagle3_data.storage.client import NO_BUCKET, NOT_FOUND, endpoint_of, error_code, fork_safe, s3_errors
 from eagle3_data.storage.parts import PROGRESS, check_part_schema
 from eagle3_data.storage.refs import (
     CorruptArtifact,
@@ -58,6 +58,13 @@ _CHUNK = 8 * 1024 * 1024
 _SECRET_KEY = re.compile(r"(secret|secret_key|password|passwd|api_?key|access_key(_id)?|credentials?|authorization)$")
 
 
+def file_sha256(path: Path) -> str:
+    """A local file's sha256, read in chunks (shards are gigabytes)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(_CHUNK), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def manifest_hash(manifest: dict) -> str:
@@ -105,8 +112,10 @@ class _Prefetch:
 
     def __init__(self, fetch) -> None:
         self._fetch = fetch
-        self._pool = PerProcess(lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch"),
-                                discard=lambda pool: pool.shutdown(wait=False, cancel_futures=True))
+        self._pool = PerProcess(
+            lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch"),
+            discard=lambda pool: pool.shutdown(wait=False, cancel_futures=True),
+        )
         self._pending = None  # (part, future of this process)
 
     def submit(self, part: dict) -> None:
@@ -171,17 +180,20 @@ class ArtifactStore:
                 self.client.head_bucket(Bucket=self.bucket)
                 return True
             except ClientError as exc:
-                if exc.response.get("Error", {}).get("Code") not in ("404", "NoSuchBucket", "NotFound"):
+                if error_code(exc) not in NOT_FOUND | {NO_BUCKET}:
                     raise
                 return False
 
     def check_bucket(self) -> None:
         """A missing bucket is a setup step not done, never something a task creates on its own."""
         if not self.bucket_exists():
-            raise MissingBucket(
-                f"bucket {self.bucket!r} does not exist at {endpoint_of(self.client)}: create it once with "
-                f"`eagle3-data s3 init --bucket {self.bucket}` (or your infrastructure's tooling)"
-            )
+            raise self._missing_bucket()
+
+    def _missing_bucket(self) -> MissingBucket:
+        return MissingBucket(
+            f"bucket {self.bucket!r} does not exist at {endpoint_of(self.client)}: create it once with "
+            f"`eagle3-data s3 init --bucket {self.bucket}` (or your infrastructure's tooling)"
+        )
 
     def init_bucket(self) -> bool:
         """Create the bucket (the explicit setup step `eagle3-data s3 init`); False if it existed."""
@@ -201,16 +213,27 @@ class ArtifactStore:
 
         return acquire_lease(self, ref, ttl_s=ttl_s or DEFAULT_TTL_S, scope=scope)
 
-    def _put_bytes(self, key: str, data: bytes, sha256: str | None = None, content_type: str = "application/octet-stream") -> None:
+    def _put(
+        self, key: str, body: bytes | Path, *, sha256: str | None = None, content_type: str = "application/octet-stream"
+    ) -> None:
+        """The one writer of an object: `body` in memory (one PUT, multipart above the threshold)
+        or a local file (streamed, multipart above the threshold), its sha256 in its metadata when
+        given. Every public writer below comes here, so retries, multipart and the missing
+        bucket's message are the same for all of them."""
         extra: dict[str, Any] = {"ContentType": content_type}
         if sha256:
             extra["Metadata"] = {"sha256": sha256}
-        with s3_errors(self.client, f"writing s3://{self.bucket}/{key}"):
+        what = f"uploading {body} to" if isinstance(body, Path) else "writing"
+        with s3_errors(self.client, f"{what} s3://{self.bucket}/{key}"):
             try:
-                if len(data) >= self.transfer.multipart_threshold:
-                    self.client.upload_fileobj(io.BytesIO(data), self.bucket, key, ExtraArgs=extra, Config=self.transfer)
+                if isinstance(body, Path):
+                    self.client.upload_file(str(body), self.bucket, key, ExtraArgs=extra, Config=self.transfer)
+                elif len(body) >= self.transfer.multipart_threshold:
+                    self.client.upload_fileobj(
+                        io.BytesIO(body), self.bucket, key, ExtraArgs=extra, Config=self.transfer
+                    )
                 else:
-                    self.client.put_object(Bucket=self.bucket, Key=key, Body=data, **extra)
+                    self.client.put_object(Bucket=self.bucket, Key=key, Body=body, **extra)
             except ClientError as exc:
                 self._raise_if_no_bucket(exc)
                 raise
@@ -221,24 +244,21 @@ class ArtifactStore:
             try:
                 return self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
             except ClientError as exc:
-                if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
+                if error_code(exc) in NOT_FOUND:
                     return None
                 self._raise_if_no_bucket(exc)
                 raise
 
     def _raise_if_no_bucket(self, exc: ClientError) -> None:
-        if exc.response.get("Error", {}).get("Code") == "NoSuchBucket":
-            raise MissingBucket(
-                f"bucket {self.bucket!r} does not exist at {endpoint_of(self.client)}: create it once with "
-                f"`eagle3-data s3 init --bucket {self.bucket}`"
-            ) from None
+        if error_code(exc) == NO_BUCKET:
+            raise self._missing_bucket() from None
 
     def _exists(self, key: str) -> dict | None:
         with s3_errors(self.client, f"checking s3://{self.bucket}/{key}"):
             try:
                 return self.client.head_object(Bucket=self.bucket, Key=key)
             except ClientError as exc:
-                if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
+                if error_code(exc) in NOT_FOUND:
                     if not self.bucket_exists():  # HEAD has no body: a 404 may be the bucket
                         self.check_bucket()
                     return None
@@ -265,14 +285,16 @@ class ArtifactStore:
     def put_object(self, key: str, data: bytes, content_type: str = "application/octet-stream") -> str:
         """One object at a bucket-relative key (not under `prefix`): inputs such as prompt files,
         whose layout the config names (`{prompts_root}/{dataset}/date=D/`). Returns its URI."""
-        self._put_bytes(key, data, sha256=hashlib.sha256(data).hexdigest(), content_type=content_type)
+        self._put(key, data, sha256=hashlib.sha256(data).hexdigest(), content_type=content_type)
         return f"s3://{self.bucket}/{key}"
 
     def list_objects(self, prefix: str) -> list[dict]:
         """Objects under a bucket-relative key prefix (dicts with Key, Size, ETag, LastModified)."""
         return self._list(prefix)
 
-    def _download(self, key: str, expected_sha256: str | None, expected_bytes: int | None, label: str) -> tempfile.SpooledTemporaryFile:
+    def _download(
+        self, key: str, expected_sha256: str | None, expected_bytes: int | None, label: str
+    ) -> tempfile.SpooledTemporaryFile:
         """Stream an object into a spooled temp file (RAM up to 64 MiB, then disk), hashing as it
         comes, and refuse it before anyone parses it if it is missing or its bytes changed."""
         out = tempfile.SpooledTemporaryFile(max_size=64 * 1024 * 1024)
@@ -283,15 +305,19 @@ class ArtifactStore:
                 body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"]
             except ClientError as exc:
                 self._raise_if_no_bucket(exc)
-                if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
+                if error_code(exc) in NOT_FOUND:
                     out.close()
-                    raise CorruptArtifact(f"{label} is listed in the manifest but missing from S3: rerun the stage") from None
+                    raise CorruptArtifact(
+                        f"{label} is listed in the manifest but missing from S3: rerun the stage"
+                    ) from None
                 raise
             for chunk in iter(lambda: body.read(_CHUNK), b""):
                 digest.update(chunk)
                 out.write(chunk)
                 size += len(chunk)
-        if (expected_bytes is not None and size != expected_bytes) or (expected_sha256 and digest.hexdigest() != expected_sha256):
+        if (expected_bytes is not None and size != expected_bytes) or (
+            expected_sha256 and digest.hexdigest() != expected_sha256
+        ):
             out.close()
             raise CorruptArtifact(
                 f"{label} is corrupted: {size} bytes with sha256 {digest.hexdigest()[:16]}..., the manifest "
@@ -305,17 +331,24 @@ class ArtifactStore:
         """The stage's objects (only those under `under`, a name prefix such as "_progress/") by
         name relative to the stage: {name: {"Key", "Size", "ETag", "LastModified"}}."""
         base = self.key(ref)
-        return {o["Key"][len(base):]: o for o in self._list(base + under)}
+        return {o["Key"][len(base) :]: o for o in self._list(base + under)}
 
     def read_object(self, ref: StageRef, name: str) -> bytes | None:
         """The bytes of one object of the stage, or None when it does not exist."""
         return self._get_bytes(self.key(ref, name))
 
-    def write_object(self, ref: StageRef, name: str, data: bytes, *, sha256: str | None = None,
-                     content_type: str = "application/octet-stream") -> None:
+    def write_object(
+        self,
+        ref: StageRef,
+        name: str,
+        data: bytes,
+        *,
+        sha256: str | None = None,
+        content_type: str = "application/octet-stream",
+    ) -> None:
         """One object of the stage (a part, a progress record), its sha256 in its metadata when
         given. No file record: side files go through `put_bytes` / `put_json` / `put_file`."""
-        self._put_bytes(self.key(ref, name), data, sha256=sha256, content_type=content_type)
+        self._put(self.key(ref, name), data, sha256=sha256, content_type=content_type)
 
     def head_object(self, ref: StageRef, name: str) -> dict | None:
         """HEAD of one object of the stage (size, metadata), or None when it does not exist."""
@@ -333,7 +366,7 @@ class ArtifactStore:
         """The progress records of a stage's parts (`_progress/part-N.json`), by part number."""
         records = []
         for rel, obj in self.objects(ref, f"{PROGRESS}/").items():
-            stem = rel[len(PROGRESS) + 1:]
+            stem = rel[len(PROGRESS) + 1 :]
             if "/" in stem or not stem.endswith(".json") or part_number(stem[: -len(".json")] + ".parquet") is None:
                 continue
             data = self._get_bytes(obj["Key"])
@@ -341,7 +374,9 @@ class ArtifactStore:
                 try:
                     records.append(json.loads(data))
                 except ValueError:
-                    log.warning("%s: unreadable progress record, ignored (its part is produced again)", self.uri(ref, rel))
+                    log.warning(
+                        "%s: unreadable progress record, ignored (its part is produced again)", self.uri(ref, rel)
+                    )
         return sorted(records, key=lambda r: r["part"])
 
     # -- manifests -------------------------------------------------------------------------------
@@ -381,7 +416,7 @@ class ArtifactStore:
         base = self.key(ref)
         from eagle3_data.storage.lease import is_lease
 
-        objects = [o["Key"] for o in self._list(base) if not is_lease(o["Key"][len(base):])]
+        objects = [o["Key"] for o in self._list(base) if not is_lease(o["Key"][len(base) :])]
         self._delete(sorted(objects, key=lambda k: not k.startswith(base + PROGRESS)))
 
     def input_record(self, ref: StageRef) -> dict:
@@ -442,7 +477,7 @@ class ArtifactStore:
         manifest["manifest_sha256"] = manifest_hash(manifest)
         manifest["created_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
         body = json.dumps(manifest, indent=1, sort_keys=True, ensure_ascii=False).encode()
-        self._put_bytes(self.key(ref, MANIFEST), body, content_type="application/json")
+        self.write_object(ref, MANIFEST, body, content_type="application/json")
         log.info("committed %s: %d rows in %d parts, %d files", self.uri(ref), manifest["rows"], len(parts), len(files))
         return manifest
 
@@ -451,23 +486,35 @@ class ArtifactStore:
         manifest = self.read_manifest(ref)
         schema = manifest.get("schema")
         if not schema:
-            raise UserError(f"{self.uri(ref)} holds files, not Parquet parts ({[f['name'] for f in manifest.get('files', [])]})")
+            raise UserError(
+                f"{self.uri(ref)} holds files, not Parquet parts ({[f['name'] for f in manifest.get('files', [])]})"
+            )
         try:
             schema_for(schema["name"], schema["version"])
         except UserError as exc:
             raise UserError(f"{self.uri(ref)}: {exc}") from None
         return manifest
 
-    def iter_batches(self, ref: StageRef, columns: list[str] | None = None, batch_size: int = 1024) -> Iterator[pa.RecordBatch]:
+    def iter_batches(
+        self, ref: StageRef, columns: list[str] | None = None, batch_size: int = 1024
+    ) -> Iterator[pa.RecordBatch]:
         """Stream the stage's rows, part by part, each part's sha256 checked before it is parsed."""
         manifest = self._checked_manifest(ref)  # refuses now, not at first next()
         schema = schema_for(manifest["schema"]["name"], manifest["schema"]["version"])
         return self._batches(ref, manifest["parts"], columns, batch_size, schema)
 
-    def _batches(self, ref: StageRef, parts: list[dict], columns: list[str] | None, batch_size: int,
-                 schema: pa.Schema | None = None) -> Iterator[pa.RecordBatch]:
+    def _batches(
+        self,
+        ref: StageRef,
+        parts: list[dict],
+        columns: list[str] | None,
+        batch_size: int,
+        schema: pa.Schema | None = None,
+    ) -> Iterator[pa.RecordBatch]:
         def fetch(part: dict):
-            return self._download(self.key(ref, part["name"]), part["sha256"], part["bytes"], self.uri(ref, part["name"]))
+            return self._download(
+                self.key(ref, part["name"]), part["sha256"], part["bytes"], self.uri(ref, part["name"])
+            )
 
         # one part downloads (and is hashed) while the caller consumes the previous one: two parts in memory at most
         ahead = _Prefetch(fetch)
@@ -530,7 +577,7 @@ class ArtifactStore:
         same-size rewrite within the manifest's second escapes it: `verify` (sha256) is the full check."""
         manifest = manifest if manifest is not None else self.read_manifest(ref)
         base = self.key(ref)
-        objects = {o["Key"][len(base):]: o for o in self._list(base)}
+        objects = {o["Key"][len(base) :]: o for o in self._list(base)}
         committed = objects.get(MANIFEST, {}).get("LastModified")
         problems = []
         for item in [*manifest.get("parts", []), *manifest.get("files", [])]:
@@ -540,8 +587,10 @@ class ArtifactStore:
             elif obj["Size"] != item["bytes"]:
                 problems.append(f"{label} has {obj['Size']} bytes, the manifest says {item['bytes']}")
             elif committed is not None and obj["LastModified"] > committed:
-                problems.append(f"{label} was rewritten at {obj['LastModified'].isoformat(timespec='seconds')}, "
-                                f"after the manifest ({committed.isoformat(timespec='seconds')})")
+                problems.append(
+                    f"{label} was rewritten at {obj['LastModified'].isoformat(timespec='seconds')}, "
+                    f"after the manifest ({committed.isoformat(timespec='seconds')})"
+                )
         return problems
 
     def stages(self, run_key: str) -> list[StageRef]:
@@ -550,7 +599,7 @@ class ArtifactStore:
         base = f"{self.prefix}/runs/{run_key}/" if self.prefix else f"runs/{run_key}/"
         refs = []
         for obj in self._list(base):
-            rel = obj["Key"][len(base):].split("/")
+            rel = obj["Key"][len(base) :].split("/")
             if len(rel) == 3 and rel[2] == MANIFEST:
                 refs.append(StageRef(run_key, rel[0], rel[1]))
         return sorted(refs)
@@ -596,7 +645,9 @@ class ArtifactStore:
         """The names one level below `base` (a prefix ending in "/"), sorted."""
         names = set()
         with s3_errors(self.client, f"listing s3://{self.bucket}/{base}"):
-            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base, Delimiter="/"):
+            for page in self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=base, Delimiter="/"
+            ):
                 names.update(p["Prefix"][len(base) :].rstrip("/") for p in page.get("CommonPrefixes", []))
         return sorted(names)
 
@@ -610,34 +661,35 @@ class ArtifactStore:
         if manifest is not None and name in {f["name"] for f in json.loads(manifest).get("files", [])}:
             self.invalidate(ref)
 
-    def _record_file(self, ref: StageRef, name: str, size: int, sha256: str) -> None:
+    def _put_side_file(
+        self,
+        ref: StageRef,
+        name: str,
+        body: bytes | Path,
+        size: int,
+        sha256: str,
+        content_type: str = "application/octet-stream",
+    ) -> str:
+        """A side file: a manifest listing the old one invalidated first, then the object, then its
+        record (`_progress/files/<name>.json`), which marks it committed for `committed_files`."""
+        check_file_name(name)
+        self._before_overwrite(ref, name)
+        self._put(self.key(ref, name), body, sha256=sha256, content_type=content_type)
         record = {"name": name, "bytes": size, "sha256": sha256}
-        self._put_bytes(self._file_record_key(ref, name), canonical_json(record).encode(), content_type="application/json")
+        self._put(self._file_record_key(ref, name), canonical_json(record).encode(), content_type="application/json")
+        return self.uri(ref, name)
 
     def put_json(self, ref: StageRef, name: str, obj: Any) -> str:
-        check_file_name(name)
+        """A JSON side file (failures.json, reports)."""
         data = json.dumps(obj, indent=1, sort_keys=True, ensure_ascii=False).encode()
-        sha = hashlib.sha256(data).hexdigest()
-        self._before_overwrite(ref, name)
-        self._put_bytes(self.key(ref, name), data, sha256=sha, content_type="application/json")
-        self._record_file(ref, name, len(data), sha)
-        return self.uri(ref, name)
+        return self.put_bytes(ref, name, data, content_type="application/json")
 
     def put_bytes(self, ref: StageRef, name: str, data: bytes, content_type: str = "application/octet-stream") -> str:
         """A small side file such as report.md."""
-        check_file_name(name)
-        sha = hashlib.sha256(data).hexdigest()
-        self._before_overwrite(ref, name)
-        self._put_bytes(self.key(ref, name), data, sha256=sha, content_type=content_type)
-        self._record_file(ref, name, len(data), sha)
-        return self.uri(ref, name)
+        return self._put_side_file(ref, name, data, len(data), hashlib.sha256(data).hexdigest(), content_type)
 
     def get_json(self, ref: StageRef, name: str) -> Any:
-        check_file_name(name)
-        data = self._get_bytes(self.key(ref, name))
-        if data is None:
-            raise IncompleteStage(f"{self.uri(ref, name)} does not exist")
-        return json.loads(data)
+        return json.loads(self.get_bytes(ref, name))
 
     def get_bytes(self, ref: StageRef, name: str) -> bytes:
         check_file_name(name)
@@ -651,19 +703,10 @@ class ArtifactStore:
         written after the upload marks it committed for `committed_files`."""
         check_file_name(name)
         path = Path(local_path)
-        digest = hashlib.sha256()
-        with path.open("rb") as f:
-            for chunk in iter(lambda: f.read(_CHUNK), b""):
-                digest.update(chunk)
         size = path.stat().st_size
-        self._before_overwrite(ref, name)
-        with s3_errors(self.client, f"uploading {path} to {self.uri(ref, name)}"):
-            self.client.upload_file(
-                str(path), self.bucket, self.key(ref, name), ExtraArgs={"Metadata": {"sha256": digest.hexdigest()}}, Config=self.transfer
-            )
-        self._record_file(ref, name, size, digest.hexdigest())
-        log.info("uploaded %s (%d bytes)", self.uri(ref, name), size)
-        return self.uri(ref, name)
+        uri = self._put_side_file(ref, name, path, size, file_sha256(path))
+        log.info("uploaded %s (%d bytes)", uri, size)
+        return uri
 
     def get_file(self, ref: StageRef, name: str, local_path: str | os.PathLike, *, sha256: str | None = None) -> Path:
         """Download (parallel ranged GETs above the threshold) and check the sha256 recorded at upload.
@@ -677,22 +720,24 @@ class ArtifactStore:
             raise IncompleteStage(f"{self.uri(ref, name)} was never uploaded through the store (no record)")
         expected = json.loads(record)
         if sha256 is not None and expected["sha256"] != sha256:
-            raise IncompleteStage(f"{self.uri(ref, name)} differs from the manifest that lists it (the stage is "
-                                  f"being rewritten): retry once it is committed")
+            raise IncompleteStage(
+                f"{self.uri(ref, name)} differs from the manifest that lists it (the stage is "
+                f"being rewritten): retry once it is committed"
+            )
         with s3_errors(self.client, f"downloading {self.uri(ref, name)}"):
             try:
                 self.client.download_file(self.bucket, self.key(ref, name), str(path), Config=self.transfer)
             except ClientError as exc:
-                if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
-                    raise CorruptArtifact(f"{self.uri(ref, name)} is recorded as uploaded but missing from S3") from None
+                if error_code(exc) in NOT_FOUND:
+                    raise CorruptArtifact(
+                        f"{self.uri(ref, name)} is recorded as uploaded but missing from S3"
+                    ) from None
                 raise
-        digest = hashlib.sha256()
-        with path.open("rb") as f:
-            for chunk in iter(lambda: f.read(_CHUNK), b""):
-                digest.update(chunk)
-        if digest.hexdigest() != expected["sha256"]:
+        if file_sha256(path) != expected["sha256"]:
             path.unlink()
-            raise CorruptArtifact(f"{self.uri(ref, name)} is corrupted: its sha256 differs from the one recorded at upload")
+            raise CorruptArtifact(
+                f"{self.uri(ref, name)} is corrupted: its sha256 differs from the one recorded at upload"
+            )
         return path
 
     def committed_files(self, ref: StageRef) -> set[str]:
@@ -730,6 +775,8 @@ class ArtifactStore:
             check_file_name(name)
             data = self._get_bytes(self._file_record_key(ref, name))
             if data is None:
-                raise IncompleteStage(f"{self.uri(ref, name)} was never uploaded through the store (no record): cannot commit it")
+                raise IncompleteStage(
+                    f"{self.uri(ref, name)} was never uploaded through the store (no record): cannot commit it"
+                )
             entries.append(json.loads(data))
         return entries
