@@ -52,17 +52,22 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=64)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--seeds", type=int, default=5)
-    p.add_argument("--smoke", action="store_true", help="make test's size: 32 samples, 20 steps, 2 seeds")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1: the least contention on a shared machine)")
+    p.add_argument("--smoke", action="store_true", help="make test's size: 16 samples, 4 steps, 2 seeds (checks the script)")
     args = p.parse_args()
     if args.smoke:
-        args.samples, args.steps, args.seeds = 32, 20, 2
+        args.samples, args.steps, args.seeds = 16, 4, 2
+    import torch
+
     from eagle3_data.dev.probe_data import calibration
     from eagle3_data.probe import train_and_score
+
+    torch.set_num_threads(args.threads)
 
     config = probe_config(steps=args.steps, eval_samples=max(8, args.samples // 5))
     with tempfile.TemporaryDirectory(prefix="bench-probe-") as tmp:
         target, correct, faulty = calibration(tiny_target(), Path(tmp), args.samples)
-        results = train_and_score(target, arms(correct, faulty, args.samples, args.seeds, config), config, threads=2)
+        results = train_and_score(target, arms(correct, faulty, args.samples, args.seeds, config), config, threads=args.threads)
     print(f"{'arm':<20} {'sim. acceptance':>15}  acc_k")
     for r in results:
         print(f"{r['name']:<20} {r['simulated_acceptance']:>15.3f}  {' '.join(f'{a:.3f}' for a in r['acc'])}")

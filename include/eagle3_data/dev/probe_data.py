@@ -28,7 +28,7 @@ from eagle3_data import draft_vocab
 from eagle3_data.hidden_states.final_norm import rms_norm
 
 FAULTS = ("aux_shifted", "last_normed_twice", "other_sample", "mask_shifted", "wrong_layers")
-WRONG_LAYERS = [5, 6, 7]  # the tiny target's last three layers instead of EAGLE-3's [1, L//2-1, L-4]
+WRONG_LAYERS = [4, 5, 6]  # the last three aux-capable layers of the tiny target (8 layers) instead of EAGLE-3's [1, L//2-1, L-4]
 
 
 def with_trained_norm(model_dir: Path, out: Path, seed: int = 0) -> Path:
@@ -50,9 +50,11 @@ def with_trained_norm(model_dir: Path, out: Path, seed: int = 0) -> Path:
 
 
 def own_generations(model_dir: Path, samples: int, *, prompt_tokens: int = 16, new_tokens: int = 48,
-                    seed: int = 0) -> list[dict]:
-    """Rows of the target's own sampled answers (temperature 1) to random prompts: prompt ids
-    masked out, answer ids trained, as the merge writes them."""
+                    temperature: float = 0.5, seed: int = 0) -> list[dict]:
+    """Rows of the target's own sampled answers to random prompts: prompt ids masked out, answer
+    ids trained, as the merge writes them. At temperature 0.5 the tiny target's answers use ~270
+    distinct tokens per 1,500 (754 at 1.0), so a 256-token draft vocabulary covers ~99% of them,
+    as a 32k one covers a real target's: a drafter is then judged on what it can predict."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
@@ -61,14 +63,14 @@ def own_generations(model_dir: Path, samples: int, *, prompt_tokens: int = 16, n
     prompts = sampled[torch.randint(0, sampled.numel(), (samples, prompt_tokens), generator=g)]
     torch.manual_seed(seed)
     with torch.no_grad():
-        out = model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True, temperature=1.0,
+        out = model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True, temperature=temperature,
                              top_k=0, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
     return [{"sample_id": f"s{i}", "input_ids": out[i].tolist(),
              "loss_mask": [0] * prompt_tokens + [1] * (out.shape[1] - prompt_tokens)} for i in range(samples)]
 
 
 def export_rows(model_dir: Path, rows: list[dict], out: Path, *, layer_ids: list[int] | None = None,
-                vocab_size: int = 64) -> Path:
+                vocab_size: int = 256) -> Path:
     """The rows extracted (transformers, the default EAGLE-3 layers unless `layer_ids`), exported
     for speculators, with their draft vocabulary beside the export."""
     from eagle3_data.hidden_states.backends import TransformersBackend
@@ -136,3 +138,32 @@ def calibration(model_dir: Path, work: Path, samples: int, seed: int = 0) -> tup
     correct = export_rows(target, rows, work / "correct")
     wrong = export_rows(target, rows, work / "wrong-layers", layer_ids=WRONG_LAYERS)
     return target, correct, {f: inject(f, correct, work / f, model_dir=target, wrong_layers=wrong) for f in FAULTS}
+
+
+def resplit(rows: list[dict], rate: float, tokenizer, seed: int = 0) -> tuple[list[dict], float]:
+    """The rows with a share `rate` of their trained (answer) tokens re-split: one token replaced by
+    two that decode to the same text, as a canonical re-encoding and the engine's sampled ids
+    disagree (the seeds' "BPE re-splits"). Returns the rows and the share actually re-split."""
+    rng = np.random.default_rng(seed)
+    pieces: dict[int, list[int] | None] = {}
+
+    def split_of(token: int) -> list[int] | None:
+        if token not in pieces:
+            text = tokenizer.decode([token])
+            half = len(text) // 2
+            ids = (tokenizer.encode(text[:half], add_special_tokens=False)
+                   + tokenizer.encode(text[half:], add_special_tokens=False)) if half else []
+            pieces[token] = ids if len(ids) > 1 and tokenizer.decode(ids) == text else None
+        return pieces[token]
+
+    out, trained, done = [], 0, 0
+    for row in rows:
+        ids, mask = [], []
+        for token, m in zip(row["input_ids"], row["loss_mask"]):
+            trained += m
+            new = split_of(token) if m and rng.random() < rate else None
+            done += new is not None
+            ids += new or [token]
+            mask += [m] * len(new or [token])
+        out.append({**row, "input_ids": ids, "loss_mask": mask})
+    return out, done / trained if trained else 0.0

@@ -1,7 +1,8 @@
 """Stage 8 (optional), the probe: the drafter's verdict on the run's hidden states
 (eagle3_data.probe), on the GPU queue after the extraction's commit. It reads the first shards of
 the extraction until it holds `samples + eval_samples` rows (the merge shuffled them, so these are
-a random subset and the cost is bounded whatever the run's size), exports them for speculators
+a random subset and the cost is bounded whatever the run's size; one shard on local disk at a
+time besides the export), exports them for speculators
 with the merge's draft vocabulary, and writes `probe.json` under runs/RUN_KEY/probe/all."""
 
 from __future__ import annotations
@@ -42,12 +43,18 @@ def probe(run: Run, store) -> ProbeResult | None:
         for f in store.read_manifest(merge_ref)["files"]:  # the draft vocabulary the extraction's merge counted
             if is_file_of("speculators", f["name"]):
                 store.get_file(merge_ref, f["name"], work / "export" / f["name"], sha256=f["sha256"])
-        shards, rows = [], 0
-        for f in manifest["files"]:
-            if f["name"].endswith(".safetensors") and rows < p.samples + p.eval_samples:
-                shards.append(store.get_file(hs_ref, f["name"], work / "shards" / f["name"], sha256=f["sha256"]))
-                rows += len(ShardReader(shards[-1]))
-        export_speculators(shards, work / "export")
+
+        def first_shards():
+            """The extraction's shards in order, one on disk at a time, until enough rows."""
+            rows = 0
+            for f in manifest["files"]:
+                if f["name"].endswith(".safetensors") and rows < p.samples + p.eval_samples:
+                    path = store.get_file(hs_ref, f["name"], work / "shards" / f["name"], sha256=f["sha256"])
+                    rows += len(ShardReader(path))
+                    yield path
+                    path.unlink()
+
+        export_speculators(first_shards(), work / "export")
         device = default_device()
         report = probe_export(work / "export", Path(resolve_source(run.config.model.source)), p, device=device)
     report["device"] = device

@@ -66,13 +66,19 @@ def tensors(batch: dict, device: str) -> dict:
     return {k: v.to(device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
 
 
+def autocast(device: str):
+    """bf16 autocast on a GPU (tensor-core rate: the cost docs/hidden_states.md estimates), fp32 on CPU."""
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda")
+
+
 @torch.no_grad()
 def evaluate(model, batches, arm: dict, loss_config, device: str) -> dict:
     """The metrics' sums over the eval rows: speculators' full and conditional accuracy per step."""
     model.eval()
     sums: dict[str, float] = {}
     for batch in batches:
-        _, _, metrics = model(**tensors(batch, device), ttt_steps=arm["draft_length"], loss_config=loss_config)
+        with autocast(device):
+            _, _, metrics = model(**tensors(batch, device), ttt_steps=arm["draft_length"], loss_config=loss_config)
         for key, value in metrics.items():
             sums[key] = sums.get(key, 0.0) + float(value)
     model.train()
@@ -99,7 +105,8 @@ def run_arm(spec: dict, arm: dict) -> dict:
     curve = [{"step": 0, **evaluate(model, held_out, arm, loss_config, device)}]
     while len(losses) < arm["steps"]:
         for batch in train:
-            _, loss, _ = model(**tensors(batch, device), ttt_steps=arm["draft_length"], loss_config=loss_config)
+            with autocast(device):
+                _, loss, _ = model(**tensors(batch, device), ttt_steps=arm["draft_length"], loss_config=loss_config)
             optim.zero_grad()
             loss.backward()
             optim.step()
