@@ -145,6 +145,7 @@ def probe_export(export: Path, verifier: Path, config, *, eval_export: Path | No
     arm = Arm("probe", export, eval_export or export, train_rows, eval_rows, vocab, config.seed)
     result = train_and_score(verifier, [arm], config, device=device)[0]
     result.pop("name")
-    return {"config": config.model_dump(), "train_samples": len(train_rows), "eval_samples": len(eval_rows),
+    return {"config": config.model_dump(), "export_samples": rows, "train_samples": len(train_rows),
+            "eval_samples": len(eval_rows),
             "draft_vocab_size": draft_vocab_size(vocab), "coverage": coverage(eval_export or export, eval_rows, vocab),
             **result}
