@@ -49,9 +49,18 @@ def test_simulated_acceptance_is_the_expected_accepted_prefix():
 
 def test_probe_cli_on_an_export(export, tmp_path):
     target, correct = export
+    import yaml
+
+    from eagle3_data.config import default_config_raw
+
+    raw = default_config_raw()
+    raw["probe"]["max_len"] = 256  # speculators' collation pads every step to max_len: 4,096 costs minutes on CPU
+    config = tmp_path / "pipeline.yaml"
+    config.write_text(yaml.safe_dump(raw))
     out = tmp_path / "probe.json"
     cmd = [str(Path(sys.executable).parent / "eagle3-data"), "probe", "--input", str(correct), "--model", str(target),
-           "--steps", "4", "--samples", "12", "--eval-samples", "3", "--out", str(out), "--device", "cpu"]
+           "--steps", "4", "--samples", "12", "--eval-samples", "3", "--out", str(out), "--device", "cpu",
+           "--config", str(config)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
