@@ -48,7 +48,7 @@ def main() -> None:
     print(f"device {device} ({torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}), H={args.hidden}, "
           f"{args.samples} rows, {sum(len(r['input_ids']) for r in rows):,} tokens")
     config = ProbeConfig(samples=args.samples, eval_samples=max(2, args.samples // 5), steps=args.steps,
-                         eval_every=max(1, args.steps // 8))
+                         eval_every=max(1, args.steps // 8), max_len=256 if args.smoke else 4096)
     with tempfile.TemporaryDirectory(prefix="gpu-probe-") as tmp:
         t0 = time.perf_counter()
         export = export_rows(model, rows, Path(tmp) / "export", vocab_size=args.draft_vocab)
