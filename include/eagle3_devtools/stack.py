@@ -98,7 +98,7 @@ def write_config(path: Path, *, bucket: str, tokenizer: Path, model: Path, overr
     deep_merge(raw, {"storage": {"bucket": bucket}, "tokenizer": {"source": str(tokenizer)}, "model": {"source": str(model)},
                      "stand_ins": list(DEV_STACK_STAND_INS),
                      # the probe at the tiny target's size: seconds on CPU, not the GPU default's minutes
-                     "probe": {"samples": 32, "eval_samples": 8, "steps": 10, "eval_every": 5, "max_len": 1024}})
+                     "probe": {"samples": 32, "eval_samples": 8, "steps": 4, "eval_every": 2, "max_len": 256}})
     deep_merge(raw, overrides or {})
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path
