@@ -77,7 +77,8 @@ def main() -> None:
     print(f"correct: min {min(good):.3f} max {max(good):.3f} spread {spread:.3f}; "
           + "; ".join(f"{k} {min(good) - v:+.3f} below" for k, v in bad.items()))
     worst = max(bad.values())
-    print(f"RATIO probe_faults {worst / min(good):.3f} (the best fault's acceptance / the correct data's lowest seed)")
+    ratio = f"{worst / min(good):.3f}" if min(good) > 0 else "n/a (a correct seed scored 0)"
+    print(f"RATIO probe_faults {ratio} (the best fault's acceptance / the correct data's lowest seed)")
 
 
 if __name__ == "__main__":
