@@ -47,6 +47,10 @@ BENCHMARKS: dict[str, tuple[str, list[str], list[str], Path | None]] = {
     # vLLM's own venv (make vllm-venv); the full gpu_extract wants a GPU (benchmarks/gpu_extract.sh)
     "vllm_extract": ("vllm_extract.py", ["--samples", "16", "--repeats", "1"], [], REPO / ".venv-vllm" / ".installed"),
     "gpu_extract": ("gpu_extract.py", ["--smoke"], [], REPO / ".venv-vllm" / ".installed"),
+    # the probe: speculators' venv (make speculators-venv); the full gpu_probe wants a GPU (benchmarks/gpu_probe.sh)
+    "probe_faults": ("probe_faults.py", [], [], REPO / ".venv-speculators" / "bin" / "python"),
+    "probe_resplit": ("probe_resplit.py", [], [], REPO / ".venv-speculators" / "bin" / "python"),
+    "gpu_probe": ("gpu_probe.py", ["--smoke"], [], REPO / ".venv-speculators" / "bin" / "python"),
 }
 NEEDS_TOKENIZER = {"validate_throughput", "stage_startup"}
 

@@ -225,6 +225,19 @@ def eagle3_datagen():
         pipeline, run, store = _run()
         return _gate(pipeline.commit_hidden_states, run, store)
 
+    @task(queue=GPU_QUEUE, execution_timeout=timedelta(seconds=CONFIG.probe.budget_s))
+    def probe() -> dict | None:
+        """The drafter's verdict (config `probe`, param `probe`): a small EAGLE-3 head trained with
+        speculators on the extraction, its held-out acceptance written for the report. Skipped when
+        off; a failure here fails the run's probe, not its data (publish runs all_done)."""
+        from airflow.sdk.exceptions import AirflowSkipException
+
+        pipeline, run, store = _run()
+        result = _gate(pipeline.probe, run, store)
+        if result is None:
+            raise AirflowSkipException("probe off (config probe.enabled / param probe), or nothing extracted")
+        return result.as_dict()
+
     @task(trigger_rule=TriggerRule.ALL_DONE, outlets=[TRAINING_DATA], **_timeout("publish"))
     def publish() -> dict:
         """Runs whatever failed upstream: the run report is written for a failed run too (the one
@@ -247,7 +260,7 @@ def eagle3_datagen():
     validated = per_dataset.expand(dataset=audit)
     merged = merge()
     validated >> merged
-    extract_hidden_states.expand(work=plan_hidden_states(merged)) >> commit_hidden_states() >> publish()
+    extract_hidden_states.expand(work=plan_hidden_states(merged)) >> commit_hidden_states() >> probe() >> publish()
 
 
 def _set_map_name(value: str, key: str = "dataset") -> None:

@@ -498,6 +498,25 @@ class HiddenStatesConfig(_Model):
     )
 
 
+class ProbeConfig(_Model):
+    """The drafter's verdict after extraction (eagle3_data.probe): a small EAGLE-3 head trained with
+    speculators on a fixed split of the run's export, scored on the held-out rows. On by default:
+    at Kimi-K2.5's size its defaults take a few minutes of one GPU (docs/hidden_states.md, "The
+    drafter's verdict"), well inside `budget_s`."""
+
+    enabled: bool = Field(True, description="run the probe after extraction (the DAG's probe task)")
+    samples: int = Field(256, ge=1, description="train samples at most (the rest of the extraction is not read)")
+    eval_samples: int = Field(64, ge=1, description="held-out samples at most (never more than a fifth of the export)")
+    steps: int = Field(200, ge=1, description="optimizer steps")
+    draft_length: int = Field(3, ge=1, le=16, description="draft tokens per step: acc_0..acc_{k-1} (speculators' ttt_steps)")
+    batch_size: int = Field(4, ge=1, description="samples packed per step")
+    max_len: int = Field(4096, ge=16, description="packed tokens per step at most (longer samples are cut)")
+    lr: float = Field(3e-3, gt=0, description="AdamW learning rate")
+    eval_every: int = Field(25, ge=1, description="steps between held-out evaluations (the learning curve)")
+    seed: int = Field(0, ge=0, description="the split, the init and the sample order")
+    budget_s: float = Field(3600.0, gt=0, description="the probe is stopped (and the task fails) past this")
+
+
 class LimitsConfig(_Model):
     max_message_bytes: int = Field(1_000_000, ge=1, description="largest accepted prompt row (bytes of its messages)")
     max_image_bytes: int = Field(20_000_000, ge=1, description="largest accepted image of an image prompt (bytes, encoded)")
@@ -560,6 +579,7 @@ class PipelineConfig(_Model):
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     merge: MergeConfig = Field(default_factory=MergeConfig)
     hidden_states: HiddenStatesConfig = Field(default_factory=HiddenStatesConfig)
+    probe: ProbeConfig = Field(default_factory=ProbeConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
     stand_ins: tuple[StandIn, ...] = Field(
@@ -790,6 +810,10 @@ CONFIG_PARAMS: dict[str, str] = {
     "last_hidden_norm": "hidden_states.last_hidden_norm",
     "hidden_states_fp8": "hidden_states.fp8",
     "hidden_states_storage_dtype": "hidden_states.storage_dtype",
+    "probe": "probe.enabled",
+    "probe_samples": "probe.samples",
+    "probe_steps": "probe.steps",
+    "probe_draft_length": "probe.draft_length",
 }
 THRESHOLD_PARAMS = ("max_bpe_mismatch_rate", "max_billing_deviation")
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._=+-]{0,127}$"

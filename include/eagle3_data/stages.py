@@ -16,6 +16,7 @@ POLICY = "score_policy"
 VALIDATE = "validate"
 MERGE = "merge"
 HIDDEN_STATES = "hidden_states"
+PROBE = "probe"  # the drafter's verdict on the extraction
 PUBLISH = "publish"
 
 RUN_DATASET = "all"  # dataset segment of run-level stages (merge, hidden states, publish)

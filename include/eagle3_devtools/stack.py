@@ -96,7 +96,9 @@ def write_config(path: Path, *, bucket: str, tokenizer: Path, model: Path, overr
 
     raw = default_config_raw()
     deep_merge(raw, {"storage": {"bucket": bucket}, "tokenizer": {"source": str(tokenizer)}, "model": {"source": str(model)},
-                     "stand_ins": list(DEV_STACK_STAND_INS)})
+                     "stand_ins": list(DEV_STACK_STAND_INS),
+                     # the probe at the tiny target's size: seconds on CPU, not the GPU default's minutes
+                     "probe": {"samples": 32, "eval_samples": 8, "steps": 4, "eval_every": 2, "max_len": 256}})
     deep_merge(raw, overrides or {})
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path

@@ -49,11 +49,13 @@ def test_dag_wiring():
         "plan_hidden_states",
         "extract_hidden_states",
         "commit_hidden_states",
+        "probe",
         "publish",
     }
     assert tasks["dataset.generate_overflow"].pool == OPENROUTER_POOL
     assert tasks["dataset.generate_local"].queue == GPU_QUEUE
     assert tasks["extract_hidden_states"].queue == GPU_QUEUE
+    assert tasks["probe"].queue == GPU_QUEUE  # it trains a drafter head
     assert tasks["dataset.score_policy"].queue == GPU_QUEUE  # it calls the local engine, as generation does
     for tid in ("dataset.generate_local", "dataset.generate_overflow", "audit_tokenizer"):
         assert tasks[tid].retries > 0 and tasks[tid].retry_exponential_backoff
@@ -79,11 +81,12 @@ def test_dag_wiring():
     assert "dataset.reconstruct" in tasks["dataset.score_policy"].upstream_task_ids
     assert "dataset.score_policy" in tasks["dataset.validate"].upstream_task_ids
     assert tasks["merge"].upstream_task_ids == {"dataset.validate"}
-    # the hidden-states stage in its own tasks: plan -> mapped extraction -> commit, then publish
+    # the hidden-states stage in its own tasks: plan -> mapped extraction -> commit, then the probe, then publish
     assert tasks["plan_hidden_states"].upstream_task_ids == {"merge"}
     assert tasks["extract_hidden_states"].upstream_task_ids == {"plan_hidden_states"}
     assert tasks["commit_hidden_states"].upstream_task_ids == {"extract_hidden_states"}
-    assert tasks["publish"].upstream_task_ids == {"commit_hidden_states"}
+    assert tasks["probe"].upstream_task_ids == {"commit_hidden_states"}  # the drafter's verdict on the extraction
+    assert tasks["publish"].upstream_task_ids == {"probe"}
     assert dag.params["datasets"] == cfg.dataset_names
     assert dag.schedule == cfg.schedule
 

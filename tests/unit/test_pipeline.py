@@ -13,7 +13,7 @@ def test_stage_functions_are_importable_from_the_package():
     from eagle3_data import pipeline
 
     for name in ("resolve_run", "open_store", "audit_tokenizer", "load_route", "generate_local", "generate_overflow",
-                 "reconstruct", "validate", "merge", "extract_hidden_states", "commit_hidden_states", "publish"):
+                 "reconstruct", "validate", "merge", "extract_hidden_states", "commit_hidden_states", "probe", "publish"):
         assert callable(getattr(pipeline, name)), name
 
 

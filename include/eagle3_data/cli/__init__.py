@@ -20,6 +20,7 @@ COMMAND_MODULES = [
     "generate",
     "merge",
     "extract",
+    "probe",
     "report",
     "publish",
     "config",

@@ -3,7 +3,8 @@ one module per stage, in the order the DAG runs them:
 
   run (resolve_run, open_store) -> audit -> route (load_route) -> generate (local | overflow,
   concurrently) -> reconstruct -> policy (score_policy) -> validate (the gate) -> merge -> extract
-  (hidden states) -> publish
+  (hidden states) -> probe
+  (the drafter's verdict, optional) -> publish
 
 Each stage takes a resolved `Run` (config + params + run key), an `ArtifactStore` and, for
 per-dataset stages, a dataset name; it reads its inputs from S3, writes its outputs with a
@@ -24,6 +25,7 @@ from eagle3_data.pipeline.extract import (
 from eagle3_data.pipeline.generate import generate_local, generate_overflow
 from eagle3_data.pipeline.merge import merge
 from eagle3_data.pipeline.policy import score_policy
+from eagle3_data.pipeline.probe import probe
 from eagle3_data.pipeline.publish import publish
 from eagle3_data.pipeline.reconstruct import reconstruct
 from eagle3_data.pipeline.results import (
@@ -32,6 +34,7 @@ from eagle3_data.pipeline.results import (
     GenerationResult,
     MergeResult,
     PolicyResult,
+    ProbeResult,
     PublishResult,
     ReconstructResult,
     RouteResult,
@@ -62,6 +65,7 @@ __all__ = [
     "GenerationResult",
     "MergeResult",
     "PolicyResult",
+    "ProbeResult",
     "PublishResult",
     "ReconstructResult",
     "RouteResult",
@@ -73,6 +77,7 @@ __all__ = [
     "commit_hidden_states",
     "discard_stale_hidden_states",
     "plan_hidden_states",
+    "probe",
     "extract_hidden_states",
     "gate_results",
     "generate_local",

@@ -13,7 +13,7 @@ from eagle3_data.pipeline.reuse import reusable
 from eagle3_data.pipeline.route import PLAN_REPORT
 from eagle3_data.pipeline.run import Run, log, stage_ref
 from eagle3_data.pipeline.validate import BILLING_REPORT, gate_results
-from eagle3_data.stages import AUDIT, AUDIT_DATASET, HIDDEN_STATES, LOCAL, MERGE, OVERFLOW, PLAN, PROMPTS, PUBLISH, RECONSTRUCT, RUN_DATASET, VALIDATE
+from eagle3_data.stages import AUDIT, AUDIT_DATASET, HIDDEN_STATES, LOCAL, MERGE, OVERFLOW, PLAN, PROBE, PROMPTS, PUBLISH, RECONSTRUCT, RUN_DATASET, VALIDATE
 
 SUMMARY = "summary.json"
 
@@ -32,6 +32,19 @@ def _generation_totals(store, ref) -> dict:
             out["cost_usd"] += usage.get("cost_usd") or 0.0
     out["cost_usd"] = round(out["cost_usd"], 6)
     return out
+
+
+def _probe_figures(run: Run, store, hs_ref) -> dict | None:
+    """The probe's figures and learning curve, when it ran on this extraction with these params."""
+    from eagle3_data.pipeline.probe import PROBE_REPORT, probe_params
+
+    ref = stage_ref(run, PROBE, RUN_DATASET)
+    if not run.config.probe.enabled or reusable(store, ref, [hs_ref], probe_params(run)) is None:
+        return None
+    report = store.get_json(ref, PROBE_REPORT)
+    keys = ("simulated_acceptance", "acc", "full_acc", "coverage", "curve", "train_samples", "eval_samples",
+            "eval_tokens", "draft_vocab_size", "device", "seconds")
+    return {"uri": store.uri(ref, PROBE_REPORT), "steps": report["config"]["steps"], **{k: report.get(k) for k in keys}}
 
 
 def _policy_every_row(run: Run, store, hs_ref) -> dict:
@@ -165,6 +178,7 @@ def publish(run: Run, store) -> PublishResult:
         # the target's log-probabilities of the trained tokens per path, and the extraction's self-check
         "logprobs": (hidden or {}).get("logprobs"),
         "logprob_check": (hidden or {}).get("logprob_check"),
+        "probe": _probe_figures(run, store, hs_ref) if hidden else None,  # the drafter's verdict, when it ran
     }
     report_uri = _run_report(store, run.run_key, index, run.config.stand_ins, training)
     summary_ref = stage_ref(run, PUBLISH, RUN_DATASET)

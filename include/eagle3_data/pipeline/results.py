@@ -119,3 +119,14 @@ class PublishResult(_Result):
     totals: dict[str, Any] | None = None  # dry run: the plan's totals
     summary: dict[str, Any] = field(default_factory=dict, repr=False)
     stand_ins: list[str] = field(default_factory=list)  # what the run ran on instead of the real thing
+
+
+@dataclass(frozen=True)
+class ProbeResult(_Result):
+    """probe: the drafter's verdict on the run's export (eagle3_data.probe); `uri` is its JSON."""
+
+    uri: str
+    simulated_acceptance: float
+    acc: list[float]
+    coverage: float
+    reused: bool = False

@@ -1,0 +1,67 @@
+"""The probe's cost on one GPU at Kimi-K2.5's width: a random DeepSeek-V3 with H = 7168 and Kimi's
+vocabulary (4 layers: the drafter's cost depends on the width and the vocabularies, not the
+target's depth), random rows extracted with the transformers backend, exported for speculators
+with a 32,000-token draft vocabulary, then `eagle3_data.probe` on cuda (bf16 autocast). Prints
+the probe's figures (meaningless on random ids: this measures time) and its seconds per 1,000
+trained samples. Run through benchmarks/gpu_probe.sh.
+
+    python benchmarks/gpu_probe.py [--hidden 7168 --samples 320 --steps 200]
+    python benchmarks/gpu_probe.py --smoke      # tiny sizes, any device: checks the script itself
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "include"))
+sys.path.insert(0, str(HERE))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cache", type=Path, default=HERE.parent / ".cache" / "gpu-probe")
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--samples", type=int, default=320, help="rows extracted: train + held-out")
+    ap.add_argument("--median-tokens", type=int, default=2000)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--draft-vocab", type=int, default=32_000)
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args()
+    if args.smoke:
+        args.hidden, args.samples, args.median_tokens, args.steps, args.draft_vocab = 256, 10, 32, 2, 512
+    import torch
+
+    from eagle3_data.config import ProbeConfig
+    from eagle3_data.dev.probe_data import export_rows
+    from eagle3_data.probe import default_device, probe_export
+    from gpu_extract import build_model, make_rows
+
+    model = build_model(args.cache / f"dsv3-h{args.hidden}", layers=4, hidden=args.hidden, experts=8)
+    rows = make_rows(args.samples, 0, args.median_tokens, 4 * args.median_tokens)
+    device = default_device()
+    print(f"device {device} ({torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}), H={args.hidden}, "
+          f"{args.samples} rows, {sum(len(r['input_ids']) for r in rows):,} tokens")
+    config = ProbeConfig(samples=args.samples, eval_samples=max(2, args.samples // 5), steps=args.steps,
+                         eval_every=max(1, args.steps // 8), max_len=256 if args.smoke else 4096)
+    with tempfile.TemporaryDirectory(prefix="gpu-probe-") as tmp:
+        t0 = time.perf_counter()
+        export = export_rows(model, rows, Path(tmp) / "export", vocab_size=args.draft_vocab)
+        t1 = time.perf_counter()
+        report = probe_export(export, model, config, device=device)
+        t2 = time.perf_counter()
+    trained = config.steps * config.batch_size
+    print(json.dumps({k: report[k] for k in ("simulated_acceptance", "acc", "full_acc", "coverage", "train_samples",
+                                             "eval_samples", "seconds")}))
+    print(f"extract + export {t1 - t0:.1f} s; probe {t2 - t1:.1f} s (speculators' side {report['seconds']:.1f} s) for "
+          f"{trained} trained samples (steps x batch) of median {args.median_tokens} tokens, <= {config.max_len} packed per step")
+    print(f"RATIO gpu_probe {report['seconds'] / trained * 1000:.1f} s per 1,000 trained samples")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""The probe's calibration data on the tiny target: its own generations, extracted and exported
+for speculators, and the same export with one fault injected (what the probe must tell apart).
+
+The tiny target is built with a final norm of weight 1 (a random init), under which normalising
+the last state twice changes nothing; `with_trained_norm` gives a copy whose final norm has the
+spread weights every trained model has (Kimi-K2.5's are far from 1), so that fault is a fault.
+
+The faults, each a bug seen in EAGLE-3 data pipelines:
+- `aux_shifted`: the aux states one position late (state t is token t-1's: an extra token before
+  the extraction's input, or an off-by-one slice);
+- `last_normed_twice`: the last state after the final norm, which speculators normalises again;
+- `other_sample`: every sample carries the states of another sample (a shuffled join);
+- `mask_shifted`: the loss mask one position late (SpecForge#885);
+- `wrong_layers`: aux states of other layers than the export names (a convention mix-up).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from eagle3_data import draft_vocab
+from eagle3_data.hidden_states.final_norm import rms_norm
+
+FAULTS = ("aux_shifted", "last_normed_twice", "other_sample", "mask_shifted", "wrong_layers")
+WRONG_LAYERS = [4, 5, 6]  # the last three aux-capable layers of the tiny target (8 layers) instead of EAGLE-3's [1, L//2-1, L-4]
+
+
+def with_trained_norm(model_dir: Path, out: Path, seed: int = 0) -> Path:
+    """A copy of the target whose final norm weight is log-normal (sigma 0.5), as trained ones spread."""
+    if (out / "config.json").exists():
+        return out
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(model_dir, tmp)
+    for path in tmp.glob("*.safetensors"):
+        weights = load_file(str(path))
+        if "model.norm.weight" in weights:
+            w = weights["model.norm.weight"]
+            g = torch.Generator().manual_seed(seed)
+            weights["model.norm.weight"] = torch.exp(0.5 * torch.randn(w.shape, generator=g)).to(w.dtype)
+            save_file(weights, str(path), metadata={"format": "pt"})
+    tmp.rename(out)
+    return out
+
+
+def own_generations(model_dir: Path, samples: int, *, prompt_tokens: int = 16, new_tokens: int = 48,
+                    temperature: float = 0.5, seed: int = 0) -> list[dict]:
+    """Rows of the target's own sampled answers to random prompts: prompt ids masked out, answer
+    ids trained, as the merge writes them. At temperature 0.5 the tiny target's answers use ~270
+    distinct tokens per 1,500 (754 at 1.0), so a 256-token draft vocabulary covers ~99% of them,
+    as a 32k one covers a real target's: a drafter is then judged on what it can predict."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    sampled = (model.lm_head.weight.abs().sum(-1) > 0).nonzero().squeeze(-1)  # ordinary text tokens
+    g = torch.Generator().manual_seed(seed)
+    prompts = sampled[torch.randint(0, sampled.numel(), (samples, prompt_tokens), generator=g)]
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True, temperature=temperature,
+                             top_k=0, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+    return [{"sample_id": f"s{i}", "input_ids": out[i].tolist(),
+             "loss_mask": [0] * prompt_tokens + [1] * (out.shape[1] - prompt_tokens)} for i in range(samples)]
+
+
+def export_rows(model_dir: Path, rows: list[dict], out: Path, *, layer_ids: list[int] | None = None,
+                vocab_size: int = 256) -> Path:
+    """The rows extracted (transformers, the default EAGLE-3 layers unless `layer_ids`), exported
+    for speculators, with their draft vocabulary beside the export."""
+    from eagle3_data.hidden_states.backends import TransformersBackend
+    from eagle3_data.hidden_states.extract import ExtractOptions, extract_rows
+    from eagle3_data.hidden_states.speculators_export import export_speculators
+
+    shards = out.with_name(out.name + "-shards")
+    extract_rows(TransformersBackend(model_dir, device="cpu"), rows, shards, "x",
+                 ExtractOptions(layer_ids=layer_ids, logprobs=False))
+    export_speculators(sorted(shards.glob("*.safetensors")), out)
+    counts = np.zeros(0, dtype=np.int64)
+    for r in rows:
+        counts = draft_vocab.add_counts(counts, np.array(r["input_ids"]), np.array(r["loss_mask"], np.uint8))
+    target_vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    draft_vocab.write(out, counts, vocab_size, target_vocab)
+    return out
+
+
+def inject(fault: str, export: Path, out: Path, *, model_dir: Path, wrong_layers: Path | None = None) -> Path:
+    """A copy of `export` with `fault` in every sample (`wrong_layers`: the same rows exported with
+    WRONG_LAYERS; `model_dir`: the target, for its final norm)."""
+    import datasets
+
+    from eagle3_data.hidden_states.final_norm import checkpoint_weight
+    from eagle3_data.hidden_states.speculators_export import save_rows
+
+    shutil.copytree(export, out)
+    files = sorted((out / "hidden_states").glob("hs_*.safetensors"), key=lambda p: int(p.stem[3:]))
+    if fault == "mask_shifted":
+        table = datasets.load_from_disk(str(export)).with_format("numpy")
+        index = [json.loads(line)["sample_id"] for line in (export / "index.jsonl").read_text().splitlines()]
+        rows = [(sid, r["input_ids"], np.concatenate([[0], r["loss_mask"][:-1]])) for sid, r in zip(index, table)]
+        for name in ("data-00000-of-00001.arrow", "state.json", "dataset_info.json"):
+            (out / name).unlink()
+        save_rows(rows, out)
+        return out
+    config = json.loads((model_dir / "config.json").read_text())
+    norm = checkpoint_weight(model_dir, ("model.norm.weight",))
+    states = [load_file(str(p)) for p in files]
+    for i, path in enumerate(files):
+        t = dict(states[i])
+        hs = t["hidden_states"].clone()
+        if fault == "aux_shifted":
+            hs[1:, :3] = states[i]["hidden_states"][:-1, :3]
+        elif fault == "last_normed_twice":
+            hs[:, 3] = rms_norm(hs[:, 3], norm, config["rms_norm_eps"])
+        elif fault == "other_sample":
+            other = states[(i + 1) % len(states)]["hidden_states"]
+            n = min(len(hs), len(other))
+            hs[:n] = other[:n]
+        elif fault == "wrong_layers":
+            hs[:, :3] = load_file(str(wrong_layers / "hidden_states" / path.name))["hidden_states"][:, :3]
+        else:
+            raise ValueError(f"unknown fault {fault!r} (known: {', '.join(FAULTS)})")
+        t["hidden_states"] = hs.contiguous()
+        save_file(t, str(path))
+    return out
+
+
+def calibration(model_dir: Path, work: Path, samples: int, seed: int = 0) -> tuple[Path, Path, dict[str, Path]]:
+    """(the target with a trained-like norm, its correct export, {fault: faulty export}) under `work`:
+    `samples` of its own generations, extracted and exported, then each fault injected."""
+    target = with_trained_norm(model_dir, work / "target")
+    rows = own_generations(target, samples, seed=seed)
+    correct = export_rows(target, rows, work / "correct")
+    wrong = export_rows(target, rows, work / "wrong-layers", layer_ids=WRONG_LAYERS)
+    return target, correct, {f: inject(f, correct, work / f, model_dir=target, wrong_layers=wrong) for f in FAULTS}
+
+
+def resplit(rows: list[dict], rate: float, tokenizer, seed: int = 0) -> tuple[list[dict], float]:
+    """The rows with a share `rate` of their trained (answer) tokens re-split: one token replaced by
+    two that decode to the same text, as a canonical re-encoding and the engine's sampled ids
+    disagree (the seeds' "BPE re-splits"). Returns the rows and the share actually re-split."""
+    rng = np.random.default_rng(seed)
+    pieces: dict[int, list[int] | None] = {}
+
+    def split_of(token: int) -> list[int] | None:
+        if token not in pieces:
+            text = tokenizer.decode([token])
+            half = len(text) // 2
+            ids = (tokenizer.encode(text[:half], add_special_tokens=False)
+                   + tokenizer.encode(text[half:], add_special_tokens=False)) if half else []
+            pieces[token] = ids if len(ids) > 1 and tokenizer.decode(ids) == text else None
+        return pieces[token]
+
+    out, trained, done = [], 0, 0
+    for row in rows:
+        ids, mask = [], []
+        for token, m in zip(row["input_ids"], row["loss_mask"]):
+            trained += m
+            new = split_of(token) if m and rng.random() < rate else None
+            done += new is not None
+            ids += new or [token]
+            mask += [m] * len(new or [token])
+        out.append({**row, "input_ids": ids, "loss_mask": mask})
+    return out, done / trained if trained else 0.0

@@ -1,0 +1,66 @@
+"""Stage 8 (optional), the probe: the drafter's verdict on the run's hidden states
+(eagle3_data.probe), on the GPU queue after the extraction's commit. It reads the first shards of
+the extraction until it holds `samples + eval_samples` rows (the merge shuffled them, so these are
+a random subset and the cost is bounded whatever the run's size; one shard on local disk at a
+time besides the export), exports them for speculators
+with the merge's draft vocabulary, and writes `probe.json` under runs/RUN_KEY/probe/all."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from eagle3_data.config import resolve_source
+from eagle3_data.pipeline.results import ProbeResult
+from eagle3_data.pipeline.reuse import reusable
+from eagle3_data.pipeline.run import Run, log, stage_ref
+from eagle3_data.stages import HIDDEN_STATES, MERGE, PROBE, RUN_DATASET
+
+PROBE_REPORT = "probe.json"
+
+
+def probe_params(run: Run) -> dict:
+    """What decides the verdict: every probe choice but whether it runs and its time budget."""
+    return run.config.probe.model_dump(exclude={"enabled", "budget_s"})
+
+
+def probe(run: Run, store) -> ProbeResult | None:
+    """The probe on the committed extraction; None when disabled or nothing was extracted."""
+    from eagle3_data.draft_vocab import is_file_of
+    from eagle3_data.hidden_states.shards import ShardReader
+    from eagle3_data.hidden_states.speculators_export import export_speculators
+    from eagle3_data.probe import default_device, probe_export
+
+    p = run.config.probe
+    hs_ref, out_ref = stage_ref(run, HIDDEN_STATES, RUN_DATASET), stage_ref(run, PROBE, RUN_DATASET)
+    if not p.enabled or run.dry_run or run.skip_hidden_states or not store.is_complete(hs_ref):
+        return None
+    if (manifest := reusable(store, out_ref, [hs_ref], probe_params(run))) is not None:
+        return ProbeResult(store.uri(out_ref, PROBE_REPORT), reused=True, **manifest["extra"])
+    manifest, merge_ref = store.read_manifest(hs_ref), stage_ref(run, MERGE, RUN_DATASET)
+    with tempfile.TemporaryDirectory(prefix="eagle3-probe-") as tmp:
+        work = Path(tmp)
+        for f in store.read_manifest(merge_ref)["files"]:  # the draft vocabulary the extraction's merge counted
+            if is_file_of("speculators", f["name"]):
+                store.get_file(merge_ref, f["name"], work / "export" / f["name"], sha256=f["sha256"])
+
+        def first_shards():
+            """The extraction's shards in order, one on disk at a time, until enough rows."""
+            rows = 0
+            for f in manifest["files"]:
+                if f["name"].endswith(".safetensors") and rows < p.samples + p.eval_samples:
+                    path = store.get_file(hs_ref, f["name"], work / "shards" / f["name"], sha256=f["sha256"])
+                    rows += len(ShardReader(path))
+                    yield path
+                    path.unlink()
+
+        export_speculators(first_shards(), work / "export")
+        device = default_device()
+        report = probe_export(work / "export", Path(resolve_source(run.config.model.source)), p, device=device)
+    report["device"] = device
+    uri = store.put_json(out_ref, PROBE_REPORT, report)
+    extra = {"simulated_acceptance": report["simulated_acceptance"], "acc": report["acc"], "coverage": report["coverage"]}
+    store.commit_files(out_ref, [PROBE_REPORT], params=probe_params(run), inputs=[hs_ref], extra=extra)
+    log.info("probe: simulated acceptance %.3f, acc %s, coverage %.3f (%s)", report["simulated_acceptance"],
+             [round(a, 3) for a in report["acc"]], report["coverage"], uri)
+    return ProbeResult(uri, **extra)

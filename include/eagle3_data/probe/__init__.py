@@ -1,0 +1,151 @@
+"""The drafter's verdict: a short EAGLE-3 training probe on a run's speculators export.
+
+Every other check is a proxy; what the user buys is a drafter's acceptance length. The probe trains
+a small draft head with speculators' own model, collation and loss (`speculators_probe.py`, run in
+the speculators venv through a subprocess, so this package imports without it) on a fixed split of
+the export, evaluates it on the held-out rows, and reports what the anchors judge drafters by:
+per-position accuracy acc_0..acc_{k-1} (speculators' `cond_acc_k`: right at step k given right
+before), `full_acc_k` (right at every step up to k), the simulated acceptance length
+sum_k prod_{i<=k} acc_i (TorchSpec's trainer, NeMo's `tau_sim`; tokens accepted per verification
+step, the bonus token not counted), the draft vocabulary's coverage of the held-out trained tokens
+and the learning curve. The held-out rows may come from another export (`eval_export`): the
+fault benchmark trains on broken data and scores on the target's own states, as serving does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from eagle3_data.errors import UserError
+
+PYTHON_ENV = "EAGLE3_SPECULATORS_PYTHON"
+SCRIPT = Path(__file__).with_name("speculators_probe.py")
+REPO = Path(__file__).resolve().parents[3]
+
+
+def speculators_python() -> str:
+    """The speculators venv's interpreter: $EAGLE3_SPECULATORS_PYTHON, else the checkout's .venv-speculators."""
+    path = os.environ.get(PYTHON_ENV) or str(REPO / ".venv-speculators" / "bin" / "python")
+    if not Path(path).exists():
+        raise UserError(f"probe: no speculators interpreter at {path} (run `make speculators-venv`, or set "
+                        f"{PYTHON_ENV} to the python of a venv with requirements-speculators.txt)")
+    return path
+
+
+def default_device() -> str:
+    """cuda where the worker has a GPU (the DAG's GPU queue), else cpu."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One drafter: trained on `train_rows` of `train`, scored on `eval_rows` of `eval`, with the
+    draft vocabulary of `vocab_dir` (d2t-N.npy, t2d-N.npy)."""
+
+    name: str
+    train: Path
+    eval: Path
+    train_rows: list[int]
+    eval_rows: list[int]
+    vocab_dir: Path
+    seed: int = 0
+
+
+def split(rows: int, samples: int, eval_samples: int, seed: int) -> tuple[list[int], list[int]]:
+    """A fixed split of an export's rows: the held-out rows first, then up to `samples` train rows,
+    from one permutation of (seed): the same export and seed always give the same split."""
+    if rows < 2:
+        raise UserError(f"probe: the export has {rows} sample(s); it needs at least 2 (train and held-out)")
+    order = np.random.default_rng(seed).permutation(rows).tolist()
+    held = min(eval_samples, max(1, rows // 5))
+    return sorted(order[held:held + samples]), sorted(order[:held])
+
+
+def draft_vocab_size(vocab_dir: Path) -> int:
+    """N of the one d2t-N.npy in `vocab_dir` (the merge's draft vocabulary beside the export)."""
+    found = sorted(vocab_dir.glob("d2t-*.npy"))
+    if len(found) != 1:
+        raise UserError(f"probe: {vocab_dir} holds {len(found)} d2t-N.npy files; expected the merge's one draft vocabulary")
+    return int(found[0].stem.split("-", 1)[1])
+
+
+def train_and_score(verifier: Path, arms: list[Arm], config, *, device: str = "cpu", threads: int | None = None) -> list[dict]:
+    """Every arm in one speculators process; returns each arm's figures (`figures`)."""
+    spec = {"verifier": str(verifier), "device": device, "threads": threads, "arms": [
+        {"name": a.name, "train": str(a.train), "eval": str(a.eval), "train_rows": a.train_rows,
+         "eval_rows": a.eval_rows, "vocab_dir": str(a.vocab_dir), "draft_vocab": draft_vocab_size(a.vocab_dir),
+         "steps": config.steps, "draft_length": config.draft_length, "seed": a.seed, "batch_size": config.batch_size,
+         "max_len": config.max_len, "lr": config.lr, "eval_every": config.eval_every} for a in arms]}
+    with tempfile.TemporaryDirectory(prefix="eagle3-probe-") as tmp:
+        path = Path(tmp) / "spec.json"
+        path.write_text(json.dumps(spec))
+        done = subprocess.run([speculators_python(), str(SCRIPT), str(path)], capture_output=True, text=True,
+                              timeout=config.budget_s)
+    if done.returncode != 0:
+        raise RuntimeError(f"probe: speculators failed (exit {done.returncode}): {done.stderr[-3000:]}")
+    raws = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return [figures(raw) for raw in raws]
+
+
+def _ratios(sums: list[float], totals: list[float]) -> list[float]:
+    return [s / t if t else 0.0 for s, t in zip(sums, totals)]
+
+
+def simulated_acceptance(acc: list[float]) -> float:
+    """sum_k prod_{i<=k} acc_i: the expected tokens accepted per verification step when step k is
+    right with probability acc_k given steps before it were right (bonus token not counted)."""
+    return float(np.sum(np.cumprod(acc))) if acc else 0.0
+
+
+def figures(raw: dict) -> dict:
+    """One arm's verdict from the metrics' sums: acc_k, full_acc_k, the simulated acceptance length
+    at the last evaluation, and the learning curve (loss per step, acceptance per evaluation)."""
+    curve = [{"step": c["step"], "simulated_acceptance": simulated_acceptance(_ratios(c["cond_acc_sum"], c["cond_acc_total"]))}
+             for c in raw["curve"]]
+    last = raw["curve"][-1]
+    acc = _ratios(last["cond_acc_sum"], last["cond_acc_total"])
+    return {"name": raw["name"], "acc": acc, "full_acc": _ratios(last["full_acc_sum"], last["full_acc_total"]),
+            "simulated_acceptance": simulated_acceptance(acc), "eval_tokens": int(last["full_acc_total"][0]),
+            "losses": raw["losses"], "curve": curve, "seconds": raw["seconds"]}
+
+
+def coverage(export: Path, rows: list[int], vocab_dir: Path) -> float:
+    """The share of the rows' trained tokens (loss_mask 1) inside the draft vocabulary: what the
+    drafter can predict at all."""
+    import datasets
+
+    t2d = np.load(vocab_dir / f"t2d-{draft_vocab_size(vocab_dir)}.npy")
+    table = datasets.load_from_disk(str(export)).with_format("numpy").select(rows)
+    inside = total = 0
+    for row in table:
+        ids = np.asarray(row["input_ids"])[np.asarray(row["loss_mask"]).astype(bool)]
+        inside += int(t2d[ids[ids < t2d.shape[0]]].sum())
+        total += int(ids.size)
+    return inside / total if total else 0.0
+
+
+def probe_export(export: Path, verifier: Path, config, *, eval_export: Path | None = None,
+                 vocab_dir: Path | None = None, device: str = "cpu") -> dict:
+    """The probe on one export (draft vocabulary beside it unless `vocab_dir`): the artifact's JSON."""
+    info = export / "export_info.json"
+    if not info.exists():
+        raise UserError(f"probe: {export} is no speculators export (no export_info.json; run export-speculators)")
+    rows = json.loads(info.read_text())["samples"]
+    train_rows, eval_rows = split(rows, config.samples, config.eval_samples, config.seed)
+    vocab = vocab_dir or export
+    arm = Arm("probe", export, eval_export or export, train_rows, eval_rows, vocab, config.seed)
+    result = train_and_score(verifier, [arm], config, device=device)[0]
+    result.pop("name")
+    return {"config": config.model_dump(), "export_samples": rows, "train_samples": len(train_rows),
+            "eval_samples": len(eval_rows),
+            "draft_vocab_size": draft_vocab_size(vocab), "coverage": coverage(eval_export or export, eval_rows, vocab),
+            **result}

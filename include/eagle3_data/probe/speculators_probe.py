@@ -1,0 +1,132 @@
+"""Run in the speculators venv (never imported by the library): the probe's training and evaluation
+with speculators' own EAGLE-3 draft model, its collation (with its EAGLE-3 `shift_batch`), its KL
+loss and its per-position metrics (`full_acc_k`, `cond_acc_k`, models/eagle3/metrics.py).
+
+speculators' `Trainer` takes `torch.accelerator.current_accelerator()` and falls back to "cuda"
+without one, so the loop here is its step alone: the model's forward (which returns the loss and
+the metrics' sums), backward, AdamW. Every arm of the spec is one drafter, trained from scratch on
+its rows of a train export and evaluated on its rows of an eval export, all in this one process so
+the imports (seconds) are paid once.
+
+argv: a JSON spec {"verifier": model dir, "device": "cpu"|"cuda", "arms": [{"name", "train",
+"eval", "train_rows", "eval_rows", "vocab_dir", "draft_vocab", "steps", "draft_length", "seed",
+"batch_size", "max_len", "lr", "eval_every"}]}. Prints one JSON line per arm: the
+loss per step, the metrics' sums at each evaluation (the learning curve) and the seconds taken.
+"""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from speculators.config import SpeculatorsConfig, VerifierConfig
+from speculators.losses import resolve_loss_config
+from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig, shift_batch
+from speculators.proposals.greedy import GreedyTokenProposalConfig
+from speculators.train.data import ArrowDataset, CollateFn
+from transformers import AutoConfig, LlamaConfig
+
+
+def drafter(verifier: str, target, arm: dict, aux_layers: list[int]) -> Eagle3DraftModel:
+    """A one-layer llama drafter of the target's width (speculators' EAGLE-3 for DeepSeek-family
+    targets), its embeddings, LM head and verifier norm the target's."""
+    heads = 4 if target.hidden_size < 512 else target.hidden_size // 128
+    layer = LlamaConfig(hidden_size=target.hidden_size, intermediate_size=2 * target.hidden_size, num_hidden_layers=1,
+                        num_attention_heads=heads, num_key_value_heads=heads, head_dim=target.hidden_size // heads,
+                        vocab_size=target.vocab_size, rms_norm_eps=target.rms_norm_eps, max_position_embeddings=8192)
+    layer._attn_implementation = "eager"
+    config = Eagle3SpeculatorConfig(
+        transformer_layer_config=layer, draft_vocab_size=arm["draft_vocab"], norm_before_residual=True,
+        eagle_aux_hidden_state_layer_ids=aux_layers,
+        speculators_config=SpeculatorsConfig(
+            algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=arm["draft_length"])],
+            default_proposal_method="greedy", verifier=VerifierConfig.from_pretrained(verifier)))
+    model = Eagle3DraftModel(config=config)
+    vocab = Path(arm["vocab_dir"])
+    n = arm["draft_vocab"]
+    # the merge's t2d can be shorter than the target's LM head (163,587 vs 163,840 rows); speculators
+    # wants one entry per row: the padding rows are never drafted
+    t2d = np.load(vocab / f"t2d-{n}.npy")
+    t2d = np.pad(t2d, (0, max(0, target.vocab_size - t2d.shape[0])))
+    model.load_vocab_mappings(torch.from_numpy(t2d), torch.from_numpy(np.load(vocab / f"d2t-{n}.npy")))
+    model.load_verifier_weights()
+    return model
+
+
+def loader(export: str, rows: list[int], arm: dict, target, seed: int | None):
+    """speculators' reader and collation over `rows` of an export; shuffled when seeded."""
+    data = torch.utils.data.Subset(ArrowDataset(max_len=arm["max_len"], datapath=export, on_missing="raise"), rows)
+    collate = CollateFn(arm["max_len"], target.hidden_size, num_target_layers=3, dtype=torch.float32,
+                        preprocess=shift_batch)
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    return torch.utils.data.DataLoader(data, batch_size=arm["batch_size"], shuffle=seed is not None,
+                                       collate_fn=collate, generator=generator)
+
+
+def tensors(batch: dict, device: str) -> dict:
+    return {k: v.to(device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+
+
+def autocast(device: str):
+    """bf16 autocast on a GPU (tensor-core rate: the cost docs/hidden_states.md estimates), fp32 on CPU."""
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda")
+
+
+@torch.no_grad()
+def evaluate(model, batches, arm: dict, loss_config, device: str) -> dict:
+    """The metrics' sums over the eval rows: speculators' full and conditional accuracy per step."""
+    model.eval()
+    sums: dict[str, float] = {}
+    for batch in batches:
+        with autocast(device):
+            _, _, metrics = model(**tensors(batch, device), ttt_steps=arm["draft_length"], loss_config=loss_config)
+        for key, value in metrics.items():
+            sums[key] = sums.get(key, 0.0) + float(value)
+    model.train()
+    k = arm["draft_length"]
+    return {"full_acc_sum": [sums[f"full_acc_{i}_sum"] for i in range(k)],
+            "full_acc_total": [sums[f"full_acc_{i}_total"] for i in range(k)],
+            "cond_acc_sum": [sums[f"cond_acc_{i}_sum"] for i in range(k)],
+            "cond_acc_total": [sums[f"cond_acc_{i}_total"] for i in range(k)]}
+
+
+def run_arm(spec: dict, arm: dict) -> dict:
+    started = time.monotonic()
+    device = spec.get("device", "cpu")
+    torch.manual_seed(arm["seed"])
+    target = AutoConfig.from_pretrained(spec["verifier"])
+    info = json.loads((Path(arm["train"]) / "export_info.json").read_text())
+    model = drafter(spec["verifier"], target, arm, info["hidden_states"]["aux_layer_ids_vllm"]).to(device)
+    model.train()
+    train = loader(arm["train"], arm["train_rows"], arm, target, arm["seed"])
+    held_out = list(loader(arm["eval"], arm["eval_rows"], arm, target, None))  # read once, evaluated often
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=arm["lr"])
+    loss_config = resolve_loss_config("kl_div", "eager")  # the trainer's default loss (the fused one needs Triton)
+    losses: list[float] = []
+    curve = [{"step": 0, **evaluate(model, held_out, arm, loss_config, device)}]
+    while len(losses) < arm["steps"]:
+        for batch in train:
+            with autocast(device):
+                _, loss, _ = model(**tensors(batch, device), ttt_steps=arm["draft_length"], loss_config=loss_config)
+            optim.zero_grad()
+            loss.backward()
+            optim.step()
+            losses.append(float(loss.detach()))
+            if len(losses) % arm["eval_every"] == 0 or len(losses) == arm["steps"]:
+                curve.append({"step": len(losses), **evaluate(model, held_out, arm, loss_config, device)})
+            if len(losses) == arm["steps"]:
+                break
+    return {"name": arm["name"], "losses": losses, "curve": curve, "seconds": time.monotonic() - started}
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    torch.set_num_threads(spec.get("threads") or torch.get_num_threads())
+    for arm in spec["arms"]:
+        print(json.dumps(run_arm(spec, arm)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""The probe as the DAG runs it: after the extraction's commit it reads the extraction's shards
+and the merge's draft vocabulary from S3, trains speculators' head, writes probe.json beside a
+manifest, is reused on a rerun, and publish reads its figures and curve for the report."""
+
+from __future__ import annotations
+
+import pytest
+
+from eagle3_data.config import load_config
+from eagle3_data.storage import StageRef
+from tests.integration.test_extract_s3 import RUN, generations  # noqa: F401  (fixture)
+
+
+def test_probe_stage_after_the_extraction(store, generations, tiny_model_dir):  # noqa: F811
+    from eagle3_data import pipeline
+    from eagle3_data.merge import merge_datasets
+    from eagle3_data.pipeline.publish import _probe_figures
+    from eagle3_data.pipeline.run import Run
+    from eagle3_data.probe import simulated_acceptance
+
+    config = load_config().with_overrides(
+        {"model": {"source": str(tiny_model_dir)}, "merge": {"max_length": 40},
+         "probe": {"samples": 12, "eval_samples": 4, "steps": 3, "eval_every": 3, "max_len": 256}}, where="test")
+    run = Run(config=config, run_key=RUN, date=None, datasets=config.dataset_names, dry_run=False, skip_hidden_states=False)
+    merge_datasets(store, generations, RUN, shard_tokens=200, max_length=40)
+    for work in pipeline.plan_hidden_states(run, store):
+        pipeline.extract_hidden_states(run, store, work)
+    hs = pipeline.commit_hidden_states(run, store)
+
+    result = pipeline.probe(run, store)
+    ref = StageRef(RUN, "probe", "all")
+    report = store.get_json(ref, "probe.json")
+    assert result.uri == store.uri(ref, "probe.json") and not result.reused
+    assert result.simulated_acceptance == report["simulated_acceptance"] == pytest.approx(simulated_acceptance(report["acc"]))
+    assert len(report["acc"]) == 3 and [c["step"] for c in report["curve"]] == [0, 3]
+    rows = report["export_samples"]  # the first shards' rows: at least train + held-out, not all 20 when they suffice
+    assert 16 <= rows <= 20 and report["eval_samples"] == min(4, rows // 5) and report["train_samples"] == 12
+    assert report["draft_vocab_size"] == config.merge.draft_vocab_size
+    assert [i["uri"] for i in store.read_manifest(ref)["inputs"]] == [hs["uri"]]
+
+    again = pipeline.probe(run, store)  # same extraction, same params: reused, nothing retrained
+    assert again.reused and again.simulated_acceptance == result.simulated_acceptance
+    shown = _probe_figures(run, store, StageRef(RUN, "hidden_states", "all"))
+    assert shown["curve"] == report["curve"] and shown["acc"] == report["acc"]
