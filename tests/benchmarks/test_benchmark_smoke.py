@@ -2,8 +2,8 @@
 a benchmark the code has drifted away from fails here, not on the day someone wants its figure.
 Each runs as its own `nice -n 19` process with one compute thread (run_all.SMOKE_ENV says why) and
 must exit 0 and print its `RATIO <name> ...` line. A missing requirement (the vLLM venv) is a
-failure, not a skip. Nothing here is timed: the
-figures are benchmarks/RESULTS.md's, measured with their commands on a quiet machine."""
+failure, not a skip. Nothing here is timed: the figures are benchmarks/RESULTS.md's, measured
+with their commands on a quiet machine."""
 
 from __future__ import annotations
 
