@@ -5,6 +5,10 @@
    thread overlaps serialisation with compute).
 2. naive: the anchors' way, one sample per forward of the full causal LM with
    `output_hidden_states=True` and one `torch.save` file per sample (SpecForge layout).
+3. extract without log-probabilities (`ExtractOptions.logprobs=False`): what the per-token
+   log-probability of every row (the final norm and one LM-head product per token, logprobs.py)
+   costs the extraction, and that head's FLOP share at Kimi-K2.5's size (2*V*H per token against
+   2 x 32 B active parameters).
 Also bytes per token of the packed shards (bf16 storage, the default whatever the compute dtype;
 fp32 storage; fp8) against the minimum 3*H*2, and fp8's measured relative error. Computes on CUDA
 when present (bf16), else CPU (fp32).
@@ -47,6 +51,22 @@ def ensure_model(path: Path | None) -> Path:
     return cached_tiny_model(cached_kimi_tokenizer(REPO / ".cache"), REPO / ".cache")
 
 
+KIMI_VOCAB, KIMI_HIDDEN, KIMI_ACTIVE = 163_840, 7_168, 32e9  # Kimi-K2.5: 32 B parameters active per token
+
+
+def lm_head_share(vocab: int, hidden: int, model: torch.nn.Module | None = None, active: float | None = None) -> float:
+    """The log-probability head's share of a token's forward + head FLOPs: 2*V*H against 2 FLOPs
+    per active parameter (`active`, else every parameter of `model` but its embedding and LM
+    head: the tiny target is dense enough that all of them run; its MoE routes a few experts, so
+    this is an upper bound of the forward and a lower bound of the share)."""
+    if active is None:
+        skip = {id(p) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None
+                for p in m.parameters()}
+        active = sum(p.numel() for p in model.parameters() if id(p) not in skip)
+    head = 2 * vocab * hidden
+    return head / (2 * active + head)
+
+
 def make_rows(n: int, seed: int, vocab: int) -> list[dict]:
     rng = random.Random(seed)
     rows = []
@@ -86,10 +106,10 @@ def main() -> None:
         sync(info.device)
         return time.perf_counter() - t0
 
-    def extract(tmp: Path, use_fp8: bool = False, storage_dtype: str = "bf16") -> tuple[float, dict]:
+    def extract(tmp: Path, use_fp8: bool = False, storage_dtype: str = "bf16", logprobs: bool = True) -> tuple[float, dict]:
         # aux states only: the bytes per token compared with their 3H x 2 minimum (RESULTS.md)
         opts = ExtractOptions(last_hidden=False, token_budget=args.token_budget, out_shard_tokens=16_384, use_fp8=use_fp8,
-                              storage_dtype=storage_dtype)
+                              storage_dtype=storage_dtype, logprobs=logprobs)
         t0 = time.perf_counter()
         summary = extract_rows(backend, rows, tmp, "bench", opts)
         return time.perf_counter() - t0, summary
@@ -113,12 +133,14 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
-        bares, runs = [], []
-        for k in range(args.repeats):  # interleaved, so load drift on a shared machine hits both alike
+        bares, runs, plain_runs = [], [], []
+        for k in range(args.repeats):  # interleaved, so load drift on a shared machine hits all alike
             bares.append(bare())
             runs.append(extract(tmp / f"x{k}"))
+            plain_runs.append(extract(tmp / f"n{k}", logprobs=False)[0])
         t_bare = min(bares)
         t_extract, summary = min(runs, key=lambda r: r[0])
+        t_plain = min(plain_runs)
         (tmp / "naive").mkdir()
         t_naive = min(naive(tmp / "naive") for _ in range(args.repeats))
         _, summary8 = extract(tmp / "fp8", use_fp8=True)
@@ -134,7 +156,11 @@ def main() -> None:
     print(f"bare forward      {tokens / t_bare:10.0f} tok/s")
     print(f"extract (packed)  {tokens / t_extract:10.0f} tok/s   extract/bare = {t_bare / t_extract:.2f}")
     print(f"naive per-sample  {tokens / t_naive:10.0f} tok/s   extract/naive = {t_naive / t_extract:.2f}")
-    print(f"RATIO extract_throughput extract/bare = {t_bare / t_extract:.2f}")
+    print(f"extract without log-probs {tokens / t_plain:10.0f} tok/s   log-probs cost {t_extract / t_plain - 1:+.1%} "
+          f"of the extraction; LM-head FLOP share here {lm_head_share(info.vocab_size, h, backend.model):.1%}, "
+          f"at Kimi-K2.5's size {lm_head_share(KIMI_VOCAB, KIMI_HIDDEN, active=KIMI_ACTIVE):.1%}")
+    print(f"RATIO extract_throughput extract/bare = {t_bare / t_extract:.2f}; extract with/without log-probs = "
+          f"{t_extract / t_plain:.2f}")
     print(f"bytes/token: packed aux stored {summary['dtype']} (computed {summary['compute_dtype']}) "
           f"{summary['bytes_per_token']:.1f} (min 3*H*2 = {3 * h * 2}, "
           f"ratio {summary['bytes_per_token'] / (3 * h * 2):.3f}); stored {summary32['dtype']} "

@@ -66,9 +66,18 @@ def command(name: str, mode: str) -> list[str]:
     return [str(HERE / script), *args, *extra]
 
 
-def env() -> dict:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "include"), str(REPO),
-                                                                     os.environ.get("PYTHONPATH")]))}
+# --smoke (what `make test` runs): one compute thread per process. torch's OpenMP pool (and the
+# BLAS libraries') defaults to every core and spins while it waits for work; on make test's two
+# shared cores, beside the other pytest process and its engines, the spinning was about half of a
+# torch benchmark's CPU at smoke size (extract_throughput: 28.6 -> 15.4 CPU s, RESULTS.md), and a
+# smoke's rates are not figures. The other modes keep the libraries' defaults: they measure.
+SMOKE_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+
+
+def env(mode: str = "small") -> dict:
+    """The benchmark's environment in mode small|smoke|full: this checkout first on PYTHONPATH."""
+    return {**os.environ, **(SMOKE_ENV if mode == "smoke" else {}),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "include"), str(REPO), os.environ.get("PYTHONPATH")]))}
 
 
 def main() -> int:
@@ -89,7 +98,7 @@ def main() -> int:
             continue
         print(f"\n=== {name}: {' '.join(cmd[3:])}", flush=True)
         t = time.perf_counter()
-        done = subprocess.run(cmd, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        done = subprocess.run(cmd, cwd=REPO, env=env(mode), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         print(done.stdout, end="", flush=True)
         ratio = any(line.startswith(f"RATIO {name} ") for line in done.stdout.splitlines())
         ok = done.returncode == 0 and ratio
