@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from eagle3_data.config import load_config
+from eagle3_data.config import MergeConfig, load_config
 from eagle3_data.storage import StageRef
 from tests.integration.test_extract_s3 import RUN, generations  # noqa: F401  (fixture)
 
@@ -22,7 +22,7 @@ def test_probe_stage_after_the_extraction(store, generations, tiny_model_dir):  
         {"model": {"source": str(tiny_model_dir)}, "merge": {"max_length": 40},
          "probe": {"samples": 12, "eval_samples": 4, "steps": 3, "eval_every": 3, "max_len": 256}}, where="test")
     run = Run(config=config, run_key=RUN, date=None, datasets=config.dataset_names, dry_run=False, skip_hidden_states=False)
-    merge_datasets(store, generations, RUN, shard_tokens=200, max_length=40)
+    merge_datasets(store, generations, RUN, MergeConfig(shard_tokens=200, max_length=40))
     for work in pipeline.plan_hidden_states(run, store):
         pipeline.extract_hidden_states(run, store, work)
     hs = pipeline.commit_hidden_states(run, store)

@@ -163,6 +163,7 @@ def test_merge_keeps_media_tokens_untrained_and_the_references_beside_the_shards
     import pyarrow.parquet as pq
 
     from eagle3_data.images import read_merged_images
+    from eagle3_data.config import MergeConfig
     from eagle3_data.merge import merge_datasets
     from eagle3_data.storage import StageRef
     from eagle3_data.storage.writer import StageWriter
@@ -178,7 +179,7 @@ def test_merge_keeps_media_tokens_untrained_and_the_references_beside_the_shards
     with StageWriter(store, ref, "generations", rows_per_part=10, tokenizer_sha256="t", template_sha256="c") as w:
         w.write(rows)
         w.commit()
-    summary = merge_datasets(store, [ref], "date=2026-12-03", max_length=4096)
+    summary = merge_datasets(store, [ref], "date=2026-12-03", MergeConfig(max_length=4096))
     out = StageRef("date=2026-12-03", "merge", "all")
     records = {r["sample_id"]: r for s in summary["shards"]
                for r in pq.read_table(io.BytesIO(store.read_object(out, s["name"]))).to_pylist()}
