@@ -54,7 +54,10 @@ BROKEN_PROMPTS = 6
 # Small enough for two CPU cores in a few minutes; the shape of a real run.
 DEMO_OVERRIDES = {
     "generation": {"sampling": {"max_new_tokens": 512}}, "merge": {"max_length": 1024, "shard_tokens": 8192},
-    "datasets": [*({"name": n} for n in SAMPLE_DATASETS),
+    # image prompts all go to overflow (the local engines are sent no images yet: docs/images.md), so that
+    # dataset has no local answers to round-trip its format against: it says so instead of failing
+    "datasets": [*({"name": n} for n in SAMPLE_DATASETS if n != "images"),
+                 {"name": "images", "validation": {"allow_unvalidated_overflow": True}},
                  {"name": BROKEN, "dev": {"bpe_split_rate": 0.9}, "validation": {"max_bpe_mismatch_rate": 0.10}}],
 }
 # What each role is in the demo, for the lines that say so.

@@ -521,6 +521,9 @@ class LocalRun:
         """One request: an ok row, or a failed row and whether it is final (no attempt can fix it);
         transport errors and 5xx count against the endpoint, a full queue against nothing."""
         source = self.wire.source
+        if p.images:  # the prompts stage routes image prompts to overflow (pipeline/route.py images_to_overflow)
+            return Outcome(generation_row(p, None, source, failed="images: the local engines are not sent images yet "
+                                          "(docs/images.md); route image prompts to overflow"), permanent=True)
         try:
             prompt_ids = self.fmt.generation_prompt_ids(p.messages, p.tools, p.images)
         except Exception as exc:  # the template refuses this conversation: permanent

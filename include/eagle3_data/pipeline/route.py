@@ -152,7 +152,10 @@ def load_route(run: Run, store, dataset: str) -> RouteResult:
                            in_flight_per_endpoint=balance["local"]["in_flight_per_endpoint"] if balance
                            else g.local.in_flight_per_endpoint or 64,
                            overflow_concurrency=g.overflow.concurrency)
+    routes, to_overflow = images_to_overflow(loaded.rows, routes)
     counts = {"prompts": len(routes), "rejects": len(loaded.rejects)}
+    if to_overflow:
+        counts["images_to_overflow"] = to_overflow
     if "user_turns" in loaded.counts:  # rows asked for turn by turn (generation.conversations): sizes the timeouts
         counts["user_turns"] = loaded.counts["user_turns"]
     counts.update({k: loaded.counts[k] for k in IMAGE_COUNTS if loaded.counts.get(k)})  # image prompts: the report's figures
@@ -193,6 +196,17 @@ def load_route(run: Run, store, dataset: str) -> RouteResult:
                         f"{loaded.counts.get('read', 0)} read, {len(loaded.rejects)} rejected; first: {first}); "
                         f"rejects: {store.uri(ref, REJECTS_FILE)}")
     return RouteResult(counts=counts, uri=store.uri(ref))
+
+
+def images_to_overflow(rows: PromptRows, routes: list[str]) -> tuple[list[str], int]:
+    """Image prompts go to the overflow path, whatever routing chose; returns the routes and how
+    many it moved. The local clients do not send images yet (docs/images.md): SGLang's `/generate`
+    takes `image_data` beside exactly one `<|media_pad|>` per image, `vllm serve`'s completions
+    take no images with token ids, and an engine given the expanded pads as text would answer a
+    prompt without its picture, silently."""
+    with_images = [bool(v) for b in rows.batches(["images"]) for v in b.column(0).to_pylist()]
+    moved = [r != "overflow" and img for r, img in zip(routes, with_images, strict=True)]
+    return ["overflow" if m else r for r, m in zip(routes, moved)], sum(moved)
 
 
 def routed_batches(rows: PromptRows, routes: list[str]) -> Iterator[pa.RecordBatch]:
