@@ -42,3 +42,27 @@ def test_policy_histograms_share_their_bins_and_hold_every_sample():
             assert len(holding) == 1 and holding[0]["n"] >= 1, (side, v)
         assert sum(b["n"] for b in bars) == len(means[side])
     assert logprob_histograms({"local": [], "overflow": []}) == []
+
+
+def test_every_row_histograms_draw_the_extractions_own_bins():
+    """The run page's per-path histograms from the extraction's summary (LogprobStats, its
+    producer): every sample in the bar whose range holds its mean, bars only where samples are,
+    one chart per path."""
+    import torch
+
+    from eagle3_data.hidden_states.logprobs import LogprobStats
+    from eagle3_data.report.render import every_row_histograms
+
+    means = {"vllm": [-0.4, -2.5, -2.7], "openrouter": [-7.2, -25.0]}  # -25: below the first edge (-20)
+    stats = LogprobStats()
+    for source, ms in means.items():
+        for i, m in enumerate(ms):
+            stats.add(f"{source}-{i}", torch.tensor([float("nan"), m, m]), [0, 1, 1], source)
+    figs = every_row_histograms(stats.summary())
+    assert [f["caption"] for f in figs] == ["openrouter: 2 samples", "vllm: 3 samples"]
+    for f, source in zip(figs, ("openrouter", "vllm")):
+        bars = f["chart"]["bars"]
+        assert bars[0]["n"] and bars[-1]["n"]  # empty bins at the ends left out
+        for m in means[source]:
+            assert [b for b in bars if b["lo"] <= m < b["hi"]] and sum(b["n"] for b in bars) == len(means[source]), (source, m)
+    assert every_row_histograms(None) == [] and every_row_histograms({"sources": {}}) == []

@@ -35,8 +35,10 @@ _SPARE_COLORS = ("#00838f", "#ef6c00", "#4e342e", "#283593", "#ad1457")  # for c
 # -- entry points --------------------------------------------------------------------------------
 def render_html(report: RunReport, *, title: str) -> str:
     """The whole page as one self-contained HTML document."""
+    training = report.index.get("training") or {}
     return _env().get_template("page.html.jinja").render(
         title=title, report=report, classes=classes(), datasets=[_dataset_view(d) for d in report.datasets],
+        every_row=every_row_histograms(training.get("logprobs")),
     )
 
 
@@ -391,6 +393,29 @@ def logprob_histograms(means: Mapping[str, Sequence[float]], bins: int = LOGPROB
             out.append({"caption": f"{side}: {len(vs):,} samples, mean {float(np.mean(vs)):.3f} nats/token",
                         "chart": _histogram([round(float(e), 3) for e in edges], [int(c) for c in counts],
                                             SIDE_COLORS.get(side, "#555"))})
+    return out
+
+
+SOURCE_SIDES = {"sglang": "local", "vllm": "local", "openrouter": "overflow"}  # policy.compare's paths
+
+
+def every_row_histograms(logprobs: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """The extraction's per-path histograms of per-sample mean log-probabilities
+    (hidden_states.logprobs.LogprobStats: bin 0 below the first edge, the last at or above the
+    last), on its fixed edges, empty bins at either end left out."""
+    if not isinstance(logprobs, Mapping):
+        return []
+    edges = [float(e) for e in logprobs.get("histogram_edges") or []]
+    out = []
+    for source, side in (logprobs.get("sources") or {}).items():
+        counts = side.get("histogram") if isinstance(side, Mapping) else None
+        if not edges or not isinstance(counts, list) or len(counts) != len(edges) + 1 or not sum(counts):
+            continue
+        full = [float("-inf"), *edges, float("inf")]
+        used = [i for i, n in enumerate(counts) if n]
+        a, b = used[0], used[-1] + 1
+        out.append({"caption": f"{source}: {fmt_num(side.get('samples'))} samples",
+                    "chart": _histogram(full[a:b + 1], counts[a:b], SIDE_COLORS.get(SOURCE_SIDES.get(source, ""), "#555"))})
     return out
 
 
