@@ -99,6 +99,25 @@ def provider_checks(tokenizer) -> dict:
     return {"identity": identity_report(rows), "policy": {**policy, "figures": figures}}
 
 
+def extraction_logprobs(tokenizer) -> dict:
+    """The extraction's figures as publish writes them: LogprobStats (their producer) over two
+    local and two overflow answers, the least likely overflow one EVIL_ANSWER's ids, decoded."""
+    import torch
+
+    from eagle3_data.hidden_states.extract import _logprob_totals  # the shards' figures added up, as committed
+    from eagle3_data.hidden_states.logprobs import LogprobStats
+    from eagle3_data.report.data import decode_least_likely
+
+    stats = LogprobStats()
+    answers = {("vllm", "l-0"): "Hello there.", ("vllm", "l-1"): "Fine.", ("openrouter", "o-0"): "Sure.",
+               ("openrouter", "o-1"): EVIL_ANSWER}
+    for (source, sid), text in answers.items():
+        ids = [1] + tokenizer.encode(text, add_special_tokens=False)
+        mean = -9.0 if sid == "o-1" else -1.0
+        stats.add(sid, torch.tensor([float("nan")] + [mean] * (len(ids) - 1)), [0] + [1] * (len(ids) - 1), source, ids=ids)
+    return decode_least_likely(_logprob_totals([{"logprobs": stats.summary()}])["logprobs"], lambda: tokenizer)
+
+
 @pytest.fixture
 def run_report(store, kimi_tokenizer):
     """Two datasets: tool_calls (failed gate, overflow billing with 2 rows excluded, provider
@@ -144,7 +163,7 @@ def run_report(store, kimi_tokenizer):
                                 "coverage": 0.9612},
                 "hidden_states_estimate": {"hidden_size": 7168, "tokens": 2_000_000,
                                            "bytes": {"shards_bf16": 114_698_000_000, "shards_fp8": 71_700_000_000}},
-                "hidden_states_bytes": 114_000_000_000}
+                "hidden_states_bytes": 114_000_000_000, "logprobs": extraction_logprobs(kimi_tokenizer)}
     return write_run_report(store, RUN, entries, dag_id="eagle3_datagen", run_id="manual__1", training=training)
 
 
@@ -189,8 +208,8 @@ def test_page_shows_numbers_charts_and_escaped_text(store, run_report):
     assert "39,078" in html and "39,081" in html and "0.008% (max ±1.00%)" in html  # billing
     assert "$0.8731" in html  # overflow cost
     assert "n=5, mean 640.2, p50 341, p95 1,500, max 1,500" in html
-    # 3 charts x 2 datasets - empty histogram + 2 lengths + the policy check's 2 paths
-    assert len(re.findall(r"<svg ", html)) == 3 + 2 + 2 + 2
+    # 3 charts x 2 datasets - empty histogram + 2 lengths + the policy check's 2 paths, twice (scored, every row)
+    assert len(re.findall(r"<svg ", html)) == 3 + 2 + 2 + 2 + 2
     assert "gate <b>failed</b>" in html and "bpe_only rate 0.1600 exceeds 0.1" in html
     assert "Example diffs (8 of 8)" in html and "<span class='tok'>·NOR</span>" in html
     assert "http" not in html.replace("http://www.w3.org/2000/svg", "")  # no external assets
@@ -267,6 +286,17 @@ def test_page_shows_the_policy_distributions_pairs_power_and_least_likely_answer
     line = md[md.index("Least likely overflow answers under the target: "):].split("\n")[0]
     assert line.startswith("Least likely overflow answers under the target: `overflow-11` -1.3100 (The answer is &lt;")
     assert "<script" not in line  # outside a code span: `<` cannot open raw HTML
+
+
+def test_page_shows_every_rows_distributions_and_least_likely_samples_decoded(store, run_report):
+    html = render_html(load_run_report(store, RUN), title="t")
+    block = html[html.index("Target log-probabilities of the trained tokens"):html.index("<table class='overview'>")]
+    assert "(openrouter: 2 samples)" in block and "(vllm: 2 samples)" in block  # one histogram per path
+    worst = block[block.index("Least likely openrouter samples"):].split("</details>")[0]
+    assert worst.index("<code>o-1</code> mean <b>-9.0000</b>") < worst.index("<code>o-0</code>")
+    pieces = re.findall(r"<span class='tok' title='-9.0000'>([^<]*)</span>", worst)
+    assert "".join(pieces) == str(escape(EVIL_ANSWER.replace(" ", "·")))  # decoded by the real tokenizer, escaped
+    assert EVIL not in html
 
 
 def test_page_states_the_draft_vocabulary_and_the_states_bytes(store, run_report):
