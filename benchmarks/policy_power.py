@@ -23,6 +23,7 @@ difference and p, and the gate's verdict on policy.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import tempfile
 import time
@@ -81,6 +82,7 @@ def main() -> None:
     ap.add_argument("--providers", nargs="*", default=list(FAULTS), choices=list(FAULTS))
     ap.add_argument("--smoke", action="store_true", help="honest and temp1.3 once at 64 prompts")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed benchmark still stops its servers
     if args.smoke:
         args.samples, args.calibration, args.runs, args.providers = 64, 4, 1, ["honest", "temp1.3"]
     from eagle3_devtools.int8_model import cached_int8_model

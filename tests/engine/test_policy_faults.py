@@ -11,8 +11,8 @@ detectable shift) and asserted below: the faults' shifts are well above it, the 
 that matters (0.1 nats/token) is not reached (benchmarks/policy_power.py and RESULTS.md give
 the figures at larger sizes).
 
-CPU cost: three trials of PROMPTS prompts x MAX_NEW_TOKENS tokens on the session's engine
-(generation and scoring), about a minute each on two idle cores.
+CPU cost: on the session's engine, two trials of 192 prompts x 48 tokens and one of 64 x 32
+(generation on both paths, then scoring): ~20k generated tokens in all.
 """
 
 from __future__ import annotations
@@ -23,43 +23,52 @@ from eagle3_devtools.provider_proxy import Rewrite, start_provider_proxy
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = 96  # 48 to the provider, 4 of the local half greedy on both paths
-CALIBRATION = 4
-MAX_NEW_TOKENS = 48
+CALIBRATION = 4  # of the local half, greedy on both paths (pairs)
+# (prompts, max_new_tokens): half the prompts to the provider. Ignoring top_p moves the overflow
+# text by ~0.45 nats/token, and a sample's mean log-probability spreads by ~0.55 at 48 tokens
+# (RESULTS.md, "Policy check against faulty providers"): 192 prompts (92 + 96 sampled answers)
+# put it ~5 standard errors beyond the tolerance; the honest trial runs at the same size. A
+# temperature of 1.3 moves it by ~2 nats/token: seen at a fraction of that.
+LARGE, SMALL = (192, 48), (64, 32)
 
 
-def _trial(store, vllm_server, kimi_tokenizer_dir, name: str, rewrite: Rewrite) -> dict:
+def _trial(store, vllm_server, kimi_tokenizer_dir, name: str, rewrite: Rewrite, size: tuple[int, int]) -> dict:
+    prompts, max_new_tokens = size
     proxy = start_provider_proxy(vllm_server.url, rewrite)
     try:
-        run = trial_run(kimi_tokenizer_dir, f"policy-fault-{name}", max_new_tokens=MAX_NEW_TOKENS, sampling_seed=7)
-        trial = run_trial(store, run, vllm_server.url, proxy.url, samples=PROMPTS, calibration=CALIBRATION)
+        run = trial_run(kimi_tokenizer_dir, f"policy-fault-{name}", max_new_tokens=max_new_tokens, sampling_seed=7)
+        trial = run_trial(store, run, vllm_server.url, proxy.url, samples=prompts, calibration=CALIBRATION)
     finally:
         proxy.stop()
-    overflow = PROMPTS // 2
-    assert proxy.rewritten == (0 if rewrite == Rewrite() else overflow), proxy.rewritten  # the fault was served
+    overflow = prompts // 2
+    if rewrite == Rewrite():
+        assert proxy.rewritten == 0
+    else:  # every sampled request served with the fault (greedy calibration ones: top_p dropped, temperature 0 kept)
+        assert proxy.rewritten >= overflow, proxy.rewritten
     sampled = trial["decision"]["tests"]["sampled"]
     assert sampled["samples"] == [overflow - CALIBRATION, overflow], sampled  # every sampled answer scored
     return trial
 
 
 def test_honest_provider_passes(store, vllm_server, kimi_tokenizer_dir):
-    trial = _trial(store, vllm_server, kimi_tokenizer_dir, "honest", Rewrite())
+    trial = _trial(store, vllm_server, kimi_tokenizer_dir, "honest", Rewrite(), LARGE)
     sampled = trial["decision"]["tests"]["sampled"]
     assert trial["passed"], trial["reasons"]
     assert not sampled["rejected"] and sampled["p_value"] > 0.01, sampled
     assert abs(sampled["shift"]) < 3 * sampled["standard_error"] + 0.05, sampled  # centred on zero
     power = next(n for n in trial["notes"] if n.startswith("policy power: sampled answers"))
-    assert "UNDERPOWERED" in power, power  # at 44 + 48 the shift that matters (0.1) is out of sight: said
+    assert "UNDERPOWERED" in power, power  # at 92 + 96 the shift that matters (0.1) is out of sight: said
 
 
-@pytest.mark.parametrize("name,rewrite,sign", [
-    ("temperature-1.3", Rewrite(temperature_factor=1.3), "less likely"),
-    ("top_p-ignored", Rewrite(ignore=("top_p",)), "less likely"),
+@pytest.mark.parametrize("name,rewrite,size", [
+    ("temperature-1.3", Rewrite(temperature_factor=1.3), SMALL),
+    ("top_p-ignored", Rewrite(ignore=("top_p",)), LARGE),
 ])
-def test_provider_ignoring_sampling_fails(store, vllm_server, kimi_tokenizer_dir, name, rewrite, sign):
-    trial = _trial(store, vllm_server, kimi_tokenizer_dir, name, rewrite)
+def test_provider_ignoring_sampling_fails(store, vllm_server, kimi_tokenizer_dir, name, rewrite, size):
+    trial = _trial(store, vllm_server, kimi_tokenizer_dir, name, rewrite, size)
     sampled = trial["decision"]["tests"]["sampled"]
     assert not trial["passed"], trial["notes"]
-    assert [r for r in trial["reasons"] if f"policy: overflow text is off the target's policy, {sign}" in r], trial
-    assert sampled["rejected"] and sampled["shift"] > sampled["min_detectable_shift"], sampled
+    # a flatter sampler's text is less likely under the target than the target's own
+    assert [r for r in trial["reasons"] if "policy: overflow text is off the target's policy, less likely" in r], trial
+    assert sampled["rejected"] and sampled["shift"] > sampled["critical_shift"], sampled
     assert "identity" not in " ".join(trial["reasons"])  # same served name, same weights: only policy can tell
