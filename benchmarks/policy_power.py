@@ -16,7 +16,7 @@ the sampled test's gap (local minus overflow mean log-probability per token, per
 its standard error, p-value and minimum detectable shift at 90% power, the pairs' mean
 difference and p, and the gate's verdict on policy.
 
-    .venv/bin/python benchmarks/policy_power.py [--samples 400] [--runs 3] [--max-new-tokens 48]
+    .venv/bin/python benchmarks/policy_power.py [--samples 192] [--runs 3] [--max-new-tokens 48]
         [--providers honest temp1.3 top_p int8] [--smoke]
 """
 
@@ -75,7 +75,7 @@ def _row(name: str, run: int, t: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--samples", type=int, default=400, help="prompts per trial, half to the provider")
+    ap.add_argument("--samples", type=int, default=192, help="prompts per trial, half to the provider")
     ap.add_argument("--calibration", type=int, default=16, help="of them, greedy on both paths (pairs)")
     ap.add_argument("--runs", type=int, default=3, help="honest trials, each with another sampling seed")
     ap.add_argument("--max-new-tokens", type=int, default=48)

@@ -12,7 +12,7 @@ that matters (0.1 nats/token) is not reached (benchmarks/policy_power.py and RES
 the figures at larger sizes).
 
 CPU cost: on the session's engine, two trials of 192 prompts x 48 tokens and one of 64 x 32
-(generation on both paths, then scoring): ~20k generated tokens in all.
+(generation on both paths, then scoring): ~23k generated tokens in all.
 """
 
 from __future__ import annotations
@@ -21,7 +21,10 @@ import pytest
 from eagle3_devtools.policy_trial import run_trial, trial_run
 from eagle3_devtools.provider_proxy import Rewrite, start_provider_proxy
 
-pytestmark = pytest.mark.slow
+# one LARGE trial is ~10k generated tokens and 192 scoring requests: 11 minutes measured on two
+# cores shared with other engineers' engines (2026-12-03, vLLM at ~25 tokens/s): past the suite's
+# 600 s default
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 CALIBRATION = 4  # of the local half, greedy on both paths (pairs)
 # (prompts, max_new_tokens): half the prompts to the provider. Ignoring top_p moves the overflow
@@ -47,17 +50,10 @@ def _trial(store, vllm_server, kimi_tokenizer_dir, name: str, rewrite: Rewrite, 
         assert proxy.rewritten >= overflow, proxy.rewritten
     sampled = trial["decision"]["tests"]["sampled"]
     assert sampled["samples"] == [overflow - CALIBRATION, overflow], sampled  # every sampled answer scored
+    print(f"policy trial {name} ({prompts} x {max_new_tokens}): shift {sampled['shift']:+.3f} +- "
+          f"{sampled['standard_error']:.3f} nats/token, p {sampled['p_value']:.2g}, min detectable shift "
+          f"{sampled['min_detectable_shift']:.3f}, gate {'passed' if trial['passed'] else 'failed'}")
     return trial
-
-
-def test_honest_provider_passes(store, vllm_server, kimi_tokenizer_dir):
-    trial = _trial(store, vllm_server, kimi_tokenizer_dir, "honest", Rewrite(), LARGE)
-    sampled = trial["decision"]["tests"]["sampled"]
-    assert trial["passed"], trial["reasons"]
-    assert not sampled["rejected"] and sampled["p_value"] > 0.01, sampled
-    assert abs(sampled["shift"]) < 3 * sampled["standard_error"] + 0.05, sampled  # centred on zero
-    power = next(n for n in trial["notes"] if n.startswith("policy power: sampled answers"))
-    assert "UNDERPOWERED" in power, power  # at 92 + 96 the shift that matters (0.1) is out of sight: said
 
 
 @pytest.mark.parametrize("name,rewrite,size", [
@@ -72,3 +68,13 @@ def test_provider_ignoring_sampling_fails(store, vllm_server, kimi_tokenizer_dir
     assert [r for r in trial["reasons"] if "policy: overflow text is off the target's policy, less likely" in r], trial
     assert sampled["rejected"] and sampled["shift"] > sampled["critical_shift"], sampled
     assert "identity" not in " ".join(trial["reasons"])  # same served name, same weights: only policy can tell
+
+
+def test_honest_provider_passes(store, vllm_server, kimi_tokenizer_dir):
+    trial = _trial(store, vllm_server, kimi_tokenizer_dir, "honest", Rewrite(), LARGE)
+    sampled = trial["decision"]["tests"]["sampled"]
+    assert trial["passed"], trial["reasons"]
+    assert not sampled["rejected"] and sampled["p_value"] > 0.01, sampled
+    assert abs(sampled["shift"]) < 3 * sampled["standard_error"] + 0.05, sampled  # centred on zero
+    power = next(n for n in trial["notes"] if n.startswith("policy power: sampled answers"))
+    assert "UNDERPOWERED" in power, power  # at 92 + 96 the shift that matters (0.1) is out of sight: said
