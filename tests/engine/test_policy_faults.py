@@ -12,7 +12,7 @@ that matters (0.1 nats/token) is not reached (benchmarks/policy_power.py and RES
 the figures at larger sizes).
 
 CPU cost: on the session's engine, two trials of 192 prompts x 48 tokens and one of 64 x 32
-(generation on both paths, then scoring): ~23k generated tokens in all.
+(generation on both paths, then scoring): ~21k generated tokens in all.
 """
 
 from __future__ import annotations
