@@ -21,9 +21,9 @@ import pytest
 from eagle3_devtools.policy_trial import run_trial, trial_run
 from eagle3_devtools.provider_proxy import Rewrite, start_provider_proxy
 
-# one LARGE trial is ~10k generated tokens and 192 scoring requests: 11 minutes measured on two
-# cores shared with other engineers' engines (2026-12-03, vLLM at ~25 tokens/s): past the suite's
-# 600 s default
+# one LARGE trial is ~10k generated tokens and 192 scoring requests: 5.5 to 13 minutes measured on
+# two cores shared with other engineers' engines (2026-12-03, vLLM at ~25-35 tokens/s): past the
+# suite's 600 s default
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 CALIBRATION = 4  # of the local half, greedy on both paths (pairs)
