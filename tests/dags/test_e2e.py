@@ -220,9 +220,14 @@ def test_clear_one_dataset_reruns_only_it(stack, dag):
     assert lp["trained_tokens"] == sum(s["trained_tokens"] for s in lp["sources"].values()) > 0
     assert {"sglang", "openrouter"} <= set(lp["sources"])
     assert check["compared_samples"] == 0 and check["not_compared"]["stand_in_engine"] > 0
+    assert lp["trained_tokens"] == merged["totals"]["loss_tokens"]  # every merged trained token has its log-probability
     from eagle3_data.report import load_run_report, render_html
 
-    assert "Target log-probabilities of the trained tokens" in render_html(load_run_report(store, RUN_KEY), title="t")
+    html = render_html(load_run_report(store, RUN_KEY), title="t")
+    assert "Target log-probabilities of the trained tokens" in html
+    # the report states the policy check's power: per dataset (the scored check) and on every row
+    assert "<b>Power of the policy check:</b> sampled answers" in html
+    assert any(n.startswith("policy power: sampled answers") for n in training["policy_every_row"]["notes"])
 
 
 # -- 3. backfill / rerun of the same date: same keys, same manifests ---------------------------

@@ -68,10 +68,16 @@ def calibration(tokenizer) -> dict:
     return consistency_report(fmt, local, provider, first_n=64, sample_ids={"same", "bpe", "evil", "lost", "cut"})
 
 
-def provider_checks() -> dict:
+EVIL_ANSWER = f"The answer is {EVIL}"
+PAIRS = [(-0.30, -0.30), (-0.32, -0.33), (-0.31, -0.29)]  # calibration pairs' (local, overflow) means
+
+
+def provider_checks(tokenizer) -> dict:
     """Identity and policy as pipeline.validate writes them: 1 of 13 answers from another provider;
-    12 local and 12 overflow samples, the overflow ones 1 nat/token less likely (off policy)."""
-    from eagle3_data.policy.compare import Thresholds, policy_gate, summarize
+    12 local and 12 overflow samples, the overflow ones 1 nat/token less likely (off policy), the
+    least likely of them EVIL_ANSWER's ids; 3 calibration pairs (PAIRS); the worst samples as
+    pipeline.score_policy decodes them, with the real Kimi tokenizer."""
+    from eagle3_data.policy.compare import Thresholds, policy_gate, summarize, worst_samples
     from eagle3_data.policy.select import Item
     from eagle3_data.validate import identity_report
 
@@ -79,11 +85,37 @@ def provider_checks() -> dict:
              "error": "provider Other Cloud is not the pin moonshotai" if i == 0 else None,
              "provenance": json.dumps({"model": "moonshotai/kimi-k2.5", "provider": "Other Cloud" if i == 0 else "Moonshot AI"})}
             for i in range(13)]
-    items = [Item(f"{side}-{i}", side, side, (1, 2, 3, 4), 1) for side in ("local", "overflow") for i in range(12)]
-    scores = [[-0.2 - 0.01 * (i % 12) - (1.0 if it.side == "overflow" else 0.0)] * 3 for i, it in enumerate(items)]
-    figures = summarize(items, scores, {})
+    evil = tuple(tokenizer.encode(EVIL_ANSWER, add_special_tokens=False))
+    items = [Item(f"{side}-{i}", side, side, (1,) + (evil if (side, i) == ("overflow", 11) else (2, 3, 4)), 1)
+             for side in ("local", "overflow") for i in range(12)]
+    scores = [[-0.2 - 0.01 * (i % 12) - (1.0 if it.side == "overflow" else 0.0)] * (len(it.ids) - 1)
+              for i, it in enumerate(items)]
+    for i, pair in enumerate(PAIRS):
+        for side, mean in zip(("local", "overflow"), pair):
+            items.append(Item(f"c-{i}", side, "both", (1, 5, 6), 1))
+            scores.append([mean] * 2)
+    figures = {**summarize(items, scores, {}), "worst": worst_samples(items, scores, tokenizer.decode)}
     policy = policy_gate(figures, Thresholds(shift=0.1, false_alarm_rate=0.001, power=0.9))
     return {"identity": identity_report(rows), "policy": {**policy, "figures": figures}}
+
+
+def extraction_logprobs(tokenizer) -> dict:
+    """The extraction's figures as publish writes them: LogprobStats (their producer) over two
+    local and two overflow answers, the least likely overflow one EVIL_ANSWER's ids, decoded."""
+    import torch
+
+    from eagle3_data.hidden_states.extract import _logprob_totals  # the shards' figures added up, as committed
+    from eagle3_data.hidden_states.logprobs import LogprobStats
+    from eagle3_data.report.data import decode_least_likely
+
+    stats = LogprobStats()
+    answers = {("vllm", "l-0"): "Hello there.", ("vllm", "l-1"): "Fine.", ("openrouter", "o-0"): "Sure.",
+               ("openrouter", "o-1"): EVIL_ANSWER}
+    for (source, sid), text in answers.items():
+        ids = [1] + tokenizer.encode(text, add_special_tokens=False)
+        mean = -9.0 if sid == "o-1" else -1.0
+        stats.add(sid, torch.tensor([float("nan")] + [mean] * (len(ids) - 1)), [0] + [1] * (len(ids) - 1), source, ids=ids)
+    return decode_least_likely(_logprob_totals([{"logprobs": stats.summary()}])["logprobs"], lambda: tokenizer)
 
 
 @pytest.fixture
@@ -105,7 +137,7 @@ def run_report(store, kimi_tokenizer):
         "tool_calls": {
             "validation": store.put_json(tc, "report.json", {
                 **validation_report(42, [1, 3, 3, 40, 41, 130, 7, 9]), "calibration": calibration(kimi_tokenizer),
-                **provider_checks(),
+                **provider_checks(kimi_tokenizer),
             }),
             "billing": store.put_json(tc, "billing.json", billing),
             "thresholds": THRESHOLDS,
@@ -131,7 +163,7 @@ def run_report(store, kimi_tokenizer):
                                 "coverage": 0.9612},
                 "hidden_states_estimate": {"hidden_size": 7168, "tokens": 2_000_000,
                                            "bytes": {"shards_bf16": 114_698_000_000, "shards_fp8": 71_700_000_000}},
-                "hidden_states_bytes": 114_000_000_000}
+                "hidden_states_bytes": 114_000_000_000, "logprobs": extraction_logprobs(kimi_tokenizer)}
     return write_run_report(store, RUN, entries, dag_id="eagle3_datagen", run_id="manual__1", training=training)
 
 
@@ -176,7 +208,8 @@ def test_page_shows_numbers_charts_and_escaped_text(store, run_report):
     assert "39,078" in html and "39,081" in html and "0.008% (max ±1.00%)" in html  # billing
     assert "$0.8731" in html  # overflow cost
     assert "n=5, mean 640.2, p50 341, p95 1,500, max 1,500" in html
-    assert len(re.findall(r"<svg ", html)) == 3 + 2 + 2  # 3 charts x 2 datasets - empty histogram + 2 lengths
+    # 3 charts x 2 datasets - empty histogram + 2 lengths + the policy check's 2 paths, twice (scored, every row)
+    assert len(re.findall(r"<svg ", html)) == 3 + 2 + 2 + 2 + 2
     assert "gate <b>failed</b>" in html and "bpe_only rate 0.1600 exceeds 0.1" in html
     assert "Example diffs (8 of 8)" in html and "<span class='tok'>·NOR</span>" in html
     assert "http" not in html.replace("http://www.w3.org/2000/svg", "")  # no external assets
@@ -224,6 +257,46 @@ def test_page_and_summary_show_identity_and_policy(store, run_report):
     assert "| not the pinned model/provider | 1 (7.69%) **(fails)** |" in md
     chat = html[html.index("<section id='ds-chat'>"):html.index("<section id='ds-tool_calls'>")]
     assert "Provider identity and policy" not in chat
+
+
+def test_page_shows_the_policy_distributions_pairs_power_and_least_likely_answers(store, run_report, kimi_tokenizer):
+    report = load_run_report(store, RUN)
+    html = render_html(report, title="t")
+    part = html[html.index("Provider identity and policy"):html.index("Provider calibration")]
+    # one histogram per path, every sample in one bar, the overflow mass 1 nat/token lower (disjoint)
+    bars = {side: [(float(lo), float(hi), int(n)) for lo, hi, n in re.findall(
+        r"<title>\[([-\d.e]+), ([-\d.e]+)\): (\d+)</title>", part[part.index(f"({side}: 12 samples"):][:6000].split("</svg>")[0])]
+        for side in ("local", "overflow")}
+    assert {side: sum(n for _, _, n in b) for side, b in bars.items()} == {"local": 12, "overflow": 12}
+    assert max(hi for _, hi, n in bars["overflow"] if n) <= min(lo for lo, _, n in bars["local"] if n)
+    # the calibration pairs, local minus overflow
+    for i, (lo, ov) in enumerate(PAIRS):
+        assert f"<tr><td><code>c-{i}</code></td><td class='num'>{lo:.4f}</td><td class='num'>{ov:.4f}</td>" \
+               f"<td class='num'>{lo - ov:.4f}</td></tr>" in part
+    power = part[part.index("Power of the policy check:"):].split("</p>")[0]
+    assert "sampled answers (12 + 12): detects a shift of" in power and "calibration pairs (3): detects" in power
+    # the least likely overflow answer first, its ids decoded by the real tokenizer, escaped
+    worst = part[part.index("Least likely overflow answers"):].split("</details>")[0]
+    assert worst.index("<code>overflow-11</code>") < worst.index("<code>overflow-10</code>")
+    pieces = re.findall(r"<span class='tok' title='[-\d.]+'>([^<]*)</span>", worst.split("<code>overflow-10</code>")[0])
+    assert str(escape(EVIL_ANSWER.replace(" ", "·"))) == "".join(pieces)  # tok filter: spaces as ·
+    assert EVIL not in html
+    md = render_markdown(report)
+    assert "Power of the policy check: sampled answers (12 + 12): detects a shift of" in md
+    line = md[md.index("Least likely overflow answers under the target: "):].split("\n")[0]
+    assert line.startswith("Least likely overflow answers under the target: `overflow-11` -1.3100 (The answer is &lt;")
+    assert "<script" not in line  # outside a code span: `<` cannot open raw HTML
+
+
+def test_page_shows_every_rows_distributions_and_least_likely_samples_decoded(store, run_report):
+    html = render_html(load_run_report(store, RUN), title="t")
+    block = html[html.index("Target log-probabilities of the trained tokens"):html.index("<table class='overview'>")]
+    assert "(openrouter: 2 samples)" in block and "(vllm: 2 samples)" in block  # one histogram per path
+    worst = block[block.index("Least likely openrouter samples"):].split("</details>")[0]
+    assert worst.index("<code>o-1</code> mean <b>-9.0000</b>") < worst.index("<code>o-0</code>")
+    pieces = re.findall(r"<span class='tok' title='-9.0000'>([^<]*)</span>", worst)
+    assert "".join(pieces) == str(escape(EVIL_ANSWER.replace(" ", "·")))  # decoded by the real tokenizer, escaped
+    assert EVIL not in html
 
 
 def test_page_states_the_draft_vocabulary_and_the_states_bytes(store, run_report):

@@ -191,6 +191,15 @@ def test_target_logprobs_equal_the_models_own_forward_and_head(backend, referenc
     assert figures["trained_tokens"] == every.numel()
     assert figures["mean_trained_logprob"] == pytest.approx(float(every.mean()), abs=1e-4)
     assert sum(len(s["least_likely_samples"]) for s in figures["sources"].values()) == 5
+    # each least likely sample keeps its first trained ids and their log-probabilities (the report decodes them)
+    by_id = {r["sample_id"]: r for r in rows}
+    for side in figures["sources"].values():
+        for w in side["least_likely_samples"]:
+            row = by_id[w["sample_id"]]
+            mask = torch.tensor(row["loss_mask"][1:], dtype=torch.bool)
+            assert w["ids"] == torch.tensor(row["input_ids"][1:])[mask][:64].tolist(), w["sample_id"]
+            ref = reference_logprobs(reference_model, row["input_ids"])[mask][:64]
+            assert torch.allclose(torch.tensor(w["logprobs"]), ref, atol=1e-4, rtol=0), w["sample_id"]
 
 
 def test_target_logprobs_do_not_depend_on_packing_and_barely_on_batching(backend, rows, tmp_path):

@@ -250,7 +250,8 @@ def extract_rows(
                 _check_sample(sid, len(row["input_ids"]), st.aux, st.last)
                 token_logprobs = head.token_logprobs(st.last, row["input_ids"]) if head is not None else None
                 if token_logprobs is not None:
-                    logprob_stats.add(sid, token_logprobs, row["loss_mask"], row.get("source"), _greedy(row))
+                    logprob_stats.add(sid, token_logprobs, row["loss_mask"], row.get("source"), _greedy(row),
+                                      row["input_ids"])
                     if check is not None and row.get("prompt_tokens") is not None:
                         check.observe(sid, token_logprobs, row["prompt_tokens"])
                 last = st.last if options.last_hidden else None

@@ -85,11 +85,14 @@ class LogprobStats:
         self.worst = worst
         self.sides: dict[str, dict] = {}
 
+    WORST_TOKENS = 64  # of a least likely sample, its first trained ids kept (the report decodes them)
+
     def add(self, sample_id: str, token_logprobs: torch.Tensor, loss_mask: Sequence[int], source: str | None = None,
-            greedy: bool = False) -> None:
+            greedy: bool = False, ids: Sequence[int] | None = None) -> None:
         """`greedy`: a calibration answer (temperature 0), counted but kept out of the sampled
         answers' means the every-row policy check compares (policy.compare: greedy text is far
-        likelier under the target than sampled text)."""
+        likelier under the target than sampled text). `ids`: the sample's ids, so that the least
+        likely samples carry their first trained ids and log-probabilities for a person to read."""
         trained = torch.as_tensor(loss_mask, dtype=torch.bool) & ~torch.isnan(token_logprobs)
         if not trained.any():
             return
@@ -97,7 +100,11 @@ class LogprobStats:
         mean = float(values.mean())
         side = self.sides.setdefault(source or "unknown", {"samples": 0, "trained_tokens": 0, "sum_trained_logprob": 0.0,
                                                           "histogram": [0] * (len(self.BINS) + 1), "means": [],
-                                                          "sampled_means": []})
+                                                          "sampled_means": [], "worst": []})
+        if ids is not None and (len(side["worst"]) < self.worst or (mean, sample_id) < side["worst"][-1][:2]):
+            kept = torch.as_tensor(ids, dtype=torch.long)[trained][: self.WORST_TOKENS]
+            side["worst"] = sorted(side["worst"] + [(mean, sample_id, kept.tolist(),
+                                                     [float(x) for x in token_logprobs[trained][: self.WORST_TOKENS]])])[: self.worst]
         side["samples"] += 1
         side["trained_tokens"] += int(values.numel())
         side["sum_trained_logprob"] += float(values.sum())
@@ -110,8 +117,11 @@ class LogprobStats:
         sides = {}
         for source, side in sorted(self.sides.items()):
             worst = sorted(side["means"])[: self.worst]
-            sides[source] = {k: v for k, v in side.items() if k != "means"} | {
-                "least_likely_samples": [{"sample_id": sid, "mean_logprob": m} for m, sid in worst]}
+            kept = {sid: (ids, lps) for _, sid, ids, lps in side["worst"]}
+            sides[source] = {k: v for k, v in side.items() if k not in ("means", "worst")} | {
+                "least_likely_samples": [{"sample_id": sid, "mean_logprob": m}
+                                         | ({"ids": kept[sid][0], "logprobs": kept[sid][1]} if sid in kept else {})
+                                         for m, sid in worst]}
         tokens = sum(s["trained_tokens"] for s in sides.values())
         total = sum(s["sum_trained_logprob"] for s in sides.values())
         return {"trained_tokens": tokens, "sum_trained_logprob": total,

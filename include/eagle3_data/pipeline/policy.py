@@ -64,7 +64,7 @@ def score_policy(run: Run, store, dataset: str, endpoints: list[str]) -> PolicyR
     `policy.max_samples` 0: committed as skipped, no request sent."""
     from eagle3_data.generation.engines import wire_for
     from eagle3_data.policy import ScoreOptions, local_items, overflow_items, score_items, summarize
-    from eagle3_data.policy.compare import Thresholds, sample_size
+    from eagle3_data.policy.compare import Thresholds, sample_size, worst_samples
     from eagle3_data.policy.compare import rows as score_rows
 
     local, rebuilt, ref = (stage_ref(run, s, dataset) for s in (LOCAL, RECONSTRUCT, POLICY))
@@ -111,7 +111,8 @@ def score_policy(run: Run, store, dataset: str, endpoints: list[str]) -> PolicyR
         if sizing["chosen"] > n:
             items, scores = at(sizing["chosen"])
         sizing["available"] = {side: sum(r == side for r in routes.values()) for side in ("local", "overflow")}
-        summary = {**summarize(items, scores, refused), "sizing": sizing}
+        summary = {**summarize(items, scores, refused), "sizing": sizing,
+                   "worst": worst_samples(items, scores, tokenizer.decode)}
     # the scored samples as a file beside the (empty) parts: a calibration sample is scored on
     # both sides under one sample_id, which the parts (one row per sample_id) cannot hold
     with StageWriter(store, ref, "policy_scores", rows_per_part=4096, params=params, inputs=[local, rebuilt],

@@ -11,7 +11,7 @@ from eagle3_data.pipeline.extract import hidden_states_params, storage_estimate
 from eagle3_data.pipeline.results import PublishResult
 from eagle3_data.pipeline.reuse import reusable
 from eagle3_data.pipeline.route import PLAN_REPORT
-from eagle3_data.pipeline.run import Run, log, stage_ref
+from eagle3_data.pipeline.run import Run, bulk_tokenizer_for, log, stage_ref
 from eagle3_data.pipeline.validate import BILLING_REPORT, gate_results
 from eagle3_data.stages import AUDIT, AUDIT_DATASET, HIDDEN_STATES, LOCAL, MERGE, OVERFLOW, PLAN, PROBE, PROMPTS, PUBLISH, RECONSTRUCT, RUN_DATASET, VALIDATE
 
@@ -123,7 +123,7 @@ def publish(run: Run, store) -> PublishResult:
     when anything is missing for training (a dataset's gate, the merge, the hidden states), so the
     run ends failed and no Asset event announces it. `changed` says whether the summary is new
     (the DAG emits the Asset event only then)."""
-    from eagle3_data.report import generation_lengths
+    from eagle3_data.report.data import decode_least_likely, generation_lengths
 
     if run.dry_run:
         return _plan(run, store)
@@ -176,7 +176,7 @@ def publish(run: Run, store) -> PublishResult:
         "hidden_states_estimate": storage_estimate(run, int(merged["totals"].get("tokens", 0))) if merged else None,
         "hidden_states_bytes": (hidden or {}).get("totals", {}).get("bytes"),
         # the target's log-probabilities of the trained tokens per path, and the extraction's self-check
-        "logprobs": (hidden or {}).get("logprobs"),
+        "logprobs": decode_least_likely((hidden or {}).get("logprobs"), lambda: bulk_tokenizer_for(run, store)),
         "logprob_check": (hidden or {}).get("logprob_check"),
         "probe": _probe_figures(run, store, hs_ref) if hidden else None,  # the drafter's verdict, when it ran
     }

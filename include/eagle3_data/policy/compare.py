@@ -33,7 +33,7 @@ extraction's, for every row, later); `decide` takes the per-sample means.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -184,6 +184,27 @@ def summarize(items: Sequence[Item], scores: Sequence[Sequence[float] | None], r
     identical = sum(both["local"][i][0].ids == both["overflow"][i][0].ids for i in pair_ids)
     return {**figures_of(pools["local"], pools["overflow"], pairs, pair_ids, identical),
             "refused": dict(sorted(refused.items())[:20]), "refused_count": len(refused)}
+
+
+WORST = 5  # samples a side the report shows, least likely first
+WORST_TOKENS = 64  # of each, the answer's first tokens shown
+
+
+def worst_samples(items: Sequence[Item], scores: Sequence[Sequence[float] | None], decode: Callable[[list[int]], str],
+                  k: int = WORST) -> dict[str, list[dict[str, Any]]]:
+    """Per side, the `k` scored answers least likely under the target (lowest mean log-probability
+    per token): the likeliest garbage (another model's text, a broken reconstruction), for a
+    person to read. Each with its route, and its first WORST_TOKENS answer tokens decoded one by
+    one with the run's tokenizer (`decode`) beside their log-probabilities."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for side in ("local", "overflow"):
+        scored = [(float(np.mean(s)), it, s) for it, s in zip(items, scores)
+                  if it.side == side and s is not None and len(s)]
+        out[side] = [{"sample_id": it.sample_id, "route": it.route, "mean_logprob": mean, "tokens": len(s),
+                      "texts": [decode([i]) for i in it.ids[it.first:it.first + WORST_TOKENS]],
+                      "logprobs": [float(x) for x in s[:WORST_TOKENS]]}
+                     for mean, it, s in sorted(scored, key=lambda x: (x[0], x[1].sample_id))[:k]]
+    return out
 
 
 def required_samples(th: Thresholds, spread_local: float, spread_overflow: float, *, tests: int = 1) -> int:

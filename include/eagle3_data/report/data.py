@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -335,6 +335,26 @@ def policy_summary(policy: Mapping[str, Any] | None) -> dict[str, Any] | None:
             "underpowered": decision.get("underpowered"),
             "pairs": {k: pairs.get(k) for k in ("samples", "identical_ids", "mean_difference")} if pairs else None,
             "sizing": figures.get("sizing"), **sides}
+
+
+def decode_least_likely(logprobs: Mapping[str, Any] | None, tokenizer: Callable[[], Any]) -> dict[str, Any] | None:
+    """The extraction's log-probability figures (hidden_states.logprobs.LogprobStats, added up
+    over shards) with each least likely sample's kept ids decoded one by one (`tokenizer()` gives
+    the run's; loaded only when there is something to decode): the report shows the likeliest
+    garbage as text."""
+    if not logprobs:
+        return None if logprobs is None else dict(logprobs)
+    tok = None
+    sources = {}
+    for source, side in (logprobs.get("sources") or {}).items():
+        worst = []
+        for w in side.get("least_likely_samples") or []:
+            if w.get("ids"):
+                tok = tok or tokenizer()
+                w = {**w, "texts": [tok.decode([i]) for i in w["ids"]]}
+            worst.append(w)
+        sources[source] = {**side, "least_likely_samples": worst}
+    return {**logprobs, "sources": sources}
 
 
 def bad_row_count(bad_rows: Any) -> int:

@@ -35,8 +35,10 @@ _SPARE_COLORS = ("#00838f", "#ef6c00", "#4e342e", "#283593", "#ad1457")  # for c
 # -- entry points --------------------------------------------------------------------------------
 def render_html(report: RunReport, *, title: str) -> str:
     """The whole page as one self-contained HTML document."""
+    training = report.index.get("training") or {}
     return _env().get_template("page.html.jinja").render(
         title=title, report=report, classes=classes(), datasets=[_dataset_view(d) for d in report.datasets],
+        every_row=every_row_histograms(training.get("logprobs")),
     )
 
 
@@ -87,6 +89,7 @@ def _dataset_view(d: DatasetReport) -> dict[str, Any]:
         "prompt_billing": _prompt_billing((d.billing or {}).get("prompt")),
         "calibration": _calibration(d.calibration),
         "provider": _provider(s["identity"], s["policy"]),
+        "policy": _policy_detail(d.policy),
         "examples": _examples(mismatches),
         "mismatches": mismatches,
         "bad_rows": [b for b in (d.validation or {}).get("bad_rows") or [] if isinstance(b, dict)],
@@ -351,6 +354,79 @@ def _policy_tests(policy: Mapping[str, Any]) -> list[tuple[str, str, bool]]:
                      f"{fmt_num(sizing.get('pilot'))} / {fmt_num(sizing.get('required'))} / {fmt_num(sizing.get('chosen'))}",
                      False))
     return rows
+
+
+SIDE_COLORS = {"local": "#2e7d32", "overflow": "#ef6c00"}  # the policy charts' paths
+LOGPROB_BINS = 20
+
+
+def _policy_detail(policy: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """What the policy check saw, from its committed figures: each path's per-sample mean
+    log-probabilities as histograms on shared bins (a fault moves one path's mass), the
+    calibration pairs (same prompt, greedy on both paths), the power statement, and each path's
+    least likely answers with their tokens decoded (the likeliest garbage; texts are untrusted,
+    autoescaped by the template)."""
+    figures = (policy or {}).get("figures")
+    if not isinstance(figures, dict) or figures.get("skipped"):
+        return None
+    means = {side: [m for m in (figures.get(side) or {}).get("sample_means") or [] if is_number(m)]
+             for side in SIDE_COLORS}
+    pairs = figures.get("pairs") if isinstance(figures.get("pairs"), dict) else {}
+    pair_rows = [(str(sid), _nats(lo), _nats(ov), _nats(lo - ov) if is_number(lo) and is_number(ov) else "-")
+                 for sid, lo, ov in zip(pairs.get("sample_ids") or [], pairs.get("local_means") or [],
+                                        pairs.get("overflow_means") or [])]
+    power = next((n.removeprefix("policy power: ") for n in (policy or {}).get("notes") or []
+                  if isinstance(n, str) and n.startswith("policy power: ")), None)
+    worst = {side: [{"sample_id": str(w.get("sample_id")), "route": str(w.get("route")), "mean": _nats(w.get("mean_logprob")),
+                     "tokens": fmt_num(w.get("tokens")),
+                     "pieces": [(str(t), _nats(lp)) for t, lp in zip(w.get("texts") or [], w.get("logprobs") or [])]}
+                    for w in ((figures.get("worst") or {}).get(side) or []) if isinstance(w, dict)]
+             for side in SIDE_COLORS}
+    return {"histograms": logprob_histograms(means), "pairs": pair_rows, "power": power,
+            "worst": {side: rows for side, rows in worst.items() if rows}}
+
+
+def logprob_histograms(means: Mapping[str, Sequence[float]], bins: int = LOGPROB_BINS) -> list[dict[str, Any]]:
+    """One histogram per path of its samples' mean log-probabilities (nats/token), all on the
+    same edges so their shapes compare at a glance."""
+    import numpy as np
+
+    values = [v for vs in means.values() for v in vs]
+    if not values:
+        return []
+    lo, hi = float(np.floor(min(values) * 2) / 2), float(np.ceil(max(values) * 2) / 2)
+    edges = np.linspace(lo, hi if hi > lo else lo + 0.5, bins + 1)
+    out = []
+    for side, vs in means.items():
+        if vs:
+            counts, _ = np.histogram(vs, edges)
+            out.append({"caption": f"{side}: {len(vs):,} samples, mean {float(np.mean(vs)):.3f} nats/token",
+                        "chart": _histogram([round(float(e), 3) for e in edges], [int(c) for c in counts],
+                                            SIDE_COLORS.get(side, "#555"))})
+    return out
+
+
+SOURCE_SIDES = {"sglang": "local", "vllm": "local", "openrouter": "overflow"}  # policy.compare's paths
+
+
+def every_row_histograms(logprobs: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """The extraction's per-path histograms of per-sample mean log-probabilities
+    (hidden_states.logprobs.LogprobStats: bin 0 below the first edge, the last at or above the
+    last), on its fixed edges, empty bins at either end left out."""
+    if not isinstance(logprobs, Mapping):
+        return []
+    edges = [float(e) for e in logprobs.get("histogram_edges") or []]
+    out = []
+    for source, side in (logprobs.get("sources") or {}).items():
+        counts = side.get("histogram") if isinstance(side, Mapping) else None
+        if not edges or not isinstance(counts, list) or len(counts) != len(edges) + 1 or not sum(counts):
+            continue
+        full = [float("-inf"), *edges, float("inf")]
+        used = [i for i, n in enumerate(counts) if n]
+        a, b = used[0], used[-1] + 1
+        out.append({"caption": f"{source}: {fmt_num(side.get('samples'))} samples",
+                    "chart": _histogram(full[a:b + 1], counts[a:b], SIDE_COLORS.get(SOURCE_SIDES.get(source, ""), "#555"))})
+    return out
 
 
 def _p(v: Any) -> str:
