@@ -33,11 +33,16 @@ def seaweedfs():
     from eagle3_data.dev.seaweedfs import start_seaweedfs, stop_seaweedfs
 
     with tempfile.TemporaryDirectory(prefix="bench-s3-") as root:
-        handle = start_seaweedfs(root, access_key="b-" + secrets.token_hex(4), secret_key=secrets.token_hex(16),
-                                 die_with_parent=True)
+        handle = start_seaweedfs(
+            root, access_key="b-" + secrets.token_hex(4), secret_key=secrets.token_hex(16), die_with_parent=True
+        )
         try:
-            env = {"AWS_ENDPOINT_URL_S3": handle.endpoint_url, "AWS_ACCESS_KEY_ID": handle.access_key,
-                   "AWS_SECRET_ACCESS_KEY": handle.secret_key, "AWS_REGION": "us-east-1"}
+            env = {
+                "AWS_ENDPOINT_URL_S3": handle.endpoint_url,
+                "AWS_ACCESS_KEY_ID": handle.access_key,
+                "AWS_SECRET_ACCESS_KEY": handle.secret_key,
+                "AWS_REGION": "us-east-1",
+            }
             yield handle, env
         finally:
             stop_seaweedfs(root, grace=0.5)
@@ -67,15 +72,27 @@ def synthetic_ids(rng: np.random.Generator, n: int, mean_tokens: int, prompt_sha
     return lists(prompt), lists(output)
 
 
-def write_generations(store, ref, n: int, mean_tokens: int, *, source: str = "sglang", seed: int = 0,
-                      chunk: int = 4096, rows_per_part: int = 1024, id_prefix: str = "s") -> int:
+def write_generations(
+    store,
+    ref,
+    n: int,
+    mean_tokens: int,
+    *,
+    source: str = "sglang",
+    seed: int = 0,
+    chunk: int = 4096,
+    rows_per_part: int = 1024,
+    id_prefix: str = "s",
+) -> int:
     """Write n synthetic generations rows to `ref` (committed). Returns the token count."""
     from eagle3_data.schemas import GENERATIONS
     from eagle3_data.storage.writer import StageWriter
 
     rng = np.random.default_rng(seed)
     tokens = 0
-    with StageWriter(store, ref, "generations", rows_per_part=rows_per_part, tokenizer_sha256="tok", template_sha256="tpl") as w:
+    with StageWriter(
+        store, ref, "generations", rows_per_part=rows_per_part, tokenizer_sha256="tok", template_sha256="tpl"
+    ) as w:
         for start in range(0, n, chunk):
             m = min(chunk, n - start)
             prompt, output = synthetic_ids(rng, m, mean_tokens)
@@ -129,13 +146,23 @@ def measure(setup: str, work: str, env: dict | None = None, timeout: float = 360
     """
     if IN_PROCESS:
         return _measure_here(setup, work, env or {})
-    code = (MEASURE_PRELUDE.format(repo=str(REPO)) + textwrap.dedent(setup) + "\n__t0 = time.perf_counter()\n__cpu0 = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])\n"
-            + textwrap.dedent(work) + MEASURE_EPILOGUE)
-    proc = subprocess.run(["nice", "-n", "19", sys.executable, "-c", code], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=timeout)
+    code = (
+        MEASURE_PRELUDE.format(repo=str(REPO))
+        + textwrap.dedent(setup)
+        + "\n__t0 = time.perf_counter()\n__cpu0 = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])\n"
+        + textwrap.dedent(work)
+        + MEASURE_EPILOGUE
+    )
+    proc = subprocess.run(
+        ["nice", "-n", "19", sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=timeout,
+    )
     for line in proc.stdout.splitlines():
         if line.startswith("@@RESULT@@"):
-            return json.loads(line[len("@@RESULT@@"):])
+            return json.loads(line[len("@@RESULT@@") :])
     raise RuntimeError(f"benchmark child failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
@@ -158,12 +185,17 @@ def _measure_here(setup: str, work: str, env: dict) -> dict:
             else:
                 os.environ[k] = v
     hwm = next((int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:")), 0)
-    return {"work_s": work_s, "cpu_s": cpu_s, "peak_rss_mib": hwm / 1024,
-            "result": json.loads(json.dumps(scope.get("RESULT"), default=str))}
+    return {
+        "work_s": work_s,
+        "cpu_s": cpu_s,
+        "peak_rss_mib": hwm / 1024,
+        "result": json.loads(json.dumps(scope.get("RESULT"), default=str)),
+    }
 
 
 def table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
     """A Markdown table: columns are (key, header); floats get 3 significant figures."""
+
     def fmt(v):
         if isinstance(v, float):
             return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.3g}"

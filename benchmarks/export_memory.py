@@ -81,8 +81,10 @@ def main() -> None:
     for variant in ("save_rows", "previous"):
         pts = [(r["n"] / 1000, r["peak"]) for r in rows if r["variant"] == variant]
         if len(pts) >= 2:
-            print(f"RATIO export_memory {variant} peak RSS slope = {slope(pts):.2f} MiB per 1k samples "
-                  f"({pts[0][1]:.0f} -> {pts[-1][1]:.0f} MiB from {pts[0][0]:g}k to {pts[-1][0]:g}k)")
+            print(
+                f"RATIO export_memory {variant} peak RSS slope = {slope(pts):.2f} MiB per 1k samples "
+                f"({pts[0][1]:.0f} -> {pts[-1][1]:.0f} MiB from {pts[0][0]:g}k to {pts[-1][0]:g}k)"
+            )
 
 
 if __name__ == "__main__":

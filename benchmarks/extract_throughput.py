@@ -60,8 +60,12 @@ def lm_head_share(vocab: int, hidden: int, model: torch.nn.Module | None = None,
     head: the tiny target is dense enough that all of them run; its MoE routes a few experts, so
     this is an upper bound of the forward and a lower bound of the share)."""
     if active is None:
-        skip = {id(p) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None
-                for p in m.parameters()}
+        skip = {
+            id(p)
+            for m in (model.get_input_embeddings(), model.get_output_embeddings())
+            if m is not None
+            for p in m.parameters()
+        }
         active = sum(p.numel() for p in model.parameters() if id(p) not in skip)
     head = 2 * vocab * hidden
     return head / (2 * active + head)
@@ -73,8 +77,13 @@ def make_rows(n: int, seed: int, vocab: int) -> list[dict]:
     for i in range(n):
         length = int(min(512, max(16, rng.lognormvariate(4.8, 0.6))))  # median ~120 tokens
         prompt = length // 3
-        rows.append({"sample_id": f"b{i}", "input_ids": [rng.randrange(vocab) for _ in range(length)],
-                     "loss_mask": [0] * prompt + [1] * (length - prompt)})
+        rows.append(
+            {
+                "sample_id": f"b{i}",
+                "input_ids": [rng.randrange(vocab) for _ in range(length)],
+                "loss_mask": [0] * prompt + [1] * (length - prompt),
+            }
+        )
     return rows
 
 
@@ -106,10 +115,18 @@ def main() -> None:
         sync(info.device)
         return time.perf_counter() - t0
 
-    def extract(tmp: Path, use_fp8: bool = False, storage_dtype: str = "bf16", logprobs: bool = True) -> tuple[float, dict]:
+    def extract(
+        tmp: Path, use_fp8: bool = False, storage_dtype: str = "bf16", logprobs: bool = True
+    ) -> tuple[float, dict]:
         # aux states only: the bytes per token compared with their 3H x 2 minimum (RESULTS.md)
-        opts = ExtractOptions(last_hidden=False, token_budget=args.token_budget, out_shard_tokens=16_384, use_fp8=use_fp8,
-                              storage_dtype=storage_dtype, logprobs=logprobs)
+        opts = ExtractOptions(
+            last_hidden=False,
+            token_budget=args.token_budget,
+            out_shard_tokens=16_384,
+            use_fp8=use_fp8,
+            storage_dtype=storage_dtype,
+            logprobs=logprobs,
+        )
         t0 = time.perf_counter()
         summary = extract_rows(backend, rows, tmp, "bench", opts)
         return time.perf_counter() - t0, summary
@@ -122,12 +139,15 @@ def main() -> None:
                 ids = torch.tensor([r["input_ids"]], device=backend.device)
                 out = model(input_ids=ids, output_hidden_states=True)
                 hs = out.hidden_states
-                torch.save({
-                    "input_ids": torch.tensor(r["input_ids"]),
-                    "loss_mask": torch.tensor(r["loss_mask"]),
-                    "hidden_state": hs[-1].to(torch.bfloat16).cpu(),
-                    "aux_hidden_state": torch.cat([hs[i] for i in indices], -1).to(torch.bfloat16).cpu(),
-                }, tmp / f"data_{r['sample_id']}.ckpt")
+                torch.save(
+                    {
+                        "input_ids": torch.tensor(r["input_ids"]),
+                        "loss_mask": torch.tensor(r["loss_mask"]),
+                        "hidden_state": hs[-1].to(torch.bfloat16).cpu(),
+                        "aux_hidden_state": torch.cat([hs[i] for i in indices], -1).to(torch.bfloat16).cpu(),
+                    },
+                    tmp / f"data_{r['sample_id']}.ckpt",
+                )
         sync(info.device)
         return time.perf_counter() - t0
 
@@ -151,22 +171,31 @@ def main() -> None:
         naive_bytes = sum(p.stat().st_size for p in (tmp / "naive").glob("*.ckpt"))
 
     h = info.hidden_size
-    print(f"device={info.device} compute dtype={info.dtype} model={info.name} L={info.num_layers} H={h} "
-          f"samples={len(rows)} tokens={tokens} batches={len(batches)} token_budget={args.token_budget}")
+    print(
+        f"device={info.device} compute dtype={info.dtype} model={info.name} L={info.num_layers} H={h} "
+        f"samples={len(rows)} tokens={tokens} batches={len(batches)} token_budget={args.token_budget}"
+    )
     print(f"bare forward      {tokens / t_bare:10.0f} tok/s")
     print(f"extract (packed)  {tokens / t_extract:10.0f} tok/s   extract/bare = {t_bare / t_extract:.2f}")
     print(f"naive per-sample  {tokens / t_naive:10.0f} tok/s   extract/naive = {t_naive / t_extract:.2f}")
-    print(f"extract without log-probs {tokens / t_plain:10.0f} tok/s   log-probs cost {t_extract / t_plain - 1:+.1%} "
-          f"of the extraction; LM-head FLOP share here {lm_head_share(info.vocab_size, h, backend.model):.1%}, "
-          f"at Kimi-K2.5's size {lm_head_share(KIMI_VOCAB, KIMI_HIDDEN, active=KIMI_ACTIVE):.1%}")
-    print(f"RATIO extract_throughput extract/bare = {t_bare / t_extract:.2f}; extract with/without log-probs = "
-          f"{t_extract / t_plain:.2f}")
-    print(f"bytes/token: packed aux stored {summary['dtype']} (computed {summary['compute_dtype']}) "
-          f"{summary['bytes_per_token']:.1f} (min 3*H*2 = {3 * h * 2}, "
-          f"ratio {summary['bytes_per_token'] / (3 * h * 2):.3f}); stored {summary32['dtype']} "
-          f"{summary32['bytes_per_token']:.1f} (ratio {summary32['bytes_per_token'] / (3 * h * 2):.3f}); fp8 aux {summary8['bytes_per_token']:.1f} "
-          f"({summary8['bytes_per_token'] / summary['bytes_per_token']:.2f}x of bf16, rel. error {rel:.4f}); "
-          f"naive files (aux + last) {naive_bytes / tokens:.1f} in {len(rows)} files")
+    print(
+        f"extract without log-probs {tokens / t_plain:10.0f} tok/s   log-probs cost {t_extract / t_plain - 1:+.1%} "
+        f"of the extraction; LM-head FLOP share here {lm_head_share(info.vocab_size, h, backend.model):.1%}, "
+        f"at Kimi-K2.5's size {lm_head_share(KIMI_VOCAB, KIMI_HIDDEN, active=KIMI_ACTIVE):.1%}"
+    )
+    print(
+        f"RATIO extract_throughput extract/bare = {t_bare / t_extract:.2f}; extract with/without log-probs = "
+        f"{t_extract / t_plain:.2f}"
+    )
+    print(
+        f"bytes/token: packed aux stored {summary['dtype']} (computed {summary['compute_dtype']}) "
+        f"{summary['bytes_per_token']:.1f} (min 3*H*2 = {3 * h * 2}, "
+        f"ratio {summary['bytes_per_token'] / (3 * h * 2):.3f}); stored {summary32['dtype']} "
+        f"{summary32['bytes_per_token']:.1f} (ratio {summary32['bytes_per_token'] / (3 * h * 2):.3f}); fp8 aux "
+        f"{summary8['bytes_per_token']:.1f} "
+        f"({summary8['bytes_per_token'] / summary['bytes_per_token']:.2f}x of bf16, rel. error {rel:.4f}); "
+        f"naive files (aux + last) {naive_bytes / tokens:.1f} in {len(rows)} files"
+    )
 
 
 if __name__ == "__main__":

@@ -45,12 +45,31 @@ def build_model(out: Path, *, layers: int, hidden: int, experts: int, seed: int 
         return out
     heads = max(1, hidden // 128)
     config = DeepseekV3Config(
-        vocab_size=163_840, hidden_size=hidden, intermediate_size=4 * hidden, moe_intermediate_size=max(64, hidden // 3 // 64 * 64),
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads, n_routed_experts=experts,
-        n_shared_experts=1, num_experts_per_tok=min(8, experts // 2), n_group=1, topk_group=1, first_k_dense_replace=1,
-        kv_lora_rank=512, q_lora_rank=min(1536, 3 * hidden // 4), qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
-        max_position_embeddings=262_144, rope_parameters=dict(KIMI_ROPE), routed_scaling_factor=2.827,
-        tie_word_embeddings=False, bos_token_id=163_584, eos_token_id=163_585, pad_token_id=163_839,
+        vocab_size=163_840,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        moe_intermediate_size=max(64, hidden // 3 // 64 * 64),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        n_routed_experts=experts,
+        n_shared_experts=1,
+        num_experts_per_tok=min(8, experts // 2),
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        kv_lora_rank=512,
+        q_lora_rank=min(1536, 3 * hidden // 4),
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        max_position_embeddings=262_144,
+        rope_parameters=dict(KIMI_ROPE),
+        routed_scaling_factor=2.827,
+        tie_word_embeddings=False,
+        bos_token_id=163_584,
+        eos_token_id=163_585,
+        pad_token_id=163_839,
     )
     config.dtype = "bfloat16"
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -78,8 +97,13 @@ def make_rows(n: int, seed: int, median: int, cap: int) -> list[dict]:
     rows = []
     for i in range(n):
         length = int(min(cap, max(16, rng.lognormvariate(0, 0.6) * median)))
-        rows.append({"sample_id": f"g{i}", "input_ids": [rng.randrange(163_584) for _ in range(length)],
-                     "loss_mask": [0] * (length // 3) + [1] * (length - length // 3)})
+        rows.append(
+            {
+                "sample_id": f"g{i}",
+                "input_ids": [rng.randrange(163_584) for _ in range(length)],
+                "loss_mask": [0] * (length // 3) + [1] * (length - length // 3),
+            }
+        )
     return rows
 
 
@@ -92,10 +116,14 @@ def rel_errors(a_dir: Path, b_dir: Path, n_layers: int) -> dict[str, list[float]
         ya, yb = sa.aux_hidden_states.float(), sb.aux_hidden_states.float()
         H = ya.shape[1] // n_layers
         for j in range(n_layers):
-            x, y = ya[:, j * H:(j + 1) * H], yb[:, j * H:(j + 1) * H]
+            x, y = ya[:, j * H : (j + 1) * H], yb[:, j * H : (j + 1) * H]
             errs[f"aux{j}"].append(float((x - y).abs().max() / y.abs().max()))
-        errs["last"].append(float((sa.last_hidden_states.float() - sb.last_hidden_states.float()).abs().max()
-                                  / sb.last_hidden_states.float().abs().max()))
+        errs["last"].append(
+            float(
+                (sa.last_hidden_states.float() - sb.last_hidden_states.float()).abs().max()
+                / sb.last_hidden_states.float().abs().max()
+            )
+        )
     return errs
 
 
@@ -113,15 +141,28 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: check the script anywhere in a minute")
     args = ap.parse_args()
     if args.smoke:
-        args.layers, args.hidden, args.experts, args.samples, args.median_tokens, args.max_tokens = 8, 256, 4, 6, 64, 256
+        args.layers, args.hidden, args.experts, args.samples, args.median_tokens, args.max_tokens = (
+            8,
+            256,
+            4,
+            6,
+            64,
+            256,
+        )
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     t0 = time.perf_counter()
-    model_dir = build_model(args.cache / f"dsv3-L{args.layers}-H{args.hidden}-E{args.experts}",
-                            layers=args.layers, hidden=args.hidden, experts=args.experts)
+    model_dir = build_model(
+        args.cache / f"dsv3-L{args.layers}-H{args.hidden}-E{args.experts}",
+        layers=args.layers,
+        hidden=args.hidden,
+        experts=args.experts,
+    )
     build_s = time.perf_counter() - t0
     rows = make_rows(args.samples, 0, args.median_tokens, args.max_tokens)
     tokens = sum(len(r["input_ids"]) for r in rows)
-    opts = ExtractOptions(last_hidden=True, storage_dtype="compute", token_budget=args.token_budget, out_shard_tokens=1 << 20)
+    opts = ExtractOptions(
+        last_hidden=True, storage_dtype="compute", token_budget=args.token_budget, out_shard_tokens=1 << 20
+    )
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         t = time.perf_counter()
@@ -138,8 +179,13 @@ def main() -> None:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # the engine takes its share of what is free now
         t = time.perf_counter()
-        vllm = VllmBackend(model_dir, dtype=str(dtype).removeprefix("torch."), max_model_len=args.max_tokens + 8,
-                           tensor_parallel_size=args.tensor_parallel_size, gpu_memory_utilization=0.85)
+        vllm = VllmBackend(
+            model_dir,
+            dtype=str(dtype).removeprefix("torch."),
+            max_model_len=args.max_tokens + 8,
+            tensor_parallel_size=args.tensor_parallel_size,
+            gpu_memory_utilization=0.85,
+        )
         vllm.forward([rows[0]["input_ids"]], [2, args.layers // 2, args.layers - 3], True)  # engine start + warm-up
         vllm_load_s = time.perf_counter() - t
         warm_engine_s = vllm.stats["engine_seconds"]  # the warm-up batch's: not part of the timed pass
@@ -150,16 +196,28 @@ def main() -> None:
         vllm.close()
         errs = rel_errors(out / "vllm", out / "hf", len(s_v["layer_ids"]))
     report = {
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "dtype": str(dtype),
-        "model": model_dir.name, "samples": len(rows), "tokens": tokens, "layer_ids": s_v["layer_ids"],
-        "engine": s_v["engine"], "build_s": round(build_s, 1), "transformers_load_s": round(hf_load_s, 1),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "dtype": str(dtype),
+        "model": model_dir.name,
+        "samples": len(rows),
+        "tokens": tokens,
+        "layer_ids": s_v["layer_ids"],
+        "engine": s_v["engine"],
+        "build_s": round(build_s, 1),
+        "transformers_load_s": round(hf_load_s, 1),
         "vllm_start_s": round(vllm_load_s, 1),
-        "tokens_per_s": {"transformers": round(tokens / hf_s), "vllm": round(tokens / vllm_s),
-                         "vllm_engine_only": round(tokens / max(engine_s, 1e-9))},
+        "tokens_per_s": {
+            "transformers": round(tokens / hf_s),
+            "vllm": round(tokens / vllm_s),
+            "vllm_engine_only": round(tokens / max(engine_s, 1e-9)),
+        },
         "vllm_over_transformers": round(hf_s / vllm_s, 2),
         "rel_error_max": {k: max(v) for k, v in errs.items()},
         "rel_error_median": {k: sorted(v)[len(v) // 2] for k, v in errs.items()},
-        "bytes_per_token": {"transformers": round(s_hf["bytes_per_token"], 1), "vllm": round(s_v["bytes_per_token"], 1)},
+        "bytes_per_token": {
+            "transformers": round(s_hf["bytes_per_token"], 1),
+            "vllm": round(s_v["bytes_per_token"], 1),
+        },
     }
     print(json.dumps(report, indent=1))
     print(f"RATIO gpu_extract vllm/transformers = {report['vllm_over_transformers']:.2f}")

@@ -36,19 +36,26 @@ def main() -> None:
     if args.smoke:
         args.hidden, args.samples, args.median_tokens, args.steps, args.draft_vocab = 256, 10, 32, 2, 512
     import torch
+    from gpu_extract import build_model, make_rows
 
     from eagle3_data.config import ProbeConfig
     from eagle3_data.dev.probe_data import export_rows
     from eagle3_data.probe import default_device, probe_export
-    from gpu_extract import build_model, make_rows
 
     model = build_model(args.cache / f"dsv3-h{args.hidden}", layers=4, hidden=args.hidden, experts=8)
     rows = make_rows(args.samples, 0, args.median_tokens, 4 * args.median_tokens)
     device = default_device()
-    print(f"device {device} ({torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}), H={args.hidden}, "
-          f"{args.samples} rows, {sum(len(r['input_ids']) for r in rows):,} tokens")
-    config = ProbeConfig(samples=args.samples, eval_samples=max(2, args.samples // 5), steps=args.steps,
-                         eval_every=max(1, args.steps // 8), max_len=256 if args.smoke else 4096)
+    print(
+        f"device {device} ({torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}), H={args.hidden}, "
+        f"{args.samples} rows, {sum(len(r['input_ids']) for r in rows):,} tokens"
+    )
+    config = ProbeConfig(
+        samples=args.samples,
+        eval_samples=max(2, args.samples // 5),
+        steps=args.steps,
+        eval_every=max(1, args.steps // 8),
+        max_len=256 if args.smoke else 4096,
+    )
     with tempfile.TemporaryDirectory(prefix="gpu-probe-") as tmp:
         t0 = time.perf_counter()
         export = export_rows(model, rows, Path(tmp) / "export", vocab_size=args.draft_vocab)
@@ -56,10 +63,27 @@ def main() -> None:
         report = probe_export(export, model, config, device=device)
         t2 = time.perf_counter()
     trained = config.steps * config.batch_size
-    print(json.dumps({k: report[k] for k in ("simulated_acceptance", "acc", "full_acc", "coverage", "train_samples",
-                                             "eval_samples", "seconds")}))
-    print(f"extract + export {t1 - t0:.1f} s; probe {t2 - t1:.1f} s (speculators' side {report['seconds']:.1f} s) for "
-          f"{trained} trained samples (steps x batch) of median {args.median_tokens} tokens, <= {config.max_len} packed per step")
+    print(
+        json.dumps(
+            {
+                k: report[k]
+                for k in (
+                    "simulated_acceptance",
+                    "acc",
+                    "full_acc",
+                    "coverage",
+                    "train_samples",
+                    "eval_samples",
+                    "seconds",
+                )
+            }
+        )
+    )
+    print(
+        f"extract + export {t1 - t0:.1f} s; probe {t2 - t1:.1f} s (speculators' side {report['seconds']:.1f} s) for "
+        f"{trained} trained samples (steps x batch) of median {args.median_tokens} tokens, <= {config.max_len} "
+        "packed per step"
+    )
     print(f"RATIO gpu_probe {report['seconds'] / trained * 1000:.1f} s per 1,000 trained samples")
 
 

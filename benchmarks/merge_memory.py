@@ -62,18 +62,40 @@ def run(sizes: list[str], impls: dict[str, tuple[str, dict]]) -> list[dict]:
             local = StageRef(run_key, "generate_local", "chat")
             overflow = StageRef(run_key, "reconstruct", "chat")
             tokens = write_generations(store, local, n, length, seed=n)
-            tokens += write_generations(store, overflow, n // 10, length, source="openrouter", seed=n + 1, id_prefix="s")
-            tokens += write_generations(store, StageRef(run_key, "reconstruct", "extra"), n // 10, length,
-                                        source="openrouter", seed=n + 2, id_prefix="x")
+            tokens += write_generations(
+                store, overflow, n // 10, length, source="openrouter", seed=n + 1, id_prefix="s"
+            )
+            tokens += write_generations(
+                store,
+                StageRef(run_key, "reconstruct", "extra"),
+                n // 10,
+                length,
+                source="openrouter",
+                seed=n + 2,
+                id_prefix="x",
+            )
             inputs = [local, overflow, StageRef(run_key, "reconstruct", "extra")]
             for label, (impl, merge_kwargs) in impls.items():
-                child_env = {**env, "BENCH_BUCKET": bucket, "BENCH_OUT": f"{run_key}-{label}", "BENCH_IMPL": impl,
-                             "BENCH_INPUTS": json.dumps([[r.run_key, r.stage, r.dataset] for r in inputs]),
-                             "BENCH_KWARGS": json.dumps({"max_length": 1 << 20, **merge_kwargs})}
+                child_env = {
+                    **env,
+                    "BENCH_BUCKET": bucket,
+                    "BENCH_OUT": f"{run_key}-{label}",
+                    "BENCH_IMPL": impl,
+                    "BENCH_INPUTS": json.dumps([[r.run_key, r.stage, r.dataset] for r in inputs]),
+                    "BENCH_KWARGS": json.dumps({"max_length": 1 << 20, **merge_kwargs}),
+                }
                 m = measure(SETUP, WORK, child_env)
-                row = {"impl": label, "n": n, "tokens_per_sample": length, "input_tokens": tokens, **m["result"],
-                       "work_s": m["work_s"], "cpu_s": m["cpu_s"], "peak_rss_mib": m["peak_rss_mib"],
-                       "tok_per_s": m["result"]["tokens"] / m["work_s"]}
+                row = {
+                    "impl": label,
+                    "n": n,
+                    "tokens_per_sample": length,
+                    "input_tokens": tokens,
+                    **m["result"],
+                    "work_s": m["work_s"],
+                    "cpu_s": m["cpu_s"],
+                    "peak_rss_mib": m["peak_rss_mib"],
+                    "tok_per_s": m["result"]["tokens"] / m["work_s"],
+                }
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     return rows
@@ -84,9 +106,13 @@ def main() -> int:
     p.add_argument("--sizes", nargs="*", default=None, help="NxTOKENS per sample (default 1k, 4k, 16k x 1195)")
     p.add_argument("--full", action="store_true", help="also 83k x 1195 and 16k x 6000 tokens")
     p.add_argument("--merge-kwargs", default="{}", help="JSON keyword arguments for merge_datasets")
-    p.add_argument("--baseline", default=None, metavar="MERGE_PY",
-                   help="also measure this merge.py (e.g. `git show REV:include/eagle3_data/merge.py > old.py`), "
-                        "interleaved with the installed one, with --baseline-kwargs")
+    p.add_argument(
+        "--baseline",
+        default=None,
+        metavar="MERGE_PY",
+        help="also measure this merge.py (e.g. `git show REV:include/eagle3_data/merge.py > old.py`), "
+        "interleaved with the installed one, with --baseline-kwargs",
+    )
     p.add_argument("--baseline-kwargs", default="{}")
     p.add_argument("--smoke", action="store_true", help="make test's size: seconds, checks the script runs")
     args = p.parse_args()
@@ -97,14 +123,29 @@ def main() -> int:
     if args.baseline:
         impls["baseline"] = (str(Path(args.baseline).resolve()), json.loads(args.baseline_kwargs))
     rows = run(sizes, impls)
-    print(table(rows, [("impl", "merge"), ("n", "N"), ("tokens_per_sample", "tokens/sample"), ("tokens", "merged tokens"),
-                       ("shards", "shards"), ("work_s", "work s"), ("cpu_s", "CPU s"), ("tok_per_s", "tok/s"),
-                       ("peak_rss_mib", "peak RSS MiB")]))
+    print(
+        table(
+            rows,
+            [
+                ("impl", "merge"),
+                ("n", "N"),
+                ("tokens_per_sample", "tokens/sample"),
+                ("tokens", "merged tokens"),
+                ("shards", "shards"),
+                ("work_s", "work s"),
+                ("cpu_s", "CPU s"),
+                ("tok_per_s", "tok/s"),
+                ("peak_rss_mib", "peak RSS MiB"),
+            ],
+        )
+    )
     for impl in impls:
         pts = [(r["n"] / 1000, r["peak_rss_mib"]) for r in rows if r["impl"] == impl]
         if len(pts) >= 2:
-            print(f"RATIO merge_memory {impl} peak RSS largest/smallest N = {pts[-1][1] / pts[0][1]:.2f} "
-                  f"(slope {slope(pts):.1f} MiB per 1k samples)")
+            print(
+                f"RATIO merge_memory {impl} peak RSS largest/smallest N = {pts[-1][1] / pts[0][1]:.2f} "
+                f"(slope {slope(pts):.1f} MiB per 1k samples)"
+            )
     return 0
 
 

@@ -16,16 +16,38 @@ import subprocess
 import sys
 
 ANSWER_DICT = {
-    "id": "gen-minimal", "provider": "minimal", "model": "moonshotai/kimi-k2.5", "object": "chat.completion", "created": 0,
-    "choices": [{"index": 0, "finish_reason": "stop", "native_finish_reason": "stop",
-                 "message": {"role": "assistant", "content": "A benchmark answer. " * 10,
-                             "reasoning": "Short reasoning here. " * 10}}],
-    "usage": {"prompt_tokens": 12, "completion_tokens": 6, "total_tokens": 18, "cost": 1e-06,
-              "completion_tokens_details": {"reasoning_tokens": 2}},
+    "id": "gen-minimal",
+    "provider": "minimal",
+    "model": "moonshotai/kimi-k2.5",
+    "object": "chat.completion",
+    "created": 0,
+    "choices": [
+        {
+            "index": 0,
+            "finish_reason": "stop",
+            "native_finish_reason": "stop",
+            "message": {
+                "role": "assistant",
+                "content": "A benchmark answer. " * 10,
+                "reasoning": "Short reasoning here. " * 10,
+            },
+        }
+    ],
+    "usage": {
+        "prompt_tokens": 12,
+        "completion_tokens": 6,
+        "total_tokens": 18,
+        "cost": 1e-06,
+        "completion_tokens_details": {"reasoning_tokens": 2},
+    },
 }
 ANSWER = json.dumps(ANSWER_DICT).encode()
-RESPONSE = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: " + str(len(ANSWER)).encode()
-            + b"\r\n\r\n" + ANSWER)
+RESPONSE = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+    + str(len(ANSWER)).encode()
+    + b"\r\n\r\n"
+    + ANSWER
+)
 
 
 def _stream_response() -> bytes:
@@ -35,15 +57,23 @@ def _stream_response() -> bytes:
     from eagle3_data.dev.inference_server import _sse
 
     body = b": OPENROUTER PROCESSING\n\n" + b"".join(_sse(ANSWER_DICT))
-    return (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: " + str(len(body)).encode()
-            + b"\r\n\r\n" + body)
+    return (
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
 
 
 STREAM_RESPONSE = b""  # built at start (serve)
 HEALTH = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"
 _MODELS = json.dumps({"data": [{"id": ANSWER_DICT["model"], "canonical_slug": ANSWER_DICT["model"]}]}).encode()
-MODELS = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: " + str(len(_MODELS)).encode()
-          + b"\r\n\r\n" + _MODELS)  # GET /v1/models: the client's identity pin reads the model's names
+MODELS = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+    + str(len(_MODELS)).encode()
+    + b"\r\n\r\n"
+    + _MODELS
+)  # GET /v1/models: the client's identity pin reads the model's names
 
 
 class Chat(asyncio.Protocol):
@@ -72,7 +102,9 @@ class Chat(asyncio.Protocol):
                 self.transport.write(MODELS if head.split(b" ", 2)[1].endswith(b"/models") else HEALTH)
             else:
                 stream = b'"stream":true' in body or b'"stream": true' in body
-                asyncio.get_running_loop().call_later(self.latency, self._answer, STREAM_RESPONSE if stream else RESPONSE)
+                asyncio.get_running_loop().call_later(
+                    self.latency, self._answer, STREAM_RESPONSE if stream else RESPONSE
+                )
 
     def _answer(self, response: bytes) -> None:
         if not self.transport.is_closing():
@@ -96,8 +128,9 @@ class MinimalServerProcess:
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, __file__, "--port", str(self.port), "--latency", str(latency_s)],
-                                     stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--port", str(self.port), "--latency", str(latency_s)], stdin=subprocess.DEVNULL
+        )
         try:
             wait_http_ok(f"{self.url}/health", [self.proc], "minimal chat server", None, 30)
         except BaseException:
@@ -117,6 +150,7 @@ if __name__ == "__main__":
     a = ap.parse_args()
     try:
         import uvloop
+
         uvloop.run(serve(a.port, a.latency))
     except ImportError:
         asyncio.run(serve(a.port, a.latency))

@@ -49,13 +49,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 MODEL = "moonshotai/kimi-k2.5"  # the dev server's model: a request for another is a 400, as on OpenRouter
 VARIANTS = ["bare", "bare-stream", "stage", "stage-plain", "stage-previous", "stage-asyncio", "stage-gc"]
-BASELINE = {"stage": "bare-stream", "stage-previous": "bare-stream", "stage-asyncio": "bare-stream",
-            "stage-gc": "bare-stream", "stage-plain": "bare"}
+BASELINE = {
+    "stage": "bare-stream",
+    "stage-previous": "bare-stream",
+    "stage-asyncio": "bare-stream",
+    "stage-gc": "bare-stream",
+    "stage-plain": "bare",
+}
 
 
 def prompts(n: int) -> list[dict]:
-    return [{"sample_id": f"b{i:06d}", "dataset": "bench", "sample_index": i, "route": "overflow", "tools": None,
-             "messages": json.dumps([{"role": "user", "content": f"Benchmark prompt {i % 64}."}])} for i in range(n)]
+    return [
+        {
+            "sample_id": f"b{i:06d}",
+            "dataset": "bench",
+            "sample_index": i,
+            "route": "overflow",
+            "tools": None,
+            "messages": json.dumps([{"role": "user", "content": f"Benchmark prompt {i % 64}."}]),
+        }
+        for i in range(n)
+    ]
 
 
 async def bare_client(url: str, rows: list[dict], concurrency: int, stream: bool = False) -> float:
@@ -65,13 +79,15 @@ async def bare_client(url: str, rows: list[dict], concurrency: int, stream: bool
 
     it = iter(rows)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency + 8)) as http:
+
         async def worker():
             for r in it:
                 body = {"model": MODEL, "messages": json.loads(r["messages"]), "max_tokens": 256}
                 if stream:
                     body.update(stream=True, stream_options={"include_usage": True})
-                async with http.post(f"{url}/v1/chat/completions", headers={"X-Eagle3-Sample-Id": "base-" + r["sample_id"]},
-                                     json=body) as resp:
+                async with http.post(
+                    f"{url}/v1/chat/completions", headers={"X-Eagle3-Sample-Id": "base-" + r["sample_id"]}, json=body
+                ) as resp:
                     if not stream:
                         await resp.json()
                         continue
@@ -79,6 +95,7 @@ async def bare_client(url: str, rows: list[dict], concurrency: int, stream: bool
                 for line in raw.split(b"\n"):
                     if line.startswith(b"data: {"):
                         json.loads(line[6:])
+
         t = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         return time.perf_counter() - t
@@ -134,8 +151,9 @@ def previous_transport():
                         on_open(value)
 
             try:
-                async with self.http.post(self.url, data=body, headers={**self.headers, **headers},
-                                          timeout=self.stream_timeout) as r:
+                async with self.http.post(
+                    self.url, data=body, headers={**self.headers, **headers}, timeout=self.stream_timeout
+                ) as r:
                     if r.status >= 300:
                         self._raise_status(r.status, r.raw_headers, await r.read())
                     if r.headers.get(h.GENERATION_HEADER):
@@ -161,10 +179,16 @@ def run_stage(store, ref, rows, fmt, url: str, concurrency: int, journal_dir: Pa
     from eagle3_data.generation.checkpoint import StageSetup
 
     return openrouter.generate_overflow(
-        store, ref, rows, fmt, url + "/v1", "bench-key",
+        store,
+        ref,
+        rows,
+        fmt,
+        url + "/v1",
+        "bench-key",
         openrouter.OverflowRequest(model=MODEL, sampling={"max_new_tokens": 256}),
         options=openrouter.OverflowOptions(concurrency=concurrency, rows_per_part=256, stream=stream, max_usd=None),
-        setup=StageSetup(journal_dir=journal_dir))
+        setup=StageSetup(journal_dir=journal_dir),
+    )
 
 
 def main() -> None:
@@ -181,7 +205,6 @@ def main() -> None:
         args.concurrency, args.requests, args.latency, args.rounds = 32, 128, 0.2, 1
 
     import psutil
-
     from minimal_server import MinimalServerProcess
 
     from eagle3_data.builds.kimi_tokenizer import cached_kimi_tokenizer
@@ -198,7 +221,9 @@ def main() -> None:
     ideal = C / L
     results: dict[str, list[dict]] = {v: [] for v in args.variants}
     with tempfile.TemporaryDirectory() as tmp:
-        s3 = start_seaweedfs(Path(tmp) / "s3", access_key="bench", secret_key=secrets.token_hex(16), die_with_parent=True)
+        s3 = start_seaweedfs(
+            Path(tmp) / "s3", access_key="bench", secret_key=secrets.token_hex(16), die_with_parent=True
+        )
         server = None
         try:
             server = DevServerProcess(tok_dir) if args.server == "dev" else MinimalServerProcess(latency_s=L)
@@ -210,9 +235,15 @@ def main() -> None:
             store = ArtifactStore(client=client, bucket="bench", prefix="bench")
             asyncio.run(bare_client(server.url, prompts(64), 32))  # warm the server's caches
             # and the client's first-use costs (imports, template compile, S3 writer): not per request
-            run_stage(store, StageRef(run_key="warm", stage="generate_overflow", dataset="w"),
-                      [{**row, "sample_id": "w" + row["sample_id"]} for row in prompts(32)], fmt, server.url, 32,
-                      Path(tmp) / "journal")
+            run_stage(
+                store,
+                StageRef(run_key="warm", stage="generate_overflow", dataset="w"),
+                [{**row, "sample_id": "w" + row["sample_id"]} for row in prompts(32)],
+                fmt,
+                server.url,
+                32,
+                Path(tmp) / "journal",
+            )
             for r in range(args.rounds):
                 order = args.variants if r % 2 == 0 else args.variants[::-1]
                 for v in order:
@@ -232,19 +263,28 @@ def main() -> None:
                         ref = StageRef(run_key=f"bench-{r}", stage="generate_overflow", dataset=v)
                         t = time.perf_counter()
                         try:
-                            summary = run_stage(store, ref, rows, fmt, server.url, C, Path(tmp) / "journal",
-                                                stream=v != "stage-plain")
+                            summary = run_stage(
+                                store, ref, rows, fmt, server.url, C, Path(tmp) / "journal", stream=v != "stage-plain"
+                            )
                         finally:
                             openrouter.run_event_loop, openrouter.fewer_gc_pauses, openrouter.SdkPost = saved
                         seconds = time.perf_counter() - t
                         assert summary["complete"] and summary["counts"]["ok"] == N, summary
                     rps = N / seconds
-                    row = {"round": r, "rps": rps, "client_ms": (_cpu() - c0) / N * 1e3,
-                           "server_ms": (sum(server_proc.cpu_times()[:2]) - s0) / N * 1e3, "load": load}
+                    row = {
+                        "round": r,
+                        "rps": rps,
+                        "client_ms": (_cpu() - c0) / N * 1e3,
+                        "server_ms": (sum(server_proc.cpu_times()[:2]) - s0) / N * 1e3,
+                        "load": load,
+                    }
                     results[v].append(row)
-                    print(f"round {r} {v:13s} {rps:7.1f} req/s = {rps / ideal:.3f} of ideal"
-                          + f"; CPU ms/request client {row['client_ms']:.2f}, server {row['server_ms']:.2f}; load {load:.1f}",
-                          flush=True)
+                    print(
+                        f"round {r} {v:13s} {rps:7.1f} req/s = {rps / ideal:.3f} of ideal"
+                        + f"; CPU ms/request client {row['client_ms']:.2f}, server {row['server_ms']:.2f}; load "
+                        f"{load:.1f}",
+                        flush=True,
+                    )
                 for v in args.variants:  # against the baseline of its kind measured in the same round
                     base = BASELINE.get(v)
                     if base in results and results[v]:
@@ -254,7 +294,10 @@ def main() -> None:
                 server.stop()
             stop_seaweedfs(Path(tmp) / "s3", grace=0.5)
     print(f"\nC={C} L={L}s N={N} server={args.server}: ideal {ideal:.0f} req/s; {args.rounds} round(s), min-max")
-    print("| client | req/s | / ideal | / bare of its kind (same round) | client CPU ms/req | server CPU ms/req | load avg |")
+    print(
+        "| client | req/s | / ideal | / bare of its kind (same round) | client CPU ms/req | server CPU ms/req | load "
+        "avg |"
+    )
     print("|---|---|---|---|---|---|---|")
 
     def span(vals, fmt="{:.3f}"):
@@ -262,12 +305,18 @@ def main() -> None:
         if not vals:
             return "—"
         lo, hi = min(vals), max(vals)
-        return fmt.format(lo) if len(vals) == 1 or fmt.format(lo) == fmt.format(hi) else f"{fmt.format(lo)}-{fmt.format(hi)}"
+        return (
+            fmt.format(lo)
+            if len(vals) == 1 or fmt.format(lo) == fmt.format(hi)
+            else f"{fmt.format(lo)}-{fmt.format(hi)}"
+        )
 
     for v, rows in results.items():
-        print(f"| {v} | {span([x['rps'] for x in rows], '{:.0f}')} | {span([x['rps'] / ideal for x in rows])} | "
-              f"{span([x.get('vs_bare') for x in rows])} | {span([x['client_ms'] for x in rows], '{:.2f}')} | "
-              f"{span([x['server_ms'] for x in rows], '{:.2f}')} | {span([x['load'] for x in rows], '{:.1f}')} |")
+        print(
+            f"| {v} | {span([x['rps'] for x in rows], '{:.0f}')} | {span([x['rps'] / ideal for x in rows])} | "
+            f"{span([x.get('vs_bare') for x in rows])} | {span([x['client_ms'] for x in rows], '{:.2f}')} | "
+            f"{span([x['server_ms'] for x in rows], '{:.2f}')} | {span([x['load'] for x in rows], '{:.1f}')} |"
+        )
     for v, rows in results.items():
         if BASELINE.get(v) in results:
             print(f"RATIO overflow_client {v}/{BASELINE[v]} = {span([x.get('vs_bare') for x in rows])}")

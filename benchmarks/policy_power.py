@@ -34,10 +34,15 @@ sys.path.insert(0, str(REPO / "include"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from _harness import seaweedfs, store_for  # noqa: E402
+
 from eagle3_devtools.provider_proxy import Rewrite, start_provider_proxy  # noqa: E402
 
-FAULTS = {"honest": Rewrite(), "temp1.3": Rewrite(temperature_factor=1.3), "top_p": Rewrite(ignore=("top_p",)),
-          "int8": Rewrite()}
+FAULTS = {
+    "honest": Rewrite(),
+    "temp1.3": Rewrite(temperature_factor=1.3),
+    "top_p": Rewrite(ignore=("top_p",)),
+    "int8": Rewrite(),
+}
 
 
 def _model():
@@ -64,13 +69,20 @@ def _serve(model, logs: Path, name: str):
 def _row(name: str, run: int, t: dict) -> str:
     tests, figures = t["decision"]["tests"], t["figures"]
     s, p = tests.get("sampled"), tests.get("pairs")
-    sampled = (f"{s['samples'][0]}+{s['samples'][1]} | {s['shift']:+.3f} +- {s['standard_error']:.3f} | "
-               f"{s['min_detectable_shift']:.3f} | {s['p_value']:.2g}") if s else "- | - | - | -"
+    sampled = (
+        (
+            f"{s['samples'][0]}+{s['samples'][1]} | {s['shift']:+.3f} +- {s['standard_error']:.3f} | "
+            f"{s['min_detectable_shift']:.3f} | {s['p_value']:.2g}"
+        )
+        if s
+        else "- | - | - | -"
+    )
     pairs = f"{p['samples'][0]} | {p['shift']:+.3f} | {p['p_value']:.2g}" if p else "- | - | -"
     policy = [r for r in t["reasons"] if "policy" in r]
     verdict = "FAILS on policy" if policy else ("passes" if t["passed"] else "fails (not policy)")
-    return (f"| {name} | {run} | {sampled} | {pairs} | {figures['sizing']['required']} | {verdict} | "
-            f"{t['seconds']:.0f} |")
+    return (
+        f"| {name} | {run} | {sampled} | {pairs} | {figures['sizing']['required']} | {verdict} | {t['seconds']:.0f} |"
+    )
 
 
 def main() -> None:
@@ -92,10 +104,14 @@ def main() -> None:
     logs = Path(tempfile.mkdtemp(prefix="bench-policy-"))
     servers = {"target": _serve(model, logs, "target")}
     target = servers["target"].url
-    print(f"policy_power: {args.samples} prompts a trial ({args.calibration} calibration), "
-          f"max_new_tokens {args.max_new_tokens}, default policy settings")
-    print("| provider | run | sampled n | gap +- SE (nats/token) | min detectable shift (90%) | p | "
-          "pairs n | pairs diff | pairs p | required n | gate | s |")
+    print(
+        f"policy_power: {args.samples} prompts a trial ({args.calibration} calibration), "
+        f"max_new_tokens {args.max_new_tokens}, default policy settings"
+    )
+    print(
+        "| provider | run | sampled n | gap +- SE (nats/token) | min detectable shift (90%) | p | "
+        "pairs n | pairs diff | pairs p | required n | gate | s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     verdicts: dict[str, list[bool]] = {}
     try:
@@ -108,10 +124,12 @@ def main() -> None:
                     proxy = start_provider_proxy(servers["int8" if name == "int8" else "target"].url, FAULTS[name])
                     try:
                         t0 = time.monotonic()
-                        config = trial_run(tokenizer, f"{name}-{run}", max_new_tokens=args.max_new_tokens,
-                                           sampling_seed=100 + run)
-                        t = run_trial(store, config, target, proxy.url, samples=args.samples,
-                                      calibration=args.calibration)
+                        config = trial_run(
+                            tokenizer, f"{name}-{run}", max_new_tokens=args.max_new_tokens, sampling_seed=100 + run
+                        )
+                        t = run_trial(
+                            store, config, target, proxy.url, samples=args.samples, calibration=args.calibration
+                        )
                         t["seconds"] = time.monotonic() - t0
                     finally:
                         proxy.stop()
@@ -121,9 +139,12 @@ def main() -> None:
         for s in servers.values():
             s.stop()
     ok = all(verdicts.get("honest", [True])) and not any(v for k, vs in verdicts.items() if k != "honest" for v in vs)
-    print(f"RATIO policy_power: honest passes {sum(verdicts.get('honest', []))}/{len(verdicts.get('honest', []))}, "
-          "faults failing " + ", ".join(f"{k} {len(vs) - sum(vs)}/{len(vs)}" for k, vs in verdicts.items()
-                                        if k != "honest") + ("" if ok else " (NOT as expected)"))
+    print(
+        f"RATIO policy_power: honest passes {sum(verdicts.get('honest', []))}/{len(verdicts.get('honest', []))}, "
+        "faults failing "
+        + ", ".join(f"{k} {len(vs) - sum(vs)}/{len(vs)}" for k, vs in verdicts.items() if k != "honest")
+        + ("" if ok else " (NOT as expected)")
+    )
 
 
 if __name__ == "__main__":

@@ -43,8 +43,19 @@ def arms(correct: Path, faulty: dict[str, Path], samples: int, seeds: int, confi
 def probe_config(**overrides):
     from eagle3_data.config import ProbeConfig
 
-    return ProbeConfig(**{"samples": 1024, "eval_samples": 16, "steps": 40, "draft_length": 3, "batch_size": 4,
-                          "max_len": 512, "lr": 3e-3, "eval_every": 10, **overrides})
+    return ProbeConfig(
+        **{
+            "samples": 1024,
+            "eval_samples": 16,
+            "steps": 40,
+            "draft_length": 3,
+            "batch_size": 4,
+            "max_len": 512,
+            "lr": 3e-3,
+            "eval_every": 10,
+            **overrides,
+        }
+    )
 
 
 def main() -> None:
@@ -53,7 +64,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--seeds", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: the least contention on a shared machine)")
-    p.add_argument("--smoke", action="store_true", help="make test's size: 16 samples, 4 steps, 2 seeds (checks the script)")
+    p.add_argument(
+        "--smoke", action="store_true", help="make test's size: 16 samples, 4 steps, 2 seeds (checks the script)"
+    )
     args = p.parse_args()
     if args.smoke:
         args.samples, args.steps, args.seeds = 16, 4, 2
@@ -67,15 +80,19 @@ def main() -> None:
     config = probe_config(steps=args.steps, eval_samples=max(8, args.samples // 5))
     with tempfile.TemporaryDirectory(prefix="bench-probe-") as tmp:
         target, correct, faulty = calibration(tiny_target(), Path(tmp), args.samples)
-        results = train_and_score(target, arms(correct, faulty, args.samples, args.seeds, config), config, threads=args.threads)
+        results = train_and_score(
+            target, arms(correct, faulty, args.samples, args.seeds, config), config, threads=args.threads
+        )
     print(f"{'arm':<20} {'sim. acceptance':>15}  acc_k")
     for r in results:
         print(f"{r['name']:<20} {r['simulated_acceptance']:>15.3f}  {' '.join(f'{a:.3f}' for a in r['acc'])}")
     good = [r["simulated_acceptance"] for r in results if r["name"].startswith("correct/")]
     bad = {r["name"]: r["simulated_acceptance"] for r in results if not r["name"].startswith("correct/")}
     spread = max(good) - min(good)
-    print(f"correct: min {min(good):.3f} max {max(good):.3f} spread {spread:.3f}; "
-          + "; ".join(f"{k} {min(good) - v:+.3f} below" for k, v in bad.items()))
+    print(
+        f"correct: min {min(good):.3f} max {max(good):.3f} spread {spread:.3f}; "
+        + "; ".join(f"{k} {min(good) - v:+.3f} below" for k, v in bad.items())
+    )
     worst = max(bad.values())
     ratio = f"{worst / min(good):.3f}" if min(good) > 0 else "n/a (a correct seed scored 0)"
     print(f"RATIO probe_faults {ratio} (the best fault's acceptance / the correct data's lowest seed)")

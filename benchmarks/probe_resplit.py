@@ -34,16 +34,18 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--smoke", action="store_true", help="make test's size: 16 samples, 4 steps, 1 seed (checks the script)")
+    p.add_argument(
+        "--smoke", action="store_true", help="make test's size: 16 samples, 4 steps, 1 seed (checks the script)"
+    )
     args = p.parse_args()
     if args.smoke:
         args.samples, args.steps, args.seeds = 16, 4, 1
     import torch
+    from probe_faults import probe_config, tiny_target
     from transformers import AutoTokenizer
 
     from eagle3_data.dev import probe_data
     from eagle3_data.probe import Arm, split, train_and_score
-    from probe_faults import probe_config, tiny_target
 
     torch.set_num_threads(args.threads)
     config = probe_config(steps=args.steps, eval_samples=max(8, args.samples // 5))
@@ -68,8 +70,10 @@ def main() -> None:
     print(f"{'re-split rate (asked)':>22} {'achieved':>9} {'sim. acceptance mean':>21} {'min':>6} {'max':>6}")
     for rate, values in by_rate.items():
         print(f"{rate:>22.1%} {achieved[rate]:>9.2%} {np.mean(values):>21.3f} {min(values):>6.3f} {max(values):>6.3f}")
-    print(f"RATIO probe_resplit {np.mean(by_rate[0.30]) / np.mean(by_rate[0.0]):.3f} "
-          "(30% re-split's simulated acceptance / the exact ids')")
+    print(
+        f"RATIO probe_resplit {np.mean(by_rate[0.30]) / np.mean(by_rate[0.0]):.3f} "
+        "(30% re-split's simulated acceptance / the exact ids')"
+    )
 
 
 if __name__ == "__main__":

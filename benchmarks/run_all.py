@@ -35,14 +35,24 @@ def _tokenizer() -> str:
 # name -> (script, small args, full args, requirement or None); --smoke passes ["--smoke"]
 BENCHMARKS: dict[str, tuple[str, list[str], list[str], Path | None]] = {
     "storage_throughput": ("storage_throughput.py", ["--rows", "2000"], [], None),
-    "validate_throughput": ("validate_throughput.py", ["--tokens", "500000", "--small", "100000", "--repeat", "1"], [], None),
+    "validate_throughput": (
+        "validate_throughput.py",
+        ["--tokens", "500000", "--small", "100000", "--repeat", "1"],
+        [],
+        None,
+    ),
     "extract_throughput": ("extract_throughput.py", ["--samples", "16", "--repeats", "1"], [], None),
     "sglang_client": ("sglang_client.py", ["--requests", "256"], [], None),
     "overflow_client": ("overflow_client.py", ["--requests", "1024"], [], None),
     "merge_memory": ("merge_memory.py", ["--sizes", "500x1195", "2000x1195"], ["--full"], None),
     "scale": ("scale.py", ["--sizes", "100", "400", "--shard-tokens", "65536"], ["--full"], None),
     "prompt_memory": ("prompt_memory.py", ["--sizes", "200", "800"], ["--sizes", "1000", "8000", "16000"], None),
-    "export_memory": ("export_memory.py", ["--sizes", "1000", "5000", "--tokens", "512", "--baseline-max", "5000"], [], None),
+    "export_memory": (
+        "export_memory.py",
+        ["--sizes", "1000", "5000", "--tokens", "512", "--baseline-max", "5000"],
+        [],
+        None,
+    ),
     "stage_startup": ("stage_startup.py", ["--repeats", "2"], [], None),
     # vLLM's own venv (make vllm-venv); the full gpu_extract wants a GPU (benchmarks/gpu_extract.sh)
     "vllm_extract": ("vllm_extract.py", ["--samples", "16", "--repeats", "1"], [], REPO / ".venv-vllm" / ".installed"),
@@ -76,8 +86,11 @@ SMOKE_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREA
 
 def env(mode: str = "small") -> dict:
     """The benchmark's environment in mode small|smoke|full: this checkout first on PYTHONPATH."""
-    return {**os.environ, **(SMOKE_ENV if mode == "smoke" else {}),
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "include"), str(REPO), os.environ.get("PYTHONPATH")]))}
+    return {
+        **os.environ,
+        **(SMOKE_ENV if mode == "smoke" else {}),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "include"), str(REPO), os.environ.get("PYTHONPATH")])),
+    }
 
 
 def main() -> int:

@@ -46,25 +46,47 @@ STAGES = {
     "audit_tokenizer": "RESULT = P.audit_tokenizer(run, store).as_dict()",
     "load_route": "RESULT = P.load_route(run, store, ds).as_dict()",
     "generate_local": "RESULT = P.generate_local(run, store, ds, [os.environ['BENCH_SGLANG']]).as_dict()",
-    "generate_overflow": "RESULT = P.generate_overflow(run, store, ds, os.environ['BENCH_OPENROUTER'], 'dev-key').as_dict()",
+    "generate_overflow": (
+        "RESULT = P.generate_overflow(run, store, ds, os.environ['BENCH_OPENROUTER'], 'dev-key').as_dict()"
+    ),
     "reconstruct": "RESULT = P.reconstruct(run, store, ds).as_dict()",
-    "validate": "r = P.validate(run, store, ds)\nRESULT = {'passed': r.gate.passed, 'reasons': r.gate.reasons, 'counts': r.counts}",
+    "validate": (
+        "r = P.validate(run, store, ds)\n"
+        "RESULT = {'passed': r.gate.passed, 'reasons': r.gate.reasons, 'counts': r.counts}"
+    ),
     "merge": "r = P.merge(run, store)\nRESULT = {'shards': r.shards, 'totals': r.totals}",
     # one GPU worker's share, as the DAG maps it (pipeline.plan_hidden_states): here one shard
-    "extract_hidden_states": ("r = P.extract_hidden_states(run, store, {'worker': 0, 'shards': [json.loads(os.environ['BENCH_SHARD'])]})\n"
-                              "RESULT = {'samples': sum(s.samples for s in r.shards), 'tokens': sum(s.tokens for s in r.shards), "
-                              "'backend_loads': r.backend_loads}"),
+    "extract_hidden_states": (
+        "r = P.extract_hidden_states(run, store, {'worker': 0, 'shards': [json.loads(os.environ['BENCH_SHARD'])]})\n"
+        "RESULT = {'samples': sum(s.samples for s in r.shards), 'tokens': sum(s.tokens for s in r.shards), "
+        "'backend_loads': r.backend_loads}"
+    ),
     "publish": "RESULT = {'changed': P.publish(run, store).changed}",
 }
 
 
 def prompts_jsonl(n: int) -> bytes:
     """n distinct prompts that declare one tool with TOOL_PARAMS string parameters."""
-    tool = {"type": "function", "function": {
-        "name": "fill_form", "description": "Fill in a long form; every field is required.",
-        "parameters": {"type": "object", "properties": {f"field_{k:03d}": {"type": "string"} for k in range(TOOL_PARAMS)}}}}
-    lines = [json.dumps({"messages": [{"role": "user", "content": f"Please fill in form {i} for me, every field."}],
-                         "tools": [tool]}) for i in range(n)]
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "fill_form",
+            "description": "Fill in a long form; every field is required.",
+            "parameters": {
+                "type": "object",
+                "properties": {f"field_{k:03d}": {"type": "string"} for k in range(TOOL_PARAMS)},
+            },
+        },
+    }
+    lines = [
+        json.dumps(
+            {
+                "messages": [{"role": "user", "content": f"Please fill in form {i} for me, every field."}],
+                "tools": [tool],
+            }
+        )
+        for i in range(n)
+    ]
     return ("\n".join(lines) + "\n").encode()
 
 
@@ -80,8 +102,14 @@ def stage_tokens(store, ref) -> tuple[int, int]:
     return rows, tokens
 
 
-QUIET = {"latency": {"dist": "fixed", "mean": 0.0}, "rate_limit": 0.0, "server_error": 0.0, "timeout": 0.0,
-         "malformed_json": 0.0, "empty_content": 0.0}
+QUIET = {
+    "latency": {"dist": "fixed", "mean": 0.0},
+    "rate_limit": 0.0,
+    "server_error": 0.0,
+    "timeout": 0.0,
+    "malformed_json": 0.0,
+    "empty_content": 0.0,
+}
 
 
 def quiet_server(url: str) -> None:
@@ -97,10 +125,16 @@ def run(sizes: list[int], workdir: Path, extract: bool, shard_tokens: int, quiet
     from eagle3_devtools.stack import dev_stack
 
     datasets = [{"name": f"scale{n}", "prompts": f"s3://eagle3/bench-prompts/scale{n}.jsonl"} for n in sizes]
-    overrides = {"datasets": datasets, "routing": {"strategy": "fraction", "overflow_fraction": 0.5},
-                 "generation": {"sampling": {"max_new_tokens": 2048},
-                                                                    # the dev server bills: no cap at 83k
-                                                                    "overflow": {"max_usd": 1e6}}, "merge": {"shard_tokens": shard_tokens}}
+    overrides = {
+        "datasets": datasets,
+        "routing": {"strategy": "fraction", "overflow_fraction": 0.5},
+        "generation": {
+            "sampling": {"max_new_tokens": 2048},
+            # the dev server bills: no cap at 83k
+            "overflow": {"max_usd": 1e6},
+        },
+        "merge": {"shard_tokens": shard_tokens},
+    }
     results = []
     with dev_stack(workdir, config_overrides=overrides) as stack:
         from eagle3_data.config import load_config
@@ -111,14 +145,23 @@ def run(sizes: list[int], workdir: Path, extract: bool, shard_tokens: int, quiet
         if quiet:
             quiet_server(stack.inference_url)
         s3 = stack.s3
-        env = {**stack.env, "AWS_ENDPOINT_URL_S3": s3.endpoint_url, "AWS_ACCESS_KEY_ID": s3.access_key,
-               "AWS_SECRET_ACCESS_KEY": s3.secret_key, "AWS_REGION": "us-east-1",
-               "BENCH_SGLANG": stack.inference_url, "BENCH_OPENROUTER": stack.inference_url + "/v1"}
+        env = {
+            **stack.env,
+            "AWS_ENDPOINT_URL_S3": s3.endpoint_url,
+            "AWS_ACCESS_KEY_ID": s3.access_key,
+            "AWS_SECRET_ACCESS_KEY": s3.secret_key,
+            "AWS_REGION": "us-east-1",
+            "BENCH_SGLANG": stack.inference_url,
+            "BENCH_OPENROUTER": stack.inference_url + "/v1",
+        }
         for n in sizes:
             client.put_object(Bucket="eagle3", Key=f"bench-prompts/scale{n}.jsonl", Body=prompts_jsonl(n))
             run_key, ds = f"scale-{n}", f"scale{n}"
-            env_n = {**env, "BENCH_DATASET": ds,
-                     "BENCH_PARAMS": json.dumps({"run_name": run_key, "datasets": [ds], "skip_hidden_states": True})}
+            env_n = {
+                **env,
+                "BENCH_DATASET": ds,
+                "BENCH_PARAMS": json.dumps({"run_name": run_key, "datasets": [ds], "skip_hidden_states": True}),
+            }
             merged: dict = {}
             for stage, work in STAGES.items():
                 if stage == "extract_hidden_states":
@@ -128,15 +171,26 @@ def run(sizes: list[int], workdir: Path, extract: bool, shard_tokens: int, quiet
                 t = time.perf_counter()
                 m = measure(SETUP, work, env_n)
                 process_s = time.perf_counter() - t
-                row = {"stage": stage, "n": n, "work_s": m["work_s"], "process_s": process_s, "cpu_s": m["cpu_s"],
-                       "peak_rss_mib": m["peak_rss_mib"]}
+                row = {
+                    "stage": stage,
+                    "n": n,
+                    "work_s": m["work_s"],
+                    "process_s": process_s,
+                    "cpu_s": m["cpu_s"],
+                    "peak_rss_mib": m["peak_rss_mib"],
+                }
                 res = m["result"] or {}
                 if stage == "merge":
                     merged = res
-                    row.update(rows=res["totals"].get("samples"), tokens=res["totals"].get("tokens"),
-                               note=f"{len(res['shards'])} shards")
+                    row.update(
+                        rows=res["totals"].get("samples"),
+                        tokens=res["totals"].get("tokens"),
+                        note=f"{len(res['shards'])} shards",
+                    )
                 elif stage == "extract_hidden_states":
-                    row.update(rows=res.get("samples"), tokens=res.get("tokens"), note=f"1 of {len(merged['shards'])} shards")
+                    row.update(
+                        rows=res.get("samples"), tokens=res.get("tokens"), note=f"1 of {len(merged['shards'])} shards"
+                    )
                 elif stage == "validate":
                     row["note"] = "gate passed" if res.get("passed") else f"gate FAILED: {res.get('reasons')}"
                 results.append(row)
@@ -147,9 +201,15 @@ def run(sizes: list[int], workdir: Path, extract: bool, shard_tokens: int, quiet
             for row in results:
                 if row["n"] != n:
                     continue
-                got = {"generate_local": local, "generate_overflow": recon, "reconstruct": recon,
-                       "validate": (local[0] + recon[0], local[1] + recon[1]), "load_route": (n, None),
-                       "publish": (None, None), "audit_tokenizer": (None, None)}.get(row["stage"])
+                got = {
+                    "generate_local": local,
+                    "generate_overflow": recon,
+                    "reconstruct": recon,
+                    "validate": (local[0] + recon[0], local[1] + recon[1]),
+                    "load_route": (n, None),
+                    "publish": (None, None),
+                    "audit_tokenizer": (None, None),
+                }.get(row["stage"])
                 if got:
                     row["rows"], row["tokens"] = got
     for row in results:
@@ -172,8 +232,17 @@ def slopes(results: list[dict]) -> list[dict]:
         fixed = sum(r["cpu_s"] for r in mine) / len(mine) - cpu * sum(r["rows"] for r in mine) / len(mine)
         rows_at_full = {"generate_local": 41_500, "generate_overflow": 41_500, "reconstruct": 41_500}.get(stage, 83_000)
         rss = [r["peak_rss_mib"] for r in results if r["stage"] == stage]
-        out.append({"stage": stage, "work_ms_per_row": work * 1e3, "cpu_ms_per_row": cpu * 1e3, "fixed_cpu_s": fixed,
-                    "cpu_at_83k_s": fixed + cpu * rows_at_full, "rss_min": min(rss), "rss_max": max(rss)})
+        out.append(
+            {
+                "stage": stage,
+                "work_ms_per_row": work * 1e3,
+                "cpu_ms_per_row": cpu * 1e3,
+                "fixed_cpu_s": fixed,
+                "cpu_at_83k_s": fixed + cpu * rows_at_full,
+                "rss_min": min(rss),
+                "rss_max": max(rss),
+            }
+        )
     return out
 
 
@@ -193,29 +262,66 @@ def main() -> int:
     p.add_argument("--sizes", type=int, nargs="*", default=[1000, 4000, 16000])
     p.add_argument("--full", action="store_true", help="also N = 83000")
     p.add_argument("--no-extract", action="store_true", help="skip the one-shard hidden-state extraction")
-    p.add_argument("--shard-tokens", type=int, default=1_000_000, help="merge.shard_tokens (the extracted shard's size)")
+    p.add_argument(
+        "--shard-tokens", type=int, default=1_000_000, help="merge.shard_tokens (the extracted shard's size)"
+    )
     p.add_argument("--json", type=Path, default=None, help="also write the raw rows here")
-    p.add_argument("--smoke", action="store_true", help="make test's size (N = 10, 20, no extraction), every stage in this process: "
-                   "seconds, checks the script runs; not figures")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="make test's size (N = 10, 20, no extraction), every stage in this process: "
+        "seconds, checks the script runs; not figures",
+    )
     args = p.parse_args()
     if args.smoke:
         import _harness
 
         _harness.IN_PROCESS = True
-        args.sizes, args.shard_tokens, args.no_extract = [10, 20], 8192, True  # extraction: extract_throughput, vllm_extract
+        args.sizes, args.shard_tokens, args.no_extract = (
+            [10, 20],
+            8192,
+            True,
+        )  # extraction: extract_throughput, vllm_extract
     sizes = args.sizes + ([83_000] if args.full else [])
-    with tempfile.TemporaryDirectory(prefix="bench-scale-", dir=REPO / ".cache" if (REPO / ".cache").exists() else None) as tmp:
+    with tempfile.TemporaryDirectory(
+        prefix="bench-scale-", dir=REPO / ".cache" if (REPO / ".cache").exists() else None
+    ) as tmp:
         results = run(sizes, Path(tmp), extract=not args.no_extract, shard_tokens=args.shard_tokens, quiet=args.smoke)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     print()
-    print(table(results, [("stage", "stage"), ("n", "N"), ("rows", "rows"), ("tokens", "tokens"), ("work_s", "work s"),
-                          ("process_s", "process s"), ("cpu_s", "CPU s"), ("tok_per_s", "tok/s"),
-                          ("peak_rss_mib", "peak RSS MiB"), ("note", "")]))
+    print(
+        table(
+            results,
+            [
+                ("stage", "stage"),
+                ("n", "N"),
+                ("rows", "rows"),
+                ("tokens", "tokens"),
+                ("work_s", "work s"),
+                ("process_s", "process s"),
+                ("cpu_s", "CPU s"),
+                ("tok_per_s", "tok/s"),
+                ("peak_rss_mib", "peak RSS MiB"),
+                ("note", ""),
+            ],
+        )
+    )
     print()
-    print(table(slopes(results), [("stage", "stage"), ("work_ms_per_row", "work ms/row"), ("cpu_ms_per_row", "CPU ms/row"),
-                                  ("fixed_cpu_s", "fixed CPU s"), ("cpu_at_83k_s", "projected CPU s at 83k"),
-                                  ("rss_min", "RSS min MiB"), ("rss_max", "RSS max MiB")]))
+    print(
+        table(
+            slopes(results),
+            [
+                ("stage", "stage"),
+                ("work_ms_per_row", "work ms/row"),
+                ("cpu_ms_per_row", "CPU ms/row"),
+                ("fixed_cpu_s", "fixed CPU s"),
+                ("cpu_at_83k_s", "projected CPU s at 83k"),
+                ("rss_min", "RSS min MiB"),
+                ("rss_max", "RSS max MiB"),
+            ],
+        )
+    )
     rss_ratio([r for r in results if r["stage"] != "extract_hidden_states"], "scale")
     return 0
 

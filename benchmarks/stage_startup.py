@@ -26,7 +26,8 @@ import sys, types
 from eagle3_data.config import load_config
 from eagle3_data.pipeline.run import Run, output_format
 config = load_config().with_overrides({"tokenizer": {"source": sys.argv[1]}}, where="bench")
-run = Run(config=config, run_key="bench", date=None, datasets=config.dataset_names, dry_run=False, skip_hidden_states=False)
+run = Run(config=config, run_key="bench", date=None, datasets=config.dataset_names, dry_run=False,
+skip_hidden_states=False)
 fmt = output_format(run, types.SimpleNamespace(client=None), template=sys.argv[2] == "template")
 assert fmt.codec.encode_batch(["warm"])
 print(type(getattr(fmt, "tokenizer", None)).__name__)
@@ -35,7 +36,9 @@ print(type(getattr(fmt, "tokenizer", None)).__name__)
 
 def _once(tokenizer: str, mode: str, env: dict) -> tuple[float, str]:
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", CHILD, tokenizer, mode], env=env, check=True, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, tokenizer, mode], env=env, check=True, capture_output=True, text=True
+    )
     return time.perf_counter() - t0, out.stdout.strip()
 
 
@@ -56,11 +59,19 @@ def main() -> None:
             for mode in times:
                 seconds, codecs[mode] = _once(args.tokenizer, mode, env)
                 times[mode].append(seconds)
-    print(f"{'mode':<10} {'tokenizer':<24} {'median s':>9} {'min s':>7} {'max s':>7}  (fresh process, {args.repeats} repeats)")
+    print(
+        f"{'mode':<10} {'tokenizer':<24} {'median s':>9} {'min s':>7} {'max s':>7}  (fresh process, {args.repeats} "
+        "repeats)"
+    )
     for mode, ts in times.items():
         print(f"{mode:<10} {codecs[mode]:<24} {statistics.median(ts):>9.2f} {min(ts):>7.2f} {max(ts):>7.2f}")
-    print(f"speed-up of the stage start: {statistics.median(times['template']) / statistics.median(times['bulk']):.1f}x")
-    print(f"RATIO stage_startup template/bulk = {statistics.median(times['template']) / statistics.median(times['bulk']):.2f}")
+    print(
+        f"speed-up of the stage start: {statistics.median(times['template']) / statistics.median(times['bulk']):.1f}x"
+    )
+    print(
+        "RATIO stage_startup template/bulk = "
+        f"{statistics.median(times['template']) / statistics.median(times['bulk']):.2f}"
+    )
 
 
 if __name__ == "__main__":

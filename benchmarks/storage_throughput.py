@@ -86,11 +86,22 @@ def main() -> None:
             stop_seaweedfs(d, grace=0.5)
 
     mb = sum(p["bytes"] for p in manifest["parts"]) / 2**20
-    print(f"rows={args.rows} tokens/row={args.tokens} rows_per_part={args.rows_per_part} parts={len(manifest['parts'])} parquet={mb:.1f} MiB")
-    print(f"write: baseline {base_write:.2f}s  store {store_write:.2f}s  ratio store/baseline {store_write / base_write:.2f}")
-    print(f"read:  baseline {base_read:.2f}s  store {store_read:.2f}s  ratio store/baseline {store_read / base_read:.2f}")
+    print(
+        f"rows={args.rows} tokens/row={args.tokens} rows_per_part={args.rows_per_part} "
+        f"parts={len(manifest['parts'])} parquet={mb:.1f} MiB"
+    )
+    print(
+        f"write: baseline {base_write:.2f}s  store {store_write:.2f}s  ratio store/baseline "
+        f"{store_write / base_write:.2f}"
+    )
+    print(
+        f"read:  baseline {base_read:.2f}s  store {store_read:.2f}s  ratio store/baseline {store_read / base_read:.2f}"
+    )
     print(f"store write {args.rows / store_write:,.0f} rows/s, read {args.rows / store_read:,.0f} rows/s")
-    print(f"RATIO storage_throughput baseline/store write = {base_write / store_write:.2f}, read = {base_read / store_read:.2f}")
+    print(
+        f"RATIO storage_throughput baseline/store write = {base_write / store_write:.2f}, read = "
+        f"{base_read / store_read:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -58,8 +58,11 @@ def write_input(enc, path: Path, target_tokens: int) -> tuple[int, int]:
             reasoning, content = chunk[:2800], chunk[2800:]
             gen = f"{reasoning}</think>{content}"
             if samples % 5 == 0:
-                gen += ("<|tool_calls_section_begin|><|tool_call_begin|>functions.run:0<|tool_call_argument_begin|>"
-                        + json.dumps({"code": chunk[:200]}) + "<|tool_call_end|><|tool_calls_section_end|>")
+                gen += (
+                    "<|tool_calls_section_begin|><|tool_call_begin|>functions.run:0<|tool_call_argument_begin|>"
+                    + json.dumps({"code": chunk[:200]})
+                    + "<|tool_call_end|><|tool_calls_section_end|>"
+                )
             finish = "length" if samples % 7 == 0 else "stop"
             ids = enc.encode(gen + ("<|im_end|>" if finish == "stop" else ""), allowed_special="all")
             fh.write(json.dumps({"sample_id": f"s{samples}", "output_ids": ids, "finish_reason": finish}) + "\n")
@@ -81,8 +84,17 @@ def raw_rate(enc, path: Path) -> tuple[float, float]:
 def run_validate(tokenizer_dir: Path, path: Path, report: Path) -> tuple[float, int, int, float]:
     """Wall seconds, exit code, peak RSS (KiB, largest process) and CPU seconds (all its
     processes) of one `eagle3-data validate` command."""
-    cmd = [str(REPO / ".venv/bin/eagle3-data"), "validate", "--tokenizer", str(tokenizer_dir), "--thinking", "--input", str(path),
-           "--report", str(report)]
+    cmd = [
+        str(REPO / ".venv/bin/eagle3-data"),
+        "validate",
+        "--tokenizer",
+        str(tokenizer_dir),
+        "--thinking",
+        "--input",
+        str(path),
+        "--report",
+        str(report),
+    ]
     start = time.perf_counter()
     pid = os.posix_spawn(cmd[0], cmd, os.environ)
     _, status, usage = os.wait4(pid, 0)
@@ -114,20 +126,41 @@ def billing_stage(path: Path):
             ref = StageRef("bench", "reconstruct", "d")
             rng = np.random.default_rng(0)
             rows = 0
-            with StageWriter(store, ref, "generations", rows_per_part=1024, tokenizer_sha256="t", template_sha256="t") as w:
+            with StageWriter(
+                store, ref, "generations", rows_per_part=1024, tokenizer_sha256="t", template_sha256="t"
+            ) as w:
                 lines = path.read_text().splitlines()
                 for start in range(0, len(lines), 2048):
-                    chunk = [json.loads(x) for x in lines[start:start + 2048]]
+                    chunk = [json.loads(x) for x in lines[start : start + 2048]]
                     n = len(chunk)
                     prompts = [rng.integers(0, 163_840, max(1, len(r["output_ids"]) // 4)).tolist() for r in chunk]
-                    cols = {"sample_id": pa.array([r["sample_id"] for r in chunk]), "dataset": pa.array(["d"] * n),
-                            "messages": pa.array(["[]"] * n), "prompt_ids": pa.array(prompts),
-                            "output_ids": pa.array([r["output_ids"] for r in chunk]), "source": pa.array(["openrouter"] * n),
-                            "status": pa.array(["ok"] * n), "finish_reason": pa.array(["stop"] * n),
-                            "usage": pa.array([{"prompt_tokens": len(p), "completion_tokens": len(r["output_ids"]),
-                                                "reasoning_tokens": 0, "cost_usd": 1e-6} for p, r in zip(prompts, chunk)])}
-                    w.write(pa.Table.from_arrays([cols[f.name].cast(f.type) if f.name in cols else pa.nulls(n, f.type)
-                                                  for f in GENERATIONS], schema=GENERATIONS))
+                    cols = {
+                        "sample_id": pa.array([r["sample_id"] for r in chunk]),
+                        "dataset": pa.array(["d"] * n),
+                        "messages": pa.array(["[]"] * n),
+                        "prompt_ids": pa.array(prompts),
+                        "output_ids": pa.array([r["output_ids"] for r in chunk]),
+                        "source": pa.array(["openrouter"] * n),
+                        "status": pa.array(["ok"] * n),
+                        "finish_reason": pa.array(["stop"] * n),
+                        "usage": pa.array(
+                            [
+                                {
+                                    "prompt_tokens": len(p),
+                                    "completion_tokens": len(r["output_ids"]),
+                                    "reasoning_tokens": 0,
+                                    "cost_usd": 1e-6,
+                                }
+                                for p, r in zip(prompts, chunk)
+                            ]
+                        ),
+                    }
+                    w.write(
+                        pa.Table.from_arrays(
+                            [cols[f.name].cast(f.type) if f.name in cols else pa.nulls(n, f.type) for f in GENERATIONS],
+                            schema=GENERATIONS,
+                        )
+                    )
                     rows += n
                 w.commit()
             yield store, ref, rows
@@ -160,7 +193,9 @@ def main() -> None:
         n_big, t_big = write_input(enc, big, args.tokens)
         n_small, t_small = write_input(enc, small, args.small)
         print(f"inputs: {n_big} samples / {t_big} tokens ({big.stat().st_size >> 20} MiB); {n_small} / {t_small}")
-        cold, *_ = run_validate(args.tokenizer, small, Path(tmp) / "cold.json")  # fills the verified-codec cache if empty
+        cold, *_ = run_validate(
+            args.tokenizer, small, Path(tmp) / "cold.json"
+        )  # fills the verified-codec cache if empty
         raws, walls, ratios, cpu_ratios, bills, gated = [], [], [], [], [], []
         with billing_stage(big) as (store, ref, billed_rows):
             for _ in range(args.repeat):  # interleaved: a noisy shared machine hits both sides alike
@@ -176,18 +211,37 @@ def main() -> None:
         _, _, rss_small, _ = run_validate(args.tokenizer, small, Path(tmp) / "small.json")
         report = json.loads((Path(tmp) / "big.json").read_text())
         print(f"first run on the small input (may verify tiktoken against HF): {cold:.2f} s")
-        print(f"raw tiktoken decode+encode (1 thread, no I/O): best {max(raws) / 1e6:.2f} M tokens/s; all {[round(r / 1e6, 2) for r in raws]}")
-        print(f"eagle3-data validate (whole command, startup included): best {min(walls):.2f} s = {t_big / min(walls) / 1e6:.2f} M tokens/s; "
-              f"all {[round(w, 2) for w in walls]} s; exit {rc}; counts {report['counts']}")
-        print(f"ratio validate / raw, per interleaved pair: {[round(r, 2) for r in ratios]}; best-vs-best {t_big / min(walls) / max(raws):.2f}")
-        print(f"prompt-side billing check (the stage's pass over {billed_rows} overflow rows in S3: Arrow lengths + "
-              f"compare_billed_prompts): best {min(bills):.3f} s = {min(bills) * max(raws) / t_big:.4f} of the raw "
-              f"decode+encode time; gate {'passed' if bill_report['gate']['passed'] else 'FAILED'}")
+        print(
+            f"raw tiktoken decode+encode (1 thread, no I/O): best {max(raws) / 1e6:.2f} M tokens/s; all "
+            f"{[round(r / 1e6, 2) for r in raws]}"
+        )
+        print(
+            f"eagle3-data validate (whole command, startup included): best {min(walls):.2f} s = "
+            f"{t_big / min(walls) / 1e6:.2f} M tokens/s; "
+            f"all {[round(w, 2) for w in walls]} s; exit {rc}; counts {report['counts']}"
+        )
+        print(
+            f"ratio validate / raw, per interleaved pair: {[round(r, 2) for r in ratios]}; best-vs-best "
+            f"{t_big / min(walls) / max(raws):.2f}"
+        )
+        print(
+            f"prompt-side billing check (the stage's pass over {billed_rows} overflow rows in S3: Arrow lengths + "
+            f"compare_billed_prompts): best {min(bills):.3f} s = {min(bills) * max(raws) / t_big:.4f} of the raw "
+            f"decode+encode time; gate {'passed' if bill_report['gate']['passed'] else 'FAILED'}"
+        )
         print(f"ratio (validate + prompt billing) / raw, per interleaved pair: {[round(r, 2) for r in gated]}")
-        print(f"RATIO validate_throughput validate/raw = {max(ratios):.2f}, with the prompt billing check "
-              f"{max(gated):.2f} (best pair)")
-        print(f"CPU-time efficiency (raw CPU s / validate CPU s, all processes, startup included): {[round(r, 2) for r in cpu_ratios]}")
-        print(f"peak RSS (largest process): {rss_small / 1024:.0f} MiB at {t_small} tokens, {rss_big / 1024:.0f} MiB at {t_big} tokens")
+        print(
+            f"RATIO validate_throughput validate/raw = {max(ratios):.2f}, with the prompt billing check "
+            f"{max(gated):.2f} (best pair)"
+        )
+        print(
+            "CPU-time efficiency (raw CPU s / validate CPU s, all processes, startup included): "
+            f"{[round(r, 2) for r in cpu_ratios]}"
+        )
+        print(
+            f"peak RSS (largest process): {rss_small / 1024:.0f} MiB at {t_small} tokens, {rss_big / 1024:.0f} MiB "
+            f"at {t_big} tokens"
+        )
         print(f"cpus: {os.cpu_count()}, load average before: {os.getloadavg()}, python {sys.version.split()[0]}")
 
 

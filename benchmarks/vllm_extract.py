@@ -59,7 +59,9 @@ def main() -> None:
     L = info.num_layers
     indices = hidden_state_indices(default_layer_ids(L, "output"), "output", L)
     layer_ids = vllm_layer_ids(indices, True, L)
-    batches = [[rows[i]["input_ids"] for i in b] for b in plan_batches([len(r["input_ids"]) for r in rows], args.token_budget)]
+    batches = [
+        [rows[i]["input_ids"] for i in b] for b in plan_batches([len(r["input_ids"]) for r in rows], args.token_budget)
+    ]
     opts = ExtractOptions(last_hidden=True, token_budget=args.token_budget, out_shard_tokens=16_384)
     # warm-up: engines started (counted apart), kernels touched
     vllm.forward([rows[0]["input_ids"]], indices, True)
@@ -90,19 +92,25 @@ def main() -> None:
     rate = {k: tokens / v for k, v in best.items()}
     h = info.hidden_size
     s = summaries["vllm"]
-    print(f"model={info.name} L={L} H={h} device={s['device']} compute={s['compute_dtype']} engine={s['engine']} "
-          f"samples={len(rows)} tokens={tokens} batches={len(batches)} layers(vLLM ids)={layer_ids} "
-          f"repeats={args.repeats} (best of); engines + model load {started_s:.0f} s")
+    print(
+        f"model={info.name} L={L} H={h} device={s['device']} compute={s['compute_dtype']} engine={s['engine']} "
+        f"samples={len(rows)} tokens={tokens} batches={len(batches)} layers(vLLM ids)={layer_ids} "
+        f"repeats={args.repeats} (best of); engines + model load {started_s:.0f} s"
+    )
     for k in ("vllm_extract", "vllm_engine", "vllm_plain", "transformers"):
         print(f"{k:14s} {rate[k]:9.0f} tok/s")
     print(f"RATIO vllm_extract vllm_extract/vllm_plain = {rate['vllm_extract'] / rate['vllm_plain']:.2f}")
-    print(f"ratios: vllm_extract/vllm_plain = {rate['vllm_extract'] / rate['vllm_plain']:.2f}, "
-          f"vllm_engine/vllm_plain = {rate['vllm_engine'] / rate['vllm_plain']:.2f}, "
-          f"vllm_extract/transformers = {rate['vllm_extract'] / rate['transformers']:.2f}")
-    print(f"bytes/token: packed shards (bf16 aux + last) vllm {s['bytes_per_token']:.1f}, transformers "
-          f"{summaries['transformers']['bytes_per_token']:.1f} (min aux 3*H*2 = {3 * h * 2}); connector files "
-          f"(transient, {len(layer_ids)} ids x H x {4 if s['compute_dtype'] == 'float32' else 2} B) "
-          f"{file_bytes:.1f} per token")
+    print(
+        f"ratios: vllm_extract/vllm_plain = {rate['vllm_extract'] / rate['vllm_plain']:.2f}, "
+        f"vllm_engine/vllm_plain = {rate['vllm_engine'] / rate['vllm_plain']:.2f}, "
+        f"vllm_extract/transformers = {rate['vllm_extract'] / rate['transformers']:.2f}"
+    )
+    print(
+        f"bytes/token: packed shards (bf16 aux + last) vllm {s['bytes_per_token']:.1f}, transformers "
+        f"{summaries['transformers']['bytes_per_token']:.1f} (min aux 3*H*2 = {3 * h * 2}); connector files "
+        f"(transient, {len(layer_ids)} ids x H x {4 if s['compute_dtype'] == 'float32' else 2} B) "
+        f"{file_bytes:.1f} per token"
+    )
 
 
 if __name__ == "__main__":

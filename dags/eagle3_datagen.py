@@ -12,7 +12,8 @@ reconstruct waits for both.
 Failure policy: a failed validation gate fails that dataset's `validate` instance (message: the
 report URI); the other datasets continue, `merge` runs on the datasets whose gate passed, and
 `publish` (trigger rule all_done) writes the run report and then fails, so the run ends failed
-and no Asset event tells a training DAG to consume it. Fix the dataset, clear its mapped instance + downstream (or trigger
+and no Asset event tells a training DAG to consume it. Fix the dataset, clear its mapped instance + downstream
+(or trigger
 with `datasets=[it]` and the same run key), and `publish` emits the Asset once every selected
 dataset passed. A rerun that changes nothing skips `publish`: the same result is announced once.
 """
@@ -66,8 +67,10 @@ def _size_generation_timeout(context) -> None:
     task.log.info("execution_timeout %.0f s: %s", seconds, how)
 
 
-GENERATION_TIMEOUT = {"execution_timeout": timedelta(seconds=CONFIG.timeouts.generation_cap_s),
-                      "pre_execute": _size_generation_timeout}
+GENERATION_TIMEOUT = {
+    "execution_timeout": timedelta(seconds=CONFIG.timeouts.generation_cap_s),
+    "pre_execute": _size_generation_timeout,
+}
 
 
 def _run():
@@ -210,7 +213,12 @@ def eagle3_datagen():
         pipeline, run, store = _run()
         return _gate(pipeline.plan_hidden_states, run, store)
 
-    @task(map_index_template="{{ extract_worker }}", queue=GPU_QUEUE, **NETWORK_RETRIES, **_timeout("extract_hidden_states"))
+    @task(
+        map_index_template="{{ extract_worker }}",
+        queue=GPU_QUEUE,
+        **NETWORK_RETRIES,
+        **_timeout("extract_hidden_states"),
+    )
     def extract_hidden_states(work: dict) -> dict:
         """One GPU worker: loads the model once and extracts its shards in turn; a retry skips
         the shards an earlier attempt committed."""

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import Depends, FastAPI, HTTPException
-from fastapi.responses import HTMLResponse
-
 from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity
 from airflow.api_fastapi.common.db.common import SessionDep
 from airflow.api_fastapi.core_api.security import requires_access_dag
 from airflow.plugins_manager import AirflowPlugin
+from fastapi import Depends, FastAPI, HTTPException
+from fastapi.responses import HTMLResponse
 
 URL_PREFIX = "/eagle3-report"
 TITLE = "EAGLE-3 validation report"
@@ -31,9 +30,9 @@ _can_read_runs = [Depends(requires_access_dag("GET", DagAccessEntity.RUN))]
 
 
 def _run_key(session, dag_id: str, run_id: str) -> str:
+    from airflow.models.dagrun import DagRun
     from sqlalchemy import select
 
-    from airflow.models.dagrun import DagRun
     from eagle3_data.errors import UserError
     from eagle3_data.run_key import run_key_for
 
@@ -49,6 +48,7 @@ def _run_key(session, dag_id: str, run_id: str) -> str:
 def _load(run_key: str):
     """The run's report from the pipeline's bucket, through the `aws_default` connection."""
     from airflow.providers.amazon.aws.hooks.s3 import S3Hook
+
     from eagle3_data.config import AWS_CONN_ID, load_config
     from eagle3_data.report import load_run_report
     from eagle3_data.storage import ArtifactStore

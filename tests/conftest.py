@@ -42,7 +42,9 @@ def pytest_sessionfinish(session, exitstatus):
     if new:
         session.config.get_terminal_writer().line(
             f"FAILED: the suite wrote {len(new)} file(s) under {USER_CACHE} (the user's cache, not "
-            f"$EAGLE3_DATA_CACHE): {[str(p) for p in new[:5]]}", red=True)
+            f"$EAGLE3_DATA_CACHE): {[str(p) for p in new[:5]]}",
+            red=True,
+        )
         session.exitstatus = 1
 
 

@@ -15,8 +15,9 @@ IM_END = 163586  # <|im_end|> (the id the story's 163533 is not)
 
 
 def render(tok, messages, tools, thinking=True) -> list[int]:
-    return tok.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=True,
-                                   return_dict=False, thinking=thinking)
+    return tok.apply_chat_template(
+        messages, tools=tools, tokenize=True, add_generation_prompt=True, return_dict=False, thinking=thinking
+    )
 
 
 def expected_record(tok, turns: list[dict], final_output: list[int], thinking=True) -> tuple[list[int], list[int]]:
@@ -26,8 +27,9 @@ def expected_record(tok, turns: list[dict], final_output: list[int], thinking=Tr
     earlier turn's answer as rendered in the prompt after it (up to its <|im_end|>) and on the
     final output, 0 elsewhere. Checks that the turns' prompts chain, each starting with the one
     before it."""
-    prompts = [render(tok, json.loads(t["messages"]), json.loads(t["tools"]) if t["tools"] else None, thinking)
-               for t in turns]
+    prompts = [
+        render(tok, json.loads(t["messages"]), json.loads(t["tools"]) if t["tools"] else None, thinking) for t in turns
+    ]
     ids = prompts[-1] + list(final_output)
     mask = [0] * len(ids)
     for j, prompt in enumerate(prompts):
@@ -59,13 +61,18 @@ def check_conversation_records(store, run_key: str, dataset: str, tok, thinking:
     from eagle3_data.storage import StageRef
 
     sides = {}
-    for stage, ids_stage, sources in (("generate_local", "generate_local", ("sglang", "vllm")),
-                                      ("generate_overflow", "reconstruct", ("openrouter",))):
+    for stage, ids_stage, sources in (
+        ("generate_local", "generate_local", ("sglang", "vllm")),
+        ("generate_overflow", "reconstruct", ("openrouter",)),
+    ):
         ref = StageRef(run_key, stage, dataset)
         names = {f["name"] for f in store.read_manifest(ref)["files"]} if store.is_complete(ref) else set()
         samples = read_samples(store.get_bytes(ref, SAMPLES_FILE)) if SAMPLES_FILE in names else []
-        side = (stage_rows(store, run_key, stage, dataset), stage_rows(store, run_key, ids_stage, dataset),
-                {s["sample_id"]: s for s in samples})
+        side = (
+            stage_rows(store, run_key, stage, dataset),
+            stage_rows(store, run_key, ids_stage, dataset),
+            {s["sample_id"]: s for s in samples},
+        )
         sides.update(dict.fromkeys(sources, side))  # one read of the stage for each engine's name
     merge_ref = StageRef(run_key, "merge", "all")
     max_length = store.read_manifest(merge_ref)["params"]["max_length"]
@@ -78,7 +85,7 @@ def check_conversation_records(store, run_key: str, dataset: str, tok, thinking:
             sample = samples.get(rec["sample_id"])
             steps = sample["steps"] if sample else [rec["sample_id"]]
             # a sample is its turns up to the first one whose ids the merge cannot use (not ok in the ids' stage)
-            steps = steps[:next((j for j, sid in enumerate(steps) if ids_rows[sid]["status"] != "ok"), len(steps))]
+            steps = steps[: next((j for j, sid in enumerate(steps) if ids_rows[sid]["status"] != "ok"), len(steps))]
             turns = [rows[sid] for sid in steps]
             ids, mask = expected_record(tok, turns, ids_rows[steps[-1]]["output_ids"], thinking)
             assert rec["truncated"] == (len(ids) > max_length)

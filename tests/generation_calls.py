@@ -32,19 +32,39 @@ def _bind(tokenizer, sampling: dict):
 def generate_local(store, ref, prompts, tokenizer, endpoints, sampling, *, engine: str = "sglang", **options) -> dict:
     fmt, sampling = _bind(tokenizer, sampling)
     setup, options = _split(options)
-    return local.generate_local(store, ref, prompts, fmt, endpoints, sampling, wire=wire_for(engine),
-                                options=local.LocalOptions(**options), setup=setup)
+    return local.generate_local(
+        store,
+        ref,
+        prompts,
+        fmt,
+        endpoints,
+        sampling,
+        wire=wire_for(engine),
+        options=local.LocalOptions(**options),
+        setup=setup,
+    )
 
 
 def generate_vllm(store, ref, prompts, tokenizer, endpoints, sampling, **options) -> dict:
     return generate_local(store, ref, prompts, tokenizer, endpoints, sampling, engine="vllm", **options)
 
 
-def generate_overflow(store, ref, prompts, tokenizer, base_url, api_key, model, provider, max_usd, *, sampling,
-                      **options) -> dict:
+def generate_overflow(
+    store, ref, prompts, tokenizer, base_url, api_key, model, provider, max_usd, *, sampling, **options
+) -> dict:
     fmt, sampling = _bind(tokenizer, sampling)
     setup, options = _split(options)
-    request = openrouter.OverflowRequest(model=model, provider=provider or {}, sampling=sampling,
-                                         reasoning=options.pop("reasoning", None))
-    return openrouter.generate_overflow(store, ref, prompts, fmt, base_url, api_key, request,
-                                        options=openrouter.OverflowOptions(max_usd=max_usd, **options), setup=setup)
+    request = openrouter.OverflowRequest(
+        model=model, provider=provider or {}, sampling=sampling, reasoning=options.pop("reasoning", None)
+    )
+    return openrouter.generate_overflow(
+        store,
+        ref,
+        prompts,
+        fmt,
+        base_url,
+        api_key,
+        request,
+        options=openrouter.OverflowOptions(max_usd=max_usd, **options),
+        setup=setup,
+    )

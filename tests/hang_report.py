@@ -100,8 +100,10 @@ def report(item, started: float, timeout: float) -> Path:
     py_spy = shutil.which("py-spy") or (shutil.which("py-spy", path=str(Path(sys.executable).parent)))
     with ThreadPoolExecutor(8) as pool:
         dumps = list(pool.map(lambda pid: _stack(pid, py_spy), children))
-    summary = [f"{item.nodeid} timed out after {timeout:g} s; {len(children)} descendant process(es); "
-               f"stacks by {'py-spy' if py_spy else 'nothing (py-spy not installed): command lines only'}"]
+    summary = [
+        f"{item.nodeid} timed out after {timeout:g} s; {len(children)} descendant process(es); "
+        f"stacks by {'py-spy' if py_spy else 'nothing (py-spy not installed): command lines only'}"
+    ]
     for pid, text in zip(children, dumps):
         (out / f"stacks-{pid}.txt").write_text(text)
         summary.append(f"  pid {pid}: {_cmdline(pid)[:160]}")
@@ -140,8 +142,9 @@ def _cmdline(pid: int) -> str:
 def _stack(pid: int, py_spy: str | None) -> str:
     head = f"pid {pid}: {_cmdline(pid)}\n"
     try:
-        state = next((line for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-                      if line.startswith("State:")), "")
+        state = next(
+            (line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("State:")), ""
+        )
         head += f"{state}; wchan {Path(f'/proc/{pid}/wchan').read_text().strip() or '-'}\n"
     except OSError:
         return head + "(gone)\n"

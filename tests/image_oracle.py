@@ -25,8 +25,13 @@ def _count():
     navit = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "navit_resize")
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Kimi_K25ImageProcessor")
     method = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "get_number_of_image_patches")
-    defaults = {t.targets[0].id: ast.literal_eval(t.value) for t in cls.body if isinstance(t, ast.Assign)
-                and isinstance(t.targets[0], ast.Name) and t.targets[0].id in ("size", "patch_size", "merge_size", "max_patches")}
+    defaults = {
+        t.targets[0].id: ast.literal_eval(t.value)
+        for t in cls.body
+        if isinstance(t, ast.Assign)
+        and isinstance(t.targets[0], ast.Name)
+        and t.targets[0].id in ("size", "patch_size", "merge_size", "max_patches")
+    }
     scope: dict = {"math": math}
     exec(compile(ast.Module([navit, method], []), str(path), "exec"), scope)  # noqa: S102 - transformers' own code
     return scope["get_number_of_image_patches"], type("Defaults", (), defaults)(), defaults["merge_size"]
@@ -37,9 +42,12 @@ def image_tokens(width: int, height: int) -> int:
     return patches(proc, height, width) // merge**2
 
 
-def processor_ids(tokenizer, messages: list[dict], sizes: list[tuple[int, int]], *, tools=None, thinking: bool = True) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=False,
-                                         thinking=thinking)
+def processor_ids(
+    tokenizer, messages: list[dict], sizes: list[tuple[int, int]], *, tools=None, thinking: bool = True
+) -> list[int]:
+    text = tokenizer.apply_chat_template(
+        messages, tools=tools or None, add_generation_prompt=True, tokenize=False, thinking=thinking
+    )
     pieces = text.split("<|media_pad|>")
     assert len(pieces) == len(sizes) + 1, f"{len(pieces) - 1} placeholders for {len(sizes)} images"
     out = pieces[0]

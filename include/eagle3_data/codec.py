@@ -21,7 +21,7 @@ from eagle3_data.forksafe import PerProcess
 PROBE_TEXT = (
     "Hello, world! It's 2026; they'll re-run 12345 NOR ' NOR'.\r\n\n\t  x  \n"
     "中文分词测试，日本語のテキスト。한국어 텍스트. Ünïcödé ÀÉÎ ß ﬁ 😀👍🏽 \u200b "
-    "def f(x):\n    return x**2  # ok\n{\"city\": \"Paris\", \"n\": [1, 2.5e-3]}"
+    'def f(x):\n    return x**2  # ok\n{"city": "Paris", "n": [1, 2.5e-3]}'
 )
 
 
@@ -108,8 +108,10 @@ class TiktokenCodec:
     def __init__(self, encoding: Any, num_threads: int | None = None):
         self.encoding = encoding
         self.num_threads = num_threads or min(4, os.cpu_count() or 1)
-        self._pool = PerProcess(lambda: ThreadPoolExecutor(self.num_threads, thread_name_prefix="tiktoken"),
-                                discard=lambda pool: pool.shutdown(wait=False))
+        self._pool = PerProcess(
+            lambda: ThreadPoolExecutor(self.num_threads, thread_name_prefix="tiktoken"),
+            discard=lambda pool: pool.shutdown(wait=False),
+        )
         self._encode = functools.partial(encoding.encode, allowed_special="all")
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:

@@ -487,9 +487,12 @@ class HiddenStatesConfig(_Model):
     backend: HiddenStatesBackend = Field("transformers", description="extraction backend")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs per extraction worker (vllm backend)")
     max_images: int = Field(
-        0, ge=0, description="images per sample the vllm backend is started for (a vision-language target: "
+        0,
+        ge=0,
+        description="images per sample the vllm backend is started for (a vision-language target: "
         "Kimi-K2.5); image samples are extracted with their pixels, never over their ids alone: with 0 (or the "
-        "transformers backend) they are left out of extraction, counted and named in the manifest")
+        "transformers backend) they are left out of extraction, counted and named in the manifest",
+    )
     workers: int = Field(
         1,
         ge=1,
@@ -505,12 +508,17 @@ class ProbeConfig(_Model):
     verdict"). Off by default: on the tiny target at CPU size it does not yet score correct data
     above data with injected faults (benchmarks/RESULTS.md), so its figures are not a verdict yet."""
 
-    enabled: bool = Field(False, description="run the probe after extraction (the DAG's probe task); off until it "
-                          "is shown to tell correct data from broken data (benchmarks/RESULTS.md)")
+    enabled: bool = Field(
+        False,
+        description="run the probe after extraction (the DAG's probe task); off until it "
+        "is shown to tell correct data from broken data (benchmarks/RESULTS.md)",
+    )
     samples: int = Field(256, ge=1, description="train samples at most (the rest of the extraction is not read)")
     eval_samples: int = Field(64, ge=1, description="held-out samples at most (never more than a fifth of the export)")
     steps: int = Field(200, ge=1, description="optimizer steps")
-    draft_length: int = Field(3, ge=1, le=16, description="draft tokens per step: acc_0..acc_{k-1} (speculators' ttt_steps)")
+    draft_length: int = Field(
+        3, ge=1, le=16, description="draft tokens per step: acc_0..acc_{k-1} (speculators' ttt_steps)"
+    )
     batch_size: int = Field(4, ge=1, description="samples packed per step")
     max_len: int = Field(4096, ge=16, description="packed tokens per step at most (longer samples are cut)")
     lr: float = Field(3e-3, gt=0, description="AdamW learning rate")
@@ -521,7 +529,9 @@ class ProbeConfig(_Model):
 
 class LimitsConfig(_Model):
     max_message_bytes: int = Field(1_000_000, ge=1, description="largest accepted prompt row (bytes of its messages)")
-    max_image_bytes: int = Field(20_000_000, ge=1, description="largest accepted image of an image prompt (bytes, encoded)")
+    max_image_bytes: int = Field(
+        20_000_000, ge=1, description="largest accepted image of an image prompt (bytes, encoded)"
+    )
     max_prompt_tokens: int | None = Field(None, ge=1, description="longest accepted prompt; empty: the model's context")
 
 

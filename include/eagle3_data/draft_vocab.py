@@ -63,8 +63,13 @@ def summary(counts: np.ndarray, n: int, chosen: np.ndarray) -> dict:
     """Size, coverage and counts, for the manifest and the report."""
     total = int(counts.sum())
     inside = int(counts[chosen].sum()) if chosen.size else 0
-    return {"size": int(chosen.size), "requested_size": n, "trained_tokens": total,
-            "distinct_trained": int((counts > 0).sum()), "coverage": inside / total if total else 0.0}
+    return {
+        "size": int(chosen.size),
+        "requested_size": n,
+        "trained_tokens": total,
+        "distinct_trained": int((counts > 0).sum()),
+        "coverage": inside / total if total else 0.0,
+    }
 
 
 def write(out_dir: Path, counts: np.ndarray, n: int, vocab_size: int) -> tuple[list[str], dict]:

@@ -19,7 +19,9 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 
-def export_speculators_ids(rows: Iterable[Mapping], out_dir: str | Path, images: Mapping[str, list] | None = None) -> int:
+def export_speculators_ids(
+    rows: Iterable[Mapping], out_dir: str | Path, images: Mapping[str, list] | None = None
+) -> int:
     """Merged rows (sample_id, input_ids, loss_mask) as speculators' pretokenized dataset;
     `images` (sample_id -> references, the merge's images.jsonl) go into `index.jsonl`."""
     from eagle3_data.hidden_states.speculators_export import save_rows

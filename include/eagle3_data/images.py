@@ -68,7 +68,9 @@ def probe(data: bytes) -> tuple[str, int, int]:
             with Image.open(io.BytesIO(data)) as img:
                 kind, (width, height) = img.format, img.size
                 if width * height > Image.MAX_IMAGE_PIXELS:  # a few compressed bytes can decode to gigabytes
-                    raise ImageError(f"{width}x{height} pixels, over Pillow's decompression-bomb limit of {Image.MAX_IMAGE_PIXELS}")
+                    raise ImageError(
+                        f"{width}x{height} pixels, over Pillow's decompression-bomb limit of {Image.MAX_IMAGE_PIXELS}"
+                    )
                 img.load()
     except ImageError:
         raise
@@ -107,15 +109,27 @@ class ImageSink:
         mime, width, height = probe(data)
         digest = hashlib.sha256(data).hexdigest()
         if self.store is None:
-            return {"uri": None, "sha256": digest, "bytes": len(data), "width": width, "height": height,
-                    "media_tokens": media_tokens(width, height)}
+            return {
+                "uri": None,
+                "sha256": digest,
+                "bytes": len(data),
+                "width": width,
+                "height": height,
+                "media_tokens": media_tokens(width, height),
+            }
         key = image_key(self.store.prefix, digest)
         if not any(o["Key"] == key for o in self.store.list_objects(key)):
             self.store.put_object(key, data, content_type=mime)
             self.counts["images_stored"] += 1
             self.counts["image_bytes_stored"] += len(data)
-        return {"uri": f"s3://{self.store.bucket}/{key}", "sha256": digest, "bytes": len(data),
-                "width": width, "height": height, "media_tokens": media_tokens(width, height)}
+        return {
+            "uri": f"s3://{self.store.bucket}/{key}",
+            "sha256": digest,
+            "bytes": len(data),
+            "width": width,
+            "height": height,
+            "media_tokens": media_tokens(width, height),
+        }
 
 
 def _join(base: str, rel: str) -> str:
@@ -136,7 +150,9 @@ def _read_source(source: str, client, max_bytes: int) -> bytes:
         if not sep or not header.endswith(";base64"):
             raise ImageError("a data URI must be data:<mime>;base64,<data>")
         if len(payload) * 3 // 4 > max_bytes + 3:
-            raise ImageError(f"about {len(payload) * 3 // 4} bytes, over the limit of {max_bytes} (limits.max_image_bytes)")
+            raise ImageError(
+                f"about {len(payload) * 3 // 4} bytes, over the limit of {max_bytes} (limits.max_image_bytes)"
+            )
         try:
             data = base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError):
@@ -150,7 +166,9 @@ def _read_source(source: str, client, max_bytes: int) -> bytes:
         if not path.is_file():
             raise ImageError(f"{source}: no such file")
         if path.stat().st_size > max_bytes:
-            raise ImageError(f"{source}: {path.stat().st_size} bytes, over the limit of {max_bytes} (limits.max_image_bytes)")
+            raise ImageError(
+                f"{source}: {path.stat().st_size} bytes, over the limit of {max_bytes} (limits.max_image_bytes)"
+            )
         data = path.read_bytes()
     if len(data) > max_bytes:
         raise ImageError(f"{len(data)} bytes, over the limit of {max_bytes} (limits.max_image_bytes)")
@@ -160,14 +178,16 @@ def _read_source(source: str, client, max_bytes: int) -> bytes:
 def _read_s3(uri: str, client, max_bytes: int | None = None) -> bytes:
     from botocore.exceptions import ClientError
 
-    bucket, _, key = uri[len("s3://"):].partition("/")
+    bucket, _, key = uri[len("s3://") :].partition("/")
     if client is None:
         raise ImageError(f"{uri}: an s3:// image needs an S3 client")
     try:
         obj = client.get_object(Bucket=bucket, Key=key)
     except ClientError as exc:
         code = exc.response.get("Error", {}).get("Code")
-        raise ImageError(f"{uri}: {'no such object' if code in ('NoSuchKey', '404', 'NotFound', 'NoSuchBucket') else code}") from None
+        raise ImageError(
+            f"{uri}: {'no such object' if code in ('NoSuchKey', '404', 'NotFound', 'NoSuchBucket') else code}"
+        ) from None
     size = obj.get("ContentLength")
     if max_bytes is not None and size is not None and size > max_bytes:
         obj["Body"].close()
@@ -181,8 +201,10 @@ def read_image(store, ref: dict) -> bytes:
     uri = ref.get("uri", "?")
     data = _read_s3(uri, store.client)
     if len(data) != ref.get("bytes") or hashlib.sha256(data).hexdigest() != ref.get("sha256"):
-        raise ImageError(f"{uri}: {len(data)} bytes with sha256 {hashlib.sha256(data).hexdigest()[:16]}..., "
-                         f"the reference records {ref.get('bytes')} bytes and {str(ref.get('sha256'))[:16]}...")
+        raise ImageError(
+            f"{uri}: {len(data)} bytes with sha256 {hashlib.sha256(data).hexdigest()[:16]}..., "
+            f"the reference records {ref.get('bytes')} bytes and {str(ref.get('sha256'))[:16]}..."
+        )
     return data
 
 
@@ -259,8 +281,11 @@ def merged_images(store, inputs) -> tuple[bytes, dict] | None:
         return None
     refs = {sid: parse_refs(found[sid]) for sid in sorted(found)}
     text = "".join(json.dumps({"sample_id": sid, "images": r}, sort_keys=True) + "\n" for sid, r in refs.items())
-    return text.encode(), {"samples": len(refs), "images": sum(map(len, refs.values())),
-                           "media_tokens": sum(r["media_tokens"] for rs in refs.values() for r in rs)}
+    return text.encode(), {
+        "samples": len(refs),
+        "images": sum(map(len, refs.values())),
+        "media_tokens": sum(r["media_tokens"] for rs in refs.values() for r in rs),
+    }
 
 
 def read_merged_images(store, ref) -> dict[str, list[dict]]:

@@ -51,8 +51,11 @@ def check_value(value: Any, field: str = "") -> None:
                 try:
                     item.encode("utf-8")
                 except UnicodeEncodeError as exc:
-                    raise JsonRefused(path, f"holds a lone surrogate (U+{ord(item[exc.start]):04X} at character "
-                                            f"{exc.start}), which is not text: rejected, never repaired") from None
+                    raise JsonRefused(
+                        path,
+                        f"holds a lone surrogate (U+{ord(item[exc.start]):04X} at character "
+                        f"{exc.start}), which is not text: rejected, never repaired",
+                    ) from None
         elif isinstance(item, (dict, list)):
             if depth >= MAX_DEPTH:
                 raise JsonRefused(_named(path), f"nested deeper than {MAX_DEPTH} levels")

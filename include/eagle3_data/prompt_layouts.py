@@ -34,11 +34,18 @@ from eagle3_data import json_records
 
 LAYOUT_KEYS = ("messages", "conversations", "prompt")  # in the order a row is tried
 SHAREGPT_ROLES = {
-    "human": "user", "user": "user",
-    "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "model": "assistant",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "model": "assistant",
     "system": "system",
     "function_call": "function_call",
-    "observation": "tool", "tool": "tool", "function_response": "tool", "function": "tool",
+    "observation": "tool",
+    "tool": "tool",
+    "function_response": "tool",
+    "function": "tool",
 }
 
 
@@ -69,7 +76,11 @@ def to_messages(record: dict) -> tuple[Any, Any, set[str]]:
         prompt = record["prompt"]
         if not isinstance(prompt, str):
             raise LayoutRefused("prompt", f"expected a string, got {type(prompt).__name__}")
-        return _system(record) + [{"role": "user", "content": prompt}], record.get("tools"), {"prompt", "system", "tools"}
+        return (
+            _system(record) + [{"role": "user", "content": prompt}],
+            record.get("tools"),
+            {"prompt", "system", "tools"},
+        )
     return _sharegpt(record), _bare_tools(record.get("tools")), {"conversations", "system", "tools", "images"}
 
 
@@ -119,10 +130,15 @@ def _sharegpt(record: dict) -> list[dict]:
                 pending.clear()  # calls left without results: the template renders them as they are
             content: str | list[dict] = value
             if role == "user" and IMAGE_MARKER in value:
-                content, markers = _with_images(value, images, markers, f"{where}.value"), markers + value.count(IMAGE_MARKER)
+                content, markers = (
+                    _with_images(value, images, markers, f"{where}.value"),
+                    markers + value.count(IMAGE_MARKER),
+                )
             messages.append({"role": role, "content": content})
     if markers != len(images):
-        raise LayoutRefused("images", f"{len(images)} image(s) for {markers} {IMAGE_MARKER} marker(s) in the user turns")
+        raise LayoutRefused(
+            "images", f"{len(images)} image(s) for {markers} {IMAGE_MARKER} marker(s) in the user turns"
+        )
     return messages
 
 
@@ -182,9 +198,11 @@ def pair_results(messages: list[dict], where: str = "messages") -> dict[int, tup
             if j in out:
                 continue
             if not free:
-                raise LayoutRefused(f"{where}[{j}].tool_call_id",
-                                    f"{messages[j]['tool_call_id']!r} answers no call of {where}[{owner}]: "
-                                    f"its {len(calls)} call(s) have their results already")
+                raise LayoutRefused(
+                    f"{where}[{j}].tool_call_id",
+                    f"{messages[j]['tool_call_id']!r} answers no call of {where}[{owner}]: "
+                    f"its {len(calls)} call(s) have their results already",
+                )
             out[j] = (owner, free.pop(0))
         i = end
     return out
@@ -206,8 +224,11 @@ def _call(c: Any, where: str, k: int) -> dict:
         args = loads_field(args, f"{where}.arguments", f"not valid JSON: {args[:80]!r}")
     if not isinstance(args, dict):
         raise LayoutRefused(f"{where}.arguments", f"must be a JSON object, got {type(args).__name__}")
-    return {"id": f"call_{k}", "type": "function",
-            "function": {"name": c["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
+    return {
+        "id": f"call_{k}",
+        "type": "function",
+        "function": {"name": c["name"], "arguments": json.dumps(args, ensure_ascii=False)},
+    }
 
 
 def _bare_tools(tools: Any) -> Any:
@@ -219,8 +240,10 @@ def _bare_tools(tools: Any) -> Any:
         tools = loads_field(tools, "tools")
     if not isinstance(tools, list):
         return tools  # the caller refuses it with its type
-    return [{"type": "function", "function": t} if isinstance(t, dict) and "type" not in t and "name" in t else t
-            for t in tools]
+    return [
+        {"type": "function", "function": t} if isinstance(t, dict) and "type" not in t and "name" in t else t
+        for t in tools
+    ]
 
 
 def loads_field(text: str, where: str, invalid: str = "a string that is not JSON") -> Any:

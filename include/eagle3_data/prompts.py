@@ -86,7 +86,9 @@ class _ImageReject(_Reject):
 def sample_id(dataset: str, messages: list[dict], tools: list[dict] | None, sampling: dict, index: int) -> str:
     """Stable id of one generation: sha256 over canonical JSON, 32 hex digits. `index` is the
     repeat number, so the same prompt twice in a file is one sample, not two."""
-    key = canonical_json({"dataset": dataset, "messages": messages, "tools": tools or None, "sampling": sampling, "index": index})
+    key = canonical_json(
+        {"dataset": dataset, "messages": messages, "tools": tools or None, "sampling": sampling, "index": index}
+    )
     return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
@@ -137,8 +139,11 @@ def load_prompts(
     if repeats < 1:
         raise UserError(f"repeats must be >= 1, got {repeats}")
     files = _resolve(source, dataset, date, client)
-    load = PromptLoad(rows=PromptRows(), rejects=[],
-                      counts={"read": 0, "rejected": 0, "duplicates": 0, "ignored_fields": 0, "answers_dropped": 0})
+    load = PromptLoad(
+        rows=PromptRows(),
+        rejects=[],
+        counts={"read": 0, "rejected": 0, "duplicates": 0, "ignored_fields": 0, "answers_dropped": 0},
+    )
     seen: set[str] = set()
     ordinal = 0
     for f in files:
@@ -177,7 +182,11 @@ def load_prompts(
             load.counts["ignored_fields"] += ignored
             load.counts["answers_dropped"] += dropped
             if refs:  # per prompt row (its repeats and turn prompts share its images)
-                for key, n in (("image_rows", 1), ("images", len(refs)), ("media_tokens", sum(r["media_tokens"] for r in refs.values()))):
+                for key, n in (
+                    ("image_rows", 1),
+                    ("images", len(refs)),
+                    ("media_tokens", sum(r["media_tokens"] for r in refs.values())),
+                ):
                     load.counts[key] = load.counts.get(key, 0) + n
             if whole:
                 load.counts["user_turns"] = load.counts.get("user_turns", 0) + user_turns * repeats
@@ -236,11 +245,14 @@ def _check_bytes(messages: list[dict], max_bytes: int | None) -> None:
         for i, m in enumerate(messages):
             size = len(canonical_json(m).encode())
             if size > max_bytes:
-                raise _Reject(f"messages[{i}]", f"{size} bytes, over the limit of {max_bytes} (limits.max_message_bytes)")
+                raise _Reject(
+                    f"messages[{i}]", f"{size} bytes, over the limit of {max_bytes} (limits.max_message_bytes)"
+                )
 
 
-def limit_prompt_tokens(load: PromptLoad, max_tokens: int | None,
-                        count_tokens: Callable[[list[dict], list[dict] | None], int]) -> None:
+def limit_prompt_tokens(
+    load: PromptLoad, max_tokens: int | None, count_tokens: Callable[[list[dict], list[dict] | None], int]
+) -> None:
     """Move the rows whose prompt is over `max_tokens` tokens (as `count_tokens(messages, tools)`
     renders it: the chat template's generation prompt; an image row's references are passed as
     `images=`, their media tokens count) to the rejects, before any request. A
@@ -256,17 +268,33 @@ def limit_prompt_tokens(load: PromptLoad, max_tokens: int | None,
                 last = key
                 try:
                     extra = {"images": json.loads(row["images"])} if row["images"] else {}
-                    n = count_tokens(json.loads(row["messages"]), json.loads(row["tools"]) if row["tools"] else None, **extra)
-                    verdict = None if n <= max_tokens else f"{n} prompt tokens, over the limit of {max_tokens} (limits.max_prompt_tokens)"
+                    n = count_tokens(
+                        json.loads(row["messages"]), json.loads(row["tools"]) if row["tools"] else None, **extra
+                    )
+                    verdict = (
+                        None
+                        if n <= max_tokens
+                        else f"{n} prompt tokens, over the limit of {max_tokens} (limits.max_prompt_tokens)"
+                    )
                 except Exception as exc:  # the chat template refuses this conversation
                     verdict = f"the chat template cannot render it: {str(exc)[:200]}"
             if verdict is None:
                 continue
             dropped.append(row["sample_id"])
             uri, line = row["source"], row["line"]
-            if not any(r["source"] == uri and r["line"] == line for r in load.rejects[-1:]):  # repeats: one reject per line
-                load.rejects.append({"dataset": row["dataset"], "source": uri, "line": line, "field": "messages",
-                                     "reason": f"{uri} line {line}: messages: {verdict}", "raw": row["raw"]})
+            if not any(
+                r["source"] == uri and r["line"] == line for r in load.rejects[-1:]
+            ):  # repeats: one reject per line
+                load.rejects.append(
+                    {
+                        "dataset": row["dataset"],
+                        "source": uri,
+                        "line": line,
+                        "field": "messages",
+                        "reason": f"{uri} line {line}: messages: {verdict}",
+                        "raw": row["raw"],
+                    }
+                )
                 load.counts["rejected"] = load.counts.get("rejected", 0) + 1
     load.rows.drop(dropped)
     load.counts["rows"] = len(load.rows)
@@ -293,8 +321,10 @@ def require_rows(load: PromptLoad, what: str) -> None:
     """A load without one accepted row stops the stage before anything is written or paid."""
     if not load.rows:
         first = load.rejects[0]["reason"] if load.rejects else "the files hold no rows"
-        raise UserError(f"{what}: 0 usable prompt rows ({load.counts.get('read', 0)} read, "
-                        f"{load.counts.get('rejected', 0)} rejected; first: {first}); nothing committed")
+        raise UserError(
+            f"{what}: 0 usable prompt rows ({load.counts.get('read', 0)} read, "
+            f"{load.counts.get('rejected', 0)} rejected; first: {first}); nothing committed"
+        )
 
 
 # -- validation and normalisation -------------------------------------------------------------------
@@ -308,8 +338,9 @@ def turn_prompts(messages: list[dict], regenerate: str = "every_turn") -> list[l
     return out
 
 
-def _normalise(record: Any, call_id: Callable[[str, int], str] | None = None, *,
-               drop_answer: bool = False) -> tuple[list[dict], list[dict] | None, int, bool]:
+def _normalise(
+    record: Any, call_id: Callable[[str, int], str] | None = None, *, drop_answer: bool = False
+) -> tuple[list[dict], list[dict] | None, int, bool]:
     """(messages, tools, count of ignored fields, whether an answer was dropped) of a row in any
     layout (prompt_layouts), every tool message paired with the call it answers (refused when it
     answers none) and, given `call_id`, the calls renamed to the format's own ids (see
@@ -333,8 +364,9 @@ def _normalise(record: Any, call_id: Callable[[str, int], str] | None = None, *,
     while drop_answer and end and out[end - 1]["role"] == "assistant":
         end -= 1
     if end < len(out) and not any(m["role"] in ("user", "tool") for m in out[:end]):
-        raise _Reject(f"{name}[{len(out) - 1}].role", "no user or tool message before the assistant's answer: "
-                      "nothing to answer")
+        raise _Reject(
+            f"{name}[{len(out) - 1}].role", "no user or tool message before the assistant's answer: nothing to answer"
+        )
     if isinstance(tools, str):
         tools = _json_field(tools, "tools")
     if tools is not None:
@@ -345,8 +377,9 @@ def _normalise(record: Any, call_id: Callable[[str, int], str] | None = None, *,
     return out[:end], tools, ignored, end < len(out)
 
 
-def _format_call_ids(messages: list[dict], answers: dict[int, tuple[int, int]],
-                     call_id: Callable[[str, int], str]) -> None:
+def _format_call_ids(
+    messages: list[dict], answers: dict[int, tuple[int, int]], call_id: Callable[[str, int], str]
+) -> None:
     """Rename every call (in place) to `call_id(name, k)`, k counting the row's calls in order (as
     the model counts them: `OutputFormat.tool_call_index_start`), and re-key each tool message
     to the new id of the call it answers (`answers`: prompt_layouts.pair_results)."""
@@ -504,11 +537,13 @@ def newest_partition(source: str, dataset: str, *, client=None) -> str | None:
         prefix = "/".join(p for p in (key.strip("/"), dataset) if p) + "/"
         with s3_errors(client, f"listing date partitions under {source}"):
             pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix, Delimiter="/")
-            names = [c["Prefix"][len(prefix):].rstrip("/") for page in pages for c in page.get("CommonPrefixes", [])]
+            names = [c["Prefix"][len(prefix) :].rstrip("/") for page in pages for c in page.get("CommonPrefixes", [])]
     else:
         folder = Path(source) / dataset
         names = [p.name for p in folder.iterdir() if p.is_dir()] if folder.is_dir() else []
-    dates = sorted((n.removeprefix("date=") for n in names if n.startswith("date=") and _DATE.fullmatch(n[5:])), reverse=True)
+    dates = sorted(
+        (n.removeprefix("date=") for n in names if n.startswith("date=") and _DATE.fullmatch(n[5:])), reverse=True
+    )
     for date in dates:  # an empty partition (an upload under way, a mistake) is passed over
         try:
             prompt_files(source, dataset, date=date, client=client)
@@ -527,7 +562,9 @@ def _resolve(source: str, dataset: str, date: str | None, client) -> list[_File]
 
 
 def _prompt_files(names: list[str]) -> list[str]:
-    return sorted(n for n in names if n.endswith(PROMPT_FILE_SUFFIXES) and not n.rsplit("/", 1)[-1].startswith(("_", ".")))
+    return sorted(
+        n for n in names if n.endswith(PROMPT_FILE_SUFFIXES) and not n.rsplit("/", 1)[-1].startswith(("_", "."))
+    )
 
 
 def _candidates(base: str, dataset: str, date: str | None, sep: str = "/") -> list[str]:
@@ -550,14 +587,18 @@ def _resolve_local(root: Path, dataset: str, date: str | None) -> list[_File]:
         path = Path(c)
         if not c.endswith("/") and path.is_file():
             if not c.endswith(PROMPT_FILE_SUFFIXES):
-                raise UserError(f"prompts {path}: unsupported file type {path.suffix or '(none)'!r}: expected "
-                                f"{' or '.join(PROMPT_FILE_SUFFIXES)} (chat rows: messages, conversations or prompt)")
+                raise UserError(
+                    f"prompts {path}: unsupported file type {path.suffix or '(none)'!r}: expected "
+                    f"{' or '.join(PROMPT_FILE_SUFFIXES)} (chat rows: messages, conversations or prompt)"
+                )
             return [_File(uri=str(path), size=path.stat().st_size, path=path)]
         if c.endswith("/") and path.is_dir():
             files = _prompt_files([str(p) for p in path.iterdir() if p.is_file()])
             if files:
                 return [_File(uri=f, size=Path(f).stat().st_size, path=Path(f)) for f in files]
-    raise UserError(f"no prompt files (*.jsonl, *.parquet, *.arrow) for dataset {dataset!r}: looked at {', '.join(candidates)}")
+    raise UserError(
+        f"no prompt files (*.jsonl, *.parquet, *.arrow) for dataset {dataset!r}: looked at {', '.join(candidates)}"
+    )
 
 
 def _saved_dataset(root: Path) -> list[_File]:
@@ -584,8 +625,10 @@ def _resolve_s3(source: str, dataset: str, date: str | None, client) -> list[_Fi
             objects = {o["Key"]: o["Size"] for page in page_iter for o in page.get("Contents", [])}
             if not c.endswith("/") and c in objects:
                 if not c.endswith(PROMPT_FILE_SUFFIXES):
-                    raise UserError(f"prompts s3://{bucket}/{c}: unsupported file type: expected "
-                                    f"{' or '.join(PROMPT_FILE_SUFFIXES)}")
+                    raise UserError(
+                        f"prompts s3://{bucket}/{c}: unsupported file type: expected "
+                        f"{' or '.join(PROMPT_FILE_SUFFIXES)}"
+                    )
                 return [_File(uri=f"s3://{bucket}/{c}", size=objects[c], bucket=bucket, key=c)]
             if c.endswith("/"):
                 keys = _prompt_files(list(objects))
@@ -622,7 +665,11 @@ def _read_records(f: _File, client, digest) -> Iterator[tuple[int, str, Any]]:
             try:
                 raw = raw_bytes.decode("utf-8")
             except UnicodeDecodeError as exc:  # rejected, never "repaired" to U+FFFD and paid for
-                yield line, raw_bytes.decode("utf-8", errors="replace"), _Reject("", f"invalid UTF-8 at byte {exc.start} of the line")
+                yield (
+                    line,
+                    raw_bytes.decode("utf-8", errors="replace"),
+                    _Reject("", f"invalid UTF-8 at byte {exc.start} of the line"),
+                )
                 continue
             if not raw.strip():
                 continue

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eagle3_data.chat_format import AssistantMessage, OutputFormat, ToolCall, normalize_finish_reason
 from eagle3_data import json_records
+from eagle3_data.chat_format import AssistantMessage, OutputFormat, ToolCall, normalize_finish_reason
 from eagle3_data.errors import UserError
 
 CHUNK_ROWS = 512
@@ -198,8 +198,11 @@ def reconstruct_rows(
 
 def _flush(fmt: OutputFormat, rows: list[ReconstructRow]) -> Iterator[tuple[ReconstructRow, list[int]]]:
     todo = [r for r in rows if not r.unreconstructable]
-    ids = iter(reconstruct_batch(fmt, [r.message for r in todo], [r.finish_reason for r in todo],
-                                 [r.tool_call_index_start for r in todo]))
+    ids = iter(
+        reconstruct_batch(
+            fmt, [r.message for r in todo], [r.finish_reason for r in todo], [r.tool_call_index_start for r in todo]
+        )
+    )
     for r in rows:
         yield r, ([] if r.unreconstructable else next(ids))
 

@@ -25,8 +25,14 @@ _FIELD = re.compile(r"field '([^']+)'")
 def reject(dataset: str, source: str, line: int, field: str, reason: str, raw: Any = None) -> dict:
     """One reject record: `line` is the 1-based row of `source` in read order."""
     text = raw if isinstance(raw, str) or raw is None else json.dumps(raw, ensure_ascii=False, default=str)
-    return {"dataset": dataset, "source": source, "line": line, "field": field, "reason": reason,
-            "raw": None if text is None else text[:2000]}
+    return {
+        "dataset": dataset,
+        "source": source,
+        "line": line,
+        "field": field,
+        "reason": reason,
+        "raw": None if text is None else text[:2000],
+    }
 
 
 def field_of(message: str, default: str = "row") -> str:
@@ -100,12 +106,15 @@ def require_accepted(accepted: int, read: int, rejects: list[dict], what: str, u
     """Rows came in and none was accepted: stop before the manifest (nothing is committed)."""
     if read and not accepted:
         first = rejects[0]["reason"] if rejects else "no row was usable"
-        raise UserError(f"{what}: 0 of {read} rows accepted ({len(rejects)} rejected; first: {first}); "
-                        f"nothing committed; rejects: {uri}")
+        raise UserError(
+            f"{what}: 0 of {read} rows accepted ({len(rejects)} rejected; first: {first}); "
+            f"nothing committed; rejects: {uri}"
+        )
 
 
-def require_reject_rate(rejects: list[dict], read: int, max_rate: float, what: str, setting: str,
-                        keep: Callable[[], str] | None = None) -> None:
+def require_reject_rate(
+    rejects: list[dict], read: int, max_rate: float, what: str, setting: str, keep: Callable[[], str] | None = None
+) -> None:
     """More than `max_rate` of the `read` rows rejected: a UserError of one line with the count of
     each kind of reject (most common first), the first reject, and where the rejects are
     (`keep()` writes them and returns their URI; only called on failure). Some rows accepted is
@@ -114,5 +123,7 @@ def require_reject_rate(rejects: list[dict], read: int, max_rate: float, what: s
         return
     kinds = "; ".join(f"{len(group)} x {kind}" for kind, group in reject_groups(rejects).items())
     where = f"; rejects: {keep()}" if keep else ""
-    raise UserError(f"{what}: {len(rejects)} of {read} rows rejected ({len(rejects) / read:.2%}), over {setting} "
-                    f"{max_rate:.2%}: {kinds}; first: {rejects[0]['reason'][:300]}{where}")
+    raise UserError(
+        f"{what}: {len(rejects)} of {read} rows rejected ({len(rejects) / read:.2%}), over {setting} "
+        f"{max_rate:.2%}: {kinds}; first: {rejects[0]['reason'][:300]}{where}"
+    )

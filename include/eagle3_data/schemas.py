@@ -130,8 +130,12 @@ SCHEMAS["rejects"] = REJECTS
 # Per-schema version: bump one when its shape changes; readers refuse newer ones and read the
 # older ones kept here (a column a version added reads as absent from an older part).
 SCHEMA_VERSIONS: dict[str, int] = {**{name: SCHEMA_VERSION for name in SCHEMAS}, "prompts": 3, "generations": 3}
-OLDER_SCHEMAS: dict[tuple[str, int], pa.Schema] = {("prompts", 1): PROMPTS_V1, ("prompts", 2): PROMPTS_V2,
-                                                   ("generations", 1): GENERATIONS_V1, ("generations", 2): GENERATIONS_V2}
+OLDER_SCHEMAS: dict[tuple[str, int], pa.Schema] = {
+    ("prompts", 1): PROMPTS_V1,
+    ("prompts", 2): PROMPTS_V2,
+    ("generations", 1): GENERATIONS_V1,
+    ("generations", 2): GENERATIONS_V2,
+}
 
 
 def schema_for(name: str, version: int | None = None) -> pa.Schema:
@@ -139,15 +143,20 @@ def schema_for(name: str, version: int | None = None) -> pa.Schema:
     from eagle3_data.errors import UserError
 
     if name not in SCHEMAS:
-        raise UserError(f"unknown artifact schema {name!r} (this code knows {sorted(SCHEMAS)}): written by another tool?")
+        raise UserError(
+            f"unknown artifact schema {name!r} (this code knows {sorted(SCHEMAS)}): written by another tool?"
+        )
     current = SCHEMA_VERSIONS[name]
     if version is not None and (name, version) in OLDER_SCHEMAS:
         return OLDER_SCHEMAS[name, version].with_metadata(
-            {b"eagle3.schema": name.encode(), b"eagle3.schema_version": str(version).encode()})
+            {b"eagle3.schema": name.encode(), b"eagle3.schema_version": str(version).encode()}
+        )
     if version is not None and version != current:
         newer = "newer" if version > current else "older"
         raise UserError(
             f"artifact schema {name!r} version {version} is {newer} than this code's version {current}: "
             f"{'upgrade eagle3-data' if version > current else 'rerun the stage that wrote it'}"
         )
-    return SCHEMAS[name].with_metadata({b"eagle3.schema": name.encode(), b"eagle3.schema_version": str(current).encode()})
+    return SCHEMAS[name].with_metadata(
+        {b"eagle3.schema": name.encode(), b"eagle3.schema_version": str(current).encode()}
+    )

@@ -68,8 +68,10 @@ def audit_tokenizer(tokenizer: Any, expect: dict[str, int] | None = None) -> Aud
         right = f"{name!r} is {actual}" if in_vocab else f"{name!r} is not a token of this tokenizer"
         problems.append(f"expected {name}={want}, but id {want} {really}; {right}")
     if expect is not None and fmt_cls is not None and fmt_cls.stop_token not in expect:
-        problems.append(f"the expectations do not pin the stop token {fmt_cls.stop_token!r} of format {fmt_cls.name}: "
-                        f"add it (tokenizer.expected_special_ids) so a wrong stop id fails here, before any spend")
+        problems.append(
+            f"the expectations do not pin the stop token {fmt_cls.stop_token!r} of format {fmt_cls.name}: "
+            f"add it (tokenizer.expected_special_ids) so a wrong stop id fails here, before any spend"
+        )
     return AuditReport(
         special_ids=special_ids,
         tokenizer_sha256=tokenizer_files_sha256(tokenizer),

@@ -32,10 +32,20 @@ CELERY_CONFIG = DEFAULT_CELERY_CONFIG
 # the dag-processor). Not torch: only extract_hidden_states needs it, once per run, and a worker
 # restarted after a crash should be back quickly.
 TASK_MODULES = (
-    "airflow.sdk", "airflow.providers.amazon.aws.hooks.s3", "eagle3_data.pipeline", "eagle3_data.storage",
-    "eagle3_data.prompts", "eagle3_data.generation.routing", "eagle3_data.generation.sglang",
-    "eagle3_data.generation.openrouter", "eagle3_data.reconstruct", "eagle3_data.validate", "eagle3_data.merge",
-    "eagle3_data.report", "pyarrow.compute", "transformers",
+    "airflow.sdk",
+    "airflow.providers.amazon.aws.hooks.s3",
+    "eagle3_data.pipeline",
+    "eagle3_data.storage",
+    "eagle3_data.prompts",
+    "eagle3_data.generation.routing",
+    "eagle3_data.generation.sglang",
+    "eagle3_data.generation.openrouter",
+    "eagle3_data.reconstruct",
+    "eagle3_data.validate",
+    "eagle3_data.merge",
+    "eagle3_data.report",
+    "pyarrow.compute",
+    "transformers",
 )
 
 

@@ -47,7 +47,10 @@ ADMIN_USER = "admin"
 SYSTEM_PACKAGES = ("postgresql", "redis-server", "chromium")
 WORKER_HOSTNAME_ENV = "EAGLE3_WORKER_HOSTNAME"
 # Small generations so a cluster run takes seconds on two cores; the shape of a real run.
-CLUSTER_OVERRIDES = {"generation": {"sampling": {"max_new_tokens": 128}}, "merge": {"max_length": 1024, "shard_tokens": 8192}}
+CLUSTER_OVERRIDES = {
+    "generation": {"sampling": {"max_new_tokens": 128}},
+    "merge": {"max_length": 1024, "shard_tokens": 8192},
+}
 
 
 def worker_hostname() -> str:
@@ -68,9 +71,13 @@ def postgres_bin() -> Path:
 
 
 def check_system_tools() -> None:
-    missing = [p for p, ok in (("postgresql", _has_postgres()), ("redis-server", bool(shutil.which("redis-server")))) if not ok]
+    missing = [
+        p for p, ok in (("postgresql", _has_postgres()), ("redis-server", bool(shutil.which("redis-server")))) if not ok
+    ]
     if missing:
-        raise UserError(f"missing Debian packages: {' '.join(missing)}: `apt-get install -y {' '.join(SYSTEM_PACKAGES)}`")
+        raise UserError(
+            f"missing Debian packages: {' '.join(missing)}: `apt-get install -y {' '.join(SYSTEM_PACKAGES)}`"
+        )
 
 
 def _has_postgres() -> bool:
@@ -117,20 +124,62 @@ def start_postgres(svc: Services, password: str, base: Path) -> int:
         shutil.chown(base, user)
         shutil.chown(base / "pwfile", user)
     run_as = ["runuser", "-u", user, "--"] if user else []
-    out = subprocess.run([*run_as, str(bindir / "initdb"), "-D", str(base / "data"), "-U", "airflow", "-E", "UTF8",
-                          "--auth-local=trust", "--auth-host=scram-sha-256", f"--pwfile={base / 'pwfile'}", "--no-sync"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            *run_as,
+            str(bindir / "initdb"),
+            "-D",
+            str(base / "data"),
+            "-U",
+            "airflow",
+            "-E",
+            "UTF8",
+            "--auth-local=trust",
+            "--auth-host=scram-sha-256",
+            f"--pwfile={base / 'pwfile'}",
+            "--no-sync",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if out.returncode:
         raise UserError(f"initdb failed: {out.stderr[-2000:]}")
     port = free_port()
-    proc = svc.start("postgres", [str(bindir / "postgres"), "-D", str(base / "data"), "-k", str(base), "-p", str(port),
-                                  "-h", "127.0.0.1", "-c", "fsync=off", "-c", "synchronous_commit=off",
-                                  "-c", "full_page_writes=off", "-c", "max_connections=200"],
-                     dict(os.environ), user=user, stop_signal=signal.SIGINT, infrastructure=True).proc  # SIGINT: fast shutdown
+    proc = svc.start(
+        "postgres",
+        [
+            str(bindir / "postgres"),
+            "-D",
+            str(base / "data"),
+            "-k",
+            str(base),
+            "-p",
+            str(port),
+            "-h",
+            "127.0.0.1",
+            "-c",
+            "fsync=off",
+            "-c",
+            "synchronous_commit=off",
+            "-c",
+            "full_page_writes=off",
+            "-c",
+            "max_connections=200",
+        ],
+        dict(os.environ),
+        user=user,
+        stop_signal=signal.SIGINT,
+        infrastructure=True,
+    ).proc  # SIGINT: fast shutdown
     ready = [*run_as, str(bindir / "pg_isready"), "-q", "-h", str(base), "-p", str(port)]
     _wait(lambda: subprocess.run(ready).returncode == 0, "postgres", [proc], svc.services["postgres"].log_path, 60)
-    out = subprocess.run([*run_as, str(bindir / "createdb"), "-h", str(base), "-p", str(port), "-U", "airflow", "airflow"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [*run_as, str(bindir / "createdb"), "-h", str(base), "-p", str(port), "-U", "airflow", "airflow"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     if out.returncode:
         raise UserError(f"createdb failed: {out.stderr[-2000:]}")
     return port
@@ -140,8 +189,26 @@ def start_redis(svc: Services, workdir: Path) -> int:
     port = free_port()
     data = workdir / "redis"
     data.mkdir(parents=True, exist_ok=True)
-    proc = svc.start("redis", ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                               "--dir", str(data), "--protected-mode", "yes"], dict(os.environ), infrastructure=True).proc
+    proc = svc.start(
+        "redis",
+        [
+            "redis-server",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(data),
+            "--protected-mode",
+            "yes",
+        ],
+        dict(os.environ),
+        infrastructure=True,
+    ).proc
 
     def ping() -> bool:
         try:
@@ -155,8 +222,9 @@ def start_redis(svc: Services, workdir: Path) -> int:
     return port
 
 
-def cluster_env(work: Path, stack: DevStack, *, api_port: int, pg_port: int, pg_password: str, redis_port: int,
-                passwords_file: Path) -> dict[str, str]:
+def cluster_env(
+    work: Path, stack: DevStack, *, api_port: int, pg_port: int, pg_password: str, redis_port: int, passwords_file: Path
+) -> dict[str, str]:
     """Everything the Airflow processes and the CLI need: docker-compose.yaml's variables with
     loopback addresses, plus this machine's AIRFLOW_HOME and folders."""
     from cryptography.fernet import Fernet
@@ -236,11 +304,19 @@ def run_airflow(env: dict[str, str], *args: str, timeout: float = 600) -> str:
 def finish_job(svc: Services, job: Service, timeout: float = 600) -> None:
     """Wait for a one-shot child (a migration, a CLI call) to end; fail with its log's tail if
     it did not succeed, or if a service died meanwhile. It is then no longer supervised."""
-    _wait(lambda: job.proc.poll() is not None, job.name, [p for p in svc.procs() if p is not job.proc], job.log_path, timeout)
+    _wait(
+        lambda: job.proc.poll() is not None,
+        job.name,
+        [p for p in svc.procs() if p is not job.proc],
+        job.log_path,
+        timeout,
+    )
     svc.forget(job.name)
     if job.proc.returncode:
-        raise UserError(f"airflow {' '.join(job.argv[1:3])} failed (exit {job.proc.returncode}):\n"
-                        f"{job.log_path.read_text(errors='replace')[-2000:]}")
+        raise UserError(
+            f"airflow {' '.join(job.argv[1:3])} failed (exit {job.proc.returncode}):\n"
+            f"{job.log_path.read_text(errors='replace')[-2000:]}"
+        )
 
 
 @dataclass
@@ -256,11 +332,14 @@ class ApiClient:
         import httpx
 
         if self._token is None:
-            r = httpx.post(f"{self.base}/auth/token", json={"username": self.user, "password": self.password}, timeout=30)
+            r = httpx.post(
+                f"{self.base}/auth/token", json={"username": self.user, "password": self.password}, timeout=30
+            )
             r.raise_for_status()
             self._token = r.json()["access_token"]
-        return httpx.request(method, f"{self.base}/api/v2{path}", headers={"Authorization": f"Bearer {self._token}"},
-                             timeout=30, **kw)
+        return httpx.request(
+            method, f"{self.base}/api/v2{path}", headers={"Authorization": f"Bearer {self._token}"}, timeout=30, **kw
+        )
 
     def ok(self, method: str, path: str, **kw) -> bool:
         import httpx
@@ -277,8 +356,15 @@ def create_pool(api: ApiClient) -> None:
     import httpx
 
     try:
-        r = api.request("POST", "/pools", json={"name": OPENROUTER_POOL, "slots": OPENROUTER_POOL_SLOTS,
-                                                 "description": "OpenRouter overflow generation (eagle3-datagen)"})
+        r = api.request(
+            "POST",
+            "/pools",
+            json={
+                "name": OPENROUTER_POOL,
+                "slots": OPENROUTER_POOL_SLOTS,
+                "description": "OpenRouter overflow generation (eagle3-datagen)",
+            },
+        )
     except httpx.HTTPError as exc:
         raise UserError(f"creating pool {OPENROUTER_POOL}: {exc}") from None
     if r.status_code not in (200, 201):
@@ -298,8 +384,19 @@ def worker_env(env: dict[str, str], queue: str) -> dict[str, str]:
 
 
 def worker_argv(queue: str, concurrency: int) -> list[str]:
-    return airflow_cmd("celery", "worker", "--queues", queue, "--concurrency", str(concurrency),
-                       "--celery-hostname", f"{queue}@%h", "--skip-serve-logs", "--without-mingle", "--without-gossip")
+    return airflow_cmd(
+        "celery",
+        "worker",
+        "--queues",
+        queue,
+        "--concurrency",
+        str(concurrency),
+        "--celery-hostname",
+        f"{queue}@%h",
+        "--skip-serve-logs",
+        "--without-mingle",
+        "--without-gossip",
+    )
 
 
 def airflow_services(api_port: int, concurrency: dict[str, int]) -> dict[str, list[str]]:
@@ -314,7 +411,10 @@ def airflow_services(api_port: int, concurrency: dict[str, int]) -> dict[str, li
     }
 
 
-DEFAULT_CONCURRENCY = {DEFAULT_QUEUE: 2, GPU_QUEUE: 1}  # compose: CPU_WORKER_CONCURRENCY 8, GPU 1 (a laptop has fewer cores)
+DEFAULT_CONCURRENCY = {
+    DEFAULT_QUEUE: 2,
+    GPU_QUEUE: 1,
+}  # compose: CPU_WORKER_CONCURRENCY 8, GPU 1 (a laptop has fewer cores)
 
 
 def _worker_ready(log: Path) -> bool:
@@ -325,9 +425,15 @@ def _worker_ready(log: Path) -> bool:
 
 
 @contextmanager
-def cluster(workdir: str | os.PathLike, *, api_port: int | None = None, config_overrides: dict | None = None,
-            worker_concurrency: dict[str, int] | None = None, upload_today: bool = True,
-            airflow_overrides: dict[str, str] | None = None) -> Iterator[Cluster]:
+def cluster(
+    workdir: str | os.PathLike,
+    *,
+    api_port: int | None = None,
+    config_overrides: dict | None = None,
+    worker_concurrency: dict[str, int] | None = None,
+    upload_today: bool = True,
+    airflow_overrides: dict[str, str] | None = None,
+) -> Iterator[Cluster]:
     """Start the whole cluster, yield it, stop everything on exit (any exit). `airflow_overrides`:
     extra `AIRFLOW__*` settings for every process and the env file (the test tier's timings)."""
     check_system_tools()
@@ -352,14 +458,28 @@ def cluster(workdir: str | os.PathLike, *, api_port: int | None = None, config_o
         pg_port = start_postgres(svc, pg_password, pg_base)
         redis_port = start_redis(svc, work)
         # The migration needs only the database: it runs while SeaweedFS and the dev server start.
-        migrate = svc.start("db-migrate", airflow_cmd("db", "migrate"),
-                            {**os.environ, **database_env(work, pg_port=pg_port, pg_password=pg_password)})
+        migrate = svc.start(
+            "db-migrate",
+            airflow_cmd("db", "migrate"),
+            {**os.environ, **database_env(work, pg_port=pg_port, pg_password=pg_password)},
+        )
         dev = stack.enter_context(dev_stack(work, config_overrides=overrides))
         passwords = work / "passwords.json"
         passwords.write_text(json.dumps({ADMIN_USER: ui_password}))
         passwords.chmod(0o600)
-        env = {**os.environ, **cluster_env(work, dev, api_port=api_port, pg_port=pg_port, pg_password=pg_password,
-                                           redis_port=redis_port, passwords_file=passwords), **(airflow_overrides or {})}
+        env = {
+            **os.environ,
+            **cluster_env(
+                work,
+                dev,
+                api_port=api_port,
+                pg_port=pg_port,
+                pg_password=pg_password,
+                redis_port=redis_port,
+                passwords_file=passwords,
+            ),
+            **(airflow_overrides or {}),
+        }
         if upload_today:
             upload_prompts(dev.client(), load_config(dev.config_path), f"{datetime.now(timezone.utc):%Y-%m-%d}")
         finish_job(svc, migrate)
@@ -374,12 +494,22 @@ def cluster(workdir: str | os.PathLike, *, api_port: int | None = None, config_o
         wait_http_ok(f"{base}/execution/health", svc.procs(), "the api-server's Execution API", work / "logs", 240)
         for queue in QUEUES:
             name = f"worker-{queue}"
-            _wait(lambda: _worker_ready(svc.services[name].log_path), f"celery worker {queue}", svc.procs(),
-                  svc.services[name].log_path, 240)
+            _wait(
+                lambda: _worker_ready(svc.services[name].log_path),
+                f"celery worker {queue}",
+                svc.procs(),
+                svc.services[name].log_path,
+                240,
+            )
         api = ApiClient(base, ADMIN_USER, ui_password)
         create_pool(api)
-        _wait(lambda: api.ok("GET", f"/dags/{DAG_ID}"), f"DAG {DAG_ID} parsed by the dag-processor", svc.procs(),
-              work / "logs" / "dag-processor.log", 240)  # up: a person can unpause and trigger it
+        _wait(
+            lambda: api.ok("GET", f"/dags/{DAG_ID}"),
+            f"DAG {DAG_ID} parsed by the dag-processor",
+            svc.procs(),
+            work / "logs" / "dag-processor.log",
+            240,
+        )  # up: a person can unpause and trigger it
         env_file = write_env_file(work / "cluster.env", env, env_file_keys(env))
         yield Cluster(work, base, ADMIN_USER, ui_password, env, env_file, dev, svc)
 
@@ -390,11 +520,19 @@ def supervise(c: Cluster) -> int:
     while True:
         for name in svc.dead():
             if name.startswith("worker-"):
-                print(f"cluster: {name} exited with {svc.services[name].proc.returncode}: starting it again", file=sys.stderr, flush=True)
+                print(
+                    f"cluster: {name} exited with {svc.services[name].proc.returncode}: starting it again",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 svc.restart(name)
                 (c.workdir / "restarts.json").write_text(json.dumps(svc.pids()))
             else:
-                print(f"cluster: {name} exited (log {svc.services[name].log_path}): stopping everything", file=sys.stderr, flush=True)
+                print(
+                    f"cluster: {name} exited (log {svc.services[name].log_path}): stopping everything",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return 1
         time.sleep(0.5)
 
@@ -404,7 +542,8 @@ def banner(c: Cluster) -> str:
         f"\nAirflow UI:  {c.api_url}   user {c.username}  password {c.password}\n"
         f"DAG {DAG_ID} is paused: unpause it, then Trigger (the form shows the params).\n"
         f"Executor CeleryExecutor: workers for queues {', '.join(QUEUES)}; Postgres + Redis on loopback.\n"
-        f"S3 (SeaweedFS): {c.stack.s3_endpoint}  access key {c.stack.s3.access_key}  secret key {c.stack.s3.secret_key}\n"
+        f"S3 (SeaweedFS): {c.stack.s3_endpoint}  access key {c.stack.s3.access_key}  secret key "
+        f"{c.stack.s3.secret_key}\n"
         f"Dev inference server: {c.stack.inference_url}\n"
         f"Env for the CLI, boto3 and airflow:  source {c.env_file}\n"
         f"Logs: {c.workdir / 'logs'}.  Ctrl-C (or SIGTERM/SIGHUP) stops everything."
@@ -413,21 +552,38 @@ def banner(c: Cluster) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="make cluster", description=__doc__.splitlines()[0])
-    parser.add_argument("--workdir", type=Path, default=REPO / "demo-output" / "cluster", help="recreated on each start")
+    parser.add_argument(
+        "--workdir", type=Path, default=REPO / "demo-output" / "cluster", help="recreated on each start"
+    )
     parser.add_argument("--port", type=int, default=None, help="api-server port (default: a free one)")
-    parser.add_argument("--ready-file", type=Path, default=None, help="write the env file's path here once everything is up")
-    parser.add_argument("--config-overrides", type=json.loads, default=None,
-                        help=f"pipeline config overrides as JSON (default: {json.dumps(CLUSTER_OVERRIDES)})")
-    parser.add_argument("--airflow-env", type=json.loads, default=None,
-                        help='extra Airflow settings as JSON, e.g. {"AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "600"}')
+    parser.add_argument(
+        "--ready-file", type=Path, default=None, help="write the env file's path here once everything is up"
+    )
+    parser.add_argument(
+        "--config-overrides",
+        type=json.loads,
+        default=None,
+        help=f"pipeline config overrides as JSON (default: {json.dumps(CLUSTER_OVERRIDES)})",
+    )
+    parser.add_argument(
+        "--airflow-env",
+        type=json.loads,
+        default=None,
+        help='extra Airflow settings as JSON, e.g. {"AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "600"}',
+    )
     args = parser.parse_args(argv)
-    if args.airflow_env is not None and not (isinstance(args.airflow_env, dict) and all(
-            isinstance(k, str) and k.startswith("AIRFLOW__") and isinstance(v, str) for k, v in args.airflow_env.items())):
+    if args.airflow_env is not None and not (
+        isinstance(args.airflow_env, dict)
+        and all(
+            isinstance(k, str) and k.startswith("AIRFLOW__") and isinstance(v, str) for k, v in args.airflow_env.items()
+        )
+    ):
         parser.error("--airflow-env: a JSON object of AIRFLOW__SECTION__KEY names to string values")
 
     def serve() -> int:
-        with cluster(args.workdir, api_port=args.port, config_overrides=args.config_overrides,
-                     airflow_overrides=args.airflow_env) as c:
+        with cluster(
+            args.workdir, api_port=args.port, config_overrides=args.config_overrides, airflow_overrides=args.airflow_env
+        ) as c:
             print(banner(c), flush=True)
             if args.ready_file:
                 args.ready_file.write_text(str(c.env_file))

@@ -53,12 +53,15 @@ BROKEN = "broken"  # the chat prompts through an engine that splits BPE tokens: 
 BROKEN_PROMPTS = 6
 # Small enough for two CPU cores in a few minutes; the shape of a real run.
 DEMO_OVERRIDES = {
-    "generation": {"sampling": {"max_new_tokens": 512}}, "merge": {"max_length": 1024, "shard_tokens": 8192},
+    "generation": {"sampling": {"max_new_tokens": 512}},
+    "merge": {"max_length": 1024, "shard_tokens": 8192},
     # image prompts all go to overflow (the local engines are sent no images yet: docs/images.md), so that
     # dataset has no local answers to round-trip its format against: it says so instead of failing
-    "datasets": [*({"name": n} for n in SAMPLE_DATASETS if n != "images"),
-                 {"name": "images", "validation": {"allow_unvalidated_overflow": True}},
-                 {"name": BROKEN, "dev": {"bpe_split_rate": 0.9}, "validation": {"max_bpe_mismatch_rate": 0.10}}],
+    "datasets": [
+        *({"name": n} for n in SAMPLE_DATASETS if n != "images"),
+        {"name": "images", "validation": {"allow_unvalidated_overflow": True}},
+        {"name": BROKEN, "dev": {"bpe_split_rate": 0.9}, "validation": {"max_bpe_mismatch_rate": 0.10}},
+    ],
 }
 # What each role is in the demo, for the lines that say so.
 STAND_IN_NAMES = {
@@ -98,8 +101,15 @@ def task_states(dag_run) -> list[tuple[str, str, str, float]]:
 
     with create_session() as session:
         tis = dag_run.get_task_instances(session=session)
-        return sorted((ti.task_id, ti.rendered_map_index or ("" if ti.map_index < 0 else str(ti.map_index)), str(ti.state),
-                       float(ti.duration or 0.0)) for ti in tis)
+        return sorted(
+            (
+                ti.task_id,
+                ti.rendered_map_index or ("" if ti.map_index < 0 else str(ti.map_index)),
+                str(ti.state),
+                float(ti.duration or 0.0),
+            )
+            for ti in tis
+        )
 
 
 def report(stack, config, run_key: str, dag_run) -> str:
@@ -123,25 +133,38 @@ def report(stack, config, run_key: str, dag_run) -> str:
         gate = "PASSED" if d["gate"]["passed"] else "FAILED: " + "; ".join(d["gate"]["reasons"])
         lines.append(
             f"  {name:12s} prompts {d['prompts']}, local {d['local']['ok']} ok/{d['local']['failed']} failed "
-            f"({d['local']['completion_tokens']} output tokens), overflow {d['overflow']['ok']} ok/{d['overflow']['failed']} failed "
+            f"({d['local']['completion_tokens']} output tokens), overflow {d['overflow']['ok']} "
+            f"ok/{d['overflow']['failed']} failed "
             f"({d['overflow']['completion_tokens']} output tokens, ${d['overflow']['cost_usd']:.4f}); gate {gate}"
         )
         if im := d.get("images"):
-            lines.append(f"  {'':12s} images: {im.get('image_rows', 0)} prompts with {im.get('images', 0)} images, "
-                         f"{im.get('media_tokens', 0)} media tokens (mask 0), {im.get('image_rejects', 0)} rows refused for an image")
+            lines.append(
+                f"  {'':12s} images: {im.get('image_rows', 0)} prompts with {im.get('images', 0)} images, "
+                f"{im.get('media_tokens', 0)} media tokens (mask 0), {im.get('image_rejects', 0)} rows refused for "
+                "an image"
+            )
         lines.append(f"  {'':12s} report {d['gate']['report_uri']}")
     if s.get("merged"):
         t = s["merged"]["totals"]
-        lines += ["", f"Merged: {t.get('samples', 0)} samples, {t.get('tokens', 0)} tokens ({t.get('loss_tokens', 0)} trained), "
-                  f"{s['merged']['shards']} shard(s) at {s['merged_uri']}"]
+        lines += [
+            "",
+            f"Merged: {t.get('samples', 0)} samples, {t.get('tokens', 0)} tokens ({t.get('loss_tokens', 0)} trained), "
+            f"{s['merged']['shards']} shard(s) at {s['merged_uri']}",
+        ]
     if s.get("hidden_states"):
         h = s["hidden_states"]
-        lines.append(f"Hidden states: {h['totals']['samples']} samples, {h['totals']['tokens']} tokens, {h['totals']['bytes']:,} bytes, "
-                     f"layers {h['layer_ids']} ({h['convention']} convention, {h['dtype']}) at {s['hidden_states_uri']}")
+        lines.append(
+            f"Hidden states: {h['totals']['samples']} samples, {h['totals']['tokens']} tokens, "
+            f"{h['totals']['bytes']:,} bytes, "
+            f"layers {h['layer_ids']} ({h['convention']} convention, {h['dtype']}) at {s['hidden_states_uri']}"
+        )
     lines += engine_lines(store, run_key, list(s["datasets"]), s.get("stand_ins") or [])
     priced = " (a stand-in's price list: nothing was paid)" if "overflow_provider" in (s.get("stand_ins") or []) else ""
-    lines += [f"Overflow cost: ${s['cost_usd']:.4f}{priced}", f"Run report (UI page index): {s['report_uri']}",
-              f"Summary: {s['summary_uri']}"]
+    lines += [
+        f"Overflow cost: ${s['cost_usd']:.4f}{priced}",
+        f"Run report (UI page index): {s['report_uri']}",
+        f"Summary: {s['summary_uri']}",
+    ]
     if s.get("stand_ins"):
         lines += ["", "Simulated in this run (every manifest and the report say so):"]
         lines += [f"  {role}: {STAND_IN_NAMES.get(role, role)}" for role in s["stand_ins"]]
@@ -153,13 +176,17 @@ def plan_lines(plan: dict, uri: str) -> list[str]:
     from eagle3_data.pipeline.route import seconds_text
 
     t = plan["totals"]
-    lines = [f"Dry run plan ({uri}): nothing generated, nothing spent.",
-             f"  {t['prompt_tokens']:,} prompt tokens, at most {t['max_output_tokens']:,} output tokens, "
-             f"overflow at most ${t['max_overflow_usd']:.4f}"]
+    lines = [
+        f"Dry run plan ({uri}): nothing generated, nothing spent.",
+        f"  {t['prompt_tokens']:,} prompt tokens, at most {t['max_output_tokens']:,} output tokens, "
+        f"overflow at most ${t['max_overflow_usd']:.4f}",
+    ]
     for name, p in plan["strategies"].items():
-        lines.append(f"  routing {name:9s}: local {p['local']} samples ({seconds_text(p['local_s'])} s), overflow "
-                     f"{p['overflow']} ({seconds_text(p['overflow_s'])} s), wall {seconds_text(p['wall_s'])} s, "
-                     f"overflow <= ${p['overflow_usd']:.4f}")
+        lines.append(
+            f"  routing {name:9s}: local {p['local']} samples ({seconds_text(p['local_s'])} s), overflow "
+            f"{p['overflow']} ({seconds_text(p['overflow_s'])} s), wall {seconds_text(p['wall_s'])} s, "
+            f"overflow <= ${p['overflow_usd']:.4f}"
+        )
     for name, d in plan["datasets"].items():
         lines.append(f"  {name:12s} {', '.join(f'{k} {v}' for k, v in d['counts'].items())}")
     return lines
@@ -176,8 +203,13 @@ def engine_lines(store, run_key: str, datasets: list[str], stand_ins: list[str])
         if store.is_complete(ref):
             m = store.read_manifest(ref)
             served = ", ".join(f"{url} ({name})" for url, name in (m["extra"].get("served_models") or {}).items())
-            simulated = " (the dev inference server speaking its protocol: a stand-in)" if "local_engine" in stand_ins else ""
-            lines.append(f"Local generation {ds}: engine {m['params'].get('source')}{simulated}" + (f" at {served}" if served else ""))
+            simulated = (
+                " (the dev inference server speaking its protocol: a stand-in)" if "local_engine" in stand_ins else ""
+            )
+            lines.append(
+                f"Local generation {ds}: engine {m['params'].get('source')}{simulated}"
+                + (f" at {served}" if served else "")
+            )
     ref = StageRef(run_key, "hidden_states", RUN_DATASET)
     if store.is_complete(ref):
         extra = store.read_manifest(ref)["extra"]
@@ -196,16 +228,24 @@ def prestart_extraction(config) -> None:
 
     h, model = config.hidden_states, resolve_source(config.model.source)
     layers = text_config(model)["num_hidden_layers"]
-    backend = shared_backend("vllm", model, tensor_parallel_size=h.tensor_parallel_size, max_model_len=config.merge.max_length + 1)
+    backend = shared_backend(
+        "vllm", model, tensor_parallel_size=h.tensor_parallel_size, max_model_len=config.merge.max_length + 1
+    )
     backend.prestart(hidden_state_indices(default_layer_ids(layers, h.convention), h.convention, layers), h.last_hidden)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="make demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR, help="services' data and the Airflow home (recreated)")
+    parser.add_argument(
+        "--workdir", type=Path, default=DEFAULT_WORKDIR, help="services' data and the Airflow home (recreated)"
+    )
     parser.add_argument("--conf", default="{}", help="DAG run conf as JSON, e.g. '{\"dry_run\": true}'")
-    parser.add_argument("--engine", choices=("dev", "vllm"), default="dev",
-                        help="local generation + extraction: the dev server and transformers (dev), or a real vLLM engine (vllm)")
+    parser.add_argument(
+        "--engine",
+        choices=("dev", "vllm"),
+        default="dev",
+        help="local generation + extraction: the dev server and transformers (dev), or a real vLLM engine (vllm)",
+    )
     args = parser.parse_args(argv)
     sys.stdout.reconfigure(line_buffering=True)  # piped, its lines keep their order among Airflow's
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -216,7 +256,10 @@ def main(argv: list[str] | None = None) -> int:
     date = datetime.now(timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0)
     run_key = f"demo-{args.engine}"
 
-    print(f"demo: building/reusing the Kimi tokenizer and tiny model in {dev_cache_root()}, starting services in {work}", flush=True)
+    print(
+        f"demo: building/reusing the Kimi tokenizer and tiny model in {dev_cache_root()}, starting services in {work}",
+        flush=True,
+    )
     overrides = copy.deepcopy(DEMO_OVERRIDES)
     with ExitStack() as engines, Heartbeat.for_stdout() as beat:
         beat.enter("building/reusing the dev builds and starting S3 and the dev inference server")
@@ -230,7 +273,9 @@ def main(argv: list[str] | None = None) -> int:
             model = tiny_model_dir()  # the stack's model.source
             work.mkdir(parents=True, exist_ok=True)
             print(f"demo: starting vllm serve ({vllm_python()}) on {model} ...", flush=True)
-            server = start_vllm_server(vllm_python(), model, work / "vllm-server.log", max_model_len=VLLM_SERVER_MAX_MODEL_LEN)
+            server = start_vllm_server(
+                vllm_python(), model, work / "vllm-server.log", max_model_len=VLLM_SERVER_MAX_MODEL_LEN
+            )
             engines.callback(server.stop)
         stack = engines.enter_context(dev_stack(work, config_overrides=overrides))
         # Airflow's per-task INFO lines would bury the report; failures still print as warnings/errors.
@@ -251,7 +296,10 @@ def main(argv: list[str] | None = None) -> int:
             beat.enter("waiting for vllm serve to load the model")
             server.wait_healthy(600)
             os.environ["AIRFLOW_CONN_SGLANG_DEFAULT"] = server.connection()  # the local engine's connection
-            print(f"demo: vLLM OpenAI server at {server.url} (log {server.log_path}); extraction: vllm backend", flush=True)
+            print(
+                f"demo: vLLM OpenAI server at {server.url} (log {server.log_path}); extraction: vllm backend",
+                flush=True,
+            )
         conf = json.loads(args.conf)
         print(f"demo: running {DAG_ID} for {date:%Y-%m-%d} with dag.test(), run key {run_key} ...", flush=True)
         beat.enter(f"running {DAG_ID}, run key {run_key}")
@@ -261,8 +309,11 @@ def main(argv: list[str] | None = None) -> int:
         ok = str(dag_run.state).endswith("success")
         if not conf.get("dry_run"):
             gate_key = f"{run_key}-gate"
-            print(f"demo: running {DAG_ID} again, run key {gate_key}: dataset {BROKEN!r}, whose engine splits 90% of "
-                  "its BPE tokens, must fail its gate ...", flush=True)
+            print(
+                f"demo: running {DAG_ID} again, run key {gate_key}: dataset {BROKEN!r}, whose engine splits 90% of "
+                "its BPE tokens, must fail its gate ...",
+                flush=True,
+            )
             beat.enter(f"running {DAG_ID}, run key {gate_key}")
             with captured_output(work / "airflow" / f"{gate_key}.log") as log:  # its failure is meant: said below
                 gate_run = run_dag(date, {"run_name": gate_key, "datasets": [BROKEN]})
@@ -270,8 +321,12 @@ def main(argv: list[str] | None = None) -> int:
             print("\n" + report(stack, config, gate_key, gate_run) + "\n")
             log_text = log.read_text(errors="replace")
             paragraph = expected_failure(BROKEN, task_states(gate_run), gates(stack, config, gate_key), log, log_text)
-            print(paragraph or f"{log_text}\ndemo: {BROKEN} should have failed its gate, and only that, and did not: "
-                  f"Airflow's log of the run above ({os.path.relpath(log)})", flush=True)
+            print(
+                paragraph
+                or f"{log_text}\ndemo: {BROKEN} should have failed its gate, and only that, and did not: "
+                f"Airflow's log of the run above ({os.path.relpath(log)})",
+                flush=True,
+            )
             ok = ok and paragraph is not None
     print(reading_lines(work, [run_key] + ([] if conf.get("dry_run") else [f"{run_key}-gate"])), flush=True)
     return 0 if ok else 1
@@ -283,12 +338,19 @@ def reading_lines(work: Path, run_keys: list[str]) -> str:
     and the report command renders each run key's Validation report tab as HTML; `make airflow`
     is another Airflow with its own S3 and runs, so it is not where the demo's runs are."""
     s3, rel = work / "s3", lambda p: os.path.relpath(p)
-    lines = [f"demo: services stopped. Artifacts stay in {rel(s3)}. To read the runs' reports (the Airflow tab's page):",
-             f'  eval "$(.venv/bin/eagle3-data dev s3 start --dir {rel(s3)})"']
-    lines += [f"  .venv/bin/eagle3-data report --config {rel(work / 'pipeline.yaml')} --run-key {key} "
-              f"--out {rel(work / f'report-{key}.html')}" for key in run_keys]
-    lines += [f"  .venv/bin/eagle3-data dev s3 stop --dir {rel(s3)}",
-              "(`make airflow` starts an Airflow of its own, with its own S3 and runs: not the demo's.)"]
+    lines = [
+        f"demo: services stopped. Artifacts stay in {rel(s3)}. To read the runs' reports (the Airflow tab's page):",
+        f'  eval "$(.venv/bin/eagle3-data dev s3 start --dir {rel(s3)})"',
+    ]
+    lines += [
+        f"  .venv/bin/eagle3-data report --config {rel(work / 'pipeline.yaml')} --run-key {key} "
+        f"--out {rel(work / f'report-{key}.html')}"
+        for key in run_keys
+    ]
+    lines += [
+        f"  .venv/bin/eagle3-data dev s3 stop --dir {rel(s3)}",
+        "(`make airflow` starts an Airflow of its own, with its own S3 and runs: not the demo's.)",
+    ]
     return "\n".join(lines)
 
 
@@ -299,8 +361,10 @@ def gates(stack, config, run_key: str) -> dict[str, dict]:
 
     store = open_store(config, stack.client())
     refs = {name: StageRef(run_key, "validate", name) for name in store.datasets(run_key, "validate")}
-    return {name: {**store.read_manifest(ref)["extra"]["gate"], "report_uri": store.uri(ref, "report.json")}
-            for name, ref in refs.items()}
+    return {
+        name: {**store.read_manifest(ref)["extra"]["gate"], "report_uri": store.uri(ref, "report.json")}
+        for name, ref in refs.items()
+    }
 
 
 if __name__ == "__main__":

@@ -102,21 +102,29 @@ def captured_output(path: Path) -> Iterator[Path]:
 EXPECTED_FAILED = frozenset({"dataset.validate", "merge", "publish"})
 
 
-def expected_failure(dataset: str, states: Sequence[tuple[str, str, str, float]], gates: dict[str, dict],
-                     log: Path, log_text: str) -> str | None:
+def expected_failure(
+    dataset: str, states: Sequence[tuple[str, str, str, float]], gates: dict[str, dict], log: Path, log_text: str
+) -> str | None:
     """One paragraph for a run that failed as meant: only `dataset`'s gate failed (its reasons,
     from its validate manifest), and no task failed but those that fail for it. None otherwise:
     the caller shows the run's log, tracebacks included. `states`: (task id, map name, state,
     seconds) per task instance; `gates`: each dataset's gate as its validate manifest records it."""
     failed = {tid for tid, _, state, _ in states if state == "failed"}
-    if [name for name, g in gates.items() if not g["passed"]] != [dataset] or not failed or not failed <= EXPECTED_FAILED \
-            or "dataset.validate" not in failed:
+    if (
+        [name for name, g in gates.items() if not g["passed"]] != [dataset]
+        or not failed
+        or not failed <= EXPECTED_FAILED
+        or "dataset.validate" not in failed
+    ):
         return None
     gate = gates[dataset]
     skipped = sorted(tid for tid, _, state, _ in states if state == "upstream_failed")
     tracebacks = log_text.count("Traceback (most recent call last)")
-    return (f"demo: dataset {dataset!r} failed its gate as meant: {'; '.join(gate['reasons'])} (report "
-            f"{gate['report_uri']}). Its validate task failed, then {' and '.join(sorted(failed - {'dataset.validate'}))} "
-            "refused a run with a failed gate" + (f", and {', '.join(skipped)} did not run" if skipped else "")
-            + f": nothing was published for it, the gate at work. Airflow's log of this run ({tracebacks} "
-            f"traceback(s), all from this failure) is in {os.path.relpath(log)}.")
+    return (
+        f"demo: dataset {dataset!r} failed its gate as meant: {'; '.join(gate['reasons'])} (report "
+        f"{gate['report_uri']}). Its validate task failed, then {' and '.join(sorted(failed - {'dataset.validate'}))} "
+        "refused a run with a failed gate"
+        + (f", and {', '.join(skipped)} did not run" if skipped else "")
+        + f": nothing was published for it, the gate at work. Airflow's log of this run ({tracebacks} "
+        f"traceback(s), all from this failure) is in {os.path.relpath(log)}."
+    )

@@ -55,5 +55,6 @@ def cached_int8_model(src: str | Path, cache_root: str | Path) -> Path:
     from eagle3_data.builds.build_cache import cached_build
 
     key = Path(__file__).read_bytes() + Path(src).name.encode()
-    return cached_build(cache_root, f"{Path(src).name}-int8", key, "eagle3_int8.json",
-                        lambda out: build_int8_model(src, out))
+    return cached_build(
+        cache_root, f"{Path(src).name}-int8", key, "eagle3_int8.json", lambda out: build_int8_model(src, out)
+    )

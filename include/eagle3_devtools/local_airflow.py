@@ -58,7 +58,9 @@ def _serve(work: Path, port: int) -> int:
         svc.start("api-server", airflow_cmd("api-server", "-H", "127.0.0.1", "-p", str(port), "-w", "1"), env)
         svc.start("scheduler", airflow_cmd("scheduler", "--skip-serve-logs"), env)
         svc.start("dag-processor", airflow_cmd("dag-processor"), env)
-        wait_http_ok(f"http://127.0.0.1:{port}/api/v2/monitor/health", svc.procs(), "an Airflow process", svc.log_dir, 180)
+        wait_http_ok(
+            f"http://127.0.0.1:{port}/api/v2/monitor/health", svc.procs(), "an Airflow process", svc.log_dir, 180
+        )
         env_file = write_env_file(work / "airflow.env", env, env_file_keys(env))
         print(
             f"\nAirflow UI: http://127.0.0.1:{port}  (login: none needed, every user is admin on this local setup)\n"

@@ -23,23 +23,34 @@ def trial_run(tokenizer_dir, run_key: str, *, max_new_tokens: int, sampling_seed
     from eagle3_data.config import load_config
     from eagle3_data.pipeline.run import Run
 
-    config = load_config().with_overrides({
-        "tokenizer": {"source": str(tokenizer_dir)},
-        "generation": {
-            "sampling": {"temperature": 1.0, "top_p": 0.95, "max_new_tokens": max_new_tokens,
-                         "sampling_seed": sampling_seed},
-            "local": {"engine": "vllm", "rows_per_part": 256},
-            # vLLM answers without usage.cost: priced from the config; any provider (a vLLM server
-            # names none), the model's name is checked
-            "overflow": {"model": SERVED_MODEL_NAME, "provider": {"allow_fallbacks": True}, "concurrency": 16,
-                         "price_usd_per_mtok": {"prompt": 1.0, "completion": 1.0}},
+    config = load_config().with_overrides(
+        {
+            "tokenizer": {"source": str(tokenizer_dir)},
+            "generation": {
+                "sampling": {
+                    "temperature": 1.0,
+                    "top_p": 0.95,
+                    "max_new_tokens": max_new_tokens,
+                    "sampling_seed": sampling_seed,
+                },
+                "local": {"engine": "vllm", "rows_per_part": 256},
+                # vLLM answers without usage.cost: priced from the config; any provider (a vLLM server
+                # names none), the model's name is checked
+                "overflow": {
+                    "model": SERVED_MODEL_NAME,
+                    "provider": {"allow_fallbacks": True},
+                    "concurrency": 16,
+                    "price_usd_per_mtok": {"prompt": 1.0, "completion": 1.0},
+                },
+            },
+            # a random model's text is rarely its tokenizer's canonical split and re-splits move the
+            # billed count: measured elsewhere, not what a policy trial is about
+            "validation": {"max_bpe_mismatch_rate": 1.0, "max_billing_deviation": 1.0},
+            **({"policy": policy} if policy else {}),
+            "datasets": [{"name": DATASET}],
         },
-        # a random model's text is rarely its tokenizer's canonical split and re-splits move the
-        # billed count: measured elsewhere, not what a policy trial is about
-        "validation": {"max_bpe_mismatch_rate": 1.0, "max_billing_deviation": 1.0},
-        **({"policy": policy} if policy else {}),
-        "datasets": [{"name": DATASET}],
-    }, where="policy trial")
+        where="policy trial",
+    )
     return Run(config=config, run_key=run_key, date=None, datasets=[DATASET], dry_run=False, skip_hidden_states=True)
 
 
@@ -53,9 +64,18 @@ def write_prompts(store, run, samples: int, calibration: int) -> dict[str, str]:
 
     ids = [f"p{i:04d}" for i in range(samples)]
     routes = assign_routes(ids, overflow_fraction=0.5, calibration_samples=calibration)
-    rows = [{"sample_id": sid, "dataset": DATASET, "sample_index": i, "source_id": None,
-             "messages": json.dumps([{"role": "user", "content": f"Tell me about city number {i}."}]), "tools": None,
-             "route": route} for i, (sid, route) in enumerate(zip(ids, routes))]
+    rows = [
+        {
+            "sample_id": sid,
+            "dataset": DATASET,
+            "sample_index": i,
+            "source_id": None,
+            "messages": json.dumps([{"role": "user", "content": f"Tell me about city number {i}."}]),
+            "tools": None,
+            "route": route,
+        }
+        for i, (sid, route) in enumerate(zip(ids, routes))
+    ]
     with StageWriter(store, stage_ref(run, PROMPTS, DATASET), "prompts", rows_per_part=1024) as w:
         w.write(rows)
         w.commit()

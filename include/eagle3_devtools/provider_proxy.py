@@ -92,10 +92,12 @@ async def _serve(proxy: ProviderProxy, ready: threading.Event) -> None:
                     proxy.rewritten += 1
                 body = json.dumps(new).encode()
             headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROPPED}
-            async with http.request(request.method, proxy.upstream + request.path_qs, data=body or None,
-                                    headers=headers) as up:
-                out = web.StreamResponse(status=up.status, headers={
-                    k: v for k, v in up.headers.items() if k.lower() not in _DROPPED})
+            async with http.request(
+                request.method, proxy.upstream + request.path_qs, data=body or None, headers=headers
+            ) as up:
+                out = web.StreamResponse(
+                    status=up.status, headers={k: v for k, v in up.headers.items() if k.lower() not in _DROPPED}
+                )
                 await out.prepare(request)
                 async for chunk in up.content.iter_any():
                     await out.write(chunk)

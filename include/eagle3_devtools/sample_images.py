@@ -55,13 +55,33 @@ def rows() -> list[dict]:
 
     return [
         {"messages": [{"role": "user", "content": [image("flag"), text("Which countries use a flag like this one?")]}]},
-        {"messages": [{"role": "system", "content": "Answer in one short paragraph."},
-                      {"role": "user", "content": [text("Describe how the colours change across this image."),
-                                                   image("gradient")]}]},
-        {"messages": [{"role": "user", "content": [text("Here are two pictures: "), image("checker"), text(" and "),
-                                                   image("bars"), text(". Which one is a chart, and what does it show?")]}]},
-        {"conversations": [{"from": "human", "value": "<image>\nCount the squares in this board."}],
-         "images": [uri["checker"]]},
+        {
+            "messages": [
+                {"role": "system", "content": "Answer in one short paragraph."},
+                {
+                    "role": "user",
+                    "content": [text("Describe how the colours change across this image."), image("gradient")],
+                },
+            ]
+        },
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        text("Here are two pictures: "),
+                        image("checker"),
+                        text(" and "),
+                        image("bars"),
+                        text(". Which one is a chart, and what does it show?"),
+                    ],
+                }
+            ]
+        },
+        {
+            "conversations": [{"from": "human", "value": "<image>\nCount the squares in this board."}],
+            "images": [uri["checker"]],
+        },
     ]
 
 

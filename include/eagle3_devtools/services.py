@@ -157,9 +157,18 @@ class Services:
         self.services: dict[str, Service] = {}
         log_dir.mkdir(parents=True, exist_ok=True)
 
-    def start(self, name: str, argv: list[str], env: dict[str, str], *, user: str | None = None,
-              stop_signal: int = signal.SIGTERM, grace: float = 10.0, cwd: Path | None = None,
-              infrastructure: bool = False) -> Service:
+    def start(
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str],
+        *,
+        user: str | None = None,
+        stop_signal: int = signal.SIGTERM,
+        grace: float = 10.0,
+        cwd: Path | None = None,
+        infrastructure: bool = False,
+    ) -> Service:
         """Start `argv` (as `user` through runuser, when given and we are root) in a new session."""
         if user and os.geteuid() == 0:
             argv = ["runuser", "-u", user, "--", *argv]
@@ -170,8 +179,15 @@ class Services:
 
     def _spawn(self, svc: Service) -> None:
         with open(svc.log_path, "ab") as out:
-            svc.proc = subprocess.Popen(svc.argv, env=svc.env, cwd=svc.cwd, stdout=out, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, start_new_session=True)
+            svc.proc = subprocess.Popen(
+                svc.argv,
+                env=svc.env,
+                cwd=svc.cwd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         self._save()
 
     def restart(self, name: str) -> Service:

@@ -2,7 +2,8 @@
 
 `make demo`, `make airflow` and the end-to-end tests all run the real DAG against the same
 stack: the real Kimi tokenizer and a tiny DeepSeek-V3 (the `dev:` builds, in their one home
-$EAGLE3_DATA_CACHE/dev, which the CLI's `dev:` sources use too), SeaweedFS as S3, and the dev inference server standing in for SGLang and
+$EAGLE3_DATA_CACHE/dev, which the CLI's `dev:` sources use too), SeaweedFS as S3, and the dev inference server
+standing in for SGLang and
 OpenRouter, all on free 127.0.0.1 ports. What the DAG reads comes from the environment the stack
 returns: Airflow connections as AIRFLOW_CONN_* and the pipeline config as EAGLE3_CONFIG.
 """
@@ -61,7 +62,9 @@ def airflow_env(home: Path) -> dict[str, str]:
 
 def airflow_db_migrate(env: dict[str, str]) -> None:
     airflow = Path(sys.executable).parent / "airflow"
-    out = subprocess.run([str(airflow), "db", "migrate"], capture_output=True, text=True, env={**os.environ, **env}, timeout=600)
+    out = subprocess.run(
+        [str(airflow), "db", "migrate"], capture_output=True, text=True, env={**os.environ, **env}, timeout=600
+    )
     if out.returncode:
         raise UserError(f"airflow db migrate failed:\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
 
@@ -95,10 +98,17 @@ def write_config(path: Path, *, bucket: str, tokenizer: Path, model: Path, overr
     import yaml
 
     raw = default_config_raw()
-    deep_merge(raw, {"storage": {"bucket": bucket}, "tokenizer": {"source": str(tokenizer)}, "model": {"source": str(model)},
-                     "stand_ins": list(DEV_STACK_STAND_INS),
-                     # the probe at the tiny target's size: seconds on CPU, not the GPU default's minutes
-                     "probe": {"samples": 32, "eval_samples": 8, "steps": 4, "eval_every": 2, "max_len": 256}})
+    deep_merge(
+        raw,
+        {
+            "storage": {"bucket": bucket},
+            "tokenizer": {"source": str(tokenizer)},
+            "model": {"source": str(model)},
+            "stand_ins": list(DEV_STACK_STAND_INS),
+            # the probe at the tiny target's size: seconds on CPU, not the GPU default's minutes
+            "probe": {"samples": 32, "eval_samples": 8, "steps": 4, "eval_every": 2, "max_len": 256},
+        },
+    )
     deep_merge(raw, overrides or {})
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path
@@ -117,8 +127,13 @@ def upload_prompts(client, config, date: str, datasets: dict[str, Path] | None =
 
 
 @contextmanager
-def dev_stack(workdir: str | os.PathLike, *, config_overrides: dict | None = None, bucket: str = "eagle3",
-              builds: Path | None = None) -> Iterator[DevStack]:
+def dev_stack(
+    workdir: str | os.PathLike,
+    *,
+    config_overrides: dict | None = None,
+    bucket: str = "eagle3",
+    builds: Path | None = None,
+) -> Iterator[DevStack]:
     """Start SeaweedFS and the dev inference server, write the pipeline config, and yield the
     stack; everything started here is stopped on exit, by PID. `builds`: where the dev builds
     are (default $EAGLE3_DATA_CACHE/dev; the tests pass their fixtures' folder)."""
@@ -130,7 +145,9 @@ def dev_stack(workdir: str | os.PathLike, *, config_overrides: dict | None = Non
     work.mkdir(parents=True, exist_ok=True)
     tok = tokenizer_dir(builds)
     model = tiny_model_dir(builds)
-    config_path = write_config(work / "pipeline.yaml", bucket=bucket, tokenizer=tok, model=model, overrides=config_overrides)
+    config_path = write_config(
+        work / "pipeline.yaml", bucket=bucket, tokenizer=tok, model=model, overrides=config_overrides
+    )
     config = load_config(config_path)
 
     with ExitStack() as stack:
@@ -145,20 +162,41 @@ def dev_stack(workdir: str | os.PathLike, *, config_overrides: dict | None = Non
         stack.callback(server.stop)
         port, url = server.port, server.url
 
-        env = stack_env(work, config_path, s3_endpoint=s3.endpoint_url, access_key=access, secret_key=secret,
-                        inference_port=port, inference_url=url)
+        env = stack_env(
+            work,
+            config_path,
+            s3_endpoint=s3.endpoint_url,
+            access_key=access,
+            secret_key=secret,
+            inference_port=port,
+            inference_url=url,
+        )
         yield DevStack(work, config_path, s3.endpoint_url, url, env, s3)
 
 
-def stack_env(work: Path, config_path: Path, *, s3_endpoint: str, access_key: str, secret_key: str,
-              inference_port: int, inference_url: str) -> dict[str, str]:
+def stack_env(
+    work: Path,
+    config_path: Path,
+    *,
+    s3_endpoint: str,
+    access_key: str,
+    secret_key: str,
+    inference_port: int,
+    inference_url: str,
+) -> dict[str, str]:
     """What the DAG reads: the connections (same ids and types as docker-compose.yaml) and the config."""
-    aws = {"conn_type": "aws", "login": access_key, "password": secret_key,
-           "extra": {"endpoint_url": s3_endpoint, "region_name": "us-east-1"}}
+    aws = {
+        "conn_type": "aws",
+        "login": access_key,
+        "password": secret_key,
+        "extra": {"endpoint_url": s3_endpoint, "region_name": "us-east-1"},
+    }
     return {
         "EAGLE3_CONFIG": str(config_path),
         "AIRFLOW_CONN_AWS_DEFAULT": json.dumps(aws),
-        "AIRFLOW_CONN_SGLANG_DEFAULT": json.dumps({"conn_type": "http", "host": "127.0.0.1", "port": inference_port, "schema": "http"}),
+        "AIRFLOW_CONN_SGLANG_DEFAULT": json.dumps(
+            {"conn_type": "http", "host": "127.0.0.1", "port": inference_port, "schema": "http"}
+        ),
         "AIRFLOW_CONN_OPENROUTER_DEFAULT": json.dumps(
             {"conn_type": "http", "host": f"{inference_url}/v1", "password": "dev-key-not-a-secret"}
         ),

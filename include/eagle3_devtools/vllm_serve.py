@@ -39,7 +39,8 @@ class VllmServer:
         return json.dumps({"conn_type": "http", "host": "127.0.0.1", "port": self.port, "schema": "http"})
 
     def wait_healthy(self, timeout_s: float = 600.0) -> None:
-        """Return once /health answers 200; UserError (naming the log) if the server exits first or the deadline passes."""
+        """Return once /health answers 200; UserError (naming the log) if the server exits first
+        or the deadline passes."""
         wait_http_ok(self.url + "/health", [self.proc], "the vllm server", self.log_path, timeout_s)
 
     def stop(self) -> None:
@@ -48,19 +49,39 @@ class VllmServer:
         self.proc.wait()
 
 
-def start_vllm_server(python: str, model_dir: str | os.PathLike, log_path: Path, *, max_model_len: int = 2048,
-                      dtype: str = "float32") -> VllmServer:
+def start_vllm_server(
+    python: str, model_dir: str | os.PathLike, log_path: Path, *, max_model_len: int = 2048, dtype: str = "float32"
+) -> VllmServer:
     """Start the server process and return at once (`VllmServer.wait_healthy` waits): the three
     processes of `vllm serve` (API server, engine core, worker) each import torch and vLLM, a
     minute or more on two busy cores, so a caller can start it early and do other work meanwhile."""
     port = free_port()
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), HF_HUB_OFFLINE="1")
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           "--served-model-name", SERVED_MODEL_NAME, "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
-           "--max-model-len", str(max_model_len), "--enforce-eager", "--attention-backend", "CPU_MLA",
-           # the chat route splits reasoning as a Kimi provider's server does (the policy check uses
-           # a vllm serve as its overflow "provider"); /v1/completions is unaffected
-           "--reasoning-parser", "kimi_k2", "--disable-uvicorn-access-log"]
+    cmd = [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        SERVED_MODEL_NAME,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        dtype,
+        "--max-model-len",
+        str(max_model_len),
+        "--enforce-eager",
+        "--attention-backend",
+        "CPU_MLA",
+        # the chat route splits reasoning as a Kimi provider's server does (the policy check uses
+        # a vllm serve as its overflow "provider"); /v1/completions is unaffected
+        "--reasoning-parser",
+        "kimi_k2",
+        "--disable-uvicorn-access-log",
+    ]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

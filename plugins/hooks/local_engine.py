@@ -43,7 +43,9 @@ class LocalEngineHook(BaseHook):
         return {
             "endpoints": {
                 "label": "Endpoints",
-                "description": "SGLang or vLLM server URLs, comma separated; empty: scheme://host:port of this connection",
+                "description": (
+                    "SGLang or vLLM server URLs, comma separated; empty: scheme://host:port of this connection"
+                ),
                 "schema": {"type": ["string", "null"]},
             }
         }

@@ -22,8 +22,15 @@ import run_all  # noqa: E402
 @pytest.mark.parametrize("name", list(run_all.BENCHMARKS))
 def test_benchmark_smoke(name):
     cmd = run_all.command(name, "smoke")  # FileNotFoundError (a failure) when its requirement is missing
-    done = subprocess.run(["nice", "-n", "19", sys.executable, *cmd], cwd=REPO, env=run_all.env("smoke"),
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    done = subprocess.run(
+        ["nice", "-n", "19", sys.executable, *cmd],
+        cwd=REPO,
+        env=run_all.env("smoke"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=600,
+    )
     tail = done.stdout[-4000:]
     assert done.returncode == 0, f"{' '.join(cmd)} exited {done.returncode}:\n{tail}"
     ratios = [line for line in done.stdout.splitlines() if line.startswith(f"RATIO {name} ")]

@@ -21,9 +21,19 @@ from pathlib import Path
 import httpx
 from websockets.sync.client import connect
 
-CHROMIUM_FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
-                  "--no-default-browser-check", "--disable-extensions", "--hide-scrollbars", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync"]
+CHROMIUM_FLAGS = [
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--no-first-run",
+    "--no-default-browser-check",
+    "--disable-extensions",
+    "--hide-scrollbars",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 class Browser:
@@ -31,10 +41,20 @@ class Browser:
         binary = shutil.which("chromium") or shutil.which("chromium-browser")
         assert binary, "chromium not installed: `apt-get install -y chromium` (make test does it)"
         self.profile = Path(tempfile.mkdtemp(prefix="eagle3-chromium-"))
-        self.proc = subprocess.Popen([binary, *CHROMIUM_FLAGS, f"--window-size={window[0]},{window[1]}",
-                                      "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0",
-                                      f"--user-data-dir={self.profile}", "about:blank"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [
+                binary,
+                *CHROMIUM_FLAGS,
+                f"--window-size={window[0]},{window[1]}",
+                "--remote-debugging-address=127.0.0.1",
+                "--remote-debugging-port=0",
+                f"--user-data-dir={self.profile}",
+                "about:blank",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         port_file = self.profile / "DevToolsActivePort"
         deadline = time.monotonic() + timeout_s
         while not (port_file.exists() and port_file.read_text().count("\n") >= 1):
@@ -85,7 +105,10 @@ class Browser:
             except AssertionError:  # an exception in the page, e.g. a frame not loaded yet
                 pass
             time.sleep(0.3)
-        raise AssertionError(f"page never showed {what}; url {self.js('location.href')}; text: {self.js('document.body && document.body.innerText')!r:.1500}")
+        raise AssertionError(
+            f"page never showed {what}; url {self.js('location.href')}; text: "
+            f"{self.js('document.body && document.body.innerText')!r:.1500}"
+        )
 
     def type_into(self, selector: str, text: str) -> None:
         self.js(f"document.querySelector({json.dumps(selector)}).focus()")

@@ -23,12 +23,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.hang_report import watch_logs
-
 from eagle3_data.config import DAG_ID, deep_merge, load_config
 from eagle3_devtools.cluster import CLUSTER_OVERRIDES
 from eagle3_devtools.services import kill_group, reap_leftovers
 from eagle3_devtools.stack import SAMPLE_DATA
+from tests.hang_report import watch_logs
 
 
 def deep_merged(base: dict, overrides: dict) -> dict:
@@ -44,10 +43,13 @@ RUN_TIMEOUT_S = 600
 # make cluster's small generations, checkpointed every 8 samples and 4 at a time (so a worker
 # killed mid-stage has committed parts to resume from), and a dataset whose dev outputs have
 # split BPE (so a strict gate fails: the browser test's failed run).
-CONFIG_OVERRIDES = deep_merged(CLUSTER_OVERRIDES, {
-    "generation": {"local": {"rows_per_part": 8, "in_flight_per_endpoint": 4}},
-    "datasets": [{"name": "tool_calls", "dev": {"bpe_split_rate": 0.3}}, {"name": "code"}, {"name": "chat"}],
-})
+CONFIG_OVERRIDES = deep_merged(
+    CLUSTER_OVERRIDES,
+    {
+        "generation": {"local": {"rows_per_part": 8, "in_flight_per_endpoint": 4}},
+        "datasets": [{"name": "tool_calls", "dev": {"bpe_split_rate": 0.3}}, {"name": "code"}, {"name": "chat"}],
+    },
+)
 
 
 # The test tier's Airflow timings: the DAG file does not change during a session, so the
@@ -63,7 +65,7 @@ def read_env_file(path: Path) -> dict[str, str]:
     env = {}
     for line in path.read_text().splitlines():
         if line.startswith("export "):
-            key, _, value = line[len("export "):].partition("=")
+            key, _, value = line[len("export ") :].partition("=")
             env[key] = shlex.split(value)[0] if value else ""
     return env
 
@@ -94,7 +96,9 @@ class ClusterHandle:
         return httpx.request(method, f"{self.base}/api/v2{path}", headers=headers, timeout=60, **kw)
 
     def trigger(self, run_id: str, logical_date: str | None, conf: dict) -> httpx.Response:
-        return self.api("POST", f"/dags/{DAG_ID}/dagRuns", json={"dag_run_id": run_id, "logical_date": logical_date, "conf": conf})
+        return self.api(
+            "POST", f"/dags/{DAG_ID}/dagRuns", json={"dag_run_id": run_id, "logical_date": logical_date, "conf": conf}
+        )
 
     def run(self, run_id: str) -> dict:
         r = self.api("GET", f"/dags/{DAG_ID}/dagRuns/{run_id}")
@@ -121,16 +125,25 @@ class ClusterHandle:
         return r.json()["task_instances"]
 
     def task_states(self, run_id: str) -> dict[str, str]:
-        return {f"{t['task_id']}[{t['rendered_map_index'] or t['map_index']}]": t["state"] for t in self.task_instances(run_id)}
+        return {
+            f"{t['task_id']}[{t['rendered_map_index'] or t['map_index']}]": t["state"]
+            for t in self.task_instances(run_id)
+        }
 
     def task_log(self, run_id: str, task_id: str, try_number: int, map_index: int = -1) -> str:
-        r = self.api("GET", f"/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/{task_id}/logs/{try_number}",
-                     params={"map_index": map_index, "full_content": True}, headers={"Accept": "application/json"})
+        r = self.api(
+            "GET",
+            f"/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/{task_id}/logs/{try_number}",
+            params={"map_index": map_index, "full_content": True},
+            headers={"Accept": "application/json"},
+        )
         assert r.status_code == 200, r.text
         return json.dumps(r.json()["content"])
 
     def cli(self, *argv: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
-        out = subprocess.run(list(argv), env=self.env, capture_output=True, text=True, timeout=timeout, cwd=self.workdir)
+        out = subprocess.run(
+            list(argv), env=self.env, capture_output=True, text=True, timeout=timeout, cwd=self.workdir
+        )
         if check:
             assert out.returncode == 0, f"{argv} -> {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
         return out
@@ -144,8 +157,11 @@ class ClusterHandle:
     def s3(self):
         from eagle3_data.storage import s3_client
 
-        return s3_client(self.env["AWS_ENDPOINT_URL"], access_key=self.env["AWS_ACCESS_KEY_ID"],
-                         secret_key=self.env["AWS_SECRET_ACCESS_KEY"])
+        return s3_client(
+            self.env["AWS_ENDPOINT_URL"],
+            access_key=self.env["AWS_ACCESS_KEY_ID"],
+            secret_key=self.env["AWS_SECRET_ACCESS_KEY"],
+        )
 
     def etags(self, bucket: str, prefix: str) -> dict[str, str]:
         """Every artifact object under `prefix` by ETag. Not the stages' `_lease*.json`: a
@@ -155,7 +171,9 @@ class ClusterHandle:
 
         out = {}
         for page in self.s3().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-            out.update({o["Key"]: o["ETag"] for o in page.get("Contents", []) if not is_lease(o["Key"].rsplit("/", 1)[-1])})
+            out.update(
+                {o["Key"]: o["ETag"] for o in page.get("Contents", []) if not is_lease(o["Key"].rsplit("/", 1)[-1])}
+            )
         return out
 
     def dev_stats(self) -> dict:
@@ -184,12 +202,32 @@ def cluster(tmp_path_factory) -> ClusterHandle:
     root = tmp_path_factory.mktemp("cluster")
     work, ready, log = root / "w", root / "ready", root / "launcher.log"
     watch_logs(root)  # services' and every task attempt's logs, into a timed-out test's report
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO / "include"), os.environ.get("PYTHONPATH")) if p)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO / "include"), os.environ.get("PYTHONPATH")) if p),
+    }
     with open(log, "wb") as out:
-        launcher = subprocess.Popen([sys.executable, "-m", "eagle3_devtools.cluster", "--workdir", str(work), "--ready-file", str(ready),
-                                     "--config-overrides", json.dumps(CONFIG_OVERRIDES), "--airflow-env", json.dumps(TEST_AIRFLOW_ENV)],
-                                    env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                                    preexec_fn=_term_with_parent)
+        launcher = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "eagle3_devtools.cluster",
+                "--workdir",
+                str(work),
+                "--ready-file",
+                str(ready),
+                "--config-overrides",
+                json.dumps(CONFIG_OVERRIDES),
+                "--airflow-env",
+                json.dumps(TEST_AIRFLOW_ENV),
+            ],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_term_with_parent,
+        )
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while not ready.exists():
@@ -256,13 +294,20 @@ def killed_run(cluster) -> dict:
     cfg = config(cluster)
     upload(cluster, "tool_calls", KILLED)
     upload(cluster, "code", KILLED, rows=SMALL)
-    dev = httpx.post(f"{cluster.env['EAGLE3_DEV_SERVER_URL']}/dev/config", timeout=30, json={
-        "datasets": {d.name: {"noncanonical_rate": d.dev_bpe_split_rate} for d in cfg.datasets},
-        "endpoints": {"generate": {"latency": {"dist": "fixed", "mean": 1.0}}}})
+    dev = httpx.post(
+        f"{cluster.env['EAGLE3_DEV_SERVER_URL']}/dev/config",
+        timeout=30,
+        json={
+            "datasets": {d.name: {"noncanonical_rate": d.dev_bpe_split_rate} for d in cfg.datasets},
+            "endpoints": {"generate": {"latency": {"dist": "fixed", "mean": 1.0}}},
+        },
+    )
     assert dev.status_code == 200, dev.text  # slow generation: the kill lands mid-stage
     # code passes the strict gate, so merge has data and publish writes the run report (a run in
     # which every dataset fails stops at merge, before any report index exists).
-    r = cluster.trigger(KILLED_RUN, f"{KILLED}T00:00:00Z", {"datasets": ["tool_calls", "code"], "skip_hidden_states": True, **STRICT})
+    r = cluster.trigger(
+        KILLED_RUN, f"{KILLED}T00:00:00Z", {"datasets": ["tool_calls", "code"], "skip_hidden_states": True, **STRICT}
+    )
     assert r.status_code == 200, r.text
     store = ArtifactStore(cluster.s3(), cfg.storage.bucket, cfg.storage.prefix)
     ref = StageRef(f"date={KILLED}", "generate_local", "tool_calls")
@@ -273,10 +318,17 @@ def killed_run(cluster) -> dict:
         time.sleep(0.5)
     # Map index 0: tool_calls comes first in the run's datasets (the name is rendered only once
     # the instance has finished).
-    ti = [t for t in cluster.task_instances(KILLED_RUN) if t["task_id"] == "dataset.generate_local" and t["map_index"] == 0][0]
+    ti = [
+        t
+        for t in cluster.task_instances(KILLED_RUN)
+        if t["task_id"] == "dataset.generate_local" and t["map_index"] == 0
+    ][0]
     assert ti["state"] == "running" and ti["hostname"] == "gpu-worker", ti
     kill_group(cluster.services()["worker-gpu"]["pgid"], signal.SIGKILL, grace=0)
     state = cluster.wait_run(KILLED_RUN)
-    httpx.post(f"{cluster.env['EAGLE3_DEV_SERVER_URL']}/dev/config", timeout=30, json={
-        "datasets": {d.name: {"noncanonical_rate": d.dev_bpe_split_rate} for d in cfg.datasets}})
+    httpx.post(
+        f"{cluster.env['EAGLE3_DEV_SERVER_URL']}/dev/config",
+        timeout=30,
+        json={"datasets": {d.name: {"noncanonical_rate": d.dev_bpe_split_rate} for d in cfg.datasets}},
+    )
     return {"state": state, "store": store, "date": KILLED}

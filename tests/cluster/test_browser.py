@@ -41,7 +41,9 @@ def open_report_tab(browser: Browser, cluster) -> None:
 def test_failed_run_report_tab_in_a_browser(cluster, killed_run, browser):
     from eagle3_data.storage import StageRef
 
-    expected = killed_run["store"].get_json(StageRef(f"date={killed_run['date']}", "validate", "tool_calls"), "report.json")
+    expected = killed_run["store"].get_json(
+        StageRef(f"date={killed_run['date']}", "validate", "tool_calls"), "report.json"
+    )
     open_report_tab(browser, cluster)
     shot = browser.screenshot(ARTIFACTS / "cluster-failed-run-report.png")
     assert shot.stat().st_size > 10_000
@@ -49,7 +51,8 @@ def test_failed_run_report_tab_in_a_browser(cluster, killed_run, browser):
     page = browser.js(f"""(() => {{
       const d = {REPORT};
       const heads = [...d.querySelectorAll('table.overview thead th')].map(th => th.innerText.trim());
-      const rows = [...d.querySelectorAll('table.overview tbody tr')].map(tr => [...tr.cells].map(td => td.innerText.trim()));
+      const rows = [...d.querySelectorAll('table.overview tbody tr')]
+        .map(tr => [...tr.cells].map(td => td.innerText.trim()));
       const badges = Object.fromEntries([...d.querySelectorAll('table.overview tbody tr')].map(tr => {{
         const b = tr.querySelector('span.gate');
         return [tr.cells[0].innerText.trim(), [b.innerText.trim(), getComputedStyle(b).backgroundColor]];
@@ -66,7 +69,9 @@ def test_failed_run_report_tab_in_a_browser(cluster, killed_run, browser):
     assert page["badges"]["tool_calls"] == ["failed", "rgb(198, 40, 40)"], page  # the red badge
     assert page["badges"]["code"][0] == "passed" and page["badges"]["code"][1] != "rgb(198, 40, 40)"
     # The page says where each reason comes from ("local round trip: ..."); the report's own words follow.
-    assert expected["gate"]["reasons"] and all(any(r in shown for shown in page["reasons"]) for r in expected["gate"]["reasons"]), page["reasons"]
+    assert expected["gate"]["reasons"] and all(
+        any(r in shown for shown in page["reasons"]) for r in expected["gate"]["reasons"]
+    ), page["reasons"]
     (ARTIFACTS / "cluster-failed-run-report.json").write_text(json.dumps(page, indent=1))
 
 
@@ -87,7 +92,8 @@ def test_report_tab_shows_everything_at_laptop_widths(cluster, killed_run, width
             return r.left < s.left - 0.5 || r.right > s.right + 0.5 || r.top < s.top - 0.5 || r.bottom > s.bottom + 0.5;
           }}).map(x => x.textContent);
           return {{frame: root.clientWidth, page_scroll: root.scrollWidth, table_right: t.getBoundingClientRect().right,
-                   table_scroll: t.scrollWidth, table_client: t.clientWidth, labels: d.querySelectorAll('svg text').length, cut,
+                   table_scroll: t.scrollWidth, table_client: t.clientWidth,
+                   labels: d.querySelectorAll('svg text').length, cut,
                    ui: [document.documentElement.clientWidth, document.documentElement.scrollWidth]}};
         }})()""")
     finally:

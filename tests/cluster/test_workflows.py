@@ -24,7 +24,7 @@ GPU_TASKS = {"dataset.generate_local", "dataset.score_policy", "extract_hidden_s
 
 def by_dataset(objects: dict[str, str], prefix: str, dataset: str) -> dict[str, str]:
     """Objects of one dataset: runs/{key}/{stage}/{dataset}/..."""
-    return {k: v for k, v in objects.items() if k[len(prefix):].split("/")[1:2] == [dataset]}
+    return {k: v for k, v in objects.items() if k[len(prefix) :].split("/")[1:2] == [dataset]}
 
 
 @pytest.fixture(scope="module")
@@ -77,11 +77,23 @@ def test_rerun_one_dataset_leaves_the_others_untouched(cluster, first_run):
     bucket, prefix = run_prefix(cluster, FIRST)
     before = cluster.etags(bucket, prefix)
     requests_before = cluster.generation_requests()
-    chat = [t for t in cluster.task_instances(first_run) if t["task_id"] == "dataset.load_route" and t["rendered_map_index"] == "chat"]
+    chat = [
+        t
+        for t in cluster.task_instances(first_run)
+        if t["task_id"] == "dataset.load_route" and t["rendered_map_index"] == "chat"
+    ]
     assert len(chat) == 1
-    r = cluster.api("POST", f"/dags/{DAG_ID}/clearTaskInstances", json={
-        "dag_run_id": first_run, "task_ids": [["dataset.load_route", chat[0]["map_index"]]],
-        "include_downstream": True, "dry_run": False, "only_failed": False})
+    r = cluster.api(
+        "POST",
+        f"/dags/{DAG_ID}/clearTaskInstances",
+        json={
+            "dag_run_id": first_run,
+            "task_ids": [["dataset.load_route", chat[0]["map_index"]]],
+            "include_downstream": True,
+            "dry_run": False,
+            "only_failed": False,
+        },
+    )
     assert r.status_code == 200, r.text
     cleared = {(t["task_id"], t.get("rendered_map_index")) for t in r.json()["task_instances"]}
     assert ("dataset.load_route", "code") not in cleared and ("dataset.generate_local", "code") not in cleared
@@ -93,9 +105,22 @@ def test_rerun_one_dataset_leaves_the_others_untouched(cluster, first_run):
 
 def backfill_command(days: tuple[date, date]) -> list[str]:
     """docs/dag.md's (and the README's) backfill command, for `days` and the chat dataset."""
-    return ["backfill", "create", "--dag-id", DAG_ID, "--from-date", f"{days[0]}", "--to-date", f"{days[-1]}",
-            "--reprocess-behavior", "completed", "--max-active-runs", "2",
-            "--dag-run-conf", json.dumps({"datasets": ["chat"], "skip_hidden_states": True})]
+    return [
+        "backfill",
+        "create",
+        "--dag-id",
+        DAG_ID,
+        "--from-date",
+        f"{days[0]}",
+        "--to-date",
+        f"{days[-1]}",
+        "--reprocess-behavior",
+        "completed",
+        "--max-active-runs",
+        "2",
+        "--dag-run-conf",
+        json.dumps({"datasets": ["chat"], "skip_hidden_states": True}),
+    ]
 
 
 def test_two_date_backfill_then_idempotent_reprocessing(cluster):
@@ -122,8 +147,11 @@ def test_two_date_backfill_then_idempotent_reprocessing(cluster):
     assert {r["state"] for r in again} == {"success"}, [cluster.task_states(r["dag_run_id"]) for r in again]
     assert {d: cluster.etags(bucket, run_prefix(cluster, d)[1]) for d in days} == snapshot  # 0 objects changed
     assert cluster.generation_requests() == requests_before  # 0 generation requests
-    others = [(r["run_type"], r["logical_date"], r["state"]) for r in cluster.runs()
-              if r["dag_run_id"] not in known and r["run_type"] != "backfill"]
+    others = [
+        (r["run_type"], r["logical_date"], r["state"])
+        for r in cluster.runs()
+        if r["dag_run_id"] not in known and r["run_type"] != "backfill"
+    ]
     assert others == []  # no scheduled run beside the backfill (docs/dag.md, section 3)
 
 
@@ -139,9 +167,15 @@ def run_backfill(cluster, command: list[str], *, until_complete: bool = False, t
     first, last = datetime.fromisoformat(backfill["from_date"]), datetime.fromisoformat(backfill["to_date"])
     deadline = time.monotonic() + timeout
     while True:
-        runs = [r for r in cluster.runs() if r["run_type"] == "backfill" and first <= datetime.fromisoformat(r["logical_date"]) <= last]
-        ended = runs and all(r["state"] in ("success", "failed") and r["end_date"] and datetime.fromisoformat(r["end_date"]) > created
-                             for r in runs)
+        runs = [
+            r
+            for r in cluster.runs()
+            if r["run_type"] == "backfill" and first <= datetime.fromisoformat(r["logical_date"]) <= last
+        ]
+        ended = runs and all(
+            r["state"] in ("success", "failed") and r["end_date"] and datetime.fromisoformat(r["end_date"]) > created
+            for r in runs
+        )
         if ended and until_complete:
             r = cluster.api("GET", f"/backfills/{backfill['id']}")
             assert r.status_code == 200, r.text
@@ -170,9 +204,17 @@ def test_sigkill_of_the_generating_worker_is_retried_without_loss_or_duplicates(
     local = tis["dataset.generate_local", "tool_calls"]
     assert local["state"] == "success" and local["try_number"] >= 2, local
     assert tis["dataset.reconstruct", "tool_calls"]["state"] == "success"
-    rows = store.read_table(StageRef(f"date={day}", "generate_local", "tool_calls"), columns=["sample_id"]).column("sample_id").to_pylist()
+    rows = (
+        store.read_table(StageRef(f"date={day}", "generate_local", "tool_calls"), columns=["sample_id"])
+        .column("sample_id")
+        .to_pylist()
+    )
     routed = store.read_table(StageRef(f"date={day}", "prompts", "tool_calls"))
-    want = [sid for sid, route in zip(routed.column("sample_id").to_pylist(), routed.column("route").to_pylist()) if route != "overflow"]
+    want = [
+        sid
+        for sid, route in zip(routed.column("sample_id").to_pylist(), routed.column("route").to_pylist())
+        if route != "overflow"
+    ]
     assert len(rows) == len(set(rows)), "duplicated samples"
     assert set(rows) == set(want), f"lost {len(set(want) - set(rows))} samples"
     # The run failed by its strict gate (the browser test's failed run), not by the kill.

@@ -32,13 +32,29 @@ def _processes_mentioning(text: str) -> list[str]:
 
 def test_sigterm_stops_everything(cluster):
     env = cluster.env
-    ports = {name: urlsplit(env[key].replace("db+", "").replace("postgresql+psycopg2", "postgresql")).port for name, key in [
-        ("api-server", "AIRFLOW__API__BASE_URL"), ("postgres", "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"),
-        ("redis", "AIRFLOW__CELERY__BROKER_URL"), ("s3", "AWS_ENDPOINT_URL"), ("dev server", "EAGLE3_DEV_SERVER_URL")]}
+    ports = {
+        name: urlsplit(env[key].replace("db+", "").replace("postgresql+psycopg2", "postgresql")).port
+        for name, key in [
+            ("api-server", "AIRFLOW__API__BASE_URL"),
+            ("postgres", "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"),
+            ("redis", "AIRFLOW__CELERY__BROKER_URL"),
+            ("s3", "AWS_ENDPOINT_URL"),
+            ("dev server", "EAGLE3_DEV_SERVER_URL"),
+        ]
+    }
     assert [n for n, p in ports.items() if not _port_open(p)] == [], ports  # all serving before the stop
     ports["scheduler health"] = int(env["AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_SERVER_PORT"])  # free after it
     services = cluster.services()
-    assert set(services) >= {"postgres", "redis", "api-server", "scheduler", "dag-processor", "triggerer", "worker-default", "worker-gpu"}
+    assert set(services) >= {
+        "postgres",
+        "redis",
+        "api-server",
+        "scheduler",
+        "dag-processor",
+        "triggerer",
+        "worker-default",
+        "worker-gpu",
+    }
 
     cluster.launcher.send_signal(signal.SIGTERM)
     assert cluster.launcher.wait(180) == 0

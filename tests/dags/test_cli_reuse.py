@@ -1,6 +1,7 @@
 """One wiring: the CLI's stage commands and the DAG run the same stage functions with the same
 params, so a stage either one commits is reused by the other, for every stage of a run:
-generation (local and overflow), reconstruct, the policy check's scoring, validate, merge and hidden states. Reused means
+generation (local and overflow), reconstruct, the policy check's scoring, validate, merge and hidden states.
+Reused means
 nothing is requested again and no manifest is rewritten (same manifest sha256, same ETag)."""
 
 from __future__ import annotations
@@ -16,8 +17,17 @@ pytestmark = pytest.mark.slow
 
 SAMPLES = 4
 DATASET = "chat"
-STAGES = ("audit", "prompts", "generate_local", "generate_overflow", "reconstruct", "score_policy", "validate", "merge",
-          "hidden_states")
+STAGES = (
+    "audit",
+    "prompts",
+    "generate_local",
+    "generate_overflow",
+    "reconstruct",
+    "score_policy",
+    "validate",
+    "merge",
+    "hidden_states",
+)
 OVERRIDES = {
     "generation": {"sampling": {"max_new_tokens": 96}, "local": {"rows_per_part": 2}, "overflow": {"rows_per_part": 2}},
     "routing": {"overflow_fraction": 0.5, "calibration_samples": 0},
@@ -78,7 +88,10 @@ def _cli(stack, run_key: str) -> None:
     run = f"s3://{store.bucket}/{store.prefix}/runs/{run_key}"
     config = ["--config", str(stack.config_path)]
     assert main(["reconstruct", *config, "--input", f"{run}/generate_overflow/{DATASET}"]) == 0
-    assert main(["score-policy", *config, "--input", f"{run}/reconstruct/{DATASET}", "--endpoint", stack.inference_url]) == 0
+    assert (
+        main(["score-policy", *config, "--input", f"{run}/reconstruct/{DATASET}", "--endpoint", stack.inference_url])
+        == 0
+    )
     assert main(["validate", *config, "--input", f"{run}/reconstruct/{DATASET}"]) == 0
     assert main(["merge", *config, "--input", f"{run}/validate/{DATASET}"]) == 0
     assert main(["extract", *config, "--input", f"{run}/merge/all"]) == 0

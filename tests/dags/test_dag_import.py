@@ -74,7 +74,10 @@ def test_dag_wiring():
     assert tasks["dataset.load_route"].upstream_task_ids == {"audit_tokenizer"}
     # local and overflow generation run side by side from the routed prompts; reconstruct waits for both
     # (every task of the mapped group also depends on audit_tokenizer, which it is expanded over)
-    upstream = {t: tasks[f"dataset.{t}"].upstream_task_ids - {"audit_tokenizer"} for t in ("generate_local", "generate_overflow", "reconstruct")}
+    upstream = {
+        t: tasks[f"dataset.{t}"].upstream_task_ids - {"audit_tokenizer"}
+        for t in ("generate_local", "generate_overflow", "reconstruct")
+    }
     assert upstream["generate_local"] == upstream["generate_overflow"] == {"dataset.load_route"}
     assert upstream["reconstruct"] == {"dataset.generate_local", "dataset.generate_overflow"}
     # the policy check scores reconstructed answers; the gate decides on its figures

@@ -29,7 +29,11 @@ SAMPLES = 5  # prompts per dataset
 MAX_NEW = 200  # long enough that the dev model finishes (a cut tool call cannot be reconstructed)
 PER_DATASET_STAGES = ("prompts", "generate_local", "generate_overflow", "reconstruct", "validate")
 OVERRIDES = {
-    "generation": {"sampling": {"max_new_tokens": MAX_NEW}, "local": {"rows_per_part": 2}, "overflow": {"rows_per_part": 2}},
+    "generation": {
+        "sampling": {"max_new_tokens": MAX_NEW},
+        "local": {"rows_per_part": 2},
+        "overflow": {"rows_per_part": 2},
+    },
     "routing": {"overflow_fraction": 0.4, "calibration_samples": 1},
     "merge": {"max_length": 512, "shard_tokens": 1024},
     "hidden_states": {"workers": 2},  # two GPU-worker tasks, each loading the model once for its shards
@@ -45,8 +49,13 @@ OVERRIDES = {
 def stack(tmp_path_factory, airflow_db):
     global _EVENTS_BEFORE
     _EVENTS_BEFORE = _last_asset_event_id()  # another module's runs of the DAG (tests/engine) are not this story's
-    with dag_stack(tmp_path_factory.mktemp("e2e"), ("tool_calls", "code", "chat"), SAMPLES, f"{DATE:%Y-%m-%d}",
-                   config_overrides=OVERRIDES) as s:
+    with dag_stack(
+        tmp_path_factory.mktemp("e2e"),
+        ("tool_calls", "code", "chat"),
+        SAMPLES,
+        f"{DATE:%Y-%m-%d}",
+        config_overrides=OVERRIDES,
+    ) as s:
         yield s
 
 
@@ -70,7 +79,10 @@ def _states(dag_run) -> dict[tuple[str, str], str]:
     from airflow.utils.session import create_session
 
     with create_session() as session:
-        return {(ti.task_id, ti.rendered_map_index or str(ti.map_index)): str(ti.state) for ti in dag_run.get_task_instances(session=session)}
+        return {
+            (ti.task_id, ti.rendered_map_index or str(ti.map_index)): str(ti.state)
+            for ti in dag_run.get_task_instances(session=session)
+        }
 
 
 def _objects(stack, dataset: str | None = None) -> dict[str, tuple[str, int, str]]:
@@ -129,7 +141,9 @@ def _clear(dag, run_id: str, task_id: str, map_index: int) -> list[str]:
 
     sdag = DagSerialization.deserialize_dag(DagSerialization.serialize_dag(dag))
     with create_session() as session:
-        relatives = find_relevant_relatives([], [(task_id, map_index)], direction="downstream", dag=sdag, run_id=run_id, session=session)
+        relatives = find_relevant_relatives(
+            [], [(task_id, map_index)], direction="downstream", dag=sdag, run_id=run_id, session=session
+        )
         markers = [(task_id, map_index), *relatives]
         tis = sdag.clear(dry_run=True, task_ids=markers, run_id=run_id, session=session)
         clear_task_instances(list(tis), session, dag_run_state=False)
@@ -155,7 +169,9 @@ def test_full_run_one_gate_fails_others_complete(stack, dag):
     assert not report["run_gate"]["passed"]
     assert any("bpe_only rate" in r for r in report["run_gate"]["reasons"]), report["run_gate"]
     calibration = report["calibration"]  # the one sample routed "both": split ids, same text
-    assert calibration["samples"] == 1 and calibration["missing"] == [] and calibration["text_disagreements"] == [], calibration
+    assert calibration["samples"] == 1 and calibration["missing"] == [] and calibration["text_disagreements"] == [], (
+        calibration
+    )
     merged = store.read_manifest(StageRef(RUN_KEY, "merge", "all"))
     assert sorted(merged["extra"]["datasets"]) == ["code", "tool_calls"]
     hs = store.read_manifest(StageRef(RUN_KEY, "hidden_states", "all"))
@@ -193,7 +209,9 @@ def test_clear_one_dataset_reruns_only_it(stack, dag):
     assert gen and all(after[k] == v for k, v in gen.items())  # paid work reused
     assert any(after.get(k) != v for k, v in before["chat"].items() if "/validate/" in k)
     events = _asset_events()
-    assert len(events) == 1 and events[0]["run_key"] == RUN_KEY and events[0]["datasets"] == ["tool_calls", "code", "chat"]
+    assert (
+        len(events) == 1 and events[0]["run_key"] == RUN_KEY and events[0]["datasets"] == ["tool_calls", "code", "chat"]
+    )
     # a run on stand-ins says so: in the event training DAGs read, in every manifest, in the report
     stand_ins = ["tokenizer", "model", "local_engine", "overflow_provider"]
     assert events[0]["stand_ins"] == stand_ins
@@ -259,7 +277,9 @@ def test_clear_of_a_successful_run_reuses_everything(stack, dag):
 # -- 4. trigger-form rerun of one dataset: datasets=[chat] ----------------------------------------
 def test_form_rerun_of_one_dataset(stack, dag):
     before = {ds: _objects(stack, ds) for ds in ("tool_calls", "code")}
-    dr = dag.test(logical_date=DATE, run_conf={"datasets": ["chat"], "max_bpe_mismatch_rate": 1.0, "max_billing_deviation": 0.999})
+    dr = dag.test(
+        logical_date=DATE, run_conf={"datasets": ["chat"], "max_bpe_mismatch_rate": 1.0, "max_billing_deviation": 0.999}
+    )
     states = _states(dr)
     assert str(dr.state).endswith("success"), states
     assert {name for (tid, name) in states if tid == "dataset.validate"} == {"chat"}
@@ -268,8 +288,15 @@ def test_form_rerun_of_one_dataset(stack, dag):
     store = _store(stack)
     from eagle3_data.storage import StageRef
 
-    assert store.read_manifest(StageRef(RUN_KEY, "validate", "chat"))["params"]["thresholds"]["max_billing_deviation"] == 0.999
-    assert sorted(store.read_manifest(StageRef(RUN_KEY, "merge", "all"))["extra"]["datasets"]) == ["chat", "code", "tool_calls"]
+    assert (
+        store.read_manifest(StageRef(RUN_KEY, "validate", "chat"))["params"]["thresholds"]["max_billing_deviation"]
+        == 0.999
+    )
+    assert sorted(store.read_manifest(StageRef(RUN_KEY, "merge", "all"))["extra"]["datasets"]) == [
+        "chat",
+        "code",
+        "tool_calls",
+    ]
 
 
 # -- 5. wrong special-token expectation: fails at the audit, before any request -------------------
@@ -288,10 +315,16 @@ def test_wrong_special_id_fails_before_any_request(stack, dag, tmp_path):
     assert states[("audit_tokenizer", "-1")] == "failed"
     # merge and publish run on all_done and fail naming the audit; everything else never started
     assert states[("merge", "-1")] == "failed" and states[("publish", "-1")] == "failed"
-    assert all(s in ("upstream_failed", "skipped") for (tid, _), s in states.items()
-               if tid not in ("audit_tokenizer", "merge", "publish")), states
+    assert all(
+        s in ("upstream_failed", "skipped")
+        for (tid, _), s in states.items()
+        if tid not in ("audit_tokenizer", "merge", "publish")
+    ), states
     assert stack.server_stats()["requests"] == requests_before
-    report = _store(stack).get_json(__import__("eagle3_data.storage", fromlist=["StageRef"]).StageRef("bad-audit", "audit", "tokenizer"), "report.json")
+    report = _store(stack).get_json(
+        __import__("eagle3_data.storage", fromlist=["StageRef"]).StageRef("bad-audit", "audit", "tokenizer"),
+        "report.json",
+    )
     assert any("163533" in p and "chas" in p for p in report["problems"]), report["problems"]
 
 
@@ -302,8 +335,15 @@ def test_invalid_params_refused(dag):
     from airflow.serialization.serialized_objects import DagSerialization
 
     params = DagSerialization.deserialize_dag(DagSerialization.serialize_dag(dag)).params
-    bad_confs = ({"overflow_fraction": 1.5}, {"datasets": ["nope"]}, {"layer_convention": "middle"}, {"max_usd": -1},
-                 {"run_name": "a/b"}, {"max_bpe_mismatch_rate": 2}, {"dry_run": "yes"})
+    bad_confs = (
+        {"overflow_fraction": 1.5},
+        {"datasets": ["nope"]},
+        {"layer_convention": "middle"},
+        {"max_usd": -1},
+        {"run_name": "a/b"},
+        {"max_bpe_mismatch_rate": 2},
+        {"dry_run": "yes"},
+    )
     for bad in bad_confs:
         with pytest.raises(ParamValidationError):
             params.deep_merge(bad).validate()
@@ -340,7 +380,9 @@ def test_run_without_logical_date_reads_the_newest_partition_and_says_so(stack, 
 
     bucket, _, prefix = load_config(stack.config_path).dataset("chat").prompts.removeprefix("s3://").partition("/")
     newer = "".join(json.dumps({"messages": [{"role": "user", "content": f"newer {i}"}]}) + "\n" for i in range(2))
-    stack.client().put_object(Bucket=bucket, Key=f"{prefix.rstrip('/')}/chat/date=2026-11-02/chat.jsonl", Body=newer.encode())
+    stack.client().put_object(
+        Bucket=bucket, Key=f"{prefix.rstrip('/')}/chat/date=2026-11-02/chat.jsonl", Body=newer.encode()
+    )
     requests_before = stack.server_stats()["requests"]
     dr = dag.test(logical_date=None, run_conf={"run_name": "undated", "dry_run": True, "datasets": ["chat", "code"]})
     assert str(dr.state).endswith("success"), _states(dr)
@@ -360,7 +402,10 @@ def test_dry_run_plans_without_spend(stack, dag):
 
     plan = _store(stack).get_json(StageRef("plan-only", "plan", "all"), "plan.json")
     assert set(plan["datasets"]) == {"tool_calls", "code", "chat"}
-    assert plan["totals"]["prompt_tokens"] > 0 and plan["totals"]["max_output_tokens"] == 3 * SAMPLES * MAX_NEW + 3 * MAX_NEW
+    assert (
+        plan["totals"]["prompt_tokens"] > 0
+        and plan["totals"]["max_output_tokens"] == 3 * SAMPLES * MAX_NEW + 3 * MAX_NEW
+    )
     # every routing strategy's expected wall time and cost, for the run and for each dataset
     assert set(plan["strategies"]) == {"fraction", "capacity", "balanced"}
     assert all(set(p["estimate"]["strategies"]) == set(plan["strategies"]) for p in plan["datasets"].values())
@@ -382,7 +427,9 @@ def test_thinking_off_run_passes_without_think_tokens(stack, dag, tmp_path):
     path = _with_config(stack, tmp_path, lambda raw: raw["generation"]["sampling"].update(thinking=False))
     os.environ["EAGLE3_CONFIG"] = str(path)
     try:
-        dr = dag.test(logical_date=DATE, run_conf={"run_name": "no-think", "datasets": ["code"], "skip_hidden_states": True})
+        dr = dag.test(
+            logical_date=DATE, run_conf={"run_name": "no-think", "datasets": ["code"], "skip_hidden_states": True}
+        )
     finally:
         os.environ["EAGLE3_CONFIG"] = str(stack.config_path)
     states = _states(dr)
@@ -401,9 +448,13 @@ def test_server_stopping_on_the_wrong_id_fails_the_gate_naming_it(stack, dag):
     import httpx
 
     rates = {d.name: {"noncanonical_rate": d.dev_bpe_split_rate} for d in load_config(stack.config_path).datasets}
-    httpx.post(f"{stack.inference_url}/dev/config", json={"stop_id_override": 163533, "datasets": rates}, timeout=30).raise_for_status()
+    httpx.post(
+        f"{stack.inference_url}/dev/config", json={"stop_id_override": 163533, "datasets": rates}, timeout=30
+    ).raise_for_status()
     try:
-        dr = dag.test(logical_date=DATE, run_conf={"run_name": "wrong-stop", "datasets": ["code"], "skip_hidden_states": True})
+        dr = dag.test(
+            logical_date=DATE, run_conf={"run_name": "wrong-stop", "datasets": ["code"], "skip_hidden_states": True}
+        )
     finally:
         httpx.post(f"{stack.inference_url}/dev/config", json={"datasets": rates}, timeout=30).raise_for_status()
     assert _states(dr)[("dataset.validate", "code")] == "failed"
@@ -426,8 +477,12 @@ def _training_data_events(session):
     """The `eagle3_training_data` Asset events, oldest first."""
     from airflow.models.asset import AssetEvent, AssetModel
 
-    return (session.query(AssetEvent).join(AssetModel, AssetEvent.asset_id == AssetModel.id)
-            .filter(AssetModel.name == "eagle3_training_data").order_by(AssetEvent.id))
+    return (
+        session.query(AssetEvent)
+        .join(AssetModel, AssetEvent.asset_id == AssetModel.id)
+        .filter(AssetModel.name == "eagle3_training_data")
+        .order_by(AssetEvent.id)
+    )
 
 
 def _last_asset_event_id() -> int:
@@ -463,8 +518,6 @@ def _run(run_id: str):
         return dr
 
 
-
-
 def test_image_prompts_run_through_the_dag(stack, tmp_path, kimi_tokenizer):
     """include/sample_data/images.jsonl (every image layout) through the whole DAG on the dev
     server: each sample's prompt ids are what transformers' Kimi-K2.5 processor makes of its
@@ -480,8 +533,11 @@ def test_image_prompts_run_through_the_dag(stack, tmp_path, kimi_tokenizer):
     from eagle3_devtools.stack import SAMPLE_DATA, upload_prompts
     from tests.image_oracle import processor_ids
 
-    path = _with_config(stack, tmp_path, lambda raw: raw["datasets"].append(
-        {"name": "images", "validation": {"allow_unvalidated_overflow": True}}))  # no local answers: docs/images.md
+    path = _with_config(
+        stack,
+        tmp_path,
+        lambda raw: raw["datasets"].append({"name": "images", "validation": {"allow_unvalidated_overflow": True}}),
+    )  # no local answers: docs/images.md
     upload_prompts(stack.client(), load_config(path), f"{DATE:%Y-%m-%d}", {"images": SAMPLE_DATA / "images.jsonl"})
     os.environ["EAGLE3_CONFIG"] = str(path)
     try:
@@ -490,13 +546,17 @@ def test_image_prompts_run_through_the_dag(stack, tmp_path, kimi_tokenizer):
         from tests.fixtures.airflow import REPO
 
         dag = DagBag(dag_folder=str(REPO / "dags")).dags[DAG_ID]  # parsed with the dataset in its form
-        dr = dag.test(logical_date=DATE, run_conf={"run_name": "images", "datasets": ["images"], "skip_hidden_states": True})
+        dr = dag.test(
+            logical_date=DATE, run_conf={"run_name": "images", "datasets": ["images"], "skip_hidden_states": True}
+        )
     finally:
         os.environ["EAGLE3_CONFIG"] = str(stack.config_path)
     assert str(dr.state).endswith("success"), _states(dr)
     store = _store(stack)
     pad = kimi_tokenizer.convert_tokens_to_ids("<|media_pad|>")
-    rows = [r for stage in ("generate_local", "reconstruct") for r in stage_rows(store, "images", stage, "images").values()]
+    rows = [
+        r for stage in ("generate_local", "reconstruct") for r in stage_rows(store, "images", stage, "images").values()
+    ]
     sources = Counter()
     for row in rows:
         assert row["status"] == "ok", row
@@ -511,8 +571,11 @@ def test_image_prompts_run_through_the_dag(stack, tmp_path, kimi_tokenizer):
     assert prompts["overflow"] == 4 and prompts["images_to_overflow"] > 0 and "local" not in prompts, prompts
     merge = StageRef("images", "merge", "all")
     images = read_merged_images(store, merge)
-    records = [r for s in store.read_manifest(merge)["extra"]["shards"]
-               for r in pq.read_table(io.BytesIO(store.read_object(merge, s["name"]))).to_pylist()]
+    records = [
+        r
+        for s in store.read_manifest(merge)["extra"]["shards"]
+        for r in pq.read_table(io.BytesIO(store.read_object(merge, s["name"]))).to_pylist()
+    ]
     assert records and {r["sample_id"] for r in records} <= set(images)
     for r in records:
         pads = [k for k, t in enumerate(r["input_ids"]) if t == pad]
@@ -522,8 +585,9 @@ def test_image_prompts_run_through_the_dag(stack, tmp_path, kimi_tokenizer):
     assert entry.generation["images"]["image_rows"] == 4 and entry.generation["images"]["media_tokens"] > 0
 
 
-@pytest.mark.parametrize("mode,history", [("final_turn", "dataset"), ("every_turn", "regenerated"),
-                                          ("trajectory", "dataset")])
+@pytest.mark.parametrize(
+    "mode,history", [("final_turn", "dataset"), ("every_turn", "regenerated"), ("trajectory", "dataset")]
+)
 def test_conversations_run_through_the_dag_in_every_mode(mode, history, stack, tmp_path, kimi_tokenizer):
     """include/sample_data/conversations.jsonl through the whole DAG (local and overflow, gates,
     merge) with the run's `regenerate` and `history` params: every merged record equals the
@@ -540,8 +604,16 @@ def test_conversations_run_through_the_dag_in_every_mode(mode, history, stack, t
         from tests.fixtures.airflow import REPO
 
         dag = DagBag(dag_folder=str(REPO / "dags")).dags[DAG_ID]  # parsed with the dataset in its form
-        dr = dag.test(logical_date=DATE, run_conf={"run_name": run_name, "datasets": ["conversations"], "regenerate": mode,
-                                                   "history": history, "skip_hidden_states": mode != "trajectory"})
+        dr = dag.test(
+            logical_date=DATE,
+            run_conf={
+                "run_name": run_name,
+                "datasets": ["conversations"],
+                "regenerate": mode,
+                "history": history,
+                "skip_hidden_states": mode != "trajectory",
+            },
+        )
     finally:
         os.environ["EAGLE3_CONFIG"] = str(stack.config_path)
     states = _states(dr)
@@ -555,13 +627,21 @@ def test_conversations_run_through_the_dag_in_every_mode(mode, history, stack, t
     if mode == "trajectory":  # every user turn kept, every spliced tool result the one recorded for its call
         assert check_spliced_results(store, run_name, "conversations") > 0
         merged = Counter(store.read_manifest(StageRef(run_name, "merge", "all"))["extra"]["datasets"]["conversations"])
-        user_turns = sum(m["role"] == "user" for r in map(json.loads, CONVERSATIONS.read_text().splitlines())
-                         for m in r.get("messages", [])) + sum(
-            t["from"] == "human" for r in map(json.loads, CONVERSATIONS.read_text().splitlines())
-            for t in r.get("conversations", []))
+        user_turns = sum(
+            m["role"] == "user"
+            for r in map(json.loads, CONVERSATIONS.read_text().splitlines())
+            for m in r.get("messages", [])
+        ) + sum(
+            t["from"] == "human"
+            for r in map(json.loads, CONVERSATIONS.read_text().splitlines())
+            for t in r.get("conversations", [])
+        )
         assert merged["trajectory_samples_dropped"] == 0 and merged["trajectory_samples"] >= user_turns, merged
-        assert merged["trajectory_samples"] == (merged["trajectory_samples_whole"] + merged["trajectory_samples_cut"]
-                                                + merged["trajectory_samples_unfolded"]), merged
+        assert merged["trajectory_samples"] == (
+            merged["trajectory_samples_whole"]
+            + merged["trajectory_samples_cut"]
+            + merged["trajectory_samples_unfolded"]
+        ), merged
 
     # the gate and the billing check are per turn: every local turn's ids validated, every overflow turn billed
     from eagle3_data.pipeline.validate import BILLING_REPORT, VALIDATION_REPORT

@@ -50,8 +50,11 @@ def test_sglang_hook_refuses_a_non_url_endpoint(monkeypatch):
 
 @pytest.mark.parametrize(
     "host, base_url",
-    [("http://127.0.0.1:9/v1", "http://127.0.0.1:9/v1"), ("openrouter.ai/api/v1", "https://openrouter.ai/api/v1"),
-     (None, "https://openrouter.ai/api/v1")],
+    [
+        ("http://127.0.0.1:9/v1", "http://127.0.0.1:9/v1"),
+        ("openrouter.ai/api/v1", "https://openrouter.ai/api/v1"),
+        (None, "https://openrouter.ai/api/v1"),
+    ],
 )
 def test_openrouter_hook_base_url_and_key(monkeypatch, host, base_url):
     from hooks.openrouter import OpenRouterHook
@@ -61,8 +64,8 @@ def test_openrouter_hook_base_url_and_key(monkeypatch, host, base_url):
 
 
 def test_hooks_declare_their_forms():
-    from hooks.openrouter import OpenRouterHook
     from hooks.local_engine import LocalEngineHook
+    from hooks.openrouter import OpenRouterHook
 
     for hook in (LocalEngineHook, OpenRouterHook):
         ui = hook.get_ui_field_behaviour()

@@ -21,8 +21,10 @@ SAMPLES = 10
 ANSWERED_FIRST = 4  # answered (two parts of two rows committed) before the engine hangs
 IN_FLIGHT = 2
 OVERRIDES = {
-    "generation": {"sampling": {"max_new_tokens": 48},
-                   "local": {"rows_per_part": 2, "in_flight_per_endpoint": IN_FLIGHT}},
+    "generation": {
+        "sampling": {"max_new_tokens": 48},
+        "local": {"rows_per_part": 2, "in_flight_per_endpoint": IN_FLIGHT},
+    },
     # the rate the timeout is sized from (no earlier run measured one): 2 in flight / 0.5 s
     "routing": {"overflow_fraction": 0.0, "calibration_samples": 0, "local_latency_s": 0.5},
     "validation": {"max_bpe_mismatch_rate": 1.0},
@@ -33,8 +35,9 @@ OVERRIDES = {
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, airflow_db):
-    with dag_stack(tmp_path_factory.mktemp("timeout"), ("chat",), SAMPLES, f"{DATE:%Y-%m-%d}",
-                   config_overrides=OVERRIDES) as s:
+    with dag_stack(
+        tmp_path_factory.mktemp("timeout"), ("chat",), SAMPLES, f"{DATE:%Y-%m-%d}", config_overrides=OVERRIDES
+    ) as s:
         yield s
 
 
@@ -47,8 +50,11 @@ def test_a_hung_generation_task_is_killed_retried_and_resumes(stack):
     from eagle3_data.storage import StageRef
 
     # the engine answers ANSWERED_FIRST requests, then accepts IN_FLIGHT more and never answers them
-    r = httpx.post(f"{stack.inference_url}/dev/config", timeout=10, json={"endpoints": {"generate": {
-        "stall_after": ANSWERED_FIRST, "stall_requests": IN_FLIGHT, "stall_s": 3600}}})
+    r = httpx.post(
+        f"{stack.inference_url}/dev/config",
+        timeout=10,
+        json={"endpoints": {"generate": {"stall_after": ANSWERED_FIRST, "stall_requests": IN_FLIGHT, "stall_s": 3600}}},
+    )
     assert r.status_code == 200, r.text
     dag = DagBag(dag_folder=str(__import__("tests.fixtures.airflow", fromlist=["REPO"]).REPO / "dags")).dags[DAG_ID]
     dr = dag.test(logical_date=DATE, run_conf={"skip_hidden_states": True})
@@ -57,14 +63,19 @@ def test_a_hung_generation_task_is_killed_retried_and_resumes(stack):
     with create_session() as session:
         tis = {ti.task_id: ti for ti in dr.get_task_instances(session=session)}
         local = tis["dataset.generate_local"]
-        history = session.query(TaskInstanceHistory).filter_by(
-            dag_id=DAG_ID, run_id=dr.run_id, task_id="dataset.generate_local").all()
+        history = (
+            session.query(TaskInstanceHistory)
+            .filter_by(dag_id=DAG_ID, run_id=dr.run_id, task_id="dataset.generate_local")
+            .all()
+        )
     assert str(local.state).endswith("success") and local.try_number == 2  # killed once, then retried
     assert [str(h.state) for h in history] == ["failed"] or [str(h.state).split(".")[-1] for h in history] == ["failed"]
 
     store = open_store(load_config(stack.config_path), stack.client())
     manifest = store.read_manifest(StageRef(RUN_KEY, "generate_local", "chat"))
-    assert manifest["rows"] == SAMPLES and manifest["extra"]["counts"]["ok"] == SAMPLES - ANSWERED_FIRST  # this attempt's
+    assert (
+        manifest["rows"] == SAMPLES and manifest["extra"]["counts"]["ok"] == SAMPLES - ANSWERED_FIRST
+    )  # this attempt's
     rows = store.read_table(StageRef(RUN_KEY, "generate_local", "chat")).to_pylist()
     assert sorted(r["status"] for r in rows) == ["ok"] * SAMPLES
     assert manifest["extra"]["writer"]["resumed_parts"] == ANSWERED_FIRST // 2  # the first attempt's parts kept

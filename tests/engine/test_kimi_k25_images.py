@@ -72,8 +72,12 @@ def pixels(vllm_python, tiny_kimi_k25_dir, tmp_path_factory) -> dict:
         (folder / name).write_bytes(data)
         paths.append(str(folder / name))
     out = folder / "pixels.safetensors"
-    subprocess.run([vllm_python, "-c", PIXELS, str(tiny_kimi_k25_dir), str(out), *paths], check=True,
-                   capture_output=True, timeout=600)
+    subprocess.run(
+        [vllm_python, "-c", PIXELS, str(tiny_kimi_k25_dir), str(out), *paths],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     t = load_file(str(out))
     return {name: (t[f"pixel_values_{i}"], t[f"grid_thws_{i}"]) for i, name in enumerate(IMAGES)}
 
@@ -85,18 +89,27 @@ def media_tokens(grid_thw: torch.Tensor) -> int:
 
 def prompt(tokenizer, parts: list, pixels: dict) -> list[int]:
     """A user turn of text and images (K2.5's media wrapper, pads expanded), then the assistant's start."""
+
     def enc(text):
         return tokenizer.encode(text, add_special_tokens=False)
 
-    ids = [tokenizer.convert_tokens_to_ids("<|im_user|>")] + enc("user") + [tokenizer.convert_tokens_to_ids("<|im_middle|>")]
+    ids = (
+        [tokenizer.convert_tokens_to_ids("<|im_user|>")]
+        + enc("user")
+        + [tokenizer.convert_tokens_to_ids("<|im_middle|>")]
+    )
     for part in parts:
         if part in IMAGES:
             n = media_tokens(pixels[part][1])
             ids += [MEDIA["begin"]] + enc("image") + [MEDIA["content"]] + [MEDIA["pad"]] * n + [MEDIA["end"]]
         else:
             ids += enc(part)
-    return ids + [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|im_assistant|>")] + enc("assistant") + [
-        tokenizer.convert_tokens_to_ids("<|im_middle|>")]
+    return (
+        ids
+        + [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|im_assistant|>")]
+        + enc("assistant")
+        + [tokenizer.convert_tokens_to_ids("<|im_middle|>")]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -116,8 +129,10 @@ def reference(tiny_kimi_k25_dir):
 def reference_states(model, ids, images, pixels):
     kwargs = {}
     if images:
-        kwargs = {"pixel_values": torch.cat([pixels[n][0] for n in images]).float(),
-                  "image_grid_thw": torch.cat([pixels[n][1] for n in images])}
+        kwargs = {
+            "pixel_values": torch.cat([pixels[n][0] for n in images]).float(),
+            "image_grid_thw": torch.cat([pixels[n][1] for n in images]),
+        }
     with torch.no_grad():
         return model.model(input_ids=torch.tensor([ids]), output_hidden_states=True, **kwargs).hidden_states
 
@@ -149,7 +164,8 @@ def test_hf_backend_batches_image_samples_like_one_forward_each(tiny_kimi_k25_di
 
 
 def test_states_of_image_samples_equal_transformers_forward_with_the_same_pixels(
-        image_backend, reference, pixels, kimi_tokenizer):
+    image_backend, reference, pixels, kimi_tokenizer
+):
     batch = [prompt(kimi_tokenizer, parts, pixels) for parts in SAMPLES]
     images = [[IMAGES[p] for p in parts if p in IMAGES] for parts in SAMPLES]
     states = image_backend.forward(batch, INDICES, last_hidden=True, images=images)  # ids checked against the engine's
@@ -168,14 +184,14 @@ def test_states_of_image_samples_equal_transformers_forward_with_the_same_pixels
 
 
 def test_an_unexpanded_placeholder_is_a_failure_naming_the_first_differing_position(
-        image_backend, pixels, kimi_tokenizer):
+    image_backend, pixels, kimi_tokenizer
+):
     """One `<|media_pad|>` where the processor gives n: the engine expands it itself, so the ids it
     saw are not ours; the failure names the position after our single pad."""
     ids = prompt(kimi_tokenizer, ["a", "What is it?"], pixels)
     first = ids.index(MEDIA["pad"])
     n = media_tokens(pixels["a"][1])
     assert n > 1
-    short = ids[: first + 1] + ids[first + n:]
+    short = ids[: first + 1] + ids[first + n :]
     with pytest.raises(PromptIdsDiffer, match=f"at position {first + 1} "):
         image_backend.forward([short], INDICES, last_hidden=False, images=[[IMAGES["a"]]])
-

@@ -32,28 +32,44 @@ SAMPLES = 48  # 24 local, 24 overflow
 
 
 def _run(kimi_tokenizer_dir, run_key: str) -> Run:
-    config = load_config().with_overrides({
-        "tokenizer": {"source": str(kimi_tokenizer_dir)},
-        "generation": {
-            "sampling": {"temperature": 1.0, "max_new_tokens": 24, "sampling_seed": 7},  # the same text every run
-            "local": {"engine": "vllm", "rows_per_part": 64},
-            # vLLM answers without usage.cost: priced from the config, the budget still binds
-            # fallbacks allowed: any provider (a vLLM server names none); the model's name is checked
-            "overflow": {"model": SERVED_MODEL_NAME, "provider": {"allow_fallbacks": True}, "concurrency": 8,
-                         "price_usd_per_mtok": {"prompt": 1.0, "completion": 1.0}},
+    config = load_config().with_overrides(
+        {
+            "tokenizer": {"source": str(kimi_tokenizer_dir)},
+            "generation": {
+                "sampling": {"temperature": 1.0, "max_new_tokens": 24, "sampling_seed": 7},  # the same text every run
+                "local": {"engine": "vllm", "rows_per_part": 64},
+                # vLLM answers without usage.cost: priced from the config, the budget still binds
+                # fallbacks allowed: any provider (a vLLM server names none); the model's name is checked
+                "overflow": {
+                    "model": SERVED_MODEL_NAME,
+                    "provider": {"allow_fallbacks": True},
+                    "concurrency": 8,
+                    "price_usd_per_mtok": {"prompt": 1.0, "completion": 1.0},
+                },
+            },
+            # a random model's text is rarely its tokenizer's canonical split, and re-splits move the
+            # billed count: measured and reported here, not what this test is about
+            "validation": {"max_bpe_mismatch_rate": 1.0, "max_billing_deviation": 1.0},
+            "datasets": [{"name": DATASET}],
         },
-        # a random model's text is rarely its tokenizer's canonical split, and re-splits move the
-        # billed count: measured and reported here, not what this test is about
-        "validation": {"max_bpe_mismatch_rate": 1.0, "max_billing_deviation": 1.0},
-        "datasets": [{"name": DATASET}],
-    }, where="test")
+        where="test",
+    )
     return Run(config=config, run_key=run_key, date=None, datasets=[DATASET], dry_run=False, skip_hidden_states=True)
 
 
 def _prompts(store, run: Run) -> None:
-    rows = [{"sample_id": f"p{i:03d}", "dataset": DATASET, "sample_index": i, "source_id": None,
-             "messages": json.dumps([{"role": "user", "content": f"Tell me about city number {i}."}]), "tools": None,
-             "route": "overflow" if i % 2 else "local"} for i in range(SAMPLES)]
+    rows = [
+        {
+            "sample_id": f"p{i:03d}",
+            "dataset": DATASET,
+            "sample_index": i,
+            "source_id": None,
+            "messages": json.dumps([{"role": "user", "content": f"Tell me about city number {i}."}]),
+            "tools": None,
+            "route": "overflow" if i % 2 else "local",
+        }
+        for i in range(SAMPLES)
+    ]
     with StageWriter(store, run_ref(run, PROMPTS), "prompts", rows_per_part=64) as w:
         w.write(rows)
         w.commit()
@@ -78,18 +94,23 @@ def _through_the_gate(store, run: Run, local_url: str, provider_url: str):
 
 
 def test_the_targets_own_text_passes(store, vllm_server, kimi_tokenizer_dir):
-    policy, validate = _through_the_gate(store, _run(kimi_tokenizer_dir, "policy-same"), vllm_server.url, vllm_server.url)
+    policy, validate = _through_the_gate(
+        store, _run(kimi_tokenizer_dir, "policy-same"), vllm_server.url, vllm_server.url
+    )
     result = validate()
     assert result.gate.passed, result.gate
     assert abs(policy.gap_nats_per_token) < 0.25, policy
     assert any(n.startswith("policy: mean log-probability") for n in result.gate.notes), result.gate.notes
-    power = next(n for n in result.gate.notes if n.startswith("policy power: sampled answers (24 + 24): detects a shift"))
+    power = next(
+        n for n in result.gate.notes if n.startswith("policy power: sampled answers (24 + 24): detects a shift")
+    )
     assert "UNDERPOWERED" in power, power  # too few samples for the default shift that matters: said, not failed
 
 
 def test_another_models_text_under_the_same_name_fails(store, vllm_server, vllm_other_server, kimi_tokenizer_dir):
-    policy, validate = _through_the_gate(store, _run(kimi_tokenizer_dir, "policy-other"), vllm_server.url,
-                                         vllm_other_server.url)
+    policy, validate = _through_the_gate(
+        store, _run(kimi_tokenizer_dir, "policy-other"), vllm_server.url, vllm_other_server.url
+    )
     assert policy.gap_nats_per_token > 1.0, policy  # far less likely under the target than its own text
     with pytest.raises(GateFailed, match="policy: overflow text is off the target's policy, less likely") as failed:
         validate()

@@ -17,6 +17,7 @@ runs them at 192 prompts and more seeds (RESULTS.md, "Policy check against fault
 from __future__ import annotations
 
 import pytest
+
 from eagle3_devtools.policy_trial import run_trial, trial_run
 from eagle3_devtools.provider_proxy import Rewrite, start_provider_proxy
 
@@ -47,9 +48,11 @@ def _trial(store, vllm_server, kimi_tokenizer_dir, name: str, rewrite: Rewrite, 
         assert proxy.rewritten >= overflow, proxy.rewritten
     sampled = trial["decision"]["tests"]["sampled"]
     assert sampled["samples"] == [overflow - CALIBRATION, overflow], sampled  # every sampled answer scored
-    print(f"policy trial {name} ({prompts} x {max_new_tokens}): shift {sampled['shift']:+.3f} +- "
-          f"{sampled['standard_error']:.3f} nats/token, p {sampled['p_value']:.2g}, min detectable shift "
-          f"{sampled['min_detectable_shift']:.3f}, gate {'passed' if trial['passed'] else 'failed'}")
+    print(
+        f"policy trial {name} ({prompts} x {max_new_tokens}): shift {sampled['shift']:+.3f} +- "
+        f"{sampled['standard_error']:.3f} nats/token, p {sampled['p_value']:.2g}, min detectable shift "
+        f"{sampled['min_detectable_shift']:.3f}, gate {'passed' if trial['passed'] else 'failed'}"
+    )
     return trial
 
 

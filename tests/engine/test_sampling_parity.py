@@ -19,8 +19,16 @@ VOCAB = 163_840
 # What vLLM's get_diff_sampling_param() takes from a model's generation_config.json (the values
 # of a model that ships its own sampling defaults).
 MODEL_DEFAULTS = {"temperature": 0.6, "top_p": 0.8, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.05}
-CONFIG = {"temperature": 1.0, "top_p": 0.95, "max_new_tokens": 64, "top_k": -1, "min_p": 0.0,
-          "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+CONFIG = {
+    "temperature": 1.0,
+    "top_p": 0.95,
+    "max_new_tokens": 64,
+    "top_k": -1,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+}
 
 VLLM_SCRIPT = r"""
 import json, sys
@@ -41,8 +49,13 @@ DROPPED = ("top_k", "min_p", "repetition_penalty")
 
 
 def _vllm_effective(vllm_python: str, bodies: list[dict]) -> list[dict]:
-    done = subprocess.run([vllm_python, "-c", VLLM_SCRIPT], input=json.dumps({"bodies": bodies, "defaults": MODEL_DEFAULTS}),
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [vllm_python, "-c", VLLM_SCRIPT],
+        input=json.dumps({"bodies": bodies, "defaults": MODEL_DEFAULTS}),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

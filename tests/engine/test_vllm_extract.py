@@ -44,7 +44,13 @@ def make_rows(lengths, seed, prefix: list[int] | None = None):
     rows = []
     for i, n in enumerate(lengths):
         ids = (prefix or []) + torch.randint(0, 163_584, (n,), generator=g).tolist() + [IM_END]
-        rows.append({"sample_id": f"s{seed}-{i}", "input_ids": ids, "loss_mask": [0] * (len(ids) // 2) + [1] * (len(ids) - len(ids) // 2)})
+        rows.append(
+            {
+                "sample_id": f"s{seed}-{i}",
+                "input_ids": ids,
+                "loss_mask": [0] * (len(ids) // 2) + [1] * (len(ids) - len(ids) // 2),
+            }
+        )
     return rows
 
 
@@ -55,8 +61,20 @@ def read_all(out_dir) -> dict:
 @pytest.mark.parametrize("convention", ["output", "input"])
 def test_aux_and_last_states_equal_an_independent_forward(vllm_backend, reference_model, convention, tmp_path):
     rows = make_rows([3, 41, 17, 120, 9, 64], seed=1)
-    summary = extract_rows(vllm_backend, rows, tmp_path, "v", ExtractOptions(
-        convention=convention, last_hidden=True, last_hidden_norm="post", storage_dtype="fp32", token_budget=256, out_shard_tokens=100))
+    summary = extract_rows(
+        vllm_backend,
+        rows,
+        tmp_path,
+        "v",
+        ExtractOptions(
+            convention=convention,
+            last_hidden=True,
+            last_hidden_norm="post",
+            storage_dtype="fp32",
+            token_budget=256,
+            out_shard_tokens=100,
+        ),
+    )
     assert summary["layer_ids"] == ([1, 3, 4] if convention == "output" else [2, 4, 5])
     assert len(summary["files"]) > 1 and summary["samples"] == len(rows)
     stored = read_all(tmp_path)
@@ -76,10 +94,21 @@ def test_shared_long_prefix_gives_full_length_states_for_both(vllm_backend, refe
     g = torch.Generator().manual_seed(5)
     prefix = torch.randint(0, 163_584, (700,), generator=g).tolist()
     first, second = make_rows([5, 30], seed=2, prefix=prefix)
-    extract_rows(vllm_backend, [first, second], tmp_path / "together", "p", ExtractOptions(
-        last_hidden=True, last_hidden_norm="post", storage_dtype="fp32"))
+    extract_rows(
+        vllm_backend,
+        [first, second],
+        tmp_path / "together",
+        "p",
+        ExtractOptions(last_hidden=True, last_hidden_norm="post", storage_dtype="fp32"),
+    )
     # and once more in separate batches: the prefix is in the engine's cache from the run above
-    extract_rows(vllm_backend, [first], tmp_path / "again", "q", ExtractOptions(last_hidden=True, last_hidden_norm="post", storage_dtype="fp32"))
+    extract_rows(
+        vllm_backend,
+        [first],
+        tmp_path / "again",
+        "q",
+        ExtractOptions(last_hidden=True, last_hidden_norm="post", storage_dtype="fp32"),
+    )
     for out in ("together", "again"):
         for sid, s in read_all(tmp_path / out).items():
             row = first if sid == first["sample_id"] else second
@@ -92,7 +121,8 @@ def test_shared_long_prefix_gives_full_length_states_for_both(vllm_backend, refe
 
 
 def test_cli_extracts_every_shard_on_the_same_engine_and_the_manifest_records_it(
-        vllm_backend, store, generations, tiny_model_dir, s3_env, tmp_path):
+    vllm_backend, store, generations, tiny_model_dir, s3_env, tmp_path
+):
     import yaml
 
     from eagle3_data.cli import main
@@ -103,8 +133,21 @@ def test_cli_extracts_every_shard_on_the_same_engine_and_the_manifest_records_it
     from tests.integration.test_extract_s3 import RUN
 
     merge_ref, out_ref = StageRef(RUN, "merge", "all"), StageRef(RUN, "hidden_states", "all")
-    assert main(["merge", *sum((["--input", store.uri(r)] for r in generations), []), "--out-run-key", RUN,
-                 "--shard-tokens", "150", "--max-length", "40"]) == 0
+    assert (
+        main(
+            [
+                "merge",
+                *sum((["--input", store.uri(r)] for r in generations), []),
+                "--out-run-key",
+                RUN,
+                "--shard-tokens",
+                "150",
+                "--max-length",
+                "40",
+            ]
+        )
+        == 0
+    )
     assert len(merged_shards(store, merge_ref)) > 1
     starts = vllm_backend.starts
     # the engine's context is the config's merge.max_length + 1: the one the session's engine has
@@ -112,8 +155,23 @@ def test_cli_extracts_every_shard_on_the_same_engine_and_the_manifest_records_it
     raw = default_config_raw()
     raw["merge"]["max_length"] = MAX_MODEL_LEN - 1
     config.write_text(yaml.safe_dump(raw))
-    assert main(["extract", "--config", str(config), "--backend", "vllm", "--model", str(tiny_model_dir),
-                 "--input", store.uri(merge_ref), "--last-hidden"]) == 0
+    assert (
+        main(
+            [
+                "extract",
+                "--config",
+                str(config),
+                "--backend",
+                "vllm",
+                "--model",
+                str(tiny_model_dir),
+                "--input",
+                store.uri(merge_ref),
+                "--last-hidden",
+            ]
+        )
+        == 0
+    )
     assert vllm_backend.starts == starts  # every shard on the engine this process already runs
     manifest = store.read_manifest(out_ref)
     assert manifest["params"]["backend"] == manifest["extra"]["backend"] == "vllm"
@@ -143,7 +201,8 @@ def reference_logprobs(model, ids) -> torch.Tensor:
 
 
 def test_the_engines_answers_and_their_extraction_agree_on_every_log_probability(
-        vllm_server, vllm_backend, reference_model, store, kimi_tokenizer, tmp_path, capsys):
+    vllm_server, vllm_backend, reference_model, store, kimi_tokenizer, tmp_path, capsys
+):
     """vLLM generates (sampled at temperature 1, its raw log-probabilities recorded); vLLM's
     extraction of the same ids computes its own. Both equal transformers' forward; the
     extraction's self-check passes on them and fails when a fault moves the states. The figures
@@ -153,36 +212,68 @@ def test_the_engines_answers_and_their_extraction_agree_on_every_log_probability
     from tests.generation_calls import generate_vllm
     from tests.unit.test_hidden_states import Faulty
 
-    todo = [{"sample_id": f"lp{i}", "dataset": "chat", "route": "local", "tools": None,
-             "messages": json.dumps([{"role": "user", "content": f"Count to {i} in words."}])} for i in range(6)]
+    todo = [
+        {
+            "sample_id": f"lp{i}",
+            "dataset": "chat",
+            "route": "local",
+            "tools": None,
+            "messages": json.dumps([{"role": "user", "content": f"Count to {i} in words."}]),
+        }
+        for i in range(6)
+    ]
     ref = StageRef("vllm-logprobs", "generate_local", "chat")
-    summary = generate_vllm(store, ref, todo, kimi_tokenizer, [vllm_server.url],
-                            {"temperature": 1.0, "max_new_tokens": 24, "thinking": True}, journal_dir=tmp_path)
+    summary = generate_vllm(
+        store,
+        ref,
+        todo,
+        kimi_tokenizer,
+        [vllm_server.url],
+        {"temperature": 1.0, "max_new_tokens": 24, "thinking": True},
+        journal_dir=tmp_path,
+    )
     assert summary["complete"], summary
     generated = store.read_table(ref).to_pylist()
     engine_noise = 0.0
     for r in generated:
         assert json.loads(r["provenance"])["logprobs"] == {"distribution": "raw"}
-        ref_lp = reference_logprobs(reference_model, r["prompt_ids"] + r["output_ids"])[len(r["prompt_ids"]) - 1:]
+        ref_lp = reference_logprobs(reference_model, r["prompt_ids"] + r["output_ids"])[len(r["prompt_ids"]) - 1 :]
         assert len(r["output_logprobs"]) == len(r["output_ids"])
         engine_noise = max(engine_noise, float((torch.tensor(r["output_logprobs"]) - ref_lp).abs().max()))
     assert engine_noise < 1e-3
-    rows = [{"sample_id": r["sample_id"], "input_ids": r["prompt_ids"] + r["output_ids"], "prompt_tokens": len(r["prompt_ids"]),
-             "loss_mask": [0] * len(r["prompt_ids"]) + [1] * len(r["output_ids"])} for r in generated]
+    rows = [
+        {
+            "sample_id": r["sample_id"],
+            "input_ids": r["prompt_ids"] + r["output_ids"],
+            "prompt_tokens": len(r["prompt_ids"]),
+            "loss_mask": [0] * len(r["prompt_ids"]) + [1] * len(r["output_ids"]),
+        }
+        for r in generated
+    ]
     answers, skipped = engine_answers(store, "vllm-logprobs", ["chat"], {r["sample_id"] for r in rows})
     assert len(answers) == 6 and not skipped
     check = LogprobCheck.for_dtype(answers, "float32")
     out = extract_rows(vllm_backend, rows, tmp_path / "ok", "ok", ExtractOptions(token_budget=512), check=check)
     figures = out["logprob_check"]
     assert figures["compared_samples"] == 6 and figures["failed_samples"] == 0
-    extraction_noise = max(float((s.target_logprobs[1:] - reference_logprobs(reference_model, s.input_ids.tolist())).abs().max())
-                           for s in read_all(tmp_path / "ok").values())
+    extraction_noise = max(
+        float((s.target_logprobs[1:] - reference_logprobs(reference_model, s.input_ids.tolist())).abs().max())
+        for s in read_all(tmp_path / "ok").values()
+    )
     with capsys.disabled():
-        print(f"\nlog-probabilities, fp32 CPU: engine vs transformers max |diff| {engine_noise:.2e}; extraction vs "
-              f"transformers {extraction_noise:.2e}; extraction vs engine worst per-sample mean "
-              f"{figures['worst_mean_abs_diff']:.2e} (tolerance {figures['tolerance']})")
+        print(
+            f"\nlog-probabilities, fp32 CPU: engine vs transformers max |diff| {engine_noise:.2e}; extraction vs "
+            f"transformers {extraction_noise:.2e}; extraction vs engine worst per-sample mean "
+            f"{figures['worst_mean_abs_diff']:.2e} (tolerance {figures['tolerance']})"
+        )
     for mode in ("shift", "batchmate", "early"):  # early: layer 5's output as the last state (of 8)
         check = LogprobCheck.for_dtype(answers, "float32")
         with pytest.raises(ExtractionDisagrees, match="first at position"):
-            extract_rows(Faulty(vllm_backend, mode, layer=5 if mode == "early" else None), rows, tmp_path / mode, mode, ExtractOptions(token_budget=512),
-                         check=check)
+            extract_rows(
+                Faulty(vllm_backend, mode, layer=5 if mode == "early" else None),
+                rows,
+                tmp_path / mode,
+                mode,
+                ExtractOptions(token_budget=512),
+                check=check,
+            )

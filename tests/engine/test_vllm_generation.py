@@ -20,17 +20,25 @@ import time
 import pytest
 import torch
 
-from tests.generation_calls import generate_vllm as generate_local
 from eagle3_data.storage import StageRef
+from tests.generation_calls import generate_vllm as generate_local
 
 MAX_NEW = 24
 IM_END = 163_586
 
 
 def prompts(n: int, dataset: str = "chat") -> list[dict]:
-    return [{"sample_id": f"v{i:04d}", "dataset": dataset, "sample_index": i, "route": "local",
-             "messages": json.dumps([{"role": "user", "content": f"Question {i}: name a colour and a number."}]),
-             "tools": None} for i in range(n)]
+    return [
+        {
+            "sample_id": f"v{i:04d}",
+            "dataset": dataset,
+            "sample_index": i,
+            "route": "local",
+            "messages": json.dumps([{"role": "user", "content": f"Question {i}: name a colour and a number."}]),
+            "tools": None,
+        }
+        for i in range(n)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +94,9 @@ def choose_bias(all_gaps: list[list[float]]) -> tuple[float, float]:
     return best
 
 
-def test_ids_equal_transformers_greedy_and_stop_id_is_kept(vllm_server, store, kimi_tokenizer, fmt, reference_model,
-                                                           tmp_path):
+def test_ids_equal_transformers_greedy_and_stop_id_is_kept(
+    vllm_server, store, kimi_tokenizer, fmt, reference_model, tmp_path
+):
     rows = prompts(6)
     prompt_ids = [fmt.generation_prompt_ids(json.loads(r["messages"]), None) for r in rows]
     runs = [greedy_with_gaps(reference_model, p, MAX_NEW) for p in prompt_ids]
@@ -98,8 +107,18 @@ def test_ids_equal_transformers_greedy_and_stop_id_is_kept(vllm_server, store, k
 
     ref = StageRef(run_key="vllm-a", stage="generate_local", dataset="chat")
     sampling = {"temperature": 0.0, "max_new_tokens": MAX_NEW, "thinking": True, "logit_bias": {str(IM_END): bias}}
-    summary = generate_local(store, ref, rows, kimi_tokenizer, [vllm_server.url], sampling, in_flight_per_endpoint=3,
-                             rows_per_part=4, model="tiny-kimi", journal_dir=tmp_path)
+    summary = generate_local(
+        store,
+        ref,
+        rows,
+        kimi_tokenizer,
+        [vllm_server.url],
+        sampling,
+        in_flight_per_endpoint=3,
+        rows_per_part=4,
+        model="tiny-kimi",
+        journal_dir=tmp_path,
+    )
     assert summary["complete"] and summary["counts"]["ok"] == 6, summary
     table = {r["sample_id"]: r for r in store.read_table(ref).to_pylist()}
     for r, p_ids, want in zip(rows, prompt_ids, expected):
@@ -115,7 +134,9 @@ def test_ids_equal_transformers_greedy_and_stop_id_is_kept(vllm_server, store, k
         assert got["usage"]["completion_tokens"] == len(want)
     assert sum(w[-1] == IM_END for w in expected) >= 1
     manifest = store.read_manifest(ref)
-    assert manifest["params"]["source"] == "vllm" and manifest["extra"]["served_models"] == {vllm_server.url: "tiny-kimi"}
+    assert manifest["params"]["source"] == "vllm" and manifest["extra"]["served_models"] == {
+        vllm_server.url: "tiny-kimi"
+    }
 
 
 def test_the_gate_runs_on_the_engines_output(vllm_server, store, kimi_tokenizer, fmt, tmp_path):
@@ -126,8 +147,15 @@ def test_the_gate_runs_on_the_engines_output(vllm_server, store, kimi_tokenizer,
     generate_local(store, ref, prompts(2), kimi_tokenizer, [vllm_server.url], dict(sampling), journal_dir=tmp_path)
     # half the rows with a huge bias (stop at once), half without (length): both stop kinds present
     ref2 = StageRef(run_key="vllm-g", stage="generate_local", dataset="chat2")
-    generate_local(store, ref2, prompts(2, "chat2"), kimi_tokenizer, [vllm_server.url],
-                   {"temperature": 0.0, "max_new_tokens": 12, "thinking": True}, journal_dir=tmp_path)
+    generate_local(
+        store,
+        ref2,
+        prompts(2, "chat2"),
+        kimi_tokenizer,
+        [vllm_server.url],
+        {"temperature": 0.0, "max_new_tokens": 12, "thinking": True},
+        journal_dir=tmp_path,
+    )
     batches = list(store.iter_batches(ref)) + list(store.iter_batches(ref2))
     report = validate_to_report(fmt, lambda: rows_from_batches(batches, fmt.vocab_size))
     assert report["samples"] == 4 and not report["bad_rows"]
@@ -151,18 +179,35 @@ print(json.dumps(generate_local(store, StageRef(**a["ref"]), a["prompts"], tok, 
 
 
 @pytest.mark.slow
-def test_sigkill_mid_stage_then_resume_without_duplicates(vllm_server, store, s3_server, kimi_tokenizer,
-                                                          kimi_tokenizer_dir, tmp_path):
+def test_sigkill_mid_stage_then_resume_without_duplicates(
+    vllm_server, store, s3_server, kimi_tokenizer, kimi_tokenizer_dir, tmp_path
+):
     ref = StageRef(run_key="vllm-kill", stage="generate_local", dataset="chat")
     n = 24
-    args = {"endpoint": s3_server.endpoint_url, "bucket": store.bucket, "prefix": store.prefix,
-            "tokenizer": str(kimi_tokenizer_dir), "ref": {"run_key": ref.run_key, "stage": ref.stage, "dataset": ref.dataset},
-            "prompts": prompts(n), "url": vllm_server.url, "journal": str(tmp_path / "journal"),
-            "sampling": {"temperature": 0.0, "max_new_tokens": 16, "thinking": True}}
-    env = dict(os.environ, AWS_ACCESS_KEY_ID=s3_server.access_key, AWS_SECRET_ACCESS_KEY=s3_server.secret_key,
-               AWS_DEFAULT_REGION="us-east-1")
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(args)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    args = {
+        "endpoint": s3_server.endpoint_url,
+        "bucket": store.bucket,
+        "prefix": store.prefix,
+        "tokenizer": str(kimi_tokenizer_dir),
+        "ref": {"run_key": ref.run_key, "stage": ref.stage, "dataset": ref.dataset},
+        "prompts": prompts(n),
+        "url": vllm_server.url,
+        "journal": str(tmp_path / "journal"),
+        "sampling": {"temperature": 0.0, "max_new_tokens": 16, "thinking": True},
+    }
+    env = dict(
+        os.environ,
+        AWS_ACCESS_KEY_ID=s3_server.access_key,
+        AWS_SECRET_ACCESS_KEY=s3_server.secret_key,
+        AWS_DEFAULT_REGION="us-east-1",
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, json.dumps(args)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
     def journaled() -> int:
         return sum(len(p.read_text().splitlines()) for p in (tmp_path / "journal").glob("*.jsonl"))
@@ -177,8 +222,17 @@ def test_sigkill_mid_stage_then_resume_without_duplicates(vllm_server, store, s3
     out = proc.communicate()[0]
     killed_at = len(store.committed_sample_ids(ref))
     assert 4 <= killed_at < n, out[-2000:]
-    summary = generate_local(store, ref, prompts(n), kimi_tokenizer, [vllm_server.url], args["sampling"],
-                             in_flight_per_endpoint=2, rows_per_part=4, journal_dir=tmp_path / "journal")
+    summary = generate_local(
+        store,
+        ref,
+        prompts(n),
+        kimi_tokenizer,
+        [vllm_server.url],
+        args["sampling"],
+        in_flight_per_endpoint=2,
+        rows_per_part=4,
+        journal_dir=tmp_path / "journal",
+    )
     assert summary["complete"] and summary["counts"]["replayed"] >= 1, summary
     rows = store.read_table(ref).to_pylist()
     ids = [r["sample_id"] for r in rows]

@@ -40,8 +40,10 @@ MAX_NEW = 16  # a random model never stops: every local row is a `length` cut of
 OVERRIDES = {
     # the local engine is real here (vLLM): only the tokenizer, the model and OpenRouter are stand-ins
     "stand_ins": ["tokenizer", "model", "overflow_provider"],
-    "generation": {"sampling": {"temperature": 0.0, "max_new_tokens": MAX_NEW},
-                   "local": {"engine": "vllm", "rows_per_part": 2, "warmup_timeout_s": 60}},
+    "generation": {
+        "sampling": {"temperature": 0.0, "max_new_tokens": MAX_NEW},
+        "local": {"engine": "vllm", "rows_per_part": 2, "warmup_timeout_s": 60},
+    },
     "routing": {"overflow_fraction": 0.25, "calibration_samples": 1},
     # max_length + 1 == the session engine's max_model_len: the DAG reuses the tests' engine
     "merge": {"max_length": MAX_MODEL_LEN - 1, "shard_tokens": 256},
@@ -58,9 +60,14 @@ H = 64  # the tiny model's hidden size
 
 @pytest.fixture(scope="module")
 def vllm_stack(tmp_path_factory, airflow_db, vllm_server, vllm_backend):
-    with dag_stack(tmp_path_factory.mktemp("dag-vllm"), DATASETS, SAMPLES, f"{DATE:%Y-%m-%d}",
-                   config_overrides=OVERRIDES,
-                   extra_env={"AIRFLOW_CONN_SGLANG_DEFAULT": vllm_server.connection()}) as s:
+    with dag_stack(
+        tmp_path_factory.mktemp("dag-vllm"),
+        DATASETS,
+        SAMPLES,
+        f"{DATE:%Y-%m-%d}",
+        config_overrides=OVERRIDES,
+        extra_env={"AIRFLOW_CONN_SGLANG_DEFAULT": vllm_server.connection()},
+    ) as s:
         yield s
 
 
@@ -79,12 +86,15 @@ def _states(dag_run) -> dict[tuple[str, str], str]:
     from airflow.utils.session import create_session
 
     with create_session() as session:
-        return {(ti.task_id, ti.rendered_map_index or str(ti.map_index)): str(ti.state)
-                for ti in dag_run.get_task_instances(session=session)}
+        return {
+            (ti.task_id, ti.rendered_map_index or str(ti.map_index)): str(ti.state)
+            for ti in dag_run.get_task_instances(session=session)
+        }
 
 
-def test_dag_runs_on_vllm_for_generation_and_extraction(vllm_stack, dag_run, vllm_server, vllm_backend,
-                                                        kimi_tokenizer, tiny_model_dir, tmp_path):
+def test_dag_runs_on_vllm_for_generation_and_extraction(
+    vllm_stack, dag_run, vllm_server, vllm_backend, kimi_tokenizer, tiny_model_dir, tmp_path
+):
     from eagle3_data.chat_format import get_output_format
     from eagle3_data.hidden_states.shards import ShardReader
     from eagle3_data.pipeline import open_store
@@ -129,12 +139,24 @@ def test_dag_runs_on_vllm_for_generation_and_extraction(vllm_stack, dag_run, vll
 
     some = sorted(local)[:2]
     again = StageRef("vllm-dag-check", "generate_local", "chat")
-    prompt_rows = [r for ds in DATASETS for r in store.read_table(StageRef(RUN_KEY, "prompts", ds)).to_pylist()
-                   if r["sample_id"] in some]
-    generate_local(store, again, prompt_rows, kimi_tokenizer, [vllm_server.url],
-                   {"temperature": 0.0, "max_new_tokens": MAX_NEW, "thinking": True}, journal_dir=tmp_path)
-    assert {r["sample_id"]: r["output_ids"] for r in store.read_table(again).to_pylist()} == \
-        {sid: local[sid]["output_ids"] for sid in some}
+    prompt_rows = [
+        r
+        for ds in DATASETS
+        for r in store.read_table(StageRef(RUN_KEY, "prompts", ds)).to_pylist()
+        if r["sample_id"] in some
+    ]
+    generate_local(
+        store,
+        again,
+        prompt_rows,
+        kimi_tokenizer,
+        [vllm_server.url],
+        {"temperature": 0.0, "max_new_tokens": MAX_NEW, "thinking": True},
+        journal_dir=tmp_path,
+    )
+    assert {r["sample_id"]: r["output_ids"] for r in store.read_table(again).to_pylist()} == {
+        sid: local[sid]["output_ids"] for sid in some
+    }
 
     # merge: both sources, each record exactly prompt + output ids of its source row
     merge_ref = StageRef(RUN_KEY, "merge", "all")
@@ -143,20 +165,29 @@ def test_dag_runs_on_vllm_for_generation_and_extraction(vllm_stack, dag_run, vll
     merged = {}
     for f in merged_manifest["files"]:
         if f["name"].endswith(".parquet"):
-            merged.update({r["sample_id"]: r for r in pq.read_table(store.get_file(merge_ref, f["name"], tmp_path / f["name"])).to_pylist()})
+            merged.update(
+                {
+                    r["sample_id"]: r
+                    for r in pq.read_table(store.get_file(merge_ref, f["name"], tmp_path / f["name"])).to_pylist()
+                }
+            )
     sources = {r["source"] for r in merged.values()}
     assert sources == {"vllm", "openrouter"}, sources
     for sid, rec in merged.items():
         if rec["source"] == "vllm":
             assert rec["input_ids"] == local[sid]["prompt_ids"] + local[sid]["output_ids"]
             assert sum(rec["loss_mask"]) == MAX_NEW
-    assert {sid for sid, r in merged.items() if r["source"] == "vllm"} == set(local)  # "both" rows: the engine's ids win
+    assert {sid for sid, r in merged.items() if r["source"] == "vllm"} == set(
+        local
+    )  # "both" rows: the engine's ids win
 
     # hidden states: every merged sample, from the session's engine, recorded as vllm
     hs_ref = StageRef(RUN_KEY, "hidden_states", "all")
     hs = store.read_manifest(hs_ref)
     assert hs["params"]["backend"] == hs["extra"]["backend"] == "vllm"
-    assert hs["extra"]["engines"] == [vllm_backend.describe().engine] and hs["extra"]["engines"][0].startswith("vllm 0.32.0")
+    assert hs["extra"]["engines"] == [vllm_backend.describe().engine] and hs["extra"]["engines"][0].startswith(
+        "vllm 0.32.0"
+    )
     assert hs["extra"]["totals"]["samples"] == len(merged) == merged_manifest["extra"]["totals"]["samples"]
     assert vllm_backend.starts == 1  # the DAG's extraction ran on the session's one engine
     stored = {}
@@ -226,9 +257,17 @@ def test_conversations_run_through_the_dag_on_vllm(mode, history, vllm_stack, da
     os.environ["EAGLE3_CONFIG"] = str(path)
     try:
         dag = DagBag(dag_folder=str(REPO / "dags")).dags[DAG_ID]
-        dr = dag.test(logical_date=DATE, run_conf={"run_name": run_name, "datasets": ["conversations"],
-                                                   "regenerate": mode, "history": history,
-                                                   "hidden_states_backend": "vllm", "skip_hidden_states": True})
+        dr = dag.test(
+            logical_date=DATE,
+            run_conf={
+                "run_name": run_name,
+                "datasets": ["conversations"],
+                "regenerate": mode,
+                "history": history,
+                "hidden_states_backend": "vllm",
+                "skip_hidden_states": True,
+            },
+        )
     finally:
         os.environ["EAGLE3_CONFIG"] = str(vllm_stack.config_path)
     assert str(dr.state).endswith("success"), _states(dr)
@@ -238,9 +277,12 @@ def test_conversations_run_through_the_dag_on_vllm(mode, history, vllm_stack, da
     local = store.read_manifest(StageRef(run_name, "generate_local", "conversations"))
     assert local["params"]["source"] == "vllm"
     if mode == "every_turn":  # one sample per user turn of the 4 rows, on one path or the other
-        generated = {sid for stage in ("generate_local", "generate_overflow")
-                     for b in store.iter_batches(StageRef(run_name, stage, "conversations"))
-                     for sid in b.column("sample_id").to_pylist()}
+        generated = {
+            sid
+            for stage in ("generate_local", "generate_overflow")
+            for b in store.iter_batches(StageRef(run_name, stage, "conversations"))
+            for sid in b.column("sample_id").to_pylist()
+        }
         assert len(generated) == 10 and "conversations" not in local["extra"]
         # merged: all but the overflow answers a cut tool section makes unreconstructable (MAX_NEW is small)
         assert counts["vllm"] + counts["openrouter"] <= 10

@@ -28,8 +28,17 @@ def _dead_url() -> str:
 
 
 def _prompts(n: int = 3) -> list[dict]:
-    return [{"sample_id": f"s{i}", "dataset": "ds", "sample_index": i, "route": "both", "tools": None,
-             "messages": json.dumps([{"role": "user", "content": f"q{i}"}])} for i in range(n)]
+    return [
+        {
+            "sample_id": f"s{i}",
+            "dataset": "ds",
+            "sample_index": i,
+            "route": "both",
+            "tools": None,
+            "messages": json.dumps([{"role": "user", "content": f"q{i}"}]),
+        }
+        for i in range(n)
+    ]
 
 
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
@@ -39,8 +48,18 @@ def test_local_endpoint_with_nothing_listening(store, kimi_tokenizer, tmp_path, 
     dead = _dead_url()
     started = time.monotonic()
     with pytest.raises(EndpointUnavailable) as err:
-        generate_local(store, StageRef("dead", "generate_local", "ds"), _prompts(), kimi_tokenizer, [dead], SAMPLING,
-                       engine=engine, journal_dir=tmp_path, health_interval_s=0.1, unreachable_timeout_s=1.0)
+        generate_local(
+            store,
+            StageRef("dead", "generate_local", "ds"),
+            _prompts(),
+            kimi_tokenizer,
+            [dead],
+            SAMPLING,
+            engine=engine,
+            journal_dir=tmp_path,
+            health_interval_s=0.1,
+            unreachable_timeout_s=1.0,
+        )
     assert time.monotonic() - started < 10  # the warm-up (600 s) is for servers that answer
     message = str(err.value)
     assert dead in message and "no connection for" in message and f"GET {dead}/health" in message, message
@@ -62,7 +81,9 @@ def test_local_health_wait_says_so_from_its_first_retry(caplog):
 
     async def wait():
         async with aiohttp.ClientSession() as http:
-            return await wait_healthy(http, dead, "sglang", LocalOptions(unreachable_timeout_s=2.0, health_interval_s=0.1))
+            return await wait_healthy(
+                http, dead, "sglang", LocalOptions(unreachable_timeout_s=2.0, health_interval_s=0.1)
+            )
 
     problem = asyncio.run(wait())
     assert problem is not None and "no connection for" in problem
@@ -93,19 +114,38 @@ def test_a_warming_server_is_still_waited_for(store, start_dev_server, kimi_toke
     from tests.generation_calls import generate_local
 
     server = start_dev_server({"warmup_s": 2.0})
-    summary = generate_local(store, StageRef("warm", "generate_local", "ds"), _prompts(), kimi_tokenizer, [server.url],
-                             SAMPLING, journal_dir=tmp_path, health_interval_s=0.1, unreachable_timeout_s=0.5,
-                             warmup_timeout_s=60)
+    summary = generate_local(
+        store,
+        StageRef("warm", "generate_local", "ds"),
+        _prompts(),
+        kimi_tokenizer,
+        [server.url],
+        SAMPLING,
+        journal_dir=tmp_path,
+        health_interval_s=0.1,
+        unreachable_timeout_s=0.5,
+        warmup_timeout_s=60,
+    )
     assert summary["counts"]["ok"] == 3
 
 
-def test_one_dead_endpoint_beside_a_live_one_is_named_and_skipped(store, start_dev_server, kimi_tokenizer, tmp_path, caplog):
+def test_one_dead_endpoint_beside_a_live_one_is_named_and_skipped(
+    store, start_dev_server, kimi_tokenizer, tmp_path, caplog
+):
     from tests.generation_calls import generate_local
 
     server, dead = start_dev_server({}), _dead_url()
-    summary = generate_local(store, StageRef("half", "generate_local", "ds"), _prompts(), kimi_tokenizer,
-                             [dead, server.url], SAMPLING, journal_dir=tmp_path, health_interval_s=0.1,
-                             unreachable_timeout_s=1.0)
+    summary = generate_local(
+        store,
+        StageRef("half", "generate_local", "ds"),
+        _prompts(),
+        kimi_tokenizer,
+        [dead, server.url],
+        SAMPLING,
+        journal_dir=tmp_path,
+        health_interval_s=0.1,
+        unreachable_timeout_s=1.0,
+    )
     assert summary["counts"]["ok"] == 3
     assert any(dead in r.getMessage() and "no connection" in r.getMessage() for r in caplog.records)
 
@@ -115,9 +155,20 @@ def test_overflow_base_url_with_nothing_listening(store, kimi_tokenizer, tmp_pat
 
     dead = _dead_url()
     with pytest.raises(EndpointUnavailable) as err:
-        generate_overflow(store, StageRef("dead", "generate_overflow", "ds"), _prompts(), kimi_tokenizer, dead + "/v1",
-                          "sk-test", "moonshotai/kimi-k2.5", None, 1.0, sampling=SAMPLING, journal_dir=tmp_path,
-                          unreachable_timeout_s=1.0)
+        generate_overflow(
+            store,
+            StageRef("dead", "generate_overflow", "ds"),
+            _prompts(),
+            kimi_tokenizer,
+            dead + "/v1",
+            "sk-test",
+            "moonshotai/kimi-k2.5",
+            None,
+            1.0,
+            sampling=SAMPLING,
+            journal_dir=tmp_path,
+            unreachable_timeout_s=1.0,
+        )
     message = str(err.value)
     assert f"GET {dead}/v1/models" in message and "no connection for" in message and "nothing was sent" in message
 
@@ -132,13 +183,31 @@ def test_cli_names_a_dead_endpoint_in_seconds(s3_server, store, kimi_tokenizer_d
     raw["generation"]["local"]["unreachable_timeout_s"] = 2.0
     (tmp_path / "pipeline.yaml").write_text(yaml.safe_dump(raw))
     (tmp_path / "p.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
-    for name, value in (("AWS_ACCESS_KEY_ID", s3_server.access_key), ("AWS_SECRET_ACCESS_KEY", s3_server.secret_key),
-                        ("AWS_ENDPOINT_URL", s3_server.endpoint_url), ("EAGLE3_JOURNAL_DIR", str(tmp_path / "j"))):
+    for name, value in (
+        ("AWS_ACCESS_KEY_ID", s3_server.access_key),
+        ("AWS_SECRET_ACCESS_KEY", s3_server.secret_key),
+        ("AWS_ENDPOINT_URL", s3_server.endpoint_url),
+        ("EAGLE3_JOURNAL_DIR", str(tmp_path / "j")),
+    ):
         monkeypatch.setenv(name, value)
     dead = _dead_url()
     started = time.monotonic()
-    code = main(["generate", "local", "--config", str(tmp_path / "pipeline.yaml"), "--dataset", "chat", "--prompts",
-                 str(tmp_path / "p.jsonl"), "--run-key", "dead", "--endpoint", dead])
+    code = main(
+        [
+            "generate",
+            "local",
+            "--config",
+            str(tmp_path / "pipeline.yaml"),
+            "--dataset",
+            "chat",
+            "--prompts",
+            str(tmp_path / "p.jsonl"),
+            "--run-key",
+            "dead",
+            "--endpoint",
+            dead,
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2, err
     assert time.monotonic() - started < 30

@@ -220,17 +220,20 @@ def test_exports_of_image_samples_from_s3(store, tiny_model_dir, s3_env, tmp_pat
     otherwise leaves it out, counted (never states over the ids alone). SpecForge's offline
     format leaves them out and the command names how many (left_out.jsonl: which and why); the
     ids-only exports and speculators' index carry their references (the merge's images.jsonl)."""
-    from eagle3_devtools.sample_images import png
-
     from eagle3_data.images import NO_IMAGES_IN_FORMAT, ImageSink
+    from eagle3_devtools.sample_images import png
 
     g = torch.Generator().manual_seed(5)
     ids = lambda n: torch.randint(0, 163_584, (n,), generator=g).tolist()  # noqa: E731
     sink = ImageSink(store, max_bytes=1 << 20)
     pictures = {f"c{i}": png(28, 28, lambda x, y, i=i: (40 * i, x, y)) for i in (1, 3)}
     refs = {sid: [sink._store(data)] for sid, data in pictures.items()}
-    rows = [{**gen_row(f"c{i}", "chat", "sglang", ids(6), ids(8) + [163586]), "images": json.dumps(refs.get(f"c{i}"))}
-            if f"c{i}" in refs else gen_row(f"c{i}", "chat", "sglang", ids(6), ids(8) + [163586]) for i in range(6)]
+    rows = [
+        {**gen_row(f"c{i}", "chat", "sglang", ids(6), ids(8) + [163586]), "images": json.dumps(refs.get(f"c{i}"))}
+        if f"c{i}" in refs
+        else gen_row(f"c{i}", "chat", "sglang", ids(6), ids(8) + [163586])
+        for i in range(6)
+    ]
     write_stage(store, StageRef(RUN, "generate_local", "chat"), rows)
     run, uri = "images", lambda ref: store.uri(ref)  # noqa: E731
     assert main(["merge", "--input", uri(StageRef(RUN, "generate_local", "chat")), "--out-run-key", run]) == 0
@@ -251,16 +254,35 @@ def test_exports_of_image_samples_from_s3(store, tiny_model_dir, s3_env, tmp_pat
     # a stored image that no longer matches its reference is an error naming the sample
     store.put_object(refs["c1"][0]["uri"].split("/", 3)[3], b"not the same bytes")
     with pytest.raises(UserError, match="sample c1: field 'images': .*the reference records"):
-        extract_shard(store, merged_shards(store, merge_ref)[0], tiny_model_dir, StageRef(run, "hidden_states", "again"),
-                      backend=TakesImages(TransformersBackend(tiny_model_dir)))
+        extract_shard(
+            store,
+            merged_shards(store, merge_ref)[0],
+            tiny_model_dir,
+            StageRef(run, "hidden_states", "again"),
+            backend=TakesImages(TransformersBackend(tiny_model_dir)),
+        )
     capsys.readouterr()
-    assert main(["export-specforge", "--input", uri(StageRef(run, "hidden_states", "all")), "--out", str(tmp_path / "sf")]) == 0
+    assert (
+        main(["export-specforge", "--input", uri(StageRef(run, "hidden_states", "all")), "--out", str(tmp_path / "sf")])
+        == 0
+    )
     assert "2 image samples left out" in capsys.readouterr().out
     left = [json.loads(line) for line in (tmp_path / "sf" / "left_out.jsonl").read_text().splitlines()]
     assert sorted(e["sample_id"] for e in left) == ["c1", "c3"] and {e["reason"] for e in left} == {NO_IMAGES_IN_FORMAT}
     assert len(list((tmp_path / "sf").rglob("*.ckpt"))) == 4
     merge_uri = uri(StageRef(run, "merge", "all"))
-    assert main(["export-speculators", "--input", uri(StageRef(run, "hidden_states", "all")), "--out", str(tmp_path / "spec")]) == 0
+    assert (
+        main(
+            [
+                "export-speculators",
+                "--input",
+                uri(StageRef(run, "hidden_states", "all")),
+                "--out",
+                str(tmp_path / "spec"),
+            ]
+        )
+        == 0
+    )
     assert main(["export-specforge", "--ids-only", "--input", merge_uri, "--out", str(tmp_path / "sf-ids")]) == 0
     for path in (tmp_path / "spec" / "index.jsonl", tmp_path / "sf-ids" / "prompts.jsonl"):
         got = {e["sample_id"]: e.get("images") for e in map(json.loads, path.read_text().splitlines())}

@@ -92,8 +92,19 @@ def test_hidden_state_background_writer():
 def test_part_prefetcher_resumed_in_a_child(store):
     ref = StageRef("fork", "prompts", "ds")
     with StageWriter(store, ref, "prompts", rows_per_part=3) as w:
-        w.write([{"sample_id": f"s{i}", "dataset": "ds", "sample_index": i, "messages": "[]", "tools": None,
-                  "route": "local"} for i in range(12)])
+        w.write(
+            [
+                {
+                    "sample_id": f"s{i}",
+                    "dataset": "ds",
+                    "sample_index": i,
+                    "messages": "[]",
+                    "tools": None,
+                    "route": "local",
+                }
+                for i in range(12)
+            ]
+        )
         w.commit()
     rows = store.iter_batches(ref, columns=["sample_id"], batch_size=3)
     first = next(rows).column("sample_id").to_pylist()  # part 0 read, part 1 prefetched on a thread
@@ -141,8 +152,11 @@ class _RecordingProxy:
             while data := src.recv(65536):
                 if record is not None:
                     with self._lock:
-                        self.requests[record] += [line.decode(errors="replace") for line in data.split(b"\r\n")
-                                                  if line.startswith((b"GET ", b"PUT ", b"HEAD "))]
+                        self.requests[record] += [
+                            line.decode(errors="replace")
+                            for line in data.split(b"\r\n")
+                            if line.startswith((b"GET ", b"PUT ", b"HEAD "))
+                        ]
                 dst.sendall(data)
         except OSError:
             pass
@@ -166,14 +180,18 @@ def test_boto3_client_connections_are_not_shared_with_a_child(s3_server, s3_buck
     store = ArtifactStore(client=client, bucket=s3_bucket, prefix="p")  # what a task holds
 
     def get(tag: str) -> bytes:
-        return store.client.get_object(Bucket=s3_bucket, Key="obj", Range="bytes=0-9", IfMatch="*",
-                                       ResponseCacheControl=tag)["Body"].read()
+        return store.client.get_object(
+            Bucket=s3_bucket, Key="obj", Range="bytes=0-9", IfMatch="*", ResponseCacheControl=tag
+        )["Body"].read()
 
     assert get("parent-0") == b"x" * 10  # the parent's connection is pooled now
     assert in_child(lambda: [get(f"child-{i}").decode() for i in range(3)]) == ["x" * 10] * 3
     assert get("parent-1") == b"x" * 10
-    shared = [lines for lines in proxy.requests.values()
-              if any("parent" in line for line in lines) and any("child" in line for line in lines)]
+    shared = [
+        lines
+        for lines in proxy.requests.values()
+        if any("parent" in line for line in lines) and any("child" in line for line in lines)
+    ]
     assert not shared, f"one connection carried both processes' requests: {shared}"
     assert any(any("child" in line for line in lines) for lines in proxy.requests.values())
     proxy.listener.close()
@@ -207,9 +225,12 @@ def test_child_of_a_lost_lease_refuses_to_write(store):
     ref = StageRef("fork", "generate_local", "lost")
     lease = store.lease(ref, ttl_s=60)
     lease._stop.set()  # the parent stops renewing: a takeover below stands
-    store.client.put_object(Bucket=store.bucket, Key=lease.key, ContentType="application/json",
-                            Body=json.dumps({"owner": "another writer", "token": "t" * 32, "state": "held",
-                                             "ttl_s": 60}).encode())
+    store.client.put_object(
+        Bucket=store.bucket,
+        Key=lease.key,
+        ContentType="application/json",
+        Body=json.dumps({"owner": "another writer", "token": "t" * 32, "state": "held", "ttl_s": 60}).encode(),
+    )
 
     def child():
         try:
@@ -259,13 +280,31 @@ def test_generation_client_runs_in_a_child_after_the_parent_ran(store, start_dev
     sampling = {"temperature": 1.0, "top_p": 0.95, "max_new_tokens": 24, "thinking": True}
 
     def prompts(tag: str) -> list[dict]:
-        return [{"sample_id": f"{tag}{i}", "dataset": "ds", "sample_index": i, "route": "local", "tools": None,
-                 "messages": json.dumps([{"role": "user", "content": f"{tag} question {i}"}])} for i in range(6)]
+        return [
+            {
+                "sample_id": f"{tag}{i}",
+                "dataset": "ds",
+                "sample_index": i,
+                "route": "local",
+                "tools": None,
+                "messages": json.dumps([{"role": "user", "content": f"{tag} question {i}"}]),
+            }
+            for i in range(6)
+        ]
 
     def run(tag: str) -> int:
         ref = StageRef("fork", "generate_local", tag)
-        summary = generate_local(store, ref, prompts(tag), kimi_tokenizer, [server.url], sampling,
-                                 in_flight_per_endpoint=3, rows_per_part=4, journal_dir=tmp_path / tag)
+        summary = generate_local(
+            store,
+            ref,
+            prompts(tag),
+            kimi_tokenizer,
+            [server.url],
+            sampling,
+            in_flight_per_endpoint=3,
+            rows_per_part=4,
+            journal_dir=tmp_path / tag,
+        )
         return summary["counts"]["ok"]
 
     assert run("parent") == 6

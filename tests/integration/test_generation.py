@@ -8,14 +8,24 @@ import re
 import pytest
 
 from eagle3_data.chat_format import get_output_format
-from tests.generation_calls import MODEL, generate_overflow
-from tests.generation_calls import generate_local
 from eagle3_data.storage import StageRef
+from tests.generation_calls import MODEL, generate_local, generate_overflow
 
 SAMPLING = {"temperature": 1.0, "top_p": 0.95, "max_new_tokens": 160, "thinking": True}
-WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "weather",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-                           "required": ["city"]}}}]
+WEATHER = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
 SECRET = "sk-or-v1-THIS-KEY-MUST-NOT-LEAK-0123456789"
 
 
@@ -23,8 +33,16 @@ def prompts(n: int, dataset: str = "tool_calls") -> list[dict]:
     rows = []
     for i in range(n):
         msgs = [{"role": "user", "content": f"Question {i}: what is the weather in city {i}?"}]
-        rows.append({"sample_id": f"s{i:04d}", "dataset": dataset, "sample_index": i, "messages": json.dumps(msgs),
-                     "tools": json.dumps(WEATHER) if i % 2 == 0 else None, "route": "both"})
+        rows.append(
+            {
+                "sample_id": f"s{i:04d}",
+                "dataset": dataset,
+                "sample_index": i,
+                "messages": json.dumps(msgs),
+                "tools": json.dumps(WEATHER) if i % 2 == 0 else None,
+                "route": "both",
+            }
+        )
     return rows
 
 
@@ -32,8 +50,17 @@ def test_local_generation_ids_parse_and_resume(store, start_dev_server, kimi_tok
     dev_server = start_dev_server({})
     fmt = get_output_format(kimi_tokenizer, thinking=True)
     ref = StageRef(run_key="run-a", stage="generate_local", dataset="tool_calls")
-    summary = generate_local(store, ref, prompts(24), kimi_tokenizer, [dev_server.url], SAMPLING,
-                             in_flight_per_endpoint=4, rows_per_part=5, journal_dir=tmp_path)
+    summary = generate_local(
+        store,
+        ref,
+        prompts(24),
+        kimi_tokenizer,
+        [dev_server.url],
+        SAMPLING,
+        in_flight_per_endpoint=4,
+        rows_per_part=5,
+        journal_dir=tmp_path,
+    )
     assert summary["complete"] and summary["counts"]["ok"] == 24, summary
     table = store.read_table(ref).to_pylist()
     assert sorted(r["sample_id"] for r in table) == [f"s{i:04d}" for i in range(24)]
@@ -41,8 +68,9 @@ def test_local_generation_ids_parse_and_resume(store, start_dev_server, kimi_tok
     stats = dev_server.stats()
     for r in table:
         assert r["status"] == "ok" and r["source"] == "sglang"
-        assert r["prompt_ids"] == fmt.generation_prompt_ids(json.loads(r["messages"]),
-                                                             json.loads(r["tools"]) if r["tools"] else None)
+        assert r["prompt_ids"] == fmt.generation_prompt_ids(
+            json.loads(r["messages"]), json.loads(r["tools"]) if r["tools"] else None
+        )
         prov = json.loads(r["provenance"])
         if r["finish_reason"] == "stop":
             assert r["output_ids"][-1] == im_end  # stored WITH the stop id, as SGLang gives it
@@ -66,8 +94,9 @@ def test_local_generation_ids_parse_and_resume(store, start_dev_server, kimi_tok
     assert sum(dev_server.stats()["requests"]["generate"][f"s{i:04d}"] for i in range(24)) == 24
 
 
-def test_local_generation_draws_prompts_from_a_stream_as_slots_free_up(store, start_dev_server, kimi_tokenizer,
-                                                                        tmp_path, monkeypatch):
+def test_local_generation_draws_prompts_from_a_stream_as_slots_free_up(
+    store, start_dev_server, kimi_tokenizer, tmp_path, monkeypatch
+):
     """The pipeline passes the prompts stage as a stream of rows: the client decodes a prompt
     only when a free slot takes it, so at most `in_flight` prompts are alive, never all of them
     queued up front; a spill that cannot be read back stops the stage instead of hanging it."""
@@ -91,8 +120,18 @@ def test_local_generation_draws_prompts_from_a_stream_as_slots_free_up(store, st
 
     monkeypatch.setattr(checkpoint.Prompts, "iter", counting)
     ref = StageRef(run_key="run-stream", stage="generate_local", dataset="tool_calls")
-    summary = generate_local(store, ref, iter(prompts(30)), kimi_tokenizer, [dev_server.url], SAMPLING,
-                             in_flight_per_endpoint=3, rows_per_part=8, journal_dir=tmp_path, progress=Settled())
+    summary = generate_local(
+        store,
+        ref,
+        iter(prompts(30)),
+        kimi_tokenizer,
+        [dev_server.url],
+        SAMPLING,
+        in_flight_per_endpoint=3,
+        rows_per_part=8,
+        journal_dir=tmp_path,
+        progress=Settled(),
+    )
     assert summary["complete"] and summary["counts"]["ok"] == 30, summary
     assert state["drawn"] == 30 and max(state["ahead"]) <= 3  # decoded as taken: one per busy slot
 
@@ -102,19 +141,40 @@ def test_local_generation_draws_prompts_from_a_stream_as_slots_free_up(store, st
 
     monkeypatch.setattr(checkpoint.Prompts, "iter", unreadable)
     with pytest.raises(OSError, match="spill unreadable"):
-        generate_local(store, StageRef("run-stream-2", "generate_local", "tool_calls"), prompts(10), kimi_tokenizer,
-                       [dev_server.url], SAMPLING, in_flight_per_endpoint=3, journal_dir=tmp_path)
+        generate_local(
+            store,
+            StageRef("run-stream-2", "generate_local", "tool_calls"),
+            prompts(10),
+            kimi_tokenizer,
+            [dev_server.url],
+            SAMPLING,
+            in_flight_per_endpoint=3,
+            journal_dir=tmp_path,
+        )
 
 
-def test_overflow_text_matches_local_ids_and_key_never_stored(store, start_dev_server, kimi_tokenizer, tmp_path, caplog):
+def test_overflow_text_matches_local_ids_and_key_never_stored(
+    store, start_dev_server, kimi_tokenizer, tmp_path, caplog
+):
     dev_server = start_dev_server({})
     caplog.set_level("DEBUG")
     local = StageRef(run_key="run-b", stage="generate_local", dataset="tool_calls")
     over = StageRef(run_key="run-b", stage="generate_overflow", dataset="tool_calls")
     generate_local(store, local, prompts(12), kimi_tokenizer, [dev_server.url], SAMPLING, journal_dir=tmp_path)
-    summary = generate_overflow(store, over, prompts(12), kimi_tokenizer, dev_server.url + "/v1", SECRET,
-                                "moonshotai/kimi-k2.5", {"order": ["moonshotai"], "allow_fallbacks": False}, 5.0,
-                                sampling=SAMPLING, concurrency=8, journal_dir=tmp_path)
+    summary = generate_overflow(
+        store,
+        over,
+        prompts(12),
+        kimi_tokenizer,
+        dev_server.url + "/v1",
+        SECRET,
+        "moonshotai/kimi-k2.5",
+        {"order": ["moonshotai"], "allow_fallbacks": False},
+        5.0,
+        sampling=SAMPLING,
+        concurrency=8,
+        journal_dir=tmp_path,
+    )
     assert summary["complete"] and summary["counts"]["ok"] == 12 and summary["cost_usd"] > 0, summary
     by_id = {r["sample_id"]: r for r in store.read_table(local).to_pylist()}
     for r in store.read_table(over).to_pylist():
@@ -141,8 +201,16 @@ def test_local_refuses_ids_that_do_not_match_completion_tokens(store, start_dev_
     ids than meta_info.completion_tokens) is refused, never silently repaired."""
     server = start_dev_server({"include_stop_in_output_ids": False})
     ref = StageRef(run_key="run-c", stage="generate_local", dataset="chat")
-    summary = generate_local(store, ref, prompts(3, "chat"), kimi_tokenizer, [server.url],
-                             dict(SAMPLING, max_new_tokens=4000), journal_dir=tmp_path, max_attempts=1)
+    summary = generate_local(
+        store,
+        ref,
+        prompts(3, "chat"),
+        kimi_tokenizer,
+        [server.url],
+        dict(SAMPLING, max_new_tokens=4000),
+        journal_dir=tmp_path,
+        max_attempts=1,
+    )
     assert summary["counts"]["ok"] == 0, summary
     assert not summary["complete"]  # retryable: a rerun may meet a correct server
 
@@ -155,32 +223,67 @@ def test_sglang_protocol_rids_warmup_readmission(store, start_dev_server, kimi_t
 
     server = start_dev_server({"refuse_first": 3})
     ref = StageRef(run_key="run-p", stage="generate_local", dataset="chat")
-    summary = generate_local(store, ref, prompts(4, "chat"), kimi_tokenizer, [server.url], SAMPLING,
-                             journal_dir=tmp_path, in_flight_per_endpoint=1, max_attempts=6,
-                             max_endpoint_failures=3, health_interval_s=0.05, warmup_timeout_s=60)
+    summary = generate_local(
+        store,
+        ref,
+        prompts(4, "chat"),
+        kimi_tokenizer,
+        [server.url],
+        SAMPLING,
+        journal_dir=tmp_path,
+        in_flight_per_endpoint=1,
+        max_attempts=6,
+        max_endpoint_failures=3,
+        health_interval_s=0.05,
+        warmup_timeout_s=60,
+    )
     assert summary["complete"] and summary["counts"]["ok"] == 4, summary
     rids = {json.loads(r["provenance"])["rid"] for r in store.read_table(ref).to_pylist()}
     assert any(not rid.endswith(".0") for rid in rids)  # retried with fresh rids, and answered
     assert server.stats()["requests"]["generate"] and sum(server.stats()["answered"]["generate"].values()) == 4
     with pytest.raises(UserError, match="'seed' is not an SGLang sampling parameter"):
-        generate_local(store, StageRef(run_key="run-q", stage="generate_local", dataset="chat"), prompts(1, "chat"),
-                       kimi_tokenizer, [server.url], dict(SAMPLING, seed=1), journal_dir=tmp_path)
+        generate_local(
+            store,
+            StageRef(run_key="run-q", stage="generate_local", dataset="chat"),
+            prompts(1, "chat"),
+            kimi_tokenizer,
+            [server.url],
+            dict(SAMPLING, seed=1),
+            journal_dir=tmp_path,
+        )
 
 
 def test_sglang_waits_while_the_server_warms_up(store, start_dev_server, kimi_tokenizer, tmp_path):
     server = start_dev_server({"warmup_s": 1.0})  # /health answers 503 for the first second
     ref = StageRef(run_key="run-w", stage="generate_local", dataset="chat")
-    summary = generate_local(store, ref, prompts(2, "chat"), kimi_tokenizer, [server.url], SAMPLING,
-                             journal_dir=tmp_path, health_interval_s=0.1, warmup_timeout_s=60)
+    summary = generate_local(
+        store,
+        ref,
+        prompts(2, "chat"),
+        kimi_tokenizer,
+        [server.url],
+        SAMPLING,
+        journal_dir=tmp_path,
+        health_interval_s=0.1,
+        warmup_timeout_s=60,
+    )
     assert summary["complete"] and summary["counts"]["ok"] == 2
     assert sum(server.stats()["requests"]["generate"].values()) == 2  # nothing was sent before it was ready
     server.configure({"healthy": False})
     from eagle3_data.errors import UserError
 
     with pytest.raises(UserError, match="no SGLang endpoint is usable: .*not ready after 0.2 s of warm-up"):
-        generate_local(store, StageRef(run_key="run-x", stage="generate_local", dataset="chat"), prompts(1, "chat"),
-                       kimi_tokenizer, [server.url], SAMPLING, journal_dir=tmp_path, health_interval_s=0.05,
-                       warmup_timeout_s=0.2)
+        generate_local(
+            store,
+            StageRef(run_key="run-x", stage="generate_local", dataset="chat"),
+            prompts(1, "chat"),
+            kimi_tokenizer,
+            [server.url],
+            SAMPLING,
+            journal_dir=tmp_path,
+            health_interval_s=0.05,
+            warmup_timeout_s=0.2,
+        )
 
 
 def test_calibration_overlap_agrees_unless_bpe_splits(store, start_dev_server, kimi_tokenizer, tmp_path):
@@ -197,11 +300,29 @@ def test_calibration_overlap_agrees_unless_bpe_splits(store, start_dev_server, k
         over = StageRef(run_key="cal", stage="generate_overflow", dataset=ds)
         sampling = dict(SAMPLING, temperature=0.9, max_new_tokens=4000)  # route "both" overrides to 0
         generate_local(store, local, rows, kimi_tokenizer, [server.url], sampling, journal_dir=tmp_path)
-        generate_overflow(store, over, rows, kimi_tokenizer, server.url + "/v1", SECRET, MODEL, {}, None,
-                          sampling=sampling, concurrency=4, journal_dir=tmp_path)
-        assert all(json.loads(r["provenance"])["sampling"]["temperature"] == 0.0 for r in store.read_table(local).to_pylist())
-        reports[ds] = consistency_report(get_output_format(kimi_tokenizer, thinking=True), store.read_table(local).to_pylist(),
-                                         store.read_table(over).to_pylist(), first_n=10_000)
+        generate_overflow(
+            store,
+            over,
+            rows,
+            kimi_tokenizer,
+            server.url + "/v1",
+            SECRET,
+            MODEL,
+            {},
+            None,
+            sampling=sampling,
+            concurrency=4,
+            journal_dir=tmp_path,
+        )
+        assert all(
+            json.loads(r["provenance"])["sampling"]["temperature"] == 0.0 for r in store.read_table(local).to_pylist()
+        )
+        reports[ds] = consistency_report(
+            get_output_format(kimi_tokenizer, thinking=True),
+            store.read_table(local).to_pylist(),
+            store.read_table(over).to_pylist(),
+            first_n=10_000,
+        )
     assert reports["chat"]["samples"] == 8 and reports["chat"]["agreement"] == 1.0
     split = reports["splitty"]
     assert split["agreement"] < 1.0 and all(s["same_text"] for s in split["per_sample"])

@@ -12,16 +12,20 @@ from pathlib import Path
 
 import pytest
 
-from tests.generation_calls import MODEL, generate_overflow
-from tests.generation_calls import generate_local
 from eagle3_data.storage import StageRef
-
+from tests.generation_calls import MODEL, generate_local, generate_overflow
 from tests.integration.test_generation import SAMPLING, SECRET, prompts
 
 PRICE = {"prompt": 1e-6, "completion": 1e-5}
 FAULTS_20 = {  # 20% of requests fail one way or another
-    "rate_limit": 0.05, "retry_after_s": 0.05, "server_error": 0.05, "timeout": 0.02, "timeout_sleep_s": 3,
-    "malformed_json": 0.03, "empty_content": 0.03, "bad_request": 0.02,
+    "rate_limit": 0.05,
+    "retry_after_s": 0.05,
+    "server_error": 0.05,
+    "timeout": 0.02,
+    "timeout_sleep_s": 3,
+    "malformed_json": 0.03,
+    "empty_content": 0.03,
+    "bad_request": 0.02,
     "latency": {"dist": "uniform", "low": 0.0, "high": 0.02},
 }
 
@@ -39,9 +43,22 @@ def test_overflow_with_20pct_faults_settles_every_sample(store, start_dev_server
     todo = prompts(50)
     summaries = []
     for _ in range(3):  # failures that may heal are retried by the next attempt, final after two
-        s = generate_overflow(store, ref, todo, kimi_tokenizer, server.url + "/v1", SECRET, MODEL, {}, 10.0,
-                              sampling=SAMPLING, concurrency=16, max_attempts=6, request_timeout_s=1.0,
-                              journal_dir=tmp_path)
+        s = generate_overflow(
+            store,
+            ref,
+            todo,
+            kimi_tokenizer,
+            server.url + "/v1",
+            SECRET,
+            MODEL,
+            {},
+            10.0,
+            sampling=SAMPLING,
+            concurrency=16,
+            max_attempts=6,
+            request_timeout_s=1.0,
+            journal_dir=tmp_path,
+        )
         summaries.append(s)
         if s["complete"]:
             break
@@ -50,7 +67,9 @@ def test_overflow_with_20pct_faults_settles_every_sample(store, start_dev_server
     assert sorted(rows) == sorted(p["sample_id"] for p in todo)  # none lost, none duplicated
     failed = [r for r in rows.values() if r["status"] == "failed"]
     assert all(r["status"] == "ok" or r["error"] for r in rows.values())
-    assert all(r["content"] or r["tool_calls"] or r["finish_reason"] == "length" for r in rows.values() if r["status"] == "ok")
+    assert all(
+        r["content"] or r["tool_calls"] or r["finish_reason"] == "length" for r in rows.values() if r["status"] == "ok"
+    )
     stats = server.stats()
     assert sum(stats["faults"]["chat"].values()) >= 10, stats["faults"]  # faults really happened
     reasons = {r["error"].split(":")[0] for r in failed}
@@ -62,16 +81,47 @@ def test_overflow_with_20pct_faults_settles_every_sample(store, start_dev_server
 
 
 def test_local_with_faults_settles_every_sample(store, start_dev_server, kimi_tokenizer, tmp_path):
-    server = start_dev_server({"seed": 3, "endpoints": {"generate": {
-        "server_error": 0.1, "timeout": 0.03, "timeout_sleep_s": 3, "malformed_json": 0.07,
-        "latency": {"dist": "fixed", "mean": 0.05}}}})
+    server = start_dev_server(
+        {
+            "seed": 3,
+            "endpoints": {
+                "generate": {
+                    "server_error": 0.1,
+                    "timeout": 0.03,
+                    "timeout_sleep_s": 3,
+                    "malformed_json": 0.07,
+                    "latency": {"dist": "fixed", "mean": 0.05},
+                }
+            },
+        }
+    )
     ref = StageRef(run_key="faults", stage="generate_local", dataset="tool_calls")
     todo = prompts(60)
-    s = generate_local(store, ref, todo, kimi_tokenizer, [server.url], SAMPLING, in_flight_per_endpoint=8,
-                       rows_per_part=16, request_timeout_s=1.0, journal_dir=tmp_path)
+    s = generate_local(
+        store,
+        ref,
+        todo,
+        kimi_tokenizer,
+        [server.url],
+        SAMPLING,
+        in_flight_per_endpoint=8,
+        rows_per_part=16,
+        request_timeout_s=1.0,
+        journal_dir=tmp_path,
+    )
     if not s["complete"]:
-        s = generate_local(store, ref, todo, kimi_tokenizer, [server.url], SAMPLING, in_flight_per_endpoint=8,
-                           rows_per_part=16, request_timeout_s=1.0, journal_dir=tmp_path)
+        s = generate_local(
+            store,
+            ref,
+            todo,
+            kimi_tokenizer,
+            [server.url],
+            SAMPLING,
+            in_flight_per_endpoint=8,
+            rows_per_part=16,
+            request_timeout_s=1.0,
+            journal_dir=tmp_path,
+        )
     assert s["complete"], s
     rows = rows_by_id(store, ref)
     assert sorted(rows) == sorted(p["sample_id"] for p in todo)
@@ -80,7 +130,9 @@ def test_local_with_faults_settles_every_sample(store, start_dev_server, kimi_to
 
 
 def test_budget_cap_holds_and_resume_pays_nothing_twice(store, start_dev_server, kimi_tokenizer, tmp_path):
-    server = start_dev_server({"price_per_token": PRICE, "endpoints": {"chat": {"latency": {"dist": "fixed", "mean": 0.02}}}})
+    server = start_dev_server(
+        {"price_per_token": PRICE, "endpoints": {"chat": {"latency": {"dist": "fixed", "mean": 0.02}}}}
+    )
     ref = StageRef(run_key="budget", stage="generate_overflow", dataset="chat")
     todo = prompts(60, "chat")
     args = (store, ref, todo, kimi_tokenizer, server.url + "/v1", SECRET, MODEL, {})
@@ -100,8 +152,21 @@ def test_budget_cap_holds_and_resume_pays_nothing_twice(store, start_dev_server,
 def test_credits_exhausted_stops_cleanly(store, start_dev_server, kimi_tokenizer, tmp_path):
     server = start_dev_server({"price_per_token": PRICE, "endpoints": {"chat": {"credits_after": 13}}})
     ref = StageRef(run_key="credits", stage="generate_overflow", dataset="chat")
-    s = generate_overflow(store, ref, prompts(40, "chat"), kimi_tokenizer, server.url + "/v1", SECRET, MODEL, {}, None,
-                          sampling=SAMPLING, concurrency=4, rows_per_part=5, journal_dir=tmp_path)
+    s = generate_overflow(
+        store,
+        ref,
+        prompts(40, "chat"),
+        kimi_tokenizer,
+        server.url + "/v1",
+        SECRET,
+        MODEL,
+        {},
+        None,
+        sampling=SAMPLING,
+        concurrency=4,
+        rows_per_part=5,
+        journal_dir=tmp_path,
+    )
     assert s["stopped_reason"] == "credits" and not s["complete"] and s["counts"]["ok"] == 13, s
     assert not store.is_complete(ref)
     assert len(store.committed_sample_ids(ref)) == 13  # what was paid for is committed, not just buffered
@@ -114,17 +179,50 @@ def test_sigkill_mid_stage_then_resume_cli(store, s3_server, start_dev_server, k
     replayed, not requested again, so only answers in transit at the kill can be paid twice."""
     # 0.15 s per answer at 4 in flight: ~27 answers/s, so the 4-row kill window below lasts ~0.15 s,
     # several polls even on a loaded machine (at 0.05 s a busy CI machine polled past every window)
-    server = start_dev_server({"price_per_token": PRICE, "endpoints": {"chat": {"latency": {"dist": "fixed", "mean": 0.15}}}})
+    server = start_dev_server(
+        {"price_per_token": PRICE, "endpoints": {"chat": {"latency": {"dist": "fixed", "mean": 0.15}}}}
+    )
     src = tmp_path / "chat.jsonl"
     with src.open("w") as f:
         for i in range(100):
             f.write(json.dumps({"messages": [{"role": "user", "content": f"Tell me about number {i}."}]}) + "\n")
-    env = dict(os.environ, AWS_ACCESS_KEY_ID=s3_server.access_key, AWS_SECRET_ACCESS_KEY=s3_server.secret_key,
-               AWS_DEFAULT_REGION="us-east-1", OPENROUTER_API_KEY=SECRET, EAGLE3_JOURNAL_DIR=str(tmp_path / "journal"))
-    cmd = [str(Path(sys.executable).parent / "eagle3-data"), "generate", "overflow", "--dataset", "chat",
-           "--prompts", str(src), "--run-key", "kill", "--bucket", store.bucket, "--prefix", store.prefix,
-           "--endpoint-url", s3_server.endpoint_url, "--overflow-fraction", "1", "--tokenizer", str(kimi_tokenizer_dir),
-           "--base-url", server.url + "/v1", "--concurrency", "4", "--rows-per-part", "10", "--max-usd", "5"]
+    env = dict(
+        os.environ,
+        AWS_ACCESS_KEY_ID=s3_server.access_key,
+        AWS_SECRET_ACCESS_KEY=s3_server.secret_key,
+        AWS_DEFAULT_REGION="us-east-1",
+        OPENROUTER_API_KEY=SECRET,
+        EAGLE3_JOURNAL_DIR=str(tmp_path / "journal"),
+    )
+    cmd = [
+        str(Path(sys.executable).parent / "eagle3-data"),
+        "generate",
+        "overflow",
+        "--dataset",
+        "chat",
+        "--prompts",
+        str(src),
+        "--run-key",
+        "kill",
+        "--bucket",
+        store.bucket,
+        "--prefix",
+        store.prefix,
+        "--endpoint-url",
+        s3_server.endpoint_url,
+        "--overflow-fraction",
+        "1",
+        "--tokenizer",
+        str(kimi_tokenizer_dir),
+        "--base-url",
+        server.url + "/v1",
+        "--concurrency",
+        "4",
+        "--rows-per-part",
+        "10",
+        "--max-usd",
+        "5",
+    ]
     ref = StageRef(run_key="kill", stage="generate_overflow", dataset="chat")
     logs = []
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -132,7 +230,9 @@ def test_sigkill_mid_stage_then_resume_cli(store, s3_server, start_dev_server, k
     journal = tmp_path / "journal"
 
     def journaled() -> int:  # answers, not the records of requests opened (journal_attempt)
-        return sum(not line.startswith('{"attempt"') for p in journal.glob("*.jsonl") for line in p.read_text().splitlines())
+        return sum(
+            not line.startswith('{"attempt"') for p in journal.glob("*.jsonl") for line in p.read_text().splitlines()
+        )
 
     # kill mid-part: at least 30 answers committed and 3-6 more journaled but not committed. The
     # upper bound keeps the kill away from a part upload: with 10 journaled past the last commit
@@ -142,7 +242,9 @@ def test_sigkill_mid_stage_then_resume_cli(store, s3_server, start_dev_server, k
         if committed >= 30 and committed + 3 <= journaled() <= committed + 6:
             break
         time.sleep(0.02)
-    assert proc.poll() is None, f"the CLI ended before the kill window (exit {proc.returncode}): {proc.communicate()[0][-2000:]}"
+    assert proc.poll() is None, (
+        f"the CLI ended before the kill window (exit {proc.returncode}): {proc.communicate()[0][-2000:]}"
+    )
     os.kill(proc.pid, signal.SIGKILL)
     logs.append(proc.communicate()[0])
     killed_at = len(store.committed_sample_ids(ref))

@@ -12,11 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from botocore.exceptions import ClientError
 
-from tests.generation_calls import MODEL, generate_overflow
 from eagle3_data.storage import LeaseLost, StageBusy, StageRef
 from eagle3_data.storage.lease import LEASE, acquire_lease, refuse_if_busy
 from eagle3_data.storage.writer import StageWriter
-
+from tests.generation_calls import MODEL, generate_overflow
 from tests.integration.test_generation import SAMPLING, SECRET, prompts
 
 REF = StageRef(run_key="date=2026-11-29", stage="generate_overflow", dataset="tool_calls")
@@ -122,10 +121,16 @@ def test_racing_takeovers_of_an_expired_lease_have_one_winner(store):
     n = 8
     for r in range(ROUNDS):
         ref = StageRef(run_key=f"race-{r}", stage="generate_overflow", dataset="d")
-        dead = ({"host": "elsewhere", "pid": 1, "ttl_s": 0} if r % 2 else
-                {"host": socket.gethostname(), "pid": gone.pid, "ttl_s": 600})
-        store.client.put_object(Bucket=store.bucket, Key=store.key(ref, LEASE),
-                                Body=json.dumps({"owner": "dead", "token": "0" * 32, "state": "held", **dead}).encode())
+        dead = (
+            {"host": "elsewhere", "pid": 1, "ttl_s": 0}
+            if r % 2
+            else {"host": socket.gethostname(), "pid": gone.pid, "ttl_s": 600}
+        )
+        store.client.put_object(
+            Bucket=store.bucket,
+            Key=store.key(ref, LEASE),
+            Body=json.dumps({"owner": "dead", "token": "0" * 32, "state": "held", **dead}).encode(),
+        )
         barrier = threading.Barrier(n)
 
         def take(i):
@@ -146,8 +151,22 @@ def test_racing_takeovers_of_an_expired_lease_have_one_winner(store):
 
 # -- Why 1 of issue 13, with the dev server as the paid endpoint ------------------------------------------
 def _overflow(store, server, todo, tmp_path, **kw):
-    return generate_overflow(store, REF, todo, server.tokenizer, server.url + "/v1", SECRET, MODEL, {}, None,
-                             sampling=SAMPLING, concurrency=4, rows_per_part=8, journal_dir=tmp_path, **kw)
+    return generate_overflow(
+        store,
+        REF,
+        todo,
+        server.tokenizer,
+        server.url + "/v1",
+        SECRET,
+        MODEL,
+        {},
+        None,
+        sampling=SAMPLING,
+        concurrency=4,
+        rows_per_part=8,
+        journal_dir=tmp_path,
+        **kw,
+    )
 
 
 @pytest.fixture
@@ -230,20 +249,27 @@ def test_zombie_writer_cannot_corrupt_the_stage(store, tmp_path):
 
 
 def test_owner_names_the_airflow_task_try(store, monkeypatch):
-    for k, v in {"AIRFLOW_CTX_DAG_ID": "eagle3_datagen", "AIRFLOW_CTX_TASK_ID": "generate_overflow",
-                 "AIRFLOW_CTX_DAG_RUN_ID": "scheduled__2026-11-29", "AIRFLOW_CTX_TRY_NUMBER": "1"}.items():
+    for k, v in {
+        "AIRFLOW_CTX_DAG_ID": "eagle3_datagen",
+        "AIRFLOW_CTX_TASK_ID": "generate_overflow",
+        "AIRFLOW_CTX_DAG_RUN_ID": "scheduled__2026-11-29",
+        "AIRFLOW_CTX_TRY_NUMBER": "1",
+    }.items():
         monkeypatch.setenv(k, v)
     held = acquire_lease(store, REF, heartbeat=False)
     try:
-        with pytest.raises(StageBusy, match=r"Airflow eagle3_datagen.generate_overflow run scheduled__2026-11-29 try 1"):
+        with pytest.raises(
+            StageBusy, match=r"Airflow eagle3_datagen.generate_overflow run scheduled__2026-11-29 try 1"
+        ):
             acquire_lease(store, REF, heartbeat=False)
     finally:
         held.release()
 
 
 @pytest.mark.slow
-def test_two_cli_processes_on_one_stage_one_pays_the_other_exits_2(store, s3_server, start_dev_server,
-                                                                   kimi_tokenizer_dir, tmp_path):
+def test_two_cli_processes_on_one_stage_one_pays_the_other_exits_2(
+    store, s3_server, start_dev_server, kimi_tokenizer_dir, tmp_path
+):
     """Why 1 as a user meets it: two `eagle3-data generate overflow` processes, same run key and
     dataset. The second one starts while the first is paying; it exits 2 naming the holder."""
     import json
@@ -256,12 +282,40 @@ def test_two_cli_processes_on_one_stage_one_pays_the_other_exits_2(store, s3_ser
     server = start_dev_server({"endpoints": {"chat": {"latency": {"dist": "fixed", "mean": 0.05}}}})
     src = tmp_path / "chat.jsonl"
     src.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"n {i}"}]}) + "\n" for i in range(40)))
-    env = dict(os.environ, AWS_ACCESS_KEY_ID=s3_server.access_key, AWS_SECRET_ACCESS_KEY=s3_server.secret_key,
-               OPENROUTER_API_KEY=SECRET, EAGLE3_JOURNAL_DIR=str(tmp_path / "journal"))
-    cmd = [str(Path(sys.executable).parent / "eagle3-data"), "generate", "overflow", "--dataset", "chat",
-           "--prompts", str(src), "--run-key", "two", "--bucket", store.bucket, "--prefix", store.prefix,
-           "--endpoint-url", s3_server.endpoint_url, "--overflow-fraction", "1", "--tokenizer", str(kimi_tokenizer_dir),
-           "--base-url", server.url + "/v1", "--concurrency", "1", "--rows-per-part", "10"]
+    env = dict(
+        os.environ,
+        AWS_ACCESS_KEY_ID=s3_server.access_key,
+        AWS_SECRET_ACCESS_KEY=s3_server.secret_key,
+        OPENROUTER_API_KEY=SECRET,
+        EAGLE3_JOURNAL_DIR=str(tmp_path / "journal"),
+    )
+    cmd = [
+        str(Path(sys.executable).parent / "eagle3-data"),
+        "generate",
+        "overflow",
+        "--dataset",
+        "chat",
+        "--prompts",
+        str(src),
+        "--run-key",
+        "two",
+        "--bucket",
+        store.bucket,
+        "--prefix",
+        store.prefix,
+        "--endpoint-url",
+        s3_server.endpoint_url,
+        "--overflow-fraction",
+        "1",
+        "--tokenizer",
+        str(kimi_tokenizer_dir),
+        "--base-url",
+        server.url + "/v1",
+        "--concurrency",
+        "1",
+        "--rows-per-part",
+        "10",
+    ]
     first = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for_requests(server, 3)  # the first one holds the lease and pays
     os.kill(first.pid, signal.SIGSTOP)  # frozen mid-stage (alive, lease unexpired): the second must not wait on timing

@@ -12,7 +12,6 @@ import json
 from eagle3_data.generation import openrouter
 from eagle3_data.generation.checkpoint import StageRun
 from eagle3_data.storage import StageRef
-
 from tests.generation_calls import MODEL, generate_overflow
 from tests.integration.test_generation import SAMPLING, SECRET, prompts
 
@@ -20,9 +19,13 @@ C = 4  # workers; 3 waves of C answers each
 
 
 def answer(sid: str) -> dict:
-    return {"id": f"gen-{sid}", "model": MODEL, "provider": "Moonshot AI",
-            "choices": [{"finish_reason": "stop", "message": {"role": "assistant", "content": f"answer {sid}"}}],
-            "usage": {"prompt_tokens": 10, "completion_tokens": 3, "cost": 1e-6}}
+    return {
+        "id": f"gen-{sid}",
+        "model": MODEL,
+        "provider": "Moonshot AI",
+        "choices": [{"finish_reason": "stop", "message": {"role": "assistant", "content": f"answer {sid}"}}],
+        "usage": {"prompt_tokens": 10, "completion_tokens": 3, "cost": 1e-6},
+    }
 
 
 class WaveServer:
@@ -72,8 +75,20 @@ def test_a_waves_next_requests_leave_before_its_rows_are_journaled(store, kimi_t
     WaveServer.events, WaveServer.thresholds = [], []
     before = gc.get_threshold()
     summary = generate_overflow(
-        store, StageRef("bursts", "generate_overflow", "w"), prompts(3 * C, "w"), kimi_tokenizer, "http://unused/v1",
-        SECRET, MODEL, {}, None, sampling=SAMPLING, concurrency=C, rows_per_part=64, journal_dir=tmp_path)
+        store,
+        StageRef("bursts", "generate_overflow", "w"),
+        prompts(3 * C, "w"),
+        kimi_tokenizer,
+        "http://unused/v1",
+        SECRET,
+        MODEL,
+        {},
+        None,
+        sampling=SAMPLING,
+        concurrency=C,
+        rows_per_part=64,
+        journal_dir=tmp_path,
+    )
     assert summary["complete"] and summary["counts"]["ok"] == 3 * C, summary
     kinds = [kind for kind, _ in WaveServer.events]
     # wave 1 is answered at once: its C next requests (wave 2) leave with at most one of its rows

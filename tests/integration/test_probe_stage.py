@@ -19,9 +19,16 @@ def test_probe_stage_after_the_extraction(store, generations, tiny_model_dir):  
     from eagle3_data.probe import simulated_acceptance
 
     config = load_config().with_overrides(
-        {"model": {"source": str(tiny_model_dir)}, "merge": {"max_length": 40},
-         "probe": {"samples": 12, "eval_samples": 4, "steps": 3, "eval_every": 3, "max_len": 256}}, where="test")
-    run = Run(config=config, run_key=RUN, date=None, datasets=config.dataset_names, dry_run=False, skip_hidden_states=False)
+        {
+            "model": {"source": str(tiny_model_dir)},
+            "merge": {"max_length": 40},
+            "probe": {"samples": 12, "eval_samples": 4, "steps": 3, "eval_every": 3, "max_len": 256},
+        },
+        where="test",
+    )
+    run = Run(
+        config=config, run_key=RUN, date=None, datasets=config.dataset_names, dry_run=False, skip_hidden_states=False
+    )
     merge_datasets(store, generations, RUN, MergeConfig(shard_tokens=200, max_length=40))
     for work in pipeline.plan_hidden_states(run, store):
         pipeline.extract_hidden_states(run, store, work)
@@ -31,7 +38,11 @@ def test_probe_stage_after_the_extraction(store, generations, tiny_model_dir):  
     ref = StageRef(RUN, "probe", "all")
     report = store.get_json(ref, "probe.json")
     assert result.uri == store.uri(ref, "probe.json") and not result.reused
-    assert result.simulated_acceptance == report["simulated_acceptance"] == pytest.approx(simulated_acceptance(report["acc"]))
+    assert (
+        result.simulated_acceptance
+        == report["simulated_acceptance"]
+        == pytest.approx(simulated_acceptance(report["acc"]))
+    )
     assert len(report["acc"]) == 3 and [c["step"] for c in report["curve"]] == [0, 3]
     rows = report["export_samples"]  # the first shards' rows: at least train + held-out, not all 20 when they suffice
     assert 16 <= rows <= 20 and report["eval_samples"] == min(4, rows // 5) and report["train_samples"] == 12

@@ -25,8 +25,10 @@ def _run(kimi_tokenizer_dir, run_key: str):
     from eagle3_data.config import load_config
     from eagle3_data.pipeline.run import Run
 
-    config = load_config().with_overrides({"tokenizer": {"source": str(kimi_tokenizer_dir)},
-                                           "validation": {"allow_unvalidated_overflow": True}}, where="test")
+    config = load_config().with_overrides(
+        {"tokenizer": {"source": str(kimi_tokenizer_dir)}, "validation": {"allow_unvalidated_overflow": True}},
+        where="test",
+    )
     return Run(config=config, run_key=run_key, date=None, datasets=[DATASET], dry_run=False, skip_hidden_states=True)
 
 
@@ -38,14 +40,29 @@ def _overflow_run(store, server, kimi_tokenizer, run):
     from tests.generation_calls import MODEL, generate_overflow
 
     sampling = {"temperature": 0.0, "max_new_tokens": 96}
-    rows = [{**r, "route": "overflow"} for r in list(load_prompts(str(SAMPLE_DATA / f"{DATASET}.jsonl"), DATASET,
-                                                                 sampling=sampling).rows)[:6]]
-    done = generate_overflow(store, pipeline.stage_ref(run, "generate_overflow", DATASET), rows, kimi_tokenizer,
-                             server.url + "/v1", "sk-test", MODEL, {}, None, sampling={**sampling, "thinking": True},
-                             concurrency=2, rows_per_part=4)
+    rows = [
+        {**r, "route": "overflow"}
+        for r in list(load_prompts(str(SAMPLE_DATA / f"{DATASET}.jsonl"), DATASET, sampling=sampling).rows)[:6]
+    ]
+    done = generate_overflow(
+        store,
+        pipeline.stage_ref(run, "generate_overflow", DATASET),
+        rows,
+        kimi_tokenizer,
+        server.url + "/v1",
+        "sk-test",
+        MODEL,
+        {},
+        None,
+        sampling={**sampling, "thinking": True},
+        concurrency=2,
+        rows_per_part=4,
+    )
     assert done["complete"], done
     for stage, kind, data in (("prompts", "prompts", rows), ("generate_local", "generations", [])):
-        with StageWriter(store, pipeline.stage_ref(run, stage, DATASET), kind, rows_per_part=64, params={}, fresh=True) as w:
+        with StageWriter(
+            store, pipeline.stage_ref(run, stage, DATASET), kind, rows_per_part=64, params={}, fresh=True
+        ) as w:
             if data:
                 w.write(data)
             w.commit()
@@ -53,17 +70,24 @@ def _overflow_run(store, server, kimi_tokenizer, run):
     return rows
 
 
-def test_a_provider_rendering_another_prompt_fails_the_gate_on_prompt_billing(store, start_dev_server, kimi_tokenizer,
-                                                                              kimi_tokenizer_dir):
+def test_a_provider_rendering_another_prompt_fails_the_gate_on_prompt_billing(
+    store, start_dev_server, kimi_tokenizer, kimi_tokenizer_dir
+):
     from eagle3_data import pipeline
     from eagle3_data.pipeline.validate import BILLING_REPORT
 
     # the honest provider: billed prompt tokens are the template's render of the request, and the gate passes
     honest = _run(kimi_tokenizer_dir, "prompt-billing-honest")
     rows = _overflow_run(store, start_dev_server({}), kimi_tokenizer, honest)
-    expected = {r["sample_id"]: len(render(kimi_tokenizer, json.loads(r["messages"]),
-                                           json.loads(r["tools"]) if r["tools"] else None)) for r in rows}
-    committed = {r["sample_id"]: r for r in store.read_table(StageRef(honest.run_key, "reconstruct", DATASET)).to_pylist()}
+    expected = {
+        r["sample_id"]: len(
+            render(kimi_tokenizer, json.loads(r["messages"]), json.loads(r["tools"]) if r["tools"] else None)
+        )
+        for r in rows
+    }
+    committed = {
+        r["sample_id"]: r for r in store.read_table(StageRef(honest.run_key, "reconstruct", DATASET)).to_pylist()
+    }
     assert {sid: r["usage"]["prompt_tokens"] for sid, r in committed.items()} == expected
     assert {sid: len(r["prompt_ids"]) for sid, r in committed.items()} == expected
     result = pipeline.validate(honest, store, DATASET)
@@ -73,20 +97,26 @@ def test_a_provider_rendering_another_prompt_fails_the_gate_on_prompt_billing(st
 
     # a provider prepending its own system message: each answer bills that message's render on top
     injected = _run(kimi_tokenizer_dir, "prompt-billing-injected")
-    rows = _overflow_run(store, start_dev_server({"endpoints": {"chat": {"inject_system_prompt": INJECTED}}}),
-                         kimi_tokenizer, injected)
+    rows = _overflow_run(
+        store, start_dev_server({"endpoints": {"chat": {"inject_system_prompt": INJECTED}}}), kimi_tokenizer, injected
+    )
     gap = {}
     for r in rows:
         messages, tools = json.loads(r["messages"]), json.loads(r["tools"]) if r["tools"] else None
-        gap[r["sample_id"]] = len(render(kimi_tokenizer, [{"role": "system", "content": INJECTED}, *messages], tools)) \
-            - len(render(kimi_tokenizer, messages, tools))
-    assert len(set(gap.values())) == 1 and next(iter(gap.values())) > 2  # one system message: the same gap on every answer
+        gap[r["sample_id"]] = len(
+            render(kimi_tokenizer, [{"role": "system", "content": INJECTED}, *messages], tools)
+        ) - len(render(kimi_tokenizer, messages, tools))
+    assert (
+        len(set(gap.values())) == 1 and next(iter(gap.values())) > 2
+    )  # one system message: the same gap on every answer
     size = next(iter(gap.values()))
     with pytest.raises(GateFailed) as failed:
         pipeline.validate(injected, store, DATASET)
     message = str(failed.value)
-    assert f"overflow prompt billing: billed prompt tokens differ from the prompt ids by {size:.2f} tokens per answer" \
+    assert (
+        f"overflow prompt billing: billed prompt tokens differ from the prompt ids by {size:.2f} tokens per answer"
         in message
+    )
     assert f"{len(rows)} answer(s) (100.00%) billed more than 2 prompt tokens away" in message
     named = re.findall(r"([0-9a-f]{32}) \(\+(\d+)\)", message)  # the rows, each with its gap
     assert len(named) == min(5, len(rows)) and all(gap[sid] == int(n) for sid, n in named)

@@ -38,8 +38,12 @@ def _keys(s3, bucket):
 def test_bad_rows_are_named_and_nothing_is_uploaded(env, s3, s3_bucket, tmp_path, capsys):
     good = shutil.copy(SAMPLE / "chat.jsonl", tmp_path / "good.jsonl")
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n"
-                   + json.dumps({"messages": [{"role": "usr", "content": "x"}]}) + "\n{oops\n")
+    bad.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "hi"}]})
+        + "\n"
+        + json.dumps({"messages": [{"role": "usr", "content": "x"}]})
+        + "\n{oops\n"
+    )
     assert main(["prompts", "upload", "--dataset", "chat", "--date", "2026-11-02", str(good), str(bad)]) == 2
     err = capsys.readouterr().err
     assert f"{bad} line 2: messages[0].role" in err and f"{bad} line 3" in err and "nothing uploaded" in err
@@ -49,10 +53,13 @@ def test_bad_rows_are_named_and_nothing_is_uploaded(env, s3, s3_bucket, tmp_path
     assert len(_keys(s3, s3_bucket)) == 1
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--dataset", "nope", "--date", "2026-11-02"], "not in the config"),
-    (["--dataset", "chat", "--date", "2026-11-2"], "expected YYYY-MM-DD"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--dataset", "nope", "--date", "2026-11-02"], "not in the config"),
+        (["--dataset", "chat", "--date", "2026-11-2"], "expected YYYY-MM-DD"),
+    ],
+)
 def test_bad_arguments(env, argv, message, capsys):
     assert main(["prompts", "upload", *argv, str(SAMPLE / "chat.jsonl")]) == 2
     assert message in capsys.readouterr().err
@@ -66,7 +73,9 @@ def test_upload_lands_in_the_date_partition_the_run_reads(env, s3, s3_bucket, ca
     assert f"s3://{s3_bucket}/{prefix}/date=2026-11-02/chat.jsonl" in out
     assert _keys(s3, s3_bucket) == [f"{prefix}/date=2026-11-02/chat.jsonl", f"{prefix}/date=2026-11-03/chat.jsonl"]
     chat = next(d for d in env.datasets if d.name == "chat")
-    loaded = load_prompts(chat.prompts, "chat", date="2026-11-03", sampling=env.generation.sampling.model_dump(), client=s3)
+    loaded = load_prompts(
+        chat.prompts, "chat", date="2026-11-03", sampling=env.generation.sampling.model_dump(), client=s3
+    )
     local = load_prompts(str(SAMPLE / "chat.jsonl"), "chat", sampling=env.generation.sampling.model_dump())
     assert [r["sample_id"] for r in loaded.rows] == [r["sample_id"] for r in local.rows] != []
 
@@ -86,8 +95,17 @@ def test_image_prompts_are_checked_and_their_image_files_uploaded_beside_them(en
     (tmp_path / "pics").mkdir()
     (tmp_path / "pics" / "flag.png").write_bytes(png(*IMAGES["flag"]))
     (tmp_path / "pics" / "broken.png").write_bytes(png(*IMAGES["flag"])[:50])
-    row = lambda name: {"messages": [{"role": "user", "content": [  # noqa: E731
-        {"type": "text", "text": "what flag?"}, {"type": "image_url", "image_url": {"url": f"pics/{name}.png"}}]}]}
+    row = lambda name: {
+        "messages": [
+            {
+                "role": "user",
+                "content": [  # noqa: E731
+                    {"type": "text", "text": "what flag?"},
+                    {"type": "image_url", "image_url": {"url": f"pics/{name}.png"}},
+                ],
+            }
+        ]
+    }
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(row("broken")) + "\n")
     assert main(["prompts", "upload", "--dataset", "chat", "--date", "2026-11-04", str(bad)]) == 2
@@ -99,7 +117,13 @@ def test_image_prompts_are_checked_and_their_image_files_uploaded_beside_them(en
     assert _keys(s3, s3_bucket) == [f"{prefix}/good.jsonl", f"{prefix}/pics/flag.png"]
     chat = next(d for d in env.datasets if d.name == "chat")
     store = ArtifactStore(s3, s3_bucket, prefix="runs-test")
-    loaded = load_prompts(chat.prompts, "chat", date="2026-11-04", sampling=env.generation.sampling.model_dump(), client=s3,
-                          images=ImageSink(store, env.limits.max_image_bytes))
+    loaded = load_prompts(
+        chat.prompts,
+        "chat",
+        date="2026-11-04",
+        sampling=env.generation.sampling.model_dump(),
+        client=s3,
+        images=ImageSink(store, env.limits.max_image_bytes),
+    )
     (got,) = [json.loads(r["images"]) for r in loaded.rows]
     assert [(r["width"], r["height"]) for r in got] == [IMAGES["flag"][:2]]

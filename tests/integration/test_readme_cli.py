@@ -10,7 +10,6 @@ import json
 import os
 import re
 import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -38,22 +37,34 @@ def test_the_readme_cli_block_runs_as_pasted(tmp_path):
     script.write_text(readme_block())
     # a clean shell: what a new terminal has; the suite's cache (dev: builds) and, where the
     # package is not installed from this checkout, the checkout's include/ on the path
-    env = {"HOME": str(tmp_path / "home"), "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8",
-           **{k: os.environ[k] for k in ("EAGLE3_DATA_CACHE", "PYTHONPATH", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
-              if k in os.environ}}
+    env = {
+        "HOME": str(tmp_path / "home"),
+        "PATH": "/usr/bin:/bin",
+        "LANG": "C.UTF-8",
+        **{
+            k: os.environ[k]
+            for k in ("EAGLE3_DATA_CACHE", "PYTHONPATH", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+            if k in os.environ
+        },
+    }
     work = tmp_path / "demo-output" / "cli"
     try:
-        done = subprocess.run(["bash", "-e", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=600)
+        done = subprocess.run(
+            ["bash", "-e", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+        )
     finally:  # the block's last line stops S3; a failure before it must not leave SeaweedFS running
         if (work / "s3" / "weed.pid").exists():
-            subprocess.run([str(REPO / ".venv" / "bin" / "eagle3-data"), "dev", "s3", "stop", "--dir", str(work / "s3")],
-                           env=env, capture_output=True, timeout=60)
+            subprocess.run(
+                [str(REPO / ".venv" / "bin" / "eagle3-data"), "dev", "s3", "stop", "--dir", str(work / "s3")],
+                env=env,
+                capture_output=True,
+                timeout=60,
+            )
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
     assert "Traceback" not in done.stderr and "eagle3-data: error" not in done.stderr
     assert done.stdout.rstrip().endswith("stopped")  # the last line: S3 stopped
     # each stage printed its result; publish's (the run summary) is the last JSON object before the report
-    summary = json.loads(done.stdout[done.stdout.rindex('\n{\n "run_key"') + 1:done.stdout.rindex("\n}\n") + 2])
+    summary = json.loads(done.stdout[done.stdout.rindex('\n{\n "run_key"') + 1 : done.stdout.rindex("\n}\n") + 2])
     assert summary["run_key"] == "cli1" and summary["datasets"] == ["chat"] and summary["changed"] is True
     assert summary["merged_uri"] and summary["hidden_states_uri"] and "tokenizer" in summary["stand_ins"]
     html = (work / "report.html").read_text(encoding="utf-8")

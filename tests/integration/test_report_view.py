@@ -26,12 +26,24 @@ from eagle3_data.report import (
 )
 from eagle3_data.run_key import run_key_for
 from eagle3_data.storage import StageRef
-from eagle3_data.validate import CLASSES, BadRow, RowResult, ValidationSummary, compare_billed_counts, compare_billed_prompts
 from eagle3_data.storage.writer import StageWriter
+from eagle3_data.validate import (
+    CLASSES,
+    BadRow,
+    RowResult,
+    ValidationSummary,
+    compare_billed_counts,
+    compare_billed_prompts,
+)
 
 RUN = "view-test"
 EVIL = "<script>alert('x')</script>"
-THRESHOLDS = {"max_bpe_mismatch_rate": 0.1, "max_text_diff_rate": 0.0, "max_billing_deviation": 0.01, "max_bad_row_rate": 0.05}
+THRESHOLDS = {
+    "max_bpe_mismatch_rate": 0.1,
+    "max_text_diff_rate": 0.0,
+    "max_billing_deviation": 0.01,
+    "max_bad_row_rate": 0.05,
+}
 
 
 def validation_report(exact: int, bpe_positions: list[int]) -> dict:
@@ -52,15 +64,34 @@ def calibration(tokenizer) -> dict:
     provider's carries EVIL), failed on one path, unreconstructable (agreeing prefixes 12, 9, 8)."""
     text = "Let me think.</think>The answer is 42.<|im_end|>"
     ids = tokenizer.encode(text, add_special_tokens=False)
-    split = ids[:9] + tokenizer.encode("4", add_special_tokens=False) + tokenizer.encode("2", add_special_tokens=False) + ids[10:]
-    over = {"status": "ok", "reasoning": "Let me think.", "content": "The answer is 42.", "tool_calls": None,
-            "finish_reason": "stop", "messages": "[]"}
-    local = [{"sample_id": s, "status": "ok", "output_ids": split if s == "bpe" else ids} for s in ("same", "bpe", "evil", "lost", "cut")]
+    split = (
+        ids[:9]
+        + tokenizer.encode("4", add_special_tokens=False)
+        + tokenizer.encode("2", add_special_tokens=False)
+        + ids[10:]
+    )
+    over = {
+        "status": "ok",
+        "reasoning": "Let me think.",
+        "content": "The answer is 42.",
+        "tool_calls": None,
+        "finish_reason": "stop",
+        "messages": "[]",
+    }
+    local = [
+        {"sample_id": s, "status": "ok", "output_ids": split if s == "bpe" else ids}
+        for s in ("same", "bpe", "evil", "lost", "cut")
+    ]
     provider = [{**over, "sample_id": s} for s in ("same", "bpe")] + [
         {**over, "sample_id": "evil", "content": f"The answer is {EVIL}"},
         {**over, "sample_id": "lost", "status": "failed"},
-        {**over, "sample_id": "cut", "finish_reason": "length", "status": "unreconstructable",
-         "tools": json.dumps([{"type": "function", "function": {"name": "f", "parameters": {}}}])},
+        {
+            **over,
+            "sample_id": "cut",
+            "finish_reason": "length",
+            "status": "unreconstructable",
+            "tools": json.dumps([{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+        },
     ]
     from eagle3_data.chat_format import get_output_format
 
@@ -81,15 +112,27 @@ def provider_checks(tokenizer) -> dict:
     from eagle3_data.policy.select import Item
     from eagle3_data.validate import identity_report
 
-    rows = [{"sample_id": f"o-{i}", "status": "identity_mismatch" if i == 0 else "ok",
-             "error": "provider Other Cloud is not the pin moonshotai" if i == 0 else None,
-             "provenance": json.dumps({"model": "moonshotai/kimi-k2.5", "provider": "Other Cloud" if i == 0 else "Moonshot AI"})}
-            for i in range(13)]
+    rows = [
+        {
+            "sample_id": f"o-{i}",
+            "status": "identity_mismatch" if i == 0 else "ok",
+            "error": "provider Other Cloud is not the pin moonshotai" if i == 0 else None,
+            "provenance": json.dumps(
+                {"model": "moonshotai/kimi-k2.5", "provider": "Other Cloud" if i == 0 else "Moonshot AI"}
+            ),
+        }
+        for i in range(13)
+    ]
     evil = tuple(tokenizer.encode(EVIL_ANSWER, add_special_tokens=False))
-    items = [Item(f"{side}-{i}", side, side, (1,) + (evil if (side, i) == ("overflow", 11) else (2, 3, 4)), 1)
-             for side in ("local", "overflow") for i in range(12)]
-    scores = [[-0.2 - 0.01 * (i % 12) - (1.0 if it.side == "overflow" else 0.0)] * (len(it.ids) - 1)
-              for i, it in enumerate(items)]
+    items = [
+        Item(f"{side}-{i}", side, side, (1,) + (evil if (side, i) == ("overflow", 11) else (2, 3, 4)), 1)
+        for side in ("local", "overflow")
+        for i in range(12)
+    ]
+    scores = [
+        [-0.2 - 0.01 * (i % 12) - (1.0 if it.side == "overflow" else 0.0)] * (len(it.ids) - 1)
+        for i, it in enumerate(items)
+    ]
     for i, pair in enumerate(PAIRS):
         for side, mean in zip(("local", "overflow"), pair):
             items.append(Item(f"c-{i}", side, "both", (1, 5, 6), 1))
@@ -109,12 +152,18 @@ def extraction_logprobs(tokenizer) -> dict:
     from eagle3_data.report.data import decode_least_likely
 
     stats = LogprobStats()
-    answers = {("vllm", "l-0"): "Hello there.", ("vllm", "l-1"): "Fine.", ("openrouter", "o-0"): "Sure.",
-               ("openrouter", "o-1"): EVIL_ANSWER}
+    answers = {
+        ("vllm", "l-0"): "Hello there.",
+        ("vllm", "l-1"): "Fine.",
+        ("openrouter", "o-0"): "Sure.",
+        ("openrouter", "o-1"): EVIL_ANSWER,
+    }
     for (source, sid), text in answers.items():
         ids = [1] + tokenizer.encode(text, add_special_tokens=False)
         mean = -9.0 if sid == "o-1" else -1.0
-        stats.add(sid, torch.tensor([float("nan")] + [mean] * (len(ids) - 1)), [0] + [1] * (len(ids) - 1), source, ids=ids)
+        stats.add(
+            sid, torch.tensor([float("nan")] + [mean] * (len(ids) - 1)), [0] + [1] * (len(ids) - 1), source, ids=ids
+        )
     return decode_least_likely(_logprob_totals([{"logprobs": stats.summary()}])["logprobs"], lambda: tokenizer)
 
 
@@ -131,14 +180,21 @@ def run_report(store, kimi_tokenizer):
         max_aggregate_deviation=0.01,
     )
     # the prompt side: 12 answers billed 14 tokens more than their prompt ids, one exact, one without a count
-    billing["prompt"] = compare_billed_prompts([(f"o-{i}", 214 + i, 200 + i) for i in range(12)]
-                                               + [("o-12", 90, 90), (EVIL, None, 80)], max_missing_usage_rate=0.5)
+    billing["prompt"] = compare_billed_prompts(
+        [(f"o-{i}", 214 + i, 200 + i) for i in range(12)] + [("o-12", 90, 90), (EVIL, None, 80)],
+        max_missing_usage_rate=0.5,
+    )
     entries = {
         "tool_calls": {
-            "validation": store.put_json(tc, "report.json", {
-                **validation_report(42, [1, 3, 3, 40, 41, 130, 7, 9]), "calibration": calibration(kimi_tokenizer),
-                **provider_checks(kimi_tokenizer),
-            }),
+            "validation": store.put_json(
+                tc,
+                "report.json",
+                {
+                    **validation_report(42, [1, 3, 3, 40, 41, 130, 7, 9]),
+                    "calibration": calibration(kimi_tokenizer),
+                    **provider_checks(kimi_tokenizer),
+                },
+            ),
             "billing": store.put_json(tc, "billing.json", billing),
             "thresholds": THRESHOLDS,
             "lengths": {
@@ -147,11 +203,25 @@ def run_report(store, kimi_tokenizer):
             },
             "generation": {
                 "local": {"ok": 37, "failed": 0, "prompt_tokens": 20000, "completion_tokens": 41000, "cost_usd": 0.0},
-                "overflow": {"ok": 13, "failed": 1, "prompt_tokens": 7000, "completion_tokens": 39078, "cost_usd": 0.8731},
-                "trajectories": {"trajectory_samples": 10, "trajectory_samples_whole": 8, "trajectory_samples_cut": 1,
-                                 "trajectory_cut_unreconstructable": 1, "trajectory_samples_dropped": 1,
-                                 "trajectory_dropped_failed": 1, "trajectory_turns": 14, "trajectory_turns_folded": 4,
-                                 "trajectory_turns_record": 9, "trajectory_turns_dropped": 1},
+                "overflow": {
+                    "ok": 13,
+                    "failed": 1,
+                    "prompt_tokens": 7000,
+                    "completion_tokens": 39078,
+                    "cost_usd": 0.8731,
+                },
+                "trajectories": {
+                    "trajectory_samples": 10,
+                    "trajectory_samples_whole": 8,
+                    "trajectory_samples_cut": 1,
+                    "trajectory_cut_unreconstructable": 1,
+                    "trajectory_samples_dropped": 1,
+                    "trajectory_dropped_failed": 1,
+                    "trajectory_turns": 14,
+                    "trajectory_turns_folded": 4,
+                    "trajectory_turns_record": 9,
+                    "trajectory_turns_dropped": 1,
+                },
             },
         },
         "chat": {
@@ -159,11 +229,22 @@ def run_report(store, kimi_tokenizer):
             "thresholds": THRESHOLDS,
         },
     }
-    training = {"draft_vocab": {"size": 32000, "requested_size": 32000, "trained_tokens": 1_200_000, "distinct_trained": 41_000,
-                                "coverage": 0.9612},
-                "hidden_states_estimate": {"hidden_size": 7168, "tokens": 2_000_000,
-                                           "bytes": {"shards_bf16": 114_698_000_000, "shards_fp8": 71_700_000_000}},
-                "hidden_states_bytes": 114_000_000_000, "logprobs": extraction_logprobs(kimi_tokenizer)}
+    training = {
+        "draft_vocab": {
+            "size": 32000,
+            "requested_size": 32000,
+            "trained_tokens": 1_200_000,
+            "distinct_trained": 41_000,
+            "coverage": 0.9612,
+        },
+        "hidden_states_estimate": {
+            "hidden_size": 7168,
+            "tokens": 2_000_000,
+            "bytes": {"shards_bf16": 114_698_000_000, "shards_fp8": 71_700_000_000},
+        },
+        "hidden_states_bytes": 114_000_000_000,
+        "logprobs": extraction_logprobs(kimi_tokenizer),
+    }
     return write_run_report(store, RUN, entries, dag_id="eagle3_datagen", run_id="manual__1", training=training)
 
 
@@ -218,14 +299,20 @@ def test_page_shows_numbers_charts_and_escaped_text(store, run_report):
 def test_page_shows_billing_exclusions_and_provider_calibration(store, run_report):
     html = render_html(load_run_report(store, RUN), title="t")
     assert EVIL not in html and "<script" not in html.lower()
-    billing = html[html.index("Overflow billing check"):html.index("Provider calibration")]
+    billing = html[html.index("Overflow billing check") : html.index("Provider calibration")]
     assert "<th>excluded, unreconstructable</th><td class='num'>3 rows, 9,192 tokens billed</td>" in billing
     assert "<th>reason: truncated inside tool-call section</th><td class='num'>2</td>" in billing
     assert f"<th>reason: {escape(EVIL)} reason</th><td class='num'>1</td>" in billing
     assert "2 row(s) excluded from the deviation and from training data, unreconstructable: truncated inside" in billing
-    cal = html[html.index("Provider calibration"):html.index("Example diffs")]
-    for label, value in [("samples compared", "3"), ("token agreement, first 64 ids", "33.33%"), ("text agreement", "66.67%"),
-                         ("mean agreeing prefix (ids)", "9.7"), ("missing on a path", "1"), ("unreconstructable", "1")]:
+    cal = html[html.index("Provider calibration") : html.index("Example diffs")]
+    for label, value in [
+        ("samples compared", "3"),
+        ("token agreement, first 64 ids", "33.33%"),
+        ("text agreement", "66.67%"),
+        ("mean agreeing prefix (ids)", "9.7"),
+        ("missing on a path", "1"),
+        ("unreconstructable", "1"),
+    ]:
         assert f"<th>{label}</th><td class='num'>{value}</td>" in cal
     assert "<tr class='bad'><th>text disagreements</th><td class='num'>1</td>" in cal
     assert "text differs from the engine's in 1 sample(s)" in cal
@@ -233,7 +320,7 @@ def test_page_shows_billing_exclusions_and_provider_calibration(store, run_repor
     assert rows == [(" class='bad'", "evil", "8"), ("", "bpe", "9")]  # text disagreement first, highlighted
     assert escape("The answer is <script>alert") in cal and "same text (BPE split)" in cal
     assert "<b>Cannot prove:</b> that the provider serves the same weights" in cal and "<b>Can prove:</b>" in cal
-    chat = html[html.index("<section id='ds-chat'>"):html.index("<section id='ds-tool_calls'>")]
+    chat = html[html.index("<section id='ds-chat'>") : html.index("<section id='ds-tool_calls'>")]
     assert "Provider calibration" not in chat and "Overflow billing check" not in chat
 
 
@@ -244,7 +331,7 @@ def test_page_and_summary_show_identity_and_policy(store, run_report):
     assert tc["policy"]["passed"] is False and tc["policy"]["gap_nats_per_token"] == pytest.approx(1.0)
     assert tc["policy"]["overflow"]["samples"] == 12
     html = render_html(report, title="t")
-    part = html[html.index("Provider identity and policy"):html.index("Provider calibration")]
+    part = html[html.index("Provider identity and policy") : html.index("Provider calibration")]
     assert "<tr class='bad'><th>not the pinned model/provider</th><td class='num'>1 (7.69%)</td>" in part
     assert "<th>served by moonshotai/kimi-k2.5 @ Moonshot AI</th><td class='num'>12</td>" in part
     assert "<tr class='bad'><th>policy gap (nats/token, local minus overflow)</th><td class='num'>1.0000</td>" in part
@@ -255,44 +342,53 @@ def test_page_and_summary_show_identity_and_policy(store, run_report):
     assert "1x provider Other Cloud is not the pin moonshotai" in part
     md = render_markdown(report)
     assert "| not the pinned model/provider | 1 (7.69%) **(fails)** |" in md
-    chat = html[html.index("<section id='ds-chat'>"):html.index("<section id='ds-tool_calls'>")]
+    chat = html[html.index("<section id='ds-chat'>") : html.index("<section id='ds-tool_calls'>")]
     assert "Provider identity and policy" not in chat
 
 
 def test_page_shows_the_policy_distributions_pairs_power_and_least_likely_answers(store, run_report, kimi_tokenizer):
     report = load_run_report(store, RUN)
     html = render_html(report, title="t")
-    part = html[html.index("Provider identity and policy"):html.index("Provider calibration")]
+    part = html[html.index("Provider identity and policy") : html.index("Provider calibration")]
     # one histogram per path, every sample in one bar, the overflow mass 1 nat/token lower (disjoint)
-    bars = {side: [(float(lo), float(hi), int(n)) for lo, hi, n in re.findall(
-        r"<title>\[([-\d.e]+), ([-\d.e]+)\): (\d+)</title>", part[part.index(f"({side}: 12 samples"):][:6000].split("</svg>")[0])]
-        for side in ("local", "overflow")}
+    bars = {
+        side: [
+            (float(lo), float(hi), int(n))
+            for lo, hi, n in re.findall(
+                r"<title>\[([-\d.e]+), ([-\d.e]+)\): (\d+)</title>",
+                part[part.index(f"({side}: 12 samples") :][:6000].split("</svg>")[0],
+            )
+        ]
+        for side in ("local", "overflow")
+    }
     assert {side: sum(n for _, _, n in b) for side, b in bars.items()} == {"local": 12, "overflow": 12}
     assert max(hi for _, hi, n in bars["overflow"] if n) <= min(lo for lo, _, n in bars["local"] if n)
     # the calibration pairs, local minus overflow
     for i, (lo, ov) in enumerate(PAIRS):
-        assert f"<tr><td><code>c-{i}</code></td><td class='num'>{lo:.4f}</td><td class='num'>{ov:.4f}</td>" \
-               f"<td class='num'>{lo - ov:.4f}</td></tr>" in part
-    power = part[part.index("Power of the policy check:"):].split("</p>")[0]
+        assert (
+            f"<tr><td><code>c-{i}</code></td><td class='num'>{lo:.4f}</td><td class='num'>{ov:.4f}</td>"
+            f"<td class='num'>{lo - ov:.4f}</td></tr>" in part
+        )
+    power = part[part.index("Power of the policy check:") :].split("</p>")[0]
     assert "sampled answers (12 + 12): detects a shift of" in power and "calibration pairs (3): detects" in power
     # the least likely overflow answer first, its ids decoded by the real tokenizer, escaped
-    worst = part[part.index("Least likely overflow answers"):].split("</details>")[0]
+    worst = part[part.index("Least likely overflow answers") :].split("</details>")[0]
     assert worst.index("<code>overflow-11</code>") < worst.index("<code>overflow-10</code>")
     pieces = re.findall(r"<span class='tok' title='[-\d.]+'>([^<]*)</span>", worst.split("<code>overflow-10</code>")[0])
     assert str(escape(EVIL_ANSWER.replace(" ", "·"))) == "".join(pieces)  # tok filter: spaces as ·
     assert EVIL not in html
     md = render_markdown(report)
     assert "Power of the policy check: sampled answers (12 + 12): detects a shift of" in md
-    line = md[md.index("Least likely overflow answers under the target: "):].split("\n")[0]
+    line = md[md.index("Least likely overflow answers under the target: ") :].split("\n")[0]
     assert line.startswith("Least likely overflow answers under the target: `overflow-11` -1.3100 (The answer is &lt;")
     assert "<script" not in line  # outside a code span: `<` cannot open raw HTML
 
 
 def test_page_shows_every_rows_distributions_and_least_likely_samples_decoded(store, run_report):
     html = render_html(load_run_report(store, RUN), title="t")
-    block = html[html.index("Target log-probabilities of the trained tokens"):html.index("<table class='overview'>")]
+    block = html[html.index("Target log-probabilities of the trained tokens") : html.index("<table class='overview'>")]
     assert "(openrouter: 2 samples)" in block and "(vllm: 2 samples)" in block  # one histogram per path
-    worst = block[block.index("Least likely openrouter samples"):].split("</details>")[0]
+    worst = block[block.index("Least likely openrouter samples") :].split("</details>")[0]
     assert worst.index("<code>o-1</code> mean <b>-9.0000</b>") < worst.index("<code>o-0</code>")
     pieces = re.findall(r"<span class='tok' title='-9.0000'>([^<]*)</span>", worst)
     assert "".join(pieces) == str(escape(EVIL_ANSWER.replace(" ", "·")))  # decoded by the real tokenizer, escaped
@@ -301,13 +397,18 @@ def test_page_shows_every_rows_distributions_and_least_likely_samples_decoded(st
 
 def test_page_states_the_draft_vocabulary_and_the_states_bytes(store, run_report):
     html = render_html(load_run_report(store, RUN), title="t")
-    line = html[html.index("Draft vocabulary"):html.index("<table class='overview'>")]
-    assert "<b>32,000</b> tokens (N = 32,000) cover\n<b>96.12%</b> of the 1,200,000 trained tokens (41,000 distinct)" in line
+    line = html[html.index("Draft vocabulary") : html.index("<table class='overview'>")]
+    assert (
+        "<b>32,000</b> tokens (N = 32,000) cover\n<b>96.12%</b> of the 1,200,000 trained tokens (41,000 distinct)"
+        in line
+    )
     assert "Hidden states at H = 7168: about 115 GB in bf16 shards\n(71.7 GB fp8), 114 GB written." in line
 
 
 def test_missing_artifact_is_reported_not_raised(store, run_report):
-    store.client.delete_object(Bucket=store.bucket, Key=store.key(StageRef(RUN, "validate", "tool_calls"), "billing.json"))
+    store.client.delete_object(
+        Bucket=store.bucket, Key=store.key(StageRef(RUN, "validate", "tool_calls"), "billing.json")
+    )
     tc = next(d for d in load_run_report(store, RUN).datasets if d.name == "tool_calls")
     assert tc.billing is None and tc.validation is not None
     assert len(tc.errors) == 1 and "billing" in tc.errors[0] and "does not exist" in tc.errors[0]
@@ -336,11 +437,21 @@ def test_missing_index_is_a_user_error(store):
 
 
 def test_index_refuses_uris_outside_the_store(store):
-    with pytest.raises(UserError, match=r"datasets\.chat\.validation: 's3://elsewhere/x/report.json' is not an artifact"):
+    with pytest.raises(
+        UserError, match=r"datasets\.chat\.validation: 's3://elsewhere/x/report.json' is not an artifact"
+    ):
         write_run_report(store, RUN, {"chat": {"validation": "s3://elsewhere/x/report.json"}})
     with pytest.raises(UserError, match=r"datasets\.chat\.thresholds"):
-        write_run_report(store, RUN, {"chat": {"validation": store.uri(StageRef(RUN, "validate", "chat"), "r.json"),
-                                               "thresholds": {"max_text_diff_rate": "zero"}}})
+        write_run_report(
+            store,
+            RUN,
+            {
+                "chat": {
+                    "validation": store.uri(StageRef(RUN, "validate", "chat"), "r.json"),
+                    "thresholds": {"max_text_diff_rate": "zero"},
+                }
+            },
+        )
 
 
 def test_run_key_for():
@@ -390,13 +501,17 @@ def test_cli_renders_the_report(store, run_report, s3_server, tmp_path, monkeypa
 
 
 def test_examples_show_the_worst_classes_first():
-    mismatches = [{"sample_id": f"b{i}", "class": "bpe_only", "first_diff": i, "original": ["a"], "reconstructed": ["b"]}
-                  for i in range(25)]
-    mismatches.append({"sample_id": "t0", "class": "text_diff", "first_diff": 3, "original": ["é"], "reconstructed": ["\ufffd"]})
+    mismatches = [
+        {"sample_id": f"b{i}", "class": "bpe_only", "first_diff": i, "original": ["a"], "reconstructed": ["b"]}
+        for i in range(25)
+    ]
+    mismatches.append(
+        {"sample_id": "t0", "class": "text_diff", "first_diff": 3, "original": ["é"], "reconstructed": ["\ufffd"]}
+    )
     validation = {"samples": 100, "counts": {"exact": 74, "bpe_only": 25, "text_diff": 1}, "mismatches": mismatches}
     html = render_html(RunReport("k", {}, [DatasetReport("chat", validation=validation)]), title="t")
     assert "Example diffs (20 of 26)" in html and "6 more not shown" in html
-    examples = html[html.index("Example diffs"):]
+    examples = html[html.index("Example diffs") :]
     assert examples.index("<code>t0</code>") < examples.index("<code>b0</code>")
 
 
@@ -405,17 +520,34 @@ def test_every_untrusted_string_is_escaped_by_the_templates():
     evil = "<img src=x onerror=alert(1)>&\"'"
     mismatch = {"sample_id": evil, "class": evil, "first_diff": evil, "original": [evil], "reconstructed": evil}
     validation = {
-        "samples": 2, "counts": {"exact": 1, "text_diff": 1}, "mismatches": [mismatch], "bad_rows": [],
+        "samples": 2,
+        "counts": {"exact": 1, "text_diff": 1},
+        "mismatches": [mismatch],
+        "bad_rows": [],
         "gate": {"passed": False, "reasons": [evil]},
-        "calibration": {"first_n": 8, "samples": 1, "agreement": 0.0, "text_agreement": 0.0, "text_disagreements": [evil],
-                        "per_sample": [{"sample_id": evil, "first_diff": 0, "same_text": False,
-                                        "engine_text": evil, "provider_text": evil}],
-                        "can_prove": evil, "cannot_prove": evil},
+        "calibration": {
+            "first_n": 8,
+            "samples": 1,
+            "agreement": 0.0,
+            "text_agreement": 0.0,
+            "text_disagreements": [evil],
+            "per_sample": [
+                {"sample_id": evil, "first_diff": 0, "same_text": False, "engine_text": evil, "provider_text": evil}
+            ],
+            "can_prove": evil,
+            "cannot_prove": evil,
+        },
     }
-    billing = {"rows": 1, "deviation": 0.0, "worst_samples": [{"sample_id": evil}], "gate": {"notes": [evil]},
-               "excluded": {"rows": 1, "reasons": {evil: 1}}}
-    dataset = DatasetReport(evil, validation=validation, billing=billing, errors=[evil],
-                            lengths={evil: length_stats([1, 2])}, thresholds={})
+    billing = {
+        "rows": 1,
+        "deviation": 0.0,
+        "worst_samples": [{"sample_id": evil}],
+        "gate": {"notes": [evil]},
+        "excluded": {"rows": 1, "reasons": {evil: 1}},
+    }
+    dataset = DatasetReport(
+        evil, validation=validation, billing=billing, errors=[evil], lengths={evil: length_stats([1, 2])}, thresholds={}
+    )
     html = render_html(RunReport(evil, {"created_at": evil}, [dataset]), title=evil)
     assert "<img" not in html and evil not in html
     assert html.count(str(escape(evil))) >= 15  # title x2, run key, created_at, name x3, error, reason, ...
@@ -432,19 +564,32 @@ def test_a_class_the_gate_adds_shows_up_everywhere(monkeypatch):
 
     assert "novel_class" not in validate.CLASSES
     monkeypatch.setattr(validate, "CLASSES", (*validate.CLASSES, "novel_class"))
-    mismatches = [{"sample_id": "s0", "class": "novel_class", "first_diff": 4, "original": ["<|tool_call_begin|>"],
-                   "reconstructed": ["<|tool_calls_section_begin|>"]},
-                  {"sample_id": "b0", "class": "bpe_only", "first_diff": 2, "original": [" N", "OR"], "reconstructed": [" NOR"]}]
-    validation = {"samples": 10, "counts": {"exact": 7, "bpe_only": 1, "novel_class": 2}, "mismatches": mismatches,
-                  "gate": {"passed": False, "reasons": ["2 sample(s) classified novel_class"]}}
-    report = RunReport("k", {}, [DatasetReport("chat", validation=validation, thresholds={"max_bpe_mismatch_rate": 0.1})])
+    mismatches = [
+        {
+            "sample_id": "s0",
+            "class": "novel_class",
+            "first_diff": 4,
+            "original": ["<|tool_call_begin|>"],
+            "reconstructed": ["<|tool_calls_section_begin|>"],
+        },
+        {"sample_id": "b0", "class": "bpe_only", "first_diff": 2, "original": [" N", "OR"], "reconstructed": [" NOR"]},
+    ]
+    validation = {
+        "samples": 10,
+        "counts": {"exact": 7, "bpe_only": 1, "novel_class": 2},
+        "mismatches": mismatches,
+        "gate": {"passed": False, "reasons": ["2 sample(s) classified novel_class"]},
+    }
+    report = RunReport(
+        "k", {}, [DatasetReport("chat", validation=validation, thresholds={"max_bpe_mismatch_rate": 0.1})]
+    )
     (summary,) = report.summary()["datasets"]
     assert summary["counts"]["novel_class"] == 2 and summary["rates"]["novel_class"] == pytest.approx(0.2)
     html = render_html(report, title="t")
     assert "<th class='up'><span>novel_class</span></th>" in html  # overview column (written upwards: fits the tab)
     assert "text-anchor='end'>novel_class</text>" in html and "2 (20.0%)" in html  # class bars
     assert html.count(">novel_class</text>") == 2 and "20.00%" in html  # and its rate against the gate
-    examples = html[html.index("Example diffs"):]
+    examples = html[html.index("Example diffs") :]
     assert ">novel_class</span> <code>s0</code>" in examples and examples.index("s0") < examples.index("b0")
     assert "| novel_class | 2 |" in render_markdown(report, title="t")
 
@@ -499,20 +644,32 @@ def test_page_shows_prompt_billing_and_what_the_merge_made_of_the_trajectories(s
     report = load_run_report(store, RUN)
     html = render_html(report, title="t")
     assert EVIL not in html
-    prompt = html[html.index("Overflow prompt billing"):html.index("Provider identity and policy")]
-    for label, value in [("answers compared", "13"), ("mean |billed - ours| per answer", "12.92 (max 1)"),
-                         ("mean billed - ours per answer", "+12.92"), ("answers off by more than 2", "12 (92.31%)"),
-                         ("answers without usage.prompt_tokens", "1")]:
+    prompt = html[html.index("Overflow prompt billing") : html.index("Provider identity and policy")]
+    for label, value in [
+        ("answers compared", "13"),
+        ("mean |billed - ours| per answer", "12.92 (max 1)"),
+        ("mean billed - ours per answer", "+12.92"),
+        ("answers off by more than 2", "12 (92.31%)"),
+        ("answers without usage.prompt_tokens", "1"),
+    ]:
         assert f"<th>{label}</th><td class='num'>{value}</td>" in prompt, label
     assert "class='kv over'" in prompt  # the check failed
     dist = re.findall(r"<tr><td class='num'>([^<]+)</td><td class='num'>(\d+)</td></tr>", prompt)
     assert dist == [("0", "1"), ("&gt;= +9", "12")]
     assert "<td><code>o-9</code></td><td class='num'>223</td><td class='num'>209</td><td class='num'>+14</td>" in prompt
-    traj = html[html.index("Trajectories in the merge"):html.index("Overflow billing check")]
-    for label, value in [("kept whole", "8"), ("kept up to their last usable turn", "1 (unreconstructable 1)"),
-                         ("dropped: no usable turn", "1 (failed 1)"), ("turn rows", "14"),
-                         ("folded into a later turn&#39;s record", "4"), ("made a record", "9")]:
+    traj = html[html.index("Trajectories in the merge") : html.index("Overflow billing check")]
+    for label, value in [
+        ("kept whole", "8"),
+        ("kept up to their last usable turn", "1 (unreconstructable 1)"),
+        ("dropped: no usable turn", "1 (failed 1)"),
+        ("turn rows", "14"),
+        ("folded into a later turn&#39;s record", "4"),
+        ("made a record", "9"),
+    ]:
         assert f"<th>{label}</th><td class='num'>{value}</td>" in traj, label
     md = render_markdown(report, title="t")
     assert "### Overflow prompt billing" in md and "| >= +9 | 12 |" in md
-    assert "### Trajectories in the merge" in md and "| kept up to their last usable turn | 1 (unreconstructable 1) |" in md
+    assert (
+        "### Trajectories in the merge" in md
+        and "| kept up to their last usable turn | 1 (unreconstructable 1) |" in md
+    )

@@ -23,12 +23,12 @@ import httpx
 import pytest
 import yaml
 
-from eagle3_data.dev.processes import free_port, wait_http_ok
-from eagle3_devtools.stack import airflow_env
 from eagle3_data.config import DEFAULT_CONFIG_PATH
+from eagle3_data.dev.processes import free_port, wait_http_ok
 from eagle3_data.report import length_stats, write_run_report
 from eagle3_data.storage import ArtifactStore, StageRef
 from eagle3_data.validate import CLASSES
+from eagle3_devtools.stack import airflow_env
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -58,32 +58,74 @@ def write_report(store: ArtifactStore) -> None:
         "sample_mismatch_rate": 0.075,
         "token_agreement": 0.9984,
         "mismatches": [
-            {"sample_id": "tc-07", "class": "text_diff", "first_diff": 17, "original": ["The", " answer", EVIL],
-             "reconstructed": ["The", " answer", " is"]},
-            {"sample_id": "tc-11", "class": "bpe_only", "first_diff": 230, "original": [" N", "OR"], "reconstructed": [" NOR"]},
-            {"sample_id": "tc-12", "class": "bpe_only", "first_diff": 5, "original": [" N", "OR"], "reconstructed": [" NOR"]},
+            {
+                "sample_id": "tc-07",
+                "class": "text_diff",
+                "first_diff": 17,
+                "original": ["The", " answer", EVIL],
+                "reconstructed": ["The", " answer", " is"],
+            },
+            {
+                "sample_id": "tc-11",
+                "class": "bpe_only",
+                "first_diff": 230,
+                "original": [" N", "OR"],
+                "reconstructed": [" NOR"],
+            },
+            {
+                "sample_id": "tc-12",
+                "class": "bpe_only",
+                "first_diff": 5,
+                "original": [" N", "OR"],
+                "reconstructed": [" NOR"],
+            },
         ],
         "bad_rows": [],
         "gate": {"passed": False, "reasons": ["text_diff rate 2.50% > max 0.00%"]},
     }
-    write_run_report(store, RUN_NAME, {
-        "tool_calls": {
-            "validation": store.put_json(ref, "report.json", report),
-            "billing": store.put_json(ref, "billing.json", {
-                "rows": 9, "billed_completion_tokens": 18321, "reconstructed_completion_tokens": 18318,
-                "deviation": -0.000164}),
-            "lengths": {"prompt_tokens": length_stats([300, 420, 512, 2048]), "output_tokens": length_stats([64, 900, 901])},
-            "generation": {"overflow": {"ok": 9, "failed": 0, "prompt_tokens": 4100, "completion_tokens": 18321,
-                                        "cost_usd": 0.41177}},
-            "thresholds": {"max_bpe_mismatch_rate": 0.1, "max_text_diff_rate": 0.0, "max_billing_deviation": 0.01},
-        }
-    }, dag_id=DAG_ID)
+    write_run_report(
+        store,
+        RUN_NAME,
+        {
+            "tool_calls": {
+                "validation": store.put_json(ref, "report.json", report),
+                "billing": store.put_json(
+                    ref,
+                    "billing.json",
+                    {
+                        "rows": 9,
+                        "billed_completion_tokens": 18321,
+                        "reconstructed_completion_tokens": 18318,
+                        "deviation": -0.000164,
+                    },
+                ),
+                "lengths": {
+                    "prompt_tokens": length_stats([300, 420, 512, 2048]),
+                    "output_tokens": length_stats([64, 900, 901]),
+                },
+                "generation": {
+                    "overflow": {
+                        "ok": 9,
+                        "failed": 0,
+                        "prompt_tokens": 4100,
+                        "completion_tokens": 18321,
+                        "cost_usd": 0.41177,
+                    }
+                },
+                "thresholds": {"max_bpe_mismatch_rate": 0.1, "max_text_diff_rate": 0.0, "max_billing_deviation": 0.01},
+            }
+        },
+        dag_id=DAG_ID,
+    )
 
 
 def aws_extra(endpoint_url: str) -> dict:
     """`aws_default`'s extra; one attempt, so a refused connection answers at once."""
-    return {"endpoint_url": endpoint_url, "region_name": "us-east-1",
-            "config_kwargs": {"retries": {"total_max_attempts": 1}, "connect_timeout": 2}}
+    return {
+        "endpoint_url": endpoint_url,
+        "region_name": "us-east-1",
+        "config_kwargs": {"retries": {"total_max_attempts": 1}, "connect_timeout": 2},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -126,16 +168,29 @@ def api_server(tmp_path_factory, s3_server, airflow_db_template):
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [str(BIN / "airflow"), "api-server", "-H", "127.0.0.1", "-p", str(port), "-w", "1"],
-            env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
     try:
-        subprocess.run([str(BIN / "airflow"), "dags", "reserialize"], env=env, check=True, capture_output=True, timeout=300)
+        subprocess.run(
+            [str(BIN / "airflow"), "dags", "reserialize"], env=env, check=True, capture_output=True, timeout=300
+        )
         wait_http_ok(f"{base}/api/v2/monitor/health", [proc], "api-server", log)
         r = httpx.post(f"{base}/auth/token", json={"username": "admin", "password": password})
         auth = {"Authorization": f"Bearer {r.json()['access_token']}"}
-        r = httpx.post(f"{base}/api/v2/connections", headers=auth, json={
-            "connection_id": "aws_default", "conn_type": "aws", "login": s3_server.access_key,
-            "password": s3_server.secret_key, "extra": json.dumps(aws_extra(s3_server.endpoint_url))})
+        r = httpx.post(
+            f"{base}/api/v2/connections",
+            headers=auth,
+            json={
+                "connection_id": "aws_default",
+                "conn_type": "aws",
+                "login": s3_server.access_key,
+                "password": s3_server.secret_key,
+                "extra": json.dumps(aws_extra(s3_server.endpoint_url)),
+            },
+        )
         assert r.status_code == 201, r.text
         yield base, password, env
     finally:
@@ -239,9 +294,12 @@ def test_storage_outage_is_503_with_the_error_not_no_report(api_server, token, r
     page, summary = page_url(base, runs["named"]), page_url(base, runs["named"], "/summary.json")
 
     def point_aws_default_at(endpoint_url: str) -> None:
-        r = httpx.patch(f"{base}/api/v2/connections/aws_default", params={"update_mask": "extra"}, headers=auth,
-                        json={"connection_id": "aws_default", "conn_type": "aws",
-                              "extra": json.dumps(aws_extra(endpoint_url))})
+        r = httpx.patch(
+            f"{base}/api/v2/connections/aws_default",
+            params={"update_mask": "extra"},
+            headers=auth,
+            json={"connection_id": "aws_default", "conn_type": "aws", "extra": json.dumps(aws_extra(endpoint_url))},
+        )
         assert r.status_code == 200, r.text
 
     point_aws_default_at(f"http://127.0.0.1:{free_port()}")  # nothing listens there

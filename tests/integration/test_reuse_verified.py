@@ -42,8 +42,11 @@ def test_part_rewritten_after_the_commit_with_the_same_size_is_named(store, stag
     data[len(data) // 2] ^= 0xFF  # one flipped byte, size unchanged, sha256 metadata kept as it was
     time.sleep(1.1)  # S3's Last-Modified has 1 s resolution: the rewrite lands in a later second
     store.client.put_object(Bucket=store.bucket, Key=key, Body=bytes(data), Metadata=obj["Metadata"])
-    with pytest.raises(CorruptArtifact, match=r"part-00001.parquet was rewritten at .* after the manifest .*: the "
-                                              r"complete stage .* changed after its commit, so it is not reused.*stage verify"):
+    with pytest.raises(
+        CorruptArtifact,
+        match=r"part-00001.parquet was rewritten at .* after the manifest .*: the "
+        r"complete stage .* changed after its commit, so it is not reused.*stage verify",
+    ):
         reusable(store, REF, [], PARAMS)
     with pytest.raises(CorruptArtifact, match="part-00001.parquet"):  # the full check agrees
         store.verify(REF)

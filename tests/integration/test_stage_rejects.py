@@ -25,17 +25,33 @@ IM_END = 163586
 def run(kimi_tokenizer_dir):
     from eagle3_data.pipeline.run import Run
 
-    config = load_config().with_overrides({"tokenizer": {"source": str(kimi_tokenizer_dir)},
-                                           "generation": {"sampling": {"thinking": False}}}, where="test")
-    return Run(config=config, run_key=RUN, date=None, datasets=config.dataset_names, dry_run=False,
-               skip_hidden_states=False)
+    config = load_config().with_overrides(
+        {"tokenizer": {"source": str(kimi_tokenizer_dir)}, "generation": {"sampling": {"thinking": False}}},
+        where="test",
+    )
+    return Run(
+        config=config, run_key=RUN, date=None, datasets=config.dataset_names, dry_run=False, skip_hidden_states=False
+    )
 
 
 def _row(sid, **kw):
-    row = {"sample_id": sid, "dataset": "d", "messages": json.dumps([{"role": "user", "content": "hi"}]), "tools": None,
-           "prompt_ids": [1, 2], "output_ids": None, "source": "openrouter", "status": "ok", "error": None,
-           "reasoning": None, "content": f"answer {sid}", "tool_calls": None, "finish_reason": "stop", "usage": None,
-           "provenance": "{}"}
+    row = {
+        "sample_id": sid,
+        "dataset": "d",
+        "messages": json.dumps([{"role": "user", "content": "hi"}]),
+        "tools": None,
+        "prompt_ids": [1, 2],
+        "output_ids": None,
+        "source": "openrouter",
+        "status": "ok",
+        "error": None,
+        "reasoning": None,
+        "content": f"answer {sid}",
+        "tool_calls": None,
+        "finish_reason": "stop",
+        "usage": None,
+        "provenance": "{}",
+    }
     return {**row, **kw}
 
 
@@ -56,10 +72,19 @@ def test_reconstruct_rejects_malformed_and_unreconstructable_rows_loudly(run, st
 
     dataset = run.datasets[0]
     src, ref = StageRef(RUN, "generate_overflow", dataset), StageRef(RUN, "reconstruct", dataset)
-    _write(store, src, [
-        _row("a"), _row("b", tool_calls="not json"), _row("c"), _row("f", status="failed", error="timeout"),
-        _row("d", finish_reason=None), _row("e", finish_reason="content_filter"), _row("g", tool_calls="[1"),
-    ])
+    _write(
+        store,
+        src,
+        [
+            _row("a"),
+            _row("b", tool_calls="not json"),
+            _row("c"),
+            _row("f", status="failed", error="timeout"),
+            _row("d", finish_reason=None),
+            _row("e", finish_reason="content_filter"),
+            _row("g", tool_calls="[1"),
+        ],
+    )
     with caplog.at_level(logging.INFO, logger="eagle3_data.pipeline"):
         result = reconstruct(run, store, dataset)
     assert result.rows == 7 and not result.reused  # every paid row is kept in the stage
@@ -86,8 +111,11 @@ def test_reconstruct_with_no_usable_row_commits_nothing(run, store):
     dataset = run.datasets[0]
     src, ref = StageRef(RUN, "generate_overflow", dataset), StageRef(RUN, "reconstruct", dataset)
     _write(store, src, [_row("b", tool_calls="not json"), _row("d", finish_reason=None)])
-    with pytest.raises(UserError, match=rf"reconstruct {dataset}: 0 of 2 rows accepted \(2 rejected; first: field "
-                                        r"'tool_calls'.*nothing committed; rejects: s3://.*rejects.parquet"):
+    with pytest.raises(
+        UserError,
+        match=rf"reconstruct {dataset}: 0 of 2 rows accepted \(2 rejected; first: field "
+        r"'tool_calls'.*nothing committed; rejects: s3://.*rejects.parquet",
+    ):
         reconstruct(run, store, dataset)
     assert not store.is_complete(ref)
     assert len(_rejects(store, ref)) == 2
@@ -112,8 +140,12 @@ def test_validate_writes_rejects_for_unreadable_rows(run, store, kimi_tokenizer,
 
     dataset = run.datasets[0]
     good = kimi_tokenizer.encode("Hello there.", add_special_tokens=False) + [IM_END]
-    _validate_inputs(run, store, dataset, [_local("a", good), _local("b", [10**8]), _local("c", good),
-                                           _local("d", None), _local("e", good)])
+    _validate_inputs(
+        run,
+        store,
+        dataset,
+        [_local("a", good), _local("b", [10**8]), _local("c", good), _local("d", None), _local("e", good)],
+    )
     ref = StageRef(RUN, "validate", dataset)
     with caplog.at_level(logging.INFO, logger="eagle3_data.pipeline"):
         try:
@@ -122,8 +154,13 @@ def test_validate_writes_rejects_for_unreadable_rows(run, store, kimi_tokenizer,
             assert "bad row" in str(exc)
     rejects = _rejects(store, ref)
     assert sorted((r["line"], r["field"], json.loads(r["raw"])["sample_id"]) for r in rejects) == [
-        (2, "output_ids", "b"), (4, "output_ids", "d")]
-    assert f"validate {dataset}: REJECTED 2 of 5 rows" in caplog.text and "row 2 field output_ids: id 100000000" in caplog.text
+        (2, "output_ids", "b"),
+        (4, "output_ids", "d"),
+    ]
+    assert (
+        f"validate {dataset}: REJECTED 2 of 5 rows" in caplog.text
+        and "row 2 field output_ids: id 100000000" in caplog.text
+    )
     assert "rejects.parquet" in {f["name"] for f in store.read_manifest(ref)["files"]}
     store.verify(ref)
 

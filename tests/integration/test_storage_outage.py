@@ -80,8 +80,14 @@ class Relay:
 @pytest.fixture
 def relayed(s3_server, s3_bucket):
     relay = Relay(s3_server.endpoint_url)
-    client = s3_client(relay.url, access_key=s3_server.access_key, secret_key=s3_server.secret_key,
-                       max_attempts=1, connect_timeout=1, read_timeout=5)
+    client = s3_client(
+        relay.url,
+        access_key=s3_server.access_key,
+        secret_key=s3_server.secret_key,
+        max_attempts=1,
+        connect_timeout=1,
+        read_timeout=5,
+    )
     yield relay, ArtifactStore(client=client, bucket=s3_bucket, prefix="p")
     relay.close()
 
@@ -122,9 +128,9 @@ def test_outage_message_says_the_unsaved_rows_are_not_in_s3(relayed, caplog):
 
 
 def test_generation_outage_keeps_answers_in_the_journal_and_resume_pays_nothing_twice(
-        relayed, start_dev_server, kimi_tokenizer, tmp_path, caplog):
+    relayed, start_dev_server, kimi_tokenizer, tmp_path, caplog
+):
     from tests.generation_calls import MODEL, generate_overflow
-
     from tests.integration.test_generation import SAMPLING, SECRET, prompts
 
     relay, store = relayed
@@ -144,8 +150,9 @@ def test_generation_outage_keeps_answers_in_the_journal_and_resume_pays_nothing_
     args = (store, ref, todo, kimi_tokenizer, server.url + "/v1", SECRET, MODEL, {}, None)
     with caplog.at_level(logging.WARNING):
         with pytest.raises(StorageUnavailable, match="unreachable"):
-            generate_overflow(*args, sampling=SAMPLING, concurrency=2, rows_per_part=8, journal_dir=tmp_path,
-                              progress=CutAfter())
+            generate_overflow(
+                *args, sampling=SAMPLING, concurrency=2, rows_per_part=8, journal_dir=tmp_path, progress=CutAfter()
+            )
     journal = [m for m in (r.getMessage() for r in caplog.records) if "kept in the local journal" in m]
     assert len(journal) == 1 and "on another machine they are requested (and paid) again" in journal[0]
     assert not [r for r in caplog.records if r.exc_info], "no chained tracebacks in the log"

@@ -24,7 +24,9 @@ def cli(*args: str, env: dict) -> subprocess.CompletedProcess:
 
 def exports(stdout: str) -> dict[str, str]:
     """The `export NAME=value` lines `dev s3 start|status` prints."""
-    return dict(line.removeprefix("export ").split("=", 1) for line in stdout.splitlines() if line.startswith("export "))
+    return dict(
+        line.removeprefix("export ").split("=", 1) for line in stdout.splitlines() if line.startswith("export ")
+    )
 
 
 def port_open(port: int) -> bool:
@@ -46,7 +48,9 @@ def test_cli_start_stop_restart_keeps_data_and_refuses_wrong_keys(tmp_path, s3_s
         assert started.returncode == 0, started.stderr
         info = exports(started.stdout)
         assert "cli-test-secret-value" not in started.stdout + started.stderr
-        assert "AWS_SECRET_ACCESS_KEY" not in info and info["AWS_ACCESS_KEY_ID"] == "cli-test-key"  # own secret not echoed
+        assert (
+            "AWS_SECRET_ACCESS_KEY" not in info and info["AWS_ACCESS_KEY_ID"] == "cli-test-key"
+        )  # own secret not echoed
         pid, endpoint = int(started.stdout.split("# pid ", 1)[1].split()[0]), info["AWS_ENDPOINT_URL"]
         port = int(endpoint.rsplit(":", 1)[1])
         assert (d / "weed.pid").read_text().strip() == str(pid)

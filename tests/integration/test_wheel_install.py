@@ -40,14 +40,49 @@ def wheel_venv(tmp_path_factory) -> tuple[Path, Path, dict[str, str]]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "EAGLE3_CONFIG", "VIRTUAL_ENV")}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", EAGLE3_DATA_CACHE=str(root / "cache"), PIP_NO_INPUT="1")
     dist = root / "dist"
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(dist), str(src)], root, env)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-w",
+            str(dist),
+            str(src),
+        ],
+        root,
+        env,
+    )
     (wheel,) = dist.glob("eagle3_data-*.whl")
 
     venv = root / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], root, env)
-    site = Path(_run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], root, env).stdout.strip())
-    (site / "zz_dev_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")  # .venv's deps, appended after the venv's own site
-    _run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "--no-deps", "--no-index", str(wheel)], root, env)
+    site = Path(
+        _run(
+            [str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], root, env
+        ).stdout.strip()
+    )
+    (site / "zz_dev_deps.pth").write_text(
+        sysconfig.get_paths()["purelib"] + "\n"
+    )  # .venv's deps, appended after the venv's own site
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(venv / "bin" / "python"),
+            "install",
+            "--no-deps",
+            "--no-index",
+            str(wheel),
+        ],
+        root,
+        env,
+    )
     return venv, wheel, env
 
 
@@ -60,10 +95,19 @@ def test_wheel_holds_the_library_only(wheel_venv):
 
 def test_installed_wheel_runs_from_outside_the_repo(wheel_venv, tmp_path):
     venv, _, env = wheel_venv
-    where = _run([str(venv / "bin" / "python"), "-c",
-                  "import eagle3_data, importlib.util; print(eagle3_data.__file__); print(importlib.util.find_spec('eagle3_devtools'))"],
-                 tmp_path, env).stdout.split()
-    assert Path(where[0]).resolve().is_relative_to(venv.resolve()), f"eagle3_data imported from {where[0]}, not the wheel"
+    where = _run(
+        [
+            str(venv / "bin" / "python"),
+            "-c",
+            "import eagle3_data, importlib.util; print(eagle3_data.__file__); "
+            "print(importlib.util.find_spec('eagle3_devtools'))",
+        ],
+        tmp_path,
+        env,
+    ).stdout.split()
+    assert Path(where[0]).resolve().is_relative_to(venv.resolve()), (
+        f"eagle3_data imported from {where[0]}, not the wheel"
+    )
     assert where[1] == "None", "the checkout's launchers must not ship in (or be reachable from) the wheel"
 
     cli = str(venv / "bin" / "eagle3-data")
@@ -74,7 +118,23 @@ def test_installed_wheel_runs_from_outside_the_repo(wheel_venv, tmp_path):
     rows = tmp_path / "gen.jsonl"
     rows.write_text("".join(json.dumps({"sample_id": f"s{i}", "output_ids": REFERENCE_IDS}) + "\n" for i in range(3)))
     report = tmp_path / "report.json"
-    out = _run([cli, "validate", "--tokenizer", str(tok), "--input", str(rows), "--report", str(report), "--workers", "1", "--thinking"], tmp_path, env)
+    out = _run(
+        [
+            cli,
+            "validate",
+            "--tokenizer",
+            str(tok),
+            "--input",
+            str(rows),
+            "--report",
+            str(report),
+            "--workers",
+            "1",
+            "--thinking",
+        ],
+        tmp_path,
+        env,
+    )
     assert "gate passed" in out.stdout
     data = json.loads(report.read_text())
     assert data["counts"]["exact"] == 3 and data["gate"]["passed"]

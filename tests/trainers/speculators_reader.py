@@ -19,5 +19,7 @@ for i in range(len(dataset)):
     sample = dataset[i]
     if isinstance(sample, SampleUnavailable):
         sys.exit(f"sample {i} unavailable: {sample}")
-    save_file({k: v.contiguous() for k, v in sample.items() if isinstance(v, torch.Tensor)}, str(out / f"{i}.safetensors"))
+    save_file(
+        {k: v.contiguous() for k, v in sample.items() if isinstance(v, torch.Tensor)}, str(out / f"{i}.safetensors")
+    )
 print(len(dataset))

@@ -24,16 +24,30 @@ target = AutoConfig.from_pretrained(verifier)
 info = json.loads((export / "export_info.json").read_text())
 # the drafter's own layer is a llama layer (speculators' EAGLE-3 supports llama and qwen3 layers)
 # of the target's width, as speculators' configs for DeepSeek-family targets do
-layer = LlamaConfig(hidden_size=target.hidden_size, intermediate_size=2 * target.hidden_size, num_hidden_layers=1,
-                    num_attention_heads=4, num_key_value_heads=4, head_dim=target.hidden_size // 4,
-                    vocab_size=target.vocab_size, rms_norm_eps=target.rms_norm_eps, max_position_embeddings=4096)
+layer = LlamaConfig(
+    hidden_size=target.hidden_size,
+    intermediate_size=2 * target.hidden_size,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    head_dim=target.hidden_size // 4,
+    vocab_size=target.vocab_size,
+    rms_norm_eps=target.rms_norm_eps,
+    max_position_embeddings=4096,
+)
 layer._attn_implementation = "eager"
 config = Eagle3SpeculatorConfig(
-    transformer_layer_config=layer, draft_vocab_size=n, norm_before_residual=True,
+    transformer_layer_config=layer,
+    draft_vocab_size=n,
+    norm_before_residual=True,
     eagle_aux_hidden_state_layer_ids=info["hidden_states"]["aux_layer_ids_vllm"],
     speculators_config=SpeculatorsConfig(
-        algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
-        default_proposal_method="greedy", verifier=VerifierConfig.from_pretrained(verifier)))
+        algorithm="eagle3",
+        proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
+        default_proposal_method="greedy",
+        verifier=VerifierConfig.from_pretrained(verifier),
+    ),
+)
 model = Eagle3DraftModel(config=config)
 d2t = torch.from_numpy(np.load(export / f"d2t-{n}.npy"))
 t2d = torch.from_numpy(np.load(export / f"t2d-{n}.npy"))
@@ -44,8 +58,9 @@ model.train()
 max_len = 256
 data = ArrowDataset(max_len=max_len, datapath=str(export), on_missing="raise")
 collate = CollateFn(max_len, target.hidden_size, num_target_layers=3, dtype=torch.float32, preprocess=shift_batch)
-loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True, collate_fn=collate,
-                                     generator=torch.Generator().manual_seed(0))
+loader = torch.utils.data.DataLoader(
+    data, batch_size=4, shuffle=True, collate_fn=collate, generator=torch.Generator().manual_seed(0)
+)
 optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
 # the trainer's default KL loss to the target's distribution, in its eager form (the fused one needs Triton)
 loss_config = resolve_loss_config("kl_div", "eager")

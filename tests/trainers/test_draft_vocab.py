@@ -29,7 +29,9 @@ def test_top_n_with_ties_broken_by_id_and_filled_with_the_lowest_unused_ids():
 
 
 def test_counts_are_the_trained_tokens_only():
-    counts = draft_vocab.add_counts(np.zeros(4, dtype=np.int64), np.array([1, 2, 2, 9]), np.array([0, 1, 1, 1], np.uint8))
+    counts = draft_vocab.add_counts(
+        np.zeros(4, dtype=np.int64), np.array([1, 2, 2, 9]), np.array([0, 1, 1, 1], np.uint8)
+    )
     assert counts.tolist() == [0, 0, 2, 0, 0, 0, 0, 0, 0, 1]  # id 1 is not trained; id 9 grows the table
 
 
@@ -41,8 +43,9 @@ def test_both_trainers_load_the_files_and_agree(tmp_path, n):
     counts[[11, 12]] = counts[[11, 12]].max()  # a tie
     names, summary = draft_vocab.write(tmp_path, counts, n, 300)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names)
-    done = subprocess.run([str(SPEC_PY), str(ORACLE), str(tmp_path), str(min(n, 300)), "300"], capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        [str(SPEC_PY), str(ORACLE), str(tmp_path), str(min(n, 300)), "300"], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.splitlines()[-1])
     assert got["size"] == n and got["speculators_loaded_equals_its_builder"] and got["specforge_equals_speculators"]

@@ -58,9 +58,26 @@ def test_probe_cli_on_an_export(export, tmp_path):
     config = tmp_path / "pipeline.yaml"
     config.write_text(yaml.safe_dump(raw))
     out = tmp_path / "probe.json"
-    cmd = [str(Path(sys.executable).parent / "eagle3-data"), "probe", "--input", str(correct), "--model", str(target),
-           "--steps", "4", "--samples", "12", "--eval-samples", "3", "--out", str(out), "--device", "cpu",
-           "--config", str(config)]
+    cmd = [
+        str(Path(sys.executable).parent / "eagle3-data"),
+        "probe",
+        "--input",
+        str(correct),
+        "--model",
+        str(target),
+        "--steps",
+        "4",
+        "--samples",
+        "12",
+        "--eval-samples",
+        "3",
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        "--config",
+        str(config),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())

@@ -24,8 +24,14 @@ STEPS, DRAFT_VOCAB = 30, 512
 
 def test_speculators_drafter_trains_on_the_export(tiny_model_dir, tmp_path):
     g = torch.Generator().manual_seed(1)
-    rows = [{"sample_id": f"s{i}", "input_ids": torch.randint(0, 2000, (48,), generator=g).tolist(),
-             "loss_mask": [0] * 16 + [1] * 32} for i in range(32)]
+    rows = [
+        {
+            "sample_id": f"s{i}",
+            "input_ids": torch.randint(0, 2000, (48,), generator=g).tolist(),
+            "loss_mask": [0] * 16 + [1] * 32,
+        }
+        for i in range(32)
+    ]
     extract_rows(TransformersBackend(tiny_model_dir), rows, tmp_path / "shards", "x", ExtractOptions())
     export = tmp_path / "export"
     export_speculators(sorted((tmp_path / "shards").glob("*.safetensors")), export)
@@ -33,8 +39,12 @@ def test_speculators_drafter_trains_on_the_export(tiny_model_dir, tmp_path):
     for r in rows:
         counts = draft_vocab.add_counts(counts, np.array(r["input_ids"]), np.array(r["loss_mask"], np.uint8))
     draft_vocab.write(export, counts, DRAFT_VOCAB, 163_840)
-    done = subprocess.run([str(SPEC_PY), str(TRAIN), str(export), str(tiny_model_dir), str(STEPS), str(DRAFT_VOCAB)],
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [str(SPEC_PY), str(TRAIN), str(export), str(tiny_model_dir), str(STEPS), str(DRAFT_VOCAB)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     losses = json.loads(done.stdout.splitlines()[-1])["losses"]
     assert len(losses) == STEPS and all(np.isfinite(losses))

@@ -21,10 +21,16 @@ sf_t2d, sf_d2t = torch.ones(vocab, dtype=torch.bool), torch.zeros(n, dtype=torch
 sf_t2d.copy_(mapping["t2d"])
 sf_d2t.copy_(mapping["d2t"])
 validate_vocab_mapping_consistency(sf_t2d, sf_d2t)
-print(json.dumps({
-    "size": size,
-    "speculators_loaded_equals_its_builder": bool(torch.equal(d2t, rebuilt_d2t) and torch.equal(t2d, rebuilt_t2d)),
-    "specforge_equals_speculators": bool(torch.equal(sf_d2t, d2t) and torch.equal(sf_t2d, t2d.bool())),
-    "freq_total": int(sum(freq.values())),
-    "d2t_dtype": str(np.load(folder / f"d2t-{n}.npy").dtype),
-}))
+print(
+    json.dumps(
+        {
+            "size": size,
+            "speculators_loaded_equals_its_builder": bool(
+                torch.equal(d2t, rebuilt_d2t) and torch.equal(t2d, rebuilt_t2d)
+            ),
+            "specforge_equals_speculators": bool(torch.equal(sf_d2t, d2t) and torch.equal(sf_t2d, t2d.bool())),
+            "freq_total": int(sum(freq.values())),
+            "d2t_dtype": str(np.load(folder / f"d2t-{n}.npy").dtype),
+        }
+    )
+)

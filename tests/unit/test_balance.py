@@ -18,8 +18,13 @@ from eagle3_data.generation.balance import (
 
 
 def test_littles_law_rates():
-    r = side_rates(local_endpoints=8, in_flight_per_endpoint=64, local_latency_s=128.0, overflow_concurrency=256,
-                   overflow_latency_s=6.4)
+    r = side_rates(
+        local_endpoints=8,
+        in_flight_per_endpoint=64,
+        local_latency_s=128.0,
+        overflow_concurrency=256,
+        overflow_latency_s=6.4,
+    )
     assert (r.local, r.overflow) == (4.0, 40.0)
 
 
@@ -38,10 +43,16 @@ def test_balanced_sides_finish_within_one_sample_of_each_other(seed):
 def test_balanced_beats_a_fixed_fraction_in_time_and_the_all_overflow_in_cost():
     """The issue's example: 8 endpoints; a fraction that leaves the local side idle takes longer,
     sending everything to the provider costs more."""
-    rates = side_rates(local_endpoints=8, in_flight_per_endpoint=64, local_latency_s=60.0, overflow_concurrency=256,
-                       overflow_latency_s=6.0)
-    plans = compare_strategies(83_000, overflow_fraction=0.25, local_capacity=0, calibration=0, rates=rates,
-                               usd_per_overflow_sample=0.01)
+    rates = side_rates(
+        local_endpoints=8,
+        in_flight_per_endpoint=64,
+        local_latency_s=60.0,
+        overflow_concurrency=256,
+        overflow_latency_s=6.0,
+    )
+    plans = compare_strategies(
+        83_000, overflow_fraction=0.25, local_capacity=0, calibration=0, rates=rates, usd_per_overflow_sample=0.01
+    )
     assert set(plans) == {"fraction", "capacity", "balanced"}
     bal, frac, cap = plans["balanced"], plans["fraction"], plans["capacity"]
     assert bal["wall_s"] < frac["wall_s"] and bal["wall_s"] < cap["wall_s"]

@@ -17,6 +17,7 @@ def writer(calls: list, barrier: threading.Barrier | None = None):
             barrier.wait(timeout=10)  # both builders are mid-build at the same time
         (out / "part").write_text("x")
         (out / "done").write_text("ok")
+
     return build
 
 
@@ -44,8 +45,12 @@ def test_concurrent_builders_end_with_one_complete_entry(tmp_path):
     calls: list = []
     barrier = threading.Barrier(2)
     results = []
-    threads = [threading.Thread(target=lambda: results.append(
-        cached_build(tmp_path, "thing", b"v1", "done", writer(calls, barrier)))) for _ in range(2)]
+    threads = [
+        threading.Thread(
+            target=lambda: results.append(cached_build(tmp_path, "thing", b"v1", "done", writer(calls, barrier)))
+        )
+        for _ in range(2)
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -80,7 +80,9 @@ def test_render_tool_calls_rederives_provider_ids(fmt):
         reasoning="",
         content="",
         tool_calls=[
-            ToolCall.from_openai({"id": "call_abc", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}),
+            ToolCall.from_openai(
+                {"id": "call_abc", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+            ),
             ToolCall.from_openai({"id": "call_def", "function": {"name": "search", "arguments": {"q": "é"}}}),
         ],
     )
@@ -167,7 +169,9 @@ def test_every_prefix_round_trips(fmt, text):
             m = parsed.message
             # A real special id inside content (a second </think>) comes back as its name: only
             # then does the ordinary (text-is-text) encode differ from the lossless one.
-            if not fmt.literal_special_text([m.reasoning, m.content, m.tool_tail] + [c.arguments for c in m.tool_calls]):
+            if not fmt.literal_special_text(
+                [m.reasoning, m.content, m.tool_tail] + [c.arguments for c in m.tool_calls]
+            ):
                 assert fmt.encode_parts_batch([parts]) == [expect], (cut, finish)
 
 
@@ -181,9 +185,14 @@ def test_thinking_off_parse(fmt_off):
 def test_tool_call_index_and_generation_prompt(fmt, fmt_off, kimi_tokenizer):
     messages = [
         {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "functions.f:0", "type": "function", "function": {"name": "f", "arguments": "{}"}},
-            {"id": "functions.f:1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "functions.f:0", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+                {"id": "functions.f:1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+            ],
+        },
         {"role": "tool", "tool_call_id": "functions.f:0", "content": "1"},
         {"role": "tool", "tool_call_id": "functions.f:1", "content": "2"},
     ]
@@ -199,8 +208,12 @@ def test_tool_call_index_and_generation_prompt(fmt, fmt_off, kimi_tokenizer):
 
 
 def test_openai_message_round_trip():
-    raw = {"role": "assistant", "reasoning": "r", "content": "c",
-           "tool_calls": json.dumps([{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}])}
+    raw = {
+        "role": "assistant",
+        "reasoning": "r",
+        "content": "c",
+        "tool_calls": json.dumps([{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]),
+    }
     msg = AssistantMessage.from_openai(raw)
     assert msg.tool_calls == [ToolCall("call_1", "f", "{}")]
     assert msg.to_openai()["reasoning_content"] == "r"

@@ -8,10 +8,20 @@ import random
 import pytest
 
 NAMES = ["get_weather", "search", "run_python", "lookup.v2"]
-TEXTS = ["Hi", "", " spaced  ", "多语言 текст 😀", "line1\nline2", "<b>x</b> {\"a\": 1}", "None"]
+TEXTS = ["Hi", "", " spaced  ", "多语言 текст 😀", "line1\nline2", '<b>x</b> {"a": 1}', "None"]
 TOOLS = [
-    {"type": "function", "function": {"name": n, "description": f"call {n}", "parameters": {
-        "type": "object", "properties": {"q": {"type": "string", "description": "é 中"}}, "required": ["q"]}}}
+    {
+        "type": "function",
+        "function": {
+            "name": n,
+            "description": f"call {n}",
+            "parameters": {
+                "type": "object",
+                "properties": {"q": {"type": "string", "description": "é 中"}},
+                "required": ["q"],
+            },
+        },
+    }
     for n in NAMES
 ]
 
@@ -50,10 +60,13 @@ def _conversation(rng: random.Random) -> tuple[list[dict], dict]:
                 for _ in range(rng.randint(1, 3)):
                     name = rng.choice(NAMES)
                     args = {"q": rng.choice(TEXTS), "n": rng.randint(0, 9)}
-                    msg["tool_calls"].append({
-                        "id": f"functions.{name}:{calls}", "type": "function",
-                        "function": {"name": name, "arguments": json.dumps(args) if rng.random() < 0.5 else args},
-                    })
+                    msg["tool_calls"].append(
+                        {
+                            "id": f"functions.{name}:{calls}",
+                            "type": "function",
+                            "function": {"name": name, "arguments": json.dumps(args) if rng.random() < 0.5 else args},
+                        }
+                    )
                     calls += 1
                 messages.append(msg)
                 for call in msg["tool_calls"]:
@@ -96,8 +109,12 @@ def test_reasoning_dropped_before_last_plain_assistant_turn_and_kept_after(kimi_
         {"role": "user", "content": "q1"},
         {"role": "assistant", "content": "a1", "reasoning_content": "OLD"},
         {"role": "user", "content": "q2"},
-        {"role": "assistant", "content": "", "reasoning_content": "NEW",
-         "tool_calls": [{"id": "functions.f:0", "function": {"name": "f", "arguments": {"x": 1}}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "NEW",
+            "tool_calls": [{"id": "functions.f:0", "function": {"name": "f", "arguments": {"x": 1}}}],
+        },
         {"role": "tool", "tool_call_id": "functions.f:0", "content": "42"},
     ]
     text = kimi_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -15,12 +15,25 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagle3_data.config import AWS_CONN_ID, DAG_ID, GPU_QUEUE, OPENROUTER_CONN_ID, OPENROUTER_POOL, SGLANG_CONN_ID, load_config
+from eagle3_data.config import (
+    AWS_CONN_ID,
+    DAG_ID,
+    GPU_QUEUE,
+    OPENROUTER_CONN_ID,
+    OPENROUTER_POOL,
+    SGLANG_CONN_ID,
+    load_config,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 AIRFLOW_SERVICES = {
-    "airflow-init", "airflow-apiserver", "airflow-scheduler", "airflow-dag-processor",
-    "airflow-triggerer", "airflow-worker", "airflow-worker-gpu",
+    "airflow-init",
+    "airflow-apiserver",
+    "airflow-scheduler",
+    "airflow-dag-processor",
+    "airflow-triggerer",
+    "airflow-worker",
+    "airflow-worker-gpu",
 }
 _VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
 
@@ -85,10 +98,20 @@ def compose(raw, filled_env):
 
 def test_secrets_have_no_defaults(raw, example_env):
     """Starting without a filled .env stops with the variable's name, not with a weak default."""
-    with pytest.raises(MissingVariable, match=r"^(AIRFLOW_FERNET_KEY|AIRFLOW_JWT_SECRET|AIRFLOW_API_SECRET_KEY|POSTGRES_PASSWORD|S3_ACCESS_KEY|S3_SECRET_KEY|AIRFLOW_ADMIN_PASSWORD): set"):
+    with pytest.raises(
+        MissingVariable,
+        match=r"^(AIRFLOW_FERNET_KEY|AIRFLOW_JWT_SECRET|AIRFLOW_API_SECRET_KEY|POSTGRES_PASSWORD|S3_ACCESS_KEY"
+        r"|S3_SECRET_KEY|AIRFLOW_ADMIN_PASSWORD): set",
+    ):
         interpolate(raw, {k: v for k, v in example_env.items() if v and k != "AIRFLOW_ADMIN_PASSWORD"})
     text = (REPO / "docker-compose.yaml").read_text()
-    for secret in ("AIRFLOW_FERNET_KEY", "AIRFLOW_JWT_SECRET", "POSTGRES_PASSWORD", "S3_SECRET_KEY", "AIRFLOW_ADMIN_PASSWORD"):
+    for secret in (
+        "AIRFLOW_FERNET_KEY",
+        "AIRFLOW_JWT_SECRET",
+        "POSTGRES_PASSWORD",
+        "S3_SECRET_KEY",
+        "AIRFLOW_ADMIN_PASSWORD",
+    ):
         assert set(re.findall(r"\$\{" + secret + r"(:?[-?]|\})", text)) == {":?"}, secret  # required everywhere
     used = set(re.findall(r"(?<!\$)\$\{([A-Z0-9_]+)", text))
     assert used <= set(example_env), f"variables missing from .env.example: {used - set(example_env)}"
@@ -117,8 +140,11 @@ def _queues(service: dict) -> set[str]:
 
 
 def _gpu_reservation(service: dict) -> list[dict]:
-    return [d for d in service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
-            if d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", [])]
+    return [
+        d
+        for d in service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+        if d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", [])
+    ]
 
 
 def test_workers_serve_every_queue_and_pool_of_the_dag(compose):
@@ -145,7 +171,7 @@ def test_workers_serve_every_queue_and_pool_of_the_dag(compose):
 
 def test_connections_match_the_code(compose, filled_env):
     env = compose["services"]["airflow-scheduler"]["environment"]
-    conns = {k[len("AIRFLOW_CONN_"):].lower(): json.loads(v) for k, v in env.items() if k.startswith("AIRFLOW_CONN_")}
+    conns = {k[len("AIRFLOW_CONN_") :].lower(): json.loads(v) for k, v in env.items() if k.startswith("AIRFLOW_CONN_")}
     assert set(conns) == {AWS_CONN_ID, OPENROUTER_CONN_ID, SGLANG_CONN_ID}
 
     aws = conns[AWS_CONN_ID]
@@ -176,8 +202,11 @@ def test_sglang_server(compose):
 
 def test_dockerfile_matches_requirements_and_layout():
     dockerfile = (REPO / "docker" / "Dockerfile").read_text()
-    pins = dict(line.split("==") for line in (REPO / "requirements.txt").read_text().splitlines()
-                if "==" in line and not line.startswith("#"))
+    pins = dict(
+        line.split("==")
+        for line in (REPO / "requirements.txt").read_text().splitlines()
+        if "==" in line and not line.startswith("#")
+    )
     base = re.search(r"^ARG AIRFLOW_IMAGE=apache/airflow:(\S+)-python(\S+)$", dockerfile, re.M)
     assert base and base[1] == pins["apache-airflow"] and base[2] == "3.11"
     assert "-r /tmp/eagle3/requirements.txt" in dockerfile and '"apache-airflow==${AIRFLOW_VERSION}"' in dockerfile

@@ -9,18 +9,36 @@ import json
 import pytest
 
 from eagle3_data.generation.checkpoint import parse_prompts
-from eagle3_data.generation.conversations import (OWN, FOLDED, TurnDriver, call_key, needs_rounds, recorded_results,
-                                                  trajectory_folds)
+from eagle3_data.generation.conversations import (
+    FOLDED,
+    OWN,
+    TurnDriver,
+    call_key,
+    needs_rounds,
+    recorded_results,
+    trajectory_folds,
+)
 
 WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 ROW = [
     {"role": "system", "content": "be brief"},
     {"role": "user", "content": "weather in Lisbon and Porto?"},
-    {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "functions.get_weather:0", "type": "function",
-         "function": {"name": "get_weather", "arguments": '{"city": "Lisbon", "unit": "C"}'}},
-        {"id": "functions.get_weather:1", "type": "function",
-         "function": {"name": "get_weather", "arguments": '{"city": "Porto", "unit": "C"}'}}]},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "functions.get_weather:0",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Lisbon", "unit": "C"}'},
+            },
+            {
+                "id": "functions.get_weather:1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Porto", "unit": "C"}'},
+            },
+        ],
+    },
     {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "21 clear"},
     {"role": "tool", "tool_call_id": "functions.get_weather:1", "content": "17 cloudy"},
     {"role": "assistant", "content": "Lisbon 21, Porto 17."},
@@ -30,18 +48,42 @@ ROW = [
 
 def _driver(mode="trajectory", history="dataset", max_steps=8, row=ROW) -> TurnDriver:
     d = TurnDriver(mode, history, fmt=None, max_steps=max_steps)
-    d.start(parse_prompts([{"sample_id": "conv", "dataset": "d", "messages": json.dumps(row),
-                            "tools": json.dumps(WEATHER), "route": "local"}], "d", None))
+    d.start(
+        parse_prompts(
+            [
+                {
+                    "sample_id": "conv",
+                    "dataset": "d",
+                    "messages": json.dumps(row),
+                    "tools": json.dumps(WEATHER),
+                    "route": "local",
+                }
+            ],
+            "d",
+            None,
+        )
+    )
     return d
 
 
 def _call(i: int, args: str) -> dict:
-    return {"id": f"functions.get_weather:{i}", "type": "function", "function": {"name": "get_weather", "arguments": args}}
+    return {
+        "id": f"functions.get_weather:{i}",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": args},
+    }
 
 
 def _answer(sid: str, content="ok", calls=None, finish="stop", status="ok") -> dict:
-    return {"sample_id": sid, "status": status, "finish_reason": finish, "content": content, "reasoning": "r",
-            "tool_calls": json.dumps(calls) if calls else None, "output_ids": [1, 2, 3]}
+    return {
+        "sample_id": sid,
+        "status": status,
+        "finish_reason": finish,
+        "content": content,
+        "reasoning": "r",
+        "tool_calls": json.dumps(calls) if calls else None,
+        "output_ids": [1, 2, 3],
+    }
 
 
 def _prompt(rows: list[dict], sid: str) -> list[dict]:
@@ -53,7 +95,9 @@ def test_calls_match_by_name_and_json_equal_arguments():
     assert call_key(_call(0, '{"city": "Lisbon"}')) != call_key(_call(0, '{"city": "Lisbon", "unit": "C"}'))
     assert call_key(_call(0, "not json")) is None
     assert {k: list(v) for k, v in recorded_results(ROW).items()} == {
-        call_key(_call(0, '{"city":"Lisbon","unit":"C"}')): ["21 clear"], call_key(_call(0, '{"city":"Porto","unit":"C"}')): ["17 cloudy"]}
+        call_key(_call(0, '{"city":"Lisbon","unit":"C"}')): ["21 clear"],
+        call_key(_call(0, '{"city":"Porto","unit":"C"}')): ["17 cloudy"],
+    }
     assert needs_rounds("trajectory", "dataset") and needs_rounds("every_turn", "regenerated")
     assert not needs_rounds("every_turn", "dataset") and not needs_rounds("final_turn", "regenerated")
 
@@ -72,8 +116,10 @@ def test_parallel_calls_get_their_own_results_in_call_order_and_the_trajectory_g
     messages = _prompt(second, second[0]["sample_id"])
     assert messages[:2] == ROW[:2]
     assert messages[2] == {"role": "assistant", "content": "looking", "reasoning_content": "r", "tool_calls": calls}
-    assert messages[3:] == [{"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "17 cloudy"},
-                            {"role": "tool", "tool_call_id": "functions.get_weather:1", "content": "21 clear"}]
+    assert messages[3:] == [
+        {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "17 cloudy"},
+        {"role": "tool", "tool_call_id": "functions.get_weather:1", "content": "21 clear"},
+    ]
     d.observe(_answer(second[0]["sample_id"], content="done"))
     walks = {w.samples[0].user_turn: w for _, _, w in d.walks()}
     s = walks[0].samples[0]
@@ -83,15 +129,19 @@ def test_parallel_calls_get_their_own_results_in_call_order_and_the_trajectory_g
 def test_one_unmatched_call_ends_the_trajectory_without_splicing_the_others():
     d = _driver()
     t0 = next(r for r in d.next_prompts() if len(json.loads(r["messages"])) == 2)
-    d.observe(_answer(t0["sample_id"], calls=[_call(0, '{"city": "Lisbon", "unit": "C"}'), _call(1, '{"city": "Faro"}')]))
+    d.observe(
+        _answer(t0["sample_id"], calls=[_call(0, '{"city": "Lisbon", "unit": "C"}'), _call(1, '{"city": "Faro"}')])
+    )
     assert d.next_prompts() == []
     s = next(w for _, _, w in d.walks() if w.samples[0].user_turn == 0).samples[0]
     assert (s.end, s.hits, s.misses) == ("unmatched_call", 0, 1)
     assert s.unmatched == {"name": "get_weather", "arguments": '{"city": "Faro"}'}
 
 
-@pytest.mark.parametrize("finish,status,calls,end", [("length", "ok", None, "length"), ("stop", "failed", None, "failed"),
-                                                     ("stop", "ok", None, "answered")])
+@pytest.mark.parametrize(
+    "finish,status,calls,end",
+    [("length", "ok", None, "length"), ("stop", "failed", None, "failed"), ("stop", "ok", None, "answered")],
+)
 def test_why_a_trajectory_ends(finish, status, calls, end):
     d = _driver()
     t0 = next(r for r in d.next_prompts() if len(json.loads(r["messages"])) == 2)
@@ -127,21 +177,36 @@ def test_a_regenerated_history_holds_the_generated_answers_and_a_resumed_driver_
     # every_turn cannot answer a tool call: a turn that makes one ends the conversation
     d.observe(_answer(second[0]["sample_id"], calls=[_call(0, '{"city": "Lisbon", "unit": "C"}')]))
     assert d.next_prompts() == []
-    (_, _, w), = list(d.walks())
+    ((_, _, w),) = list(d.walks())
     assert [s.end for s in w.samples] == ["answered", "tool_calls"]
 
 
 def test_folds_leave_unchained_samples_as_their_turns():
-    samples = [{"sample_id": "a", "steps": ["1", "2"], "prefix_ok": True, "base": 5, "masked": [3, 4], "end": "answered"},
-               {"sample_id": "b", "steps": ["3", "4"], "prefix_ok": False, "base": 5, "masked": [], "end": "answered"},
-               {"sample_id": "c", "steps": [], "prefix_ok": True, "base": 0, "masked": [], "end": "failed"}]
+    samples = [
+        {"sample_id": "a", "steps": ["1", "2"], "prefix_ok": True, "base": 5, "masked": [3, 4], "end": "answered"},
+        {"sample_id": "b", "steps": ["3", "4"], "prefix_ok": False, "base": 5, "masked": [], "end": "answered"},
+        {"sample_id": "c", "steps": [], "prefix_ok": True, "base": 0, "masked": [], "end": "failed"},
+    ]
     folds = trajectory_folds(samples)
-    assert folds.rows == {"1": FOLDED, "2": {"sample_id": "a", "base": 5, "masked": [3, 4],
-                                             "trajectory": {"turns": 2, "generated_turns": 2, "end": "answered"}},
-                          "3": OWN, "4": OWN}
-    assert folds.counts == {"trajectory_samples": 3, "trajectory_turns": 4, "trajectory_samples_whole": 1,
-                            "trajectory_samples_unfolded": 1, "trajectory_samples_dropped": 1,
-                            "trajectory_dropped_failed": 1}
+    assert folds.rows == {
+        "1": FOLDED,
+        "2": {
+            "sample_id": "a",
+            "base": 5,
+            "masked": [3, 4],
+            "trajectory": {"turns": 2, "generated_turns": 2, "end": "answered"},
+        },
+        "3": OWN,
+        "4": OWN,
+    }
+    assert folds.counts == {
+        "trajectory_samples": 3,
+        "trajectory_turns": 4,
+        "trajectory_samples_whole": 1,
+        "trajectory_samples_unfolded": 1,
+        "trajectory_samples_dropped": 1,
+        "trajectory_dropped_failed": 1,
+    }
 
 
 def test_a_turns_id_covers_its_prompt_so_diverging_paths_never_share_one():
@@ -163,8 +228,16 @@ def test_two_conversations_of_one_shape_never_share_a_turn_id():
     alike, still ask for their later turns under other ids (one id per turn row of the stage)."""
     other = [dict(m, content=m["content"] + " (other)") if m["role"] == "user" else m for m in ROW]
     d = TurnDriver("every_turn", "regenerated", fmt=None)
-    d.start(parse_prompts([{"sample_id": sid, "dataset": "d", "messages": json.dumps(msgs), "tools": None, "route": "local"}
-                           for sid, msgs in (("conv-a", ROW), ("conv-b", other))], "d", None))
+    d.start(
+        parse_prompts(
+            [
+                {"sample_id": sid, "dataset": "d", "messages": json.dumps(msgs), "tools": None, "route": "local"}
+                for sid, msgs in (("conv-a", ROW), ("conv-b", other))
+            ],
+            "d",
+            None,
+        )
+    )
     first = d.next_prompts()
     for row in first:
         d.observe(_answer(row["sample_id"], content="same answer"))
@@ -173,27 +246,35 @@ def test_two_conversations_of_one_shape_never_share_a_turn_id():
 
 
 def _recorded_call(call_id: str, args: str) -> dict:
-    return {"role": "assistant", "content": "", "tool_calls": [
-        {"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": args}}]}
+    return {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": args}}],
+    }
 
 
 # a converted dataset: `call_0` in every turn, each turn's result answering its own turn's call
 REUSED_IDS = [
     {"role": "user", "content": "weather in Lisbon?"},
-    _recorded_call("call_0", '{"city": "Lisbon"}'), {"role": "tool", "tool_call_id": "call_0", "content": "Lisbon 21"},
+    _recorded_call("call_0", '{"city": "Lisbon"}'),
+    {"role": "tool", "tool_call_id": "call_0", "content": "Lisbon 21"},
     {"role": "assistant", "content": "21 in Lisbon."},
     {"role": "user", "content": "and Porto?"},
-    _recorded_call("call_0", '{"city": "Porto"}'), {"role": "tool", "tool_call_id": "call_0", "content": "Porto 17"},
+    _recorded_call("call_0", '{"city": "Porto"}'),
+    {"role": "tool", "tool_call_id": "call_0", "content": "Porto 17"},
     {"role": "assistant", "content": "17 in Porto."},
 ]
 # the same call polled in two turns, its two recorded results differing
 POLLING = [
     {"role": "user", "content": "is the Lisbon report ready?"},
-    _recorded_call("call_0", '{"city": "Lisbon"}'), {"role": "tool", "tool_call_id": "call_0", "content": "pending"},
-    _recorded_call("call_1", '{"city": "Lisbon"}'), {"role": "tool", "tool_call_id": "call_1", "content": "ready"},
+    _recorded_call("call_0", '{"city": "Lisbon"}'),
+    {"role": "tool", "tool_call_id": "call_0", "content": "pending"},
+    _recorded_call("call_1", '{"city": "Lisbon"}'),
+    {"role": "tool", "tool_call_id": "call_1", "content": "ready"},
     {"role": "assistant", "content": "Ready."},
     {"role": "user", "content": "check again?"},
-    _recorded_call("call_2", '{"city": "Lisbon"}'), {"role": "tool", "tool_call_id": "call_2", "content": "archived"},
+    _recorded_call("call_2", '{"city": "Lisbon"}'),
+    {"role": "tool", "tool_call_id": "call_2", "content": "archived"},
     {"role": "assistant", "content": "Archived."},
 ]
 
@@ -202,7 +283,9 @@ def _splices(d: TurnDriver, model_calls: list[str], first_turn=0) -> tuple[list[
     """Answer a trajectory's turns with one get_weather call each (`model_calls`: its arguments),
     then a plain answer; the results spliced after each call, and the sample."""
     rows = d.next_prompts()
-    sid = next(r for r in rows if sum(m["role"] == "user" for m in json.loads(r["messages"])) == first_turn + 1)["sample_id"]
+    sid = next(r for r in rows if sum(m["role"] == "user" for m in json.loads(r["messages"])) == first_turn + 1)[
+        "sample_id"
+    ]
     spliced = []
     for n, args in enumerate(model_calls):
         d.observe(_answer(sid, calls=[_call(n, args)]))

@@ -14,15 +14,30 @@ from eagle3_devtools.demo_output import HEARTBEAT_S, Heartbeat, captured_output,
 
 # The task states of the demo's gate run as it ended (measured on a demo run).
 GATE_RUN = [
-    ("audit_tokenizer", "", "success", 1.2), ("commit_hidden_states", "", "upstream_failed", 0.0),
-    ("dataset.generate_local", "broken", "success", 4.3), ("dataset.generate_overflow", "broken", "success", 9.0),
-    ("dataset.load_route", "broken", "success", 7.5), ("dataset.reconstruct", "broken", "success", 1.7),
-    ("dataset.score_policy", "broken", "success", 1.4), ("dataset.validate", "broken", "failed", 2.2),
-    ("extract_hidden_states", "", "upstream_failed", 0.0), ("merge", "", "failed", 3.8),
-    ("plan_hidden_states", "", "upstream_failed", 0.0), ("publish", "", "failed", 1.1),
+    ("audit_tokenizer", "", "success", 1.2),
+    ("commit_hidden_states", "", "upstream_failed", 0.0),
+    ("dataset.generate_local", "broken", "success", 4.3),
+    ("dataset.generate_overflow", "broken", "success", 9.0),
+    ("dataset.load_route", "broken", "success", 7.5),
+    ("dataset.reconstruct", "broken", "success", 1.7),
+    ("dataset.score_policy", "broken", "success", 1.4),
+    ("dataset.validate", "broken", "failed", 2.2),
+    ("extract_hidden_states", "", "upstream_failed", 0.0),
+    ("merge", "", "failed", 3.8),
+    ("plan_hidden_states", "", "upstream_failed", 0.0),
+    ("publish", "", "failed", 1.1),
 ]
-REASONS = ["local round trip: bpe_only rate 1.0000 exceeds 0.1", "overflow billing: aggregate deviation -42.5651% exceeds ±1.00%"]
-GATES = {"broken": {"passed": False, "reasons": REASONS, "report_uri": "s3://b/runs/demo-dev-gate/validate/broken/report.json"}}
+REASONS = [
+    "local round trip: bpe_only rate 1.0000 exceeds 0.1",
+    "overflow billing: aggregate deviation -42.5651% exceeds ±1.00%",
+]
+GATES = {
+    "broken": {
+        "passed": False,
+        "reasons": REASONS,
+        "report_uri": "s3://b/runs/demo-dev-gate/validate/broken/report.json",
+    }
+}
 LOG = "Traceback (most recent call last):\n  ...\n" * 3 + "[warning] No tasks to run. unrunnable tasks: {...}\n" * 3
 
 
@@ -33,7 +48,10 @@ def test_the_meant_gate_failure_is_one_paragraph_with_its_reasons(tmp_path):
     assert text is not None and "\n" not in text, text
     assert text.startswith("demo: dataset 'broken' failed its gate as meant: " + "; ".join(REASONS)), text
     assert GATES["broken"]["report_uri"] in text and "nothing was published" in text
-    assert "then merge and publish refused" in text and "commit_hidden_states, extract_hidden_states, plan_hidden_states did not run" in text
+    assert (
+        "then merge and publish refused" in text
+        and "commit_hidden_states, extract_hidden_states, plan_hidden_states did not run" in text
+    )
     assert "(3 traceback(s), all from this failure)" in text and "demo-dev-gate.log" in text
 
 

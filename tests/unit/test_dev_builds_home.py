@@ -18,4 +18,6 @@ def test_the_devtools_stack_and_the_cli_share_the_dev_builds(tmp_path, monkeypat
     monkeypatch.setattr(kimi, "cached_kimi_tokenizer", lambda root: Path(root) / "kimi-tokenizer")
     monkeypatch.setattr(tiny, "cached_tiny_model", lambda tok, root, **kw: Path(root) / "tiny-deepseek-v3")
     assert stack.tokenizer_dir() == Path(resolve_source("dev:kimi-tokenizer")) == tmp_path / "dev" / "kimi-tokenizer"
-    assert stack.tiny_model_dir() == Path(resolve_source("dev:tiny-deepseek-v3")) == tmp_path / "dev" / "tiny-deepseek-v3"
+    assert (
+        stack.tiny_model_dir() == Path(resolve_source("dev:tiny-deepseek-v3")) == tmp_path / "dev" / "tiny-deepseek-v3"
+    )

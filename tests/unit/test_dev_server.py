@@ -13,15 +13,34 @@ from eagle3_data.dev.text_model import DevTextModel
 from eagle3_data.errors import UserError
 from tests.generation_calls import MODEL
 
-TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {
-    "query": {"type": "string"}, "limit": {"type": "integer"}, "exact": {"type": "boolean"},
-    "unit": {"type": "string", "enum": ["c", "f"]}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "query": {"type": "string"},
+                    "limit": {"type": "integer"},
+                    "exact": {"type": "boolean"},
+                    "unit": {"type": "string", "enum": ["c", "f"]},
+                },
+            },
+        },
+    }
+]
 
 
 @pytest.fixture(scope="module")
 def prompt_ids(kimi_tokenizer):
-    return kimi_tokenizer.apply_chat_template([{"role": "user", "content": "Find it."}], tools=TOOLS,
-                                              add_generation_prompt=True, tokenize=True, return_dict=False)
+    return kimi_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Find it."}],
+        tools=TOOLS,
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
 
 
 def test_generation_is_kimi_format_and_deterministic(kimi_tokenizer, prompt_ids):
@@ -45,8 +64,10 @@ def test_generation_is_kimi_format_and_deterministic(kimi_tokenizer, prompt_ids)
     assert sum(bool(model.generate(prompt_ids, max_new_tokens=4000, seed=s).tool_calls) for s in range(30)) >= 10
     # canonical when no split rate: ids == encode(text)
     g = model.generate(prompt_ids, max_new_tokens=4000, seed=1)
-    assert kimi_tokenizer.encode(kimi_tokenizer.decode(g.output_ids, skip_special_tokens=False),
-                                 add_special_tokens=False) == g.output_ids
+    assert (
+        kimi_tokenizer.encode(kimi_tokenizer.decode(g.output_ids, skip_special_tokens=False), add_special_tokens=False)
+        == g.output_ids
+    )
 
 
 def test_noncanonical_splits_keep_text_and_are_counted(kimi_tokenizer, prompt_ids):
@@ -66,8 +87,9 @@ def test_truncation_and_thinking_off(kimi_tokenizer, prompt_ids):
     g = model.generate(prompt_ids, max_new_tokens=5, seed=2)
     assert g.finish_reason == "length" and len(g.output_ids) == 5 and g.content == ""
     assert g.reasoning == kimi_tokenizer.decode(g.output_ids)
-    no_think = kimi_tokenizer.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True,
-                                                  tokenize=True, return_dict=False, thinking=False)
+    no_think = kimi_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "x"}], add_generation_prompt=True, tokenize=True, return_dict=False, thinking=False
+    )
     g = model.generate(no_think, max_new_tokens=4000, seed=2)
     assert g.reasoning is None and kimi_tokenizer.convert_tokens_to_ids("</think>") not in g.output_ids
 
@@ -105,28 +127,49 @@ def call(app, method: str, path: str, **kw) -> httpx.Response:
 
 def test_generate_and_chat_agree(app, kimi_tokenizer, prompt_ids):
     msgs = [{"role": "user", "content": "Find it."}]
-    gen = call(app, "POST", "/generate", json={"input_ids": prompt_ids, "sampling_params": {"max_new_tokens": 4000, "sampling_seed": 4}, "rid": "r1"}).json()
+    gen = call(
+        app,
+        "POST",
+        "/generate",
+        json={"input_ids": prompt_ids, "sampling_params": {"max_new_tokens": 4000, "sampling_seed": 4}, "rid": "r1"},
+    ).json()
     assert set(gen) == {"text", "output_ids", "meta_info"}
     meta = gen["meta_info"]
     assert meta["id"] == "r1" and meta["prompt_tokens"] == len(prompt_ids)
     assert meta["finish_reason"] == {"type": "stop", "matched": kimi_tokenizer.convert_tokens_to_ids("<|im_end|>")}
     assert meta["completion_tokens"] == len(gen["output_ids"])
-    chat = call(app, "POST", "/v1/chat/completions", json={"model": MODEL, "messages": msgs, "tools": TOOLS, "seed": 4, "max_tokens": 4000}).json()
+    chat = call(
+        app,
+        "POST",
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": msgs, "tools": TOOLS, "seed": 4, "max_tokens": 4000},
+    ).json()
     assert chat["id"].startswith("gen-") and chat["provider"]
     choice = chat["choices"][0]
     msg = choice["message"]
     text = msg["reasoning"] + "</think>" + msg["content"]
     if msg.get("tool_calls"):
         assert choice["finish_reason"] == "tool_calls"
-        text += "<|tool_calls_section_begin|>" + "".join(
-            f"<|tool_call_begin|>{c['id']}<|tool_call_argument_begin|>{c['function']['arguments']}<|tool_call_end|>"
-            for c in msg["tool_calls"]) + "<|tool_calls_section_end|>"
+        text += (
+            "<|tool_calls_section_begin|>"
+            + "".join(
+                f"<|tool_call_begin|>{c['id']}<|tool_call_argument_begin|>{c['function']['arguments']}<|tool_call_end|>"
+                for c in msg["tool_calls"]
+            )
+            + "<|tool_calls_section_end|>"
+        )
     assert text + "<|im_end|>" == kimi_tokenizer.decode(gen["output_ids"], skip_special_tokens=False)
     usage = chat["usage"]
     assert usage["completion_tokens"] == len(gen["output_ids"]) and usage["cost"] > 0
     assert usage["completion_tokens_details"]["reasoning_tokens"] == gen["output_ids"].index(
-        kimi_tokenizer.convert_tokens_to_ids("</think>"))
-    batch = call(app, "POST", "/generate", json={"input_ids": [prompt_ids, prompt_ids[:-3]], "sampling_params": {"max_new_tokens": 7}}).json()
+        kimi_tokenizer.convert_tokens_to_ids("</think>")
+    )
+    batch = call(
+        app,
+        "POST",
+        "/generate",
+        json={"input_ids": [prompt_ids, prompt_ids[:-3]], "sampling_params": {"max_new_tokens": 7}},
+    ).json()
     assert len(batch) == 2 and batch[0]["meta_info"]["finish_reason"] == {"type": "length", "length": 7}
 
 
@@ -141,18 +184,35 @@ def test_injected_faults_on_the_wire(app, kimi_tokenizer):
         with pytest.raises(json.JSONDecodeError):
             json.loads(call(app, "POST", "/v1/chat/completions", json={"model": MODEL, "messages": msgs}).text)
         call(app, "POST", "/dev/config", json={"endpoints": {"chat": {"credits_after": 1}}})
-        codes = [call(app, "POST", "/v1/chat/completions", json={"model": MODEL, "messages": msgs}).status_code for _ in range(3)]
+        codes = [
+            call(app, "POST", "/v1/chat/completions", json={"model": MODEL, "messages": msgs}).status_code
+            for _ in range(3)
+        ]
         assert codes == [200, 402, 402]
         call(app, "POST", "/dev/config", json={"endpoints": {"chat": {"trim_whitespace": 1.0, "empty_content": 0.0}}})
         for i in range(20):
-            m = call(app, "POST", "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": f"q{i}"}]}).json()
+            m = call(
+                app,
+                "POST",
+                "/v1/chat/completions",
+                json={"model": MODEL, "messages": [{"role": "user", "content": f"q{i}"}]},
+            ).json()
             content = m["choices"][0]["message"]["content"]
             assert content == content.strip()
-        call(app, "POST", "/dev/config", json={"endpoints": {"chat": {"rewrite_tool_call_ids": 1.0, "reserialize_arguments": 1.0}}})
+        call(
+            app,
+            "POST",
+            "/dev/config",
+            json={"endpoints": {"chat": {"rewrite_tool_call_ids": 1.0, "reserialize_arguments": 1.0}}},
+        )
         calls = []
         for i in range(10):
-            m = call(app, "POST", "/v1/chat/completions", json={"model": MODEL, "tools": TOOLS,
-                                                                "messages": [{"role": "user", "content": f"t{i}"}]}).json()
+            m = call(
+                app,
+                "POST",
+                "/v1/chat/completions",
+                json={"model": MODEL, "tools": TOOLS, "messages": [{"role": "user", "content": f"t{i}"}]},
+            ).json()
             calls += m["choices"][0]["message"].get("tool_calls") or []
         assert calls and all(c["id"].startswith("call_") for c in calls)
         assert all(", " not in c["function"]["arguments"] and json.loads(c["function"]["arguments"]) for c in calls)
@@ -167,13 +227,23 @@ def test_generate_is_protocol_true(app, kimi_tokenizer, prompt_ids):
     """The dev server rejects what SGLang 0.5.23 rejects, in its shapes (tests/unit/test_sglang_oracle.py
     checks the schema texts against SGLang's own contract check)."""
     r = call(app, "POST", "/generate", json={"input_ids": prompt_ids, "sampling_params": {"seed": 3}})
-    assert r.status_code == 400 and r.json()["error"].startswith("unknown field `seed`, expected one of `max_new_tokens`")
+    assert r.status_code == 400 and r.json()["error"].startswith(
+        "unknown field `seed`, expected one of `max_new_tokens`"
+    )
     r = call(app, "POST", "/generate", json={"input_ids": ["a", "b"]})
     assert r.status_code == 400 and r.json() == {"error": 'invalid type: string "a", expected a sequence'}
     r = call(app, "POST", "/generate", json={"input_ids": [1, 163840]})
     assert r.status_code == 400 and "out of the vocabulary" in r.json()["error"]["message"]
-    r = call(app, "POST", "/generate", json={"input_ids": prompt_ids, "rid": "x.0",
-                                             "sampling_params": {"max_new_tokens": 8, "stop_token_ids": [163586]}})
+    r = call(
+        app,
+        "POST",
+        "/generate",
+        json={
+            "input_ids": prompt_ids,
+            "rid": "x.0",
+            "sampling_params": {"max_new_tokens": 8, "stop_token_ids": [163586]},
+        },
+    )
     meta = r.json()["meta_info"]
     assert r.status_code == 200 and meta["id"] == "x.0" and meta["weight_version"] == "dev"
     assert meta["completion_tokens"] == len(r.json()["output_ids"])
@@ -185,6 +255,7 @@ def test_duplicate_rid_while_registered_is_a_400(app, prompt_ids):
 
     call(app, "POST", "/dev/config", json={"endpoints": {"generate": {"latency": {"dist": "fixed", "mean": 0.5}}}})
     try:
+
         async def both():
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://dev") as c:
                 body = {"input_ids": prompt_ids, "rid": "same.0", "sampling_params": {"max_new_tokens": 4}}

@@ -39,8 +39,13 @@ with stop_on_signals():
 
 def _launch(tmp_path: Path) -> tuple[subprocess.Popen, dict]:
     env = {**os.environ, "PYTHONPATH": str(REPO / "include")}
-    proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path)], env=env, stdout=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, str(tmp_path)],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     assert proc.stdout.readline().strip() == "READY"
     state = json.loads((tmp_path / "services.json").read_text())
     deadline = time.monotonic() + 30
@@ -71,7 +76,8 @@ def test_next_start_removes_what_a_sigkilled_launcher_left(tmp_path):
 
 # Each records, when it gets SIGTERM (which it ignores, so only the SIGKILL after the grace ends
 # it), whether the services named in $PEERS are still running.
-_STUBBORN = """trap 'for p in $PEERS; do kill -0 "$(cat "$DIR/$p.pid")" 2>/dev/null && echo "$p alive" || echo "$p gone"; done > "$DIR/$NAME.term"' TERM
+_STUBBORN = """trap 'for p in $PEERS; do
+  kill -0 "$(cat "$DIR/$p.pid")" 2>/dev/null && echo "$p alive" || echo "$p gone"; done > "$DIR/$NAME.term"' TERM
 echo $$ > "$DIR/$NAME.pid"; while :; do sleep 0.05; done"""
 
 
@@ -93,7 +99,11 @@ def test_stop_all_signals_the_services_together_and_the_infrastructure_last(tmp_
             assert time.monotonic() < deadline
             time.sleep(0.05)
     term = {n: (tmp_path / f"{n}.term").read_text().split("\n")[:-1] for n in ("db", "api", "worker")}
-    assert term == {"api": ["worker alive", "db alive"], "worker": ["api alive", "db alive"], "db": ["api gone", "worker gone"]}
+    assert term == {
+        "api": ["worker alive", "db alive"],
+        "worker": ["api alive", "db alive"],
+        "db": ["api gone", "worker gone"],
+    }
 
 
 def test_sigterm_to_make_reaches_the_launcher(tmp_path):
@@ -101,11 +111,16 @@ def test_sigterm_to_make_reaches_the_launcher(tmp_path):
     be that process (the Makefile `exec`s it), not a child of a shell that dies alone."""
     out = tmp_path / "launcher"
     stub = tmp_path / "python"  # stands in for the venv's python: records its pid and the signal
-    stub.write_text(f"#!/bin/sh\ntrap 'echo TERM > {out}.signal; exit 0' TERM\necho $$ > {out}.pid\n"
-                    "while :; do sleep 0.05; done\n")
+    stub.write_text(
+        f"#!/bin/sh\ntrap 'echo TERM > {out}.signal; exit 0' TERM\necho $$ > {out}.pid\nwhile :; do sleep 0.05; done\n"
+    )
     stub.chmod(0o755)
-    make = subprocess.Popen(["make", "-s", "-C", str(REPO), "airflow", f"PY={stub}", f"STAMP={stub}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    make = subprocess.Popen(
+        ["make", "-s", "-C", str(REPO), "airflow", f"PY={stub}", f"STAMP={stub}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     pid_file = tmp_path / "launcher.pid"
     try:
         deadline = time.monotonic() + 60

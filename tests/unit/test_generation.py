@@ -63,8 +63,14 @@ def test_a_long_prompt_with_a_short_answer_is_estimated_from_prices_not_a_cost_r
 def test_prices_are_learned_from_an_answers_cost_split():
     b = Budget(10.0, max_new_tokens=1000)
     assert b.estimate(500) == pytest.approx(0.01)  # the first estimate until an answer is priced
-    usage = {"prompt_tokens": 1000, "completion_tokens": 100,
-             "cost_details": {"upstream_inference_prompt_cost": 1000 * 6e-7, "upstream_inference_completions_cost": 100 * 2.5e-6}}
+    usage = {
+        "prompt_tokens": 1000,
+        "completion_tokens": 100,
+        "cost_details": {
+            "upstream_inference_prompt_cost": 1000 * 6e-7,
+            "upstream_inference_completions_cost": 100 * 2.5e-6,
+        },
+    }
     b.add(1000 * 6e-7 + 100 * 2.5e-6, usage)
     assert b.estimate(500) == pytest.approx(500 * 6e-7 + 1000 * 2.5e-6)
 
@@ -82,8 +88,15 @@ def test_without_prices_the_estimate_stays_an_upper_bound():
 
 
 def rows(n: int) -> list[dict]:
-    return [{"sample_id": f"id{i}", "dataset": "d", "messages": json.dumps([{"role": "user", "content": str(i)}]),
-             "tools": None} for i in range(n)]
+    return [
+        {
+            "sample_id": f"id{i}",
+            "dataset": "d",
+            "messages": json.dumps([{"role": "user", "content": str(i)}]),
+            "tools": None,
+        }
+        for i in range(n)
+    ]
 
 
 def routed(rows: list[dict], **routing) -> list[dict]:
@@ -124,8 +137,9 @@ def test_sglang_answers_are_recorded_as_given_and_checked():
     from tests.fixtures.kimi import CHAS, IM_END
 
     stop = {"type": "stop", "matched": IM_END}
-    assert check_answer({"output_ids": [1, IM_END], "meta_info": {"finish_reason": stop, "completion_tokens": 2}})[:2] == (
-        [1, IM_END], stop)
+    assert check_answer({"output_ids": [1, IM_END], "meta_info": {"finish_reason": stop, "completion_tokens": 2}})[
+        :2
+    ] == ([1, IM_END], stop)
     chas = {"type": "stop", "matched": CHAS}  # a server told to stop on "chas": recorded, not repaired
     assert check_answer({"output_ids": [1, CHAS], "meta_info": {"finish_reason": chas}})[:2] == ([1, CHAS], chas)
     assert check_answer([{"output_ids": [1], "meta_info": {"finish_reason": "length"}}])[1] == {"type": "length"}
@@ -137,10 +151,15 @@ def test_sglang_answers_are_recorded_as_given_and_checked():
     assert check_answer({"output_ids": [1], "meta_info": {"finish_reason": stop, "prompt_tokens": 3}}, [5, 6, 7])
     with pytest.raises(PromptCut, match="3 prompt ids sent, meta_info.prompt_tokens = 2"):
         check_answer({"output_ids": [1], "meta_info": {"finish_reason": stop, "prompt_tokens": 2}}, [5, 6, 7])
-    assert error_message('{"object": "error", "message": "The request queue is full.", "code": 503}') == \
-        "The request queue is full."
+    assert (
+        error_message('{"object": "error", "message": "The request queue is full.", "code": 503}')
+        == "The request queue is full."
+    )
     assert error_message('{"error": "unknown field `seed`"}') == "unknown field `seed`"
-    assert error_message('{"error": {"message": "Duplicate request ID detected: a.0"}}') == "Duplicate request ID detected: a.0"
+    assert (
+        error_message('{"error": {"message": "Duplicate request ID detected: a.0"}}')
+        == "Duplicate request ID detected: a.0"
+    )
     assert error_message("plain") == "plain"
 
 
@@ -148,7 +167,9 @@ def test_sampling_params_are_checked_against_sglangs_keys():
     from eagle3_data.generation.sglang import SAMPLING_KEYS, check_sampling_params
 
     check_sampling_params({"temperature": 0.6, "top_p": 0.95, "max_new_tokens": 10, "sampling_seed": 1})
-    with pytest.raises(UserError, match=r"'seed' is not an SGLang sampling parameter \(SGLang's key is 'sampling_seed'\)"):
+    with pytest.raises(
+        UserError, match=r"'seed' is not an SGLang sampling parameter \(SGLang's key is 'sampling_seed'\)"
+    ):
         check_sampling_params({"temperature": 1.0, "seed": 3})
     assert "stop_token_ids" in SAMPLING_KEYS and "thinking" not in SAMPLING_KEYS
 
@@ -158,11 +179,30 @@ def test_consistency_report_finds_the_first_difference(kimi_fmt):
 
     ids = kimi_fmt.codec.encode_batch([REFERENCE_TEXT])[0]
     assert ids == REFERENCE_IDS
-    local = [{"sample_id": "a", "status": "ok", "output_ids": ids}, {"sample_id": "b", "status": "ok", "output_ids": ids}]
-    over = [{"sample_id": "a", "status": "ok", "reasoning": "Let me think.", "content": "The answer is 42.",
-             "tool_calls": None, "finish_reason": "stop", "messages": "[]"},
-            {"sample_id": "b", "status": "ok", "reasoning": "Let me think.", "content": "The answer is 43.",
-             "tool_calls": None, "finish_reason": "stop", "messages": "[]"}]
+    local = [
+        {"sample_id": "a", "status": "ok", "output_ids": ids},
+        {"sample_id": "b", "status": "ok", "output_ids": ids},
+    ]
+    over = [
+        {
+            "sample_id": "a",
+            "status": "ok",
+            "reasoning": "Let me think.",
+            "content": "The answer is 42.",
+            "tool_calls": None,
+            "finish_reason": "stop",
+            "messages": "[]",
+        },
+        {
+            "sample_id": "b",
+            "status": "ok",
+            "reasoning": "Let me think.",
+            "content": "The answer is 43.",
+            "tool_calls": None,
+            "finish_reason": "stop",
+            "messages": "[]",
+        },
+    ]
     report = consistency_report(kimi_fmt, local, over, first_n=64)
     by = {s["sample_id"]: s for s in report["per_sample"]}
     assert by["a"]["first_diff"] is None and by["a"]["compared"] == len(ids)
@@ -179,8 +219,17 @@ def test_consistency_report_with_thinking_off_has_no_think_end(kimi_fmt, kimi_fm
     ids = kimi_fmt_off.codec.encode_batch(["The answer is 42.<|im_end|>"])[0]
     assert THINK_END not in ids and ids[-1] == IM_END
     local = [{"sample_id": "a", "status": "ok", "output_ids": ids}]
-    over = [{"sample_id": "a", "status": "ok", "reasoning": None, "content": "The answer is 42.", "tool_calls": None,
-             "finish_reason": "stop", "messages": "[]"}]
+    over = [
+        {
+            "sample_id": "a",
+            "status": "ok",
+            "reasoning": None,
+            "content": "The answer is 42.",
+            "tool_calls": None,
+            "finish_reason": "stop",
+            "messages": "[]",
+        }
+    ]
     assert consistency_report(kimi_fmt_off, local, over)["agreement"] == 1.0
     assert consistency_report(kimi_fmt, local, over)["agreement"] == 0.0  # the wrong mode shows as a difference
 
@@ -190,16 +239,41 @@ def test_consistency_report_compares_only_the_calibration_samples(kimi_tokenizer
     sample that failed on one path is named, and a non-canonical split (same text) is told apart."""
     text = "Let me think.</think>The answer is 42.<|im_end|>"
     ids = kimi_tokenizer.encode(text, add_special_tokens=False)
-    split = ids[:9] + kimi_tokenizer.encode("4", add_special_tokens=False) + kimi_tokenizer.encode("2", add_special_tokens=False) + ids[10:]
+    split = (
+        ids[:9]
+        + kimi_tokenizer.encode("4", add_special_tokens=False)
+        + kimi_tokenizer.encode("2", add_special_tokens=False)
+        + ids[10:]
+    )
     assert kimi_tokenizer.decode(split) == text and split != ids
-    over = {"status": "ok", "reasoning": "Let me think.", "content": "The answer is 42.", "tool_calls": None,
-            "finish_reason": "stop", "messages": "[]"}
-    local = [{"sample_id": s, "status": "ok", "output_ids": split if s == "bpe" else ids} for s in ("same", "bpe", "lost", "cut", "local-only")]
-    provider = [{**over, "sample_id": s} for s in ("same", "bpe", "overflow-only")] + [{**over, "sample_id": "lost", "status": "failed"}]
+    over = {
+        "status": "ok",
+        "reasoning": "Let me think.",
+        "content": "The answer is 42.",
+        "tool_calls": None,
+        "finish_reason": "stop",
+        "messages": "[]",
+    }
+    local = [
+        {"sample_id": s, "status": "ok", "output_ids": split if s == "bpe" else ids}
+        for s in ("same", "bpe", "lost", "cut", "local-only")
+    ]
+    provider = [{**over, "sample_id": s} for s in ("same", "bpe", "overflow-only")] + [
+        {**over, "sample_id": "lost", "status": "failed"}
+    ]
     # cut at the token limit with tools offered: the text cannot determine the ids, so no comparison
-    provider.append({**over, "sample_id": "cut", "finish_reason": "length", "status": "unreconstructable",
-                     "tools": json.dumps([{"type": "function", "function": {"name": "f", "parameters": {}}}])})
-    report = consistency_report(kimi_fmt, iter(local), iter(provider), first_n=64, sample_ids={"same", "bpe", "lost", "cut"})
+    provider.append(
+        {
+            **over,
+            "sample_id": "cut",
+            "finish_reason": "length",
+            "status": "unreconstructable",
+            "tools": json.dumps([{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+        }
+    )
+    report = consistency_report(
+        kimi_fmt, iter(local), iter(provider), first_n=64, sample_ids={"same", "bpe", "lost", "cut"}
+    )
     by = {s["sample_id"]: s for s in report["per_sample"]}
     assert sorted(by) == ["bpe", "same"] and report["missing"] == ["lost"] and report["unreconstructable"] == ["cut"]
     assert by["same"]["first_diff"] is None and by["bpe"]["first_diff"] == 9 and by["bpe"]["same_text"]
@@ -245,14 +319,25 @@ def test_the_generation_mode_comes_only_from_the_bound_format(engine, kimi_token
         def is_complete(self, ref):
             return False
 
-    fmt, ref, sampling = get_output_format(kimi_tokenizer, thinking=True), StageRef("r", "generate", "chat"), {
-        "temperature": 1.0, "thinking": True}
+    fmt, ref, sampling = (
+        get_output_format(kimi_tokenizer, thinking=True),
+        StageRef("r", "generate", "chat"),
+        {"temperature": 1.0, "thinking": True},
+    )
     if engine == "openrouter":
-        call = lambda: openrouter.generate_overflow(NothingCommitted(), ref, [], fmt, "http://127.0.0.1:9/v1", "key",
-                                                    openrouter.OverflowRequest("m", sampling=sampling))
+        call = lambda: openrouter.generate_overflow(
+            NothingCommitted(),
+            ref,
+            [],
+            fmt,
+            "http://127.0.0.1:9/v1",
+            "key",
+            openrouter.OverflowRequest("m", sampling=sampling),
+        )
     else:
-        call = lambda: local.generate_local(NothingCommitted(), ref, [], fmt, ["http://127.0.0.1:9"], sampling,
-                                            wire=wire_for(engine))
+        call = lambda: local.generate_local(
+            NothingCommitted(), ref, [], fmt, ["http://127.0.0.1:9"], sampling, wire=wire_for(engine)
+        )
     with pytest.raises(UserError, match="'thinking' is not a"):
         call()
 
@@ -270,7 +355,10 @@ def test_the_one_row_builder_makes_the_generations_schemas_columns():
 
     columns = schema_for("generations").names
     assert list(GenerationRow.__annotations__) == columns
-    ok, failed = generation_row(_one_prompt(), [1, 2], "sglang"), generation_row(_one_prompt(), None, "vllm", failed="why")
+    ok, failed = (
+        generation_row(_one_prompt(), [1, 2], "sglang"),
+        generation_row(_one_prompt(), None, "vllm", failed="why"),
+    )
     assert set(ok) == set(failed) == set(columns)
     assert (ok["status"], ok["error"], failed["status"], failed["error"]) == ("ok", None, "failed", "why")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
-INNER = '''
+INNER = """
 import subprocess, sys, time
 import pytest
 from tests.hang_report import watch_logs
@@ -30,16 +30,36 @@ def test_waits_on_a_stuck_child(tmp_path):
 
 def test_the_session_goes_on():
     assert True
-'''
+"""
 
 
 def test_timed_out_test_leaves_stacks_and_logs(tmp_path):
     (tmp_path / "test_inner.py").write_text(INNER)
-    env = {**os.environ, "EAGLE3_TEST_ARTIFACTS": str(tmp_path / "artifacts"),
-           "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "include")])}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "tests.hang_report", "-p", "no:cacheprovider",
-                           "--rootdir", str(tmp_path), str(tmp_path / "test_inner.py")],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    env = {
+        **os.environ,
+        "EAGLE3_TEST_ARTIFACTS": str(tmp_path / "artifacts"),
+        "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "include")]),
+    }
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "tests.hang_report",
+            "-p",
+            "no:cacheprovider",
+            "--rootdir",
+            str(tmp_path),
+            str(tmp_path / "test_inner.py"),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     out = done.stdout + done.stderr
     assert done.returncode == 1, out
     assert "1 failed, 1 passed" in out, out  # the hung test failed; the next one still ran

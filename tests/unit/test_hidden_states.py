@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import json
 
-import torch
 import pytest
+import torch
 
 from eagle3_data.errors import UserError
 from eagle3_data.hidden_states import fp8
@@ -69,7 +69,9 @@ def reference_states(model, ids) -> tuple:
 def reference_pre_norm(model, ids) -> torch.Tensor:
     """The last decoder layer's output, before the final norm (transformers' hidden_states[-1] is after it)."""
     captured = {}
-    hook = model.model.layers[-1].register_forward_hook(lambda _m, _a, out: captured.setdefault("x", out[0] if isinstance(out, tuple) else out))
+    hook = model.model.layers[-1].register_forward_hook(
+        lambda _m, _a, out: captured.setdefault("x", out[0] if isinstance(out, tuple) else out)
+    )
     try:
         with torch.no_grad():
             model(torch.tensor([ids]))
@@ -86,8 +88,9 @@ def test_layer_conventions_name_the_same_tensors():
     assert default_layer_ids(61, "output") == [1, 29, 57]
     assert default_layer_ids(61, "input") == [2, 30, 58]
     for L in (8, 61):
-        assert hidden_state_indices(default_layer_ids(L, "output"), "output", L) == \
-            hidden_state_indices(default_layer_ids(L, "input"), "input", L)
+        assert hidden_state_indices(default_layer_ids(L, "output"), "output", L) == hidden_state_indices(
+            default_layer_ids(L, "input"), "input", L
+        )
     assert hidden_state_indices([1], "output", 8) == [2] and hidden_state_indices([1], "input", 8) == [1]
     with pytest.raises(UserError, match="out of range"):
         hidden_state_indices([7], "output", 8)  # the last layer's raw output is not in hidden_states
@@ -105,8 +108,9 @@ def test_plan_batches_respects_budget_and_covers_every_sample():
 
 
 def test_stored_states_equal_an_independent_forward(backend, reference_model, rows, tmp_path):
-    summary = extract_rows(backend, rows, tmp_path, "t", ExtractOptions(last_hidden=True, token_budget=128,
-                                                                        out_shard_tokens=90))
+    summary = extract_rows(
+        backend, rows, tmp_path, "t", ExtractOptions(last_hidden=True, token_budget=128, out_shard_tokens=90)
+    )
     assert summary["layer_ids"] == [1, 3, 4] and summary["samples"] == len(rows) and len(summary["files"]) > 1
     stored = read_all(tmp_path)
     for row in rows:
@@ -117,7 +121,9 @@ def test_stored_states_equal_an_independent_forward(backend, reference_model, ro
         assert_bf16_close(s.aux_hidden_states, torch.cat([hs[2][0], hs[4][0], hs[5][0]], -1))
         pre = reference_pre_norm(reference_model, row["input_ids"])
         assert_bf16_close(s.last_hidden_states, pre)  # the default: before the final norm
-        assert (s.last_hidden_states.float() - hs[-1][0]).abs().max() > 0.1 * hs[-1][0].abs().max()  # not the normed one
+        assert (s.last_hidden_states.float() - hs[-1][0]).abs().max() > 0.1 * hs[-1][
+            0
+        ].abs().max()  # not the normed one
         # off by one would be a different tensor, far outside the tolerance
         wrong = torch.cat([hs[1][0], hs[3][0], hs[4][0]], -1)
         assert (s.aux_hidden_states.float() - wrong).abs().max() > 10 * 2**-8 * wrong.abs().max()
@@ -134,8 +140,13 @@ def test_storage_dtype_bf16_by_default_whatever_the_compute_dtype(backend, refer
     assert (summary["dtype"], summary["compute_dtype"]) == ("bfloat16", "float32")
 
     # fp32 keeps the forward's precision: equal to the reference up to summation-order noise only
-    extract_rows(backend, rows, tmp_path / "fp32", "f", ExtractOptions(last_hidden=True, last_hidden_norm="post",
-                                                                        storage_dtype="fp32"))
+    extract_rows(
+        backend,
+        rows,
+        tmp_path / "fp32",
+        "f",
+        ExtractOptions(last_hidden=True, last_hidden_norm="post", storage_dtype="fp32"),
+    )
     path = next((tmp_path / "fp32").glob("*.safetensors"))
     assert tensor_dtypes(path)["aux_hidden_states"] == "F32" and ShardReader(path).metadata["dtype"] == "float32"
     stored = read_all(tmp_path / "fp32")
@@ -174,8 +185,9 @@ def reference_logprobs(model, ids) -> torch.Tensor:
 
 
 def test_target_logprobs_equal_the_models_own_forward_and_head(backend, reference_model, rows, tmp_path):
-    summary = extract_rows(backend, rows, tmp_path, "l", ExtractOptions(last_hidden=False, token_budget=128,
-                                                                        out_shard_tokens=90))
+    summary = extract_rows(
+        backend, rows, tmp_path, "l", ExtractOptions(last_hidden=False, token_budget=128, out_shard_tokens=90)
+    )
     stored = read_all(tmp_path)
     trained = []
     for row in rows:
@@ -261,8 +273,13 @@ class NaNAfter(Wrapped):
         return out
 
 
-@pytest.mark.parametrize("mode,match", [("nan", "sample s2: aux_hidden_states holds NaN/Inf at token positions \\[2\\]"),
-                                        ("short", "sample s2: aux_hidden_states has 16 rows for 17 tokens")])
+@pytest.mark.parametrize(
+    "mode,match",
+    [
+        ("nan", "sample s2: aux_hidden_states holds NaN/Inf at token positions \\[2\\]"),
+        ("short", "sample s2: aux_hidden_states has 16 rows for 17 tokens"),
+    ],
+)
 def test_corrupt_states_fail_loudly_naming_the_sample(backend, rows, tmp_path, mode, match):
     with pytest.raises(CorruptHiddenStates, match=match):
         extract_rows(NaNAfter(backend, 17, mode), rows, tmp_path, "x", ExtractOptions())
@@ -279,7 +296,9 @@ def test_bad_records_are_refused_before_compute(backend, rows, tmp_path):
 
 def test_reader_random_access_and_fp8(backend, rows, tmp_path):
     extract_rows(backend, rows, tmp_path / "bf16", "x", ExtractOptions(last_hidden=False, out_shard_tokens=10**6))
-    extract_rows(backend, rows, tmp_path / "fp8", "x", ExtractOptions(last_hidden=False, out_shard_tokens=10**6, use_fp8=True))
+    extract_rows(
+        backend, rows, tmp_path / "fp8", "x", ExtractOptions(last_hidden=False, out_shard_tokens=10**6, use_fp8=True)
+    )
     exact = ShardReader(next((tmp_path / "bf16").glob("*.safetensors")))
     small = ShardReader(next((tmp_path / "fp8").glob("*.safetensors")))
     assert exact.num_tokens == sum(len(r["input_ids"]) for r in rows)
@@ -367,7 +386,7 @@ class Faulty(Wrapped):
             k = indices.index(self.layer)
             for st in out:
                 h = st.last.shape[-1]
-                st.last = st.aux[:, k * h:(k + 1) * h]
+                st.last = st.aux[:, k * h : (k + 1) * h]
             return out
         if self.mode == "early":
             out = self.inner.forward(batch, indices + [L - 1], last_hidden)
@@ -396,7 +415,7 @@ def engine_answers_of(model, rows):
     out = {}
     for row in rows:
         first = len(row["input_ids"]) // 2
-        out[row["sample_id"]] = EngineAnswer(tuple(reference_logprobs(model, row["input_ids"])[first - 1:].tolist()))
+        out[row["sample_id"]] = EngineAnswer(tuple(reference_logprobs(model, row["input_ids"])[first - 1 :].tolist()))
     return out
 
 
@@ -406,15 +425,24 @@ def test_the_extraction_proves_itself_against_the_engines_logprobs(mode, backend
 
     rows = [{**r, "prompt_tokens": len(r["input_ids"]) // 2} for r in rows if len(r["input_ids"]) > 4]
     check = LogprobCheck.for_dtype(engine_answers_of(reference_model, rows), "float32")
-    run = lambda: extract_rows(Faulty(backend, mode) if mode else backend, rows, tmp_path, "v",  # noqa: E731
-                               ExtractOptions(token_budget=256), check=check)
+    run = lambda: extract_rows(
+        Faulty(backend, mode) if mode else backend,
+        rows,
+        tmp_path,
+        "v",  # noqa: E731
+        ExtractOptions(token_budget=256),
+        check=check,
+    )
     if mode is None:
         summary = run()["logprob_check"]
         assert summary["compared_samples"] == len(rows) and summary["failed_samples"] == 0
         assert summary["worst_mean_abs_diff"] < 1e-4  # fp32 on both sides: noise far below the tolerance
         return
-    with pytest.raises(ExtractionDisagrees, match=r"local answers differ from the engine's own .* sample s\d+: mean "
-                                                  r"\|diff\| .* first at position \d+"):
+    with pytest.raises(
+        ExtractionDisagrees,
+        match=r"local answers differ from the engine's own .* sample s\d+: mean "
+        r"\|diff\| .* first at position \d+",
+    ):
         run()
     assert check.failures and all(f["mean_abs_diff"] > 100 * check.tolerance for f in check.failures)
 

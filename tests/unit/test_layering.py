@@ -57,7 +57,9 @@ def test_scanner_sees_every_kind_of_import(source):
     assert airflow_imports(source)
 
 
-@pytest.mark.parametrize("source", ["import airflowish", "from .airflow import x", "x = 'airflow'", "from eagle3_data import airflow_free"])
+@pytest.mark.parametrize(
+    "source", ["import airflowish", "from .airflow import x", "x = 'airflow'", "from eagle3_data import airflow_free"]
+)
 def test_scanner_ignores_lookalikes(source):
     assert airflow_imports(source) == []
 
@@ -66,7 +68,9 @@ def test_library_never_imports_airflow():
     files = sorted(LIBRARY.rglob("*.py"))
     assert len(files) > 20, f"expected the whole package under {LIBRARY}"
     hits = [hit for f in files for hit in airflow_imports(f.read_text(), str(f.relative_to(LIBRARY.parent)))]
-    assert hits == [], "the library imports Airflow (move it to dags/, plugins/ or include/eagle3_devtools/):\n" + "\n".join(hits)
+    assert hits == [], (
+        "the library imports Airflow (move it to dags/, plugins/ or include/eagle3_devtools/):\n" + "\n".join(hits)
+    )
 
 
 def test_devtools_are_outside_the_library():
@@ -95,8 +99,13 @@ def import_graph(root: Path) -> dict[str, set[str]]:
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         tree = ast.parse(path.read_text())
-        skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-                   for child in node.body for n in ast.walk(child)}
+        skipped = {
+            id(n)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for child in node.body
+            for n in ast.walk(child)
+        }
         targets = []
         for node in ast.walk(tree):
             if id(node) in skipped:
@@ -160,8 +169,12 @@ def test_the_library_below_the_cli_never_imports_the_dev_stand_ins():
     """The dev server, fake S3 and fault models are reached only from the CLI's `dev` commands and
     the checkout's launchers: a production run cannot start one by accident."""
     graph = import_graph(LIBRARY)
-    hits = sorted(f"{m} -> {t}" for m, ts in graph.items() for t in ts
-                  if t.startswith(f"{LIBRARY.name}.dev") and not m.startswith((f"{LIBRARY.name}.dev", f"{LIBRARY.name}.cli")))
+    hits = sorted(
+        f"{m} -> {t}"
+        for m, ts in graph.items()
+        for t in ts
+        if t.startswith(f"{LIBRARY.name}.dev") and not m.startswith((f"{LIBRARY.name}.dev", f"{LIBRARY.name}.cli"))
+    )
     assert hits == []
 
 
@@ -169,9 +182,18 @@ def test_no_private_store_calls_outside_the_store():
     """The writer, leases, checkpoints and the CLI use the store's public object layer."""
     pattern = re.compile(r"\bstore\._[a-z]\w*\(")
     hits = []
-    for path in sorted([*LIBRARY.rglob("*.py"), *(LIBRARY.parents[1] / "plugins").rglob("*.py"),
-                        *(LIBRARY.parents[1] / "dags").rglob("*.py")]):
+    for path in sorted(
+        [
+            *LIBRARY.rglob("*.py"),
+            *(LIBRARY.parents[1] / "plugins").rglob("*.py"),
+            *(LIBRARY.parents[1] / "dags").rglob("*.py"),
+        ]
+    ):
         if path.name == "store.py" and path.parent.name == "storage":
             continue
-        hits += [f"{path}:{n} {line.strip()}" for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+        hits += [
+            f"{path}:{n} {line.strip()}"
+            for n, line in enumerate(path.read_text().splitlines(), 1)
+            if pattern.search(line)
+        ]
     assert hits == [], "\n".join(hits)

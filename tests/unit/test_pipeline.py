@@ -12,8 +12,21 @@ from eagle3_data.storage.writer import StageWriter
 def test_stage_functions_are_importable_from_the_package():
     from eagle3_data import pipeline
 
-    for name in ("resolve_run", "open_store", "audit_tokenizer", "load_route", "generate_local", "generate_overflow",
-                 "reconstruct", "validate", "merge", "extract_hidden_states", "commit_hidden_states", "probe", "publish"):
+    for name in (
+        "resolve_run",
+        "open_store",
+        "audit_tokenizer",
+        "load_route",
+        "generate_local",
+        "generate_overflow",
+        "reconstruct",
+        "validate",
+        "merge",
+        "extract_hidden_states",
+        "commit_hidden_states",
+        "probe",
+        "publish",
+    ):
         assert callable(getattr(pipeline, name)), name
 
 
@@ -51,13 +64,14 @@ def test_bulk_stages_start_on_tiktoken_with_the_hf_hashes(kimi_tokenizer_dir, tm
     import json
     import types
 
-    from eagle3_data.pipeline import run as run_mod
     from eagle3_data.codec import TiktokenTokenizer
+    from eagle3_data.pipeline import run as run_mod
 
     monkeypatch.setenv("EAGLE3_DATA_CACHE", str(tmp_path))
     config = load_config().with_overrides({"tokenizer": {"source": str(kimi_tokenizer_dir)}}, where="test")
-    run = run_mod.Run(config=config, run_key="k", date=None, datasets=config.dataset_names, dry_run=False,
-                      skip_hidden_states=False)
+    run = run_mod.Run(
+        config=config, run_key="k", date=None, datasets=config.dataset_names, dry_run=False, skip_hidden_states=False
+    )
     store = types.SimpleNamespace(client=None)
     run_mod._load_bulk_tokenizer.cache_clear()
     hf = run_mod.bulk_tokenizer_for(run, store)  # first start on this host: HF, verifying
@@ -69,7 +83,9 @@ def test_bulk_stages_start_on_tiktoken_with_the_hf_hashes(kimi_tokenizer_dir, tm
     assert run_mod.tokenizer_hashes(fast) == run_mod.tokenizer_hashes(hf)
     assert run_mod.tokenizer_hashes(fast)["template_sha256"] is not None
     monkeypatch.setattr(run_mod, "tokenizer_for", lambda *_: pytest.fail("a bulk stage loaded the HF tokenizer"))
-    assert run_mod.output_format(run, store, template=False).codec.encode_batch(["hi"]) == [hf.encode("hi", add_special_tokens=False)]
+    assert run_mod.output_format(run, store, template=False).codec.encode_batch(["hi"]) == [
+        hf.encode("hi", add_special_tokens=False)
+    ]
     old = json.loads(record_path.read_text())
     del old["template_sha256"]
     record_path.write_text(json.dumps(old))
@@ -97,18 +113,34 @@ def test_validate_stage_runs_its_worker_pool_under_a_host_sigterm_handler(store,
     config = load_config().with_overrides({"tokenizer": {"source": str(kimi_tokenizer_dir)}}, where="test")
     dataset = config.dataset_names[0]
     run = Run(config=config, run_key="sigterm", date=None, datasets=[dataset], dry_run=False, skip_hidden_states=False)
-    rows = [{"sample_id": f"s{i}", "dataset": dataset, "output_ids": REFERENCE_IDS, "source": "sglang", "status": "ok",
-             "finish_reason": "stop"} for i in range(40)]
-    for stage, kind, data in ((PROMPTS, "prompts", [{"sample_id": r["sample_id"], "dataset": dataset, "route": "local"} for r in rows]),
-                              (LOCAL, "generations", rows), (RECONSTRUCT, "generations", [])):
-        with StageWriter(store, pipeline.stage_ref(run, stage, dataset), kind, rows_per_part=64, params={}, fresh=True) as w:
+    rows = [
+        {
+            "sample_id": f"s{i}",
+            "dataset": dataset,
+            "output_ids": REFERENCE_IDS,
+            "source": "sglang",
+            "status": "ok",
+            "finish_reason": "stop",
+        }
+        for i in range(40)
+    ]
+    for stage, kind, data in (
+        (PROMPTS, "prompts", [{"sample_id": r["sample_id"], "dataset": dataset, "route": "local"} for r in rows]),
+        (LOCAL, "generations", rows),
+        (RECONSTRUCT, "generations", []),
+    ):
+        with StageWriter(
+            store, pipeline.stage_ref(run, stage, dataset), kind, rows_per_part=64, params={}, fresh=True
+        ) as w:
             if data:
                 w.write(data)
             w.commit()
     pools = []
     forked = validate_mod._validate_forked
     monkeypatch.setattr(validate_mod, "_validate_forked", lambda *a: (pools.append(a[-1]), (yield from forked(*a))))
-    monkeypatch.setattr(validate_mod, "_chunks", lambda items, size, _c=validate_mod._chunks: _c(items, 7))  # several chunks
+    monkeypatch.setattr(
+        validate_mod, "_chunks", lambda items, size, _c=validate_mod._chunks: _c(items, 7)
+    )  # several chunks
     monkeypatch.setattr("os.cpu_count", lambda: 3)  # the CLI's default: one worker per core
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
     try:
@@ -120,7 +152,9 @@ def test_validate_stage_runs_its_worker_pool_under_a_host_sigterm_handler(store,
     assert multiprocessing.active_children() == []
 
 
-def test_dry_run_plan_lists_each_strategy_and_balanced_routes_finish_together(store, kimi_tokenizer_dir, tmp_path, monkeypatch):
+def test_dry_run_plan_lists_each_strategy_and_balanced_routes_finish_together(
+    store, kimi_tokenizer_dir, tmp_path, monkeypatch
+):
     """The plan (dry run) prints every routing strategy's expected wall time and overflow cost on
     the dataset's samples; with strategy=balanced the routes written are that balanced split."""
     import json
@@ -129,12 +163,24 @@ def test_dry_run_plan_lists_each_strategy_and_balanced_routes_finish_together(st
     from eagle3_data.pipeline.run import Run
 
     prompts = tmp_path / "chat.jsonl"
-    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"question {i}" + " more" * (i % 7)}]}) + "\n"
-                               for i in range(40)))  # prompts of several lengths: the average is not every prompt
-    overrides = {"tokenizer": {"source": str(kimi_tokenizer_dir)}, "datasets": [{"name": "chat", "prompts": str(prompts)}],
-                 "generation": {"local": {"in_flight_per_endpoint": 4}, "overflow": {"concurrency": 12}},
-                 "routing": {"strategy": "balanced", "calibration_samples": 2, "local_endpoints": 2,
-                             "local_latency_s": 8.0, "overflow_latency_s": 4.0}}
+    prompts.write_text(
+        "".join(
+            json.dumps({"messages": [{"role": "user", "content": f"question {i}" + " more" * (i % 7)}]}) + "\n"
+            for i in range(40)
+        )
+    )  # prompts of several lengths: the average is not every prompt
+    overrides = {
+        "tokenizer": {"source": str(kimi_tokenizer_dir)},
+        "datasets": [{"name": "chat", "prompts": str(prompts)}],
+        "generation": {"local": {"in_flight_per_endpoint": 4}, "overflow": {"concurrency": 12}},
+        "routing": {
+            "strategy": "balanced",
+            "calibration_samples": 2,
+            "local_endpoints": 2,
+            "local_latency_s": 8.0,
+            "overflow_latency_s": 4.0,
+        },
+    }
     config = load_config().with_overrides(overrides, where="test")
     plan_run = Run(config=config, run_key="plan", date=None, datasets=["chat"], dry_run=True, skip_hidden_states=False)
     plan = pipeline.load_route(plan_run, store, "chat").plan
@@ -156,13 +202,24 @@ def test_dry_run_plan_lists_each_strategy_and_balanced_routes_finish_together(st
     pipeline.publish(plan_run, store)
     whole = store.get_json(pipeline.stage_ref(plan_run, PLAN, RUN_DATASET), "plan.json")["strategies"]
     assert {n: (p["local"], p["overflow"], p["wall_s"]) for n, p in whole.items()} == {
-        n: (p["local"], p["overflow"], p["wall_s"]) for n, p in strategies.items()}
+        n: (p["local"], p["overflow"], p["wall_s"]) for n, p in strategies.items()
+    }
 
 
-@pytest.mark.parametrize("reason,passes", [
-    ("rate_limited", True), ("in_flight_budget", True), ("retryable_failures", True),
-    ("forbidden", False), ("credits", False), ("repeated_error", False), ("budget", False), ("unauthorized", False),
-    ("unpriced_answer", False)])
+@pytest.mark.parametrize(
+    "reason,passes",
+    [
+        ("rate_limited", True),
+        ("in_flight_budget", True),
+        ("retryable_failures", True),
+        ("forbidden", False),
+        ("credits", False),
+        ("repeated_error", False),
+        ("budget", False),
+        ("unauthorized", False),
+        ("unpriced_answer", False),
+    ],
+)
 def test_overflow_stops_that_pass_by_themselves_are_retried_the_others_fail(reason, passes, monkeypatch):
     """A 429 storm or the in-flight budget passes: Retryable (Airflow retries the task). A key
     limit, empty credits, a refused parameter or the budget need a person: UserError (the DAG
@@ -175,11 +232,22 @@ def test_overflow_stops_that_pass_by_themselves_are_retried_the_others_fail(reas
     monkeypatch.setattr(gen, "_reused", lambda *a: None)
     monkeypatch.setattr(gen, "_prompt_rows", lambda *a: iter(()))
     monkeypatch.setattr(gen, "output_format", lambda *a, **k: None)
-    monkeypatch.setattr(openrouter, "generate_overflow", lambda *a, **k: {
-        "uri": "s3://b/x", "complete": False, "stopped_reason": reason, "stop_detail": "the provider's words",
-        "counts": {}, "cost_usd": 0.0})
+    monkeypatch.setattr(
+        openrouter,
+        "generate_overflow",
+        lambda *a, **k: {
+            "uri": "s3://b/x",
+            "complete": False,
+            "stopped_reason": reason,
+            "stop_detail": "the provider's words",
+            "counts": {},
+            "cost_usd": 0.0,
+        },
+    )
     config = load_config()
-    run = Run(config=config, run_key="k", date=None, datasets=config.dataset_names, dry_run=False, skip_hidden_states=False)
+    run = Run(
+        config=config, run_key="k", date=None, datasets=config.dataset_names, dry_run=False, skip_hidden_states=False
+    )
     with pytest.raises(UserError, match="the provider's words") as raised:
         gen.generate_overflow(run, None, "chat", "http://127.0.0.1:9/v1", "key")
     assert isinstance(raised.value, Retryable) is passes

@@ -33,8 +33,9 @@ def slack(p: float, trials: int) -> float:
     return 3 * math.sqrt(p * (1 - p) / trials)
 
 
-def rate(th: Thresholds, n: int, shift: float, sigma: float, seeds: int = SEEDS, skew: bool = False,
-         pairs: int = 0) -> float:
+def rate(
+    th: Thresholds, n: int, shift: float, sigma: float, seeds: int = SEEDS, skew: bool = False, pairs: int = 0
+) -> float:
     """Share of seeds the decision rejects: `n` sample means a side, the overflow side's shifted
     down by `shift` nats/token (less likely), spread `sigma` (skewed: a gamma's long tail toward
     unlikely text, as real per-sample means have)."""
@@ -54,7 +55,9 @@ def exact_power(shift: float, th: Thresholds, sigma: float, n: int, alpha: float
     SE_hat is noncentral t with 2n - 2 df (pooled variance; Welch's df equal n/spread is close)."""
     se, df = sigma * math.sqrt(2 / n), 2 * n - 2
     crit = stats.t.ppf(1 - alpha / 2, df)
-    return float(stats.nct.sf(crit, df, (shift - th.tolerance) / se) + stats.nct.sf(crit, df, -(shift + th.tolerance) / se))
+    return float(
+        stats.nct.sf(crit, df, (shift - th.tolerance) / se) + stats.nct.sf(crit, df, -(shift + th.tolerance) / se)
+    )
 
 
 def shift_at_power(th: Thresholds, sigma: float, n: int, alpha: float) -> float:
@@ -62,6 +65,7 @@ def shift_at_power(th: Thresholds, sigma: float, n: int, alpha: float) -> float:
 
 
 # ---- the stated false-alarm rate ----
+
 
 @pytest.mark.parametrize("n,skew", [(8, False), (40, True)])
 def test_false_alarm_rate_is_the_stated_one_at_the_tolerance(n, skew):
@@ -94,6 +98,7 @@ def test_with_calibration_pairs_the_false_alarm_rate_is_split():
 
 
 # ---- the stated power ----
+
 
 def test_stated_minimum_detectable_shift_is_the_exact_one():
     """The decision's minimum detectable shift at the true spread equals the shift at which the
@@ -176,6 +181,7 @@ def test_every_row_a_negligible_shift_never_fails_and_the_shift_that_matters_alw
 
 # ---- the statistic: per-sample means, equal weight ----
 
+
 def test_check_weighs_every_sample_the_same_whatever_its_length():
     """A side whose long answers are less likely and short ones more: the statistic is the mean
     of the samples' means (equal weight), not a per-token pool dominated by the long ones."""
@@ -227,8 +233,11 @@ def spread(mean: float, n: int, sd: float, seed: int = 0) -> list[list[float]]:
 
 
 def test_gate_without_figures_or_skipped_or_without_overflow_notes_and_passes():
-    assert policy_gate(None, TH) == {"passed": True, "reasons": [], "notes": [
-        "policy not scored (no score_policy stage for this run)"]}
+    assert policy_gate(None, TH) == {
+        "passed": True,
+        "reasons": [],
+        "notes": ["policy not scored (no score_policy stage for this run)"],
+    }
     assert policy_gate({"skipped": "no overflow answers"}, TH)["notes"] == ["policy not checked: no overflow answers"]
     empty = figures(spread(-1, 10, 0.1), [])
     assert policy_gate(empty, TH) == {"passed": True, "reasons": [], "notes": ["policy: no overflow answers to check"]}
@@ -316,7 +325,9 @@ def test_every_row_gate_compares_local_engines_with_the_provider_by_source():
 
     rng = np.random.default_rng(5)
     local = {"sglang": list(rng.normal(-2.0, 0.3, 300)), "vllm": list(rng.normal(-2.0, 0.3, 100))}
-    honest = every_row_gate({**local, "openrouter": list(rng.normal(-2.0, 0.3, 400)), "other": [-50.0] * 9}, Thresholds())
+    honest = every_row_gate(
+        {**local, "openrouter": list(rng.normal(-2.0, 0.3, 400)), "other": [-50.0] * 9}, Thresholds()
+    )
     assert honest["passed"] and honest["decision"]["tests"]["sampled"]["samples"] == [400, 400]
     shifted = every_row_gate({**local, "openrouter": list(rng.normal(-3.0, 0.3, 400))}, Thresholds())
     assert not shifted["passed"] and "less likely under the target" in shifted["reasons"][0]

@@ -16,15 +16,28 @@ from eagle3_data.errors import UserError
 from eagle3_data.prompts import load_prompts
 
 SAMPLING = {"temperature": 1.0}
-TOOLS = [{"name": "weather", "description": "the weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+TOOLS = [
+    {
+        "name": "weather",
+        "description": "the weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    }
+]
 
 SHAREGPT = {
     "system": "be brief",
     "tools": json.dumps(TOOLS),
     "conversations": [
         {"from": "human", "value": "weather in Paris and Oslo?"},
-        {"from": "function_call", "value": json.dumps([{"name": "weather", "arguments": {"city": "Paris"}},
-                                                       {"name": "weather", "arguments": {"city": "Oslo"}}])},
+        {
+            "from": "function_call",
+            "value": json.dumps(
+                [
+                    {"name": "weather", "arguments": {"city": "Paris"}},
+                    {"name": "weather", "arguments": {"city": "Oslo"}},
+                ]
+            ),
+        },
         {"from": "observation", "value": "18C"},
         {"from": "observation", "value": "9C"},
         {"from": "gpt", "value": "Paris 18C, Oslo 9C."},
@@ -34,7 +47,11 @@ SHAREGPT = {
 
 
 def call(k: int, city: str) -> dict:
-    return {"id": f"call_{k}", "type": "function", "function": {"name": "weather", "arguments": json.dumps({"city": city})}}
+    return {
+        "id": f"call_{k}",
+        "type": "function",
+        "function": {"name": "weather", "arguments": json.dumps({"city": city})},
+    }
 
 
 OPENAI = {
@@ -66,10 +83,15 @@ def test_sharegpt_with_parallel_calls_is_the_openai_row(tmp_path):
 
 
 def test_text_then_call_is_one_assistant_turn_and_results_pair_in_order(tmp_path):
-    row = {"conversations": [
-        {"from": "user", "value": "hi"}, {"from": "gpt", "value": "checking"},
-        {"from": "function_call", "value": json.dumps({"name": "weather", "arguments": '{"city": "Rome"}'})},
-        {"from": "tool", "value": "20C"}, {"from": "human", "value": "thanks"}]}
+    row = {
+        "conversations": [
+            {"from": "user", "value": "hi"},
+            {"from": "gpt", "value": "checking"},
+            {"from": "function_call", "value": json.dumps({"name": "weather", "arguments": '{"city": "Rome"}'})},
+            {"from": "tool", "value": "20C"},
+            {"from": "human", "value": "thanks"},
+        ]
+    }
     (r,) = list(load(tmp_path, [row]).rows)
     messages = json.loads(r["messages"])
     assert [m["role"] for m in messages] == ["user", "assistant", "tool", "user"]
@@ -79,23 +101,50 @@ def test_text_then_call_is_one_assistant_turn_and_results_pair_in_order(tmp_path
 
 def test_a_plain_prompt_is_one_user_message(tmp_path):
     (r,) = list(load(tmp_path, [{"prompt": "write a haiku", "system": "a poet", "source": "x"}]).rows)
-    assert json.loads(r["messages"]) == [{"role": "system", "content": "a poet"}, {"role": "user", "content": "write a haiku"}]
-    same = list(load(tmp_path, [{"messages": [{"role": "system", "content": "a poet"}, {"role": "user", "content": "write a haiku"}]}],
-                     "e").rows)[0]
+    assert json.loads(r["messages"]) == [
+        {"role": "system", "content": "a poet"},
+        {"role": "user", "content": "write a haiku"},
+    ]
+    same = list(
+        load(
+            tmp_path,
+            [{"messages": [{"role": "system", "content": "a poet"}, {"role": "user", "content": "write a haiku"}]}],
+            "e",
+        ).rows
+    )[0]
     assert json.loads(same["messages"]) == json.loads(r["messages"])
 
 
 BAD = [  # (row, field the reject names)
     ({"conversations": [{"from": "robot", "value": "x"}]}, "conversations[0].from"),
     ({"conversations": [{"from": "human", "value": 3}]}, "conversations[0].value"),
-    ({"conversations": [{"from": "human", "value": "x"}, {"from": "observation", "value": "18C"}]}, "conversations[1].from"),
-    ({"conversations": [{"from": "human", "value": "x"}, {"from": "function_call", "value": "{not json"}]}, "conversations[1].value"),
-    ({"conversations": [{"from": "human", "value": "x"}, {"from": "function_call", "value": '{"arguments": {}}'}]},
-     "conversations[1].value.name"),
-    ({"conversations": [{"from": "system", "value": "x"}, {"from": "gpt", "value": "done"}]}, "conversations as messages[1].role"),
-    ({"conversations": [{"from": "human", "value": "x"}, {"from": "function_call", "value": '{"name": "f"}'},
-                        {"from": "gpt", "value": "wait"}, {"from": "observation", "value": "42"}]},
-     "conversations as messages[3].role"),  # a result must follow its call's turn
+    (
+        {"conversations": [{"from": "human", "value": "x"}, {"from": "observation", "value": "18C"}]},
+        "conversations[1].from",
+    ),
+    (
+        {"conversations": [{"from": "human", "value": "x"}, {"from": "function_call", "value": "{not json"}]},
+        "conversations[1].value",
+    ),
+    (
+        {"conversations": [{"from": "human", "value": "x"}, {"from": "function_call", "value": '{"arguments": {}}'}]},
+        "conversations[1].value.name",
+    ),
+    (
+        {"conversations": [{"from": "system", "value": "x"}, {"from": "gpt", "value": "done"}]},
+        "conversations as messages[1].role",
+    ),
+    (
+        {
+            "conversations": [
+                {"from": "human", "value": "x"},
+                {"from": "function_call", "value": '{"name": "f"}'},
+                {"from": "gpt", "value": "wait"},
+                {"from": "observation", "value": "42"},
+            ]
+        },
+        "conversations as messages[3].role",
+    ),  # a result must follow its call's turn
     ({"conversations": "[" * 5000}, "conversations"),
     ({"conversations": []}, "conversations as messages"),
     ({"prompt": ["not", "a", "string"]}, "prompt"),
@@ -114,8 +163,12 @@ def test_a_row_that_breaks_its_layout_is_refused_naming_its_field(tmp_path, row,
 
 def test_parquet_with_conversations_as_structs(tmp_path):
     (tmp_path / "d").mkdir()
-    pq.write_table(pa.Table.from_pylist([{"conversations": SHAREGPT["conversations"], "system": "be brief", "tools": SHAREGPT["tools"]}]),
-                   tmp_path / "d" / "part.parquet")
+    pq.write_table(
+        pa.Table.from_pylist(
+            [{"conversations": SHAREGPT["conversations"], "system": "be brief", "tools": SHAREGPT["tools"]}]
+        ),
+        tmp_path / "d" / "part.parquet",
+    )
     (r,) = list(load_prompts(str(tmp_path), "d", sampling=SAMPLING).rows)
     assert json.loads(r["messages"]) == OPENAI["messages"]
 
@@ -123,7 +176,9 @@ def test_parquet_with_conversations_as_structs(tmp_path):
 def test_a_datasets_save_to_disk_folder_is_read_in_its_files_order(tmp_path):
     import datasets
 
-    rows = [{"conversations": SHAREGPT["conversations"], "system": "be brief", "tools": SHAREGPT["tools"], "prompt": None}]
+    rows = [
+        {"conversations": SHAREGPT["conversations"], "system": "be brief", "tools": SHAREGPT["tools"], "prompt": None}
+    ]
     rows += [{"conversations": None, "system": None, "tools": None, "prompt": f"question {i}"} for i in range(40)]
     folder = tmp_path / "saved"
     datasets.Dataset.from_list(rows).save_to_disk(str(folder), num_shards=3)  # several .arrow files
@@ -141,20 +196,27 @@ def test_a_datasets_save_to_disk_folder_is_read_in_its_files_order(tmp_path):
 def test_the_mapped_conversation_renders_with_the_real_template(tmp_path, kimi_tokenizer):
     """What the model sees: the calls with their synthesised ids and each result after its call."""
     (r,) = list(load(tmp_path, [SHAREGPT]).rows)
-    text = kimi_tokenizer.apply_chat_template(json.loads(r["messages"]), tools=json.loads(r["tools"]), tokenize=False,
-                                              add_generation_prompt=True)
+    text = kimi_tokenizer.apply_chat_template(
+        json.loads(r["messages"]), tools=json.loads(r["tools"]), tokenize=False, add_generation_prompt=True
+    )
     paris, oslo, first, second = (text.index(s) for s in ('{"city": "Paris"}', '{"city": "Oslo"}', "18C", "9C"))
     assert paris < oslo < first < second < text.index("and Rome?")
     assert text.count("<|tool_call_begin|>call_0") == 1 and text.count("<|tool_call_begin|>call_1") == 1
 
 
-CONVERSATION = {"conversations": [
-    {"from": "system", "value": "be brief"},
-    {"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"},
-    {"from": "human", "value": "weather?"},
-    {"from": "function_call", "value": json.dumps({"name": "weather", "arguments": {"city": "Oslo"}})},
-    {"from": "observation", "value": "9C"}, {"from": "gpt", "value": "9C in Oslo."},
-    {"from": "human", "value": "thanks"}, {"from": "gpt", "value": "bye"}]}
+CONVERSATION = {
+    "conversations": [
+        {"from": "system", "value": "be brief"},
+        {"from": "human", "value": "hi"},
+        {"from": "gpt", "value": "hello"},
+        {"from": "human", "value": "weather?"},
+        {"from": "function_call", "value": json.dumps({"name": "weather", "arguments": {"city": "Oslo"}})},
+        {"from": "observation", "value": "9C"},
+        {"from": "gpt", "value": "9C in Oslo."},
+        {"from": "human", "value": "thanks"},
+        {"from": "gpt", "value": "bye"},
+    ]
+}
 
 
 def test_every_turn_is_one_sample_per_user_turn_after_the_datasets_history(tmp_path):
@@ -170,7 +232,10 @@ def test_every_turn_is_one_sample_per_user_turn_after_the_datasets_history(tmp_p
     assert len({r["sample_id"] for r in every.rows}) == 3 and [r["sample_index"] for r in every.rows] == [0, 1, 2]
     # a turn's sample is the same whatever comes after it in the row: the first equals the row cut there
     path.write_text(json.dumps({"conversations": CONVERSATION["conversations"][:2]}) + "\n")
-    assert list(load_prompts(str(path), "c", sampling=SAMPLING).rows)[0]["sample_id"] == next(iter(every.rows))["sample_id"]
+    assert (
+        list(load_prompts(str(path), "c", sampling=SAMPLING).rows)[0]["sample_id"]
+        == next(iter(every.rows))["sample_id"]
+    )
 
 
 def test_every_turn_renders_the_earlier_turns_as_the_template_does_there(tmp_path, kimi_tokenizer):
@@ -178,9 +243,13 @@ def test_every_turn_renders_the_earlier_turns_as_the_template_does_there(tmp_pat
     template (`<think></think>`), ending with the generation prompt."""
     from eagle3_data.chat_format import get_output_format
 
-    row = {"messages": [{"role": "user", "content": "a"},
-                        {"role": "assistant", "content": "b", "reasoning_content": "thinking about a"},
-                        {"role": "user", "content": "c"}]}
+    row = {
+        "messages": [
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "b", "reasoning_content": "thinking about a"},
+            {"role": "user", "content": "c"},
+        ]
+    }
     path = tmp_path / "r.jsonl"
     path.write_text(json.dumps(row) + "\n")
     rows = list(load_prompts(str(path), "r", sampling=SAMPLING, regenerate="every_turn").rows)
@@ -188,5 +257,6 @@ def test_every_turn_renders_the_earlier_turns_as_the_template_does_there(tmp_pat
     second = fmt.generation_prompt_ids(json.loads(rows[1]["messages"]), None)
     text = kimi_tokenizer.decode(second)
     assert "thinking about a" not in text and "<think></think>b" in text.replace("\n", "")
-    assert second == kimi_tokenizer.apply_chat_template(row["messages"], tokenize=True, add_generation_prompt=True,
-                                                        return_dict=False)
+    assert second == kimi_tokenizer.apply_chat_template(
+        row["messages"], tokenize=True, add_generation_prompt=True, return_dict=False
+    )

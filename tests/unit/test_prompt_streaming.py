@@ -25,8 +25,14 @@ import pytest
 GOLDEN = Path(__file__).with_name("prompts_golden.json")
 DATASET = "gold"
 SAMPLING = {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 64, "thinking": True}
-TOOL = {"type": "function", "function": {"name": "fill", "description": "Füll das Formular aus ✓",
-                                         "parameters": {"type": "object", "properties": {f"f{k}": {"type": "string"} for k in range(12)}}}}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "fill",
+        "description": "Füll das Formular aus ✓",
+        "parameters": {"type": "object", "properties": {f"f{k}": {"type": "string"} for k in range(12)}},
+    },
+}
 
 
 def _record(i: int) -> dict:
@@ -34,8 +40,12 @@ def _record(i: int) -> dict:
     user = {"role": "user", "content": f"question {i}" + (" café ☕ — ü" if i % 7 == 0 else "")}
     if i % 11 == 0:
         call = {"id": f"c{i}", "type": "function", "function": {"name": "fill", "arguments": json.dumps({"f0": "x"})}}
-        messages = [user, {"role": "assistant", "content": None, "tool_calls": [call]},
-                    {"role": "tool", "tool_call_id": f"c{i}", "content": "ok"}, {"role": "user", "content": "thanks, again"}]
+        messages = [
+            user,
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"c{i}", "content": "ok"},
+            {"role": "user", "content": "thanks, again"},
+        ]
     elif i % 29 == 0:
         messages = [{"role": "user", "content": "word " * 400}]  # over limits.max_prompt_tokens
     else:
@@ -49,13 +59,21 @@ def write_prompts(root: Path) -> Path:
     folder = root / DATASET
     folder.mkdir(parents=True, exist_ok=True)
     lines = [json.dumps(_record(i), ensure_ascii=i % 2 == 0) for i in range(260)]
-    lines[40:40] = ["{not json", json.dumps({"messages": [{"role": "root", "content": "x"}]}),
-                    json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}),
-                    lines[3], ""]
+    lines[40:40] = [
+        "{not json",
+        json.dumps({"messages": [{"role": "root", "content": "x"}]}),
+        json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}),
+        lines[3],
+        "",
+    ]
     (folder / "a.jsonl").write_bytes(("\n".join(lines) + "\n").encode())
     records = [_record(i) for i in range(260, 330)]
-    pq.write_table(pa.Table.from_pylist([{"messages": json.dumps(r["messages"]), "tools": json.dumps(r.get("tools"))}
-                                         for r in records]), folder / "b.parquet")
+    pq.write_table(
+        pa.Table.from_pylist(
+            [{"messages": json.dumps(r["messages"]), "tools": json.dumps(r.get("tools"))} for r in records]
+        ),
+        folder / "b.parquet",
+    )
     return folder
 
 
@@ -63,11 +81,17 @@ def _run(tokenizer_dir: Path, folder: Path, run_key: str):
     from eagle3_data.config import load_config
     from eagle3_data.pipeline.run import Run
 
-    config = load_config().with_overrides({
-        "tokenizer": {"source": str(tokenizer_dir)}, "datasets": [{"name": DATASET, "prompts": str(folder)}],
-        "generation": {"sampling": SAMPLING, "repeats": 2}, "limits": {"max_prompt_tokens": 300},
-        "routing": {"strategy": "fraction", "overflow_fraction": 0.4, "calibration_samples": 5},
-        "validation": {"max_rejected_prompt_rate": 0.02}}, where="test")  # every reject kind: 4 of 334 rows
+    config = load_config().with_overrides(
+        {
+            "tokenizer": {"source": str(tokenizer_dir)},
+            "datasets": [{"name": DATASET, "prompts": str(folder)}],
+            "generation": {"sampling": SAMPLING, "repeats": 2},
+            "limits": {"max_prompt_tokens": 300},
+            "routing": {"strategy": "fraction", "overflow_fraction": 0.4, "calibration_samples": 5},
+            "validation": {"max_rejected_prompt_rate": 0.02},
+        },
+        where="test",
+    )  # every reject kind: 4 of 334 rows
     return Run(config=config, run_key=run_key, date=None, datasets=[DATASET], dry_run=False, skip_hidden_states=False)
 
 
@@ -84,7 +108,10 @@ def load_route_fingerprint(store, tokenizer_dir: Path, root: Path, run_key: str)
 
     # schema v2 added the rows' own ids (`source_id`, provenance: none in these rows), v3 their images
     # (none: text rows): what must not change is the content the golden recorded, and `rows_sha256`
-    rows = [{k: v for k, v in r.items() if k not in ("source_id", "images") or v is not None} for r in store.read_table(ref).to_pylist()]
+    rows = [
+        {k: v for k, v in r.items() if k not in ("source_id", "images") or v is not None}
+        for r in store.read_table(ref).to_pylist()
+    ]
     rejects = json.loads(json.dumps(read_rejects(store, ref)).replace(str(folder), "SRC"))
     return {
         "rows_sha256": manifest["params"]["rows_sha256"],
@@ -105,10 +132,15 @@ def generation_rows() -> list[dict]:
         record = _record(i)
         as_text = i % 2 == 0
         tools = record.get("tools") if i % 4 else ([] if i % 8 == 0 else None)
-        rows.append({"sample_id": f"s{i:03d}", "dataset": DATASET if i % 3 else None,
-                     "messages": json.dumps(record["messages"], ensure_ascii=False) if as_text else record["messages"],
-                     "tools": (json.dumps(tools) if as_text else tools) if tools is not None else None,
-                     "route": ["local", "overflow", "both", None][i % 4]})
+        rows.append(
+            {
+                "sample_id": f"s{i:03d}",
+                "dataset": DATASET if i % 3 else None,
+                "messages": json.dumps(record["messages"], ensure_ascii=False) if as_text else record["messages"],
+                "tools": (json.dumps(tools) if as_text else tools) if tools is not None else None,
+                "route": ["local", "overflow", "both", None][i % 4],
+            }
+        )
     return rows
 
 
@@ -119,8 +151,14 @@ def parse_fingerprint() -> list[dict]:
 
     out = []
     for p in parse_prompts(generation_rows(), DATASET, ("local", "both")):
-        out.append({"base_row": generation_row(p, [1, 2], "sglang"), "messages": p.messages, "tools": p.tools,
-                    "sampling": sampling_for(p, {"temperature": 1.0})})
+        out.append(
+            {
+                "base_row": generation_row(p, [1, 2], "sglang"),
+                "messages": p.messages,
+                "tools": p.tools,
+                "sampling": sampling_for(p, {"temperature": 1.0}),
+            }
+        )
     return out
 
 
@@ -134,7 +172,9 @@ def test_load_route_rows_and_hash_match_the_pre_streaming_golden(store, kimi_tok
     assert golden["counts"]["rejects"] >= 4 and golden["counts"]["both"] == 5  # the golden exercises rejects and routes
     got = load_route_fingerprint(store, kimi_tokenizer_dir, tmp_path, "golden")
     assert got == golden
-    manifest = store.read_manifest(route.stage_ref(_run(kimi_tokenizer_dir, tmp_path / DATASET, "golden"), "prompts", DATASET))
+    manifest = store.read_manifest(
+        route.stage_ref(_run(kimi_tokenizer_dir, tmp_path / DATASET, "golden"), "prompts", DATASET)
+    )
     assert len(manifest["parts"]) == -(-got["rows"] // 97)
 
 
@@ -155,12 +195,20 @@ def test_rows_sha256_streams_the_hash_of_the_whole_list(tmp_path):
     assert len(rows) > 2 * 512  # more than two spill batches
     routes = assign_routes([r["sample_id"] for r in rows], overflow_fraction=0.3, calibration_samples=4)
     # source_id (provenance) and a text row's null images (schema v3) are left out of the hash
-    whole = [{**{k: v for k, v in r.items() if k != "source_id" and not (k == "images" and v is None)}, "route": route}
-             for r, route in zip(rows, routes)]
+    whole = [
+        {**{k: v for k, v in r.items() if k != "source_id" and not (k == "images" and v is None)}, "route": route}
+        for r, route in zip(rows, routes)
+    ]
     assert any("\\u" in canonical_json(r, ascii_only=True) for r in whole)  # the escaped spelling matters here
-    assert rows_sha256(routed_batches(load.rows, routes)) == hashlib.sha256(canonical_json(whole, ascii_only=True).encode()).hexdigest()
-    assert [{k: v for k, v in r.items() if k != "source_id" and not (k == "images" and v is None)}
-            for b in routed_batches(load.rows, routes) for r in b.to_pylist()] == whole
+    assert (
+        rows_sha256(routed_batches(load.rows, routes))
+        == hashlib.sha256(canonical_json(whole, ascii_only=True).encode()).hexdigest()
+    )
+    assert [
+        {k: v for k, v in r.items() if k != "source_id" and not (k == "images" and v is None)}
+        for b in routed_batches(load.rows, routes)
+        for r in b.to_pylist()
+    ] == whole
     assert rows_sha256([]) == hashlib.sha256(canonical_json([], ascii_only=True).encode()).hexdigest()
 
 
@@ -174,7 +222,9 @@ def test_token_limit_drops_rows_from_the_spill_and_keeps_order(tmp_path):
     before = list(load.rows)
     limit_prompt_tokens(load, 60, count)
     long = {r["sample_id"] for r in before if count(json.loads(r["messages"]), None) > 60}
-    assert long and [r["sample_id"] for r in load.rows] == [r["sample_id"] for r in before if r["sample_id"] not in long]
+    assert long and [r["sample_id"] for r in load.rows] == [
+        r["sample_id"] for r in before if r["sample_id"] not in long
+    ]
     assert len(load.rows) == load.counts["rows"] == len(before) - len(long)
 
 
@@ -205,14 +255,20 @@ def _write_golden() -> None:
 
     tokenizer = cached_kimi_tokenizer(Path(__file__).resolve().parents[2] / ".cache")
     with tempfile.TemporaryDirectory(prefix="golden-prompts-") as tmp:
-        handle = start_seaweedfs(Path(tmp) / "s3", access_key="g-" + secrets.token_hex(4), secret_key=secrets.token_hex(16),
-                                 die_with_parent=True)
+        handle = start_seaweedfs(
+            Path(tmp) / "s3",
+            access_key="g-" + secrets.token_hex(4),
+            secret_key=secrets.token_hex(16),
+            die_with_parent=True,
+        )
         try:
             client = handle.client()
             client.create_bucket(Bucket="golden")
             store = ArtifactStore(client=client, bucket="golden", prefix="eagle3-datagen")
-            out = {"load_route": load_route_fingerprint(store, tokenizer, Path(tmp) / "in", "golden"),
-                   "parse_prompts": parse_fingerprint()}
+            out = {
+                "load_route": load_route_fingerprint(store, tokenizer, Path(tmp) / "in", "golden"),
+                "parse_prompts": parse_fingerprint(),
+            }
         finally:
             stop_seaweedfs(Path(tmp) / "s3", grace=0.5)
     GOLDEN.write_text(json.dumps(out, indent=1, sort_keys=True, ensure_ascii=False) + "\n")

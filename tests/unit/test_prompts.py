@@ -20,25 +20,61 @@ CALL = {"id": "functions.f:0", "type": "function", "function": {"name": "f", "ar
 
 GOOD = [
     {"messages": [USER]},
-    {"messages": [{"role": "system", "content": "be brief"}, USER], "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
-    {"messages": [USER, {"role": "assistant", "content": None, "tool_calls": [CALL]}, {"role": "tool", "tool_call_id": "functions.f:0", "content": "42"}]},
-    {"messages": [{"role": "user", "content": [{"type": "text", "text": "parts"}]}], "id": "kept-out", "meta": {"a": 1}},
+    {
+        "messages": [{"role": "system", "content": "be brief"}, USER],
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+    },
+    {
+        "messages": [
+            USER,
+            {"role": "assistant", "content": None, "tool_calls": [CALL]},
+            {"role": "tool", "tool_call_id": "functions.f:0", "content": "42"},
+        ]
+    },
+    {
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "parts"}]}],
+        "id": "kept-out",
+        "meta": {"a": 1},
+    },
 ]
 BAD = [  # (row, field the reject must name)
     ({"messages": [{"role": "bot", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user"}]}, "messages[0].content"),
-    ({"messages": [USER, {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{x: 1"}}]}, USER]}, "messages[1].tool_calls[0].function.arguments"),
+    (
+        {
+            "messages": [
+                USER,
+                {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{x: 1"}}]},
+                USER,
+            ]
+        },
+        "messages[1].tool_calls[0].function.arguments",
+    ),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "user", "content": "x", "weight": 2}]}, "messages[0].weight"),
     ({"messages": [{"role": "user", "content": 7}]}, "messages[0].content"),
     ({"messages": [USER], "tools": {"name": "f"}}, "tools"),
-    ({"messages": [{"role": "system", "content": "be brief"}, {"role": "assistant", "content": "done"}]}, "messages[1].role"),
+    (
+        {"messages": [{"role": "system", "content": "be brief"}, {"role": "assistant", "content": "done"}]},
+        "messages[1].role",
+    ),
     ({"messages": [USER, {"role": "tool", "tool_call_id": "functions.f:0", "content": "42"}]}, "messages[1].role"),
-    ({"messages": [USER, {"role": "assistant", "content": "", "tool_calls": [CALL]},
-                   {"role": "tool", "tool_call_id": "functions.f:0", "content": "42"},
-                   {"role": "tool", "tool_call_id": "functions.f:7", "content": "43"}]}, "messages[3].tool_call_id"),
+    (
+        {
+            "messages": [
+                USER,
+                {"role": "assistant", "content": "", "tool_calls": [CALL]},
+                {"role": "tool", "tool_call_id": "functions.f:0", "content": "42"},
+                {"role": "tool", "tool_call_id": "functions.f:7", "content": "43"},
+            ]
+        },
+        "messages[3].tool_call_id",
+    ),
     ({"messages": [{"role": "tool", "content": "42"}]}, "messages[0].tool_call_id"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content[0]"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        "messages[0].content[0]",
+    ),
     ({"no_messages": True}, "messages"),
 ]
 
@@ -59,11 +95,19 @@ def test_sample_data_loads_without_rejects():
 def test_sample_id_is_hash_of_canonical_inputs():
     messages = [{"role": "user", "content": "héllo"}]
     expected = hashlib.sha256(
-        ('{"dataset":"chat","index":1,"messages":[{"content":"héllo","role":"user"}],"sampling":{"max_tokens":512,"temperature":1.0},"tools":null}').encode()
+        (
+            '{"dataset":"chat","index":1,"messages":[{"content":"héllo","role":"user"}],"sampling":{"max_tokens":512,"temperature":1.0},"tools":null}'
+        ).encode()
     ).hexdigest()[:32]
     assert sample_id("chat", messages, None, SAMPLING, 1) == expected
-    assert sample_id("chat", [{"content": "héllo", "role": "user"}], [], dict(reversed(SAMPLING.items())), 1) == expected
-    others = {sample_id("code", messages, None, SAMPLING, 1), sample_id("chat", messages, None, SAMPLING, 0), sample_id("chat", messages, None, {"temperature": 0.7}, 1)}
+    assert (
+        sample_id("chat", [{"content": "héllo", "role": "user"}], [], dict(reversed(SAMPLING.items())), 1) == expected
+    )
+    others = {
+        sample_id("code", messages, None, SAMPLING, 1),
+        sample_id("chat", messages, None, SAMPLING, 0),
+        sample_id("chat", messages, None, {"temperature": 0.7}, 1),
+    }
     assert expected not in others and len(others) == 3
 
 
@@ -73,8 +117,14 @@ def test_malformed_rows_are_rejected_with_line_and_field_and_good_rows_kept(tmp_
     load = load_prompts(str(src), "mixed", sampling=SAMPLING)
     assert len(load.rows) == len(GOOD)
     # the row's own `id` is kept (as provenance), not ignored; `meta` is
-    assert load.counts == {"read": len(rows) + 1, "rejected": len(BAD) + 1, "duplicates": 0, "ignored_fields": 1, "rows": len(GOOD),
-                           "answers_dropped": 0}
+    assert load.counts == {
+        "read": len(rows) + 1,
+        "rejected": len(BAD) + 1,
+        "duplicates": 0,
+        "ignored_fields": 1,
+        "rows": len(GOOD),
+        "answers_dropped": 0,
+    }
     assert [r["source_id"] for r in load.rows] == [None, None, None, "kept-out"]
     by_line = {r["line"]: r for r in load.rejects}
     for i, (_, field) in enumerate(BAD):
@@ -85,7 +135,9 @@ def test_malformed_rows_are_rejected_with_line_and_field_and_good_rows_kept(tmp_
 
 
 def test_normalised_rows_are_canonical_json(tmp_path):
-    src = write_jsonl(tmp_path / "d.jsonl", [GOOD[2], {"tools": None, "messages": [{"content": "hi", "role": "user", "name": None}]}])
+    src = write_jsonl(
+        tmp_path / "d.jsonl", [GOOD[2], {"tools": None, "messages": [{"content": "hi", "role": "user", "name": None}]}]
+    )
     rows = list(load_prompts(str(src), "d", sampling=SAMPLING).rows)
     first = json.loads(rows[0]["messages"])
     assert first[1] == {"role": "assistant", "tool_calls": [CALL]}  # null content dropped, call kept verbatim
@@ -103,10 +155,17 @@ def test_repeats_and_duplicates(tmp_path):
 
 
 def test_parquet_with_struct_or_string_messages(tmp_path):
-    structs = pa.Table.from_pylist([{"messages": [USER, {"role": "assistant", "content": "a"}, USER]}, {"messages": [{"role": "root", "content": "x"}]}])
+    structs = pa.Table.from_pylist(
+        [
+            {"messages": [USER, {"role": "assistant", "content": "a"}, USER]},
+            {"messages": [{"role": "root", "content": "x"}]},
+        ]
+    )
     (tmp_path / "d").mkdir()
     pq.write_table(structs, tmp_path / "d" / "a.parquet")
-    pq.write_table(pa.Table.from_pylist([{"messages": json.dumps([USER]), "tools": None}]), tmp_path / "d" / "b.parquet")
+    pq.write_table(
+        pa.Table.from_pylist([{"messages": json.dumps([USER]), "tools": None}]), tmp_path / "d" / "b.parquet"
+    )
     load = load_prompts(str(tmp_path), "d", sampling=SAMPLING)
     assert len(load.rows) == 2 and [(r["line"], r["field"]) for r in load.rejects] == [(2, "messages[0].role")]
     assert [s["uri"].rsplit("/", 1)[1] for s in load.sources] == ["a.parquet", "b.parquet"]
@@ -135,12 +194,25 @@ def test_a_run_without_logical_date_reads_the_newest_partition_or_undated_prompt
     write_jsonl(tmp_path / "chat" / "date=2026-11-29" / "part-0.jsonl", [GOOD[1]])
     (tmp_path / "chat" / "date=2026-11-30").mkdir()  # an upload not there yet
     write_jsonl(tmp_path / "code.jsonl", [GOOD[0]])
-    config = load_config().with_overrides({"datasets": [
-        {"name": "chat", "prompts": str(tmp_path)}, {"name": "code", "prompts": str(tmp_path)},
-        {"name": "tool_calls", "prompts": str(tmp_path)}, {"name": "s3chat", "prompts": f"s3://{s3_bucket}/p"}]},
-        where="test")
-    run = Run(config=config, run_key="manual", date=None, datasets=config.dataset_names, dry_run=False,
-              skip_hidden_states=False)
+    config = load_config().with_overrides(
+        {
+            "datasets": [
+                {"name": "chat", "prompts": str(tmp_path)},
+                {"name": "code", "prompts": str(tmp_path)},
+                {"name": "tool_calls", "prompts": str(tmp_path)},
+                {"name": "s3chat", "prompts": f"s3://{s3_bucket}/p"},
+            ]
+        },
+        where="test",
+    )
+    run = Run(
+        config=config,
+        run_key="manual",
+        date=None,
+        datasets=config.dataset_names,
+        dry_run=False,
+        skip_hidden_states=False,
+    )
     store = SimpleNamespace(client=s3)
     assert prompt_date(run, store, "chat") == "2026-11-29"
     assert prompt_date(run, store, "code") is None  # its undated file
@@ -163,7 +235,13 @@ def test_s3_sources_file_prefix_and_date(s3, s3_bucket):
     by_prefix = load_prompts(f"s3://{s3_bucket}/flat/", "chat", sampling=SAMPLING, client=s3)
     for load in (by_date, by_file, by_prefix):
         assert [r["sample_id"] for r in load.rows] == [r["sample_id"] for r in local.rows]
-    assert by_date.sources == [{"uri": f"s3://{s3_bucket}/prompts/chat/date=2026-11-29/a.jsonl", "bytes": len(body), "sha256": hashlib.sha256(body).hexdigest()}]
+    assert by_date.sources == [
+        {
+            "uri": f"s3://{s3_bucket}/prompts/chat/date=2026-11-29/a.jsonl",
+            "bytes": len(body),
+            "sha256": hashlib.sha256(body).hexdigest(),
+        }
+    ]
     with pytest.raises(UserError, match="no prompt files"):
         load_prompts(f"s3://{s3_bucket}/prompts", "code", date="2026-11-29", sampling=SAMPLING, client=s3)
 
@@ -178,8 +256,13 @@ def _load_lines(tmp_path, lines: list[bytes], **kw):
 
 
 def test_invalid_utf8_is_a_reject_not_a_replacement(tmp_path):
-    load = _load_lines(tmp_path, [b'{"messages": [{"role": "user", "content": "caf\xe9"}]}',
-                                  '{"messages": [{"role": "user", "content": "café"}]}'.encode()])
+    load = _load_lines(
+        tmp_path,
+        [
+            b'{"messages": [{"role": "user", "content": "caf\xe9"}]}',
+            '{"messages": [{"role": "user", "content": "café"}]}'.encode(),
+        ],
+    )
     assert len(load.rows) == 1 and "\ufffd" not in next(iter(load.rows))["messages"]
     assert load.rejects[0]["line"] == 1 and "invalid UTF-8" in load.rejects[0]["reason"]
 
@@ -187,17 +270,30 @@ def test_invalid_utf8_is_a_reject_not_a_replacement(tmp_path):
 DEEP = "[" * 5000 + "]" * 5000  # past the JSON parser's own recursion limit
 
 
-@pytest.mark.parametrize("line, field, reason", [
-    ('{"messages": [{"role": "user", "content": "hi"}], "meta": %s}' % DEEP, "", "nested deeper than 100 levels"),
-    ('{"messages": [{"role": "user", "content": "hi"}], "meta": {"a": %s}}' % ("[" * 150 + "]" * 150), "meta.a",
-     "nested deeper than 100 levels"),
-    ('{"messages": [{"role": "user", "content": "bad \\ud800 surrogate"}]}', "messages[0].content", "lone surrogate"),
-    ('{"messages": [{"role": "user", "content": "cut pair \\ud83d"}]}', "messages[0].content", "lone surrogate"),
-    ('{"messages": [{"role": "user", "content": "hi"}], "tag": "\\udc00"}', "tag", "lone surrogate"),
-    ('{"messages": [{"role": "user", "content": "hi", "name": "x"}], "tools": "[{\\"type\\": \\"function\\", '
-     '\\"function\\": {\\"name\\": \\"f\\", \\"description\\": \\"\\\\udfff\\"}}]"}',
-     "tools[0].function.description", "lone surrogate"),
-])
+@pytest.mark.parametrize(
+    "line, field, reason",
+    [
+        ('{"messages": [{"role": "user", "content": "hi"}], "meta": %s}' % DEEP, "", "nested deeper than 100 levels"),
+        (
+            '{"messages": [{"role": "user", "content": "hi"}], "meta": {"a": %s}}' % ("[" * 150 + "]" * 150),
+            "meta.a",
+            "nested deeper than 100 levels",
+        ),
+        (
+            '{"messages": [{"role": "user", "content": "bad \\ud800 surrogate"}]}',
+            "messages[0].content",
+            "lone surrogate",
+        ),
+        ('{"messages": [{"role": "user", "content": "cut pair \\ud83d"}]}', "messages[0].content", "lone surrogate"),
+        ('{"messages": [{"role": "user", "content": "hi"}], "tag": "\\udc00"}', "tag", "lone surrogate"),
+        (
+            '{"messages": [{"role": "user", "content": "hi", "name": "x"}], "tools": "[{\\"type\\": \\"function\\", '
+            '\\"function\\": {\\"name\\": \\"f\\", \\"description\\": \\"\\\\udfff\\"}}]"}',
+            "tools[0].function.description",
+            "lone surrogate",
+        ),
+    ],
+)
 def test_deep_nesting_and_lone_surrogates_are_rejects_not_crashes(tmp_path, line, field, reason):
     """Even in a field the loader ignores: the row is refused by line and field, the others kept."""
     good = '{"messages": [{"role": "user", "content": "emoji pair \\ud83d\\ude00 is fine"}]}'
@@ -211,8 +307,9 @@ def test_deep_nesting_and_lone_surrogates_are_rejects_not_crashes(tmp_path, line
 def test_parquet_rows_with_deep_or_surrogate_strings_are_rejects(tmp_path):
     path = tmp_path / "p.parquet"
     deep = json.dumps([{"role": "user", "content": "x", "name": "n"}]).replace('"n"', "[" * 120 + "]" * 120)
-    pq.write_table(pa.table({"messages": [json.dumps([USER]), deep, json.dumps([{"role": "user", "content": "\ud800"}])]}),
-                   path)
+    pq.write_table(
+        pa.table({"messages": [json.dumps([USER]), deep, json.dumps([{"role": "user", "content": "\ud800"}])]}), path
+    )
     load = load_prompts(str(path), "p", sampling={})
     assert len(load.rows) == 1
     assert [(r["line"], r["field"]) for r in load.rejects] == [(2, "messages[0].name"), (3, "messages[0].content")]
@@ -261,17 +358,34 @@ def test_s3_source_needs_the_callers_client():
 
 # -- tool-call ids and trailing answers ---------------------------------------------------------------
 def _weather(call_id: str, city: str) -> dict:
-    return {"role": "assistant", "content": "", "tool_calls": [
-        {"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}]}
+    return {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": call_id,
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": json.dumps({"city": city})},
+            }
+        ],
+    }
 
 
 WEATHER_TOOL = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
-OPENAI_IDS = {"tools": WEATHER_TOOL, "messages": [  # an OpenAI-style dataset's own ids, reused per turn
-    {"role": "user", "content": "Lisbon?"}, _weather("call_w1", "Lisbon"),
-    {"role": "tool", "tool_call_id": "call_w1", "content": "21"}, {"role": "assistant", "content": "21."},
-    {"role": "user", "content": "Porto?"}, _weather("call_w1", "Porto"),
-    {"role": "tool", "tool_call_id": "call_w1", "content": "17"}, {"role": "assistant", "content": "17."},
-    {"role": "user", "content": "thanks"}]}
+OPENAI_IDS = {
+    "tools": WEATHER_TOOL,
+    "messages": [  # an OpenAI-style dataset's own ids, reused per turn
+        {"role": "user", "content": "Lisbon?"},
+        _weather("call_w1", "Lisbon"),
+        {"role": "tool", "tool_call_id": "call_w1", "content": "21"},
+        {"role": "assistant", "content": "21."},
+        {"role": "user", "content": "Porto?"},
+        _weather("call_w1", "Porto"),
+        {"role": "tool", "tool_call_id": "call_w1", "content": "17"},
+        {"role": "assistant", "content": "17."},
+        {"role": "user", "content": "thanks"},
+    ],
+}
 
 
 def _load_one(tmp_path, record, **kwargs) -> list[dict]:
@@ -287,33 +401,52 @@ def test_call_ids_become_the_formats_own_numbered_over_the_row(tmp_path, kimi_to
     from eagle3_data.chat_format.kimi_k2 import KimiK2Format
 
     messages = _load_one(tmp_path, OPENAI_IDS, call_id=KimiK2Format.call_id)
-    assert [m["tool_calls"][0]["id"] for m in messages if m.get("tool_calls")] == ["functions.get_weather:0",
-                                                                                 "functions.get_weather:1"]
-    assert [m["tool_call_id"] for m in messages if m["role"] == "tool"] == ["functions.get_weather:0",
-                                                                            "functions.get_weather:1"]
+    assert [m["tool_calls"][0]["id"] for m in messages if m.get("tool_calls")] == [
+        "functions.get_weather:0",
+        "functions.get_weather:1",
+    ]
+    assert [m["tool_call_id"] for m in messages if m["role"] == "tool"] == [
+        "functions.get_weather:0",
+        "functions.get_weather:1",
+    ]
     text = kimi_tokenizer.apply_chat_template(messages, tools=WEATHER_TOOL, tokenize=False, add_generation_prompt=True)
     assert "<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>" in text
     assert "## Return of functions.get_weather:0\n21" in text and "## Return of functions.get_weather:1\n17" in text
     assert "call_w1" not in text
     given = _load_one(tmp_path, OPENAI_IDS)
     assert given == OPENAI_IDS["messages"]
-    assert "## Return of call_w1" in kimi_tokenizer.apply_chat_template(given, tools=WEATHER_TOOL, tokenize=False,
-                                                                        add_generation_prompt=True)
+    assert "## Return of call_w1" in kimi_tokenizer.apply_chat_template(
+        given, tools=WEATHER_TOOL, tokenize=False, add_generation_prompt=True
+    )
 
 
 def test_sharegpt_calls_take_the_formats_ids(tmp_path):
     from eagle3_data.chat_format.kimi_k2 import KimiK2Format
 
-    record = {"conversations": [
-        {"from": "human", "value": "Lisbon and Porto?"},
-        {"from": "function_call", "value": json.dumps([{"name": "get_weather", "arguments": {"city": "Lisbon"}},
-                                                       {"name": "get_time", "arguments": {"city": "Porto"}}])},
-        {"from": "observation", "value": "21"}, {"from": "observation", "value": "14:05"},
-        {"from": "gpt", "value": "21, 14:05."}, {"from": "human", "value": "thanks"}]}
+    record = {
+        "conversations": [
+            {"from": "human", "value": "Lisbon and Porto?"},
+            {
+                "from": "function_call",
+                "value": json.dumps(
+                    [
+                        {"name": "get_weather", "arguments": {"city": "Lisbon"}},
+                        {"name": "get_time", "arguments": {"city": "Porto"}},
+                    ]
+                ),
+            },
+            {"from": "observation", "value": "21"},
+            {"from": "observation", "value": "14:05"},
+            {"from": "gpt", "value": "21, 14:05."},
+            {"from": "human", "value": "thanks"},
+        ]
+    }
     messages = _load_one(tmp_path, record, call_id=KimiK2Format.call_id)
     assert [c["id"] for c in messages[1]["tool_calls"]] == ["functions.get_weather:0", "functions.get_time:1"]
-    assert [(m["tool_call_id"], m["content"]) for m in messages[2:4]] == [("functions.get_weather:0", "21"),
-                                                                          ("functions.get_time:1", "14:05")]
+    assert [(m["tool_call_id"], m["content"]) for m in messages[2:4]] == [
+        ("functions.get_weather:0", "21"),
+        ("functions.get_time:1", "14:05"),
+    ]
 
 
 def test_a_result_pairs_by_id_within_its_call_then_by_position(tmp_path):
@@ -321,29 +454,55 @@ def test_a_result_pairs_by_id_within_its_call_then_by_position(tmp_path):
     left, in order: here `r-x` answers the second call by position after `b` took its own."""
     from eagle3_data.chat_format.kimi_k2 import KimiK2Format
 
-    calls = {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}},
-        {"id": "b", "type": "function", "function": {"name": "g", "arguments": "{}"}}]}
-    record = {"messages": [USER, calls, {"role": "tool", "tool_call_id": "b", "content": "from g"},
-                           {"role": "tool", "tool_call_id": "r-x", "content": "from f"}]}
+    calls = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+            {"id": "b", "type": "function", "function": {"name": "g", "arguments": "{}"}},
+        ],
+    }
+    record = {
+        "messages": [
+            USER,
+            calls,
+            {"role": "tool", "tool_call_id": "b", "content": "from g"},
+            {"role": "tool", "tool_call_id": "r-x", "content": "from f"},
+        ]
+    }
     messages = _load_one(tmp_path, record, call_id=KimiK2Format.call_id)
-    assert [(m["tool_call_id"], m["content"]) for m in messages[2:]] == [("functions.g:1", "from g"),
-                                                                         ("functions.f:0", "from f")]
+    assert [(m["tool_call_id"], m["content"]) for m in messages[2:]] == [
+        ("functions.g:1", "from g"),
+        ("functions.f:0", "from f"),
+    ]
 
 
 def test_final_turn_answers_again_a_row_that_ends_with_the_datasets_answer(tmp_path):
     """ShareGPT conversations end with the answer: final_turn leaves it out and regenerates it after
     the last user message (every row usable), counting the answers it dropped."""
-    rows = [{"conversations": [{"from": "human", "value": f"question {i}"}, {"from": "gpt", "value": f"answer {i}"},
-                               {"from": "human", "value": f"follow-up {i}"}, {"from": "gpt", "value": f"last {i}"}]}
-            for i in range(3)]
+    rows = [
+        {
+            "conversations": [
+                {"from": "human", "value": f"question {i}"},
+                {"from": "gpt", "value": f"answer {i}"},
+                {"from": "human", "value": f"follow-up {i}"},
+                {"from": "gpt", "value": f"last {i}"},
+            ]
+        }
+        for i in range(3)
+    ]
     load = load_prompts(str(write_jsonl(tmp_path / "sharegpt.jsonl", rows)), "sharegpt", sampling=SAMPLING)
     assert not load.rejects and len(load.rows) == 3 and load.counts["answers_dropped"] == 3
     for i, row in enumerate(load.rows):
         messages = json.loads(row["messages"])
         assert messages[-1] == {"role": "user", "content": f"follow-up {i}"} and len(messages) == 3
     # a row answered after a tool result: the trailing answer goes, the result stays the last message
-    tool_row = {"messages": [USER, {"role": "assistant", "content": "", "tool_calls": [CALL]},
-                             {"role": "tool", "tool_call_id": "functions.f:0", "content": "42"},
-                             {"role": "assistant", "content": "It is 42."}]}
+    tool_row = {
+        "messages": [
+            USER,
+            {"role": "assistant", "content": "", "tool_calls": [CALL]},
+            {"role": "tool", "tool_call_id": "functions.f:0", "content": "42"},
+            {"role": "assistant", "content": "It is 42."},
+        ]
+    }
     assert _load_one(tmp_path, tool_row)[-1] == {"role": "tool", "tool_call_id": "functions.f:0", "content": "42"}

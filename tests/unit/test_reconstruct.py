@@ -31,8 +31,9 @@ def test_one_encode_over_the_whole_text_merges_across_parts(fmt, kimi_tokenizer)
 
 def test_thinking_off_rebuild_has_no_think_end(kimi_fmt_off):
     """Thinking off: the prompt already ends `<think></think>`; the model never generates one."""
-    rec = row_to_reconstruct(kimi_fmt_off, {"sample_id": "s", "reasoning": None, "content": "Hi.",
-                                             "finish_reason": "stop"}, "line 1")
+    rec = row_to_reconstruct(
+        kimi_fmt_off, {"sample_id": "s", "reasoning": None, "content": "Hi.", "finish_reason": "stop"}, "line 1"
+    )
     [(_, ids)] = list(reconstruct_rows(kimi_fmt_off, [rec]))
     assert THINK_END not in ids and ids[-1] == IM_END
     assert reconstruct(kimi_fmt_off, AssistantMessage(content="Hi."), "stop") == ids
@@ -40,22 +41,46 @@ def test_thinking_off_rebuild_has_no_think_end(kimi_fmt_off):
 
 def test_literal_special_token_text_stays_text(fmt):
     """A provider passes a literal `<|im_end|>` through: it is the six text tokens the model wrote."""
-    row = {"sample_id": "s", "reasoning": "r", "content": "Write <|im_end|> literally.", "finish_reason": "stop",
-           "tool_calls": [{"id": "functions.f:0", "type": "function",
-                           "function": {"name": "f", "arguments": '{"t": "<|tool_call_begin|>"}'}}]}
+    row = {
+        "sample_id": "s",
+        "reasoning": "r",
+        "content": "Write <|im_end|> literally.",
+        "finish_reason": "stop",
+        "tool_calls": [
+            {
+                "id": "functions.f:0",
+                "type": "function",
+                "function": {"name": "f", "arguments": '{"t": "<|tool_call_begin|>"}'},
+            }
+        ],
+    }
     rec = row_to_reconstruct(fmt, row, "line 1")
     assert rec.literal_special == ["<|im_end|>", "<|tool_call_begin|>"]
     [(_, ids)] = list(reconstruct_rows(fmt, [rec]))
     assert ids.count(IM_END) == 1 and ids.count(163597) == 1  # the stop id and the real call only
-    assert IM_END_AS_TEXT[2:] == ids[ids.index(THINK_END) + 3: ids.index(THINK_END) + 7]
+    assert IM_END_AS_TEXT[2:] == ids[ids.index(THINK_END) + 3 : ids.index(THINK_END) + 7]
 
 
 def test_batch_with_tool_calls_and_conversation_index(fmt, kimi_tokenizer):
-    history = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "call_0", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
-        {"role": "tool", "tool_call_id": "call_0", "content": "1"}]
-    row = {"sample_id": "s1", "reasoning": "ok", "content": None, "finish_reason": "tool_calls", "messages": json.dumps(history),
-           "tool_calls": [{"id": "call_abc", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    history = [
+        {"role": "user", "content": "q"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "call_0", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+        },
+        {"role": "tool", "tool_call_id": "call_0", "content": "1"},
+    ]
+    row = {
+        "sample_id": "s1",
+        "reasoning": "ok",
+        "content": None,
+        "finish_reason": "tool_calls",
+        "messages": json.dumps(history),
+        "tool_calls": [
+            {"id": "call_abc", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+        ],
+    }
     rec = row_to_reconstruct(fmt, row, "line 1")
     assert rec.tool_call_index_start == 1
     [(back, ids)] = list(reconstruct_rows(fmt, [rec]))
@@ -69,13 +94,18 @@ def test_batch_with_tool_calls_and_conversation_index(fmt, kimi_tokenizer):
 
 
 def test_parsed_local_generation_reconstructs_its_ids(fmt, kimi_tokenizer):
-    text = ("Plan: call it.</think>Calling.<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0"
-            '<|tool_call_argument_begin|>{"x": "多"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>')
+    text = (
+        "Plan: call it.</think>Calling.<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0"
+        '<|tool_call_argument_begin|>{"x": "多"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>'
+    )
     ids = kimi_tokenizer.encode(text, add_special_tokens=False)
     parsed = fmt.parse_ids(ids)
     assert reconstruct(fmt, parsed.message, parsed.finish_reason, 0) == ids
-    renamed = AssistantMessage(parsed.message.reasoning, parsed.message.content,
-                               [ToolCall("call_zzz", "f", parsed.message.tool_calls[0].arguments)])
+    renamed = AssistantMessage(
+        parsed.message.reasoning,
+        parsed.message.content,
+        [ToolCall("call_zzz", "f", parsed.message.tool_calls[0].arguments)],
+    )
     assert reconstruct(fmt, renamed, "tool_calls") == ids  # provider ids re-derived
 
 
@@ -96,6 +126,7 @@ def test_bad_rows_name_row_and_field(fmt, row, match):
 
 # ---------------------------------------------------------------- length cuts: faithful or not
 
+
 def _provider_message(tok, ids: list[int]) -> AssistantMessage:
     """What a provider returns for generated ids, as SGLang's kimi_k2 parsers do: reasoning up to
     `</think>`; content = text before `<|tool_calls_section_begin|>`; only complete calls."""
@@ -106,13 +137,18 @@ def _provider_message(tok, ids: list[int]) -> AssistantMessage:
     if not closed:
         return AssistantMessage(reasoning=reasoning, content="")
     content = rest.split("<|tool_calls_section_begin|>", 1)[0]
-    calls = re.findall(r"<\|tool_call_begin\|>\s*(?:functions\.)?([\w.]+):\d+\s*<\|tool_call_argument_begin\|>(.*?)<\|tool_call_end\|>", rest)
+    calls = re.findall(
+        r"<\|tool_call_begin\|>\s*(?:functions\.)?([\w.]+):\d+\s*<\|tool_call_argument_begin\|>(.*?)<\|tool_call_end\|>",
+        rest,
+    )
     return AssistantMessage(reasoning=reasoning, content=content, tool_calls=[ToolCall("x", n, a) for n, a in calls])
 
 
-FULL_TOOL_TEXT = ("Look it up 东京 🙂.</think>Calling now.<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0"
-                  '<|tool_call_argument_begin|>{"x": "多"}<|tool_call_end|><|tool_call_begin|>functions.g:1'
-                  '<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|><|im_end|>')
+FULL_TOOL_TEXT = (
+    "Look it up 东京 🙂.</think>Calling now.<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0"
+    '<|tool_call_argument_begin|>{"x": "多"}<|tool_call_end|><|tool_call_begin|>functions.g:1'
+    "<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|><|im_end|>"
+)
 FULL_PLAIN_TEXT = "Think: 東京 and 🚀 and naïve.</think>The answer — 四十二 🙂 — is\n\n```py\nx = 1\n```<|im_end|>"
 
 
@@ -164,7 +200,10 @@ def test_row_to_reconstruct_marks_truncated_rows(fmt):
     tools = json.dumps([{"type": "function", "function": {"name": "f", "parameters": {}}}])
     call = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
     cases = [
-        ({"content": "x", "tool_calls": call, "finish_reason": "length", "tools": tools}, "truncated inside tool-call section"),
+        (
+            {"content": "x", "tool_calls": call, "finish_reason": "length", "tools": tools},
+            "truncated inside tool-call section",
+        ),
         ({"content": "x", "finish_reason": "length", "tools": tools}, "truncated with tools offered"),
         ({"content": "x", "finish_reason": "length", "tools": "[]"}, None),
         ({"reasoning": "r", "content": "", "finish_reason": "length"}, None),
@@ -190,18 +229,58 @@ def test_rows_that_cannot_be_rebuilt_say_why_and_get_no_ids(fmt, kimi_fmt_off):
     rec = row_to_reconstruct(fmt, {**base, "tool_calls": call("search_v2", "functions.web.search_v2:0")}, "line 1")
     assert rec.unreconstructable is None and rec.message.tool_calls[0].name == "web.search_v2"
     cases = [
-        ({**base, "tool_calls": call("search_v2", "call_abc")}, fmt, "tool name 'search_v2' is not among the offered tools"),
-        ({**base, "tools": None, "tool_calls": call("f", "call_1")}, fmt, "tool name 'f' is not among the offered tools (none)"),
-        ({**base, "reasoning": None, "content": "x", "finish_reason": "stop",
-          "usage": {"completion_tokens": 9, "reasoning_tokens": 5}}, fmt, "reasoning billed (5 tokens) but absent"),
-        ({**base, "reasoning": "", "content": "x", "finish_reason": "stop",
-          "usage": {"completion_tokens_details": {"reasoning_tokens": 2}}}, fmt, "reasoning billed (2 tokens)"),
-        ({**base, "content": "x", "finish_reason": "content_filter"}, fmt, "finish_reason 'content_filter' cannot be rebuilt"),
-        ({**base, "content": "x", "finish_reason": "stop"}, kimi_fmt_off, "reasoning returned although thinking is off"),
+        (
+            {**base, "tool_calls": call("search_v2", "call_abc")},
+            fmt,
+            "tool name 'search_v2' is not among the offered tools",
+        ),
+        (
+            {**base, "tools": None, "tool_calls": call("f", "call_1")},
+            fmt,
+            "tool name 'f' is not among the offered tools (none)",
+        ),
+        (
+            {
+                **base,
+                "reasoning": None,
+                "content": "x",
+                "finish_reason": "stop",
+                "usage": {"completion_tokens": 9, "reasoning_tokens": 5},
+            },
+            fmt,
+            "reasoning billed (5 tokens) but absent",
+        ),
+        (
+            {
+                **base,
+                "reasoning": "",
+                "content": "x",
+                "finish_reason": "stop",
+                "usage": {"completion_tokens_details": {"reasoning_tokens": 2}},
+            },
+            fmt,
+            "reasoning billed (2 tokens)",
+        ),
+        (
+            {**base, "content": "x", "finish_reason": "content_filter"},
+            fmt,
+            "finish_reason 'content_filter' cannot be rebuilt",
+        ),
+        (
+            {**base, "content": "x", "finish_reason": "stop"},
+            kimi_fmt_off,
+            "reasoning returned although thinking is off",
+        ),
     ]
     for row, f, want in cases:
         rec = row_to_reconstruct(f, row, "line 1")
         assert rec.unreconstructable and rec.unreconstructable.startswith(want), (row, rec.unreconstructable)
         assert list(reconstruct_rows(f, [rec])) == [(rec, [])]
-    no_reasoning_billed = {**base, "reasoning": None, "content": "x", "finish_reason": "stop", "usage": {"reasoning_tokens": 0}}
+    no_reasoning_billed = {
+        **base,
+        "reasoning": None,
+        "content": "x",
+        "finish_reason": "stop",
+        "usage": {"reasoning_tokens": 0},
+    }
     assert row_to_reconstruct(fmt, no_reasoning_billed, "line 1").unreconstructable is None

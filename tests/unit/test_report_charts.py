@@ -64,5 +64,8 @@ def test_every_row_histograms_draw_the_extractions_own_bins():
         bars = f["chart"]["bars"]
         assert bars[0]["n"] and bars[-1]["n"]  # empty bins at the ends left out
         for m in means[source]:
-            assert [b for b in bars if b["lo"] <= m < b["hi"]] and sum(b["n"] for b in bars) == len(means[source]), (source, m)
+            assert [b for b in bars if b["lo"] <= m < b["hi"]] and sum(b["n"] for b in bars) == len(means[source]), (
+                source,
+                m,
+            )
     assert every_row_histograms(None) == [] and every_row_histograms({"sources": {}}) == []

@@ -11,15 +11,33 @@ from eagle3_data.report.render import render_html
 
 
 def _sums(acc: list[float], total: float = 100.0) -> dict:
-    return {"full_acc_sum": [a * total for a in acc], "full_acc_total": [total] * len(acc),
-            "cond_acc_sum": [a * total for a in acc], "cond_acc_total": [total] * len(acc)}
+    return {
+        "full_acc_sum": [a * total for a in acc],
+        "full_acc_total": [total] * len(acc),
+        "cond_acc_sum": [a * total for a in acc],
+        "cond_acc_total": [total] * len(acc),
+    }
 
 
 def test_the_report_draws_the_probe_curve():
-    raw = {"name": "probe", "losses": [3.0, 2.0, 1.0, 0.5], "seconds": 1.0,
-           "curve": [{"step": 0, **_sums([0.1, 0.0, 0.0])}, {"step": 2, **_sums([0.6, 0.5, 0.4])},
-                     {"step": 4, **_sums([0.4, 0.3, 0.2])}]}
-    probe = {**figures(raw), "coverage": 0.9, "train_samples": 16, "eval_samples": 4, "draft_vocab_size": 256, "steps": 4}
+    raw = {
+        "name": "probe",
+        "losses": [3.0, 2.0, 1.0, 0.5],
+        "seconds": 1.0,
+        "curve": [
+            {"step": 0, **_sums([0.1, 0.0, 0.0])},
+            {"step": 2, **_sums([0.6, 0.5, 0.4])},
+            {"step": 4, **_sums([0.4, 0.3, 0.2])},
+        ],
+    }
+    probe = {
+        **figures(raw),
+        "coverage": 0.9,
+        "train_samples": 16,
+        "eval_samples": 4,
+        "draft_vocab_size": 256,
+        "steps": 4,
+    }
     html = render_html(RunReport("k", {"training": {"probe": probe}}, []), title="t")
     assert f"{probe['simulated_acceptance']:.2f}" in html and "probe-curve" in html
     points = re.search(r"class='probe-curve'>\s*<polyline[^>]*points='([^']*)'", html).group(1).split()

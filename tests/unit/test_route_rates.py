@@ -10,8 +10,10 @@ from eagle3_data.config import load_config
 from eagle3_data.storage import StageRef
 from eagle3_data.storage.writer import StageWriter
 
-SIDES = {"generate_local": ("local", {"latency_s_mean": 2.0, "in_flight": {"http://a": 8, "http://b": 8}}),
-         "generate_overflow": ("overflow", {"latency_s_mean": 1.0, "concurrency": 99})}
+SIDES = {
+    "generate_local": ("local", {"latency_s_mean": 2.0, "in_flight": {"http://a": 8, "http://b": 8}}),
+    "generate_overflow": ("overflow", {"latency_s_mean": 1.0, "concurrency": 99}),
+}
 
 
 def commit(store, ref, extra):
@@ -21,12 +23,24 @@ def commit(store, ref, extra):
 
 def config(tmp_path, kimi_tokenizer_dir):
     prompts = tmp_path / "chat.jsonl"
-    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"question {i}"}]}) + "\n" for i in range(40)))
-    return load_config().with_overrides({
-        "tokenizer": {"source": str(kimi_tokenizer_dir)}, "datasets": [{"name": "chat", "prompts": str(prompts)}],
-        "generation": {"local": {"in_flight_per_endpoint": 4}, "overflow": {"concurrency": 12}},
-        "routing": {"strategy": "balanced", "calibration_samples": 2, "local_endpoints": 2,
-                    "local_latency_s": 8.0, "overflow_latency_s": 4.0}}, where="test")
+    prompts.write_text(
+        "".join(json.dumps({"messages": [{"role": "user", "content": f"question {i}"}]}) + "\n" for i in range(40))
+    )
+    return load_config().with_overrides(
+        {
+            "tokenizer": {"source": str(kimi_tokenizer_dir)},
+            "datasets": [{"name": "chat", "prompts": str(prompts)}],
+            "generation": {"local": {"in_flight_per_endpoint": 4}, "overflow": {"concurrency": 12}},
+            "routing": {
+                "strategy": "balanced",
+                "calibration_samples": 2,
+                "local_endpoints": 2,
+                "local_latency_s": 8.0,
+                "overflow_latency_s": 4.0,
+            },
+        },
+        where="test",
+    )
 
 
 def test_balanced_routing_and_the_plan_use_the_previous_runs_manifests(store, kimi_tokenizer_dir, tmp_path):
@@ -34,8 +48,11 @@ def test_balanced_routing_and_the_plan_use_the_previous_runs_manifests(store, ki
     from eagle3_data.pipeline.run import Run
 
     cfg = config(tmp_path, kimi_tokenizer_dir)
-    first = pipeline.load_route(Run(config=cfg, run_key="plan-0", date=None, datasets=["chat"], dry_run=True,
-                                    skip_hidden_states=False), store, "chat").plan["estimate"]
+    first = pipeline.load_route(
+        Run(config=cfg, run_key="plan-0", date=None, datasets=["chat"], dry_run=True, skip_hidden_states=False),
+        store,
+        "chat",
+    ).plan["estimate"]
     assert {side["source"] for side in first["rate_inputs"].values()} == {"config"}  # no previous run yet
     # config: local 2 x 4 / 8 s = 1 sample/s, overflow 12 / 4 s = 3/s -> (40 + 2) / 4 = 10.5 local
     assert first["strategies"]["balanced"]["local"] in (10, 11)
@@ -86,7 +103,8 @@ def test_generation_timeouts_are_sized_from_samples_and_measured_rates(store, ki
     from eagle3_data.pipeline.run import Run
 
     cfg = config(tmp_path, kimi_tokenizer_dir).with_overrides(
-        {"timeouts": {"generation_floor_s": 100, "generation_cap_s": 5000, "generation_margin": 2.0}}, where="test")
+        {"timeouts": {"generation_floor_s": 100, "generation_cap_s": 5000, "generation_margin": 2.0}}, where="test"
+    )
     run = Run(config=cfg, run_key="now", date=None, datasets=["chat"], dry_run=False, skip_hidden_states=False)
     counts = {"local": 300, "overflow": 290, "both": 10}
     # config rates: local 2 x 4 / 8 s = 1 sample/s; overflow 12 / 4 s = 3 samples/s
@@ -96,11 +114,18 @@ def test_generation_timeouts_are_sized_from_samples_and_measured_rates(store, ki
     assert generation_timeout(run, store, "chat", "generate_local", {"local": 10**6})[0] == 5000  # the cap
     # rows asked for turn by turn count as their user turns, times the steps a trajectory may take
     turns = {"local": 40, "prompts": 40, "user_turns": 100}
-    traj = run.config.with_overrides({"generation": {"regenerate": "trajectory", "max_trajectory_steps": 4}}, where="test")
+    traj = run.config.with_overrides(
+        {"generation": {"regenerate": "trajectory", "max_trajectory_steps": 4}}, where="test"
+    )
     seconds, how = generation_timeout(Run(**{**vars(run), "config": traj}), store, "chat", "generate_local", turns)
     assert seconds == 2.0 * 40 * 2.5 * 4 / 1.0 and "2.5 user turns a row x 4 answers" in how
-    every = run.config.with_overrides({"generation": {"regenerate": "every_turn", "history": "regenerated"}}, where="test")
-    assert generation_timeout(Run(**{**vars(run), "config": every}), store, "chat", "generate_local", turns)[0] == 2.0 * 100
+    every = run.config.with_overrides(
+        {"generation": {"regenerate": "every_turn", "history": "regenerated"}}, where="test"
+    )
+    assert (
+        generation_timeout(Run(**{**vars(run), "config": every}), store, "chat", "generate_local", turns)[0]
+        == 2.0 * 100
+    )
     for stage, (_, extra) in SIDES.items():
         commit(store, StageRef("previous", stage, "chat"), extra)
     # measured: local 2 endpoints x 8 in flight / 2 s = 8 samples/s; overflow 12 / 1 s = 12/s

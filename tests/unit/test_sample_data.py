@@ -131,9 +131,17 @@ MALFORMED = [
         {
             "messages": [
                 {"role": "user", "content": "weather?"},
-                {"role": "assistant", "content": "", "tool_calls": [
-                    {"id": "functions.get_weather:1", "type": "function",
-                     "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [
+                        {
+                            "id": "functions.get_weather:1",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": {"city": "Oslo"}},
+                        }
+                    ],
+                },
                 {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "{}"},
             ],
             "tools": [],
@@ -165,7 +173,10 @@ def test_every_prompt_renders_with_the_kimi_chat_template(name, kimi_tokenizer):
     think, im_end = kimi_tokenizer.convert_tokens_to_ids(["<think>", "<|im_end|>"])
     for i, row in enumerate(load(name)):
         ids = kimi_tokenizer.apply_chat_template(
-            row["messages"], tools=row["tools"] or None, add_generation_prompt=True, tokenize=True,
+            row["messages"],
+            tools=row["tools"] or None,
+            add_generation_prompt=True,
+            tokenize=True,
             return_dict=False,
         )
         assert ids[-1] == think, f"{name} row {i}"

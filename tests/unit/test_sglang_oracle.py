@@ -17,15 +17,42 @@ import pytest
 
 from tests.fixtures.kimi import IM_END
 
-REASONING = ["Let me think.", "", "多语言 😀 reasoning\n\n", "about <|im_end|> as text", "a literal </think> here, then more",
-             "ends with a newline\n", " NOR", "mentions <|tool_calls_section_begin|> in passing"]
-CONTENT = ["The answer is 42.", "", "Write <|im_end|> literally.", "see <|tool_calls_section_begin|> here", "  spaced  ",
-           "a second </think> in content", "<think> in content", "\n\nMarkdown:\n```py\nx = 1\n```"]
-ARGS = ['{"city": "Paris"}', "{}", '{"a": {"b": [1, "}"]}}', '{"s": "<|tool_call_begin|>"}', "[1, 2]", "{a: 1}",
-        '{"q": "多", "n": 2}', '"just a string"', '{"x": "}<|tool_call_end|>"}']
+REASONING = [
+    "Let me think.",
+    "",
+    "多语言 😀 reasoning\n\n",
+    "about <|im_end|> as text",
+    "a literal </think> here, then more",
+    "ends with a newline\n",
+    " NOR",
+    "mentions <|tool_calls_section_begin|> in passing",
+]
+CONTENT = [
+    "The answer is 42.",
+    "",
+    "Write <|im_end|> literally.",
+    "see <|tool_calls_section_begin|> here",
+    "  spaced  ",
+    "a second </think> in content",
+    "<think> in content",
+    "\n\nMarkdown:\n```py\nx = 1\n```",
+]
+ARGS = [
+    '{"city": "Paris"}',
+    "{}",
+    '{"a": {"b": [1, "}"]}}',
+    '{"s": "<|tool_call_begin|>"}',
+    "[1, 2]",
+    "{a: 1}",
+    '{"q": "多", "n": 2}',
+    '"just a string"',
+    '{"x": "}<|tool_call_end|>"}',
+]
 NAMES = ["get_weather", "web.search_v2", "f"]
-TOOLS = [{"type": "function", "function": {"name": n, "parameters": {"type": "object", "properties": {k: {} for k in ks}}}}
-         for n, ks in zip(NAMES, (["city"], ["q", "n"], ["a"]))]
+TOOLS = [
+    {"type": "function", "function": {"name": n, "parameters": {"type": "object", "properties": {k: {} for k in ks}}}}
+    for n, ks in zip(NAMES, (["city"], ["q", "n"], ["a"]))
+]
 WS = ["", "", "", " ", "\n", " \n "]
 
 
@@ -46,10 +73,22 @@ def _generation(rng: random.Random, fmt, history: int = 0) -> tuple[list, bool]:
         parts += [sid["<|tool_calls_section_begin|>"], rng.choice(WS)]
         for i in range(rng.randint(0, 3)):
             name = rng.choice(NAMES)
-            call_id = rng.choice([f"functions.{name}:{history + i}"] * 6 + [f"functions.{name}:{i}", f"{name}:{i}",
-                                                                             str(i), f"functions.{name}"])
-            parts += [sid["<|tool_call_begin|>"], rng.choice(WS), call_id, rng.choice(WS), sid["<|tool_call_argument_begin|>"],
-                      rng.choice(WS), rng.choice(ARGS), rng.choice(WS), sid["<|tool_call_end|>"], rng.choice(WS)]
+            call_id = rng.choice(
+                [f"functions.{name}:{history + i}"] * 6
+                + [f"functions.{name}:{i}", f"{name}:{i}", str(i), f"functions.{name}"]
+            )
+            parts += [
+                sid["<|tool_call_begin|>"],
+                rng.choice(WS),
+                call_id,
+                rng.choice(WS),
+                sid["<|tool_call_argument_begin|>"],
+                rng.choice(WS),
+                rng.choice(ARGS),
+                rng.choice(WS),
+                sid["<|tool_call_end|>"],
+                rng.choice(WS),
+            ]
         if rng.random() < 0.9:
             parts.append(sid["<|tool_calls_section_end|>"])
         if rng.random() < 0.1:
@@ -75,9 +114,14 @@ def test_provider_view_equals_sglangs_parsers(sglang_oracle, kimi_tokenizer, thi
         tools = [] if rng.random() < 0.1 else TOOLS
         text = fmt.codec.decode(ids[:-1] if finish == "stop" else ids)
         view = fmt.provider_view(ids, finish, tools, history)
-        ours = {"reasoning": view.message["reasoning_content"], "content": view.message["content"],
-                "calls": [{"name": c["function"]["name"], "arguments": c["function"]["arguments"], "id": c["id"]}
-                          for c in view.message.get("tool_calls", [])]}
+        ours = {
+            "reasoning": view.message["reasoning_content"],
+            "content": view.message["content"],
+            "calls": [
+                {"name": c["function"]["name"], "arguments": c["function"]["arguments"], "id": c["id"]}
+                for c in view.message.get("tool_calls", [])
+            ],
+        }
         theirs = sglang_oracle.parse(text, thinking=thinking, tools=tools, history=history)
         literal += bool(fmt.literal_special_text([t for t in parts if isinstance(t, str)]))
         checked += 1

@@ -14,12 +14,26 @@ import pytest
 from eagle3_data.dev.inference_server import _sse
 from eagle3_data.generation.openrouter_http import StreamAnswer, _read_events
 
-ANSWER = {"id": "gen-1", "provider": "P", "model": "moonshotai/kimi-k2.5", "object": "chat.completion", "created": 5,
-          "usage": {"prompt_tokens": 3, "completion_tokens": 9, "cost": 1e-6},
-          "choices": [{"finish_reason": "tool_calls", "native_finish_reason": "tool_calls", "message": {
-              "content": "héllo wörld ✓ \\ud83d " * 4, "reasoning": "think " * 12,
-              "reasoning_details": [{"type": "reasoning.text", "text": "x", "index": 0}],
-              "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": "ü"}'}}]}}]}
+ANSWER = {
+    "id": "gen-1",
+    "provider": "P",
+    "model": "moonshotai/kimi-k2.5",
+    "object": "chat.completion",
+    "created": 5,
+    "usage": {"prompt_tokens": 3, "completion_tokens": 9, "cost": 1e-6},
+    "choices": [
+        {
+            "finish_reason": "tool_calls",
+            "native_finish_reason": "tool_calls",
+            "message": {
+                "content": "héllo wörld ✓ \\ud83d " * 4,
+                "reasoning": "think " * 12,
+                "reasoning_details": [{"type": "reasoning.text", "text": "x", "index": 0}],
+                "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": "ü"}'}}],
+            },
+        }
+    ],
+}
 
 
 class Pieces:

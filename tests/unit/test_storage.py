@@ -61,7 +61,15 @@ def flip_byte(store, key: str, offset: int = 100) -> None:
 # -- names ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "field,value",
-    [("run_key", "../etc"), ("dataset", "a/b"), ("stage", ""), ("dataset", "x\ny"), ("run_key", "a..b"), ("dataset", "ünï"), ("dataset", "-x")],
+    [
+        ("run_key", "../etc"),
+        ("dataset", "a/b"),
+        ("stage", ""),
+        ("dataset", "x\ny"),
+        ("run_key", "a..b"),
+        ("dataset", "ünï"),
+        ("dataset", "-x"),
+    ],
 )
 def test_stage_ref_rejects_unsafe_names(field, value):
     parts = {"run_key": "date=2026-11-29", "stage": "merge", "dataset": "chat"} | {field: value}
@@ -78,7 +86,13 @@ def test_writer_commits_parts_then_manifest_with_hashes(store):
     upstream = StageRef("date=2026-11-29", "load", "tool_calls")
     write_all(store, upstream, n=3)
     manifest = write_all(
-        store, n=10, rows_per_part=4, params={"temperature": 1.0}, inputs=[upstream], tokenizer_sha256="t" * 64, template_sha256="c" * 64
+        store,
+        n=10,
+        rows_per_part=4,
+        params={"temperature": 1.0},
+        inputs=[upstream],
+        tokenizer_sha256="t" * 64,
+        template_sha256="c" * 64,
     )
     assert keys(store) == [
         "_lease.json",  # released, kept: the next writer takes it over with If-Match
@@ -96,9 +110,13 @@ def test_writer_commits_parts_then_manifest_with_hashes(store):
         assert part["bytes"] == len(body) and part["sha256"] == hashlib.sha256(body).hexdigest()
     stored = store.read_manifest(REF)
     assert stored["manifest_sha256"] == manifest["manifest_sha256"]
-    assert stored["inputs"] == [{"uri": store.uri(upstream), "manifest_sha256": store.read_manifest(upstream)["manifest_sha256"]}]
+    assert stored["inputs"] == [
+        {"uri": store.uri(upstream), "manifest_sha256": store.read_manifest(upstream)["manifest_sha256"]}
+    ]
     assert stored["params"] == {"temperature": 1.0} and stored["schema"] == {"name": "prompts", "version": 3}
-    assert stored["code"]["version"] and stored["tokenizer_sha256"] == "t" * 64 and stored["template_sha256"] == "c" * 64
+    assert (
+        stored["code"]["version"] and stored["tokenizer_sha256"] == "t" * 64 and stored["template_sha256"] == "c" * 64
+    )
     table = store.read_table(REF)
     assert table.column("sample_id").to_pylist() == [f"s{i:04d}" for i in range(10)]
     assert table.schema.metadata[b"eagle3.schema"] == b"prompts"
@@ -160,7 +178,10 @@ def test_unknown_field_in_row_names_it(store):
 def test_reading_newer_or_unknown_schema_fails_clearly(store):
     write_all(store, n=2)
     manifest = store.read_manifest(REF)
-    for schema, message in [({"name": "prompts", "version": 99}, "newer than this code"), ({"name": "embeddings", "version": 1}, "unknown artifact schema")]:
+    for schema, message in [
+        ({"name": "prompts", "version": 99}, "newer than this code"),
+        ({"name": "embeddings", "version": 1}, "unknown artifact schema"),
+    ]:
         store.write_object(REF, "_manifest.json", json.dumps(manifest | {"schema": schema}).encode())
         with pytest.raises(UserError, match=message):
             store.read_table(REF)
@@ -331,7 +352,9 @@ def test_datasets_lists_complete_stages_only(store):
 
 
 # -- safety and failures ---------------------------------------------------------------------------
-@pytest.mark.parametrize("params", [{"openrouter": {"api_key": "sk-or-123"}}, {"aws_secret_access_key": "x"}, {"auth": [{"password": "p"}]}])
+@pytest.mark.parametrize(
+    "params", [{"openrouter": {"api_key": "sk-or-123"}}, {"aws_secret_access_key": "x"}, {"auth": [{"password": "p"}]}]
+)
 def test_credential_params_are_refused(store, params):
     with pytest.raises(UserError, match="looks like a credential"):
         write_all(store, n=1, params=params)
@@ -353,7 +376,9 @@ def test_secret_never_in_manifest_or_logs(store, s3_server, caplog):
 
 
 def test_wrong_keys_are_refused(s3_server, s3_bucket):
-    bad = ArtifactStore(s3_client(s3_server.endpoint_url, access_key=s3_server.access_key, secret_key="wrong-secret"), s3_bucket)
+    bad = ArtifactStore(
+        s3_client(s3_server.endpoint_url, access_key=s3_server.access_key, secret_key="wrong-secret"), s3_bucket
+    )
     with pytest.raises(StorageUnavailable, match="refused the credentials"):
         bad.is_complete(REF)
 
@@ -362,7 +387,9 @@ def test_unreachable_s3_retries_then_clear_error(caplog):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again: nothing listens there
-    store = ArtifactStore(s3_client(f"http://127.0.0.1:{port}", access_key="k", secret_key="s", max_attempts=3, connect_timeout=1), "b")
+    store = ArtifactStore(
+        s3_client(f"http://127.0.0.1:{port}", access_key="k", secret_key="s", max_attempts=3, connect_timeout=1), "b"
+    )
     caplog.set_level(logging.DEBUG, logger="botocore.retries")
     start = time.monotonic()
     with pytest.raises(StorageUnavailable, match=rf"127.0.0.1:{port} unreachable .*after 3 attempts"):
@@ -382,8 +409,13 @@ def test_a_prompts_stage_of_the_older_schema_still_reads():
     v1, v2 = schema_for("prompts", 1), schema_for("prompts", 2)
     assert v2.names == [*v1.names, "source_id"] and v1.metadata[b"eagle3.schema_version"] == b"1"
     sink = io.BytesIO()
-    pq.write_table(pa.Table.from_pylist([{"sample_id": "s", "dataset": "d", "sample_index": 0, "messages": "[]",
-                                          "tools": None, "route": "local"}], schema=v1), sink)
+    pq.write_table(
+        pa.Table.from_pylist(
+            [{"sample_id": "s", "dataset": "d", "sample_index": 0, "messages": "[]", "tools": None, "route": "local"}],
+            schema=v1,
+        ),
+        sink,
+    )
     assert check_part_schema(io.BytesIO(sink.getvalue()), v1, "old part").metadata is not None
     with pytest.raises(CorruptArtifact, match="'source_id' is missing"):
         check_part_schema(io.BytesIO(sink.getvalue()), v2, "old part")

@@ -15,8 +15,10 @@ LAYOUT = [
     r"language_model\.model\.norm\.weight",
     r"language_model\.lm_head\.weight",
     r"language_model\.model\.layers\.\d+\.(input_layernorm|post_attention_layernorm)\.weight",
-    (r"language_model\.model\.layers\.\d+\.self_attn\.(q_a_proj|q_a_layernorm|q_b_proj|kv_a_proj_with_mqa|"
-     r"kv_a_layernorm|kv_b_proj|o_proj)\.weight"),
+    (
+        r"language_model\.model\.layers\.\d+\.self_attn\.(q_a_proj|q_a_layernorm|q_b_proj|kv_a_proj_with_mqa|"
+        r"kv_a_layernorm|kv_b_proj|o_proj)\.weight"
+    ),
     r"language_model\.model\.layers\.\d+\.mlp\.(experts\.\d+\.|shared_experts\.)?(gate_proj|up_proj|down_proj)\.weight",
     r"language_model\.model\.layers\.\d+\.mlp\.gate\.(weight|e_score_correction_bias)",
     r"vision_tower\.patch_embed\.proj\.(weight|bias)",
@@ -54,7 +56,8 @@ def test_transformers_loads_it_back_exactly(tiny_kimi_k25_dir, kimi_tokenizer):
     from tests.fixtures.model import TINY_MODEL_ARGS
 
     loaded, info = Kimi_K25ForConditionalGeneration.from_pretrained(
-        str(tiny_kimi_k25_dir), dtype=torch.bfloat16, output_loading_info=True)
+        str(tiny_kimi_k25_dir), dtype=torch.bfloat16, output_loading_info=True
+    )
     assert {k: v for k, v in info.items() if v} == {}
     built = tiny_kimi_k25_model(kimi_tokenizer, **TINY_MODEL_ARGS).state_dict()
     got = loaded.state_dict()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 
-
 from eagle3_data.cli import main
 from tests.fixtures.model import TINY_MODEL_ARGS
 
@@ -14,8 +13,18 @@ def sha(path) -> str:
 
 
 def test_same_seed_same_bytes_other_seed_other_bytes(tiny_model_dir, kimi_tokenizer_dir, tmp_path):
-    args = ["dev", "build-model", "--tokenizer", str(kimi_tokenizer_dir), "--seed", str(TINY_MODEL_ARGS["seed"]),
-            "--layers", str(TINY_MODEL_ARGS["layers"]), "--hidden", str(TINY_MODEL_ARGS["hidden"])]
+    args = [
+        "dev",
+        "build-model",
+        "--tokenizer",
+        str(kimi_tokenizer_dir),
+        "--seed",
+        str(TINY_MODEL_ARGS["seed"]),
+        "--layers",
+        str(TINY_MODEL_ARGS["layers"]),
+        "--hidden",
+        str(TINY_MODEL_ARGS["hidden"]),
+    ]
     assert main(args + ["--out", str(tmp_path / "again")]) == 0
     assert sha(tmp_path / "again/model.safetensors") == sha(tiny_model_dir / "model.safetensors")
     assert main(args[:-4] + ["--layers", "4", "--hidden", "32", "--seed", "1", "--out", str(tmp_path / "s1")]) == 0
@@ -41,5 +50,18 @@ def test_loads_offline_with_kimi_vocabulary(tiny_model_dir):
 def test_bad_arguments_are_user_errors(kimi_tokenizer_dir, tmp_path, capsys):
     assert main(["dev", "build-model", "--tokenizer", str(tmp_path), "--out", str(tmp_path / "m")]) == 2
     assert "no tokenizer.json" in capsys.readouterr().err
-    assert main(["dev", "build-model", "--tokenizer", str(kimi_tokenizer_dir), "--out", str(tmp_path / "m"),
-                 "--layers", "3"]) == 2
+    assert (
+        main(
+            [
+                "dev",
+                "build-model",
+                "--tokenizer",
+                str(kimi_tokenizer_dir),
+                "--out",
+                str(tmp_path / "m"),
+                "--layers",
+                "3",
+            ]
+        )
+        == 2
+    )

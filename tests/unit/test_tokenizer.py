@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from eagle3_data.chat_format import get_output_format
-from eagle3_data.errors import UserError
 from eagle3_data.codec import HFCodec, TiktokenCodec
+from eagle3_data.errors import UserError
 from eagle3_data.tokenizer import chat_template_sha256, load_tokenizer, tokenizer_files_sha256
 from eagle3_data.tokenizer_audit import audit_tokenizer
 
@@ -77,9 +77,38 @@ def test_load_from_s3_prefix(kimi_tokenizer_dir, s3_server, s3_bucket, tmp_path)
 
 
 def _random_text(rng: random.Random) -> str:
-    pieces = ["Hello", " world", "  ", "\n", "\r\n", "\t", "中文", "日本語", "한국어", "😀", "👍🏽", "'s", "'LL",
-              " NOR", "123456", "3.14", "<|im_end|>", "</think>", "<|tool_call_begin|>", "<|im_end", "é", "ﬁ",
-              "def f(x):", "{\"a\": [1]}", "\u200b", "Ωmega", " ", "...", "ÀÉ", "\\n"]
+    pieces = [
+        "Hello",
+        " world",
+        "  ",
+        "\n",
+        "\r\n",
+        "\t",
+        "中文",
+        "日本語",
+        "한국어",
+        "😀",
+        "👍🏽",
+        "'s",
+        "'LL",
+        " NOR",
+        "123456",
+        "3.14",
+        "<|im_end|>",
+        "</think>",
+        "<|tool_call_begin|>",
+        "<|im_end",
+        "é",
+        "ﬁ",
+        "def f(x):",
+        '{"a": [1]}',
+        "\u200b",
+        "Ωmega",
+        " ",
+        "...",
+        "ÀÉ",
+        "\\n",
+    ]
     return "".join(rng.choice(pieces) for _ in range(rng.randint(0, 40)))
 
 
@@ -108,4 +137,6 @@ def test_audit_requires_the_formats_stop_token_to_be_pinned(kimi_tokenizer):
     """The config may name any ids, but not leave out the one every generation ends with."""
     report = audit_tokenizer(kimi_tokenizer, {"</think>": 163607})
     assert not report.passed
-    assert any("do not pin the stop token '<|im_end|>' of format kimi_k2" in p for p in report.problems), report.problems
+    assert any("do not pin the stop token '<|im_end|>' of format kimi_k2" in p for p in report.problems), (
+        report.problems
+    )

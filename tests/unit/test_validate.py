@@ -80,7 +80,7 @@ def test_literal_special_token_text_is_text_and_counted(fmt, enc):
 
 def test_tool_calls_exact_and_renumbered_ids_differ(fmt, enc):
     section = (
-        "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:3<|tool_call_argument_begin|>{{\"a\": 1}}"
+        '<|tool_calls_section_begin|><|tool_call_begin|>functions.f:3<|tool_call_argument_begin|>{{"a": 1}}'
         "<|tool_call_end|><|tool_call_begin|>functions.g:{n}<|tool_call_argument_begin|>{{}}<|tool_call_end|>"
         "<|tool_calls_section_end|><|im_end|>"
     )
@@ -108,8 +108,10 @@ def test_truncation_inside_multibyte_char_is_unreconstructable(fmt, enc):
 
 
 def test_local_cuts_that_the_overflow_path_would_exclude(fmt, enc):
-    text = ("r</think>c<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>"
-            '{"a": 1}<|tool_call_end|><|tool_calls_section_end|><|im_end|>')
+    text = (
+        "r</think>c<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>"
+        '{"a": 1}<|tool_call_end|><|tool_calls_section_end|><|im_end|>'
+    )
     ids = enc(text)
     cut = _one(fmt, ids[:-4], "length", tools=TOOLS)
     assert cut.cls == "unreconstructable" and cut.detail.startswith("truncated")
@@ -122,14 +124,30 @@ def test_report_keys_counts_and_gate(fmt, enc):
     bpe = bpe[: bpe.index(93622)] + [575, 1292] + bpe[bpe.index(93622) + 1 :]
     rows = [InputRow(f"line {i}", f"s{i}", REFERENCE_IDS) for i in range(9)] + [InputRow("line 10", "s9", bpe)]
     report = validate_to_report(fmt, rows)
-    assert set(report) == {"samples", "counts", "details", "sample_mismatch_rate", "token_agreement", "literal_special_text",
-                           "stop_convention", "mismatches", "bad_rows", "gate"}
+    assert set(report) == {
+        "samples",
+        "counts",
+        "details",
+        "sample_mismatch_rate",
+        "token_agreement",
+        "literal_special_text",
+        "stop_convention",
+        "mismatches",
+        "bad_rows",
+        "gate",
+    }
     assert report["counts"] == {**dict.fromkeys(CLASSES, 0), "exact": 9, "bpe_only": 1}
     assert report["sample_mismatch_rate"] == pytest.approx(0.1)
     assert report["token_agreement"] == pytest.approx(1 - 2 / (9 * 12 + len(bpe)))
     assert report["mismatches"] == [
-        {"sample_id": "s9", "class": "bpe_only", "first_diff": bpe.index(575), "original": [" N", "OR"], "reconstructed": [" NOR"],
-         "detail": None}
+        {
+            "sample_id": "s9",
+            "class": "bpe_only",
+            "first_diff": bpe.index(575),
+            "original": [" N", "OR"],
+            "reconstructed": [" NOR"],
+            "detail": None,
+        }
     ]
     assert report["gate"] == {"passed": True, "reasons": [], "warnings": []}
     assert report["stop_convention"]["convention"] == "included" and report["stop_convention"]["with_stop_id"] == 10
@@ -140,9 +158,13 @@ def test_report_keys_counts_and_gate(fmt, enc):
 
 
 def test_forked_workers_give_the_same_results(fmt, enc):
-    rows = [InputRow(f"line {i}", f"s{i}", enc(f"step {i}</think>answer {'NOR ' * (i % 3)}<|im_end|>")) for i in range(40)]
+    rows = [
+        InputRow(f"line {i}", f"s{i}", enc(f"step {i}</think>answer {'NOR ' * (i % 3)}<|im_end|>")) for i in range(40)
+    ]
     literal = fmt.codec.encode_ordinary_batch(["</think>"])[0]
-    rows[7] = InputRow("line 8", "s7", enc("a") + literal + enc("b</think>c<|im_end|>"))  # literal "</think>" in reasoning
+    rows[7] = InputRow(
+        "line 8", "s7", enc("a") + literal + enc("b</think>c<|im_end|>")
+    )  # literal "</think>" in reasoning
     serial = _run(fmt, rows, chunk_rows=6)
     forked = _run(fmt, rows, chunk_rows=6, workers=2)
     assert forked == serial
@@ -175,7 +197,13 @@ def test_forked_workers_finish_under_a_host_sigterm_handler_that_does_not_exit(f
 
 
 def _jsonl(path, lines):
-    path.write_bytes(b"".join((line if isinstance(line, bytes) else (line if isinstance(line, str) else json.dumps(line)).encode()) + b"\n" for line in lines))
+    path.write_bytes(
+        b"".join(
+            (line if isinstance(line, bytes) else (line if isinstance(line, str) else json.dumps(line)).encode())
+            + b"\n"
+            for line in lines
+        )
+    )
     return path
 
 
@@ -203,7 +231,10 @@ def test_bad_rows_skipped_and_listed_and_counted_against_the_gate(fmt, tmp_path)
     path = _jsonl(tmp_path / "in.jsonl", BAD_LINES)
     report = validate_to_report(fmt, lambda: rows_from_file(path, VOCAB), on_bad_row="skip")
     assert report["counts"]["exact"] == 2 and report["samples"] == 2
-    assert not report["gate"]["passed"] and "8 bad row(s) (80.00% of 10) exceed max_bad_row_rate 0.00%" in report["gate"]["reasons"]
+    assert (
+        not report["gate"]["passed"]
+        and "8 bad row(s) (80.00% of 10) exceed max_bad_row_rate 0.00%" in report["gate"]["reasons"]
+    )
     lenient = validate_to_report(fmt, lambda: rows_from_file(path, VOCAB), on_bad_row="skip", max_bad_row_rate=0.9)
     assert lenient["gate"]["passed"]
     assert [(b["row"], b["sample_id"], b["field"]) for b in report["bad_rows"]] == [
@@ -221,18 +252,31 @@ def test_bad_rows_skipped_and_listed_and_counted_against_the_gate(fmt, tmp_path)
 
 
 def test_parquet_batches_and_validation_rows_table(fmt, tmp_path):
-    table = pa.table({
-        "sample_id": ["a", "b", "c"],
-        "output_ids": pa.array([REFERENCE_IDS, None, [5, 999999]], pa.list_(pa.int32())),
-        "finish_reason": ["stop", "stop", "length"],
-    })
+    table = pa.table(
+        {
+            "sample_id": ["a", "b", "c"],
+            "output_ids": pa.array([REFERENCE_IDS, None, [5, 999999]], pa.list_(pa.int32())),
+            "finish_reason": ["stop", "stop", "length"],
+        }
+    )
     pq.write_table(table, tmp_path / "in.parquet")
     stops = detect_stop_convention(fmt, rows_from_file(tmp_path / "in.parquet", VOCAB))
-    items = list(validate_rows(fmt, rows_from_file(tmp_path / "in.parquet", VOCAB, batch_rows=2), stops=stops, on_bad_row="skip"))
-    assert list(validate_batches(fmt, pq.ParquetFile(tmp_path / "in.parquet").iter_batches(2), stops=stops,
-                                 on_bad_row="skip")) == items
+    items = list(
+        validate_rows(fmt, rows_from_file(tmp_path / "in.parquet", VOCAB, batch_rows=2), stops=stops, on_bad_row="skip")
+    )
+    assert (
+        list(
+            validate_batches(
+                fmt, pq.ParquetFile(tmp_path / "in.parquet").iter_batches(2), stops=stops, on_bad_row="skip"
+            )
+        )
+        == items
+    )
     assert isinstance(items[0], RowResult) and items[0].cls == "exact"
-    assert [(b.where, b.sample_id, b.field) for b in items[1:]] == [("row 2", "b", "output_ids"), ("row 3", "c", "output_ids")]
+    assert [(b.where, b.sample_id, b.field) for b in items[1:]] == [
+        ("row 2", "b", "output_ids"),
+        ("row 3", "c", "output_ids"),
+    ]
     out = validation_rows_table(items, dataset="demo", source="sglang")
     assert out.schema.names[:4] == ["sample_id", "dataset", "source", "class"]
     assert out.to_pylist()[0]["output_tokens"] == 12
@@ -242,7 +286,7 @@ def test_parquet_batches_and_validation_rows_table(fmt, tmp_path):
 
 def test_billing_deviation():
     ok = compare_billed_counts([("a", 1000, 1000), ("b", 2000, 2004)])
-    assert ok["deviation"] == pytest.approx(4 / 3000) and not ok["gate"]["passed"] is False
+    assert ok["deviation"] == pytest.approx(4 / 3000) and ok["gate"]["passed"] is not False
     assert ok["worst_samples"][0]["sample_id"] == "b"
     bad = compare_billed_counts([("a", 1000, 1100)], max_aggregate_deviation=0.05)
     assert not bad["gate"]["passed"] and "+10.0000%" in bad["gate"]["reasons"][0]
@@ -254,7 +298,9 @@ def test_billing_excludes_unreconstructable_rows_and_still_gates_faithful_ones()
     ok = compare_billed_counts(rows)
     assert ok["gate"]["passed"] and ok["deviation"] == 0.0 and ok["rows"] == 2
     assert ok["excluded"] == {"rows": 2, "billed_completion_tokens": 96, "reasons": {cut: 2}}
-    assert ok["gate"]["notes"] == [f"2 row(s) excluded from the deviation and from training data, unreconstructable: {cut}"]
+    assert ok["gate"]["notes"] == [
+        f"2 row(s) excluded from the deviation and from training data, unreconstructable: {cut}"
+    ]
     assert {w["sample_id"] for w in ok["worst_samples"]} == {"a", "d"}
     bad = compare_billed_counts([*rows, ("e", 1000, 900, None)])
     assert not bad["gate"]["passed"] and bad["excluded"]["rows"] == 2
@@ -271,24 +317,48 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "
     [
         # Kimi may end reasoning implicitly: the server's split then hands back a message whose
         # rebuild inserts a `</think>` the model never generated.
-        ("I will call.<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>"
-         '{"a": 1}<|tool_call_end|><|tool_calls_section_end|><|im_end|>', "structure", "without </think>"),
+        (
+            "I will call.<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>"
+            '{"a": 1}<|tool_call_end|><|tool_calls_section_end|><|im_end|>',
+            "structure",
+            "without </think>",
+        ),
         # the tool regexes drop whitespace between section / call / argument tokens
-        ("r</think><|tool_calls_section_begin|>\n<|tool_call_begin|> functions.f:0 <|tool_call_argument_begin|>"
-         '{"a": 1}\n<|tool_call_end|>\n<|tool_calls_section_end|><|im_end|>', "structure", "dropped"),
+        (
+            "r</think><|tool_calls_section_begin|>\n<|tool_call_begin|> functions.f:0 <|tool_call_argument_begin|>"
+            '{"a": 1}\n<|tool_call_end|>\n<|tool_calls_section_end|><|im_end|>',
+            "structure",
+            "dropped",
+        ),
         # a generation that starts with <think>: the reasoning parser strips it
         ("<think>deep</think>answer<|im_end|>", "structure", "leading <think>"),
         # arguments that are not a JSON object: SGLang returns no call
-        ("r</think><|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>"
-         "[1, 2]<|tool_call_end|><|tool_calls_section_end|><|im_end|>", "structure", "call dropped"),
-        ("r</think><|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>"
-         "{a: 1}<|tool_call_end|><|tool_calls_section_end|><|im_end|>", "structure", "not valid JSON"),
+        (
+            "r</think><|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>"
+            "[1, 2]<|tool_call_end|><|tool_calls_section_end|><|im_end|>",
+            "structure",
+            "call dropped",
+        ),
+        (
+            "r</think><|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>"
+            "{a: 1}<|tool_call_end|><|tool_calls_section_end|><|im_end|>",
+            "structure",
+            "not valid JSON",
+        ),
         # a tool section with no tools offered comes back as content text
-        ("r</think>c<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>"
-         "{}<|tool_call_end|><|tool_calls_section_end|><|im_end|>", "structure", "no tools offered"),
+        (
+            "r</think>c<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>"
+            "{}<|tool_call_end|><|tool_calls_section_end|><|im_end|>",
+            "structure",
+            "no tools offered",
+        ),
         # the well-formed cases stay exact
-        ("r</think>c<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>"
-         '{"a": {"b": [1, "}"]}}<|tool_call_end|><|tool_calls_section_end|><|im_end|>', "exact", None),
+        (
+            "r</think>c<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>"
+            '{"a": {"b": [1, "}"]}}<|tool_call_end|><|tool_calls_section_end|><|im_end|>',
+            "exact",
+            None,
+        ),
         ("</think>just content<|im_end|>", "exact", None),
     ],
 )
@@ -345,7 +415,9 @@ def test_a_server_stopping_on_the_wrong_id_fails_the_gate_naming_it(fmt, enc):
     report = validate_to_report(fmt, rows)
     assert report["stop_convention"]["dominant_token"] == {"id": CHAS, "text": "chas", "rows": 6}
     assert not report["gate"]["passed"]
-    assert any("end with id 163533 ('chas')" in r and "the server stops on 163533" in r for r in report["gate"]["reasons"])
+    assert any(
+        "end with id 163533 ('chas')" in r and "the server stops on 163533" in r for r in report["gate"]["reasons"]
+    )
 
 
 def test_stripped_stop_ids_pass_with_a_prominent_warning(fmt, enc):
@@ -363,9 +435,13 @@ def test_stripped_stop_ids_of_mostly_tool_call_turns_pass(fmt, enc):
     which all end with `<|tool_calls_section_end|>` (163596). A structural token of the format is
     no evidence of a wrong stop id: it was read as "the server stops on 163596" and failed a clean
     dataset. The same dataset stopped on 163533 ("chas") still fails."""
-    calls = [enc(f"r{i}</think>checking<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0"
-                 f'<|tool_call_argument_begin|>{{"a": "c{i}"}}<|tool_call_end|><|tool_calls_section_end|>')
-             for i in range(8)]
+    calls = [
+        enc(
+            f"r{i}</think>checking<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0"
+            f'<|tool_call_argument_begin|>{{"a": "c{i}"}}<|tool_call_end|><|tool_calls_section_end|>'
+        )
+        for i in range(8)
+    ]
     assert all(c[-1] == fmt.special_ids["<|tool_calls_section_end|>"] == 163596 for c in calls)
     plain = [enc(f"r{i}.</think>Answer {'x' * i}.") for i in range(3)]
     rows = [InputRow(f"l{i}", f"s{i}", ids, "stop", tools=TOOLS) for i, ids in enumerate(calls + plain)]
@@ -393,8 +469,15 @@ def test_the_engines_matched_stop_wins(fmt, enc):
 def test_stop_provenance_is_read_from_the_generation_rows(fmt, enc):
     """The local generation rows carry the engine's finish_reason object in their provenance."""
     prov = json.dumps({"finish_reason": {"type": "stop", "matched": CHAS}})
-    table = pa.table({"sample_id": ["a"], "output_ids": pa.array([enc("r</think>x") + [CHAS]], pa.list_(pa.int32())),
-                      "finish_reason": ["stop"], "provenance": [prov], "tools": [None]})
+    table = pa.table(
+        {
+            "sample_id": ["a"],
+            "output_ids": pa.array([enc("r</think>x") + [CHAS]], pa.list_(pa.int32())),
+            "finish_reason": ["stop"],
+            "provenance": [prov],
+            "tools": [None],
+        }
+    )
     [row] = list(rows_from_batches(table.to_batches(), VOCAB))
     assert (row.matched, row.tools, row.finish_reason) == (CHAS, [], "stop")
     assert _run(fmt, [row])[0].cls == "wrong_stop"
@@ -415,7 +498,10 @@ def test_missing_usage_is_counted_not_zero():
     rows = [("a", None, 100), ("b", None, 50)]
     report = compare_billed_counts(rows)
     assert report["rows"] == 0 and report["missing_usage"]["rows"] == 2 and report["missing_usage"]["rate"] == 1.0
-    assert not report["gate"]["passed"] and "2 row(s) (100.00%) have no usage.completion_tokens" in report["gate"]["reasons"][0]
+    assert (
+        not report["gate"]["passed"]
+        and "2 row(s) (100.00%) have no usage.completion_tokens" in report["gate"]["reasons"][0]
+    )
     some = compare_billed_counts([("a", 100, 100), ("b", None, 50)], max_missing_usage_rate=0.5)
     assert some["gate"]["passed"] and some["deviation"] == 0.0
 
@@ -428,7 +514,6 @@ def test_a_cut_right_after_think_end_is_a_prefix(fmt, enc):
     result = _one(fmt, ids, "length")
     assert result.cls == "prefix" and result.reconstructed_tokens == len(ids) - 1
     assert validate_to_report(fmt, [InputRow("l", "x", ids, "length")])["gate"]["passed"]
-
 
 
 def test_workers_inside_a_daemonic_process_validate_in_process(fmt, enc, monkeypatch):
@@ -456,7 +541,10 @@ def test_prompt_billing_fails_a_systematic_gap_naming_the_rows_and_passes_an_exa
     assert not gap["gate"]["passed"] and gap["mean_abs_diff"] == 3.0 and gap["diff_distribution"] == [["+3", 3]]
     mean, rows = gap["gate"]["reasons"]
     assert "3.00 tokens per answer" in mean and "max_prompt_billing_mean_abs_diff 1" in mean
-    assert rows.startswith("3 answer(s) (100.00%) billed more than 2 prompt tokens away") and "a (+3), b (+3), c (+3)" in rows
+    assert (
+        rows.startswith("3 answer(s) (100.00%) billed more than 2 prompt tokens away")
+        and "a (+3), b (+3), c (+3)" in rows
+    )
     near = compare_billed_prompts([("a", 121, 120)] + [(f"r{i}", 50, 50) for i in range(9)])
     assert near["gate"]["passed"] and near["mean_abs_diff"] == 0.1
     tails = compare_billed_prompts([("a", 100, 114), ("b", 114, 100)], max_mean_abs_diff=20, max_row_diff=20)

@@ -8,8 +8,8 @@ import torch
 
 from eagle3_data.errors import UserError
 from eagle3_data.generation.vllm import check_answer, vllm_sampling
-from eagle3_data.hidden_states.layers import default_layer_ids, hidden_state_indices
 from eagle3_data.hidden_states.final_norm import final_norm_weight, rms_norm
+from eagle3_data.hidden_states.layers import default_layer_ids, hidden_state_indices
 from eagle3_data.hidden_states.vllm_backend import collapse_runs, first_difference, text_config, vllm_layer_ids
 
 
@@ -39,15 +39,22 @@ def test_final_norm_equals_the_models_own(tiny_model_dir):
 
 
 def test_sampling_keys_are_renamed_or_refused():
-    assert vllm_sampling({"max_new_tokens": 8, "sampling_seed": 3, "temperature": 0.0}) == \
-        {"max_tokens": 8, "seed": 3, "temperature": 0.0}
+    assert vllm_sampling({"max_new_tokens": 8, "sampling_seed": 3, "temperature": 0.0}) == {
+        "max_tokens": 8,
+        "seed": 3,
+        "temperature": 0.0,
+    }
     with pytest.raises(UserError, match="'no_stop_trim' is not a sampling parameter"):
         vllm_sampling({"no_stop_trim": True})
 
 
 def test_answers_must_echo_the_prompt_and_count_their_ids():
-    ok = {"choices": [{"token_ids": [5, 6, 163586], "prompt_token_ids": [1, 2], "finish_reason": "stop",
-                       "stop_reason": 163586}], "usage": {"completion_tokens": 3}}
+    ok = {
+        "choices": [
+            {"token_ids": [5, 6, 163586], "prompt_token_ids": [1, 2], "finish_reason": "stop", "stop_reason": 163586}
+        ],
+        "usage": {"completion_tokens": 3},
+    }
     ids, finish, _ = check_answer(ok, [1, 2])
     assert ids == [5, 6, 163586] and finish == {"type": "stop", "matched": 163586}
     with pytest.raises(ValueError, match="prompt_token_ids differ"):

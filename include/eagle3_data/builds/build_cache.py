@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Callable
 
 
-def cached_build(cache_root: str | Path, name: str, key_material: bytes, marker: str,
-                 build: Callable[[Path], object]) -> Path:
+def cached_build(
+    cache_root: str | Path, name: str, key_material: bytes, marker: str, build: Callable[[Path], object]
+) -> Path:
     """`cache_root/{name}-{sha256(key_material)[:16]}`, calling `build(tmp_dir)` if it is absent.
 
     `marker` is a file the finished build always holds (present = complete).

@@ -54,9 +54,7 @@ def tiktoken_vocabulary() -> bytes:
 def special_token_names() -> list[str]:
     """Names of ids 163584..163839 in order; unnamed reserved slots get `<|reserved_token_{id}|>`."""
     named = {i: name for name, i in _splintr_tokenizer().special_tokens().items()}
-    return [
-        named.get(i, f"<|reserved_token_{i}|>") for i in range(NUM_BPE_RANKS, VOCAB_SIZE)
-    ]
+    return [named.get(i, f"<|reserved_token_{i}|>") for i in range(NUM_BPE_RANKS, VOCAB_SIZE)]
 
 
 def build_kimi_tokenizer(out_dir: str | Path) -> Path:
@@ -73,9 +71,7 @@ def build_kimi_tokenizer(out_dir: str | Path) -> Path:
 
     names = special_token_names()
     backend = TikTokenConverter(vocab_file=str(vocab_path), pattern=splintr.KIMI_PATTERN).converted()
-    backend.add_special_tokens(
-        [AddedToken(n, normalized=False, special=n not in NOT_SKIPPED_ON_DECODE) for n in names]
-    )
+    backend.add_special_tokens([AddedToken(n, normalized=False, special=n not in NOT_SKIPPED_ON_DECODE) for n in names])
     for offset, name in enumerate(names):
         got = backend.token_to_id(name)
         if got != NUM_BPE_RANKS + offset:

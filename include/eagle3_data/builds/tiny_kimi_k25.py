@@ -27,8 +27,14 @@ from pathlib import Path
 
 from eagle3_data.builds.tiny_model import ENGINE_CONFIG_KEYS, TOKENIZER_FILES, shape_lm_head, tiny_config
 
-VISION_ARGS = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_hidden_layers": 2,
-               "patch_size": 14, "merge_kernel_size": [2, 2]}
+VISION_ARGS = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_hidden_layers": 2,
+    "patch_size": 14,
+    "merge_kernel_size": [2, 2],
+}
 # Kimi-K2.5's preprocessor_config.json `media_proc_cfg` (the fields vLLM's processors read).
 MEDIA_PROC_CFG = {
     "in_patch_limit": 16384,
@@ -53,10 +59,16 @@ def tiny_kimi_k25_config(tokenizer, *, layers: int = 8, hidden: int = 64):
     """A Kimi_K25Config: the tiny text stack, a two-layer MoonViT, Kimi's special ids by name."""
     from transformers import Kimi_K25Config, Kimi_K25VisionConfig
 
-    ids = {name: tokenizer.convert_tokens_to_ids(name) for name in
-           ("[BOS]", "[EOS]", "[PAD]", "<|media_pad|>", "<|media_begin|>", "<|media_end|>")}
-    text = tiny_config(len(tokenizer), layers=layers, hidden=hidden,
-                       special={"bos": ids["[BOS]"], "eos": ids["[EOS]"], "pad": ids["[PAD]"]})
+    ids = {
+        name: tokenizer.convert_tokens_to_ids(name)
+        for name in ("[BOS]", "[EOS]", "[PAD]", "<|media_pad|>", "<|media_begin|>", "<|media_end|>")
+    }
+    text = tiny_config(
+        len(tokenizer),
+        layers=layers,
+        hidden=hidden,
+        special={"bos": ids["[BOS]"], "eos": ids["[EOS]"], "pad": ids["[PAD]"]},
+    )
     vision = Kimi_K25VisionConfig(**VISION_ARGS)
     return Kimi_K25Config(
         text_config=text,
@@ -92,7 +104,7 @@ def _moonshot_key_names(path: Path) -> None:
     for key, tensor in tensors.items():
         for wrong, right in KEY_FIXES:
             if key.startswith(wrong):
-                key = right + key[len(wrong):]
+                key = right + key[len(wrong) :]
         renamed[key] = tensor
     save_file(renamed, str(path), metadata={"format": "pt"})
 
@@ -113,8 +125,9 @@ def tiny_kimi_k25_model(tokenizer, *, seed: int = 0, layers: int = 8, hidden: in
     return model.to(torch.bfloat16)
 
 
-def build_tiny_kimi_k25(tokenizer_dir: str | Path, out_dir: str | Path, *, seed: int = 0, layers: int = 8,
-                        hidden: int = 64) -> Path:
+def build_tiny_kimi_k25(
+    tokenizer_dir: str | Path, out_dir: str | Path, *, seed: int = 0, layers: int = 8, hidden: int = 64
+) -> Path:
     """Write a `Kimi_K25ForConditionalGeneration` directory in the real checkpoint layout."""
     from transformers import AutoTokenizer
 
@@ -137,20 +150,27 @@ def build_tiny_kimi_k25(tokenizer_dir: str | Path, out_dir: str | Path, *, seed:
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).exists():
             shutil.copyfile(tokenizer_dir / name, out / name)
-    (out / MARKER).write_text(json.dumps(
-        {"seed": seed, "layers": layers, "hidden": hidden, "vocab_size": len(tokenizer)}, indent=2) + "\n")
+    (out / MARKER).write_text(
+        json.dumps({"seed": seed, "layers": layers, "hidden": hidden, "vocab_size": len(tokenizer)}, indent=2) + "\n"
+    )
     return out
 
 
-def cached_tiny_kimi_k25(tokenizer_dir: str | Path, cache_root: str | Path, *, seed: int = 0, layers: int = 8,
-                         hidden: int = 64) -> Path:
+def cached_tiny_kimi_k25(
+    tokenizer_dir: str | Path, cache_root: str | Path, *, seed: int = 0, layers: int = 8, hidden: int = 64
+) -> Path:
     """The model built once under `cache_root/tiny-kimi-k25-{key}` (keyed like `cached_tiny_model`,
     plus the text stack's builder, whose source shapes this model too)."""
     from eagle3_data.builds import tiny_model
     from eagle3_data.builds.build_cache import cached_build
 
     args = {"seed": seed, "layers": layers, "hidden": hidden}
-    key = (Path(__file__).read_bytes() + Path(tiny_model.__file__).read_bytes() + repr(sorted(args.items())).encode()
-           + Path(tokenizer_dir).name.encode())
-    return cached_build(cache_root, "tiny-kimi-k25", key, MARKER,
-                        lambda out: build_tiny_kimi_k25(tokenizer_dir, out, **args))
+    key = (
+        Path(__file__).read_bytes()
+        + Path(tiny_model.__file__).read_bytes()
+        + repr(sorted(args.items())).encode()
+        + Path(tokenizer_dir).name.encode()
+    )
+    return cached_build(
+        cache_root, "tiny-kimi-k25", key, MARKER, lambda out: build_tiny_kimi_k25(tokenizer_dir, out, **args)
+    )

@@ -162,8 +162,9 @@ def build_tiny_model(
     return out
 
 
-def cached_tiny_model(tokenizer_dir: str | Path, cache_root: str | Path, *, seed: int = 0, layers: int = 8,
-                      hidden: int = 64) -> Path:
+def cached_tiny_model(
+    tokenizer_dir: str | Path, cache_root: str | Path, *, seed: int = 0, layers: int = 8, hidden: int = 64
+) -> Path:
     """The model built once under `cache_root/tiny-deepseek-v3-{key}`.
 
     The key hashes this module, the arguments and the tokenizer directory's name (itself keyed
@@ -173,5 +174,10 @@ def cached_tiny_model(tokenizer_dir: str | Path, cache_root: str | Path, *, seed
 
     args = {"seed": seed, "layers": layers, "hidden": hidden}
     key = Path(__file__).read_bytes() + repr(sorted(args.items())).encode() + Path(tokenizer_dir).name.encode()
-    return cached_build(cache_root, "tiny-deepseek-v3", key, "model.safetensors",
-                        lambda out: build_tiny_model(tokenizer_dir, out, **args))
+    return cached_build(
+        cache_root,
+        "tiny-deepseek-v3",
+        key,
+        "model.safetensors",
+        lambda out: build_tiny_model(tokenizer_dir, out, **args),
+    )

@@ -14,8 +14,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from eagle3_data.errors import UserError
 from eagle3_data.codec import Codec
+from eagle3_data.errors import UserError
 
 FinishReason = Literal["stop", "length"]
 
@@ -29,9 +29,7 @@ def normalize_finish_reason(value: str | None, *, where: str = "row") -> FinishR
         return "stop"
     if value in _LENGTH_REASONS:
         return "length"
-    raise UserError(
-        f"{where}: field 'finish_reason' is {value!r}; expected 'stop' (or 'tool_calls') or 'length'"
-    )
+    raise UserError(f"{where}: field 'finish_reason' is {value!r}; expected 'stop' (or 'tool_calls') or 'length'")
 
 
 @dataclass(frozen=True)
@@ -160,16 +158,17 @@ class OutputFormat(ABC):
         """Whether this tokenizer carries the format's structural tokens."""
 
     @abstractmethod
-    def render_parts(
-        self, message: AssistantMessage, finish_reason: str, tool_call_index_start: int = 0
-    ) -> list[Part]:
+    def render_parts(self, message: AssistantMessage, finish_reason: str, tool_call_index_start: int = 0) -> list[Part]:
         """The generation for `message` as text pieces (model-produced strings, encoded as ordinary
         text) and structural ids (inserted by name): literal special-token text stays text."""
 
     def render(self, message: AssistantMessage, finish_reason: str, tool_call_index_start: int = 0) -> str:
         """The exact text the model generates for `message` (after the generation prompt)."""
         names = {tid: name for name, tid in self.special_ids.items()}
-        return "".join(p if isinstance(p, str) else names[p] for p in self.render_parts(message, finish_reason, tool_call_index_start))
+        return "".join(
+            p if isinstance(p, str) else names[p]
+            for p in self.render_parts(message, finish_reason, tool_call_index_start)
+        )
 
     def encode_parts_batch(self, parts: Sequence[Sequence[Part]]) -> list[list[int]]:
         """Ids of rendered generations: text pieces through one ordinary (no special parsing) batch
@@ -194,7 +193,10 @@ class OutputFormat(ABC):
 
     @abstractmethod
     def provider_view(
-        self, ids: list[int], finish_reason: str, tools: list[dict[str, Any]] | None,
+        self,
+        ids: list[int],
+        finish_reason: str,
+        tools: list[dict[str, Any]] | None,
         history_tool_calls: int | None = None,
     ) -> ProviderView:
         """The OpenAI message an OpenAI-compatible server's parsers make of these generated ids
@@ -217,7 +219,9 @@ class OutputFormat(ABC):
 
     @abstractmethod
     def generation_prompt_ids(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
         images: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Prompt ids ending with the generation prompt of this format's mode, each image's

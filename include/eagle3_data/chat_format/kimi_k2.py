@@ -16,12 +16,11 @@ content is the text before the section. The validation gate rebuilds that view.
 
 from __future__ import annotations
 
+import json
 import re
 from functools import cached_property
 from pathlib import Path
 from typing import Any
-
-import json
 
 from eagle3_data.chat_format.base import (
     AssistantMessage,
@@ -32,7 +31,6 @@ from eagle3_data.chat_format.base import (
     ToolCall,
     normalize_finish_reason,
 )
-from eagle3_data.errors import UserError
 from eagle3_data.codec import (
     Codec,
     HFCodec,
@@ -42,6 +40,7 @@ from eagle3_data.codec import (
     codecs_agree,
     tiktoken_encoding,
 )
+from eagle3_data.errors import UserError
 from eagle3_data.images import MEDIA_PAD, expand_media
 
 # Moonshot's pre-tokenizer split (tokenization_kimi.py; splintr.KIMI_PATTERN).
@@ -150,9 +149,7 @@ class KimiK2Format(OutputFormat):
 
     # ------------------------------------------------------------------ render
 
-    def render_parts(
-        self, message: AssistantMessage, finish_reason: str, tool_call_index_start: int = 0
-    ) -> list[Part]:
+    def render_parts(self, message: AssistantMessage, finish_reason: str, tool_call_index_start: int = 0) -> list[Part]:
         finish = normalize_finish_reason(finish_reason)
         ids = self.special_ids
         parts: list[Part] = []
@@ -243,7 +240,10 @@ class KimiK2Format(OutputFormat):
     # ------------------------------------------------------------------ the provider's view
 
     def provider_view(
-        self, ids: list[int], finish_reason: str, tools: list[dict[str, Any]] | None,
+        self,
+        ids: list[int],
+        finish_reason: str,
+        tools: list[dict[str, Any]] | None,
         history_tool_calls: int | None = None,
     ) -> ProviderView:
         ids = list(ids)
@@ -292,7 +292,9 @@ class KimiK2Format(OutputFormat):
                 notes.append("tool call text before the tool section")
             elif normal[pos : m.start()]:
                 gap = normal[pos : m.start()]
-                notes.append("call dropped by the tool parser" if CALL_BEGIN in gap else "text between tool calls dropped")
+                notes.append(
+                    "call dropped by the tool parser" if CALL_BEGIN in gap else "text between tool calls dropped"
+                )
             pos = max(pos, m.end())
             if any(m[g] for g in ("ws1", "ws2", "ws3", "ws4")):
                 notes.append("whitespace around a tool-call id or arguments dropped")
@@ -331,7 +333,9 @@ class KimiK2Format(OutputFormat):
         return f"functions.{name}:{index}"
 
     def generation_prompt_ids(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
         images: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         text = self.tokenizer.apply_chat_template(

@@ -32,8 +32,11 @@ COMMAND_MODULES = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="eagle3-data", description=__doc__.splitlines()[0],
-                                     epilog="--debug (anywhere): show the traceback of an error")
+    parser = argparse.ArgumentParser(
+        prog="eagle3-data",
+        description=__doc__.splitlines()[0],
+        epilog="--debug (anywhere): show the traceback of an error",
+    )
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(f"eagle3_data.cli.{name}").register(subparsers)

@@ -15,7 +15,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Exit 0 and print the resolved config (defaults filled, per-dataset thresholds "
         "inherited), or exit 2 with one line per bad key.",
     )
-    check.add_argument("file", nargs="?", default=None, help="pipeline YAML (default: $EAGLE3_CONFIG, else the packaged default)")
+    check.add_argument(
+        "file", nargs="?", default=None, help="pipeline YAML (default: $EAGLE3_CONFIG, else the packaged default)"
+    )
     check.set_defaults(func=_check)
 
 

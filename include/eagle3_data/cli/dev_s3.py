@@ -11,7 +11,7 @@ def register(dev_sub: argparse._SubParsersAction) -> None:
     start = sub.add_parser(
         "start",
         help="start in the background (keys: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, else dev defaults); "
-             "prints the `export` lines a client needs",
+        "prints the `export` lines a client needs",
     )
     start.add_argument("--dir", required=True, help="data, pid file and log live here (kept across restarts)")
     start.add_argument("--port", type=int, default=None, help="S3 port (default: a free one, or the last one used)")

@@ -6,7 +6,9 @@ import argparse
 
 
 def register(dev_sub: argparse._SubParsersAction) -> None:
-    p = dev_sub.add_parser("serve", help="run the dev inference server on 127.0.0.1 (stand-in for SGLang and OpenRouter)")
+    p = dev_sub.add_parser(
+        "serve", help="run the dev inference server on 127.0.0.1 (stand-in for SGLang and OpenRouter)"
+    )
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--tokenizer", required=True, help="Kimi tokenizer directory (see `dev build-tokenizer`)")
     p.add_argument("--config", help="dev server YAML: fault injection, prices, per-dataset BPE split rates")

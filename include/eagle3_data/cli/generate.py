@@ -29,45 +29,71 @@ KEY_ENV = "OPENROUTER_API_KEY"
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("generate", help="run a generation stage for one dataset (local engine or OpenRouter)")
     sub = p.add_subparsers(dest="engine", required=True)
-    for engine, help_ in (("local", "SGLang /generate or vLLM endpoints: exact output ids"),
-                          ("overflow", "OpenRouter chat completions: text, reconstructed later")):
+    for engine, help_ in (
+        ("local", "SGLang /generate or vLLM endpoints: exact output ids"),
+        ("overflow", "OpenRouter chat completions: text, reconstructed later"),
+    ):
         q = sub.add_parser(engine, help=help_)
         q.add_argument("--dataset", required=True)
-        q.add_argument("--prompts", required=True, help="prompt JSONL/Parquet file, save_to_disk folder or s3:// URI "
-                       "(OpenAI messages + tools, ShareGPT conversations or a prompt string)")
+        q.add_argument(
+            "--prompts",
+            required=True,
+            help="prompt JSONL/Parquet file, save_to_disk folder or s3:// URI "
+            "(OpenAI messages + tools, ShareGPT conversations or a prompt string)",
+        )
         q.add_argument("--run-key", required=True, help="e.g. date=2026-11-29 or a run name")
         add_config_arg(q)
         q.add_argument("--bucket", help="S3 bucket (default: the config's storage.bucket)")
         q.add_argument("--prefix", help="S3 key prefix (default: the config's storage.prefix)")
         add_store_args(q)
         q.add_argument("--tokenizer", help="tokenizer dir or s3:// prefix (default: the config's tokenizer.source)")
-        q.add_argument("--dev", action="store_true",
-                       help="run on the embedded dev inference server (a stand-in: the manifests say so)")
+        q.add_argument(
+            "--dev",
+            action="store_true",
+            help="run on the embedded dev inference server (a stand-in: the manifests say so)",
+        )
         q.add_argument("--dev-config", help="fault/rate YAML for the dev inference server (with --dev)")
-        q.add_argument("--journal-dir", help="local journal of answers not yet committed "
-                       "(default $EAGLE3_DATA_CACHE/journal, ~/.cache/eagle3-data/journal)")
+        q.add_argument(
+            "--journal-dir",
+            help="local journal of answers not yet committed "
+            "(default $EAGLE3_DATA_CACHE/journal, ~/.cache/eagle3-data/journal)",
+        )
         q.add_argument("--rows-per-part", type=int)
-        q.add_argument("--rerun", action="store_true",
-                       help="reopen a complete stage: re-verify its parts, keep the sound ones, replay the local "
-                            "journal, and request only what is missing or corrupt")
+        q.add_argument(
+            "--rerun",
+            action="store_true",
+            help="reopen a complete stage: re-verify its parts, keep the sound ones, replay the local "
+            "journal, and request only what is missing or corrupt",
+        )
         if engine == "local":
             q.add_argument("--endpoint", action="append", default=[], help="engine base URL; repeat for data parallel")
             q.add_argument("--in-flight", type=int, help="requests in flight per endpoint")
         else:
             q.add_argument("--base-url", help="OpenAI-compatible base URL, e.g. https://openrouter.ai/api/v1")
             q.add_argument("--model", help="model slug (default: the config's generation.overflow.model)")
-            q.add_argument("--max-usd", type=float, help="stop dispatching at this spend (default: the config's max_usd)")
+            q.add_argument(
+                "--max-usd", type=float, help="stop dispatching at this spend (default: the config's max_usd)"
+            )
             q.add_argument("--concurrency", type=int)
-        q.add_argument("--regenerate", choices=["final_turn", "every_turn", "trajectory"],
-                       help="final_turn: the answer after each row's whole history; every_turn: one sample per user "
-                            "turn; trajectory: each user turn's assistant turns, recorded tool results spliced in "
-                            "(default: the config's generation.regenerate)")
-        q.add_argument("--history", choices=["dataset", "regenerated"],
-                       help="every_turn/trajectory: the history before a user turn is the dataset's own or the "
-                            "answers regenerated before it (default: the config's generation.history)")
-        q.add_argument("--overflow-fraction", type=float,
-                       help="share of the samples routed to OpenRouter (the DAG's trigger param; default: the config's "
-                            "routing.overflow_fraction)")
+        q.add_argument(
+            "--regenerate",
+            choices=["final_turn", "every_turn", "trajectory"],
+            help="final_turn: the answer after each row's whole history; every_turn: one sample per user "
+            "turn; trajectory: each user turn's assistant turns, recorded tool results spliced in "
+            "(default: the config's generation.regenerate)",
+        )
+        q.add_argument(
+            "--history",
+            choices=["dataset", "regenerated"],
+            help="every_turn/trajectory: the history before a user turn is the dataset's own or the "
+            "answers regenerated before it (default: the config's generation.history)",
+        )
+        q.add_argument(
+            "--overflow-fraction",
+            type=float,
+            help="share of the samples routed to OpenRouter (the DAG's trigger param; default: the config's "
+            "routing.overflow_fraction)",
+        )
         q.set_defaults(func=_run)
 
 
@@ -98,8 +124,10 @@ def _run(args: argparse.Namespace) -> int:
     given = args.endpoint if args.engine == "local" else args.base_url
     if not given and not args.dev:
         flag = "--endpoint URL (repeat for several)" if args.engine == "local" else "--base-url URL"
-        raise UserError(f"generate {args.engine}: no endpoint: name it with {flag}, or pass --dev to run on the "
-                        "dev inference server (a stand-in; the stage's manifests then say so)")
+        raise UserError(
+            f"generate {args.engine}: no endpoint: name it with {flag}, or pass --dev to run on the "
+            "dev inference server (a stand-in; the stage's manifests then say so)"
+        )
     if given and args.dev:
         raise UserError(f"generate {args.engine}: --dev runs on the dev inference server; drop it to use {given}")
     overrides = overrides_of(args)
@@ -118,8 +146,9 @@ def _run(args: argparse.Namespace) -> int:
             result = pipeline.generate_local(run, store, args.dataset, args.endpoint or [url], rerun=args.rerun)
         else:
             key = os.environ.get(KEY_ENV) or ("dev-key-unused" if args.dev else "")
-            result = pipeline.generate_overflow(run, store, args.dataset, args.base_url or f"{url}/v1", key,
-                                                rerun=args.rerun)
+            result = pipeline.generate_overflow(
+                run, store, args.dataset, args.base_url or f"{url}/v1", key, rerun=args.rerun
+            )
     print(printed(result))
     return 0
 
@@ -133,6 +162,8 @@ def _print_rejects(store, run, dataset: str, routed) -> None:
     ref = stage_ref(run, PROMPTS, dataset)
     rejects = read_rejects(store, ref) if routed.counts.get("rejects") else []
     read = routed.counts.get("prompts", 0) + len(rejects)
-    print(format_rejects(rejects, read, rows=f"prompt rows of {dataset} ({store.uri(ref, REJECTS_FILE)})"), file=sys.stderr)
+    print(
+        format_rejects(rejects, read, rows=f"prompt rows of {dataset} ({store.uri(ref, REJECTS_FILE)})"),
+        file=sys.stderr,
+    )
     print(f"routed: {', '.join(f'{k} {v}' for k, v in routed.counts.items())} -> {routed.uri}", file=sys.stderr)
-

@@ -18,12 +18,21 @@ from eagle3_data.errors import UserError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("score-policy", help="score overflow vs local answers on the local engine (the policy check)")
+    p = subparsers.add_parser(
+        "score-policy", help="score overflow vs local answers on the local engine (the policy check)"
+    )
     p.add_argument("--input", required=True, help="a reconstruct stage s3://BUCKET/[PREFIX/]runs/R/reconstruct/D")
-    p.add_argument("--endpoint", action="append", default=[],
-                   help="the local engine's base URL (the target model); repeat for several")
-    p.add_argument("--dev", action="store_true", help="score on the embedded dev inference server (a stand-in: the "
-                   "manifest says so)")
+    p.add_argument(
+        "--endpoint",
+        action="append",
+        default=[],
+        help="the local engine's base URL (the target model); repeat for several",
+    )
+    p.add_argument(
+        "--dev",
+        action="store_true",
+        help="score on the embedded dev inference server (a stand-in: the manifest says so)",
+    )
     add_config_arg(p)
     add_store_args(p)
     p.set_defaults(func=_run)
@@ -33,9 +42,13 @@ def _run(args: argparse.Namespace) -> int:
     from eagle3_data import pipeline
 
     if bool(args.endpoint) == args.dev:
-        raise UserError("score-policy: name the local engine with --endpoint URL (repeat for several), or pass --dev "
-                        "to score on the dev inference server (a stand-in), not both")
-    run, store, ref = run_of_stage(args, args.input, ("reconstruct",), dev_stand_in(args, "local_engine") if args.dev else None)
+        raise UserError(
+            "score-policy: name the local engine with --endpoint URL (repeat for several), or pass --dev "
+            "to score on the dev inference server (a stand-in), not both"
+        )
+    run, store, ref = run_of_stage(
+        args, args.input, ("reconstruct",), dev_stand_in(args, "local_engine") if args.dev else None
+    )
     with contextlib.ExitStack() as stack:
         endpoints = [dev_server(stack, run)] if args.dev else args.endpoint
         print(printed(pipeline.score_policy(run, store, ref.dataset, endpoints)))

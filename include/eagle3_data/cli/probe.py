@@ -10,16 +10,23 @@ from eagle3_data.cli.runs import add_config_arg, add_store_args, printed, run_of
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("probe", help="train a small EAGLE-3 drafter on the data and score held-out acceptance")
-    p.add_argument("--input", required=True,
-                   help="an export-speculators folder (its draft vocabulary beside it), or an extraction stage "
-                        "s3://BUCKET/[PREFIX/]runs/RUN_KEY/hidden_states/all (writes runs/RUN_KEY/probe/all)")
+    p.add_argument(
+        "--input",
+        required=True,
+        help="an export-speculators folder (its draft vocabulary beside it), or an extraction stage "
+        "s3://BUCKET/[PREFIX/]runs/RUN_KEY/hidden_states/all (writes runs/RUN_KEY/probe/all)",
+    )
     p.add_argument("--model", help="folder mode: the target model directory (default: the config's model.source)")
     p.add_argument("--eval-export", help="folder mode: score on this export's rows instead (same rows, other data)")
     p.add_argument("--out", help="folder mode: write the probe's JSON here (default: print it)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="folder mode (default: cuda when there is one)")
-    for flag, help_ in (("samples", "train samples at most"), ("eval-samples", "held-out samples at most"),
-                        ("steps", "optimizer steps"), ("draft-length", "draft tokens per step (acc_0..acc_{k-1})"),
-                        ("seed", "the split, the init and the sample order")):
+    for flag, help_ in (
+        ("samples", "train samples at most"),
+        ("eval-samples", "held-out samples at most"),
+        ("steps", "optimizer steps"),
+        ("draft-length", "draft tokens per step (acc_0..acc_{k-1})"),
+        ("seed", "the split, the init and the sample order"),
+    ):
         p.add_argument(f"--{flag}", type=int, help=f"{help_} (default: the config's probe.{flag.replace('-', '_')})")
     add_config_arg(p)
     add_store_args(p)
@@ -41,8 +48,10 @@ def _run(args: argparse.Namespace) -> int:
         from eagle3_data.pipeline.probe import probe
 
         if args.out or args.eval_export or args.model:
-            raise UserError("--out, --eval-export and --model are for an export folder: a stage's probe uses the "
-                            "config's model and writes runs/RUN_KEY/probe/all")
+            raise UserError(
+                "--out, --eval-export and --model are for an export folder: a stage's probe uses the "
+                "config's model and writes runs/RUN_KEY/probe/all"
+            )
         run, store, _ = run_of_stage(args, args.input, ("hidden_states",), _overrides(args))
         result = probe(run, store)
         if result is None:
@@ -57,8 +66,13 @@ def _run(args: argparse.Namespace) -> int:
     if not (model / "config.json").exists():
         raise UserError(f"--model {model}: no config.json there")
     device = args.device or default_device()
-    report = probe_export(Path(args.input), model, config.probe,
-                          eval_export=Path(args.eval_export) if args.eval_export else None, device=device)
+    report = probe_export(
+        Path(args.input),
+        model,
+        config.probe,
+        eval_export=Path(args.eval_export) if args.eval_export else None,
+        device=device,
+    )
     text = json.dumps(report, indent=1)
     if args.out:
         Path(args.out).write_text(text + "\n")

@@ -26,7 +26,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("prompts", help="upload prompt files to a dataset's date partition, list partitions")
     sub = p.add_subparsers(dest="prompts_command", required=True)
     up = sub.add_parser("upload", help="validate FILE(s) and write them to {root}/{dataset}/date=YYYY-MM-DD/")
-    up.add_argument("files", nargs="+", type=Path, metavar="FILE", help=".jsonl, .parquet or .arrow prompt file(s): messages, conversations (ShareGPT) or prompt rows")
+    up.add_argument(
+        "files",
+        nargs="+",
+        type=Path,
+        metavar="FILE",
+        help=".jsonl, .parquet or .arrow prompt file(s): messages, conversations (ShareGPT) or prompt rows",
+    )
     up.add_argument("--dataset", required=True, help="a dataset of the config")
     up.add_argument("--date", required=True, help="the runs' logical date, YYYY-MM-DD")
     up.add_argument("--allow-bad-rows", action="store_true", help="upload even if rows are rejected (they are listed)")
@@ -39,7 +45,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default=None, help="pipeline config (default: $EAGLE3_CONFIG, else the packaged default)")
+    p.add_argument(
+        "--config", default=None, help="pipeline config (default: $EAGLE3_CONFIG, else the packaged default)"
+    )
     p.add_argument("--endpoint-url", default=None, help="S3 endpoint (default: $AWS_ENDPOINT_URL)")
     p.add_argument("--region", default=None)
 
@@ -53,7 +61,9 @@ def _root(config, dataset: str) -> tuple[str, str]:
     if not root.startswith("s3://"):
         raise UserError(f"dataset {dataset!r} reads prompts from {root!r}, not an s3:// root: nothing to upload to")
     if root.rstrip("/").endswith(tuple(f"{dataset}{s}" for s in (".jsonl", ".parquet"))):
-        raise UserError(f"dataset {dataset!r} reads the single file {root}: a date partition applies to a prompts root only")
+        raise UserError(
+            f"dataset {dataset!r} reads the single file {root}: a date partition applies to a prompts root only"
+        )
     bucket, _, prefix = root.removeprefix("s3://").partition("/")
     return bucket, prefix.strip("/")
 
@@ -81,8 +91,15 @@ def _upload(args: argparse.Namespace) -> int:
         if f.suffix not in PROMPT_FILE_SUFFIXES:
             raise UserError(f"{f}: expected a {' or '.join(PROMPT_FILE_SUFFIXES)} file")
         sink = ImageSink(None, config.limits.max_image_bytes)  # images checked here, stored by the run's prompts stage
-        load = load_prompts(str(f), args.dataset, sampling=g.sampling.model_dump(), repeats=g.repeats,
-                            regenerate=g.regenerate, history=g.history, images=sink)
+        load = load_prompts(
+            str(f),
+            args.dataset,
+            sampling=g.sampling.model_dump(),
+            repeats=g.repeats,
+            regenerate=g.regenerate,
+            history=g.history,
+            images=sink,
+        )
         rejects += load.rejects
         counts.append((f, load.counts))
         images += [(f, Path(s)) for s in sink.seen if not s.startswith(("data:", "s3://"))]  # files beside the prompts
@@ -91,8 +108,10 @@ def _upload(args: argparse.Namespace) -> int:
     if len(rejects) > MAX_REPORTED:
         print(f"... and {len(rejects) - MAX_REPORTED} more bad rows", file=sys.stderr)
     if rejects and not args.allow_bad_rows:
-        raise UserError(f"{len(rejects)} bad row(s) in {', '.join(str(f) for f, c in counts if c['rejected'])}: "
-                        f"nothing uploaded (fix them, or pass --allow-bad-rows to upload and let the run reject them)")
+        raise UserError(
+            f"{len(rejects)} bad row(s) in {', '.join(str(f) for f, c in counts if c['rejected'])}: "
+            f"nothing uploaded (fix them, or pass --allow-bad-rows to upload and let the run reject them)"
+        )
     store = _store(args, bucket)
     for f, c in counts:
         key = f"{prefix}/{args.dataset}/date={args.date}/{f.name}".lstrip("/")
@@ -115,7 +134,7 @@ def _list(args: argparse.Namespace) -> int:
         base = f"{prefix}/{name}/".lstrip("/")
         parts: dict[str, list[int]] = {}
         for obj in _store(args, bucket).list_objects(base):
-            date = obj["Key"][len(base):].split("/", 1)[0]
+            date = obj["Key"][len(base) :].split("/", 1)[0]
             if date.startswith("date="):
                 parts.setdefault(date[5:], []).append(obj["Size"])
         if not parts:

@@ -20,8 +20,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--run-key", required=True, help="the run key the stage commands used")
     p.add_argument("--bucket", help="S3 bucket (default: the config's storage.bucket)")
     p.add_argument("--prefix", help="S3 key prefix (default: the config's storage.prefix)")
-    p.add_argument("--skip-hidden-states", action="store_true",
-                   help="the run stops at merge: missing hidden states are not a problem (the DAG's param)")
+    p.add_argument(
+        "--skip-hidden-states",
+        action="store_true",
+        help="the run stops at merge: missing hidden states are not a problem (the DAG's param)",
+    )
     add_config_arg(p)
     add_store_args(p)
     p.set_defaults(func=_run)

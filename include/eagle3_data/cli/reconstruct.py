@@ -16,15 +16,25 @@ from eagle3_data.cli.runs import add_config_arg, add_store_args, printed, run_of
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("reconstruct", help="rebuild output ids from reasoning/content/tool_calls text")
-    p.add_argument("--input", required=True,
-                   help="a generate_overflow stage s3://BUCKET/[PREFIX/]runs/R/generate_overflow/D, or a JSONL/.parquet "
-                        "file of rows: sample_id, reasoning, content, tool_calls, finish_reason, [messages], [tools]")
-    p.add_argument("--out", help="file mode: JSONL or .parquet: sample_id, finish_reason, output_ids, unreconstructable "
-                   "(the reason when the text cannot determine the ids; output_ids is then null)")
+    p.add_argument(
+        "--input",
+        required=True,
+        help="a generate_overflow stage s3://BUCKET/[PREFIX/]runs/R/generate_overflow/D, or a JSONL/.parquet "
+        "file of rows: sample_id, reasoning, content, tool_calls, finish_reason, [messages], [tools]",
+    )
+    p.add_argument(
+        "--out",
+        help="file mode: JSONL or .parquet: sample_id, finish_reason, output_ids, unreconstructable "
+        "(the reason when the text cannot determine the ids; output_ids is then null)",
+    )
     p.add_argument("--tokenizer", help="HF tokenizer directory or s3://bucket/prefix (default: the config's)")
-    p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
-                   help="the generation mode the answers were made with (required with a file; a stage: the "
-                        "config's generation.sampling.thinking)")
+    p.add_argument(
+        "--thinking",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the generation mode the answers were made with (required with a file; a stage: the "
+        "config's generation.sampling.thinking)",
+    )
     p.add_argument("--trust-remote-code", action="store_true")
     add_config_arg(p)
     add_store_args(p)
@@ -52,8 +62,10 @@ def _run(args: argparse.Namespace) -> int:
     if not args.out:
         raise UserError("--out is required with a local --input file (an s3:// stage URI writes the reconstruct stage)")
     if args.thinking is None:  # a file carries no run config: the mode must be said, never guessed
-        raise UserError("--thinking or --no-thinking is required with a local --input file: the generation mode the "
-                        "answers were made with (thinking off has no </think>)")
+        raise UserError(
+            "--thinking or --no-thinking is required with a local --input file: the generation mode the "
+            "answers were made with (thinking off has no </think>)"
+        )
     return _run_file(args)
 
 
@@ -64,8 +76,9 @@ def _run_file(args: argparse.Namespace) -> int:
     from eagle3_data.tokenizer import load_bulk_tokenizer
 
     config = load_config(args.config)
-    tokenizer = load_bulk_tokenizer(resolve_source(args.tokenizer or config.tokenizer.source),
-                                    trust_remote_code=args.trust_remote_code)
+    tokenizer = load_bulk_tokenizer(
+        resolve_source(args.tokenizer or config.tokenizer.source), trust_remote_code=args.trust_remote_code
+    )
     fmt = get_output_format(tokenizer, thinking=args.thinking)
     rows = (row_to_reconstruct(fmt, record, where) for where, record in read_records(args.input))
     out = Path(args.out)
@@ -77,8 +90,12 @@ def _run_file(args: argparse.Namespace) -> int:
         for r, ids in reconstruct_rows(fmt, rows):
             if r.unreconstructable:
                 excluded.append(r.sample_id)
-            yield {"sample_id": r.sample_id, "finish_reason": r.finish_reason,
-                   "output_ids": None if r.unreconstructable else ids, "unreconstructable": r.unreconstructable}
+            yield {
+                "sample_id": r.sample_id,
+                "finish_reason": r.finish_reason,
+                "output_ids": None if r.unreconstructable else ids,
+                "unreconstructable": r.unreconstructable,
+            }
 
     try:
         n = _write(tmp, out.suffix, results())
@@ -97,8 +114,14 @@ def _write(path: Path, suffix: str, records) -> int:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        schema = pa.schema([("sample_id", pa.string()), ("finish_reason", pa.string()), ("output_ids", pa.list_(pa.int32())),
-                            ("unreconstructable", pa.string())])
+        schema = pa.schema(
+            [
+                ("sample_id", pa.string()),
+                ("finish_reason", pa.string()),
+                ("output_ids", pa.list_(pa.int32())),
+                ("unreconstructable", pa.string()),
+            ]
+        )
         with pq.ParquetWriter(path, schema) as writer:
             batch: list[dict] = []
             for rec in records:

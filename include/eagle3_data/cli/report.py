@@ -10,7 +10,9 @@ import sys
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("report", help="render a run's validation report as HTML, Markdown or JSON")
     p.add_argument("--run-key", required=True, help="date=YYYY-MM-DD or the run_name of a manual run")
-    p.add_argument("--config", default=None, help="pipeline config (default: $EAGLE3_CONFIG or the packaged pipeline.yaml)")
+    p.add_argument(
+        "--config", default=None, help="pipeline config (default: $EAGLE3_CONFIG or the packaged pipeline.yaml)"
+    )
     p.add_argument("--format", choices=["html", "markdown", "json"], default="html")
     p.add_argument("--out", default="-", help="file to write (default: stdout)")
     p.add_argument("--endpoint-url", default=None, help="S3 endpoint (default: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL)")
@@ -28,9 +30,11 @@ def _run(args: argparse.Namespace) -> int:
     storage = load_config(args.config).storage
     store = ArtifactStore(s3_client(args.endpoint_url, args.region), storage.bucket, storage.prefix)
     if store.head_object(run_report_ref(args.run_key), RUN_REPORT_NAME) is None:
-        raise UserError(f"run {args.run_key} has no report ({store.uri(run_report_ref(args.run_key), RUN_REPORT_NAME)} "
-                        f"does not exist): the DAG's publish task writes it; for a run made with the stage commands, "
-                        f"run `eagle3-data publish --run-key {args.run_key}` first")
+        raise UserError(
+            f"run {args.run_key} has no report ({store.uri(run_report_ref(args.run_key), RUN_REPORT_NAME)} "
+            f"does not exist): the DAG's publish task writes it; for a run made with the stage commands, "
+            f"run `eagle3-data publish --run-key {args.run_key}` first"
+        )
     report = load_run_report(store, args.run_key)
     title = f"EAGLE-3 validation report: {args.run_key}"
     if args.format == "json":

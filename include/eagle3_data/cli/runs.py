@@ -39,17 +39,29 @@ def parse_stage_uri(uri: str):
 def open_store(args: argparse.Namespace, bucket: str, prefix: str, stand_ins=()):
     from eagle3_data.storage import ArtifactStore, s3_client
 
-    return ArtifactStore(s3_client(getattr(args, "endpoint_url", None), getattr(args, "region", None)), bucket=bucket,
-                         prefix=prefix, stand_ins=stand_ins)
+    return ArtifactStore(
+        s3_client(getattr(args, "endpoint_url", None), getattr(args, "region", None)),
+        bucket=bucket,
+        prefix=prefix,
+        stand_ins=stand_ins,
+    )
 
 
-def cli_run(args: argparse.Namespace, run_key: str, datasets: list[str], overrides: dict[str, Any] | None = None,
-            *, bucket: str | None = None, prefix: str | None = None):
+def cli_run(
+    args: argparse.Namespace,
+    run_key: str,
+    datasets: list[str],
+    overrides: dict[str, Any] | None = None,
+    *,
+    bucket: str | None = None,
+    prefix: str | None = None,
+):
     """(Run, store) for a stage command: the config (`--config`) with `overrides` merged as trigger
     params are (validated again; `overrides["datasets"]`: per-dataset fields by name), datasets the
     config lacks added with the global thresholds, the store on `bucket`/`prefix` when given."""
     from eagle3_data.config import deep_merge, load_config
-    from eagle3_data.pipeline import Run, open_store as pipeline_store
+    from eagle3_data.pipeline import Run
+    from eagle3_data.pipeline import open_store as pipeline_store
     from eagle3_data.storage import check_name, s3_client
 
     check_name(run_key, "run key")
@@ -59,10 +71,13 @@ def cli_run(args: argparse.Namespace, run_key: str, datasets: list[str], overrid
     for item in overrides.pop("datasets", []):
         deep_merge(next(d for d in raw_datasets if d["name"] == item["name"]), item)
     storage = {k: v for k, v in (("bucket", bucket), ("prefix", prefix)) if v is not None}
-    config = config.with_overrides({**overrides, "datasets": raw_datasets, **({"storage": storage} if storage else {})},
-                                   where="command line")
+    config = config.with_overrides(
+        {**overrides, "datasets": raw_datasets, **({"storage": storage} if storage else {})}, where="command line"
+    )
     client = s3_client(getattr(args, "endpoint_url", None), getattr(args, "region", None))
-    run = Run(config=config, run_key=run_key, date=None, datasets=list(datasets), dry_run=False, skip_hidden_states=False)
+    run = Run(
+        config=config, run_key=run_key, date=None, datasets=list(datasets), dry_run=False, skip_hidden_states=False
+    )
     return run, pipeline_store(config, client)
 
 
@@ -71,8 +86,10 @@ def run_of_stage(args: argparse.Namespace, uri: str, expected_stages: tuple[str,
     bucket and prefix are the URI's."""
     bucket, prefix, ref = parse_stage_uri(uri)
     if ref.stage not in expected_stages:
-        raise UserError(f"--input {uri}: a {ref.stage!r} stage; this command takes {' or '.join(expected_stages)} "
-                        f"(the previous stage's URI, printed by the command that wrote it)")
+        raise UserError(
+            f"--input {uri}: a {ref.stage!r} stage; this command takes {' or '.join(expected_stages)} "
+            f"(the previous stage's URI, printed by the command that wrote it)"
+        )
     from eagle3_data.stages import RUN_DATASET
 
     datasets = [] if ref.dataset == RUN_DATASET else [ref.dataset]  # a run-level stage (merge/all) names none

@@ -42,11 +42,15 @@ def _verify(args: argparse.Namespace) -> int:
     n = len(manifest.get("parts", [])) + len(manifest.get("files", []))
     if problems:
         more = f" (and {len(problems) - 1} more, listed above)" if len(problems) > 1 else ""
-        raise CorruptArtifact(f"{problems[0]}{more}: {len(problems)} of {n} objects bad; "
-                              f"`eagle3-data stage discard {store.uri(ref)}` and rerun the stage, or for a generation "
-                              f"stage `eagle3-data generate ... --rerun` (keeps the sound parts)")
-    print(f"OK   {store.uri(ref)}: {len(manifest.get('parts', []))} parts, {len(manifest.get('files', []))} files, "
-          f"{manifest.get('rows', 0)} rows match the manifest")
+        raise CorruptArtifact(
+            f"{problems[0]}{more}: {len(problems)} of {n} objects bad; "
+            f"`eagle3-data stage discard {store.uri(ref)}` and rerun the stage, or for a generation "
+            f"stage `eagle3-data generate ... --rerun` (keeps the sound parts)"
+        )
+    print(
+        f"OK   {store.uri(ref)}: {len(manifest.get('parts', []))} parts, {len(manifest.get('files', []))} files, "
+        f"{manifest.get('rows', 0)} rows match the manifest"
+    )
     return 0
 
 
@@ -65,13 +69,19 @@ def _discard(args: argparse.Namespace) -> int:
             store.delete(target)
         print(f"discarded {store.uri(target)}")
     if downstream and not args.cascade:
-        print(f"{len(downstream)} downstream stages list it as an input and are now stale (rerun them, or discard "
-              f"with --cascade):", file=sys.stderr)
+        print(
+            f"{len(downstream)} downstream stages list it as an input and are now stale (rerun them, or discard "
+            f"with --cascade):",
+            file=sys.stderr,
+        )
         for other in downstream:
             print(f"  {store.uri(other)}", file=sys.stderr)
     elif not downstream:
         print("no downstream stage lists it as an input")
     if ref.stage.startswith("generate"):
-        print("answers of a discarded generation stage are paid again when it reruns, except those still in a "
-              "local journal (~/.cache/eagle3-data/journal)", file=sys.stderr)
+        print(
+            "answers of a discarded generation stage are paid again when it reruns, except those still in a "
+            "local journal (~/.cache/eagle3-data/journal)",
+            file=sys.stderr,
+        )
     return 0

@@ -83,18 +83,44 @@ from eagle3_data.errors import UserError
 
 # One uniform draw picks at most one error fault, in this order (new ones go last, so that a seed's
 # draws for the old ones stay as they were); an answer's rewrites are drawn independently.
-ERROR_FAULTS = ("rate_limit", "server_error", "timeout", "malformed_json", "empty_content", "bad_request",
-                "error_in_body", "choice_error", "in_flight_402", "moderation", "queue_full")
+ERROR_FAULTS = (
+    "rate_limit",
+    "server_error",
+    "timeout",
+    "malformed_json",
+    "empty_content",
+    "bad_request",
+    "error_in_body",
+    "choice_error",
+    "in_flight_402",
+    "moderation",
+    "queue_full",
+)
 CONTENT_FAULTS = ("trim_whitespace", "rewrite_tool_call_ids", "reserialize_arguments")
 # Drawn only when set: other seeds keep their draws.
-OPTIONAL_REWRITES = ("omit_cost", "reasoning_details_only", "encrypted_reasoning", "object_arguments", "wrong_model",
-                     "wrong_provider", "stream_cut", "stream_stall")
+OPTIONAL_REWRITES = (
+    "omit_cost",
+    "reasoning_details_only",
+    "encrypted_reasoning",
+    "object_arguments",
+    "wrong_model",
+    "wrong_provider",
+    "stream_cut",
+    "stream_stall",
+)
 # OpenRouter's provider table (GET /api/v1/providers: name, slug), the part the dev server serves.
-PROVIDERS = ({"name": "Moonshot AI", "slug": "moonshotai"}, {"name": "Fireworks", "slug": "fireworks"},
-             {"name": "Together", "slug": "together"}, {"name": "DeepInfra", "slug": "deepinfra"},
-             {"name": "Chutes", "slug": "chutes"}, {"name": "Novita", "slug": "novita"},
-             {"name": "Parasail", "slug": "parasail"}, {"name": "AtlasCloud", "slug": "atlas-cloud"},
-             {"name": "BaseTen", "slug": "baseten"}, {"name": "Groq", "slug": "groq"})
+PROVIDERS = (
+    {"name": "Moonshot AI", "slug": "moonshotai"},
+    {"name": "Fireworks", "slug": "fireworks"},
+    {"name": "Together", "slug": "together"},
+    {"name": "DeepInfra", "slug": "deepinfra"},
+    {"name": "Chutes", "slug": "chutes"},
+    {"name": "Novita", "slug": "novita"},
+    {"name": "Parasail", "slug": "parasail"},
+    {"name": "AtlasCloud", "slug": "atlas-cloud"},
+    {"name": "BaseTen", "slug": "baseten"},
+    {"name": "Groq", "slug": "groq"},
+)
 
 
 @dataclass

@@ -91,14 +91,17 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
 
     @lru_cache(maxsize=65536)
     def generate_cached(prompt: tuple[int, ...], max_new: int, temperature: float, seed, dataset) -> Generation:
-        return state.model.generate(list(prompt), max_new_tokens=max_new, temperature=temperature, seed=seed, dataset=dataset)
+        return state.model.generate(
+            list(prompt), max_new_tokens=max_new, temperature=temperature, seed=seed, dataset=dataset
+        )
 
     @lru_cache(maxsize=65536)
     def chat_prompt(key: str) -> tuple[int, ...]:
         messages, tools, thinking = json.loads(key)
         kwargs = {} if thinking else {"thinking": False}
-        ids = tok.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
-                                      tokenize=True, return_dict=False, **kwargs)
+        ids = tok.apply_chat_template(
+            messages, tools=tools or None, add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs
+        )
         return tuple(ids)
 
     async def admit(endpoint: str, request: Request, key: str, wait: bool = True):
@@ -108,13 +111,18 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
         faults = state.config.faults(endpoint)
         error, rewrites, latency = faults.draw(state.config.rng(endpoint, key, state.stats.requests[endpoint][key]))
         arrived = sum(state.stats.requests[endpoint].values())
-        if faults.stall_after is not None and faults.stall_after < arrived <= faults.stall_after + faults.stall_requests:
+        if (
+            faults.stall_after is not None
+            and faults.stall_after < arrived <= faults.stall_after + faults.stall_requests
+        ):
             state.stats.faults[endpoint]["stall"] += 1
             error, latency = None, faults.stall_s  # accepted, then never answered in time: a hung engine
         latency = faults.timeout_sleep_s if error == "timeout" else latency
         if wait:
             state.stats.in_flight[endpoint] += 1
-            state.stats.max_in_flight[endpoint] = max(state.stats.max_in_flight[endpoint], state.stats.in_flight[endpoint])
+            state.stats.max_in_flight[endpoint] = max(
+                state.stats.max_in_flight[endpoint], state.stats.in_flight[endpoint]
+            )
             try:
                 await asyncio.sleep(latency)
             finally:
@@ -154,15 +162,28 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
         """The OpenAI-compatible model list (OpenRouter, vLLM and SGLang all serve it); OpenRouter's
         cards also carry the model's dated `canonical_slug`."""
         price = state.config.price_per_token
-        return {"object": "list", "data": [{"id": state.config.model, "canonical_slug": state.config.canonical_slug,
-                                            "object": "model", "owned_by": "dev",
-                                            "pricing": {"prompt": str(price["prompt"]), "completion": str(price["completion"])}}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": state.config.model,
+                    "canonical_slug": state.config.canonical_slug,
+                    "object": "model",
+                    "owned_by": "dev",
+                    "pricing": {"prompt": str(price["prompt"]), "completion": str(price["completion"])},
+                }
+            ],
+        }
 
     @app.get("/v1/providers")
     async def providers() -> dict:
         """OpenRouter's provider table: display names and the slugs routing takes."""
-        return {"data": [dict(p, privacy_policy_url=None, terms_of_service_url=None, status_page_url=None)
-                         for p in state.config.providers]}
+        return {
+            "data": [
+                dict(p, privacy_policy_url=None, terms_of_service_url=None, status_page_url=None)
+                for p in state.config.providers
+            ]
+        }
 
     @app.get("/v1/generation")
     async def generation(id: str = "") -> Response:
@@ -177,8 +198,12 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
     @app.get("/model_info")
     @app.get("/get_model_info")  # deprecated name, still served by SGLang 0.5.23
     async def model_info() -> dict:
-        return {"model_path": state.config.model, "tokenizer_path": str(tok.name_or_path), "is_generation": True,
-                "weight_version": state.config.weight_version}
+        return {
+            "model_path": state.config.model,
+            "tokenizer_path": str(tok.name_or_path),
+            "is_generation": True,
+            "weight_version": state.config.weight_version,
+        }
 
     @app.get("/server_info")
     @app.get("/get_server_info")  # deprecated name, still served by SGLang 0.5.23
@@ -188,17 +213,28 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
         `max_running_requests` is the config's (`max_running_requests`, None as when SGLang was
         launched without `--max-running-requests`); the rest are fixed stand-ins."""
         mrr = state.config.max_running_requests
-        return {"model_path": state.config.model, "tokenizer_path": str(tok.name_or_path), "dp_size": 1,
-                "max_running_requests": mrr, "max_total_num_tokens": 1 << 20, "max_req_input_len": (1 << 20) - 1,
-                "status": "ready", "weight_version": state.config.weight_version,
-                "internal_states": [{"max_running_requests": mrr, "last_gen_throughput": 0.0}], "version": "0.5.23"}
+        return {
+            "model_path": state.config.model,
+            "tokenizer_path": str(tok.name_or_path),
+            "dp_size": 1,
+            "max_running_requests": mrr,
+            "max_total_num_tokens": 1 << 20,
+            "max_req_input_len": (1 << 20) - 1,
+            "status": "ready",
+            "weight_version": state.config.weight_version,
+            "internal_states": [{"max_running_requests": mrr, "last_gen_throughput": 0.0}],
+            "version": "0.5.23",
+        }
 
     @app.get("/dev/stats")
     async def dev_stats() -> dict:
         """The counters, and what the chat endpoint billed: every generation it started (answered,
         abandoned or cut), as OpenRouter's records would add up."""
-        return {**state.stats.to_dict(), "billed_usd": round(sum(g["total_cost"] for g in state.generations.values()), 10),
-                "generations": len(state.generations)}
+        return {
+            **state.stats.to_dict(),
+            "billed_usd": round(sum(g["total_cost"] for g in state.generations.values()), 10),
+            "generations": len(state.generations),
+        }
 
     @app.post("/dev/config")
     async def dev_config(request: Request) -> Response:
@@ -231,14 +267,17 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
             return JSONResponse({"error": problem}, status_code=400)
         batch, prompts = _generate_prompts(body, tok)
         if prompts is None:
-            return JSONResponse({"error": {"message": "Either text, input_ids or input_embeds should be provided."}},
-                                status_code=400)
+            return JSONResponse(
+                {"error": {"message": "Either text, input_ids or input_embeds should be provided."}}, status_code=400
+            )
         vocab = len(tok)
         for prompt in prompts:
             bad = next((t for t in prompt if not 0 <= t < vocab), None)
             if bad is not None:
-                return JSONResponse({"error": {"message": f"The input_ids {bad} is out of the vocabulary "
-                                               f"(vocab size {vocab})."}}, status_code=400)
+                return JSONResponse(
+                    {"error": {"message": f"The input_ids {bad} is out of the vocabulary (vocab size {vocab})."}},
+                    status_code=400,
+                )
         sp = body.get("sampling_params") or {}
         if "choice" in sp:  # in the request schema, not in SamplingParams: a TypeError the route does not catch
             return Response("Internal Server Error", status_code=500, media_type="text/plain")
@@ -259,8 +298,10 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
         key = request.headers.get(SAMPLE_HEADER) or (json.dumps(rids) if rids else str(hash(tuple(prompts[0]))))
         error, _, faults, _ = await admit("generate", request, key)
         if error == "queue_full":  # SGLang's HTTPException handler: an ErrorResponse body
-            return JSONResponse({"object": "error", "message": "The request queue is full.", "type": "503",
-                                 "param": None, "code": 503}, status_code=503)
+            return JSONResponse(
+                {"object": "error", "message": "The request queue is full.", "type": "503", "param": None, "code": 503},
+                status_code=503,
+            )
         if error and error not in ("malformed_json", "empty_content"):
             return _error_response(error, faults)
         dataset = request.headers.get(DATASET_HEADER)
@@ -268,8 +309,13 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
         started = time.time()
         override = state.config.stop_id_override
         for i, prompt in enumerate(prompts):
-            gen = generate_cached(tuple(prompt), int(sp.get("max_new_tokens", 128)),
-                                  float(sp.get("temperature", 1.0)), sp.get("sampling_seed"), dataset)
+            gen = generate_cached(
+                tuple(prompt),
+                int(sp.get("max_new_tokens", 128)),
+                float(sp.get("temperature", 1.0)),
+                sp.get("sampling_seed"),
+                dataset,
+            )
             generated = list(gen.output_ids)
             matched = gen.matched_stop
             if matched is not None and override is not None:  # a server told to stop on another id
@@ -277,27 +323,38 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
             ids = generated
             if matched is not None and not state.config.include_stop_in_output_ids:
                 ids = ids[:-1]
-            finish = ({"type": "stop", "matched": matched} if gen.finish_reason == "stop"
-                      else {"type": "length", "length": len(generated)})
+            finish = (
+                {"type": "stop", "matched": matched}
+                if gen.finish_reason == "stop"
+                else {"type": "length", "length": len(generated)}
+            )
             rid = rids[i] if isinstance(rids, list) else rids
-            logprobs = _input_logprobs(prompt, body.get("logprob_start_len", -1)) if body.get("return_logprob") else None
+            logprobs = (
+                _input_logprobs(prompt, body.get("logprob_start_len", -1)) if body.get("return_logprob") else None
+            )
             generated_logprobs = _output_logprobs(prompt, generated) if body.get("return_logprob") else None
-            outs.append({
-                "text": tok.decode(generated[:-1] if matched is not None else generated, skip_special_tokens=True),
-                "output_ids": ids,
-                "meta_info": {
-                    "id": rid or uuid.uuid4().hex,
-                    "finish_reason": finish,
-                    "prompt_tokens": len(prompt),
-                    "completion_tokens": len(generated),
-                    "cached_tokens": 0,
-                    "e2e_latency": time.time() - started,
-                    "weight_version": state.config.weight_version,
-                    "dev_noncanonical_splits": gen.noncanonical_splits,
-                    **({"input_token_logprobs": logprobs} if logprobs is not None else {}),
-                    **({"output_token_logprobs": generated_logprobs[: len(ids)]} if generated_logprobs is not None else {}),
-                },
-            })
+            outs.append(
+                {
+                    "text": tok.decode(generated[:-1] if matched is not None else generated, skip_special_tokens=True),
+                    "output_ids": ids,
+                    "meta_info": {
+                        "id": rid or uuid.uuid4().hex,
+                        "finish_reason": finish,
+                        "prompt_tokens": len(prompt),
+                        "completion_tokens": len(generated),
+                        "cached_tokens": 0,
+                        "e2e_latency": time.time() - started,
+                        "weight_version": state.config.weight_version,
+                        "dev_noncanonical_splits": gen.noncanonical_splits,
+                        **({"input_token_logprobs": logprobs} if logprobs is not None else {}),
+                        **(
+                            {"output_token_logprobs": generated_logprobs[: len(ids)]}
+                            if generated_logprobs is not None
+                            else {}
+                        ),
+                    },
+                }
+            )
         await delivered("generate", key, request)
         if error == "malformed_json":
             return Response(json.dumps(outs)[:-7], media_type="application/json")
@@ -323,9 +380,16 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
         except ValueError as exc:
             return _openrouter_error(400, str(exc))
         try:
-            prompt = chat_prompt(json.dumps([[{"role": "system", "content": injected}] * bool(injected)
-                                             + documented_history(_no_image_data(messages) if pictures else messages),
-                                             tools, thinking]))
+            prompt = chat_prompt(
+                json.dumps(
+                    [
+                        [{"role": "system", "content": injected}] * bool(injected)
+                        + documented_history(_no_image_data(messages) if pictures else messages),
+                        tools,
+                        thinking,
+                    ]
+                )
+            )
             if pictures:  # the model sees (and the provider bills) each image's media tokens
                 prompt = tuple(expand_media(list(prompt), pictures, tok.convert_tokens_to_ids(MEDIA_PAD)))
         except Exception as exc:  # template errors are the client's bad request
@@ -336,34 +400,61 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
         provider = _routed_provider(body.get("provider") or {}, state.config)
         if stream and error == "error_in_body":  # failed after the provider started: an SSE error event
             body = json.loads(_error_response(error, faults, provider, state.config.model).body)
-            event = {"id": "gen-" + uuid.uuid4().hex[:24], "object": "chat.completion.chunk", "error": body["error"],
-                     "choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "error"}]}
-            return StreamingResponse(iter([b": OPENROUTER PROCESSING\n\n", b"data: " + json.dumps(event).encode()
-                                           + b"\n\n", b"data: [DONE]\n\n"]), media_type="text/event-stream")
+            event = {
+                "id": "gen-" + uuid.uuid4().hex[:24],
+                "object": "chat.completion.chunk",
+                "error": body["error"],
+                "choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "error"}],
+            }
+            return StreamingResponse(
+                iter(
+                    [
+                        b": OPENROUTER PROCESSING\n\n",
+                        b"data: " + json.dumps(event).encode() + b"\n\n",
+                        b"data: [DONE]\n\n",
+                    ]
+                ),
+                media_type="text/event-stream",
+            )
         if error and error not in ("malformed_json", "empty_content", "choice_error"):
             return _error_response(error, faults, provider, state.config.model)
         max_new = body.get("max_completion_tokens") or body.get("max_tokens") or 4096
         if faults.cut_after_tool_result is not None and messages[-1].get("role") == "tool":
             max_new = min(int(max_new), faults.cut_after_tool_result)
-        gen = generate_cached(prompt, int(max_new), float(body.get("temperature", 1.0)), body.get("seed"),
-                              request.headers.get(DATASET_HEADER))
-        answer = _chat_answer(gen, len(prompt), state.config, rewrites, empty=error == "empty_content",
-                              provider=provider, faults=faults)
+        gen = generate_cached(
+            prompt,
+            int(max_new),
+            float(body.get("temperature", 1.0)),
+            body.get("seed"),
+            request.headers.get(DATASET_HEADER),
+        )
+        answer = _chat_answer(
+            gen, len(prompt), state.config, rewrites, empty=error == "empty_content", provider=provider, faults=faults
+        )
         if error == "choice_error":
             _cut_mid_generation(answer, provider)
         state.generations[answer["id"]] = {  # billed once the provider started: whatever the client then does
-            "id": answer["id"], "model": answer["model"], "provider_name": answer["provider"],
-            "total_cost": _price(len(prompt), len(gen.output_ids), state.config), "tokens_prompt": len(prompt),
-            "tokens_completion": len(gen.output_ids), "finish_reason": answer["choices"][0]["finish_reason"],
-            "created_at": answer["created"]}
+            "id": answer["id"],
+            "model": answer["model"],
+            "provider_name": answer["provider"],
+            "total_cost": _price(len(prompt), len(gen.output_ids), state.config),
+            "tokens_prompt": len(prompt),
+            "tokens_completion": len(gen.output_ids),
+            "finish_reason": answer["choices"][0]["finish_reason"],
+            "created_at": answer["created"],
+        }
         headers = {"X-Generation-Id": answer["id"]}
         if stream:
-            return StreamingResponse(_stream_answer(request, key, answer, rewrites, faults, latency), headers=headers,
-                                     media_type="text/event-stream")
+            return StreamingResponse(
+                _stream_answer(request, key, answer, rewrites, faults, latency),
+                headers=headers,
+                media_type="text/event-stream",
+            )
         await delivered("chat", key, request)
         if error == "malformed_json":
-            return Response(json.dumps(answer)[: len(json.dumps(answer)) // 2], media_type="application/json",
-                            headers=headers)
+            return Response(
+                json.dumps(answer)[: len(json.dumps(answer)) // 2], media_type="application/json", headers=headers
+            )
         return JSONResponse(answer, headers=headers)
 
     async def _stream_answer(request: Request, key: str, answer: dict, rewrites: set[str], faults, latency: float):
@@ -405,11 +496,36 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
 
 # SGLang 0.5.23's accepted sampling params, in its own order (sglang/api/v1/api_types.py):
 # anything else inside `sampling_params` is a 400 with serde's `unknown field` text.
-SAMPLING_FIELDS = ("max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
-                   "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema",
-                   "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
-                   "spaces_between_special_tokens", "no_stop_trim", "stream_interval", "logit_bias", "sampling_seed",
-                   "custom_params", "beam_width", "watermark", "choice")
+SAMPLING_FIELDS = (
+    "max_new_tokens",
+    "stop",
+    "stop_token_ids",
+    "stop_regex",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "min_new_tokens",
+    "n",
+    "json_schema",
+    "regex",
+    "ebnf",
+    "structural_tag",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "no_stop_trim",
+    "stream_interval",
+    "logit_bias",
+    "sampling_seed",
+    "custom_params",
+    "beam_width",
+    "watermark",
+    "choice",
+)
 
 
 def _pair_logprob(previous: int, token: int) -> float:
@@ -434,16 +550,21 @@ def _input_logprobs(prompt: list[int], start: int) -> list[list]:
     came by, so local and overflow text of one dev server score alike; a real engine's are the
     model's (tests/engine/test_policy_check.py)."""
     start = max(start, 0)
-    return [[None if i == start else _pair_logprob(prompt[i - 1], prompt[i]), prompt[i], None]
-            for i in range(start, len(prompt))]
+    return [
+        [None if i == start else _pair_logprob(prompt[i - 1], prompt[i]), prompt[i], None]
+        for i in range(start, len(prompt))
+    ]
 
 
 def _generate_contract_error(body) -> str | None:
     """The schema checks of SGLang's `generate_contract_error` that a client can trip: the body
     shape, `input_ids` as ints or lists of ints, and `sampling_params` keys and int fields."""
     if not isinstance(body, dict):
-        return "invalid type: sequence, expected struct GenerateRequest" if isinstance(body, list) else \
-            "invalid type, expected struct GenerateRequest"
+        return (
+            "invalid type: sequence, expected struct GenerateRequest"
+            if isinstance(body, list)
+            else "invalid type, expected struct GenerateRequest"
+        )
     ids = body.get("input_ids")
     if ids is not None:
         if not isinstance(ids, list):
@@ -464,8 +585,11 @@ def _generate_contract_error(body) -> str | None:
             if key not in SAMPLING_FIELDS:
                 listed = ", ".join(f"`{f}`" for f in SAMPLING_FIELDS)
                 return f"unknown field `{key}`, expected one of {listed}"
-            if key in ("max_new_tokens", "min_new_tokens", "top_k", "n", "sampling_seed") and value is not None \
-                    and not (isinstance(value, int) and not isinstance(value, bool)):
+            if (
+                key in ("max_new_tokens", "min_new_tokens", "top_k", "n", "sampling_seed")
+                and value is not None
+                and not (isinstance(value, int) and not isinstance(value, bool))
+            ):
                 return f"invalid type: {_unexpected(value)}, expected i64"
     return None
 
@@ -506,15 +630,20 @@ def _routed_provider(routing: dict, config: ServerConfig) -> str:
     """The display name of the provider OpenRouter would route to: the first of the pin's
     `only` or `order` slugs (by the provider table), else the server's `provider`."""
     names = {p["slug"]: p["name"] for p in config.providers}
-    for slug in (routing.get("only") or routing.get("order") or []):
+    for slug in routing.get("only") or routing.get("order") or []:
         if slug.split("/")[0] in names:
             return names[slug.split("/")[0]]
     return config.provider
 
 
-def _chat_answer(gen: Generation, prompt_tokens: int, config: ServerConfig, rewrites: set[str], empty: bool,
-                 provider: str, faults) -> dict:
-    reasoning, content, calls = gen.reasoning, gen.content, [dict(c, function=dict(c["function"])) for c in gen.tool_calls]
+def _chat_answer(
+    gen: Generation, prompt_tokens: int, config: ServerConfig, rewrites: set[str], empty: bool, provider: str, faults
+) -> dict:
+    reasoning, content, calls = (
+        gen.reasoning,
+        gen.content,
+        [dict(c, function=dict(c["function"])) for c in gen.tool_calls],
+    )
     if "trim_whitespace" in rewrites:
         reasoning = reasoning.strip() if reasoning else reasoning
         content = content.strip()
@@ -534,25 +663,29 @@ def _chat_answer(gen: Generation, prompt_tokens: int, config: ServerConfig, rewr
     message = {"role": "assistant", "content": content, "refusal": None, "reasoning": reasoning or None}
     if reasoning and "encrypted_reasoning" in rewrites:
         message["reasoning"] = None
-        message["reasoning_details"] = [{"type": "reasoning.encrypted", "data": uuid.uuid4().hex * 4,
-                                         "id": None, "format": "unknown", "index": 0}]
+        message["reasoning_details"] = [
+            {"type": "reasoning.encrypted", "data": uuid.uuid4().hex * 4, "id": None, "format": "unknown", "index": 0}
+        ]
     elif reasoning and "reasoning_details_only" in rewrites:
         message["reasoning"] = None
         half = len(reasoning) // 2  # two entries, listed out of order: the reader orders by index
         message["reasoning_details"] = [
             {"type": "reasoning.text", "text": reasoning[half:], "signature": None, "format": "unknown", "index": 1},
-            {"type": "reasoning.text", "text": reasoning[:half], "signature": None, "format": "unknown", "index": 0}]
+            {"type": "reasoning.text", "text": reasoning[:half], "signature": None, "format": "unknown", "index": 0},
+        ]
     if calls:
         message["tool_calls"] = calls
     answer = {
         "id": "gen-" + uuid.uuid4().hex[:24],
         "provider": faults.other_provider if "wrong_provider" in rewrites else provider,
-        "model": faults.other_model if "wrong_model" in rewrites else (
-            config.canonical_slug if config.answer_canonical_slug else config.model),
+        "model": faults.other_model
+        if "wrong_model" in rewrites
+        else (config.canonical_slug if config.answer_canonical_slug else config.model),
         "object": "chat.completion",
         "created": int(time.time()),
-        "choices": [{"index": 0, "logprobs": None, "finish_reason": finish,
-                     "native_finish_reason": finish, "message": message}],
+        "choices": [
+            {"index": 0, "logprobs": None, "finish_reason": finish, "native_finish_reason": finish, "message": message}
+        ],
         "usage": {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion,
@@ -561,8 +694,10 @@ def _chat_answer(gen: Generation, prompt_tokens: int, config: ServerConfig, rewr
             "is_byok": False,
             "prompt_tokens_details": {"cached_tokens": 0},
             "completion_tokens_details": {"reasoning_tokens": gen.reasoning_tokens},
-            "cost_details": {"upstream_inference_prompt_cost": _price(prompt_tokens, 0, config),
-                             "upstream_inference_completions_cost": _price(0, completion, config)},
+            "cost_details": {
+                "upstream_inference_prompt_cost": _price(prompt_tokens, 0, config),
+                "upstream_inference_completions_cost": _price(0, completion, config),
+            },
         },
     }
     if "omit_cost" in rewrites:
@@ -601,8 +736,18 @@ def image_inputs(messages: list[dict]) -> list[dict]:
 def _no_image_data(messages: list[dict]) -> list[dict]:
     """The messages with each image part's data left out (the template renders a placeholder for
     it; the data would only bloat the render cache's keys)."""
-    return [{**m, "content": [{"type": "image_url"} if isinstance(p, dict) and p.get("type") == "image_url" else p
-                              for p in m["content"]]} if isinstance(m.get("content"), list) else m for m in messages]
+    return [
+        {
+            **m,
+            "content": [
+                {"type": "image_url"} if isinstance(p, dict) and p.get("type") == "image_url" else p
+                for p in m["content"]
+            ],
+        }
+        if isinstance(m.get("content"), list)
+        else m
+        for m in messages
+    ]
 
 
 def documented_history(messages: list[dict]) -> list[dict]:
@@ -632,7 +777,9 @@ def _sse(answer: dict) -> list[bytes]:
     chunk with no choices, then `data: [DONE]`."""
     choice = answer["choices"][0]
     message = choice["message"]
-    head = {k: answer[k] for k in ("id", "provider", "model", "object", "created")} | {"object": "chat.completion.chunk"}
+    head = {k: answer[k] for k in ("id", "provider", "model", "object", "created")} | {
+        "object": "chat.completion.chunk"
+    }
 
     # json.dumps(dict(head, choices=[...])) of every event, with the head serialised once: the
     # same bytes at a fraction of the server's CPU per answer (~60 events)
@@ -643,22 +790,42 @@ def _sse(answer: dict) -> list[bytes]:
         return prefix + json.dumps(delta or {}).encode() + suffix
 
     def pieces(text: str, size: int = 7) -> list[str]:
-        return [text[i:i + size] for i in range(0, len(text), size)]
+        return [text[i : i + size] for i in range(0, len(text), size)]
 
     events = [event({"role": "assistant", "content": ""})]
-    events += [event({"role": "assistant", "content": "", "reasoning": t}) for t in pieces(message.get("reasoning") or "")]
+    events += [
+        event({"role": "assistant", "content": "", "reasoning": t}) for t in pieces(message.get("reasoning") or "")
+    ]
     for d in message.get("reasoning_details") or ():
         events.append(event({"role": "assistant", "content": "", "reasoning_details": [d]}))
     events += [event({"role": "assistant", "content": t}) for t in pieces(message.get("content") or "")]
     for i, call in enumerate(message.get("tool_calls") or ()):
         fn, args = call["function"], call["function"]["arguments"]
-        events.append(event({"role": "assistant", "content": None, "tool_calls": [
-            {"index": i, "id": call["id"], "type": "function", "function": {"name": fn["name"], "arguments": ""}}]}))
+        events.append(
+            event(
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "index": i,
+                            "id": call["id"],
+                            "type": "function",
+                            "function": {"name": fn["name"], "arguments": ""},
+                        }
+                    ],
+                }
+            )
+        )
         parts = pieces(args) if isinstance(args, str) else [args]
-        events += [event({"role": "assistant", "content": None, "tool_calls": [
-            {"index": i, "function": {"arguments": part}}]}) for part in parts]
+        events += [
+            event({"role": "assistant", "content": None, "tool_calls": [{"index": i, "function": {"arguments": part}}]})
+            for part in parts
+        ]
     last = json.loads(event()[6:])
-    last["choices"][0].update(finish_reason=choice["finish_reason"], native_finish_reason=choice["native_finish_reason"])
+    last["choices"][0].update(
+        finish_reason=choice["finish_reason"], native_finish_reason=choice["native_finish_reason"]
+    )
     if choice.get("error"):
         last["error"] = choice["error"]
     events.append(b"data: " + json.dumps(last).encode() + b"\n\n")
@@ -674,48 +841,84 @@ def _cut_mid_generation(answer: dict, provider: str) -> None:
     message = choice["message"]
     message["content"] = (message.get("content") or "")[: len(message.get("content") or "") // 2]
     message.pop("tool_calls", None)
-    choice.update(finish_reason="error", native_finish_reason="error", error={
-        "code": 502, "message": "Provider disconnected mid-stream",
-        "metadata": {"error_type": "provider_unavailable", "provider_name": provider}})
+    choice.update(
+        finish_reason="error",
+        native_finish_reason="error",
+        error={
+            "code": 502,
+            "message": "Provider disconnected mid-stream",
+            "metadata": {"error_type": "provider_unavailable", "provider_name": provider},
+        },
+    )
 
 
-def _openrouter_error(code: int, message: str, headers: dict | None = None, metadata: dict | None = None,
-                      status: int | None = None) -> JSONResponse:
+def _openrouter_error(
+    code: int, message: str, headers: dict | None = None, metadata: dict | None = None, status: int | None = None
+) -> JSONResponse:
     """OpenRouter's error body; `status` differs from `code` only for errors raised once a
     provider had started (HTTP 200, the error in the body)."""
-    return JSONResponse({"error": {"code": code, "message": message, "metadata": metadata or {}},
-                         "user_id": "user_dev"}, status_code=status or code, headers=headers)
+    return JSONResponse(
+        {"error": {"code": code, "message": message, "metadata": metadata or {}}, "user_id": "user_dev"},
+        status_code=status or code,
+        headers=headers,
+    )
 
 
 def _error_response(error: str, faults, provider: str = "", model: str = "") -> Response:
     """The bodies OpenRouter answers (errors-and-debugging.mdx; bodies recorded from the service)."""
     if error == "rate_limit":
-        return _openrouter_error(429, "Rate limit exceeded (injected)", {"Retry-After": str(faults.retry_after_s)},
-                                 {"error_type": "rate_limit_exceeded"})
+        return _openrouter_error(
+            429,
+            "Rate limit exceeded (injected)",
+            {"Retry-After": str(faults.retry_after_s)},
+            {"error_type": "rate_limit_exceeded"},
+        )
     if error == "credits":
-        return _openrouter_error(402, "Insufficient credits. Add more using https://openrouter.ai/credits (injected)",
-                                 metadata={"error_type": "payment_required"})
+        return _openrouter_error(
+            402,
+            "Insufficient credits. Add more using https://openrouter.ai/credits (injected)",
+            metadata={"error_type": "payment_required"},
+        )
     if error == "in_flight_402":
         hint = str(faults.retry_after_s)
         return _openrouter_error(
-            402, "This request would exceed your available credits given your current in-flight requests. Retry "
-                 "after in-flight requests settle, or add credits.", {"Retry-After": hint},
-            {"reason": "in_flight_budget_exhausted", "limit_source": "openrouter_in_flight_budget",
-             "remedy_hint": "Retry after your in-flight requests settle (see the Retry-After header).",
-             "headers": {"Retry-After": hint}})
+            402,
+            "This request would exceed your available credits given your current in-flight requests. Retry "
+            "after in-flight requests settle, or add credits.",
+            {"Retry-After": hint},
+            {
+                "reason": "in_flight_budget_exhausted",
+                "limit_source": "openrouter_in_flight_budget",
+                "remedy_hint": "Retry after your in-flight requests settle (see the Retry-After header).",
+                "headers": {"Retry-After": hint},
+            },
+        )
     if error == "forbidden":
-        return _openrouter_error(403, "Key limit exceeded (total limit). Manage it using https://openrouter.ai/settings/keys")
+        return _openrouter_error(
+            403, "Key limit exceeded (total limit). Manage it using https://openrouter.ai/settings/keys"
+        )
     if error == "moderation":
-        return _openrouter_error(403, f"{model} requires moderation on {provider}. Your input was flagged for "
-                                      '"harassment"', metadata={"reasons": ["harassment"], "flagged_input": "...",
-                                                                "provider_name": provider, "model_slug": model})
+        return _openrouter_error(
+            403,
+            f'{model} requires moderation on {provider}. Your input was flagged for "harassment"',
+            metadata={
+                "reasons": ["harassment"],
+                "flagged_input": "...",
+                "provider_name": provider,
+                "model_slug": model,
+            },
+        )
     if error == "bad_request":
         return _openrouter_error(400, "Provider rejected the request (injected)")
     if error == "server_error":
         return _openrouter_error(502, "Provider returned error (injected)", metadata={"provider_name": provider})
     if error == "error_in_body":
-        return _openrouter_error(502, "Provider returned error", metadata={"provider_name": provider, "raw": "upstream "
-                                 "connection reset (injected)"}, status=200)
+        return _openrouter_error(
+            502,
+            "Provider returned error",
+            metadata={"provider_name": provider, "raw": "upstream connection reset (injected)"},
+            status=200,
+        )
     return _openrouter_error(500, f"unknown fault {error}")
 
 
@@ -723,15 +926,28 @@ def serve(tokenizer_dir: str | Path, port: int, config: ServerConfig | None = No
     """Run until killed; one process, one event loop (latency is asyncio sleep, not CPU)."""
     import uvicorn
 
-    uvicorn.run(create_app(tokenizer_dir, config), host=host, port=port, log_level="warning",
-                access_log=False, timeout_keep_alive=60)
+    uvicorn.run(
+        create_app(tokenizer_dir, config),
+        host=host,
+        port=port,
+        log_level="warning",
+        access_log=False,
+        timeout_keep_alive=60,
+    )
 
 
 class DevServerProcess:
     """The dev server as a child process on a free 127.0.0.1 port; `stop()` kills it by PID."""
 
-    def __init__(self, tokenizer_dir: str | Path, config_path: str | Path | None = None, log_path: str | Path | None = None,
-                 startup_timeout_s: float = 120.0, *, pipeline_config: str | Path | None = None):
+    def __init__(
+        self,
+        tokenizer_dir: str | Path,
+        config_path: str | Path | None = None,
+        log_path: str | Path | None = None,
+        startup_timeout_s: float = 120.0,
+        *,
+        pipeline_config: str | Path | None = None,
+    ):
         import os
         import subprocess
         import sys
@@ -740,8 +956,17 @@ class DevServerProcess:
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-c", "from eagle3_data.cli import main; raise SystemExit(main())", "dev", "serve",
-               "--port", str(self.port), "--tokenizer", str(tokenizer_dir)]
+        cmd = [
+            sys.executable,
+            "-c",
+            "from eagle3_data.cli import main; raise SystemExit(main())",
+            "dev",
+            "serve",
+            "--port",
+            str(self.port),
+            "--tokenizer",
+            str(tokenizer_dir),
+        ]
         if config_path:
             cmd += ["--config", str(config_path)]
         if pipeline_config:

@@ -28,7 +28,11 @@ from eagle3_data import draft_vocab
 from eagle3_data.hidden_states.final_norm import rms_norm
 
 FAULTS = ("aux_shifted", "last_normed_twice", "other_sample", "mask_shifted", "wrong_layers")
-WRONG_LAYERS = [4, 5, 6]  # the last three aux-capable layers of the tiny target (8 layers) instead of EAGLE-3's [1, L//2-1, L-4]
+WRONG_LAYERS = [
+    4,
+    5,
+    6,
+]  # the last three aux-capable layers of the tiny target (8 layers) instead of EAGLE-3's [1, L//2-1, L-4]
 
 
 def with_trained_norm(model_dir: Path, out: Path, seed: int = 0) -> Path:
@@ -49,8 +53,15 @@ def with_trained_norm(model_dir: Path, out: Path, seed: int = 0) -> Path:
     return out
 
 
-def own_generations(model_dir: Path, samples: int, *, prompt_tokens: int = 16, new_tokens: int = 48,
-                    temperature: float = 0.5, seed: int = 0) -> list[dict]:
+def own_generations(
+    model_dir: Path,
+    samples: int,
+    *,
+    prompt_tokens: int = 16,
+    new_tokens: int = 48,
+    temperature: float = 0.5,
+    seed: int = 0,
+) -> list[dict]:
     """Rows of the target's own sampled answers to random prompts: prompt ids masked out, answer
     ids trained, as the merge writes them. At temperature 0.5 the tiny target's answers use ~270
     distinct tokens per 1,500 (754 at 1.0), so a 256-token draft vocabulary covers ~99% of them,
@@ -63,14 +74,29 @@ def own_generations(model_dir: Path, samples: int, *, prompt_tokens: int = 16, n
     prompts = sampled[torch.randint(0, sampled.numel(), (samples, prompt_tokens), generator=g)]
     torch.manual_seed(seed)
     with torch.no_grad():
-        out = model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True, temperature=temperature,
-                             top_k=0, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
-    return [{"sample_id": f"s{i}", "input_ids": out[i].tolist(),
-             "loss_mask": [0] * prompt_tokens + [1] * (out.shape[1] - prompt_tokens)} for i in range(samples)]
+        out = model.generate(
+            prompts,
+            attention_mask=torch.ones_like(prompts),
+            do_sample=True,
+            temperature=temperature,
+            top_k=0,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=0,
+        )
+    return [
+        {
+            "sample_id": f"s{i}",
+            "input_ids": out[i].tolist(),
+            "loss_mask": [0] * prompt_tokens + [1] * (out.shape[1] - prompt_tokens),
+        }
+        for i in range(samples)
+    ]
 
 
-def export_rows(model_dir: Path, rows: list[dict], out: Path, *, layer_ids: list[int] | None = None,
-                vocab_size: int = 256) -> Path:
+def export_rows(
+    model_dir: Path, rows: list[dict], out: Path, *, layer_ids: list[int] | None = None, vocab_size: int = 256
+) -> Path:
     """The rows extracted (transformers, the default EAGLE-3 layers unless `layer_ids`), exported
     for speculators, with their draft vocabulary beside the export."""
     from eagle3_data.hidden_states.backends import TransformersBackend
@@ -78,8 +104,13 @@ def export_rows(model_dir: Path, rows: list[dict], out: Path, *, layer_ids: list
     from eagle3_data.hidden_states.speculators_export import export_speculators
 
     shards = out.with_name(out.name + "-shards")
-    extract_rows(TransformersBackend(model_dir, device="cpu"), rows, shards, "x",
-                 ExtractOptions(layer_ids=layer_ids, logprobs=False))
+    extract_rows(
+        TransformersBackend(model_dir, device="cpu"),
+        rows,
+        shards,
+        "x",
+        ExtractOptions(layer_ids=layer_ids, logprobs=False),
+    )
     export_speculators(sorted(shards.glob("*.safetensors")), out)
     counts = np.zeros(0, dtype=np.int64)
     for r in rows:
@@ -151,8 +182,14 @@ def resplit(rows: list[dict], rate: float, tokenizer, seed: int = 0) -> tuple[li
         if token not in pieces:
             text = tokenizer.decode([token])
             half = len(text) // 2
-            ids = (tokenizer.encode(text[:half], add_special_tokens=False)
-                   + tokenizer.encode(text[half:], add_special_tokens=False)) if half else []
+            ids = (
+                (
+                    tokenizer.encode(text[:half], add_special_tokens=False)
+                    + tokenizer.encode(text[half:], add_special_tokens=False)
+                )
+                if half
+                else []
+            )
             pieces[token] = ids if len(ids) > 1 and tokenizer.decode(ids) == text else None
         return pieces[token]
 

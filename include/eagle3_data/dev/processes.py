@@ -21,8 +21,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_http_ok(url: str, procs: list[subprocess.Popen], what: str, log: Path | str | None,
-                 timeout_s: float = 120.0) -> None:
+def wait_http_ok(
+    url: str, procs: list[subprocess.Popen], what: str, log: Path | str | None, timeout_s: float = 120.0
+) -> None:
     """Return once GET `url` answers 200; raise UserError if a process in `procs` exits first
     or the deadline passes."""
     import httpx

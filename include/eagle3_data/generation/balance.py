@@ -31,8 +31,14 @@ class Rates:
     overflow: float
 
 
-def side_rates(*, local_endpoints: int, in_flight_per_endpoint: int, local_latency_s: float,
-               overflow_concurrency: int, overflow_latency_s: float) -> Rates:
+def side_rates(
+    *,
+    local_endpoints: int,
+    in_flight_per_endpoint: int,
+    local_latency_s: float,
+    overflow_concurrency: int,
+    overflow_latency_s: float,
+) -> Rates:
     """Little's law on each side: requests in flight / seconds per request."""
     local = local_endpoints * in_flight_per_endpoint / local_latency_s if local_latency_s > 0 else 0.0
     overflow = overflow_concurrency / overflow_latency_s if overflow_latency_s > 0 else 0.0
@@ -63,8 +69,14 @@ def split(n: int, n_local: int, calibration: int, rates: Rates, usd_per_overflow
     n_over = n - n_local + min(max(0, calibration), n_local)
     local_s = _seconds(n_local, rates.local)
     overflow_s = _seconds(n_over, rates.overflow)
-    return Split(local=n_local, overflow=n_over, local_s=local_s, overflow_s=overflow_s,
-                 wall_s=max(local_s, overflow_s), overflow_usd=n_over * usd_per_overflow_sample)
+    return Split(
+        local=n_local,
+        overflow=n_over,
+        local_s=local_s,
+        overflow_s=overflow_s,
+        wall_s=max(local_s, overflow_s),
+        overflow_usd=n_over * usd_per_overflow_sample,
+    )
 
 
 def _seconds(count: int, rate: float) -> float:
@@ -87,8 +99,9 @@ def balanced_local_count(n: int, calibration: int, rates: Rates) -> int:
     return min(candidates, key=lambda k: (split(n, k, calibration, rates).wall_s, -k))
 
 
-def local_count(strategy: str, n: int, *, overflow_fraction: float, local_capacity: int, calibration: int,
-                rates: Rates) -> int:
+def local_count(
+    strategy: str, n: int, *, overflow_fraction: float, local_capacity: int, calibration: int, rates: Rates
+) -> int:
     """The local sample count each routing strategy gives (routing.assign_routes' rule for
     fraction and capacity)."""
     if strategy == "fraction":
@@ -98,12 +111,31 @@ def local_count(strategy: str, n: int, *, overflow_fraction: float, local_capaci
     return balanced_local_count(n, calibration, rates)
 
 
-def compare_strategies(n: int, *, overflow_fraction: float, local_capacity: int, calibration: int, rates: Rates,
-                       usd_per_overflow_sample: float) -> dict[str, dict[str, Any]]:
+def compare_strategies(
+    n: int,
+    *,
+    overflow_fraction: float,
+    local_capacity: int,
+    calibration: int,
+    rates: Rates,
+    usd_per_overflow_sample: float,
+) -> dict[str, dict[str, Any]]:
     """Every strategy's split of the same n samples (what the dry-run plan prints)."""
     return {
-        s: split(n, local_count(s, n, overflow_fraction=overflow_fraction, local_capacity=local_capacity,
-                                calibration=calibration, rates=rates), calibration, rates, usd_per_overflow_sample).as_dict()
+        s: split(
+            n,
+            local_count(
+                s,
+                n,
+                overflow_fraction=overflow_fraction,
+                local_capacity=local_capacity,
+                calibration=calibration,
+                rates=rates,
+            ),
+            calibration,
+            rates,
+            usd_per_overflow_sample,
+        ).as_dict()
         for s in STRATEGIES
     }
 
@@ -120,8 +152,15 @@ def run_totals(per_dataset: list[dict[str, dict[str, Any]]], rates: Rates | None
         if rates is not None:
             local_s, overflow_s = _seconds(local, rates.local), _seconds(overflow, rates.overflow)
         else:
-            local_s, overflow_s = (sum(math.inf if p[k] is None else p[k] for p in plans) for k in ("local_s", "overflow_s"))
-        out[name] = Split(local=local, overflow=overflow, local_s=local_s, overflow_s=overflow_s,
-                          wall_s=max(local_s, overflow_s),
-                          overflow_usd=round(sum(p["overflow_usd"] for p in plans), 6)).as_dict()
+            local_s, overflow_s = (
+                sum(math.inf if p[k] is None else p[k] for p in plans) for k in ("local_s", "overflow_s")
+            )
+        out[name] = Split(
+            local=local,
+            overflow=overflow,
+            local_s=local_s,
+            overflow_s=overflow_s,
+            wall_s=max(local_s, overflow_s),
+            overflow_usd=round(sum(p["overflow_usd"] for p in plans), 6),
+        ).as_dict()
     return out

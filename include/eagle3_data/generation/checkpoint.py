@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
@@ -78,9 +78,17 @@ class Prompt:
         return json.loads(self.images_json) if self.images_json else []
 
 
-_SPILLED = pa.schema([("sample_id", pa.string()), ("dataset", pa.string()), ("messages", pa.string()),
-                      ("tools", pa.string()), ("route", pa.string()), ("source_id", pa.string()),
-                      ("images", pa.string())])
+_SPILLED = pa.schema(
+    [
+        ("sample_id", pa.string()),
+        ("dataset", pa.string()),
+        ("messages", pa.string()),
+        ("tools", pa.string()),
+        ("route", pa.string()),
+        ("source_id", pa.string()),
+        ("images", pa.string()),
+    ]
+)
 
 
 class Prompts:
@@ -103,8 +111,17 @@ class Prompts:
             if row["sample_id"] in skip:
                 continue
             tools = json.loads(row["tools"]) if row["tools"] is not None else None
-            yield Prompt(row["sample_id"], row["dataset"], json.loads(row["messages"]), tools or None, row["route"],
-                         row["messages"], row["tools"], row["source_id"], row["images"])
+            yield Prompt(
+                row["sample_id"],
+                row["dataset"],
+                json.loads(row["messages"]),
+                tools or None,
+                row["route"],
+                row["messages"],
+                row["tools"],
+                row["source_id"],
+                row["images"],
+            )
 
 
 def parse_prompts(rows: Iterable[dict], dataset: str, routes: tuple[str, ...] | None) -> Prompts:
@@ -131,12 +148,17 @@ def parse_prompts(rows: Iterable[dict], dataset: str, routes: tuple[str, ...] | 
             raise UserError(f"{where}: field 'messages' must be a non-empty list of chat messages")
         if tools is not None and not isinstance(tools, list):
             raise UserError(f"{where}: field 'tools' must be a list of tools or null")
-        spill.append({
-            "sample_id": sid, "dataset": row.get("dataset") or dataset, "route": row.get("route"),
-            "source_id": row.get("source_id"), "images": _images_json(row.get("images"), where),
-            "messages": row["messages"] if isinstance(row["messages"], str) else canonical_json(messages),
-            "tools": (row["tools"] if isinstance(row["tools"], str) else canonical_json(tools)) if tools else None,
-        })
+        spill.append(
+            {
+                "sample_id": sid,
+                "dataset": row.get("dataset") or dataset,
+                "route": row.get("route"),
+                "source_id": row.get("source_id"),
+                "images": _images_json(row.get("images"), where),
+                "messages": row["messages"] if isinstance(row["messages"], str) else canonical_json(messages),
+                "tools": (row["tools"] if isinstance(row["tools"], str) else canonical_json(tools)) if tools else None,
+            }
+        )
         ids.append(sid)
     return Prompts(spill, ids)
 
@@ -192,8 +214,10 @@ def _images_json(images: Any, where: str) -> str | None:
         return None
     try:
         refs = json.loads(images) if isinstance(images, str) else images
-        ok = isinstance(refs, list) and all(isinstance(r, dict) and isinstance(r.get("uri"), str)
-                                            and isinstance(r.get("media_tokens"), int) for r in refs)
+        ok = isinstance(refs, list) and all(
+            isinstance(r, dict) and isinstance(r.get("uri"), str) and isinstance(r.get("media_tokens"), int)
+            for r in refs
+        )
     except json.JSONDecodeError:
         ok = False
     if not ok:

@@ -57,21 +57,29 @@ from eagle3_data.prompt_layouts import pair_results
 
 SAMPLES_FILE = "conversation_samples.parquet"
 END_REASONS = ("answered", "unmatched_call", "tool_calls", "length", "failed", "max_steps")
-SAMPLES = pa.schema([
-    ("sample_id", pa.string()),  # the merged record's id
-    ("conversation", pa.string()),  # the prompt row's sample id
-    ("user_turn", pa.int32()),  # which user turn of the row (0-based)
-    ("steps", pa.list_(pa.string())),  # the turns' generation row ids, in order
-    ("end", pa.string()),  # END_REASONS
-    ("splice_hits", pa.int32()),  # tool calls answered from the recorded results
-    ("splice_misses", pa.int32()),  # tool calls with no recorded result (0 or the ending turn's)
-    ("unmatched", pa.string()),  # the first call with no recorded result: {"name", "arguments"}, else null
-    ("base", pa.int32()),  # tokens of the first turn's prompt: the record's prompt part
-    ("masked", pa.list_(pa.int32())),  # [start, end) pairs after `base` that are not generated (tool results, headers)
-    ("prefix_ok", pa.bool_()),  # every turn's prompt starts with the one before it
-    ("exact_turns", pa.int32()),  # earlier turns whose engine ids equal their render in the last prompt (null: text only)
-    ("turns_left", pa.int32()),  # user turns of the row not reached (the thread ended before them)
-])
+SAMPLES = pa.schema(
+    [
+        ("sample_id", pa.string()),  # the merged record's id
+        ("conversation", pa.string()),  # the prompt row's sample id
+        ("user_turn", pa.int32()),  # which user turn of the row (0-based)
+        ("steps", pa.list_(pa.string())),  # the turns' generation row ids, in order
+        ("end", pa.string()),  # END_REASONS
+        ("splice_hits", pa.int32()),  # tool calls answered from the recorded results
+        ("splice_misses", pa.int32()),  # tool calls with no recorded result (0 or the ending turn's)
+        ("unmatched", pa.string()),  # the first call with no recorded result: {"name", "arguments"}, else null
+        ("base", pa.int32()),  # tokens of the first turn's prompt: the record's prompt part
+        (
+            "masked",
+            pa.list_(pa.int32()),
+        ),  # [start, end) pairs after `base` that are not generated (tool results, headers)
+        ("prefix_ok", pa.bool_()),  # every turn's prompt starts with the one before it
+        (
+            "exact_turns",
+            pa.int32(),
+        ),  # earlier turns whose engine ids equal their render in the last prompt (null: text only)
+        ("turns_left", pa.int32()),  # user turns of the row not reached (the thread ended before them)
+    ]
+)
 
 
 def needs_rounds(regenerate: str, history: str) -> bool:
@@ -137,10 +145,17 @@ class Turn:
         calls = row.get("tool_calls")
         ids = row.get("output_ids")
         prompt = row.get("prompt_ids")
-        return cls(row["status"], row.get("finish_reason"), row.get("content"), row.get("reasoning"),
-                   json.loads(calls) if isinstance(calls, str) else calls,
-                   None if ids is None else len(ids), None if ids is None else _ids_sha(ids),
-                   None if prompt is None else len(prompt), None if prompt is None else _prompt_sha(prompt))
+        return cls(
+            row["status"],
+            row.get("finish_reason"),
+            row.get("content"),
+            row.get("reasoning"),
+            json.loads(calls) if isinstance(calls, str) else calls,
+            None if ids is None else len(ids),
+            None if ids is None else _ids_sha(ids),
+            None if prompt is None else len(prompt),
+            None if prompt is None else _prompt_sha(prompt),
+        )
 
     def message(self) -> dict:
         """The assistant message the next prompt holds (the template renders it)."""
@@ -234,7 +249,7 @@ class TurnDriver:
         n, stops = here.prompt_len, set(self.fmt.stop_token_ids)
         after = after if isinstance(after, list) else list(after)
         end = next((i + 1 for i in range(n, len(after)) if after[i] in stops), len(after))
-        exact = here.output_sha is not None and _ids_sha(after[n: n + here.output_len]) == here.output_sha
+        exact = here.output_sha is not None and _ids_sha(after[n : n + here.output_len]) == here.output_sha
         return Pair(parent, _prompt_sha(after[:n]) == here.prompt_sha, end, len(after), exact)
 
     # -- walking -------------------------------------------------------------------------------
@@ -259,7 +274,7 @@ class TurnDriver:
                 first = at
                 while first - 1 > users[u - 1] and p.messages[first - 1]["role"] == "system":
                     first -= 1
-                messages += p.messages[first: at + 1]
+                messages += p.messages[first : at + 1]
             sample = Sample(user_turn=_user_index(p.messages, at))
             samples.append(sample)
             while sample.end is None:
@@ -280,7 +295,9 @@ class TurnDriver:
                 return Walk(samples, messages, None, len(users) - u - 1)
         return Walk(samples, messages, None)
 
-    def _advance(self, sample: Sample, turn: Turn, messages: list[dict], recorded: dict[tuple[str, str], deque]) -> str | None:
+    def _advance(
+        self, sample: Sample, turn: Turn, messages: list[dict], recorded: dict[tuple[str, str], deque]
+    ) -> str | None:
         """Append what follows `turn` (an ok one) to `messages`, taking the results its calls get
         from `recorded`; the sample's end reason, or None to go on."""
         messages.append(turn.message())
@@ -300,8 +317,9 @@ class TurnDriver:
         sample.hits += len(results)
         if len(sample.steps) >= self.max_steps:
             return "max_steps"
-        messages += [{"role": "tool", "tool_call_id": c.get("id") or "", "content": r}
-                     for c, r in zip(turn.tool_calls, results)]
+        messages += [
+            {"role": "tool", "tool_call_id": c.get("id") or "", "content": r} for c, r in zip(turn.tool_calls, results)
+        ]
         return None
 
     def walks(self) -> Iterator[tuple[Any, int, Walk]]:
@@ -319,8 +337,16 @@ class TurnDriver:
             self.asked.add(w.pending)
             if w.parent is not None:
                 self._parents[w.pending] = w.parent
-            out.append({"sample_id": w.pending, "dataset": p.dataset, "route": p.route, "source_id": p.source_id,
-                        "messages": canonical_json(w.messages), "tools": p.tools_json if p.tools else None})
+            out.append(
+                {
+                    "sample_id": w.pending,
+                    "dataset": p.dataset,
+                    "route": p.route,
+                    "source_id": p.source_id,
+                    "messages": canonical_json(w.messages),
+                    "tools": p.tools_json if p.tools else None,
+                }
+            )
         return out
 
     # -- the samples ---------------------------------------------------------------------------
@@ -335,8 +361,11 @@ class TurnDriver:
 
     def _sample_row(self, p, thread: int, w: Walk, s: Sample) -> dict:
         pairs = [self._pairs.get(sid) for sid in s.steps[1:]]
-        if s.steps and self.turns[s.steps[0]].prompt_len is not None and all(
-                pair is not None and pair.parent == s.steps[j] for j, pair in enumerate(pairs)):
+        if (
+            s.steps
+            and self.turns[s.steps[0]].prompt_len is not None
+            and all(pair is not None and pair.parent == s.steps[j] for j, pair in enumerate(pairs))
+        ):
             # the rows' own prompt ids, read once as they were observed
             base, masked = self.turns[s.steps[0]].prompt_len, []
             for pair in pairs:
@@ -346,17 +375,26 @@ class TurnDriver:
             base, masked, prefix_ok, exact = self._rendered(p, w, s)
         last = self.turns[s.steps[-1]] if s.steps else None
         return {
-            "sample_id": sample_of(p.sample_id, self.tag, thread, s.user_turn), "conversation": p.sample_id,
-            "user_turn": s.user_turn, "steps": s.steps, "end": s.end, "splice_hits": s.hits, "splice_misses": s.misses,
-            "unmatched": json.dumps(s.unmatched, ensure_ascii=False) if s.unmatched else None, "base": base,
-            "masked": masked, "prefix_ok": prefix_ok,
+            "sample_id": sample_of(p.sample_id, self.tag, thread, s.user_turn),
+            "conversation": p.sample_id,
+            "user_turn": s.user_turn,
+            "steps": s.steps,
+            "end": s.end,
+            "splice_hits": s.hits,
+            "splice_misses": s.misses,
+            "unmatched": json.dumps(s.unmatched, ensure_ascii=False) if s.unmatched else None,
+            "base": base,
+            "masked": masked,
+            "prefix_ok": prefix_ok,
             "exact_turns": exact if last is not None and last.output_sha is not None else None,
             "turns_left": w.turns_left if s is w.samples[-1] else 0,
         }
 
     def _rendered(self, p, w: Walk, s: Sample) -> tuple[int, list[int], bool, int]:
-        renders = [self.fmt.generation_prompt_ids(w.messages[:n], p.tools, refs_for(w.messages[:n], p.images))
-                   for n in s.prompt_lens]
+        renders = [
+            self.fmt.generation_prompt_ids(w.messages[:n], p.tools, refs_for(w.messages[:n], p.images))
+            for n in s.prompt_lens
+        ]
         stops = set(self.fmt.stop_token_ids)
         base, masked, prefix_ok, exact = len(renders[0]) if renders else 0, [], True, 0
         for j in range(len(renders) - 1):
@@ -365,7 +403,10 @@ class TurnDriver:
             end = next((i + 1 for i in range(len(here), len(after)) if after[i] in stops), len(after))
             masked += [end - base, len(after) - base]
             turn = self.turns[s.steps[j]]
-            if turn.output_sha is not None and _ids_sha(after[len(here): len(here) + turn.output_len]) == turn.output_sha:
+            if (
+                turn.output_sha is not None
+                and _ids_sha(after[len(here) : len(here) + turn.output_len]) == turn.output_sha
+            ):
                 exact += 1
         return base, masked, prefix_ok, exact
 
@@ -389,10 +430,13 @@ def figures(rows: list[dict], tag: str) -> dict:
     the splices, and whether every turn's prompt started with the one before it."""
     steps = Counter(len(r["steps"]) for r in rows)
     return {
-        "mode": tag, "samples": len(rows), "turns": sum(len(r["steps"]) for r in rows),
+        "mode": tag,
+        "samples": len(rows),
+        "turns": sum(len(r["steps"]) for r in rows),
         "turns_per_sample": {str(k): v for k, v in sorted(steps.items())},
         "end": {k: n for k in END_REASONS if (n := sum(r["end"] == k for r in rows))},
-        "splice_hits": sum(r["splice_hits"] for r in rows), "splice_misses": sum(r["splice_misses"] for r in rows),
+        "splice_hits": sum(r["splice_hits"] for r in rows),
+        "splice_misses": sum(r["splice_misses"] for r in rows),
         "not_prefix": sum(not r["prefix_ok"] for r in rows),
         "exact_turns": sum(r["exact_turns"] or 0 for r in rows),
         "earlier_turns": sum(len(r["steps"]) - 1 for r in rows),
@@ -445,8 +489,10 @@ def trajectory_folds(samples: Iterable[dict], rows: Mapping[str, tuple[str, str 
             out.counts[f"trajectory_dropped_{s['end']}"] += 1
             continue
         if shared := set(steps) & out.rows.keys():  # a turn row is one sample's: never folded twice
-            raise UserError(f"sample {s['sample_id']}: turn rows {sorted(shared)[:3]} belong to another sample too "
-                            f"({SAMPLES_FILE} of another version?): rerun the generation stage")
+            raise UserError(
+                f"sample {s['sample_id']}: turn rows {sorted(shared)[:3]} belong to another sample too "
+                f"({SAMPLES_FILE} of another version?): rerun the generation stage"
+            )
         status = [("ok", None) if rows is None else rows.get(sid, ("missing", None)) for sid in steps]
         usable = next((j for j, (st, _) in enumerate(status) if st != "ok"), len(steps))
         if not s["prefix_ok"]:  # each usable turn a record of its own
@@ -464,7 +510,14 @@ def trajectory_folds(samples: Iterable[dict], rows: Mapping[str, tuple[str, str 
         if cut:
             out.counts[f"trajectory_cut_{status[usable][0]}"] += 1
         out.rows[steps[usable - 1]] = {
-            "sample_id": s["sample_id"], "base": s["base"], "masked": list(s["masked"])[: 2 * (usable - 1)],
-            "trajectory": {"turns": usable, "generated_turns": len(steps), "end": end,
-                           **({"cut_by": steps[usable], "cut_error": status[usable][1]} if cut else {})}}
+            "sample_id": s["sample_id"],
+            "base": s["base"],
+            "masked": list(s["masked"])[: 2 * (usable - 1)],
+            "trajectory": {
+                "turns": usable,
+                "generated_turns": len(steps),
+                "end": end,
+                **({"cut_by": steps[usable], "cut_error": status[usable][1]} if cut else {}),
+            },
+        }
     return out

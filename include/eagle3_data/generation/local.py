@@ -522,8 +522,16 @@ class LocalRun:
         transport errors and 5xx count against the endpoint, a full queue against nothing."""
         source = self.wire.source
         if p.images:  # the prompts stage routes image prompts to overflow (pipeline/route.py images_to_overflow)
-            return Outcome(generation_row(p, None, source, failed="images: the local engines are not sent images yet "
-                                          "(docs/images.md); route image prompts to overflow"), permanent=True)
+            return Outcome(
+                generation_row(
+                    p,
+                    None,
+                    source,
+                    failed="images: the local engines are not sent images yet "
+                    "(docs/images.md); route image prompts to overflow",
+                ),
+                permanent=True,
+            )
         try:
             prompt_ids = self.fmt.generation_prompt_ids(p.messages, p.tools, p.images)
         except Exception as exc:  # the template refuses this conversation: permanent

@@ -35,7 +35,6 @@ from typing import Any
 from eagle3_data.chat_format.base import OutputFormat
 from eagle3_data.config import OverflowGenerationConfig, options_of
 from eagle3_data.errors import UserError
-from eagle3_data.images import read_image
 from eagle3_data.generation.checkpoint import (
     Prompt,
     StageRun,
@@ -68,6 +67,7 @@ from eagle3_data.generation.provider_identity import (
     provider_slugs,
 )
 from eagle3_data.generation.retry import backoff_s
+from eagle3_data.images import read_image
 
 log = logging.getLogger(__name__)
 
@@ -299,8 +299,14 @@ class _OverflowRun:
     ):
         self.stage, self.fmt, self.base_url, self._key = run, fmt, base_url, api_key
         self.model, self.provider = request.model, dict(request.provider)
-        self.shape = RequestShape(request.model, self.provider, dict(request.reasoning), dict(request.sampling),
-                                  options.stream, lambda ref: read_image(run.store, ref))
+        self.shape = RequestShape(
+            request.model,
+            self.provider,
+            dict(request.reasoning),
+            dict(request.sampling),
+            options.stream,
+            lambda ref: read_image(run.store, ref),
+        )
         self.o, self.concurrency, self.max_attempts = options, options.concurrency, options.max_attempts
         self.progress, self.budget = progress, budget
         # an answer without a cost is priced from the config's prices only: the model list's are the
@@ -477,8 +483,14 @@ class _OverflowRun:
         if p is None:
             return False
         try:
-            self._ready.append(_Ready(p, self.fmt.generation_prompt_ids(p.messages, p.tools, p.images),
-                                      json.dumps(self.shape.body(p)).encode(), 0.0))
+            self._ready.append(
+                _Ready(
+                    p,
+                    self.fmt.generation_prompt_ids(p.messages, p.tools, p.images),
+                    json.dumps(self.shape.body(p)).encode(),
+                    0.0,
+                )
+            )
         except Exception as exc:
             self._ready.append(_Ready(p, exc, b"", 0.0))
         return True

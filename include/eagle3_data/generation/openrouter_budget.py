@@ -20,8 +20,15 @@ from eagle3_data.generation.openrouter_pricing import Prices, answer_prices
 
 
 class Budget:
-    def __init__(self, max_usd: float | None, spent_usd: float = 0.0, *, max_new_tokens: int | None = None,
-                 prices: Prices = Prices(), first_estimate_usd: float = 0.01):
+    def __init__(
+        self,
+        max_usd: float | None,
+        spent_usd: float = 0.0,
+        *,
+        max_new_tokens: int | None = None,
+        prices: Prices = Prices(),
+        first_estimate_usd: float = 0.01,
+    ):
         self.max_usd, self.spent, self.max_new_tokens = max_usd, spent_usd, max_new_tokens
         self.prices, self.first_estimate_usd = prices, first_estimate_usd
         self.reserved = 0.0  # the estimates of the requests in flight
@@ -60,6 +67,9 @@ class Budget:
         self.prices = self.prices.at_least(answer_prices(usage))
         prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
         bound = Prices(cost / prompt if prompt else None, cost / completion if completion else None)
-        self._bounds = Prices(*(b if a is None else a if b is None else min(a, b)
-                                for a, b in ((self._bounds.prompt, bound.prompt),
-                                             (self._bounds.completion, bound.completion))))
+        self._bounds = Prices(
+            *(
+                b if a is None else a if b is None else min(a, b)
+                for a, b in ((self._bounds.prompt, bound.prompt), (self._bounds.completion, bound.completion))
+            )
+        )

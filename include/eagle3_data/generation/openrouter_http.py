@@ -108,8 +108,9 @@ class StreamAnswer:
     def _call(self, c: Any) -> None:
         if not isinstance(c, dict):
             return
-        have = self.calls.setdefault(int(c.get("index") or 0), {"id": None, "type": "function",
-                                                                 "function": {"name": None, "arguments": ""}})
+        have = self.calls.setdefault(
+            int(c.get("index") or 0), {"id": None, "type": "function", "function": {"name": None, "arguments": ""}}
+        )
         if c.get("id"):
             have["id"] = c["id"]
         fn = c.get("function") or {}
@@ -127,27 +128,41 @@ class StreamAnswer:
         return self.finish_reason is not None or self.error is not None
 
     def completion(self) -> dict:
-        message: dict[str, Any] = {"role": "assistant", "content": "".join(self.content),
-                                   "reasoning": "".join(self.reasoning) or None}
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": "".join(self.content),
+            "reasoning": "".join(self.reasoning) or None,
+        }
         if self.details:
             message["reasoning_details"] = [self.details[k] for k in sorted(self.details)]
         if self.calls:
             message["tool_calls"] = [self.calls[i] for i in sorted(self.calls)]
-        out: dict[str, Any] = {"id": self.id, "model": self.model, "provider": self.provider, "object": "chat.completion",
-                               "created": self.created, "usage": self.usage}
+        out: dict[str, Any] = {
+            "id": self.id,
+            "model": self.model,
+            "provider": self.provider,
+            "object": "chat.completion",
+            "created": self.created,
+            "usage": self.usage,
+        }
         if self.error is not None and not self.chunks_with_output():
             out["error"], out["choices"] = self.error, []  # failed before any output: nothing but the error
             return out
-        choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": self.finish_reason,
-                                  "native_finish_reason": self.native_finish_reason}
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": message,
+            "finish_reason": self.finish_reason,
+            "native_finish_reason": self.native_finish_reason,
+        }
         if self.error is not None:
             choice.update(error=self.error, finish_reason="error")
         out["choices"] = [choice]
         return out
 
     def chunks_with_output(self) -> bool:
-        return bool(self.content or self.reasoning or self.details or self.calls
-                    or self.finish_reason not in (None, "error"))
+        return bool(
+            self.content or self.reasoning or self.details or self.calls or self.finish_reason not in (None, "error")
+        )
 
 
 class SdkPost:
@@ -166,22 +181,33 @@ class SdkPost:
     OpenRouter does not redirect (a 3xx is raised like any other non-2xx status).
     """
 
-    def __init__(self, base_url: str, api_key: str, concurrency: int, timeout_s: float, connect_timeout_s: float = 5.0,
-                 *, stream_idle_timeout_s: float = 180.0):
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str,
+        concurrency: int,
+        timeout_s: float,
+        connect_timeout_s: float = 5.0,
+        *,
+        stream_idle_timeout_s: float = 180.0,
+    ):
         import aiohttp
         from openai import AsyncOpenAI
 
         self.sdk = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout_s)
         self.url = str(self.sdk.base_url) + "chat/completions"  # the SDK keeps a trailing slash
-        self.headers = {k: v for k, v in {**self.sdk.default_headers, **self.sdk.auth_headers}.items()
-                        if isinstance(v, str)}
+        self.headers = {
+            k: v for k, v in {**self.sdk.default_headers, **self.sdk.auth_headers}.items() if isinstance(v, str)
+        }
         self.connect_timeout_s = connect_timeout_s
-        self.stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s,
-                                                    sock_read=stream_idle_timeout_s)
+        self.stream_timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=connect_timeout_s, sock_read=stream_idle_timeout_s
+        )
         self.records = True  # whether GET /generation?id= serves OpenRouter's generation records
         self.http = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=concurrency + 8, keepalive_timeout=60),
-            timeout=aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s))
+            timeout=aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s),
+        )
 
     async def check_reachable(self, within_s: float) -> None:
         """Before the first paid request: `GET {base}/models` gets an HTTP answer at all (any
@@ -195,8 +221,11 @@ class SdkPost:
         while True:
             tries += 1
             try:
-                async with self.http.get(url, headers=self.headers, timeout=aiohttp.ClientTimeout(
-                        total=30.0, sock_connect=self.connect_timeout_s)) as r:
+                async with self.http.get(
+                    url,
+                    headers=self.headers,
+                    timeout=aiohttp.ClientTimeout(total=30.0, sock_connect=self.connect_timeout_s),
+                ) as r:
                     await r.read()
                     return
             except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
@@ -208,10 +237,18 @@ class SdkPost:
                 raise EndpointUnavailable(
                     f"{SOURCE} base URL {self.sdk.base_url}: no connection for {waited:.0f} s ({tries} tries of GET "
                     f"{url}, last: {last}): nothing was sent. Check the openrouter_default connection's host (or "
-                    "--base-url) and the network")
+                    "--base-url) and the network"
+                )
             if waited >= note_at:  # the first retry already says so: a wait is never silent
-                log.warning("%s: waiting for %s ... (no connection for %.0f s of %g s, %d tries, last: %s)",
-                            SOURCE, url, waited, within_s, tries, last)
+                log.warning(
+                    "%s: waiting for %s ... (no connection for %.0f s of %g s, %d tries, last: %s)",
+                    SOURCE,
+                    url,
+                    waited,
+                    within_s,
+                    tries,
+                    last,
+                )
                 note_at = waited + WAIT_NOTE_EVERY_S
             await asyncio.sleep(min(float(tries), 3.0, max(0.0, within_s - waited)))
 
@@ -265,8 +302,9 @@ class SdkPost:
                     on_open(value)
 
         try:
-            async with self.http.post(self.url, data=body, headers={**self.headers, **headers},
-                                      timeout=self.stream_timeout) as r:
+            async with self.http.post(
+                self.url, data=body, headers={**self.headers, **headers}, timeout=self.stream_timeout
+            ) as r:
                 if r.status >= 300:
                     self._raise_status(r.status, r.raw_headers, await r.read())
                 if r.headers.get(GENERATION_HEADER):
@@ -311,8 +349,12 @@ class SdkPost:
 
         url = str(self.sdk.base_url) + path
         try:
-            async with self.http.get(url, params=params, headers=self.headers,
-                                     timeout=aiohttp.ClientTimeout(total=30.0, sock_connect=self.connect_timeout_s)) as r:
+            async with self.http.get(
+                url,
+                params=params,
+                headers=self.headers,
+                timeout=aiohttp.ClientTimeout(total=30.0, sock_connect=self.connect_timeout_s),
+            ) as r:
                 status, content = r.status, await r.read()
         except asyncio.TimeoutError:
             return 504, None
@@ -335,14 +377,17 @@ class SdkPost:
                 status, record = 0, None
             if status == 404 and not (isinstance(record, dict) and isinstance(record.get("error"), dict)):
                 self.records = False
-                log.info("%sgeneration is not OpenRouter's generation record: answers without usage.cost are priced "
-                         "from generation.overflow.price_usd_per_mtok", self.sdk.base_url)
+                log.info(
+                    "%sgeneration is not OpenRouter's generation record: answers without usage.cost are priced "
+                    "from generation.overflow.price_usd_per_mtok",
+                    self.sdk.base_url,
+                )
                 return None
             cost = ((record or {}).get("data") or {}).get("total_cost") if isinstance(record, dict) else None
             if isinstance(cost, (int, float)) and not isinstance(cost, bool):
                 return float(cost)
             if attempt + 1 < tries:
-                await asyncio.sleep(delay_s * 2 ** attempt)
+                await asyncio.sleep(delay_s * 2**attempt)
         return None
 
     def _request(self):
@@ -372,9 +417,9 @@ async def _read_events(content, answer: StreamAnswer, named: Callable[[str | Non
         done = False
         if b"[DONE]" in ready:
             done = True
-            del ready[ready.index(b"[DONE]"):]  # nothing after it counts
+            del ready[ready.index(b"[DONE]") :]  # nothing after it counts
         chunks = _decode_events(ready)
-        for chunk in (chunks if chunks is not None else map(json_records.loads, ready)):  # one by one: the
+        for chunk in chunks if chunks is not None else map(json_records.loads, ready):  # one by one: the
             if isinstance(chunk, dict):  # events before one that is not JSON are added first, as they came
                 named(chunk.get("id") if isinstance(chunk.get("id"), str) else None)
             answer.add(chunk)

@@ -33,8 +33,10 @@ class Prices:
 
     def at_least(self, other: Prices) -> Prices:
         """Each price the larger of the two known ones: the budget's estimate stays an upper bound."""
+
         def top(a, b):
             return b if a is None else a if b is None else max(a, b)
+
         return Prices(top(self.prompt, other.prompt), top(self.completion, other.completion))
 
 
@@ -52,7 +54,9 @@ def answer_prices(usage: Mapping[str, Any]) -> Prices:
     prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
     p = _number(details.get("upstream_inference_prompt_cost"))
     c = _number(details.get("upstream_inference_completions_cost"))
-    return Prices(p / prompt if p is not None and prompt else None, c / completion if c is not None and completion else None)
+    return Prices(
+        p / prompt if p is not None and prompt else None, c / completion if c is not None and completion else None
+    )
 
 
 def price_answer(usage: Mapping[str, Any], prices: Prices) -> float | None:
@@ -65,14 +69,19 @@ def price_answer(usage: Mapping[str, Any], prices: Prices) -> float | None:
     return usage["prompt_tokens"] * (prices.prompt or 0.0) + usage["completion_tokens"] * (prices.completion or 0.0)
 
 
-async def priced(client, data: Mapping[str, Any], prices: Prices, lookups: int, delay_s: float) -> tuple[float | None, str | None]:
+async def priced(
+    client, data: Mapping[str, Any], prices: Prices, lookups: int, delay_s: float
+) -> tuple[float | None, str | None]:
     """An answer's USD and where it came from: `usage.cost` ("openrouter"), else OpenRouter's
     record of the generation (`GET /generation?id=`, retried while it is not there yet:
     "generation_lookup"), else the prices ("configured_price"); (None, None) when none is known."""
     usage = data.get("usage") if isinstance(data.get("usage"), Mapping) else {}
     if usage.get("cost") is not None:
         return float(usage["cost"]), "openrouter"
-    if isinstance(data.get("id"), str) and (cost := await client.generation_cost(data["id"], lookups, delay_s)) is not None:
+    if (
+        isinstance(data.get("id"), str)
+        and (cost := await client.generation_cost(data["id"], lookups, delay_s)) is not None
+    ):
         return cost, "generation_lookup"
     cost = price_answer(usage, prices)
     return cost, "configured_price" if cost is not None else None

@@ -27,10 +27,18 @@ from eagle3_data.schemas import IDENTITY_MISMATCH
 SOURCE = "openrouter"
 # The config's sampling keys (SGLang's names) -> OpenRouter chat-completion fields; the generation
 # mode is not among them: it is bound into the output format (and sent as `reasoning`).
-REQUEST_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                  "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
-                  "frequency_penalty": "frequency_penalty", "max_new_tokens": "max_tokens", "seed": "seed",
-                  "sampling_seed": "seed"}
+REQUEST_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "max_new_tokens": "max_tokens",
+    "seed": "seed",
+    "sampling_seed": "seed",
+}
 
 
 def request_sampling(sampling: Mapping[str, Any]) -> dict:
@@ -52,8 +60,12 @@ def provider_messages(messages: list[dict], image_urls: Sequence[str] = ()) -> l
             messages[i]["content"][j] = {"type": "image_url", "image_url": {"url": url}}
     if not any("reasoning_content" in m for m in messages):
         return messages
-    return [{**{k: v for k, v in m.items() if k != "reasoning_content"}, "reasoning": m["reasoning_content"]}
-            if "reasoning_content" in m else m for m in messages]
+    return [
+        {**{k: v for k, v in m.items() if k != "reasoning_content"}, "reasoning": m["reasoning_content"]}
+        if "reasoning_content" in m
+        else m
+        for m in messages
+    ]
 
 
 @dataclass(frozen=True)
@@ -69,8 +81,13 @@ class RequestShape:
 
     def body(self, p: Prompt) -> dict:
         urls = [data_uri(self.image_bytes(ref)) for ref in p.images] if p.images_json and self.image_bytes else []
-        body = {"model": self.model, "messages": provider_messages(p.messages, urls), "reasoning": dict(self.reasoning),
-                "provider": dict(self.provider), "usage": {"include": True}}
+        body = {
+            "model": self.model,
+            "messages": provider_messages(p.messages, urls),
+            "reasoning": dict(self.reasoning),
+            "provider": dict(self.provider),
+            "usage": {"include": True},
+        }
         if self.stream:  # usage in the last chunk: OpenRouter always sends it (`stream_options` is a deprecated
             # no-op there), an OpenAI-compatible server (vLLM) only when asked
             body.update(stream=True, stream_options={"include_usage": True})
@@ -107,21 +124,38 @@ def failed_with(row: GenerationRow, lost: list[dict]) -> GenerationRow:
     return row
 
 
-def answer_row(p: Prompt, prompt_ids: list[int], data: Mapping[str, Any], cost: float | None, cost_source: str | None,
-               ctx: RowContext, lost: list[dict]) -> GenerationRow:
+def answer_row(
+    p: Prompt,
+    prompt_ids: list[int],
+    data: Mapping[str, Any],
+    cost: float | None,
+    cost_source: str | None,
+    ctx: RowContext,
+    lost: list[dict],
+) -> GenerationRow:
     """The row of a paid answer: ok, or why it cannot be used (final either way)."""
     row = generation_row(p, prompt_ids, SOURCE)
     usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
     details = usage.get("completion_tokens_details") or {}
-    row["usage"] = {"prompt_tokens": usage.get("prompt_tokens"), "completion_tokens": usage.get("completion_tokens"),
-                    "reasoning_tokens": details.get("reasoning_tokens"), "cost_usd": cost}
+    row["usage"] = {
+        "prompt_tokens": usage.get("prompt_tokens"),
+        "completion_tokens": usage.get("completion_tokens"),
+        "reasoning_tokens": details.get("reasoning_tokens"),
+        "cost_usd": cost,
+    }
     choices = data.get("choices") or []
     choice = choices[0] if choices and isinstance(choices[0], dict) else {}
     text = read_message(choice.get("message") or {}) if choice else None
     provenance = {
-        "model": data.get("model") or ctx.model, "provider": data.get("provider"), "generation_id": data.get("id"),
-        "requested_provider": dict(ctx.provider), "sampling": sampling_for(p, dict(ctx.sampling)), "thinking": ctx.thinking,
-        "tokenizer_sha256": ctx.tokenizer_sha256, "generated_at": time.time(), "cost_source": cost_source,
+        "model": data.get("model") or ctx.model,
+        "provider": data.get("provider"),
+        "generation_id": data.get("id"),
+        "requested_provider": dict(ctx.provider),
+        "sampling": sampling_for(p, dict(ctx.sampling)),
+        "thinking": ctx.thinking,
+        "tokenizer_sha256": ctx.tokenizer_sha256,
+        "generated_at": time.time(),
+        "cost_source": cost_source,
         **({"source_id": p.source_id} if p.source_id is not None else {}),
         **({"rewritten": list(text.rewritten)} if text and text.rewritten else {}),
         **lost_provenance(lost),
@@ -131,13 +165,20 @@ def answer_row(p: Prompt, prompt_ids: list[int], data: Mapping[str, Any], cost: 
         row.update(status="failed", error="malformed answer: no choices")
         return row
     finish = choice.get("finish_reason")
-    row.update(reasoning=text.reasoning, content=text.content, finish_reason=finish,
-               tool_calls=json.dumps(text.tool_calls, ensure_ascii=False) if text.tool_calls else None)
+    row.update(
+        reasoning=text.reasoning,
+        content=text.content,
+        finish_reason=finish,
+        tool_calls=json.dumps(text.tool_calls, ensure_ascii=False) if text.tool_calls else None,
+    )
     if ctx.pin is not None and (why := ctx.pin.mismatch(data.get("model"), data.get("provider"))):
         row.update(status=IDENTITY_MISMATCH, error=f"identity: {why}")
     elif finish == "error" or choice.get("error"):
-        row.update(status="failed", error=f"{describe(error_of(choice) or {'message': 'finish_reason error'})} "
-                                         "(mid-generation; the partial answer was billed)")
+        row.update(
+            status="failed",
+            error=f"{describe(error_of(choice) or {'message': 'finish_reason error'})} "
+            "(mid-generation; the partial answer was billed)",
+        )
     elif finish not in ("stop", "length", "tool_calls"):
         row.update(status="failed", error=f"finish_reason {finish!r}")
     elif text.problem:

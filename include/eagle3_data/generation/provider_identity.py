@@ -23,7 +23,6 @@ from typing import Any
 from eagle3_data.errors import UserError
 
 
-
 def _base(slug: str) -> str:
     return slug.split("/", 1)[0].strip().lower()
 
@@ -33,8 +32,10 @@ def allowed_providers(routing: Mapping[str, Any]) -> tuple[frozenset[str] | None
     object: `only`, else `order` when `allow_fallbacks` is false; `ignore` is always excluded."""
     only, order = routing.get("only"), routing.get("order")
     allowed = only if only else (order if order and routing.get("allow_fallbacks") is False else None)
-    return (frozenset(_base(s) for s in allowed) if allowed else None,
-            frozenset(_base(s) for s in routing.get("ignore") or ()))
+    return (
+        frozenset(_base(s) for s in allowed) if allowed else None,
+        frozenset(_base(s) for s in routing.get("ignore") or ()),
+    )
 
 
 @dataclass(frozen=True)
@@ -50,8 +51,10 @@ class Pin:
     def mismatch(self, answered_model: Any, answered_provider: Any) -> str | None:
         """Why an answer is not from the pin, or None."""
         if answered_model not in self.model_names:
-            return (f"model: answered by {answered_model!r}, pinned {self.model!r} "
-                    f"(accepted: {', '.join(sorted(self.model_names))})")
+            return (
+                f"model: answered by {answered_model!r}, pinned {self.model!r} "
+                f"(accepted: {', '.join(sorted(self.model_names))})"
+            )
         if self.providers is None and not self.ignored:
             return None
         if not isinstance(answered_provider, str) or not answered_provider:
@@ -64,13 +67,17 @@ class Pin:
         if _base(slug) in self.ignored or (self.providers is not None and _base(slug) not in self.providers):
             pinned = ", ".join(sorted(self.providers)) if self.providers is not None else "any"
             return f"provider: answered by {answered_provider!r} (slug {slug}), pinned {pinned}" + (
-                f", ignoring {', '.join(sorted(self.ignored))}" if self.ignored else "")
+                f", ignoring {', '.join(sorted(self.ignored))}" if self.ignored else ""
+            )
         return None
 
     def to_json(self) -> dict:
-        return {"model": self.model, "model_names": sorted(self.model_names),
-                "providers": sorted(self.providers) if self.providers is not None else None,
-                "ignored": sorted(self.ignored)}
+        return {
+            "model": self.model,
+            "model_names": sorted(self.model_names),
+            "providers": sorted(self.providers) if self.providers is not None else None,
+            "ignored": sorted(self.ignored),
+        }
 
 
 def model_names(pinned: str, listed: Iterable[Mapping[str, Any]], base_url: str) -> frozenset[str]:
@@ -81,11 +88,16 @@ def model_names(pinned: str, listed: Iterable[Mapping[str, Any]], base_url: str)
             return frozenset(n for n in (card.get("id"), card.get("canonical_slug")) if isinstance(n, str) and n)
     names = sorted(c.get("id") for c in listed if isinstance(c, Mapping) and isinstance(c.get("id"), str))
     shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
-    raise UserError(f"generation.overflow.model {pinned!r} is not a model {base_url} lists at GET /models "
-                    f"({shown or 'none listed'}): nothing was sent")
+    raise UserError(
+        f"generation.overflow.model {pinned!r} is not a model {base_url} lists at GET /models "
+        f"({shown or 'none listed'}): nothing was sent"
+    )
 
 
 def provider_slugs(listed: Iterable[Mapping[str, Any]]) -> dict[str, str]:
     """Display name (lowercased) -> slug, from `GET /providers`' `data`."""
-    return {str(p["name"]).strip().lower(): str(p["slug"]).strip().lower() for p in listed
-            if isinstance(p, Mapping) and p.get("name") and p.get("slug")}
+    return {
+        str(p["name"]).strip().lower(): str(p["slug"]).strip().lower()
+        for p in listed
+        if isinstance(p, Mapping) and p.get("name") and p.get("slug")
+    }

@@ -26,10 +26,19 @@ def local_capacity(tokens_per_s: float, time_budget_s: float, expected_tokens_pe
     return math.floor(tokens_per_s * time_budget_s / expected_tokens_per_sample)
 
 
-def assign_routes(sample_ids: Sequence[str], *, strategy: str = "fraction", overflow_fraction: float = 0.0,
-                  local_capacity: int = 0, calibration_samples: int = 0, local_endpoints: int = 1,
-                  local_latency_s: float = 60.0, overflow_latency_s: float = 6.0, in_flight_per_endpoint: int = 64,
-                  overflow_concurrency: int = 256) -> list[str]:
+def assign_routes(
+    sample_ids: Sequence[str],
+    *,
+    strategy: str = "fraction",
+    overflow_fraction: float = 0.0,
+    local_capacity: int = 0,
+    calibration_samples: int = 0,
+    local_endpoints: int = 1,
+    local_latency_s: float = 60.0,
+    overflow_latency_s: float = 6.0,
+    in_flight_per_endpoint: int = 64,
+    overflow_concurrency: int = 256,
+) -> list[str]:
     """The route of each sample ("local" | "overflow" | "both"), in the order of `sample_ids`.
 
     Only the ids are needed (not the rows): the prompts stage spills its rows and routes from
@@ -50,9 +59,13 @@ def assign_routes(sample_ids: Sequence[str], *, strategy: str = "fraction", over
     n = len(ranked)
     n_local = n - round(n * overflow_fraction) if strategy == "fraction" else min(n, max(0, local_capacity))
     if strategy == "balanced":
-        rates = side_rates(local_endpoints=local_endpoints, in_flight_per_endpoint=in_flight_per_endpoint,
-                           local_latency_s=local_latency_s, overflow_concurrency=overflow_concurrency,
-                           overflow_latency_s=overflow_latency_s)
+        rates = side_rates(
+            local_endpoints=local_endpoints,
+            in_flight_per_endpoint=in_flight_per_endpoint,
+            local_latency_s=local_latency_s,
+            overflow_concurrency=overflow_concurrency,
+            overflow_latency_s=overflow_latency_s,
+        )
         n_local = balanced_local_count(n, calibration_samples, rates)
     n_both = min(max(0, calibration_samples), n_local)
     route = {sid: ("both" if i < n_both else "local") if i < n_local else "overflow" for i, sid in enumerate(ranked)}
@@ -60,19 +73,28 @@ def assign_routes(sample_ids: Sequence[str], *, strategy: str = "fraction", over
 
 
 # Stored with every report, so a reader of the numbers knows what they can and cannot carry.
-CAN_PROVE = ("at temperature 0, ids that differ in the first tokens while the texts differ too mean the provider "
-             "does not serve the same model, chat template, system prompt or reasoning setting (sample and "
-             "position named); ids that agree over N tokens show the provider's text reconstructs to exactly "
-             "the engine's tokens there")
-CANNOT_PROVE = ("that the provider serves the same weights (two quantisations agree greedily for many tokens, then "
-                "drift), that its sampling at temperature > 0 matches, or that it keeps doing so after the "
-                "calibration window; differing ids with agreeing text are a non-canonical BPE split, not a provider "
-                "problem; greedy decoding is not bit-reproducible across batch sizes and kernels, so read an "
-                "agreement below 1.0 per sample, not as a threshold")
+CAN_PROVE = (
+    "at temperature 0, ids that differ in the first tokens while the texts differ too mean the provider "
+    "does not serve the same model, chat template, system prompt or reasoning setting (sample and "
+    "position named); ids that agree over N tokens show the provider's text reconstructs to exactly "
+    "the engine's tokens there"
+)
+CANNOT_PROVE = (
+    "that the provider serves the same weights (two quantisations agree greedily for many tokens, then "
+    "drift), that its sampling at temperature > 0 matches, or that it keeps doing so after the "
+    "calibration window; differing ids with agreeing text are a non-canonical BPE split, not a provider "
+    "problem; greedy decoding is not bit-reproducible across batch sizes and kernels, so read an "
+    "agreement below 1.0 per sample, not as a threshold"
+)
 
 
-def consistency_report(fmt: OutputFormat, local_rows: Iterable[dict], overflow_rows: Iterable[dict],
-                       first_n: int = 64, sample_ids: Iterable[str] | None = None) -> dict:
+def consistency_report(
+    fmt: OutputFormat,
+    local_rows: Iterable[dict],
+    overflow_rows: Iterable[dict],
+    first_n: int = 64,
+    sample_ids: Iterable[str] | None = None,
+) -> dict:
     """Compare calibration samples generated on both paths (generation rows, same sample_ids).
 
     Per sample: how many of the first `first_n` engine ids the reconstruction of the provider's
@@ -89,9 +111,16 @@ def consistency_report(fmt: OutputFormat, local_rows: Iterable[dict], overflow_r
     from eagle3_data.reconstruct import reconstruct_rows, row_to_reconstruct
 
     wanted = None if sample_ids is None else set(sample_ids)
-    local = {r["sample_id"]: r for r in local_rows if r.get("status") == "ok" and (wanted is None or r["sample_id"] in wanted)}
-    provider_ok = [r for r in overflow_rows if r.get("status") in ("ok", "unreconstructable")
-                   and (wanted is None or r["sample_id"] in wanted)]
+    local = {
+        r["sample_id"]: r
+        for r in local_rows
+        if r.get("status") == "ok" and (wanted is None or r["sample_id"] in wanted)
+    }
+    provider_ok = [
+        r
+        for r in overflow_rows
+        if r.get("status") in ("ok", "unreconstructable") and (wanted is None or r["sample_id"] in wanted)
+    ]
     pairs = [r for r in provider_ok if r["sample_id"] in local]
     recon = reconstruct_rows(fmt, (row_to_reconstruct(fmt, _plain(r), f"overflow row {r['sample_id']}") for r in pairs))
     samples, unreconstructable = [], []
@@ -106,15 +135,17 @@ def consistency_report(fmt: OutputFormat, local_rows: Iterable[dict], overflow_r
         # they "agree" when one is a prefix of the other (ignoring a cut multi-byte character).
         a, b = fmt.codec.decode(engine[:n]).rstrip("\ufffd"), fmt.codec.decode(ids[:n]).rstrip("\ufffd")
         common = min(len(a), len(b))
-        samples.append({
-            "sample_id": row.sample_id,
-            "compared": n,
-            "first_diff": first_diff,
-            "agreeing_prefix": n if first_diff is None else first_diff,
-            "engine_text": a,
-            "provider_text": b,
-            "same_text": a[:common] == b[:common],
-        })
+        samples.append(
+            {
+                "sample_id": row.sample_id,
+                "compared": n,
+                "first_diff": first_diff,
+                "agreeing_prefix": n if first_diff is None else first_diff,
+                "engine_text": a,
+                "provider_text": b,
+                "same_text": a[:common] == b[:common],
+            }
+        )
     agree = sum(s["first_diff"] is None for s in samples)
     ok_both = {s["sample_id"] for s in samples}
     expected = wanted if wanted is not None else set(local) | {r["sample_id"] for r in provider_ok}

@@ -9,7 +9,8 @@ sampling_params.py, http_server.py):
   must equal `meta_info.completion_tokens`, and `meta_info.prompt_tokens` the ids sent: a server
   started with `--allow-auto-truncate` cuts a long prompt's tail silently and reports the cut length.
 - `weight_version` (from `/model_info`, or the deprecated `/get_model_info`) and the served model
-  name (`/v1/models`) go into every row's provenance; capacity is `max_running_requests` from `/server_info` (`/get_server_info` before
+  name (`/v1/models`) go into every row's provenance; capacity is `max_running_requests` from `/server_info`
+  (`/get_server_info` before
   0.5.23 renamed it).
 - A full queue (`--max-queued-requests`) answers 503 "The request queue is full.": backpressure.
 """
@@ -27,12 +28,37 @@ from eagle3_data.generation.local import Answer, PromptCut, error_message, serve
 
 # SGLang 0.5.23 SamplingParams fields (srt/sampling/sampling_params.py): any other key inside
 # `sampling_params` is a 400 "unknown field" on every request, or (`choice`) crashes the request.
-SAMPLING_KEYS = frozenset({
-    "max_new_tokens", "min_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
-    "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "n", "json_schema", "regex", "ebnf",
-    "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
-    "stream_interval", "logit_bias", "sampling_seed", "custom_params", "beam_width", "watermark",
-})
+SAMPLING_KEYS = frozenset(
+    {
+        "max_new_tokens",
+        "min_new_tokens",
+        "stop",
+        "stop_token_ids",
+        "stop_regex",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
+        "n",
+        "json_schema",
+        "regex",
+        "ebnf",
+        "structural_tag",
+        "ignore_eos",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "no_stop_trim",
+        "stream_interval",
+        "logit_bias",
+        "sampling_seed",
+        "custom_params",
+        "beam_width",
+        "watermark",
+    }
+)
 _RENAMED = {"seed": "sampling_seed", "max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
 QUEUE_FULL = "the request queue is full"
 
@@ -42,8 +68,10 @@ def check_sampling_params(params: Mapping[str, object], *, where: str = "generat
     for key in params:
         if key not in SAMPLING_KEYS:
             hint = f" (SGLang's key is {_RENAMED[key]!r})" if key in _RENAMED else ""
-            raise UserError(f"{where}: {key!r} is not an SGLang sampling parameter{hint}; "
-                            f"accepted: {', '.join(sorted(SAMPLING_KEYS))}")
+            raise UserError(
+                f"{where}: {key!r} is not an SGLang sampling parameter{hint}; "
+                f"accepted: {', '.join(sorted(SAMPLING_KEYS))}"
+            )
 
 
 class SGLangWire:
@@ -77,10 +105,16 @@ class SGLangWire:
 
     def answer(self, body: Any, prompt_ids: list[int], identity: dict) -> Answer:
         ids, finish, meta = check_answer(body, prompt_ids)
-        return Answer(ids, finish, {
-            "e2e_latency": meta.get("e2e_latency"), "cached_tokens": meta.get("cached_tokens"),
-            "weight_version": meta.get("weight_version") or identity.get("weight_version"),
-        }, output_logprobs(meta, ids))
+        return Answer(
+            ids,
+            finish,
+            {
+                "e2e_latency": meta.get("e2e_latency"),
+                "cached_tokens": meta.get("cached_tokens"),
+                "weight_version": meta.get("weight_version") or identity.get("weight_version"),
+            },
+            output_logprobs(meta, ids),
+        )
 
     def logprob_distribution(self, sampling: Mapping[str, Any]) -> dict:
         """SGLang reports log_softmax(logits / temperature), before top-k/top-p/min-p (its sampler
@@ -97,8 +131,13 @@ class SGLangWire:
         `return_logprob` from `logprob_start_len = first - 1` (SGLang's first entry is None, so the
         window starts one token early), one token generated (a prefill-only request is refused
         when speculative decoding is on)."""
-        return "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
-                             "return_logprob": True, "logprob_start_len": first - 1, "rid": rid}
+        return "/generate", {
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+            "return_logprob": True,
+            "logprob_start_len": first - 1,
+            "rid": rid,
+        }
 
     def score_answer(self, body: Any, ids: list[int], first: int) -> list[float]:
         entries = (body[0] if isinstance(body, list) else body)["meta_info"]["input_token_logprobs"]
@@ -112,7 +151,6 @@ class SGLangWire:
 
 
 SGLANG = SGLangWire()
-
 
 
 def check_answer(answer, prompt_ids: list[int] | None = None) -> tuple[list[int], dict, dict]:
@@ -135,8 +173,10 @@ def check_answer(answer, prompt_ids: list[int] | None = None) -> tuple[list[int]
         raise ValueError(f"len(output_ids) = {len(ids)} but meta_info.completion_tokens = {completion}")
     ran = meta.get("prompt_tokens")
     if prompt_ids is not None and ran is not None and ran != len(prompt_ids):
-        raise PromptCut(f"{len(prompt_ids)} prompt ids sent, meta_info.prompt_tokens = {ran}: the server "
-                        "truncated the prompt (--allow-auto-truncate?); its answer is not the model's to this prompt")
+        raise PromptCut(
+            f"{len(prompt_ids)} prompt ids sent, meta_info.prompt_tokens = {ran}: the server "
+            "truncated the prompt (--allow-auto-truncate?); its answer is not the model's to this prompt"
+        )
     return ids, finish, meta
 
 
@@ -147,5 +187,7 @@ def output_logprobs(meta: Mapping[str, Any], ids: list[int]) -> list[float] | No
     if entries is None:
         return None
     if len(entries) != len(ids) or any(e[1] != t for e, t in zip(entries, ids)):
-        raise ValueError(f"meta_info.output_token_logprobs cover {len(entries)} ids that are not the {len(ids)} output ids")
+        raise ValueError(
+            f"meta_info.output_token_logprobs cover {len(entries)} ids that are not the {len(ids)} output ids"
+        )
     return [float(e[0]) for e in entries]

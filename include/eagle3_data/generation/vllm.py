@@ -30,10 +30,23 @@ from eagle3_data.generation.local import Answer, PromptCut, served_model
 # Config (SGLang) name -> vLLM completion-request field.
 RENAMED = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed"}
 # vLLM 0.32 CompletionRequest sampling fields accepted from the config (after RENAMED).
-SAMPLING_KEYS = frozenset({
-    "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "ignore_eos",
-})
+SAMPLING_KEYS = frozenset(
+    {
+        "max_tokens",
+        "min_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "stop_token_ids",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "logit_bias",
+        "ignore_eos",
+    }
+)
 
 
 def vllm_sampling(sampling: Mapping[str, object], *, where: str = "generation.sampling") -> dict:
@@ -42,8 +55,10 @@ def vllm_sampling(sampling: Mapping[str, object], *, where: str = "generation.sa
     for key, value in sampling.items():
         name = RENAMED.get(key, key)
         if name not in SAMPLING_KEYS:
-            raise UserError(f"{where}: {key!r} is not a sampling parameter the vLLM client sends; "
-                            f"accepted: {', '.join(sorted(set(SAMPLING_KEYS) | set(RENAMED)))}")
+            raise UserError(
+                f"{where}: {key!r} is not a sampling parameter the vLLM client sends; "
+                f"accepted: {', '.join(sorted(set(SAMPLING_KEYS) | set(RENAMED)))}"
+            )
         out[name] = value
     if out.get("top_k") == -1:
         out["top_k"] = 0  # the config's (SGLang's) "whole vocabulary" is vLLM's 0
@@ -63,16 +78,26 @@ class VllmWire:
         return {"served_model": await served_model(http, endpoint)}
 
     def request(self, prompt_ids: list[int], sampling: dict, rid: str, identity: dict) -> tuple[str, dict]:
-        body = {"prompt": prompt_ids, "return_token_ids": True, "skip_special_tokens": False, "stream": False,
-                "logprobs": 0, **sampling}
+        body = {
+            "prompt": prompt_ids,
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+            "stream": False,
+            "logprobs": 0,
+            **sampling,
+        }
         if identity.get("served_model"):
             body["model"] = identity["served_model"]
         return "/v1/completions", body
 
     def answer(self, body: Any, prompt_ids: list[int], identity: dict) -> Answer:
         ids, finish, body = check_answer(body, prompt_ids)
-        return Answer(ids, finish, {"served_model": body.get("model"), "engine_request_id": body.get("id")},
-                      output_logprobs(body["choices"][0], ids))
+        return Answer(
+            ids,
+            finish,
+            {"served_model": body.get("model"), "engine_request_id": body.get("id")},
+            output_logprobs(body["choices"][0], ids),
+        )
 
     def logprob_distribution(self, sampling: Mapping[str, Any]) -> dict:
         """vLLM's default `--logprobs-mode raw_logprobs`: the model's own distribution, before any
@@ -116,8 +141,10 @@ def check_answer(answer: dict, prompt_ids: list[int]) -> tuple[list[int], dict, 
     if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise ValueError("choices[0].token_ids is not a list of ints (is return_token_ids supported?)")
     if choice.get("prompt_token_ids") is not None and list(choice["prompt_token_ids"]) != list(prompt_ids):
-        raise PromptCut(f"choices[0].prompt_token_ids differ from the prompt ids sent ({len(choice['prompt_token_ids'])} "
-                        f"ids ran, {len(prompt_ids)} sent)")
+        raise PromptCut(
+            f"choices[0].prompt_token_ids differ from the prompt ids sent ({len(choice['prompt_token_ids'])} "
+            f"ids ran, {len(prompt_ids)} sent)"
+        )
     completion = (answer.get("usage") or {}).get("completion_tokens")
     if completion is not None and completion != len(ids):
         raise ValueError(f"len(token_ids) = {len(ids)} but usage.completion_tokens = {completion}")

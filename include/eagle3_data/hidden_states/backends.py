@@ -19,7 +19,6 @@ from typing import Protocol, Sequence
 import torch
 
 
-
 @dataclass(frozen=True)
 class ModelInfo:
     name: str  # recorded in shard metadata
@@ -78,7 +77,10 @@ class TransformersBackend:
         config = model.config.get_text_config()
         self.pad_id = config.pad_token_id if config.pad_token_id is not None else 0
         norm = self.decoder.norm
-        self.final_norm = (norm.weight.detach().cpu(), float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))))
+        self.final_norm = (
+            norm.weight.detach().cpu(),
+            float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))),
+        )
         self.lm_head = model.get_output_embeddings().weight.detach()
         self.info = ModelInfo(
             name=Path(model_dir).resolve().name,
@@ -99,8 +101,13 @@ class TransformersBackend:
         return self.decoder.embed_tokens if index == 0 else self.layers[index - 1]
 
     @torch.inference_mode()
-    def forward_padded(self, batch: Sequence[Sequence[int]], indices: list[int], last_hidden: bool,
-                       pixels: tuple[torch.Tensor, torch.Tensor] | None = None):
+    def forward_padded(
+        self,
+        batch: Sequence[Sequence[int]],
+        indices: list[int],
+        last_hidden: bool,
+        pixels: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ):
         """Padded [B, T_max, ...] captures and lengths: the bare forward the benchmark times.
         `pixels`: the batch's images, (pixel_values, image_grid_thw) in sample and prompt order."""
         lengths = [len(ids) for ids in batch]
@@ -114,16 +121,25 @@ class TransformersBackend:
         hooks = []
         last_index = self.info.num_layers  # hidden_states[L]'s module is the last layer: its output, un-normed
         for index in sorted(set(indices) | ({last_index} if last_hidden else set())):
+
             def hook(_module, _args, output, index=index):
                 captured[index] = output[0] if isinstance(output, tuple) else output
+
             hooks.append(self._module_for(index).register_forward_hook(hook))
         try:
-            inputs = {"input_ids": input_ids.to(self.device), "attention_mask": attention_mask.to(self.device), "use_cache": False}
+            inputs = {
+                "input_ids": input_ids.to(self.device),
+                "attention_mask": attention_mask.to(self.device),
+                "use_cache": False,
+            }
             if pixels is None:
                 self.decoder(**inputs)
             else:
-                self.model.model(**inputs, pixel_values=pixels[0].to(self.device, self.dtype),
-                                 image_grid_thw=pixels[1].to(self.device))
+                self.model.model(
+                    **inputs,
+                    pixel_values=pixels[0].to(self.device, self.dtype),
+                    image_grid_thw=pixels[1].to(self.device),
+                )
         finally:
             for h in hooks:
                 h.remove()
@@ -131,8 +147,13 @@ class TransformersBackend:
         last = captured[last_index] if last_hidden else None
         return aux, last, lengths
 
-    def forward(self, batch: Sequence[Sequence[int]], indices: list[int], last_hidden: bool,
-                pixels: Sequence[tuple[torch.Tensor, torch.Tensor] | None] | None = None) -> list[SampleStates]:
+    def forward(
+        self,
+        batch: Sequence[Sequence[int]],
+        indices: list[int],
+        last_hidden: bool,
+        pixels: Sequence[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
+    ) -> list[SampleStates]:
         """`pixels`: per sample, its images' (pixel_values, image_grid_thw) or None (vision-language
         checkpoints only; the ids hold each image's expanded `<|media_pad|>` run)."""
         given = [p for p in (pixels or ()) if p is not None]

@@ -12,8 +12,14 @@ BACKENDS = ("transformers", "vllm")
 _SHARED: dict[tuple, HiddenStateBackend] = {}
 
 
-def shared_backend(name: str, model_dir: str | Path, *, tensor_parallel_size: int = 1,
-                   max_model_len: int | None = None, max_images: int = 0) -> HiddenStateBackend:
+def shared_backend(
+    name: str,
+    model_dir: str | Path,
+    *,
+    tensor_parallel_size: int = 1,
+    max_model_len: int | None = None,
+    max_images: int = 0,
+) -> HiddenStateBackend:
     """The process's backend for these settings, created on first use and kept.
 
     Loading a target (or starting an engine) costs minutes on a real node; every shard a worker
@@ -27,8 +33,9 @@ def shared_backend(name: str, model_dir: str | Path, *, tensor_parallel_size: in
             from eagle3_data.hidden_states.vllm_backend import VllmBackend  # its venv, started on demand
 
             kwargs = {"max_model_len": max_model_len} if max_model_len else {}
-            _SHARED[key] = VllmBackend(model_dir, tensor_parallel_size=tensor_parallel_size, max_images=max_images,
-                                       **kwargs)
+            _SHARED[key] = VllmBackend(
+                model_dir, tensor_parallel_size=tensor_parallel_size, max_images=max_images, **kwargs
+            )
         else:
             _SHARED[key] = TransformersBackend(model_dir)
     return _SHARED[key]

@@ -25,8 +25,9 @@ from eagle3_data.images import LEFT_OUT_FILE, NO_IMAGES_IN_FORMAT
 GROUP_SIZE = 5000
 
 
-def export_specforge(shard_paths: Iterable[str | Path], out_dir: str | Path,
-                     images: Mapping[str, list] | None = None) -> int:
+def export_specforge(
+    shard_paths: Iterable[str | Path], out_dir: str | Path, images: Mapping[str, list] | None = None
+) -> int:
     """Write one .ckpt per sample; returns the number of samples written. The samples in `images`
     (sample_id -> references) are left out, each a line of `left_out.jsonl` (sample_id, reason)."""
     out = Path(out_dir)
@@ -42,10 +43,14 @@ def export_specforge(shard_paths: Iterable[str | Path], out_dir: str | Path,
                     "'output of layer i' convention (re-extract with --convention output)"
                 )
             if not reader.has_last:
-                raise UserError(f"{Path(path).name}: no last_hidden_states; SpecForge needs them (extract with --last-hidden)")
+                raise UserError(
+                    f"{Path(path).name}: no last_hidden_states; SpecForge needs them (extract with --last-hidden)"
+                )
             pre = reader.last_hidden_norm == "pre"
             if pre and reader.final_norm is None:
-                raise UserError(f"{Path(path).name}: last state before the final norm, but no final_norm_weight recorded")
+                raise UserError(
+                    f"{Path(path).name}: last state before the final norm, but no final_norm_weight recorded"
+                )
             for sample in reader:
                 if images and sample.sample_id in images:
                     with open(out / LEFT_OUT_FILE, "a") as left:

@@ -59,9 +59,17 @@ class ExtractOptions:
     @classmethod
     def from_config(cls, h) -> ExtractOptions:
         """From a `HiddenStatesConfig`."""
-        return cls(convention=h.convention, layer_ids=list(h.layer_ids) if h.layer_ids else None,
-                   last_hidden=h.last_hidden, last_hidden_norm=h.last_hidden_norm, token_budget=h.batch_tokens, out_shard_tokens=h.shard_tokens,
-                   use_fp8=h.fp8, storage_dtype=h.storage_dtype, logprobs=h.logprobs)
+        return cls(
+            convention=h.convention,
+            layer_ids=list(h.layer_ids) if h.layer_ids else None,
+            last_hidden=h.last_hidden,
+            last_hidden_norm=h.last_hidden_norm,
+            token_budget=h.batch_tokens,
+            out_shard_tokens=h.shard_tokens,
+            use_fp8=h.fp8,
+            storage_dtype=h.storage_dtype,
+            logprobs=h.logprobs,
+        )
 
 
 @dataclass
@@ -96,12 +104,16 @@ def check_rows(rows: Sequence[dict], vocab_size: int) -> None:
         if not ids:
             raise UserError(f"sample {sid}: field input_ids is empty")
         if mask is None or len(mask) != len(ids):
-            raise UserError(f"sample {sid}: field loss_mask has {None if mask is None else len(mask)} "
-                            f"entries for {len(ids)} input_ids")
+            raise UserError(
+                f"sample {sid}: field loss_mask has {None if mask is None else len(mask)} "
+                f"entries for {len(ids)} input_ids"
+            )
         low, high = min(ids), max(ids)
         if low < 0 or high >= vocab_size:
-            raise UserError(f"sample {sid}: field input_ids holds id {low if low < 0 else high}, "
-                            f"outside the model's vocabulary [0, {vocab_size})")
+            raise UserError(
+                f"sample {sid}: field input_ids holds id {low if low < 0 else high}, "
+                f"outside the model's vocabulary [0, {vocab_size})"
+            )
 
 
 def _check_sample(sid: str, n_tokens: int, aux: torch.Tensor, last: torch.Tensor | None) -> None:
@@ -218,14 +230,28 @@ def extract_rows(
 
     def write(samples: list[Sample], index: int) -> dict:
         path = out / f"{stem}-{index:04d}.safetensors"
-        size = write_shard(path, samples, layer_ids=layer_ids, convention=options.convention,
-                           model=info.name, compute_dtype=info.dtype, dtype=dtype, use_fp8=options.use_fp8,
-                           backend=info.backend, engine=info.engine, last_hidden_norm=options.last_hidden_norm,
-                           final_norm=final_norm)
+        size = write_shard(
+            path,
+            samples,
+            layer_ids=layer_ids,
+            convention=options.convention,
+            model=info.name,
+            compute_dtype=info.dtype,
+            dtype=dtype,
+            use_fp8=options.use_fp8,
+            backend=info.backend,
+            engine=info.engine,
+            last_hidden_norm=options.last_hidden_norm,
+            final_norm=final_norm,
+        )
         if on_file is not None:
             on_file(path)
-        return {"name": path.name, "samples": len(samples), "tokens": sum(len(s.input_ids) for s in samples),
-                "bytes": size}
+        return {
+            "name": path.name,
+            "samples": len(samples),
+            "tokens": sum(len(s.input_ids) for s in samples),
+            "bytes": size,
+        }
 
     writer = _BackgroundWriter(write)
     stats = _ShardStats()
@@ -239,8 +265,12 @@ def extract_rows(
             t0 = time.perf_counter()
             ids = [rows[i]["input_ids"] for i in batch]
             if images:
-                states = backend.forward(ids, indices, options.last_hidden or options.logprobs,
-                                         images=[images.get(rows[i]["sample_id"], ()) for i in batch])
+                states = backend.forward(
+                    ids,
+                    indices,
+                    options.last_hidden or options.logprobs,
+                    images=[images.get(rows[i]["sample_id"], ()) for i in batch],
+                )
             else:
                 states = backend.forward(ids, indices, options.last_hidden or options.logprobs)
             forward_seconds += time.perf_counter() - t0
@@ -250,8 +280,9 @@ def extract_rows(
                 _check_sample(sid, len(row["input_ids"]), st.aux, st.last)
                 token_logprobs = head.token_logprobs(st.last, row["input_ids"]) if head is not None else None
                 if token_logprobs is not None:
-                    logprob_stats.add(sid, token_logprobs, row["loss_mask"], row.get("source"), _greedy(row),
-                                      row["input_ids"])
+                    logprob_stats.add(
+                        sid, token_logprobs, row["loss_mask"], row.get("source"), _greedy(row), row["input_ids"]
+                    )
                     if check is not None and row.get("prompt_tokens") is not None:
                         check.observe(sid, token_logprobs, row["prompt_tokens"])
                 last = st.last if options.last_hidden else None
@@ -261,14 +292,16 @@ def extract_rows(
                 stats.owners.append(sid)
                 # cast now (checks ran in the compute dtype), so queued shards hold storage-size tensors;
                 # fp8 quantises from the compute dtype when the shard is written
-                pending.append(Sample(
-                    sample_id=sid,
-                    input_ids=torch.as_tensor(row["input_ids"], dtype=torch.int32),
-                    loss_mask=torch.as_tensor(row["loss_mask"], dtype=torch.uint8),
-                    aux_hidden_states=st.aux if options.use_fp8 else st.aux.to(dtype),
-                    last_hidden_states=last.to(dtype) if last is not None else None,
-                    target_logprobs=token_logprobs,
-                ))
+                pending.append(
+                    Sample(
+                        sample_id=sid,
+                        input_ids=torch.as_tensor(row["input_ids"], dtype=torch.int32),
+                        loss_mask=torch.as_tensor(row["loss_mask"], dtype=torch.uint8),
+                        aux_hidden_states=st.aux if options.use_fp8 else st.aux.to(dtype),
+                        last_hidden_states=last.to(dtype) if last is not None else None,
+                        target_logprobs=token_logprobs,
+                    )
+                )
                 pending_tokens += len(row["input_ids"])
             if pending_tokens >= options.out_shard_tokens:
                 writer.put(pending, file_index)
@@ -319,8 +352,9 @@ def read_merged_rows(paths: Iterable[str | Path]) -> list[dict]:
 
     rows: list[dict] = []
     for path in paths:
-        table = pq.read_table(str(path), columns=["sample_id", "source", "input_ids", "loss_mask", "prompt_tokens",
-                                                  "provenance"])
+        table = pq.read_table(
+            str(path), columns=["sample_id", "source", "input_ids", "loss_mask", "prompt_tokens", "provenance"]
+        )
         rows.extend(table.to_pylist())
     return rows
 
@@ -333,7 +367,9 @@ def _shard_ref(shard) -> tuple[StageRef, str]:
         try:
             return StageRef(shard["run_key"], shard["stage"], shard["dataset"]), shard["name"]
         except KeyError as exc:
-            raise UserError(f"shard {shard!r}: field {exc.args[0]} missing (expected run_key, stage, dataset, name)") from None
+            raise UserError(
+                f"shard {shard!r}: field {exc.args[0]} missing (expected run_key, stage, dataset, name)"
+            ) from None
     ref, name = shard
     return ref, name
 
@@ -353,7 +389,9 @@ def merged_sha256s(merge_manifest: dict) -> dict[str, str]:
     return {f["name"]: f["sha256"] for f in merge_manifest.get("files", [])}
 
 
-def extracted(store, out_ref: StageRef, shard, merged_sha256: str | None, committed: set[str] | None = None) -> dict | None:
+def extracted(
+    store, out_ref: StageRef, shard, merged_sha256: str | None, committed: set[str] | None = None
+) -> dict | None:
     """The committed summary of `shard` if it was extracted from the bytes `merged_sha256` names,
     else None (not extracted, or extracted from an earlier merge's shard of the same name: a
     zombie worker that finished after a re-merge deleted the stage). Only a summary that is
@@ -404,7 +442,9 @@ def extract_shard(
             return {**done, "skipped": True}
         backend = backend or TransformersBackend(model_dir)
         with tempfile.TemporaryDirectory(prefix="eagle3-extract-", dir=work_dir) as tmp:
-            local = store.get_file(merged_ref, name, Path(tmp) / name, sha256=merged_sha256)  # a merge rewriting it: refused
+            local = store.get_file(
+                merged_ref, name, Path(tmp) / name, sha256=merged_sha256
+            )  # a merge rewriting it: refused
             rows = read_merged_rows([local])
             local.unlink()
             rows, images, left_out = _images_for(store, merged_ref, rows, backend)
@@ -419,11 +459,17 @@ def extract_shard(
                 datasets = (merge_manifest.get("extra") or {}).get("datasets") or {}
                 answers, skipped = engine_answers(store, merged_ref.run_key, datasets, {r["sample_id"] for r in rows})
                 check = LogprobCheck.for_dtype(answers, backend.describe().dtype, skipped)
-            summary = extract_rows(backend, rows, Path(tmp) / "out", Path(name).stem, options, on_file=upload,
-                                   check=check, images=images)
+            summary = extract_rows(
+                backend, rows, Path(tmp) / "out", Path(name).stem, options, on_file=upload, check=check, images=images
+            )
         summary["left_out"] = left_out
-        summary["merged_shard"] = {"run_key": merged_ref.run_key, "stage": merged_ref.stage,
-                                   "dataset": merged_ref.dataset, "name": name, "sha256": merged_sha256}
+        summary["merged_shard"] = {
+            "run_key": merged_ref.run_key,
+            "stage": merged_ref.stage,
+            "dataset": merged_ref.dataset,
+            "name": name,
+            "sha256": merged_sha256,
+        }
         lease.check()
         store.put_json(out_ref, summary_name(name), summary)  # last: its presence marks the shard done
     return summary
@@ -447,11 +493,22 @@ def _images_for(store, merged_ref, rows: list[dict], backend) -> tuple[list[dict
             except ImageError as exc:
                 raise UserError(f"sample {sid}: field 'images': {exc}") from None
         return rows, found, {}
-    log.warning("%s: %d image samples left out of extraction: the %s backend was not started for images "
-                "(hidden_states.max_images)", merged_ref.path, len(mine), backend.describe().backend)
-    return ([r for r in rows if r["sample_id"] not in mine], None,
-            {"image_samples": len(mine), "sample_ids": sorted(mine)[:20],
-             "reason": "the backend was not started for images (hidden_states.max_images: 0, or a text-only backend)"})
+    log.warning(
+        "%s: %d image samples left out of extraction: the %s backend was not started for images "
+        "(hidden_states.max_images)",
+        merged_ref.path,
+        len(mine),
+        backend.describe().backend,
+    )
+    return (
+        [r for r in rows if r["sample_id"] not in mine],
+        None,
+        {
+            "image_samples": len(mine),
+            "sample_ids": sorted(mine)[:20],
+            "reason": "the backend was not started for images (hidden_states.max_images: 0, or a text-only backend)",
+        },
+    )
 
 
 def _logprob_totals(summaries: list[dict]) -> dict:
@@ -465,30 +522,47 @@ def _logprob_totals(summaries: list[dict]) -> dict:
         sources: dict[str, dict] = {}
         for x in stats:
             for source, side in x["sources"].items():
-                acc = sources.setdefault(source, {"samples": 0, "trained_tokens": 0, "sum_trained_logprob": 0.0,
-                                                  "histogram": [0] * len(side["histogram"]), "least_likely_samples": []})
+                acc = sources.setdefault(
+                    source,
+                    {
+                        "samples": 0,
+                        "trained_tokens": 0,
+                        "sum_trained_logprob": 0.0,
+                        "histogram": [0] * len(side["histogram"]),
+                        "least_likely_samples": [],
+                    },
+                )
                 means.setdefault(source, []).extend(side.get("sampled_means") or [])
                 for k in ("samples", "trained_tokens", "sum_trained_logprob"):
                     acc[k] += side[k]
                 acc["histogram"] = [a + b for a, b in zip(acc["histogram"], side["histogram"])]
-                acc["least_likely_samples"] = sorted(acc["least_likely_samples"] + side["least_likely_samples"],
-                                                     key=lambda w: w["mean_logprob"])[:5]
+                acc["least_likely_samples"] = sorted(
+                    acc["least_likely_samples"] + side["least_likely_samples"], key=lambda w: w["mean_logprob"]
+                )[:5]
         for acc in sources.values():
-            acc["mean_trained_logprob"] = acc["sum_trained_logprob"] / acc["trained_tokens"] if acc["trained_tokens"] else None
+            acc["mean_trained_logprob"] = (
+                acc["sum_trained_logprob"] / acc["trained_tokens"] if acc["trained_tokens"] else None
+            )
         tokens = sum(x["trained_tokens"] for x in stats)
-        out["logprobs"] = {"trained_tokens": tokens, "mean_trained_logprob":
-                           sum(x["sum_trained_logprob"] for x in stats) / tokens if tokens else None,
-                           "histogram_edges": stats[0]["histogram_edges"], "sources": sources}
+        out["logprobs"] = {
+            "trained_tokens": tokens,
+            "mean_trained_logprob": sum(x["sum_trained_logprob"] for x in stats) / tokens if tokens else None,
+            "histogram_edges": stats[0]["histogram_edges"],
+            "sources": sources,
+        }
         out["sampled_means"] = means  # written beside the shards (SAMPLE_MEANS), not into the manifest
     if checks:
         skipped: dict[str, int] = {}
         for c in checks:
             for k, v in c["not_compared"].items():
                 skipped[k] = skipped.get(k, 0) + v
-        out["logprob_check"] = {"compared_samples": sum(c["compared_samples"] for c in checks),
-                                "compared_tokens": sum(c["compared_tokens"] for c in checks),
-                                "worst_mean_abs_diff": max(c["worst_mean_abs_diff"] for c in checks),
-                                "tolerance": checks[0]["tolerance"], "not_compared": skipped}
+        out["logprob_check"] = {
+            "compared_samples": sum(c["compared_samples"] for c in checks),
+            "compared_tokens": sum(c["compared_tokens"] for c in checks),
+            "worst_mean_abs_diff": max(c["worst_mean_abs_diff"] for c in checks),
+            "tolerance": checks[0]["tolerance"],
+            "not_compared": skipped,
+        }
     return out
 
 
@@ -508,8 +582,10 @@ def _commit_extraction(store, merge_ref, out_ref, params: dict | None, lease) ->
     found = {s["name"]: extracted(store, out_ref, s, shas.get(s["name"]), committed) for s in shards}
     missing = [name for name, summary in found.items() if summary is None]
     if missing:
-        raise IncompleteStage(f"{store.uri(out_ref)}: {len(missing)} merged shards not extracted yet "
-                              f"(or extracted from an earlier merge): {missing[:5]}")
+        raise IncompleteStage(
+            f"{store.uri(out_ref)}: {len(missing)} merged shards not extracted yet "
+            f"(or extracted from an earlier merge): {missing[:5]}"
+        )
     summaries = list(found.values())
     files = [f["name"] for s in summaries for f in s["files"]] + [summary_name(s["name"]) for s in shards]
     first = summaries[0] if summaries else {}
@@ -519,8 +595,18 @@ def _commit_extraction(store, merge_ref, out_ref, params: dict | None, lease) ->
         "tokens": sum(s["tokens"] for s in summaries),
         "bytes": sum(s["bytes"] for s in summaries),
     }
-    keys = ("layer_ids", "convention", "last_hidden", "last_hidden_norm", "aux_encoding", "model", "dtype", "compute_dtype",
-            "min_bytes_per_token", "backend")
+    keys = (
+        "layer_ids",
+        "convention",
+        "last_hidden",
+        "last_hidden_norm",
+        "aux_encoding",
+        "model",
+        "dtype",
+        "compute_dtype",
+        "min_bytes_per_token",
+        "backend",
+    )
     mixed = [k for k in keys if len({json.dumps(s.get(k)) for s in summaries}) > 1]
     if mixed:
         raise UserError(f"{store.uri(out_ref)}: shards were extracted with different {mixed}; re-extract them alike")
@@ -528,9 +614,13 @@ def _commit_extraction(store, merge_ref, out_ref, params: dict | None, lease) ->
     if (means := logprob_totals.pop("sampled_means", None)) is not None:
         store.put_json(out_ref, SAMPLE_MEANS, means)
         files.append(SAMPLE_MEANS)
-    extra = {**{k: first.get(k) for k in keys}, "totals": totals, **logprob_totals,
-             "engines": sorted({s.get("engine") or "" for s in summaries}),
-             "bytes_per_token": totals["bytes"] / totals["tokens"] if totals["tokens"] else 0.0}
+    extra = {
+        **{k: first.get(k) for k in keys},
+        "totals": totals,
+        **logprob_totals,
+        "engines": sorted({s.get("engine") or "" for s in summaries}),
+        "bytes_per_token": totals["bytes"] / totals["tokens"] if totals["tokens"] else 0.0,
+    }
     lease.check()
     store.commit_files(out_ref, files, params=params, inputs=[merge_ref], extra=extra)
     return {"uri": store.uri(out_ref), **extra}

@@ -67,5 +67,7 @@ def final_norm_eps(model_dir: str | Path) -> float:
 
 def check_norm(choice: str) -> None:
     if choice not in NORMS:
-        raise UserError(f"last_hidden_norm {choice!r}: expected pre (before the final norm: speculators) or post "
-                        "(after it: SpecForge)")
+        raise UserError(
+            f"last_hidden_norm {choice!r}: expected pre (before the final norm: speculators) or post "
+            "(after it: SpecForge)"
+        )

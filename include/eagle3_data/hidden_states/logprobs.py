@@ -46,8 +46,14 @@ def lm_head_weight(model_dir: str | Path) -> torch.Tensor:
 class LogprobHead:
     """The final norm and the LM head, in fp32 on `device`, applied to one sample's last states."""
 
-    def __init__(self, final_norm: tuple[torch.Tensor, float], lm_head: torch.Tensor, *,
-                 device: str | torch.device = "cpu", chunk_tokens: int = CHUNK_TOKENS):
+    def __init__(
+        self,
+        final_norm: tuple[torch.Tensor, float],
+        lm_head: torch.Tensor,
+        *,
+        device: str | torch.device = "cpu",
+        chunk_tokens: int = CHUNK_TOKENS,
+    ):
         self.device = torch.device(device)
         self.norm_weight = final_norm[0].detach().to(self.device, torch.float32)
         self.eps = float(final_norm[1])
@@ -67,9 +73,9 @@ class LogprobHead:
             end = min(start + self.chunk_tokens, n - 1)
             h = rms_norm(last[start:end].to(self.device, torch.float32), self.norm_weight, self.eps)
             logits = h @ self.head.T  # [chunk, V]
-            nxt = ids[start + 1:end + 1].to(self.device)
+            nxt = ids[start + 1 : end + 1].to(self.device)
             picked = logits.gather(1, nxt[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
-            out[start + 1:end + 1] = picked.cpu()
+            out[start + 1 : end + 1] = picked.cpu()
         return out
 
 
@@ -87,8 +93,15 @@ class LogprobStats:
 
     WORST_TOKENS = 64  # of a least likely sample, its first trained ids kept (the report decodes them)
 
-    def add(self, sample_id: str, token_logprobs: torch.Tensor, loss_mask: Sequence[int], source: str | None = None,
-            greedy: bool = False, ids: Sequence[int] | None = None) -> None:
+    def add(
+        self,
+        sample_id: str,
+        token_logprobs: torch.Tensor,
+        loss_mask: Sequence[int],
+        source: str | None = None,
+        greedy: bool = False,
+        ids: Sequence[int] | None = None,
+    ) -> None:
         """`greedy`: a calibration answer (temperature 0), counted but kept out of the sampled
         answers' means the every-row policy check compares (policy.compare: greedy text is far
         likelier under the target than sampled text). `ids`: the sample's ids, so that the least
@@ -98,13 +111,24 @@ class LogprobStats:
             return
         values = token_logprobs[trained].double()
         mean = float(values.mean())
-        side = self.sides.setdefault(source or "unknown", {"samples": 0, "trained_tokens": 0, "sum_trained_logprob": 0.0,
-                                                          "histogram": [0] * (len(self.BINS) + 1), "means": [],
-                                                          "sampled_means": [], "worst": []})
+        side = self.sides.setdefault(
+            source or "unknown",
+            {
+                "samples": 0,
+                "trained_tokens": 0,
+                "sum_trained_logprob": 0.0,
+                "histogram": [0] * (len(self.BINS) + 1),
+                "means": [],
+                "sampled_means": [],
+                "worst": [],
+            },
+        )
         if ids is not None and (len(side["worst"]) < self.worst or (mean, sample_id) < side["worst"][-1][:2]):
             kept = torch.as_tensor(ids, dtype=torch.long)[trained][: self.WORST_TOKENS]
-            side["worst"] = sorted(side["worst"] + [(mean, sample_id, kept.tolist(),
-                                                     [float(x) for x in token_logprobs[trained][: self.WORST_TOKENS]])])[: self.worst]
+            side["worst"] = sorted(
+                side["worst"]
+                + [(mean, sample_id, kept.tolist(), [float(x) for x in token_logprobs[trained][: self.WORST_TOKENS]])]
+            )[: self.worst]
         side["samples"] += 1
         side["trained_tokens"] += int(values.numel())
         side["sum_trained_logprob"] += float(values.sum())
@@ -119,11 +143,18 @@ class LogprobStats:
             worst = sorted(side["means"])[: self.worst]
             kept = {sid: (ids, lps) for _, sid, ids, lps in side["worst"]}
             sides[source] = {k: v for k, v in side.items() if k not in ("means", "worst")} | {
-                "least_likely_samples": [{"sample_id": sid, "mean_logprob": m}
-                                         | ({"ids": kept[sid][0], "logprobs": kept[sid][1]} if sid in kept else {})
-                                         for m, sid in worst]}
+                "least_likely_samples": [
+                    {"sample_id": sid, "mean_logprob": m}
+                    | ({"ids": kept[sid][0], "logprobs": kept[sid][1]} if sid in kept else {})
+                    for m, sid in worst
+                ]
+            }
         tokens = sum(s["trained_tokens"] for s in sides.values())
         total = sum(s["sum_trained_logprob"] for s in sides.values())
-        return {"trained_tokens": tokens, "sum_trained_logprob": total,
-                "mean_trained_logprob": total / tokens if tokens else None, "histogram_edges": list(self.BINS),
-                "sources": sides}
+        return {
+            "trained_tokens": tokens,
+            "sum_trained_logprob": total,
+            "mean_trained_logprob": total / tokens if tokens else None,
+            "histogram_edges": list(self.BINS),
+            "sources": sides,
+        }

@@ -29,7 +29,8 @@ from eagle3_data.errors import UserError
 from eagle3_data.hidden_states import fp8
 
 FORMAT = "eagle3-packed-hidden-states"
-FORMAT_VERSION = "4"  # v4: target_logprobs; v3: last_hidden_norm + the final norm; v2: `dtype` names the storage dtype (v1: bf16 always)
+# v4: target_logprobs; v3: last_hidden_norm + the final norm; v2: `dtype` names the storage dtype (v1: bf16 always)
+FORMAT_VERSION = "4"
 FP8_ENCODING = "fp8_e4m3_row_scale"
 STORAGE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -73,10 +74,21 @@ class Sample:
     target_logprobs: torch.Tensor | None = None  # float32 [T], NaN at position 0
 
 
-def write_shard(path: str | Path, samples: list[Sample], *, layer_ids: list[int], convention: str, model: str,
-                compute_dtype: str, dtype: torch.dtype = torch.bfloat16, use_fp8: bool = False,
-                backend: str = "", engine: str = "", last_hidden_norm: str = "pre",
-                final_norm: tuple[torch.Tensor, float] | None = None) -> int:
+def write_shard(
+    path: str | Path,
+    samples: list[Sample],
+    *,
+    layer_ids: list[int],
+    convention: str,
+    model: str,
+    compute_dtype: str,
+    dtype: torch.dtype = torch.bfloat16,
+    use_fp8: bool = False,
+    backend: str = "",
+    engine: str = "",
+    last_hidden_norm: str = "pre",
+    final_norm: tuple[torch.Tensor, float] | None = None,
+) -> int:
     """Write one packed shard, float tensors cast to `dtype` (aux to fp8 when `use_fp8`); returns its size in bytes."""
     if not samples:
         raise ValueError("refusing to write an empty shard")
@@ -140,8 +152,11 @@ class ShardReader:
         self.has_logprobs = "target_logprobs" in self._file.keys()
         # which side of the final norm the last state is (shards before v3 stored it after)
         self.last_hidden_norm = meta.get("last_hidden_norm", "post") if self.has_last else None
-        self.final_norm = ((self._file.get_tensor("final_norm_weight"), float(meta["final_norm_eps"]))
-                           if "final_norm_weight" in self._file.keys() else None)
+        self.final_norm = (
+            (self._file.get_tensor("final_norm_weight"), float(meta["final_norm_eps"]))
+            if "final_norm_weight" in self._file.keys()
+            else None
+        )
         self.is_fp8 = meta.get("aux_encoding") == FP8_ENCODING
         # fp8 is dequantised to the shard's storage dtype (v1 shards stored bf16 whatever `dtype` said)
         self.dtype = torch.bfloat16 if meta.get("format_version") == "1" else _torch_dtype(meta["dtype"], "dtype")

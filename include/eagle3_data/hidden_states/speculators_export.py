@@ -54,14 +54,23 @@ def vllm_layer_ids(reader: ShardReader) -> list[int]:
 def _check(reader: ShardReader, path: str | Path) -> None:
     name = Path(path).name
     if not reader.has_last:
-        raise UserError(f"{name}: no last_hidden_states; speculators needs the last layer's state (extract with --last-hidden)")
+        raise UserError(
+            f"{name}: no last_hidden_states; speculators needs the last layer's state (extract with --last-hidden)"
+        )
     if reader.last_hidden_norm != "pre":
-        raise UserError(f"{name}: the last state is after the final norm; speculators applies its own verifier_norm "
-                        "and would normalise it twice (extract with --last-hidden-norm pre)")
+        raise UserError(
+            f"{name}: the last state is after the final norm; speculators applies its own verifier_norm "
+            "and would normalise it twice (extract with --last-hidden-norm pre)"
+        )
 
 
-def export_speculators(shard_paths: Iterable[str | Path], out_dir: str | Path, *, fp8: bool = False,
-                       images: Mapping[str, list] | None = None) -> int:
+def export_speculators(
+    shard_paths: Iterable[str | Path],
+    out_dir: str | Path,
+    *,
+    fp8: bool = False,
+    images: Mapping[str, list] | None = None,
+) -> int:
     """Write the dataset and one state file per row; returns the rows written. `images`
     (sample_id -> references) go into `index.jsonl`: its training takes states and ids only."""
     out = Path(out_dir)
@@ -76,12 +85,15 @@ def export_speculators(shard_paths: Iterable[str | Path], out_dir: str | Path, *
             _check(reader, path)
             layers.add(tuple(vllm_layer_ids(reader)))
             if len(layers) > 1:
-                raise UserError(f"{Path(path).name}: aux layers {sorted(layers)} differ between shards; re-extract alike")
+                raise UserError(
+                    f"{Path(path).name}: aux layers {sorted(layers)} differ between shards; re-extract alike"
+                )
             for sample in reader:
                 ids = sample.input_ids.to(torch.int64)
                 T = ids.shape[0]
-                stacked = torch.cat([sample.aux_hidden_states.reshape(T, 3, -1),
-                                     sample.last_hidden_states.reshape(T, 1, -1)], dim=1)
+                stacked = torch.cat(
+                    [sample.aux_hidden_states.reshape(T, 3, -1), sample.last_hidden_states.reshape(T, 1, -1)], dim=1
+                )
                 tensors = {"token_ids": ids.clone()}
                 if fp8:
                     tensors["hidden_states"], tensors["hidden_states_scales"] = quantize_per_token(stacked)
@@ -92,15 +104,23 @@ def export_speculators(shard_paths: Iterable[str | Path], out_dir: str | Path, *
                 yield sample.sample_id, ids, sample.loss_mask
 
     n = save_rows(samples(), out, images=images)
-    info = {"samples": n, "hidden_states": {"encoding": "fp8_e4m3fn_per_token" if fp8 else "bfloat16",
-                                            "aux_layer_ids_vllm": list(next(iter(layers))),
-                                            "last": "the last layer's output before the final norm"}}
+    info = {
+        "samples": n,
+        "hidden_states": {
+            "encoding": "fp8_e4m3fn_per_token" if fp8 else "bfloat16",
+            "aux_layer_ids_vllm": list(next(iter(layers))),
+            "last": "the last layer's output before the final norm",
+        },
+    }
     (out / "export_info.json").write_text(json.dumps(info, indent=1))
     return n
 
 
-def save_rows(samples: Iterable[tuple[str, Sequence[int], Sequence[int]]], out_dir: str | Path,
-              images: Mapping[str, list] | None = None) -> int:
+def save_rows(
+    samples: Iterable[tuple[str, Sequence[int], Sequence[int]]],
+    out_dir: str | Path,
+    images: Mapping[str, list] | None = None,
+) -> int:
     """The rows as speculators' dataset (`input_ids`, `loss_mask` int64 lists, `seq_len`; torch
     format, what `save_to_disk` writes and `load_from_disk` reads) with `index.jsonl` (row ->
     sample_id); returns the rows written.
@@ -120,9 +140,13 @@ def save_rows(samples: Iterable[tuple[str, Sequence[int], Sequence[int]]], out_d
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int64")),
-                                  "loss_mask": datasets.Sequence(datasets.Value("int64")),
-                                  "seq_len": datasets.Value("int64")})
+    features = datasets.Features(
+        {
+            "input_ids": datasets.Sequence(datasets.Value("int64")),
+            "loss_mask": datasets.Sequence(datasets.Value("int64")),
+            "seq_len": datasets.Value("int64"),
+        }
+    )
     schema = features.arrow_schema
     data_file = out / "data-00000-of-00001.arrow"
     n = 0
@@ -136,8 +160,10 @@ def save_rows(samples: Iterable[tuple[str, Sequence[int], Sequence[int]]], out_d
             lengths = np.fromiter((len(a) for a in ids_parts), np.int64, len(ids_parts))
             offsets = np.zeros(len(lengths) + 1, np.int32)
             np.cumsum(lengths, out=offsets[1:])
-            cols = [pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(parts), pa.int64()))
-                    for parts in (ids_parts, mask_parts)]
+            cols = [
+                pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(parts), pa.int64()))
+                for parts in (ids_parts, mask_parts)
+            ]
             writer.write_table(pa.Table.from_arrays([*cols, pa.array(lengths)], schema=schema))
             ids_parts.clear()
             mask_parts.clear()
@@ -161,8 +187,10 @@ def save_rows(samples: Iterable[tuple[str, Sequence[int], Sequence[int]]], out_d
     table = datasets.Dataset.from_file(str(data_file))  # memory-mapped: nothing read
     table.set_format(type="torch")
     # what Dataset.save_to_disk writes beside its shards (datasets 5.x), for this one shard
-    state = {key: table.__dict__[key] for key in
-             ("_fingerprint", "_format_columns", "_format_kwargs", "_format_type", "_output_all_columns")}
+    state = {
+        key: table.__dict__[key]
+        for key in ("_fingerprint", "_format_columns", "_format_kwargs", "_format_type", "_output_all_columns")
+    }
     state["_split"] = str(table.split) if table.split is not None else None
     state["_data_files"] = [{"filename": data_file.name}]
     info = asdict(table._info)

@@ -2,7 +2,8 @@
 
 Per token, with H the target's hidden size and 3 aux layers (docs/hidden_states.md, "Layouts"):
 our shards hold 3H aux values + H for the last state, plus ids, mask, the target's fp32
-log-probability (logprobs.py) and (fp8) one fp32 scale per aux layer; speculators' files hold the same 4H (fp8: one fp32 scale per token); SpecForge's
+log-probability (logprobs.py) and (fp8) one fp32 scale per aux layer; speculators' files hold the same 4H
+(fp8: one fp32 scale per token); SpecForge's
 .ckpt the same 4H in the trainer's dtype. At Kimi-K2.5's H = 7168 that is ~57 KB per token in
 bf16: ~8 TB for 145 M tokens. The plan logs this for the configured model and the publish
 summary records it beside what was written.
@@ -14,7 +15,9 @@ ID_BYTES = 4 + 1  # int32 input id + uint8 loss mask per token
 LOGPROB_BYTES = 4  # the target's float32 log-probability per token (hidden_states.logprobs)
 
 
-def bytes_per_token(hidden_size: int, *, aux_layers: int = 3, last: bool = True, logprobs: bool = True) -> dict[str, float]:
+def bytes_per_token(
+    hidden_size: int, *, aux_layers: int = 3, last: bool = True, logprobs: bool = True
+) -> dict[str, float]:
     """Bytes per token of each layout we write, by storage encoding."""
     aux, last_n = aux_layers * hidden_size, hidden_size if last else 0
     ours = ID_BYTES + (LOGPROB_BYTES if logprobs else 0)
@@ -31,8 +34,12 @@ def bytes_per_token(hidden_size: int, *, aux_layers: int = 3, last: bool = True,
 def estimate(tokens: int, hidden_size: int, *, aux_layers: int = 3, last: bool = True, logprobs: bool = True) -> dict:
     """{hidden_size, tokens, bytes_per_token: {...}, bytes: {...}} for `tokens` merged tokens."""
     per = bytes_per_token(hidden_size, aux_layers=aux_layers, last=last, logprobs=logprobs)
-    return {"hidden_size": hidden_size, "tokens": tokens, "bytes_per_token": per,
-            "bytes": {k: int(v * tokens) for k, v in per.items()}}
+    return {
+        "hidden_size": hidden_size,
+        "tokens": tokens,
+        "bytes_per_token": per,
+        "bytes": {k: int(v * tokens) for k, v in per.items()},
+    }
 
 
 def describe(est: dict) -> str:

@@ -55,7 +55,9 @@ def comparable(distribution: dict | None) -> bool:
     return distribution.get("distribution") == "temperature_scaled" and float(distribution.get("temperature", 0)) == 1.0
 
 
-def engine_answers(store, run_key: str, datasets: Iterable[str], sample_ids: set[str]) -> tuple[dict[str, EngineAnswer], Counter]:
+def engine_answers(
+    store, run_key: str, datasets: Iterable[str], sample_ids: set[str]
+) -> tuple[dict[str, EngineAnswer], Counter]:
     """The engine's log-probabilities of the local answers among `sample_ids`, from the run's local
     generation stages (only the columns needed, batch by batch), and why others are not compared."""
     from eagle3_data.stages import LOCAL
@@ -102,11 +104,17 @@ class LogprobCheck:
     failures: list[dict] = field(default_factory=list)
 
     @classmethod
-    def for_dtype(cls, answers: dict[str, EngineAnswer], dtype: str, skipped: Counter | None = None,
-                  tolerance: float | None = None) -> LogprobCheck:
+    def for_dtype(
+        cls,
+        answers: dict[str, EngineAnswer],
+        dtype: str,
+        skipped: Counter | None = None,
+        tolerance: float | None = None,
+    ) -> LogprobCheck:
         if tolerance is None and dtype not in TOLERANCE:
-            raise UserError(f"no log-probability tolerance is known for compute dtype {dtype!r} "
-                            f"(known: {', '.join(TOLERANCE)})")
+            raise UserError(
+                f"no log-probability tolerance is known for compute dtype {dtype!r} (known: {', '.join(TOLERANCE)})"
+            )
         return cls(answers, TOLERANCE[dtype] if tolerance is None else tolerance, skipped or Counter())
 
     def observe(self, sample_id: str, target: torch.Tensor, prompt_tokens: int) -> None:
@@ -117,7 +125,7 @@ class LogprobCheck:
         if n <= 0:
             self.skipped["truncated_before_the_answer"] += 1
             return
-        ours = target[prompt_tokens: prompt_tokens + n].double()
+        ours = target[prompt_tokens : prompt_tokens + n].double()
         theirs = torch.tensor(answer.logprobs[:n], dtype=torch.float64)
         diff = (ours - theirs).abs().nan_to_num(nan=float("inf"))  # a NaN where the engine had a number is a failure
         mean = float(diff.mean())
@@ -126,23 +134,41 @@ class LogprobCheck:
         self.worst = max(self.worst, mean)
         if mean > self.tolerance:
             first = int((diff > self.tolerance).nonzero()[0])
-            self.failures.append({"sample_id": sample_id, "mean_abs_diff": mean, "answer_tokens": n,
-                                  "first_position": prompt_tokens + first, "first_diff": float(diff[first]),
-                                  "extraction": float(ours[first]), "engine": float(theirs[first])})
+            self.failures.append(
+                {
+                    "sample_id": sample_id,
+                    "mean_abs_diff": mean,
+                    "answer_tokens": n,
+                    "first_position": prompt_tokens + first,
+                    "first_diff": float(diff[first]),
+                    "extraction": float(ours[first]),
+                    "engine": float(theirs[first]),
+                }
+            )
 
     def summary(self) -> dict:
-        return {"compared_samples": self.compared, "compared_tokens": self.tokens, "tolerance": self.tolerance,
-                "worst_mean_abs_diff": self.worst, "failed_samples": len(self.failures),
-                "failures": self.failures[:SHOWN], "not_compared": dict(sorted(self.skipped.items()))}
+        return {
+            "compared_samples": self.compared,
+            "compared_tokens": self.tokens,
+            "tolerance": self.tolerance,
+            "worst_mean_abs_diff": self.worst,
+            "failed_samples": len(self.failures),
+            "failures": self.failures[:SHOWN],
+            "not_compared": dict(sorted(self.skipped.items())),
+        }
 
     def raise_if_failed(self, where: str) -> None:
         if not self.failures:
             return
-        shown = "; ".join(f"sample {f['sample_id']}: mean |diff| {f['mean_abs_diff']:.4g} nats over "
-                          f"{f['answer_tokens']} answer tokens, first at position {f['first_position']} "
-                          f"(extraction {f['extraction']:.4f}, engine {f['engine']:.4f})" for f in self.failures[:SHOWN])
+        shown = "; ".join(
+            f"sample {f['sample_id']}: mean |diff| {f['mean_abs_diff']:.4g} nats over "
+            f"{f['answer_tokens']} answer tokens, first at position {f['first_position']} "
+            f"(extraction {f['extraction']:.4f}, engine {f['engine']:.4f})"
+            for f in self.failures[:SHOWN]
+        )
         raise ExtractionDisagrees(
             f"{where}: the extraction's log-probabilities of {len(self.failures)} of {self.compared} local answers "
             f"differ from the engine's own beyond the numeric noise ({self.tolerance:g} nats per token): {shown}. "
             "Its states are not the target's over these ids (shifted, another sample's, cut by a prefix cache, "
-            "the wrong layer?): nothing of this shard was committed")
+            "the wrong layer?): nothing of this shard was committed"
+        )

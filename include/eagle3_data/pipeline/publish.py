@@ -13,7 +13,21 @@ from eagle3_data.pipeline.reuse import reusable
 from eagle3_data.pipeline.route import PLAN_REPORT
 from eagle3_data.pipeline.run import Run, bulk_tokenizer_for, log, stage_ref
 from eagle3_data.pipeline.validate import BILLING_REPORT, gate_results
-from eagle3_data.stages import AUDIT, AUDIT_DATASET, HIDDEN_STATES, LOCAL, MERGE, OVERFLOW, PLAN, PROBE, PROMPTS, PUBLISH, RECONSTRUCT, RUN_DATASET, VALIDATE
+from eagle3_data.stages import (
+    AUDIT,
+    AUDIT_DATASET,
+    HIDDEN_STATES,
+    LOCAL,
+    MERGE,
+    OVERFLOW,
+    PLAN,
+    PROBE,
+    PROMPTS,
+    PUBLISH,
+    RECONSTRUCT,
+    RUN_DATASET,
+    VALIDATE,
+)
 
 SUMMARY = "summary.json"
 
@@ -42,8 +56,19 @@ def _probe_figures(run: Run, store, hs_ref) -> dict | None:
     if not run.config.probe.enabled or reusable(store, ref, [hs_ref], probe_params(run)) is None:
         return None
     report = store.get_json(ref, PROBE_REPORT)
-    keys = ("simulated_acceptance", "acc", "full_acc", "coverage", "curve", "train_samples", "eval_samples",
-            "eval_tokens", "draft_vocab_size", "device", "seconds")
+    keys = (
+        "simulated_acceptance",
+        "acc",
+        "full_acc",
+        "coverage",
+        "curve",
+        "train_samples",
+        "eval_samples",
+        "eval_tokens",
+        "draft_vocab_size",
+        "device",
+        "seconds",
+    )
     return {"uri": store.uri(ref, PROBE_REPORT), "steps": report["config"]["steps"], **{k: report.get(k) for k in keys}}
 
 
@@ -62,8 +87,12 @@ def _run_report(store, run_key: str, index: dict, stand_ins, training: dict) -> 
     if not index:
         return None
     ref = run_report_ref(run_key)
-    if store.is_complete(ref) and (old := store.get_json(ref, RUN_REPORT_NAME)).get("datasets") == index \
-            and old.get("stand_ins", []) == list(stand_ins) and old.get("training", {}) == training:
+    if (
+        store.is_complete(ref)
+        and (old := store.get_json(ref, RUN_REPORT_NAME)).get("datasets") == index
+        and old.get("stand_ins", []) == list(stand_ins)
+        and old.get("training", {}) == training
+    ):
         return store.uri(ref, RUN_REPORT_NAME)
     return write_run_report(store, run_key, index, stand_ins=stand_ins, training=training)
 
@@ -73,18 +102,34 @@ def _plan(run: Run, store) -> PublishResult:
     from eagle3_data.pipeline.route import seconds_text
 
     plans = {name: store.get_json(stage_ref(run, PLAN, name), PLAN_REPORT) for name in run.datasets}
-    totals = {k: round(sum(p["estimate"][k] for p in plans.values()), 6) for k in ("prompt_tokens", "max_output_tokens", "max_overflow_usd")}
+    totals = {
+        k: round(sum(p["estimate"][k] for p in plans.values()), 6)
+        for k in ("prompt_tokens", "max_output_tokens", "max_overflow_usd")
+    }
     # each routing strategy over the whole run (the datasets share endpoints and provider)
     # (each dataset's times at its own rates: they may come from its previous run's manifests)
     strategies = run_totals([p["estimate"].get("strategies", {}) for p in plans.values()])
     for name, p in strategies.items():
-        log.info("dry run plan, routing %s%s: local %d samples (%s s), overflow %d (%s s): wall %s s, overflow <= $%.4f",
-                 name, " (chosen)" if name == run.config.routing.strategy else "", p["local"], seconds_text(p["local_s"]),
-                 p["overflow"], seconds_text(p["overflow_s"]), seconds_text(p["wall_s"]), p["overflow_usd"])
-    uri = store.put_json(stage_ref(run, PLAN, RUN_DATASET), PLAN_REPORT,
-                         {"run_key": run.run_key, "datasets": plans, "totals": totals, "strategies": strategies})
+        log.info(
+            "dry run plan, routing %s%s: local %d samples (%s s), overflow %d (%s s): wall %s s, overflow <= $%.4f",
+            name,
+            " (chosen)" if name == run.config.routing.strategy else "",
+            p["local"],
+            seconds_text(p["local_s"]),
+            p["overflow"],
+            seconds_text(p["overflow_s"]),
+            seconds_text(p["wall_s"]),
+            p["overflow_usd"],
+        )
+    uri = store.put_json(
+        stage_ref(run, PLAN, RUN_DATASET),
+        PLAN_REPORT,
+        {"run_key": run.run_key, "datasets": plans, "totals": totals, "strategies": strategies},
+    )
     log.info("dry run plan: %s", json.dumps({"datasets": plans, "totals": totals, "strategies": strategies}, indent=1))
-    return PublishResult(run_key=run.run_key, report_uri=uri, summary_uri=None, datasets=list(run.datasets), changed=False, totals=totals)
+    return PublishResult(
+        run_key=run.run_key, report_uri=uri, summary_uri=None, datasets=list(run.datasets), changed=False, totals=totals
+    )
 
 
 def _conversation_figures(store, run: Run, dataset: str) -> dict:
@@ -101,7 +146,9 @@ def _conversation_figures(store, run: Run, dataset: str) -> dict:
 def _trajectory_counts(merged: dict | None, dataset: str) -> dict:
     """`trajectories`: what the merge made of the dataset's trajectories (samples kept whole, kept
     cut, dropped; turn rows folded, records, dropped: merge._fold), when it had any."""
-    counts = {k: v for k, v in ((merged or {}).get("datasets", {}).get(dataset) or {}).items() if k.startswith("trajectory_")}
+    counts = {
+        k: v for k, v in ((merged or {}).get("datasets", {}).get(dataset) or {}).items() if k.startswith("trajectory_")
+    }
     return {"trajectories": counts} if counts else {}
 
 
@@ -148,9 +195,13 @@ def publish(run: Run, store) -> PublishResult:
             "billing": store.uri(stage_ref(run, VALIDATE, n), BILLING_REPORT),
             "thresholds": run.config.dataset(n).validation.rates(),
             "lengths": generation_lengths(store, [stage_ref(run, LOCAL, n), stage_ref(run, RECONSTRUCT, n)]),
-            "generation": {"local": datasets[n]["local"], "overflow": datasets[n]["overflow"],
-                           **_conversation_figures(store, run, n), **_trajectory_counts(merged, n),
-                           **_image_counts(store, stage_ref(run, PROMPTS, n))},
+            "generation": {
+                "local": datasets[n]["local"],
+                "overflow": datasets[n]["overflow"],
+                **_conversation_figures(store, run, n),
+                **_trajectory_counts(merged, n),
+                **_image_counts(store, stage_ref(run, PROMPTS, n)),
+            },
         }
         for n, g in gates.items()
         if g.report_uri
@@ -165,11 +216,15 @@ def publish(run: Run, store) -> PublishResult:
         committed = reusable(store, hs_ref, [merge_ref], hidden_states_params(run))
         hidden = committed and committed["extra"]
         if hidden is None:
-            problems.append(f"hidden states: {store.uri(hs_ref)} is not committed for this merge and its params "
-                            "(see tasks extract_hidden_states and commit_hidden_states)")
+            problems.append(
+                f"hidden states: {store.uri(hs_ref)} is not committed for this merge and its params "
+                "(see tasks extract_hidden_states and commit_hidden_states)"
+            )
     every_row = _policy_every_row(run, store, hs_ref) if hidden and hidden.get("logprobs") else None
     if every_row is not None and not every_row["passed"]:
-        problems.append("policy on every row (the extraction's target log-probabilities): " + "; ".join(every_row["reasons"]))
+        problems.append(
+            "policy on every row (the extraction's target log-probabilities): " + "; ".join(every_row["reasons"])
+        )
     training = {
         "policy_every_row": every_row and {k: every_row[k] for k in ("passed", "reasons", "notes")},
         "draft_vocab": (merged or {}).get("draft_vocab"),
@@ -189,8 +244,8 @@ def publish(run: Run, store) -> PublishResult:
         "merged_uri": store.uri(merge_ref) if merged else None,
         "merged": merged and {"totals": merged["totals"], "shards": len(merged["shards"])},
         "hidden_states_uri": store.uri(hs_ref) if hidden else None,
-        "hidden_states": hidden and {k: hidden.get(k) for k in ("totals", "layer_ids", "convention", "last_hidden_norm",
-                                                                "model", "dtype")},
+        "hidden_states": hidden
+        and {k: hidden.get(k) for k in ("totals", "layer_ids", "convention", "last_hidden_norm", "model", "dtype")},
         "training": training,
         "cost_usd": round(sum(d["overflow"]["cost_usd"] for d in datasets.values()), 6),
         "summary_uri": store.uri(summary_ref, SUMMARY),
@@ -207,7 +262,14 @@ def publish(run: Run, store) -> PublishResult:
             f"run {run.run_key}: nothing published: " + "; ".join(problems) + f"; run summary: {summary['summary_uri']}"
         )
     return PublishResult(
-        run_key=run.run_key, report_uri=report_uri, summary_uri=summary["summary_uri"], datasets=passed,
-        merged_uri=summary["merged_uri"], hidden_states_uri=summary["hidden_states_uri"], cost_usd=summary["cost_usd"],
-        changed=changed, summary=summary, stand_ins=list(run.config.stand_ins),
+        run_key=run.run_key,
+        report_uri=report_uri,
+        summary_uri=summary["summary_uri"],
+        datasets=passed,
+        merged_uri=summary["merged_uri"],
+        hidden_states_uri=summary["hidden_states_uri"],
+        cost_usd=summary["cost_usd"],
+        changed=changed,
+        summary=summary,
+        stand_ins=list(run.config.stand_ins),
     )

@@ -30,7 +30,9 @@ def reconstruct(run: Run, store, dataset: str) -> ReconstructResult:
     counts = {"ok": 0, "failed": 0, "unreconstructable": 0, "rejected": 0, "literal_special_text": 0}
     rejects: list[dict] = []
     source, line, read = store.uri(src), 0, 0
-    with StageWriter(store, ref, "generations", rows_per_part=1024, params=params, inputs=[src], fresh=True, **hashes) as w:
+    with StageWriter(
+        store, ref, "generations", rows_per_part=1024, params=params, inputs=[src], fresh=True, **hashes
+    ) as w:
         for batch in store.iter_batches(src):
             rows = batch.to_pylist()
             todo, lines, out = [], {}, []
@@ -43,7 +45,9 @@ def reconstruct(run: Run, store, dataset: str) -> ReconstructResult:
                     todo.append(row_to_reconstruct(fmt, r, f"{source} row {line}"))
                     lines[r["sample_id"]] = line
                 except UserError as exc:  # a malformed row: rejected, the others go on
-                    why = str(exc).split("): ", 1)[-1] if "(sample_id " in str(exc) else str(exc)  # row/sample: own columns
+                    why = (
+                        str(exc).split("): ", 1)[-1] if "(sample_id " in str(exc) else str(exc)
+                    )  # row/sample: own columns
                     rejects.append(reject(dataset, source, line, field_of(why), why, {"sample_id": r["sample_id"]}))
                     out.append({**r, "status": "unreconstructable", "error": f"rejected: {exc}"})
                     counts["rejected"] += 1
@@ -51,9 +55,23 @@ def reconstruct(run: Run, store, dataset: str) -> ReconstructResult:
             for item, ids in reconstruct_rows(fmt, todo):
                 counts["literal_special_text"] += bool(item.literal_special)  # special-token names as text
                 if item.unreconstructable:  # text cannot determine the ids: kept for the billing report, never merged
-                    out.append({**by_id[item.sample_id], "status": "unreconstructable", "error": f"unreconstructable: {item.unreconstructable}"})
-                    rejects.append(reject(dataset, source, lines[item.sample_id], field_of(item.unreconstructable, "output"),
-                                          f"unreconstructable: {item.unreconstructable}", {"sample_id": item.sample_id}))
+                    out.append(
+                        {
+                            **by_id[item.sample_id],
+                            "status": "unreconstructable",
+                            "error": f"unreconstructable: {item.unreconstructable}",
+                        }
+                    )
+                    rejects.append(
+                        reject(
+                            dataset,
+                            source,
+                            lines[item.sample_id],
+                            field_of(item.unreconstructable, "output"),
+                            f"unreconstructable: {item.unreconstructable}",
+                            {"sample_id": item.sample_id},
+                        )
+                    )
                     counts["unreconstructable"] += 1
                 else:
                     out.append({**by_id[item.sample_id], "output_ids": ids})

@@ -17,7 +17,9 @@ def same_params(manifest: dict, params: dict) -> bool:
     return canonical_json(manifest.get("params")) == canonical_json(params)
 
 
-def reusable(store, ref, inputs: list, params: dict | None = None, *, invalidate: bool = False) -> dict[str, Any] | None:
+def reusable(
+    store, ref, inputs: list, params: dict | None = None, *, invalidate: bool = False
+) -> dict[str, Any] | None:
     """The committed manifest of `ref` if it was made from these inputs (and `params`, unless
     None); else None, after invalidating the stale manifest when `invalidate` (generation: the
     writer then resumes by sample id and refuses to mix, never discarding paid rows)."""

@@ -15,9 +15,9 @@ from eagle3_data.canonical import canonical_json
 from eagle3_data.errors import UserError
 from eagle3_data.images import parse_refs
 from eagle3_data.pipeline.results import RouteResult
-from eagle3_data.rejects import REJECTS_FILE, rejects_parquet, require_reject_rate
 from eagle3_data.pipeline.reuse import reusable
 from eagle3_data.pipeline.run import Run, log, output_format, prompt_date, sampling, stage_ref, tokenizer_for
+from eagle3_data.rejects import REJECTS_FILE, rejects_parquet, require_reject_rate
 from eagle3_data.stages import LOCAL, OVERFLOW, PLAN, PROMPTS
 from eagle3_data.storage.writer import StageWriter
 
@@ -46,8 +46,12 @@ def rate_inputs(run: Run, store, dataset: str) -> dict:
     from eagle3_data.generation.local import DEFAULT_IN_FLIGHT
 
     r, g = run.config.routing, run.config.generation
-    local = {"endpoints": r.local_endpoints, "in_flight_per_endpoint": g.local.in_flight_per_endpoint or DEFAULT_IN_FLIGHT,
-             "latency_s": r.local_latency_s, "source": "config"}
+    local = {
+        "endpoints": r.local_endpoints,
+        "in_flight_per_endpoint": g.local.in_flight_per_endpoint or DEFAULT_IN_FLIGHT,
+        "latency_s": r.local_latency_s,
+        "source": "config",
+    }
     overflow = {"concurrency": g.overflow.concurrency, "latency_s": r.overflow_latency_s, "source": "config"}
     if (prev := previous_generation(store, run.run_key, LOCAL, dataset)) is not None:
         uri, extra = prev
@@ -96,16 +100,26 @@ def rates(inputs: dict):
     from eagle3_data.generation.balance import side_rates
 
     lo, ov = inputs["local"], inputs["overflow"]
-    return side_rates(local_endpoints=lo["endpoints"], in_flight_per_endpoint=lo["in_flight_per_endpoint"],
-                      local_latency_s=lo["latency_s"], overflow_concurrency=ov["concurrency"],
-                      overflow_latency_s=ov["latency_s"])
+    return side_rates(
+        local_endpoints=lo["endpoints"],
+        in_flight_per_endpoint=lo["in_flight_per_endpoint"],
+        local_latency_s=lo["latency_s"],
+        overflow_concurrency=ov["concurrency"],
+        overflow_latency_s=ov["latency_s"],
+    )
 
 
 def load_route(run: Run, store, dataset: str) -> RouteResult:
     from eagle3_data.generation.routing import assign_routes
     from eagle3_data.images import ImageSink
-    from eagle3_data.prompts import (IMAGE_COUNTS, format_load_rejects, limit_prompt_tokens, load_prompts, prompt_files,
-                                     prompt_token_limit)
+    from eagle3_data.prompts import (
+        IMAGE_COUNTS,
+        format_load_rejects,
+        limit_prompt_tokens,
+        load_prompts,
+        prompt_files,
+        prompt_token_limit,
+    )
 
     ds, g, limits = run.config.dataset(dataset), run.config.generation, run.config.limits
     # missing prompt files fail before the tokenizer's seconds of loading; the tokenizer loads
@@ -114,12 +128,23 @@ def load_route(run: Run, store, dataset: str) -> RouteResult:
     date = prompt_date(run, store, dataset)  # a run without a logical date: the newest partition, or undated
     prompt_files(ds.prompts, dataset, date=date, client=store.client)
     fmt = output_format(run, store)
-    loaded = load_prompts(ds.prompts, dataset, date=date, sampling=sampling(run), repeats=g.repeats, client=store.client,
-                          max_message_bytes=limits.max_message_bytes, regenerate=g.regenerate,
-                          history=g.history, call_id=fmt.call_id if g.call_ids == "format" else None,
-                          images=ImageSink(store, limits.max_image_bytes))
+    loaded = load_prompts(
+        ds.prompts,
+        dataset,
+        date=date,
+        sampling=sampling(run),
+        repeats=g.repeats,
+        client=store.client,
+        max_message_bytes=limits.max_message_bytes,
+        regenerate=g.regenerate,
+        history=g.history,
+        call_id=fmt.call_id if g.call_ids == "format" else None,
+        images=ImageSink(store, limits.max_image_bytes),
+    )
     limit = prompt_token_limit(tokenizer_for(run, store), limits.max_prompt_tokens, g.sampling.max_new_tokens)
-    limit_prompt_tokens(loaded, limit, lambda messages, tools, images=None: len(fmt.generation_prompt_ids(messages, tools, images)))
+    limit_prompt_tokens(
+        loaded, limit, lambda messages, tools, images=None: len(fmt.generation_prompt_ids(messages, tools, images))
+    )
     log.info("dataset %s: %s", dataset, format_load_rejects(loaded))
     ref = stage_ref(run, PROMPTS, dataset)
 
@@ -130,9 +155,14 @@ def load_route(run: Run, store, dataset: str) -> RouteResult:
             store.put_bytes(ref, REJECTS_FILE, rejects_parquet(loaded.rejects))
         return store.uri(ref, REJECTS_FILE)
 
-    require_reject_rate(loaded.rejects, loaded.counts["read"], ds.validation.max_rejected_prompt_rate,
-                        f"dataset {dataset}: prompts {ds.prompts}" + (f" (date {date})" if date else ""),
-                        "validation.max_rejected_prompt_rate", None if run.dry_run else keep_rejects)
+    require_reject_rate(
+        loaded.rejects,
+        loaded.counts["read"],
+        ds.validation.max_rejected_prompt_rate,
+        f"dataset {dataset}: prompts {ds.prompts}" + (f" (date {date})" if date else ""),
+        "validation.max_rejected_prompt_rate",
+        None if run.dry_run else keep_rejects,
+    )
     rc = run.config.routing
     balance = None
     if rc.strategy == "balanced" and not run.dry_run:
@@ -143,38 +173,73 @@ def load_route(run: Run, store, dataset: str) -> RouteResult:
     routing = rc.model_dump(exclude=None if rc.strategy == "balanced" else set(BALANCE_FIELDS))
     if rc.strategy == "balanced":
         routing["balance_inputs"] = balance
-        log.info("dataset %s: balanced routing from local %s (%s), overflow %s (%s)", dataset,
-                 _side_text(balance["local"]), balance["local"]["source"], _side_text(balance["overflow"]),
-                 balance["overflow"]["source"])
+        log.info(
+            "dataset %s: balanced routing from local %s (%s), overflow %s (%s)",
+            dataset,
+            _side_text(balance["local"]),
+            balance["local"]["source"],
+            _side_text(balance["overflow"]),
+            balance["overflow"]["source"],
+        )
     # balanced: the local count that makes both sides finish together (generation.balance)
-    routes = assign_routes([sid for b in loaded.rows.batches(["sample_id"]) for sid in b.column(0).to_pylist()],
-                           **{**rc.model_dump(), **(_balance_kwargs(balance) if balance else {})},
-                           in_flight_per_endpoint=balance["local"]["in_flight_per_endpoint"] if balance
-                           else g.local.in_flight_per_endpoint or 64,
-                           overflow_concurrency=g.overflow.concurrency)
+    routes = assign_routes(
+        [sid for b in loaded.rows.batches(["sample_id"]) for sid in b.column(0).to_pylist()],
+        **{**rc.model_dump(), **(_balance_kwargs(balance) if balance else {})},
+        in_flight_per_endpoint=balance["local"]["in_flight_per_endpoint"]
+        if balance
+        else g.local.in_flight_per_endpoint or 64,
+        overflow_concurrency=g.overflow.concurrency,
+    )
     routes, to_overflow = images_to_overflow(loaded.rows, routes)
     counts = {"prompts": len(routes), "rejects": len(loaded.rejects)}
     if to_overflow:
         counts["images_to_overflow"] = to_overflow
     if "user_turns" in loaded.counts:  # rows asked for turn by turn (generation.conversations): sizes the timeouts
         counts["user_turns"] = loaded.counts["user_turns"]
-    counts.update({k: loaded.counts[k] for k in IMAGE_COUNTS if loaded.counts.get(k)})  # image prompts: the report's figures
+    counts.update(
+        {k: loaded.counts[k] for k in IMAGE_COUNTS if loaded.counts.get(k)}
+    )  # image prompts: the report's figures
     if loaded.counts["answers_dropped"]:  # final_turn: rows whose own answer is regenerated (the provenance kept)
         counts["answers_dropped"] = loaded.counts["answers_dropped"]
     for route in routes:
         counts[route] = counts.get(route, 0) + 1
     if run.dry_run:
-        plan = {"dataset": dataset, "source": ds.prompts, "date": date, "counts": counts,
-                "estimate": _estimate(run, fmt, routed_batches(loaded.rows, routes), counts, balance)}
-        log.info("dataset %s: plan rates from local %s, overflow %s", dataset, balance["local"]["source"],
-                 balance["overflow"]["source"])
+        plan = {
+            "dataset": dataset,
+            "source": ds.prompts,
+            "date": date,
+            "counts": counts,
+            "estimate": _estimate(run, fmt, routed_batches(loaded.rows, routes), counts, balance),
+        }
+        log.info(
+            "dataset %s: plan rates from local %s, overflow %s",
+            dataset,
+            balance["local"]["source"],
+            balance["overflow"]["source"],
+        )
         for name, p in plan["estimate"]["strategies"].items():
-            log.info("dataset %s: plan %-8s%s local %d, overflow %d: local %s s, overflow %s s, wall %s s, overflow <= $%.4f",
-                     dataset, name, "*" if p["chosen"] else " ", p["local"], p["overflow"], seconds_text(p["local_s"]),
-                     seconds_text(p["overflow_s"]), seconds_text(p["wall_s"]), p["overflow_usd"])
-        return RouteResult(counts=counts, plan_uri=store.put_json(stage_ref(run, PLAN, dataset), PLAN_REPORT, plan), plan=plan)
+            log.info(
+                "dataset %s: plan %-8s%s local %d, overflow %d: local %s s, overflow %s s, wall %s s, overflow <= "
+                "$%.4f",
+                dataset,
+                name,
+                "*" if p["chosen"] else " ",
+                p["local"],
+                p["overflow"],
+                seconds_text(p["local_s"]),
+                seconds_text(p["overflow_s"]),
+                seconds_text(p["wall_s"]),
+                p["overflow_usd"],
+            )
+        return RouteResult(
+            counts=counts, plan_uri=store.put_json(stage_ref(run, PLAN, dataset), PLAN_REPORT, plan), plan=plan
+        )
     params = {
-        "source": ds.prompts, "date": date, "sampling": sampling(run), "repeats": g.repeats, "routing": routing,
+        "source": ds.prompts,
+        "date": date,
+        "sampling": sampling(run),
+        "repeats": g.repeats,
+        "routing": routing,
         "rows_sha256": rows_sha256(routed_batches(loaded.rows, routes)),
     }
     if g.regenerate != "final_turn":  # recorded only away from the default, so earlier stages are still reused
@@ -192,9 +257,11 @@ def load_route(run: Run, store, dataset: str) -> RouteResult:
             w.commit(extra={"counts": counts}, files=[REJECTS_FILE])
     if not routes:
         first = loaded.rejects[0]["reason"] if loaded.rejects else "the files hold no rows"
-        raise UserError(f"dataset {dataset}: 0 usable prompt rows in {ds.prompts} (date {date}; "
-                        f"{loaded.counts.get('read', 0)} read, {len(loaded.rejects)} rejected; first: {first}); "
-                        f"rejects: {store.uri(ref, REJECTS_FILE)}")
+        raise UserError(
+            f"dataset {dataset}: 0 usable prompt rows in {ds.prompts} (date {date}; "
+            f"{loaded.counts.get('read', 0)} read, {len(loaded.rejects)} rejected; first: {first}); "
+            f"rejects: {store.uri(ref, REJECTS_FILE)}"
+        )
     return RouteResult(counts=counts, uri=store.uri(ref))
 
 
@@ -215,7 +282,7 @@ def routed_batches(rows: PromptRows, routes: list[str]) -> Iterator[pa.RecordBat
     done = 0
     for batch in rows.batches():
         i = batch.schema.get_field_index("route")
-        route = pa.array(routes[done:done + batch.num_rows], pa.string())
+        route = pa.array(routes[done : done + batch.num_rows], pa.string())
         done += batch.num_rows
         yield batch.set_column(i, batch.schema.field(i), route)
 
@@ -227,7 +294,9 @@ def rows_sha256(batches: Iterable[pa.RecordBatch]) -> str:
     digest, sep = hashlib.sha256(b"["), b""
     for batch in batches:
         for row in batch.to_pylist():
-            row.pop("source_id", None)  # provenance, not what is generated: a stage made before it existed stays reusable
+            row.pop(
+                "source_id", None
+            )  # provenance, not what is generated: a stage made before it existed stays reusable
             if row.get("images") is None:
                 row.pop("images", None)  # text rows hash as before images existed
             digest.update(sep + canonical_json(row, ascii_only=True).encode())
@@ -238,8 +307,11 @@ def rows_sha256(batches: Iterable[pa.RecordBatch]) -> str:
 
 def _balance_kwargs(balance: dict) -> dict:
     """assign_routes' balance arguments from `rate_inputs`."""
-    return {"local_endpoints": balance["local"]["endpoints"], "local_latency_s": balance["local"]["latency_s"],
-            "overflow_latency_s": balance["overflow"]["latency_s"]}
+    return {
+        "local_endpoints": balance["local"]["endpoints"],
+        "local_latency_s": balance["local"]["latency_s"],
+        "overflow_latency_s": balance["overflow"]["latency_s"],
+    }
 
 
 def _side_text(side: dict) -> str:
@@ -254,14 +326,22 @@ def _estimate(run: Run, fmt, batches: Iterable[pa.RecordBatch], counts: dict, ba
     prompt_tokens, every_prompt = {"local": 0, "overflow": 0}, 0
     for batch in batches:
         for r in batch.to_pylist():
-            n = len(fmt.generation_prompt_ids(json.loads(r["messages"]), json.loads(r["tools"]) if r["tools"] else None,
-                                              parse_refs(r.get("images"))))
+            n = len(
+                fmt.generation_prompt_ids(
+                    json.loads(r["messages"]),
+                    json.loads(r["tools"]) if r["tools"] else None,
+                    parse_refs(r.get("images")),
+                )
+            )
             every_prompt += n
             for side in ("local", "overflow"):
                 if r["route"] in (side, "both"):
                     prompt_tokens[side] += n
     n_rows, n_both = counts["prompts"], counts.get("both", 0)
-    usd = (prompt_tokens["overflow"] * price.prompt + (counts.get("overflow", 0) + n_both) * s.max_new_tokens * price.completion) / 1e6
+    usd = (
+        prompt_tokens["overflow"] * price.prompt
+        + (counts.get("overflow", 0) + n_both) * s.max_new_tokens * price.completion
+    ) / 1e6
     strategies = _strategies(run, n_rows, every_prompt, balance)
     chosen = strategies[run.config.routing.strategy]
     if chosen["overflow"] == counts.get("overflow", 0) + n_both:
@@ -289,8 +369,14 @@ def _strategies(run: Run, n_rows: int, prompt_tokens: int, balance: dict) -> dic
     r, s = run.config.routing, run.config.generation.sampling
     price = run.config.generation.overflow.price_usd_per_mtok
     per_sample = ((prompt_tokens / n_rows if n_rows else 0) * price.prompt + s.max_new_tokens * price.completion) / 1e6
-    plans = compare_strategies(n_rows, overflow_fraction=r.overflow_fraction, local_capacity=r.local_capacity,
-                               calibration=r.calibration_samples, rates=rates(balance), usd_per_overflow_sample=per_sample)
+    plans = compare_strategies(
+        n_rows,
+        overflow_fraction=r.overflow_fraction,
+        local_capacity=r.local_capacity,
+        calibration=r.calibration_samples,
+        rates=rates(balance),
+        usd_per_overflow_sample=per_sample,
+    )
     for name, plan in plans.items():
         plan["chosen"] = name == r.strategy
         plan["overflow_usd"] = round(plan["overflow_usd"], 6)

@@ -35,6 +35,8 @@ def generation_timeout(run: Run, store, dataset: str, stage: str, routed_counts:
     rate = getattr(rates(inputs), side)  # samples per second
     expected = samples / rate if rate > 0 else float("inf")
     seconds = min(t.generation_cap_s, max(t.generation_floor_s, t.generation_margin * expected))
-    how = (f"{samples} samples{per_row} at {rate:.3g} samples/s (rates from {inputs[side]['source']}): expected "
-           f"{expected:.0f} s x {t.generation_margin:g}, floor {t.generation_floor_s:g} s, cap {t.generation_cap_s:g} s")
+    how = (
+        f"{samples} samples{per_row} at {rate:.3g} samples/s (rates from {inputs[side]['source']}): expected "
+        f"{expected:.0f} s x {t.generation_margin:g}, floor {t.generation_floor_s:g} s, cap {t.generation_cap_s:g} s"
+    )
     return seconds, how

@@ -26,8 +26,13 @@ BILLING_REPORT = "billing.json"
 _CHUNK = 4096
 
 
-def run_gate(local_report: dict[str, Any], billing: dict[str, Any], thresholds: ValidationConfig,
-             identity: dict[str, Any] | None = None, policy: dict[str, Any] | None = None) -> Gate:
+def run_gate(
+    local_report: dict[str, Any],
+    billing: dict[str, Any],
+    thresholds: ValidationConfig,
+    identity: dict[str, Any] | None = None,
+    policy: dict[str, Any] | None = None,
+) -> Gate:
     """The dataset's gate: the local round trip's, the overflow billing checks' (completion
     tokens; prompt tokens, `billing["prompt"]`), the identity count's and the policy check's own
     decisions (`eagle3_data.validate`, `eagle3_data.policy`), combined; no reason is reinterpreted here.
@@ -35,14 +40,21 @@ def run_gate(local_report: dict[str, Any], billing: dict[str, Any], thresholds: 
     unless `validation.allow_unvalidated_overflow`; the report flags it either way)."""
     reasons = [f"local round trip: {r}" for r in local_report["gate"]["reasons"]]
     reasons += [f"overflow billing: {r}" for r in billing["gate"]["reasons"]]
-    reasons += [f"overflow prompt billing: {r}" for r in (billing.get("prompt") or {}).get("gate", {}).get("reasons", [])]
+    reasons += [
+        f"overflow prompt billing: {r}" for r in (billing.get("prompt") or {}).get("gate", {}).get("reasons", [])
+    ]
     reasons += [f"identity: {r}" for r in (identity or {}).get("gate", {}).get("reasons", [])]
     reasons += [f"policy: {r}" for r in (policy or {}).get("reasons", [])]
     notes = [f"local round trip: {w}" for w in local_report["gate"].get("warnings", [])]
     notes += [f"overflow billing: {n}" for n in billing["gate"].get("notes", [])]
     notes += list((policy or {}).get("notes", []))
-    return Gate(passed=not reasons, reasons=reasons, thresholds=thresholds.model_dump(), notes=notes,
-                unvalidated_overflow=local_report["samples"] == 0 and billing["rows"] > 0)
+    return Gate(
+        passed=not reasons,
+        reasons=reasons,
+        thresholds=thresholds.model_dump(),
+        notes=notes,
+        unvalidated_overflow=local_report["samples"] == 0 and billing["rows"] > 0,
+    )
 
 
 def _ok_batches(store, ref, columns):
@@ -60,8 +72,9 @@ def _prompt_billing_rows(store, ref):
 
     for b in store.iter_batches(ref, columns=["sample_id", "usage", "prompt_ids", "status"]):
         lengths = pc.list_value_length(b.column("prompt_ids")).to_pylist()
-        for sid, usage, status, n in zip(b.column("sample_id").to_pylist(), b.column("usage").to_pylist(),
-                                         b.column("status").to_pylist(), lengths):
+        for sid, usage, status, n in zip(
+            b.column("sample_id").to_pylist(), b.column("usage").to_pylist(), b.column("status").to_pylist(), lengths
+        ):
             if status in ("ok", "unreconstructable"):
                 yield sid, (usage or {}).get("prompt_tokens"), n or 0
 
@@ -80,8 +93,14 @@ def _rows_with_ids(store, ref, ids: set[str]):
 
 def _gate_from_manifest(manifest: dict, report_uri: str | None) -> Gate:
     g = manifest["extra"]["gate"]
-    return Gate(passed=g["passed"], reasons=list(g["reasons"]), report_uri=report_uri, thresholds=g.get("thresholds") or {},
-                notes=list(g.get("notes") or []), unvalidated_overflow=bool(g.get("unvalidated_overflow")))
+    return Gate(
+        passed=g["passed"],
+        reasons=list(g["reasons"]),
+        report_uri=report_uri,
+        thresholds=g.get("thresholds") or {},
+        notes=list(g.get("notes") or []),
+        unvalidated_overflow=bool(g.get("unvalidated_overflow")),
+    )
 
 
 def validate(run: Run, store, dataset: str, *, workers: int | None = None) -> ValidateResult:
@@ -95,16 +114,20 @@ def validate(run: Run, store, dataset: str, *, workers: int | None = None) -> Va
     from eagle3_data.validate import COLUMNS as VALIDATE_COLUMNS
     from eagle3_data.validate import (
         ValidationSummary,
-        identity_report,
         compare_billed_counts,
         compare_billed_prompts,
         detect_stop_convention,
+        identity_report,
         rows_from_batches,
         validate_rows,
         validation_rows_table,
     )
 
-    local, rebuilt, ref = stage_ref(run, LOCAL, dataset), stage_ref(run, RECONSTRUCT, dataset), stage_ref(run, VALIDATE, dataset)
+    local, rebuilt, ref = (
+        stage_ref(run, LOCAL, dataset),
+        stage_ref(run, RECONSTRUCT, dataset),
+        stage_ref(run, VALIDATE, dataset),
+    )
     policy_ref = stage_ref(run, POLICY, dataset)
     inputs = [local, rebuilt] + ([policy_ref] if store.is_complete(policy_ref) else [])
     thresholds = run.config.dataset(dataset).validation
@@ -112,7 +135,11 @@ def validate(run: Run, store, dataset: str, *, workers: int | None = None) -> Va
     tokenizer, fmt = bulk_tokenizer_for(run, store), output_format(run, store, template=False)
     hashes = tokenizer_hashes(tokenizer)
     # the load's threshold is checked by load + route: it changes nothing validated here
-    params = {"thresholds": thresholds.model_dump(exclude={"max_rejected_prompt_rate"}), "thinking": run.config.generation.sampling.thinking, **hashes}
+    params = {
+        "thresholds": thresholds.model_dump(exclude={"max_rejected_prompt_rate"}),
+        "thinking": run.config.generation.sampling.thinking,
+        **hashes,
+    }
     if (manifest := reusable(store, ref, inputs, params)) is None:
 
         def local_rows():  # two passes: the stop convention over all rows first, then the classes
@@ -120,10 +147,12 @@ def validate(run: Run, store, dataset: str, *, workers: int | None = None) -> Va
             return rows_from_batches(_ok_batches(store, local, list(VALIDATE_COLUMNS)), len(tokenizer))
 
         stops = detect_stop_convention(fmt, local_rows())
-        summary = ValidationSummary(thresholds.max_bpe_mismatch_rate, stops, thresholds.max_bad_row_rate,
-                                    thresholds.allow_unvalidated_overflow)
-        with StageWriter(store, ref, "validation_rows", rows_per_part=_CHUNK, params=params, inputs=inputs, fresh=True,
-                         **hashes) as w:
+        summary = ValidationSummary(
+            thresholds.max_bpe_mismatch_rate, stops, thresholds.max_bad_row_rate, thresholds.allow_unvalidated_overflow
+        )
+        with StageWriter(
+            store, ref, "validation_rows", rows_per_part=_CHUNK, params=params, inputs=inputs, fresh=True, **hashes
+        ) as w:
             chunk = []
             workers = workers or os.cpu_count() or 1
             for item in validate_rows(fmt, local_rows(), stops=stops, on_bad_row="skip", workers=workers):
@@ -138,9 +167,15 @@ def validate(run: Run, store, dataset: str, *, workers: int | None = None) -> Va
             local_report = summary.report()
             billing = compare_billed_counts(
                 (
-                    (r["sample_id"], (r["usage"] or {}).get("completion_tokens"), len(r["output_ids"] or []),
-                     r["error"] if r["status"] == "unreconstructable" else None)
-                    for b in store.iter_batches(rebuilt, columns=["sample_id", "usage", "output_ids", "status", "error"])
+                    (
+                        r["sample_id"],
+                        (r["usage"] or {}).get("completion_tokens"),
+                        len(r["output_ids"] or []),
+                        r["error"] if r["status"] == "unreconstructable" else None,
+                    )
+                    for b in store.iter_batches(
+                        rebuilt, columns=["sample_id", "usage", "output_ids", "status", "error"]
+                    )
                     for r in b.to_pylist()
                     if r["status"] in ("ok", "unreconstructable")
                 ),
@@ -148,14 +183,21 @@ def validate(run: Run, store, dataset: str, *, workers: int | None = None) -> Va
                 max_missing_usage_rate=thresholds.max_missing_usage_rate,
             )
             billing["prompt"] = compare_billed_prompts(
-                _prompt_billing_rows(store, rebuilt), max_mean_abs_diff=thresholds.max_prompt_billing_mean_abs_diff,
-                max_row_diff=thresholds.max_prompt_billing_row_diff, max_row_rate=thresholds.max_prompt_billing_row_rate,
-                max_missing_usage_rate=thresholds.max_missing_usage_rate)
+                _prompt_billing_rows(store, rebuilt),
+                max_mean_abs_diff=thresholds.max_prompt_billing_mean_abs_diff,
+                max_row_diff=thresholds.max_prompt_billing_row_diff,
+                max_row_rate=thresholds.max_prompt_billing_row_rate,
+                max_missing_usage_rate=thresholds.max_missing_usage_rate,
+            )
             identity = identity_report(
-                (r for ref_ in (local, rebuilt)
-                 for b in store.iter_batches(ref_, columns=["sample_id", "source", "status", "error", "provenance"])
-                 for r in b.to_pylist()),
-                max_rate=thresholds.max_identity_mismatch_rate)
+                (
+                    r
+                    for ref_ in (local, rebuilt)
+                    for b in store.iter_batches(ref_, columns=["sample_id", "source", "status", "error", "provenance"])
+                    for r in b.to_pylist()
+                ),
+                max_rate=thresholds.max_identity_mismatch_rate,
+            )
             figures = policy_summary(run, store, dataset)
             policy = policy_gate(figures, Thresholds.from_config(thresholds))
             gate = run_gate(local_report, billing, thresholds, identity, policy).as_dict()
@@ -163,19 +205,37 @@ def validate(run: Run, store, dataset: str, *, workers: int | None = None) -> Va
             # Calibration: samples routed "both", engine ids vs the provider's reconstructed text.
             # Informational, not a gate: docs/generation.md says what it can and cannot prove.
             both = {sid for sid, route in row_routes(run, store, dataset).items() if route == "both"}
-            calibration = consistency_report(fmt, _rows_with_ids(store, local, both), _rows_with_ids(store, rebuilt, both),
-                                             sample_ids=both)
-            store.put_json(ref, VALIDATION_REPORT, {**local_report, "dataset": dataset, "run_gate": gate,
-                                                    "calibration": calibration, "identity": identity,
-                                                    "policy": {**policy, "figures": figures}})
+            calibration = consistency_report(
+                fmt, _rows_with_ids(store, local, both), _rows_with_ids(store, rebuilt, both), sample_ids=both
+            )
+            store.put_json(
+                ref,
+                VALIDATION_REPORT,
+                {
+                    **local_report,
+                    "dataset": dataset,
+                    "run_gate": gate,
+                    "calibration": calibration,
+                    "identity": identity,
+                    "policy": {**policy, "figures": figures},
+                },
+            )
             store.put_json(ref, BILLING_REPORT, {**billing, "dataset": dataset})
             prompt = billing["prompt"]
-            manifest = w.commit(extra={"gate": gate, "counts": local_report["counts"],
-                                       "prompt_billing": {"rows": prompt["rows"], "mean_abs_diff": prompt["mean_abs_diff"],
-                                                          "over_tolerance": prompt["over_tolerance"]["rows"],
-                                                          "missing_usage": prompt["missing_usage"]["rows"]},
-                                       "identity": {k: identity[k] for k in ("answered", "mismatched", "rate")}},
-                                files=[VALIDATION_REPORT, BILLING_REPORT, REJECTS_FILE])
+            manifest = w.commit(
+                extra={
+                    "gate": gate,
+                    "counts": local_report["counts"],
+                    "prompt_billing": {
+                        "rows": prompt["rows"],
+                        "mean_abs_diff": prompt["mean_abs_diff"],
+                        "over_tolerance": prompt["over_tolerance"]["rows"],
+                        "missing_usage": prompt["missing_usage"]["rows"],
+                    },
+                    "identity": {k: identity[k] for k in ("answered", "mismatched", "rate")},
+                },
+                files=[VALIDATION_REPORT, BILLING_REPORT, REJECTS_FILE],
+            )
     uri = store.uri(ref, VALIDATION_REPORT)
     gate = _gate_from_manifest(manifest, uri)
     if not gate.passed:
@@ -189,11 +249,22 @@ def _write_rejects(store, ref, dataset: str, local, summary) -> None:
     from eagle3_data.rejects import format_rejects, reject, rejects_parquet, require_accepted
 
     source = store.uri(local)
-    rejects = [reject(dataset, source, int(b["row"].rsplit(" ", 1)[-1]) if b["row"].rsplit(" ", 1)[-1].isdigit() else 0,
-                      b["field"], b["error"], {"sample_id": b["sample_id"]}) for b in summary.bad_rows]
+    rejects = [
+        reject(
+            dataset,
+            source,
+            int(b["row"].rsplit(" ", 1)[-1]) if b["row"].rsplit(" ", 1)[-1].isdigit() else 0,
+            b["field"],
+            b["error"],
+            {"sample_id": b["sample_id"]},
+        )
+        for b in summary.bad_rows
+    ]
     accepted = sum(summary.counts.values())
     store.put_bytes(ref, REJECTS_FILE, rejects_parquet(rejects))
-    (log.warning if rejects else log.info)("%s", format_rejects(rejects, accepted + len(rejects), f"validate {dataset}"))
+    (log.warning if rejects else log.info)(
+        "%s", format_rejects(rejects, accepted + len(rejects), f"validate {dataset}")
+    )
     require_accepted(accepted, accepted + len(rejects), rejects, f"validate {dataset}", store.uri(ref, REJECTS_FILE))
 
 
@@ -202,8 +273,10 @@ def run_datasets(run: Run, store) -> list[str]:
     key that an earlier run already validated and passed (a `datasets=[X]` trigger reruns X and
     keeps the others). A dataset left out of the selection after failing its gate is dropped."""
     earlier = [
-        n for n in store.datasets(run.run_key, VALIDATE)
-        if n not in run.datasets and n in run.config.dataset_names
+        n
+        for n in store.datasets(run.run_key, VALIDATE)
+        if n not in run.datasets
+        and n in run.config.dataset_names
         and store.read_manifest(stage_ref(run, VALIDATE, n))["extra"]["gate"]["passed"]
     ]
     return [n for n in run.config.dataset_names if n in run.datasets or n in earlier]

@@ -21,5 +21,16 @@ from eagle3_data.policy.compare import Thresholds, check, decide, policy_gate, r
 from eagle3_data.policy.score import ScoreOptions, score_items
 from eagle3_data.policy.select import Item, local_items, overflow_items
 
-__all__ = ["Item", "ScoreOptions", "Thresholds", "check", "decide", "local_items", "overflow_items", "policy_gate",
-           "required_samples", "score_items", "summarize"]
+__all__ = [
+    "Item",
+    "ScoreOptions",
+    "Thresholds",
+    "check",
+    "decide",
+    "local_items",
+    "overflow_items",
+    "policy_gate",
+    "required_samples",
+    "score_items",
+    "summarize",
+]

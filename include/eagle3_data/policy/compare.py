@@ -88,20 +88,34 @@ def _test(diff: float, se: float, df: float, n: tuple[int, ...], th: Thresholds,
         mds = th.tolerance + (crit + float(stats.t.ppf(th.power, df))) * se
     else:  # every sample's mean identical on each side: the difference is exact
         p, mds = (0.0 if abs(diff) > th.tolerance else 1.0), th.tolerance
-    return {"samples": list(n), "shift": diff, "standard_error": se, "df": df, "p_value": p, "alpha": alpha,
-            "critical_shift": th.tolerance + crit * se, "rejected": p < alpha, "min_detectable_shift": mds,
-            "underpowered": mds > th.shift}
+    return {
+        "samples": list(n),
+        "shift": diff,
+        "standard_error": se,
+        "df": df,
+        "p_value": p,
+        "alpha": alpha,
+        "critical_shift": th.tolerance + crit * se,
+        "rejected": p < alpha,
+        "min_detectable_shift": mds,
+        "underpowered": mds > th.shift,
+    }
 
 
 def _welch(a: np.ndarray, b: np.ndarray) -> tuple[float, float, float]:
     va, vb = a.var(ddof=1) / a.size, b.var(ddof=1) / b.size
     se = math.sqrt(va + vb)
-    df = (va + vb) ** 2 / (va ** 2 / (a.size - 1) + vb ** 2 / (b.size - 1)) if se > 0 else float(a.size + b.size - 2)
+    df = (va + vb) ** 2 / (va**2 / (a.size - 1) + vb**2 / (b.size - 1)) if se > 0 else float(a.size + b.size - 2)
     return float(a.mean() - b.mean()), se, float(df)
 
 
-def decide(local: ArrayLike, overflow: ArrayLike, pairs_local: ArrayLike, pairs_overflow: ArrayLike,
-           th: Thresholds = Thresholds()) -> dict[str, Any]:
+def decide(
+    local: ArrayLike,
+    overflow: ArrayLike,
+    pairs_local: ArrayLike,
+    pairs_overflow: ArrayLike,
+    th: Thresholds = Thresholds(),
+) -> dict[str, Any]:
     """The decision on per-sample means: `local`, `overflow` (sampled answers) and the calibration
     pairs (`pairs_local[i]`, `pairs_overflow[i]`: one prompt). A test needs 2 observations a side
     (a spread); one that cannot run is absent from `tests`. `rejected`: the tests that reject;
@@ -119,10 +133,17 @@ def decide(local: ArrayLike, overflow: ArrayLike, pairs_local: ArrayLike, pairs_
         runs["pairs"] = (float(d.mean()), float(d.std(ddof=1) / math.sqrt(d.size)), float(d.size - 1), (d.size,))
     alpha = th.false_alarm_rate / max(1, len(runs))
     tests = {name: _test(diff, se, df, n, th, alpha) for name, (diff, se, df, n) in runs.items()}
-    return {"tests": tests, "rejected": [t for t in TESTS if t in tests and tests[t]["rejected"]],
-            "underpowered": "sampled" not in tests or tests["sampled"]["underpowered"],
-            "thresholds": {"shift": th.shift, "tolerance": th.tolerance, "false_alarm_rate": th.false_alarm_rate,
-                           "power": th.power}}
+    return {
+        "tests": tests,
+        "rejected": [t for t in TESTS if t in tests and tests[t]["rejected"]],
+        "underpowered": "sampled" not in tests or tests["sampled"]["underpowered"],
+        "thresholds": {
+            "shift": th.shift,
+            "tolerance": th.tolerance,
+            "false_alarm_rate": th.false_alarm_rate,
+            "power": th.power,
+        },
+    }
 
 
 def _side(scores: Sequence[ArrayLike]) -> dict[str, Any]:
@@ -130,14 +151,23 @@ def _side(scores: Sequence[ArrayLike]) -> dict[str, Any]:
     sample, the statistic's), the per-token quantiles (the tail: the likeliest garbage)."""
     means = sample_means(scores)
     tokens = np.concatenate([np.asarray(s, np.float64) for s in scores]) if len(scores) else np.zeros(0)
-    return {"samples": int(means.size), "tokens": int(tokens.size),
-            "mean_logprob": float(means.mean()) if means.size else None,
-            "token_quantiles": {f"p{int(q * 100)}": float(np.quantile(tokens, q)) for q in QUANTILES} if tokens.size else {},
-            "sample_means": [float(m) for m in means]}
+    return {
+        "samples": int(means.size),
+        "tokens": int(tokens.size),
+        "mean_logprob": float(means.mean()) if means.size else None,
+        "token_quantiles": {f"p{int(q * 100)}": float(np.quantile(tokens, q)) for q in QUANTILES}
+        if tokens.size
+        else {},
+        "sample_means": [float(m) for m in means],
+    }
 
 
-def check(local: Sequence[ArrayLike], overflow: Sequence[ArrayLike],
-          pairs: Sequence[tuple[ArrayLike, ArrayLike]] = (), th: Thresholds = Thresholds()) -> dict[str, Any]:
+def check(
+    local: Sequence[ArrayLike],
+    overflow: Sequence[ArrayLike],
+    pairs: Sequence[tuple[ArrayLike, ArrayLike]] = (),
+    th: Thresholds = Thresholds(),
+) -> dict[str, Any]:
     """Figures and verdict from per-token log-probabilities: per sample, for each side's sampled
     answers, and (local, overflow) per calibration prompt. The source may be any (scoring
     requests, the extraction's forward) as long as both sides come from the same one. Returns
@@ -148,62 +178,98 @@ def check(local: Sequence[ArrayLike], overflow: Sequence[ArrayLike],
     return {**policy_gate(figures, th), "figures": figures}
 
 
-def figures_of(local: Sequence[ArrayLike], overflow: Sequence[ArrayLike],
-               pairs: Sequence[tuple[ArrayLike, ArrayLike]], pair_ids: Sequence[str] = (),
-               identical: int | None = None) -> dict[str, Any]:
+def figures_of(
+    local: Sequence[ArrayLike],
+    overflow: Sequence[ArrayLike],
+    pairs: Sequence[tuple[ArrayLike, ArrayLike]],
+    pair_ids: Sequence[str] = (),
+    identical: int | None = None,
+) -> dict[str, Any]:
     """The figures the decision is made on (and the report shows): both sides, the calibration
     pairs' means, and `gap_nats_per_token` (the sampled test's statistic)."""
     sides = {"local": _side(local), "overflow": _side(overflow)}
     pl, po = sample_means(p for p, _ in pairs), sample_means(q for _, q in pairs)
     d = pl - po
-    gap = (sides["local"]["mean_logprob"] - sides["overflow"]["mean_logprob"]
-           if sides["local"]["samples"] and sides["overflow"]["samples"] else None)
-    return {**sides, "gap_nats_per_token": gap,
-            "pairs": {"samples": int(d.size), "sample_ids": list(pair_ids), "identical_ids": identical,
-                      "mean_difference": float(d.mean()) if d.size else None,
-                      "local_means": [float(x) for x in pl], "overflow_means": [float(x) for x in po]}}
+    gap = (
+        sides["local"]["mean_logprob"] - sides["overflow"]["mean_logprob"]
+        if sides["local"]["samples"] and sides["overflow"]["samples"]
+        else None
+    )
+    return {
+        **sides,
+        "gap_nats_per_token": gap,
+        "pairs": {
+            "samples": int(d.size),
+            "sample_ids": list(pair_ids),
+            "identical_ids": identical,
+            "mean_difference": float(d.mean()) if d.size else None,
+            "local_means": [float(x) for x in pl],
+            "overflow_means": [float(x) for x in po],
+        },
+    }
 
 
 def decide_figures(figures: Mapping[str, Any], th: Thresholds) -> dict[str, Any]:
     """`decide` on committed figures (`figures_of`)."""
     pairs = figures.get("pairs") or {}
-    return decide(figures["local"]["sample_means"], figures["overflow"]["sample_means"],
-                  pairs.get("local_means") or [], pairs.get("overflow_means") or [], th)
+    return decide(
+        figures["local"]["sample_means"],
+        figures["overflow"]["sample_means"],
+        pairs.get("local_means") or [],
+        pairs.get("overflow_means") or [],
+        th,
+    )
 
 
-def summarize(items: Sequence[Item], scores: Sequence[Sequence[float] | None], refused: dict[str, str]) -> dict[str, Any]:
+def summarize(
+    items: Sequence[Item], scores: Sequence[Sequence[float] | None], refused: dict[str, str]
+) -> dict[str, Any]:
     """The scored items' figures: sampled answers per side (route "local" or "overflow"; greedy
     calibration answers never among them), and the calibration pairs (route "both", scored on
     both sides; `identical_ids`: how many of them gave the same ids on both paths)."""
     scored = [(it, s) for it, s in zip(items, scores) if s is not None and len(s)]
     pools = {side: [s for it, s in scored if it.side == side and it.route == side] for side in ("local", "overflow")}
-    both = {side: {it.sample_id: (it, s) for it, s in scored if it.side == side and it.route == "both"}
-            for side in ("local", "overflow")}
+    both = {
+        side: {it.sample_id: (it, s) for it, s in scored if it.side == side and it.route == "both"}
+        for side in ("local", "overflow")
+    }
     pair_ids = sorted(set(both["local"]) & set(both["overflow"]))
     pairs = [(both["local"][i][1], both["overflow"][i][1]) for i in pair_ids]
     identical = sum(both["local"][i][0].ids == both["overflow"][i][0].ids for i in pair_ids)
-    return {**figures_of(pools["local"], pools["overflow"], pairs, pair_ids, identical),
-            "refused": dict(sorted(refused.items())[:20]), "refused_count": len(refused)}
+    return {
+        **figures_of(pools["local"], pools["overflow"], pairs, pair_ids, identical),
+        "refused": dict(sorted(refused.items())[:20]),
+        "refused_count": len(refused),
+    }
 
 
 WORST = 5  # samples a side the report shows, least likely first
 WORST_TOKENS = 64  # of each, the answer's first tokens shown
 
 
-def worst_samples(items: Sequence[Item], scores: Sequence[Sequence[float] | None], decode: Callable[[list[int]], str],
-                  k: int = WORST) -> dict[str, list[dict[str, Any]]]:
+def worst_samples(
+    items: Sequence[Item], scores: Sequence[Sequence[float] | None], decode: Callable[[list[int]], str], k: int = WORST
+) -> dict[str, list[dict[str, Any]]]:
     """Per side, the `k` scored answers least likely under the target (lowest mean log-probability
     per token): the likeliest garbage (another model's text, a broken reconstruction), for a
     person to read. Each with its route, and its first WORST_TOKENS answer tokens decoded one by
     one with the run's tokenizer (`decode`) beside their log-probabilities."""
     out: dict[str, list[dict[str, Any]]] = {}
     for side in ("local", "overflow"):
-        scored = [(float(np.mean(s)), it, s) for it, s in zip(items, scores)
-                  if it.side == side and s is not None and len(s)]
-        out[side] = [{"sample_id": it.sample_id, "route": it.route, "mean_logprob": mean, "tokens": len(s),
-                      "texts": [decode([i]) for i in it.ids[it.first:it.first + WORST_TOKENS]],
-                      "logprobs": [float(x) for x in s[:WORST_TOKENS]]}
-                     for mean, it, s in sorted(scored, key=lambda x: (x[0], x[1].sample_id))[:k]]
+        scored = [
+            (float(np.mean(s)), it, s) for it, s in zip(items, scores) if it.side == side and s is not None and len(s)
+        ]
+        out[side] = [
+            {
+                "sample_id": it.sample_id,
+                "route": it.route,
+                "mean_logprob": mean,
+                "tokens": len(s),
+                "texts": [decode([i]) for i in it.ids[it.first : it.first + WORST_TOKENS]],
+                "logprobs": [float(x) for x in s[:WORST_TOKENS]],
+            }
+            for mean, it, s in sorted(scored, key=lambda x: (x[0], x[1].sample_id))[:k]
+        ]
     return out
 
 
@@ -214,14 +280,14 @@ def required_samples(th: Thresholds, spread_local: float, spread_overflow: float
     sqrt((s_l^2 + s_o^2) / n) <= shift, df as Welch's for n a side."""
     from scipy import stats
 
-    alpha, v = th.false_alarm_rate / tests, spread_local ** 2 + spread_overflow ** 2
+    alpha, v = th.false_alarm_rate / tests, spread_local**2 + spread_overflow**2
     if v == 0:
         return 2
     z = stats.norm.ppf(1 - alpha / 2) + stats.norm.ppf(th.power)
     n = max(2, math.ceil(v * (z / (th.shift - th.tolerance)) ** 2))
     while True:
-        va, vb = spread_local ** 2 / n, spread_overflow ** 2 / n
-        df = (va + vb) ** 2 / ((va ** 2 + vb ** 2) / (n - 1))
+        va, vb = spread_local**2 / n, spread_overflow**2 / n
+        df = (va + vb) ** 2 / ((va**2 + vb**2) / (n - 1))
         t = stats.t.ppf(1 - alpha / 2, df) + stats.t.ppf(th.power, df)
         if th.tolerance + t * math.sqrt(v / n) <= th.shift:
             return n
@@ -234,8 +300,10 @@ def sample_size(th: Thresholds, pilot: Mapping[str, Any], scored: int, max_sampl
     (alpha split when the pilot holds 2 or more calibration pairs), at least the pilot, at most
     `max_samples`. Only the spreads are used, never the means: the test keeps the false-alarm
     rate of a fixed size (an internal pilot, Wittes and Brittain 1990)."""
-    spreads = {side: float(np.std(pilot[side]["sample_means"], ddof=1)) if pilot[side]["samples"] >= 2 else 0.0
-               for side in ("local", "overflow")}
+    spreads = {
+        side: float(np.std(pilot[side]["sample_means"], ddof=1)) if pilot[side]["samples"] >= 2 else 0.0
+        for side in ("local", "overflow")
+    }
     tests = 2 if (pilot.get("pairs") or {}).get("samples", 0) >= 2 else 1
     need = required_samples(th, spreads["local"], spreads["overflow"], tests=tests)
     return {"pilot": scored, "spreads": spreads, "required": need, "chosen": max(scored, min(need, max_samples))}
@@ -254,8 +322,10 @@ def power_statement(decision: Mapping[str, Any]) -> str:
             continue
         n = " + ".join(str(x) for x in t["samples"])
         short = f", UNDERPOWERED (larger than the shift that matters, {th['shift']:g})" if t["underpowered"] else ""
-        parts.append(f"{what} ({n}): detects a shift of {t['min_detectable_shift']:.3f} nats/token with "
-                     f"{th['power']:.0%} power at false-alarm rate {t['alpha']:.2g}{short}")
+        parts.append(
+            f"{what} ({n}): detects a shift of {t['min_detectable_shift']:.3f} nats/token with "
+            f"{th['power']:.0%} power at false-alarm rate {t['alpha']:.2g}{short}"
+        )
     return "; ".join(parts)
 
 
@@ -274,22 +344,31 @@ def policy_gate(summary: dict[str, Any] | None, th: Thresholds) -> dict[str, Any
         return {"passed": True, "reasons": [], "notes": ["policy: no overflow answers to check"]}
     decision = decide_figures(summary, th)
     power = f"policy power: {power_statement(decision)}"
-    short = (f"policy UNDERPOWERED: it cannot see a shift of {th.shift:g} nats/token with {th.power:.0%} "
-             "power on these samples (score more: policy.max_samples, or more overflow answers)")
+    short = (
+        f"policy UNDERPOWERED: it cannot see a shift of {th.shift:g} nats/token with {th.power:.0%} "
+        "power on these samples (score more: policy.max_samples, or more overflow answers)"
+    )
     underpowered = [short] if decision["underpowered"] else []
     reasons = []
     for name in decision["rejected"]:
         t = decision["tests"][name]
-        why = ("less likely under the target than its own text: another model or other weights?" if t["shift"] > 0 else
-               "more likely under the target than its own text: a greedier sampler than the config's?")
+        why = (
+            "less likely under the target than its own text: another model or other weights?"
+            if t["shift"] > 0
+            else "more likely under the target than its own text: a greedier sampler than the config's?"
+        )
         what = "sampled answers" if name == "sampled" else "calibration pairs (same prompt, greedy on both paths)"
-        reasons.append(f"overflow text is off the target's policy, {why} {what}: {_figures(name, t, summary)}; "
-                       f"tolerance {th.tolerance:g} nats/token (half validation.policy_shift_nats {th.shift:g}), "
-                       f"p = {t['p_value']:.2g} < {t['alpha']:.2g}")
-    notes = [f"policy: {_figures(n, decision['tests'][n], summary)}, p = {decision['tests'][n]['p_value']:.2g}"
-             for n in TESTS if n in decision["tests"] and n not in decision["rejected"]]
-    return {"passed": not reasons, "reasons": reasons, "notes": notes + [power] + underpowered,
-            "decision": decision}
+        reasons.append(
+            f"overflow text is off the target's policy, {why} {what}: {_figures(name, t, summary)}; "
+            f"tolerance {th.tolerance:g} nats/token (half validation.policy_shift_nats {th.shift:g}), "
+            f"p = {t['p_value']:.2g} < {t['alpha']:.2g}"
+        )
+    notes = [
+        f"policy: {_figures(n, decision['tests'][n], summary)}, p = {decision['tests'][n]['p_value']:.2g}"
+        for n in TESTS
+        if n in decision["tests"] and n not in decision["rejected"]
+    ]
+    return {"passed": not reasons, "reasons": reasons, "notes": notes + [power] + underpowered, "decision": decision}
 
 
 LOCAL_SOURCES, OVERFLOW_SOURCES = ("sglang", "vllm"), ("openrouter",)
@@ -301,26 +380,45 @@ def every_row_gate(means_by_source: Mapping[str, Sequence[float]], th: Threshold
     extraction's, hidden_states.logprobs), local engines' answers against the overflow
     provider's. No calibration pairs here: a calibration prompt's overflow answer gave way to its
     local one in the merge. The same decision and tolerance as the scored check (`policy_gate`)."""
+
     def side(sources: Sequence[str]) -> dict[str, Any]:
         means = [float(m) for s in sources for m in means_by_source.get(s) or ()]
-        return {"samples": len(means), "sample_means": means, "mean_logprob": float(np.mean(means)) if means else None,
-                "token_quantiles": {}}
+        return {
+            "samples": len(means),
+            "sample_means": means,
+            "mean_logprob": float(np.mean(means)) if means else None,
+            "token_quantiles": {},
+        }
+
     return policy_gate({"local": side(LOCAL_SOURCES), "overflow": side(OVERFLOW_SOURCES), "pairs": {"samples": 0}}, th)
 
 
 def _figures(name: str, t: Mapping[str, Any], summary: Mapping[str, Any]) -> str:
     if name == "sampled":
         local, over = summary["local"], summary["overflow"]
-        return (f"mean log-probability local {local['mean_logprob']:.3f}, overflow {over['mean_logprob']:.3f} "
-                f"nats/token per sample (shift {t['shift']:+.3f} +- {t['standard_error']:.3f}) over "
-                f"{local['samples']} + {over['samples']} samples")
+        return (
+            f"mean log-probability local {local['mean_logprob']:.3f}, overflow {over['mean_logprob']:.3f} "
+            f"nats/token per sample (shift {t['shift']:+.3f} +- {t['standard_error']:.3f}) over "
+            f"{local['samples']} + {over['samples']} samples"
+        )
     pairs = summary["pairs"]
-    return (f"calibration pairs: mean difference {t['shift']:+.3f} +- {t['standard_error']:.3f} nats/token over "
-            f"{pairs['samples']} prompts ({pairs['identical_ids']} gave the same ids on both paths)")
+    return (
+        f"calibration pairs: mean difference {t['shift']:+.3f} +- {t['standard_error']:.3f} nats/token over "
+        f"{pairs['samples']} prompts ({pairs['identical_ids']} gave the same ids on both paths)"
+    )
 
 
 def rows(items: Iterable[Item], scores: Iterable[Sequence[float] | None], dataset: str) -> list[dict]:
     """The scored samples as `schemas.POLICY_SCORES` rows (refused ones left out)."""
-    return [{"sample_id": it.sample_id, "dataset": dataset, "side": it.side, "route": it.route,
-             "scored_tokens": len(s), "logprobs": [float(x) for x in s]}
-            for it, s in zip(items, scores) if s is not None]
+    return [
+        {
+            "sample_id": it.sample_id,
+            "dataset": dataset,
+            "side": it.side,
+            "route": it.route,
+            "scored_tokens": len(s),
+            "logprobs": [float(x) for x in s],
+        }
+        for it, s in zip(items, scores)
+        if s is not None
+    ]

@@ -2,7 +2,8 @@
 
 Endpoints are waited for as local generation waits for them (`local.wait_healthy`). One prefill
 per item through the engine's own wire (`Wire.score_request`: SGLang's `return_logprob` from
-`logprob_start_len`, vLLM's `prompt_logprobs`), a few in flight per endpoint, retried with backoff on transport errors, 5xx and a full queue. An item the engine
+`logprob_start_len`, vLLM's `prompt_logprobs`), a few in flight per endpoint, retried with backoff on
+transport errors, 5xx and a full queue. An item the engine
 refuses (4xx: longer than its context, say) is left out and counted, never guessed.
 """
 
@@ -44,8 +45,9 @@ class ScoreOptions:
         return cls(**{**{k: v for k, v in policy.model_dump().items() if k in names}, **overrides})
 
 
-def score_items(items: Sequence[Item], endpoints: Sequence[str], wire, options: ScoreOptions = ScoreOptions()
-                ) -> tuple[list[list[float] | None], dict[str, str]]:
+def score_items(
+    items: Sequence[Item], endpoints: Sequence[str], wire, options: ScoreOptions = ScoreOptions()
+) -> tuple[list[list[float] | None], dict[str, str]]:
     """(log-probabilities per item, None where the engine refused it; the refusals by sample id)."""
     if not items:
         return [], {}
@@ -65,8 +67,11 @@ class _Scorer:
             problems = await asyncio.gather(*(wait_healthy(http, e, self.wire.engine, self.o) for e in self.endpoints))
             ready = [e for e, problem in zip(self.endpoints, problems) if problem is None]
             if not ready:
-                raise EndpointUnavailable(f"policy check: no {self.wire.engine} endpoint is usable: " + "; ".join(
-                    f"{e}: {problem}" for e, problem in zip(self.endpoints, problems)) + ": nothing was scored")
+                raise EndpointUnavailable(
+                    f"policy check: no {self.wire.engine} endpoint is usable: "
+                    + "; ".join(f"{e}: {problem}" for e, problem in zip(self.endpoints, problems))
+                    + ": nothing was scored"
+                )
             self.identity = {e: await self.wire.identify(http, e) for e in ready}
             queue: asyncio.Queue = asyncio.Queue()
             for i in range(len(items)):
@@ -85,8 +90,9 @@ class _Scorer:
         ids = list(item.ids)
         last = "no attempt"
         for attempt in range(1, self.o.max_attempts + 1):
-            path, body = self.wire.score_request(ids, item.first, f"{item.sample_id}.policy.{self.tag}.{attempt}",
-                                                 self.identity[endpoint])
+            path, body = self.wire.score_request(
+                ids, item.first, f"{item.sample_id}.policy.{self.tag}.{attempt}", self.identity[endpoint]
+            )
             try:
                 async with self.http.post(f"{endpoint}{path}", json=body) as r:
                     status, text = r.status, await r.text()
@@ -104,5 +110,7 @@ class _Scorer:
                 else:
                     last = f"HTTP {status}: {error_message(text)[:200]}"
             await asyncio.sleep(backoff_s(attempt))
-        raise EndpointUnavailable(f"policy check: {endpoint} did not score sample {item.sample_id} in "
-                                  f"{self.o.max_attempts} attempts (last: {last})")
+        raise EndpointUnavailable(
+            f"policy check: {endpoint} did not score sample {item.sample_id} in "
+            f"{self.o.max_attempts} attempts (last: {last})"
+        )

@@ -28,8 +28,9 @@ def pick(sample_ids: Iterable[str], n: int, seed: int) -> list[str]:
     return sorted(sorted(set(sample_ids), key=key)[:n])
 
 
-def _chosen(rows: Iterable[Mapping], routes: Mapping[str, str], side_route: str, n: int, pairs: int,
-            seed: int) -> list[Mapping]:
+def _chosen(
+    rows: Iterable[Mapping], routes: Mapping[str, str], side_route: str, n: int, pairs: int, seed: int
+) -> list[Mapping]:
     """Up to `n` rows of the side's own route (sampled answers) and up to `pairs` calibration rows
     (route "both": greedy, compared as pairs, never in the sampled pool). `pick`'s order makes a
     larger `n` a superset of a smaller one: a pilot's samples stay in the sample it grows into."""
@@ -42,18 +43,33 @@ def _chosen(rows: Iterable[Mapping], routes: Mapping[str, str], side_route: str,
 
 def overflow_items(rows: Iterable[Mapping], routes: Mapping[str, str], n: int, seed: int, pairs: int = 0) -> list[Item]:
     """The reconstruct stage's rows: their output ids are what reconstruction made of the text."""
-    return [Item(r["sample_id"], "overflow", routes[r["sample_id"]], tuple(r["prompt_ids"]) + tuple(r["output_ids"]),
-                 len(r["prompt_ids"])) for r in _chosen(rows, routes, "overflow", n, pairs, seed)]
+    return [
+        Item(
+            r["sample_id"],
+            "overflow",
+            routes[r["sample_id"]],
+            tuple(r["prompt_ids"]) + tuple(r["output_ids"]),
+            len(r["prompt_ids"]),
+        )
+        for r in _chosen(rows, routes, "overflow", n, pairs, seed)
+    ]
 
 
-def local_items(fmt: OutputFormat, rows: Iterable[Mapping], routes: Mapping[str, str], n: int, seed: int,
-                vocab_size: int, pairs: int = 0) -> list[Item]:
+def local_items(
+    fmt: OutputFormat,
+    rows: Iterable[Mapping],
+    routes: Mapping[str, str],
+    n: int,
+    seed: int,
+    vocab_size: int,
+    pairs: int = 0,
+) -> list[Item]:
     """The local stage's rows, on the ids the overflow path would have given their text (the
     validator's rebuild); a row without one (a wrong stop, text that cannot determine the ids)
     is left out."""
-    from eagle3_data.validate import InputRow, Validator, detect_stop_convention, rows_from_batches
-
     import pyarrow as pa
+
+    from eagle3_data.validate import InputRow, Validator, detect_stop_convention, rows_from_batches
 
     chosen = _chosen(rows, routes, "local", n, pairs, seed)
     if not chosen:
@@ -64,5 +80,14 @@ def local_items(fmt: OutputFormat, rows: Iterable[Mapping], routes: Mapping[str,
     inputs = [p for p in parsed if isinstance(p, InputRow)]
     rebuilt = Validator(fmt, detect_stop_convention(fmt, inputs)).rebuilds(inputs)
     by_id = {r["sample_id"]: r for r in chosen}
-    return [Item(p.sample_id, "local", routes[p.sample_id], tuple(by_id[p.sample_id]["prompt_ids"]) + tuple(ids),
-                 len(by_id[p.sample_id]["prompt_ids"])) for p, ids in zip(inputs, rebuilt) if ids]
+    return [
+        Item(
+            p.sample_id,
+            "local",
+            routes[p.sample_id],
+            tuple(by_id[p.sample_id]["prompt_ids"]) + tuple(ids),
+            len(by_id[p.sample_id]["prompt_ids"]),
+        )
+        for p, ids in zip(inputs, rebuilt)
+        if ids
+    ]

@@ -34,8 +34,10 @@ def speculators_python() -> str:
     """The speculators venv's interpreter: $EAGLE3_SPECULATORS_PYTHON, else the checkout's .venv-speculators."""
     path = os.environ.get(PYTHON_ENV) or str(REPO / ".venv-speculators" / "bin" / "python")
     if not Path(path).exists():
-        raise UserError(f"probe: no speculators interpreter at {path} (run `make speculators-venv`, or set "
-                        f"{PYTHON_ENV} to the python of a venv with requirements-speculators.txt)")
+        raise UserError(
+            f"probe: no speculators interpreter at {path} (run `make speculators-venv`, or set "
+            f"{PYTHON_ENV} to the python of a venv with requirements-speculators.txt)"
+        )
     return path
 
 
@@ -67,29 +69,53 @@ def split(rows: int, samples: int, eval_samples: int, seed: int) -> tuple[list[i
         raise UserError(f"probe: the export has {rows} sample(s); it needs at least 2 (train and held-out)")
     order = np.random.default_rng(seed).permutation(rows).tolist()
     held = min(eval_samples, max(1, rows // 5))
-    return sorted(order[held:held + samples]), sorted(order[:held])
+    return sorted(order[held : held + samples]), sorted(order[:held])
 
 
 def draft_vocab_size(vocab_dir: Path) -> int:
     """N of the one d2t-N.npy in `vocab_dir` (the merge's draft vocabulary beside the export)."""
     found = sorted(vocab_dir.glob("d2t-*.npy"))
     if len(found) != 1:
-        raise UserError(f"probe: {vocab_dir} holds {len(found)} d2t-N.npy files; expected the merge's one draft vocabulary")
+        raise UserError(
+            f"probe: {vocab_dir} holds {len(found)} d2t-N.npy files; expected the merge's one draft vocabulary"
+        )
     return int(found[0].stem.split("-", 1)[1])
 
 
-def train_and_score(verifier: Path, arms: list[Arm], config, *, device: str = "cpu", threads: int | None = None) -> list[dict]:
+def train_and_score(
+    verifier: Path, arms: list[Arm], config, *, device: str = "cpu", threads: int | None = None
+) -> list[dict]:
     """Every arm in one speculators process; returns each arm's figures (`figures`)."""
-    spec = {"verifier": str(verifier), "device": device, "threads": threads, "arms": [
-        {"name": a.name, "train": str(a.train), "eval": str(a.eval), "train_rows": a.train_rows,
-         "eval_rows": a.eval_rows, "vocab_dir": str(a.vocab_dir), "draft_vocab": draft_vocab_size(a.vocab_dir),
-         "steps": config.steps, "draft_length": config.draft_length, "seed": a.seed, "batch_size": config.batch_size,
-         "max_len": config.max_len, "lr": config.lr, "eval_every": config.eval_every} for a in arms]}
+    spec = {
+        "verifier": str(verifier),
+        "device": device,
+        "threads": threads,
+        "arms": [
+            {
+                "name": a.name,
+                "train": str(a.train),
+                "eval": str(a.eval),
+                "train_rows": a.train_rows,
+                "eval_rows": a.eval_rows,
+                "vocab_dir": str(a.vocab_dir),
+                "draft_vocab": draft_vocab_size(a.vocab_dir),
+                "steps": config.steps,
+                "draft_length": config.draft_length,
+                "seed": a.seed,
+                "batch_size": config.batch_size,
+                "max_len": config.max_len,
+                "lr": config.lr,
+                "eval_every": config.eval_every,
+            }
+            for a in arms
+        ],
+    }
     with tempfile.TemporaryDirectory(prefix="eagle3-probe-") as tmp:
         path = Path(tmp) / "spec.json"
         path.write_text(json.dumps(spec))
-        done = subprocess.run([speculators_python(), str(SCRIPT), str(path)], capture_output=True, text=True,
-                              timeout=config.budget_s)
+        done = subprocess.run(
+            [speculators_python(), str(SCRIPT), str(path)], capture_output=True, text=True, timeout=config.budget_s
+        )
     if done.returncode != 0:
         raise RuntimeError(f"probe: speculators failed (exit {done.returncode}): {done.stderr[-3000:]}")
     raws = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
@@ -109,13 +135,25 @@ def simulated_acceptance(acc: list[float]) -> float:
 def figures(raw: dict) -> dict:
     """One arm's verdict from the metrics' sums: acc_k, full_acc_k, the simulated acceptance length
     at the last evaluation, and the learning curve (loss per step, acceptance per evaluation)."""
-    curve = [{"step": c["step"], "simulated_acceptance": simulated_acceptance(_ratios(c["cond_acc_sum"], c["cond_acc_total"]))}
-             for c in raw["curve"]]
+    curve = [
+        {
+            "step": c["step"],
+            "simulated_acceptance": simulated_acceptance(_ratios(c["cond_acc_sum"], c["cond_acc_total"])),
+        }
+        for c in raw["curve"]
+    ]
     last = raw["curve"][-1]
     acc = _ratios(last["cond_acc_sum"], last["cond_acc_total"])
-    return {"name": raw["name"], "acc": acc, "full_acc": _ratios(last["full_acc_sum"], last["full_acc_total"]),
-            "simulated_acceptance": simulated_acceptance(acc), "eval_tokens": int(last["full_acc_total"][0]),
-            "losses": raw["losses"], "curve": curve, "seconds": raw["seconds"]}
+    return {
+        "name": raw["name"],
+        "acc": acc,
+        "full_acc": _ratios(last["full_acc_sum"], last["full_acc_total"]),
+        "simulated_acceptance": simulated_acceptance(acc),
+        "eval_tokens": int(last["full_acc_total"][0]),
+        "losses": raw["losses"],
+        "curve": curve,
+        "seconds": raw["seconds"],
+    }
 
 
 def coverage(export: Path, rows: list[int], vocab_dir: Path) -> float:
@@ -133,8 +171,15 @@ def coverage(export: Path, rows: list[int], vocab_dir: Path) -> float:
     return inside / total if total else 0.0
 
 
-def probe_export(export: Path, verifier: Path, config, *, eval_export: Path | None = None,
-                 vocab_dir: Path | None = None, device: str = "cpu") -> dict:
+def probe_export(
+    export: Path,
+    verifier: Path,
+    config,
+    *,
+    eval_export: Path | None = None,
+    vocab_dir: Path | None = None,
+    device: str = "cpu",
+) -> dict:
     """The probe on one export (draft vocabulary beside it unless `vocab_dir`): the artifact's JSON."""
     info = export / "export_info.json"
     if not info.exists():
@@ -145,7 +190,12 @@ def probe_export(export: Path, verifier: Path, config, *, eval_export: Path | No
     arm = Arm("probe", export, eval_export or export, train_rows, eval_rows, vocab, config.seed)
     result = train_and_score(verifier, [arm], config, device=device)[0]
     result.pop("name")
-    return {"config": config.model_dump(), "export_samples": rows, "train_samples": len(train_rows),
-            "eval_samples": len(eval_rows),
-            "draft_vocab_size": draft_vocab_size(vocab), "coverage": coverage(eval_export or export, eval_rows, vocab),
-            **result}
+    return {
+        "config": config.model_dump(),
+        "export_samples": rows,
+        "train_samples": len(train_rows),
+        "eval_samples": len(eval_rows),
+        "draft_vocab_size": draft_vocab_size(vocab),
+        "coverage": coverage(eval_export or export, eval_rows, vocab),
+        **result,
+    }

@@ -33,16 +33,30 @@ def drafter(verifier: str, target, arm: dict, aux_layers: list[int]) -> Eagle3Dr
     """A one-layer llama drafter of the target's width (speculators' EAGLE-3 for DeepSeek-family
     targets), its embeddings, LM head and verifier norm the target's."""
     heads = 4 if target.hidden_size < 512 else target.hidden_size // 128
-    layer = LlamaConfig(hidden_size=target.hidden_size, intermediate_size=2 * target.hidden_size, num_hidden_layers=1,
-                        num_attention_heads=heads, num_key_value_heads=heads, head_dim=target.hidden_size // heads,
-                        vocab_size=target.vocab_size, rms_norm_eps=target.rms_norm_eps, max_position_embeddings=8192)
+    layer = LlamaConfig(
+        hidden_size=target.hidden_size,
+        intermediate_size=2 * target.hidden_size,
+        num_hidden_layers=1,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=target.hidden_size // heads,
+        vocab_size=target.vocab_size,
+        rms_norm_eps=target.rms_norm_eps,
+        max_position_embeddings=8192,
+    )
     layer._attn_implementation = "eager"
     config = Eagle3SpeculatorConfig(
-        transformer_layer_config=layer, draft_vocab_size=arm["draft_vocab"], norm_before_residual=True,
+        transformer_layer_config=layer,
+        draft_vocab_size=arm["draft_vocab"],
+        norm_before_residual=True,
         eagle_aux_hidden_state_layer_ids=aux_layers,
         speculators_config=SpeculatorsConfig(
-            algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=arm["draft_length"])],
-            default_proposal_method="greedy", verifier=VerifierConfig.from_pretrained(verifier)))
+            algorithm="eagle3",
+            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=arm["draft_length"])],
+            default_proposal_method="greedy",
+            verifier=VerifierConfig.from_pretrained(verifier),
+        ),
+    )
     model = Eagle3DraftModel(config=config)
     vocab = Path(arm["vocab_dir"])
     n = arm["draft_vocab"]
@@ -58,11 +72,13 @@ def drafter(verifier: str, target, arm: dict, aux_layers: list[int]) -> Eagle3Dr
 def loader(export: str, rows: list[int], arm: dict, target, seed: int | None):
     """speculators' reader and collation over `rows` of an export; shuffled when seeded."""
     data = torch.utils.data.Subset(ArrowDataset(max_len=arm["max_len"], datapath=export, on_missing="raise"), rows)
-    collate = CollateFn(arm["max_len"], target.hidden_size, num_target_layers=3, dtype=torch.float32,
-                        preprocess=shift_batch)
+    collate = CollateFn(
+        arm["max_len"], target.hidden_size, num_target_layers=3, dtype=torch.float32, preprocess=shift_batch
+    )
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
-    return torch.utils.data.DataLoader(data, batch_size=arm["batch_size"], shuffle=seed is not None,
-                                       collate_fn=collate, generator=generator)
+    return torch.utils.data.DataLoader(
+        data, batch_size=arm["batch_size"], shuffle=seed is not None, collate_fn=collate, generator=generator
+    )
 
 
 def tensors(batch: dict, device: str) -> dict:
@@ -86,10 +102,12 @@ def evaluate(model, batches, arm: dict, loss_config, device: str) -> dict:
             sums[key] = sums.get(key, 0.0) + float(value)
     model.train()
     k = arm["draft_length"]
-    return {"full_acc_sum": [sums[f"full_acc_{i}_sum"] for i in range(k)],
-            "full_acc_total": [sums[f"full_acc_{i}_total"] for i in range(k)],
-            "cond_acc_sum": [sums[f"cond_acc_{i}_sum"] for i in range(k)],
-            "cond_acc_total": [sums[f"cond_acc_{i}_total"] for i in range(k)]}
+    return {
+        "full_acc_sum": [sums[f"full_acc_{i}_sum"] for i in range(k)],
+        "full_acc_total": [sums[f"full_acc_{i}_total"] for i in range(k)],
+        "cond_acc_sum": [sums[f"cond_acc_{i}_sum"] for i in range(k)],
+        "cond_acc_total": [sums[f"cond_acc_{i}_total"] for i in range(k)],
+    }
 
 
 def run_arm(spec: dict, arm: dict) -> dict:

@@ -17,15 +17,14 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eagle3_data.errors import UserError
-from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # storage imports boto3 + pyarrow: the CLI's validate renders reports without them
     from eagle3_data.storage import ArtifactStore, StageRef
-from eagle3_data.storage.refs import MissingBucket, StorageError, StorageUnavailable, check_name
 from eagle3_data import validate
+from eagle3_data.storage.refs import MissingBucket, StorageError, StorageUnavailable, check_name
 
 RUN_REPORT_STAGE = "report"
 RUN_REPORT_DATASET = "run"
@@ -183,7 +182,11 @@ class DatasetReport:
             "identity": identity_summary(self.identity),
             "policy": policy_summary(self.policy),
             "generation": self.generation,
-            "lengths": {k: {s: d.get(s) for s in ("count", "mean", "p50", "p95", "max")} for k, d in (self.lengths or {}).items() if isinstance(d, dict)},
+            "lengths": {
+                k: {s: d.get(s) for s in ("count", "mean", "p50", "p95", "max")}
+                for k, d in (self.lengths or {}).items()
+                if isinstance(d, dict)
+            },
             "errors": self.errors,
         }
 
@@ -197,7 +200,11 @@ class RunReport:
     datasets: list[DatasetReport]
 
     def summary(self) -> dict[str, Any]:
-        return {"run_key": self.run_key, "created_at": self.index.get("created_at"), "datasets": [d.summary() for d in self.datasets]}
+        return {
+            "run_key": self.run_key,
+            "created_at": self.index.get("created_at"),
+            "datasets": [d.summary() for d in self.datasets],
+        }
 
 
 def load_run_report(store: ArtifactStore, run_key: str) -> RunReport:
@@ -209,8 +216,10 @@ def load_run_report(store: ArtifactStore, run_key: str) -> RunReport:
     datasets = []
     for name, entry in sorted(index["datasets"].items()):
         report = DatasetReport(
-            name=name, thresholds=dict(entry.get("thresholds") or {}),
-            lengths=entry.get("lengths"), generation=entry.get("generation"),
+            name=name,
+            thresholds=dict(entry.get("thresholds") or {}),
+            lengths=entry.get("lengths"),
+            generation=entry.get("generation"),
         )
         for kind in ARTIFACT_KINDS:
             if entry.get(kind) is None:
@@ -286,7 +295,9 @@ def first_diff_histogram(mismatches: Sequence[Mapping[str, Any]], bins: int = 16
     return {"edges": stats["edges"], "counts": stats["counts"]}
 
 
-def rate_thresholds(rates: Mapping[str, float], thresholds: Mapping[str, float]) -> list[tuple[str, float, float | None]]:
+def rate_thresholds(
+    rates: Mapping[str, float], thresholds: Mapping[str, float]
+) -> list[tuple[str, float, float | None]]:
     """(class, rate, threshold) for every non-exact class, those with a written threshold first.
     The threshold is `max_<class>_rate` (bpe_only: `max_bpe_mismatch_rate`, None when absent);
     any other class without one fails on any sample, so its threshold is 0.0."""
@@ -306,8 +317,11 @@ def calibration_summary(cal: Mapping[str, Any] | None) -> dict[str, Any] | None:
     if cal is None:
         return None
     keys = ("first_n", "samples", "agreement", "text_agreement", "mean_agreeing_prefix", "text_disagreements")
-    return {**{k: cal.get(k) for k in keys}, "missing": bad_row_count(cal.get("missing")),
-            "unreconstructable": bad_row_count(cal.get("unreconstructable"))}
+    return {
+        **{k: cal.get(k) for k in keys},
+        "missing": bad_row_count(cal.get("missing")),
+        "unreconstructable": bad_row_count(cal.get("unreconstructable")),
+    }
 
 
 def identity_summary(ident: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -315,7 +329,8 @@ def identity_summary(ident: Mapping[str, Any] | None) -> dict[str, Any] | None:
     if ident is None:
         return None
     return {k: ident.get(k) for k in ("answered", "mismatched", "rate", "served", "reasons")} | {
-        "passed": (ident.get("gate") or {}).get("passed")}
+        "passed": (ident.get("gate") or {}).get("passed")
+    }
 
 
 def policy_summary(policy: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -325,16 +340,25 @@ def policy_summary(policy: Mapping[str, Any] | None) -> dict[str, Any] | None:
     if policy is None:
         return None
     figures = policy.get("figures") if isinstance(policy.get("figures"), dict) else {}
-    sides = {side: {k: (figures.get(side) or {}).get(k) for k in ("samples", "tokens", "mean_logprob")}
-             for side in ("local", "overflow") if isinstance(figures.get(side), dict)}
+    sides = {
+        side: {k: (figures.get(side) or {}).get(k) for k in ("samples", "tokens", "mean_logprob")}
+        for side in ("local", "overflow")
+        if isinstance(figures.get(side), dict)
+    }
     decision = policy.get("decision") if isinstance(policy.get("decision"), dict) else {}
     pairs = figures.get("pairs") if isinstance(figures.get("pairs"), dict) else {}
-    return {"passed": policy.get("passed"), "reasons": list(policy.get("reasons") or []),
-            "notes": list(policy.get("notes") or []), "gap_nats_per_token": figures.get("gap_nats_per_token"),
-            "tests": decision.get("tests") or {}, "thresholds": decision.get("thresholds"),
-            "underpowered": decision.get("underpowered"),
-            "pairs": {k: pairs.get(k) for k in ("samples", "identical_ids", "mean_difference")} if pairs else None,
-            "sizing": figures.get("sizing"), **sides}
+    return {
+        "passed": policy.get("passed"),
+        "reasons": list(policy.get("reasons") or []),
+        "notes": list(policy.get("notes") or []),
+        "gap_nats_per_token": figures.get("gap_nats_per_token"),
+        "tests": decision.get("tests") or {},
+        "thresholds": decision.get("thresholds"),
+        "underpowered": decision.get("underpowered"),
+        "pairs": {k: pairs.get(k) for k in ("samples", "identical_ids", "mean_difference")} if pairs else None,
+        "sizing": figures.get("sizing"),
+        **sides,
+    }
 
 
 def decode_least_likely(logprobs: Mapping[str, Any] | None, tokenizer: Callable[[], Any]) -> dict[str, Any] | None:

@@ -36,9 +36,16 @@ _SPARE_COLORS = ("#00838f", "#ef6c00", "#4e342e", "#283593", "#ad1457")  # for c
 def render_html(report: RunReport, *, title: str) -> str:
     """The whole page as one self-contained HTML document."""
     training = report.index.get("training") or {}
-    return _env().get_template("page.html.jinja").render(
-        title=title, report=report, classes=classes(), datasets=[_dataset_view(d) for d in report.datasets],
-        every_row=every_row_histograms(training.get("logprobs")),
+    return (
+        _env()
+        .get_template("page.html.jinja")
+        .render(
+            title=title,
+            report=report,
+            classes=classes(),
+            datasets=[_dataset_view(d) for d in report.datasets],
+            every_row=every_row_histograms(training.get("logprobs")),
+        )
     )
 
 
@@ -53,7 +60,9 @@ def render_unavailable(run_key: str, reason: str, *, title: str) -> str:
     return _env().get_template("unavailable.html.jinja").render(title=title, run_key=run_key, reason=reason)
 
 
-def render_markdown(report: RunReport | DatasetReport | Mapping[str, Any], *, title: str = "Reconstruction validation") -> str:
+def render_markdown(
+    report: RunReport | DatasetReport | Mapping[str, Any], *, title: str = "Reconstruction validation"
+) -> str:
     """The validation report as Markdown, for the people deciding whether to train on the data.
     `report` is a run's report, one dataset's, or a bare validation report (validate.py's dict)."""
     if isinstance(report, RunReport):
@@ -62,9 +71,16 @@ def render_markdown(report: RunReport | DatasetReport | Mapping[str, Any], *, ti
         datasets, run = [report], None
     else:
         datasets, run = [DatasetReport(name="", validation=dict(report))], None
-    return _env().get_template("report.md.jinja").render(
-        title=title, run=run, classes=classes(), datasets=[_dataset_view(d) for d in datasets],
-        max_rows=MAX_MARKDOWN_ROWS,
+    return (
+        _env()
+        .get_template("report.md.jinja")
+        .render(
+            title=title,
+            run=run,
+            classes=classes(),
+            datasets=[_dataset_view(d) for d in datasets],
+            max_rows=MAX_MARKDOWN_ROWS,
+        )
     )
 
 
@@ -123,7 +139,9 @@ def _class_bars(counts: Mapping[str, int], samples: int) -> dict[str, Any]:
     for i, c in enumerate(counts):
         w = (width - label_w - 90) * counts[c] / top
         share = f" ({counts[c] / samples:.1%})" if samples else ""
-        rows.append({"label": c, "y": i * (bar_h + gap), "w": w, "color": class_color(c), "value": f"{counts[c]:,}{share}"})
+        rows.append(
+            {"label": c, "y": i * (bar_h + gap), "w": w, "color": class_color(c), "value": f"{counts[c]:,}{share}"}
+        )
     return {"width": width, "height": len(counts) * (bar_h + gap), "bar_h": bar_h, "label_w": label_w, "rows": rows}
 
 
@@ -137,13 +155,26 @@ def _threshold_bars(s: Mapping[str, Any]) -> dict[str, Any]:
     rows = []
     for i, (c, rate, threshold) in enumerate(rates):
         x = label_w + inner * threshold / scale_max if threshold is not None else None
-        rows.append({
-            "label": c, "y": i * (bar_h + gap) + 4, "w": inner * rate / scale_max, "rate": rate,
-            "over": threshold is not None and rate > threshold, "threshold": threshold, "x": x,
-            "marker_x": min(x + 4, width - 90) if x is not None else None,
-        })
-    return {"width": width, "height": len(rates) * (bar_h + gap) + 6, "bar_h": bar_h, "label_w": label_w,
-            "inner": inner, "rows": rows}
+        rows.append(
+            {
+                "label": c,
+                "y": i * (bar_h + gap) + 4,
+                "w": inner * rate / scale_max,
+                "rate": rate,
+                "over": threshold is not None and rate > threshold,
+                "threshold": threshold,
+                "x": x,
+                "marker_x": min(x + 4, width - 90) if x is not None else None,
+            }
+        )
+    return {
+        "width": width,
+        "height": len(rates) * (bar_h + gap) + 6,
+        "bar_h": bar_h,
+        "label_w": label_w,
+        "inner": inner,
+        "rows": rows,
+    }
 
 
 def _histogram(edges: Sequence[float], counts: Sequence[int], color: str) -> dict[str, Any]:
@@ -154,10 +185,30 @@ def _histogram(edges: Sequence[float], counts: Sequence[int], color: str) -> dic
     bars = []
     for i, n in enumerate(counts):
         h = inner_h * n / top
-        bars.append({"x": left + i * bw + 1, "y": 14 + inner_h - h, "w": max(1.0, bw - 2), "h": h,
-                     "lo": edges[i], "hi": edges[i + 1], "n": n})
-    return {"width": width, "height": height, "left": left, "inner_w": inner_w, "inner_h": inner_h, "top": top,
-            "color": color, "bars": bars, "first": edges[0], "middle": edges[len(edges) // 2], "last": edges[-1]}
+        bars.append(
+            {
+                "x": left + i * bw + 1,
+                "y": 14 + inner_h - h,
+                "w": max(1.0, bw - 2),
+                "h": h,
+                "lo": edges[i],
+                "hi": edges[i + 1],
+                "n": n,
+            }
+        )
+    return {
+        "width": width,
+        "height": height,
+        "left": left,
+        "inner_w": inner_w,
+        "inner_h": inner_h,
+        "top": top,
+        "color": color,
+        "bars": bars,
+        "first": edges[0],
+        "middle": edges[len(edges) // 2],
+        "last": edges[-1],
+    }
 
 
 def _lengths(lengths: Mapping[str, Any] | None) -> list[dict[str, Any]]:
@@ -180,18 +231,29 @@ def _generation(generation: Mapping[str, Any] | None) -> dict[str, Any] | None:
         t = (generation or {}).get(path)
         if isinstance(t, dict):
             rows.append((path, [fmt_usd(t.get(c)) if c == "cost_usd" else fmt_num(t.get(c)) for c in cols]))
-    return {"head": [c.replace("_", " ") for c in cols], "rows": rows,
+    return (
+        {
+            "head": [c.replace("_", " ") for c in cols],
+            "rows": rows,
             "conversations": _conversations((generation or {}).get("conversations")),
             "trajectories": _trajectories((generation or {}).get("trajectories")),
-            "images": _images((generation or {}).get("images"))} if rows else None
+            "images": _images((generation or {}).get("images")),
+        }
+        if rows
+        else None
+    )
 
 
 def _images(counts: Mapping[str, Any] | None) -> list[tuple[str, str]] | None:
     """The dataset's image prompts (prompts.IMAGE_COUNTS), when it had any."""
     if not isinstance(counts, dict) or not counts:
         return None
-    labels = (("image_rows", "prompt rows with images"), ("images", "images"),
-              ("media_tokens", "media tokens (never trained on)"), ("image_rejects", "rows refused for an image"))
+    labels = (
+        ("image_rows", "prompt rows with images"),
+        ("images", "images"),
+        ("media_tokens", "media tokens (never trained on)"),
+        ("image_rejects", "rows refused for an image"),
+    )
     return [(label, fmt_num(counts.get(key, 0))) for key, label in labels]
 
 
@@ -203,17 +265,22 @@ def _trajectories(counts: Mapping[str, Any] | None) -> list[tuple[str, str]] | N
         return None
 
     def n(key: str, reasons: str | None = None) -> str:
-        why = ", ".join(f"{k[len(reasons):]} {fmt_num(v)}" for k, v in sorted(counts.items())
-                        if reasons and k.startswith(reasons))
+        why = ", ".join(
+            f"{k[len(reasons) :]} {fmt_num(v)}" for k, v in sorted(counts.items()) if reasons and k.startswith(reasons)
+        )
         return fmt_num(counts.get(key, 0)) + (f" ({why})" if why else "")
 
-    return [("samples", n("trajectory_samples")), ("kept whole", n("trajectory_samples_whole")),
-            ("kept up to their last usable turn", n("trajectory_samples_cut", "trajectory_cut_")),
-            ("dropped: no usable turn", n("trajectory_samples_dropped", "trajectory_dropped_")),
-            ("not folded: prompts not chained", n("trajectory_samples_unfolded")),
-            ("turn rows", n("trajectory_turns")), ("folded into a later turn's record", n("trajectory_turns_folded")),
-            ("made a record", n("trajectory_turns_record")),
-            ("dropped: unusable, or after an unusable turn", n("trajectory_turns_dropped"))]
+    return [
+        ("samples", n("trajectory_samples")),
+        ("kept whole", n("trajectory_samples_whole")),
+        ("kept up to their last usable turn", n("trajectory_samples_cut", "trajectory_cut_")),
+        ("dropped: no usable turn", n("trajectory_samples_dropped", "trajectory_dropped_")),
+        ("not folded: prompts not chained", n("trajectory_samples_unfolded")),
+        ("turn rows", n("trajectory_turns")),
+        ("folded into a later turn's record", n("trajectory_turns_folded")),
+        ("made a record", n("trajectory_turns_record")),
+        ("dropped: unusable, or after an unusable turn", n("trajectory_turns_dropped")),
+    ]
 
 
 def _conversations(by_path: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -227,12 +294,33 @@ def _conversations(by_path: Mapping[str, Any] | None) -> dict[str, Any] | None:
             continue
         lengths = ", ".join(f"{k}: {v}" for k, v in (f.get("turns_per_sample") or {}).items())
         ends = ", ".join(f"{k} {v}" for k, v in (f.get("end") or {}).items())
-        rows.append((path, [str(f.get("mode", "")), fmt_num(f.get("samples")), fmt_num(f.get("turns")), lengths, ends,
-                            f"{fmt_num(f.get('splice_hits'))} / {fmt_num(f.get('splice_misses'))}",
-                            f"{fmt_num(f.get('exact_turns'))} of {fmt_num(f.get('earlier_turns'))}",
-                            fmt_num(f.get("not_prefix")), fmt_num(f.get("user_turns_not_reached"))]))
-    head = ["mode", "samples", "turns", "turns per sample (turns: samples)", "ended", "splices hit / missed",
-            "earlier turns with the engine's ids", "prompts not chained", "user turns not reached"]
+        rows.append(
+            (
+                path,
+                [
+                    str(f.get("mode", "")),
+                    fmt_num(f.get("samples")),
+                    fmt_num(f.get("turns")),
+                    lengths,
+                    ends,
+                    f"{fmt_num(f.get('splice_hits'))} / {fmt_num(f.get('splice_misses'))}",
+                    f"{fmt_num(f.get('exact_turns'))} of {fmt_num(f.get('earlier_turns'))}",
+                    fmt_num(f.get("not_prefix")),
+                    fmt_num(f.get("user_turns_not_reached")),
+                ],
+            )
+        )
+    head = [
+        "mode",
+        "samples",
+        "turns",
+        "turns per sample (turns: samples)",
+        "ended",
+        "splices hit / missed",
+        "earlier turns with the engine's ids",
+        "prompts not chained",
+        "user turns not reached",
+    ]
     return {"head": head, "rows": rows} if rows else None
 
 
@@ -252,16 +340,27 @@ def _billing(billing: Mapping[str, Any] | None, max_dev: float | None) -> dict[s
         ("mean |sample deviation|", fmt_pct(billing.get("mean_abs_sample_deviation"), 3)),
     ]
     if excluded.get("rows"):  # unreconstructable rows: their gap says nothing about reconstruction
-        rows.append(("excluded, unreconstructable", f"{fmt_num(excluded['rows'])} rows, "
-                     f"{fmt_num(excluded.get('billed_completion_tokens'))} tokens billed"))
+        rows.append(
+            (
+                "excluded, unreconstructable",
+                f"{fmt_num(excluded['rows'])} rows, {fmt_num(excluded.get('billed_completion_tokens'))} tokens billed",
+            )
+        )
         reasons = excluded.get("reasons") if isinstance(excluded.get("reasons"), dict) else {}
         rows += [(f"reason: {why}", fmt_num(n)) for why, n in sorted(reasons.items())]
     worst = [w for w in billing.get("worst_samples") or [] if isinstance(w, dict)][:5]
     return {
         "over": is_number(dev) and is_number(max_dev) and abs(dev) > max_dev,
         "rows": rows,
-        "worst": [(str(w.get("sample_id")), fmt_num(w.get("billed")), fmt_num(w.get("reconstructed")),
-                   fmt_pct(w.get("deviation"))) for w in worst],
+        "worst": [
+            (
+                str(w.get("sample_id")),
+                fmt_num(w.get("billed")),
+                fmt_num(w.get("reconstructed")),
+                fmt_pct(w.get("deviation")),
+            )
+            for w in worst
+        ],
         "notes": [str(n) for n in (billing.get("gate") or {}).get("notes") or []],
     }
 
@@ -280,25 +379,47 @@ def _prompt_billing(prompt: Mapping[str, Any] | None) -> dict[str, Any] | None:
         ("answers compared", fmt_num(prompt.get("rows"))),
         ("prompt tokens billed", fmt_num(prompt.get("billed_prompt_tokens"))),
         ("prompt tokens of our prompt ids", fmt_num(prompt.get("prompt_ids_tokens"))),
-        ("mean |billed - ours| per answer", _tokens(prompt.get("mean_abs_diff"))
-         + (f" (max {limit:g})" if is_number(limit) else "")),
+        (
+            "mean |billed - ours| per answer",
+            _tokens(prompt.get("mean_abs_diff")) + (f" (max {limit:g})" if is_number(limit) else ""),
+        ),
         ("mean billed - ours per answer", _tokens(prompt.get("mean_diff"), signed=True)),
-        (f"answers off by more than {gate.get('max_row_diff', '?')}", f"{fmt_num(over.get('rows'))} ({fmt_pct(over.get('rate'))})"),
+        (
+            f"answers off by more than {gate.get('max_row_diff', '?')}",
+            f"{fmt_num(over.get('rows'))} ({fmt_pct(over.get('rate'))})",
+        ),
         ("answers without usage.prompt_tokens", fmt_num(missing.get("rows"))),
     ]
-    distribution = [(str(p[0]), fmt_num(p[1])) for p in prompt.get("diff_distribution") or []
-                    if isinstance(p, (list, tuple)) and len(p) == 2]
+    distribution = [
+        (str(p[0]), fmt_num(p[1]))
+        for p in prompt.get("diff_distribution") or []
+        if isinstance(p, (list, tuple)) and len(p) == 2
+    ]
     worst = [w for w in prompt.get("worst_samples") or [] if isinstance(w, dict) and w.get("diff")][:5]
-    return {"over": gate.get("passed") is False, "rows": rows, "distribution": distribution,
-            "worst": [(str(w.get("sample_id")), fmt_num(w.get("billed")), fmt_num(w.get("ours")),
-                       _tokens(w.get("diff"), signed=True)) for w in worst]}
+    return {
+        "over": gate.get("passed") is False,
+        "rows": rows,
+        "distribution": distribution,
+        "worst": [
+            (
+                str(w.get("sample_id")),
+                fmt_num(w.get("billed")),
+                fmt_num(w.get("ours")),
+                _tokens(w.get("diff"), signed=True),
+            )
+            for w in worst
+        ],
+    }
 
 
 def _tokens(value: Any, signed: bool = False) -> str:
     if not is_number(value):
         return "—"
-    return (f"{value:+,.2f}" if signed else f"{value:,.2f}") if isinstance(value, float) else (
-        f"{value:+,d}" if signed else f"{value:,d}")
+    return (
+        (f"{value:+,.2f}" if signed else f"{value:,.2f}")
+        if isinstance(value, float)
+        else (f"{value:+,d}" if signed else f"{value:,d}")
+    )
 
 
 def _provider(identity: Mapping[str, Any] | None, policy: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -308,22 +429,42 @@ def _provider(identity: Mapping[str, Any] | None, policy: Mapping[str, Any] | No
         return None
     rows: list[tuple[str, str, bool]] = []
     if identity is not None:
-        rows += [("answers checked", fmt_num(identity.get("answered")), False),
-                 ("not the pinned model/provider", f"{fmt_num(identity.get('mismatched'))} ({fmt_pct(identity.get('rate'))})",
-                  identity.get("passed") is False)]
+        rows += [
+            ("answers checked", fmt_num(identity.get("answered")), False),
+            (
+                "not the pinned model/provider",
+                f"{fmt_num(identity.get('mismatched'))} ({fmt_pct(identity.get('rate'))})",
+                identity.get("passed") is False,
+            ),
+        ]
         rows += [(f"served by {who}", fmt_num(n), False) for who, n in list((identity.get("served") or {}).items())[:5]]
     if policy is not None:
         for side in ("local", "overflow"):
             if isinstance(policy.get(side), dict):
                 fig = policy[side]
-                rows.append((f"{side}: samples / tokens / mean log-prob",
-                             f"{fmt_num(fig.get('samples'))} / {fmt_num(fig.get('tokens'))} / {_nats(fig.get('mean_logprob'))}", False))
+                rows.append(
+                    (
+                        f"{side}: samples / tokens / mean log-prob",
+                        f"{fmt_num(fig.get('samples'))} / {fmt_num(fig.get('tokens'))} / "
+                        f"{_nats(fig.get('mean_logprob'))}",
+                        False,
+                    )
+                )
         if policy.get("gap_nats_per_token") is not None:
-            rows.append(("policy gap (nats/token, local minus overflow)", _nats(policy["gap_nats_per_token"]),
-                         policy.get("passed") is False))
+            rows.append(
+                (
+                    "policy gap (nats/token, local minus overflow)",
+                    _nats(policy["gap_nats_per_token"]),
+                    policy.get("passed") is False,
+                )
+            )
         rows += _policy_tests(policy)
     notes = [f"{n}x {why}" for why, n in ((identity or {}).get("reasons") or {}).items()]
-    return {"rows": rows, "reasons": list((policy or {}).get("reasons") or []), "notes": notes + list((policy or {}).get("notes") or [])}
+    return {
+        "rows": rows,
+        "reasons": list((policy or {}).get("reasons") or []),
+        "notes": notes + list((policy or {}).get("notes") or []),
+    }
 
 
 def _policy_tests(policy: Mapping[str, Any]) -> list[tuple[str, str, bool]]:
@@ -336,23 +477,41 @@ def _policy_tests(policy: Mapping[str, Any]) -> list[tuple[str, str, bool]]:
         t = (policy.get("tests") or {}).get(name)
         if not isinstance(t, dict):
             continue
-        rows.append((f"{label}: shift +- SE / p-value (level)",
-                     f"{_nats(t.get('shift'))} +- {_nats(t.get('standard_error'))} / {_p(t.get('p_value'))} "
-                     f"({_p(t.get('alpha'))})", bool(t.get("rejected"))))
-        rows.append((f"{label}: detects with {fmt_pct(th.get('power'), 0)} power (shift that matters "
-                     f"{_nats(th.get('shift'))}, tolerated {_nats(th.get('tolerance'))})",
-                     _nats(t.get("min_detectable_shift")) + (" UNDERPOWERED" if t.get("underpowered") else ""),
-                     bool(t.get("underpowered"))))
+        rows.append(
+            (
+                f"{label}: shift +- SE / p-value (level)",
+                f"{_nats(t.get('shift'))} +- {_nats(t.get('standard_error'))} / {_p(t.get('p_value'))} "
+                f"({_p(t.get('alpha'))})",
+                bool(t.get("rejected")),
+            )
+        )
+        rows.append(
+            (
+                f"{label}: detects with {fmt_pct(th.get('power'), 0)} power (shift that matters "
+                f"{_nats(th.get('shift'))}, tolerated {_nats(th.get('tolerance'))})",
+                _nats(t.get("min_detectable_shift")) + (" UNDERPOWERED" if t.get("underpowered") else ""),
+                bool(t.get("underpowered")),
+            )
+        )
     pairs = policy.get("pairs") or {}
     if pairs.get("samples"):
-        rows.append(("calibration pairs: prompts / same ids on both paths / mean difference",
-                     f"{fmt_num(pairs['samples'])} / {fmt_num(pairs.get('identical_ids'))} / "
-                     f"{_nats(pairs.get('mean_difference'))}", False))
+        rows.append(
+            (
+                "calibration pairs: prompts / same ids on both paths / mean difference",
+                f"{fmt_num(pairs['samples'])} / {fmt_num(pairs.get('identical_ids'))} / "
+                f"{_nats(pairs.get('mean_difference'))}",
+                False,
+            )
+        )
     sizing = policy.get("sizing") or {}
     if sizing:
-        rows.append(("policy sample size: pilot / required a side / scored a side",
-                     f"{fmt_num(sizing.get('pilot'))} / {fmt_num(sizing.get('required'))} / {fmt_num(sizing.get('chosen'))}",
-                     False))
+        rows.append(
+            (
+                "policy sample size: pilot / required a side / scored a side",
+                f"{fmt_num(sizing.get('pilot'))} / {fmt_num(sizing.get('required'))} / {fmt_num(sizing.get('chosen'))}",
+                False,
+            )
+        )
     return rows
 
 
@@ -369,21 +528,44 @@ def _policy_detail(policy: Mapping[str, Any] | None) -> dict[str, Any] | None:
     figures = (policy or {}).get("figures")
     if not isinstance(figures, dict) or figures.get("skipped"):
         return None
-    means = {side: [m for m in (figures.get(side) or {}).get("sample_means") or [] if is_number(m)]
-             for side in SIDE_COLORS}
+    means = {
+        side: [m for m in (figures.get(side) or {}).get("sample_means") or [] if is_number(m)] for side in SIDE_COLORS
+    }
     pairs = figures.get("pairs") if isinstance(figures.get("pairs"), dict) else {}
-    pair_rows = [(str(sid), _nats(lo), _nats(ov), _nats(lo - ov) if is_number(lo) and is_number(ov) else "-")
-                 for sid, lo, ov in zip(pairs.get("sample_ids") or [], pairs.get("local_means") or [],
-                                        pairs.get("overflow_means") or [])]
-    power = next((n.removeprefix("policy power: ") for n in (policy or {}).get("notes") or []
-                  if isinstance(n, str) and n.startswith("policy power: ")), None)
-    worst = {side: [{"sample_id": str(w.get("sample_id")), "route": str(w.get("route")), "mean": _nats(w.get("mean_logprob")),
-                     "tokens": fmt_num(w.get("tokens")),
-                     "pieces": [(str(t), _nats(lp)) for t, lp in zip(w.get("texts") or [], w.get("logprobs") or [])]}
-                    for w in ((figures.get("worst") or {}).get(side) or []) if isinstance(w, dict)]
-             for side in SIDE_COLORS}
-    return {"histograms": logprob_histograms(means), "pairs": pair_rows, "power": power,
-            "worst": {side: rows for side, rows in worst.items() if rows}}
+    pair_rows = [
+        (str(sid), _nats(lo), _nats(ov), _nats(lo - ov) if is_number(lo) and is_number(ov) else "-")
+        for sid, lo, ov in zip(
+            pairs.get("sample_ids") or [], pairs.get("local_means") or [], pairs.get("overflow_means") or []
+        )
+    ]
+    power = next(
+        (
+            n.removeprefix("policy power: ")
+            for n in (policy or {}).get("notes") or []
+            if isinstance(n, str) and n.startswith("policy power: ")
+        ),
+        None,
+    )
+    worst = {
+        side: [
+            {
+                "sample_id": str(w.get("sample_id")),
+                "route": str(w.get("route")),
+                "mean": _nats(w.get("mean_logprob")),
+                "tokens": fmt_num(w.get("tokens")),
+                "pieces": [(str(t), _nats(lp)) for t, lp in zip(w.get("texts") or [], w.get("logprobs") or [])],
+            }
+            for w in ((figures.get("worst") or {}).get(side) or [])
+            if isinstance(w, dict)
+        ]
+        for side in SIDE_COLORS
+    }
+    return {
+        "histograms": logprob_histograms(means),
+        "pairs": pair_rows,
+        "power": power,
+        "worst": {side: rows for side, rows in worst.items() if rows},
+    }
 
 
 def logprob_histograms(means: Mapping[str, Sequence[float]], bins: int = LOGPROB_BINS) -> list[dict[str, Any]]:
@@ -400,9 +582,14 @@ def logprob_histograms(means: Mapping[str, Sequence[float]], bins: int = LOGPROB
     for side, vs in means.items():
         if vs:
             counts, _ = np.histogram(vs, edges)
-            out.append({"caption": f"{side}: {len(vs):,} samples, mean {float(np.mean(vs)):.3f} nats/token",
-                        "chart": _histogram([round(float(e), 3) for e in edges], [int(c) for c in counts],
-                                            SIDE_COLORS.get(side, "#555"))})
+            out.append(
+                {
+                    "caption": f"{side}: {len(vs):,} samples, mean {float(np.mean(vs)):.3f} nats/token",
+                    "chart": _histogram(
+                        [round(float(e), 3) for e in edges], [int(c) for c in counts], SIDE_COLORS.get(side, "#555")
+                    ),
+                }
+            )
     return out
 
 
@@ -424,8 +611,14 @@ def every_row_histograms(logprobs: Mapping[str, Any] | None) -> list[dict[str, A
         full = [float("-inf"), *edges, float("inf")]
         used = [i for i, n in enumerate(counts) if n]
         a, b = used[0], used[-1] + 1
-        out.append({"caption": f"{source}: {fmt_num(side.get('samples'))} samples",
-                    "chart": _histogram(full[a:b + 1], counts[a:b], SIDE_COLORS.get(SOURCE_SIDES.get(source, ""), "#555"))})
+        out.append(
+            {
+                "caption": f"{source}: {fmt_num(side.get('samples'))} samples",
+                "chart": _histogram(
+                    full[a : b + 1], counts[a:b], SIDE_COLORS.get(SOURCE_SIDES.get(source, ""), "#555")
+                ),
+            }
+        )
     return out
 
 
@@ -453,20 +646,33 @@ def _calibration(cal: Mapping[str, Any] | None) -> dict[str, Any] | None:
         ("missing on a path", fmt_num(s["missing"]), False),
         ("unreconstructable", fmt_num(s["unreconstructable"]), False),
     ]
-    differing = [p for p in cal.get("per_sample") or []
-                 if isinstance(p, dict) and (p.get("first_diff") is not None or not p.get("same_text", True))]
+    differing = [
+        p
+        for p in cal.get("per_sample") or []
+        if isinstance(p, dict) and (p.get("first_diff") is not None or not p.get("same_text", True))
+    ]
     differing.sort(key=lambda p: bool(p.get("same_text")))  # text disagreements first
     shown = differing[:MAX_CALIBRATION_ROWS]
     return {
         "rows": rows,
         "disagreements": len(disagree),
-        "samples": [{"sample_id": str(p.get("sample_id")), "first_diff": fmt_num(p.get("first_diff")),
-                     "agreeing_prefix": fmt_num(p.get("agreeing_prefix")), "same_text": bool(p.get("same_text")),
-                     "engine_text": str(p.get("engine_text", "")), "provider_text": str(p.get("provider_text", ""))}
-                    for p in shown],
+        "samples": [
+            {
+                "sample_id": str(p.get("sample_id")),
+                "first_diff": fmt_num(p.get("first_diff")),
+                "agreeing_prefix": fmt_num(p.get("agreeing_prefix")),
+                "same_text": bool(p.get("same_text")),
+                "engine_text": str(p.get("engine_text", "")),
+                "provider_text": str(p.get("provider_text", "")),
+            }
+            for p in shown
+        ],
         "more": len(differing) - len(shown),
-        "proof": [(label, str(cal[key])) for key, label in (("can_prove", "Can prove"), ("cannot_prove", "Cannot prove"))
-                  if cal.get(key)],
+        "proof": [
+            (label, str(cal[key]))
+            for key, label in (("can_prove", "Can prove"), ("cannot_prove", "Cannot prove"))
+            if cal.get(key)
+        ],
     }
 
 
@@ -476,10 +682,17 @@ def _examples(mismatches: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
         return None
     severity = {c: i for i, c in enumerate(reversed(classes()))}
     shown = sorted(mismatches, key=lambda m: severity.get(str(m.get("class")), len(severity)))[:MAX_EXAMPLES]
-    items = [{"cls": str(m.get("class", "?")), "color": class_color(str(m.get("class", "?"))),
-              "sample_id": str(m.get("sample_id", "?")), "first_diff": str(m.get("first_diff")),
-              "original": _token_list(m.get("original")), "reconstructed": _token_list(m.get("reconstructed"))}
-             for m in shown]
+    items = [
+        {
+            "cls": str(m.get("class", "?")),
+            "color": class_color(str(m.get("class", "?"))),
+            "sample_id": str(m.get("sample_id", "?")),
+            "first_diff": str(m.get("first_diff")),
+            "original": _token_list(m.get("original")),
+            "reconstructed": _token_list(m.get("reconstructed")),
+        }
+        for m in shown
+    ]
     return {"items": items, "total": len(mismatches), "more": len(mismatches) - len(shown)}
 
 
@@ -532,14 +745,24 @@ def _env() -> jinja2.Environment:
     Markdown template does not (it is not HTML, and escapes its table cells itself)."""
     env = jinja2.Environment(
         loader=jinja2.PackageLoader("eagle3_data.report", "templates"),
-        autoescape=jinja2.select_autoescape(enabled_extensions=("html.jinja",), disabled_extensions=("md.jinja",), default=True),
+        autoescape=jinja2.select_autoescape(
+            enabled_extensions=("html.jinja",), disabled_extensions=("md.jinja",), default=True
+        ),
         trim_blocks=True,
         lstrip_blocks=True,
         keep_trailing_newline=True,
         undefined=jinja2.StrictUndefined,
     )
     env.filters.update(
-        pct=fmt_pct, usd=fmt_usd, num=fmt_num, tok=token_text, md_tokens=md_tokens, md_cell=md_cell,
-        commas="{:,}".format, commas_g="{:,g}".format, g="{:g}".format, bytes=fmt_bytes,
+        pct=fmt_pct,
+        usd=fmt_usd,
+        num=fmt_num,
+        tok=token_text,
+        md_tokens=md_tokens,
+        md_cell=md_cell,
+        commas="{:,}".format,
+        commas_g="{:,g}".format,
+        g="{:g}".format,
+        bytes=fmt_bytes,
     )
     return env

@@ -15,8 +15,16 @@ from eagle3_data.storage.refs import (
 
 # Loaded on first use (PEP 562): they import boto3 and pyarrow (~1-2 s of start-up CPU), which
 # the refs and errors above do not need; `eagle3-data validate` renders reports with those alone.
-_LAZY = {"s3_client": "client", "LeaseLost": "lease", "StageBusy": "lease", "ArtifactStore": "store",
-         "canonical_json": "store", "code_version": "store", "manifest_hash": "store", "StageWriter": "writer"}
+_LAZY = {
+    "s3_client": "client",
+    "LeaseLost": "lease",
+    "StageBusy": "lease",
+    "ArtifactStore": "store",
+    "canonical_json": "store",
+    "code_version": "store",
+    "manifest_hash": "store",
+    "StageWriter": "writer",
+}
 
 
 def __getattr__(name: str):
@@ -27,6 +35,7 @@ def __getattr__(name: str):
     value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
     globals()[name] = value
     return value
+
 
 __all__ = [
     "ArtifactStore",

@@ -22,8 +22,10 @@ def check_part_schema(source, expected: pa.Schema, label: str) -> pq.ParquetFile
         raise CorruptArtifact(f"{label}: not a readable Parquet file ({str(exc).splitlines()[0][:120]})") from None
     for field in expected:
         if field.name not in actual.names:
-            raise CorruptArtifact(f"{label}: column {field.name!r} is missing (schema "
-                                  f"{(expected.metadata or {}).get(b'eagle3.schema', b'?').decode()} needs it)")
+            raise CorruptArtifact(
+                f"{label}: column {field.name!r} is missing (schema "
+                f"{(expected.metadata or {}).get(b'eagle3.schema', b'?').decode()} needs it)"
+            )
         got = actual.field(field.name).type
         if not got.equals(field.type):
             raise CorruptArtifact(f"{label}: column {field.name!r} is {got}, the schema says {field.type}")

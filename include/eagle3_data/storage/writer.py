@@ -98,8 +98,13 @@ class StageWriter:
         self._buffer: list[pa.Table] = []
         self._buffered = 0
         self._next_part = 0
-        self._stats = {"resumed_parts": 0, "resumed_rows": 0, "orphan_parts_removed": 0, "corrupt_parts_discarded": 0,
-                       "duplicates_skipped": 0}
+        self._stats = {
+            "resumed_parts": 0,
+            "resumed_rows": 0,
+            "orphan_parts_removed": 0,
+            "corrupt_parts_discarded": 0,
+            "duplicates_skipped": 0,
+        }
         self._committed = False
         self._opened = False
         self.unsaved_rows = 0  # rows still buffered when the writer exited on an error (not in S3)
@@ -119,14 +124,20 @@ class StageWriter:
             if self._committed:
                 return
             if exc_type is None:
-                raise RuntimeError(f"writer for {self.store.uri(self.ref)} closed without commit(): the stage stays incomplete")
+                raise RuntimeError(
+                    f"writer for {self.store.uri(self.ref)} closed without commit(): the stage stays incomplete"
+                )
             try:  # the rows already produced are paid for: checkpoint them before the error propagates
                 self.flush()
             except Exception as err:
                 self.unsaved_rows = self._buffered
-                log.warning("could not checkpoint %d buffered rows of %s (%s): they are NOT in S3; the next attempt "
-                            "produces them again unless a local journal holds them", self._buffered,
-                            self.store.uri(self.ref), str(err).splitlines()[0] if str(err) else type(err).__name__)
+                log.warning(
+                    "could not checkpoint %d buffered rows of %s (%s): they are NOT in S3; the next attempt "
+                    "produces them again unless a local journal holds them",
+                    self._buffered,
+                    self.store.uri(self.ref),
+                    str(err).splitlines()[0] if str(err) else type(err).__name__,
+                )
         finally:
             if self.lease is not None:
                 self.lease.release()
@@ -157,8 +168,12 @@ class StageWriter:
             if problem is None:
                 valid.append(record)
             else:
-                log.warning("%s: %s; discarded, its %d rows will be produced again", store.uri(ref, record["name"]),
-                            problem, record.get("rows", 0))
+                log.warning(
+                    "%s: %s; discarded, its %d rows will be produced again",
+                    store.uri(ref, record["name"]),
+                    problem,
+                    record.get("rows", 0),
+                )
                 self._stats["corrupt_parts_discarded"] += objects.get(record["name"]) is not None
                 store.delete_objects(ref, [f"{PROGRESS}/{record['name'][: -len('.parquet')]}.json"])
                 store.delete_objects(ref, [record["name"]])
@@ -166,7 +181,11 @@ class StageWriter:
         valid_names = {r["name"] for r in valid}
         orphans = [name for name in objects if part_number(name) is not None and name not in valid_names]
         if orphans:
-            log.warning("%s: removing %d parts of a killed attempt that never got a progress record", store.uri(ref), len(orphans))
+            log.warning(
+                "%s: removing %d parts of a killed attempt that never got a progress record",
+                store.uri(ref),
+                len(orphans),
+            )
             store.delete_objects(ref, orphans)
         self._records = valid
         for record in valid:
@@ -174,16 +193,25 @@ class StageWriter:
             self._committed_ids.update(record["sample_ids"])
         self._seen = set(self._committed_ids)
         self._next_part = max((r["part"] for r in valid), default=-1) + 1
-        self._stats.update(resumed_parts=len(valid), resumed_rows=sum(r["rows"] for r in valid), orphan_parts_removed=len(orphans))
+        self._stats.update(
+            resumed_parts=len(valid), resumed_rows=sum(r["rows"] for r in valid), orphan_parts_removed=len(orphans)
+        )
         if valid:
-            log.info("%s: resuming after %d committed parts (%d rows)", store.uri(ref), len(valid), self._stats["resumed_rows"])
+            log.info(
+                "%s: resuming after %d committed parts (%d rows)",
+                store.uri(ref),
+                len(valid),
+                self._stats["resumed_rows"],
+            )
         self._opened = True
 
     def _verify_part(self, record: dict) -> str | None:
         """Why a committed part must not be trusted (bytes changed since its record, unreadable
         footer, schema not this stage's), or None. Costs one download per part, once per resume."""
         try:
-            with self.store.open_verified(self.ref, record["name"], sha256=record["sha256"], nbytes=record["bytes"]) as f:
+            with self.store.open_verified(
+                self.ref, record["name"], sha256=record["sha256"], nbytes=record["bytes"]
+            ) as f:
                 check_part_schema(f, self.schema, self.store.uri(self.ref, record["name"]))
         except CorruptArtifact as exc:
             return str(exc).split(": rerun the stage")[0].removeprefix(self.store.uri(self.ref, record["name"]) + " ")
@@ -292,7 +320,9 @@ class StageWriter:
         for i, row in enumerate(rows):
             unknown = set(row) - allowed
             if unknown:
-                raise UserError(f"{where}: row {i} (sample_id {row.get('sample_id')!r}) has unknown fields {sorted(unknown)}")
+                raise UserError(
+                    f"{where}: row {i} (sample_id {row.get('sample_id')!r}) has unknown fields {sorted(unknown)}"
+                )
         try:
             return pa.Table.from_pylist(list(rows), schema=self.schema)
         except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
@@ -305,15 +335,19 @@ class StageWriter:
             head = self.store.head_object(self.ref, part["name"])
             meta = (head or {}).get("Metadata", {}).get("sha256")
             if head is None or head["ContentLength"] != part["bytes"] or (meta and meta != part["sha256"]):
-                raise CorruptArtifact(f"{self.store.uri(self.ref, part['name'])} changed after it was committed (another "
-                                      f"writer?): manifest not written; rerun the stage to resume and re-verify")
+                raise CorruptArtifact(
+                    f"{self.store.uri(self.ref, part['name'])} changed after it was committed (another "
+                    f"writer?): manifest not written; rerun the stage to resume and re-verify"
+                )
 
     def _write_part(self, table: pa.Table) -> None:
         self.lease.check()
         n = self._next_part
         name = part_name(n)
         sink = pa.BufferOutputStream()
-        pq.write_table(table.replace_schema_metadata(self.schema.metadata), sink, compression="zstd", row_group_size=ROW_GROUP_ROWS)
+        pq.write_table(
+            table.replace_schema_metadata(self.schema.metadata), sink, compression="zstd", row_group_size=ROW_GROUP_ROWS
+        )
         data = sink.getvalue().to_pybytes()
         sha = hashlib.sha256(data).hexdigest()
         self.store.write_object(self.ref, name, data, sha256=sha)

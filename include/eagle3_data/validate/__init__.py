@@ -41,16 +41,50 @@ from another model or provider than the pinned one).
 
 from eagle3_data.validate.billing import compare_billed_counts, compare_billed_prompts
 from eagle3_data.validate.classify import CLASSES, FAILING_CLASSES, RowResult, Validator
-from eagle3_data.validate.gate import EXAMPLES, ValidationSummary, bad_row_reasons, validate_to_report, validation_rows_table
+from eagle3_data.validate.gate import (
+    EXAMPLES,
+    ValidationSummary,
+    bad_row_reasons,
+    validate_to_report,
+    validation_rows_table,
+)
 from eagle3_data.validate.identity import identity_report
 from eagle3_data.validate.pool import CHUNK_ROWS, can_fork_workers, validate_batches, validate_rows
-from eagle3_data.validate.rows import COLUMNS, OPTIONAL_COLUMNS, BadRow, InputRow, rows_from_batches, rows_from_file, rows_from_jsonl
+from eagle3_data.validate.rows import (
+    COLUMNS,
+    OPTIONAL_COLUMNS,
+    BadRow,
+    InputRow,
+    rows_from_batches,
+    rows_from_file,
+    rows_from_jsonl,
+)
 from eagle3_data.validate.stops import StopConvention, detect_stop_convention
 
 __all__ = [
-    "CHUNK_ROWS", "CLASSES", "COLUMNS", "EXAMPLES", "FAILING_CLASSES", "OPTIONAL_COLUMNS", "BadRow", "InputRow", "RowResult",
-    "StopConvention", "ValidationSummary", "Validator", "bad_row_reasons", "can_fork_workers", "compare_billed_counts",
+    "CHUNK_ROWS",
+    "CLASSES",
+    "COLUMNS",
+    "EXAMPLES",
+    "FAILING_CLASSES",
+    "OPTIONAL_COLUMNS",
+    "BadRow",
+    "InputRow",
+    "RowResult",
+    "StopConvention",
+    "ValidationSummary",
+    "Validator",
+    "bad_row_reasons",
+    "can_fork_workers",
+    "compare_billed_counts",
     "compare_billed_prompts",
-    "detect_stop_convention", "identity_report", "rows_from_batches", "rows_from_file", "rows_from_jsonl", "validate_batches",
-    "validate_rows", "validate_to_report", "validation_rows_table",
+    "detect_stop_convention",
+    "identity_report",
+    "rows_from_batches",
+    "rows_from_file",
+    "rows_from_jsonl",
+    "validate_batches",
+    "validate_rows",
+    "validate_to_report",
+    "validation_rows_table",
 ]

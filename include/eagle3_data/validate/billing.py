@@ -40,8 +40,10 @@ class _Missing:
         rate = self.figures(compared)["rate"]
         if not self.rows or rate <= max_rate:
             return None
-        return (f"{self.rows} row(s) ({rate:.2%}) have no usage.{usage_field}, above max_missing_usage_rate "
-                f"{max_rate:.2%} (e.g. {', '.join(self.examples[:3])})")
+        return (
+            f"{self.rows} row(s) ({rate:.2%}) have no usage.{usage_field}, above max_missing_usage_rate "
+            f"{max_rate:.2%} (e.g. {', '.join(self.examples[:3])})"
+        )
 
 
 def _keep_worst(top: list[tuple], item: tuple, worst: int) -> None:
@@ -111,8 +113,13 @@ def compare_billed_counts(
             {"sample_id": s, "billed": b, "reconstructed": r, "deviation": (r - b) / b if b else None}
             for _, s, b, r in sorted(top, reverse=True)
         ],
-        "gate": {"passed": not reasons, "reasons": reasons, "notes": notes, "max_aggregate_deviation": max_aggregate_deviation,
-                 "max_missing_usage_rate": max_missing_usage_rate},
+        "gate": {
+            "passed": not reasons,
+            "reasons": reasons,
+            "notes": notes,
+            "max_aggregate_deviation": max_aggregate_deviation,
+            "max_missing_usage_rate": max_missing_usage_rate,
+        },
     }
 
 
@@ -165,13 +172,17 @@ def compare_billed_prompts(
     over_rate = over_rows / n if n else 0.0
     reasons = []
     if mean_abs > max_mean_abs_diff:
-        reasons.append(f"billed prompt tokens differ from the prompt ids by {mean_abs:.2f} tokens per answer on average "
-                       f"(mean {diff_sum / n:+.2f}; {billed_total:,} billed, {ours_total:,} ours over {n} answers), "
-                       f"above max_prompt_billing_mean_abs_diff {max_mean_abs_diff:g}: the provider rendered another prompt")
+        reasons.append(
+            f"billed prompt tokens differ from the prompt ids by {mean_abs:.2f} tokens per answer on average "
+            f"(mean {diff_sum / n:+.2f}; {billed_total:,} billed, {ours_total:,} ours over {n} answers), "
+            f"above max_prompt_billing_mean_abs_diff {max_mean_abs_diff:g}: the provider rendered another prompt"
+        )
     if over_rows and over_rate > max_row_rate:
         named = ", ".join(f"{o['sample_id']} ({o['diff']:+d})" for o in over[:5])
-        reasons.append(f"{over_rows} answer(s) ({over_rate:.2%}) billed more than {max_row_diff} prompt tokens away from "
-                       f"their prompt ids, above max_prompt_billing_row_rate {max_row_rate:.2%}: {named}")
+        reasons.append(
+            f"{over_rows} answer(s) ({over_rate:.2%}) billed more than {max_row_diff} prompt tokens away from "
+            f"their prompt ids, above max_prompt_billing_row_rate {max_row_rate:.2%}: {named}"
+        )
     if why := missing.reason(n, "prompt_tokens", max_missing_usage_rate):
         reasons.append(why)
     labels = {-PROMPT_DIFF_BINS - 1: f"<= {-PROMPT_DIFF_BINS - 1}", PROMPT_DIFF_BINS + 1: f">= +{PROMPT_DIFF_BINS + 1}"}
@@ -185,8 +196,15 @@ def compare_billed_prompts(
         "diff_distribution": [[labels.get(k, f"{k:+d}" if k else "0"), bins[k]] for k in sorted(bins)],
         "over_tolerance": {"rows": over_rows, "rate": over_rate, "examples": over},
         "missing_usage": missing.figures(n),
-        "worst_samples": [{"sample_id": s, "billed": b, "ours": o, "diff": b - o} for _, s, b, o in sorted(top, reverse=True)],
-        "gate": {"passed": not reasons, "reasons": reasons, "max_mean_abs_diff": max_mean_abs_diff,
-                 "max_row_diff": max_row_diff, "max_row_rate": max_row_rate,
-                 "max_missing_usage_rate": max_missing_usage_rate},
+        "worst_samples": [
+            {"sample_id": s, "billed": b, "ours": o, "diff": b - o} for _, s, b, o in sorted(top, reverse=True)
+        ],
+        "gate": {
+            "passed": not reasons,
+            "reasons": reasons,
+            "max_mean_abs_diff": max_mean_abs_diff,
+            "max_row_diff": max_row_diff,
+            "max_row_rate": max_row_rate,
+            "max_missing_usage_rate": max_missing_usage_rate,
+        },
     }

@@ -12,7 +12,17 @@ from eagle3_data.reconstruct import unreconstructable_reason
 from eagle3_data.validate.rows import InputRow
 from eagle3_data.validate.stops import StopConvention
 
-CLASSES = ("exact", "bpe_only", "prefix", "unreconstructable", "structure", "special_token", "text_diff", "wrong_stop", "stop_string")
+CLASSES = (
+    "exact",
+    "bpe_only",
+    "prefix",
+    "unreconstructable",
+    "structure",
+    "special_token",
+    "text_diff",
+    "wrong_stop",
+    "stop_string",
+)
 FAILING_CLASSES = ("structure", "special_token", "text_diff", "wrong_stop", "stop_string")
 WINDOW = 8  # most ids shown, per side, from the first difference
 
@@ -74,8 +84,16 @@ class Validator:
             return ids, "stop", ("stop_string", f"stopped on the stop string {matched!r}"), "string"
         if matched is not None:
             if matched not in self.stop_ids:
-                return ids, "stop", ("wrong_stop", f"the engine stopped on id {matched} ({self._text(matched)}), "
-                                     f"not an audited stop id {self.stop_ids}"), "matched"
+                return (
+                    ids,
+                    "stop",
+                    (
+                        "wrong_stop",
+                        f"the engine stopped on id {matched} ({self._text(matched)}), "
+                        f"not an audited stop id {self.stop_ids}",
+                    ),
+                    "matched",
+                )
             return (ids if last == matched else ids + [matched]), "stop", None, "matched"
         if row.finish_reason == "length":
             if last in self.stop_ids:
@@ -87,8 +105,16 @@ class Validator:
             return ids, "length", None, None
         if self.stops.kind == "included":
             shown = f"id {last} ({self._text(last)})" if last is not None else "nothing"
-            return ids, "stop", ("wrong_stop", f"stop row ends with {shown}, not an audited stop id "
-                                 f"{self.stop_ids}, while this dataset's stop rows include theirs"), None
+            return (
+                ids,
+                "stop",
+                (
+                    "wrong_stop",
+                    f"stop row ends with {shown}, not an audited stop id "
+                    f"{self.stop_ids}, while this dataset's stop rows include theirs",
+                ),
+                None,
+            )
         return ids + [self.im_end], "stop", None, "added"
 
     def _text(self, tid: int) -> str:

@@ -72,11 +72,15 @@ class ValidationSummary:
         reasons += bad_row_reasons(len(self.bad_rows), samples, self.max_bad_row_rate)
         if not samples:
             if self.allow_unvalidated_overflow:
-                warnings.append("no local samples: the overflow share goes UNVALIDATED "
-                                "(validation.allow_unvalidated_overflow is set for this dataset)")
+                warnings.append(
+                    "no local samples: the overflow share goes UNVALIDATED "
+                    "(validation.allow_unvalidated_overflow is set for this dataset)"
+                )
             else:
-                reasons.append("no local samples to validate: the overflow share cannot be trusted "
-                               "(set validation.allow_unvalidated_overflow to accept that)")
+                reasons.append(
+                    "no local samples to validate: the overflow share cannot be trusted "
+                    "(set validation.allow_unvalidated_overflow to accept that)"
+                )
         if self.stops is not None:
             if failure := self.stops.failure():
                 reasons.append(failure)
@@ -88,8 +92,12 @@ class ValidationSummary:
             "details": {cls: dict(c) for cls, c in self.details.items()},
             "sample_mismatch_rate": (samples - self.counts["exact"]) / samples if samples else 0.0,
             "token_agreement": self.agreed_tokens / self.output_tokens if self.output_tokens else 1.0,
-            "literal_special_text": {"samples": self.literal_samples, "exact": self.literal_exact,
-                                     "names": dict(self.literal_names), "examples": self.literal_examples},
+            "literal_special_text": {
+                "samples": self.literal_samples,
+                "exact": self.literal_exact,
+                "names": dict(self.literal_names),
+                "examples": self.literal_examples,
+            },
             "stop_convention": self.stops.to_json() if self.stops is not None else None,
             "mismatches": self.mismatches,
             "bad_rows": self.bad_rows,

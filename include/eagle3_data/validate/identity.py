@@ -19,7 +19,6 @@ from eagle3_data.schemas import IDENTITY_MISMATCH
 from eagle3_data.validate.gate import EXAMPLES
 
 
-
 def identity_report(rows: Iterable[dict[str, Any]], *, max_rate: float = DEFAULT_MAX_IDENTITY_MISMATCH_RATE) -> dict:
     """Over rows with `status`, `error`, `provenance` (JSON) and `sample_id`: answers per
     (model, provider) named, mismatches by reason, and the decision. Unanswered rows (failed
@@ -33,7 +32,9 @@ def identity_report(rows: Iterable[dict[str, Any]], *, max_rate: float = DEFAULT
             continue
         answered += 1
         prov = json.loads(r["provenance"])
-        served[f"{prov.get('model') or prov.get('served_model') or '?'} @ {prov.get('provider') or r.get('source') or '?'}"] += 1
+        served[
+            f"{prov.get('model') or prov.get('served_model') or '?'} @ {prov.get('provider') or r.get('source') or '?'}"
+        ] += 1
         if r.get("status") == IDENTITY_MISMATCH:
             mismatched += 1
             reasons[str(r.get("error") or "")] += 1
@@ -43,8 +44,16 @@ def identity_report(rows: Iterable[dict[str, Any]], *, max_rate: float = DEFAULT
     failing = []
     if mismatched and rate > max_rate:
         top = "; ".join(f"{n}x {why}" for why, n in reasons.most_common(2))
-        failing.append(f"{mismatched} of {answered} answers ({rate:.2%}) not from the pinned model/provider, above "
-                       f"max_identity_mismatch_rate {max_rate:.2%} ({top})")
-    return {"answered": answered, "mismatched": mismatched, "rate": rate, "served": dict(served.most_common()),
-            "reasons": dict(reasons.most_common()), "examples": examples,
-            "gate": {"passed": not failing, "reasons": failing, "max_identity_mismatch_rate": max_rate}}
+        failing.append(
+            f"{mismatched} of {answered} answers ({rate:.2%}) not from the pinned model/provider, above "
+            f"max_identity_mismatch_rate {max_rate:.2%} ({top})"
+        )
+    return {
+        "answered": answered,
+        "mismatched": mismatched,
+        "rate": rate,
+        "served": dict(served.most_common()),
+        "reasons": dict(reasons.most_common()),
+        "examples": examples,
+        "gate": {"passed": not failing, "reasons": failing, "max_identity_mismatch_rate": max_rate},
+    }

@@ -143,7 +143,9 @@ def _chunks(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
         yield chunk
 
 
-def _finish(validator: Validator, items: list, prepared: list[_Prepared], future: Future) -> Iterator[RowResult | BadRow]:
+def _finish(
+    validator: Validator, items: list, prepared: list[_Prepared], future: Future
+) -> Iterator[RowResult | BadRow]:
     pairs = iter(zip(prepared, future.result()))
     for item in items:
         if isinstance(item, BadRow):

@@ -102,7 +102,9 @@ def _check_row(where: str, record: Any, vocab_size: int, ints_checked: bool = Fa
         if isinstance(history, BadRow):
             return history
     if isinstance(history, list):
-        history = sum(len(m.get("tool_calls") or []) for m in history if isinstance(m, dict) and m.get("role") == "assistant")
+        history = sum(
+            len(m.get("tool_calls") or []) for m in history if isinstance(m, dict) and m.get("role") == "assistant"
+        )
     elif history is not None and not isinstance(history, int):
         return BadRow(where, sid, "messages", "not a list of chat messages")
     return InputRow(where, sid, ids, finish, matched, tools, history)

@@ -40,20 +40,31 @@ class StopConvention:
         d = self.dominant_token
         if d is None:
             return None
-        return (f"{d['rows']} of {self.stop_rows} stop rows end with id {d['id']} ({d['text']!r}), an ordinary token "
-                f"that never occurs earlier in them: the server stops on {d['id']}, not on an audited stop id")
+        return (
+            f"{d['rows']} of {self.stop_rows} stop rows end with id {d['id']} ({d['text']!r}), an ordinary token "
+            f"that never occurs earlier in them: the server stops on {d['id']}, not on an audited stop id"
+        )
 
     def warning(self) -> str | None:
         if self.kind == "stripped":
-            return ("stop ids stripped: no stop row ends with an audited stop id and none names the matched one, "
-                    f"so each was taken to end with <|im_end|> and a wrong stop id cannot show ({self.stop_rows} rows)")
+            return (
+                "stop ids stripped: no stop row ends with an audited stop id and none names the matched one, "
+                f"so each was taken to end with <|im_end|> and a wrong stop id cannot show ({self.stop_rows} rows)"
+            )
         return None
 
     def to_json(self) -> dict[str, Any]:
-        return {"convention": self.kind, "stop_rows": self.stop_rows, "with_stop_id": self.with_stop_id,
-                "without_stop_id": self.without_stop_id, "matched_rows": self.matched_rows,
-                "stop_string_rows": self.stop_string_rows, "dominant_token": self.dominant_token,
-                "warning": self.warning(), "failure": self.failure()}
+        return {
+            "convention": self.kind,
+            "stop_rows": self.stop_rows,
+            "with_stop_id": self.with_stop_id,
+            "without_stop_id": self.without_stop_id,
+            "matched_rows": self.matched_rows,
+            "stop_string_rows": self.stop_string_rows,
+            "dominant_token": self.dominant_token,
+            "warning": self.warning(),
+            "failure": self.failure(),
+        }
 
 
 def detect_stop_convention(fmt: OutputFormat, rows: Iterable[InputRow | BadRow]) -> StopConvention:
