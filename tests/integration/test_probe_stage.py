@@ -22,7 +22,7 @@ def test_probe_stage_after_the_extraction(store, generations, tiny_model_dir):  
         {
             "model": {"source": str(tiny_model_dir)},
             "merge": {"max_length": 40},
-            "probe": {"samples": 12, "eval_samples": 4, "steps": 3, "eval_every": 3, "max_len": 256},
+            "probe": {"enabled": True, "samples": 12, "eval_samples": 4, "steps": 3, "eval_every": 3, "max_len": 256},
         },
         where="test",
     )

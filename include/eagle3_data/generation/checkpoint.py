@@ -203,7 +203,7 @@ def generation_row(p: Prompt, prompt_ids: list[int] | None, source: str, *, fail
         "finish_reason": None,
         "usage": None,
         "provenance": None,
-        "images": p.images_json,  # the prompt's image references (images.py); null for text
+        **({"images": p.images_json} if p.images_json else {}),  # a text row's: null (the column's default)
     }
 
 

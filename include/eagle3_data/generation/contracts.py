@@ -17,7 +17,7 @@ the CLI's JSON output, and every reader indexes them as before.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Protocol, TypedDict
+from typing import NotRequired, Protocol, TypedDict
 
 
 class Usage(TypedDict):
@@ -53,7 +53,7 @@ class GenerationRow(TypedDict):
     usage: Usage | None
     provenance: str | None
     output_logprobs: list[float] | None
-    images: str | None  # the prompt's image references (images.py), JSON; null for text
+    images: NotRequired[str | None]  # the prompt's image references (images.py), JSON; absent for text
 
 
 class StopReason(StrEnum):
