@@ -178,16 +178,16 @@ def _read_source(source: str, client, max_bytes: int) -> bytes:
 def _read_s3(uri: str, client, max_bytes: int | None = None) -> bytes:
     from botocore.exceptions import ClientError
 
+    from eagle3_data.storage.client import NO_BUCKET, NOT_FOUND, error_code
+
     bucket, _, key = uri[len("s3://") :].partition("/")
     if client is None:
         raise ImageError(f"{uri}: an s3:// image needs an S3 client")
     try:
         obj = client.get_object(Bucket=bucket, Key=key)
     except ClientError as exc:
-        code = exc.response.get("Error", {}).get("Code")
-        raise ImageError(
-            f"{uri}: {'no such object' if code in ('NoSuchKey', '404', 'NotFound', 'NoSuchBucket') else code}"
-        ) from None
+        code = error_code(exc)
+        raise ImageError(f"{uri}: {'no such object' if code in NOT_FOUND or code == NO_BUCKET else code}") from None
     size = obj.get("ContentLength")
     if max_bytes is not None and size is not None and size > max_bytes:
         obj["Body"].close()

@@ -42,6 +42,7 @@ from eagle3_data.canonical import canonical_json
 from eagle3_data.errors import UserError
 from eagle3_data.generation.contracts import GenerationRow, StageSummary, StopReason
 from eagle3_data.generation.progress import ProgressSink
+from eagle3_data.images import parse_refs
 from eagle3_data.spill import RowSpill
 from eagle3_data.storage.writer import StageWriter
 
@@ -75,7 +76,7 @@ class Prompt:
     @property
     def images(self) -> list[dict]:
         """The prompt's image references in prompt order (empty for a text prompt)."""
-        return json.loads(self.images_json) if self.images_json else []
+        return parse_refs(self.images_json)
 
 
 _SPILLED = pa.schema(

@@ -414,6 +414,7 @@ def extract_shard(
     backend: HiddenStateBackend | None = None,
     work_dir: str | Path | None = None,
     merged_sha256: str | None = None,
+    image_refs: Mapping[str, list[dict]] | None = None,
 ) -> dict:
     """Extract one merged shard into `out_ref` (the DAG maps this over the merge's shards).
 
@@ -447,7 +448,11 @@ def extract_shard(
             )  # a merge rewriting it: refused
             rows = read_merged_rows([local])
             local.unlink()
-            rows, images, left_out = _images_for(store, merged_ref, rows, backend)
+            if image_refs is None:  # a worker extracting several shards reads the merge's index once
+                from eagle3_data.images import read_merged_images
+
+                image_refs = read_merged_images(store, merged_ref)
+            rows, images, left_out = _images_for(store, image_refs, rows, backend, merged_ref)
 
             def upload(path: Path) -> None:
                 lease.check()  # fencing: a writer whose lease was taken over uploads nothing more
@@ -475,13 +480,14 @@ def extract_shard(
     return summary
 
 
-def _images_for(store, merged_ref, rows: list[dict], backend) -> tuple[list[dict], dict[str, list[bytes]] | None, dict]:
+def _images_for(
+    store, refs: Mapping[str, list[dict]], rows: list[dict], backend, merged_ref
+) -> tuple[list[dict], dict[str, list[bytes]] | None, dict]:
     """The shard's image samples: their bytes (read and hash-checked once) for a backend started
     to take images (`hidden_states.max_images` > 0), else the samples left out, counted and named,
     never extracted over their ids alone (states without the pixels are not the model's)."""
-    from eagle3_data.images import ImageError, read_image, read_merged_images
+    from eagle3_data.images import ImageError, read_image
 
-    refs = read_merged_images(store, merged_ref)
     mine = {r["sample_id"]: refs[r["sample_id"]] for r in rows if r["sample_id"] in refs}
     if not mine:
         return rows, None, {}

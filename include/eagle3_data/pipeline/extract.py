@@ -147,6 +147,7 @@ def extract_hidden_states(run: Run, store, work: dict) -> ExtractWorkerResult:
 
     from eagle3_data.hidden_states.engines import shared_backend
     from eagle3_data.hidden_states.extract import extract_shard, extracted, merged_sha256s
+    from eagle3_data.images import read_merged_images
 
     params = hidden_states_params(run)
     out_ref = stage_ref(run, HIDDEN_STATES, RUN_DATASET)  # stale states were discarded by the plan
@@ -161,6 +162,7 @@ def extract_hidden_states(run: Run, store, work: dict) -> ExtractWorkerResult:
         else:
             if backend is None:
                 t0 = time.perf_counter()
+                image_refs = read_merged_images(store, stage_ref(run, MERGE, RUN_DATASET))  # once, for every shard
                 # one engine per worker process, kept across its shards (+1: the one generated token)
                 backend = shared_backend(
                     params["backend"],
@@ -185,6 +187,7 @@ def extract_hidden_states(run: Run, store, work: dict) -> ExtractWorkerResult:
                 extract_options(run),
                 backend=backend,
                 merged_sha256=shas.get(shard["name"]),
+                image_refs=image_refs,
             )
         results.append(
             ShardResult(
