@@ -26,7 +26,7 @@ import io
 import json
 import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -249,6 +249,21 @@ def expand_media(ids: list[int], refs: list[dict], pad_id: int) -> list[int]:
         out += ids[start:k] + [pad_id] * int(ref["media_tokens"])
         start = k + 1
     return out + ids[start:]
+
+
+def collapse_runs(ids: Sequence[int], token: int) -> list[int]:
+    """`ids` with every run of `token` cut to one: what the engines take beside the images (vLLM's
+    Kimi-K2.5 processor and SGLang's each expand one `<|media_pad|>` per image themselves)."""
+    return [t for i, t in enumerate(ids) if not (t == token and i and ids[i - 1] == token)]
+
+
+def first_difference(ours: Sequence[int], theirs: Sequence[int]) -> int | None:
+    """The first position where two id sequences differ (the shorter one's length if one is a
+    prefix of the other); None when they are equal."""
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        if a != b:
+            return i
+    return None if len(ours) == len(theirs) else min(len(ours), len(theirs))
 
 
 def media_mask(ids: list[int], pad_id: int) -> list[bool]:

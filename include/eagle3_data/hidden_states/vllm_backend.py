@@ -45,6 +45,7 @@ from eagle3_data.errors import UserError
 from eagle3_data.hidden_states.backends import ModelInfo, SampleStates
 from eagle3_data.hidden_states.final_norm import final_norm_weight
 from eagle3_data.hidden_states.logprobs import lm_head_weight
+from eagle3_data.images import collapse_runs, first_difference
 
 log = logging.getLogger(__name__)
 
@@ -61,20 +62,6 @@ class EngineFailed(RuntimeError):
 
 class PromptIdsDiffer(EngineFailed):
     """The engine saw other prompt ids than we sent (it expanded a sample's images differently)."""
-
-
-def collapse_runs(ids: Sequence[int], token: int) -> list[int]:
-    """`ids` with every run of `token` cut to one (what vLLM expects of an image's placeholder)."""
-    return [t for i, t in enumerate(ids) if not (t == token and i and ids[i - 1] == token)]
-
-
-def first_difference(ours: Sequence[int], theirs: Sequence[int]) -> int | None:
-    """The first position where two id sequences differ (the shorter one's length if one is a
-    prefix of the other); None when they are equal."""
-    for i, (a, b) in enumerate(zip(ours, theirs)):
-        if a != b:
-            return i
-    return None if len(ours) == len(theirs) else min(len(ours), len(theirs))
 
 
 def vllm_python() -> str:
