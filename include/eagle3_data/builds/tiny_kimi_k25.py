@@ -14,6 +14,7 @@ own classes, so every engine path that loads the real model loads this one the s
 - the special ids are read from the tokenizer by name (`<|media_pad|>` is the image token);
 - `save_pretrained` writes transformers' original-format keys (its `kimi_k25` conversion
   mapping run backwards): the layout of Moonshot's safetensors, which vLLM's loader maps itself;
+- `use_unified_vision_chunk: true`, as in Moonshot's config.json (images are `vision_chunk` items);
 - `preprocessor_config.json` carries Kimi-K2.5's `media_proc_cfg` (what vLLM's Kimi image
   processor reads: 14-pixel patches merged 2x2, mean/std 0.5), so engines count an image's
   media tokens the way they do for the real model.
@@ -145,6 +146,11 @@ def build_tiny_kimi_k25(
     # Moonshot's class name, the one vLLM registers (transformers writes its own `Kimi_K25...`,
     # which vLLM would run through its generic transformers backend instead).
     config_json["architectures"] = ["KimiK25ForConditionalGeneration"]
+    # Moonshot's config.json flag (transformers' class drops it): images and video chunks are one
+    # modality, `vision_chunk`, the only one vLLM's Kimi-K2.5 registers; without it vLLM's request
+    # parsers count an `image_url` part as an `image`, which the model takes none of ("At most 0
+    # image(s) may be provided in one prompt"): renderers/chat_utils.py `_validate_add`.
+    config_json["use_unified_vision_chunk"] = True
     config_path.write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
     (out / "preprocessor_config.json").write_text(json.dumps({"media_proc_cfg": MEDIA_PROC_CFG}, indent=2) + "\n")
     for name in TOKENIZER_FILES:
