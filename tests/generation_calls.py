@@ -68,3 +68,31 @@ def generate_overflow(
         options=openrouter.OverflowOptions(max_usd=max_usd, **options),
         setup=setup,
     )
+
+
+def image_prompts(store, pictures: list[list[bytes]], dataset: str = "images", route: str = "local") -> list[dict]:
+    """Prompt rows (prompts-stage columns) of one user turn each: an image part per picture, then a
+    question; each image stored in `store` as the prompts stage stores it (`ImageSink`), the part
+    naming the object and the row carrying the references."""
+    import json
+
+    from eagle3_data.images import ImageSink
+
+    sink = ImageSink(store, max_bytes=1 << 20)
+    rows = []
+    for i, datas in enumerate(pictures):
+        refs = [sink._store(data) for data in datas]
+        content = [{"type": "image_url", "image_url": {"url": ref["uri"]}} for ref in refs]
+        content.append({"type": "text", "text": f"Question {i}: what is in the picture?"})
+        rows.append(
+            {
+                "sample_id": f"img{i:04d}",
+                "dataset": dataset,
+                "sample_index": i,
+                "route": route,
+                "messages": json.dumps([{"role": "user", "content": content}]),
+                "tools": None,
+                "images": json.dumps(refs),
+            }
+        )
+    return rows

@@ -210,6 +210,13 @@ NEUTRAL_SAMPLING = {
 
 class LocalGenerationConfig(_Model):
     engine: LocalEngine = Field("sglang", description="local inference engine behind the endpoints")
+    images: bool = Field(
+        False,
+        description="the local endpoints serve the vision-language target with its image processor and take "
+        "image prompts (SGLang's /generate with image_data; `vllm serve --enable-scale-out`'s "
+        "/inference/v1/generate): image prompts are routed as text ones are; false: every image prompt goes "
+        "to overflow (docs/images.md)",
+    )
     in_flight_per_endpoint: int | None = Field(
         None,
         ge=1,

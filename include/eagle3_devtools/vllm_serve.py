@@ -50,11 +50,21 @@ class VllmServer:
 
 
 def start_vllm_server(
-    python: str, model_dir: str | os.PathLike, log_path: Path, *, max_model_len: int = 2048, dtype: str = "float32"
+    python: str,
+    model_dir: str | os.PathLike,
+    log_path: Path,
+    *,
+    max_model_len: int = 2048,
+    dtype: str = "float32",
+    max_images: int = 0,
 ) -> VllmServer:
     """Start the server process and return at once (`VllmServer.wait_healthy` waits): the three
     processes of `vllm serve` (API server, engine core, worker) each import torch and vLLM, a
-    minute or more on two busy cores, so a caller can start it early and do other work meanwhile."""
+    minute or more on two busy cores, so a caller can start it early and do other work meanwhile.
+
+    `max_images` > 0 (a Kimi-K2.5 checkpoint): the server takes image prompts with their ids, on
+    `--enable-scale-out`'s `/inference/v1/generate`, up to that many `vision_chunk` items each
+    (generation/vllm.py)."""
     port = free_port()
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), HF_HUB_OFFLINE="1")
     cmd = [
@@ -82,6 +92,8 @@ def start_vllm_server(
         "kimi_k2",
         "--disable-uvicorn-access-log",
     ]
+    if max_images:
+        cmd += ["--enable-scale-out", "--limit-mm-per-prompt", f'{{"vision_chunk": {max_images}}}']
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

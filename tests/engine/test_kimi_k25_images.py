@@ -11,6 +11,7 @@ image_grid_thw, output_hidden_states=True)` on one sample at a time: nothing sha
 
 from __future__ import annotations
 
+import json
 import subprocess
 
 import pytest
@@ -195,3 +196,83 @@ def test_an_unexpanded_placeholder_is_a_failure_naming_the_first_differing_posit
     short = ids[: first + 1] + ids[first + n :]
     with pytest.raises(PromptIdsDiffer, match=f"at position {first + 1} "):
         image_backend.forward([short], INDICES, last_hidden=False, images=[[IMAGES["a"]]])
+
+
+# -- local generation with images on `vllm serve` (generation/vllm.py: /inference/v1/generate) -----
+MAX_NEW = 6
+
+
+def greedy(model, ids: list[int], names: list[str], pixels: dict, stops: set[int]) -> list[int]:
+    """transformers' greedy answer of Kimi_K25ForConditionalGeneration to `ids` with the same pixels
+    (the whole sequence re-run per step: six steps of a tiny model), through a stop id."""
+    kwargs = {}
+    if names:
+        kwargs = {
+            "pixel_values": torch.cat([pixels[n][0] for n in names]).float(),
+            "image_grid_thw": torch.cat([pixels[n][1] for n in names]),
+        }
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(MAX_NEW):
+            best = int(model(input_ids=torch.tensor([ids + out]), **kwargs).logits[0, -1].argmax())
+            out.append(best)
+            if best in stops:
+                break
+    return out
+
+
+GENERATED = [["a"], ["b", "a"]]
+
+
+def test_image_prompts_generated_on_vllm_serve_answer_as_transformers_with_the_same_pixels(
+    vllm_image_server, store, kimi_tokenizer, reference, pixels, tmp_path
+):
+    """Each prompt goes with one pad per image and its images; vLLM's processor expands the pads,
+    and the prompt ids it reports back equal ours (checked by the client, recorded in the row);
+    the answer is transformers' greedy answer given vLLM's own processor's pixels, and the pads
+    number what that processor's grids give (an oracle outside our count)."""
+    from eagle3_data.chat_format import get_output_format
+    from eagle3_data.storage import StageRef
+    from tests.generation_calls import generate_vllm, image_prompts
+
+    rows = image_prompts(store, [[IMAGES[n] for n in names] for names in GENERATED])
+    ref = StageRef(run_key="vllm-img", stage="generate_local", dataset="images")
+    sampling = {"temperature": 0.0, "max_new_tokens": MAX_NEW, "thinking": True}
+    s = generate_vllm(store, ref, rows, kimi_tokenizer, [vllm_image_server.url], sampling, journal_dir=tmp_path)
+    assert s["complete"] and s["counts"]["ok"] == 2, s
+    fmt = get_output_format(kimi_tokenizer, thinking=True)
+    got = {r["sample_id"]: r for r in store.read_table(ref).to_pylist()}
+    for row, names in zip(rows, GENERATED, strict=True):
+        r = got[row["sample_id"]]
+        ours = fmt.generation_prompt_ids(json.loads(row["messages"]), None, json.loads(row["images"]))
+        assert r["status"] == "ok" and r["prompt_ids"] == ours
+        assert ours.count(MEDIA["pad"]) == sum(media_tokens(pixels[n][1]) for n in names)
+        assert r["output_ids"] == greedy(reference, ours, names, pixels, set(fmt.stop_token_ids)), names
+        assert json.loads(r["provenance"])["engine_request_id"].startswith("generate-tokens-")
+
+
+def test_a_wrong_media_token_count_is_a_failed_row_naming_the_first_differing_position(
+    vllm_image_server, store, kimi_tokenizer, pixels, tmp_path
+):
+    """Our count one more than vLLM's processor's (the reference as a drifted processor would write
+    it): vLLM runs its own count, the ids it reports part from ours after its last pad."""
+    from eagle3_data.storage import StageRef
+    from tests.generation_calls import generate_vllm, image_prompts
+
+    (row,) = image_prompts(store, [[IMAGES["a"]]])
+    refs = json.loads(row["images"])
+    n = media_tokens(pixels["a"][1])
+    assert refs[0]["media_tokens"] == n
+    refs[0]["media_tokens"] = n + 1
+    row["images"] = json.dumps(refs)
+    ref = StageRef(run_key="vllm-img", stage="generate_local", dataset="wrong")
+    sampling = {"temperature": 0.0, "max_new_tokens": MAX_NEW, "thinking": True}
+    s = generate_vllm(store, ref, [row], kimi_tokenizer, [vllm_image_server.url], sampling, journal_dir=tmp_path)
+    assert s["complete"] and s["counts"]["failed"] == 1, s
+    (r,) = store.read_table(ref).to_pylist()
+    at = r["prompt_ids"].index(MEDIA["pad"]) + n
+    assert r["error"] == (
+        f"media tokens: {vllm_image_server.url} ran other prompt ids than ours from position {at} (ours "
+        f"{MEDIA['pad']}, the engine's {MEDIA['end']}; {len(r['prompt_ids'])} ids ours, {len(r['prompt_ids']) - 1} "
+        "the engine's): its processor counts another number of media tokens for an image"
+    )

@@ -4,12 +4,15 @@ sampling key SGLang's schema lets through but its SamplingParams refuses never r
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
 from eagle3_data.errors import UserError
 from eagle3_data.storage import StageRef
-from tests.generation_calls import generate_local
+from eagle3_devtools.sample_images import png
+from tests.generation_calls import generate_local, image_prompts
 from tests.integration.test_generation import SAMPLING, prompts
 
 
@@ -65,3 +68,70 @@ def test_choice_is_refused_before_any_request(store, start_dev_server, kimi_toke
             journal_dir=tmp_path,
         )
     assert not server.stats()["requests"].get("generate")
+
+
+PICTURES = [
+    [png(64, 48, lambda x, y: (x, y, 9))],
+    [png(30, 90, lambda x, y: (y, 3, x)), png(41, 70, lambda x, y: (7, x, y))],
+]
+
+
+def test_image_prompts_go_as_one_pad_per_image_with_image_data(store, start_dev_server, kimi_tokenizer, tmp_path):
+    """SGLang's Kimi-K2.5 processor takes exactly one `<|media_pad|>` per `image_data` entry and
+    expands it itself (the dev server refuses any other count, as SGLang does): an ok row means
+    the ids went collapsed, and its prompt ids are ours, expanded, which the server's counts match."""
+    from eagle3_data.chat_format import get_output_format
+    from eagle3_data.images import MEDIA_PAD
+
+    server = start_dev_server({})
+    rows = image_prompts(store, PICTURES)
+    ref = StageRef(run_key="sgl-img", stage="generate_local", dataset="images")
+    s = generate_local(store, ref, rows, kimi_tokenizer, [server.url], SAMPLING, journal_dir=tmp_path)
+    assert s["complete"] and s["counts"]["ok"] == 2, s
+    fmt = get_output_format(kimi_tokenizer, thinking=True)
+    pad = kimi_tokenizer.convert_tokens_to_ids(MEDIA_PAD)
+    for r, row in zip(sorted(store.read_table(ref).to_pylist(), key=lambda r: r["sample_id"]), rows):
+        refs = json.loads(row["images"])
+        assert r["status"] == "ok" and r["images"] == row["images"]
+        # oracle: the template's one pad per image, each repeated by transformers' own count (test_images.py)
+        assert r["prompt_ids"] == fmt.generation_prompt_ids(json.loads(row["messages"]), None, refs)
+        assert r["prompt_ids"].count(pad) == sum(x["media_tokens"] for x in refs) > len(refs)
+
+
+def test_an_engine_counting_other_media_tokens_is_a_failed_row_naming_the_counts(
+    store, start_dev_server, kimi_tokenizer, tmp_path
+):
+    """A server whose processor gives each image one more token (another processor version): its
+    meta_info.prompt_tokens and image_tokens are not ours; the row fails, final, naming both, and
+    the first position the ids can part at (SGLang reports counts, not ids)."""
+    server = start_dev_server({"media_token_drift": 1})
+    rows = image_prompts(store, PICTURES[:1])
+    ref = StageRef(run_key="sgl-img", stage="generate_local", dataset="drift")
+    s = generate_local(store, ref, rows, kimi_tokenizer, [server.url], SAMPLING, journal_dir=tmp_path)
+    assert s["complete"] and s["counts"]["failed"] == 1, s
+    (r,) = store.read_table(ref).to_pylist()
+    n = json.loads(rows[0]["images"])[0]["media_tokens"]
+    first = r["prompt_ids"].index(163_605)
+    assert r["error"] == (
+        f"media tokens: {server.url} ran {len(r['prompt_ids']) + 1} prompt tokens ({n + 1} of them images), "
+        f"ours are {len(r['prompt_ids'])} ({n} media tokens for 1 image(s)): its processor counts another number "
+        f"of media tokens for an image; the ids part at position {first} (the first image's) or later"
+    )
+    assert server.stats()["requests"]["generate"] == {"img0000": 1}  # final: not retried
+
+
+def test_expanded_pads_with_image_data_are_refused_as_sglang_refuses_them(start_dev_server, kimi_tokenizer):
+    """SGLang 0.5.23 (srt/multimodal/processors/kimi_k25.py process_mm_data_async) refuses a pad
+    count other than the number of images, with this message: so does the dev server."""
+    import base64
+
+    server = start_dev_server({})
+    uri = "data:image/png;base64," + base64.b64encode(PICTURES[0][0]).decode()
+    body = {"input_ids": [1, 163_605, 163_605, 2], "image_data": [uri], "sampling_params": {"max_new_tokens": 2}}
+    r = httpx.post(f"{server.url}/generate", json=body)
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == (
+        "Kimi image placeholders must map one-to-one to image data: expected 1, found 2 token(s)"
+    )
+    one = httpx.post(f"{server.url}/generate", json=dict(body, input_ids=[1, 163_605, 2]))
+    assert one.status_code == 200 and one.json()["meta_info"]["image_tokens"] == 6  # 64x48: 6 media tokens

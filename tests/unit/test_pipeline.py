@@ -206,6 +206,44 @@ def test_dry_run_plan_lists_each_strategy_and_balanced_routes_finish_together(
     }
 
 
+@pytest.mark.parametrize("local_images", [False, True])
+def test_image_prompts_go_local_only_when_the_local_endpoints_take_images(
+    local_images, store, kimi_tokenizer_dir, tmp_path
+):
+    """routing.overflow_fraction 0 puts every prompt local; an image prompt stays there only when
+    `generation.local.images` says the endpoints take images, else it is moved to overflow, counted."""
+    import json
+
+    from eagle3_data import pipeline
+    from eagle3_data.pipeline.run import Run
+    from eagle3_devtools.sample_images import png
+
+    (tmp_path / "a.png").write_bytes(png(28, 28, lambda x, y: (x, y, 5)))
+    rows = [{"messages": [{"role": "user", "content": "text only"}]}]
+    rows.append({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "a.png"}}]}]})
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    overrides = {
+        "tokenizer": {"source": str(kimi_tokenizer_dir)},
+        "datasets": [{"name": "chat", "prompts": str(tmp_path / "chat.jsonl")}],
+        "generation": {"local": {"images": local_images}},
+        "routing": {"strategy": "fraction", "overflow_fraction": 0.0, "calibration_samples": 0},
+    }
+    config = load_config().with_overrides(overrides, where="test")
+    run = Run(
+        config=config,
+        run_key=f"img-{local_images}",
+        date=None,
+        datasets=["chat"],
+        dry_run=False,
+        skip_hidden_states=False,
+    )
+    counts = pipeline.load_route(run, store, "chat").counts
+    if local_images:
+        assert counts["local"] == 2 and "overflow" not in counts and "images_to_overflow" not in counts, counts
+    else:
+        assert counts["local"] == 1 and counts["overflow"] == 1 and counts["images_to_overflow"] == 1, counts
+
+
 @pytest.mark.parametrize(
     "reason,passes",
     [

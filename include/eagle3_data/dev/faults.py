@@ -22,6 +22,8 @@ YAML shape (every key optional)::
     weight_version: dev                  # /model_info and meta_info.weight_version
     auto_truncate_to: null               # --allow-auto-truncate with this context: longer prompts lose their
                                          # tail silently; meta_info.prompt_tokens reports the cut length
+    media_token_drift: 0                 # /generate expands each image's <|media_pad|> to this many more
+                                         # tokens than Kimi-K2.5's processor: another processor version
     datasets:                            # picked by header X-Eagle3-Dataset, else "default"
       default: {noncanonical_rate: 0.0}
       tool_calls: {noncanonical_rate: 0.02}
@@ -203,6 +205,7 @@ class ServerConfig:
     refuse_first: int = 0
     weight_version: str = "dev"
     auto_truncate_to: int | None = None
+    media_token_drift: int = 0
     max_running_requests: int | None = None  # reported by /server_info as SGLang does; None: not set
     datasets: dict = field(default_factory=lambda: {"default": {"noncanonical_rate": 0.0}})
     endpoints: dict[str, EndpointFaults] = field(default_factory=dict)

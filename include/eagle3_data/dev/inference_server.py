@@ -278,6 +278,12 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
                     {"error": {"message": f"The input_ids {bad} is out of the vocabulary (vocab size {vocab})."}},
                     status_code=400,
                 )
+        if body.get("image_data") is not None:
+            try:
+                expanded, image_tokens = _with_images(prompts, body["image_data"], tok, state.config.media_token_drift)
+            except ValueError as exc:  # SGLang's processor raises ValueError: a 400 with its message
+                return JSONResponse({"error": {"message": str(exc)}}, status_code=400)
+            prompts, body = [expanded], {**body, "dev_image_tokens": image_tokens}  # meta_info.image_tokens
         sp = body.get("sampling_params") or {}
         if "choice" in sp:  # in the request schema, not in SamplingParams: a TypeError the route does not catch
             return Response("Internal Server Error", status_code=500, media_type="text/plain")
@@ -341,6 +347,7 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
                         "id": rid or uuid.uuid4().hex,
                         "finish_reason": finish,
                         "prompt_tokens": len(prompt),
+                        **({"image_tokens": body["dev_image_tokens"]} if "dev_image_tokens" in body else {}),
                         "completion_tokens": len(generated),
                         "cached_tokens": 0,
                         "e2e_latency": time.time() - started,
@@ -731,6 +738,34 @@ def image_inputs(messages: list[dict]) -> list[dict]:
                 raise ValueError(f"{where}.url: not a readable image ({exc})") from None
             out.append({"media_tokens": media_tokens(width, height)})
     return out
+
+
+def _with_images(prompts: list[list[int]], image_data, tok, drift: int) -> tuple[list[int], int]:
+    """One `/generate` prompt with its `image_data` as SGLang's Kimi-K2.5 processor takes them
+    (srt/multimodal/processors/kimi_k25.py): exactly one `<|media_pad|>` per image, each expanded
+    here to the image's media tokens (+ `drift`: a server whose processor counts otherwise). An
+    image is a base64 data URI (SGLang also takes URLs and paths; this server fetches none).
+    Returns the expanded ids and their image tokens (SGLang's `meta_info.image_tokens`)."""
+    if len(prompts) != 1:
+        raise ValueError("the dev server takes image_data with a single prompt")
+    images = image_data if isinstance(image_data, list) else [image_data]
+    pad = tok.convert_tokens_to_ids(MEDIA_PAD)
+    found = sum(1 for t in prompts[0] if t == pad)
+    if found != len(images):
+        raise ValueError(
+            f"Kimi image placeholders must map one-to-one to image data: expected {len(images)}, found {found} token(s)"
+        )
+    refs = []
+    for k, url in enumerate(images):
+        head, _, data = url.partition(",") if isinstance(url, str) else ("", "", "")
+        if not (head.startswith("data:image/") and head.endswith(";base64")):
+            raise ValueError(f"image_data[{k}]: the dev server takes data:image/<type>;base64,<data> only")
+        try:
+            _, width, height = probe(base64.b64decode(data, validate=True))
+        except (binascii.Error, ImageError) as exc:
+            raise ValueError(f"image_data[{k}]: not a readable image ({exc})") from None
+        refs.append({"media_tokens": media_tokens(width, height) + drift})
+    return expand_media(list(prompts[0]), refs, pad), sum(r["media_tokens"] for r in refs)
 
 
 def _no_image_data(messages: list[dict]) -> list[dict]:

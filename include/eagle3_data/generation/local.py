@@ -55,6 +55,7 @@ from eagle3_data.generation.checkpoint import (
 from eagle3_data.generation.contracts import GenerationRow, HealthTimings, StageSummary, StopReason
 from eagle3_data.generation.progress import Progress, ProgressSink, tick_every
 from eagle3_data.generation.retry import PERMANENT_STATUS, WAIT_NOTE_EVERY_S, backoff_s
+from eagle3_data.images import ImageError, data_uri, read_image
 from eagle3_data.schemas import IDENTITY_MISMATCH
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,21 @@ class PromptCut(ValueError):
     """The engine ran other prompt ids than were sent (a server that truncates long prompts)."""
 
 
+class MediaDiffers(ValueError):
+    """The engine expanded a prompt's images to other prompt ids than ours: its processor counts
+    another number of media tokens for an image (processor drift, silent otherwise)."""
+
+
+class Media(NamedTuple):
+    """A prompt's images as an engine takes them beside its ids. The ids sent hold one
+    `<|media_pad|>` per image (`images.collapse_runs`): both engines expand each one themselves,
+    by their own processor's count, and report what they ran for `Wire.answer` to compare."""
+
+    pad_id: int  # `<|media_pad|>`
+    urls: list[str]  # each image as a data URI (its stored bytes, sha256-verified), in prompt order
+    tokens: list[int]  # our media-token count of each image (the reference's `media_tokens`)
+
+
 class Wire(Protocol):
     """One engine's HTTP protocol; `LocalRun` does everything else."""
 
@@ -111,11 +127,15 @@ class Wire(Protocol):
     async def identify(self, http: aiohttp.ClientSession, endpoint: str) -> dict:
         """What the endpoint says it serves (weight version, served model), for provenance."""
 
-    def request(self, prompt_ids: list[int], sampling: dict, rid: str, identity: dict) -> tuple[str, dict]:
-        """(path, JSON body) of one generation request."""
+    def request(
+        self, prompt_ids: list[int], sampling: dict, rid: str, identity: dict, media: Media | None = None
+    ) -> tuple[str, dict]:
+        """(path, JSON body) of one generation request; `prompt_ids` are ours, media tokens
+        expanded; `media`: the prompt's images (None for a text prompt)."""
 
-    def answer(self, body: Any, prompt_ids: list[int], identity: dict) -> Answer:
-        """The answer read and checked (ValueError/KeyError/TypeError: malformed; PromptCut)."""
+    def answer(self, body: Any, prompt_ids: list[int], identity: dict, media: Media | None = None) -> Answer:
+        """The answer read and checked against our `prompt_ids` (ValueError/KeyError/TypeError:
+        malformed; PromptCut; MediaDiffers)."""
 
     def backpressure(self, status: int, text: str) -> bool:
         """The engine is full, not failing: retry later without counting against the endpoint."""
@@ -521,26 +541,22 @@ class LocalRun:
         """One request: an ok row, or a failed row and whether it is final (no attempt can fix it);
         transport errors and 5xx count against the endpoint, a full queue against nothing."""
         source = self.wire.source
-        if p.images:  # the prompts stage routes image prompts to overflow (pipeline/route.py images_to_overflow)
-            return Outcome(
-                generation_row(
-                    p,
-                    None,
-                    source,
-                    failed="images: the local engines are not sent images yet "
-                    "(docs/images.md); route image prompts to overflow",
-                ),
-                permanent=True,
-            )
+        refs = p.images
         try:
-            prompt_ids = self.fmt.generation_prompt_ids(p.messages, p.tools, p.images)
+            prompt_ids = self.fmt.generation_prompt_ids(p.messages, p.tools, refs)
         except Exception as exc:  # the template refuses this conversation: permanent
             return Outcome(generation_row(p, None, source, failed=f"chat template: {exc}"), permanent=True)
+        media = None
+        if refs:
+            try:
+                media = await asyncio.to_thread(self._media, refs)  # S3 reads and decoding: off the event loop
+            except ImageError as exc:  # the stored object is gone or not the one the prompt recorded
+                return Outcome(generation_row(p, prompt_ids, source, failed=f"images: {exc}"), permanent=True)
         row = generation_row(p, prompt_ids, source)
         sampling = sampling_for(p, self.sampling)
         rid = f"{p.sample_id}.{self.run_tag}.{attempt}"  # fresh per request: SGLang refuses a rid still registered
         identity = self.identity.get(endpoint, {})
-        path, body = self.wire.request(prompt_ids, sampling, rid, identity)
+        path, body = self.wire.request(prompt_ids, sampling, rid, identity, media)
         headers = {"X-Request-Id": rid, "X-Eagle3-Dataset": p.dataset, "X-Eagle3-Sample-Id": p.sample_id}
         started = time.monotonic()
         try:
@@ -559,10 +575,14 @@ class LocalRun:
                 endpoint_failed=status >= 500 or status in (401, 403),
             )
         try:
-            ids, finish, engine_provenance, logprobs = self.wire.answer(json.loads(text), prompt_ids, identity)
+            ids, finish, engine_provenance, logprobs = self.wire.answer(json.loads(text), prompt_ids, identity, media)
         except PromptCut as exc:  # every attempt on this server cuts it the same way
             return Outcome(
                 generation_row(p, prompt_ids, source, failed=f"prompt cut by {endpoint}: {exc}"), permanent=True
+            )
+        except MediaDiffers as exc:  # its processor counts the same way on every attempt
+            return Outcome(
+                generation_row(p, prompt_ids, source, failed=f"media tokens: {endpoint} {exc}"), permanent=True
             )
         except (ValueError, KeyError, TypeError, IndexError) as exc:
             return Outcome(generation_row(p, prompt_ids, source, failed=f"malformed answer from {endpoint}: {exc}"))
@@ -617,6 +637,16 @@ class LocalRun:
             ),
         )
         return Outcome(row)
+
+    def _media(self, refs: list[dict]) -> Media:
+        """The prompt's images for the engine: each stored object read and verified against its
+        reference (sha256, size), sent as a data URI; read per request, not held (the prompts in
+        flight are all that is decoded). Run in a thread: boto3's clients are thread-safe."""
+        return Media(
+            self.fmt.media_pad_id,
+            [data_uri(read_image(self.stage.store, ref)) for ref in refs],
+            [int(ref["media_tokens"]) for ref in refs],
+        )
 
 
 class Outcome(NamedTuple):

@@ -13,6 +13,16 @@ sampling_params.py, http_server.py):
   (`/get_server_info` before
   0.5.23 renamed it).
 - A full queue (`--max-queued-requests`) answers 503 "The request queue is full.": backpressure.
+
+Image prompts (srt/multimodal/processors/kimi_k25.py `process_mm_data_async`): `input_ids` with
+exactly one `<|media_pad|>` per image (the processor counts the pads and refuses a mismatch:
+"Kimi image placeholders must map one-to-one to image data: expected N, found M token(s)") and
+`image_data` a list, one entry per image in prompt order (GenerateReqInput's ImageDataInputItem: we
+send the data URI); SGLang expands each pad to its processor's count itself (`_expand_image_token_ids`).
+It reports counts, not ids: `meta_info.prompt_tokens` (the expanded prompt) and `image_tokens`
+(tokenizer_manager.py: the image tokens the request consumed). Both are compared with ours; a
+difference is a failed row (`MediaDiffers`) naming them, and the position of the first image's
+tokens, the earliest the ids can part (SGLang names no position).
 """
 
 from __future__ import annotations
@@ -24,7 +34,8 @@ from typing import Any
 import aiohttp
 
 from eagle3_data.errors import UserError
-from eagle3_data.generation.local import Answer, PromptCut, error_message, served_model
+from eagle3_data.generation.local import Answer, Media, MediaDiffers, PromptCut, error_message, served_model
+from eagle3_data.images import collapse_runs
 
 # SGLang 0.5.23 SamplingParams fields (srt/sampling/sampling_params.py): any other key inside
 # `sampling_params` is a 400 "unknown field" on every request, or (`choice`) crashes the request.
@@ -98,12 +109,20 @@ class SGLangWire:
                 continue
         return out
 
-    def request(self, prompt_ids: list[int], sampling: dict, rid: str, identity: dict) -> tuple[str, dict]:
+    def request(
+        self, prompt_ids: list[int], sampling: dict, rid: str, identity: dict, media: Media | None = None
+    ) -> tuple[str, dict]:
         """`return_logprob`: each output id's log-probability (`meta_info.output_token_logprobs`;
-        with the default `logprob_start_len` -1 no prompt position is scored)."""
-        return "/generate", {"input_ids": prompt_ids, "sampling_params": sampling, "rid": rid, "return_logprob": True}
+        with the default `logprob_start_len` -1 no prompt position is scored). An image prompt's
+        ids carry one pad per image, its images go as `image_data`."""
+        body = {"input_ids": prompt_ids, "sampling_params": sampling, "rid": rid, "return_logprob": True}
+        if media is not None:
+            body.update(input_ids=collapse_runs(prompt_ids, media.pad_id), image_data=list(media.urls))
+        return "/generate", body
 
-    def answer(self, body: Any, prompt_ids: list[int], identity: dict) -> Answer:
+    def answer(self, body: Any, prompt_ids: list[int], identity: dict, media: Media | None = None) -> Answer:
+        if media is not None:
+            check_media(body, prompt_ids, media)
         ids, finish, meta = check_answer(body, prompt_ids)
         return Answer(
             ids,
@@ -178,6 +197,21 @@ def check_answer(answer, prompt_ids: list[int] | None = None) -> tuple[list[int]
             "truncated the prompt (--allow-auto-truncate?); its answer is not the model's to this prompt"
         )
     return ids, finish, meta
+
+
+def check_media(answer, prompt_ids: list[int], media: Media) -> None:
+    """An image prompt's counts as SGLang ran them: `meta_info.prompt_tokens` must be the length of
+    our expanded ids and `image_tokens` (when reported) our media tokens (MediaDiffers otherwise)."""
+    meta = (answer[0] if isinstance(answer, list) else answer)["meta_info"]
+    ran, images = meta.get("prompt_tokens"), meta.get("image_tokens")
+    ours = sum(media.tokens)
+    if (ran is not None and ran != len(prompt_ids)) or (images is not None and images != ours):
+        first = prompt_ids.index(media.pad_id) if media.pad_id in prompt_ids else 0
+        raise MediaDiffers(
+            f"ran {ran} prompt tokens ({images} of them images), ours are {len(prompt_ids)} ({ours} media "
+            f"tokens for {len(media.tokens)} image(s)): its processor counts another number of media tokens "
+            f"for an image; the ids part at position {first} (the first image's) or later"
+        )
 
 
 def output_logprobs(meta: Mapping[str, Any], ids: list[int]) -> list[float] | None:

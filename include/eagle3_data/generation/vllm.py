@@ -15,6 +15,19 @@ server on CPU):
 - `"logprobs": 0` returns each completion id's log-probability (`choices[0].logprobs.token_logprobs`).
 - `/v1/models` names the served model (sent as `model`, recorded in provenance). vLLM reports no
   capacity on a production server (`/server_info` is VLLM_SERVER_DEV_MODE only).
+
+Image prompts: `/v1/completions` takes ids or text and nothing beside them (CompletionRequest.prompt,
+vllm/entrypoints/openai/completion/protocol.py:52), so they go to the tokens-in route,
+`POST /inference/v1/generate` (entrypoints/scale_out/token_in_token_out; registered by
+`vllm serve --enable-scale-out`): `token_ids` with one `<|media_pad|>` per image and
+`content_parts` `[{"type": "image_url", "url": <data URI>}]` in prompt order (serving.py
+`serve_tokens`: the parts become the prompt's `multi_modal_data`, Kimi-K2.5's `vision_chunk`,
+and the renderer's Kimi-K2.5 processor replaces each pad by its own count of media tokens,
+kimi_k25.py `_get_prompt_updates`), `sampling_params` (vLLM's SamplingParams: the same fields as
+above, `logprobs: 0`), `return_token_ids: true`. The answer's `prompt_token_ids` are the ids the
+model ran, pads expanded: compared with ours, a difference is a failed row naming the first
+differing position (`MediaDiffers`). `choices[0].token_ids`, `finish_reason`, `stop_reason` as in
+completions; `choices[0].logprobs.content[i].logprob` per completion id.
 """
 
 from __future__ import annotations
@@ -25,7 +38,8 @@ from typing import Any
 import aiohttp
 
 from eagle3_data.errors import UserError
-from eagle3_data.generation.local import Answer, PromptCut, served_model
+from eagle3_data.generation.local import Answer, Media, MediaDiffers, PromptCut, served_model
+from eagle3_data.images import collapse_runs, first_difference
 
 # Config (SGLang) name -> vLLM completion-request field.
 RENAMED = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed"}
@@ -77,7 +91,11 @@ class VllmWire:
         """vLLM has no weight version: the served model name, from /v1/models."""
         return {"served_model": await served_model(http, endpoint)}
 
-    def request(self, prompt_ids: list[int], sampling: dict, rid: str, identity: dict) -> tuple[str, dict]:
+    def request(
+        self, prompt_ids: list[int], sampling: dict, rid: str, identity: dict, media: Media | None = None
+    ) -> tuple[str, dict]:
+        if media is not None:
+            return GENERATE_PATH, generate_body(prompt_ids, sampling, rid, identity, media)
         body = {
             "prompt": prompt_ids,
             "return_token_ids": True,
@@ -90,7 +108,15 @@ class VllmWire:
             body["model"] = identity["served_model"]
         return "/v1/completions", body
 
-    def answer(self, body: Any, prompt_ids: list[int], identity: dict) -> Answer:
+    def answer(self, body: Any, prompt_ids: list[int], identity: dict, media: Media | None = None) -> Answer:
+        if media is not None:
+            ids, finish, body = check_generate_answer(body, prompt_ids)
+            return Answer(
+                ids,
+                finish,
+                {"served_model": body.get("model"), "engine_request_id": body.get("request_id")},
+                generate_logprobs(body["choices"][0], ids),
+            )
         ids, finish, body = check_answer(body, prompt_ids)
         return Answer(
             ids,
@@ -128,6 +154,66 @@ class VllmWire:
 
 
 VLLM = VllmWire()
+
+
+GENERATE_PATH = "/inference/v1/generate"
+
+
+def generate_body(prompt_ids: list[int], sampling: dict, rid: str, identity: dict, media: Media) -> dict:
+    """An image prompt's `/inference/v1/generate` request (vLLM's GenerateRequest): our ids with
+    each image's pad run cut to one pad, the images as `content_parts` in prompt order."""
+    body = {
+        "request_id": rid,
+        "token_ids": collapse_runs(prompt_ids, media.pad_id),
+        "content_parts": [{"type": "image_url", "url": url} for url in media.urls],
+        "sampling_params": {"logprobs": 0, "skip_special_tokens": False, **sampling},
+        "return_token_ids": True,
+        "stream": False,
+    }
+    if identity.get("served_model"):
+        body["model"] = identity["served_model"]
+    return body
+
+
+def check_generate_answer(answer: dict, prompt_ids: list[int]) -> tuple[list[int], dict, dict]:
+    """(completion ids, {"type", "matched"}, answer) of an `/inference/v1/generate` answer, whose
+    `prompt_token_ids` (the ids the model ran, each image's pads expanded by the engine's processor)
+    must be our expanded `prompt_ids` (MediaDiffers naming the first differing position)."""
+    choice = answer["choices"][0]
+    ids = choice["token_ids"]
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError("choices[0].token_ids is not a list of ints")
+    ran = answer.get("prompt_token_ids")
+    if not isinstance(ran, list):
+        raise ValueError("no prompt_token_ids in the answer (return_token_ids is sent: is this vLLM 0.32?)")
+    at = first_difference(prompt_ids, ran)
+    if at is not None:
+        ours = prompt_ids[at] if at < len(prompt_ids) else "end"
+        theirs = ran[at] if at < len(ran) else "end"
+        raise MediaDiffers(
+            f"ran other prompt ids than ours from position {at} (ours {ours}, the engine's {theirs}; "
+            f"{len(prompt_ids)} ids ours, {len(ran)} the engine's): its processor counts another number "
+            "of media tokens for an image"
+        )
+    completion = (answer.get("usage") or {}).get("completion_tokens")
+    if completion is not None and completion != len(ids):
+        raise ValueError(f"len(token_ids) = {len(ids)} but usage.completion_tokens = {completion}")
+    kind = choice.get("finish_reason")
+    if not isinstance(kind, str):
+        raise ValueError(f"choices[0].finish_reason {kind!r}")
+    return ids, {"type": kind, "matched": choice.get("stop_reason")}, answer
+
+
+def generate_logprobs(choice: Mapping[str, Any], ids: list[int]) -> list[float] | None:
+    """`choices[0].logprobs.content[i].logprob` (the sampled id's, checked against it); None when absent."""
+    content = (choice.get("logprobs") or {}).get("content")
+    if content is None:
+        return None
+    if len(content) != len(ids) or any(c.get("token_id") != t for c, t in zip(content, ids)):
+        raise ValueError(
+            f"choices[0].logprobs.content covers {len(content)} ids that are not the {len(ids)} output ids"
+        )
+    return [float(c["logprob"]) for c in content]
 
 
 def check_answer(answer: dict, prompt_ids: list[int]) -> tuple[list[int], dict, dict]:

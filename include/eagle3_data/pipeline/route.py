@@ -190,7 +190,9 @@ def load_route(run: Run, store, dataset: str) -> RouteResult:
         else g.local.in_flight_per_endpoint or 64,
         overflow_concurrency=g.overflow.concurrency,
     )
-    routes, to_overflow = images_to_overflow(loaded.rows, routes)
+    to_overflow = 0
+    if not g.local.images:  # the local endpoints take no images: every image prompt goes to overflow
+        routes, to_overflow = images_to_overflow(loaded.rows, routes)
     counts = {"prompts": len(routes), "rejects": len(loaded.rejects)}
     if to_overflow:
         counts["images_to_overflow"] = to_overflow
@@ -267,10 +269,9 @@ def load_route(run: Run, store, dataset: str) -> RouteResult:
 
 def images_to_overflow(rows: PromptRows, routes: list[str]) -> tuple[list[str], int]:
     """Image prompts go to the overflow path, whatever routing chose; returns the routes and how
-    many it moved. The local clients do not send images yet (docs/images.md): SGLang's `/generate`
-    takes `image_data` beside exactly one `<|media_pad|>` per image, `vllm serve`'s completions
-    take no images with token ids, and an engine given the expanded pads as text would answer a
-    prompt without its picture, silently."""
+    many it moved. Applied unless `generation.local.images` says the local endpoints serve the
+    vision-language target with its image processor (docs/images.md): an endpoint serving a
+    text-only model (the dev target, a `vllm serve` without `--enable-scale-out`) cannot take them."""
     with_images = [bool(v) for b in rows.batches(["images"]) for v in b.column(0).to_pylist()]
     moved = [r != "overflow" and img for r, img in zip(routes, with_images, strict=True)]
     return ["overflow" if m else r for r, m in zip(routes, moved)], sum(moved)
