@@ -59,9 +59,10 @@ from eagle3_data.policy.select import Item
 
 QUANTILES = (0.01, 0.05, 0.25, 0.5)
 TESTS = ("sampled", "pairs", "nucleus")
-# The outside-rate that matters for the nucleus test: 1 answer token in 100 outside the nucleus. A
-# provider ignoring top_p 0.95 emits ~5 in 100 (the tail's mass); the test says UNDERPOWERED when
-# its smallest detectable rate, for the tokens at hand, is above this.
+# The outside-rate that matters for the nucleus test: 1 answer token in 100 outside the nucleus more
+# than the local path's. A provider ignoring top_p 0.95 adds up to ~5 in 100 (the tail's mass); the
+# test says UNDERPOWERED when its smallest detectable rate, for the tokens at hand, is above the
+# local rate plus this.
 NUCLEUS_RATE = 0.01
 
 
@@ -130,7 +131,8 @@ def nucleus_test(counts: Mapping[str, Mapping[str, int]], alpha: float, power: f
     `min_detectable_rate`: the smallest true overflow outside-rate r it rejects with probability
     `power`, the local counts as observed: the rejection region is {b >= b*} (the p-value falls
     as the overflow's outside count b grows), so r solves P(Binomial(m, r) >= b*) = power, i.e.
-    r = Beta.ppf(power, b*, m - b* + 1); None when no count of the m overflow tokens would reject."""
+    r = Beta.ppf(power, b*, m - b* + 1); None when no count of the m overflow tokens would reject.
+    `underpowered`: that rate is above the local rate plus NUCLEUS_RATE."""
     from scipy import stats
 
     lo, ov = counts["local"], counts["overflow"]
@@ -154,7 +156,7 @@ def nucleus_test(counts: Mapping[str, Mapping[str, int]], alpha: float, power: f
         "rejected": p < alpha,
         "critical_outside": b_star,
         "min_detectable_rate": mdr,
-        "underpowered": mdr is None or mdr > NUCLEUS_RATE,
+        "underpowered": mdr is None or mdr > (a / n if n else 0.0) + NUCLEUS_RATE,
     }
 
 
@@ -381,7 +383,8 @@ def power_statement(decision: Mapping[str, Any]) -> str:
     if (t := decision["tests"].get("nucleus")) is not None:
         mdr = t["min_detectable_rate"]
         seen = "no rate (too few tokens)" if mdr is None else f"an outside-rate of {mdr:.2%}"
-        short = f", UNDERPOWERED (above {NUCLEUS_RATE:.0%})" if t["underpowered"] else ""
+        local = t["rates"][0] or 0.0
+        short = f", UNDERPOWERED (above the local {local:.2%} + {NUCLEUS_RATE:.0%})" if t["underpowered"] else ""
         parts.append(
             f"nucleus ({t['tokens'][0]} + {t['tokens'][1]} answer tokens): detects {seen} with "
             f"{th['power']:.0%} power at false-alarm rate {t['alpha']:.2g}{short}"
