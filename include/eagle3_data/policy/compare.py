@@ -400,6 +400,11 @@ def power_statement(decision: Mapping[str, Any]) -> str:
             f"{what} ({n}): detects a shift of {t['min_detectable_shift']:.3f} nats/token with "
             f"{th['power']:.0%} power at false-alarm rate {t['alpha']:.2g}{short}"
         )
+    if "nucleus" not in decision["tests"]:
+        parts.append(
+            "nucleus: not tested (it needs the target's full distribution at every answer token, both sides "
+            "on one tokenisation path: score_policy with the target at hand; docs/generation.md)"
+        )
     return "; ".join(parts)
 
 
