@@ -14,10 +14,13 @@ reconstruct, score_policy, validate, at the default policy settings (pilot 32 a 
 sample sized from its spread, at most policy.max_samples). Per trial: samples scored a side,
 the sampled test's gap (local minus overflow mean log-probability per token, per sample) with
 its standard error, p-value and minimum detectable shift at 90% power, the pairs' mean
-difference and p, and the gate's verdict on policy.
+difference and p, the nucleus test's counts (answer tokens outside the sampling's nucleus, local
+and overflow, both on one tokenisation path: policy.nucleus, with the tiny target in-process as
+the extraction's transformers backend), its p-value and smallest detectable outside-rate at 90%
+power, and the gate's verdict on policy.
 
     .venv/bin/python benchmarks/policy_power.py [--samples 192] [--runs 3] [--max-new-tokens 48]
-        [--providers honest temp1.3 top_p int8] [--smoke]
+        [--providers honest temp1.3 top_p int8] [--smoke] [--no-nucleus]
 """
 
 from __future__ import annotations
@@ -78,10 +81,17 @@ def _row(name: str, run: int, t: dict) -> str:
         else "- | - | - | -"
     )
     pairs = f"{p['samples'][0]} | {p['shift']:+.3f} | {p['p_value']:.2g}" if p else "- | - | -"
+    nu = tests.get("nucleus")
+    if nu:
+        (n, m), (a, b), mdr = nu["tokens"], nu["outside"], nu["min_detectable_rate"]
+        nucleus = f"{a}/{n} | {b}/{m} | {nu['p_value']:.2g} | {'-' if mdr is None else f'{mdr:.2%}'}"
+    else:
+        nucleus = "- | - | - | -"
     policy = [r for r in t["reasons"] if "policy" in r]
     verdict = "FAILS on policy" if policy else ("passes" if t["passed"] else "fails (not policy)")
     return (
-        f"| {name} | {run} | {sampled} | {pairs} | {figures['sizing']['required']} | {verdict} | {t['seconds']:.0f} |"
+        f"| {name} | {run} | {sampled} | {pairs} | {nucleus} | {figures['sizing']['required']} | {verdict} | "
+        f"{t['seconds']:.0f} |"
     )
 
 
@@ -93,6 +103,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--providers", nargs="*", default=list(FAULTS), choices=list(FAULTS))
     ap.add_argument("--smoke", action="store_true", help="honest and temp1.3 once at 64 prompts")
+    ap.add_argument("--no-nucleus", action="store_true", help="leave the nucleus test out (no target in-process)")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed benchmark still stops its servers
     if args.smoke:
@@ -101,6 +112,11 @@ def main() -> None:
     from eagle3_devtools.policy_trial import run_trial, trial_run
 
     tokenizer, model = _model()
+    backend = None
+    if not args.no_nucleus:
+        from eagle3_data.hidden_states.backends import TransformersBackend
+
+        backend = TransformersBackend(model)
     logs = Path(tempfile.mkdtemp(prefix="bench-policy-"))
     servers = {"target": _serve(model, logs, "target")}
     target = servers["target"].url
@@ -110,9 +126,10 @@ def main() -> None:
     )
     print(
         "| provider | run | sampled n | gap +- SE (nats/token) | min detectable shift (90%) | p | "
-        "pairs n | pairs diff | pairs p | required n | gate | s |"
+        "pairs n | pairs diff | pairs p | nucleus outside local | overflow | nucleus p | "
+        "min detectable outside-rate (90%) | required n | gate | s |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     verdicts: dict[str, list[bool]] = {}
     try:
         with seaweedfs() as (handle, _env):
@@ -128,7 +145,13 @@ def main() -> None:
                             tokenizer, f"{name}-{run}", max_new_tokens=args.max_new_tokens, sampling_seed=100 + run
                         )
                         t = run_trial(
-                            store, config, target, proxy.url, samples=args.samples, calibration=args.calibration
+                            store,
+                            config,
+                            target,
+                            proxy.url,
+                            samples=args.samples,
+                            calibration=args.calibration,
+                            backend=backend,
                         )
                         t["seconds"] = time.monotonic() - t0
                     finally:

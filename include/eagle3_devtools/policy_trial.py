@@ -5,7 +5,9 @@ prompts greedy on both paths), then `generate_local` on the local `vllm serve`,
 `generate_overflow` against the provider's OpenRouter-shaped chat route, `reconstruct`,
 `score_policy` (the default policy settings unless `policy` overrides them) and `validate`
 (the gate). tests/engine/test_policy_faults.py and benchmarks/policy_power.py run it with the
-tiny target behind `eagle3_devtools.provider_proxy`.
+tiny target behind `eagle3_devtools.provider_proxy`. With `backend` (the target as a hidden-state
+backend: the extraction's), score_policy also counts the scored answers' tokens outside the
+sampling's nucleus and the gate runs the nucleus test (policy.nucleus, policy.compare).
 """
 
 from __future__ import annotations
@@ -82,7 +84,9 @@ def write_prompts(store, run, samples: int, calibration: int) -> dict[str, str]:
     return dict(zip(ids, routes))
 
 
-def run_trial(store, run, local_url: str, provider_url: str, *, samples: int, calibration: int = 0) -> dict[str, Any]:
+def run_trial(
+    store, run, local_url: str, provider_url: str, *, samples: int, calibration: int = 0, backend=None
+) -> dict[str, Any]:
     """The stages through the gate; returns the gate's verdict (`passed`, `reasons`, `notes`),
     the committed policy figures (`figures`, with `sizing`) and the decision on them."""
     from eagle3_data import pipeline
@@ -94,7 +98,7 @@ def run_trial(store, run, local_url: str, provider_url: str, *, samples: int, ca
     pipeline.generate_local(run, store, DATASET, [local_url])
     pipeline.generate_overflow(run, store, DATASET, provider_url + "/v1", "key-unused-by-vllm")
     pipeline.reconstruct(run, store, DATASET)
-    pipeline.score_policy(run, store, DATASET, [local_url])
+    pipeline.score_policy(run, store, DATASET, [local_url], backend=backend)
     try:
         gate = pipeline.validate(run, store, DATASET).gate
         verdict = {"passed": gate.passed, "reasons": list(gate.reasons), "notes": list(gate.notes)}

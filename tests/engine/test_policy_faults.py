@@ -5,13 +5,18 @@ engine behind eagle3_devtools.provider_proxy (OpenRouter's chat route forwarded 
 which (a) samples at 1.3 when asked 1.0, (b) drops `top_p` (0.95 asked), or (honest) changes
 nothing. Each trial runs the pipeline's stages (eagle3_devtools.policy_trial: routing half the
 prompts to the provider, both generations, reconstruction, score_policy, validate) at the
-default policy settings: the pilot of 32 a side sizes the sample from its spread, capped by the
-answers there are. (a) fails the gate. (b) is below what a CPU-sized run lets the check see (its
-stated minimum detectable shift is larger than the fault's shift) and the check says so: its
-test asserts the fault is never passed silently, not that it fails; the gate is not weakened.
-Honest passes. Each trial is 64 prompts x 32 tokens (~3.5k generated tokens, both paths, then
-scoring), so the three cost about what one 192-prompt trial does; benchmarks/policy_power.py
-runs them at 192 prompts and more seeds (RESULTS.md, "Policy check against faulty providers").
+default policy settings, with the target at hand as a hidden-state backend (the extraction's
+transformers backend, in-process: no second engine; tests/engine/test_vllm_extract.py shows
+vLLM's states equal it), so score_policy also counts the scored answer tokens outside the
+sampling's nucleus and the gate runs the nucleus test (policy.nucleus, policy.compare).
+
+(a) fails the gate (its text is ~2 nats/token less likely). (b) was below what the mean test can
+see at a CPU-sized run (RESULTS.md, "Policy check against faulty providers"); the nucleus test
+sees it directly: a provider ignoring top_p 0.95 emits tokens outside the nucleus about 5% of the
+time, an honest one as often as the local engine (both sides' ids went through one tokenisation
+path, so re-split tokens weigh alike). Honest passes. Each trial is 40 prompts x 32 tokens, where
+the earlier mean-only trials took 64: the nucleus step adds ~4 s a trial (and ~4 s to load the tiny
+target once), less than the 24 prompts it saves; benchmarks/policy_power.py runs bigger trials.
 """
 
 from __future__ import annotations
@@ -26,19 +31,28 @@ from eagle3_devtools.provider_proxy import Rewrite, start_provider_proxy
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 CALIBRATION = 4  # of the local half, greedy on both paths (pairs)
-# (prompts, max_new_tokens): half the prompts to the provider. A temperature of 1.3 moves the
-# overflow text by ~2 nats/token: seen at this size. Ignoring top_p moves it by ~0.3-0.45 with a
-# per-sample spread of ~0.55-0.87 (RESULTS.md, "Policy check against faulty providers"): not
-# seen even at 192 prompts (benchmarks/policy_power.py).
-SMALL = (64, 32)
+# (prompts, max_new_tokens): half the prompts to the provider, ~640 overflow and ~510 local answer tokens
+# for the nucleus test. Dropping top_p 0.95 raised the overflow outside-rate from the local 0.8% to 5.1%
+# (p 9.2e-6 at this size, seed 7) and from 8.4% to 18.9% at 64 x 32, seed 100 (RESULTS.md, "The nucleus
+# test"): re-split tokens fall outside on both paths alike, at a rate that varies with the text.
+SMALL = (40, 32)
 
 
-def _trial(store, vllm_server, kimi_tokenizer_dir, name: str, rewrite: Rewrite, size: tuple[int, int]) -> dict:
-    prompts, max_new_tokens = size
+@pytest.fixture(scope="module")
+def target_backend(tiny_model_dir):
+    from eagle3_data.hidden_states.backends import TransformersBackend
+
+    return TransformersBackend(tiny_model_dir)
+
+
+def _trial(store, vllm_server, kimi_tokenizer_dir, backend, name: str, rewrite: Rewrite) -> dict:
+    prompts, max_new_tokens = SMALL
     proxy = start_provider_proxy(vllm_server.url, rewrite)
     try:
         run = trial_run(kimi_tokenizer_dir, f"policy-fault-{name}", max_new_tokens=max_new_tokens, sampling_seed=7)
-        trial = run_trial(store, run, vllm_server.url, proxy.url, samples=prompts, calibration=CALIBRATION)
+        trial = run_trial(
+            store, run, vllm_server.url, proxy.url, samples=prompts, calibration=CALIBRATION, backend=backend
+        )
     finally:
         proxy.stop()
     overflow = prompts // 2
@@ -46,18 +60,24 @@ def _trial(store, vllm_server, kimi_tokenizer_dir, name: str, rewrite: Rewrite, 
         assert proxy.rewritten == 0
     else:  # every sampled request served with the fault (greedy calibration ones: top_p dropped, temperature 0 kept)
         assert proxy.rewritten >= overflow, proxy.rewritten
-    sampled = trial["decision"]["tests"]["sampled"]
+    sampled, nucleus = trial["decision"]["tests"]["sampled"], trial["decision"]["tests"]["nucleus"]
     assert sampled["samples"] == [overflow - CALIBRATION, overflow], sampled  # every sampled answer scored
+    assert trial["figures"]["nucleus"]["overflow"]["samples"] == overflow, trial["figures"]["nucleus"]
+    (n, m), (a, b) = nucleus["tokens"], nucleus["outside"]
     print(
         f"policy trial {name} ({prompts} x {max_new_tokens}): shift {sampled['shift']:+.3f} +- "
         f"{sampled['standard_error']:.3f} nats/token, p {sampled['p_value']:.2g}, min detectable shift "
-        f"{sampled['min_detectable_shift']:.3f}, gate {'passed' if trial['passed'] else 'failed'}"
+        f"{sampled['min_detectable_shift']:.3f}; nucleus outside local {a}/{n}, overflow {b}/{m}, "
+        f"p {nucleus['p_value']:.2g}, min detectable rate {nucleus['min_detectable_rate']}; "
+        f"gate {'passed' if trial['passed'] else 'failed'}"
     )
     return trial
 
 
-def test_provider_sampling_at_another_temperature_fails(store, vllm_server, kimi_tokenizer_dir):
-    trial = _trial(store, vllm_server, kimi_tokenizer_dir, "temperature-1.3", Rewrite(temperature_factor=1.3), SMALL)
+def test_provider_sampling_at_another_temperature_fails(store, vllm_server, kimi_tokenizer_dir, target_backend):
+    trial = _trial(
+        store, vllm_server, kimi_tokenizer_dir, target_backend, "temperature-1.3", Rewrite(temperature_factor=1.3)
+    )
     sampled = trial["decision"]["tests"]["sampled"]
     assert not trial["passed"], trial["notes"]
     # a flatter sampler's text is less likely under the target than the target's own
@@ -66,28 +86,23 @@ def test_provider_sampling_at_another_temperature_fails(store, vllm_server, kimi
     assert "identity" not in " ".join(trial["reasons"])  # same served name, same weights: only policy can tell
 
 
-def test_provider_ignoring_top_p_fails_or_the_check_says_it_cannot_see_it(store, vllm_server, kimi_tokenizer_dir):
-    """Ignoring top_p 0.95 moves the tiny model's text by ~0.26-0.45 nats/token against a
-    per-sample spread of ~0.55-0.87: even at 192 prompts the check's stated minimum detectable shift
-    (0.67 when measured) is above it, so the gate cannot fail it at the default settings
-    (RESULTS.md; ~800 samples a side would). What must hold at any size: the fault is never
-    passed silently: either the gate fails it on policy, or its power statement says it could
-    not see a shift this large (the shift it measured is below the one it states it detects,
-    and the gate notes UNDERPOWERED). The gate is not weakened to make it fail."""
-    trial = _trial(store, vllm_server, kimi_tokenizer_dir, "top_p-ignored", Rewrite(ignore=("top_p",)), SMALL)
-    sampled = trial["decision"]["tests"]["sampled"]
-    if sampled["rejected"]:
-        assert [r for r in trial["reasons"] if "policy: overflow text is off the target's policy, less likely" in r]
-    else:
-        assert trial["passed"] and sampled["shift"] < sampled["min_detectable_shift"], sampled
-        assert any(n.startswith("policy UNDERPOWERED") for n in trial["notes"]), trial["notes"]
+def test_provider_ignoring_top_p_fails_on_the_nucleus(store, vllm_server, kimi_tokenizer_dir, target_backend):
+    """The mean test cannot see this fault at this size (its stated minimum detectable shift is
+    above the fault's ~0.3 nats/token); the nucleus test fails it: the overflow answers leave the
+    nucleus far more often than the local engine's, on the same tokenisation path."""
+    trial = _trial(store, vllm_server, kimi_tokenizer_dir, target_backend, "top_p-ignored", Rewrite(ignore=("top_p",)))
+    nucleus = trial["decision"]["tests"]["nucleus"]
+    assert not trial["passed"], trial["notes"]
+    assert "nucleus" in trial["decision"]["rejected"] and nucleus["rates"][1] > nucleus["rates"][0], nucleus
+    assert [r for r in trial["reasons"] if "tokens outside the nucleus its sampling allows" in r], trial["reasons"]
 
 
-def test_honest_provider_passes(store, vllm_server, kimi_tokenizer_dir):
-    trial = _trial(store, vllm_server, kimi_tokenizer_dir, "honest", Rewrite(), SMALL)
-    sampled = trial["decision"]["tests"]["sampled"]
+def test_honest_provider_passes(store, vllm_server, kimi_tokenizer_dir, target_backend):
+    trial = _trial(store, vllm_server, kimi_tokenizer_dir, target_backend, "honest", Rewrite())
+    sampled, nucleus = trial["decision"]["tests"]["sampled"], trial["decision"]["tests"]["nucleus"]
     assert trial["passed"], trial["reasons"]
     assert not sampled["rejected"] and sampled["p_value"] > 0.01, sampled
     assert abs(sampled["shift"]) < 3 * sampled["standard_error"] + 0.05, sampled  # centred on zero
-    power = next(n for n in trial["notes"] if n.startswith("policy power: sampled answers"))
-    assert "UNDERPOWERED" in power, power  # at 28 + 32 the shift that matters (0.1) is out of sight: said
+    assert not nucleus["rejected"] and nucleus["p_value"] > 0.01, nucleus
+    power = next(n for n in trial["notes"] if n.startswith("policy power: nucleus"))
+    assert "sampled answers" in power and "UNDERPOWERED" in power, power  # the mean test's shortfall: said

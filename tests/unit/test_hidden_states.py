@@ -460,3 +460,82 @@ def test_specforge_export_leaves_image_samples_out_and_names_them(backend, rows,
     assert n == len(rows) - 1 == len(index) and len(list((tmp_path / "sf").rglob("*.ckpt"))) == n
     assert rows[1]["sample_id"] not in {e["sample_id"] for e in index}
     assert left == [{"sample_id": rows[1]["sample_id"], "reason": NO_IMAGES_IN_FORMAT}]
+
+
+def _kept_by_vllms_rule(logits: torch.Tensor, temperature: float, top_p: float, margin: float) -> torch.Tensor:
+    """Per vocabulary id: +1 kept clearly inside the nucleus, -1 removed clearly outside, 0 near the
+    boundary, by vLLM's own rule written out here (ops/topk_topp_sampler.py apply_top_k_top_p_pytorch:
+    sort ascending, cumulative softmax of logits / T, remove where it is <= 1 - p)."""
+    probs, order = torch.softmax(logits.double() / temperature, -1).sort()
+    cum = probs.cumsum(-1)
+    side = torch.zeros_like(cum, dtype=torch.long)
+    side[cum > 1 - top_p + margin] = 1
+    side[cum <= 1 - top_p - margin] = -1
+    return torch.empty_like(side).scatter_(-1, order, side)
+
+
+def test_nucleus_counts_the_answer_tokens_outside_the_sampling_and_not_where_it_cannot_tell(
+    backend, reference_model, tmp_path
+):
+    """Random answers scored against the reference model's own logits by vLLM's rule (temperature
+    0.8, top_p 0.9): the extraction counts every token clearly outside the nucleus and none
+    clearly inside (a token within 0.02 of the boundary may go either way: the margins), whatever
+    the shards; greedy rows, rows sampled with a penalty, without a nucleus or without an answer
+    start are not counted."""
+    import json as _json
+
+    from eagle3_data.hidden_states.extract import _logprob_totals
+    from eagle3_data.hidden_states.logprobs import Nucleus
+
+    g = torch.Generator().manual_seed(29)
+    sampling = {"temperature": 0.8, "top_p": 0.9, "top_k": -1, "repetition_penalty": 1.0}
+    rows, clear, near, inside = [], {"vllm": 0, "openrouter": 0}, {"vllm": 0, "openrouter": 0}, 0
+    for i, source in enumerate(["vllm", "openrouter", "vllm", "openrouter"]):
+        ids = torch.randint(0, 163_584, (26,), generator=g).tolist()
+        prompt = 6
+        with torch.no_grad():  # every other answer token the model's likeliest there: inside, mostly
+            likeliest = reference_model(torch.tensor([ids])).logits[0].argmax(-1).tolist()
+            ids[prompt::2] = likeliest[prompt - 1 : -1 : 2]
+            logits = reference_model(torch.tensor([ids])).logits[0].float()
+        # logits[pos - 1] predict ids[pos]
+        side = _kept_by_vllms_rule(logits[prompt - 1 : -1], 0.8, 0.9, 0.02).gather(
+            1, torch.tensor(ids[prompt:])[:, None]
+        )
+        clear[source] += int((side == -1).sum())
+        near[source] += int((side == 0).sum())
+        inside += int((side == 1).sum())
+        rows.append(
+            {
+                "sample_id": f"n{i}",
+                "source": source,
+                "input_ids": ids,
+                "loss_mask": [0] * prompt + [1] * (len(ids) - prompt),
+                "prompt_tokens": prompt,
+                "provenance": _json.dumps({"sampling": sampling}),
+            }
+        )
+    not_checked = [
+        {**rows[1], "sample_id": "greedy", "provenance": _json.dumps({"sampling": {**sampling, "temperature": 0}})},
+        {
+            **rows[1],
+            "sample_id": "penalty",
+            "provenance": _json.dumps({"sampling": {**sampling, "presence_penalty": 1}}),
+        },
+        {**rows[1], "sample_id": "whole", "provenance": _json.dumps({"sampling": {**sampling, "top_p": 1.0}})},
+        {**rows[1], "sample_id": "no-start", "prompt_tokens": None},
+    ]
+    assert Nucleus.of({"temperature": 1.0, "top_k": 5}) == Nucleus(1.0, 1.0, 5)
+    options = ExtractOptions(last_hidden=False, token_budget=64, out_shard_tokens=30)
+    whole = extract_rows(backend, rows + not_checked, tmp_path / "whole", "w", options)["logprobs"]["sources"]
+    for source in clear:
+        got = whole[source]["nucleus"]
+        assert clear[source] <= got["outside"] <= clear[source] + near[source], (source, got, clear, near)
+        assert got["tokens"] == 2 * 20 and got["samples"] == 2, got
+    assert min(clear.values()) > 0 and inside >= 10, (clear, inside)  # both kinds on both paths
+    # shards split otherwise add up to the same figures, bit for bit
+    halves = [
+        extract_rows(backend, part, tmp_path / f"h{k}", "h", ExtractOptions(last_hidden=False, token_budget=1))
+        for k, part in enumerate((rows[:1] + not_checked, rows[1:]))
+    ]
+    added = _logprob_totals(halves)["logprobs"]["sources"]
+    assert {s: added[s]["nucleus"] for s in added} == {s: whole[s]["nucleus"] for s in whole}

@@ -26,7 +26,7 @@ from eagle3_data.forksafe import PerProcess
 from eagle3_data.hidden_states.backends import HiddenStateBackend
 from eagle3_data.hidden_states.final_norm import check_norm, rms_norm
 from eagle3_data.hidden_states.layers import default_layer_ids, hidden_state_indices
-from eagle3_data.hidden_states.logprobs import LogprobHead, LogprobStats
+from eagle3_data.hidden_states.logprobs import LogprobHead, LogprobStats, Nucleus
 from eagle3_data.hidden_states.shards import Sample, dtype_name, encoding_name, resolve_storage_dtype, write_shard
 from eagle3_data.hidden_states.verify import LogprobCheck, engine_answers
 
@@ -222,7 +222,11 @@ def extract_rows(
     dtype = resolve_storage_dtype(options.storage_dtype, info.dtype)
     check_norm(options.last_hidden_norm)
     final_norm = backend.final_norm if options.last_hidden else None
-    head = LogprobHead(backend.final_norm, backend.lm_head, device=info.device) if options.logprobs else None
+    head = (
+        LogprobHead(backend.final_norm, backend.lm_head, device=info.device, compute_dtype=info.dtype)
+        if options.logprobs
+        else None
+    )
     check_rows(rows, info.vocab_size)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -278,10 +282,19 @@ def extract_rows(
                 row = rows[i]
                 sid = row["sample_id"]
                 _check_sample(sid, len(row["input_ids"]), st.aux, st.last)
-                token_logprobs = head.token_logprobs(st.last, row["input_ids"]) if head is not None else None
-                if token_logprobs is not None:
+                token_logprobs = None
+                if head is not None:
+                    nucleus, answer_from = _nucleus(row)
+                    token_logprobs, outside = head.token_logprobs(st.last, row["input_ids"], nucleus, answer_from)
                     logprob_stats.add(
-                        sid, token_logprobs, row["loss_mask"], row.get("source"), _greedy(row), row["input_ids"]
+                        sid,
+                        token_logprobs,
+                        row["loss_mask"],
+                        row.get("source"),
+                        _greedy(row),
+                        row["input_ids"],
+                        outside,
+                        answer_from,
                     )
                     if check is not None and row.get("prompt_tokens") is not None:
                         check.observe(sid, token_logprobs, row["prompt_tokens"])
@@ -344,6 +357,16 @@ def _greedy(row: dict) -> bool:
     """A calibration answer (generated at temperature 0 on both paths), by its provenance."""
     sampling = json.loads(row.get("provenance") or "{}").get("sampling") or {}
     return sampling.get("temperature") == 0
+
+
+def _nucleus(row: dict) -> tuple[Nucleus | None, int]:
+    """The nucleus the row's answer was sampled under (its provenance's sampling) and where its
+    answer starts (`prompt_tokens`: the tokens after it are the generated ones); (None, 0) when it
+    cannot be checked (no sampling recorded, greedy, penalties, or no answer start)."""
+    if row.get("prompt_tokens") is None:
+        return None, 0
+    nucleus = Nucleus.of(json.loads(row.get("provenance") or "{}").get("sampling"))
+    return nucleus, int(row["prompt_tokens"]) if nucleus is not None else 0
 
 
 def read_merged_rows(paths: Iterable[str | Path]) -> list[dict]:
@@ -545,6 +568,13 @@ def _logprob_totals(summaries: list[dict]) -> dict:
                 acc["least_likely_samples"] = sorted(
                     acc["least_likely_samples"] + side["least_likely_samples"], key=lambda w: w["mean_logprob"]
                 )[:5]
+                if (nucleus := side.get("nucleus")) is not None:
+                    n = acc.setdefault("nucleus", {"samples": 0, "tokens": 0, "outside": 0, "samples_outside": []})
+                    for k in ("samples", "tokens", "outside"):
+                        n[k] += nucleus[k]
+                    n["samples_outside"] = sorted(n["samples_outside"] + nucleus["samples_outside"])[
+                        : LogprobStats.SHOWN_OUTSIDE
+                    ]
         for acc in sources.values():
             acc["mean_trained_logprob"] = (
                 acc["sum_trained_logprob"] / acc["trained_tokens"] if acc["trained_tokens"] else None

@@ -13,12 +13,25 @@ Position i holds log p(ids[i] | ids[:i]); position 0, which nothing predicts, is
 sample is computed alone in chunks of `chunk_tokens` positions from its own start, so its values
 depend only on its own states, never on how samples were batched or packed into shards, and the
 [chunk, V] logits (163840 wide: 168 MB in fp32 at 256 positions) stay a bounded buffer.
+
+The same logits say, for a sampled answer, whether each of its tokens lies in the nucleus its
+sampling allowed (`Nucleus`): the policy check's nucleus test (policy.compare) counts the answer
+tokens a provider emitted outside it. Both engines truncate the distribution after temperature:
+vLLM's sampler applies temperature, then top-k/top-p (v1/sample/sampler.py `sample`: apply_temperature,
+then topk_topp_sampler; ops/topk_topp_sampler.py `apply_top_k_top_p_pytorch` removes a token when the
+ascending cumulative mass up to it is <= 1 - p, i.e. keeps it iff the mass strictly above it is < p);
+SGLang divides the logits by the temperature, softmaxes, then truncates the probabilities
+(srt/layers/sampler.py: `logits.div_(temperatures)`, `top_k_top_p_sampling_from_probs`; its torch
+fallback drops a token when the mass above it is > p). So a token sampled honestly at temperature T
+and top_p p has less than p (at most p for SGLang) of softmax(logits / T) strictly above it, and,
+with top_k k, fewer than k tokens above it.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,6 +40,42 @@ from eagle3_data.errors import UserError
 from eagle3_data.hidden_states.final_norm import checkpoint_weight, rms_norm
 
 CHUNK_TOKENS = 256
+
+# The nucleus test's numeric margins. A token counts as outside the nucleus only when the mass of the
+# tokens whose logit exceeds its own by more than LOGIT_MARGIN (the engine's and the extraction's logits
+# differ by rounding: per compute dtype, ~1e-5 in fp32 measured on vLLM CPU, one rounding of a logit of
+# ~30 for the half dtypes) is at least top_p + MASS_MARGIN (the cumulative sums' float32 rounding over
+# 163840 probabilities), or when at least top_k tokens exceed it so. Both margins only ever make a
+# token count as inside: an honest token is never counted outside for rounding alone.
+LOGIT_MARGIN = {"float32": 1e-3, "float16": 0.03, "bfloat16": 0.15}
+MASS_MARGIN = 0.005
+# sampling keys that move the distribution before the truncation (a penalty's effect depends on what
+# came before): rows sampled with any away from its neutral value are not checked
+_PENALTIES = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+
+@dataclass(frozen=True)
+class Nucleus:
+    """The truncation a sampled answer was drawn under: temperature, top_p, top_k (<= 0: none)."""
+
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = -1
+
+    @classmethod
+    def of(cls, sampling: Mapping | None) -> Nucleus | None:
+        """From a generation row's `provenance.sampling`; None when there is nothing to check: a
+        greedy answer (temperature 0: the calibration pairs), no truncation (top_p 1, no top_k), or
+        a penalty that reshapes the distribution before the truncation (not reproducible from the
+        logits alone)."""
+        sampling = sampling or {}
+        t = float(sampling.get("temperature") or 0.0)
+        top_p, top_k = float(sampling.get("top_p", 1.0) or 1.0), int(sampling.get("top_k", -1) or -1)
+        if t <= 0 or (top_p >= 1.0 and top_k <= 0):
+            return None
+        if any(sampling.get(k) is not None and float(sampling[k]) != neutral for k, neutral in _PENALTIES.items()):
+            return None
+        return cls(t, top_p, top_k)
 
 
 def lm_head_weight(model_dir: str | Path) -> torch.Tensor:
@@ -53,43 +102,76 @@ class LogprobHead:
         *,
         device: str | torch.device = "cpu",
         chunk_tokens: int = CHUNK_TOKENS,
+        compute_dtype: str = "float32",
     ):
         self.device = torch.device(device)
         self.norm_weight = final_norm[0].detach().to(self.device, torch.float32)
         self.eps = float(final_norm[1])
         self.head = lm_head.detach().to(self.device, torch.float32)
         self.chunk_tokens = chunk_tokens
+        self.logit_margin = LOGIT_MARGIN.get(compute_dtype, LOGIT_MARGIN["bfloat16"])
 
     @torch.inference_mode()
-    def token_logprobs(self, last: torch.Tensor, ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    def token_logprobs(
+        self,
+        last: torch.Tensor,
+        ids: Sequence[int] | torch.Tensor,
+        nucleus: Nucleus | None = None,
+        answer_from: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """float32 [T] on the CPU: NaN, then log p(ids[i] | ids[:i]) for i >= 1, from `last`
-        [T, H], the last layer's output before the final norm."""
+        [T, H], the last layer's output before the final norm. With `nucleus`, also bool [T]: True
+        where ids[i], i >= max(1, answer_from) (the sampled answer), lies outside the nucleus of
+        softmax(logits / temperature) (module docstring, margins above); None without."""
         ids = torch.as_tensor(ids, dtype=torch.long)
         n = int(ids.numel())
         if last.shape[0] != n:
             raise ValueError(f"{last.shape[0]} last states for {n} ids")
         out = torch.full((n,), float("nan"), dtype=torch.float32)
+        outside = torch.zeros(n, dtype=torch.bool) if nucleus is not None else None
         for start in range(0, max(n - 1, 0), self.chunk_tokens):
             end = min(start + self.chunk_tokens, n - 1)
             h = rms_norm(last[start:end].to(self.device, torch.float32), self.norm_weight, self.eps)
             logits = h @ self.head.T  # [chunk, V]
             nxt = ids[start + 1 : end + 1].to(self.device)
-            picked = logits.gather(1, nxt[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
-            out[start + 1 : end + 1] = picked.cpu()
-        return out
+            own = logits.gather(1, nxt[:, None])
+            out[start + 1 : end + 1] = (own.squeeze(1) - torch.logsumexp(logits, dim=-1)).cpu()
+            first = max(answer_from - 1, start) - start  # the chunk's first row predicting an answer token
+            if outside is not None and first < end - start:
+                outside[start + 1 + first : end + 1] = self._outside(logits[first:], own[first:], nucleus).cpu()
+        return out, outside
+
+    def _outside(self, logits: torch.Tensor, own: torch.Tensor, nucleus: Nucleus) -> torch.Tensor:
+        """Per row, whether the token whose logit is `own` [c, 1] lies outside the nucleus of
+        softmax(`logits` [c, V] / T): the mass of the tokens clearly above it (by LOGIT_MARGIN)
+        is >= top_p + MASS_MARGIN, or top_k or more tokens are clearly above it. With top_k, vLLM
+        takes top_p of the top-k renormalised: that mass is at least the full distribution's
+        mass above, so the full one is the conservative side (never counts an honest token)."""
+        above = logits > own + self.logit_margin
+        scaled = logits / nucleus.temperature
+        mass = torch.exp(
+            torch.logsumexp(scaled.masked_fill(~above, float("-inf")), dim=-1) - torch.logsumexp(scaled, dim=-1)
+        )
+        far = mass >= nucleus.top_p + MASS_MARGIN if nucleus.top_p < 1.0 else torch.zeros_like(mass, dtype=torch.bool)
+        if nucleus.top_k > 0:
+            far |= above.sum(dim=-1) >= nucleus.top_k
+        return far
 
 
 class LogprobStats:
     """What a shard's summary says of its log-probabilities, per source (the merged record's
     `source`: sglang | vllm | openrouter): per sample the mean over its trained tokens (loss mask
     1), their sum and count (so shards add up), a histogram of the per-sample means, and the least
-    likely samples (the likeliest garbage, for a person to read)."""
+    likely samples (the likeliest garbage, for a person to read); and, over the sampled answers
+    whose sampling had a nucleus, how many answer tokens were checked and how many lay outside it
+    (`nucleus`: the nucleus test's counts, which add up over shards like the sums)."""
 
     BINS = tuple(float(b) for b in range(-20, 1))  # per-sample mean log-probability, nats: edges -20..0
 
     def __init__(self, worst: int = 5):
         self.worst = worst
         self.sides: dict[str, dict] = {}
+        self.nucleus: dict[str, dict] = {}  # per source: samples, tokens checked, outside, samples_outside
 
     WORST_TOKENS = 64  # of a least likely sample, its first trained ids kept (the report decodes them)
 
@@ -101,14 +183,20 @@ class LogprobStats:
         source: str | None = None,
         greedy: bool = False,
         ids: Sequence[int] | None = None,
+        outside: torch.Tensor | None = None,
+        answer_from: int = 0,
     ) -> None:
         """`greedy`: a calibration answer (temperature 0), counted but kept out of the sampled
         answers' means the every-row policy check compares (policy.compare: greedy text is far
         likelier under the target than sampled text). `ids`: the sample's ids, so that the least
-        likely samples carry their first trained ids and log-probabilities for a person to read."""
+        likely samples carry their first trained ids and log-probabilities for a person to read.
+        `outside` (`LogprobHead.token_logprobs` with a nucleus): the trained tokens from
+        `answer_from` on (the sampled answer) are counted into the nucleus test's figures."""
         trained = torch.as_tensor(loss_mask, dtype=torch.bool) & ~torch.isnan(token_logprobs)
         if not trained.any():
             return
+        if outside is not None:
+            self._add_nucleus(source or "unknown", sample_id, outside, trained, answer_from)
         values = token_logprobs[trained].double()
         mean = float(values.mean())
         side = self.sides.setdefault(
@@ -137,6 +225,23 @@ class LogprobStats:
         if not greedy:
             side["sampled_means"].append(mean)
 
+    SHOWN_OUTSIDE = 20  # sample ids with tokens outside the nucleus, per source, kept for a person to read
+
+    def _add_nucleus(
+        self, source: str, sample_id: str, outside: torch.Tensor, trained: torch.Tensor, answer_from: int
+    ) -> None:
+        checked = trained.clone()
+        checked[: max(answer_from, 1)] = False
+        n, k = int(checked.sum()), int((outside & checked).sum())
+        if not n:
+            return
+        acc = self.nucleus.setdefault(source, {"samples": 0, "tokens": 0, "outside": 0, "samples_outside": []})
+        acc["samples"] += 1
+        acc["tokens"] += n
+        acc["outside"] += k
+        if k:
+            acc["samples_outside"] = sorted(acc["samples_outside"] + [[sample_id, k, n]])[: self.SHOWN_OUTSIDE]
+
     def summary(self) -> dict:
         sides = {}
         for source, side in sorted(self.sides.items()):
@@ -149,6 +254,8 @@ class LogprobStats:
                     for m, sid in worst
                 ]
             }
+            if source in self.nucleus:
+                sides[source]["nucleus"] = self.nucleus[source]
         tokens = sum(s["trained_tokens"] for s in sides.values())
         total = sum(s["sum_trained_logprob"] for s in sides.values())
         return {

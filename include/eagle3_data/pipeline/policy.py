@@ -66,11 +66,13 @@ def row_routes(run: Run, store, dataset: str) -> dict[str, str]:
     }
 
 
-def score_policy(run: Run, store, dataset: str, endpoints: list[str]) -> PolicyResult:
+def score_policy(run: Run, store, dataset: str, endpoints: list[str], backend=None) -> PolicyResult:
     """Score the dataset's sample on the local engine's `endpoints` (http(s) URLs) and commit the
     figures (`policy.json` beside the scored rows; `sizing`: the pilot, its spreads, the sample
     size they call for, how many were available; `compare.sample_size`). No overflow answers, or
-    `policy.max_samples` 0: committed as skipped, no request sent."""
+    `policy.max_samples` 0: committed as skipped, no request sent. `backend`: the target as a
+    hidden-state backend, where one is at hand (the policy trial): the scored items' nucleus
+    counts (`policy.nucleus`) join the figures, and the gate runs the nucleus test on them."""
     from eagle3_data.generation.engines import wire_for
     from eagle3_data.policy import ScoreOptions, local_items, overflow_items, score_items, summarize
     from eagle3_data.policy.compare import Thresholds, sample_size, worst_samples
@@ -87,6 +89,7 @@ def score_policy(run: Run, store, dataset: str, endpoints: list[str]) -> PolicyR
         "seed": cfg.seed,
         "thresholds": vars(th),
         "engine": run.config.generation.local.engine,
+        **({"nucleus": True} if backend is not None else {}),
         "thinking": run.config.generation.sampling.thinking,
         **hashes,
     }
@@ -133,6 +136,14 @@ def score_policy(run: Run, store, dataset: str, endpoints: list[str]) -> PolicyR
             "sizing": sizing,
             "worst": worst_samples(items, scores, tokenizer.decode),
         }
+        if backend is not None:
+            from eagle3_data.policy.nucleus import nucleus_counts
+
+            scored_items = [it for it, s in zip(items, scores) if s is not None]  # the items the means cover
+            if (
+                counts := nucleus_counts(scored_items, run.config.generation.sampling.model_dump(), backend)
+            ) is not None:
+                summary["nucleus"] = counts
     # the scored samples as a file beside the (empty) parts: a calibration sample is scored on
     # both sides under one sample_id, which the parts (one row per sample_id) cannot hold
     with StageWriter(

@@ -72,12 +72,17 @@ def _probe_figures(run: Run, store, hs_ref) -> dict | None:
     return {"uri": store.uri(ref, PROBE_REPORT), "steps": report["config"]["steps"], **{k: report.get(k) for k in keys}}
 
 
-def _policy_every_row(run: Run, store, hs_ref) -> dict:
-    """The policy check over every sampled answer the extraction scored (policy.compare.every_row_gate)."""
+def _policy_every_row(run: Run, store, hs_ref, hidden: dict) -> dict:
+    """The policy check over every sampled answer the extraction scored (policy.compare.every_row_gate),
+    with the nucleus counts of its committed figures (`hidden`: the extraction manifest's extra)."""
     from eagle3_data.hidden_states.extract import SAMPLE_MEANS
-    from eagle3_data.policy.compare import Thresholds, every_row_gate
+    from eagle3_data.policy.compare import Thresholds, every_row_gate, nucleus_counts
 
-    return every_row_gate(store.get_json(hs_ref, SAMPLE_MEANS), Thresholds.from_config(run.config.validation))
+    return every_row_gate(
+        store.get_json(hs_ref, SAMPLE_MEANS),
+        Thresholds.from_config(run.config.validation),
+        nucleus_counts(hidden["logprobs"]["sources"]),
+    )
 
 
 def _run_report(store, run_key: str, index: dict, stand_ins, training: dict) -> str | None:
@@ -220,7 +225,7 @@ def publish(run: Run, store) -> PublishResult:
                 f"hidden states: {store.uri(hs_ref)} is not committed for this merge and its params "
                 "(see tasks extract_hidden_states and commit_hidden_states)"
             )
-    every_row = _policy_every_row(run, store, hs_ref) if hidden and hidden.get("logprobs") else None
+    every_row = _policy_every_row(run, store, hs_ref, hidden) if hidden and hidden.get("logprobs") else None
     if every_row is not None and not every_row["passed"]:
         problems.append(
             "policy on every row (the extraction's target log-probabilities): " + "; ".join(every_row["reasons"])

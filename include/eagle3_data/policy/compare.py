@@ -16,7 +16,17 @@ decide, and its spread is not the one a test over samples uses). Two tests, each
   sampler behind each), so d is symmetric about 0; greedy text cannot show a sampling parameter
   the provider ignores, only other weights.
 
-Both are minimum-effect tests: the shift that matters is `shift` (nats/token); a shift up to
+- **nucleus** (only where the extraction ran: it needs the target's full distribution at every
+  answer token, `hidden_states.logprobs`): the answer tokens of sampled answers that lie outside
+  the nucleus their sampling allowed (top_p, top_k after temperature), overflow against local. An
+  honest sampler never emits one (only rounding at the boundary, which the extraction's margins
+  absorb); a provider ignoring top_p p emits one about (1 - p) of the time (the tail's mass). A
+  one-sided Fisher exact test on the 2 x 2 token counts (outside / inside per path) at the split
+  false-alarm rate; its power: the smallest overflow outside-rate it detects with `power` given the
+  local counts and the overflow tokens at hand (`nucleus_test`). It cannot see a fault that stays
+  inside the nucleus (a temperature shift within it, other weights): the mean-gap tests' job.
+
+The two mean tests are minimum-effect tests: the shift that matters is `shift` (nats/token); a shift up to
 `shift / 2` (the tolerance) is accepted as the same policy, so that with every row scored a
 real but negligible difference (numerics, a kernel) never fails a dataset however small its
 standard error. A test rejects when (|D| - tolerance) / SE > t(1 - a/2, df), a = the
@@ -48,7 +58,12 @@ from eagle3_data.gate_defaults import (
 from eagle3_data.policy.select import Item
 
 QUANTILES = (0.01, 0.05, 0.25, 0.5)
-TESTS = ("sampled", "pairs")
+TESTS = ("sampled", "pairs", "nucleus")
+# The outside-rate that matters for the nucleus test: 1 answer token in 100 outside the nucleus more
+# than the local path's. A provider ignoring top_p 0.95 adds up to ~5 in 100 (the tail's mass); the
+# test says UNDERPOWERED when its smallest detectable rate, for the tokens at hand, is above the
+# local rate plus this.
+NUCLEUS_RATE = 0.01
 
 
 @dataclass(frozen=True)
@@ -102,6 +117,49 @@ def _test(diff: float, se: float, df: float, n: tuple[int, ...], th: Thresholds,
     }
 
 
+def _fisher_p(over_out: int, over_tokens: int, local_out: int, local_tokens: int) -> float:
+    """One-sided Fisher exact p-value of H0 "the overflow's outside-rate is not above the local's"."""
+    from scipy import stats
+
+    table = [[over_out, over_tokens - over_out], [local_out, local_tokens - local_out]]
+    return float(stats.fisher_exact(table, alternative="greater").pvalue)
+
+
+def nucleus_test(counts: Mapping[str, Mapping[str, int]], alpha: float, power: float) -> dict[str, Any]:
+    """The nucleus test on token counts (`counts[side]`: `tokens` checked, `outside` the nucleus;
+    side local | overflow): overflow rate above local rate, one-sided Fisher exact at `alpha`.
+    `min_detectable_rate`: the smallest true overflow outside-rate r it rejects with probability
+    `power`, the local counts as observed: the rejection region is {b >= b*} (the p-value falls
+    as the overflow's outside count b grows), so r solves P(Binomial(m, r) >= b*) = power, i.e.
+    r = Beta.ppf(power, b*, m - b* + 1); None when no count of the m overflow tokens would reject.
+    `underpowered`: that rate is above the local rate plus NUCLEUS_RATE."""
+    from scipy import stats
+
+    lo, ov = counts["local"], counts["overflow"]
+    n, a, m, b = int(lo["tokens"]), int(lo["outside"]), int(ov["tokens"]), int(ov["outside"])
+    p = _fisher_p(b, m, a, n)
+    low, high = 0, m  # smallest b* in [0, m] that rejects: binary search on the monotone p-value
+    if _fisher_p(m, m, a, n) >= alpha:
+        b_star = None
+    else:
+        while low < high:
+            mid = (low + high) // 2
+            low, high = (low, mid) if _fisher_p(mid, m, a, n) < alpha else (mid + 1, high)
+        b_star = low
+    mdr = None if b_star is None else (0.0 if b_star == 0 else float(stats.beta.ppf(power, b_star, m - b_star + 1)))
+    return {
+        "tokens": [n, m],
+        "outside": [a, b],
+        "rates": [a / n if n else None, b / m if m else None],
+        "p_value": p,
+        "alpha": alpha,
+        "rejected": p < alpha,
+        "critical_outside": b_star,
+        "min_detectable_rate": mdr,
+        "underpowered": mdr is None or mdr > (a / n if n else 0.0) + NUCLEUS_RATE,
+    }
+
+
 def _welch(a: np.ndarray, b: np.ndarray) -> tuple[float, float, float]:
     va, vb = a.var(ddof=1) / a.size, b.var(ddof=1) / b.size
     se = math.sqrt(va + vb)
@@ -115,12 +173,15 @@ def decide(
     pairs_local: ArrayLike,
     pairs_overflow: ArrayLike,
     th: Thresholds = Thresholds(),
+    nucleus: Mapping[str, Mapping[str, int]] | None = None,
 ) -> dict[str, Any]:
     """The decision on per-sample means: `local`, `overflow` (sampled answers) and the calibration
-    pairs (`pairs_local[i]`, `pairs_overflow[i]`: one prompt). A test needs 2 observations a side
-    (a spread); one that cannot run is absent from `tests`. `rejected`: the tests that reject;
-    `underpowered`: the sampled test is absent or cannot reach `th.power` at `th.shift` (the
-    pairs alone cannot see a sampler's fault)."""
+    pairs (`pairs_local[i]`, `pairs_overflow[i]`: one prompt), and, where the extraction counted
+    them, the nucleus counts (`nucleus[side]`: `tokens`, `outside`; `nucleus_test`). A mean test
+    needs 2 observations a side (a spread), the nucleus test a checked token a side; one that
+    cannot run is absent from `tests`. `rejected`: the tests that reject; `underpowered`: the
+    sampled test is absent or cannot reach `th.power` at `th.shift` (the pairs alone cannot see a
+    sampler's fault; the nucleus test states its own)."""
     a, b = np.asarray(local, np.float64), np.asarray(overflow, np.float64)
     pl, po = np.asarray(pairs_local, np.float64), np.asarray(pairs_overflow, np.float64)
     if pl.shape != po.shape:
@@ -131,8 +192,11 @@ def decide(
     if pl.size >= 2:
         d = pl - po
         runs["pairs"] = (float(d.mean()), float(d.std(ddof=1) / math.sqrt(d.size)), float(d.size - 1), (d.size,))
-    alpha = th.false_alarm_rate / max(1, len(runs))
+    with_nucleus = bool(nucleus) and all(int((nucleus.get(s) or {}).get("tokens") or 0) > 0 for s in SIDES)
+    alpha = th.false_alarm_rate / max(1, len(runs) + with_nucleus)
     tests = {name: _test(diff, se, df, n, th, alpha) for name, (diff, se, df, n) in runs.items()}
+    if with_nucleus:
+        tests["nucleus"] = nucleus_test(nucleus, alpha, th.power)
     return {
         "tests": tests,
         "rejected": [t for t in TESTS if t in tests and tests[t]["rejected"]],
@@ -210,7 +274,7 @@ def figures_of(
 
 
 def decide_figures(figures: Mapping[str, Any], th: Thresholds) -> dict[str, Any]:
-    """`decide` on committed figures (`figures_of`)."""
+    """`decide` on committed figures (`figures_of`, and `nucleus` where the extraction counted it)."""
     pairs = figures.get("pairs") or {}
     return decide(
         figures["local"]["sample_means"],
@@ -218,6 +282,7 @@ def decide_figures(figures: Mapping[str, Any], th: Thresholds) -> dict[str, Any]
         pairs.get("local_means") or [],
         pairs.get("overflow_means") or [],
         th,
+        figures.get("nucleus"),
     )
 
 
@@ -315,6 +380,15 @@ def power_statement(decision: Mapping[str, Any]) -> str:
     shift that matters (underpowered)."""
     th = decision["thresholds"]
     parts = []
+    if (t := decision["tests"].get("nucleus")) is not None:
+        mdr = t["min_detectable_rate"]
+        seen = "no rate (too few tokens)" if mdr is None else f"an outside-rate of {mdr:.2%}"
+        local = t["rates"][0] or 0.0
+        short = f", UNDERPOWERED (above the local {local:.2%} + {NUCLEUS_RATE:.0%})" if t["underpowered"] else ""
+        parts.append(
+            f"nucleus ({t['tokens'][0]} + {t['tokens'][1]} answer tokens): detects {seen} with "
+            f"{th['power']:.0%} power at false-alarm rate {t['alpha']:.2g}{short}"
+        )
     for name, what in (("sampled", "sampled answers"), ("pairs", "calibration pairs")):
         t = decision["tests"].get(name)
         if t is None:
@@ -325,6 +399,11 @@ def power_statement(decision: Mapping[str, Any]) -> str:
         parts.append(
             f"{what} ({n}): detects a shift of {t['min_detectable_shift']:.3f} nats/token with "
             f"{th['power']:.0%} power at false-alarm rate {t['alpha']:.2g}{short}"
+        )
+    if "nucleus" not in decision["tests"]:
+        parts.append(
+            "nucleus: not tested (it needs the target's full distribution at every answer token, both sides "
+            "on one tokenisation path: score_policy with the target at hand; docs/generation.md)"
         )
     return "; ".join(parts)
 
@@ -352,6 +431,13 @@ def policy_gate(summary: dict[str, Any] | None, th: Thresholds) -> dict[str, Any
     reasons = []
     for name in decision["rejected"]:
         t = decision["tests"][name]
+        if name == "nucleus":
+            reasons.append(
+                "overflow text is off the target's policy, tokens outside the nucleus its sampling allows "
+                f"(top_p/top_k after temperature): a provider ignoring top_p or top_k? {_figures(name, t, summary)}, "
+                f"p = {t['p_value']:.2g} < {t['alpha']:.2g}"
+            )
+            continue
         why = (
             "less likely under the target than its own text: another model or other weights?"
             if t["shift"] > 0
@@ -372,14 +458,38 @@ def policy_gate(summary: dict[str, Any] | None, th: Thresholds) -> dict[str, Any
 
 
 LOCAL_SOURCES, OVERFLOW_SOURCES = ("sglang", "vllm"), ("openrouter",)
+SIDES = ("local", "overflow")
 
 
-def every_row_gate(means_by_source: Mapping[str, Sequence[float]], th: Thresholds) -> dict[str, Any]:
+def nucleus_counts(sources: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, int]] | None:
+    """The extraction's per-source nucleus figures (`logprobs.sources[source].nucleus`) added up per
+    path (local engines, the overflow provider); None when no source has any."""
+    if not any((side or {}).get("nucleus") for side in sources.values()):
+        return None
+    out = {}
+    for path, names in (("local", LOCAL_SOURCES), ("overflow", OVERFLOW_SOURCES)):
+        found = [sources[s]["nucleus"] for s in names if (sources.get(s) or {}).get("nucleus")]
+        out[path] = {k: sum(int(f[k]) for f in found) for k in ("samples", "tokens", "outside")}
+    return out
+
+
+def every_row_gate(
+    means_by_source: Mapping[str, Sequence[float]],
+    th: Thresholds,
+    nucleus: Mapping[str, Mapping[str, int]] | None = None,
+) -> dict[str, Any]:
     """The policy check on every merged row, once the extraction scored them all: the sampled
     test over each sampled answer's mean target log-probability per trained token (the
     extraction's, hidden_states.logprobs), local engines' answers against the overflow
     provider's. No calibration pairs here: a calibration prompt's overflow answer gave way to its
-    local one in the merge. The same decision and tolerance as the scored check (`policy_gate`)."""
+    local one in the merge. The same decision and tolerance as the scored check (`policy_gate`).
+
+    The extraction's nucleus counts (`nucleus_counts`) are reported, not tested: a merged local
+    row holds the engine's own ids, an overflow row the ids reconstruction made of its text, and
+    where the text's canonical split differs from what was sampled (a re-split) the canonical
+    token can lie outside the nucleus though the provider sampled honestly (4.1% of the tiny
+    model's answer tokens at top_p 0.95; docs/generation.md). The gated nucleus test runs where
+    both sides share one tokenisation path: score_policy's items, with the target at hand."""
 
     def side(sources: Sequence[str]) -> dict[str, Any]:
         means = [float(m) for s in sources for m in means_by_source.get(s) or ()]
@@ -390,10 +500,21 @@ def every_row_gate(means_by_source: Mapping[str, Sequence[float]], th: Threshold
             "token_quantiles": {},
         }
 
-    return policy_gate({"local": side(LOCAL_SOURCES), "overflow": side(OVERFLOW_SOURCES), "pairs": {"samples": 0}}, th)
+    gate = policy_gate({"local": side(LOCAL_SOURCES), "overflow": side(OVERFLOW_SOURCES), "pairs": {"samples": 0}}, th)
+    if nucleus:
+        lo, ov = nucleus["local"], nucleus["overflow"]
+        gate["notes"].append(
+            f"policy nucleus on every row (reported, not tested: local rows carry the engine's ids, overflow "
+            f"rows reconstructed ones): outside the sampling's nucleus {lo['outside']} of {lo['tokens']} local "
+            f"and {ov['outside']} of {ov['tokens']} overflow answer tokens"
+        )
+    return gate
 
 
 def _figures(name: str, t: Mapping[str, Any], summary: Mapping[str, Any]) -> str:
+    if name == "nucleus":
+        (n, m), (a, b) = t["tokens"], t["outside"]
+        return f"nucleus: {b} of {m} overflow answer tokens outside ({b / m:.2%}), local {a} of {n} ({a / n:.2%})"
     if name == "sampled":
         local, over = summary["local"], summary["overflow"]
         return (

@@ -1,0 +1,147 @@
+"""The policy check's nucleus test (policy/compare.py `nucleus_test`) against synthetic token counts
+of known outside-rate.
+
+Oracles from outside the code under test: simulation with a known truth over many seeds (the
+stated false-alarm rate and the stated power must hold within binomial slack, 3 standard
+deviations of the observed rate), and scipy's binomial distribution for the rejection region.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from eagle3_data.policy.compare import (
+    NUCLEUS_RATE,
+    Thresholds,
+    decide,
+    every_row_gate,
+    nucleus_counts,
+    nucleus_test,
+    policy_gate,
+    power_statement,
+)
+
+SEEDS = 2000
+
+
+def slack(p: float, trials: int) -> float:
+    return 3 * math.sqrt(p * (1 - p) / trials)
+
+
+def counts(a: int, n: int, b: int, m: int) -> dict:
+    return {"local": {"tokens": n, "outside": a}, "overflow": {"tokens": m, "outside": b}}
+
+
+@functools.lru_cache(maxsize=None)
+def rejects(a: int, n: int, b: int, m: int, alpha: float) -> bool:
+    """The decision on one draw of counts (draws repeat: each distinct one is decided once)."""
+    return nucleus_test(counts(a, n, b, m), alpha, 0.9)["rejected"]
+
+
+def rejection_rate(alpha: float, n: int, m: int, local_rate: float, over_rate: float, seeds: int = SEEDS) -> float:
+    rng = np.random.default_rng(2929)
+    a, b = rng.binomial(n, local_rate, seeds), rng.binomial(m, over_rate, seeds)
+    return float(np.mean([rejects(int(a[i]), n, int(b[i]), m, alpha) for i in range(seeds)]))
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.003, 0.02])
+def test_false_alarm_rate_holds_when_both_paths_leave_the_nucleus_alike(rate):
+    """Honest: the same outside-rate on both paths (0: exact ids; > 0: re-split tokens on both
+    sides alike). Fisher's test conditions on the margins: at most alpha."""
+    alpha = 0.05
+    got = rejection_rate(alpha, 1000, 800, rate, rate)
+    assert got <= alpha + slack(alpha, SEEDS), got
+
+
+def test_power_holds_at_the_stated_minimum_detectable_rate():
+    """The local counts as observed (0 of 3000), 1500 overflow tokens: overflow counts drawn at the
+    stated rate are rejected with the stated power (90%); at half of it, clearly less often."""
+    alpha, n, m = 0.001 / 3, 3000, 1500
+    t = nucleus_test(counts(0, n, 0, m), alpha, 0.9)
+    mdr = t["min_detectable_rate"]
+    assert 0 < mdr < NUCLEUS_RATE and not t["underpowered"], t
+    # the rejection region as scipy's binomial says it: P(B >= b*) at the stated rate is the power
+    assert stats.binom.sf(t["critical_outside"] - 1, m, mdr) == pytest.approx(0.9, abs=1e-6)
+    rng = np.random.default_rng(7)
+    b = rng.binomial(m, mdr, SEEDS)
+    got = float(np.mean([rejects(0, n, int(x), m, alpha) for x in b]))
+    assert abs(got - 0.9) <= slack(0.9, SEEDS), got
+    b = rng.binomial(m, mdr / 2, SEEDS)
+    assert float(np.mean([rejects(0, n, int(x), m, alpha) for x in b])) < 0.5
+
+
+def test_a_provider_ignoring_top_p_is_caught_at_the_trials_size():
+    """~5% outside (1 - top_p 0.95) on 500 overflow tokens against an honest local path: rejected
+    on (nearly) every seed at the default false-alarm rate split over three tests."""
+    got = rejection_rate(0.001 / 3, 500, 500, 0.0, 0.05, seeds=500)
+    assert got >= 0.99, got
+
+
+def test_too_few_tokens_cannot_reject_and_say_so():
+    t = nucleus_test(counts(0, 3, 2, 3), 0.001, 0.9)
+    assert not t["rejected"] and t["min_detectable_rate"] is None and t["underpowered"], t
+    t = nucleus_test(counts(0, 100, 0, 100), 0.001, 0.9)  # a rate it can see, but above the one that matters
+    assert t["min_detectable_rate"] > NUCLEUS_RATE and t["underpowered"], t
+
+
+def test_decide_runs_the_nucleus_test_only_with_tokens_on_both_sides_and_splits_the_rate():
+    rng = np.random.default_rng(1)
+    local, over = rng.normal(-1, 0.3, 40), rng.normal(-1, 0.3, 40)
+    th = Thresholds()
+    plain = decide(local, over, [], [], th)
+    assert "nucleus" not in plain["tests"] and plain["tests"]["sampled"]["alpha"] == th.false_alarm_rate
+    assert power_statement(plain).endswith(
+        "nucleus: not tested (it needs the target's full distribution at "
+        "every answer token, both sides on one tokenisation path: score_policy "
+        "with the target at hand; docs/generation.md)"
+    )
+    for missing in (None, counts(0, 0, 10, 500), counts(0, 500, 0, 0)):
+        assert "nucleus" not in decide(local, over, [], [], th, missing)["tests"]
+    both = decide(local, over, [1.0, 2.0], [1.0, 2.5], th, counts(0, 800, 40, 800))
+    assert set(both["tests"]) == {"sampled", "pairs", "nucleus"}
+    assert {t["alpha"] for t in both["tests"].values()} == {th.false_alarm_rate / 3}
+    assert both["rejected"] == ["nucleus"], both["rejected"]
+
+
+def test_gate_fails_a_provider_outside_the_nucleus_and_passes_an_honest_one():
+    rng = np.random.default_rng(3)
+    means = list(rng.normal(-1, 0.3, 60))
+    base = {
+        "local": {"samples": 60, "sample_means": means, "mean_logprob": -1.0},
+        "overflow": {"samples": 60, "sample_means": means[::-1], "mean_logprob": -1.0},
+        "pairs": {"samples": 0},
+    }
+    th = Thresholds()
+    bad = policy_gate({**base, "nucleus": counts(0, 1200, 60, 1200)}, th)
+    assert not bad["passed"], bad
+    assert [r for r in bad["reasons"] if "outside the nucleus" in r and "60 of 1200 overflow" in r], bad["reasons"]
+    honest = policy_gate({**base, "nucleus": counts(30, 1200, 31, 1200)}, th)
+    assert honest["passed"], honest["reasons"]
+    assert any(n.startswith("policy: nucleus: 31 of 1200") for n in honest["notes"]), honest["notes"]
+    statement = power_statement(honest["decision"])
+    assert statement.startswith("nucleus (1200 + 1200 answer tokens): detects an outside-rate of "), statement
+
+
+def test_every_row_reports_the_extractions_nucleus_counts_per_path_without_testing_them():
+    sources = {
+        "vllm": {"nucleus": {"samples": 3, "tokens": 300, "outside": 0}},
+        "sglang": {"nucleus": {"samples": 1, "tokens": 100, "outside": 1}},
+        "openrouter": {"nucleus": {"samples": 4, "tokens": 400, "outside": 20}},
+        "unknown": {},
+    }
+    got = nucleus_counts(sources)
+    assert got == {
+        "local": {"samples": 4, "tokens": 400, "outside": 1},
+        "overflow": {"samples": 4, "tokens": 400, "outside": 20},
+    }
+    assert nucleus_counts({"vllm": {}}) is None
+    rng = np.random.default_rng(5)
+    means = {"vllm": list(rng.normal(-1, 0.3, 50)), "openrouter": list(rng.normal(-1, 0.3, 50))}
+    gate = every_row_gate(means, Thresholds(), got)
+    assert gate["passed"] and "nucleus" not in gate["decision"]["tests"], gate
+    assert any("1 of 400 local and 20 of 400 overflow" in n for n in gate["notes"]), gate["notes"]
