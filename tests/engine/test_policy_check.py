@@ -2,10 +2,11 @@
 
 The local engine is the session's `vllm serve` of the tiny model (peaked next-token
 distributions, so a model's text is its own). The overflow "provider" is a vLLM server too,
-answering OpenRouter's chat route under the pinned name: (a) the same server, so the same model
-and weights -> the gate passes; (b) a second server with the tiny model's architecture and other
-weights under the same name -> the identity check cannot see it (same name), the policy check
-fails the dataset naming the figures. Each run goes through the pipeline's own stages: prompts,
+answering OpenRouter's chat route under the pinned name: a second server with the tiny model's
+architecture and other weights under the same name -> the identity check cannot see it (same
+name), the policy check fails the dataset naming the figures. (The same weights passing, with the
+power statement, is tests/engine/test_policy_faults.py's honest provider: not run twice.)
+Each run goes through the pipeline's own stages: prompts,
 both generations, reconstruction, scoring (default policy settings: the pilot takes all 24
 answers a side), the gate. 24 samples a side cannot see the default shift that matters (0.1
 nats/token) with 90% power: the gate says so and still fails another model's text (its shift is
@@ -91,20 +92,6 @@ def _through_the_gate(store, run: Run, local_url: str, provider_url: str):
     policy = pipeline.score_policy(run, store, DATASET, [local_url])
     assert policy.scored == {"local": 24, "overflow": 24}, policy
     return policy, lambda: pipeline.validate(run, store, DATASET)
-
-
-def test_the_targets_own_text_passes(store, vllm_server, kimi_tokenizer_dir):
-    policy, validate = _through_the_gate(
-        store, _run(kimi_tokenizer_dir, "policy-same"), vllm_server.url, vllm_server.url
-    )
-    result = validate()
-    assert result.gate.passed, result.gate
-    assert abs(policy.gap_nats_per_token) < 0.25, policy
-    assert any(n.startswith("policy: mean log-probability") for n in result.gate.notes), result.gate.notes
-    power = next(
-        n for n in result.gate.notes if n.startswith("policy power: sampled answers (24 + 24): detects a shift")
-    )
-    assert "UNDERPOWERED" in power, power  # too few samples for the default shift that matters: said, not failed
 
 
 def test_another_models_text_under_the_same_name_fails(store, vllm_server, vllm_other_server, kimi_tokenizer_dir):
