@@ -3,7 +3,7 @@ speculators on the correct export (over several seeds: the run-to-run spread) an
 rows with each fault of eagle3_data.dev.probe_data injected, all scored on the same held-out rows
 of the correct export (the target's own states, as serving sees them).
 
-    .venv/bin/python benchmarks/probe_faults.py                 # the RESULTS.md figures
+    .venv/bin/python benchmarks/probe_faults.py --samples 64    # the RESULTS.md figures
     .venv/bin/python benchmarks/probe_faults.py --smoke         # make test's size
 
 Prints one row per arm (simulated acceptance, acc_k) and `RATIO probe_faults <worst fault's
@@ -82,8 +82,9 @@ def main() -> None:
     p.add_argument(
         "--prompt-pool",
         type=int,
-        default=None,
-        help="draw the prompts' tokens from this many tokens (shared tokens across rows; default: all)",
+        default=32,
+        help="draw the prompts' tokens from this many tokens (0: from all): rows that share tokens, as real "
+        "text does; with every row on its own random tokens a head generalises to no held-out row",
     )
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: the least contention on a shared machine)")
     p.add_argument(
@@ -105,7 +106,7 @@ def main() -> None:
     groups = [g for g in (train_rows, eval_rows, unused) if g]
     with tempfile.TemporaryDirectory(prefix="bench-probe-") as tmp:
         target, correct, faulty = calibration(
-            tiny_target(), Path(tmp), args.samples, prompt_pool=args.prompt_pool, groups=groups
+            tiny_target(), Path(tmp), args.samples, prompt_pool=args.prompt_pool or None, groups=groups
         )
         results = train_and_score(
             target, arms(correct, faulty, args.samples, args.seeds, config), config, threads=args.threads
@@ -119,7 +120,8 @@ def main() -> None:
     print(f"correct: min {min(good):.3f} max {max(good):.3f} spread {spread:.3f}")
     for name, margin in margins.items():
         told = "told apart" if margin > spread else "NOT told apart"
-        print(f"{name}: max {max(by_arm[name]):.3f}, margin {margin:+.3f} ({told})")
+        paired = " ".join(f"{f - c:+.3f}" for f, c in zip(by_arm[name], good))  # same seed: same init and order
+        print(f"{name}: max {max(by_arm[name]):.3f}, margin {margin:+.3f} ({told}); minus correct, per seed: {paired}")
     worst = max(max(v) for k, v in by_arm.items() if k != "correct")
     ratio = f"{worst / min(good):.3f}" if min(good) > 0 else "n/a (a correct seed scored 0)"
     print(f"RATIO probe_faults {ratio} (the best fault seed's acceptance / the correct data's lowest seed)")

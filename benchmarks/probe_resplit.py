@@ -34,7 +34,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--prompt-pool", type=int, default=32, help="draw the prompts' tokens from this many tokens")
+    p.add_argument(
+        "--prompt-pool",
+        type=int,
+        default=32,
+        help="draw the prompts' tokens from this many tokens (0: from all; see probe_faults.py)",
+    )
     p.add_argument(
         "--smoke", action="store_true", help="make test's size: 16 samples, 4 steps, 1 seed (checks the script)"
     )
@@ -56,7 +61,7 @@ def main() -> None:
         work = Path(tmp)
         target = probe_data.with_trained_norm(tiny_target(), work / "target")
         tokenizer = AutoTokenizer.from_pretrained(str(target))
-        rows = probe_data.own_generations(target, args.samples, prompt_pool=args.prompt_pool)
+        rows = probe_data.own_generations(target, args.samples, prompt_pool=args.prompt_pool or None)
         exact = probe_data.export_rows(target, rows, work / "exact")
         arms, achieved = [], {}
         for rate in RATES:

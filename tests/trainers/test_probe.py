@@ -3,8 +3,9 @@ export of the tiny target's own generations and reports speculators' own per-pos
 the simulated acceptance they imply and the learning curve; bad input is one line (exit 2).
 
 Whether the verdict tells correct data from each injected fault is benchmarks/probe_faults.py's
-(RESULTS.md, "The probe"): at the size `make test` affords on 2 cores it does not yet, so no test
-asserts that ordering."""
+(RESULTS.md, "The probe"): it tells one of five apart beyond the seed spread, at a cost (2.7
+CPU-min) `make test` cannot afford, so no test asserts that ordering. What is tested here: what
+acc_k measure (an outside recount) and that the fault benchmark's arms do not leak."""
 
 from __future__ import annotations
 
