@@ -108,6 +108,20 @@ def test_other_sample_fault_never_swaps_states_across_the_split(export, tmp_path
             assert sources and row not in sources and set(sources) <= set(group), (row, sources, group)
 
 
+def test_arms_map_the_same_samples_across_exports_by_sample_id(tmp_path):
+    """Exports of the same samples need not share an order (the export orders rows by length, and
+    re-split rows are longer): the re-split benchmark's arms, matched by row index, trained on
+    other samples than the exact ids' arm, the held-out ones among them."""
+    from eagle3_data.dev.probe_data import rows_of, sample_ids
+
+    exact, resplit = tmp_path / "exact", tmp_path / "resplit"
+    for export, order in ((exact, ["a", "b", "c", "d"]), (resplit, ["c", "a", "d", "b"])):
+        export.mkdir()
+        (export / "index.jsonl").write_text("".join(json.dumps({"sample_id": s}) + "\n" for s in order))
+    assert rows_of(resplit, sample_ids(exact, [0, 1])) == [1, 3]
+    assert sample_ids(resplit, rows_of(resplit, ["b", "c"])) == ["c", "b"]
+
+
 def test_probe_cli_on_an_export(export, tmp_path):
     target, correct = export
     import yaml

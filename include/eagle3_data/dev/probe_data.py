@@ -126,6 +126,20 @@ def export_rows(
     return out
 
 
+def sample_ids(export: Path, rows: list[int]) -> list[str]:
+    """The sample_ids of an export's rows (its index.jsonl)."""
+    index = [json.loads(line)["sample_id"] for line in (export / "index.jsonl").read_text().splitlines()]
+    return [index[row] for row in rows]
+
+
+def rows_of(export: Path, ids: list[str]) -> list[int]:
+    """The rows of an export holding these sample_ids: exports of the same samples need not share an
+    order (the export orders rows by length), so arms that must train on the same samples map them."""
+    index = [json.loads(line)["sample_id"] for line in (export / "index.jsonl").read_text().splitlines()]
+    where = {sid: row for row, sid in enumerate(index)}
+    return sorted(where[sid] for sid in ids)
+
+
 def inject(
     fault: str,
     export: Path,
@@ -153,6 +167,10 @@ def inject(
             (out / name).unlink()
         save_rows(rows, out)
         return out
+    if wrong_layers is not None and sample_ids(wrong_layers, list(range(len(files)))) != sample_ids(
+        export, list(range(len(files)))
+    ):
+        raise ValueError(f"{wrong_layers} holds the samples in another order than {export}")
     config = json.loads((model_dir / "config.json").read_text())
     norm = checkpoint_weight(model_dir, ("model.norm.weight",))
     states = [load_file(str(p)) for p in files]
