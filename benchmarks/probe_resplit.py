@@ -74,8 +74,8 @@ def main() -> None:
             # every arm drafts over the exact ids' vocabulary: the eval labels are the target's argmax over
             # the draft vocabulary, so an arm with its own vocabulary is scored against other labels
             # the export orders rows by length, and re-split rows are longer: the same samples by sample_id
-            rows = probe_data.rows_of(export, probe_data.sample_ids(exact, train_rows))
-            arms += [Arm(f"{rate}/{s}", export, exact, rows, eval_rows, exact, s) for s in range(args.seeds)]
+            same = probe_data.rows_of(export, probe_data.sample_ids(exact, train_rows))
+            arms += [Arm(f"{rate}/{s}", export, exact, same, eval_rows, exact, s) for s in range(args.seeds)]
         results = train_and_score(target, arms, config, threads=args.threads)
     by_rate = {rate: [r["simulated_acceptance"] for r in results if r["name"].startswith(f"{rate}/")] for rate in RATES}
     print(f"{'re-split rate (asked)':>22} {'achieved':>9} {'sim. acceptance mean':>21} {'min':>6} {'max':>6}")
