@@ -35,6 +35,12 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument(
+        "--prompt-pool",
+        type=int,
+        default=32,
+        help="draw the prompts' tokens from this many tokens (0: from all; see probe_faults.py)",
+    )
+    p.add_argument(
         "--smoke", action="store_true", help="make test's size: 16 samples, 4 steps, 1 seed (checks the script)"
     )
     args = p.parse_args()
@@ -48,13 +54,14 @@ def main() -> None:
     from eagle3_data.probe import Arm, split, train_and_score
 
     torch.set_num_threads(args.threads)
-    config = probe_config(steps=args.steps, eval_samples=max(8, args.samples // 5))
+    # re-split rows are longer (up to ~1.3x at 30%): 512 packs 4 of them uncut
+    config = probe_config(steps=args.steps, eval_samples=max(8, args.samples // 5), max_len=512)
     train_rows, eval_rows = split(args.samples, config.samples, config.eval_samples, 0)
     with tempfile.TemporaryDirectory(prefix="bench-resplit-") as tmp:
         work = Path(tmp)
         target = probe_data.with_trained_norm(tiny_target(), work / "target")
         tokenizer = AutoTokenizer.from_pretrained(str(target))
-        rows = probe_data.own_generations(target, args.samples)
+        rows = probe_data.own_generations(target, args.samples, prompt_pool=args.prompt_pool or None)
         exact = probe_data.export_rows(target, rows, work / "exact")
         arms, achieved = [], {}
         for rate in RATES:
@@ -64,7 +71,11 @@ def main() -> None:
                 export = probe_data.export_rows(target, resplit, work / f"resplit-{rate}")
             else:
                 achieved[rate] = 0.0
-            arms += [Arm(f"{rate}/{s}", export, exact, train_rows, eval_rows, export, s) for s in range(args.seeds)]
+            # every arm drafts over the exact ids' vocabulary: the eval labels are the target's argmax over
+            # the draft vocabulary, so an arm with its own vocabulary is scored against other labels
+            # the export orders rows by length, and re-split rows are longer: the same samples by sample_id
+            same = probe_data.rows_of(export, probe_data.sample_ids(exact, train_rows))
+            arms += [Arm(f"{rate}/{s}", export, exact, same, eval_rows, exact, s) for s in range(args.seeds)]
         results = train_and_score(target, arms, config, threads=args.threads)
     by_rate = {rate: [r["simulated_acceptance"] for r in results if r["name"].startswith(f"{rate}/")] for rate in RATES}
     print(f"{'re-split rate (asked)':>22} {'achieved':>9} {'sim. acceptance mean':>21} {'min':>6} {'max':>6}")

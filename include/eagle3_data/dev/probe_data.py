@@ -9,7 +9,10 @@ The faults, each a bug seen in EAGLE-3 data pipelines:
 - `aux_shifted`: the aux states one position late (state t is token t-1's: an extra token before
   the extraction's input, or an off-by-one slice);
 - `last_normed_twice`: the last state after the final norm, which speculators normalises again;
-- `other_sample`: every sample carries the states of another sample (a shuffled join);
+- `other_sample`: every sample carries the states of another sample (a shuffled join), taken from
+  a sample of its own group (`groups`: the probe's train and held-out rows): states swapped across
+  the split would put the held-out rows' states and labels into training, a leak that scored this
+  fault far above the correct data (benchmarks/RESULTS.md);
 - `mask_shifted`: the loss mask one position late (SpecForge#885);
 - `wrong_layers`: aux states of other layers than the export names (a convention mix-up).
 """
@@ -61,6 +64,7 @@ def own_generations(
     new_tokens: int = 48,
     temperature: float = 0.5,
     seed: int = 0,
+    prompt_pool: int | None = None,
 ) -> list[dict]:
     """Rows of the target's own sampled answers to random prompts: prompt ids masked out, answer
     ids trained, as the merge writes them. At temperature 0.5 the tiny target's answers use ~270
@@ -71,6 +75,8 @@ def own_generations(
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     sampled = (model.lm_head.weight.abs().sum(-1) > 0).nonzero().squeeze(-1)  # ordinary text tokens
     g = torch.Generator().manual_seed(seed)
+    if prompt_pool:
+        sampled = sampled[torch.randperm(sampled.numel(), generator=g)[:prompt_pool]]
     prompts = sampled[torch.randint(0, sampled.numel(), (samples, prompt_tokens), generator=g)]
     torch.manual_seed(seed)
     with torch.no_grad():
@@ -120,9 +126,32 @@ def export_rows(
     return out
 
 
-def inject(fault: str, export: Path, out: Path, *, model_dir: Path, wrong_layers: Path | None = None) -> Path:
+def sample_ids(export: Path, rows: list[int]) -> list[str]:
+    """The sample_ids of an export's rows (its index.jsonl)."""
+    index = [json.loads(line)["sample_id"] for line in (export / "index.jsonl").read_text().splitlines()]
+    return [index[row] for row in rows]
+
+
+def rows_of(export: Path, ids: list[str]) -> list[int]:
+    """The rows of an export holding these sample_ids: exports of the same samples need not share an
+    order (the export orders rows by length), so arms that must train on the same samples map them."""
+    index = [json.loads(line)["sample_id"] for line in (export / "index.jsonl").read_text().splitlines()]
+    where = {sid: row for row, sid in enumerate(index)}
+    return sorted(where[sid] for sid in ids)
+
+
+def inject(
+    fault: str,
+    export: Path,
+    out: Path,
+    *,
+    model_dir: Path,
+    wrong_layers: Path | None = None,
+    groups: list[list[int]] | None = None,
+) -> Path:
     """A copy of `export` with `fault` in every sample (`wrong_layers`: the same rows exported with
-    WRONG_LAYERS; `model_dir`: the target, for its final norm)."""
+    WRONG_LAYERS; `model_dir`: the target, for its final norm; `groups`: the rows that may swap
+    states under `other_sample`, all rows one group unless given)."""
     import datasets
 
     from eagle3_data.hidden_states.final_norm import checkpoint_weight
@@ -138,9 +167,16 @@ def inject(fault: str, export: Path, out: Path, *, model_dir: Path, wrong_layers
             (out / name).unlink()
         save_rows(rows, out)
         return out
+    if wrong_layers is not None and sample_ids(wrong_layers, list(range(len(files)))) != sample_ids(
+        export, list(range(len(files)))
+    ):
+        raise ValueError(f"{wrong_layers} holds the samples in another order than {export}")
     config = json.loads((model_dir / "config.json").read_text())
     norm = checkpoint_weight(model_dir, ("model.norm.weight",))
     states = [load_file(str(p)) for p in files]
+    partner = {}
+    for group in groups or [list(range(len(files)))]:
+        partner.update({row: group[(j + 1) % len(group)] for j, row in enumerate(group)})
     for i, path in enumerate(files):
         t = dict(states[i])
         hs = t["hidden_states"].clone()
@@ -149,7 +185,7 @@ def inject(fault: str, export: Path, out: Path, *, model_dir: Path, wrong_layers
         elif fault == "last_normed_twice":
             hs[:, 3] = rms_norm(hs[:, 3], norm, config["rms_norm_eps"])
         elif fault == "other_sample":
-            other = states[(i + 1) % len(states)]["hidden_states"]
+            other = states[partner[i]]["hidden_states"]
             n = min(len(hs), len(other))
             hs[:n] = other[:n]
         elif fault == "wrong_layers":
@@ -161,14 +197,26 @@ def inject(fault: str, export: Path, out: Path, *, model_dir: Path, wrong_layers
     return out
 
 
-def calibration(model_dir: Path, work: Path, samples: int, seed: int = 0) -> tuple[Path, Path, dict[str, Path]]:
+def calibration(
+    model_dir: Path,
+    work: Path,
+    samples: int,
+    seed: int = 0,
+    prompt_pool: int | None = None,
+    groups: list[list[int]] | None = None,
+) -> tuple[Path, Path, dict[str, Path]]:
     """(the target with a trained-like norm, its correct export, {fault: faulty export}) under `work`:
-    `samples` of its own generations, extracted and exported, then each fault injected."""
+    `samples` of its own generations, extracted and exported, then each fault injected (`groups`:
+    the probe's train and held-out rows, which `other_sample` never mixes)."""
     target = with_trained_norm(model_dir, work / "target")
-    rows = own_generations(target, samples, seed=seed)
+    rows = own_generations(target, samples, seed=seed, prompt_pool=prompt_pool)
     correct = export_rows(target, rows, work / "correct")
     wrong = export_rows(target, rows, work / "wrong-layers", layer_ids=WRONG_LAYERS)
-    return target, correct, {f: inject(f, correct, work / f, model_dir=target, wrong_layers=wrong) for f in FAULTS}
+    return (
+        target,
+        correct,
+        {f: inject(f, correct, work / f, model_dir=target, wrong_layers=wrong, groups=groups) for f in FAULTS},
+    )
 
 
 def resplit(rows: list[dict], rate: float, tokenizer, seed: int = 0) -> tuple[list[dict], float]:

@@ -110,7 +110,9 @@ def evaluate(model, batches, arm: dict, loss_config, device: str) -> dict:
     }
 
 
-def run_arm(spec: dict, arm: dict) -> dict:
+def train_arm(spec: dict, arm: dict) -> tuple[Eagle3DraftModel, dict]:
+    """One arm trained: the drafter (for checks that score it by hand, tests/trainers/probe_oracle.py)
+    and its figures: the loss per step, the metrics' sums per evaluation, the seconds taken."""
     started = time.monotonic()
     device = spec.get("device", "cpu")
     torch.manual_seed(arm["seed"])
@@ -136,14 +138,14 @@ def run_arm(spec: dict, arm: dict) -> dict:
                 curve.append({"step": len(losses), **evaluate(model, held_out, arm, loss_config, device)})
             if len(losses) == arm["steps"]:
                 break
-    return {"name": arm["name"], "losses": losses, "curve": curve, "seconds": time.monotonic() - started}
+    return model, {"name": arm["name"], "losses": losses, "curve": curve, "seconds": time.monotonic() - started}
 
 
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     torch.set_num_threads(spec.get("threads") or torch.get_num_threads())
     for arm in spec["arms"]:
-        print(json.dumps(run_arm(spec, arm)), flush=True)
+        print(json.dumps(train_arm(spec, arm)[1]), flush=True)
 
 
 if __name__ == "__main__":
