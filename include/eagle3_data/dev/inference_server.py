@@ -729,15 +729,21 @@ def image_inputs(messages: list[dict]) -> list[dict]:
                 raise ValueError(f"{where}: expected an object with a string `url`")
             if url.startswith(("http://", "https://")):
                 raise ValueError(f"{where}.url: the dev server does not fetch image URLs: send a data URI")
-            head, _, data = url.partition(",")
-            if not (head.startswith("data:image/") and head.endswith(";base64")):
-                raise ValueError(f"{where}.url: expected data:image/<type>;base64,<data>")
-            try:
-                _, width, height = probe(base64.b64decode(data, validate=True))
-            except (binascii.Error, ImageError) as exc:
-                raise ValueError(f"{where}.url: not a readable image ({exc})") from None
-            out.append({"media_tokens": media_tokens(width, height)})
+            out.append({"media_tokens": media_tokens(*_data_uri_size(url, f"{where}.url"))})
     return out
+
+
+def _data_uri_size(url, where: str) -> tuple[int, int]:
+    """(width, height) of an image sent as a base64 data URI, the only form this server takes
+    (it fetches no URL or path); ValueError naming `where` otherwise."""
+    head, _, data = url.partition(",") if isinstance(url, str) else ("", "", "")
+    if not (head.startswith("data:image/") and head.endswith(";base64")):
+        raise ValueError(f"{where}: expected data:image/<type>;base64,<data> (the dev server takes data URIs only)")
+    try:
+        _, width, height = probe(base64.b64decode(data, validate=True))
+    except (binascii.Error, ImageError) as exc:
+        raise ValueError(f"{where}: not a readable image ({exc})") from None
+    return width, height
 
 
 def _with_images(prompts: list[list[int]], image_data, tok, drift: int) -> tuple[list[int], int]:
@@ -757,14 +763,7 @@ def _with_images(prompts: list[list[int]], image_data, tok, drift: int) -> tuple
         )
     refs = []
     for k, url in enumerate(images):
-        head, _, data = url.partition(",") if isinstance(url, str) else ("", "", "")
-        if not (head.startswith("data:image/") and head.endswith(";base64")):
-            raise ValueError(f"image_data[{k}]: the dev server takes data:image/<type>;base64,<data> only")
-        try:
-            _, width, height = probe(base64.b64decode(data, validate=True))
-        except (binascii.Error, ImageError) as exc:
-            raise ValueError(f"image_data[{k}]: not a readable image ({exc})") from None
-        refs.append({"media_tokens": media_tokens(width, height) + drift})
+        refs.append({"media_tokens": media_tokens(*_data_uri_size(url, f"image_data[{k}]")) + drift})
     return expand_media(list(prompts[0]), refs, pad), sum(r["media_tokens"] for r in refs)
 
 

@@ -180,9 +180,7 @@ def check_generate_answer(answer: dict, prompt_ids: list[int]) -> tuple[list[int
     `prompt_token_ids` (the ids the model ran, each image's pads expanded by the engine's processor)
     must be our expanded `prompt_ids` (MediaDiffers naming the first differing position)."""
     choice = answer["choices"][0]
-    ids = choice["token_ids"]
-    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise ValueError("choices[0].token_ids is not a list of ints")
+    ids = _token_ids(choice, "")
     ran = answer.get("prompt_token_ids")
     if not isinstance(ran, list):
         raise ValueError("no prompt_token_ids in the answer (return_token_ids is sent: is this vLLM 0.32?)")
@@ -195,13 +193,7 @@ def check_generate_answer(answer: dict, prompt_ids: list[int]) -> tuple[list[int
             f"{len(prompt_ids)} ids ours, {len(ran)} the engine's): its processor counts another number "
             "of media tokens for an image"
         )
-    completion = (answer.get("usage") or {}).get("completion_tokens")
-    if completion is not None and completion != len(ids):
-        raise ValueError(f"len(token_ids) = {len(ids)} but usage.completion_tokens = {completion}")
-    kind = choice.get("finish_reason")
-    if not isinstance(kind, str):
-        raise ValueError(f"choices[0].finish_reason {kind!r}")
-    return ids, {"type": kind, "matched": choice.get("stop_reason")}, answer
+    return ids, _finish(answer, choice, ids), answer
 
 
 def generate_logprobs(choice: Mapping[str, Any], ids: list[int]) -> list[float] | None:
@@ -223,21 +215,32 @@ def check_answer(answer: dict, prompt_ids: list[int]) -> tuple[list[int], dict, 
     as many completion ids as `usage.completion_tokens` counts; the matched stop token is inside
     `token_ids`."""
     choice = answer["choices"][0]
-    ids = choice["token_ids"]
-    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise ValueError("choices[0].token_ids is not a list of ints (is return_token_ids supported?)")
+    ids = _token_ids(choice, " (is return_token_ids supported?)")
     if choice.get("prompt_token_ids") is not None and list(choice["prompt_token_ids"]) != list(prompt_ids):
         raise PromptCut(
             f"choices[0].prompt_token_ids differ from the prompt ids sent ({len(choice['prompt_token_ids'])} "
             f"ids ran, {len(prompt_ids)} sent)"
         )
+    return ids, _finish(answer, choice, ids), answer
+
+
+def _token_ids(choice: Mapping[str, Any], hint: str) -> list[int]:
+    """`choices[0].token_ids`, checked to be a list of ints (ValueError naming the field, + `hint`)."""
+    ids = choice["token_ids"]
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"choices[0].token_ids is not a list of ints{hint}")
+    return ids
+
+
+def _finish(answer: Mapping[str, Any], choice: Mapping[str, Any], ids: list[int]) -> dict:
+    """{"type", "matched"} of a choice whose completion ids `usage.completion_tokens` must count."""
     completion = (answer.get("usage") or {}).get("completion_tokens")
     if completion is not None and completion != len(ids):
         raise ValueError(f"len(token_ids) = {len(ids)} but usage.completion_tokens = {completion}")
     kind = choice.get("finish_reason")
     if not isinstance(kind, str):
         raise ValueError(f"choices[0].finish_reason {kind!r}")
-    return ids, {"type": kind, "matched": choice.get("stop_reason")}, answer
+    return {"type": kind, "matched": choice.get("stop_reason")}
 
 
 def output_logprobs(choice: Mapping[str, Any], ids: list[int]) -> list[float] | None:
