@@ -25,12 +25,9 @@ from eagle3_data.policy.compare import (
     summarize,
 )
 from eagle3_data.policy.select import Item
+from tests.simulation import slack
 
 SEEDS = 1000
-
-
-def slack(p: float, trials: int) -> float:
-    return 3 * math.sqrt(p * (1 - p) / trials)
 
 
 def rate(

@@ -9,7 +9,6 @@ deviations of the observed rate), and scipy's binomial distribution for the reje
 from __future__ import annotations
 
 import functools
-import math
 
 import numpy as np
 import pytest
@@ -25,12 +24,9 @@ from eagle3_data.policy.compare import (
     policy_gate,
     power_statement,
 )
+from tests.simulation import slack
 
 SEEDS = 2000
-
-
-def slack(p: float, trials: int) -> float:
-    return 3 * math.sqrt(p * (1 - p) / trials)
 
 
 def counts(a: int, n: int, b: int, m: int) -> dict:
