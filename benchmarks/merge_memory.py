@@ -43,6 +43,8 @@ if "config" in inspect.signature(merge_datasets).parameters:  # this tree's merg
     kwargs = {"config": MergeConfig(**{"max_length": 4096, "shard_tokens": 1 << 20, **section}), **kwargs}
 """
 WORK = """
+if "vocab_size" in inspect.signature(merge_datasets).parameters:  # required since 2026-12-03: Kimi's
+    kwargs.setdefault("vocab_size", 163_840)
 s = merge_datasets(store, inputs, os.environ["BENCH_OUT"], **kwargs)
 RESULT = {"shards": len(s["shards"]), "tokens": s["totals"]["tokens"], "samples": s["totals"]["samples"]}
 """

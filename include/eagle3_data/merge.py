@@ -509,19 +509,21 @@ def merge_datasets(
     config: MergeConfig = MergeConfig(),
     *,
     out_dataset: str = "all",
+    vocab_size: int,
     tokens_per_bucket: int = DEFAULT_TOKENS_PER_BUCKET,
     work_dir: str | Path | None = None,
-    vocab_size: int | None = None,
     lease=None,
     folds: dict | None = None,
 ) -> dict:
     """Merge `inputs` (schemas.GENERATIONS stages) into `runs/{out_run_key}/merge/{out_dataset}/`
     as `config` (the config's `merge`, validated there) says; its params are `merge_params(config)`.
 
-    `vocab_size` (the tokenizer's): an id outside it stops the merge naming the sample; such an
-    id can only come from a broken engine or a foreign artifact, and would poison training.
-    The draft vocabulary (`draft_vocab_size` tokens, draft_vocab.py) is written beside the shards
-    in both trainers' formats, with its coverage in the manifest.
+    `vocab_size` (the tokenizer's, which is the target's LM head's: 163,840 for Kimi): an id outside
+    it stops the merge naming the sample; such an id can only come from a broken engine or a
+    foreign artifact, and would poison training. Required, because the draft vocabulary
+    (`draft_vocab_size` tokens, draft_vocab.py), written beside the shards in both trainers'
+    formats with its coverage in the manifest, maps every target id: speculators'
+    `load_vocab_mappings` and SpecForge's `t2d` buffer refuse a `t2d` shorter than the LM head.
 
     Returns the summary also stored in the manifest's `extra`: shard refs (one dict per shard,
     what the extraction stage maps over), per-dataset token statistics and drop counts.
@@ -553,9 +555,7 @@ def merge_datasets(
             for path in buckets:  # one bucket resident at a time: _merge_bucket's table dies with its call
                 _merge_bucket(path, config.max_length, config.length_policy, stats, shards)
             shards.close_shard()
-            vocab_files, vocab = draft_vocab.write(
-                work, shards.trained_counts, config.draft_vocab_size, vocab_size or shards.trained_counts.shape[0]
-            )
+            vocab_files, vocab = draft_vocab.write(work, shards.trained_counts, config.draft_vocab_size, vocab_size)
             for name in vocab_files:
                 store.put_file(out_ref, name, work / name)
         image_files, image_extra = [], {}

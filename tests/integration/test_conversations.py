@@ -475,6 +475,7 @@ def test_a_trajectory_cut_at_reconstruct_keeps_its_turns_before_the_cut(
         run.run_key,
         MergeConfig(max_length=1 << 16, draft_vocab_size=64),
         folds=trajectory_folds_of(run, store, ["chat"]),
+        vocab_size=len(kimi_tokenizer),
     )
     counts = check_conversation_records(store, run.run_key, "chat", kimi_tokenizer)  # every record the oracle's
     records = {}

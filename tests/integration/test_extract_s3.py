@@ -14,6 +14,7 @@ from eagle3_data.hidden_states.extract import ExtractOptions, commit_extraction,
 from eagle3_data.hidden_states.shards import ShardReader
 from eagle3_data.merge import merged_shards
 from eagle3_data.storage import IncompleteStage, StageRef
+from tests.fixtures.kimi import VOCAB_SIZE
 from tests.unit.test_merge import gen_row, write_stage
 
 RUN = "date=2026-11-29"
@@ -163,7 +164,7 @@ def test_extract_shard_resumes_by_shard_and_commit_waits_for_all(store, generati
     from eagle3_data.config import MergeConfig
     from eagle3_data.merge import merge_datasets
 
-    summary = merge_datasets(store, generations, RUN, MergeConfig(shard_tokens=200))
+    summary = merge_datasets(store, generations, RUN, MergeConfig(shard_tokens=200), vocab_size=VOCAB_SIZE)
     merge_ref = StageRef(**summary["ref"])
     out_ref = StageRef(RUN, "extract_hidden_states", "all")
     first, *rest = summary["shards"]

@@ -10,6 +10,7 @@ from eagle3_data.config import load_config
 from eagle3_data.hidden_states import backends, engines
 from eagle3_data.pipeline.extract import split_shards
 from eagle3_data.storage import StageRef
+from tests.fixtures.kimi import VOCAB_SIZE
 from tests.integration.test_extract_s3 import RUN, generations  # noqa: F401  (fixture)
 
 
@@ -53,7 +54,9 @@ def test_one_model_load_per_gpu_worker_resumable_by_shard(
     from eagle3_data.merge import merge_datasets
 
     run = _run(tiny_model_dir, workers=2)
-    shards = merge_datasets(store, generations, RUN, MergeConfig(shard_tokens=100, max_length=40))["shards"]
+    shards = merge_datasets(
+        store, generations, RUN, MergeConfig(shard_tokens=100, max_length=40), vocab_size=VOCAB_SIZE
+    )["shards"]
     assert len(shards) >= 4
     work = split_shards(shards, run.config.hidden_states.workers)
     assert len(work) == 2
@@ -123,7 +126,9 @@ def test_stale_hidden_states_are_discarded_under_their_lease(store, generations,
 
     run = _run(tiny_model_dir, workers=1)
     merge_ref, out_ref = StageRef(RUN, "merge", "all"), StageRef(RUN, "hidden_states", "all")  # the pipeline's stages
-    for shard in merge_datasets(store, generations, RUN, MergeConfig(shard_tokens=400, max_length=40))["shards"]:
+    for shard in merge_datasets(
+        store, generations, RUN, MergeConfig(shard_tokens=400, max_length=40), vocab_size=VOCAB_SIZE
+    )["shards"]:
         extract_shard(store, shard, tiny_model_dir, out_ref)
     commit_extraction(store, merge_ref, out_ref)
     with store.lease(out_ref):  # committed without the run's params: stale
@@ -137,5 +142,7 @@ def test_stale_hidden_states_are_discarded_under_their_lease(store, generations,
         pipeline.extract_hidden_states(run, store, w)
     pipeline.commit_hidden_states(run, store)
     assert not pipeline.discard_stale_hidden_states(run, store) and store.is_complete(out_ref)
-    merge_datasets(store, generations, RUN, MergeConfig(shard_tokens=300, max_length=40))  # a new merge: stale again
+    merge_datasets(
+        store, generations, RUN, MergeConfig(shard_tokens=300, max_length=40), vocab_size=VOCAB_SIZE
+    )  # a new merge: stale again
     assert pipeline.discard_stale_hidden_states(run, store) and not store.is_complete(out_ref)

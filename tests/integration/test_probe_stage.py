@@ -8,6 +8,7 @@ import pytest
 
 from eagle3_data.config import MergeConfig, load_config
 from eagle3_data.storage import StageRef
+from tests.fixtures.kimi import VOCAB_SIZE
 from tests.integration.test_extract_s3 import RUN, generations  # noqa: F401  (fixture)
 
 
@@ -29,7 +30,7 @@ def test_probe_stage_after_the_extraction(store, generations, tiny_model_dir):  
     run = Run(
         config=config, run_key=RUN, date=None, datasets=config.dataset_names, dry_run=False, skip_hidden_states=False
     )
-    merge_datasets(store, generations, RUN, MergeConfig(shard_tokens=200, max_length=40))
+    merge_datasets(store, generations, RUN, MergeConfig(shard_tokens=200, max_length=40), vocab_size=VOCAB_SIZE)
     for work in pipeline.plan_hidden_states(run, store):
         pipeline.extract_hidden_states(run, store, work)
     hs = pipeline.commit_hidden_states(run, store)

@@ -18,6 +18,7 @@ from eagle3_data.hidden_states import extract as extract_mod
 from eagle3_data.hidden_states.extract import commit_extraction, extract_shard
 from eagle3_data.merge import merge_datasets
 from eagle3_data.storage import StageBusy, StageRef
+from tests.fixtures.kimi import VOCAB_SIZE
 from tests.integration.test_extract_s3 import RUN, generations, s3_env  # noqa: F401  (fixtures)
 
 MERGE_REF = StageRef(RUN, "merge", "all")
@@ -41,11 +42,15 @@ def _paused(monkeypatch, module, name, when=lambda *a, **kw: True):
 def test_second_merge_of_one_run_key_fails_fast(store, generations, s3_env, monkeypatch, capsys):  # noqa: F811
     inside, go = _paused(monkeypatch, merge_mod, "_merge_bucket")
     with ThreadPoolExecutor(1) as pool:
-        first = pool.submit(merge_datasets, store, generations, RUN, MergeConfig(shard_tokens=150, max_length=40))
+        first = pool.submit(
+            merge_datasets, store, generations, RUN, MergeConfig(shard_tokens=150, max_length=40), vocab_size=VOCAB_SIZE
+        )
         assert inside.wait(120)
         try:
             with pytest.raises(StageBusy, match=r"merge/all/ is being written by .*expires"):
-                merge_datasets(store, generations, RUN, MergeConfig(shard_tokens=150, max_length=40))
+                merge_datasets(
+                    store, generations, RUN, MergeConfig(shard_tokens=150, max_length=40), vocab_size=VOCAB_SIZE
+                )
             capsys.readouterr()
             argv = [
                 "merge",
@@ -66,7 +71,9 @@ def test_second_merge_of_one_run_key_fails_fast(store, generations, s3_env, monk
     store.verify(MERGE_REF)
     assert store.read_manifest(MERGE_REF)["extra"]["shards"] == summary["shards"]
     assert (
-        merge_datasets(store, generations, RUN, MergeConfig(shard_tokens=150, max_length=40))["shards"]
+        merge_datasets(store, generations, RUN, MergeConfig(shard_tokens=150, max_length=40), vocab_size=VOCAB_SIZE)[
+            "shards"
+        ]
         == summary["shards"]
     )
 
@@ -74,7 +81,9 @@ def test_second_merge_of_one_run_key_fails_fast(store, generations, s3_env, monk
 def test_extraction_leases_shards_not_the_stage(store, generations, tiny_model_dir, monkeypatch):  # noqa: F811
     """Two GPU workers on different shards of one stage run side by side; a second writer of the
     shard a worker is extracting is refused; the commit waits for no lease of a finished shard."""
-    shards = merge_datasets(store, generations, RUN, MergeConfig(shard_tokens=150, max_length=40))["shards"]
+    shards = merge_datasets(
+        store, generations, RUN, MergeConfig(shard_tokens=150, max_length=40), vocab_size=VOCAB_SIZE
+    )["shards"]
     assert len(shards) >= 2
     held, other = shards[0], shards[1]
     inside, go = _paused(
@@ -103,7 +112,9 @@ def test_extraction_leases_shards_not_the_stage(store, generations, tiny_model_d
 
 
 def test_second_committer_of_an_extraction_fails_fast(store, generations, tiny_model_dir):  # noqa: F811
-    shards = merge_datasets(store, generations, RUN, MergeConfig(shard_tokens=400, max_length=40))["shards"]
+    shards = merge_datasets(
+        store, generations, RUN, MergeConfig(shard_tokens=400, max_length=40), vocab_size=VOCAB_SIZE
+    )["shards"]
     for shard in shards:
         extract_shard(store, shard, tiny_model_dir, OUT_REF)
     with store.lease(OUT_REF):  # a committer (or `stage discard`) holds the stage
@@ -122,9 +133,13 @@ def test_a_shard_extracted_from_an_earlier_merge_is_redone_not_committed(store, 
     from eagle3_data.hidden_states.extract import merged_sha256s
     from eagle3_data.storage import IncompleteStage
 
-    old = merge_datasets(store, generations, RUN, MergeConfig(shard_tokens=400, max_length=40, seed=1))["shards"]
+    old = merge_datasets(
+        store, generations, RUN, MergeConfig(shard_tokens=400, max_length=40, seed=1), vocab_size=VOCAB_SIZE
+    )["shards"]
     zombie = extract_shard(store, old[0], tiny_model_dir, OUT_REF)
-    new = merge_datasets(store, generations, RUN, MergeConfig(shard_tokens=400, max_length=40, seed=2))["shards"]
+    new = merge_datasets(
+        store, generations, RUN, MergeConfig(shard_tokens=400, max_length=40, seed=2), vocab_size=VOCAB_SIZE
+    )["shards"]
     sha = merged_sha256s(store.read_manifest(MERGE_REF))[new[0]["name"]]
     assert new[0]["name"] == old[0]["name"] and zombie["merged_shard"]["sha256"] != sha
     for shard in new[1:]:

@@ -12,6 +12,7 @@ import pytest
 
 from eagle3_data.images import ImageSink, expand_media, media_tokens, read_image
 from eagle3_data.prompts import load_prompts
+from tests.fixtures.kimi import VOCAB_SIZE
 from tests.image_oracle import image_tokens, processor_ids
 
 SAMPLING = {"temperature": 1.0, "max_tokens": 512}
@@ -255,7 +256,7 @@ def test_merge_keeps_media_tokens_untrained_and_the_references_beside_the_shards
     with StageWriter(store, ref, "generations", rows_per_part=10, tokenizer_sha256="t", template_sha256="c") as w:
         w.write(rows)
         w.commit()
-    summary = merge_datasets(store, [ref], "date=2026-12-03", MergeConfig(max_length=4096))
+    summary = merge_datasets(store, [ref], "date=2026-12-03", MergeConfig(max_length=4096), vocab_size=VOCAB_SIZE)
     out = StageRef("date=2026-12-03", "merge", "all")
     records = {
         r["sample_id"]: r

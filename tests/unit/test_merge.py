@@ -13,7 +13,7 @@ from eagle3_data.generation.conversations import trajectory_folds
 from eagle3_data.merge import build_record, merge_datasets, merge_params, merged_shards
 from eagle3_data.storage import IncompleteStage, StageRef
 from eagle3_data.storage.writer import StageWriter
-from tests.fixtures.kimi import IM_END
+from tests.fixtures.kimi import IM_END, VOCAB_SIZE
 
 
 def gen_row(sid, dataset, source, prompt, output, status="ok", finish="stop"):
@@ -125,6 +125,7 @@ def test_merge_dedupes_counts_and_shards(store, two_datasets, tmp_path):
         "date=2026-11-29",
         MergeConfig(max_length=20, length_policy="drop", shard_tokens=100, seed=1),
         tokens_per_bucket=40,
+        vocab_size=VOCAB_SIZE,
     )
     rows = read_all(store, summary, tmp_path)
     by_id = {r["sample_id"]: r for r in rows}
@@ -149,8 +150,6 @@ def test_merge_dedupes_counts_and_shards(store, two_datasets, tmp_path):
 def test_the_draft_vocabulary_counts_the_merged_rows_trained_tokens(store, two_datasets, tmp_path):
     import numpy as np
 
-    from tests.fixtures.kimi import VOCAB_SIZE
-
     summary = merge_datasets(
         store,
         two_datasets,
@@ -168,6 +167,9 @@ def test_the_draft_vocabulary_counts_the_merged_rows_trained_tokens(store, two_d
     assert vocab["coverage"] == pytest.approx(sum(counts[top]) / len(trained))
     d2t = np.load(store.get_file(ref, "d2t-3.npy", tmp_path / "d2t.npy"))
     assert (d2t + np.arange(3)).tolist() == sorted(top)
+    # one entry per target id, as speculators' load_vocab_mappings and SpecForge's t2d buffer require
+    t2d = np.load(store.get_file(ref, "t2d-3.npy", tmp_path / "t2d.npy"))
+    assert t2d.shape == (VOCAB_SIZE,) and np.flatnonzero(t2d).tolist() == sorted(top)
     assert set(vocab["files"]) == {"token_freq.pt", "d2t-3.npy", "t2d-3.npy", "vocab_mapping-3.pt"}
 
 
@@ -179,6 +181,7 @@ def test_shuffle_is_seeded_and_independent_of_bucketing(store, two_datasets, tmp
             run,
             MergeConfig(max_length=64, shard_tokens=10_000, seed=seed),
             tokens_per_bucket=tokens_per_bucket,
+            vocab_size=VOCAB_SIZE,
         )
         return [r["sample_id"] for r in read_all(store, s, tmp_path)]
 
@@ -198,7 +201,7 @@ def test_a_key_added_to_the_merge_section_is_in_the_params_so_reuse_sees_it(stor
     class Wider(MergeConfig):  # the section as it would be with one more key
         new_knob: int = 3
 
-    merge_datasets(store, two_datasets, "wider", Wider(max_length=64))
+    merge_datasets(store, two_datasets, "wider", Wider(max_length=64), vocab_size=VOCAB_SIZE)
     ref = StageRef("wider", "merge", "all")
     assert store.read_manifest(ref)["params"] == Wider(max_length=64).model_dump(mode="json")
     assert reusable(store, ref, two_datasets, merge_params(Wider(max_length=64))) is not None
@@ -210,16 +213,14 @@ def test_bad_rows_and_incomplete_inputs_are_user_errors(store):
     ref = StageRef("r", "generate_local", "bad")
     write_stage(store, ref, [gen_row("x1", "bad", "sglang", [1, 2], None)])
     with pytest.raises(UserError, match="sample x1: field output_ids"):
-        merge_datasets(store, [ref], "r")
+        merge_datasets(store, [ref], "r", vocab_size=VOCAB_SIZE)
     with pytest.raises(IncompleteStage):
-        merge_datasets(store, [StageRef("r", "generate_local", "missing")], "r")
+        merge_datasets(store, [StageRef("r", "generate_local", "missing")], "r", vocab_size=VOCAB_SIZE)
     with pytest.raises(UserError, match="length_policy"):
         load_config().with_overrides({"merge": {"length_policy": "clip"}})  # the merge's settings are validated there
 
 
 def test_merge_refuses_ids_outside_the_vocabulary_naming_the_sample(store):
-    from tests.fixtures.kimi import VOCAB_SIZE
-
     ref = StageRef("r", "generate_local", "oov")
     write_stage(
         store,
@@ -263,7 +264,7 @@ def test_trajectory_folds_make_one_record_with_the_tool_results_unmasked(store, 
     }
     # a max_length under the config's bound (16): the section built without its validation
     config = MergeConfig.model_construct(max_length=max_length, draft_vocab_size=8)
-    summary = merge_datasets(store, [ref], "r-fold-out", config, folds=folds)
+    summary = merge_datasets(store, [ref], "r-fold-out", config, folds=folds, vocab_size=VOCAB_SIZE)
     records = {r["sample_id"]: r for r in read_all(store, summary, tmp_path)}
     assert set(records) == {"traj", "plain"}
     traj = records["traj"]
@@ -328,7 +329,9 @@ def test_a_trajectory_whose_last_turn_is_unusable_keeps_its_usable_turns(store, 
     ]
     samples = [{**s, "prefix_ok": True, "base": 3, "masked": masked[: 2 * len(s["steps"]) - 2]} for s in samples]
     folds = {ref: trajectory_folds(samples, {r["sample_id"]: (r["status"], r["error"]) for r in rows})}
-    summary = merge_datasets(store, [ref], "r-cut-out", MergeConfig(draft_vocab_size=8), folds=folds)
+    summary = merge_datasets(
+        store, [ref], "r-cut-out", MergeConfig(draft_vocab_size=8), folds=folds, vocab_size=VOCAB_SIZE
+    )
     records = {r["sample_id"]: r for r in read_all(store, summary, tmp_path)}
     assert sorted(records) == ["cut", "mid", "whole"]
     assert records["cut"]["input_ids"] == [1, 2, 3, 10, 11, IM_END, 20, 21, 12, 13, IM_END]

@@ -106,7 +106,7 @@ def fingerprint(store, inputs, run_key: str, tokens_per_bucket: int, **config) -
     from eagle3_data.merge import merge_datasets
     from eagle3_data.storage import StageRef
 
-    merge_datasets(store, inputs, run_key, MergeConfig(**config), tokens_per_bucket=tokens_per_bucket)
+    merge_datasets(store, inputs, run_key, MergeConfig(**config), tokens_per_bucket=tokens_per_bucket, vocab_size=VOCAB)
     manifest = store.read_manifest(StageRef(run_key, "merge", "all"))
     extra = {k: v for k, v in manifest["extra"].items() if k != "draft_vocab"}
     return {

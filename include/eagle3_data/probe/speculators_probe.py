@@ -60,10 +60,7 @@ def drafter(verifier: str, target, arm: dict, aux_layers: list[int]) -> Eagle3Dr
     model = Eagle3DraftModel(config=config)
     vocab = Path(arm["vocab_dir"])
     n = arm["draft_vocab"]
-    # the merge's t2d can be shorter than the target's LM head (163,587 vs 163,840 rows); speculators
-    # wants one entry per row: the padding rows are never drafted
-    t2d = np.load(vocab / f"t2d-{n}.npy")
-    t2d = np.pad(t2d, (0, max(0, target.vocab_size - t2d.shape[0])))
+    t2d = np.load(vocab / f"t2d-{n}.npy")  # one entry per target LM-head row (merge_datasets' vocab_size)
     model.load_vocab_mappings(torch.from_numpy(t2d), torch.from_numpy(np.load(vocab / f"d2t-{n}.npy")))
     model.load_verifier_weights()
     return model
