@@ -567,6 +567,10 @@ def test_image_prompts_run_through_the_dag(stack, tmp_path, kimi_tokenizer):
         sources[row["source"]] += 1
     # image prompts go to the overflow path whatever the routing (the local clients send no images yet)
     assert set(sources) == {"openrouter"} and sources["openrouter"] == 4, sources
+    # the policy check scores ids only: an answer to an image it is not shown is never scored
+    policy = store.get_json(StageRef("images", "score_policy", "images"), "policy.json")
+    assert policy["image_samples_left_out"] == {"local": 0, "overflow": 4}, policy
+    assert policy["skipped"] == "no overflow answers to text prompts (4 to image prompts left out)", policy
     prompts = store.read_manifest(StageRef("images", "prompts", "images"))["extra"]["counts"]
     assert prompts["overflow"] == 4 and prompts["images_to_overflow"] > 0 and "local" not in prompts, prompts
     merge = StageRef("images", "merge", "all")

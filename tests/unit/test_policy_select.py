@@ -30,3 +30,14 @@ def test_a_pilot_is_part_of_the_sample_it_grows_into():
     pilot = {it.sample_id for it in overflow_items(data, routes, 8, seed=1)}
     grown = {it.sample_id for it in overflow_items(data, routes, 50, seed=1)}
     assert len(pilot) == 8 and len(grown) == 50 and pilot < grown
+
+
+def test_image_prompts_are_never_scored():
+    """The scoring request carries ids only: an answer about an image the target is not shown
+    would score low on whichever path answered it (mostly overflow), an honest provider's too."""
+    data, routes = rows(60)
+    ref = '[{"sha256": "ab", "uri": "s3://b/x.png"}]'
+    data = [{**r, "images": ref if i % 2 else None} for i, r in enumerate(data)]
+    items = overflow_items(data, routes, 60, seed=3, pairs=60)
+    assert items and all(int(it.sample_id[1:]) % 2 == 0 for it in items)
+    assert len(items) == 30  # every text row, sampled and calibration alike

@@ -77,6 +77,7 @@ def score_policy(run: Run, store, dataset: str, endpoints: list[str], backend=No
     from eagle3_data.policy import ScoreOptions, local_items, overflow_items, score_items, summarize
     from eagle3_data.policy.compare import Thresholds, sample_size, worst_samples
     from eagle3_data.policy.compare import rows as score_rows
+    from eagle3_data.policy.select import has_images
 
     local, rebuilt, ref = (stage_ref(run, s, dataset) for s in (LOCAL, RECONSTRUCT, POLICY))
     tokenizer = bulk_tokenizer_for(run, store)
@@ -99,14 +100,25 @@ def score_policy(run: Run, store, dataset: str, endpoints: list[str], backend=No
             uri=store.uri(ref), scored=extra["scored"], gap_nats_per_token=extra["gap_nats_per_token"], reused=True
         )
     routes = row_routes(run, store, dataset)
-    columns = ["sample_id", "status", "prompt_ids", "output_ids", "finish_reason", "provenance", "tools", "messages"]
+    scored_columns = ["sample_id", "status", "prompt_ids", "output_ids", "images"]
+    columns = [*scored_columns, "finish_reason", "provenance", "tools", "messages"]
     pairs = cfg.max_samples
     n = min(cfg.pilot_samples, cfg.max_samples)
-    over = overflow_items(_rows(store, rebuilt, columns[:4]), routes, n, cfg.seed, pairs)
+    over = overflow_items(_rows(store, rebuilt, scored_columns), routes, n, cfg.seed, pairs)
     items: list = []
     scores: list = []
+    left_out = {  # select.has_images: never scored
+        side: sum(has_images(r) for r in _rows(store, stage, ["images"]))
+        for side, stage in (("local", local), ("overflow", rebuilt))
+    }
     if cfg.max_samples == 0 or not over:
-        summary = {"skipped": "policy.max_samples is 0" if cfg.max_samples == 0 else "no overflow answers"}
+        summary = {
+            "skipped": "policy.max_samples is 0"
+            if cfg.max_samples == 0
+            else "no overflow answers"
+            + (f" to text prompts ({left_out['overflow']} to image prompts left out)" if left_out["overflow"] else ""),
+            "image_samples_left_out": left_out,
+        }
     elif not endpoints:
         raise UserError(f"score_policy {dataset}: no local endpoints configured to score on")
     else:
@@ -117,7 +129,7 @@ def score_policy(run: Run, store, dataset: str, endpoints: list[str], backend=No
 
         def at(n: int) -> tuple[list, list]:
             """The items at `n` sampled answers a side (and the pairs), scoring only the new ones."""
-            items = overflow_items(_rows(store, rebuilt, columns[:4]), routes, n, cfg.seed, pairs) + local_items(
+            items = overflow_items(_rows(store, rebuilt, scored_columns), routes, n, cfg.seed, pairs) + local_items(
                 fmt, _rows(store, local, columns), routes, n, cfg.seed, len(tokenizer), pairs
             )
             todo = [it for it in items if (it.side, it.sample_id, it.ids) not in done]
@@ -134,6 +146,7 @@ def score_policy(run: Run, store, dataset: str, endpoints: list[str], backend=No
         summary = {
             **summarize(items, scores, refused),
             "sizing": sizing,
+            "image_samples_left_out": left_out,
             "worst": worst_samples(items, scores, tokenizer.decode),
         }
         if backend is not None:

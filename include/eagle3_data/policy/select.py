@@ -21,6 +21,15 @@ class Item:
     first: int
 
 
+def has_images(row: Mapping) -> bool:
+    """Whether a generation row answers an image prompt. Such rows are left out of the check: the
+    scoring request carries ids only, so the target would score an answer about an image it is
+    not shown, and image prompts mostly take one path (overflow unless `generation.local.images`):
+    the answers' lower log-probabilities would count against that path, an honest provider's
+    included."""
+    return bool(row.get("images")) and row["images"] != "[]"
+
+
 def pick(sample_ids: Iterable[str], n: int, seed: int) -> list[str]:
     """`n` of `sample_ids`, the same ones every run (ordered by a hash of the seed and the id:
     not the input order, which may group samples by topic or length)."""
@@ -33,8 +42,11 @@ def _chosen(
 ) -> list[Mapping]:
     """Up to `n` rows of the side's own route (sampled answers) and up to `pairs` calibration rows
     (route "both": greedy, compared as pairs, never in the sampled pool). `pick`'s order makes a
-    larger `n` a superset of a smaller one: a pilot's samples stay in the sample it grows into."""
-    usable = [r for r in rows if r.get("status") == "ok" and r.get("output_ids") and r.get("prompt_ids")]
+    larger `n` a superset of a smaller one: a pilot's samples stay in the sample it grows into.
+    A row of an image prompt is never chosen (`has_images`)."""
+    usable = [
+        r for r in rows if r.get("status") == "ok" and r.get("output_ids") and r.get("prompt_ids") and not has_images(r)
+    ]
     keep: set[str] = set()
     for route, k in ((side_route, n), ("both", pairs)):
         keep.update(pick((r["sample_id"] for r in usable if routes.get(r["sample_id"]) == route), k, seed))
