@@ -1,8 +1,7 @@
 """Extraction with images on the tiny Kimi-K2.5 (vLLM CPU) against transformers' own forward.
 
-The engine here is a second one of the session (`dev:tiny-kimi-k25`, started for images: the
-multimodal processor, the vision tower and the tokenizer are loaded, which the text-only
-extraction engine of tests/fixtures/engine.py never does). The pixels of the reference are
+The engines are the session's own (tests/fixtures/engine.py: `vllm_backend` and `vllm_server`
+run `dev:tiny-kimi-k25` with images enabled for every engine test). The pixels of the reference are
 vLLM's own Kimi-K2.5 image processor's (`KimiK25FusedVisionProcessor`, run alone in the vLLM
 venv): transformers' Kimi-K2.5 image processor imports torchvision, which has no CPU build here.
 The reference is `Kimi_K25ForConditionalGeneration.model(input_ids, pixel_values,
@@ -18,7 +17,7 @@ import pytest
 import torch
 
 from eagle3_data.hidden_states.final_norm import rms_norm
-from eagle3_data.hidden_states.vllm_backend import PromptIdsDiffer, VllmBackend
+from eagle3_data.hidden_states.vllm_backend import PromptIdsDiffer
 
 INDICES = [2, 4, 5]
 REL = 1e-5  # measured: vLLM 2.6e-6 (image samples) and 3.9e-7 (text), transformers backend 3.3e-7
@@ -114,13 +113,6 @@ def prompt(tokenizer, parts: list, pixels: dict) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def image_backend(vllm_python, tiny_kimi_k25_dir):
-    backend = VllmBackend(tiny_kimi_k25_dir, max_model_len=2048, max_images=2, python=vllm_python)
-    yield backend
-    backend.close()
-
-
-@pytest.fixture(scope="module")
 def reference(tiny_kimi_k25_dir):
     from transformers import Kimi_K25ForConditionalGeneration
 
@@ -165,12 +157,12 @@ def test_hf_backend_batches_image_samples_like_one_forward_each(tiny_kimi_k25_di
 
 
 def test_states_of_image_samples_equal_transformers_forward_with_the_same_pixels(
-    image_backend, reference, pixels, kimi_tokenizer
+    vllm_backend, reference, pixels, kimi_tokenizer
 ):
     batch = [prompt(kimi_tokenizer, parts, pixels) for parts in SAMPLES]
     images = [[IMAGES[p] for p in parts if p in IMAGES] for parts in SAMPLES]
-    states = image_backend.forward(batch, INDICES, last_hidden=True, images=images)  # ids checked against the engine's
-    weight, eps = image_backend.final_norm
+    states = vllm_backend.forward(batch, INDICES, last_hidden=True, images=images)  # ids checked against the engine's
+    weight, eps = vllm_backend.final_norm
     for parts, ids, got in zip(SAMPLES, batch, states, strict=True):
         names = [p for p in parts if p in IMAGES]
         hs = reference_states(reference, ids, names, pixels)
@@ -185,7 +177,7 @@ def test_states_of_image_samples_equal_transformers_forward_with_the_same_pixels
 
 
 def test_an_unexpanded_placeholder_is_a_failure_naming_the_first_differing_position(
-    image_backend, pixels, kimi_tokenizer
+    vllm_backend, pixels, kimi_tokenizer
 ):
     """One `<|media_pad|>` where the processor gives n: the engine expands it itself, so the ids it
     saw are not ours; the failure names the position after our single pad."""
@@ -195,7 +187,7 @@ def test_an_unexpanded_placeholder_is_a_failure_naming_the_first_differing_posit
     assert n > 1
     short = ids[: first + 1] + ids[first + n :]
     with pytest.raises(PromptIdsDiffer, match=f"at position {first + 1} "):
-        image_backend.forward([short], INDICES, last_hidden=False, images=[[IMAGES["a"]]])
+        vllm_backend.forward([short], INDICES, last_hidden=True, images=[[IMAGES["a"]]])  # the session's layers
 
 
 # -- local generation with images on `vllm serve` (generation/vllm.py: /inference/v1/generate) -----
@@ -225,7 +217,7 @@ GENERATED = [["a"], ["b", "a"]]
 
 
 def test_image_prompts_generated_on_vllm_serve_answer_as_transformers_with_the_same_pixels(
-    vllm_image_server, store, kimi_tokenizer, reference, pixels, tmp_path
+    vllm_server, store, kimi_tokenizer, reference, pixels, tmp_path
 ):
     """Each prompt goes with one pad per image and its images; vLLM's processor expands the pads,
     and the prompt ids it reports back equal ours (checked by the client, recorded in the row);
@@ -238,7 +230,7 @@ def test_image_prompts_generated_on_vllm_serve_answer_as_transformers_with_the_s
     rows = image_prompts(store, [[IMAGES[n] for n in names] for names in GENERATED])
     ref = StageRef(run_key="vllm-img", stage="generate_local", dataset="images")
     sampling = {"temperature": 0.0, "max_new_tokens": MAX_NEW, "thinking": True}
-    s = generate_vllm(store, ref, rows, kimi_tokenizer, [vllm_image_server.url], sampling, journal_dir=tmp_path)
+    s = generate_vllm(store, ref, rows, kimi_tokenizer, [vllm_server.url], sampling, journal_dir=tmp_path)
     assert s["complete"] and s["counts"]["ok"] == 2, s
     fmt = get_output_format(kimi_tokenizer, thinking=True)
     got = {r["sample_id"]: r for r in store.read_table(ref).to_pylist()}
@@ -252,7 +244,7 @@ def test_image_prompts_generated_on_vllm_serve_answer_as_transformers_with_the_s
 
 
 def test_a_wrong_media_token_count_is_a_failed_row_naming_the_first_differing_position(
-    vllm_image_server, store, kimi_tokenizer, pixels, tmp_path
+    vllm_server, store, kimi_tokenizer, pixels, tmp_path
 ):
     """Our count one more than vLLM's processor's (the reference as a drifted processor would write
     it): vLLM runs its own count, the ids it reports part from ours after its last pad."""
@@ -267,12 +259,12 @@ def test_a_wrong_media_token_count_is_a_failed_row_naming_the_first_differing_po
     row["images"] = json.dumps(refs)
     ref = StageRef(run_key="vllm-img", stage="generate_local", dataset="wrong")
     sampling = {"temperature": 0.0, "max_new_tokens": MAX_NEW, "thinking": True}
-    s = generate_vllm(store, ref, [row], kimi_tokenizer, [vllm_image_server.url], sampling, journal_dir=tmp_path)
+    s = generate_vllm(store, ref, [row], kimi_tokenizer, [vllm_server.url], sampling, journal_dir=tmp_path)
     assert s["complete"] and s["counts"]["failed"] == 1, s
     (r,) = store.read_table(ref).to_pylist()
     at = r["prompt_ids"].index(MEDIA["pad"]) + n
     assert r["error"] == (
-        f"media tokens: {vllm_image_server.url} ran other prompt ids than ours from position {at} (ours "
+        f"media tokens: {vllm_server.url} ran other prompt ids than ours from position {at} (ours "
         f"{MEDIA['pad']}, the engine's {MEDIA['end']}; {len(r['prompt_ids'])} ids ours, {len(r['prompt_ids']) - 1} "
         "the engine's): its processor counts another number of media tokens for an image"
     )

@@ -1,9 +1,10 @@
 """The policy check tells a different model from the target, on CPU, with real engines.
 
-The local engine is the session's `vllm serve` of the tiny model (peaked next-token
+The local engine is the session's `vllm serve` of the tiny Kimi-K2.5 (peaked next-token
 distributions, so a model's text is its own). The overflow "provider" is a vLLM server too,
-answering OpenRouter's chat route under the pinned name: a second server with the tiny model's
-architecture and other weights under the same name -> the identity check cannot see it (same
+answering OpenRouter's chat route under the pinned name: a second server (started with this
+module) with the tiny text stack's shapes and other weights (a text-only DeepSeek-V3, seed 1)
+under the same name -> the identity check cannot see it (same
 name), the policy check fails the dataset naming the figures. (The same weights passing, with the
 power statement, is tests/engine/test_policy_faults.py's honest provider: not run twice.)
 Each run goes through the pipeline's own stages: prompts,

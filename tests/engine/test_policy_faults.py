@@ -39,10 +39,10 @@ SMALL = (40, 32)
 
 
 @pytest.fixture(scope="module")
-def target_backend(tiny_model_dir):
+def target_backend(tiny_kimi_k25_dir):  # the session's vllm_server's model
     from eagle3_data.hidden_states.backends import TransformersBackend
 
-    return TransformersBackend(tiny_model_dir)
+    return TransformersBackend(tiny_kimi_k25_dir)
 
 
 def _trial(store, vllm_server, kimi_tokenizer_dir, backend, name: str, rewrite: Rewrite) -> dict:

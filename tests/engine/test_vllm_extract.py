@@ -1,8 +1,9 @@
 """The `vllm` hidden-state backend against an independent transformers forward (fp32, CPU).
 
-One engine for the whole session (`vllm_backend`): every test asks for the same vLLM ids, the
-defaults of both conventions plus the last layer ([2, 4, 5] + [8] on the 8-layer tiny model),
-so the worker starts once. The reference is a plain single-sample `AutoModelForCausalLM` forward
+One engine for the whole session (`vllm_backend`, the tiny Kimi-K2.5 started for images too):
+every test asks for the same vLLM ids, the defaults of both conventions plus the last layer
+([2, 4, 5] + [8] on the 8-layer tiny model), so the worker starts once. The reference is
+transformers' own `Kimi_K25ForConditionalGeneration` on text alone, a plain single-sample forward
 with `output_hidden_states=True`: no hooks, no batching, nothing shared with either backend.
 Tolerance: relative error (max |diff| / max |ref|, per layer) < 1e-5; measured ~1e-7-1e-6.
 """
@@ -23,14 +24,14 @@ IM_END = 163_586
 
 
 @pytest.fixture(scope="module")
-def reference_model(tiny_model_dir):
-    from transformers import AutoModelForCausalLM
+def reference_model(tiny_kimi_k25_dir):
+    from transformers import Kimi_K25ForConditionalGeneration
 
-    return AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    return Kimi_K25ForConditionalGeneration.from_pretrained(str(tiny_kimi_k25_dir), dtype=torch.float32).eval()
 
 
 def reference_states(model, ids):
-    """The decoder's hidden_states tuple (the LM head's [T, 163840] logits are never needed)."""
+    """The language model's hidden_states tuple (the LM head's [T, 163840] logits are never needed)."""
     with torch.no_grad():
         return model.model(torch.tensor([ids]), output_hidden_states=True).hidden_states
 
@@ -121,7 +122,7 @@ def test_shared_long_prefix_gives_full_length_states_for_both(vllm_backend, refe
 
 
 def test_cli_extracts_every_shard_on_the_same_engine_and_the_manifest_records_it(
-    vllm_backend, store, generations, tiny_model_dir, s3_env, tmp_path
+    vllm_backend, store, generations, tiny_kimi_k25_dir, s3_env, tmp_path
 ):
     import yaml
 
@@ -129,7 +130,7 @@ def test_cli_extracts_every_shard_on_the_same_engine_and_the_manifest_records_it
     from eagle3_data.config import default_config_raw
     from eagle3_data.merge import merged_shards
     from eagle3_data.storage import StageRef
-    from tests.fixtures.engine import MAX_MODEL_LEN
+    from tests.fixtures.engine import MAX_IMAGES, MAX_MODEL_LEN
     from tests.integration.test_extract_s3 import RUN
 
     merge_ref, out_ref = StageRef(RUN, "merge", "all"), StageRef(RUN, "hidden_states", "all")
@@ -150,10 +151,12 @@ def test_cli_extracts_every_shard_on_the_same_engine_and_the_manifest_records_it
     )
     assert len(merged_shards(store, merge_ref)) > 1
     starts = vllm_backend.starts
-    # the engine's context is the config's merge.max_length + 1: the one the session's engine has
+    # the engine's context is the config's merge.max_length + 1, and its images hidden_states.max_images:
+    # the ones the session's engine has
     config = tmp_path / "pipeline.yaml"
     raw = default_config_raw()
     raw["merge"]["max_length"] = MAX_MODEL_LEN - 1
+    raw["hidden_states"]["max_images"] = MAX_IMAGES
     config.write_text(yaml.safe_dump(raw))
     assert (
         main(
@@ -164,7 +167,7 @@ def test_cli_extracts_every_shard_on_the_same_engine_and_the_manifest_records_it
                 "--backend",
                 "vllm",
                 "--model",
-                str(tiny_model_dir),
+                str(tiny_kimi_k25_dir),
                 "--input",
                 store.uri(merge_ref),
                 "--last-hidden",

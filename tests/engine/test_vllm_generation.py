@@ -1,5 +1,6 @@
-"""Local generation on a real `vllm serve` (CPU, fp32, the tiny model): exact ids, stop ids,
-resume after SIGKILL, and the gate on the engine's own output. One server per session.
+"""Local generation on a real `vllm serve` (CPU, fp32, the tiny Kimi-K2.5): exact ids, stop ids,
+resume after SIGKILL, and the gate on the engine's own output. One server per session (the one
+the image prompts use too); the reference is transformers' `Kimi_K25ForConditionalGeneration`.
 
 A random model almost never emits `<|im_end|>`, so the stop path is driven with a `logit_bias` on
 it, sent by the client like any sampling parameter and applied identically to the transformers
@@ -49,10 +50,10 @@ def fmt(kimi_tokenizer):
 
 
 @pytest.fixture(scope="module")
-def reference_model(tiny_model_dir):
-    from transformers import AutoModelForCausalLM
+def reference_model(tiny_kimi_k25_dir):
+    from transformers import Kimi_K25ForConditionalGeneration
 
-    return AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    return Kimi_K25ForConditionalGeneration.from_pretrained(str(tiny_kimi_k25_dir), dtype=torch.float32).eval()
 
 
 def greedy_with_gaps(model, prompt_ids: list[int], steps: int) -> tuple[list[int], list[float]]:

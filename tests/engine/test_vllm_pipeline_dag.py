@@ -1,19 +1,20 @@
 """The real DAG end to end on the real engine: `generation.local.engine: vllm` (config) and
 `hidden_states.backend: vllm` (the run's `hidden_states_backend` param), through `dag.test()`
-against SeaweedFS and the tiny model.
+against SeaweedFS and the tiny Kimi-K2.5 (`model.source`, `hidden_states.max_images`: the session's).
 
 Local generation runs on the session's `vllm serve` (the `vllm_server` fixture, wired in as the
 `sglang_default` connection: the local-engine connection is engine-neutral); overflow still goes
 to the dev inference server (the OpenRouter stand-in). Extraction runs in the DAG's own process
 (`dag.test()` runs tasks in-process) on the session's vLLM extraction engine: the config asks for
-exactly the engine the other tests use (tiny model, TP 1, `max_model_len` = merge.max_length + 1,
-output convention + last_hidden = vLLM ids [2, 4, 5, 8]), so `shared_backend` hands the DAG that
-very engine and no second one starts.
+exactly the engine the other tests use (the tiny Kimi-K2.5, TP 1, `max_model_len` = merge.max_length
++ 1, `max_images` 2, output convention + last_hidden = vLLM ids [2, 4, 5, 8]), so `shared_backend`
+hands the DAG that very engine and no second one starts.
 
 Content, not just task states: the local rows are the engine's (source `vllm`, the prompt ids the
 format renders, greedy ids equal to a second request of the same prompt), merged records are
 exactly prompt + output ids of their source rows, and each stored state equals an independent
-transformers forward over the merged ids (bf16 storage: relative error < 1e-2).
+transformers forward (`Kimi_K25ForConditionalGeneration`, text alone) over the merged ids (bf16
+storage: relative error < 1e-2).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 
 from eagle3_data.config import DAG_ID, load_config
 from tests.fixtures.airflow import dag_stack
-from tests.fixtures.engine import MAX_MODEL_LEN
+from tests.fixtures.engine import MAX_IMAGES, MAX_MODEL_LEN
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +50,7 @@ OVERRIDES = {
     "merge": {"max_length": MAX_MODEL_LEN - 1, "shard_tokens": 256},
     # the config keeps the default backend (transformers): the run's `hidden_states_backend`
     # param selects vllm, so the trigger-form path is what this run exercises
-    "hidden_states": {"last_hidden": True, "workers": 1},
+    "hidden_states": {"last_hidden": True, "workers": 1, "max_images": MAX_IMAGES},
     # a random model's ids are often not the tokenizer's canonical split of their own text (a real
     # model's almost always are): bpe_only is measured and reported, not gated, here
     "validation": {"max_bpe_mismatch_rate": 1.0},
@@ -59,13 +60,13 @@ H = 64  # the tiny model's hidden size
 
 
 @pytest.fixture(scope="module")
-def vllm_stack(tmp_path_factory, airflow_db, vllm_server, vllm_backend):
+def vllm_stack(tmp_path_factory, airflow_db, vllm_server, vllm_backend, tiny_kimi_k25_dir):
     with dag_stack(
         tmp_path_factory.mktemp("dag-vllm"),
         DATASETS,
         SAMPLES,
         f"{DATE:%Y-%m-%d}",
-        config_overrides=OVERRIDES,
+        config_overrides={**OVERRIDES, "model": {"source": str(tiny_kimi_k25_dir)}},  # the engines' model
         extra_env={"AIRFLOW_CONN_SGLANG_DEFAULT": vllm_server.connection()},
     ) as s:
         yield s
@@ -93,7 +94,7 @@ def _states(dag_run) -> dict[tuple[str, str], str]:
 
 
 def test_dag_runs_on_vllm_for_generation_and_extraction(
-    vllm_stack, dag_run, vllm_server, vllm_backend, kimi_tokenizer, tiny_model_dir, tmp_path
+    vllm_stack, dag_run, vllm_server, vllm_backend, kimi_tokenizer, tiny_kimi_k25_dir, tmp_path
 ):
     from eagle3_data.chat_format import get_output_format
     from eagle3_data.hidden_states.shards import ShardReader
@@ -200,11 +201,11 @@ def test_dag_runs_on_vllm_for_generation_and_extraction(
             final_norm = reader.final_norm
             stored.update({s.sample_id: s for s in reader})
     assert set(stored) == set(merged)
-    from transformers import AutoModelForCausalLM
+    from transformers import Kimi_K25ForConditionalGeneration
 
     from eagle3_data.hidden_states.final_norm import rms_norm
 
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    model = Kimi_K25ForConditionalGeneration.from_pretrained(str(tiny_kimi_k25_dir), dtype=torch.float32).eval()
     for sid in sorted(stored)[:3] + [next(s for s in sorted(stored) if merged[s]["source"] == "openrouter")]:
         s, rec = stored[sid], merged[sid]
         n = len(rec["input_ids"])

@@ -75,3 +75,26 @@ def test_special_ids_are_the_tokenizers(tiny_kimi_k25_dir, kimi_tokenizer):
     assert (cfg.vision_start_token_id, cfg.vision_end_token_id) == (tok("<|media_begin|>"), tok("<|media_end|>"))
     assert cfg.text_config.vocab_size == len(kimi_tokenizer) == 163_840
     assert cfg.text_config.eos_token_id == tok("[EOS]") and not cfg.tie_word_embeddings
+
+
+def test_its_text_stack_is_the_tiny_deepseek_v3_weight_for_weight(tiny_kimi_k25_dir, tiny_model_dir):
+    """The same seed gives the same text model in both classes: every text tensor of the K2.5
+    checkpoint equals the tiny DeepSeek-V3's, and so do the logits of transformers' own forwards of
+    each (the two checkpoints read back by their own loaders) for the same ids. What the engine
+    tier measured on the DeepSeek-V3 (the policy trials' power, the peaked distributions) holds for
+    the K2.5's text, and the DeepSeek-V3 is the same target wherever it still stands in."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, Kimi_K25ForConditionalGeneration
+
+    k25 = load_file(str(tiny_kimi_k25_dir / "model.safetensors"))
+    dsv3 = load_file(str(tiny_model_dir / "model.safetensors"))
+    text = {k.removeprefix("language_model."): v for k, v in k25.items() if k.startswith("language_model.")}
+    assert sorted(text) == sorted(dsv3)
+    assert [k for k in dsv3 if not torch.equal(text[k], dsv3[k])] == []
+
+    ids = torch.randint(0, 163_584, (1, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = Kimi_K25ForConditionalGeneration.from_pretrained(str(tiny_kimi_k25_dir), dtype=torch.float32)
+        theirs = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+        assert torch.equal(ours.eval()(input_ids=ids).logits, theirs.eval()(input_ids=ids).logits)

@@ -6,9 +6,11 @@ and `mm_projector.proj.*`, whose config nests `text_config` and `vision_config`,
 images (`<|media_pad|>` positions filled by MoonViT's features). Built here with transformers'
 own classes, so every engine path that loads the real model loads this one the same way:
 
-- the text stack is `tiny_model.tiny_config` (MLA + MoE with the shapes vLLM's CPU kernels take,
-  Kimi's yarn rope, the engine routing keys written into `text_config`) and the same peaked,
-  never-special `lm_head` (`tiny_model.shape_lm_head`);
+- the text stack is the tiny DeepSeek-V3 itself, weight for weight (`tiny_model.tiny_text_model`
+  of the same seed: MLA + MoE with the shapes vLLM's CPU kernels take, Kimi's yarn rope, the
+  engine routing keys written into `text_config`, the peaked, never-special `lm_head`), so its
+  text is the DeepSeek-V3's: as peaked (the policy trials' power was measured on it), and either
+  build stands in for the other on text;
 - the vision tower is a two-layer MoonViT at width 64 (4 heads of 16: the axial rope needs a
   head size divisible by 4), its projector into the text width;
 - the special ids are read from the tokenizer by name (`<|media_pad|>` is the image token);
@@ -26,7 +28,7 @@ import json
 import shutil
 from pathlib import Path
 
-from eagle3_data.builds.tiny_model import ENGINE_CONFIG_KEYS, TOKENIZER_FILES, shape_lm_head, tiny_config
+from eagle3_data.builds.tiny_model import ENGINE_CONFIG_KEYS, TOKENIZER_FILES, tiny_config, tiny_text_model
 
 VISION_ARGS = {
     "hidden_size": 64,
@@ -111,18 +113,21 @@ def _moonshot_key_names(path: Path) -> None:
 
 
 def tiny_kimi_k25_model(tokenizer, *, seed: int = 0, layers: int = 8, hidden: int = 64):
-    """The bf16 model in memory: a pure function of the tokenizer, the seed and the shapes."""
+    """The bf16 model in memory: a pure function of the tokenizer, the seed and the shapes. The
+    vision tower and projector are this seed's init in this class; the text stack (decoder and
+    lm_head) is the tiny DeepSeek-V3 of the same seed, copied in before the cast to bf16."""
     import torch
     from transformers import Kimi_K25ForConditionalGeneration
 
-    if layers < 4:
-        raise ValueError(f"layers={layers}: EAGLE-3 aux layer ids [1, L//2-1, L-4] need at least 4 layers")
+    text = tiny_text_model(tokenizer, seed=seed, layers=layers, hidden=hidden)  # raises for layers < 4
     config = tiny_kimi_k25_config(tokenizer, layers=layers, hidden=hidden)
     config.dtype = "bfloat16"
     with torch.random.fork_rng(devices=[]):  # seeding must not leak into the caller's RNG state
         torch.manual_seed(seed)
         model = Kimi_K25ForConditionalGeneration(config)
-        shape_lm_head(model, tokenizer)
+    with torch.no_grad():
+        model.model.language_model.load_state_dict(text.model.state_dict())  # strict: every tensor, same names
+        model.lm_head.weight.copy_(text.lm_head.weight)
     return model.to(torch.bfloat16)
 
 

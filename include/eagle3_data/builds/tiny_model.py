@@ -114,22 +114,15 @@ def tiny_config(vocab_size: int, *, layers: int = 8, hidden: int = 64, special: 
     )
 
 
-def build_tiny_model(
-    tokenizer_dir: str | Path,
-    out_dir: str | Path,
-    *,
-    seed: int = 0,
-    layers: int = 8,
-    hidden: int = 64,
-) -> Path:
-    """Write an `AutoModelForCausalLM`-loadable directory (bf16 weights + tokenizer files)."""
+def tiny_text_model(tokenizer, *, seed: int = 0, layers: int = 8, hidden: int = 64):
+    """The fp32 `DeepseekV3ForCausalLM` in memory, lm_head shaped: a pure function of the tokenizer,
+    the seed and the shapes. The tiny Kimi-K2.5 takes its text stack from here too, so both
+    builds are one text model (tested weight for weight)."""
     import torch
-    from transformers import AutoTokenizer, DeepseekV3ForCausalLM
+    from transformers import DeepseekV3ForCausalLM
 
     if layers < 4:
         raise ValueError(f"layers={layers}: EAGLE-3 aux layer ids [1, L//2-1, L-4] need at least 4 layers")
-    tokenizer_dir = Path(tokenizer_dir)
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     special = {
         "bos": tokenizer.convert_tokens_to_ids("[BOS]"),
         "eos": tokenizer.convert_tokens_to_ids("[EOS]"),
@@ -143,7 +136,24 @@ def build_tiny_model(
         torch.manual_seed(seed)
         model = DeepseekV3ForCausalLM(config)
         shape_lm_head(model, tokenizer)
-    model = model.to(torch.bfloat16)
+    return model
+
+
+def build_tiny_model(
+    tokenizer_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    layers: int = 8,
+    hidden: int = 64,
+) -> Path:
+    """Write an `AutoModelForCausalLM`-loadable directory (bf16 weights + tokenizer files)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    tokenizer_dir = Path(tokenizer_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    model = tiny_text_model(tokenizer, seed=seed, layers=layers, hidden=hidden).to(torch.bfloat16)
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
