@@ -124,7 +124,8 @@ def main() -> None:
     target = servers["target"].url
     print(
         f"policy_power: {args.samples} prompts a trial ({args.calibration} calibration), "
-        f"max_new_tokens {args.max_new_tokens}, default policy settings but top_logprobs {args.top_logprobs}"
+        f"max_new_tokens {args.max_new_tokens}, default policy settings but top_logprobs {args.top_logprobs} "
+        "and the fp32 nucleus margin (eagle3_devtools.policy_trial)"
     )
     print(
         "| provider | run | sampled n | gap +- SE (nats/token) | min detectable shift (90%) | p | "
