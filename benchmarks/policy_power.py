@@ -14,13 +14,13 @@ reconstruct, score_policy, validate, at the default policy settings (pilot 32 a 
 sample sized from its spread, at most policy.max_samples). Per trial: samples scored a side,
 the sampled test's gap (local minus overflow mean log-probability per token, per sample) with
 its standard error, p-value and minimum detectable shift at 90% power, the pairs' mean
-difference and p, the nucleus test's counts (answer tokens outside the sampling's nucleus, local
-and overflow, both on one tokenisation path: policy.nucleus, with the tiny target in-process as
-the extraction's transformers backend), its p-value and smallest detectable outside-rate at 90%
-power, and the gate's verdict on policy.
+difference and p, the nucleus test's counts (answer tokens provably outside the sampling's
+nucleus, local and overflow, both on one tokenisation path, from the local engine's top
+`--top-logprobs` log-probabilities at every position, as in production: policy.nucleus), its
+p-value and smallest detectable outside-rate at 90% power, and the gate's verdict on policy.
 
     .venv/bin/python benchmarks/policy_power.py [--samples 192] [--runs 3] [--max-new-tokens 48]
-        [--providers honest temp1.3 top_p int8] [--smoke] [--no-nucleus]
+        [--providers honest temp1.3 top_p int8] [--smoke] [--top-logprobs 1000]
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from _harness import seaweedfs, store_for  # noqa: E402
 
 from eagle3_devtools.provider_proxy import Rewrite, start_provider_proxy  # noqa: E402
+from eagle3_devtools.vllm_serve import MAX_LOGPROBS  # noqa: E402
 
 FAULTS = {
     "honest": Rewrite(),
@@ -103,7 +104,13 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--providers", nargs="*", default=list(FAULTS), choices=list(FAULTS))
     ap.add_argument("--smoke", action="store_true", help="honest and temp1.3 once at 64 prompts")
-    ap.add_argument("--no-nucleus", action="store_true", help="leave the nucleus test out (no target in-process)")
+    ap.add_argument(
+        "--top-logprobs",
+        type=int,
+        default=MAX_LOGPROBS,
+        help="log-probabilities per position the scoring requests ask for (policy.top_logprobs; the launcher "
+        f"allows {MAX_LOGPROBS})",
+    )
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed benchmark still stops its servers
     if args.smoke:
@@ -112,17 +119,13 @@ def main() -> None:
     from eagle3_devtools.policy_trial import run_trial, trial_run
 
     tokenizer, model = _model()
-    backend = None
-    if not args.no_nucleus:
-        from eagle3_data.hidden_states.backends import TransformersBackend
-
-        backend = TransformersBackend(model)
     logs = Path(tempfile.mkdtemp(prefix="bench-policy-"))
     servers = {"target": _serve(model, logs, "target")}
     target = servers["target"].url
     print(
         f"policy_power: {args.samples} prompts a trial ({args.calibration} calibration), "
-        f"max_new_tokens {args.max_new_tokens}, default policy settings"
+        f"max_new_tokens {args.max_new_tokens}, default policy settings but top_logprobs {args.top_logprobs} "
+        "and the fp32 nucleus margin (eagle3_devtools.policy_trial)"
     )
     print(
         "| provider | run | sampled n | gap +- SE (nats/token) | min detectable shift (90%) | p | "
@@ -142,16 +145,14 @@ def main() -> None:
                     try:
                         t0 = time.monotonic()
                         config = trial_run(
-                            tokenizer, f"{name}-{run}", max_new_tokens=args.max_new_tokens, sampling_seed=100 + run
+                            tokenizer,
+                            f"{name}-{run}",
+                            max_new_tokens=args.max_new_tokens,
+                            sampling_seed=100 + run,
+                            top_logprobs=args.top_logprobs,
                         )
                         t = run_trial(
-                            store,
-                            config,
-                            target,
-                            proxy.url,
-                            samples=args.samples,
-                            calibration=args.calibration,
-                            backend=backend,
+                            store, config, target, proxy.url, samples=args.samples, calibration=args.calibration
                         )
                         t["seconds"] = time.monotonic() - t0
                     finally:

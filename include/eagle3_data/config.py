@@ -444,6 +444,22 @@ class PolicyConfig(_Model):
     )
     seed: int = Field(0, ge=0, description="which samples (a hash of seed and sample id)")
     in_flight_per_endpoint: int = Field(8, ge=1, le=1024, description="scoring requests in flight per local endpoint")
+    top_logprobs: int = Field(
+        20,
+        ge=1,
+        le=163_840,
+        description="the likeliest ids whose log-probabilities each scoring request asks for at every position "
+        "(the nucleus test's view of the target's distribution: a token outside a nucleus wider than this is "
+        "not seen); a vLLM scoring server must allow it (--max-logprobs, default 20)",
+    )
+    nucleus_logit_margin: float = Field(
+        0.15,
+        gt=0.0,
+        le=5.0,
+        description="how far the generating engines' logits (the provider's, the local engine's) and the scoring "
+        "engine's may differ, doubled: a token counts as outside the nucleus only beyond it (0.15: one bf16 rounding "
+        "of a logit of ~30; every engine in fp32: 1e-3)",
+    )
 
 
 class MergeConfig(_Model):

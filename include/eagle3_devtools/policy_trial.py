@@ -5,9 +5,12 @@ prompts greedy on both paths), then `generate_local` on the local `vllm serve`,
 `generate_overflow` against the provider's OpenRouter-shaped chat route, `reconstruct`,
 `score_policy` (the default policy settings unless `policy` overrides them) and `validate`
 (the gate). tests/engine/test_policy_faults.py and benchmarks/policy_power.py run it with the
-tiny target behind `eagle3_devtools.provider_proxy`. With `backend` (the target as a hidden-state
-backend: the extraction's), score_policy also counts the scored answers' tokens outside the
-sampling's nucleus and the gate runs the nucleus test (policy.nucleus, policy.compare).
+tiny target behind `eagle3_devtools.provider_proxy`. The sampling has a nucleus (top_p 0.95), so
+score_policy counts the scored answers' tokens outside it from the local engine's top-K, as in
+production (policy.nucleus), at `top_logprobs` a position: the tiny target's distributions are
+far flatter than a trained model's, and the nucleus test sees them only with K in the hundreds
+(`vllm_serve.MAX_LOGPROBS`, which the launcher allows), and with the fp32 logit margin
+(`policy.nucleus_logit_margin`): both sides' engines are one fp32 server.
 """
 
 from __future__ import annotations
@@ -15,15 +18,26 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from eagle3_devtools.vllm_serve import MAX_LOGPROBS, SERVED_MODEL_NAME
+
 DATASET = "policy"
-SERVED_MODEL_NAME = "tiny-kimi"  # eagle3_devtools.vllm_serve's
 
 
-def trial_run(tokenizer_dir, run_key: str, *, max_new_tokens: int, sampling_seed: int, policy: dict | None = None):
+def trial_run(
+    tokenizer_dir,
+    run_key: str,
+    *,
+    max_new_tokens: int,
+    sampling_seed: int,
+    policy: dict | None = None,
+    top_logprobs: int = MAX_LOGPROBS,
+):
     """The run's config: the defaults, the tiny target's served name as the pinned overflow
-    model, the sampling fixed by `sampling_seed` (the same text for the same seed)."""
+    model, the sampling fixed by `sampling_seed` (the same text for the same seed), the scoring
+    requests asking for `top_logprobs` a position (`policy.top_logprobs`; `policy` overrides more)."""
     from eagle3_data.config import load_config
     from eagle3_data.pipeline.run import Run
+    from eagle3_data.policy.nucleus import LOGIT_MARGIN
 
     config = load_config().with_overrides(
         {
@@ -48,7 +62,9 @@ def trial_run(tokenizer_dir, run_key: str, *, max_new_tokens: int, sampling_seed
             # a random model's text is rarely its tokenizer's canonical split and re-splits move the
             # billed count: measured elsewhere, not what a policy trial is about
             "validation": {"max_bpe_mismatch_rate": 1.0, "max_billing_deviation": 1.0},
-            **({"policy": policy} if policy else {}),
+            # the local engine and the provider are one fp32 vLLM server here: their logits differ by
+            # ~1e-5 (hidden_states.logprobs), so the nucleus rule's margin is fp32's, not a bf16 deployment's
+            "policy": {"top_logprobs": top_logprobs, "nucleus_logit_margin": LOGIT_MARGIN["float32"], **(policy or {})},
             "datasets": [{"name": DATASET}],
         },
         where="policy trial",
@@ -84,9 +100,7 @@ def write_prompts(store, run, samples: int, calibration: int) -> dict[str, str]:
     return dict(zip(ids, routes))
 
 
-def run_trial(
-    store, run, local_url: str, provider_url: str, *, samples: int, calibration: int = 0, backend=None
-) -> dict[str, Any]:
+def run_trial(store, run, local_url: str, provider_url: str, *, samples: int, calibration: int = 0) -> dict[str, Any]:
     """The stages through the gate; returns the gate's verdict (`passed`, `reasons`, `notes`),
     the committed policy figures (`figures`, with `sizing`) and the decision on them."""
     from eagle3_data import pipeline
@@ -98,7 +112,7 @@ def run_trial(
     pipeline.generate_local(run, store, DATASET, [local_url])
     pipeline.generate_overflow(run, store, DATASET, provider_url + "/v1", "key-unused-by-vllm")
     pipeline.reconstruct(run, store, DATASET)
-    pipeline.score_policy(run, store, DATASET, [local_url], backend=backend)
+    pipeline.score_policy(run, store, DATASET, [local_url])
     try:
         gate = pipeline.validate(run, store, DATASET).gate
         verdict = {"passed": gate.passed, "reasons": list(gate.reasons), "notes": list(gate.notes)}

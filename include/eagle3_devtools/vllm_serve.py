@@ -19,6 +19,12 @@ from eagle3_data.dev.processes import free_port, wait_http_ok
 from eagle3_devtools.services import kill_group
 
 SERVED_MODEL_NAME = "tiny-kimi"
+# What the policy check's nucleus test needs of the tiny target (`eagle3_devtools.policy_trial`): its
+# next-token distributions are far flatter than a trained model's (the top_p 0.95 nucleus holds
+# hundreds of ids at most positions, ~900 at the 95th percentile), so the top-K rule
+# (policy/nucleus.py) sees a token outside it only with K in the hundreds (RESULTS.md, "The nucleus
+# test from the engine's top-K"). A cap, not a cost: a request asking for fewer pays for fewer.
+MAX_LOGPROBS = 1000
 
 
 @dataclass
@@ -57,6 +63,7 @@ def start_vllm_server(
     max_model_len: int = 2048,
     dtype: str = "float32",
     max_images: int = 0,
+    max_logprobs: int = MAX_LOGPROBS,
 ) -> VllmServer:
     """Start the server process and return at once (`VllmServer.wait_healthy` waits): the three
     processes of `vllm serve` (API server, engine core, worker) each import torch and vLLM, a
@@ -64,7 +71,11 @@ def start_vllm_server(
 
     `max_images` > 0 (a Kimi-K2.5 checkpoint): the server takes image prompts with their ids, on
     `--enable-scale-out`'s `/inference/v1/generate`, up to that many `vision_chunk` items each
-    (generation/vllm.py)."""
+    (generation/vllm.py).
+
+    `max_logprobs`: the most log-probabilities a request may ask for per position (`--max-logprobs`,
+    vLLM's default 20): the policy check's scoring requests ask for `policy.top_logprobs` at every
+    position (`prompt_logprobs`), and the policy trials on the tiny target ask for MAX_LOGPROBS."""
     port = free_port()
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), HF_HUB_OFFLINE="1")
     cmd = [
@@ -91,6 +102,8 @@ def start_vllm_server(
         "--reasoning-parser",
         "kimi_k2",
         "--disable-uvicorn-access-log",
+        "--max-logprobs",
+        str(max_logprobs),
     ]
     if max_images:
         cmd += ["--enable-scale-out", "--limit-mm-per-prompt", f'{{"vision_chunk": {max_images}}}']

@@ -164,6 +164,12 @@ def test_full_run_one_gate_fails_others_complete(stack, dag):
         for stage in PER_DATASET_STAGES:
             m = store.read_manifest(StageRef(RUN_KEY, stage, ds))
             assert m["parts"] or m["files"], (stage, ds)
+    # the default sampling has a nucleus (top_p 0.95): the DAG's score_policy counts it from the engine's
+    # top-K (no target in memory) and the gate runs the nucleus test
+    policy = store.get_json(StageRef(RUN_KEY, "validate", "code"), "report.json")["policy"]
+    nucleus = policy["figures"]["nucleus"]
+    assert all(nucleus[side]["tokens"] > 0 for side in ("local", "overflow")), nucleus
+    assert "nucleus" in policy["decision"]["tests"] and policy["passed"], policy
     assert states[("dataset.validate", "chat")] == "failed"
     report = store.get_json(StageRef(RUN_KEY, "validate", "chat"), "report.json")
     assert not report["run_gate"]["passed"]

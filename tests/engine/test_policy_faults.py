@@ -5,18 +5,18 @@ engine behind eagle3_devtools.provider_proxy (OpenRouter's chat route forwarded 
 which (a) samples at 1.3 when asked 1.0, (b) drops `top_p` (0.95 asked), or (honest) changes
 nothing. Each trial runs the pipeline's stages (eagle3_devtools.policy_trial: routing half the
 prompts to the provider, both generations, reconstruction, score_policy, validate) at the
-default policy settings, with the target at hand as a hidden-state backend (the extraction's
-transformers backend, in-process: no second engine; tests/engine/test_vllm_extract.py shows
-vLLM's states equal it), so score_policy also counts the scored answer tokens outside the
-sampling's nucleus and the gate runs the nucleus test (policy.nucleus, policy.compare).
+default policy settings, on the production route: no target in memory, score_policy's requests
+to the session's `vllm serve` also ask for the top log-probabilities at every position
+(`prompt_logprobs`, policy_trial's `top_logprobs`: the tiny target's nucleus holds hundreds of
+ids, so K = 1000 where a trained model's needs ~20), and the answer tokens provably outside the
+sampling's nucleus are counted from them (policy.nucleus, at the fp32 logit margin: the local
+engine and the provider are one fp32 server), so the gate runs the nucleus test.
 
-(a) fails the gate (its text is ~2 nats/token less likely). (b) was below what the mean test can
+(a) fails the gate (its text is ~2 nats/token less likely). (b) is below what the mean test can
 see at a CPU-sized run (RESULTS.md, "Policy check against faulty providers"); the nucleus test
 sees it directly: a provider ignoring top_p 0.95 emits tokens outside the nucleus about 5% of the
 time, an honest one as often as the local engine (both sides' ids went through one tokenisation
-path, so re-split tokens weigh alike). Honest passes. Each trial is 40 prompts x 32 tokens, where
-the earlier mean-only trials took 64: the nucleus step adds ~4 s a trial (and ~4 s to load the tiny
-target once), less than the 24 prompts it saves; benchmarks/policy_power.py runs bigger trials.
+path, so re-split tokens weigh alike). Honest passes. Each trial is 40 prompts x 32 tokens.
 """
 
 from __future__ import annotations
@@ -33,26 +33,18 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 CALIBRATION = 4  # of the local half, greedy on both paths (pairs)
 # (prompts, max_new_tokens): half the prompts to the provider, ~640 overflow and ~510 local answer tokens
 # for the nucleus test. Dropping top_p 0.95 raised the overflow outside-rate from the local 0.8% to 5.1%
-# (p 9.2e-6 at this size, seed 7) and from 8.4% to 18.9% at 64 x 32, seed 100 (RESULTS.md, "The nucleus
-# test"): re-split tokens fall outside on both paths alike, at a rate that varies with the text.
+# (p 9.2e-6 at this size, seed 7; the same counts from the engine's top-1000 as from the target in memory)
+# and from 8.4% to 18.9% at 64 x 32, seed 100 (RESULTS.md, "The nucleus test"): re-split tokens fall
+# outside on both paths alike, at a rate that varies with the text.
 SMALL = (40, 32)
 
 
-@pytest.fixture(scope="module")
-def target_backend(tiny_kimi_k25_dir):  # the session's vllm_server's model
-    from eagle3_data.hidden_states.backends import TransformersBackend
-
-    return TransformersBackend(tiny_kimi_k25_dir)
-
-
-def _trial(store, vllm_server, kimi_tokenizer_dir, backend, name: str, rewrite: Rewrite) -> dict:
+def _trial(store, vllm_server, kimi_tokenizer_dir, name: str, rewrite: Rewrite) -> dict:
     prompts, max_new_tokens = SMALL
     proxy = start_provider_proxy(vllm_server.url, rewrite)
     try:
         run = trial_run(kimi_tokenizer_dir, f"policy-fault-{name}", max_new_tokens=max_new_tokens, sampling_seed=7)
-        trial = run_trial(
-            store, run, vllm_server.url, proxy.url, samples=prompts, calibration=CALIBRATION, backend=backend
-        )
+        trial = run_trial(store, run, vllm_server.url, proxy.url, samples=prompts, calibration=CALIBRATION)
     finally:
         proxy.stop()
     overflow = prompts // 2
@@ -74,10 +66,8 @@ def _trial(store, vllm_server, kimi_tokenizer_dir, backend, name: str, rewrite: 
     return trial
 
 
-def test_provider_sampling_at_another_temperature_fails(store, vllm_server, kimi_tokenizer_dir, target_backend):
-    trial = _trial(
-        store, vllm_server, kimi_tokenizer_dir, target_backend, "temperature-1.3", Rewrite(temperature_factor=1.3)
-    )
+def test_provider_sampling_at_another_temperature_fails(store, vllm_server, kimi_tokenizer_dir):
+    trial = _trial(store, vllm_server, kimi_tokenizer_dir, "temperature-1.3", Rewrite(temperature_factor=1.3))
     sampled = trial["decision"]["tests"]["sampled"]
     assert not trial["passed"], trial["notes"]
     # a flatter sampler's text is less likely under the target than the target's own
@@ -86,19 +76,19 @@ def test_provider_sampling_at_another_temperature_fails(store, vllm_server, kimi
     assert "identity" not in " ".join(trial["reasons"])  # same served name, same weights: only policy can tell
 
 
-def test_provider_ignoring_top_p_fails_on_the_nucleus(store, vllm_server, kimi_tokenizer_dir, target_backend):
+def test_provider_ignoring_top_p_fails_on_the_nucleus(store, vllm_server, kimi_tokenizer_dir):
     """The mean test cannot see this fault at this size (its stated minimum detectable shift is
     above the fault's ~0.3 nats/token); the nucleus test fails it: the overflow answers leave the
     nucleus far more often than the local engine's, on the same tokenisation path."""
-    trial = _trial(store, vllm_server, kimi_tokenizer_dir, target_backend, "top_p-ignored", Rewrite(ignore=("top_p",)))
+    trial = _trial(store, vllm_server, kimi_tokenizer_dir, "top_p-ignored", Rewrite(ignore=("top_p",)))
     nucleus = trial["decision"]["tests"]["nucleus"]
     assert not trial["passed"], trial["notes"]
     assert "nucleus" in trial["decision"]["rejected"] and nucleus["rates"][1] > nucleus["rates"][0], nucleus
     assert [r for r in trial["reasons"] if "tokens outside the nucleus its sampling allows" in r], trial["reasons"]
 
 
-def test_honest_provider_passes(store, vllm_server, kimi_tokenizer_dir, target_backend):
-    trial = _trial(store, vllm_server, kimi_tokenizer_dir, target_backend, "honest", Rewrite())
+def test_honest_provider_passes(store, vllm_server, kimi_tokenizer_dir):
+    trial = _trial(store, vllm_server, kimi_tokenizer_dir, "honest", Rewrite())
     sampled, nucleus = trial["decision"]["tests"]["sampled"], trial["decision"]["tests"]["nucleus"]
     assert trial["passed"], trial["reasons"]
     assert not sampled["rejected"] and sampled["p_value"] > 0.01, sampled
@@ -106,3 +96,25 @@ def test_honest_provider_passes(store, vllm_server, kimi_tokenizer_dir, target_b
     assert not nucleus["rejected"] and nucleus["p_value"] > 0.01, nucleus
     power = next(n for n in trial["notes"] if n.startswith("policy power: nucleus"))
     assert "sampled answers" in power and "UNDERPOWERED" in power, power  # the mean test's shortfall: said
+
+
+def test_more_top_logprobs_than_the_server_allows_stops_scoring_naming_the_fix(vllm_server):
+    """vLLM refuses `prompt_logprobs` above its `--max-logprobs` with a 400 on every request
+    (sampling_params.py `_validate_logprobs`): score_policy stops with what to change rather than
+    leaving every item unscored as if each were refused for itself."""
+    from eagle3_data.errors import UserError
+    from eagle3_data.generation.vllm import VLLM
+    from eagle3_data.policy import Item, ScoreOptions, score_items
+    from eagle3_data.policy.nucleus import Nucleus
+    from eagle3_devtools.vllm_serve import MAX_LOGPROBS
+
+    item = Item("s0", "overflow", "overflow", (163_584, 1000, 2000, 3000, 4000), 3)
+    nucleus = Nucleus(1.0, 0.95)
+    got, refused, outside = score_items([item], [vllm_server.url], VLLM, ScoreOptions(top_logprobs=3), nucleus, 163_840)
+    assert len(got[0]) == 2 and refused == {} and outside[0] in (0, 1, 2), (got, outside)
+    with pytest.raises(
+        UserError,
+        match=rf"Requested prompt logprobs of {MAX_LOGPROBS + 1}, which is greater than max "
+        rf"allowed: {MAX_LOGPROBS}.*--max-logprobs at least policy.top_logprobs",
+    ):
+        score_items([item], [vllm_server.url], VLLM, ScoreOptions(top_logprobs=MAX_LOGPROBS + 1), nucleus, 163_840)

@@ -5,6 +5,7 @@ sampling key SGLang's schema lets through but its SamplingParams refuses never r
 from __future__ import annotations
 
 import json
+import math
 
 import httpx
 import pytest
@@ -135,3 +136,35 @@ def test_expanded_pads_with_image_data_are_refused_as_sglang_refuses_them(start_
     )
     one = httpx.post(f"{server.url}/generate", json=dict(body, input_ids=[1, 163_605, 2]))
     assert one.status_code == 200 and one.json()["meta_info"]["image_tokens"] == 6  # 64x48: 6 media tokens
+
+
+def test_scoring_with_top_logprobs_answers_as_sglang_lists_them(start_dev_server):
+    """`top_logprobs_num` K with `return_logprob` (the policy check's scoring request,
+    generation/sglang.py `score_request`): `meta_info.input_top_logprobs` lines up with
+    `input_token_logprobs` (None at `logprob_start_len`, then K `[logprob, id, text]` a position,
+    descending), as SGLang 0.5.23 sends them (scheduler_components/logprob_result_processor.py
+    `_process_input_top_logprobs`, tokenizer_manager.py `detokenize_top_logprobs_tokens`); the wire
+    reads them, and the nucleus rule finds none of the stand-in's own text outside. A
+    `top_logprobs_num` that is no integer is SGLang's schema error."""
+    from eagle3_data.generation.sglang import SGLANG
+    from eagle3_data.policy.nucleus import Nucleus, outside
+
+    server = start_dev_server({})
+    ids, first, k = [163_584, 1000, 2000, 3000, 4000, 5000, 6000], 4, 8
+    path, body = SGLANG.score_request(ids, first, "top-k", {}, top=k)
+    assert body["top_logprobs_num"] == k and body["logprob_start_len"] == first - 1
+    answer = httpx.post(f"{server.url}{path}", json=body).json()
+    meta = answer["meta_info"]
+    assert len(meta["input_top_logprobs"]) == len(meta["input_token_logprobs"]) == len(ids) - first + 1
+    assert meta["input_top_logprobs"][0] is None and len(meta["output_top_logprobs"]) == 1
+    for row, (own, token, _) in zip(meta["input_top_logprobs"][1:], meta["input_token_logprobs"][1:]):
+        values = [e[0] for e in row]
+        assert len(row) == k and values == sorted(values, reverse=True) and sum(map(math.exp, values)) < 1
+        assert [own, token] in [e[:2] for e in row]
+    scored = SGLANG.score_answer(answer, ids, first, k)
+    assert scored.logprobs == [e[0] for e in meta["input_token_logprobs"][1:]] and len(scored.top) == len(ids) - first
+    assert not outside(scored.logprobs, scored.top, Nucleus(1.0, 0.95), 163_840).any()
+    assert len(SGLANG.score_answer(answer, ids, first).logprobs) == len(ids) - first  # without top: as before
+    bad = httpx.post(f"{server.url}{path}", json=dict(body, top_logprobs_num="8"))
+    assert bad.status_code == 400
+    assert bad.json()["error"] == 'invalid type: string "8", expected a value or an array of values for Int64OrList'

@@ -485,7 +485,7 @@ def test_nucleus_counts_the_answer_tokens_outside_the_sampling_and_not_where_it_
     import json as _json
 
     from eagle3_data.hidden_states.extract import _logprob_totals
-    from eagle3_data.hidden_states.logprobs import Nucleus
+    from eagle3_data.policy.nucleus import Nucleus
 
     g = torch.Generator().manual_seed(29)
     sampling = {"temperature": 0.8, "top_p": 0.9, "top_k": -1, "repetition_penalty": 1.0}

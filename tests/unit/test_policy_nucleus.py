@@ -92,9 +92,8 @@ def test_decide_runs_the_nucleus_test_only_with_tokens_on_both_sides_and_splits_
     plain = decide(local, over, [], [], th)
     assert "nucleus" not in plain["tests"] and plain["tests"]["sampled"]["alpha"] == th.false_alarm_rate
     assert power_statement(plain).endswith(
-        "nucleus: not tested (it needs the target's full distribution at "
-        "every answer token, both sides on one tokenisation path: score_policy "
-        "with the target at hand; docs/generation.md)"
+        "nucleus: not tested (the sampling has no nucleus to check: greedy, no top_p or top_k, or a "
+        "penalty; or no checked answer token on a side; docs/generation.md)"
     )
     for missing in (None, counts(0, 0, 10, 500), counts(0, 500, 0, 0)):
         assert "nucleus" not in decide(local, over, [], [], th, missing)["tests"]

@@ -18,6 +18,7 @@ import asyncio
 import base64
 import binascii
 import json
+import math
 import time
 import uuid
 from collections import Counter, defaultdict
@@ -339,6 +340,17 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
                 _input_logprobs(prompt, body.get("logprob_start_len", -1)) if body.get("return_logprob") else None
             )
             generated_logprobs = _output_logprobs(prompt, generated) if body.get("return_logprob") else None
+            top = _top_num(body.get("top_logprobs_num"), i) if body.get("return_logprob") else 0
+            tops = (
+                {
+                    "input_top_logprobs": _input_top_logprobs(prompt, body.get("logprob_start_len", -1), top),
+                    "output_top_logprobs": [
+                        _top_logprobs(prev, t, top) for prev, t in zip(prompt[-1:] + generated, generated[: len(ids)])
+                    ],
+                }
+                if top
+                else {}
+            )
             outs.append(
                 {
                     "text": tok.decode(generated[:-1] if matched is not None else generated, skip_special_tokens=True),
@@ -359,6 +371,7 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
                             if generated_logprobs is not None
                             else {}
                         ),
+                        **tops,
                     },
                 }
             )
@@ -563,6 +576,41 @@ def _input_logprobs(prompt: list[int], start: int) -> list[list]:
     ]
 
 
+def _top_logprobs(previous: int, token: int, k: int) -> list[list]:
+    """One position's `k` likeliest ids as SGLang lists them (`[logprob, id, text]`, descending),
+    from the stand-in model: its own text is its likeliest, so `token` comes first with its
+    `_pair_logprob`, and the other ids (pseudo-random per (previous id, rank)) share, at most, half
+    of what is left, each below it. The values are log-probabilities of one distribution (they
+    sum below 1); a token of the stand-in's text is never outside a nucleus."""
+    import hashlib
+
+    own = _pair_logprob(previous, token)
+    share = min(math.exp(own), 1.0 - math.exp(own))  # every other id below `token`, and all of them below 1
+    out, taken = [[own, token, None]], {token}
+    for rank in range(1, k):
+        digest = hashlib.blake2b(f"{previous}:top:{rank}".encode(), digest_size=8).digest()
+        other = int.from_bytes(digest, "big") % 163_584
+        while other in taken:
+            other = (other + 1) % 163_584
+        taken.add(other)
+        out.append([math.log(share / (2 * (rank + 1) ** 2)), other, None])
+    return out
+
+
+def _input_top_logprobs(prompt: list[int], start: int, k: int) -> list[list | None]:
+    """SGLang's `meta_info.input_top_logprobs`: lined up with `input_token_logprobs` (None at
+    `logprob_start_len`, then each position's `_top_logprobs`)."""
+    start = max(start, 0)
+    return [None if i == start else _top_logprobs(prompt[i - 1], prompt[i], k) for i in range(start, len(prompt))]
+
+
+def _top_num(value, i: int) -> int:
+    """`top_logprobs_num` for the batch's i-th prompt (an int, or one per prompt; absent: 0)."""
+    if isinstance(value, list):
+        return int(value[i]) if i < len(value) else 0
+    return int(value or 0)
+
+
 def _generate_contract_error(body) -> str | None:
     """The schema checks of SGLang's `generate_contract_error` that a client can trip: the body
     shape, `input_ids` as ints or lists of ints, and `sampling_params` keys and int fields."""
@@ -584,6 +632,12 @@ def _generate_contract_error(body) -> str | None:
             for t in row:
                 if not (isinstance(t, int) and not isinstance(t, bool)):
                     return f"invalid type: {_unexpected(t)}, expected i64"
+    top = body.get("top_logprobs_num")  # Int64OrList (sglang/api/v1/api_types.py:1009 decode_Int64OrList)
+    if top is not None:
+        for v in top if isinstance(top, list) else [top]:
+            if not (isinstance(v, int) and not isinstance(v, bool)):
+                what = "i64" if isinstance(top, list) else "a value or an array of values for Int64OrList"
+                return f"invalid type: {_unexpected(v)}, expected {what}"
     sp = body.get("sampling_params")
     if sp is not None:
         if not isinstance(sp, dict):

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -95,6 +96,25 @@ class Answer(NamedTuple):
     logprobs: list[float] | None = None  # the engine's log-probability of each output id (None: not reported)
 
 
+class Scored(NamedTuple):
+    """What a wire adapter reads from a scoring answer, for the scored positions `ids[first:]`."""
+
+    logprobs: list[float]  # log p(ids[i] | ids[:i]) under the target's unscaled distribution
+    top: list[list[float]] | None = None  # per position, its `top` largest log-probabilities (None: not asked)
+
+
+def top_row(values: list[float], top: int, where: str) -> list[float]:
+    """One position's `top` largest log-probabilities, checked: as many as asked, and
+    log-probabilities (their probabilities sum to at most 1: a vLLM server started with
+    `--logprobs-mode raw_logits` answers logits there; ValueError naming `where`)."""
+    if len(values) != top:
+        raise ValueError(f"{where}: {len(values)} top log-probabilities, {top} asked")
+    values = [float(v) for v in values]
+    if sum(math.exp(min(v, 0.0)) for v in values) > 1.0 + 1e-3 or max(values, default=0.0) > 1e-3:
+        raise ValueError(f"{where}: the top values are not log-probabilities (they sum above 1: logits?)")
+    return values
+
+
 class PromptCut(ValueError):
     """The engine ran other prompt ids than were sent (a server that truncates long prompts)."""
 
@@ -144,11 +164,17 @@ class Wire(Protocol):
         """Which distribution the engine's output log-probabilities are of (provenance `logprobs`):
         what the extraction's own must be compared with (hidden_states.verify)."""
 
-    def score_request(self, ids: list[int], first: int, rid: str, identity: dict) -> tuple[str, dict]:
-        """(path, JSON body) of a request for the log-probability of each of `ids[first:]`."""
+    def score_request(self, ids: list[int], first: int, rid: str, identity: dict, top: int = 0) -> tuple[str, dict]:
+        """(path, JSON body) of a request for the log-probability of each of `ids[first:]` and,
+        with `top` > 0, the `top` largest log-probabilities at each of those positions, all of the
+        target's unscaled distribution (no temperature, no truncation)."""
 
-    def score_answer(self, body: Any, ids: list[int], first: int) -> list[float]:
-        """Those log-probabilities, read and checked against `ids` (ValueError/KeyError: malformed)."""
+    def score_answer(self, body: Any, ids: list[int], first: int, top: int = 0) -> Scored:
+        """Those, read and checked against `ids` (ValueError/KeyError: malformed)."""
+
+    def score_refusal(self, status: int, text: str) -> str | None:
+        """What the endpoint refuses to every scoring request (its configuration, not the item:
+        more log-probabilities than it allows), in words; None for a refusal of the one item."""
 
     def manifest_extra(self, identities: dict[str, dict]) -> dict:
         """What the stage's manifest records of the endpoints' identities."""

@@ -34,7 +34,16 @@ from typing import Any
 import aiohttp
 
 from eagle3_data.errors import UserError
-from eagle3_data.generation.local import Answer, Media, MediaDiffers, PromptCut, error_message, served_model
+from eagle3_data.generation.local import (
+    Answer,
+    Media,
+    MediaDiffers,
+    PromptCut,
+    Scored,
+    error_message,
+    served_model,
+    top_row,
+)
 from eagle3_data.images import collapse_runs
 
 # SGLang 0.5.23 SamplingParams fields (srt/sampling/sampling_params.py): any other key inside
@@ -145,25 +154,52 @@ class SGLangWire:
     def backpressure(self, status: int, text: str) -> bool:
         return status == 503 and QUEUE_FULL in error_message(text).lower()
 
-    def score_request(self, ids: list[int], first: int, rid: str, identity: dict) -> tuple[str, dict]:
+    def score_request(self, ids: list[int], first: int, rid: str, identity: dict, top: int = 0) -> tuple[str, dict]:
         """The target's log-probability of `ids[first:]` given what precedes each: one prefill with
         `return_logprob` from `logprob_start_len = first - 1` (SGLang's first entry is None, so the
         window starts one token early), one token generated (a prefill-only request is refused
-        when speculative decoding is on)."""
-        return "/generate", {
+        when speculative decoding is on); with `top` > 0, `top_logprobs_num` asks for the `top`
+        likeliest ids at each of those positions (`meta_info.input_top_logprobs`).
+
+        What they are (SGLang 0.5.23, the wheel tests/fixtures/sglang_oracle.py installs): the
+        log_softmax of the raw logits (srt/layers/logprob_processor.py:730-737, or logit minus the
+        row's logsumexp on the fast path, :78-95), never temperature-scaled or top-p-normalised for
+        input positions (`Req.temp_scaled_logprobs`/`top_p_normalized_logprobs` stay False,
+        srt/managers/schedule_batch.py:1293-1294; temperature 0 is run as 1.0 with top_k 1,
+        srt/sampling/sampling_params.py:245-248). `input_top_logprobs` lines up with
+        `input_token_logprobs`: None first, then per position a list of `top`
+        `[logprob, id, text]` (torch.topk's order; the id there only when it is among them),
+        the sampling position's popped (srt/managers/scheduler_components/logprob_result_processor.py
+        :58-82 `_process_input_top_logprobs`, srt/managers/tokenizer_manager.py:3098-3135). SGLang
+        sets no cap on `top`."""
+        body = {
             "input_ids": ids,
             "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
             "return_logprob": True,
             "logprob_start_len": first - 1,
             "rid": rid,
         }
+        if top:
+            body["top_logprobs_num"] = top
+        return "/generate", body
 
-    def score_answer(self, body: Any, ids: list[int], first: int) -> list[float]:
-        entries = (body[0] if isinstance(body, list) else body)["meta_info"]["input_token_logprobs"]
-        window = entries[1:]  # entry 0: ids[first - 1], whose value SGLang leaves None
+    def score_answer(self, body: Any, ids: list[int], first: int, top: int = 0) -> Scored:
+        meta = (body[0] if isinstance(body, list) else body)["meta_info"]
+        window = meta["input_token_logprobs"][1:]  # entry 0: ids[first - 1], whose value SGLang leaves None
         if len(window) != len(ids) - first or any(e[1] != t for e, t in zip(window, ids[first:])):
             raise ValueError(f"input_token_logprobs cover {len(window)} ids, not the {len(ids) - first} scored")
-        return [float(e[0]) for e in window]
+        if not top:
+            return Scored([float(e[0]) for e in window])
+        tops = meta["input_top_logprobs"][1:]
+        if len(tops) != len(window):
+            raise ValueError(f"input_top_logprobs cover {len(tops)} positions, not the {len(window)} scored")
+        return Scored(
+            [float(e[0]) for e in window],
+            [top_row([e[0] for e in row], top, f"input_top_logprobs[{i + 1}]") for i, row in enumerate(tops)],
+        )
+
+    def score_refusal(self, status: int, text: str) -> str | None:
+        return None  # SGLang refuses a scoring request for the item alone (longer than its context, say)
 
     def manifest_extra(self, identities: dict[str, dict]) -> dict:
         return {"weight_versions": {e: i.get("weight_version") for e, i in identities.items()}}

@@ -32,13 +32,14 @@ completions; `choices[0].logprobs.content[i].logprob` per completion id.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
 
 from eagle3_data.errors import UserError
-from eagle3_data.generation.local import Answer, Media, MediaDiffers, PromptCut, served_model
+from eagle3_data.generation.local import Answer, Media, MediaDiffers, PromptCut, Scored, served_model, top_row
 from eagle3_data.images import collapse_runs, first_difference
 
 # Config (SGLang) name -> vLLM completion-request field.
@@ -134,20 +135,58 @@ class VllmWire:
     def backpressure(self, status: int, text: str) -> bool:
         return False  # vLLM queues without a bound: no "full" answer
 
-    def score_request(self, ids: list[int], first: int, rid: str, identity: dict) -> tuple[str, dict]:
-        """The target's log-probability of `ids[first:]`: `prompt_logprobs: 0` returns, at every
-        prompt position, the log-probability of the id that is there (its rank too); one token
-        generated (vLLM's minimum)."""
-        body = {"prompt": ids, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0, "stream": False}
+    def score_request(self, ids: list[int], first: int, rid: str, identity: dict, top: int = 0) -> tuple[str, dict]:
+        """The target's log-probability of `ids[first:]`: `prompt_logprobs: top` returns, at every
+        prompt position (all of them: the request has no start), the log-probability of the id
+        that is there and of the `top` likeliest ids; one token generated (vLLM's minimum).
+
+        What they are (vLLM 0.32): the log_softmax of the raw logits in fp32
+        (v1/worker/gpu_model_runner.py:5382-5390 `_get_prompt_logprobs_dict`, the CPU runner's
+        too: prompt tokens skip the sampling processors, so no temperature, penalty or top-k/top-p
+        whatever the request; v1/sample/sampler.py:308-309 `compute_logprobs`), unless the server
+        runs `--logprobs-mode raw_logits`/`processed_logits` (config/model.py:287-295), which sends
+        logits there: `top_row` refuses values that are not log-probabilities. The top ids are
+        torch.topk's (sampler.py:312-359 `gather_logprobs`), ranks 1..top; the dict of a position
+        holds the id that is there first (its own rank: 1 + the ids above it) and the top after it
+        (logprobs.py:178 `append_logprobs_for_next_position`): `top` entries when that id is among
+        them, `top` + 1 when not. -inf is sent as -9999.0 (entrypoints/generate/base/serving.py:359
+        `clamp_prompt_logprobs`). Position 0 is null.
+
+        The server caps `top` at `--max-logprobs` (config/model.py:282, default 20): above it every
+        request is a 400 `{"error": {"message": "Requested prompt logprobs of K, which is greater
+        than max allowed: M (parameter=prompt_logprobs, value=K)", "type": "BadRequestError",
+        "param": "prompt_logprobs", "code": 400}}` (sampling_params.py:969-979,
+        entrypoints/serve/exception_handling/error_response.py:41-44; `score_refusal`)."""
+        body = {"prompt": ids, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": top, "stream": False}
         if identity.get("served_model"):
             body["model"] = identity["served_model"]
         return "/v1/completions", body
 
-    def score_answer(self, body: Any, ids: list[int], first: int) -> list[float]:
+    def score_answer(self, body: Any, ids: list[int], first: int, top: int = 0) -> Scored:
         per_position = body["choices"][0]["prompt_logprobs"]
         if len(per_position) != len(ids):
             raise ValueError(f"prompt_logprobs has {len(per_position)} positions for {len(ids)} ids")
-        return [float(per_position[i][str(ids[i])]["logprob"]) for i in range(first, len(ids))]
+        logprobs, tops = [], []
+        for i in range(first, len(ids)):
+            entries, own = per_position[i], str(ids[i])
+            logprobs.append(float(entries[own]["logprob"]))
+            if top:  # the id there is one of the top when the dict holds no more than `top`
+                values = [e["logprob"] for key, e in entries.items() if key != own or len(entries) == top]
+                tops.append(top_row(values, top, f"prompt_logprobs[{i}]"))
+        return Scored(logprobs, tops if top else None)
+
+    def score_refusal(self, status: int, text: str) -> str | None:
+        """A 400 on `prompt_logprobs`: more than the server's `--max-logprobs`, refused to every item."""
+        try:
+            error = json.loads(text).get("error") or {}
+        except (ValueError, AttributeError):
+            return None
+        if status == 400 and isinstance(error, dict) and error.get("param") == "prompt_logprobs":
+            return (
+                f"{error.get('message')}: start vllm serve with --max-logprobs at least policy.top_logprobs, "
+                "or lower policy.top_logprobs"
+            )
+        return None
 
     def manifest_extra(self, identities: dict[str, dict]) -> dict:
         return {"engine": self.source, "served_models": {e: i.get("served_model") for e, i in identities.items()}}

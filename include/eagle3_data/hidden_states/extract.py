@@ -26,9 +26,10 @@ from eagle3_data.forksafe import PerProcess
 from eagle3_data.hidden_states.backends import HiddenStateBackend
 from eagle3_data.hidden_states.final_norm import check_norm, rms_norm
 from eagle3_data.hidden_states.layers import default_layer_ids, hidden_state_indices
-from eagle3_data.hidden_states.logprobs import LogprobHead, LogprobStats, Nucleus
+from eagle3_data.hidden_states.logprobs import LogprobHead, LogprobStats
 from eagle3_data.hidden_states.shards import Sample, dtype_name, encoding_name, resolve_storage_dtype, write_shard
 from eagle3_data.hidden_states.verify import LogprobCheck, engine_answers
+from eagle3_data.policy.nucleus import Nucleus
 
 log = logging.getLogger(__name__)
 

@@ -15,67 +15,32 @@ depend only on its own states, never on how samples were batched or packed into 
 [chunk, V] logits (163840 wide: 168 MB in fp32 at 256 positions) stay a bounded buffer.
 
 The same logits say, for a sampled answer, whether each of its tokens lies in the nucleus its
-sampling allowed (`Nucleus`): the policy check's nucleus test (policy.compare) counts the answer
-tokens a provider emitted outside it. Both engines truncate the distribution after temperature:
-vLLM's sampler applies temperature, then top-k/top-p (v1/sample/sampler.py `sample`: apply_temperature,
-then topk_topp_sampler; ops/topk_topp_sampler.py `apply_top_k_top_p_pytorch` removes a token when the
-ascending cumulative mass up to it is <= 1 - p, i.e. keeps it iff the mass strictly above it is < p);
-SGLang divides the logits by the temperature, softmaxes, then truncates the probabilities
-(srt/layers/sampler.py: `logits.div_(temperatures)`, `top_k_top_p_sampling_from_probs`; its torch
-fallback drops a token when the mass above it is > p). So a token sampled honestly at temperature T
-and top_p p has less than p (at most p for SGLang) of softmax(logits / T) strictly above it, and,
-with top_k k, fewer than k tokens above it.
+sampling allowed (`policy.nucleus.Nucleus`): the extraction counts them on every merged row
+(reported by publish, not gated: policy.compare `every_row_gate`); the gated nucleus test counts the
+same from the local engine's top-K at scoring (policy.nucleus). Both engines truncate the
+distribution after temperature: vLLM's sampler applies temperature, then top-k/top-p
+(v1/sample/sampler.py `sample`: apply_temperature, then topk_topp_sampler; ops/topk_topp_sampler.py
+`apply_top_k_top_p_pytorch` removes a token when the ascending cumulative mass up to it is <= 1 - p,
+i.e. keeps it iff the mass strictly above it is < p); SGLang divides the logits by the temperature,
+softmaxes, then truncates the probabilities (srt/layers/sampler.py: `logits.div_(temperatures)`,
+`top_k_top_p_sampling_from_probs`; its torch fallback drops a token when the mass above it is > p).
+So a token sampled honestly at temperature T and top_p p has less than p (at most p for SGLang) of
+softmax(logits / T) strictly above it, and, with top_k k, fewer than k tokens above it.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from eagle3_data.errors import UserError
 from eagle3_data.hidden_states.final_norm import checkpoint_weight, rms_norm
+from eagle3_data.policy.nucleus import LOGIT_MARGIN, MASS_MARGIN, Nucleus
 
 CHUNK_TOKENS = 256
-
-# The nucleus test's numeric margins. A token counts as outside the nucleus only when the mass of the
-# tokens whose logit exceeds its own by more than LOGIT_MARGIN (the engine's and the extraction's logits
-# differ by rounding: per compute dtype, ~1e-5 in fp32 measured on vLLM CPU, one rounding of a logit of
-# ~30 for the half dtypes) is at least top_p + MASS_MARGIN (the cumulative sums' float32 rounding over
-# 163840 probabilities), or when at least top_k tokens exceed it so. Both margins only ever make a
-# token count as inside: an honest token is never counted outside for rounding alone.
-LOGIT_MARGIN = {"float32": 1e-3, "float16": 0.03, "bfloat16": 0.15}
-MASS_MARGIN = 0.005
-# sampling keys that move the distribution before the truncation (a penalty's effect depends on what
-# came before): rows sampled with any away from its neutral value are not checked
-_PENALTIES = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
-
-
-@dataclass(frozen=True)
-class Nucleus:
-    """The truncation a sampled answer was drawn under: temperature, top_p, top_k (<= 0: none)."""
-
-    temperature: float
-    top_p: float = 1.0
-    top_k: int = -1
-
-    @classmethod
-    def of(cls, sampling: Mapping | None) -> Nucleus | None:
-        """From a generation row's `provenance.sampling`; None when there is nothing to check: a
-        greedy answer (temperature 0: the calibration pairs), no truncation (top_p 1, no top_k), or
-        a penalty that reshapes the distribution before the truncation (not reproducible from the
-        logits alone)."""
-        sampling = sampling or {}
-        t = float(sampling.get("temperature") or 0.0)
-        top_p, top_k = float(sampling.get("top_p", 1.0) or 1.0), int(sampling.get("top_k", -1) or -1)
-        if t <= 0 or (top_p >= 1.0 and top_k <= 0):
-            return None
-        if any(sampling.get(k) is not None and float(sampling[k]) != neutral for k, neutral in _PENALTIES.items()):
-            return None
-        return cls(t, top_p, top_k)
 
 
 def lm_head_weight(model_dir: str | Path) -> torch.Tensor:

@@ -66,17 +66,20 @@ def row_routes(run: Run, store, dataset: str) -> dict[str, str]:
     }
 
 
-def score_policy(run: Run, store, dataset: str, endpoints: list[str], backend=None) -> PolicyResult:
+def score_policy(run: Run, store, dataset: str, endpoints: list[str]) -> PolicyResult:
     """Score the dataset's sample on the local engine's `endpoints` (http(s) URLs) and commit the
     figures (`policy.json` beside the scored rows; `sizing`: the pilot, its spreads, the sample
     size they call for, how many were available; `compare.sample_size`). No overflow answers, or
-    `policy.max_samples` 0: committed as skipped, no request sent. `backend`: the target as a
-    hidden-state backend, where one is at hand (the policy trial): the scored items' nucleus
-    counts (`policy.nucleus`) join the figures, and the gate runs the nucleus test on them."""
+    `policy.max_samples` 0: committed as skipped, no request sent. When the run's sampling has a
+    nucleus (`Nucleus.of`: top_p < 1 or a top_k), each sampled item's request also asks for the
+    `policy.top_logprobs` likeliest ids at every position, and the answer tokens provably outside
+    the nucleus are counted per side (`nucleus`: samples, tokens, outside; `nucleus_rule`: how):
+    the gate runs the nucleus test on them (policy.nucleus, policy.compare)."""
     from eagle3_data.generation.engines import wire_for
     from eagle3_data.policy import ScoreOptions, local_items, overflow_items, score_items, summarize
     from eagle3_data.policy.compare import Thresholds, sample_size, worst_samples
     from eagle3_data.policy.compare import rows as score_rows
+    from eagle3_data.policy.nucleus import Nucleus, nucleus_counts
     from eagle3_data.policy.select import has_images
 
     local, rebuilt, ref = (stage_ref(run, s, dataset) for s in (LOCAL, RECONSTRUCT, POLICY))
@@ -84,13 +87,14 @@ def score_policy(run: Run, store, dataset: str, endpoints: list[str], backend=No
     hashes = tokenizer_hashes(tokenizer)
     cfg = run.config.policy
     th = Thresholds.from_config(run.config.dataset(dataset).validation)
+    nucleus = Nucleus.of(run.config.generation.sampling.model_dump())
     params = {
         "pilot_samples": cfg.pilot_samples,
         "max_samples": cfg.max_samples,
         "seed": cfg.seed,
         "thresholds": vars(th),
         "engine": run.config.generation.local.engine,
-        **({"nucleus": True} if backend is not None else {}),
+        "nucleus": {"top_logprobs": cfg.top_logprobs, "logit_margin": cfg.nucleus_logit_margin} if nucleus else None,
         "thinking": run.config.generation.sampling.thinking,
         **hashes,
     }
@@ -125,23 +129,25 @@ def score_policy(run: Run, store, dataset: str, endpoints: list[str], backend=No
         fmt = output_format(run, store, template=False)
         wire, options = wire_for(run.config.generation.local.engine), ScoreOptions.from_config(cfg)
         refused: dict[str, str] = {}
-        done: dict[tuple, list[float] | None] = {}
+        done: dict[tuple, tuple[list[float] | None, int | None]] = {}
 
-        def at(n: int) -> tuple[list, list]:
-            """The items at `n` sampled answers a side (and the pairs), scoring only the new ones."""
+        def at(n: int) -> tuple[list, list, list]:
+            """The items at `n` sampled answers a side (and the pairs), scoring only the new ones:
+            the items, their log-probabilities, their answer tokens outside the nucleus."""
             items = overflow_items(_rows(store, rebuilt, scored_columns), routes, n, cfg.seed, pairs) + local_items(
                 fmt, _rows(store, local, columns), routes, n, cfg.seed, len(tokenizer), pairs
             )
             todo = [it for it in items if (it.side, it.sample_id, it.ids) not in done]
-            got, more = score_items(todo, endpoints, wire, options)
-            done.update({(it.side, it.sample_id, it.ids): s for it, s in zip(todo, got)})
+            got, more, far = score_items(todo, endpoints, wire, options, nucleus, len(tokenizer))
+            done.update({(it.side, it.sample_id, it.ids): sf for it, sf in zip(todo, zip(got, far))})
             refused.update(more)
-            return items, [done[(it.side, it.sample_id, it.ids)] for it in items]
+            results = [done[(it.side, it.sample_id, it.ids)] for it in items]
+            return items, [r[0] for r in results], [r[1] for r in results]
 
-        items, scores = at(n)  # the pilot
+        items, scores, outside = at(n)  # the pilot
         sizing = sample_size(th, summarize(items, scores, {}), n, cfg.max_samples)
         if sizing["chosen"] > n:
-            items, scores = at(sizing["chosen"])
+            items, scores, outside = at(sizing["chosen"])
         sizing["available"] = {side: sum(r == side for r in routes.values()) for side in ("local", "overflow")}
         summary = {
             **summarize(items, scores, refused),
@@ -149,14 +155,14 @@ def score_policy(run: Run, store, dataset: str, endpoints: list[str], backend=No
             "image_samples_left_out": left_out,
             "worst": worst_samples(items, scores, tokenizer.decode),
         }
-        if backend is not None:
-            from eagle3_data.policy.nucleus import nucleus_counts
-
-            scored_items = [it for it, s in zip(items, scores) if s is not None]  # the items the means cover
-            if (
-                counts := nucleus_counts(scored_items, run.config.generation.sampling.model_dump(), backend)
-            ) is not None:
-                summary["nucleus"] = counts
+        if nucleus is not None:
+            summary["nucleus"] = nucleus_counts(items, outside)
+            summary["nucleus_rule"] = {
+                "top_logprobs": cfg.top_logprobs,
+                "logit_margin": cfg.nucleus_logit_margin,
+                "vocab_size": len(tokenizer),
+                **vars(nucleus),
+            }
     # the scored samples as a file beside the (empty) parts: a calibration sample is scored on
     # both sides under one sample_id, which the parts (one row per sample_id) cannot hold
     with StageWriter(

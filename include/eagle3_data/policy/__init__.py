@@ -9,11 +9,13 @@ reconstruction gave them, and as many local answers, on the ids the same reconst
 give them (the validator's rebuild: both sides go through one tokenisation path, so BPE
 re-splits cannot move one side only), plus the calibration prompts answered on both paths, and
 the gate decides on the samples' mean log-probabilities with a test of stated power
-(`compare`: the sampled answers side against side, the calibration prompts as pairs).
+(`compare`: the sampled answers side against side, the calibration prompts as pairs, and the
+answer tokens outside the sampling's nucleus, counted from the engine's top log-probabilities).
 
 What it can and cannot prove is in docs/generation.md ("The policy check").
 
 Modules, in flow order: `select` (which samples, and their ids), `score` (the engine requests),
+`nucleus` (which answer tokens are provably outside the nucleus, from a request's top-K),
 `compare` (the figures and the decision).
 """
 

@@ -16,10 +16,11 @@ decide, and its spread is not the one a test over samples uses). Two tests, each
   sampler behind each), so d is symmetric about 0; greedy text cannot show a sampling parameter
   the provider ignores, only other weights.
 
-- **nucleus** (only where the extraction ran: it needs the target's full distribution at every
-  answer token, `hidden_states.logprobs`): the answer tokens of sampled answers that lie outside
-  the nucleus their sampling allowed (top_p, top_k after temperature), overflow against local. An
-  honest sampler never emits one (only rounding at the boundary, which the extraction's margins
+- **nucleus** (when the run's sampling has one: top_p < 1 or a top_k; counted by score_policy from
+  the local engine's top-K log-probabilities at every answer position, `policy.nucleus`): the
+  answer tokens of sampled answers that lie provably outside the nucleus their sampling allowed
+  (top_p, top_k after temperature), overflow against local. An honest sampler never emits one
+  (re-split tokens aside, alike on both sides; rounding at the boundary the rule's margins
   absorb); a provider ignoring top_p p emits one about (1 - p) of the time (the tail's mass). A
   one-sided Fisher exact test on the 2 x 2 token counts (outside / inside per path) at the split
   false-alarm rate; its power: the smallest overflow outside-rate it detects with `power` given the
@@ -176,7 +177,7 @@ def decide(
     nucleus: Mapping[str, Mapping[str, int]] | None = None,
 ) -> dict[str, Any]:
     """The decision on per-sample means: `local`, `overflow` (sampled answers) and the calibration
-    pairs (`pairs_local[i]`, `pairs_overflow[i]`: one prompt), and, where the extraction counted
+    pairs (`pairs_local[i]`, `pairs_overflow[i]`: one prompt), and, where score_policy counted
     them, the nucleus counts (`nucleus[side]`: `tokens`, `outside`; `nucleus_test`). A mean test
     needs 2 observations a side (a spread), the nucleus test a checked token a side; one that
     cannot run is absent from `tests`. `rejected`: the tests that reject; `underpowered`: the
@@ -274,7 +275,7 @@ def figures_of(
 
 
 def decide_figures(figures: Mapping[str, Any], th: Thresholds) -> dict[str, Any]:
-    """`decide` on committed figures (`figures_of`, and `nucleus` where the extraction counted it)."""
+    """`decide` on committed figures (`figures_of`, and `nucleus` where score_policy counted it)."""
     pairs = figures.get("pairs") or {}
     return decide(
         figures["local"]["sample_means"],
@@ -402,8 +403,8 @@ def power_statement(decision: Mapping[str, Any]) -> str:
         )
     if "nucleus" not in decision["tests"]:
         parts.append(
-            "nucleus: not tested (it needs the target's full distribution at every answer token, both sides "
-            "on one tokenisation path: score_policy with the target at hand; docs/generation.md)"
+            "nucleus: not tested (the sampling has no nucleus to check: greedy, no top_p or top_k, or a "
+            "penalty; or no checked answer token on a side; docs/generation.md)"
         )
     return "; ".join(parts)
 
@@ -489,7 +490,7 @@ def every_row_gate(
     where the text's canonical split differs from what was sampled (a re-split) the canonical
     token can lie outside the nucleus though the provider sampled honestly (4.1% of the tiny
     model's answer tokens at top_p 0.95; docs/generation.md). The gated nucleus test runs where
-    both sides share one tokenisation path: score_policy's items, with the target at hand."""
+    both sides share one tokenisation path: score_policy's items (policy.nucleus)."""
 
     def side(sources: Sequence[str]) -> dict[str, Any]:
         means = [float(m) for s in sources for m in means_by_source.get(s) or ()]

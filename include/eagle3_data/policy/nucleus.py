@@ -1,47 +1,154 @@
-"""The nucleus test's counts on the policy check's own items (both sides on one tokenisation path).
+"""The nucleus test's counts from the local engine's own scoring request: no target in memory.
 
-The local answers are scored on the ids the overflow path would have given their text (the
-validator's rebuild, `select.local_items`), the overflow answers on the ids reconstruction gave
-theirs: a token re-split by that path is re-split on both sides alike, so an honest provider's
-outside-rate equals the local engine's, and a provider that ignores top_p (or top_k) is the only
-thing that raises it. Each item's answer tokens go through the target's last state and LM head
-(`hidden_states.logprobs.LogprobHead`, in its bounded chunks), which says for each whether it lies
-in the nucleus the run's sampling allows. Only sampled answers count (a calibration answer is
-greedy: its route is "both").
+Each scoring request (`Wire.score_request` with `top_logprobs` K) returns, at every answer position,
+the log-probability of the token there and the K largest log-probabilities of the target's
+*unscaled* distribution there: vLLM's `prompt_logprobs: K` (log_softmax of the raw logits in fp32
+whatever `--logprobs-mode`, generation/vllm.py), SGLang's `top_logprobs_num: K` as
+`meta_info.input_top_logprobs` (log_softmax of the raw logits, generation/sglang.py). From those
+alone `outside` decides, per answer token, whether it is *provably* outside the nucleus the run's
+sampling allowed (temperature T, top_p p, top_k k; `hidden_states.logprobs.Nucleus`; both engines
+truncate softmax(logits / T): a token sampled honestly has less than p of that distribution
+strictly above it, and fewer than k tokens above it, hidden_states/logprobs.py says where).
+
+The bound. Let p_j be the raw probabilities, a = 1/T, so the sampler's distribution is
+q_j = p_j^a / Z with Z = sum_j p_j^a. Call A the tokens of the top-K whose log-probability exceeds
+the token's own by more than `logit_margin`. Every token above the token is in the top-K when the
+token is (so A is then exactly the tokens clearly above it); when it is below the top-K, the top-K
+all lie above it and A is a subset of those. Either way q(A) >= sum_A p_j^a / Z_max, where Z_max
+bounds Z from above from the top-K alone: Z = sum_topK p_j^a + sum_rest p_j^a, the rest (V - K
+tokens, each at most p_K, the smallest of the top-K, together R = 1 - sum_topK p_j) bounded by
+- T = 1: R exactly (Z = 1);
+- T < 1 (a > 1): p_j^a = p_j * p_j^(a-1) <= p_j * p_K^(a-1), so at most R * p_K^(a-1);
+- T > 1 (a < 1): p^a is concave, so R spread evenly is the worst: (V - K) * (R / (V - K))^a,
+  V the vocabulary size (the tokenizer's: an LM head wider than it would need its own V).
+R is taken as max(0, 1 - sum_topK p_j) + R_SLACK: the engine's fp32 log-probabilities are rounded
+(its log-normaliser over 163840 logits, the K values), and an R rounded down would shrink Z_max.
+
+The token is outside when that lower bound of q(A) reaches top_p + MASS_MARGIN with room for the
+engines' numerics: the provider's (or the local engine's) logits at generation and the scoring
+engine's at prefill differ, each by at most delta = `logit_margin` / 2 (other kernels, batch
+shapes, bf16). A token above by more than 2 delta at scoring is above at generation, and the odds
+q(A) / (1 - q(A)) of any set move by at most exp(2 delta a) between the two; so the rule asks for
+odds(q(A)) >= odds(top_p + MASS_MARGIN) * exp(logit_margin * a). Or, with top_k, when k or more
+tokens of the top-K are clearly above it. Both only ever count a token as inside: an honest token
+is never counted outside (tests/unit/test_policy_nucleus_topk.py checks the rule against the exact
+one on full logits). What the bound costs is power: a token outside a nucleus wider than the top-K
+is counted inside. On a trained model the nucleus is mostly a few tokens; on the tiny random
+target it holds hundreds (`eagle3_devtools.vllm_serve.MAX_LOGPROBS`).
+
+Both sides are counted by the same rule on the same tokenisation path (the local answers on the
+validator's rebuild of their ids, `select.local_items`), so an honest provider's outside-rate is
+the local engine's, and the one-sided Fisher test (`compare.nucleus_test`) keeps its false-alarm
+rate; only sampled answers count (a calibration answer is greedy: its route is "both").
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+
+import numpy as np
 
 from eagle3_data.policy.select import Item
 
-BATCH_TOKENS = 8192  # padded tokens per forward
+# The nucleus test's numeric margins. A token counts as outside the nucleus only when the mass of the
+# tokens whose logit exceeds its own by more than LOGIT_MARGIN (the engine's and the extraction's logits
+# differ by rounding: per compute dtype, ~1e-5 in fp32 measured on vLLM CPU, one rounding of a logit of
+# ~30 for the half dtypes) is at least top_p + MASS_MARGIN (the cumulative sums' float32 rounding over
+# 163840 probabilities), or when at least top_k tokens exceed it so. Both margins only ever make a
+# token count as inside: an honest token is never counted outside for rounding alone.
+LOGIT_MARGIN = {"float32": 1e-3, "float16": 0.03, "bfloat16": 0.15}
+MASS_MARGIN = 0.005
+# sampling keys that move the distribution before the truncation (a penalty's effect depends on what
+# came before): rows sampled with any away from its neutral value are not checked
+_PENALTIES = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
 
-def nucleus_counts(items: Sequence[Item], sampling: Mapping[str, Any], backend) -> dict[str, dict[str, int]] | None:
-    """Per side (local, overflow): sampled answers, answer tokens checked, tokens outside the
-    nucleus of `sampling` (the run's generation.sampling), from the target `backend`'s last
-    states (a hidden_states backend: the extraction's). None when the sampling has no nucleus to
-    check (greedy, no top_p/top_k, or penalties: `Nucleus.of`)."""
-    from eagle3_data.hidden_states.extract import plan_batches
-    from eagle3_data.hidden_states.logprobs import LogprobHead, Nucleus
+@dataclass(frozen=True)
+class Nucleus:
+    """The truncation a sampled answer was drawn under: temperature, top_p, top_k (<= 0: none)."""
 
-    nucleus = Nucleus.of(sampling)
-    if nucleus is None:
-        return None
-    info = backend.describe()
-    head = LogprobHead(backend.final_norm, backend.lm_head, device=info.device, compute_dtype=info.dtype)
-    sampled = [it for it in items if it.route == it.side and len(it.ids) > it.first]
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = -1
+
+    @classmethod
+    def of(cls, sampling: Mapping | None) -> Nucleus | None:
+        """From a generation row's `provenance.sampling`; None when there is nothing to check: a
+        greedy answer (temperature 0: the calibration pairs), no truncation (top_p 1, no top_k), or
+        a penalty that reshapes the distribution before the truncation (not reproducible from the
+        logits alone)."""
+        sampling = sampling or {}
+        t = float(sampling.get("temperature") or 0.0)
+        top_p, top_k = float(sampling.get("top_p", 1.0) or 1.0), int(sampling.get("top_k", -1) or -1)
+        if t <= 0 or (top_p >= 1.0 and top_k <= 0):
+            return None
+        if any(sampling.get(k) is not None and float(sampling[k]) != neutral for k, neutral in _PENALTIES.items()):
+            return None
+        return cls(t, top_p, top_k)
+
+
+# The generating and the scoring engine's logits differ by rounding and kernels: by default the bf16
+# margin (one rounding of a logit of ~30), whatever the local engine's dtype, since an honest
+# provider's engine may run another (`policy.nucleus_logit_margin`).
+ENGINE_LOGIT_MARGIN = LOGIT_MARGIN["bfloat16"]
+R_SLACK = 1e-4  # added to the rest mass 1 - sum(top-K): fp32 rounding of the engine's K values and normaliser
+
+
+def outside(
+    own: Sequence[float] | np.ndarray,
+    top: Sequence[Sequence[float]] | np.ndarray,
+    nucleus: Nucleus,
+    vocab_size: int,
+    logit_margin: float = ENGINE_LOGIT_MARGIN,
+) -> np.ndarray:
+    """bool [n]: whether the token whose raw log-probability is `own[i]` lies provably outside the
+    nucleus of `nucleus`, from `top[i]`, the K largest raw log-probabilities at its position
+    (any order; -inf or NaN pad a short row). The bound and the margins: module docstring."""
+    own = np.asarray(own, np.float64)
+    top = np.asarray(top, np.float64).reshape(own.size, -1)
+    top = np.where(np.isnan(top), -np.inf, top)
+    n, k = top.shape
+    if n == 0 or k == 0:
+        return np.zeros(n, dtype=bool)
+    a = 1.0 / nucleus.temperature
+    above = top > own[:, None] + logit_margin
+    far = np.zeros(n, dtype=bool)
+    if nucleus.top_p < 1.0:
+        from scipy.special import logsumexp
+
+        log_num = logsumexp(np.where(above, a * top, -np.inf), axis=1)
+        log_top = logsumexp(a * top, axis=1)
+        rest = np.maximum(0.0, 1.0 - np.exp(top).sum(axis=1)) + R_SLACK
+        smallest = top.min(axis=1)  # log p_K (-inf where a row is padded: no bound from it, see below)
+        if a == 1.0:
+            log_rest = np.log(rest)
+        elif a > 1.0:
+            log_rest = np.log(rest) + (a - 1.0) * np.where(np.isfinite(smallest), smallest, 0.0)
+        else:
+            others = max(vocab_size - k, 1)
+            log_rest = (1.0 - a) * math.log(others) + a * np.log(rest)
+        mass = np.exp(log_num - np.logaddexp(log_top, log_rest))
+        t = min(nucleus.top_p + MASS_MARGIN, 1.0)
+        if t < 1.0:
+            needed = t / (1.0 - t) * math.exp(logit_margin * a)
+            with np.errstate(divide="ignore"):
+                far |= mass / (1.0 - mass) >= needed
+    if nucleus.top_k > 0:
+        far |= above.sum(axis=1) >= nucleus.top_k
+    return far
+
+
+def nucleus_counts(items: Sequence[Item], outside_counts: Sequence[int | None]) -> dict[str, dict[str, int]]:
+    """Per side (local, overflow): sampled answers checked, their answer tokens, and those outside
+    the nucleus (`outside_counts[i]`: item i's, None where it was not scored or not checked)."""
     counts = {side: {"samples": 0, "tokens": 0, "outside": 0} for side in ("local", "overflow")}
-    for batch in plan_batches([len(it.ids) for it in sampled], BATCH_TOKENS):
-        states = backend.forward([list(sampled[i].ids) for i in batch], [0], True)
-        for i, st in zip(batch, states):
-            it = sampled[i]
-            _, outside = head.token_logprobs(st.last, it.ids, nucleus, it.first)
-            side = counts[it.side]
-            side["samples"] += 1
-            side["tokens"] += len(it.ids) - max(it.first, 1)
-            side["outside"] += int(outside.sum())
+    for it, k in zip(items, outside_counts):
+        if k is None or it.route != it.side or len(it.ids) <= it.first:
+            continue
+        side = counts[it.side]
+        side["samples"] += 1
+        side["tokens"] += len(it.ids) - it.first
+        side["outside"] += int(k)
     return counts

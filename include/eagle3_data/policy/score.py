@@ -1,10 +1,15 @@
-"""Scoring on the local engine: each item's answer ids, their log-probabilities under the target.
+"""Scoring on the local engine: each item's answer ids, their log-probabilities under the target,
+and, for the nucleus test, which answer tokens lie provably outside the sampling's nucleus.
 
 Endpoints are waited for as local generation waits for them (`local.wait_healthy`). One prefill
 per item through the engine's own wire (`Wire.score_request`: SGLang's `return_logprob` from
 `logprob_start_len`, vLLM's `prompt_logprobs`), a few in flight per endpoint, retried with backoff on
 transport errors, 5xx and a full queue. An item the engine
-refuses (4xx: longer than its context, say) is left out and counted, never guessed.
+refuses (4xx: longer than its context, say) is left out and counted, never guessed; a refusal of
+every request (`Wire.score_refusal`: more top log-probabilities than the server allows) stops the
+stage with what to change. With a `nucleus`, each sampled item's request also asks for the
+`top_logprobs` likeliest ids at every position, and `policy.nucleus.outside` counts its answer
+tokens outside the nucleus as the answer arrives (the [positions, K] values are not kept).
 """
 
 from __future__ import annotations
@@ -19,9 +24,10 @@ from typing import Any
 
 import aiohttp
 
-from eagle3_data.errors import EndpointUnavailable
+from eagle3_data.errors import EndpointUnavailable, UserError
 from eagle3_data.generation.local import error_message, wait_healthy
 from eagle3_data.generation.retry import backoff_s
+from eagle3_data.policy.nucleus import ENGINE_LOGIT_MARGIN, Nucleus, outside
 from eagle3_data.policy.select import Item
 
 log = logging.getLogger(__name__)
@@ -38,6 +44,8 @@ class ScoreOptions:
     warmup_timeout_s: float = 600.0  # an endpoint that answers but is not ready yet (loading)
     unreachable_timeout_s: float = 15.0  # one that accepts no connection at all
     health_interval_s: float = 2.0
+    top_logprobs: int = 20  # per position, for the nucleus test (`policy.top_logprobs`)
+    nucleus_logit_margin: float = ENGINE_LOGIT_MARGIN  # `policy.nucleus_logit_margin`
 
     @classmethod
     def from_config(cls, policy: Any, **overrides: Any) -> ScoreOptions:
@@ -46,21 +54,29 @@ class ScoreOptions:
 
 
 def score_items(
-    items: Sequence[Item], endpoints: Sequence[str], wire, options: ScoreOptions = ScoreOptions()
-) -> tuple[list[list[float] | None], dict[str, str]]:
-    """(log-probabilities per item, None where the engine refused it; the refusals by sample id)."""
+    items: Sequence[Item],
+    endpoints: Sequence[str],
+    wire,
+    options: ScoreOptions = ScoreOptions(),
+    nucleus: Nucleus | None = None,
+    vocab_size: int = 0,
+) -> tuple[list[list[float] | None], dict[str, str], list[int | None]]:
+    """(log-probabilities per item, None where the engine refused it; the refusals by sample id;
+    per item its answer tokens outside `nucleus`, None where refused, greedy (a calibration answer)
+    or without a nucleus). `vocab_size`: the target's, for the bound at temperatures above 1."""
     if not items:
-        return [], {}
-    return asyncio.run(_Scorer(endpoints, wire, options).run(items))
+        return [], {}, []
+    return asyncio.run(_Scorer(endpoints, wire, options, nucleus, vocab_size).run(items))
 
 
 class _Scorer:
-    def __init__(self, endpoints: Sequence[str], wire, options: ScoreOptions):
+    def __init__(self, endpoints: Sequence[str], wire, options: ScoreOptions, nucleus: Nucleus | None, vocab: int):
         self.endpoints, self.wire, self.o = [e.rstrip("/") for e in endpoints], wire, options
+        self.nucleus, self.vocab = nucleus, vocab
         self.refused: dict[str, str] = {}
         self.tag = uuid.uuid4().hex[:8]
 
-    async def run(self, items: Sequence[Item]) -> tuple[list[list[float] | None], dict[str, str]]:
+    async def run(self, items: Sequence[Item]) -> tuple[list[list[float] | None], dict[str, str], list[int | None]]:
         timeout = aiohttp.ClientTimeout(total=self.o.request_timeout_s, sock_connect=self.o.connect_timeout_s)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as http:
             self.http = http
@@ -76,22 +92,24 @@ class _Scorer:
             queue: asyncio.Queue = asyncio.Queue()
             for i in range(len(items)):
                 queue.put_nowait(i)
-            out: list[list[float] | None] = [None] * len(items)
+            out: list[tuple[list[float], int | None] | None] = [None] * len(items)
             workers = [self._worker(e, items, queue, out) for e in ready for _ in range(self.o.in_flight_per_endpoint)]
             await asyncio.gather(*workers)
-        return out, self.refused
+        return [o[0] if o else None for o in out], self.refused, [o[1] if o else None for o in out]
 
     async def _worker(self, endpoint: str, items: Sequence[Item], queue: asyncio.Queue, out: list) -> None:
         while not queue.empty():
             i = queue.get_nowait()
             out[i] = await self._one(endpoint, items[i])
 
-    async def _one(self, endpoint: str, item: Item) -> list[float] | None:
+    async def _one(self, endpoint: str, item: Item) -> tuple[list[float], int | None] | None:
         ids = list(item.ids)
+        checked = self.nucleus is not None and item.route == item.side  # a sampled answer
+        top = self.o.top_logprobs if checked else 0
         last = "no attempt"
         for attempt in range(1, self.o.max_attempts + 1):
             path, body = self.wire.score_request(
-                ids, item.first, f"{item.sample_id}.policy.{self.tag}.{attempt}", self.identity[endpoint]
+                ids, item.first, f"{item.sample_id}.policy.{self.tag}.{attempt}", self.identity[endpoint], top
             )
             try:
                 async with self.http.post(f"{endpoint}{path}", json=body) as r:
@@ -101,10 +119,19 @@ class _Scorer:
             else:
                 if status == 200:
                     try:
-                        return self.wire.score_answer(json.loads(text), ids, item.first)
+                        scored = self.wire.score_answer(json.loads(text), ids, item.first, top)
                     except (ValueError, KeyError, TypeError, IndexError) as exc:
                         last = f"malformed answer: {exc}"
+                    else:
+                        if not checked:
+                            return scored.logprobs, None
+                        far = outside(
+                            scored.logprobs, scored.top, self.nucleus, self.vocab, self.o.nucleus_logit_margin
+                        )
+                        return scored.logprobs, int(far.sum())
                 elif 400 <= status < 500 and status not in (408, 429):
+                    if (why := self.wire.score_refusal(status, text)) is not None:
+                        raise UserError(f"policy check: {endpoint} refuses every scoring request: {why}")
                     self.refused[item.sample_id] = f"HTTP {status}: {error_message(text)[:200]}"
                     return None
                 else:
