@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
@@ -250,7 +251,8 @@ def test_clear_one_dataset_reruns_only_it(stack, dag):
     html = render_html(load_run_report(store, RUN_KEY), title="t")
     assert "Target log-probabilities of the trained tokens" in html
     # the report states the policy check's power: per dataset (the scored check) and on every row
-    assert "<b>Power of the policy check:</b> sampled answers" in html
+    power = re.search(r"<b>Power of the policy check:</b> ([^<]*)</p>", html)
+    assert power and "nucleus (" in power[1] and "sampled answers (" in power[1], html  # sampled with top_p
     assert any(n.startswith("policy power: sampled answers") for n in training["policy_every_row"]["notes"])
 
 
