@@ -7,6 +7,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from eagle3_data.chat_format import OutputFormat
+from eagle3_data.images import parse_refs
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,7 @@ def has_images(row: Mapping) -> bool:
     not shown, and image prompts mostly take one path (overflow unless `generation.local.images`):
     the answers' lower log-probabilities would count against that path, an honest provider's
     included."""
-    return bool(row.get("images")) and row["images"] != "[]"
+    return bool(parse_refs(row.get("images")))
 
 
 def pick(sample_ids: Iterable[str], n: int, seed: int) -> list[str]:
