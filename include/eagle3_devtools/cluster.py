@@ -35,7 +35,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from eagle3_data.config import DAG_ID, GPU_QUEUE, OPENROUTER_POOL, load_config
-from eagle3_data.dev.processes import free_port, wait_http_ok
+from eagle3_data.dev.processes import free_port, http_ok
 from eagle3_data.errors import UserError
 from eagle3_devtools.services import Service, Services, reap_leftovers, run_launcher
 from eagle3_devtools.stack import REPO, DevStack, airflow_env, dev_stack, upload_prompts
@@ -102,16 +102,16 @@ class Cluster:
     services: Services | None = field(default=None, repr=False)
 
 
-def _wait(check, what: str, procs, log: Path, timeout: float = 120.0) -> None:
+def _wait(check, what: str, svc: Services, timeout: float = 120.0, *, ignore: str | None = None) -> None:
+    """Until `check()` holds; fail at once, naming it and quoting its log, when a service (but
+    `ignore`) exits meanwhile."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        dead = [p for p in procs if p.poll() is not None]
-        if dead:
-            raise UserError(f"{what} exited with code {dead[0].returncode} during start-up (log: {log})")
+        svc.raise_if_dead(what, ignore=ignore)
         if check():
             return
         time.sleep(0.2)
-    raise UserError(f"{what} not ready within {timeout:.0f} s (log: {log})")
+    raise UserError(f"{what}: not ready within {timeout:.0f} s (logs: {svc.log_dir})")
 
 
 def start_postgres(svc: Services, password: str, base: Path) -> int:
@@ -146,7 +146,7 @@ def start_postgres(svc: Services, password: str, base: Path) -> int:
     if out.returncode:
         raise UserError(f"initdb failed: {out.stderr[-2000:]}")
     port = free_port()
-    proc = svc.start(
+    svc.start(  # stopped with SIGINT: Postgres' fast shutdown
         "postgres",
         [
             str(bindir / "postgres"),
@@ -171,9 +171,9 @@ def start_postgres(svc: Services, password: str, base: Path) -> int:
         user=user,
         stop_signal=signal.SIGINT,
         infrastructure=True,
-    ).proc  # SIGINT: fast shutdown
+    )
     ready = [*run_as, str(bindir / "pg_isready"), "-q", "-h", str(base), "-p", str(port)]
-    _wait(lambda: subprocess.run(ready).returncode == 0, "postgres", [proc], svc.services["postgres"].log_path, 60)
+    _wait(lambda: subprocess.run(ready).returncode == 0, "postgres", svc, 60)
     out = subprocess.run(
         [*run_as, str(bindir / "createdb"), "-h", str(base), "-p", str(port), "-U", "airflow", "airflow"],
         capture_output=True,
@@ -189,7 +189,7 @@ def start_redis(svc: Services, workdir: Path) -> int:
     port = free_port()
     data = workdir / "redis"
     data.mkdir(parents=True, exist_ok=True)
-    proc = svc.start(
+    svc.start(
         "redis",
         [
             "redis-server",
@@ -208,7 +208,7 @@ def start_redis(svc: Services, workdir: Path) -> int:
         ],
         dict(os.environ),
         infrastructure=True,
-    ).proc
+    )
 
     def ping() -> bool:
         try:
@@ -218,7 +218,7 @@ def start_redis(svc: Services, workdir: Path) -> int:
         except OSError:
             return False
 
-    _wait(ping, "redis", [proc], svc.services["redis"].log_path, 30)
+    _wait(ping, "redis", svc, 30)
     return port
 
 
@@ -304,13 +304,7 @@ def run_airflow(env: dict[str, str], *args: str, timeout: float = 600) -> str:
 def finish_job(svc: Services, job: Service, timeout: float = 600) -> None:
     """Wait for a one-shot child (a migration, a CLI call) to end; fail with its log's tail if
     it did not succeed, or if a service died meanwhile. It is then no longer supervised."""
-    _wait(
-        lambda: job.proc.poll() is not None,
-        job.name,
-        [p for p in svc.procs() if p is not job.proc],
-        job.log_path,
-        timeout,
-    )
+    _wait(lambda: job.proc.poll() is not None, job.name, svc, timeout, ignore=job.name)
     svc.forget(job.name)
     if job.proc.returncode:
         raise UserError(
@@ -488,28 +482,17 @@ def cluster(
             queue = name.removeprefix("worker-")
             svc.start(name, argv, worker_env(env, queue) if queue in QUEUES else env)
         base = f"http://127.0.0.1:{api_port}"
-        wait_http_ok(f"{base}/api/v2/monitor/health", svc.procs(), "an Airflow process", work / "logs", 240)
+        _wait(lambda: http_ok(f"{base}/api/v2/monitor/health"), "the api-server's health", svc, 240)
         # The Execution API (tasks report to it) builds its versioned routes on its first request:
         # about 5 s of CPU, which the first task would otherwise wait for, retrying on timeouts.
-        wait_http_ok(f"{base}/execution/health", svc.procs(), "the api-server's Execution API", work / "logs", 240)
+        _wait(lambda: http_ok(f"{base}/execution/health"), "the api-server's Execution API", svc, 240)
         for queue in QUEUES:
             name = f"worker-{queue}"
-            _wait(
-                lambda: _worker_ready(svc.services[name].log_path),
-                f"celery worker {queue}",
-                svc.procs(),
-                svc.services[name].log_path,
-                240,
-            )
+            _wait(lambda: _worker_ready(svc.services[name].log_path), f"celery worker {queue}", svc, 240)
         api = ApiClient(base, ADMIN_USER, ui_password)
         create_pool(api)
-        _wait(
-            lambda: api.ok("GET", f"/dags/{DAG_ID}"),
-            f"DAG {DAG_ID} parsed by the dag-processor",
-            svc.procs(),
-            work / "logs" / "dag-processor.log",
-            240,
-        )  # up: a person can unpause and trigger it
+        # Up once the DAG is parsed: a person can unpause and trigger it.
+        _wait(lambda: api.ok("GET", f"/dags/{DAG_ID}"), f"DAG {DAG_ID} parsed by the dag-processor", svc, 240)
         env_file = write_env_file(work / "cluster.env", env, env_file_keys(env))
         yield Cluster(work, base, ADMIN_USER, ui_password, env, env_file, dev, svc)
 

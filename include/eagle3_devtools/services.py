@@ -30,6 +30,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eagle3_data.dev.processes import log_tail
+from eagle3_data.errors import UserError
+
 log = logging.getLogger(__name__)
 
 
@@ -210,6 +213,17 @@ class Services:
 
     def dead(self) -> list[str]:
         return [n for n, s in self.services.items() if s.proc.poll() is not None]
+
+    def raise_if_dead(self, waiting_for: str, *, ignore: str | None = None) -> None:
+        """Raise UserError naming the first service (but `ignore`) that has exited, with its code
+        and its log's last lines: a failed start then says which process failed, and why."""
+        for name in self.dead():
+            if name != ignore:
+                svc = self.services[name]
+                raise UserError(
+                    f"{name} exited with code {svc.proc.returncode} while waiting for {waiting_for}; "
+                    f"the end of {svc.log_path}:\n{log_tail(svc.log_path)}"
+                )
 
     def procs(self) -> list[subprocess.Popen]:
         return [s.proc for s in self.services.values()]

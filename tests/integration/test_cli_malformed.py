@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import socket
 from importlib.resources import files
 
 import pyarrow as pa
@@ -17,6 +16,7 @@ import pytest
 import yaml
 
 from eagle3_data.cli import main
+from eagle3_data.dev.processes import free_port
 from eagle3_data.schemas import schema_for
 from eagle3_data.storage import StageRef
 
@@ -26,12 +26,6 @@ HOSTILE = [
     '{"messages": [{"role": "user", "content": "hi"}], "ignored": %s}' % DEEP,  # RecursionError before
     '{"messages": [{"role": "user", "content": "half an emoji \\ud83d"}]}',
 ]  # UnicodeEncodeError before
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -48,7 +42,7 @@ def env(monkeypatch, s3_server, store, kimi_tokenizer_dir, tmp_path):
         "tok": str(kimi_tokenizer_dir),
         "tmp": tmp_path,
         "bucket": store.bucket,
-        "down": f"http://127.0.0.1:{_free_port()}",
+        "down": f"http://127.0.0.1:{free_port()}",
     }
 
 

@@ -135,3 +135,25 @@ def test_sigterm_to_make_reaches_the_launcher(tmp_path):
         assert (tmp_path / "launcher.signal").read_text().strip() == "TERM"
     finally:
         os.killpg(make.pid, signal.SIGKILL) if group_members(make.pid) else None
+
+
+def test_a_service_that_dies_during_start_up_is_named_with_the_end_of_its_log(tmp_path):
+    """A CI run's cluster failed with only 'an Airflow process exited with code 3': the wait
+    now names the service and quotes why it died."""
+    from eagle3_data.errors import UserError
+    from eagle3_devtools.cluster import _wait
+    from eagle3_devtools.services import Services
+
+    with Services(tmp_path / "logs", tmp_path / "services.json") as svc:
+        svc.start("scheduler", ["sleep", "300"], {"PATH": "/usr/bin:/bin"}, grace=2)
+        svc.start(
+            "api-server",
+            ["sh", "-c", "echo starting; echo '[Errno 98] address already in use' >&2; exit 3"],
+            {"PATH": "/usr/bin:/bin"},
+        )
+        with pytest.raises(UserError) as err:
+            _wait(lambda: False, "the api-server's health", svc, 30)
+    message = str(err.value)
+    assert message.startswith("api-server exited with code 3 while waiting for the api-server's health")
+    assert "[Errno 98] address already in use" in message
+    assert "scheduler" not in message

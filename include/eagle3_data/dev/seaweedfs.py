@@ -21,6 +21,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eagle3_data.dev.processes import free_port
 from eagle3_data.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -244,12 +245,10 @@ def _choose_ports(root: Path, s3_port: int | None) -> dict[str, int]:
 
 
 def _free_port(taken: set[int]) -> int:
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in taken:
-            return port
+    """A free port (below the ephemeral range: see processes.free_port) not in `taken`."""
+    while (port := free_port()) in taken:
+        pass
+    return port
 
 
 def _port_in_use(port: int) -> bool:
