@@ -6,12 +6,16 @@ imports torchvision at its top, which has no CPU wheel here, so the two function
 from transformers' own source text (neither calls torchvision).
 `processor_ids(tokenizer, messages, sizes)`: the processor's way to the ids: the template's text
 with each `<|media_pad|>` repeated (Kimi_K25Processor.replace_image_token), then tokenized.
+`vllm_pixels(...)`: the pixels of a forward with images, from vLLM's own Kimi-K2.5 image processor
+run alone in the vLLM venv (transformers' imports torchvision): what transformers' forward is given
+when a test compares an engine's states of an image sample with it.
 """
 
 from __future__ import annotations
 
 import ast
 import math
+import subprocess
 from functools import cache
 from pathlib import Path
 
@@ -54,3 +58,38 @@ def processor_ids(
     for (w, h), piece in zip(sizes, pieces[1:]):
         out += "<|media_pad|>" * image_tokens(w, h) + piece
     return tokenizer.encode(out, add_special_tokens=False)
+
+
+_PIXELS = r"""
+import io, json, sys
+from PIL import Image
+from safetensors.torch import save_file
+from vllm.transformers_utils.processors.kimi_k25_vision_fused import KimiK25FusedVisionProcessor
+
+model, out, *paths = sys.argv[1:]
+cfg = json.load(open(f"{model}/preprocessor_config.json"))
+proc = KimiK25FusedVisionProcessor.from_dict(cfg)
+tensors = {}
+for i, path in enumerate(paths):
+    got = proc.preprocess([{"type": "image", "image": Image.open(path).convert("RGB")}], return_tensors="pt")
+    tensors[f"pixel_values_{i}"] = got["pixel_values"].contiguous()
+    tensors[f"grid_thws_{i}"] = got["grid_thws"].contiguous()
+save_file(tensors, out)
+"""
+
+
+def vllm_pixels(vllm_python: str, model_dir, images: dict[str, bytes], folder: Path) -> dict:
+    """name -> (pixel_values [N, 3, 14, 14], grid_thw [1, 3]) of each image's bytes, from vLLM's
+    Kimi-K2.5 image processor with the model's preprocessor_config.json."""
+    from safetensors.torch import load_file
+
+    paths = []
+    for i, data in enumerate(images.values()):
+        (folder / f"image-{i}").write_bytes(data)
+        paths.append(str(folder / f"image-{i}"))
+    out = folder / "pixels.safetensors"
+    subprocess.run(
+        [vllm_python, "-c", _PIXELS, str(model_dir), str(out), *paths], check=True, capture_output=True, timeout=600
+    )
+    t = load_file(str(out))
+    return {name: (t[f"pixel_values_{i}"], t[f"grid_thws_{i}"]) for i, name in enumerate(images)}

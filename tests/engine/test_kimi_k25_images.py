@@ -11,34 +11,17 @@ image_grid_thw, output_hidden_states=True)` on one sample at a time: nothing sha
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 import torch
 
 from eagle3_data.hidden_states.final_norm import rms_norm
 from eagle3_data.hidden_states.vllm_backend import PromptIdsDiffer
+from tests.image_oracle import vllm_pixels
 
 INDICES = [2, 4, 5]
 REL = 1e-5  # measured: vLLM 2.6e-6 (image samples) and 3.9e-7 (text), transformers backend 3.3e-7
 MEDIA = {"begin": 163_602, "content": 163_603, "pad": 163_605, "end": 163_604}
-
-PIXELS = r"""
-import io, json, sys
-from PIL import Image
-from safetensors.torch import save_file
-from vllm.transformers_utils.processors.kimi_k25_vision_fused import KimiK25FusedVisionProcessor
-
-model, out, *paths = sys.argv[1:]
-cfg = json.load(open(f"{model}/preprocessor_config.json"))
-proc = KimiK25FusedVisionProcessor.from_dict(cfg)
-tensors = {}
-for i, path in enumerate(paths):
-    got = proc.preprocess([{"type": "image", "image": Image.open(path).convert("RGB")}], return_tensors="pt")
-    tensors[f"pixel_values_{i}"] = got["pixel_values"].contiguous()
-    tensors[f"grid_thws_{i}"] = got["grid_thws"].contiguous()
-save_file(tensors, out)
-"""
 
 
 def png(width: int, height: int, seed: int) -> bytes:
@@ -64,22 +47,7 @@ IMAGES = {"a": png(90, 60, 0), "b": png(41, 70, 1)}
 @pytest.fixture(scope="module")
 def pixels(vllm_python, tiny_kimi_k25_dir, tmp_path_factory) -> dict:
     """name -> (pixel_values [N, 3, 14, 14], grid_thw [1, 3]) from vLLM's own Kimi image processor."""
-    from safetensors.torch import load_file
-
-    folder = tmp_path_factory.mktemp("pixels")
-    paths = []
-    for name, data in IMAGES.items():
-        (folder / name).write_bytes(data)
-        paths.append(str(folder / name))
-    out = folder / "pixels.safetensors"
-    subprocess.run(
-        [vllm_python, "-c", PIXELS, str(tiny_kimi_k25_dir), str(out), *paths],
-        check=True,
-        capture_output=True,
-        timeout=600,
-    )
-    t = load_file(str(out))
-    return {name: (t[f"pixel_values_{i}"], t[f"grid_thws_{i}"]) for i, name in enumerate(IMAGES)}
+    return vllm_pixels(vllm_python, tiny_kimi_k25_dir, IMAGES, tmp_path_factory.mktemp("pixels"))
 
 
 def media_tokens(grid_thw: torch.Tensor) -> int:

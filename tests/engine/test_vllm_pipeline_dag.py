@@ -291,3 +291,111 @@ def test_conversations_run_through_the_dag_on_vllm(mode, history, vllm_stack, da
         figures = local["extra"]["conversations"]
         assert figures["mode"] == "trajectory/regenerated" and figures["samples"] == figures["turns"] == counts["vllm"]
         assert figures["end"] == {"length": figures["samples"]}
+
+
+def test_image_prompts_run_through_the_dag_on_vllm(
+    vllm_stack, dag_run, vllm_python, vllm_backend, tiny_kimi_k25_dir, tmp_path, kimi_tokenizer
+):
+    """include/sample_data/images.jsonl (every image layout) through the DAG with images sent to
+    the local engine (`generation.local.images: true`) and extracted on vLLM: each generated row's
+    prompt ids are what transformers' Kimi-K2.5 processor makes of its messages and images
+    (tests/image_oracle.py), on both paths; the media tokens are never trained on; and each image
+    sample's stored states equal transformers' own forward of the tiny Kimi-K2.5 over the merged
+    ids with the same pixels (vLLM's image processor's, as in test_kimi_k25_images.py)."""
+    import io
+    import os
+    from pathlib import Path
+
+    import yaml
+    from airflow.dag_processing.dagbag import DagBag
+    from transformers import Kimi_K25ForConditionalGeneration
+
+    from eagle3_data.hidden_states.shards import ShardReader
+    from eagle3_data.images import read_image, read_merged_images
+    from eagle3_data.pipeline import open_store
+    from eagle3_data.storage import StageRef
+    from eagle3_devtools.stack import SAMPLE_DATA, upload_prompts
+    from tests.fixtures.airflow import REPO
+    from tests.image_oracle import processor_ids, vllm_pixels
+
+    raw = yaml.safe_load(Path(vllm_stack.config_path).read_text())
+    raw["datasets"].append({"name": "images"})
+    raw["generation"]["local"]["images"] = True  # the session's `vllm serve` takes images
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    upload_prompts(vllm_stack.client(), load_config(path), f"{DATE:%Y-%m-%d}", {"images": SAMPLE_DATA / "images.jsonl"})
+    os.environ["EAGLE3_CONFIG"] = str(path)
+    try:
+        dag = DagBag(dag_folder=str(REPO / "dags")).dags[DAG_ID]
+        dr = dag.test(
+            logical_date=DATE,
+            run_conf={"run_name": "images-vllm", "datasets": ["images"], "hidden_states_backend": "vllm"},
+        )
+    finally:
+        os.environ["EAGLE3_CONFIG"] = str(vllm_stack.config_path)
+    assert str(dr.state).endswith("success"), _states(dr)
+    store = open_store(load_config(path), vllm_stack.client())
+    run = "images-vllm"
+
+    # generation: the engine saw the images (source vllm) and our ids are the processor's
+    sources = Counter()
+    for stage in ("generate_local", "reconstruct"):
+        for row in store.read_table(StageRef(run, stage, "images")).to_pylist():
+            if row["status"] != "ok":
+                continue
+            refs = json.loads(row["images"])
+            expected = processor_ids(
+                kimi_tokenizer, json.loads(row["messages"]), [(r["width"], r["height"]) for r in refs]
+            )
+            assert list(row["prompt_ids"]) == expected, row["sample_id"]
+            sources[row["source"]] += 1
+    assert sources["vllm"] >= 1 and sources["openrouter"] >= 1, sources
+    prompts = store.read_manifest(StageRef(run, "prompts", "images"))["extra"]["counts"]
+    assert not prompts.get("images_to_overflow"), prompts  # routed as text prompts are
+
+    # merge: media tokens masked, references beside the shards
+    pad = kimi_tokenizer.convert_tokens_to_ids("<|media_pad|>")
+    merge = StageRef(run, "merge", "all")
+    images = read_merged_images(store, merge)
+    merged = {
+        r["sample_id"]: r
+        for s in store.read_manifest(merge)["extra"]["shards"]
+        for r in pq.read_table(io.BytesIO(store.read_object(merge, s["name"]))).to_pylist()
+    }
+    assert merged and set(merged) <= set(images)
+    assert {r["source"] for r in merged.values()} == {"vllm", "openrouter"}
+    for r in merged.values():
+        pads = [k for k, t in enumerate(r["input_ids"]) if t == pad]
+        assert len(pads) == sum(i["media_tokens"] for i in images[r["sample_id"]]) > 0
+        assert all(r["loss_mask"][k] == 0 for k in pads)
+
+    # extraction: every image sample, none left out, each equal to transformers' forward with pixels
+    hs_ref = StageRef(run, "hidden_states", "all")
+    hs = store.read_manifest(hs_ref)
+    assert hs["extra"]["backend"] == "vllm" and hs["extra"]["totals"]["left_out_image_samples"] == 0, hs["extra"]
+    stored = {}
+    for f in hs["files"]:
+        if f["name"].endswith(".safetensors"):
+            stored.update(
+                {s.sample_id: s for s in ShardReader(store.get_file(hs_ref, f["name"], tmp_path / f["name"]))}
+            )
+    assert set(stored) == set(merged)
+    assert vllm_backend.starts == 1  # the session's one extraction engine
+    model = Kimi_K25ForConditionalGeneration.from_pretrained(str(tiny_kimi_k25_dir), dtype=torch.float32).eval()
+    every_image = {r["sha256"]: read_image(store, r) for refs in images.values() for r in refs}
+    pixels = vllm_pixels(vllm_python, tiny_kimi_k25_dir, every_image, tmp_path)  # by sha256
+    for sid, rec in merged.items():
+        shas = [r["sha256"] for r in images[sid]]
+        with torch.no_grad():
+            ref = model.model(
+                input_ids=torch.tensor([rec["input_ids"]]),
+                pixel_values=torch.cat([pixels[h][0] for h in shas]).float(),
+                image_grid_thw=torch.cat([pixels[h][1] for h in shas]),
+                output_hidden_states=True,
+            ).hidden_states
+        s, n = stored[sid], len(rec["input_ids"])
+        assert s.input_ids.tolist() == rec["input_ids"]
+        aux = s.aux_hidden_states.float().reshape(n, 3, H)
+        for j, index in enumerate([2, 4, 5]):
+            err = float((aux[:, j] - ref[index][0]).abs().max() / ref[index][0].abs().max())
+            assert err < 1e-2, (sid, index, err)
