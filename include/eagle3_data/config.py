@@ -512,9 +512,9 @@ class HiddenStatesConfig(_Model):
     max_images: int = Field(
         0,
         ge=0,
-        description="images per sample the vllm backend is started for (a vision-language target: "
-        "Kimi-K2.5); image samples are extracted with their pixels, never over their ids alone: with 0 (or the "
-        "transformers backend) they are left out of extraction, counted and named in the manifest",
+        description="images per sample the extraction backend is started for (a vision-language target: "
+        "Kimi-K2.5); image samples are extracted with their pixels, never over their ids alone: with 0 (or a "
+        "text-only target) they are left out of extraction, counted and named in the manifest",
     )
     workers: int = Field(
         1,

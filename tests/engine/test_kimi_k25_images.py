@@ -105,23 +105,45 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 SAMPLES = [["Describe ", "a", " in one word."], ["b", "Compare with ", "a"], ["No image here."]]
 
 
+def test_the_transformers_backends_pixels_are_vllms_processors(tiny_kimi_k25_dir, vllm_python, tmp_path):
+    """pixels.py (the transformers backend's preprocessing: transformers' own processor needs
+    torchvision) gives vLLM's processor's pixel values and grid, value for value, for small
+    images, a wide one and one scaled down to `in_patch_limit` patches; the grid's 2x2-merged
+    count is the media-token count our prompt ids were expanded with."""
+    from eagle3_data.hidden_states.pixels import KimiPixels
+    from eagle3_data.images import media_tokens
+
+    sizes = {"a": (90, 60), "b": (41, 70), "wide": (1000, 30), "large": (2100, 1600)}
+    images = {**IMAGES, "wide": png(*sizes["wide"], 2), "large": png(*sizes["large"], 3)}
+    theirs = vllm_pixels(vllm_python, tiny_kimi_k25_dir, images, tmp_path)
+    ours = KimiPixels.from_model_dir(tiny_kimi_k25_dir)
+    assert ours.size(*sizes["large"]) < sizes["large"]  # scaled down: more patches than in_patch_limit
+    for name, data in images.items():
+        values, grid = ours(data)
+        assert torch.equal(grid, theirs[name][1]), name
+        assert values.dtype == theirs[name][0].dtype and torch.equal(values, theirs[name][0]), name
+        assert int(grid[0, 1:].prod()) // 4 == media_tokens(*sizes[name]), name
+
+
 def test_hf_backend_batches_image_samples_like_one_forward_each(tiny_kimi_k25_dir, reference, pixels, kimi_tokenizer):
     """The reference backend: Kimi-K2.5 loads (it has no causal-LM class), a right-padded batch of
-    image and text samples gives each sample's own single forward."""
+    image and text samples, given the images' bytes, gives each sample's own single forward with
+    vLLM's processor's pixels."""
     from eagle3_data.hidden_states.backends import TransformersBackend
 
-    backend = TransformersBackend(tiny_kimi_k25_dir, dtype=torch.float32)
+    backend = TransformersBackend(tiny_kimi_k25_dir, dtype=torch.float32, max_images=2)
     assert backend.info.num_layers == 8 and backend.info.vocab_size == 163_840
     batch = [prompt(kimi_tokenizer, parts, pixels) for parts in SAMPLES]
-    per_sample = [[pixels[p] for p in parts if p in IMAGES] for parts in SAMPLES]
-    joined = [(torch.cat([p[0] for p in ps]), torch.cat([p[1] for p in ps])) if ps else None for ps in per_sample]
-    states = backend.forward(batch, INDICES, last_hidden=True, pixels=joined)
+    images = [[IMAGES[p] for p in parts if p in IMAGES] for parts in SAMPLES]
+    states = backend.forward(batch, INDICES, last_hidden=True, images=images)
     for parts, ids, got in zip(SAMPLES, batch, states, strict=True):
         hs = reference_states(reference, ids, [p for p in parts if p in IMAGES], pixels)
         aux = got.aux.reshape(len(ids), len(INDICES), -1)
         for j, index in enumerate(INDICES):
             assert rel_err(aux[:, j], hs[index][0]) < REL, (parts, index)
         assert rel_err(rms_norm(got.last, *backend.final_norm), hs[8][0]) < REL
+    with pytest.raises(ValueError, match="a sample with 3 images, the backend takes 2"):
+        backend.forward(batch[:1], INDICES, last_hidden=False, images=[[IMAGES["a"]] * 3])
 
 
 def test_states_of_image_samples_equal_transformers_forward_with_the_same_pixels(

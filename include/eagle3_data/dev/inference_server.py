@@ -584,14 +584,16 @@ def _top_logprobs(previous: int, token: int, k: int) -> list[list]:
     sum below 1); a token of the stand-in's text is never outside a nucleus."""
     import hashlib
 
+    from eagle3_data.builds.kimi_tokenizer import NUM_BPE_RANKS  # the ordinary (non-special) ids
+
     own = _pair_logprob(previous, token)
     share = min(math.exp(own), 1.0 - math.exp(own))  # every other id below `token`, and all of them below 1
     out, taken = [[own, token, None]], {token}
     for rank in range(1, k):
         digest = hashlib.blake2b(f"{previous}:top:{rank}".encode(), digest_size=8).digest()
-        other = int.from_bytes(digest, "big") % 163_584
+        other = int.from_bytes(digest, "big") % NUM_BPE_RANKS
         while other in taken:
-            other = (other + 1) % 163_584
+            other = (other + 1) % NUM_BPE_RANKS
         taken.add(other)
         out.append([math.log(share / (2 * (rank + 1) ** 2)), other, None])
     return out

@@ -52,9 +52,11 @@ class TransformersBackend:
     """`AutoModelForCausalLM` forward with right padding; captures only the layers asked for.
 
     A vision-language checkpoint (Kimi-K2.5: `text_config` + `vision_config`, no causal-LM class)
-    loads as `AutoModelForImageTextToText`; its language model is the decoder hooked here, and a
-    sample's `pixels` (the image processor's `pixel_values` and `image_grid_thw`) go through the
-    model's own forward, which puts the vision tower's features at the `<|media_pad|>` positions.
+    loads as `AutoModelForImageTextToText`; its language model is the decoder hooked here. Started
+    with `max_images` > 0, it takes each sample's image bytes (`forward(..., images=...)`, as the
+    vLLM backend does): pixels.py turns them into the processor's `pixel_values` and
+    `image_grid_thw`, which go through the model's own forward, and that puts the vision tower's
+    features at the `<|media_pad|>` positions.
 
     Forward hooks on the embedding and decoder layers keep 3 tensors alive instead of L+1 (the
     last one, for `last_hidden`, on the last layer: its output before the final norm), and the
@@ -62,13 +64,25 @@ class TransformersBackend:
     run: the extractor applies `lm_head` per sample, in bounded chunks (logprobs.py).
     """
 
-    def __init__(self, model_dir: str | Path, *, device: str | None = None, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        device: str | None = None,
+        dtype: torch.dtype | None = None,
+        max_images: int = 0,
+    ):
         import transformers
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+        from eagle3_data.hidden_states.pixels import KimiPixels
 
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.multimodal = hasattr(AutoConfig.from_pretrained(str(model_dir)), "vision_config")
+        # a text-only model takes no images: its image samples are left out (extract._images_for)
+        self.max_images = max_images if self.multimodal else 0
+        self.pixels = KimiPixels.from_model_dir(model_dir) if self.max_images else None
         auto = AutoModelForImageTextToText if self.multimodal else AutoModelForCausalLM
         model = auto.from_pretrained(str(model_dir), dtype=self.dtype)
         self.model = model.to(self.device).eval()
@@ -152,13 +166,14 @@ class TransformersBackend:
         batch: Sequence[Sequence[int]],
         indices: list[int],
         last_hidden: bool,
-        pixels: Sequence[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
+        images: Sequence[Sequence[bytes]] | None = None,
     ) -> list[SampleStates]:
-        """`pixels`: per sample, its images' (pixel_values, image_grid_thw) or None (vision-language
-        checkpoints only; the ids hold each image's expanded `<|media_pad|>` run)."""
-        given = [p for p in (pixels or ()) if p is not None]
-        if given and not self.multimodal:
-            raise ValueError(f"{self.info.name}: images given to a text-only model")
+        """`images`: per sample, its images' encoded bytes in prompt order (needs `max_images`; the
+        ids hold each image's expanded `<|media_pad|>` run)."""
+        most = max((len(i) for i in images or ()), default=0)
+        if most > self.max_images:
+            raise ValueError(f"{self.info.name}: a sample with {most} images, the backend takes {self.max_images}")
+        given = [self.pixels(data) for sample in images or () for data in sample]
         joined = (torch.cat([p[0] for p in given]), torch.cat([p[1] for p in given])) if given else None
         aux, last, lengths = self.forward_padded(batch, indices, last_hidden, joined)
         aux, last = aux.cpu(), (last.cpu() if last is not None else None)

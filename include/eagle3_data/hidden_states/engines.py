@@ -37,5 +37,5 @@ def shared_backend(
                 model_dir, tensor_parallel_size=tensor_parallel_size, max_images=max_images, **kwargs
             )
         else:
-            _SHARED[key] = TransformersBackend(model_dir)
+            _SHARED[key] = TransformersBackend(model_dir, max_images=max_images)
     return _SHARED[key]
