@@ -258,3 +258,47 @@ def test_a_wrong_media_token_count_is_a_failed_row_naming_the_first_differing_po
         f"{MEDIA['pad']}, the engine's {MEDIA['end']}; {len(r['prompt_ids'])} ids ours, {len(r['prompt_ids']) - 1} "
         "the engine's): its processor counts another number of media tokens for an image"
     )
+
+
+def test_image_answers_are_scored_with_their_images_as_transformers_scores_them(
+    vllm_server, kimi_tokenizer, reference, pixels
+):
+    """The policy check's scoring request for an image prompt (`/inference/v1/generate` with
+    `prompt_logprobs`): the answer's log-probabilities equal the log_softmax of transformers' own
+    logits given vLLM's processor's pixels, and differ from scoring the ids alone (what the check
+    did before: the target scored an answer about an image it was not shown). A wrong media-token
+    count is a refusal naming the images, not a score."""
+    from eagle3_data.generation.local import Media
+    from eagle3_data.generation.vllm import VLLM
+    from eagle3_data.images import data_uri
+    from eagle3_data.policy import ScoreOptions, score_items
+    from eagle3_data.policy.select import Item
+
+    names = ["b", "a"]
+    ids = prompt(kimi_tokenizer, ["Compare ", "b", " with ", "a"], pixels)
+    first = len(ids)
+    answer = kimi_tokenizer.encode("They differ in size.", add_special_tokens=False)
+    refs = json.dumps([{"media_tokens": media_tokens(pixels[n][1])} for n in names])  # Item.images: set
+    media = Media(MEDIA["pad"], [data_uri(IMAGES[n]) for n in names], [media_tokens(pixels[n][1]) for n in names])
+    item = Item("img", "overflow", "overflow", tuple(ids + answer), first, refs)
+    options = ScoreOptions(max_attempts=2)
+    (got,), refused, _ = score_items([item], [vllm_server.url], VLLM, options, media=lambda _: media)
+    assert not refused and len(got) == len(answer)
+    with torch.no_grad():
+        logits = reference(
+            input_ids=torch.tensor([ids + answer]),
+            pixel_values=torch.cat([pixels[n][0] for n in names]).float(),
+            image_grid_thw=torch.cat([pixels[n][1] for n in names]),
+        ).logits[0]
+    expected = torch.log_softmax(logits.double(), -1)[first - 1 : -1].gather(1, torch.tensor(answer)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(got, dtype=torch.float64), expected, atol=1e-3), (got, expected.tolist())
+    (blind,), _, _ = score_items(
+        [Item("txt", "overflow", "overflow", item.ids, first)], [vllm_server.url], VLLM, options
+    )
+    assert max(abs(a - b) for a, b in zip(got, blind)) > 1e-2  # the images moved the answer's scores
+    pad = ids.index(MEDIA["pad"])  # our count one more than the processor's for the first image
+    drifted = Item(
+        "img", "overflow", "overflow", tuple(ids[:pad] + [MEDIA["pad"]] + ids[pad:] + answer), first + 1, refs
+    )
+    (none,), refused, _ = score_items([drifted], [vllm_server.url], VLLM, options, media=lambda _: media)
+    assert none is None and refused["img"].startswith("images: ran other prompt ids than ours"), refused

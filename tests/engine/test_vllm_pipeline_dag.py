@@ -352,6 +352,10 @@ def test_image_prompts_run_through_the_dag_on_vllm(
     assert sources["vllm"] >= 1 and sources["openrouter"] >= 1, sources
     prompts = store.read_manifest(StageRef(run, "prompts", "images"))["extra"]["counts"]
     assert not prompts.get("images_to_overflow"), prompts  # routed as text prompts are
+    # the policy check scored the answers with their images (the engine takes them), none refused
+    policy = store.get_json(StageRef(run, "score_policy", "images"), "policy.json")
+    assert policy["image_samples_left_out"] == {"local": 0, "overflow": 0} and "skipped" not in policy, policy
+    assert policy["refused_count"] == 0 and policy["worst"]["overflow"], policy
 
     # merge: media tokens masked, references beside the shards
     pad = kimi_tokenizer.convert_tokens_to_ids("<|media_pad|>")

@@ -121,6 +121,37 @@ def test_an_engine_counting_other_media_tokens_is_a_failed_row_naming_the_counts
     assert server.stats()["requests"]["generate"] == {"img0000": 1}  # final: not retried
 
 
+def test_image_answers_are_scored_with_one_pad_per_image_and_their_image_data(start_dev_server):
+    """The policy check's SGLang scoring request for an image prompt goes as its generation went:
+    one pad per image and `image_data` (the dev server refuses anything else, as SGLang does), with
+    `logprob_start_len` counted on the expanded ids (SGLang's `origin_input_ids`): the window is
+    exactly the answer. A server whose processor counts another number of media tokens refuses
+    the item, naming the counts: scored over its ids alone, nothing would have noticed."""
+    import base64
+
+    from eagle3_data.generation.local import Media
+    from eagle3_data.generation.sglang import SGLANG
+    from eagle3_data.images import media_tokens
+    from eagle3_data.policy import ScoreOptions, score_items
+    from eagle3_data.policy.select import Item
+
+    uri = "data:image/png;base64," + base64.b64encode(PICTURES[0][0]).decode()
+    n = media_tokens(64, 48)
+    ids, answer = [1, 163_602, *[163_605] * n, 163_604, 2, 3], [10, 11, 12]
+    item = Item("img", "overflow", "overflow", tuple(ids + answer), len(ids), json.dumps([{"media_tokens": n}]))
+    media = Media(163_605, [uri], [n])
+    options = ScoreOptions(max_attempts=2, top_logprobs=5)
+    for drift in (0, 1):
+        server = start_dev_server({"media_token_drift": drift})
+        (got,), refused, _ = score_items([item], [server.url], SGLANG, options, media=lambda _: media)
+        if drift:
+            assert got is None and refused["img"].startswith(
+                f"images: ran {len(ids) + len(answer) + 1} prompt tokens ({n + 1} of them images), ours are "
+            ), refused
+        else:
+            assert not refused and len(got) == len(answer)
+
+
 def test_expanded_pads_with_image_data_are_refused_as_sglang_refuses_them(start_dev_server, kimi_tokenizer):
     """SGLang 0.5.23 (srt/multimodal/processors/kimi_k25.py process_mm_data_async) refuses a pad
     count other than the number of images, with this message: so does the dev server."""

@@ -164,13 +164,17 @@ class Wire(Protocol):
         """Which distribution the engine's output log-probabilities are of (provenance `logprobs`):
         what the extraction's own must be compared with (hidden_states.verify)."""
 
-    def score_request(self, ids: list[int], first: int, rid: str, identity: dict, top: int = 0) -> tuple[str, dict]:
+    def score_request(
+        self, ids: list[int], first: int, rid: str, identity: dict, top: int = 0, media: Media | None = None
+    ) -> tuple[str, dict]:
         """(path, JSON body) of a request for the log-probability of each of `ids[first:]` and,
         with `top` > 0, the `top` largest log-probabilities at each of those positions, all of the
-        target's unscaled distribution (no temperature, no truncation)."""
+        target's unscaled distribution (no temperature, no truncation); `media`: the prompt's
+        images, sent as `request` sends them (`ids` hold each image's expanded pads)."""
 
-    def score_answer(self, body: Any, ids: list[int], first: int, top: int = 0) -> Scored:
-        """Those, read and checked against `ids` (ValueError/KeyError: malformed)."""
+    def score_answer(self, body: Any, ids: list[int], first: int, top: int = 0, media: Media | None = None) -> Scored:
+        """Those, read and checked against `ids` (ValueError/KeyError: malformed; MediaDiffers:
+        the engine expanded the images to other ids)."""
 
     def score_refusal(self, status: int, text: str) -> str | None:
         """What the endpoint refuses to every scoring request (its configuration, not the item:

@@ -154,7 +154,9 @@ class SGLangWire:
     def backpressure(self, status: int, text: str) -> bool:
         return status == 503 and QUEUE_FULL in error_message(text).lower()
 
-    def score_request(self, ids: list[int], first: int, rid: str, identity: dict, top: int = 0) -> tuple[str, dict]:
+    def score_request(
+        self, ids: list[int], first: int, rid: str, identity: dict, top: int = 0, media: Media | None = None
+    ) -> tuple[str, dict]:
         """The target's log-probability of `ids[first:]` given what precedes each: one prefill with
         `return_logprob` from `logprob_start_len = first - 1` (SGLang's first entry is None, so the
         window starts one token early), one token generated (a prefill-only request is refused
@@ -171,9 +173,14 @@ class SGLangWire:
         `[logprob, id, text]` (torch.topk's order; the id there only when it is among them),
         the sampling position's popped (srt/managers/scheduler_components/logprob_result_processor.py
         :58-82 `_process_input_top_logprobs`, srt/managers/tokenizer_manager.py:3098-3135). SGLang
-        sets no cap on `top`."""
+        sets no cap on `top`.
+
+        An image prompt's ids go with one pad per image and its `image_data`, as in `request`:
+        SGLang expands the pads before the scheduler (`Req.origin_input_ids` are the expanded ids,
+        srt/managers/scheduler.py:3223 `duplicate_pad_mm_input_ids`), and `logprob_start_len` is
+        checked against those (:3275), so `first` counts our expanded ids as the window does."""
         body = {
-            "input_ids": ids,
+            "input_ids": collapse_runs(ids, media.pad_id) if media is not None else ids,
             "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
             "return_logprob": True,
             "logprob_start_len": first - 1,
@@ -181,9 +188,13 @@ class SGLangWire:
         }
         if top:
             body["top_logprobs_num"] = top
+        if media is not None:
+            body["image_data"] = list(media.urls)
         return "/generate", body
 
-    def score_answer(self, body: Any, ids: list[int], first: int, top: int = 0) -> Scored:
+    def score_answer(self, body: Any, ids: list[int], first: int, top: int = 0, media: Media | None = None) -> Scored:
+        if media is not None:
+            check_media(body, ids, media)  # it ran as many ids as ours, and our media tokens
         meta = (body[0] if isinstance(body, list) else body)["meta_info"]
         window = meta["input_token_logprobs"][1:]  # entry 0: ids[first - 1], whose value SGLang leaves None
         if len(window) != len(ids) - first or any(e[1] != t for e, t in zip(window, ids[first:])):

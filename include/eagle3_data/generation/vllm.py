@@ -135,7 +135,9 @@ class VllmWire:
     def backpressure(self, status: int, text: str) -> bool:
         return False  # vLLM queues without a bound: no "full" answer
 
-    def score_request(self, ids: list[int], first: int, rid: str, identity: dict, top: int = 0) -> tuple[str, dict]:
+    def score_request(
+        self, ids: list[int], first: int, rid: str, identity: dict, top: int = 0, media: Media | None = None
+    ) -> tuple[str, dict]:
         """The target's log-probability of `ids[first:]`: `prompt_logprobs: top` returns, at every
         prompt position (all of them: the request has no start), the log-probability of the id
         that is there and of the `top` likeliest ids; one token generated (vLLM's minimum).
@@ -156,14 +158,27 @@ class VllmWire:
         request is a 400 `{"error": {"message": "Requested prompt logprobs of K, which is greater
         than max allowed: M (parameter=prompt_logprobs, value=K)", "type": "BadRequestError",
         "param": "prompt_logprobs", "code": 400}}` (sampling_params.py:969-979,
-        entrypoints/serve/exception_handling/error_response.py:41-44; `score_refusal`)."""
+        entrypoints/serve/exception_handling/error_response.py:41-44; `score_refusal`).
+
+        An image prompt goes where its generation went, `/inference/v1/generate` (`generate_body`:
+        one pad per image, the images as `content_parts`), with `prompt_logprobs` among its
+        sampling params: the answer's top-level `prompt_logprobs` (GenerateResponseBase,
+        entrypoints/scale_out/token_in_token_out/protocol.py:507; the same per-position dicts,
+        over the ids the engine ran, pads expanded) and `prompt_token_ids`, which must be ours."""
+        if media is not None:
+            sampling = {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": top}
+            return GENERATE_PATH, generate_body(ids, sampling, rid, identity, media)
         body = {"prompt": ids, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": top, "stream": False}
         if identity.get("served_model"):
             body["model"] = identity["served_model"]
         return "/v1/completions", body
 
-    def score_answer(self, body: Any, ids: list[int], first: int, top: int = 0) -> Scored:
-        per_position = body["choices"][0]["prompt_logprobs"]
+    def score_answer(self, body: Any, ids: list[int], first: int, top: int = 0, media: Media | None = None) -> Scored:
+        if media is not None:
+            check_generate_answer(body, ids)  # the ids it ran, pads expanded by its processor, are ours
+            per_position = body["prompt_logprobs"]
+        else:
+            per_position = body["choices"][0]["prompt_logprobs"]
         if len(per_position) != len(ids):
             raise ValueError(f"prompt_logprobs has {len(per_position)} positions for {len(ids)} ids")
         logprobs, tops = [], []

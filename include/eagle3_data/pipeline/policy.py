@@ -76,6 +76,8 @@ def score_policy(run: Run, store, dataset: str, endpoints: list[str]) -> PolicyR
     the nucleus are counted per side (`nucleus`: samples, tokens, outside; `nucleus_rule`: how):
     the gate runs the nucleus test on them (policy.nucleus, policy.compare)."""
     from eagle3_data.generation.engines import wire_for
+    from eagle3_data.generation.local import Media
+    from eagle3_data.images import data_uri, parse_refs, read_image
     from eagle3_data.policy import ScoreOptions, local_items, overflow_items, score_items, summarize
     from eagle3_data.policy.compare import Thresholds, sample_size, worst_samples
     from eagle3_data.policy.compare import rows as score_rows
@@ -88,6 +90,8 @@ def score_policy(run: Run, store, dataset: str, endpoints: list[str]) -> PolicyR
     cfg = run.config.policy
     th = Thresholds.from_config(run.config.dataset(dataset).validation)
     nucleus = Nucleus.of(run.config.generation.sampling.model_dump())
+    # image prompts are scored with their images where the local engines take them, else left out
+    with_images = run.config.generation.local.images
     params = {
         "pilot_samples": cfg.pilot_samples,
         "max_samples": cfg.max_samples,
@@ -96,6 +100,7 @@ def score_policy(run: Run, store, dataset: str, endpoints: list[str]) -> PolicyR
         "engine": run.config.generation.local.engine,
         "nucleus": {"top_logprobs": cfg.top_logprobs, "logit_margin": cfg.nucleus_logit_margin} if nucleus else None,
         "thinking": run.config.generation.sampling.thinking,
+        **({"score_images": True} if with_images else {}),  # absent otherwise: earlier manifests stay reusable
         **hashes,
     }
     if (manifest := reusable(store, ref, [local, rebuilt], params)) is not None:
@@ -108,11 +113,11 @@ def score_policy(run: Run, store, dataset: str, endpoints: list[str]) -> PolicyR
     columns = [*scored_columns, "finish_reason", "provenance", "tools", "messages"]
     pairs = cfg.max_samples
     n = min(cfg.pilot_samples, cfg.max_samples)
-    over = overflow_items(_rows(store, rebuilt, scored_columns), routes, n, cfg.seed, pairs)
+    over = overflow_items(_rows(store, rebuilt, scored_columns), routes, n, cfg.seed, pairs, with_images)
     items: list = []
     scores: list = []
-    left_out = {  # select.has_images: never scored
-        side: sum(has_images(r) for r in _rows(store, stage, ["images"]))
+    left_out = {  # select.has_images
+        side: 0 if with_images else sum(has_images(r) for r in _rows(store, stage, ["images"]))
         for side, stage in (("local", local), ("overflow", rebuilt))
     }
     if cfg.max_samples == 0 or not over:
@@ -131,14 +136,20 @@ def score_policy(run: Run, store, dataset: str, endpoints: list[str]) -> PolicyR
         refused: dict[str, str] = {}
         done: dict[tuple, tuple[list[float] | None, int | None]] = {}
 
+        def media(item) -> Media:
+            """An image item's images as its generation sent them (each stored object verified)."""
+            refs = parse_refs(item.images)
+            urls = [data_uri(read_image(store, ref)) for ref in refs]
+            return Media(fmt.media_pad_id, urls, [int(ref["media_tokens"]) for ref in refs])
+
         def at(n: int) -> tuple[list, list, list]:
             """The items at `n` sampled answers a side (and the pairs), scoring only the new ones:
             the items, their log-probabilities, their answer tokens outside the nucleus."""
-            items = overflow_items(_rows(store, rebuilt, scored_columns), routes, n, cfg.seed, pairs) + local_items(
-                fmt, _rows(store, local, columns), routes, n, cfg.seed, len(tokenizer), pairs
-            )
+            items = overflow_items(
+                _rows(store, rebuilt, scored_columns), routes, n, cfg.seed, pairs, with_images
+            ) + local_items(fmt, _rows(store, local, columns), routes, n, cfg.seed, len(tokenizer), pairs, with_images)
             todo = [it for it in items if (it.side, it.sample_id, it.ids) not in done]
-            got, more, far = score_items(todo, endpoints, wire, options, nucleus, len(tokenizer))
+            got, more, far = score_items(todo, endpoints, wire, options, nucleus, len(tokenizer), media)
             done.update({(it.side, it.sample_id, it.ids): sf for it, sf in zip(todo, zip(got, far))})
             refused.update(more)
             results = [done[(it.side, it.sample_id, it.ids)] for it in items]

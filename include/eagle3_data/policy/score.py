@@ -10,6 +10,9 @@ every request (`Wire.score_refusal`: more top log-probabilities than the server 
 stage with what to change. With a `nucleus`, each sampled item's request also asks for the
 `top_logprobs` likeliest ids at every position, and `policy.nucleus.outside` counts its answer
 tokens outside the nucleus as the answer arrives (the [positions, K] values are not kept).
+An item of an image prompt (`Item.images`, when the caller gives `media`) is scored with its
+images, sent as local generation sends them; an engine that expands them to other ids than ours
+refuses that item (`MediaDiffers`), counted like any refusal.
 """
 
 from __future__ import annotations
@@ -18,14 +21,14 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
 import aiohttp
 
 from eagle3_data.errors import EndpointUnavailable, UserError
-from eagle3_data.generation.local import error_message, wait_healthy
+from eagle3_data.generation.local import Media, MediaDiffers, error_message, wait_healthy
 from eagle3_data.generation.retry import backoff_s
 from eagle3_data.policy.nucleus import ENGINE_LOGIT_MARGIN, Nucleus, outside
 from eagle3_data.policy.select import Item
@@ -60,19 +63,30 @@ def score_items(
     options: ScoreOptions = ScoreOptions(),
     nucleus: Nucleus | None = None,
     vocab_size: int = 0,
+    media: Callable[[Item], Media] | None = None,
 ) -> tuple[list[list[float] | None], dict[str, str], list[int | None]]:
     """(log-probabilities per item, None where the engine refused it; the refusals by sample id;
     per item its answer tokens outside `nucleus`, None where refused, greedy (a calibration answer)
-    or without a nucleus). `vocab_size`: the target's, for the bound at temperatures above 1."""
+    or without a nucleus). `vocab_size`: the target's, for the bound at temperatures above 1.
+    `media`: an image item's images for the engine (read per request, in a thread: S3 reads);
+    without it, an item with images is refused."""
     if not items:
         return [], {}, []
-    return asyncio.run(_Scorer(endpoints, wire, options, nucleus, vocab_size).run(items))
+    return asyncio.run(_Scorer(endpoints, wire, options, nucleus, vocab_size, media).run(items))
 
 
 class _Scorer:
-    def __init__(self, endpoints: Sequence[str], wire, options: ScoreOptions, nucleus: Nucleus | None, vocab: int):
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        wire,
+        options: ScoreOptions,
+        nucleus: Nucleus | None,
+        vocab: int,
+        media: Callable[[Item], Media] | None,
+    ):
         self.endpoints, self.wire, self.o = [e.rstrip("/") for e in endpoints], wire, options
-        self.nucleus, self.vocab = nucleus, vocab
+        self.nucleus, self.vocab, self.media = nucleus, vocab, media
         self.refused: dict[str, str] = {}
         self.tag = uuid.uuid4().hex[:8]
 
@@ -106,10 +120,16 @@ class _Scorer:
         ids = list(item.ids)
         checked = self.nucleus is not None and item.route == item.side  # a sampled answer
         top = self.o.top_logprobs if checked else 0
+        media = None
+        if item.images:
+            if self.media is None:
+                self.refused[item.sample_id] = "an image prompt, and no images given to score it with"
+                return None
+            media = await asyncio.to_thread(self.media, item)
         last = "no attempt"
         for attempt in range(1, self.o.max_attempts + 1):
             path, body = self.wire.score_request(
-                ids, item.first, f"{item.sample_id}.policy.{self.tag}.{attempt}", self.identity[endpoint], top
+                ids, item.first, f"{item.sample_id}.policy.{self.tag}.{attempt}", self.identity[endpoint], top, media
             )
             try:
                 async with self.http.post(f"{endpoint}{path}", json=body) as r:
@@ -119,7 +139,10 @@ class _Scorer:
             else:
                 if status == 200:
                     try:
-                        scored = self.wire.score_answer(json.loads(text), ids, item.first, top)
+                        scored = self.wire.score_answer(json.loads(text), ids, item.first, top, media)
+                    except MediaDiffers as exc:  # the engine's processor, not the answer: no retry fixes it
+                        self.refused[item.sample_id] = f"images: {exc}"
+                        return None
                     except (ValueError, KeyError, TypeError, IndexError) as exc:
                         last = f"malformed answer: {exc}"
                     else:

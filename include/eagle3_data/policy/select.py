@@ -20,15 +20,20 @@ class Item:
     route: str  # "local" | "overflow" | "both" (calibration: greedy on both paths)
     ids: tuple[int, ...]
     first: int
+    images: str | None = None  # an image prompt's references (the row's `images` JSON), None for text
 
 
 def has_images(row: Mapping) -> bool:
-    """Whether a generation row answers an image prompt. Such rows are left out of the check: the
-    scoring request carries ids only, so the target would score an answer about an image it is
-    not shown, and image prompts mostly take one path (overflow unless `generation.local.images`):
-    the answers' lower log-probabilities would count against that path, an honest provider's
-    included."""
+    """Whether a generation row answers an image prompt. Such rows are scored with their images
+    when the local engines take images (`generation.local.images`), else left out of the check:
+    scored over ids alone, the target would score an answer about an image it is not shown, and
+    image prompts then all take the overflow path: the answers' lower log-probabilities would
+    count against that path, an honest provider's included."""
     return bool(parse_refs(row.get("images")))
+
+
+def _images(row: Mapping) -> str | None:
+    return row.get("images") if has_images(row) else None
 
 
 def pick(sample_ids: Iterable[str], n: int, seed: int) -> list[str]:
@@ -39,14 +44,25 @@ def pick(sample_ids: Iterable[str], n: int, seed: int) -> list[str]:
 
 
 def _chosen(
-    rows: Iterable[Mapping], routes: Mapping[str, str], side_route: str, n: int, pairs: int, seed: int
+    rows: Iterable[Mapping],
+    routes: Mapping[str, str],
+    side_route: str,
+    n: int,
+    pairs: int,
+    seed: int,
+    with_images: bool,
 ) -> list[Mapping]:
     """Up to `n` rows of the side's own route (sampled answers) and up to `pairs` calibration rows
     (route "both": greedy, compared as pairs, never in the sampled pool). `pick`'s order makes a
     larger `n` a superset of a smaller one: a pilot's samples stay in the sample it grows into.
-    A row of an image prompt is never chosen (`has_images`)."""
+    A row of an image prompt is chosen only `with_images` (`has_images`)."""
     usable = [
-        r for r in rows if r.get("status") == "ok" and r.get("output_ids") and r.get("prompt_ids") and not has_images(r)
+        r
+        for r in rows
+        if r.get("status") == "ok"
+        and r.get("output_ids")
+        and r.get("prompt_ids")
+        and (with_images or not has_images(r))
     ]
     keep: set[str] = set()
     for route, k in ((side_route, n), ("both", pairs)):
@@ -54,7 +70,14 @@ def _chosen(
     return [r for r in usable if r["sample_id"] in keep]
 
 
-def overflow_items(rows: Iterable[Mapping], routes: Mapping[str, str], n: int, seed: int, pairs: int = 0) -> list[Item]:
+def overflow_items(
+    rows: Iterable[Mapping],
+    routes: Mapping[str, str],
+    n: int,
+    seed: int,
+    pairs: int = 0,
+    with_images: bool = False,
+) -> list[Item]:
     """The reconstruct stage's rows: their output ids are what reconstruction made of the text."""
     return [
         Item(
@@ -63,8 +86,9 @@ def overflow_items(rows: Iterable[Mapping], routes: Mapping[str, str], n: int, s
             routes[r["sample_id"]],
             tuple(r["prompt_ids"]) + tuple(r["output_ids"]),
             len(r["prompt_ids"]),
+            _images(r),
         )
-        for r in _chosen(rows, routes, "overflow", n, pairs, seed)
+        for r in _chosen(rows, routes, "overflow", n, pairs, seed, with_images)
     ]
 
 
@@ -76,6 +100,7 @@ def local_items(
     seed: int,
     vocab_size: int,
     pairs: int = 0,
+    with_images: bool = False,
 ) -> list[Item]:
     """The local stage's rows, on the ids the overflow path would have given their text (the
     validator's rebuild); a row without one (a wrong stop, text that cannot determine the ids)
@@ -84,7 +109,7 @@ def local_items(
 
     from eagle3_data.validate import InputRow, Validator, detect_stop_convention, rows_from_batches
 
-    chosen = _chosen(rows, routes, "local", n, pairs, seed)
+    chosen = _chosen(rows, routes, "local", n, pairs, seed, with_images)
     if not chosen:
         return []
     columns = ("sample_id", "output_ids", "finish_reason", "provenance", "tools", "messages")
@@ -100,6 +125,7 @@ def local_items(
             routes[p.sample_id],
             tuple(by_id[p.sample_id]["prompt_ids"]) + tuple(ids),
             len(by_id[p.sample_id]["prompt_ids"]),
+            _images(by_id[p.sample_id]),
         )
         for p, ids in zip(inputs, rebuilt)
         if ids
