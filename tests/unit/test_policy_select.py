@@ -32,12 +32,18 @@ def test_a_pilot_is_part_of_the_sample_it_grows_into():
     assert len(pilot) == 8 and len(grown) == 50 and pilot < grown
 
 
-def test_image_prompts_are_never_scored():
-    """The scoring request carries ids only: an answer about an image the target is not shown
-    would score low on whichever path answered it (mostly overflow), an honest provider's too."""
+def test_image_prompts_are_scored_only_where_the_engines_take_images():
+    """Without `with_images` (the engines take no images) the scoring request would carry ids
+    only: an answer about an image the target is not shown would score low on whichever path
+    answered it (then always overflow), an honest provider's too. With it, image rows are chosen
+    as text rows are and carry their references for the request."""
     data, routes = rows(60)
     ref = '[{"sha256": "ab", "uri": "s3://b/x.png"}]'
     data = [{**r, "images": ref if i % 2 else None} for i, r in enumerate(data)]
     items = overflow_items(data, routes, 60, seed=3, pairs=60)
     assert items and all(int(it.sample_id[1:]) % 2 == 0 for it in items)
     assert len(items) == 30  # every text row, sampled and calibration alike
+    assert all(it.images is None for it in items)
+    every = overflow_items(data, routes, 60, seed=3, pairs=60, with_images=True)
+    assert len(every) == 60
+    assert {it.sample_id for it in every if it.images == ref} == {r["sample_id"] for r in data if r["images"]}
