@@ -147,3 +147,24 @@ def test_dev_server_schema_errors_are_sglangs(sglang_oracle):
     ]
     for body in bodies:
         assert _generate_contract_error(body) == sglang_oracle.contract_error(body), body
+
+
+def test_our_image_requests_pass_sglangs_own_generate_contract(sglang_oracle):
+    """SGLang's `/generate` schema (its generated decoder, api_contract.generate_contract_error)
+    admits what our wire sends for image prompts: generation with one pad per image and
+    `image_data`, and the policy check's scoring request with `return_logprob`,
+    `logprob_start_len` and `top_logprobs_num` beside them; and refuses a malformed `image_data`
+    (the check can fail)."""
+    from eagle3_data.generation.local import Media
+    from eagle3_data.generation.sglang import SGLANG
+
+    media = Media(163_605, ["data:image/png;base64,iVBORw0KGgo="], [6])
+    ids = [1, 163_602, *[163_605] * 6, 163_604, 2]
+    sampling = SGLANG.sampling({"temperature": 1.0, "top_p": 0.95, "max_new_tokens": 8})
+    _, generate = SGLANG.request(ids, sampling, "s1.run.1", {}, media)
+    _, score = SGLANG.score_request(ids + [10, 11], len(ids), "s1.policy.x.1", {}, 20, media)
+    assert generate["image_data"] == score["image_data"] == media.urls
+    assert generate["input_ids"].count(163_605) == score["input_ids"].count(163_605) == 1
+    for body in (generate, score):
+        assert sglang_oracle.contract_error(body) is None, body
+    assert sglang_oracle.contract_error({**score, "image_data": {"url": 3}}) is not None
