@@ -158,7 +158,9 @@ class TokenizerConfig(_Model):
 
 class ModelConfig(_Model):
     name: str = Field(description="recorded in provenance and hidden-state metadata")
-    source: str = Field(description="HF model dir, s3:// prefix, or dev:tiny-deepseek-v3 (hidden-state extraction)")
+    source: str = Field(
+        description="HF model dir, s3:// prefix, or dev:tiny-kimi-k25 / dev:tiny-deepseek-v3 (hidden-state extraction)"
+    )
 
 
 class SamplingConfig(_Model):

@@ -43,7 +43,7 @@ from eagle3_devtools.stack import (
     airflow_db_migrate,
     airflow_env,
     dev_stack,
-    tiny_model_dir,
+    target_model_dir,
     upload_prompts,
 )
 
@@ -66,7 +66,8 @@ DEMO_OVERRIDES = {
 # What each role is in the demo, for the lines that say so.
 STAND_IN_NAMES = {
     "tokenizer": "the Kimi-K2.5 tokenizer rebuilt offline (byte-identical vocabulary)",
-    "model": "a tiny random DeepSeek-V3 with Kimi's vocabulary (hidden states)",
+    "model": "a tiny random Kimi-K2.5 (its own class, KimiK25ForConditionalGeneration) with Kimi's vocabulary "
+    "(hidden states)",
     "local_engine": "the dev inference server as SGLang (generated text, not Kimi-K2.5's)",
     "overflow_provider": "the dev inference server as OpenRouter (its costs are a price list, nothing is paid)",
 }
@@ -217,6 +218,13 @@ def engine_lines(store, run_key: str, datasets: list[str], stand_ins: list[str])
     return lines
 
 
+def model_line(model_dir: str) -> str:
+    """The target as the demo names it: its folder and the class its config.json declares (the
+    packaged default is `dev:tiny-kimi-k25`, Kimi-K2.5's own `KimiK25ForConditionalGeneration`)."""
+    architectures = json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or ["?"]
+    return f"{model_dir} ({', '.join(architectures)})"
+
+
 def prestart_extraction(config) -> None:
     """Start the DAG's extraction engine now: `dag.test()` runs the extract task in this process,
     where `shared_backend` hands it this very engine (same model, TP and max_model_len), by then
@@ -229,7 +237,11 @@ def prestart_extraction(config) -> None:
     h, model = config.hidden_states, resolve_source(config.model.source)
     layers = text_config(model)["num_hidden_layers"]
     backend = shared_backend(
-        "vllm", model, tensor_parallel_size=h.tensor_parallel_size, max_model_len=config.merge.max_length + 1
+        "vllm",
+        model,
+        tensor_parallel_size=h.tensor_parallel_size,
+        max_model_len=config.merge.max_length + 1,
+        max_images=h.max_images,  # the DAG's extract asks for the same key (engines.shared_backend)
     )
     backend.prestart(hidden_state_indices(default_layer_ids(layers, h.convention), h.convention, layers), h.last_hidden)
 
@@ -270,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             from eagle3_devtools.vllm_serve import start_vllm_server
 
             deep_merge(overrides, VLLM_OVERRIDES)
-            model = tiny_model_dir()  # the stack's model.source
+            model = target_model_dir()  # the stack's model.source
             work.mkdir(parents=True, exist_ok=True)
             print(f"demo: starting vllm serve ({vllm_python()}) on {model} ...", flush=True)
             server = start_vllm_server(
@@ -282,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.update({**stack.env, **airflow_env(work / "airflow"), "AIRFLOW__LOGGING__LOGGING_LEVEL": "WARNING"})
         print(f"demo: S3 (SeaweedFS) at {stack.s3_endpoint}, dev inference server at {stack.inference_url}", flush=True)
         config = load_config(stack.config_path)
+        print(f"demo: target model {model_line(config.model.source)}", flush=True)
         if server is not None:
             beat.enter("starting the vLLM extraction engine")
             prestart_extraction(config)

@@ -1,8 +1,9 @@
 """The embedded services a laptop run needs, started together and stopped by PID.
 
 `make demo`, `make airflow` and the end-to-end tests all run the real DAG against the same
-stack: the real Kimi tokenizer and a tiny DeepSeek-V3 (the `dev:` builds, in their one home
-$EAGLE3_DATA_CACHE/dev, which the CLI's `dev:` sources use too), SeaweedFS as S3, and the dev inference server
+stack: the real Kimi tokenizer and the packaged default config's target, a tiny random Kimi-K2.5
+(the `dev:` builds, in their one home $EAGLE3_DATA_CACHE/dev, which the CLI's `dev:` sources use
+too), SeaweedFS as S3, and the dev inference server
 standing in for SGLang and
 OpenRouter, all on free 127.0.0.1 ports. What the DAG reads comes from the environment the stack
 returns: Airflow connections as AIRFLOW_CONN_* and the pipeline config as EAGLE3_CONFIG.
@@ -39,11 +40,17 @@ def tokenizer_dir(builds: Path | None = None) -> Path:
     return resolve_dev_source("kimi-tokenizer", builds)
 
 
-def tiny_model_dir(builds: Path | None = None) -> Path:
-    """The tiny random DeepSeek-V3: the `dev:tiny-deepseek-v3` build, beside the tokenizer."""
+def target_model_dir(builds: Path | None = None) -> Path:
+    """The packaged default config's `model.source` (`dev:tiny-kimi-k25`, Kimi-K2.5's own class),
+    built beside the tokenizer: read from the config, so the stack runs on what a default install
+    runs on and a change of the default needs no second edit here."""
     from eagle3_data.builds.sources import resolve_dev_source
+    from eagle3_data.config import DEV_SOURCE_SCHEME
 
-    return resolve_dev_source("tiny-deepseek-v3", builds)
+    source = default_config_raw()["model"]["source"]
+    if not source.startswith(DEV_SOURCE_SCHEME):
+        raise UserError(f"the packaged config's model.source {source!r} is no dev: build; the dev stack needs one")
+    return resolve_dev_source(source[len(DEV_SOURCE_SCHEME) :], builds)
 
 
 def airflow_env(home: Path) -> dict[str, str]:
@@ -144,7 +151,7 @@ def dev_stack(
     work = Path(workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
     tok = tokenizer_dir(builds)
-    model = tiny_model_dir(builds)
+    model = target_model_dir(builds)
     config_path = write_config(
         work / "pipeline.yaml", bucket=bucket, tokenizer=tok, model=model, overrides=config_overrides
     )

@@ -1,6 +1,7 @@
 """The real DAG end to end: `dag.test()` against SeaweedFS, the dev inference server and the tiny
-model, with small samples. One module-scoped stack; the tests run in file order and build on each
-other's run (full run -> clear-rerun of one dataset -> idempotent rerun -> form rerun).
+Kimi-K2.5 (the packaged default target), with small samples. One module-scoped stack; the tests
+run in file order and build on each other's run (full run -> clear-rerun of one dataset ->
+idempotent rerun -> form rerun).
 
 `chat` gets a dev-server BPE split rate far above its gate threshold, so it fails its gate while
 the other datasets complete; the clear-rerun then raises its threshold in the config file.
@@ -184,6 +185,12 @@ def test_full_run_one_gate_fails_others_complete(stack, dag):
     hs = store.read_manifest(StageRef(RUN_KEY, "hidden_states", "all"))
     assert hs["extra"]["totals"]["samples"] == merged["extra"]["totals"]["samples"] > 0
     assert any(f["name"].endswith(".safetensors") for f in hs["files"])
+    # the states are the packaged default target's (dev:tiny-kimi-k25): Kimi-K2.5's own class, loaded
+    # by the transformers backend, not the text-only DeepSeek-V3 that stood in before
+    target = Path(hs["params"]["model"])
+    assert json.loads((target / "config.json").read_text())["architectures"] == ["KimiK25ForConditionalGeneration"]
+    assert hs["extra"]["model"] == target.name and target.name.startswith("tiny-kimi-k25-"), hs["extra"]
+    assert hs["extra"]["backend"] == "transformers" and hs["extra"]["totals"]["left_out_image_samples"] == 0
     n_shards = len([f for f in merged["files"] if f["name"].endswith(".parquet")])
     extract = [v for (task, _), v in states.items() if task == "extract_hidden_states"]
     assert extract == ["success"] * min(2, n_shards), states  # one task per GPU worker, not per shard

@@ -440,8 +440,8 @@ def _cases(e):
     yield "tokenizer audit: not a directory", ["tokenizer", "audit", "--tokenizer", str(t / "nope")], ["nope"]
 
 
-def test_every_command_refuses_malformed_input_in_one_line(env, tiny_model_dir, capsys):
-    env["model"] = str(tiny_model_dir)
+def test_every_command_refuses_malformed_input_in_one_line(env, tiny_kimi_k25_dir, capsys):
+    env["model"] = str(tiny_kimi_k25_dir)  # the default target (its vocabulary is under text_config)
     failures = []
     for name, argv, expected in _cases(env):
         code = main(argv)

@@ -1,4 +1,5 @@
-"""`eagle3-data merge` and `eagle3-data extract` against a real S3 (SeaweedFS), with resume by shard."""
+"""`eagle3-data merge` and `eagle3-data extract` against a real S3 (SeaweedFS), with resume by shard,
+on the packaged default's target (the tiny Kimi-K2.5, `tiny_kimi_k25_dir`)."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def generations(store):
     return refs
 
 
-def test_merge_and_extract_cli_against_s3(store, generations, tiny_model_dir, s3_env, tmp_path, capsys):
+def test_merge_and_extract_cli_against_s3(store, generations, tiny_kimi_k25_dir, s3_env, tmp_path, capsys):
     uri = lambda ref: store.uri(ref)  # noqa: E731
     merge_ref = StageRef(RUN, "merge", "all")
     out_ref = StageRef(RUN, "hidden_states", "all")  # the run's hidden-states stage, the DAG's
@@ -72,7 +73,7 @@ def test_merge_and_extract_cli_against_s3(store, generations, tiny_model_dir, s3
             [
                 "extract",
                 "--model",
-                str(tiny_model_dir),
+                str(tiny_kimi_k25_dir),
                 "--input",
                 uri(merge_ref),
                 "--last-hidden",
@@ -108,7 +109,7 @@ def test_merge_and_extract_cli_against_s3(store, generations, tiny_model_dir, s3
             [
                 "extract",
                 "--model",
-                str(tiny_model_dir),
+                str(tiny_kimi_k25_dir),
                 "--input",
                 uri(merge_ref),
                 "--last-hidden",
@@ -124,7 +125,7 @@ def test_merge_and_extract_cli_against_s3(store, generations, tiny_model_dir, s3
 
 
 def test_the_default_extraction_exports_to_both_trainers_with_the_draft_vocabulary(
-    store, generations, tiny_model_dir, s3_env, tmp_path, capsys
+    store, generations, tiny_kimi_k25_dir, s3_env, tmp_path, capsys
 ):
     """One extraction feeds every trainer: the config's defaults (last state before the norm),
     exported both ways from S3, each with the merge's draft vocabulary where its trainer looks."""
@@ -136,7 +137,7 @@ def test_the_default_extraction_exports_to_both_trainers_with_the_draft_vocabula
         )
         == 0
     )
-    assert main(["extract", "--model", str(tiny_model_dir), "--input", uri(StageRef(run, "merge", "all"))]) == 0
+    assert main(["extract", "--model", str(tiny_kimi_k25_dir), "--input", uri(StageRef(run, "merge", "all"))]) == 0
     hs = uri(StageRef(run, "hidden_states", "all"))
     extra = store.read_manifest(StageRef(run, "hidden_states", "all"))["extra"]
     assert (extra["last_hidden"], extra["last_hidden_norm"]) == (True, "pre")
@@ -160,7 +161,7 @@ def test_the_default_extraction_exports_to_both_trainers_with_the_draft_vocabula
     assert main(["export-specforge", "--ids-only", "--input", hs, "--out", str(tmp_path / "x")]) == 2  # not a merge
 
 
-def test_extract_shard_resumes_by_shard_and_commit_waits_for_all(store, generations, tiny_model_dir, tmp_path):
+def test_extract_shard_resumes_by_shard_and_commit_waits_for_all(store, generations, tiny_kimi_k25_dir, tmp_path):
     from eagle3_data.config import MergeConfig
     from eagle3_data.merge import merge_datasets
 
@@ -168,25 +169,25 @@ def test_extract_shard_resumes_by_shard_and_commit_waits_for_all(store, generati
     merge_ref = StageRef(**summary["ref"])
     out_ref = StageRef(RUN, "extract_hidden_states", "all")
     first, *rest = summary["shards"]
-    done = extract_shard(store, first, tiny_model_dir, out_ref)
+    done = extract_shard(store, first, tiny_kimi_k25_dir, out_ref)
     assert done["samples"] == first["samples"] and "skipped" not in done
     with pytest.raises(IncompleteStage, match="not extracted yet"):
         commit_extraction(store, merge_ref, out_ref)
-    again = extract_shard(store, first, tiny_model_dir, out_ref)
+    again = extract_shard(store, first, tiny_kimi_k25_dir, out_ref)
     assert again["skipped"] and again["files"] == done["files"]
     for shard in rest:
-        extract_shard(store, shard, tiny_model_dir, out_ref)
+        extract_shard(store, shard, tiny_kimi_k25_dir, out_ref)
     result = commit_extraction(store, merge_ref, out_ref, params={"convention": "output"})
     assert result["totals"]["samples"] == 20
     assert json.dumps(store.read_manifest(out_ref)["params"]) == '{"convention": "output"}'
     # shards stored in different dtypes cannot make one stage
     mixed_ref = StageRef(RUN, "extract_hidden_states", "mixed")
-    backend = TransformersBackend(tiny_model_dir)
+    backend = TransformersBackend(tiny_kimi_k25_dir)
     for i, shard in enumerate(summary["shards"]):
         extract_shard(
             store,
             shard,
-            tiny_model_dir,
+            tiny_kimi_k25_dir,
             mixed_ref,
             ExtractOptions(storage_dtype="fp32" if i == 0 else "bf16"),
             backend=backend,
@@ -196,9 +197,10 @@ def test_extract_shard_resumes_by_shard_and_commit_waits_for_all(store, generati
 
 
 class TakesImages:
-    """The tiny model's backend started "for images": records each sample's image bytes, then
-    runs the text forward (the tiny DeepSeek-V3 has no vision tower; tests/engine's Kimi-K2.5
-    test feeds real pixels through vLLM)."""
+    """The transformers backend made to look started "for images": records each sample's image
+    bytes, then runs the text forward (that backend gets no pixels: transformers' Kimi-K2.5 image
+    processor needs torchvision, absent here; tests/engine's Kimi-K2.5 test feeds real pixels
+    through vLLM)."""
 
     max_images = 1
 
@@ -215,7 +217,7 @@ class TakesImages:
         return self.inner.forward(batch, indices, last_hidden)
 
 
-def test_exports_of_image_samples_from_s3(store, tiny_model_dir, s3_env, tmp_path, capsys):
+def test_exports_of_image_samples_from_s3(store, tiny_kimi_k25_dir, s3_env, tmp_path, capsys):
     """Image samples through `merge`, `extract` and every export from S3. Extraction feeds each
     image sample its stored, hash-checked bytes when the backend was started for images, and
     otherwise leaves it out, counted (never states over the ids alone). SpecForge's offline
@@ -242,13 +244,13 @@ def test_exports_of_image_samples_from_s3(store, tiny_model_dir, s3_env, tmp_pat
     # a text-only backend (hidden_states.max_images 0) leaves the image samples out and counts them
     text_ref = StageRef(run, "hidden_states", "text-only")
     for shard in merged_shards(store, merge_ref):
-        extract_shard(store, shard, tiny_model_dir, text_ref)
+        extract_shard(store, shard, tiny_kimi_k25_dir, text_ref)
     text_only = commit_extraction(store, merge_ref, text_ref)["totals"]
     assert (text_only["samples"], text_only["left_out_image_samples"]) == (4, 2)
     # a backend started for images gets every image sample's stored bytes, in prompt order
-    backend = TakesImages(TransformersBackend(tiny_model_dir))
+    backend = TakesImages(TransformersBackend(tiny_kimi_k25_dir))
     for shard in merged_shards(store, merge_ref):
-        extract_shard(store, shard, tiny_model_dir, out_ref, backend=backend)
+        extract_shard(store, shard, tiny_kimi_k25_dir, out_ref, backend=backend)
     assert commit_extraction(store, merge_ref, out_ref)["totals"]["samples"] == 6
     by_id = {tuple(r["prompt_ids"] + r["output_ids"]): r["sample_id"] for r in rows}
     assert {by_id[k]: v for k, v in backend.seen.items() if v} == {sid: [data] for sid, data in pictures.items()}
@@ -258,9 +260,9 @@ def test_exports_of_image_samples_from_s3(store, tiny_model_dir, s3_env, tmp_pat
         extract_shard(
             store,
             merged_shards(store, merge_ref)[0],
-            tiny_model_dir,
+            tiny_kimi_k25_dir,
             StageRef(run, "hidden_states", "again"),
-            backend=TakesImages(TransformersBackend(tiny_model_dir)),
+            backend=TakesImages(TransformersBackend(tiny_kimi_k25_dir)),
         )
     capsys.readouterr()
     assert (

@@ -29,11 +29,15 @@ def counted_loads(monkeypatch):
     return loads
 
 
-def _run(tiny_model_dir, workers):
+def _run(tiny_kimi_k25_dir, workers):
     from eagle3_data.pipeline.run import Run
 
     config = load_config().with_overrides(
-        {"model": {"source": str(tiny_model_dir)}, "hidden_states": {"workers": workers}, "merge": {"max_length": 40}},
+        {
+            "model": {"source": str(tiny_kimi_k25_dir)},
+            "hidden_states": {"workers": workers},
+            "merge": {"max_length": 40},
+        },
         where="test",
     )
     return Run(
@@ -44,7 +48,7 @@ def _run(tiny_model_dir, workers):
 def test_one_model_load_per_gpu_worker_resumable_by_shard(
     store,
     generations,  # noqa: F811 (the fixture)
-    tiny_model_dir,
+    tiny_kimi_k25_dir,
     counted_loads,
     monkeypatch,
 ):
@@ -53,7 +57,7 @@ def test_one_model_load_per_gpu_worker_resumable_by_shard(
     from eagle3_data.hidden_states import extract as extract_mod
     from eagle3_data.merge import merge_datasets
 
-    run = _run(tiny_model_dir, workers=2)
+    run = _run(tiny_kimi_k25_dir, workers=2)
     shards = merge_datasets(
         store, generations, RUN, MergeConfig(shard_tokens=100, max_length=40), vocab_size=VOCAB_SIZE
     )["shards"]
@@ -99,10 +103,10 @@ def test_one_model_load_per_gpu_worker_resumable_by_shard(
     assert len(counted_loads) == 3
 
 
-def test_workers_beyond_the_shards_get_none(tiny_model_dir, store):
+def test_workers_beyond_the_shards_get_none(tiny_kimi_k25_dir, store):
     from eagle3_data import pipeline
 
-    run = _run(tiny_model_dir, workers=8)
+    run = _run(tiny_kimi_k25_dir, workers=8)
     shards = [{"name": f"shard-{i:05d}.parquet", "tokens": t} for i, t in enumerate([5, 50, 7])]
     work = split_shards(shards, run.config.hidden_states.workers)
     assert [len(w["shards"]) for w in work] == [1, 1, 1]
@@ -114,7 +118,7 @@ def test_workers_beyond_the_shards_get_none(tiny_model_dir, store):
     assert [s["name"] for s in one[0]["shards"]] == [s["name"] for s in shards]  # merge order kept
 
 
-def test_stale_hidden_states_are_discarded_under_their_lease(store, generations, tiny_model_dir):  # noqa: F811
+def test_stale_hidden_states_are_discarded_under_their_lease(store, generations, tiny_kimi_k25_dir):  # noqa: F811
     """Other params or a new merge discard the run's hidden states (in the plan, before any worker),
     but not under a committer (or `stage discard`) that holds the stage's lease: StageBusy, and the
     stage stays as it was. States of this merge with these params are kept."""
@@ -124,12 +128,12 @@ def test_stale_hidden_states_are_discarded_under_their_lease(store, generations,
     from eagle3_data.merge import merge_datasets
     from eagle3_data.storage import StageBusy
 
-    run = _run(tiny_model_dir, workers=1)
+    run = _run(tiny_kimi_k25_dir, workers=1)
     merge_ref, out_ref = StageRef(RUN, "merge", "all"), StageRef(RUN, "hidden_states", "all")  # the pipeline's stages
     for shard in merge_datasets(
         store, generations, RUN, MergeConfig(shard_tokens=400, max_length=40), vocab_size=VOCAB_SIZE
     )["shards"]:
-        extract_shard(store, shard, tiny_model_dir, out_ref)
+        extract_shard(store, shard, tiny_kimi_k25_dir, out_ref)
     commit_extraction(store, merge_ref, out_ref)
     with store.lease(out_ref):  # committed without the run's params: stale
         with pytest.raises(StageBusy, match="is being written by"):

@@ -1,6 +1,8 @@
 """The probe as the DAG runs it: after the extraction's commit it reads the extraction's shards
 and the merge's draft vocabulary from S3, trains speculators' head, writes probe.json beside a
-manifest, is reused on a rerun, and publish reads its figures and curve for the report."""
+manifest, is reused on a rerun, and publish reads its figures and curve for the report. Its target
+is the packaged default's, the tiny Kimi-K2.5: speculators reads a vision-language verifier's
+sizes from its `text_config` and its weights under `language_model.`."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from tests.fixtures.kimi import VOCAB_SIZE
 from tests.integration.test_extract_s3 import RUN, generations  # noqa: F401  (fixture)
 
 
-def test_probe_stage_after_the_extraction(store, generations, tiny_model_dir):  # noqa: F811
+def test_probe_stage_after_the_extraction(store, generations, tiny_kimi_k25_dir):  # noqa: F811
     from eagle3_data import pipeline
     from eagle3_data.merge import merge_datasets
     from eagle3_data.pipeline.publish import _probe_figures
@@ -21,7 +23,7 @@ def test_probe_stage_after_the_extraction(store, generations, tiny_model_dir):  
 
     config = load_config().with_overrides(
         {
-            "model": {"source": str(tiny_model_dir)},
+            "model": {"source": str(tiny_kimi_k25_dir)},  # the default's dev:tiny-kimi-k25, in the fixtures' cache
             "merge": {"max_length": 40},
             "probe": {"enabled": True, "samples": 12, "eval_samples": 4, "steps": 3, "eval_every": 3, "max_len": 256},
         },

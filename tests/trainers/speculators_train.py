@@ -20,7 +20,7 @@ from transformers import AutoConfig, LlamaConfig
 
 export, verifier, steps, n = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 torch.manual_seed(0)
-target = AutoConfig.from_pretrained(verifier)
+target = AutoConfig.from_pretrained(verifier).get_text_config()  # Kimi-K2.5: its text_config
 info = json.loads((export / "export_info.json").read_text())
 # the drafter's own layer is a llama layer (speculators' EAGLE-3 supports llama and qwen3 layers)
 # of the target's width, as speculators' configs for DeepSeek-family targets do

@@ -1,6 +1,8 @@
 """A drafter trains on our data: speculators' EAGLE-3 draft model, its collation (with its
 EAGLE-3 shift) and its KL loss to the target's distribution, on CPU, over the tiny target's
-export-speculators output with the draft vocabulary. The loss must fall."""
+export-speculators output with the draft vocabulary. The loss must fall. The target is the
+packaged default's, the tiny Kimi-K2.5: speculators takes a vision-language verifier's sizes from its
+`text_config` and its embeddings, LM head and norm under `language_model.`."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ TRAIN = Path(__file__).with_name("speculators_train.py")
 STEPS, DRAFT_VOCAB = 30, 512
 
 
-def test_speculators_drafter_trains_on_the_export(tiny_model_dir, tmp_path):
+def test_speculators_drafter_trains_on_the_export(tiny_kimi_k25_dir, tmp_path):
     g = torch.Generator().manual_seed(1)
     rows = [
         {
@@ -32,7 +34,7 @@ def test_speculators_drafter_trains_on_the_export(tiny_model_dir, tmp_path):
         }
         for i in range(32)
     ]
-    extract_rows(TransformersBackend(tiny_model_dir), rows, tmp_path / "shards", "x", ExtractOptions())
+    extract_rows(TransformersBackend(tiny_kimi_k25_dir), rows, tmp_path / "shards", "x", ExtractOptions())
     export = tmp_path / "export"
     export_speculators(sorted((tmp_path / "shards").glob("*.safetensors")), export)
     counts = np.zeros(0, dtype=np.int64)
@@ -40,7 +42,7 @@ def test_speculators_drafter_trains_on_the_export(tiny_model_dir, tmp_path):
         counts = draft_vocab.add_counts(counts, np.array(r["input_ids"]), np.array(r["loss_mask"], np.uint8))
     draft_vocab.write(export, counts, DRAFT_VOCAB, 163_840)
     done = subprocess.run(
-        [str(SPEC_PY), str(TRAIN), str(export), str(tiny_model_dir), str(STEPS), str(DRAFT_VOCAB)],
+        [str(SPEC_PY), str(TRAIN), str(export), str(tiny_kimi_k25_dir), str(STEPS), str(DRAFT_VOCAB)],
         capture_output=True,
         text=True,
         timeout=600,

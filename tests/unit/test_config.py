@@ -182,7 +182,7 @@ def test_default_config_is_package_data():
 
     assert DEFAULT_CONFIG_PATH.is_relative_to(Path(eagle3_data.__file__).parent)
     cfg = load_config()
-    assert cfg.tokenizer.source == "dev:kimi-tokenizer" and cfg.model.source == "dev:tiny-deepseek-v3"
+    assert cfg.tokenizer.source == "dev:kimi-tokenizer" and cfg.model.source == "dev:tiny-kimi-k25"
 
 
 def test_dev_sources_resolve_to_the_cached_builds(tmp_path, monkeypatch, kimi_tokenizer_dir):

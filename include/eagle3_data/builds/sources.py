@@ -1,9 +1,11 @@
 """`dev:NAME` sources: the builds a config can name instead of a path, made offline on first use.
 
 The packaged default config points at `dev:kimi-tokenizer` (the real Kimi-K2.5 tokenizer,
-rebuilt from splintr-rs) and `dev:tiny-deepseek-v3` (a tiny random DeepSeek-V3 with Kimi's
-vocabulary), so it runs from a wheel install with no checkout and no download. `dev:tiny-kimi-k25`
-is the same text stack inside Kimi-K2.5's own vision-language class and checkpoint layout. Builds are keyed by
+rebuilt from splintr-rs) and `dev:tiny-kimi-k25` (a tiny random `KimiK25ForConditionalGeneration`
+in Moonshot's checkpoint layout, so every default run loads the real model's class), and runs
+from a wheel install with no checkout and no download. `dev:tiny-deepseek-v3` is that model's
+text stack alone, weight for weight (a `DeepseekV3ForCausalLM` with Kimi's vocabulary): kept for
+what needs a text-only target or a second model (docs/hidden_states.md). Builds are keyed by
 their builder's source (see `build_cache`) and live under `$EAGLE3_DATA_CACHE/dev` (default
 `~/.cache/eagle3-data/dev`).
 """

@@ -171,7 +171,9 @@ def _run_extract(args: argparse.Namespace) -> int:
     paths = sorted(src.glob("*.parquet")) if src.is_dir() else [src]
     if not paths or not all(p.exists() for p in paths):
         raise UserError(f"--input {args.input}: no merged parquet shards there")
-    vocab = json.loads((model / "config.json").read_text()).get("vocab_size")
+    from eagle3_data.hidden_states.vllm_backend import text_config
+
+    vocab = text_config(model).get("vocab_size")  # Kimi-K2.5's is under text_config, not at the top
     for path in paths:
         check_merged_file(path, vocab)  # before the model loads: bad input costs no GPU time
     h = config.hidden_states

@@ -113,7 +113,8 @@ def train_arm(spec: dict, arm: dict) -> tuple[Eagle3DraftModel, dict]:
     started = time.monotonic()
     device = spec.get("device", "cpu")
     torch.manual_seed(arm["seed"])
-    target = AutoConfig.from_pretrained(spec["verifier"])
+    # the language model's config: Kimi-K2.5's (a vision-language checkpoint) is its text_config
+    target = AutoConfig.from_pretrained(spec["verifier"]).get_text_config()
     info = json.loads((Path(arm["train"]) / "export_info.json").read_text())
     model = drafter(spec["verifier"], target, arm, info["hidden_states"]["aux_layer_ids_vllm"]).to(device)
     model.train()
