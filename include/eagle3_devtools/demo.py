@@ -52,14 +52,15 @@ SAMPLE_DATASETS = ("tool_calls", "code", "chat", "images")  # images: image prom
 BROKEN = "broken"  # the chat prompts through an engine that splits BPE tokens: fails its gate on purpose
 BROKEN_PROMPTS = 6
 # Small enough for two CPU cores in a few minutes; the shape of a real run.
+DEMO_MAX_IMAGES = 2  # the most images one sample prompt has (images.jsonl)
 DEMO_OVERRIDES = {
-    "generation": {"sampling": {"max_new_tokens": 512}},
+    # image prompts on both paths (the dev server takes `image_data` as SGLang does; `--engine vllm`
+    # starts `vllm serve` for images), scored with their images and extracted with their pixels
+    "generation": {"sampling": {"max_new_tokens": 512}, "local": {"images": True}},
+    "hidden_states": {"max_images": DEMO_MAX_IMAGES},
     "merge": {"max_length": 1024, "shard_tokens": 8192},
-    # image prompts all go to overflow (the local engines are sent no images yet: docs/images.md), so that
-    # dataset has no local answers to round-trip its format against: it says so instead of failing
     "datasets": [
-        *({"name": n} for n in SAMPLE_DATASETS if n != "images"),
-        {"name": "images", "validation": {"allow_unvalidated_overflow": True}},
+        *({"name": n} for n in SAMPLE_DATASETS),
         {"name": BROKEN, "dev": {"bpe_split_rate": 0.9}, "validation": {"max_bpe_mismatch_rate": 0.10}},
     ],
 }
@@ -159,6 +160,8 @@ def report(stack, config, run_key: str, dag_run) -> str:
             f"{h['totals']['bytes']:,} bytes, "
             f"layers {h['layer_ids']} ({h['convention']} convention, {h['dtype']}) at {s['hidden_states_uri']}"
         )
+        if left := h["totals"].get("left_out_image_samples"):
+            lines.append(f"  {left} image samples left out (hidden_states.max_images: 0, or a text-only target)")
     lines += engine_lines(store, run_key, list(s["datasets"]), s.get("stand_ins") or [])
     priced = " (a stand-in's price list: nothing was paid)" if "overflow_provider" in (s.get("stand_ins") or []) else ""
     lines += [
@@ -286,7 +289,11 @@ def main(argv: list[str] | None = None) -> int:
             work.mkdir(parents=True, exist_ok=True)
             print(f"demo: starting vllm serve ({vllm_python()}) on {model} ...", flush=True)
             server = start_vllm_server(
-                vllm_python(), model, work / "vllm-server.log", max_model_len=VLLM_SERVER_MAX_MODEL_LEN
+                vllm_python(),
+                model,
+                work / "vllm-server.log",
+                max_model_len=VLLM_SERVER_MAX_MODEL_LEN,
+                max_images=DEMO_MAX_IMAGES,
             )
             engines.callback(server.stop)
         stack = engines.enter_context(dev_stack(work, config_overrides=overrides))

@@ -533,11 +533,13 @@ def _run(run_id: str):
         return dr
 
 
-def test_image_prompts_run_through_the_dag(stack, tmp_path, kimi_tokenizer):
+def test_image_prompts_run_through_the_dag(stack, tmp_path, kimi_tokenizer, vllm_python):
     """include/sample_data/images.jsonl (every image layout) through the whole DAG on the dev
     server: each sample's prompt ids are what transformers' Kimi-K2.5 processor makes of its
     messages and images (tests/image_oracle.py), on both paths; in the merge the media tokens are
-    never trained on and the references sit beside the shards; the report counts them."""
+    never trained on and the references sit beside the shards; the report counts them; and with
+    `hidden_states.max_images` the transformers backend extracts every image sample, its states
+    equal to transformers' own forward of the tiny Kimi-K2.5 given vLLM's processor's pixels."""
     import io
 
     import pyarrow.parquet as pq
@@ -551,8 +553,11 @@ def test_image_prompts_run_through_the_dag(stack, tmp_path, kimi_tokenizer):
     path = _with_config(
         stack,
         tmp_path,
-        lambda raw: raw["datasets"].append({"name": "images", "validation": {"allow_unvalidated_overflow": True}}),
-    )  # no local answers: docs/images.md
+        lambda raw: (
+            raw["datasets"].append({"name": "images", "validation": {"allow_unvalidated_overflow": True}}),
+            raw["hidden_states"].update(max_images=2),
+        ),
+    )  # no local answers (generation.local.images is false): docs/images.md
     upload_prompts(stack.client(), load_config(path), f"{DATE:%Y-%m-%d}", {"images": SAMPLE_DATA / "images.jsonl"})
     os.environ["EAGLE3_CONFIG"] = str(path)
     try:
@@ -561,9 +566,7 @@ def test_image_prompts_run_through_the_dag(stack, tmp_path, kimi_tokenizer):
         from tests.fixtures.airflow import REPO
 
         dag = DagBag(dag_folder=str(REPO / "dags")).dags[DAG_ID]  # parsed with the dataset in its form
-        dr = dag.test(
-            logical_date=DATE, run_conf={"run_name": "images", "datasets": ["images"], "skip_hidden_states": True}
-        )
+        dr = dag.test(logical_date=DATE, run_conf={"run_name": "images", "datasets": ["images"]})
     finally:
         os.environ["EAGLE3_CONFIG"] = str(stack.config_path)
     assert str(dr.state).endswith("success"), _states(dr)
@@ -580,7 +583,7 @@ def test_image_prompts_run_through_the_dag(stack, tmp_path, kimi_tokenizer):
         expected = processor_ids(kimi_tokenizer, json.loads(row["messages"]), [(r["width"], r["height"]) for r in refs])
         assert list(row["prompt_ids"]) == expected, row["sample_id"]
         sources[row["source"]] += 1
-    # image prompts go to the overflow path whatever the routing (the local clients send no images yet)
+    # image prompts go to the overflow path whatever the routing (generation.local.images is false)
     assert set(sources) == {"openrouter"} and sources["openrouter"] == 4, sources
     # the policy check scores ids only: an answer to an image it is not shown is never scored
     policy = store.get_json(StageRef("images", "score_policy", "images"), "policy.json")
@@ -602,6 +605,47 @@ def test_image_prompts_run_through_the_dag(stack, tmp_path, kimi_tokenizer):
         assert all(r["loss_mask"][k] == 0 for k in pads) and max(pads) < r["prompt_tokens"]
     entry = next(d for d in load_run_report(store, "images").datasets if d.name == "images")
     assert entry.generation["images"]["image_rows"] == 4 and entry.generation["images"]["media_tokens"] > 0
+
+    # extraction: the transformers backend (pixels.py) over every image sample, none left out
+    import torch
+    from transformers import Kimi_K25ForConditionalGeneration
+
+    from eagle3_data.hidden_states.shards import ShardReader
+    from tests.image_oracle import vllm_pixels
+
+    hs_ref = StageRef("images", "hidden_states", "all")
+    hs = store.read_manifest(hs_ref)
+    assert hs["extra"]["backend"] == "transformers" and hs["extra"]["totals"]["left_out_image_samples"] == 0
+    stored, layer_ids = {}, set()
+    for f in hs["files"]:
+        if f["name"].endswith(".safetensors"):
+            reader = ShardReader(store.get_file(hs_ref, f["name"], tmp_path / f["name"]))
+            assert reader.convention == "output"  # layer L's output is transformers' hidden_states[L + 1]
+            layer_ids.add(tuple(json.loads(reader.metadata["layer_ids"])))
+            stored.update({s.sample_id: s for s in reader})
+    (layers,) = layer_ids
+    hs_indices = [layer + 1 for layer in layers]
+    by_id = {r["sample_id"]: r for r in records}
+    assert set(stored) == set(by_id)
+    model_dir = Path(hs["params"]["model"])
+    every_image = {r["sha256"]: read_image(store, r) for refs in images.values() for r in refs}
+    pixels = vllm_pixels(vllm_python, model_dir, every_image, tmp_path)  # by sha256
+    model = Kimi_K25ForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    for sid, rec in by_id.items():
+        shas = [r["sha256"] for r in images[sid]]
+        with torch.no_grad():
+            ref = model.model(
+                input_ids=torch.tensor([rec["input_ids"]]),
+                pixel_values=torch.cat([pixels[h][0] for h in shas]).float(),
+                image_grid_thw=torch.cat([pixels[h][1] for h in shas]),
+                output_hidden_states=True,
+            ).hidden_states
+        s, n = stored[sid], len(rec["input_ids"])
+        assert s.input_ids.tolist() == rec["input_ids"]
+        aux = s.aux_hidden_states.float().reshape(n, 3, -1)
+        for j, index in enumerate(hs_indices):
+            err = float((aux[:, j] - ref[index][0]).abs().max() / ref[index][0].abs().max())
+            assert err < 1e-2, (sid, index, err)
 
 
 @pytest.mark.parametrize(
