@@ -97,9 +97,13 @@ def start_vllm_server(
         "--enforce-eager",
         "--attention-backend",
         "CPU_MLA",
-        # the chat route splits reasoning as a Kimi provider's server does (the policy check uses
-        # a vllm serve as its overflow "provider"); /v1/completions is unaffected
+        # the chat route splits reasoning and tool calls as a Kimi provider's server does (the policy
+        # trials and `make demo ENGINE=vllm` use a vllm serve as their overflow "provider"; a chat
+        # request with `tools` is refused without a tool-call parser); /v1/completions is unaffected
         "--reasoning-parser",
+        "kimi_k2",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
         "kimi_k2",
         "--disable-uvicorn-access-log",
         "--max-logprobs",
