@@ -93,3 +93,36 @@ def vllm_pixels(vllm_python: str, model_dir, images: dict[str, bytes], folder: P
     )
     t = load_file(str(out))
     return {name: (t[f"pixel_values_{i}"], t[f"grid_thws_{i}"]) for i, name in enumerate(images)}
+
+
+def check_image_sample_states(
+    store, vllm_python: str, model_dir, merged: dict, images: dict, stored: dict, indices: list[int], folder: Path
+) -> None:
+    """Each merged image sample's stored aux states (bf16) against transformers' own forward of
+    `Kimi_K25ForConditionalGeneration` over its merged ids with vLLM's processor's pixels of its
+    stored images (relative error < 1e-2). `merged`/`stored`: sample_id -> merged record / stored
+    sample; `images`: the merge's references (read_merged_images); `indices`: the aux layers'
+    positions in transformers' `hidden_states`."""
+    import torch
+    from transformers import Kimi_K25ForConditionalGeneration
+
+    from eagle3_data.images import read_image
+
+    every_image = {r["sha256"]: read_image(store, r) for refs in images.values() for r in refs}
+    pixels = vllm_pixels(vllm_python, model_dir, every_image, folder)  # by sha256
+    model = Kimi_K25ForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    for sid, rec in merged.items():
+        shas = [r["sha256"] for r in images[sid]]
+        with torch.no_grad():
+            ref = model.model(
+                input_ids=torch.tensor([rec["input_ids"]]),
+                pixel_values=torch.cat([pixels[h][0] for h in shas]).float(),
+                image_grid_thw=torch.cat([pixels[h][1] for h in shas]),
+                output_hidden_states=True,
+            ).hidden_states
+        s, n = stored[sid], len(rec["input_ids"])
+        assert s.input_ids.tolist() == rec["input_ids"], sid
+        aux = s.aux_hidden_states.float().reshape(n, len(indices), -1)
+        for j, index in enumerate(indices):
+            err = float((aux[:, j] - ref[index][0]).abs().max() / ref[index][0].abs().max())
+            assert err < 1e-2, (sid, index, err)

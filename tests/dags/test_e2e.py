@@ -607,11 +607,8 @@ def test_image_prompts_run_through_the_dag(stack, tmp_path, kimi_tokenizer, vllm
     assert entry.generation["images"]["image_rows"] == 4 and entry.generation["images"]["media_tokens"] > 0
 
     # extraction: the transformers backend (pixels.py) over every image sample, none left out
-    import torch
-    from transformers import Kimi_K25ForConditionalGeneration
-
     from eagle3_data.hidden_states.shards import ShardReader
-    from tests.image_oracle import vllm_pixels
+    from tests.image_oracle import check_image_sample_states
 
     hs_ref = StageRef("images", "hidden_states", "all")
     hs = store.read_manifest(hs_ref)
@@ -627,25 +624,9 @@ def test_image_prompts_run_through_the_dag(stack, tmp_path, kimi_tokenizer, vllm
     hs_indices = [layer + 1 for layer in layers]
     by_id = {r["sample_id"]: r for r in records}
     assert set(stored) == set(by_id)
-    model_dir = Path(hs["params"]["model"])
-    every_image = {r["sha256"]: read_image(store, r) for refs in images.values() for r in refs}
-    pixels = vllm_pixels(vllm_python, model_dir, every_image, tmp_path)  # by sha256
-    model = Kimi_K25ForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    for sid, rec in by_id.items():
-        shas = [r["sha256"] for r in images[sid]]
-        with torch.no_grad():
-            ref = model.model(
-                input_ids=torch.tensor([rec["input_ids"]]),
-                pixel_values=torch.cat([pixels[h][0] for h in shas]).float(),
-                image_grid_thw=torch.cat([pixels[h][1] for h in shas]),
-                output_hidden_states=True,
-            ).hidden_states
-        s, n = stored[sid], len(rec["input_ids"])
-        assert s.input_ids.tolist() == rec["input_ids"]
-        aux = s.aux_hidden_states.float().reshape(n, 3, -1)
-        for j, index in enumerate(hs_indices):
-            err = float((aux[:, j] - ref[index][0]).abs().max() / ref[index][0].abs().max())
-            assert err < 1e-2, (sid, index, err)
+    check_image_sample_states(
+        store, vllm_python, Path(hs["params"]["model"]), by_id, images, stored, hs_indices, tmp_path
+    )
 
 
 @pytest.mark.parametrize(

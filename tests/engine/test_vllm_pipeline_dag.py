@@ -308,15 +308,14 @@ def test_image_prompts_run_through_the_dag_on_vllm(
 
     import yaml
     from airflow.dag_processing.dagbag import DagBag
-    from transformers import Kimi_K25ForConditionalGeneration
 
     from eagle3_data.hidden_states.shards import ShardReader
-    from eagle3_data.images import read_image, read_merged_images
+    from eagle3_data.images import read_merged_images
     from eagle3_data.pipeline import open_store
     from eagle3_data.storage import StageRef
     from eagle3_devtools.stack import SAMPLE_DATA, upload_prompts
     from tests.fixtures.airflow import REPO
-    from tests.image_oracle import processor_ids, vllm_pixels
+    from tests.image_oracle import check_image_sample_states, processor_ids
 
     raw = yaml.safe_load(Path(vllm_stack.config_path).read_text())
     raw["datasets"].append({"name": "images"})
@@ -385,21 +384,4 @@ def test_image_prompts_run_through_the_dag_on_vllm(
             )
     assert set(stored) == set(merged)
     assert vllm_backend.starts == 1  # the session's one extraction engine
-    model = Kimi_K25ForConditionalGeneration.from_pretrained(str(tiny_kimi_k25_dir), dtype=torch.float32).eval()
-    every_image = {r["sha256"]: read_image(store, r) for refs in images.values() for r in refs}
-    pixels = vllm_pixels(vllm_python, tiny_kimi_k25_dir, every_image, tmp_path)  # by sha256
-    for sid, rec in merged.items():
-        shas = [r["sha256"] for r in images[sid]]
-        with torch.no_grad():
-            ref = model.model(
-                input_ids=torch.tensor([rec["input_ids"]]),
-                pixel_values=torch.cat([pixels[h][0] for h in shas]).float(),
-                image_grid_thw=torch.cat([pixels[h][1] for h in shas]),
-                output_hidden_states=True,
-            ).hidden_states
-        s, n = stored[sid], len(rec["input_ids"])
-        assert s.input_ids.tolist() == rec["input_ids"]
-        aux = s.aux_hidden_states.float().reshape(n, 3, H)
-        for j, index in enumerate([2, 4, 5]):
-            err = float((aux[:, j] - ref[index][0]).abs().max() / ref[index][0].abs().max())
-            assert err < 1e-2, (sid, index, err)
+    check_image_sample_states(store, vllm_python, tiny_kimi_k25_dir, merged, images, stored, [2, 4, 5], tmp_path)
