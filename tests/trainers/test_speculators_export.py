@@ -24,7 +24,7 @@ READER = Path(__file__).with_name("speculators_reader.py")
 
 
 @pytest.fixture(scope="module")
-def shards(tiny_model_dir, tmp_path_factory) -> list[Path]:
+def shards(tiny_kimi_k25_dir, tmp_path_factory) -> list[Path]:
     """The tiny model's states as the DAG extracts them by default (output naming, last state before the norm)."""
     g = torch.Generator().manual_seed(3)
     rows = []
@@ -33,7 +33,7 @@ def shards(tiny_model_dir, tmp_path_factory) -> list[Path]:
         rows.append({"sample_id": f"s{i}", "input_ids": ids, "loss_mask": [0] * (n // 2) + [1] * (n - n // 2)})
     out = tmp_path_factory.mktemp("spec-shards")
     extract_rows(
-        TransformersBackend(tiny_model_dir), rows, out, "x", ExtractOptions(token_budget=48, out_shard_tokens=40)
+        TransformersBackend(tiny_kimi_k25_dir), rows, out, "x", ExtractOptions(token_budget=48, out_shard_tokens=40)
     )
     return sorted(out.glob("*.safetensors"))
 
@@ -132,9 +132,9 @@ def test_ids_only_exports_are_the_trainers_pretokenized_rows(tmp_path):
     ]
 
 
-def test_shards_speculators_would_misread_are_refused(tiny_model_dir, shards, tmp_path):
+def test_shards_speculators_would_misread_are_refused(tiny_kimi_k25_dir, shards, tmp_path):
     rows = [{"sample_id": "a", "input_ids": [1, 2, 3, 4], "loss_mask": [0, 0, 1, 1]}]
-    backend = TransformersBackend(tiny_model_dir)
+    backend = TransformersBackend(tiny_kimi_k25_dir)
     for options, why in [
         (ExtractOptions(last_hidden_norm="post"), "normalise it twice"),
         (ExtractOptions(last_hidden=False), "no last_hidden_states"),
