@@ -131,7 +131,7 @@ def test_image_answers_are_scored_with_one_pad_per_image_and_their_image_data(st
 
     from eagle3_data.generation.local import Media
     from eagle3_data.generation.sglang import SGLANG
-    from eagle3_data.images import media_tokens
+    from eagle3_data.images import ImageError, media_tokens
     from eagle3_data.policy import ScoreOptions, score_items
     from eagle3_data.policy.select import Item
 
@@ -150,6 +150,14 @@ def test_image_answers_are_scored_with_one_pad_per_image_and_their_image_data(st
             ), refused
         else:
             assert not refused and len(got) == len(answer)
+
+    def gone(_item):  # the stored image deleted or rewritten since generation (images.read_image)
+        raise ImageError("s3://b/images/sha256/ab: 3 bytes with sha256 ..., the reference records 70 bytes")
+
+    (got,), refused, _ = score_items([item], [server.url], SGLANG, options, media=gone)
+    assert got is None and refused == {
+        "img": "images: s3://b/images/sha256/ab: 3 bytes with sha256 ..., the reference records 70 bytes"
+    }
 
 
 def test_expanded_pads_with_image_data_are_refused_as_sglang_refuses_them(start_dev_server, kimi_tokenizer):

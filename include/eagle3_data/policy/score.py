@@ -30,6 +30,7 @@ import aiohttp
 from eagle3_data.errors import EndpointUnavailable, UserError
 from eagle3_data.generation.local import Media, MediaDiffers, error_message, wait_healthy
 from eagle3_data.generation.retry import backoff_s
+from eagle3_data.images import ImageError
 from eagle3_data.policy.nucleus import ENGINE_LOGIT_MARGIN, Nucleus, outside
 from eagle3_data.policy.select import Item
 
@@ -125,7 +126,11 @@ class _Scorer:
             if self.media is None:
                 self.refused[item.sample_id] = "an image prompt, and no images given to score it with"
                 return None
-            media = await asyncio.to_thread(self.media, item)
+            try:
+                media = await asyncio.to_thread(self.media, item)
+            except ImageError as exc:  # the stored object is gone or not the one the row recorded
+                self.refused[item.sample_id] = f"images: {exc}"
+                return None
         last = "no attempt"
         for attempt in range(1, self.o.max_attempts + 1):
             path, body = self.wire.score_request(
