@@ -16,8 +16,10 @@ second `make demo` reuses every stage, `make demo ENGINE=vllm` writes beside the
 
 `--engine vllm` (`make demo ENGINE=vllm`) puts the real engine in the loop: a `vllm serve` of the
 tiny model (from .venv-vllm, fp32 on CPU) is the local generation endpoint
-(`generation.local.engine: vllm`), and hidden states are extracted by the `vllm` backend (its
-engine runs in .venv-vllm too). Overflow still goes to the dev server (OpenRouter's stand-in).
+(`generation.local.engine: vllm`) and the overflow provider (its OpenAI chat route in OpenRouter's
+place, so the policy check compares two paths of one model), and hidden states are extracted by
+the `vllm` backend (its engine runs in .venv-vllm too). `tool_calls` is left out there
+(VLLM_LEFT_OUT says why).
 """
 
 from __future__ import annotations
