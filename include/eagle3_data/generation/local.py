@@ -134,6 +134,14 @@ class Media(NamedTuple):
     tokens: list[int]  # our media-token count of each image (the reference's `media_tokens`)
 
 
+def read_media(store, refs: list[dict], pad_id: int) -> Media:
+    """A prompt's images for an engine, for generation and for the policy check's scoring alike:
+    each stored object read and verified against its reference (sha256, size: ImageError
+    otherwise), sent as a data URI; read per request, not held (the prompts in flight are all that
+    is decoded). Run it in a thread: boto3's clients are thread-safe."""
+    return Media(pad_id, [data_uri(read_image(store, ref)) for ref in refs], [int(ref["media_tokens"]) for ref in refs])
+
+
 class Wire(Protocol):
     """One engine's HTTP protocol; `LocalRun` does everything else."""
 
@@ -579,7 +587,8 @@ class LocalRun:
         media = None
         if refs:
             try:
-                media = await asyncio.to_thread(self._media, refs)  # S3 reads and decoding: off the event loop
+                # S3 reads and decoding: off the event loop
+                media = await asyncio.to_thread(read_media, self.stage.store, refs, self.fmt.media_pad_id)
             except ImageError as exc:  # the stored object is gone or not the one the prompt recorded
                 return Outcome(generation_row(p, prompt_ids, source, failed=f"images: {exc}"), permanent=True)
         row = generation_row(p, prompt_ids, source)
@@ -667,16 +676,6 @@ class LocalRun:
             ),
         )
         return Outcome(row)
-
-    def _media(self, refs: list[dict]) -> Media:
-        """The prompt's images for the engine: each stored object read and verified against its
-        reference (sha256, size), sent as a data URI; read per request, not held (the prompts in
-        flight are all that is decoded). Run in a thread: boto3's clients are thread-safe."""
-        return Media(
-            self.fmt.media_pad_id,
-            [data_uri(read_image(self.stage.store, ref)) for ref in refs],
-            [int(ref["media_tokens"]) for ref in refs],
-        )
 
 
 class Outcome(NamedTuple):

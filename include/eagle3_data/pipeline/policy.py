@@ -76,8 +76,8 @@ def score_policy(run: Run, store, dataset: str, endpoints: list[str]) -> PolicyR
     the nucleus are counted per side (`nucleus`: samples, tokens, outside; `nucleus_rule`: how):
     the gate runs the nucleus test on them (policy.nucleus, policy.compare)."""
     from eagle3_data.generation.engines import wire_for
-    from eagle3_data.generation.local import Media
-    from eagle3_data.images import data_uri, parse_refs, read_image
+    from eagle3_data.generation.local import Media, read_media
+    from eagle3_data.images import parse_refs
     from eagle3_data.policy import ScoreOptions, local_items, overflow_items, score_items, summarize
     from eagle3_data.policy.compare import Thresholds, sample_size, worst_samples
     from eagle3_data.policy.compare import rows as score_rows
@@ -138,9 +138,7 @@ def score_policy(run: Run, store, dataset: str, endpoints: list[str]) -> PolicyR
 
         def media(item) -> Media:
             """An image item's images as its generation sent them (each stored object verified)."""
-            refs = parse_refs(item.images)
-            urls = [data_uri(read_image(store, ref)) for ref in refs]
-            return Media(fmt.media_pad_id, urls, [int(ref["media_tokens"]) for ref in refs])
+            return read_media(store, parse_refs(item.images), fmt.media_pad_id)
 
         def at(n: int) -> tuple[list, list, list]:
             """The items at `n` sampled answers a side (and the pairs), scoring only the new ones:

@@ -6,7 +6,7 @@ the log-probability of the token there and the K largest log-probabilities of th
 whatever `--logprobs-mode`, generation/vllm.py), SGLang's `top_logprobs_num: K` as
 `meta_info.input_top_logprobs` (log_softmax of the raw logits, generation/sglang.py). From those
 alone `outside` decides, per answer token, whether it is *provably* outside the nucleus the run's
-sampling allowed (temperature T, top_p p, top_k k; `hidden_states.logprobs.Nucleus`; both engines
+sampling allowed (temperature T, top_p p, top_k k; `Nucleus` below; both engines
 truncate softmax(logits / T): a token sampled honestly has less than p of that distribution
 strictly above it, and fewer than k tokens above it, hidden_states/logprobs.py says where).
 
