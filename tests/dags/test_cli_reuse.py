@@ -127,3 +127,43 @@ def test_stages_the_dag_committed_are_reused_by_the_cli(cli_env, capsys):
     assert _requests(cli_env) == requests
     printed = capsys.readouterr().out
     assert printed.count('"reused": true') >= 2 and "(already done)" in printed  # both generation stages, the shards
+
+
+def _config_with(stack, tmp_path, name: str, change) -> str:
+    raw = yaml.safe_load(stack.config_path.read_text())
+    change(raw)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return str(path)
+
+
+def test_a_generation_stage_made_with_other_settings_is_refused_not_reused(cli_env, capsys, tmp_path):
+    """A complete generation stage is reused only for the settings that made it: a rerun after
+    `generation.overflow.model` or `model.name` changed (neither is part of the prompts stage, so
+    before this check the old answers were reused silently) stops with exit 2 naming the
+    setting, asks nothing, and loses nothing (the original config still reuses the answers)."""
+    prompts = yaml.safe_load(cli_env.config_path.read_text())["datasets"][0]["prompts"]
+    run = ["--dataset", DATASET, "--prompts", prompts, "--run-key", "settings"]
+    local = ["generate", "local", *run, "--endpoint", cli_env.inference_url]
+    overflow = ["generate", "overflow", *run, "--base-url", cli_env.inference_url + "/v1"]
+    same = ["--config", str(cli_env.config_path)]
+    assert main([*local, *same]) == 0 and main([*overflow, *same]) == 0
+    requests = _requests(cli_env)
+
+    def other_provider_model(raw):
+        raw.setdefault("generation", {}).setdefault("overflow", {})["model"] = "another/model"
+
+    def other_target(raw):
+        raw.setdefault("model", {})["name"] = "another-target"
+
+    capsys.readouterr()
+    assert main([*overflow, "--config", _config_with(cli_env, tmp_path, "provider", other_provider_model)]) == 2
+    err = capsys.readouterr().err
+    assert 'model "moonshotai/kimi-k2.5" (committed) vs "another/model" (this run)' in err, err
+    assert "is complete with answers generated with other settings" in err and "stage discard s3://" in err, err
+    assert main([*local, "--config", _config_with(cli_env, tmp_path, "target", other_target)]) == 2
+    err = capsys.readouterr().err
+    assert 'vs "another-target" (this run)' in err, err
+    assert _requests(cli_env) == requests  # nothing asked
+    assert main([*local, *same]) == 0 and main([*overflow, *same]) == 0  # nothing lost: reused as before
+    assert _requests(cli_env) == requests

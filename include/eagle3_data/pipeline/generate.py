@@ -1,6 +1,9 @@
 """Stage 3, generation: local (SGLang, exact ids) and overflow (OpenRouter, text only), both from
 the routed prompts, so the DAG runs them side by side. Paid work is never repeated: a complete
-stage made from the same prompts is reused, and an interrupted one resumes by sample id.
+stage made from the same prompts with the same generation settings is reused, and an interrupted
+one resumes by sample id. A complete stage whose answers were made with other settings (model,
+engine, provider, sampling) is refused, never reused as this config's answers and never
+discarded: a person chooses (`_refuse_other_settings`).
 
 The library receives plain values (endpoint URLs, base URL, API key); reading them from Airflow
 connections is the hooks' job (plugins/hooks).
@@ -28,9 +31,48 @@ def _prompt_rows(store, ref) -> Iterator[dict]:
         yield from batch.to_pylist()
 
 
-def _reused(store, ref, prompts) -> GenerationResult | None:
+def _reused(store, ref, prompts, settings: dict, what: str) -> GenerationResult | None:
+    """The complete stage made from these prompts, checked against this run's generation
+    `settings` (a subset of the stage's params, `_refuse_other_settings`); None when there is none
+    (a stale one, from other prompts, is invalidated: the writer resumes by sample id)."""
     manifest = reusable(store, ref, [prompts], invalidate=True)
-    return None if manifest is None else GenerationResult(uri=store.uri(ref), rows=manifest["rows"], reused=True)
+    if manifest is None:
+        return None
+    _refuse_other_settings(manifest.get("params") or {}, settings, what, store.uri(ref))
+    return GenerationResult(uri=store.uri(ref), rows=manifest["rows"], reused=True)
+
+
+# params the writer adds from the output format, not from the generation config: left out of the
+# comparison (the tokenizer and template have their own hashes in the manifest)
+_FORMAT_KEYS = ("thinking", "stop_token_ids")
+
+
+def _refuse_other_settings(committed: dict, settings: dict, what: str, uri: str) -> None:
+    """A UserError naming each differing setting when the committed answers were generated with
+    other `settings` than this run's (each key of `settings` against the manifest's params, the
+    sampling without what the output format adds). Reusing them would hand another model's or
+    another sampler's answers downstream as this config's: the silent error the product exists to
+    prevent. Not invalidated either: the answers were paid for, and the config may be the mistake."""
+    from eagle3_data.canonical import canonical_json
+
+    def comparable(key: str, value):
+        if key == "sampling" and isinstance(value, dict):
+            return {k: v for k, v in value.items() if k not in _FORMAT_KEYS}
+        return value
+
+    differ = [
+        f"{key} {canonical_json(comparable(key, committed.get(key)))} (committed) vs "
+        f"{canonical_json(comparable(key, value))} (this run)"
+        for key, value in settings.items()
+        if canonical_json(comparable(key, committed.get(key))) != canonical_json(comparable(key, value))
+    ]
+    if differ:
+        raise UserError(
+            f"{what}: {uri} is complete with answers generated with other settings than this run's: "
+            f"{'; '.join(differ)}. They are not reused as this config's answers. Set the config back, or use "
+            f"another run_key, or discard them (`eagle3-data stage discard {uri}`: every answer is then "
+            "requested, and paid, again) and rerun"
+        )
 
 
 def _finished(result: StageSummary, what: str, store, ref) -> GenerationResult:
@@ -60,11 +102,14 @@ def generate_local(run: Run, store, dataset: str, endpoints: list[str], *, rerun
     from eagle3_data.generation.local import generate_local as generate
 
     prompts, ref = stage_ref(run, PROMPTS, dataset), stage_ref(run, LOCAL, dataset)
-    if not rerun and (reused := _reused(store, ref, prompts)) is not None:
+    g = run.config.generation
+    wire = wire_for(g.local.engine)
+    settings = {"source": wire.source, "model": run.config.model.name, "sampling": wire.sampling(engine_sampling(run))}
+    if not rerun and (reused := _reused(store, ref, prompts, settings, f"generate_local {dataset}")) is not None:
         return reused
     if not endpoints:
         raise UserError(f"generate_local {dataset}: no local endpoints configured")
-    g, fmt = run.config.generation, output_format(run, store)
+    fmt = output_format(run, store)
     result = generate(
         store,
         ref,
@@ -72,7 +117,7 @@ def generate_local(run: Run, store, dataset: str, endpoints: list[str], *, rerun
         fmt,
         endpoints,
         engine_sampling(run),
-        wire=wire_for(g.local.engine),
+        wire=wire,
         options=options_from(LocalOptions, g.local),
         setup=_setup(run, prompts, rerun, fmt),
     )
@@ -85,13 +130,15 @@ def generate_overflow(
     """The samples routed overflow|both through OpenRouter at `base_url` with `api_key` (never logged)."""
     from eagle3_data.config import options_from
     from eagle3_data.generation.contracts import StopReason
-    from eagle3_data.generation.openrouter import OverflowOptions, OverflowRequest
+    from eagle3_data.generation.openrouter import OverflowOptions, OverflowRequest, check_sampling
     from eagle3_data.generation.openrouter import generate_overflow as generate
 
     prompts, ref = stage_ref(run, PROMPTS, dataset), stage_ref(run, OVERFLOW, dataset)
-    if not rerun and (reused := _reused(store, ref, prompts)) is not None:
+    o = run.config.generation.overflow
+    settings = {"model": o.model, "provider": dict(o.provider), "sampling": check_sampling(engine_sampling(run))}
+    if not rerun and (reused := _reused(store, ref, prompts, settings, f"generate_overflow {dataset}")) is not None:
         return reused
-    o, fmt = run.config.generation.overflow, output_format(run, store)
+    fmt = output_format(run, store)
     result = generate(
         store,
         ref,
