@@ -14,7 +14,8 @@ reconstruct, score_policy, validate, at the default policy settings (pilot 32 a 
 sample sized from its spread, at most policy.max_samples). Per trial: samples scored a side,
 the sampled test's gap (local minus overflow mean log-probability per token, per sample) with
 its standard error, p-value and minimum detectable shift at 90% power, the pairs' mean
-difference and p, the nucleus test's counts (answer tokens provably outside the sampling's
+difference and p, the greedy test's counts (calibration answer tokens that are not the
+target's argmax, local and overflow) and p, the nucleus test's counts (answer tokens provably outside the sampling's
 nucleus, local and overflow, both on one tokenisation path, from the local engine's top
 `--top-logprobs` log-probabilities at every position, as in production: policy.nucleus), its
 p-value and smallest detectable outside-rate at 90% power, and the gate's verdict on policy.
@@ -88,11 +89,17 @@ def _row(name: str, run: int, t: dict) -> str:
         nucleus = f"{a}/{n} | {b}/{m} | {nu['p_value']:.2g} | {'-' if mdr is None else f'{mdr:.2%}'}"
     else:
         nucleus = "- | - | - | -"
+    gr = tests.get("greedy")
+    greedy = (
+        f"{gr['outside'][0]}/{gr['tokens'][0]} | {gr['outside'][1]}/{gr['tokens'][1]} | {gr['p_value']:.2g}"
+        if gr
+        else "- | - | -"
+    )
     policy = [r for r in t["reasons"] if "policy" in r]
     verdict = "FAILS on policy" if policy else ("passes" if t["passed"] else "fails (not policy)")
     return (
-        f"| {name} | {run} | {sampled} | {pairs} | {nucleus} | {figures['sizing']['required']} | {verdict} | "
-        f"{t['seconds']:.0f} |"
+        f"| {name} | {run} | {sampled} | {pairs} | {nucleus} | {greedy} | {figures['sizing']['required']} | "
+        f"{verdict} | {t['seconds']:.0f} |"
     )
 
 
@@ -130,9 +137,9 @@ def main() -> None:
     print(
         "| provider | run | sampled n | gap +- SE (nats/token) | min detectable shift (90%) | p | "
         "pairs n | pairs diff | pairs p | nucleus outside local | overflow | nucleus p | "
-        "min detectable outside-rate (90%) | required n | gate | s |"
+        "min detectable outside-rate (90%) | greedy off-argmax local | overflow | greedy p | required n | gate | s |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---" * 19 + "|")
     verdicts: dict[str, list[bool]] = {}
     try:
         with seaweedfs() as (handle, _env):

@@ -462,6 +462,13 @@ class PolicyConfig(_Model):
         "engine's may differ, doubled: a token counts as outside the nucleus only beyond it (0.15: one bf16 rounding "
         "of a logit of ~30; every engine in fp32: 1e-3)",
     )
+    greedy_max_gap: float = Field(
+        1.0,
+        gt=0.0,
+        description="the greedy test counts a calibration answer's token as off the target's argmax when the "
+        "argmax's log-probability exceeds its own by more than nucleus_logit_margin and at most this (nats): other "
+        "weights reorder near-ties, while a re-split token (alike on both paths) mostly lies far below",
+    )
 
 
 class MergeConfig(_Model):

@@ -118,3 +118,38 @@ def test_more_top_logprobs_than_the_server_allows_stops_scoring_naming_the_fix(v
         rf"allowed: {MAX_LOGPROBS}.*--max-logprobs at least policy.top_logprobs",
     ):
         score_items([item], [vllm_server.url], VLLM, ScoreOptions(top_logprobs=MAX_LOGPROBS + 1), nucleus, 163_840)
+
+
+def test_a_calibration_answer_is_counted_against_the_engines_own_argmax(vllm_server):
+    """The greedy test's counts (score_items with K = 1 for a calibration item, `off_argmax`): the
+    engine's own greedy continuation (vLLM's /v1/completions at temperature 0, its ids returned:
+    the oracle is the engine's generation, not the scoring code) has no token off the argmax; with
+    its last token swapped for an id the engine did not pick, that one token is off when the
+    argmax lies above it within `greedy_max_gap`, and not counted beyond (a re-split's distance)."""
+    import httpx
+
+    from eagle3_data.generation.vllm import VLLM
+    from eagle3_data.policy import Item, ScoreOptions, score_items
+    from eagle3_data.policy.nucleus import LOGIT_MARGIN
+    from eagle3_devtools.vllm_serve import SERVED_MODEL_NAME
+
+    prompt = [163_584, 1000, 2000, 3000, 4000, 5000]
+    body = {"model": SERVED_MODEL_NAME, "prompt": prompt, "max_tokens": 12, "temperature": 0, "return_token_ids": True}
+    r = httpx.post(f"{vllm_server.url}/v1/completions", json=body, timeout=120)
+    r.raise_for_status()
+    greedy = r.json()["choices"][0]["token_ids"]
+    assert len(greedy) == 12, r.json()
+    margin = LOGIT_MARGIN["float32"]
+    options = ScoreOptions(nucleus_logit_margin=margin)
+    item = Item("c0", "overflow", "both", tuple(prompt + greedy), len(prompt))
+    (argmax,), refused, (off,) = score_items([item], [vllm_server.url], VLLM, options)
+    assert refused == {} and len(argmax) == 12 and off == 0, (argmax, off)
+    other = 1 if greedy[-1] != 1 else 2
+    item = Item("c1", "overflow", "both", tuple(prompt + greedy[:-1] + [other]), len(prompt))
+    (got,), refused, (off,) = score_items([item], [vllm_server.url], VLLM, options)
+    assert refused == {} and got[:-1] == argmax[:-1], (got, argmax)
+    gap = argmax[-1] - got[-1]
+    assert gap > margin and off == int(gap <= options.greedy_max_gap), (gap, off)
+    for max_gap, counted in ((gap * 2, 1), (gap / 2, 0)):
+        wide = ScoreOptions(nucleus_logit_margin=margin, greedy_max_gap=max_gap)
+        assert score_items([item], [vllm_server.url], VLLM, wide)[2] == [counted], max_gap

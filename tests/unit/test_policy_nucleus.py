@@ -91,9 +91,9 @@ def test_decide_runs_the_nucleus_test_only_with_tokens_on_both_sides_and_splits_
     th = Thresholds()
     plain = decide(local, over, [], [], th)
     assert "nucleus" not in plain["tests"] and plain["tests"]["sampled"]["alpha"] == th.false_alarm_rate
-    assert power_statement(plain).endswith(
+    assert (
         "nucleus: not tested (the sampling has no nucleus to check: greedy, no top_p or top_k, or a "
-        "penalty; or no checked answer token on a side; docs/generation.md)"
+        "penalty; or no checked answer token on a side; docs/generation.md)" in power_statement(plain)
     )
     for missing in (None, counts(0, 0, 10, 500), counts(0, 500, 0, 0)):
         assert "nucleus" not in decide(local, over, [], [], th, missing)["tests"]
@@ -140,3 +140,104 @@ def test_every_row_reports_the_extractions_nucleus_counts_per_path_without_testi
     gate = every_row_gate(means, Thresholds(), got)
     assert gate["passed"] and "nucleus" not in gate["decision"]["tests"], gate
     assert any("1 of 400 local and 20 of 400 overflow" in n for n in gate["notes"]), gate["notes"]
+
+
+def test_decide_runs_the_greedy_test_on_calibration_counts_beside_the_others():
+    """The calibration answers' off-argmax counts (`greedy`) are a fourth test, at its own share of
+    the false-alarm rate; a provider whose greedy answers leave the target's argmax (other weights)
+    fails on it alone, and one at the local path's rate passes."""
+    rng = np.random.default_rng(11)
+    local, over = rng.normal(-1, 0.3, 40), rng.normal(-1, 0.3, 40)
+    th = Thresholds()
+    plain = decide(local, over, [1.0, 2.0], [1.0, 2.0], th, counts(0, 800, 0, 800))
+    assert "greedy" not in plain["tests"]
+    assert power_statement(plain).endswith(
+        "greedy: not tested (no calibration answer scored on both sides: routing.calibration_samples)"
+    )
+    for missing in (counts(0, 0, 10, 500), counts(0, 500, 0, 0)):
+        assert "greedy" not in decide(local, over, [], [], th, None, missing)["tests"]
+    quantised = decide(local, over, [1.0, 2.0], [1.0, 2.0], th, counts(0, 800, 0, 800), counts(1, 600, 18, 600))
+    assert set(quantised["tests"]) == {"sampled", "pairs", "nucleus", "greedy"}
+    assert {t["alpha"] for t in quantised["tests"].values()} == {th.false_alarm_rate / 4}
+    assert quantised["rejected"] == ["greedy"], quantised["rejected"]
+    honest = decide(local, over, [1.0, 2.0], [1.0, 2.0], th, None, counts(3, 600, 4, 600))
+    assert honest["rejected"] == [] and {t["alpha"] for t in honest["tests"].values()} == {th.false_alarm_rate / 3}
+    assert "greedy (600 + 600 calibration answer tokens): detects an off-argmax rate of " in power_statement(honest)
+
+
+def test_gate_names_a_provider_that_leaves_the_targets_argmax():
+    rng = np.random.default_rng(13)
+    means = list(rng.normal(-1, 0.3, 60))
+    base = {
+        "local": {"samples": 60, "sample_means": means, "mean_logprob": -1.0},
+        "overflow": {"samples": 60, "sample_means": means[::-1], "mean_logprob": -1.0},
+        "pairs": {"samples": 0},
+    }
+    bad = policy_gate({**base, "greedy": counts(0, 512, 15, 512)}, Thresholds())
+    assert not bad["passed"], bad
+    assert [
+        r for r in bad["reasons"] if "leave the target's argmax" in r and "15 of 512 overflow answer tokens not" in r
+    ], bad["reasons"]
+    honest = policy_gate({**base, "greedy": counts(0, 512, 0, 512)}, Thresholds())
+    assert honest["passed"], honest["reasons"]
+    assert any(n.startswith("policy: greedy: 0 of 512 overflow") for n in honest["notes"]), honest["notes"]
+
+
+def test_greedy_counts_only_the_calibration_answers_and_nucleus_counts_only_the_sampled():
+    from eagle3_data.policy.nucleus import nucleus_counts as item_counts
+    from eagle3_data.policy.select import Item
+
+    items = [
+        Item("a", "local", "local", (1, 2, 3, 4), 1),
+        Item("b", "overflow", "overflow", (1, 2, 3), 1),
+        Item("c", "local", "both", (1, 2, 3, 4, 5), 2),
+        Item("c", "overflow", "both", (1, 2, 3, 4), 2),
+        Item("d", "overflow", "both", (1, 2), 1),
+    ]
+    outside = [1, 0, 2, 1, None]
+    assert item_counts(items, outside) == {
+        "local": {"samples": 1, "tokens": 3, "outside": 1},
+        "overflow": {"samples": 1, "tokens": 2, "outside": 0},
+    }
+    assert item_counts(items, outside, greedy=True) == {
+        "local": {"samples": 1, "tokens": 3, "outside": 2},
+        "overflow": {"samples": 1, "tokens": 2, "outside": 1},
+    }
+
+
+def test_the_report_shows_each_count_test_with_its_counts_and_flags_a_rejection():
+    """The gate's verdict, through the report's policy summary, as the provider table's rows:
+    the nucleus and greedy tests each with both paths' counts and the p-value, the rejected one
+    flagged."""
+    from eagle3_data.report.data import policy_summary
+    from eagle3_data.report.render import _provider
+
+    rng = np.random.default_rng(17)
+    means = list(rng.normal(-1, 0.3, 60))
+    figures = {
+        "local": {"samples": 60, "sample_means": means, "mean_logprob": -1.0},
+        "overflow": {"samples": 60, "sample_means": means[::-1], "mean_logprob": -1.0},
+        "pairs": {"samples": 0},
+        "nucleus": counts(2, 900, 3, 900),
+        "greedy": counts(0, 512, 15, 512),
+    }
+    gate = policy_gate(figures, Thresholds())
+    rows = _provider(None, policy_summary({**gate, "figures": figures}))["rows"]
+    got = {label: (value, flagged) for label, value, flagged in rows}
+    nucleus = got["nucleus: tokens outside, local / overflow / p-value (level)"]
+    greedy = got["greedy: tokens off the target's argmax, local / overflow / p-value (level)"]
+    assert nucleus[0].startswith("2 of 900 / 3 of 900 / ") and not nucleus[1], nucleus
+    assert greedy[0].startswith("0 of 512 / 15 of 512 / ") and greedy[1], greedy
+
+
+def test_off_argmax_counts_a_token_only_clearly_below_the_argmax_and_within_the_window():
+    from eagle3_data.policy.nucleus import off_argmax
+
+    own = [-1.0, -1.0005, -1.5, -3.5, -2.0, -0.7]
+    top = [[-1.0, -2.0], [-1.0, -3.0], [-1.0, -1.5], [-1.0, -3.5], [-1.2, float("nan")], [-0.7, float("nan")]]
+    # gaps: 0 (the argmax), 5e-4 (a near-tie inside the margin), 0.5, 2.5 (beyond the window), 0.8 (a
+    # padded row), 0 (the argmax, padded)
+    got = off_argmax(own, top, logit_margin=1e-3, max_gap=1.0)
+    assert got.tolist() == [False, False, True, False, True, False]
+    assert off_argmax(own, top, logit_margin=1e-3, max_gap=3.0).tolist() == [False, False, True, True, True, False]
+    assert off_argmax([], np.zeros((0, 1)), 1e-3, 1.0).size == 0

@@ -74,7 +74,9 @@ def score_policy(run: Run, store, dataset: str, endpoints: list[str]) -> PolicyR
     nucleus (`Nucleus.of`: top_p < 1 or a top_k), each sampled item's request also asks for the
     `policy.top_logprobs` likeliest ids at every position, and the answer tokens provably outside
     the nucleus are counted per side (`nucleus`: samples, tokens, outside; `nucleus_rule`: how):
-    the gate runs the nucleus test on them (policy.nucleus, policy.compare)."""
+    the gate runs the nucleus test on them (policy.nucleus, policy.compare). The calibration
+    answers (greedy on both paths) are always counted, their tokens off the target's argmax
+    (`greedy`, `off_argmax`): the greedy test."""
     from eagle3_data.generation.engines import wire_for
     from eagle3_data.generation.local import Media, read_media
     from eagle3_data.images import parse_refs
@@ -99,6 +101,7 @@ def score_policy(run: Run, store, dataset: str, endpoints: list[str]) -> PolicyR
         "thresholds": vars(th),
         "engine": run.config.generation.local.engine,
         "nucleus": {"top_logprobs": cfg.top_logprobs, "logit_margin": cfg.nucleus_logit_margin} if nucleus else None,
+        "greedy": {"top_logprobs": 1, "logit_margin": cfg.nucleus_logit_margin, "max_gap": cfg.greedy_max_gap},
         "thinking": run.config.generation.sampling.thinking,
         **({"score_images": True} if with_images else {}),  # absent otherwise: earlier manifests stay reusable
         **hashes,
@@ -164,14 +167,16 @@ def score_policy(run: Run, store, dataset: str, endpoints: list[str]) -> PolicyR
             "image_samples_left_out": left_out,
             "worst": worst_samples(items, scores, tokenizer.decode),
         }
+        rule = {
+            "top_logprobs": cfg.top_logprobs,
+            "logit_margin": cfg.nucleus_logit_margin,
+            "vocab_size": len(tokenizer),
+        }
         if nucleus is not None:
             summary["nucleus"] = nucleus_counts(items, outside)
-            summary["nucleus_rule"] = {
-                "top_logprobs": cfg.top_logprobs,
-                "logit_margin": cfg.nucleus_logit_margin,
-                "vocab_size": len(tokenizer),
-                **vars(nucleus),
-            }
+            summary["nucleus_rule"] = {**rule, **vars(nucleus)}
+        summary["greedy"] = nucleus_counts(items, outside, greedy=True)
+        summary["greedy_rule"] = {**rule, "top_logprobs": 1, "max_gap": cfg.greedy_max_gap}
     # the scored samples as a file beside the (empty) parts: a calibration sample is scored on
     # both sides under one sample_id, which the parts (one row per sample_id) cannot hold
     with StageWriter(

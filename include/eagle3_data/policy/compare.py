@@ -26,6 +26,16 @@ decide, and its spread is not the one a test over samples uses). Two tests, each
   false-alarm rate; its power: the smallest overflow outside-rate it detects with `power` given the
   local counts and the overflow tokens at hand (`nucleus_test`). It cannot see a fault that stays
   inside the nucleus (a temperature shift within it, other weights): the mean-gap tests' job.
+- **greedy** (when calibration answers were scored on both sides, `policy.nucleus.off_argmax`):
+  the calibration answers' tokens that are provably not the target's argmax yet near it (the
+  argmax above them by more than the logit margin, at most `policy.greedy_max_gap`), overflow
+  against local, by the nucleus test's Fisher test and power. Greedy decoding of the target's own
+  weights picks the argmax at every step, near-ties within the margin aside (kernels, batch
+  shapes, bf16), so an honest provider's rate is the local path's (re-split tokens, alike on both
+  sides); weights other than the target's (a quantisation) leave the argmax wherever their logits
+  reorder a near-tie by more than the margin: the fault the mean tests cannot see, since such
+  text is about as likely under the target as its own (benchmarks/RESULTS.md, the int8-rounded
+  provider).
 
 The two mean tests are minimum-effect tests: the shift that matters is `shift` (nats/token); a shift up to
 `shift / 2` (the tolerance) is accepted as the same policy, so that with every row scored a
@@ -59,7 +69,7 @@ from eagle3_data.gate_defaults import (
 from eagle3_data.policy.select import Item
 
 QUANTILES = (0.01, 0.05, 0.25, 0.5)
-TESTS = ("sampled", "pairs", "nucleus")
+TESTS = ("sampled", "pairs", "nucleus", "greedy")
 # The outside-rate that matters for the nucleus test: 1 answer token in 100 outside the nucleus more
 # than the local path's. A provider ignoring top_p 0.95 adds up to ~5 in 100 (the tail's mass); the
 # test says UNDERPOWERED when its smallest detectable rate, for the tokens at hand, is above the
@@ -175,11 +185,13 @@ def decide(
     pairs_overflow: ArrayLike,
     th: Thresholds = Thresholds(),
     nucleus: Mapping[str, Mapping[str, int]] | None = None,
+    greedy: Mapping[str, Mapping[str, int]] | None = None,
 ) -> dict[str, Any]:
     """The decision on per-sample means: `local`, `overflow` (sampled answers) and the calibration
     pairs (`pairs_local[i]`, `pairs_overflow[i]`: one prompt), and, where score_policy counted
-    them, the nucleus counts (`nucleus[side]`: `tokens`, `outside`; `nucleus_test`). A mean test
-    needs 2 observations a side (a spread), the nucleus test a checked token a side; one that
+    them, the nucleus counts (`nucleus[side]`: `tokens`, `outside`; `nucleus_test`) and the
+    calibration answers' counts against the argmax (`greedy`, the same shape and test). A mean
+    test needs 2 observations a side (a spread), a count test a checked token a side; one that
     cannot run is absent from `tests`. `rejected`: the tests that reject; `underpowered`: the
     sampled test is absent or cannot reach `th.power` at `th.shift` (the pairs alone cannot see a
     sampler's fault; the nucleus test states its own)."""
@@ -193,11 +205,14 @@ def decide(
     if pl.size >= 2:
         d = pl - po
         runs["pairs"] = (float(d.mean()), float(d.std(ddof=1) / math.sqrt(d.size)), float(d.size - 1), (d.size,))
-    with_nucleus = bool(nucleus) and all(int((nucleus.get(s) or {}).get("tokens") or 0) > 0 for s in SIDES)
-    alpha = th.false_alarm_rate / max(1, len(runs) + with_nucleus)
+    counted = {
+        name: c
+        for name, c in (("nucleus", nucleus), ("greedy", greedy))
+        if c and all(int((c.get(s) or {}).get("tokens") or 0) > 0 for s in SIDES)
+    }
+    alpha = th.false_alarm_rate / max(1, len(runs) + len(counted))
     tests = {name: _test(diff, se, df, n, th, alpha) for name, (diff, se, df, n) in runs.items()}
-    if with_nucleus:
-        tests["nucleus"] = nucleus_test(nucleus, alpha, th.power)
+    tests.update({name: nucleus_test(c, alpha, th.power) for name, c in counted.items()})
     return {
         "tests": tests,
         "rejected": [t for t in TESTS if t in tests and tests[t]["rejected"]],
@@ -275,7 +290,8 @@ def figures_of(
 
 
 def decide_figures(figures: Mapping[str, Any], th: Thresholds) -> dict[str, Any]:
-    """`decide` on committed figures (`figures_of`, and `nucleus` where score_policy counted it)."""
+    """`decide` on committed figures (`figures_of`, and `nucleus`, `greedy` where score_policy
+    counted them)."""
     pairs = figures.get("pairs") or {}
     return decide(
         figures["local"]["sample_means"],
@@ -284,6 +300,7 @@ def decide_figures(figures: Mapping[str, Any], th: Thresholds) -> dict[str, Any]
         pairs.get("overflow_means") or [],
         th,
         figures.get("nucleus"),
+        figures.get("greedy"),
     )
 
 
@@ -381,13 +398,18 @@ def power_statement(decision: Mapping[str, Any]) -> str:
     shift that matters (underpowered)."""
     th = decision["thresholds"]
     parts = []
-    if (t := decision["tests"].get("nucleus")) is not None:
+    for name, what, rate in (
+        ("nucleus", "answer tokens", "an outside-rate"),
+        ("greedy", "calibration answer tokens", "an off-argmax rate"),
+    ):
+        if (t := decision["tests"].get(name)) is None:
+            continue
         mdr = t["min_detectable_rate"]
-        seen = "no rate (too few tokens)" if mdr is None else f"an outside-rate of {mdr:.2%}"
+        seen = "no rate (too few tokens)" if mdr is None else f"{rate} of {mdr:.2%}"
         local = t["rates"][0] or 0.0
         short = f", UNDERPOWERED (above the local {local:.2%} + {NUCLEUS_RATE:.0%})" if t["underpowered"] else ""
         parts.append(
-            f"nucleus ({t['tokens'][0]} + {t['tokens'][1]} answer tokens): detects {seen} with "
+            f"{name} ({t['tokens'][0]} + {t['tokens'][1]} {what}): detects {seen} with "
             f"{th['power']:.0%} power at false-alarm rate {t['alpha']:.2g}{short}"
         )
     for name, what in (("sampled", "sampled answers"), ("pairs", "calibration pairs")):
@@ -406,6 +428,8 @@ def power_statement(decision: Mapping[str, Any]) -> str:
             "nucleus: not tested (the sampling has no nucleus to check: greedy, no top_p or top_k, or a "
             "penalty; or no checked answer token on a side; docs/generation.md)"
         )
+    if "greedy" not in decision["tests"]:
+        parts.append("greedy: not tested (no calibration answer scored on both sides: routing.calibration_samples)")
     return "; ".join(parts)
 
 
@@ -436,6 +460,13 @@ def policy_gate(summary: dict[str, Any] | None, th: Thresholds) -> dict[str, Any
             reasons.append(
                 "overflow text is off the target's policy, tokens outside the nucleus its sampling allows "
                 f"(top_p/top_k after temperature): a provider ignoring top_p or top_k? {_figures(name, t, summary)}, "
+                f"p = {t['p_value']:.2g} < {t['alpha']:.2g}"
+            )
+            continue
+        if name == "greedy":
+            reasons.append(
+                "overflow text is off the target's weights, greedy calibration answers leave the target's argmax "
+                f"where the local ones do not: other weights (a quantisation)? {_figures(name, t, summary)}, "
                 f"p = {t['p_value']:.2g} < {t['alpha']:.2g}"
             )
             continue
@@ -513,9 +544,10 @@ def every_row_gate(
 
 
 def _figures(name: str, t: Mapping[str, Any], summary: Mapping[str, Any]) -> str:
-    if name == "nucleus":
+    if name in ("nucleus", "greedy"):
         (n, m), (a, b) = t["tokens"], t["outside"]
-        return f"nucleus: {b} of {m} overflow answer tokens outside ({b / m:.2%}), local {a} of {n} ({a / n:.2%})"
+        where = "outside" if name == "nucleus" else "not the target's argmax"
+        return f"{name}: {b} of {m} overflow answer tokens {where} ({b / m:.2%}), local {a} of {n} ({a / n:.2%})"
     if name == "sampled":
         local, over = summary["local"], summary["overflow"]
         return (

@@ -39,7 +39,8 @@ target it holds hundreds (`eagle3_devtools.vllm_serve.MAX_LOGPROBS`).
 Both sides are counted by the same rule on the same tokenisation path (the local answers on the
 validator's rebuild of their ids, `select.local_items`), so an honest provider's outside-rate is
 the local engine's, and the one-sided Fisher test (`compare.nucleus_test`) keeps its false-alarm
-rate; only sampled answers count (a calibration answer is greedy: its route is "both").
+rate; only sampled answers count (a calibration answer is greedy: its route is "both"). The
+calibration answers are counted apart, against the target's argmax (`off_argmax`), for the greedy test.
 """
 
 from __future__ import annotations
@@ -140,12 +141,39 @@ def outside(
     return far
 
 
-def nucleus_counts(items: Sequence[Item], outside_counts: Sequence[int | None]) -> dict[str, dict[str, int]]:
-    """Per side (local, overflow): sampled answers checked, their answer tokens, and those outside
-    the nucleus (`outside_counts[i]`: item i's, None where it was not scored or not checked)."""
+def off_argmax(
+    own: Sequence[float] | np.ndarray,
+    top: Sequence[Sequence[float]] | np.ndarray,
+    logit_margin: float,
+    max_gap: float,
+) -> np.ndarray:
+    """bool [n]: whether a greedy answer's token (the calibration prompts, temperature 0 on both
+    paths), raw log-probability `own[i]`, is provably not the target's argmax yet within `max_gap`
+    of it: the largest of `top[i]` (K >= 1 suffices: the argmax's) exceeds it by more than
+    `logit_margin` (the engines' numerics, as in `outside`) and at most `max_gap`. The greedy test
+    counts these (compare.py, "greedy"). Why the window: weights other than the target's (a
+    quantisation) leave the argmax where their logits reorder a near-tie, so by about their logit
+    error; a re-split token (the canonical split of text the engine split otherwise, alike on both
+    paths) is another token altogether and mostly lies far below, so leaving those out keeps the
+    honest rate low and the test's power high (on the tiny target: 3.9% of an honest greedy
+    answer's re-encoded tokens in (1e-3, 1] against 36% above 1e-3; benchmarks/RESULTS.md)."""
+    own, top = np.asarray(own, np.float64), np.asarray(top, np.float64)
+    if own.size == 0 or top.size == 0:
+        return np.zeros(own.size, dtype=bool)
+    top = top.reshape(own.size, -1)
+    gap = np.nanmax(np.where(np.isnan(top), -np.inf, top), axis=1) - own
+    return (gap > logit_margin) & (gap <= max_gap)
+
+
+def nucleus_counts(
+    items: Sequence[Item], outside_counts: Sequence[int | None], greedy: bool = False
+) -> dict[str, dict[str, int]]:
+    """Per side (local, overflow): the answers checked, their answer tokens, and those outside
+    the nucleus (`outside_counts[i]`: item i's, None where it was not scored or not checked):
+    the sampled answers, or with `greedy` the calibration answers (route "both", `off_argmax`)."""
     counts = {side: {"samples": 0, "tokens": 0, "outside": 0} for side in ("local", "overflow")}
     for it, k in zip(items, outside_counts):
-        if k is None or it.route != it.side or len(it.ids) <= it.first:
+        if k is None or it.route != ("both" if greedy else it.side) or len(it.ids) <= it.first:
             continue
         side = counts[it.side]
         side["samples"] += 1

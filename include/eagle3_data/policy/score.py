@@ -9,7 +9,9 @@ refuses (4xx: longer than its context, say) is left out and counted, never guess
 every request (`Wire.score_refusal`: more top log-probabilities than the server allows) stops the
 stage with what to change. With a `nucleus`, each sampled item's request also asks for the
 `top_logprobs` likeliest ids at every position, and `policy.nucleus.outside` counts its answer
-tokens outside the nucleus as the answer arrives (the [positions, K] values are not kept).
+tokens outside the nucleus as the answer arrives (the [positions, K] values are not kept); each
+calibration item's (greedy on both paths) with K = 1, its tokens counted off the target's argmax
+(`off_argmax`), whatever the run's sampling.
 An item of an image prompt (`Item.images`, when the caller gives `media`) is scored with its
 images, sent as local generation sends them; an engine that expands them to other ids than ours
 refuses that item (`MediaDiffers`), counted like any refusal.
@@ -31,7 +33,7 @@ from eagle3_data.errors import EndpointUnavailable, UserError
 from eagle3_data.generation.local import Media, MediaDiffers, error_message, wait_healthy
 from eagle3_data.generation.retry import backoff_s
 from eagle3_data.images import ImageError
-from eagle3_data.policy.nucleus import ENGINE_LOGIT_MARGIN, Nucleus, outside
+from eagle3_data.policy.nucleus import ENGINE_LOGIT_MARGIN, Nucleus, off_argmax, outside
 from eagle3_data.policy.select import Item
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,7 @@ class ScoreOptions:
     health_interval_s: float = 2.0
     top_logprobs: int = 20  # per position, for the nucleus test (`policy.top_logprobs`)
     nucleus_logit_margin: float = ENGINE_LOGIT_MARGIN  # `policy.nucleus_logit_margin`
+    greedy_max_gap: float = 1.0  # `policy.greedy_max_gap`
 
     @classmethod
     def from_config(cls, policy: Any, **overrides: Any) -> ScoreOptions:
@@ -67,10 +70,10 @@ def score_items(
     media: Callable[[Item], Media] | None = None,
 ) -> tuple[list[list[float] | None], dict[str, str], list[int | None]]:
     """(log-probabilities per item, None where the engine refused it; the refusals by sample id;
-    per item its answer tokens outside `nucleus`, None where refused, greedy (a calibration answer)
-    or without a nucleus). `vocab_size`: the target's, for the bound at temperatures above 1.
-    `media`: an image item's images for the engine (read per request, in a thread: S3 reads);
-    without it, an item with images is refused."""
+    per item its answer tokens outside `nucleus`, or for a calibration answer (greedy) off the
+    target's argmax (`off_argmax`); None where refused, or a sampled answer without a nucleus). `vocab_size`: the
+    target's, for the bound at temperatures above 1. `media`: an image item's images for the
+    engine (read per request, in a thread: S3 reads); without it, an item with images is refused."""
     if not items:
         return [], {}, []
     return asyncio.run(_Scorer(endpoints, wire, options, nucleus, vocab_size, media).run(items))
@@ -119,8 +122,9 @@ class _Scorer:
 
     async def _one(self, endpoint: str, item: Item) -> tuple[list[float], int | None] | None:
         ids = list(item.ids)
-        checked = self.nucleus is not None and item.route == item.side  # a sampled answer
-        top = self.o.top_logprobs if checked else 0
+        greedy = item.route == "both"  # a calibration answer
+        # the argmax test needs the largest log-probability only: exact at K = 1, and cheap
+        top = 1 if greedy else self.o.top_logprobs if self.nucleus is not None else 0
         media = None
         if item.images:
             if self.media is None:
@@ -151,11 +155,13 @@ class _Scorer:
                     except (ValueError, KeyError, TypeError, IndexError) as exc:
                         last = f"malformed answer: {exc}"
                     else:
-                        if not checked:
+                        margin = self.o.nucleus_logit_margin
+                        if greedy:
+                            far = off_argmax(scored.logprobs, scored.top, margin, self.o.greedy_max_gap)
+                        elif self.nucleus is None:
                             return scored.logprobs, None
-                        far = outside(
-                            scored.logprobs, scored.top, self.nucleus, self.vocab, self.o.nucleus_logit_margin
-                        )
+                        else:
+                            far = outside(scored.logprobs, scored.top, self.nucleus, self.vocab, margin)
                         return scored.logprobs, int(far.sum())
                 elif 400 <= status < 500 and status not in (408, 429):
                     if (why := self.wire.score_refusal(status, text)) is not None:

@@ -468,9 +468,10 @@ def _provider(identity: Mapping[str, Any] | None, policy: Mapping[str, Any] | No
 
 
 def _policy_tests(policy: Mapping[str, Any]) -> list[tuple[str, str, bool]]:
-    """The decision's rows: per test its shift, p-value and the smallest shift it detects with the
-    configured power (flagged when larger than the shift that matters: underpowered), the
-    calibration pairs, and how the sample was sized."""
+    """The decision's rows: per mean test its shift, p-value and the smallest shift it detects with
+    the configured power (flagged when larger than the shift that matters: underpowered), per count
+    test (nucleus, greedy) its counts and p-value, the calibration pairs, and how the sample was
+    sized."""
     rows: list[tuple[str, str, bool]] = []
     th = policy.get("thresholds") or {}
     for name, label in (("sampled", "sampled answers"), ("pairs", "calibration pairs (same prompt, greedy)")):
@@ -491,6 +492,19 @@ def _policy_tests(policy: Mapping[str, Any]) -> list[tuple[str, str, bool]]:
                 f"{_nats(th.get('shift'))}, tolerated {_nats(th.get('tolerance'))})",
                 _nats(t.get("min_detectable_shift")) + (" UNDERPOWERED" if t.get("underpowered") else ""),
                 bool(t.get("underpowered")),
+            )
+        )
+    for name, label in (("nucleus", "nucleus: tokens outside"), ("greedy", "greedy: tokens off the target's argmax")):
+        t = (policy.get("tests") or {}).get(name)
+        if not isinstance(t, dict):
+            continue
+        (n, m), (a, b) = t["tokens"], t["outside"]
+        rows.append(
+            (
+                f"{label}, local / overflow / p-value (level)",
+                f"{fmt_num(a)} of {fmt_num(n)} / {fmt_num(b)} of {fmt_num(m)} / {_p(t.get('p_value'))} "
+                f"({_p(t.get('alpha'))})",
+                bool(t.get("rejected")),
             )
         )
     pairs = policy.get("pairs") or {}
