@@ -57,6 +57,7 @@ from eagle3_data.generation.contracts import GenerationRow, HealthTimings, Stage
 from eagle3_data.generation.progress import Progress, ProgressSink, tick_every
 from eagle3_data.generation.retry import PERMANENT_STATUS, WAIT_NOTE_EVERY_S, backoff_s
 from eagle3_data.images import ImageError, data_uri, read_image
+from eagle3_data.json_records import fast_loads
 from eagle3_data.schemas import IDENTITY_MISMATCH
 
 log = logging.getLogger(__name__)
@@ -614,7 +615,7 @@ class LocalRun:
                 endpoint_failed=status >= 500 or status in (401, 403),
             )
         try:
-            ids, finish, engine_provenance, logprobs = self.wire.answer(json.loads(text), prompt_ids, identity, media)
+            ids, finish, engine_provenance, logprobs = self.wire.answer(fast_loads(text), prompt_ids, identity, media)
         except PromptCut as exc:  # every attempt on this server cuts it the same way
             return Outcome(
                 generation_row(p, prompt_ids, source, failed=f"prompt cut by {endpoint}: {exc}"), permanent=True

@@ -405,7 +405,7 @@ async def _read_events(content, answer: StreamAnswer, named: Callable[[str | Non
     fields joined, as the SSE spec frames them); True when it ended with `data: [DONE]`.
 
     Read in whatever pieces the socket gives (`iter_any`), split into lines here, and the events
-    complete in a piece decoded by one `json.loads` of them as an array (`_decode_events`):
+    complete in a piece decoded by one parse of them as an array (`_decode_events`):
     aiohttp's line iterator (an await and a transport resume per line) and a parse per event
     (~60 per answer) made a streamed request cost the client twice the CPU of a plain one
     (benchmarks/RESULTS.md, issue 33)."""
@@ -463,19 +463,17 @@ async def _read_events(content, answer: StreamAnswer, named: Callable[[str | Non
 
 
 def _decode_events(events: list[bytes]) -> list[Any] | None:
-    """The events' JSON values, in order, from one `json.loads` of them as an array; None when
+    """The events' JSON values, in order, from one parse of them as an array (`fast_loads`); None when
     that cannot stand for a parse of each (one of them could hold what `json_records.loads`
     refuses, deep nesting or a lone surrogate's escape; one is not JSON): the caller then takes
     them one by one through `json_records.loads`."""
-    import json
-
     if len(events) < 2 or any(e.count(b"[") + e.count(b"{") > json_records.MAX_DEPTH for e in events):
         return None
     joined = b",".join(events)
     if _SURROGATE_ESCAPE.search(joined):
         return None
     try:
-        values = json.loads(b"[" + joined + b"]")
+        values = json_records.fast_loads(b"[" + joined + b"]")
     except ValueError:
         return None
     return values if len(values) == len(events) else None
