@@ -24,24 +24,27 @@ import json
 import logging
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
+from eagle3_data.config import PolicyConfig, options_from, options_of
 from eagle3_data.errors import EndpointUnavailable, UserError
 from eagle3_data.generation.local import Media, MediaDiffers, error_message, wait_healthy
 from eagle3_data.generation.retry import backoff_s
 from eagle3_data.images import ImageError
-from eagle3_data.policy.nucleus import ENGINE_LOGIT_MARGIN, Nucleus, off_argmax, outside
+from eagle3_data.policy.nucleus import Nucleus, off_argmax, outside
 from eagle3_data.policy.select import Item
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+@options_of(PolicyConfig)
 class ScoreOptions:
-    """`policy` of the config (`from_config`), with timings a test may tighten."""
+    """`policy` of the config (`from_config`; its defaults, `config.options_of`), with timings a
+    test may tighten."""
 
     in_flight_per_endpoint: int = 8
     max_attempts: int = 5
@@ -50,14 +53,13 @@ class ScoreOptions:
     warmup_timeout_s: float = 600.0  # an endpoint that answers but is not ready yet (loading)
     unreachable_timeout_s: float = 15.0  # one that accepts no connection at all
     health_interval_s: float = 2.0
-    top_logprobs: int = 20  # per position, for the nucleus test (`policy.top_logprobs`)
-    nucleus_logit_margin: float = ENGINE_LOGIT_MARGIN  # `policy.nucleus_logit_margin`
-    greedy_max_gap: float = 1.0  # `policy.greedy_max_gap`
+    top_logprobs: int  # per position, for the nucleus test (`policy.top_logprobs`)
+    nucleus_logit_margin: float  # `policy.nucleus_logit_margin`
+    greedy_max_gap: float  # `policy.greedy_max_gap`
 
     @classmethod
-    def from_config(cls, policy: Any, **overrides: Any) -> ScoreOptions:
-        names = {f.name for f in fields(cls)}
-        return cls(**{**{k: v for k, v in policy.model_dump().items() if k in names}, **overrides})
+    def from_config(cls, policy: PolicyConfig, **overrides: Any) -> ScoreOptions:
+        return options_from(cls, policy, **overrides)
 
 
 def score_items(
