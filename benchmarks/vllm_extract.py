@@ -7,6 +7,9 @@ the machine's load drifts:
    norm, checks, packing, bf16 shards written).
 2. vLLM engine only: the engine's own time for the same batches (generate + drain, from the
    worker), i.e. extraction minus our read/pack/write.
+   vLLM extract without log-probs: 1. with `ExtractOptions.logprobs` off, so the LM head over
+   every token (hidden_states/logprobs.py; on this tiny target most of 1.'s time: its head is
+   84% of a token's FLOPs, 3.5% at Kimi-K2.5's size) is apart from what extraction itself costs.
 3. vLLM plain prefill: the same engine settings without the extraction method or connector,
    `max_tokens=1`: what a prefill costs at all (the floor for any extraction on this engine).
 4. transformers: `extract_rows` on the `transformers` backend (the reference).
@@ -63,13 +66,16 @@ def main() -> None:
         [rows[i]["input_ids"] for i in b] for b in plan_batches([len(r["input_ids"]) for r in rows], args.token_budget)
     ]
     opts = ExtractOptions(last_hidden=True, token_budget=args.token_budget, out_shard_tokens=16_384)
+    no_logprobs = ExtractOptions(
+        last_hidden=True, token_budget=args.token_budget, out_shard_tokens=16_384, logprobs=False
+    )
     # warm-up: engines started (counted apart), kernels touched
     vllm.forward([rows[0]["input_ids"]], indices, True)
     plain.request([rows[0]["input_ids"]], layer_ids)
     hf.forward([rows[0]["input_ids"]], indices, True)
     started_s = time.perf_counter() - t0
 
-    runs = {"vllm_extract": [], "vllm_engine": [], "vllm_plain": [], "transformers": []}
+    runs = {"vllm_extract": [], "vllm_engine": [], "vllm_extract_no_logprobs": [], "vllm_plain": [], "transformers": []}
     summaries = {}
     with tempfile.TemporaryDirectory() as tmp:
         for k in range(args.repeats):
@@ -79,6 +85,9 @@ def main() -> None:
             runs["vllm_extract"].append(time.perf_counter() - t)
             runs["vllm_engine"].append(vllm.stats["engine_seconds"] - before)
             file_bytes = (vllm.stats["file_bytes"] - bytes_before) / tokens
+            t = time.perf_counter()
+            extract_rows(vllm, rows, Path(tmp) / f"n{k}", "n", no_logprobs)
+            runs["vllm_extract_no_logprobs"].append(time.perf_counter() - t)
             t = time.perf_counter()
             for b in batches:
                 plain.request(b, layer_ids)
@@ -97,11 +106,16 @@ def main() -> None:
         f"samples={len(rows)} tokens={tokens} batches={len(batches)} layers(vLLM ids)={layer_ids} "
         f"repeats={args.repeats} (best of); engines + model load {started_s:.0f} s"
     )
-    for k in ("vllm_extract", "vllm_engine", "vllm_plain", "transformers"):
-        print(f"{k:14s} {rate[k]:9.0f} tok/s")
-    print(f"RATIO vllm_extract vllm_extract/vllm_plain = {rate['vllm_extract'] / rate['vllm_plain']:.2f}")
+    for k in runs:
+        print(f"{k:24s} {rate[k]:9.0f} tok/s")
+    print(
+        f"RATIO vllm_extract vllm_extract/vllm_plain = {rate['vllm_extract'] / rate['vllm_plain']:.2f}, "
+        f"without log-probs {rate['vllm_extract_no_logprobs'] / rate['vllm_plain']:.2f}"
+    )
     print(
         f"ratios: vllm_extract/vllm_plain = {rate['vllm_extract'] / rate['vllm_plain']:.2f}, "
+        f"vllm_extract_no_logprobs/vllm_plain = {rate['vllm_extract_no_logprobs'] / rate['vllm_plain']:.2f}, "
+        f"log-probs' cost = {rate['vllm_extract_no_logprobs'] / rate['vllm_extract'] - 1:+.0%}, "
         f"vllm_engine/vllm_plain = {rate['vllm_engine'] / rate['vllm_plain']:.2f}, "
         f"vllm_extract/transformers = {rate['vllm_extract'] / rate['transformers']:.2f}"
     )
