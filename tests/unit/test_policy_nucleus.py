@@ -103,14 +103,19 @@ def test_decide_runs_the_nucleus_test_only_with_tokens_on_both_sides_and_splits_
     assert both["rejected"] == ["nucleus"], both["rejected"]
 
 
-def test_gate_fails_a_provider_outside_the_nucleus_and_passes_an_honest_one():
-    rng = np.random.default_rng(3)
-    means = list(rng.normal(-1, 0.3, 60))
-    base = {
+def same_means(seed: int) -> dict:
+    """A policy summary whose sampled sides have the same per-sample means (so only the count
+    tests can fail it) and no calibration pairs."""
+    means = list(np.random.default_rng(seed).normal(-1, 0.3, 60))
+    return {
         "local": {"samples": 60, "sample_means": means, "mean_logprob": -1.0},
         "overflow": {"samples": 60, "sample_means": means[::-1], "mean_logprob": -1.0},
         "pairs": {"samples": 0},
     }
+
+
+def test_gate_fails_a_provider_outside_the_nucleus_and_passes_an_honest_one():
+    base = same_means(3)
     th = Thresholds()
     bad = policy_gate({**base, "nucleus": counts(0, 1200, 60, 1200)}, th)
     assert not bad["passed"], bad
@@ -166,13 +171,7 @@ def test_decide_runs_the_greedy_test_on_calibration_counts_beside_the_others():
 
 
 def test_gate_names_a_provider_that_leaves_the_targets_argmax():
-    rng = np.random.default_rng(13)
-    means = list(rng.normal(-1, 0.3, 60))
-    base = {
-        "local": {"samples": 60, "sample_means": means, "mean_logprob": -1.0},
-        "overflow": {"samples": 60, "sample_means": means[::-1], "mean_logprob": -1.0},
-        "pairs": {"samples": 0},
-    }
+    base = same_means(13)
     bad = policy_gate({**base, "greedy": counts(0, 512, 15, 512)}, Thresholds())
     assert not bad["passed"], bad
     assert [
