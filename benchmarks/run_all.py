@@ -42,6 +42,7 @@ BENCHMARKS: dict[str, tuple[str, list[str], list[str], Path | None]] = {
         None,
     ),
     "json_decode": ("json_decode.py", ["--repeats", "3"], [], None),
+    "nucleus_count": ("nucleus_count.py", ["--tokens", "512", "--repeats", "3"], [], None),
     "extract_throughput": ("extract_throughput.py", ["--samples", "16", "--repeats", "1"], [], None),
     "sglang_client": ("sglang_client.py", ["--requests", "256"], [], None),
     "overflow_client": ("overflow_client.py", ["--requests", "1024"], [], None),

@@ -474,21 +474,22 @@ def _kept_by_vllms_rule(logits: torch.Tensor, temperature: float, top_p: float, 
     return torch.empty_like(side).scatter_(-1, order, side)
 
 
+@pytest.mark.parametrize("temperature", [0.8, 1.0])
 def test_nucleus_counts_the_answer_tokens_outside_the_sampling_and_not_where_it_cannot_tell(
-    backend, reference_model, tmp_path
+    backend, reference_model, tmp_path, temperature
 ):
-    """Random answers scored against the reference model's own logits by vLLM's rule (temperature
-    0.8, top_p 0.9): the extraction counts every token clearly outside the nucleus and none
-    clearly inside (a token within 0.02 of the boundary may go either way: the margins), whatever
-    the shards; greedy rows, rows sampled with a penalty, without a nucleus or without an answer
-    start are not counted."""
+    """Random answers scored against the reference model's own logits by vLLM's rule (top_p 0.9;
+    temperature 0.8, and 1.0, where the extraction reuses the log-softmax's normaliser): the
+    extraction counts every token clearly outside the nucleus and none clearly inside (a token
+    within 0.02 of the boundary may go either way: the margins), whatever the shards; greedy rows,
+    rows sampled with a penalty, without a nucleus or without an answer start are not counted."""
     import json as _json
 
     from eagle3_data.hidden_states.extract import _logprob_totals
     from eagle3_data.policy.nucleus import Nucleus
 
     g = torch.Generator().manual_seed(29)
-    sampling = {"temperature": 0.8, "top_p": 0.9, "top_k": -1, "repetition_penalty": 1.0}
+    sampling = {"temperature": temperature, "top_p": 0.9, "top_k": -1, "repetition_penalty": 1.0}
     rows, clear, near, inside = [], {"vllm": 0, "openrouter": 0}, {"vllm": 0, "openrouter": 0}, 0
     for i, source in enumerate(["vllm", "openrouter", "vllm", "openrouter"]):
         ids = torch.randint(0, 163_584, (26,), generator=g).tolist()
@@ -498,7 +499,7 @@ def test_nucleus_counts_the_answer_tokens_outside_the_sampling_and_not_where_it_
             ids[prompt::2] = likeliest[prompt - 1 : -1 : 2]
             logits = reference_model(torch.tensor([ids])).logits[0].float()
         # logits[pos - 1] predict ids[pos]
-        side = _kept_by_vllms_rule(logits[prompt - 1 : -1], 0.8, 0.9, 0.02).gather(
+        side = _kept_by_vllms_rule(logits[prompt - 1 : -1], temperature, 0.9, 0.02).gather(
             1, torch.tensor(ids[prompt:])[:, None]
         )
         clear[source] += int((side == -1).sum())

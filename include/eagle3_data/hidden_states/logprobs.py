@@ -100,23 +100,30 @@ class LogprobHead:
             logits = h @ self.head.T  # [chunk, V]
             nxt = ids[start + 1 : end + 1].to(self.device)
             own = logits.gather(1, nxt[:, None])
-            out[start + 1 : end + 1] = (own.squeeze(1) - torch.logsumexp(logits, dim=-1)).cpu()
+            lse = torch.logsumexp(logits, dim=-1)
+            out[start + 1 : end + 1] = (own.squeeze(1) - lse).cpu()
             first = max(answer_from - 1, start) - start  # the chunk's first row predicting an answer token
             if outside is not None and first < end - start:
-                outside[start + 1 + first : end + 1] = self._outside(logits[first:], own[first:], nucleus).cpu()
+                far = self._outside(logits[first:], own[first:], nucleus, lse[first:])
+                outside[start + 1 + first : end + 1] = far.cpu()
         return out, outside
 
-    def _outside(self, logits: torch.Tensor, own: torch.Tensor, nucleus: Nucleus) -> torch.Tensor:
+    def _outside(self, logits: torch.Tensor, own: torch.Tensor, nucleus: Nucleus, lse: torch.Tensor) -> torch.Tensor:
         """Per row, whether the token whose logit is `own` [c, 1] lies outside the nucleus of
         softmax(`logits` [c, V] / T): the mass of the tokens clearly above it (by LOGIT_MARGIN)
         is >= top_p + MASS_MARGIN, or top_k or more tokens are clearly above it. With top_k, vLLM
         takes top_p of the top-k renormalised: that mass is at least the full distribution's
-        mass above, so the full one is the conservative side (never counts an honest token)."""
+        mass above, so the full one is the conservative side (never counts an honest token).
+        `lse`: logsumexp(`logits`), the normaliser at temperature 1. The mass is the probabilities
+        summed where they lie above, not a masked logsumexp beside a second one: the count then
+        costs about one log-softmax more instead of two (benchmarks/nucleus_count.py), the same
+        mass to ~1e-6, far inside MASS_MARGIN."""
         above = logits > own + self.logit_margin
-        scaled = logits / nucleus.temperature
-        mass = torch.exp(
-            torch.logsumexp(scaled.masked_fill(~above, float("-inf")), dim=-1) - torch.logsumexp(scaled, dim=-1)
-        )
+        if nucleus.temperature == 1.0:
+            probs = torch.exp(logits - lse[:, None])
+        else:
+            probs = torch.softmax(logits / nucleus.temperature, dim=-1)
+        mass = probs.masked_fill_(~above, 0.0).sum(dim=-1)
         far = mass >= nucleus.top_p + MASS_MARGIN if nucleus.top_p < 1.0 else torch.zeros_like(mass, dtype=torch.bool)
         if nucleus.top_k > 0:
             far |= above.sum(dim=-1) >= nucleus.top_k
