@@ -16,12 +16,15 @@ bf16 accumulation orders). Run through benchmarks/gpu_extract.sh.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import random
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -127,6 +130,80 @@ def rel_errors(a_dir: Path, b_dir: Path, n_layers: int) -> dict[str, list[float]
     return errs
 
 
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def logprob_errors(model_dir: Path, shard_dir: Path, rows: list[dict]) -> dict[str, float]:
+    """The extraction's stored `target_logprobs` against transformers' own forward of the same ids
+    (an independent load, log_softmax of its logits in fp32): max and mean |difference| over the
+    rows' positions 1.., the numeric noise of the extraction's log-probabilities at this dtype."""
+    from transformers import AutoModelForCausalLM
+
+    stored = {s.sample_id: s for p in sorted(shard_dir.glob("*.safetensors")) for s in ShardReader(p)}
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    worst, total, n, sample_worst = 0.0, 0.0, 0, 0.0
+    with torch.inference_mode():
+        for r in rows:
+            ids = torch.tensor([r["input_ids"]], device=device)
+            lp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1).gather(1, ids[0, 1:, None])[:, 0].cpu()
+            diff = (stored[r["sample_id"]].target_logprobs[1:] - lp).abs()
+            worst, total, n = max(worst, float(diff.max())), total + float(diff.sum()), n + diff.numel()
+            trained = torch.tensor(r["loss_mask"][1:], dtype=torch.bool)  # the statistic verify.py gates on
+            sample_worst = max(sample_worst, float(diff[trained].mean()))
+    del model
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return {
+        "samples": len(rows),
+        "tokens": n,
+        "max_abs": worst,
+        "mean_abs": total / max(n, 1),
+        "worst_sample_mean_abs": sample_worst,
+    }
+
+
+@contextmanager
+def fp32_head():
+    """Extraction's log-probability head with its product in fp32 on every device (the previous one)."""
+    from eagle3_data.hidden_states import extract, logprobs
+
+    class Fp32Head(logprobs.LogprobHead):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.head = self.head.float()
+
+    saved, extract.LogprobHead = extract.LogprobHead, Fp32Head
+    try:
+        yield
+    finally:
+        extract.LogprobHead = saved
+
+
+def lm_head_share(model_dir: Path) -> float:
+    """2 H V over (2 x active parameters per token + 2 H V): the head's share of a token's FLOPs."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    from safetensors import safe_open
+
+    total = routed = 0
+    for f in model_dir.glob("*.safetensors"):
+        with safe_open(f, "pt") as st:
+            for k in st.keys():
+                n = st.get_slice(k).get_shape()
+                size = 1
+                for d in n:
+                    size *= d
+                total += size
+                routed += size if ".mlp.experts." in k else 0
+    head = cfg["hidden_size"] * cfg["vocab_size"]
+    active = total - 2 * head - routed + routed * cfg["num_experts_per_tok"] // cfg["n_routed_experts"]
+    return round(2 * head / (2 * active + 2 * head), 4)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cache", type=Path, default=REPO / ".cache" / "gpu-bench")
@@ -138,6 +215,15 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=4096)
     ap.add_argument("--token-budget", type=int, default=32_768)
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument(
+        "--backends",
+        nargs="+",
+        default=["transformers", "vllm"],
+        choices=["transformers", "vllm"],
+        help="transformers alone where no CUDA vLLM can be installed (a lent machine without a registry)",
+    )
+    ap.add_argument("--repeats", type=int, default=2, help="transformers passes of each kind, interleaved")
+    ap.add_argument("--oracle-samples", type=int, default=8, help="samples whose log-probabilities are checked")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: check the script anywhere in a minute")
     args = ap.parse_args()
     if args.smoke:
@@ -163,21 +249,59 @@ def main() -> None:
     opts = ExtractOptions(
         last_hidden=True, storage_dtype="compute", token_budget=args.token_budget, out_shard_tokens=1 << 20
     )
+    no_logprobs = replace(opts, logprobs=False)
+    report: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         t = time.perf_counter()
         hf = TransformersBackend(model_dir, dtype=dtype)
         hf.forward([rows[0]["input_ids"]], [2], False)  # warm-up
         hf_load_s = time.perf_counter() - t
-        t = time.perf_counter()
-        s_hf = extract_rows(hf, rows, out / "hf", "hf", opts)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        hf_s = time.perf_counter() - t
+        timings: dict[str, list[float]] = {"none": [], "shipped": [], "fp32": []}
+        for k in range(args.repeats):  # interleaved, best of: the first pass also warms kernels up
+            for variant, where, options in (
+                ("none", "hf-no-logprobs", no_logprobs),
+                ("shipped", "hf", opts),
+                ("fp32", "hf-fp32-head", opts),
+            ):
+                with fp32_head() if variant == "fp32" else contextlib.nullcontext():
+                    t = time.perf_counter()
+                    summary = extract_rows(hf, rows, out / f"{where}-{k}", where, options)
+                    synchronize()
+                    timings[variant].append(time.perf_counter() - t)
+                if variant == "shipped":
+                    s_hf = summary
+        hf_nolp_s, hf_s, hf_fp32_s = (min(timings[v]) for v in ("none", "shipped", "fp32"))
         del hf
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # the engine takes its share of what is free now
+        oracle = rows[: args.oracle_samples]
+        report["logprobs_vs_transformers_forward"] = logprob_errors(model_dir, out / "hf-0", oracle)
+        report["fp32_head_logprobs_vs_transformers_forward"] = logprob_errors(model_dir, out / "hf-fp32-head-0", oracle)
+        report["transformers_logprobs_cost"] = round(hf_s / hf_nolp_s - 1, 3)
+        report["transformers_fp32_head_logprobs_cost"] = round(hf_fp32_s / hf_nolp_s - 1, 3)
+        report["tokens_per_s_transformers_without_logprobs"] = round(tokens / hf_nolp_s)
+        if "vllm" not in args.backends:
+            report.update(
+                {
+                    "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                    "dtype": str(dtype),
+                    "model": model_dir.name,
+                    "samples": len(rows),
+                    "tokens": tokens,
+                    "build_s": round(build_s, 1),
+                    "transformers_load_s": round(hf_load_s, 1),
+                    "tokens_per_s": {"transformers": round(tokens / hf_s)},
+                    "lm_head_flop_share": lm_head_share(model_dir),
+                }
+            )
+            print(json.dumps(report, indent=1))
+            print(
+                f"RATIO gpu_extract transformers log-probs cost = {report['transformers_logprobs_cost']:+.1%} "
+                f"(fp32 head {report['transformers_fp32_head_logprobs_cost']:+.1%})"
+            )
+            return
         t = time.perf_counter()
         vllm = VllmBackend(
             model_dir,
@@ -194,8 +318,8 @@ def main() -> None:
         vllm_s = time.perf_counter() - t
         engine_s = vllm.stats["engine_seconds"] - warm_engine_s
         vllm.close()
-        errs = rel_errors(out / "vllm", out / "hf", len(s_v["layer_ids"]))
-    report = {
+        errs = rel_errors(out / "vllm", out / "hf-0", len(s_v["layer_ids"]))
+    report |= {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "dtype": str(dtype),
         "model": model_dir.name,
