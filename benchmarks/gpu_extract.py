@@ -235,6 +235,7 @@ def main() -> None:
             64,
             256,
         )
+        args.repeats, args.oracle_samples = 1, 2
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     t0 = time.perf_counter()
     model_dir = build_model(
