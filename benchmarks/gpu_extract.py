@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import gc
 import json
+import math
 import random
 import sys
 import tempfile
@@ -29,8 +30,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "include"))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 import torch  # noqa: E402
+from extract_throughput import lm_head_share, sync  # noqa: E402
 
 from eagle3_data.hidden_states.backends import TransformersBackend  # noqa: E402
 from eagle3_data.hidden_states.extract import ExtractOptions, extract_rows  # noqa: E402
@@ -130,40 +133,46 @@ def rel_errors(a_dir: Path, b_dir: Path, n_layers: int) -> dict[str, list[float]
     return errs
 
 
-def synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def logprob_errors(model_dir: Path, shard_dir: Path, rows: list[dict]) -> dict[str, float]:
-    """The extraction's stored `target_logprobs` against transformers' own forward of the same ids
-    (an independent load, log_softmax of its logits in fp32): max and mean |difference| over the
-    rows' positions 1.., the numeric noise of the extraction's log-probabilities at this dtype."""
+def logprob_errors(model_dir: Path, shard_dirs: dict[str, Path], rows: list[dict]) -> dict[str, dict[str, float]]:
+    """Per name, the stored `target_logprobs` of the extraction in `shard_dirs[name]` against
+    transformers' own forward of the same ids (one independent load and one forward per row for
+    all of them; log_softmax of its logits in fp32): max and mean |difference| over positions 1..,
+    and the worst per-sample mean over trained tokens (the statistic verify.py gates on): the
+    numeric noise of the extraction's log-probabilities at this dtype."""
     from transformers import AutoModelForCausalLM
 
-    stored = {s.sample_id: s for p in sorted(shard_dir.glob("*.safetensors")) for s in ShardReader(p)}
+    stored = {
+        name: {s.sample_id: s for p in sorted(d.glob("*.safetensors")) for s in ShardReader(p)}
+        for name, d in shard_dirs.items()
+    }
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
-    worst, total, n, sample_worst = 0.0, 0.0, 0, 0.0
+    figures = {name: {"worst": 0.0, "total": 0.0, "n": 0, "sample_worst": 0.0} for name in shard_dirs}
     with torch.inference_mode():
         for r in rows:
             ids = torch.tensor([r["input_ids"]], device=device)
             lp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1).gather(1, ids[0, 1:, None])[:, 0].cpu()
-            diff = (stored[r["sample_id"]].target_logprobs[1:] - lp).abs()
-            worst, total, n = max(worst, float(diff.max())), total + float(diff.sum()), n + diff.numel()
-            trained = torch.tensor(r["loss_mask"][1:], dtype=torch.bool)  # the statistic verify.py gates on
-            sample_worst = max(sample_worst, float(diff[trained].mean()))
+            trained = torch.tensor(r["loss_mask"][1:], dtype=torch.bool)
+            for name, f in figures.items():
+                diff = (stored[name][r["sample_id"]].target_logprobs[1:] - lp).abs()
+                f["worst"] = max(f["worst"], float(diff.max()))
+                f["total"] += float(diff.sum())
+                f["n"] += diff.numel()
+                f["sample_worst"] = max(f["sample_worst"], float(diff[trained].mean()))
     del model
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
     return {
-        "samples": len(rows),
-        "tokens": n,
-        "max_abs": worst,
-        "mean_abs": total / max(n, 1),
-        "worst_sample_mean_abs": sample_worst,
+        name: {
+            "samples": len(rows),
+            "tokens": f["n"],
+            "max_abs": f["worst"],
+            "mean_abs": f["total"] / max(f["n"], 1),
+            "worst_sample_mean_abs": f["sample_worst"],
+        }
+        for name, f in figures.items()
     }
 
 
@@ -184,24 +193,21 @@ def fp32_head():
         extract.LogprobHead = saved
 
 
-def lm_head_share(model_dir: Path) -> float:
-    """2 H V over (2 x active parameters per token + 2 H V): the head's share of a token's FLOPs."""
-    cfg = json.loads((model_dir / "config.json").read_text())
+def active_parameters(model_dir: Path) -> int:
+    """Parameters that run per token: all but the embedding and the LM head, the routed experts'
+    counted at num_experts_per_tok of n_routed_experts (for `lm_head_share`)."""
     from safetensors import safe_open
 
+    cfg = json.loads((model_dir / "config.json").read_text())
     total = routed = 0
     for f in model_dir.glob("*.safetensors"):
         with safe_open(f, "pt") as st:
             for k in st.keys():
-                n = st.get_slice(k).get_shape()
-                size = 1
-                for d in n:
-                    size *= d
+                size = math.prod(st.get_slice(k).get_shape())
                 total += size
                 routed += size if ".mlp.experts." in k else 0
     head = cfg["hidden_size"] * cfg["vocab_size"]
-    active = total - 2 * head - routed + routed * cfg["num_experts_per_tok"] // cfg["n_routed_experts"]
-    return round(2 * head / (2 * active + 2 * head), 4)
+    return total - 2 * head - routed + routed * cfg["num_experts_per_tok"] // cfg["n_routed_experts"]
 
 
 def main() -> None:
@@ -236,7 +242,8 @@ def main() -> None:
             256,
         )
         args.repeats, args.oracle_samples = 1, 2
-    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
     t0 = time.perf_counter()
     model_dir = build_model(
         args.cache / f"dsv3-L{args.layers}-H{args.hidden}-E{args.experts}",
@@ -251,7 +258,6 @@ def main() -> None:
         last_hidden=True, storage_dtype="compute", token_budget=args.token_budget, out_shard_tokens=1 << 20
     )
     no_logprobs = replace(opts, logprobs=False)
-    report: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         t = time.perf_counter()
@@ -268,35 +274,38 @@ def main() -> None:
                 with fp32_head() if variant == "fp32" else contextlib.nullcontext():
                     t = time.perf_counter()
                     summary = extract_rows(hf, rows, out / f"{where}-{k}", where, options)
-                    synchronize()
+                    sync(device)
                     timings[variant].append(time.perf_counter() - t)
                 if variant == "shipped":
                     s_hf = summary
         hf_nolp_s, hf_s, hf_fp32_s = (min(timings[v]) for v in ("none", "shipped", "fp32"))
         del hf
         gc.collect()
-        if torch.cuda.is_available():
+        if device == "cuda":
             torch.cuda.empty_cache()  # the engine takes its share of what is free now
-        oracle = rows[: args.oracle_samples]
-        report["logprobs_vs_transformers_forward"] = logprob_errors(model_dir, out / "hf-0", oracle)
-        report["fp32_head_logprobs_vs_transformers_forward"] = logprob_errors(model_dir, out / "hf-fp32-head-0", oracle)
-        report["transformers_logprobs_cost"] = round(hf_s / hf_nolp_s - 1, 3)
-        report["transformers_fp32_head_logprobs_cost"] = round(hf_fp32_s / hf_nolp_s - 1, 3)
-        report["tokens_per_s_transformers_without_logprobs"] = round(tokens / hf_nolp_s)
+        errors = logprob_errors(
+            model_dir, {"shipped": out / "hf-0", "fp32": out / "hf-fp32-head-0"}, rows[: args.oracle_samples]
+        )
+        cfg = json.loads((model_dir / "config.json").read_text())
+        report = {
+            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+            "dtype": str(dtype),
+            "model": model_dir.name,
+            "samples": len(rows),
+            "tokens": tokens,
+            "build_s": round(build_s, 1),
+            "transformers_load_s": round(hf_load_s, 1),
+            "tokens_per_s": {"transformers": round(tokens / hf_s)},
+            "tokens_per_s_transformers_without_logprobs": round(tokens / hf_nolp_s),
+            "transformers_logprobs_cost": round(hf_s / hf_nolp_s - 1, 3),
+            "transformers_fp32_head_logprobs_cost": round(hf_fp32_s / hf_nolp_s - 1, 3),
+            "lm_head_flop_share": round(
+                lm_head_share(cfg["vocab_size"], cfg["hidden_size"], active=active_parameters(model_dir)), 4
+            ),
+            "logprobs_vs_transformers_forward": errors["shipped"],
+            "fp32_head_logprobs_vs_transformers_forward": errors["fp32"],
+        }
         if "vllm" not in args.backends:
-            report.update(
-                {
-                    "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                    "dtype": str(dtype),
-                    "model": model_dir.name,
-                    "samples": len(rows),
-                    "tokens": tokens,
-                    "build_s": round(build_s, 1),
-                    "transformers_load_s": round(hf_load_s, 1),
-                    "tokens_per_s": {"transformers": round(tokens / hf_s)},
-                    "lm_head_flop_share": lm_head_share(model_dir),
-                }
-            )
             print(json.dumps(report, indent=1))
             print(
                 f"RATIO gpu_extract transformers log-probs cost = {report['transformers_logprobs_cost']:+.1%} "
@@ -320,22 +329,11 @@ def main() -> None:
         engine_s = vllm.stats["engine_seconds"] - warm_engine_s
         vllm.close()
         errs = rel_errors(out / "vllm", out / "hf-0", len(s_v["layer_ids"]))
+    report["tokens_per_s"] |= {"vllm": round(tokens / vllm_s), "vllm_engine_only": round(tokens / max(engine_s, 1e-9))}
     report |= {
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "dtype": str(dtype),
-        "model": model_dir.name,
-        "samples": len(rows),
-        "tokens": tokens,
         "layer_ids": s_v["layer_ids"],
         "engine": s_v["engine"],
-        "build_s": round(build_s, 1),
-        "transformers_load_s": round(hf_load_s, 1),
         "vllm_start_s": round(vllm_load_s, 1),
-        "tokens_per_s": {
-            "transformers": round(tokens / hf_s),
-            "vllm": round(tokens / vllm_s),
-            "vllm_engine_only": round(tokens / max(engine_s, 1e-9)),
-        },
         "vllm_over_transformers": round(hf_s / vllm_s, 2),
         "rel_error_max": {k: max(v) for k, v in errs.items()},
         "rel_error_median": {k: sorted(v)[len(v) // 2] for k, v in errs.items()},

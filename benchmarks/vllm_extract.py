@@ -25,6 +25,7 @@ import argparse
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -66,9 +67,7 @@ def main() -> None:
         [rows[i]["input_ids"] for i in b] for b in plan_batches([len(r["input_ids"]) for r in rows], args.token_budget)
     ]
     opts = ExtractOptions(last_hidden=True, token_budget=args.token_budget, out_shard_tokens=16_384)
-    no_logprobs = ExtractOptions(
-        last_hidden=True, token_budget=args.token_budget, out_shard_tokens=16_384, logprobs=False
-    )
+    no_logprobs = replace(opts, logprobs=False)
     # warm-up: engines started (counted apart), kernels touched
     vllm.forward([rows[0]["input_ids"]], indices, True)
     plain.request([rows[0]["input_ids"]], layer_ids)
