@@ -14,6 +14,8 @@ order so machine-load drift hits every variant:
   stage-plain   the same with `stream=False` (`SdkPost.post`)
   stage-previous the same as `stage` with the streamed send as it was before issue 33 (a line
                 iterator, and a new connection per request: `previous_transport`), for the A/B
+  stage-decode-on-send the same as `stage` with each answer decoded before its worker sends
+                again (`decode_on_send`: the order before the answers were handed on undecoded)
   stage-asyncio the same as `stage` on the stdlib event loop
   stage-gc      the same as `stage` with the interpreter's default garbage-collection thresholds
                 (the stage raises them while it runs: `openrouter.fewer_gc_pauses`)
@@ -48,9 +50,19 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 MODEL = "moonshotai/kimi-k2.5"  # the dev server's model: a request for another is a 400, as on OpenRouter
-VARIANTS = ["bare", "bare-stream", "stage", "stage-plain", "stage-previous", "stage-asyncio", "stage-gc"]
+VARIANTS = [
+    "bare",
+    "bare-stream",
+    "stage",
+    "stage-plain",
+    "stage-previous",
+    "stage-decode-on-send",
+    "stage-asyncio",
+    "stage-gc",
+]
 BASELINE = {
     "stage": "bare-stream",
+    "stage-decode-on-send": "bare-stream",
     "stage-previous": "bare-stream",
     "stage-asyncio": "bare-stream",
     "stage-gc": "bare-stream",
@@ -99,6 +111,27 @@ async def bare_client(url: str, rows: list[dict], concurrency: int, stream: bool
         t = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         return time.perf_counter() - t
+
+
+class Decoded:
+    """An answer decoded on the wire, as the client's `Received` stands for one: `answer()` gives it."""
+
+    def __init__(self, data: dict):
+        self.data = data
+
+    def answer(self) -> dict:
+        return self.data
+
+
+def decode_on_send():
+    """`stage-decode-on-send`: the shipped send, its answer decoded before the worker goes on."""
+    from eagle3_data.generation import openrouter_http as h
+
+    class DecodeOnSend(h.SdkPost):
+        async def stream(self, body, headers, on_open=None):
+            return Decoded((await super().stream(body, headers, on_open)).answer())
+
+    return DecodeOnSend
 
 
 def previous_transport():
@@ -165,7 +198,7 @@ def previous_transport():
                 raise openai.APIConnectionError(request=self._request()) from exc
             if not done and not answer.finished:
                 raise h.AttemptLost("stream ended without its last chunk", gid or answer.id)
-            return answer.completion()
+            return Decoded(answer.completion())
 
     return PreviousSdkPost
 
@@ -256,6 +289,8 @@ def main() -> None:
                         saved = openrouter.run_event_loop, openrouter.fewer_gc_pauses, openrouter.SdkPost
                         if v == "stage-previous":
                             openrouter.SdkPost = previous_transport()
+                        if v == "stage-decode-on-send":
+                            openrouter.SdkPost = decode_on_send()
                         if v == "stage-asyncio":
                             openrouter.run_event_loop = asyncio.run
                         if v == "stage-gc":

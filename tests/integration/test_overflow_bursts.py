@@ -11,6 +11,7 @@ import json
 
 from eagle3_data.generation import openrouter
 from eagle3_data.generation.checkpoint import StageRun
+from eagle3_data.generation.openrouter_http import Received
 from eagle3_data.storage import StageRef
 from tests.generation_calls import MODEL, generate_overflow
 from tests.integration.test_generation import SAMPLING, SECRET, prompts
@@ -47,11 +48,11 @@ class WaveServer:
         self.waiting.append((done, sid))
         if len(self.waiting) == C:
             for fut, s in self.waiting:
-                fut.set_result(answer(s))
+                fut.set_result(Received(f"gen-{s}", body=json.dumps(answer(s)).encode()))
             self.waiting = []
         return await done
 
-    stream = post  # the assembled answer of a stream has the same shape
+    stream = post  # a stream's answer is read off the wire the same way
 
     async def check_reachable(self, within_s):
         pass  # in-process: nothing to connect to

@@ -235,3 +235,61 @@ def test_an_error_event_that_was_not_billed_is_not_priced_on_resume(store, start
     ref, s = _run(store, server, kimi_tokenizer, todo, tmp_path, "error-events", cost_lookup_delay_s=0.01)
     assert s["complete"] and s["counts"]["lost_attempts"] == 0, s
     assert s["cost_usd"] == pytest.approx(server.stats()["billed_usd"], rel=1e-6)
+
+
+def test_a_wave_of_answers_sends_the_next_wave_before_decoding_any(
+    store, start_dev_server, kimi_tokenizer, tmp_path, monkeypatch
+):
+    """With a fixed latency all C answers of a wave land together. Each worker sends its next
+    request before any answer of the wave is decoded: decoding on the send path held the wave's
+    last request back by the C decodes before it (0.87 of C/L at C = 256, L = 0.5 s; issue 33).
+    The dev server's real streamed answers are held here and released a wave at a time, so the
+    order is the client's, not the scheduler's."""
+    import asyncio
+
+    import aiohttp
+
+    from eagle3_data.generation import openrouter, openrouter_http
+
+    C, waves = 4, 3
+    server = start_dev_server({"seed": 7, "price_per_token": PRICE})
+    log: list[tuple[str, str]] = []
+    sample_of: dict[int, str] = {}
+    held: list[str] = []
+    gate: list[asyncio.Future] = []
+    decode = openrouter_http.Received.answer
+
+    def logged_answer(received):
+        log.append(("decode", sample_of[id(received)]))
+        return decode(received)
+
+    class Waves(openrouter_http.SdkPost):
+        async def stream(self, body, headers, on_open=None):
+            sid = headers["X-Eagle3-Sample-Id"]
+            received = await super().stream(body, headers, on_open)
+            sample_of[id(received)] = sid
+            if not gate or gate[-1].done():
+                gate.append(asyncio.get_running_loop().create_future())
+            held.append(sid)
+            if len(held) % C == 0:
+                gate[-1].set_result(None)  # the wave lands at once
+            await gate[-1]
+            return received
+
+    write_bytes = aiohttp.ClientRequest.write_bytes
+
+    async def logged_write(request, *args, **kwargs):  # the request's body leaves (aiohttp: a task of its own)
+        if sid := request.headers.get("X-Eagle3-Sample-Id"):
+            log.append(("send", sid))
+        return await write_bytes(request, *args, **kwargs)
+
+    monkeypatch.setattr(openrouter, "SdkPost", Waves)
+    monkeypatch.setattr(openrouter_http.Received, "answer", logged_answer)
+    monkeypatch.setattr(aiohttp.ClientRequest, "write_bytes", logged_write)
+    ref, s = _run(store, server, kimi_tokenizer, prompts(C * waves, "chat"), tmp_path, "waves", concurrency=C)
+    assert s["complete"] and s["counts"]["ok"] == C * waves, s
+    sends = [i for i, (kind, _) in enumerate(log) if kind == "send"]
+    for w in range(waves - 1):
+        wave = set(held[w * C : (w + 1) * C])
+        first_decode = min(i for i, (kind, sid) in enumerate(log) if kind == "decode" and sid in wave)
+        assert max(sends[(w + 1) * C : (w + 2) * C]) < first_decode, (w, log)

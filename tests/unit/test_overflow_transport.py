@@ -39,9 +39,10 @@ async def _with_server(handler, body, stream=False, idle_s=2.0):
     client = SdkPost(f"http://127.0.0.1:{port}/v1", KEY, 4, 2.0, stream_idle_timeout_s=idle_s)
     send = client.stream if stream else client.post
     try:
-        return await send(
+        received = await send(
             json.dumps(body).encode(), {"X-Eagle3-Sample-Id": "s1"}, seen.setdefault("opened", []).append
-        ), seen
+        )
+        return received.answer(), seen  # decoded as the client does, after the request's slot is handed on
     except Exception as exc:  # returned, not raised: the test inspects it after cleanup
         return exc, seen
     finally:

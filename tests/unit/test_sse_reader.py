@@ -1,7 +1,7 @@
-"""The streamed client's SSE reader (openrouter_http._read_events): whatever pieces the socket
-cuts the body into (mid-line, mid-character), it reads the events one line-by-line parse of the
-whole body reads, decodes them in batches, and still names the generation from the events
-before one that is not JSON."""
+"""The streamed client's SSE reader (openrouter_http._read_events, then `Received.answer()` for the
+piece that ends the stream): whatever pieces the socket cuts the body into (mid-line,
+mid-character), it reads the events one line-by-line parse of the whole body reads, decodes them
+in batches, and still names the generation from the events before one that is not JSON."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import random
 import pytest
 
 from eagle3_data.dev.inference_server import _sse
-from eagle3_data.generation.openrouter_http import StreamAnswer, _read_events
+from eagle3_data.generation.openrouter_http import AttemptLost, Received, StreamAnswer, _read_events
 
 ANSWER = {
     "id": "gen-1",
@@ -46,9 +46,12 @@ class Pieces:
 
 
 def read(body: bytes, cuts: list[int]):
+    """What the client has once the body is read, and once `answer()` decoded its last piece."""
     answer, names = StreamAnswer(), []
-    done = asyncio.run(_read_events(Pieces(body, cuts), answer, names.append))
-    return done, answer, names
+    done, last = asyncio.run(_read_events(Pieces(body, cuts), answer, names.append))
+    named_on_the_wire = list(names)  # before the request's slot is handed on
+    Received(None, stream=answer, events=last, done=done).answer()
+    return done, answer, named_on_the_wire
 
 
 def by_line(body: bytes) -> list:
@@ -78,15 +81,28 @@ def test_any_cut_of_the_body_reads_the_same_answer(seed):
     assert names[0] == "gen-1"
 
 
-def test_events_before_one_that_is_not_json_are_added_and_name_the_generation():
+@pytest.mark.parametrize("last_piece", [False, True])
+def test_events_before_one_that_is_not_json_are_added_and_name_the_generation(last_piece):
+    """Mid-stream, a piece is decoded as it arrives (ValueError there); the piece that ends the
+    stream (`[DONE]`) is decoded by `Received.answer()`, and its first event names the generation
+    on the wire all the same."""
     body = b'data: {"id": "gen-2", "choices": [{"delta": {"content": "a"}}]}\n\ndata: {not json\n\n'
     answer, names = StreamAnswer(), []
-    with pytest.raises(ValueError):
-        asyncio.run(_read_events(Pieces(body, []), answer, names.append))
-    assert names == ["gen-2"] and answer.chunks == 1 and answer.content == ["a"]
+    if not last_piece:
+        with pytest.raises(ValueError):
+            asyncio.run(_read_events(Pieces(body, []), answer, names.append))
+        assert names == ["gen-2"] and answer.chunks == 1 and answer.content == ["a"]
+        return
+    done, last = asyncio.run(_read_events(Pieces(body + b"data: [DONE]\n\n", []), answer, names.append))
+    assert done and names == ["gen-2"] and answer.chunks == 0  # named, nothing decoded yet
+    with pytest.raises(AttemptLost, match="malformed stream event") as lost:
+        Received(None, stream=answer, events=last, done=done).answer()
+    assert lost.value.generation_id == "gen-2" and answer.chunks == 1 and answer.content == ["a"]
 
 
-def test_a_lone_surrogate_escape_is_refused_as_before():
+@pytest.mark.parametrize("end", [b"", b"data: [DONE]\n\n"])
+def test_a_lone_surrogate_escape_is_refused_as_before(end):
+    """Refused on the wire mid-stream, by `answer()` in the piece that ends the stream."""
     body = b'data: {"id": "g", "choices": []}\n\ndata: {"choices": [{"delta": {"content": "\\ud800"}}]}\n\n'
-    with pytest.raises(ValueError, match="surrogate"):
-        read(body, [])
+    with pytest.raises(AttemptLost if end else ValueError, match="surrogate"):
+        read(body + end, [])

@@ -47,7 +47,7 @@ from eagle3_data.generation.checkpoint import (
 from eagle3_data.generation.contracts import GenerationRow, StageSummary, StopReason
 from eagle3_data.generation.openrouter_breaker import Breaker
 from eagle3_data.generation.openrouter_budget import Budget
-from eagle3_data.generation.openrouter_http import AttemptLost, SdkPost
+from eagle3_data.generation.openrouter_http import AttemptLost, Received, SdkPost
 from eagle3_data.generation.openrouter_pricing import Prices, listed_prices, price_answer, priced
 from eagle3_data.generation.openrouter_rows import (
     REQUEST_FIELDS,
@@ -283,6 +283,16 @@ class _Answer:
     lost: list[dict]
 
 
+@dataclass(slots=True)
+class _Sent:
+    """One attempt's request off the wire: its answer read (not decoded) or the exception that
+    ended it, and whether the provider named its generation (it may be billed)."""
+
+    attempt_id: str
+    named: bool
+    outcome: Received | Exception
+
+
 class _OverflowRun:
     """Dispatch: `concurrency` workers send, one settler records (`run`)."""
 
@@ -327,11 +337,13 @@ class _OverflowRun:
         self._prompts: Iterator[Prompt] = iter(())  # the pending prompts not yet made ready
         self._ready: deque[_Ready] = deque()  # made ready ahead (the settler does it when idle)
         self._lookahead = 2 * self.concurrency  # how many: a burst's worth, and the next
-        # bounded: a worker waits when the settler is C answers behind, so at most C answers are
-        # received and not yet journaled (what a SIGKILL could lose, besides the C in flight)
-        self._answers: asyncio.Queue[tuple[_Ready, _Answer | _Failed | None, float] | None] = asyncio.Queue(
-            maxsize=self.concurrency
-        )
+        self._answers: asyncio.Queue[tuple[_Ready, _Answer | _Failed | None, float] | None] = asyncio.Queue()
+        # at most C requests on the wire, and C more samples answered and not yet journaled (what a
+        # SIGKILL could lose, besides the C in flight): a worker waits for both
+        self._slots = asyncio.Semaphore(self.concurrency)
+        self._unsettled = asyncio.Semaphore(2 * self.concurrency)
+        self._finishing: set[asyncio.Task] = set()  # samples after their first request: decode, retries
+        self._errors: list[BaseException] = []  # what ended a finishing sample (a journal failure, a bug)
 
     def timing(self) -> dict:
         """For the manifest (and the next run's `balanced` routing): the concurrency and the mean
@@ -354,14 +366,14 @@ class _OverflowRun:
         self._stop(StopReason.REPEATED_ERROR, f"{run} requests in a row failed with: {error}")
 
     async def run(self) -> StopReason | None:
-        """`concurrency` workers send; one settler records. A worker hands its answer to the settler
-        and sends its next request at once. With a fixed latency the answers of all C requests come
-        back in one burst, and if each worker first built, journaled and counted its row, the last
-        worker's next request would leave only after all the others' rows (C x ~1 ms at C=256):
-        the achieved rate was 0.74-0.77 of C/L (benchmarks/RESULTS.md). Here the burst's requests
-        leave together (the settler takes one answer per pass of the event loop), and the rows, the
-        budget, the journal, the S3 checkpoints and the next prompts' ids and bodies (`_prepare`)
-        are done while they are out."""
+        """`concurrency` workers send; each sample's answer is decoded (and retried when it must
+        be) by a task of its own, and one settler records. A worker hands its answer on, read but
+        not decoded, and sends its next request at once. With a fixed latency the answers of all C
+        requests come back in one burst, and if each worker first decoded the answer, or built,
+        journaled and counted its row, the last worker's next request would leave only after all
+        the others' (C x ~1 ms at C=256: 0.74-0.77 of C/L, benchmarks/RESULTS.md). Here the burst's
+        requests leave together, and the decoding, the rows, the budget, the journal, the S3
+        checkpoints and the next prompts' ids and bodies (`_prepare`) are done while they are out."""
         client = SdkPost(
             self.base_url,
             self._key,
@@ -380,7 +392,10 @@ class _OverflowRun:
             await client.close()
             raise
         self._prompts, self._ready = iter(self.stage.pending), deque()
-        self._answers = asyncio.Queue(maxsize=self.concurrency)  # a queue is bound to the loop it first waits on
+        # a queue or semaphore is bound to the loop it first waits on: one of each per pass
+        self._answers = asyncio.Queue()
+        self._slots, self._unsettled = asyncio.Semaphore(self.concurrency), asyncio.Semaphore(2 * self.concurrency)
+        self._finishing, self._errors = set(), []
         ticker = asyncio.create_task(tick_every(self.progress))
         settler = asyncio.create_task(self._settler())
         try:
@@ -388,7 +403,13 @@ class _OverflowRun:
             outcomes = await asyncio.gather(
                 *(self._worker(client) for _ in range(self.concurrency)), return_exceptions=True
             )
+            while self._finishing:  # the samples still decoding or retrying after the last first request
+                await asyncio.wait(set(self._finishing))
         finally:
+            for task in self._finishing:  # cancelled (the run is): their samples stay pending
+                task.cancel()
+            if self._finishing:
+                await asyncio.wait(set(self._finishing))
             if not settler.done():
                 await self._answers.put(None)  # after every answer: the settler journals them all first
             try:
@@ -396,7 +417,7 @@ class _OverflowRun:
             finally:
                 ticker.cancel()
                 await client.close()
-        for outcome in outcomes:
+        for outcome in [*outcomes, *self._errors]:
             if isinstance(outcome, BaseException):
                 raise outcome
         return self.stopped
@@ -502,14 +523,20 @@ class _OverflowRun:
         return self._ready.popleft() if self._ready else None
 
     async def _worker(self, client) -> None:
+        """Send each next prompt's first request, and hand an answer to a task of the sample's own
+        (`_finish`) without decoding it: the next request leaves first. A refusal or a transport
+        failure is judged here, before the next request, as it always was."""
         while self.stopped is None:
-            ready = self._take()
+            await self._unsettled.acquire()
+            ready = self._take() if self.stopped is None else None
             if ready is None:
+                self._unsettled.release()
                 return
             ids = ready.prompt_ids
             ready.estimate = self.budget.estimate(len(ids)) if isinstance(ids, list) else 0.0
             if not self.budget.allows(ready.estimate):
                 self._ready.appendleft(ready)  # not sent: the next worker (or attempt) takes it
+                self._unsettled.release()
                 if self.in_flight == 0 or self.budget.spent + ready.estimate > (self.budget.max_usd or 0.0):
                     self._stop(
                         StopReason.BUDGET,
@@ -523,13 +550,41 @@ class _OverflowRun:
             self.in_flight += 1  # until its row is settled: the budget counts answers not yet priced
             started = time.monotonic()
             try:
-                result = await self._sample(client, ready)
+                sent = await self._send(client, ready) if isinstance(ids, list) else None
             except BaseException:
-                self.in_flight -= 1
-                self.budget.release(ready.estimate)
+                self._unsettle(ready)
                 self._stop(StopReason.ERROR, None)  # the other workers stop sending
                 raise
-            await self._answers.put((ready, result, time.monotonic() - started))
+            finish = self._finish(client, ready, sent, started)
+            if sent is not None and not isinstance(sent.outcome, Received):
+                await finish  # a refusal or a transport failure is judged before the next request: a 402
+                continue  # or a 401 stops dispatch, a 429 pauses it, a retry waits its backoff here
+            task = asyncio.create_task(finish)
+            self._finishing.add(task)
+            task.add_done_callback(self._finishing.discard)
+
+    async def _finish(self, client, ready: _Ready, sent: _Sent | None, started: float) -> None:
+        """The sample's answer decoded, its retries sent when it needs them, the outcome handed to
+        the settler. It first lets the requests its burst sent meanwhile leave (aiohttp writes a
+        request's body in a task of its own, queued behind this one on Python < 3.12)."""
+        await asyncio.sleep(0)
+        try:
+            result = await self._sample(client, ready, sent)
+        except asyncio.CancelledError:
+            self._unsettle(ready)
+            raise
+        except BaseException as exc:
+            self._unsettle(ready)
+            self._errors.append(exc)
+            self._stop(StopReason.ERROR, None)  # the workers stop sending
+            return
+        await self._answers.put((ready, result, time.monotonic() - started))
+
+    def _unsettle(self, ready: _Ready) -> None:
+        """A sample leaves dispatch without reaching the settler: its place and reservation freed."""
+        self.in_flight -= 1
+        self.budget.release(ready.estimate)
+        self._unsettled.release()
 
     async def _settler(self) -> None:
         """Rows from answers, in arrival order: priced, journaled, counted, checkpointed. Yields
@@ -548,8 +603,7 @@ class _OverflowRun:
             if (item := await self._answers.get()) is None:
                 break
             ready, result, latency_s = item
-            self.in_flight -= 1
-            self.budget.release(ready.estimate)
+            self._unsettle(ready)
             if result is None:  # stopped (402/401/403...): the sample stays pending for the next attempt
                 continue
             try:
@@ -599,39 +653,60 @@ class _OverflowRun:
             self.stage.journal(f.row, permanent=f.permanent)
             self.progress.update(failed=1)
 
-    async def _sample(self, client: SdkPost, ready: _Ready) -> _Answer | _Failed | None:
+    async def _send(self, client: SdkPost, ready: _Ready) -> _Sent | None:
+        """One attempt's request, holding one of the `concurrency` request slots while it is on the
+        wire; None when the stage stopped before it left."""
+        import openai
+
+        if self.stopped:
+            return None
+        if (wait := self.paused_until - time.monotonic()) > 0:
+            await asyncio.sleep(wait)
+            if self.stopped:
+                return None
+        p, attempt_id, named = ready.prompt, uuid.uuid4().hex[:16], []
+
+        def opened(generation_id: str | None) -> None:
+            named.append(generation_id)
+            self.stage.journal_attempt(
+                {
+                    "attempt": attempt_id,
+                    "sample_id": p.sample_id,
+                    "state": "open",
+                    "generation_id": generation_id,
+                    "prompt_tokens": len(ready.prompt_ids),
+                }
+            )
+
+        send = client.stream if self.o.stream else client.post
+        async with self._slots:
+            if self.stopped:
+                return None
+            try:
+                outcome: Received | Exception = await send(ready.body, self._headers(p), opened)
+            except (openai.APIStatusError, openai.APITimeoutError, openai.APIConnectionError, AttemptLost) as exc:
+                outcome = exc
+        return _Sent(attempt_id, bool(named), outcome)
+
+    async def _sample(self, client: SdkPost, ready: _Ready, first: _Sent | None) -> _Answer | _Failed | None:
         """The decoded answer with its price, a failure after retries, or None when the stage
-        stops (the sample stays pending: nothing is recorded for it)."""
+        stops (the sample stays pending: nothing is recorded for it). `first`: the first attempt,
+        sent by the worker (None: it was not sent)."""
         import openai
 
         p, prompt_ids = ready.prompt, ready.prompt_ids
         if isinstance(prompt_ids, Exception):
             return _Failed(generation_row(p, None, SOURCE, failed=f"chat template: {prompt_ids}"), True)
-        send = client.stream if self.o.stream else client.post
         verdict = Verdict("retry", "no attempt")
         for attempt in range(1, self.max_attempts + 1):
-            if self.stopped:
+            sent = first if attempt == 1 else await self._send(client, ready)
+            if sent is None:
                 return None
-            if (wait := self.paused_until - time.monotonic()) > 0:
-                await asyncio.sleep(wait)
-                if self.stopped:
-                    return None
-            attempt_id, named = uuid.uuid4().hex[:16], []
-
-            def opened(generation_id: str | None, attempt_id: str = attempt_id, named: list = named) -> None:
-                named.append(generation_id)
-                self.stage.journal_attempt(
-                    {
-                        "attempt": attempt_id,
-                        "sample_id": p.sample_id,
-                        "state": "open",
-                        "generation_id": generation_id,
-                        "prompt_tokens": len(prompt_ids),
-                    }
-                )
-
+            attempt_id, named = sent.attempt_id, sent.named
             try:
-                data = await send(ready.body, self._headers(p), opened)
+                if isinstance(sent.outcome, Exception):
+                    raise sent.outcome
+                data = sent.outcome.answer()
             except openai.APIStatusError as exc:
                 verdict = classify_status(exc.status_code, _json_or_none(exc.response), exc.response.headers)
             except openai.APITimeoutError as exc:

@@ -165,6 +165,43 @@ class StreamAnswer:
         )
 
 
+@dataclass(slots=True)
+class Received:
+    """A 2xx answer read to its end, its last part not decoded yet: `answer()` decodes it.
+
+    The client hands its request slot on before it decodes (openrouter._OverflowRun): when a burst
+    of answers lands at once (every request of a wave sent together, a fixed latency), each
+    answer's decode on the send path held back the next requests of the wave by the decodes
+    before it, ~C x 0.4 ms at C = 256 (benchmarks/RESULTS.md, issue 33). A long stream's earlier
+    events are decoded as they arrive (`_read_events`): only the piece that ends it waits."""
+
+    generation_id: str | None
+    body: bytes | None = None  # a whole JSON answer (a plain request, or a stream answered whole)
+    stream: StreamAnswer | None = None  # the stream's events decoded so far
+    events: list[bytes] = field(default_factory=list)  # its last piece's data events, not decoded
+    done: bool = False  # the stream ended with `data: [DONE]`
+
+    def answer(self) -> dict:
+        """The decoded answer, a stream assembled into the non-streamed shape; AttemptLost (priced
+        by the generation id) when the body or an event is not JSON, or a stream ended without
+        saying how."""
+        if self.stream is None:
+            try:
+                return json_records.loads(self.body)  # a cut surrogate pair in the text is a malformed answer
+            except ValueError as exc:
+                raise AttemptLost(f"malformed answer: {str(exc)[:120]}", self.generation_id) from exc
+        answer = self.stream
+        try:
+            _feed(self.events, answer, lambda _: None)
+        except ValueError as exc:  # an event that is not JSON
+            raise AttemptLost(f"malformed stream event: {str(exc)[:120]}", self.generation_id or answer.id) from exc
+        if not self.done and not answer.finished:
+            raise AttemptLost(
+                f"stream ended after {answer.chunks} chunks without its last one", self.generation_id or answer.id
+            )
+        return answer.completion()
+
+
 class SdkPost:
     """POST /chat/completions as the openai SDK would send it, at a quarter of its CPU.
 
@@ -252,11 +289,11 @@ class SdkPost:
                 note_at = waited + WAIT_NOTE_EVERY_S
             await asyncio.sleep(min(float(tries), 3.0, max(0.0, within_s - waited)))
 
-    async def post(self, body: bytes, headers: dict, on_open: Callable[[str | None], None] | None = None) -> object:
-        """The decoded JSON answer of a non-streamed request; raises the SDK's exception classes, and
-        AttemptLost for a 2xx whose body cannot be read (it may be billed: its generation id, from
-        the `X-Generation-Id` header, prices it). `on_open(generation_id)` is called once the
-        status line and headers arrived."""
+    async def post(self, body: bytes, headers: dict, on_open: Callable[[str | None], None] | None = None) -> Received:
+        """A non-streamed request's answer, read whole (`Received.answer()` decodes it); raises the
+        SDK's exception classes, and AttemptLost for a 2xx whose body cannot be read (it may be
+        billed: its generation id, from the `X-Generation-Id` header, prices it).
+        `on_open(generation_id)` is called once the status line and headers arrived."""
         import aiohttp
         import openai
 
@@ -278,17 +315,14 @@ class SdkPost:
             raise openai.APIConnectionError(request=self._request()) from exc
         if status >= 300:
             self._raise_status(status, raw_headers, content)
-        try:
-            return json_records.loads(content)  # a cut surrogate pair in the text is a malformed answer
-        except ValueError as exc:
-            raise AttemptLost(f"malformed answer: {str(exc)[:120]}", gid) from exc
+        return Received(gid, body=content)
 
-    async def stream(self, body: bytes, headers: dict, on_open: Callable[[str | None], None] | None = None) -> dict:
-        """A streamed request (`body` has `"stream": true`) read to its end and assembled into the
-        non-streamed answer's shape. `on_open(generation_id)` is called as soon as the generation
-        is named (the header, else the first data event's id): from then on a failure is
-        AttemptLost (priced by that id), before it the SDK's transport exceptions (nothing
-        generated). An HTTP error status raises the SDK's status exception, as `post` does."""
+    async def stream(self, body: bytes, headers: dict, on_open: Callable[[str | None], None] | None = None) -> Received:
+        """A streamed request (`body` has `"stream": true`) read to its end (`Received.answer()`
+        assembles it into the non-streamed answer's shape). `on_open(generation_id)` is called as
+        soon as the generation is named (the header, else the first data event's id): from then on
+        a failure is AttemptLost (priced by that id), before it the SDK's transport exceptions
+        (nothing generated). An HTTP error status raises the SDK's status exception, as `post` does."""
         import aiohttp
         import openai
 
@@ -310,12 +344,8 @@ class SdkPost:
                 if r.headers.get(GENERATION_HEADER):
                     named(r.headers[GENERATION_HEADER])
                 if r.content_type == "application/json":  # answered whole (an error body, a server that ignores stream)
-                    content = await r.read()
-                    try:
-                        return json_records.loads(content)
-                    except ValueError as exc:
-                        raise AttemptLost(f"malformed answer: {str(exc)[:120]}", gid) from exc
-                done = await _read_events(r.content, answer, named)
+                    return Received(gid, body=await r.read())
+                done, last = await _read_events(r.content, answer, named)
                 if done:  # the body's end (the chunked terminator) after `[DONE]`: read, so the connection
                     await r.read()  # goes back to the pool instead of being closed (a new one per request)
         except asyncio.TimeoutError as exc:
@@ -328,9 +358,7 @@ class SdkPost:
             raise openai.APIConnectionError(request=self._request()) from exc
         except ValueError as exc:  # an event that is not JSON
             raise AttemptLost(f"malformed stream event: {str(exc)[:120]}", gid if opened else answer.id) from exc
-        if not done and not answer.finished:
-            raise AttemptLost(f"stream ended after {answer.chunks} chunks without its last one", gid or answer.id)
-        return answer.completion()
+        return Received(gid, stream=answer, events=last, done=done)
 
     def _raise_status(self, status: int, raw_headers, content: bytes):
         import httpx2
@@ -400,9 +428,12 @@ class SdkPost:
         await self.sdk.close()
 
 
-async def _read_events(content, answer: StreamAnswer, named: Callable[[str | None], None]) -> bool:
+async def _read_events(content, answer: StreamAnswer, named: Callable[[str | None], None]) -> tuple[bool, list[bytes]]:
     """Feed an SSE body's data events to `answer` (comment lines skipped, multi-line `data:`
-    fields joined, as the SSE spec frames them); True when it ended with `data: [DONE]`.
+    fields joined, as the SSE spec frames them) but those of the piece that ends it, returned not
+    decoded (`Received.answer()` adds them, after the request's slot is handed on); True when it
+    ended with `data: [DONE]`. When nothing was decoded yet (a stream in one piece, no
+    `X-Generation-Id` header), its first event still names the generation here.
 
     Read in whatever pieces the socket gives (`iter_any`), split into lines here, and the events
     complete in a piece decoded by one parse of them as an array (`_decode_events`):
@@ -411,20 +442,6 @@ async def _read_events(content, answer: StreamAnswer, named: Callable[[str | Non
     (benchmarks/RESULTS.md, issue 33)."""
     data: list[bytes] = []  # the data lines of the event being read
     ready: list[bytes] = []  # events complete in this piece, not decoded yet
-
-    def feed() -> bool:
-        """Decode and add the ready events, in order; True at `[DONE]`."""
-        done = False
-        if b"[DONE]" in ready:
-            done = True
-            del ready[ready.index(b"[DONE]") :]  # nothing after it counts
-        chunks = _decode_events(ready)
-        for chunk in chunks if chunks is not None else map(json_records.loads, ready):  # one by one: the
-            if isinstance(chunk, dict):  # events before one that is not JSON are added first, as they came
-                named(chunk.get("id") if isinstance(chunk.get("id"), str) else None)
-            answer.add(chunk)
-        ready.clear()
-        return done
 
     def line(raw: bytes) -> None:
         if raw.endswith(b"\r"):
@@ -439,6 +456,16 @@ async def _read_events(content, answer: StreamAnswer, named: Callable[[str | Non
             data.append(b"")
         # else a comment (": OPENROUTER PROCESSING", a keep-alive) or another field: skipped
 
+    def last(done: bool) -> tuple[bool, list[bytes]]:
+        if answer.chunks == 0 and ready:
+            try:
+                first = json_records.loads(ready[0])
+            except ValueError:
+                first = None  # `Received.answer()` says so
+            if isinstance(first, dict):
+                named(first.get("id") if isinstance(first.get("id"), str) else None)
+        return done, ready
+
     rest = b""
     async for piece in content.iter_any():
         buf = rest + piece
@@ -452,14 +479,28 @@ async def _read_events(content, answer: StreamAnswer, named: Callable[[str | Non
             for raw in block.split(b"\n"):
                 line(raw)
             line(b"")
-        if ready and feed():
-            return True
+        if b"[DONE]" in ready:
+            del ready[ready.index(b"[DONE]") :]  # nothing after it counts
+            return last(True)
+        if ready:
+            _feed(ready, answer, named)
+            ready.clear()
     if rest:
         for raw in rest.split(b"\n"):
             line(raw)
     if data:
         ready.append(b"\n".join(data))
-    return bool(ready) and feed()
+    return last(False)
+
+
+def _feed(events: list[bytes], answer: StreamAnswer, named: Callable[[str | None], None]) -> None:
+    """Decode the events and add them to `answer`, in order; ValueError at one that is not JSON,
+    the events before it added first, as they came (they name the generation)."""
+    chunks = _decode_events(events)
+    for chunk in chunks if chunks is not None else map(json_records.loads, events):
+        if isinstance(chunk, dict):
+            named(chunk.get("id") if isinstance(chunk.get("id"), str) else None)
+        answer.add(chunk)
 
 
 def _decode_events(events: list[bytes]) -> list[Any] | None:
