@@ -58,7 +58,7 @@ def main() -> None:
     )
     with tempfile.TemporaryDirectory(prefix="gpu-probe-") as tmp:
         t0 = time.perf_counter()
-        export = export_rows(model, rows, Path(tmp) / "export", vocab_size=args.draft_vocab)
+        export = export_rows(model, rows, Path(tmp) / "export", vocab_size=args.draft_vocab, device=device)
         t1 = time.perf_counter()
         report = probe_export(export, model, config, device=device)
         t2 = time.perf_counter()

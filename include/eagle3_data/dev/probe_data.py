@@ -101,17 +101,26 @@ def own_generations(
 
 
 def export_rows(
-    model_dir: Path, rows: list[dict], out: Path, *, layer_ids: list[int] | None = None, vocab_size: int = 256
+    model_dir: Path,
+    rows: list[dict],
+    out: Path,
+    *,
+    layer_ids: list[int] | None = None,
+    vocab_size: int = 256,
+    device: str = "cpu",
 ) -> Path:
     """The rows extracted (transformers, the default EAGLE-3 layers unless `layer_ids`), exported
-    for speculators, with their draft vocabulary beside the export."""
+    for speculators, with their draft vocabulary beside the export. On the CPU by default (the
+    calibration benchmarks compare fp32 states on any machine); `benchmarks/gpu_probe.py` extracts
+    on its GPU in bf16, as a production run does (its defaults, ~766k tokens at Kimi's width, would
+    take about an hour on the lent machine's CPU, and fp32 states twice the disk)."""
     from eagle3_data.hidden_states.backends import TransformersBackend
     from eagle3_data.hidden_states.extract import ExtractOptions, extract_rows
     from eagle3_data.hidden_states.speculators_export import export_speculators
 
     shards = out.with_name(out.name + "-shards")
     extract_rows(
-        TransformersBackend(model_dir, device="cpu"),
+        TransformersBackend(model_dir, device=device),
         rows,
         shards,
         "x",
