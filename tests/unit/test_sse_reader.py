@@ -81,6 +81,17 @@ def test_any_cut_of_the_body_reads_the_same_answer(seed):
     assert names[0] == "gen-1"
 
 
+def test_a_stream_whose_done_has_no_blank_line_after_it_is_complete():
+    """The body may end right after `data: [DONE]` (the SSE spec dispatches an event at a blank
+    line, but the stream's end closes it too): read as done, nothing malformed."""
+    body = b"".join(_sse(ANSWER)).rstrip(b"\n")
+    assert body.endswith(b"data: [DONE]")
+    done, answer, names = read(body, [len(body) // 2])
+    assert (
+        done and answer.completion()["choices"][0]["message"]["content"] == ANSWER["choices"][0]["message"]["content"]
+    )
+
+
 @pytest.mark.parametrize("last_piece", [False, True])
 def test_events_before_one_that_is_not_json_are_added_and_name_the_generation(last_piece):
     """Mid-stream, a piece is decoded as it arrives (ValueError there); the piece that ends the

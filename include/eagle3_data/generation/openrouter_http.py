@@ -456,7 +456,11 @@ async def _read_events(content, answer: StreamAnswer, named: Callable[[str | Non
             data.append(b"")
         # else a comment (": OPENROUTER PROCESSING", a keep-alive) or another field: skipped
 
-    def last(done: bool) -> tuple[bool, list[bytes]]:
+    def last() -> tuple[bool, list[bytes]]:
+        """The stream's end: whether `[DONE]` came (nothing after it counts), its events not decoded."""
+        done = b"[DONE]" in ready
+        if done:
+            del ready[ready.index(b"[DONE]") :]
         if answer.chunks == 0 and ready:
             try:
                 first = json_records.loads(ready[0])
@@ -480,8 +484,7 @@ async def _read_events(content, answer: StreamAnswer, named: Callable[[str | Non
                 line(raw)
             line(b"")
         if b"[DONE]" in ready:
-            del ready[ready.index(b"[DONE]") :]  # nothing after it counts
-            return last(True)
+            return last()
         if ready:
             _feed(ready, answer, named)
             ready.clear()
@@ -490,7 +493,7 @@ async def _read_events(content, answer: StreamAnswer, named: Callable[[str | Non
             line(raw)
     if data:
         ready.append(b"\n".join(data))
-    return last(False)
+    return last()
 
 
 def _feed(events: list[bytes], answer: StreamAnswer, named: Callable[[str | None], None]) -> None:
