@@ -567,8 +567,8 @@ class _OverflowRun:
         """The sample's answer decoded, its retries sent when it needs them, the outcome handed to
         the settler. It first lets the requests its burst sent meanwhile leave (aiohttp writes a
         request's body in a task of its own, queued behind this one on Python < 3.12)."""
-        await asyncio.sleep(0)
         try:
+            await asyncio.sleep(0)
             result = await self._sample(client, ready, sent)
         except asyncio.CancelledError:
             self._unsettle(ready)
@@ -581,7 +581,8 @@ class _OverflowRun:
         await self._answers.put((ready, result, time.monotonic() - started))
 
     def _unsettle(self, ready: _Ready) -> None:
-        """A sample leaves dispatch without reaching the settler: its place and reservation freed."""
+        """A sample leaves dispatch (settled, or ended before the settler): its place among the
+        unsettled and its budget reservation are freed."""
         self.in_flight -= 1
         self.budget.release(ready.estimate)
         self._unsettled.release()
