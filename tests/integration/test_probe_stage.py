@@ -56,3 +56,4 @@ def test_probe_stage_after_the_extraction(store, generations, tiny_kimi_k25_dir)
     assert again.reused and again.simulated_acceptance == result.simulated_acceptance
     shown = _probe_figures(run, store, StageRef(RUN, "hidden_states", "all"))
     assert shown["curve"] == report["curve"] and shown["acc"] == report["acc"]
+    assert shown["eval_loss"] == report["eval_loss"] == report["curve"][-1]["eval_loss"] > 0

@@ -1,5 +1,5 @@
-"""The run report shows the probe's verdict: its acc_k, the simulated acceptance and the learning
-curve as a line whose points follow the curve (higher acceptance drawn higher)."""
+"""The run report shows the probe's verdict: its acc_k, the simulated acceptance, the held-out loss
+and the learning curve as a line whose points follow the curve (higher acceptance drawn higher)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from eagle3_data.report.data import RunReport
 from eagle3_data.report.render import render_html
 
 
-def _sums(acc: list[float], total: float = 100.0) -> dict:
+def _sums(acc: list[float], total: float = 100.0, loss: float = 5.0) -> dict:
     return {
+        "loss": loss,
         "full_acc_sum": [a * total for a in acc],
         "full_acc_total": [total] * len(acc),
         "cond_acc_sum": [a * total for a in acc],
@@ -27,7 +28,7 @@ def test_the_report_draws_the_probe_curve():
         "curve": [
             {"step": 0, **_sums([0.1, 0.0, 0.0])},
             {"step": 2, **_sums([0.6, 0.5, 0.4])},
-            {"step": 4, **_sums([0.4, 0.3, 0.2])},
+            {"step": 4, **_sums([0.4, 0.3, 0.2], loss=4.321)},
         ],
     }
     probe = {
@@ -40,6 +41,7 @@ def test_the_report_draws_the_probe_curve():
     }
     html = render_html(RunReport("k", {"training": {"probe": probe}}, []), title="t")
     assert f"{probe['simulated_acceptance']:.2f}" in html and "probe-curve" in html
+    assert probe["eval_loss"] == 4.321 and "held-out loss (speculators' KL to the target) 4.321" in html
     points = re.search(r"class='probe-curve'>\s*<polyline[^>]*points='([^']*)'", html).group(1).split()
     xs, ys = zip(*[tuple(map(float, p.split(","))) for p in points])
     assert len(points) == len(raw["curve"]) and list(xs) == sorted(xs)

@@ -6,8 +6,11 @@ the last state twice changes nothing; `with_trained_norm` gives a copy whose fin
 spread weights every trained model has (Kimi-K2.5's are far from 1), so that fault is a fault.
 
 The faults, each a bug seen in EAGLE-3 data pipelines:
-- `aux_shifted`: the aux states one position late (state t is token t-1's: an extra token before
+- `aux_late`: the aux states one position late (state t is token t-1's: an extra token before
   the extraction's input, or an off-by-one slice);
+- `aux_early`: the aux states one position early (state t is token t+1's: the first token dropped
+  from the extraction's input, or the trainer's shift applied twice), which shows the head a state
+  that has read the token it must draft;
 - `last_normed_twice`: the last state after the final norm, which speculators normalises again;
 - `other_sample`: every sample carries the states of another sample (a shuffled join), taken from
   a sample of its own group (`groups`: the probe's train and held-out rows): states swapped across
@@ -30,7 +33,7 @@ from safetensors.torch import load_file, save_file
 from eagle3_data import draft_vocab
 from eagle3_data.hidden_states.final_norm import rms_norm
 
-FAULTS = ("aux_shifted", "last_normed_twice", "other_sample", "mask_shifted", "wrong_layers")
+FAULTS = ("aux_late", "aux_early", "last_normed_twice", "other_sample", "mask_shifted", "wrong_layers")
 WRONG_LAYERS = [
     4,
     5,
@@ -52,6 +55,85 @@ def with_trained_norm(model_dir: Path, out: Path, seed: int = 0) -> Path:
             g = torch.Generator().manual_seed(seed)
             weights["model.norm.weight"] = torch.exp(0.5 * torch.randn(w.shape, generator=g)).to(w.dtype)
             save_file(weights, str(path), metadata={"format": "pt"})
+    tmp.rename(out)
+    return out
+
+
+def with_previous_token_head(model_dir: Path, out: Path, *, sharpness: float = 35.0) -> Path:
+    """A copy of the target whose first layer's attention reads the previous token, so that its next
+    token depends on context the current token does not carry, as a real model's does.
+
+    The random target's next token is ~80% fixed by the current token alone: a drafter then reads
+    the token embedding and ignores the aux states, so no aux-state fault can show in the probe
+    (benchmarks/RESULTS.md). Here layer 0's MLA attends to position t-1 with ~95% of its weight
+    (every head): its query and the rope part of its key are constant vectors (the query through
+    `q_a_layernorm` of one constant input dimension, the key from one embedding dimension set
+    constant for every token), the query rotated one position back, so q_t . k_j peaks at j = t-1
+    under the model's own rotary embedding (`sharpness`: the logit of that peak over the neighbours'
+    about sharpness x 0.22); the key's content part is zeroed and the values are the random ones.
+    The state at t then carries token t-1, so the target's next token depends on the one before it
+    (fixed by the current token at ~54% of its answers' positions, ~80% on the random target; ~960
+    distinct tokens in 64 answers at temperature 0.5 instead of ~300), and the head must read the
+    aux states to follow it: on this target a head trained on another sample's states scores below
+    the correct data, on the random target it does not (benchmarks/RESULTS.md, "The probe")."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb_interleave
+
+    if (out / "config.json").exists():
+        return out
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    config, attn = model.config, model.model.layers[0].self_attn
+    rope, nope, v_dim, heads = (
+        config.qk_rope_head_dim,
+        config.qk_nope_head_dim,
+        config.v_head_dim,
+        config.num_attention_heads,
+    )
+
+    def rotation(position: int) -> torch.Tensor:
+        """The model's rotary map of one rope vector at `position`, as a matrix (column j: basis j)."""
+        eye = torch.eye(rope).view(1, 1, rope, rope)
+        cos, sin = model.model.rotary_emb(eye.view(1, rope, rope), torch.full((1, rope), position))
+        return apply_rotary_pos_emb_interleave(eye, eye, cos, sin)[0][0, 0].T
+
+    key = torch.zeros(rope)
+    key[0:8:2] = 0.5  # the four fastest frequencies: a peak at one offset, below it everywhere else in 64
+    query = torch.linalg.solve(rotation(0), rotation(-1) @ key)  # <R(t) query, R(j) key> peaks at j = t-1
+    scale = float(np.sqrt(sharpness / attn.scaling))
+    with torch.no_grad():
+        embed = model.model.embed_tokens.weight
+        embed[:, 0] = 2 * embed[:, 1:].pow(2).mean().sqrt()  # one constant input dimension
+        normed = float(model.model.layers[0].input_layernorm(embed[:4096])[:, 0].mean())
+        attn.q_a_proj.weight.zero_()
+        attn.q_a_proj.weight[0, 0] = 1.0
+        attn.q_a_layernorm.weight.fill_(1.0)  # q_a_layernorm(q_a) = sqrt(q_lora_rank) e_0 for every token
+        attn.q_b_proj.weight.zero_()
+        kv_rank = config.kv_lora_rank
+        for h in range(heads):
+            attn.q_b_proj.weight[h * (nope + rope) + nope : (h + 1) * (nope + rope), 0] = (
+                query * scale / np.sqrt(config.q_lora_rank)
+            )
+            attn.kv_b_proj.weight[h * (nope + v_dim) : h * (nope + v_dim) + nope] = 0.0  # no content score
+        attn.kv_a_proj_with_mqa.weight[kv_rank:] = 0.0
+        attn.kv_a_proj_with_mqa.weight[kv_rank:, 0] = key * scale / normed
+        attn.kv_a_proj_with_mqa.weight[:kv_rank, 0] = 0.0  # the values read the token, not the constant
+        model.lm_head.weight[:, 0] = 0.0  # the constant dimension biases no token
+    changed = {
+        name: tensor
+        for name, tensor in model.state_dict().items()
+        if name.startswith(("model.embed_tokens.", "model.layers.0.self_attn.", "lm_head."))
+    }  # the checkpoint's names (its MoE experts are stored unfused, the others as the model names them)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(model_dir, tmp)
+    written = set()
+    for path in tmp.glob("*.safetensors"):
+        weights = load_file(str(path))
+        written |= changed.keys() & weights.keys()
+        weights.update({name: changed[name].to(w.dtype).contiguous() for name, w in weights.items() if name in changed})
+        save_file(weights, str(path), metadata={"format": "pt"})
+    if written != changed.keys():
+        raise ValueError(f"{model_dir}: the checkpoint lacks {sorted(changed.keys() - written)}")
     tmp.rename(out)
     return out
 
@@ -189,8 +271,10 @@ def inject(
     for i, path in enumerate(files):
         t = dict(states[i])
         hs = t["hidden_states"].clone()
-        if fault == "aux_shifted":
+        if fault == "aux_late":
             hs[1:, :3] = states[i]["hidden_states"][:-1, :3]
+        elif fault == "aux_early":
+            hs[:-1, :3] = states[i]["hidden_states"][1:, :3]
         elif fault == "last_normed_twice":
             hs[:, 3] = rms_norm(hs[:, 3], norm, config["rms_norm_eps"])
         elif fault == "other_sample":
@@ -213,18 +297,29 @@ def calibration(
     seed: int = 0,
     prompt_pool: int | None = None,
     groups: list[list[int]] | None = None,
+    context: bool = False,
+    vocab_size: int = 256,
+    faults: tuple[str, ...] = FAULTS,
 ) -> tuple[Path, Path, dict[str, Path]]:
     """(the target with a trained-like norm, its correct export, {fault: faulty export}) under `work`:
     `samples` of its own generations, extracted and exported, then each fault injected (`groups`:
-    the probe's train and held-out rows, which `other_sample` never mixes)."""
+    the probe's train and held-out rows, which `other_sample` never mixes; `context`: the target
+    with a previous-token head, `with_previous_token_head`; `vocab_size`: the draft vocabulary's;
+    `faults`: the ones to inject, all by default)."""
     target = with_trained_norm(model_dir, work / "target")
+    if context:
+        target = with_previous_token_head(target, work / "target-context")
     rows = own_generations(target, samples, seed=seed, prompt_pool=prompt_pool)
-    correct = export_rows(target, rows, work / "correct")
-    wrong = export_rows(target, rows, work / "wrong-layers", layer_ids=WRONG_LAYERS)
+    correct = export_rows(target, rows, work / "correct", vocab_size=vocab_size)
+    wrong = (
+        export_rows(target, rows, work / "wrong-layers", layer_ids=WRONG_LAYERS, vocab_size=vocab_size)
+        if "wrong_layers" in faults
+        else None
+    )
     return (
         target,
         correct,
-        {f: inject(f, correct, work / f, model_dir=target, wrong_layers=wrong, groups=groups) for f in FAULTS},
+        {f: inject(f, correct, work / f, model_dir=target, wrong_layers=wrong, groups=groups) for f in faults},
     )
 
 

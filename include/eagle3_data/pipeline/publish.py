@@ -58,6 +58,7 @@ def _probe_figures(run: Run, store, hs_ref) -> dict | None:
     report = store.get_json(ref, PROBE_REPORT)
     keys = (
         "simulated_acceptance",
+        "eval_loss",
         "acc",
         "full_acc",
         "coverage",

@@ -134,11 +134,16 @@ def simulated_acceptance(acc: list[float]) -> float:
 
 def figures(raw: dict) -> dict:
     """One arm's verdict from the metrics' sums: acc_k, full_acc_k, the simulated acceptance length
-    at the last evaluation, and the learning curve (loss per step, acceptance per evaluation)."""
+    and the held-out loss at the last evaluation, and the learning curve (loss per step, acceptance
+    and held-out loss per evaluation). The held-out loss (speculators' own KL to the target's
+    distribution, on rows the head never trained on) is the finer figure: acc_k count only argmax
+    hits, and on the CPU-sized probe a broken export moves the loss well beyond its seed spread
+    where the argmax hits stay within it (benchmarks/RESULTS.md, "The probe")."""
     curve = [
         {
             "step": c["step"],
             "simulated_acceptance": simulated_acceptance(_ratios(c["cond_acc_sum"], c["cond_acc_total"])),
+            "eval_loss": c["loss"],
         }
         for c in raw["curve"]
     ]
@@ -151,6 +156,7 @@ def figures(raw: dict) -> dict:
         "simulated_acceptance": simulated_acceptance(acc),
         "eval_tokens": int(last["full_acc_total"][0]),
         "losses": raw["losses"],
+        "eval_loss": last["loss"],
         "curve": curve,
         "seconds": raw["seconds"],
     }

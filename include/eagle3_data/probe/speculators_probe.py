@@ -89,17 +89,22 @@ def autocast(device: str):
 
 @torch.no_grad()
 def evaluate(model, batches, arm: dict, loss_config, device: str) -> dict:
-    """The metrics' sums over the eval rows: speculators' full and conditional accuracy per step."""
+    """The metrics' sums over the eval rows (speculators' full and conditional accuracy per step)
+    and the held-out loss: the mean of speculators' loss over the eval batches (the same batches for
+    every arm scored on the same rows)."""
     model.eval()
     sums: dict[str, float] = {}
+    losses = []
     for batch in batches:
         with autocast(device):
-            _, _, metrics = model(**tensors(batch, device), ttt_steps=arm["draft_length"], loss_config=loss_config)
+            _, loss, metrics = model(**tensors(batch, device), ttt_steps=arm["draft_length"], loss_config=loss_config)
+        losses.append(float(loss))
         for key, value in metrics.items():
             sums[key] = sums.get(key, 0.0) + float(value)
     model.train()
     k = arm["draft_length"]
     return {
+        "loss": float(np.mean(losses)),
         "full_acc_sum": [sums[f"full_acc_{i}_sum"] for i in range(k)],
         "full_acc_total": [sums[f"full_acc_{i}_total"] for i in range(k)],
         "cond_acc_sum": [sums[f"cond_acc_{i}_sum"] for i in range(k)],
