@@ -6,8 +6,9 @@ of the correct export (the target's own states, as serving sees them).
     .venv/bin/python benchmarks/probe_faults.py                 # the RESULTS.md figures
     .venv/bin/python benchmarks/probe_faults.py --smoke         # make test's size
 
-Prints one row per arm (held-out loss, simulated acceptance, acc_k / full_acc_k), each figure's
-margins per fault, and `RATIO probe_faults <faults told apart by the held-out loss>/<faults>`.
+Prints one row per arm (held-out loss, the first drafts' loss and accuracy, simulated acceptance,
+acc_k / full_acc_k), each figure's margins per fault, and `RATIO probe_faults <faults told apart by
+a held-out loss>/<faults>`.
 """
 
 from __future__ import annotations
@@ -135,24 +136,38 @@ def main() -> None:
         results = train_and_score(
             target, arms(correct, faulty, args.samples, args.seeds, config), config, threads=args.threads
         )
-    print(f"{'arm':<28} {'held-out loss':>13} {'sim. acceptance':>15}  acc_k / full_acc_k")
+    print(
+        f"{'arm':<28} {'held-out loss':>13} {'first draft: loss, acc':>22} {'sim. acceptance':>15}  acc_k / full_acc_k"
+    )
     for r in results:
+        r["first_draft_loss"] = r["first_draft"]["eval_loss"]
         acc, full = " ".join(f"{a:.3f}" for a in r["acc"]), " ".join(f"{a:.3f}" for a in r["full_acc"])
-        print(f"{r['name']:<28} {r['eval_loss']:>13.3f} {r['simulated_acceptance']:>15.3f}  {acc} / {full}")
-    told = 0
-    for figure, higher_is_better in (("eval_loss", False), ("simulated_acceptance", True)):
+        first = f"{r['first_draft_loss']:.3f}, {r['first_draft']['acc']:.3f}"
+        print(f"{r['name']:<28} {r['eval_loss']:>13.3f} {first:>22} {r['simulated_acceptance']:>15.3f}  {acc} / {full}")
+    told: set[str] = set()
+    paired_worse: set[str] = set()
+    figures = (("eval_loss", False), ("first_draft_loss", False), ("simulated_acceptance", True))
+    for figure, higher_is_better in figures:
         by_arm, spread, margins = verdict(results, figure, higher_is_better)
         good = by_arm["correct"]
         print(f"{figure}: correct min {min(good):.3f} max {max(good):.3f} spread {spread:.3f}")
         for name, margin in margins.items():
             apart = margin > spread
-            told += apart and figure == "eval_loss"
-            paired = " ".join(f"{f - c:+.3f}" for f, c in zip(by_arm[name], good))  # same seed: same init and order
+            paired = [f - c for f, c in zip(by_arm[name], good)]  # same seed: same init and sample order
+            worse = all(d > 0 for d in paired) if not higher_is_better else all(d < 0 for d in paired)
+            if figure.endswith("loss"):
+                told |= {name} if apart else set()
+                paired_worse |= {name} if worse else set()
             print(
                 f"  {name}: margin {margin:+.3f} ({'told apart' if apart else 'NOT told apart'}); "
-                f"minus correct, per seed: {paired}"
+                f"minus correct, per seed: {' '.join(f'{d:+.3f}' for d in paired)}"
+                f"{' (worse at every seed)' if worse else ''}"
             )
-    print(f"RATIO probe_faults {told}/{len(margins)} faults told apart by the held-out loss (margin > the seed spread)")
+    print(
+        f"RATIO probe_faults {len(told)}/{len(margins)} faults beyond the seed spread by a held-out loss (all drafts "
+        f"or the first draft): {', '.join(sorted(told)) or 'none'}; {len(paired_worse)}/{len(margins)} worse at "
+        f"every seed, paired: {', '.join(sorted(paired_worse)) or 'none'}"
+    )
 
 
 if __name__ == "__main__":

@@ -537,9 +537,9 @@ class ProbeConfig(_Model):
     """The drafter's verdict after extraction (eagle3_data.probe): a small EAGLE-3 head trained with
     speculators on a fixed split of the run's export, scored on the held-out rows. At Kimi-K2.5's
     size its defaults take a few minutes of one GPU (docs/hidden_states.md, "The drafter's
-    verdict"). Off by default: on the tiny target at CPU size its held-out loss tells two of six
-    injected faults from correct data beyond its seed spread, two more only seed by seed, and two
-    not at all (benchmarks/RESULTS.md, "The probe"), so its figures are not a verdict yet."""
+    verdict"). Off by default: on the tiny target at CPU size its held-out losses tell four of six
+    injected faults from correct data beyond the spread between seeds, a fifth only seed by seed,
+    and one not at all (benchmarks/RESULTS.md, "The probe"), so its figures are not a verdict yet."""
 
     enabled: bool = Field(
         False,

@@ -13,6 +13,9 @@ from eagle3_data.report.render import render_html
 def _sums(acc: list[float], total: float = 100.0, loss: float = 5.0) -> dict:
     return {
         "loss": loss,
+        "first_loss": 2.5,
+        "first_hits": 2.0,
+        "first_total": 8.0,
         "full_acc_sum": [a * total for a in acc],
         "full_acc_total": [total] * len(acc),
         "cond_acc_sum": [a * total for a in acc],
@@ -42,6 +45,8 @@ def test_the_report_draws_the_probe_curve():
     html = render_html(RunReport("k", {"training": {"probe": probe}}, []), title="t")
     assert f"{probe['simulated_acceptance']:.2f}" in html and "probe-curve" in html
     assert probe["eval_loss"] == 4.321 and "held-out loss (speculators' KL to the target) 4.321" in html
+    assert probe["first_draft"] == {"acc": 0.25, "eval_loss": 2.5, "positions": 8}
+    assert "first draft (right after the prompt, 8 drafts): right 25" in html and "loss 2.500" in html
     points = re.search(r"class='probe-curve'>\s*<polyline[^>]*points='([^']*)'", html).group(1).split()
     xs, ys = zip(*[tuple(map(float, p.split(","))) for p in points])
     assert len(points) == len(raw["curve"]) and list(xs) == sorted(xs)

@@ -147,11 +147,14 @@ def own_generations(
     temperature: float = 0.5,
     seed: int = 0,
     prompt_pool: int | None = None,
+    header: list[int] | None = None,
 ) -> list[dict]:
     """Rows of the target's own sampled answers to random prompts: prompt ids masked out, answer
     ids trained, as the merge writes them. At temperature 0.5 the tiny target's answers use ~270
     distinct tokens per 1,500 (754 at 1.0), so a 256-token draft vocabulary covers ~99% of them,
-    as a 32k one covers a real target's: a drafter is then judged on what it can predict."""
+    as a 32k one covers a real target's: a drafter is then judged on what it can predict. `header`:
+    ids that end every prompt (`assistant_header`: a chat template's turn to the assistant, so the
+    first draft after each prompt has a context of its own, as in real chat data)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
@@ -159,7 +162,9 @@ def own_generations(
     g = torch.Generator().manual_seed(seed)
     if prompt_pool:
         sampled = sampled[torch.randperm(sampled.numel(), generator=g)[:prompt_pool]]
-    prompts = sampled[torch.randint(0, sampled.numel(), (samples, prompt_tokens), generator=g)]
+    header = torch.tensor(header or [], dtype=torch.long)
+    prompts = sampled[torch.randint(0, sampled.numel(), (samples, prompt_tokens - len(header)), generator=g)]
+    prompts = torch.cat([prompts, header.expand(samples, -1)], dim=1)
     torch.manual_seed(seed)
     with torch.no_grad():
         out = model.generate(
@@ -180,6 +185,19 @@ def own_generations(
         }
         for i in range(samples)
     ]
+
+
+def assistant_header(model_dir: Path) -> list[int]:
+    """The ids the target's chat template puts between a user's message and the assistant's answer
+    (Kimi-K2.5: `<|im_end|><|im_assistant|>assistant<|im_middle|><think>`)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    marker = "\u2063"  # a character no template writes: where the user's message ends
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": marker}], add_generation_prompt=True, tokenize=False
+    )
+    return tokenizer.encode(text[text.rindex(marker) + 1 :], add_special_tokens=False)
 
 
 def export_rows(
@@ -303,13 +321,14 @@ def calibration(
 ) -> tuple[Path, Path, dict[str, Path]]:
     """(the target with a trained-like norm, its correct export, {fault: faulty export}) under `work`:
     `samples` of its own generations, extracted and exported, then each fault injected (`groups`:
-    the probe's train and held-out rows, which `other_sample` never mixes; `context`: the target
+    the probe's train and held-out rows, which `other_sample` never mixes; every prompt ends with the
+    target's `assistant_header`, as a chat turn does; `context`: the target
     with a previous-token head, `with_previous_token_head`; `vocab_size`: the draft vocabulary's;
     `faults`: the ones to inject, all by default)."""
     target = with_trained_norm(model_dir, work / "target")
     if context:
         target = with_previous_token_head(target, work / "target-context")
-    rows = own_generations(target, samples, seed=seed, prompt_pool=prompt_pool)
+    rows = own_generations(target, samples, seed=seed, prompt_pool=prompt_pool, header=assistant_header(target))
     correct = export_rows(target, rows, work / "correct", vocab_size=vocab_size)
     wrong = (
         export_rows(target, rows, work / "wrong-layers", layer_ids=WRONG_LAYERS, vocab_size=vocab_size)

@@ -59,6 +59,7 @@ def _probe_figures(run: Run, store, hs_ref) -> dict | None:
     keys = (
         "simulated_acceptance",
         "eval_loss",
+        "first_draft",
         "acc",
         "full_acc",
         "coverage",

@@ -138,7 +138,9 @@ def figures(raw: dict) -> dict:
     and held-out loss per evaluation). The held-out loss (speculators' own KL to the target's
     distribution, on rows the head never trained on) is the finer figure: acc_k count only argmax
     hits, and on the CPU-sized probe a broken export moves the loss well beyond its seed spread
-    where the argmax hits stay within it (benchmarks/RESULTS.md, "The probe")."""
+    where the argmax hits stay within it (benchmarks/RESULTS.md, "The probe"). `first_draft`: the
+    same for each held-out answer's first draft alone (the draft right after prefill, on every
+    request; the position a loss mask one position late never trains)."""
     curve = [
         {
             "step": c["step"],
@@ -157,6 +159,11 @@ def figures(raw: dict) -> dict:
         "eval_tokens": int(last["full_acc_total"][0]),
         "losses": raw["losses"],
         "eval_loss": last["loss"],
+        "first_draft": {
+            "acc": last["first_hits"] / last["first_total"] if last["first_total"] else 0.0,
+            "eval_loss": last["first_loss"],
+            "positions": int(last["first_total"]),
+        },
         "curve": curve,
         "seconds": raw["seconds"],
     }

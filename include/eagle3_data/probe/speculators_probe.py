@@ -87,18 +87,36 @@ def autocast(device: str):
     return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda")
 
 
+def first_drafts(loss_mask: torch.Tensor) -> torch.Tensor:
+    """The positions of each answer's first draft: where the (shifted) loss mask turns on. After
+    speculators' `shift_batch` position t pairs token t+1 with state t, so the first is the last
+    prompt position: the draft right after prefill, the one a loss mask one position late never
+    trains (SpecForge#885)."""
+    mask = loss_mask.bool()
+    before = torch.cat([torch.zeros_like(mask[:, :1]), mask[:, :-1]], dim=1)
+    return mask & ~before
+
+
 @torch.no_grad()
 def evaluate(model, batches, arm: dict, loss_config, device: str) -> dict:
-    """The metrics' sums over the eval rows (speculators' full and conditional accuracy per step)
-    and the held-out loss: the mean of speculators' loss over the eval batches (the same batches for
-    every arm scored on the same rows)."""
+    """The metrics' sums over the eval rows (speculators' full and conditional accuracy per step),
+    the held-out loss (the mean of speculators' loss over the eval batches: the same batches for
+    every arm scored on the same rows), and the same for each answer's first draft alone (one draft
+    step from the positions of `first_drafts`)."""
     model.eval()
     sums: dict[str, float] = {}
-    losses = []
+    losses, first_losses, first_hits, first_total = [], [], 0.0, 0.0
     for batch in batches:
+        inputs = tensors(batch, device)
         with autocast(device):
-            _, loss, metrics = model(**tensors(batch, device), ttt_steps=arm["draft_length"], loss_config=loss_config)
+            _, loss, metrics = model(**inputs, ttt_steps=arm["draft_length"], loss_config=loss_config)
+            inputs["loss_mask"] = first_drafts(inputs["loss_mask"])
+            _, first_loss, first = model(**inputs, ttt_steps=1, loss_config=loss_config)
         losses.append(float(loss))
+        if inputs["loss_mask"].any():  # a batch of rows without answers has no first draft
+            first_losses.append(float(first_loss))
+            first_hits += float(first["full_acc_0_sum"])
+            first_total += float(first["full_acc_0_total"])
         for key, value in metrics.items():
             sums[key] = sums.get(key, 0.0) + float(value)
     model.train()
@@ -109,6 +127,9 @@ def evaluate(model, batches, arm: dict, loss_config, device: str) -> dict:
         "full_acc_total": [sums[f"full_acc_{i}_total"] for i in range(k)],
         "cond_acc_sum": [sums[f"cond_acc_{i}_sum"] for i in range(k)],
         "cond_acc_total": [sums[f"cond_acc_{i}_total"] for i in range(k)],
+        "first_loss": float(np.mean(first_losses)) if first_losses else 0.0,
+        "first_hits": first_hits,
+        "first_total": first_total,
     }
 
 
