@@ -9,8 +9,8 @@ The faults, each a bug seen in EAGLE-3 data pipelines:
 - `aux_late`: the aux states one position late (state t is token t-1's: an extra token before
   the extraction's input, or an off-by-one slice);
 - `aux_early`: the aux states one position early (state t is token t+1's: the first token dropped
-  from the extraction's input, or the trainer's shift applied twice), which shows the head a state
-  that has read the token it must draft;
+  from the extraction's input, or the trainer's shift applied twice): the head trains on a state
+  that already holds the target's reading of the token it is given, and is scored on one that does not;
 - `last_normed_twice`: the last state after the final norm, which speculators normalises again;
 - `other_sample`: every sample carries the states of another sample (a shuffled join), taken from
   a sample of its own group (`groups`: the probe's train and held-out rows): states swapped across
@@ -73,9 +73,10 @@ def with_previous_token_head(model_dir: Path, out: Path, *, sharpness: float = 3
     about sharpness x 0.22); the key's content part is zeroed and the values are the random ones.
     The state at t then carries token t-1, so the target's next token depends on the one before it
     (fixed by the current token at ~54% of its answers' positions, ~80% on the random target; ~960
-    distinct tokens in 64 answers at temperature 0.5 instead of ~300), and the head must read the
-    aux states to follow it: on this target a head trained on another sample's states scores below
-    the correct data, on the random target it does not (benchmarks/RESULTS.md, "The probe")."""
+    distinct tokens in 64 answers at temperature 0.5 instead of ~300), and a head has a reason to read
+    the aux states: a head trained on another sample's states scored worse than the correct data at
+    every seed on this target and not on the random one (benchmarks/RESULTS.md, "The probe", third
+    measurement, before the prompts ended in the chat header)."""
     from transformers import AutoModelForCausalLM
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb_interleave
 
