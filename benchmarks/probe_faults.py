@@ -105,6 +105,9 @@ def main() -> None:
     p.add_argument(
         "--lr", type=float, default=1e-3, help="AdamW learning rate (3e-3 diverged at 200 steps on one seed in three)"
     )
+    p.add_argument(
+        "--device", default="cpu", help="where the states are extracted and the heads trained (cuda: a lent GPU)"
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: the least contention on a shared machine)")
     p.add_argument(
         "--smoke", action="store_true", help="make test's size: 16 samples, 4 steps, 2 seeds (checks the script)"
@@ -132,9 +135,14 @@ def main() -> None:
             groups=groups,
             context=args.target == "context",
             vocab_size=args.draft_vocab,
+            device=args.device,
         )
         results = train_and_score(
-            target, arms(correct, faulty, args.samples, args.seeds, config), config, threads=args.threads
+            target,
+            arms(correct, faulty, args.samples, args.seeds, config),
+            config,
+            device=args.device,
+            threads=args.threads,
         )
     print(
         f"{'arm':<28} {'held-out loss':>13} {'first draft: loss, acc':>22} {'sim. acceptance':>15}  acc_k / full_acc_k"

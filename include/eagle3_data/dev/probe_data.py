@@ -319,20 +319,21 @@ def calibration(
     context: bool = False,
     vocab_size: int = 256,
     faults: tuple[str, ...] = FAULTS,
+    device: str = "cpu",
 ) -> tuple[Path, Path, dict[str, Path]]:
     """(the target with a trained-like norm, its correct export, {fault: faulty export}) under `work`:
     `samples` of its own generations, extracted and exported, then each fault injected (`groups`:
     the probe's train and held-out rows, which `other_sample` never mixes; every prompt ends with the
     target's `assistant_header`, as a chat turn does; `context`: the target
     with a previous-token head, `with_previous_token_head`; `vocab_size`: the draft vocabulary's;
-    `faults`: the ones to inject, all by default)."""
+    `faults`: the ones to inject, all by default; `device`: the extraction's)."""
     target = with_trained_norm(model_dir, work / "target")
     if context:
         target = with_previous_token_head(target, work / "target-context")
     rows = own_generations(target, samples, seed=seed, prompt_pool=prompt_pool, header=assistant_header(target))
-    correct = export_rows(target, rows, work / "correct", vocab_size=vocab_size)
+    correct = export_rows(target, rows, work / "correct", vocab_size=vocab_size, device=device)
     wrong = (
-        export_rows(target, rows, work / "wrong-layers", layer_ids=WRONG_LAYERS, vocab_size=vocab_size)
+        export_rows(target, rows, work / "wrong-layers", layer_ids=WRONG_LAYERS, vocab_size=vocab_size, device=device)
         if "wrong_layers" in faults
         else None
     )
