@@ -22,7 +22,8 @@ from eagle3_data.dev.probe_data import export_rows, own_generations, with_traine
 from eagle3_data.probe import simulated_acceptance
 
 SAMPLES = 16
-MARGIN = {"eval_loss": 1.0, "first_draft": 0.4}  # a fault's held-out loss over the correct data's, same seed
+SPREAD = 0.75  # the held-out loss's spread over 5 correct seeds at the fault benchmark's size
+FIRST_DRAFT_MARGIN = 0.4  # a fault's first-draft loss over the correct data's at the same seed: half the least seen
 
 
 @pytest.fixture(scope="module")
@@ -203,16 +204,17 @@ def test_context_target_attends_to_the_previous_token(tiny_model_dir, tmp_path):
 
 def test_the_probe_tells_four_faults_from_correct_data(tiny_model_dir, tmp_path):
     """benchmarks/probe_faults.py's size (80 samples, 200 steps; its prompts end in the chat
-    template's turn to the assistant) at 2 of its seeds, paired by seed (the same init and sample
-    order): heads trained on the last state normalised twice or on aux states of other layers than
-    the export names score a held-out loss (on the correct export's held-out rows) above the correct
-    data's by more than MARGIN["eval_loss"], and heads trained with the aux states one position late
-    or the loss mask one position late (SpecForge#885) score each answer's first draft so by more
-    than MARGIN["first_draft"]. The margins sit between what a change the figure cannot see moves it
-    (another sample's states: at most 0.73 and 0.17, paired, over 3 seeds) and what these faults do
-    (at least 5.1 and 0.76): RESULTS.md, "The probe". Unpaired, the seeds' spread at this size is as
-    large as some of these differences; the run report's probe is one run, so it is a check of
-    the probe, not yet a verdict on a run's data."""
+    template's turn to the assistant) at 2 of its seeds. Heads trained on the last state normalised
+    twice or on aux states of other layers than the export names score a held-out loss (on the
+    correct export's held-out rows) above every correct seed's by more than the correct seeds'
+    spread, and at least SPREAD, the spread of 5 seeds at this size (RESULTS.md, "The probe": 0.75;
+    these faults: +4.0 and +5.4 beyond it). Heads trained with the aux states one position late or
+    the loss mask one position late (SpecForge#885) score each answer's first draft worse than the
+    correct data at the same seed (the same init and sample order) by more than FIRST_DRAFT_MARGIN,
+    half the least they did at 5 seeds (0.76): at this size the spread between seeds (0.79) is as
+    large as that, so these two are asserted paired, and a probe run alone cannot tell them apart
+    (at 200 samples and 400 steps on a GPU it can: RESULTS.md). Another sample's states would fail
+    both: their first draft's loss is within +-0.26 of the correct data's, paired."""
     import torch
 
     from eagle3_data.config import ProbeConfig
@@ -257,5 +259,9 @@ def test_the_probe_tells_four_faults_from_correct_data(tiny_model_dir, tmp_path)
         by["first_draft"].append(result["first_draft"]["eval_loss"])
     good = scores.pop("correct")
     for fault, figure in told_by.items():
-        paired = [bad - ok for bad, ok in zip(scores[fault][figure], good[figure])]
-        assert min(paired) > MARGIN[figure], (fault, figure, paired, scores[fault], good)
+        if figure == "eval_loss":
+            bar = max(max(good[figure]) - min(good[figure]), SPREAD)
+            assert min(scores[fault][figure]) - max(good[figure]) > bar, (fault, scores[fault], good, bar)
+        else:
+            paired = [bad - ok for bad, ok in zip(scores[fault][figure], good[figure])]
+            assert min(paired) > FIRST_DRAFT_MARGIN, (fault, paired, scores[fault], good)
