@@ -76,6 +76,14 @@ lint: $(STAMP)
 
 test: export EAGLE3_DATA_CACHE = $(TEST_CACHE)
 test: export VLLM_CACHE_ROOT = $(TEST_CACHE)/vllm
+# One compute thread per process (benchmarks/run_all.py's SMOKE_ENV, for the same reason): the two
+# tiers keep both cores busy, and torch's OpenMP pool of two threads spins while it waits for the
+# one the other tier has descheduled (tests/unit/test_hidden_states.py beside a one-core load:
+# 96.8 CPU s with the default pool, 18.5 with one thread). Inherited by every process the tests
+# start; vLLM's CPU workers set their own count (VLLM_CPU_OMP_THREADS_BIND) whatever these say.
+test: export OMP_NUM_THREADS = 1
+test: export MKL_NUM_THREADS = 1
+test: export OPENBLAS_NUM_THREADS = 1
 test: lint $(STAMP) $(VLLM_STAMP) $(SPEC_STAMP) system-packages
 	@rm -rf $(TEST_CACHE) && mkdir -p $(TEST_CACHE) $(dir $(SIDE_LOG))
 	@$(PY) -m pytest -q $(SIDE_TESTS) > $(SIDE_LOG) 2>&1 & side=$$!; \
