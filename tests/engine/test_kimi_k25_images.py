@@ -42,12 +42,22 @@ def png(width: int, height: int, seed: int) -> bytes:
 
 
 IMAGES = {"a": png(90, 60, 0), "b": png(41, 70, 1)}
+# the processor test's sizes beyond IMAGES: a wide image and one scaled down to `in_patch_limit` patches
+SIZES = {"a": (90, 60), "b": (41, 70), "wide": (1000, 30), "large": (2100, 1600)}
+EVERY_IMAGE = {**IMAGES, "wide": png(*SIZES["wide"], 2), "large": png(*SIZES["large"], 3)}
 
 
 @pytest.fixture(scope="module")
-def pixels(vllm_python, tiny_kimi_k25_dir, tmp_path_factory) -> dict:
-    """name -> (pixel_values [N, 3, 14, 14], grid_thw [1, 3]) from vLLM's own Kimi image processor."""
-    return vllm_pixels(vllm_python, tiny_kimi_k25_dir, IMAGES, tmp_path_factory.mktemp("pixels"))
+def every_pixels(vllm_python, tiny_kimi_k25_dir, tmp_path_factory) -> dict:
+    """name -> (pixel_values [N, 3, 14, 14], grid_thw [1, 3]) of EVERY_IMAGE from vLLM's own Kimi
+    image processor: one run of it (a process of the vLLM venv) for the whole module."""
+    return vllm_pixels(vllm_python, tiny_kimi_k25_dir, EVERY_IMAGE, tmp_path_factory.mktemp("pixels"))
+
+
+@pytest.fixture(scope="module")
+def pixels(every_pixels) -> dict:
+    """IMAGES' pixels from vLLM's own Kimi image processor."""
+    return {name: every_pixels[name] for name in IMAGES}
 
 
 def media_tokens(grid_thw: torch.Tensor) -> int:
@@ -105,7 +115,7 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 SAMPLES = [["Describe ", "a", " in one word."], ["b", "Compare with ", "a"], ["No image here."]]
 
 
-def test_the_transformers_backends_pixels_are_vllms_processors(tiny_kimi_k25_dir, vllm_python, tmp_path):
+def test_the_transformers_backends_pixels_are_vllms_processors(tiny_kimi_k25_dir, every_pixels):
     """pixels.py (the transformers backend's preprocessing: transformers' own processor needs
     torchvision) gives vLLM's processor's pixel values and grid, value for value, for small
     images, a wide one and one scaled down to `in_patch_limit` patches; the grid's 2x2-merged
@@ -113,16 +123,15 @@ def test_the_transformers_backends_pixels_are_vllms_processors(tiny_kimi_k25_dir
     from eagle3_data.hidden_states.pixels import KimiPixels
     from eagle3_data.images import media_tokens
 
-    sizes = {"a": (90, 60), "b": (41, 70), "wide": (1000, 30), "large": (2100, 1600)}
-    images = {**IMAGES, "wide": png(*sizes["wide"], 2), "large": png(*sizes["large"], 3)}
-    theirs = vllm_pixels(vllm_python, tiny_kimi_k25_dir, images, tmp_path)
+    theirs = every_pixels
     ours = KimiPixels.from_model_dir(tiny_kimi_k25_dir)
-    assert ours.size(*sizes["large"]) < sizes["large"]  # scaled down: more patches than in_patch_limit
-    for name, data in images.items():
+    assert ours.size(*SIZES["large"]) < SIZES["large"]  # scaled down: more patches than in_patch_limit
+    assert set(theirs) == set(EVERY_IMAGE)
+    for name, data in EVERY_IMAGE.items():
         values, grid = ours(data)
         assert torch.equal(grid, theirs[name][1]), name
         assert values.dtype == theirs[name][0].dtype and torch.equal(values, theirs[name][0]), name
-        assert int(grid[0, 1:].prod()) // 4 == media_tokens(*sizes[name]), name
+        assert int(grid[0, 1:].prod()) // 4 == media_tokens(*SIZES[name]), name
 
 
 def test_hf_backend_batches_image_samples_like_one_forward_each(tiny_kimi_k25_dir, reference, pixels, kimi_tokenizer):
