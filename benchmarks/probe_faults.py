@@ -31,21 +31,6 @@ def tiny_target() -> Path:
     return cached_tiny_model(cached_kimi_tokenizer(cache), cache, **TINY_MODEL_ARGS)
 
 
-def arms(correct: Path, faulty: dict[str, Path], samples: int, seeds: int, config):
-    """The correct data and each fault over the same seeds, rows, held-out rows and draft vocabulary
-    (the correct export's): an arm differs from the correct one by its injected fault alone, and
-    every arm is scored against the trusted labels (the correct export's held-out rows)."""
-    from eagle3_data.probe import Arm, split
-
-    train_rows, eval_rows = split(samples, config.samples, config.eval_samples, 0)
-    data = {"correct": correct, **faulty}
-    return [
-        Arm(f"{name}/seed{s}", path, correct, train_rows, eval_rows, correct, s)
-        for name, path in data.items()
-        for s in range(seeds)
-    ]
-
-
 def verdict(results: list[dict], figure: str, higher_is_better: bool) -> tuple[dict[str, list[float]], float, dict]:
     """({arm: `figure` per seed}, the correct data's seed spread, {fault: margin}): the margin is how
     far the fault's best seed falls short of the correct data's worst seed (positive: every seed of
@@ -117,7 +102,7 @@ def main() -> None:
         args.samples, args.steps, args.seeds = 16, 4, 2
     import torch
 
-    from eagle3_data.dev.probe_data import calibration
+    from eagle3_data.dev.probe_data import arms, calibration
     from eagle3_data.probe import split, train_and_score
 
     torch.set_num_threads(args.threads)
@@ -139,7 +124,7 @@ def main() -> None:
         )
         results = train_and_score(
             target,
-            arms(correct, faulty, args.samples, args.seeds, config),
+            arms(correct, faulty, train_rows, eval_rows, args.seeds),
             config,
             device=args.device,
             threads=args.threads,

@@ -218,8 +218,8 @@ def test_the_probe_tells_four_faults_from_correct_data(tiny_model_dir, tmp_path)
     import torch
 
     from eagle3_data.config import ProbeConfig
-    from eagle3_data.dev.probe_data import calibration
-    from eagle3_data.probe import Arm, split, train_and_score
+    from eagle3_data.dev.probe_data import arms, calibration
+    from eagle3_data.probe import split, train_and_score
 
     samples, seeds = 80, 2
     told_by = {
@@ -247,13 +247,8 @@ def test_the_probe_tells_four_faults_from_correct_data(tiny_model_dir, tmp_path)
         )
     finally:
         torch.set_num_threads(threads)
-    arms = [
-        Arm(f"{name}/{seed}", data, correct, train_rows, eval_rows, correct, seed)
-        for name, data in {"correct": correct, **faulty}.items()
-        for seed in range(seeds)
-    ]
     scores: dict[str, dict[str, list[float]]] = {}
-    for result in train_and_score(target, arms, config, threads=1):
+    for result in train_and_score(target, arms(correct, faulty, train_rows, eval_rows, seeds), config, threads=1):
         by = scores.setdefault(result["name"].split("/")[0], {"eval_loss": [], "first_draft": []})
         by["eval_loss"].append(result["eval_loss"])
         by["first_draft"].append(result["first_draft"]["eval_loss"])

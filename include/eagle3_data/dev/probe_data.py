@@ -344,6 +344,20 @@ def calibration(
     )
 
 
+def arms(correct: Path, faulty: dict[str, Path], train_rows: list[int], eval_rows: list[int], seeds: int) -> list:
+    """The correct data and each fault over the same seeds, rows, held-out rows and draft vocabulary
+    (the correct export's): an arm differs from the correct one by its injected fault alone, and
+    every arm is scored against the trusted labels (the correct export's held-out rows). Named
+    `<data>/seed<s>`."""
+    from eagle3_data.probe import Arm
+
+    return [
+        Arm(f"{name}/seed{s}", path, correct, train_rows, eval_rows, correct, s)
+        for name, path in {"correct": correct, **faulty}.items()
+        for s in range(seeds)
+    ]
+
+
 def resplit(rows: list[dict], rate: float, tokenizer, seed: int = 0) -> tuple[list[dict], float]:
     """The rows with a share `rate` of their trained (answer) tokens re-split: one token replaced by
     two that decode to the same text, as a canonical re-encoding and the engine's sampled ids
