@@ -6,9 +6,10 @@ of the correct export (the target's own states, as serving sees them).
     .venv/bin/python benchmarks/probe_faults.py                 # the RESULTS.md figures
     .venv/bin/python benchmarks/probe_faults.py --smoke         # make test's size
 
-Prints one row per arm (held-out loss, the first drafts' loss and accuracy, simulated acceptance,
-acc_k / full_acc_k), each figure's margins per fault, and `RATIO probe_faults <faults told apart by
-a held-out loss>/<faults>`.
+Prints each train export's last state fit (no training: how its stored last states predict its
+trained ids), one row per arm (held-out loss, the first drafts' loss and accuracy, simulated
+acceptance, acc_k / full_acc_k), each figure's margins per fault, and `RATIO probe_faults <faults
+told apart by a held-out loss>/<faults>; ...; <by the fit>; <by either>`.
 """
 
 from __future__ import annotations
@@ -95,15 +96,15 @@ def main() -> None:
     )
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: the least contention on a shared machine)")
     p.add_argument(
-        "--smoke", action="store_true", help="make test's size: 16 samples, 4 steps, 2 seeds (checks the script)"
+        "--smoke", action="store_true", help="make test's size: 16 samples, 4 steps, 1 seed (checks the script)"
     )
     args = p.parse_args()
     if args.smoke:
-        args.samples, args.steps, args.seeds = 16, 4, 2
+        args.samples, args.steps, args.seeds = 16, 4, 1
     import torch
 
     from eagle3_data.dev.probe_data import arms, calibration
-    from eagle3_data.probe import split, train_and_score
+    from eagle3_data.probe import last_state_fit, split, train_and_score
 
     torch.set_num_threads(args.threads)
 
@@ -122,6 +123,10 @@ def main() -> None:
             vocab_size=args.draft_vocab,
             device=args.device,
         )
+        fits = {
+            name: last_state_fit(path, train_rows, target, device=args.device)
+            for name, path in {"correct": correct, **faulty}.items()
+        }
         results = train_and_score(
             target,
             arms(correct, faulty, train_rows, eval_rows, args.seeds),
@@ -129,6 +134,19 @@ def main() -> None:
             device=args.device,
             threads=args.threads,
         )
+    print(f"{'train data':<28} {'last state fit: mean log-prob, top1':>36}  (no training; the same for every seed)")
+    for name, fit in fits.items():
+        print(f"{name:<28} {fit['mean_logprob']:>25.3f}, {fit['top1']:.3f}")
+    # told apart without training: the trained ids' top1 share more than 5 standard errors below the correct data's
+    good = fits["correct"]
+    fit_told = {
+        name
+        for name, fit in fits.items()
+        if name != "correct"
+        and good["top1"] - fit["top1"]
+        > 5
+        * (good["top1"] * (1 - good["top1"]) / good["tokens"] + fit["top1"] * (1 - fit["top1"]) / fit["tokens"]) ** 0.5
+    }
     print(
         f"{'arm':<28} {'held-out loss':>13} {'first draft: loss, acc':>22} {'sim. acceptance':>15}  acc_k / full_acc_k"
     )
@@ -159,7 +177,8 @@ def main() -> None:
     print(
         f"RATIO probe_faults {len(told)}/{len(margins)} faults beyond the seed spread by a held-out loss (all drafts "
         f"or the first draft): {', '.join(sorted(told)) or 'none'}; {len(paired_worse)}/{len(margins)} worse at "
-        f"every seed, paired: {', '.join(sorted(paired_worse)) or 'none'}"
+        f"every seed, paired: {', '.join(sorted(paired_worse)) or 'none'}; {len(fit_told)}/{len(margins)} by the last "
+        f"state's fit: {', '.join(sorted(fit_told)) or 'none'}; {len(told | fit_told)}/{len(margins)} by either"
     )
 
 

@@ -537,10 +537,11 @@ class ProbeConfig(_Model):
     """The drafter's verdict after extraction (eagle3_data.probe): a small EAGLE-3 head trained with
     speculators on a fixed split of the run's export, scored on the held-out rows. At Kimi-K2.5's
     size its defaults take a few minutes of one GPU (docs/hidden_states.md, "The drafter's
-    verdict"). Off by default: on the tiny target its held-out losses tell two of six injected
-    faults from correct data beyond the spread between seeds at CPU size and three more only seed
-    by seed; five of six beyond that spread at 200 samples and 400 steps on a GPU
-    (benchmarks/RESULTS.md, "The probe"). At this config's sizes it wants the GPU queue."""
+    verdict"). Off by default: on the tiny target at CPU size its held-out losses tell two of six
+    injected faults from correct data beyond the spread between seeds and three more only seed by
+    seed, its last state fit (no training) one more; at 200 samples and 400 steps on a GPU the
+    losses and the fit tell all six (benchmarks/RESULTS.md, "The probe"). At this config's sizes
+    it wants the GPU queue."""
 
     enabled: bool = Field(
         False,

@@ -58,4 +58,5 @@ def test_probe_stage_after_the_extraction(store, generations, tiny_kimi_k25_dir)
     assert shown["curve"] == report["curve"] and shown["acc"] == report["acc"]
     assert shown["eval_loss"] == report["eval_loss"] == report["curve"][-1]["eval_loss"] > 0
     assert shown["first_draft"] == report["first_draft"]
+    assert shown["last_state_fit"] == report["last_state_fit"] and report["last_state_fit"]["tokens"] > 0
     assert report["first_draft"]["positions"] == report["eval_samples"]  # one answer per held-out sample here

@@ -1,5 +1,5 @@
-"""The run report shows the probe's verdict: its acc_k, the simulated acceptance, the held-out loss
-and the learning curve as a line whose points follow the curve (higher acceptance drawn higher)."""
+"""The run report shows the probe's verdict: its acc_k, the simulated acceptance, the held-out loss,
+the last state fit and the learning curve as a line whose points follow the curve (higher acceptance drawn higher)."""
 
 from __future__ import annotations
 
@@ -41,12 +41,15 @@ def test_the_report_draws_the_probe_curve():
         "eval_samples": 4,
         "draft_vocab_size": 256,
         "steps": 4,
+        "last_state_fit": {"mean_logprob": -0.8125, "top1": 0.75, "tokens": 1234},
     }
     html = render_html(RunReport("k", {"training": {"probe": probe}}, []), title="t")
     assert f"{probe['simulated_acceptance']:.2f}" in html and "probe-curve" in html
     assert probe["eval_loss"] == 4.321 and "held-out loss (speculators' KL to the target) 4.321" in html
     assert probe["first_draft"] == {"acc": 0.25, "eval_loss": 2.5, "positions": 8}
     assert "first draft (right after the prompt, 8 drafts): right 25" in html and "loss 2.500" in html
+    assert "predict the trained ids (1,234 tokens" in html and "mean log-probability -0.812 nats" in html
+    assert "the argmax at <b>75" in html
     points = re.search(r"class='probe-curve'>\s*<polyline[^>]*points='([^']*)'", html).group(1).split()
     xs, ys = zip(*[tuple(map(float, p.split(","))) for p in points])
     assert len(points) == len(raw["curve"]) and list(xs) == sorted(xs)

@@ -98,12 +98,29 @@ class LogprobHead:
         [T, H], the last layer's output before the final norm. With `nucleus`, also bool [T]: True
         where ids[i], i >= max(1, answer_from) (the sampled answer), lies outside the nucleus of
         softmax(logits / temperature) (module docstring, margins above); None without."""
+        out, outside, _ = self._score(last, ids, nucleus, answer_from, top1=False)
+        return out, outside
+
+    @torch.inference_mode()
+    def token_logprobs_and_top1(
+        self, last: torch.Tensor, ids: Sequence[int] | torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`token_logprobs` and bool [T]: True where ids[i], i >= 1, is the argmax (no other id's
+        logit above it) of the distribution the state before it gives."""
+        out, _, top1 = self._score(last, ids, None, 0, top1=True)
+        return out, top1
+
+    def _score(
+        self, last: torch.Tensor, ids, nucleus: Nucleus | None, answer_from: int, *, top1: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """One pass over the chunks for both public methods: the logits are the cost."""
         ids = torch.as_tensor(ids, dtype=torch.long)
         n = int(ids.numel())
         if last.shape[0] != n:
             raise ValueError(f"{last.shape[0]} last states for {n} ids")
         out = torch.full((n,), float("nan"), dtype=torch.float32)
         outside = torch.zeros(n, dtype=torch.bool) if nucleus is not None else None
+        best = torch.zeros(n, dtype=torch.bool) if top1 else None
         for start in range(0, max(n - 1, 0), self.chunk_tokens):
             end = min(start + self.chunk_tokens, n - 1)
             h = rms_norm(last[start:end].to(self.device, torch.float32), self.norm_weight, self.eps)
@@ -112,11 +129,13 @@ class LogprobHead:
             own = logits.gather(1, nxt[:, None])
             lse = torch.logsumexp(logits, dim=-1)
             out[start + 1 : end + 1] = (own.squeeze(1) - lse).cpu()
+            if best is not None:
+                best[start + 1 : end + 1] = (own.squeeze(1) >= logits.amax(dim=-1)).cpu()
             first = max(answer_from - 1, start) - start  # the chunk's first row predicting an answer token
             if outside is not None and first < end - start:
                 far = self._outside(logits[first:], own[first:], nucleus, lse[first:])
                 outside[start + 1 + first : end + 1] = far.cpu()
-        return out, outside
+        return out, outside, best
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         if self.head.dtype == torch.float32:

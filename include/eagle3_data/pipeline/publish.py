@@ -60,6 +60,7 @@ def _probe_figures(run: Run, store, hs_ref) -> dict | None:
         "simulated_acceptance",
         "eval_loss",
         "first_draft",
+        "last_state_fit",
         "acc",
         "full_acc",
         "coverage",

@@ -184,6 +184,49 @@ def coverage(export: Path, rows: list[int], vocab_dir: Path) -> float:
     return inside / total if total else 0.0
 
 
+def last_state_fit(export: Path, rows: list[int], verifier: Path, *, device: str = "cpu") -> dict:
+    """How well the export's own last states predict its trained ids, before any training: over
+    the rows' trained tokens (loss mask 1), the mean log-probability of each id under the target's
+    final norm and LM head applied to the stored last state before it (`mean_logprob`, nats), and
+    the share of those ids that are the argmax there (`top1`). The target's own generations sit
+    near their sampling's entropy (the tiny target's answers at temperature 0.5: top1 0.81); states
+    joined to another sample's ids predict almost none (0.02), a fault a short training run does
+    not tell beyond its seed spread even at a GPU's size (benchmarks/RESULTS.md, "The probe"). The same
+    numbers the extraction proved each local answer with (hidden_states.verify), read back from
+    the export as the trainer reads it: what went wrong after the extraction shows here."""
+    import datasets
+    import torch
+    from safetensors.torch import load_file
+
+    from eagle3_data.hidden_states.final_norm import final_norm_eps, final_norm_weight
+    from eagle3_data.hidden_states.logprobs import LogprobHead, lm_head_weight
+
+    dtype = "bfloat16" if device == "cuda" else "float32"  # LogprobHead: the engine's head product on a GPU
+    head = LogprobHead(
+        (final_norm_weight(verifier), final_norm_eps(verifier)),
+        lm_head_weight(verifier),
+        device=device,
+        compute_dtype=dtype,
+    )
+    masks = datasets.load_from_disk(str(export)).with_format("numpy").select(rows)["loss_mask"]
+    total, hits, tokens = 0.0, 0, 0
+    for row, mask in zip(rows, masks):
+        stored = load_file(str(export / "hidden_states" / f"hs_{row}.safetensors"))
+        states = stored["hidden_states"].float()
+        if "hidden_states_scales" in stored:  # the fp8 export: one scale per token
+            states = states * stored["hidden_states_scales"]
+        logprobs, top1 = head.token_logprobs_and_top1(states[:, -1], stored["token_ids"])
+        trained = torch.as_tensor(np.asarray(mask), dtype=torch.bool) & ~torch.isnan(logprobs)
+        total += float(logprobs[trained].double().sum())
+        hits += int(top1[trained].sum())
+        tokens += int(trained.sum())
+    return {
+        "mean_logprob": total / tokens if tokens else None,
+        "top1": hits / tokens if tokens else None,
+        "tokens": tokens,
+    }
+
+
 def probe_export(
     export: Path,
     verifier: Path,
@@ -210,5 +253,6 @@ def probe_export(
         "eval_samples": len(eval_rows),
         "draft_vocab_size": draft_vocab_size(vocab),
         "coverage": coverage(eval_export or export, eval_rows, vocab),
+        "last_state_fit": last_state_fit(export, train_rows, verifier, device=device),
         **result,
     }
