@@ -85,6 +85,12 @@ test: export VLLM_CACHE_ROOT = $(TEST_CACHE)/vllm
 # one the other tier has descheduled (tests/unit/test_hidden_states.py beside a one-core load:
 # 96.8 CPU s with the default pool, 18.5 with one thread). Inherited by every process the tests
 # start; vLLM's CPU workers set their own count (VLLM_CPU_OMP_THREADS_BIND) whatever these say.
+# vLLM's engine core and its one worker in one process (vLLM then takes the "uni" executor): with
+# the worker in a process of its own the core spins on the shared-memory queue (sched_yield) for
+# as long as the worker computes, a second core's worth of CPU for the same wall
+# (benchmarks/RESULTS.md, "vLLM's CPU engine in one process"). For every engine the tests start:
+# the servers (eagle3_devtools.vllm_serve sets it too) and the extraction workers.
+test: export VLLM_ENABLE_V1_MULTIPROCESSING = 0
 test: export OMP_NUM_THREADS = 1
 test: export MKL_NUM_THREADS = 1
 test: export OPENBLAS_NUM_THREADS = 1

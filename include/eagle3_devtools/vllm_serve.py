@@ -77,7 +77,16 @@ def start_vllm_server(
     vLLM's default 20): the policy check's scoring requests ask for `policy.top_logprobs` at every
     position (`prompt_logprobs`), and the policy trials on the tiny target ask for MAX_LOGPROBS."""
     port = free_port()
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), HF_HUB_OFFLINE="1")
+    # the engine core runs its one worker in its own process ("uni" executor, which vLLM's CPU
+    # platform allows only without V1 multiprocessing): with a worker process of its own the core
+    # spins on their shared-memory queue while the worker computes, twice the CPU for the same wall
+    # (benchmarks/RESULTS.md, "vLLM's CPU engine in one process")
+    env = dict(
+        os.environ,
+        VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        VLLM_ENABLE_V1_MULTIPROCESSING=os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
+        HF_HUB_OFFLINE="1",
+    )
     cmd = [
         python,
         "-m",

@@ -244,3 +244,28 @@ def test_sigkill_mid_stage_then_resume_without_duplicates(
     generate_local(store, again, prompts(3), kimi_tokenizer, [vllm_server.url], args["sampling"], journal_dir=tmp_path)
     for r in store.read_table(again).to_pylist():
         assert r["output_ids"] == by_id[r["sample_id"]]["output_ids"]
+
+
+def test_the_dev_server_runs_its_worker_inside_the_engine_core(vllm_server):
+    """eagle3_devtools.vllm_serve starts `vllm serve` without V1 multiprocessing, so the engine
+    core runs its one worker itself ("uni" executor): no `VLLM::Worker` process, whose queue the
+    core would spin on for as long as the worker computes (twice the CPU for the same wall on a
+    2-core machine: RESULTS.md, "vLLM's CPU engine in one process"). Read from /proc: the names
+    vLLM gives its processes."""
+    from pathlib import Path
+
+    def descendants(pid: int) -> list[str]:
+        names = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # exited while listed
+            if int(fields[1]) == pid:
+                child = int(stat.parent.name)
+                names += [(stat.parent / "comm").read_text().strip(), *descendants(child)]
+        return names
+
+    names = descendants(vllm_server.proc.pid)
+    assert any(n.startswith("VLLM::EngineCor") for n in names), names  # the process this is about, found
+    assert not any(n.startswith("VLLM::Worker") for n in names), names
