@@ -58,20 +58,21 @@ $(SPEC_STAMP): requirements-speculators.txt
 speculators-venv: $(SPEC_STAMP)
 
 # Three pytest processes side by side, so that the two cores stay busy: the cluster tier (one
-# Celery cluster, mostly waiting on Airflow's task scheduling) in one; the dag.test() tier, every
-# benchmark at its smoke size (tests/benchmarks: benchmarks/run_all.py --smoke's commands, each
-# must run and print its RATIO line) and the trainers' tier in another; everything else (the
-# session's vLLM engines among it) in the third (docs/dag.md, "What it costs"). The two side
-# processes' output is printed after the main one's; any failing fails the target.
+# Celery cluster, mostly waiting on Airflow's task scheduling), then the integration tier, in one;
+# the dag.test() tier and every benchmark at its smoke size (tests/benchmarks:
+# benchmarks/run_all.py --smoke's commands, each must run and print its RATIO line) in another;
+# everything else (the engine tier with the session's vLLM engines, the unit and trainers' tiers)
+# in the third (docs/dag.md, "What it costs"). The two side processes' output is printed after
+# the main one's; any failing fails the target.
 # Every run starts as a new machine for what the project caches (EAGLE3_DATA_CACHE: verified
 # codecs, journals, dev: builds; vLLM's cache): an empty folder under test-artifacts/, shared by
 # every process and every server they start (README, "A first start").
-# The cluster alone: its waits leave a core idle that the other two fill (benchmarks/RESULTS.md,
-# "`make test`'s time").
-CLUSTER_TESTS := tests/cluster
-SIDE_TESTS := tests/dags tests/benchmarks tests/trainers
-CLUSTER_LOG := test-artifacts/cluster.log
-SIDE_LOG := test-artifacts/dags-benchmarks-trainers.log
+# The cluster's waits leave a core idle that the other two fill; the tiers are placed so that the
+# three processes end close together (benchmarks/RESULTS.md, "`make test` in three processes").
+CLUSTER_TESTS := tests/cluster tests/integration
+SIDE_TESTS := tests/dags tests/benchmarks
+CLUSTER_LOG := test-artifacts/cluster-integration.log
+SIDE_LOG := test-artifacts/dags-benchmarks.log
 TEST_CACHE := $(CURDIR)/test-artifacts/cache
 # The linter and its formatter, configured in pyproject.toml ([tool.ruff]), over the whole tree.
 lint: $(STAMP)
@@ -84,7 +85,7 @@ test: export VLLM_CACHE_ROOT = $(TEST_CACHE)/vllm
 # tiers keep both cores busy, and torch's OpenMP pool of two threads spins while it waits for the
 # one the other tier has descheduled (tests/unit/test_hidden_states.py beside a one-core load:
 # 96.8 CPU s with the default pool, 18.5 with one thread). Inherited by every process the tests
-# start; vLLM's CPU workers set their own count (VLLM_CPU_OMP_THREADS_BIND) whatever these say.
+# start, vLLM's engines too: in one process (below) they bind no OpenMP threads of their own.
 # vLLM's engine core and its one worker in one process (vLLM then takes the "uni" executor): with
 # the worker in a process of its own the core spins on the shared-memory queue (sched_yield) for
 # as long as the worker computes, a second core's worth of CPU for the same wall
