@@ -103,7 +103,7 @@ def main() -> None:
         args.samples, args.steps, args.seeds = 16, 4, 1
     import torch
 
-    from eagle3_data.dev.probe_data import arms, calibration
+    from eagle3_data.dev.probe_data import FIT_SIGMAS, arms, calibration, top1_gap_in_standard_errors
     from eagle3_data.probe import last_state_fit, split, train_and_score
 
     torch.set_num_threads(args.threads)
@@ -137,15 +137,11 @@ def main() -> None:
     print(f"{'train data':<28} {'last state fit: mean log-prob, top1':>36}  (no training; the same for every seed)")
     for name, fit in fits.items():
         print(f"{name:<28} {fit['mean_logprob']:>25.3f}, {fit['top1']:.3f}")
-    # told apart without training: the trained ids' top1 share more than 5 standard errors below the correct data's
-    good = fits["correct"]
+    # told apart without training: the trained ids' top1 share FIT_SIGMAS standard errors below the correct data's
     fit_told = {
         name
         for name, fit in fits.items()
-        if name != "correct"
-        and good["top1"] - fit["top1"]
-        > 5
-        * (good["top1"] * (1 - good["top1"]) / good["tokens"] + fit["top1"] * (1 - fit["top1"]) / fit["tokens"]) ** 0.5
+        if name != "correct" and top1_gap_in_standard_errors(fits["correct"], fit) > FIT_SIGMAS
     }
     print(
         f"{'arm':<28} {'held-out loss':>13} {'first draft: loss, acc':>22} {'sim. acceptance':>15}  acc_k / full_acc_k"

@@ -272,12 +272,12 @@ def test_the_probe_tells_six_faults_from_correct_data(tiny_model_dir, tmp_path):
     probe run alone cannot tell them apart (at 200 samples and 400 steps on a GPU it can:
     RESULTS.md). Another sample's states would fail both (their first draft's loss is within
     +-0.26 of the correct data's, paired): the probe tells them by its last state fit, before
-    training, whose top1 share falls more than 5 standard errors (binomial, over the trained
+    training, whose top1 share falls more than FIT_SIGMAS (5) standard errors (binomial, over the trained
     tokens) below the correct data's."""
     import torch
 
     from eagle3_data.config import ProbeConfig
-    from eagle3_data.dev.probe_data import arms, calibration
+    from eagle3_data.dev.probe_data import FIT_SIGMAS, arms, calibration, top1_gap_in_standard_errors
     from eagle3_data.probe import last_state_fit, split, train_and_score
 
     samples, seeds = 80, 2
@@ -308,8 +308,7 @@ def test_the_probe_tells_six_faults_from_correct_data(tiny_model_dir, tmp_path):
         good_fit, other_fit = (last_state_fit(path, train_rows, target) for path in (correct, faulty["other_sample"]))
     finally:
         torch.set_num_threads(threads)
-    error = sum(f["top1"] * (1 - f["top1"]) / f["tokens"] for f in (good_fit, other_fit)) ** 0.5
-    assert good_fit["top1"] - other_fit["top1"] > 5 * error, (good_fit, other_fit, error)
+    assert top1_gap_in_standard_errors(good_fit, other_fit) > FIT_SIGMAS, (good_fit, other_fit)
     trained = {fault: faulty[fault] for fault in told_by}
     scores: dict[str, dict[str, list[float]]] = {}
     for result in train_and_score(target, arms(correct, trained, train_rows, eval_rows, seeds), config, threads=1):

@@ -358,6 +358,18 @@ def arms(correct: Path, faulty: dict[str, Path], train_rows: list[int], eval_row
     ]
 
 
+FIT_SIGMAS = 5  # a fault told apart by the last state fit: its top1 this many standard errors below
+
+
+def top1_gap_in_standard_errors(good: dict, other: dict) -> float:
+    """How far `other`'s last state fit (`probe.last_state_fit`) falls below `good`'s top1 share, in
+    standard errors of that difference (binomial, over each one's trained tokens): the fit has no
+    seed spread, only the sampling error of its token counts. The fault benchmark and the test of
+    the probe's ordering count a fault told apart by the fit at FIT_SIGMAS."""
+    error = sum(f["top1"] * (1 - f["top1"]) / f["tokens"] for f in (good, other)) ** 0.5
+    return (good["top1"] - other["top1"]) / error
+
+
 def resplit(rows: list[dict], rate: float, tokenizer, seed: int = 0) -> tuple[list[dict], float]:
     """The rows with a share `rate` of their trained (answer) tokens re-split: one token replaced by
     two that decode to the same text, as a canonical re-encoding and the engine's sampled ids
