@@ -7,6 +7,11 @@ trained samples. Run through benchmarks/gpu_probe.sh.
 
     python benchmarks/gpu_probe.py [--hidden 7168 --samples 320 --steps 200]
     python benchmarks/gpu_probe.py --smoke      # tiny sizes, any device: checks the script itself
+
+Its default sizes are the config's probe defaults (256 train and 64 held-out rows, 200 steps of at
+most 4,096 packed tokens, an evaluation every 25). Where they pace past probe.budget_s (a CPU:
+`--hidden 64` is the tiny target's width) the probe stops after its first steps and this prints
+the projection instead (benchmarks/RESULTS.md, "The probe's budget").
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ def main() -> None:
 
     from eagle3_data.config import ProbeConfig
     from eagle3_data.dev.probe_data import export_rows
-    from eagle3_data.probe import default_device, probe_export
+    from eagle3_data.probe import OverBudget, default_device, probe_export
 
     model = build_model(args.cache / f"dsv3-h{args.hidden}", layers=4, hidden=args.hidden, experts=8)
     rows = make_rows(args.samples, 0, args.median_tokens, 4 * args.median_tokens)
@@ -60,7 +65,18 @@ def main() -> None:
         t0 = time.perf_counter()
         export = export_rows(model, rows, Path(tmp) / "export", vocab_size=args.draft_vocab, device=device)
         t1 = time.perf_counter()
-        report = probe_export(export, model, config, device=device)
+        try:
+            report = probe_export(export, model, config, device=device)
+        except OverBudget as exc:
+            over = exc.projection or {}
+            print(f"extract + export {t1 - t0:.1f} s; {exc}")
+            trained = config.steps * config.batch_size
+            print(
+                f"RATIO gpu_probe {over.get('projected_s', float('nan')) / trained * 1000:.1f} s per 1,000 trained "
+                f"samples projected on {device} ({over.get('step_s', float('nan')):.2f} s a step): past the "
+                f"budget of {config.budget_s:.0f} s"
+            )
+            return
         t2 = time.perf_counter()
     trained = config.steps * config.batch_size
     print(

@@ -234,16 +234,17 @@ def eagle3_datagen():
         return _gate(pipeline.commit_hidden_states, run, store)
 
     @task(queue=GPU_QUEUE, execution_timeout=timedelta(seconds=CONFIG.probe.budget_s))
-    def probe() -> dict | None:
+    def probe() -> dict:
         """The drafter's verdict (config `probe`, param `probe`): a small EAGLE-3 head trained with
-        speculators on the extraction, its held-out acceptance written for the report. Skipped when
-        off; a failure here fails the run's probe, not its data (publish runs all_done)."""
+        speculators on the extraction, its held-out acceptance written for the report. Skipped,
+        saying why, when off, when nothing was extracted, or under `auto` on a worker without a
+        GPU; a failure here fails the run's probe, not its data (publish runs all_done)."""
         from airflow.sdk.exceptions import AirflowSkipException
 
         pipeline, run, store = _run()
         result = _gate(pipeline.probe, run, store)
-        if result is None:
-            raise AirflowSkipException("probe off (config probe.enabled / param probe), or nothing extracted")
+        if isinstance(result, pipeline.ProbeSkipped):
+            raise AirflowSkipException(result.reason)
         return result.as_dict()
 
     @task(trigger_rule=TriggerRule.ALL_DONE, outlets=[TRAINING_DATA], **_timeout("publish"))

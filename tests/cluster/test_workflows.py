@@ -39,11 +39,14 @@ def first_run(cluster) -> str:
 
 def test_triggered_run_succeeds_with_gpu_tasks_on_the_gpu_worker(cluster, first_run):
     tis = cluster.task_instances(first_run)
-    # every task succeeded but the probe, which is off by default (config probe.enabled) and skips
+    # every task succeeded but the probe, which skips under the default probe.when auto on a GPU
+    # worker without a GPU (this machine's)
     assert {t["task_id"]: t["state"] for t in tis if t["state"] != "success"} == {"probe": "skipped"}, (
         cluster.task_states(first_run)
     )
-    tis = [t for t in tis if t["task_id"] != "probe"]  # a skipped task is placed on no worker
+    probe = next(t for t in tis if t["task_id"] == "probe")
+    assert (probe["queue"], probe["hostname"]) == (GPU_QUEUE, "gpu-worker"), probe  # it decided there
+    tis = [t for t in tis if t["task_id"] != "probe"]
     placed = {(t["task_id"], t["queue"], t["hostname"]) for t in tis}
     for task_id, queue, host in placed:
         if task_id in GPU_TASKS:

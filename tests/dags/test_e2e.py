@@ -39,6 +39,8 @@ OVERRIDES = {
     "routing": {"overflow_fraction": 0.4, "calibration_samples": 1},
     "merge": {"max_length": 512, "shard_tokens": 1024},
     "hidden_states": {"workers": 2},  # two GPU-worker tasks, each loading the model once for its shards
+    # the probe's size when a run turns it on (param probe=always; the default auto skips it on a CPU)
+    "probe": {"samples": 12, "eval_samples": 4, "max_len": 512, "eval_every": 2},
     "datasets": [
         {"name": "tool_calls"},
         {"name": "code"},
@@ -194,6 +196,7 @@ def test_full_run_one_gate_fails_others_complete(stack, dag):
     n_shards = len([f for f in merged["files"] if f["name"].endswith(".parquet")])
     extract = [v for (task, _), v in states.items() if task == "extract_hidden_states"]
     assert extract == ["success"] * min(2, n_shards), states  # one task per GPU worker, not per shard
+    assert states[("probe", "-1")] == "skipped"  # probe.when auto, and this worker has no GPU
     assert states[("publish", "-1")] == "failed"  # the run ends failed: nobody trains on it unnoticed
     assert str(dr.state).endswith("failed")
     summary = store.get_json(StageRef(RUN_KEY, "publish", "all"), "summary.json")
@@ -312,6 +315,30 @@ def test_form_rerun_of_one_dataset(stack, dag):
         "code",
         "tool_calls",
     ]
+
+
+# -- 4b. the probe from the form: the drafter's verdict in the run report --------------------------
+def test_probe_from_the_form_puts_the_drafters_verdict_in_the_report(stack, dag):
+    """The default (auto) skipped the probe on this worker without a GPU; param probe=always trains
+    speculators' head on the committed extraction (every other stage reused: the form rerun's
+    params), and publish puts its simulated acceptance and learning curve into the run report."""
+    from eagle3_data.report import RUN_REPORT_NAME, load_run_report, render_html, run_report_ref
+    from eagle3_data.storage import StageRef
+
+    store, hs_ref = _store(stack), StageRef(RUN_KEY, "hidden_states", "all")
+    extraction = store.read_manifest(hs_ref)["manifest_sha256"]
+    conf = {"datasets": ["chat"], "max_bpe_mismatch_rate": 1.0, "max_billing_deviation": 0.999}
+    dr = dag.test(logical_date=DATE, run_conf={**conf, "probe": "always", "probe_steps": 4})
+    states = _states(dr)
+    assert str(dr.state).endswith("success") and states[("probe", "-1")] == "success", states
+    assert store.read_manifest(hs_ref)["manifest_sha256"] == extraction  # the probe reads it, nothing re-extracted
+    report = store.get_json(StageRef(RUN_KEY, "probe", "all"), "probe.json")
+    assert report["config"]["steps"] == 4 and [c["step"] for c in report["curve"]] == [0, 2, 4]
+    probe = store.get_json(run_report_ref(RUN_KEY), RUN_REPORT_NAME)["training"]["probe"]
+    assert probe["simulated_acceptance"] == report["simulated_acceptance"] and probe["curve"] == report["curve"]
+    html = render_html(load_run_report(store, RUN_KEY), title="t")
+    assert "The drafter's verdict" in html and "class='probe-curve'" in html
+    assert f"{report['simulated_acceptance']:.2f}" in html
 
 
 # -- 5. wrong special-token expectation: fails at the audit, before any request -------------------

@@ -1,10 +1,14 @@
 """The probe as the DAG runs it: after the extraction's commit it reads the extraction's shards
 and the merge's draft vocabulary from S3, trains speculators' head, writes probe.json beside a
-manifest, is reused on a rerun, and publish reads its figures and curve for the report. Its target
+manifest, is reused on a rerun, and publish reads its figures and curve for the report. Under the
+default `auto` a worker without a GPU (this one) skips it, saying why, but still reports a probe
+that ran on the same extraction; `never` is off. Its target
 is the packaged default's, the tiny Kimi-K2.5: speculators reads a vision-language verifier's
 sizes from its `text_config` and its weights under `language_model.`."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -14,10 +18,11 @@ from tests.fixtures.kimi import VOCAB_SIZE
 from tests.integration.test_extract_s3 import RUN, generations  # noqa: F401  (fixture)
 
 
-def test_probe_stage_after_the_extraction(store, generations, tiny_kimi_k25_dir):  # noqa: F811
+def test_probe_stage_after_the_extraction(store, generations, tiny_kimi_k25_dir, monkeypatch):  # noqa: F811
     from eagle3_data import pipeline
     from eagle3_data.merge import merge_datasets
     from eagle3_data.pipeline.publish import _probe_figures
+    from eagle3_data.pipeline.results import ProbeSkipped
     from eagle3_data.pipeline.run import Run
     from eagle3_data.probe import simulated_acceptance
 
@@ -25,7 +30,7 @@ def test_probe_stage_after_the_extraction(store, generations, tiny_kimi_k25_dir)
         {
             "model": {"source": str(tiny_kimi_k25_dir)},  # the default's dev:tiny-kimi-k25, in the fixtures' cache
             "merge": {"max_length": 40},
-            "probe": {"enabled": True, "samples": 12, "eval_samples": 4, "steps": 3, "eval_every": 3, "max_len": 256},
+            "probe": {"when": "always", "samples": 12, "eval_samples": 4, "steps": 3, "eval_every": 3, "max_len": 256},
         },
         where="test",
     )
@@ -36,6 +41,24 @@ def test_probe_stage_after_the_extraction(store, generations, tiny_kimi_k25_dir)
     for work in pipeline.plan_hidden_states(run, store):
         pipeline.extract_hidden_states(run, store, work)
     hs = pipeline.commit_hidden_states(run, store)
+
+    auto = dataclasses.replace(run, config=config.with_overrides({"probe": {"when": "auto"}}, where="test"))
+    skipped = pipeline.probe(auto, store)  # no GPU here: auto skips before reading a shard, saying why
+    assert isinstance(skipped, ProbeSkipped) and "no GPU" in skipped.reason and "probe=always" in skipped.reason
+    assert not store.is_complete(StageRef(RUN, "probe", "all"))
+    with monkeypatch.context() as m:  # a GPU worker whose first steps pace past the budget (the seam faked)
+        import eagle3_data.probe as probe_lib
+
+        def over(*args, **kwargs):
+            raise probe_lib.OverBudget("probe: 200 steps would take ~4000 s on cuda ..., past probe.budget_s 1800")
+
+        m.setattr(probe_lib, "default_device", lambda: "cuda")
+        m.setattr(probe_lib, "probe_export", over)
+        paced = pipeline.probe(auto, store)  # auto: skipped, saying why; always: the task fails, one line
+        assert isinstance(paced, ProbeSkipped) and paced.reason.startswith("probe.when auto: probe: 200 steps")
+        with pytest.raises(probe_lib.OverBudget, match="past probe.budget_s 1800"):
+            pipeline.probe(run, store)
+    assert not store.is_complete(StageRef(RUN, "probe", "all"))
 
     result = pipeline.probe(run, store)
     ref = StageRef(RUN, "probe", "all")
@@ -60,3 +83,9 @@ def test_probe_stage_after_the_extraction(store, generations, tiny_kimi_k25_dir)
     assert shown["first_draft"] == report["first_draft"]
     assert shown["last_state_fit"] == report["last_state_fit"] and report["last_state_fit"]["tokens"] > 0
     assert report["first_draft"]["positions"] == report["eval_samples"]  # one answer per held-out sample here
+    # the probe that ran on this extraction is the verdict under auto too (reused, not retrained);
+    # never hides it
+    assert pipeline.probe(auto, store).reused and _probe_figures(auto, store, StageRef(RUN, "hidden_states", "all"))
+    never = dataclasses.replace(run, config=config.with_overrides({"probe": {"when": "never"}}, where="test"))
+    assert isinstance(pipeline.probe(never, store), ProbeSkipped)
+    assert _probe_figures(never, store, StageRef(RUN, "hidden_states", "all")) is None

@@ -224,6 +224,30 @@ def test_probe_cli_on_an_export(export, tmp_path):
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "export_info.json" in bad.stderr, bad.stderr
 
 
+def test_a_probe_paced_past_its_budget_stops_after_its_first_steps(export, tmp_path):
+    """A probe whose first steps project past probe.budget_s stops there with one line (exit 2)
+    naming the projection, instead of training until the budget kills it: 100,000 steps at this
+    size project to hours, against a budget of 240 s (without the guard: killed at 240 s, with
+    another message)."""
+    target, correct = export
+    import yaml
+
+    from eagle3_data.config import default_config_raw
+
+    raw = default_config_raw()
+    raw["probe"].update(max_len=256, budget_s=240.0, eval_every=100_000)
+    config = tmp_path / "pipeline.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    cmd = [str(Path(sys.executable).parent / "eagle3-data"), "probe", "--input", str(correct), "--model", str(target)]
+    cmd += ["--steps", "100000", "--samples", "12", "--eval-samples", "3", "--device", "cpu", "--config", str(config)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr[-3000:]
+    assert "probe: 100000 steps would take ~" in done.stderr and "past probe.budget_s 240" in done.stderr
+    assert "stopped after its first steps" in done.stderr and "s a step over steps 2-4" in done.stderr
+    projected = float(done.stderr.split("would take ~")[1].split(" s")[0])
+    assert projected > 240
+
+
 def test_context_target_attends_to_the_previous_token(tiny_model_dir, tmp_path):
     """The fault benchmark's context target (`with_previous_token_head`), read with transformers'
     own eager attention: layer 0 puts most of every head's weight on the token before (the random

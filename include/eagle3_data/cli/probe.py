@@ -35,7 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _overrides(args: argparse.Namespace) -> dict:
     keys = ("samples", "eval_samples", "steps", "draft_length", "seed")
-    return {"probe": {"enabled": True, **{k: getattr(args, k) for k in keys if getattr(args, k) is not None}}}
+    return {"probe": {"when": "always", **{k: getattr(args, k) for k in keys if getattr(args, k) is not None}}}
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -45,7 +45,7 @@ def _run(args: argparse.Namespace) -> int:
     from eagle3_data.errors import UserError
 
     if args.input.startswith("s3://"):
-        from eagle3_data.pipeline.probe import probe
+        from eagle3_data.pipeline.probe import ProbeSkipped, probe
 
         if args.out or args.eval_export or args.model:
             raise UserError(
@@ -54,8 +54,8 @@ def _run(args: argparse.Namespace) -> int:
             )
         run, store, _ = run_of_stage(args, args.input, ("hidden_states",), _overrides(args))
         result = probe(run, store)
-        if result is None:
-            raise UserError(f"--input {args.input}: no complete extraction there to probe")
+        if isinstance(result, ProbeSkipped):
+            raise UserError(f"--input {args.input}: {result.reason}")
         print(printed(result))
         return 0
     from eagle3_data.config import load_config, resolve_source

@@ -8,10 +8,11 @@ with the merge's draft vocabulary, and writes `probe.json` under runs/RUN_KEY/pr
 from __future__ import annotations
 
 import tempfile
+import time
 from pathlib import Path
 
 from eagle3_data.config import resolve_source
-from eagle3_data.pipeline.results import ProbeResult
+from eagle3_data.pipeline.results import ProbeResult, ProbeSkipped
 from eagle3_data.pipeline.reuse import reusable
 from eagle3_data.pipeline.run import Run, log, stage_ref
 from eagle3_data.stages import HIDDEN_STATES, MERGE, PROBE, RUN_DATASET
@@ -21,22 +22,31 @@ PROBE_REPORT = "probe.json"
 
 def probe_params(run: Run) -> dict:
     """What decides the verdict: every probe choice but whether it runs and its time budget."""
-    return run.config.probe.model_dump(exclude={"enabled", "budget_s"})
+    return run.config.probe.model_dump(exclude={"when", "budget_s"})
 
 
-def probe(run: Run, store) -> ProbeResult | None:
-    """The probe on the committed extraction; None when disabled or nothing was extracted."""
+def probe(run: Run, store) -> ProbeResult | ProbeSkipped:
+    """The probe on the committed extraction (reused when it ran on it with these params), or why
+    not: off, nothing extracted, `auto` on a worker without a GPU (on a CPU the defaults pace past
+    the budget), or, under `auto`, a first pace past the budget (where `always` fails: OverBudget)."""
     from eagle3_data.draft_vocab import is_file_of
     from eagle3_data.hidden_states.shards import ShardReader
     from eagle3_data.hidden_states.speculators_export import export_speculators
-    from eagle3_data.probe import default_device, probe_export
+    from eagle3_data.probe import OverBudget, default_device, probe_export
 
-    p = run.config.probe
+    started, p = time.monotonic(), run.config.probe
     hs_ref, out_ref = stage_ref(run, HIDDEN_STATES, RUN_DATASET), stage_ref(run, PROBE, RUN_DATASET)
-    if not p.enabled or run.dry_run or run.skip_hidden_states or not store.is_complete(hs_ref):
-        return None
+    if p.when == "never":
+        return ProbeSkipped("probe off (config probe.when / param probe: never)")
+    if run.dry_run or run.skip_hidden_states or not store.is_complete(hs_ref):
+        return ProbeSkipped("nothing extracted to probe (a dry run, hidden states skipped, or no committed extraction)")
     if (manifest := reusable(store, out_ref, [hs_ref], probe_params(run))) is not None:
         return ProbeResult(store.uri(out_ref, PROBE_REPORT), reused=True, **manifest["extra"])
+    if (device := default_device()) != "cuda" and p.when == "auto":
+        return ProbeSkipped(
+            "probe.when auto: this worker has no GPU, and on a CPU the probe's defaults pace past probe.budget_s "
+            f'({p.budget_s:.0f} s; benchmarks/RESULTS.md, "The probe\'s budget"); param probe=always runs it here'
+        )
     manifest, merge_ref = store.read_manifest(hs_ref), stage_ref(run, MERGE, RUN_DATASET)
     with tempfile.TemporaryDirectory(prefix="eagle3-probe-") as tmp:
         work = Path(tmp)
@@ -55,8 +65,15 @@ def probe(run: Run, store) -> ProbeResult | None:
                     path.unlink()
 
         export_speculators(first_shards(), work / "export")
-        device = default_device()
-        report = probe_export(work / "export", Path(resolve_source(run.config.model.source)), p, device=device)
+        model = Path(resolve_source(run.config.model.source))
+        budget_s = p.budget_s - (time.monotonic() - started)  # the shards' download counts
+        try:
+            report = probe_export(work / "export", model, p, device=device, budget_s=budget_s)
+        except OverBudget as exc:
+            if p.when != "auto":
+                raise
+            log.warning("%s", exc)
+            return ProbeSkipped(f"probe.when auto: {exc}")
     report["device"] = device
     uri = store.put_json(out_ref, PROBE_REPORT, report)
     extra = {

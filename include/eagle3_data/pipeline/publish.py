@@ -53,7 +53,7 @@ def _probe_figures(run: Run, store, hs_ref) -> dict | None:
     from eagle3_data.pipeline.probe import PROBE_REPORT, probe_params
 
     ref = stage_ref(run, PROBE, RUN_DATASET)
-    if not run.config.probe.enabled or reusable(store, ref, [hs_ref], probe_params(run)) is None:
+    if run.config.probe.when == "never" or reusable(store, ref, [hs_ref], probe_params(run)) is None:
         return None
     report = store.get_json(ref, PROBE_REPORT)
     keys = (

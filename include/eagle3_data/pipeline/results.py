@@ -130,3 +130,11 @@ class ProbeResult(_Result):
     acc: list[float]
     coverage: float
     reused: bool = False
+
+
+@dataclass(frozen=True)
+class ProbeSkipped(_Result):
+    """probe: not run, and why (off, nothing extracted, `auto` on a worker without a GPU, or a
+    pace that projects past the budget under `auto`): the DAG's skip message and the log's line."""
+
+    reason: str

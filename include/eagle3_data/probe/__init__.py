@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from eagle3_data.errors import UserError
 
 PYTHON_ENV = "EAGLE3_SPECULATORS_PYTHON"
 SCRIPT = Path(__file__).with_name("speculators_probe.py")
+OVER_BUDGET_EXIT = 3  # speculators_probe.py's exit status when its projection is past the budget
 REPO = Path(__file__).resolve().parents[3]
 
 
@@ -39,6 +41,16 @@ def speculators_python() -> str:
             f"{PYTHON_ENV} to the python of a venv with requirements-speculators.txt)"
         )
     return path
+
+
+class OverBudget(UserError):
+    """The probe's first steps project past its budget (`probe.budget_s`): stopped there, before the
+    budget was spent (`projection`: speculators_probe.Budget's figures; None when it was killed at
+    the budget instead). A UserError: the config's sizes, not the weather, decide it."""
+
+    def __init__(self, message: str, projection: dict | None = None):
+        super().__init__(message)
+        self.projection = projection
 
 
 def default_device() -> str:
@@ -83,13 +95,23 @@ def draft_vocab_size(vocab_dir: Path) -> int:
 
 
 def train_and_score(
-    verifier: Path, arms: list[Arm], config, *, device: str = "cpu", threads: int | None = None
+    verifier: Path,
+    arms: list[Arm],
+    config,
+    *,
+    device: str = "cpu",
+    threads: int | None = None,
+    budget_s: float | None = None,
 ) -> list[dict]:
-    """Every arm in one speculators process; returns each arm's figures (`figures`)."""
+    """Every arm in one speculators process; returns each arm's figures (`figures`). The process
+    gets `budget_s` (default: the config's): past it, or when its first steps' pace projects past
+    it (`speculators_probe.Budget`), OverBudget."""
+    budget_s = config.budget_s if budget_s is None else budget_s
     spec = {
         "verifier": str(verifier),
         "device": device,
         "threads": threads,
+        "budget_s": budget_s,
         "arms": [
             {
                 "name": a.name,
@@ -112,14 +134,31 @@ def train_and_score(
     }
     with tempfile.TemporaryDirectory(prefix="eagle3-probe-") as tmp:
         path = Path(tmp) / "spec.json"
-        path.write_text(json.dumps(spec))
-        done = subprocess.run(
-            [speculators_python(), str(SCRIPT), str(path)], capture_output=True, text=True, timeout=config.budget_s
-        )
+        path.write_text(json.dumps({**spec, "deadline": time.time() + budget_s}))
+        try:
+            done = subprocess.run(
+                [speculators_python(), str(SCRIPT), str(path)], capture_output=True, text=True, timeout=budget_s
+            )
+        except subprocess.TimeoutExpired:
+            raise OverBudget(
+                f"probe: stopped at its budget of {budget_s:.0f} s on {device} (probe.budget_s), before it finished"
+            ) from None
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode == OVER_BUDGET_EXIT and lines and "over_budget" in lines[-1]:
+        raise OverBudget(over_budget_message(lines[-1]["over_budget"], device), lines[-1]["over_budget"])
     if done.returncode != 0:
         raise RuntimeError(f"probe: speculators failed (exit {done.returncode}): {done.stderr[-3000:]}")
-    raws = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    return [figures(raw) for raw in raws]
+    return [figures(raw) for raw in lines]
+
+
+def over_budget_message(projection: dict, device: str) -> str:
+    """One line: what the first steps measured, what they project, what to change."""
+    return (
+        f"probe: {projection['steps']} steps would take ~{projection['projected_s']:.0f} s on {device} "
+        f"({projection['step_s']:.2f} s a step over steps 2-{1 + projection['timed_steps']}, "
+        f"{projection['eval_s']:.1f} s an evaluation), past probe.budget_s {projection['budget_s']:.0f}: "
+        "stopped after its first steps; lower probe.steps, max_len or eval_samples, or run it on a GPU worker"
+    )
 
 
 def _ratios(sums: list[float], totals: list[float]) -> list[float]:
@@ -235,8 +274,10 @@ def probe_export(
     eval_export: Path | None = None,
     vocab_dir: Path | None = None,
     device: str = "cpu",
+    budget_s: float | None = None,
 ) -> dict:
-    """The probe on one export (draft vocabulary beside it unless `vocab_dir`): the artifact's JSON."""
+    """The probe on one export (draft vocabulary beside it unless `vocab_dir`): the artifact's JSON.
+    `budget_s`: the training's share of the budget (default: the config's whole)."""
     info = export / "export_info.json"
     if not info.exists():
         raise UserError(f"probe: {export} is no speculators export (no export_info.json; run export-speculators)")
@@ -244,7 +285,7 @@ def probe_export(
     train_rows, eval_rows = split(rows, config.samples, config.eval_samples, config.seed)
     vocab = vocab_dir or export
     arm = Arm("probe", export, eval_export or export, train_rows, eval_rows, vocab, config.seed)
-    result = train_and_score(verifier, [arm], config, device=device)[0]
+    result = train_and_score(verifier, [arm], config, device=device, budget_s=budget_s)[0]
     result.pop("name")
     return {
         "config": config.model_dump(),

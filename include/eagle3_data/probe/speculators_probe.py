@@ -8,10 +8,13 @@ the metrics' sums), backward, AdamW. Every arm of the spec is one drafter, train
 its rows of a train export and evaluated on its rows of an eval export, all in this one process so
 the imports (seconds) are paid once.
 
-argv: a JSON spec {"verifier": model dir, "device": "cpu"|"cuda", "arms": [{"name", "train",
-"eval", "train_rows", "eval_rows", "vocab_dir", "draft_vocab", "steps", "draft_length", "seed",
-"batch_size", "max_len", "lr", "eval_every"}]}. Prints one JSON line per arm: the
-loss per step, the metrics' sums at each evaluation (the learning curve) and the seconds taken.
+argv: a JSON spec {"verifier": model dir, "device": "cpu"|"cuda", "budget_s": seconds or null,
+"deadline": the budget's end (epoch seconds, set by the caller as it starts this process) or null,
+"arms": [{"name", "train", "eval", "train_rows", "eval_rows", "vocab_dir", "draft_vocab", "steps",
+"draft_length", "seed", "batch_size", "max_len", "lr", "eval_every"}]}. Prints one JSON line per
+arm: the loss per step, the metrics' sums at each evaluation (the learning curve) and the seconds
+taken; or, when the first arm's first steps project past the budget, one line {"over_budget": ...}
+and exit status 3 (`Budget`).
 """
 
 import json
@@ -27,6 +30,49 @@ from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig, 
 from speculators.proposals.greedy import GreedyTokenProposalConfig
 from speculators.train.data import ArrowDataset, CollateFn
 from transformers import AutoConfig, LlamaConfig
+
+OVER_BUDGET_EXIT = 3  # eagle3_data.probe.OVER_BUDGET_EXIT
+TIMED_STEPS = 3  # steps timed after the first (which pays the lazy set-up) to project the rest
+
+
+class Budget:
+    """The probe's time guard: after the first arm's first 1 + TIMED_STEPS steps, the measured pace
+    (seconds a training step, seconds an evaluation) is projected over every step and evaluation
+    still to come, in every arm; past the deadline (its caller's clock at this process's start plus
+    `budget_s`: the imports count) the probe stops there (`over_budget`), instead of spending the
+    budget to be killed at its end."""
+
+    def __init__(self, spec: dict):
+        self.budget_s, self.deadline = spec.get("budget_s"), spec.get("deadline")
+        self.arms = spec["arms"]
+        self.checked = self.deadline is None
+
+    @staticmethod
+    def evaluations(arm: dict, after_step: int) -> int:
+        """The arm's evaluations after `after_step` (every eval_every steps and at its last)."""
+        at = set(range(arm["eval_every"], arm["steps"] + 1, arm["eval_every"])) | {arm["steps"]}
+        return sum(1 for step in at if step > after_step)
+
+    def check(self, arm_index: int, done: int, step_seconds: list[float], eval_s: float) -> None:
+        if self.checked or done < 1 + TIMED_STEPS or arm_index > 0:
+            return
+        self.checked = True
+        step_s = sum(step_seconds[1:]) / (len(step_seconds) - 1)
+        arm = self.arms[0]
+        left = (arm["steps"] - done) * step_s + self.evaluations(arm, done) * eval_s
+        for later in self.arms[1:]:  # each pays its step-0 evaluation too
+            left += later["steps"] * step_s + (1 + self.evaluations(later, 0)) * eval_s
+        if time.time() + left > self.deadline:
+            over = {
+                "projected_s": self.budget_s - (self.deadline - time.time()) + left,
+                "budget_s": self.budget_s,
+                "steps": sum(a["steps"] for a in self.arms),
+                "step_s": step_s,
+                "eval_s": eval_s,
+                "timed_steps": len(step_seconds) - 1,
+            }
+            print(json.dumps({"over_budget": over}), flush=True)
+            sys.exit(OVER_BUDGET_EXIT)
 
 
 def drafter(verifier: str, target, arm: dict, aux_layers: list[int]) -> Eagle3DraftModel:
@@ -133,9 +179,10 @@ def evaluate(model, batches, arm: dict, loss_config, device: str) -> dict:
     }
 
 
-def train_arm(spec: dict, arm: dict) -> tuple[Eagle3DraftModel, dict]:
+def train_arm(spec: dict, arm: dict, budget: Budget | None = None, index: int = 0) -> tuple[Eagle3DraftModel, dict]:
     """One arm trained: the drafter (for checks that score it by hand, tests/trainers/probe_oracle.py)
-    and its figures: the loss per step, the metrics' sums per evaluation, the seconds taken."""
+    and its figures: the loss per step, the metrics' sums per evaluation, the seconds taken. The
+    `budget` is checked once its first steps are timed."""
     started = time.monotonic()
     device = spec.get("device", "cpu")
     torch.manual_seed(arm["seed"])
@@ -149,15 +196,22 @@ def train_arm(spec: dict, arm: dict) -> tuple[Eagle3DraftModel, dict]:
     optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=arm["lr"])
     loss_config = resolve_loss_config("kl_div", "eager")  # the trainer's default loss (the fused one needs Triton)
     losses: list[float] = []
+    evaluated = time.monotonic()
     curve = [{"step": 0, **evaluate(model, held_out, arm, loss_config, device)}]
+    eval_s = time.monotonic() - evaluated
+    step_seconds: list[float] = []
     while len(losses) < arm["steps"]:
         for batch in train:
+            stepped = time.monotonic()
             with autocast(device):
                 _, loss, _ = model(**tensors(batch, device), ttt_steps=arm["draft_length"], loss_config=loss_config)
             optim.zero_grad()
             loss.backward()
             optim.step()
             losses.append(float(loss.detach()))
+            step_seconds.append(time.monotonic() - stepped)
+            if budget is not None:
+                budget.check(index, len(losses), step_seconds, eval_s)
             if len(losses) % arm["eval_every"] == 0 or len(losses) == arm["steps"]:
                 curve.append({"step": len(losses), **evaluate(model, held_out, arm, loss_config, device)})
             if len(losses) == arm["steps"]:
@@ -168,8 +222,9 @@ def train_arm(spec: dict, arm: dict) -> tuple[Eagle3DraftModel, dict]:
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     torch.set_num_threads(spec.get("threads") or torch.get_num_threads())
-    for arm in spec["arms"]:
-        print(json.dumps(train_arm(spec, arm)[1]), flush=True)
+    budget = Budget(spec)
+    for index, arm in enumerate(spec["arms"]):
+        print(json.dumps(train_arm(spec, arm, budget, index)[1]), flush=True)
 
 
 if __name__ == "__main__":
