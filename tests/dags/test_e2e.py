@@ -292,20 +292,24 @@ def test_clear_of_a_successful_run_reuses_everything(stack, dag):
     assert _asset_events() == events_before
 
 
-# -- 4. trigger-form rerun of one dataset: datasets=[chat] ----------------------------------------
-def test_form_rerun_of_one_dataset(stack, dag):
+# -- 4. trigger-form rerun of one dataset: datasets=[chat], with the probe on -----------------------
+def test_form_rerun_of_one_dataset_with_the_probe_on(stack, dag):
+    """The form reruns chat alone (the others' artifacts untouched) with its thresholds, and turns
+    the probe on (param probe=always; the default auto skipped it on this worker without a GPU):
+    speculators' head trained on the new extraction, its simulated acceptance and learning curve
+    in the run report."""
+    from eagle3_data.report import RUN_REPORT_NAME, load_run_report, render_html, run_report_ref
+    from eagle3_data.storage import StageRef
+
     before = {ds: _objects(stack, ds) for ds in ("tool_calls", "code")}
-    dr = dag.test(
-        logical_date=DATE, run_conf={"datasets": ["chat"], "max_bpe_mismatch_rate": 1.0, "max_billing_deviation": 0.999}
-    )
+    conf = {"datasets": ["chat"], "max_bpe_mismatch_rate": 1.0, "max_billing_deviation": 0.999}
+    dr = dag.test(logical_date=DATE, run_conf={**conf, "probe": "always", "probe_steps": 4})
     states = _states(dr)
     assert str(dr.state).endswith("success"), states
     assert {name for (tid, name) in states if tid == "dataset.validate"} == {"chat"}
     for ds in ("tool_calls", "code"):
         assert _objects(stack, ds) == before[ds]
     store = _store(stack)
-    from eagle3_data.storage import StageRef
-
     assert (
         store.read_manifest(StageRef(RUN_KEY, "validate", "chat"))["params"]["thresholds"]["max_billing_deviation"]
         == 0.999
@@ -315,30 +319,17 @@ def test_form_rerun_of_one_dataset(stack, dag):
         "code",
         "tool_calls",
     ]
-
-
-# -- 4b. the probe from the form: the drafter's verdict in the run report --------------------------
-def test_probe_from_the_form_puts_the_drafters_verdict_in_the_report(stack, dag):
-    """The default (auto) skipped the probe on this worker without a GPU; param probe=always trains
-    speculators' head on the committed extraction (every other stage reused: the form rerun's
-    params), and publish puts its simulated acceptance and learning curve into the run report."""
-    from eagle3_data.report import RUN_REPORT_NAME, load_run_report, render_html, run_report_ref
-    from eagle3_data.storage import StageRef
-
-    store, hs_ref = _store(stack), StageRef(RUN_KEY, "hidden_states", "all")
-    extraction = store.read_manifest(hs_ref)["manifest_sha256"]
-    conf = {"datasets": ["chat"], "max_bpe_mismatch_rate": 1.0, "max_billing_deviation": 0.999}
-    dr = dag.test(logical_date=DATE, run_conf={**conf, "probe": "always", "probe_steps": 4})
-    states = _states(dr)
-    assert str(dr.state).endswith("success") and states[("probe", "-1")] == "success", states
-    assert store.read_manifest(hs_ref)["manifest_sha256"] == extraction  # the probe reads it, nothing re-extracted
-    report = store.get_json(StageRef(RUN_KEY, "probe", "all"), "probe.json")
+    assert states[("probe", "-1")] == "success", states
+    probe_ref = StageRef(RUN_KEY, "probe", "all")
+    hs = store.read_manifest(StageRef(RUN_KEY, "hidden_states", "all"))
+    assert [i["uri"] for i in store.read_manifest(probe_ref)["inputs"]] == [hs["uri"]]  # this run's extraction
+    report = store.get_json(probe_ref, "probe.json")
     assert report["config"]["steps"] == 4 and [c["step"] for c in report["curve"]] == [0, 2, 4]
     probe = store.get_json(run_report_ref(RUN_KEY), RUN_REPORT_NAME)["training"]["probe"]
     assert probe["simulated_acceptance"] == report["simulated_acceptance"] and probe["curve"] == report["curve"]
     html = render_html(load_run_report(store, RUN_KEY), title="t")
     assert "The drafter's verdict" in html and "class='probe-curve'" in html
-    assert f"{report['simulated_acceptance']:.2f}" in html
+    assert f"<b>{report['simulated_acceptance']:.2f}</b> tokens per step" in html
 
 
 # -- 5. wrong special-token expectation: fails at the audit, before any request -------------------
