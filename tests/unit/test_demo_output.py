@@ -95,3 +95,17 @@ def test_heartbeat_names_the_phase_when_piped():
     assert beat.line(0.0) is None  # between phases: nothing to say
     beat.enter("running eagle3_datagen, run key demo-dev")
     assert beat.line(beat.since + 42.4) == "demo: still running eagle3_datagen, run key demo-dev (42 s)"
+
+
+def test_the_probe_is_said_when_it_ran_and_why_not_when_it_skipped():
+    """The demo's machine has no GPU: under the default probe.when auto the probe skips, and the
+    demo says why and how to run it; a run with the probe on shows its verdict; a run that never
+    reached it says nothing of it."""
+    from eagle3_devtools.demo import probe_lines
+
+    skipped = probe_lines({"training": {}}, [("probe", "", "skipped", 0.4)])
+    assert len(skipped) == 1 and "probe.when auto" in skipped[0] and "probe=always" in skipped[0]
+    ran = {"simulated_acceptance": 1.234, "acc": [0.61, 0.52], "steps": 4, "uri": "s3://b/runs/k/probe/all/probe.json"}
+    (line,) = probe_lines({"training": {"probe": ran}}, [("probe", "", "success", 20.0)])
+    assert "1.23 tokens per step" in line and "acc 0.61, 0.52" in line and ran["uri"] in line
+    assert probe_lines({}, GATE_RUN) == []  # the gate run stops before the probe (no summary either)

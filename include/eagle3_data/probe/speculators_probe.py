@@ -59,7 +59,8 @@ class Budget:
         self.checked = True
         step_s = sum(step_seconds[1:]) / (len(step_seconds) - 1)
         arm = self.arms[0]
-        left = (arm["steps"] - done) * step_s + self.evaluations(arm, done) * eval_s
+        # checked after step `done`'s update, before its evaluation (if it has one): that one is still to come
+        left = (arm["steps"] - done) * step_s + self.evaluations(arm, done - 1) * eval_s
         for later in self.arms[1:]:  # each pays its step-0 evaluation too
             left += later["steps"] * step_s + (1 + self.evaluations(later, 0)) * eval_s
         if time.time() + left > self.deadline:
