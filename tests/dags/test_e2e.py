@@ -197,6 +197,10 @@ def test_full_run_one_gate_fails_others_complete(stack, dag):
     extract = [v for (task, _), v in states.items() if task == "extract_hidden_states"]
     assert extract == ["success"] * min(2, n_shards), states  # one task per GPU worker, not per shard
     assert states[("probe", "-1")] == "skipped"  # probe.when auto, and this worker has no GPU
+    from eagle3_data.report import RUN_REPORT_NAME, run_report_ref
+
+    not_run = store.get_json(run_report_ref(RUN_KEY), RUN_REPORT_NAME)["training"]["probe_not_run"]
+    assert "probe.when auto runs it on a worker with a GPU" in not_run  # the report says why there is no verdict
     assert states[("publish", "-1")] == "failed"  # the run ends failed: nobody trains on it unnoticed
     assert str(dr.state).endswith("failed")
     summary = store.get_json(StageRef(RUN_KEY, "publish", "all"), "summary.json")

@@ -55,3 +55,14 @@ def test_the_report_draws_the_probe_curve():
     assert len(points) == len(raw["curve"]) and list(xs) == sorted(xs)
     acceptance = [c["simulated_acceptance"] for c in probe["curve"]]
     assert sorted(range(3), key=lambda i: -acceptance[i]) == sorted(range(3), key=lambda i: ys[i])  # higher: smaller y
+
+
+def test_an_extracted_run_without_a_probe_says_why_not():
+    """publish's reason for an extracted run without a verdict (the default auto on a worker
+    without a GPU) is on the page where the verdict would be; off (never) says so."""
+    from eagle3_data.pipeline.publish import _probe_not_run
+
+    for when, said in (("auto", "probe.when auto runs it on a worker with a GPU"), ("never", "the probe is off")):
+        html = render_html(RunReport("k", {"training": {"probe_not_run": _probe_not_run(when)}}, []), title="t")
+        assert "The drafter's verdict" in html and said in html and "probe-curve" not in html
+    assert "The drafter's verdict" not in render_html(RunReport("k", {"training": {}}, []), title="t")

@@ -75,6 +75,20 @@ def _probe_figures(run: Run, store, hs_ref) -> dict | None:
     return {"uri": store.uri(ref, PROBE_REPORT), "steps": report["config"]["steps"], **{k: report.get(k) for k in keys}}
 
 
+def _probe_not_run(when: str) -> str:
+    """Why the report of an extracted run has no probe verdict, as far as publish can tell (the probe
+    task's skip message or error says which case it was)."""
+    if when == "never":
+        return "Not run: the probe is off (config probe.when / param probe: never)."
+    if when == "auto":
+        return (
+            "Not run: probe.when auto runs it on a worker with a GPU and skips it on one without, or when "
+            "its first steps pace past probe.budget_s (the probe task's log says which); param probe=always "
+            "runs it on any worker."
+        )
+    return "Not run on this extraction: the probe task failed or did not finish (its log says why)."
+
+
 def _policy_every_row(run: Run, store, hs_ref, hidden: dict) -> dict:
     """The policy check over every sampled answer the extraction scored (policy.compare.every_row_gate),
     with the nucleus counts of its committed figures (`hidden`: the extraction manifest's extra)."""
@@ -243,6 +257,8 @@ def publish(run: Run, store) -> PublishResult:
         "logprob_check": (hidden or {}).get("logprob_check"),
         "probe": _probe_figures(run, store, hs_ref) if hidden else None,  # the drafter's verdict, when it ran
     }
+    if hidden and training["probe"] is None:
+        training["probe_not_run"] = _probe_not_run(run.config.probe.when)
     report_uri = _run_report(store, run.run_key, index, run.config.stand_ins, training)
     summary_ref = stage_ref(run, PUBLISH, RUN_DATASET)
     summary = {
