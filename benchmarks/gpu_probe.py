@@ -61,6 +61,7 @@ def main() -> None:
         eval_every=max(1, args.steps // 8),
         max_len=256 if args.smoke else 4096,
     )
+    trained = config.steps * config.batch_size
     with tempfile.TemporaryDirectory(prefix="gpu-probe-") as tmp:
         t0 = time.perf_counter()
         export = export_rows(model, rows, Path(tmp) / "export", vocab_size=args.draft_vocab, device=device)
@@ -70,7 +71,6 @@ def main() -> None:
         except OverBudget as exc:
             over = exc.projection or {}
             print(f"extract + export {t1 - t0:.1f} s; {exc}")
-            trained = config.steps * config.batch_size
             print(
                 f"RATIO gpu_probe {over.get('projected_s', float('nan')) / trained * 1000:.1f} s per 1,000 trained "
                 f"samples projected on {device} ({over.get('step_s', float('nan')):.2f} s a step): past the "
@@ -78,7 +78,6 @@ def main() -> None:
             )
             return
         t2 = time.perf_counter()
-    trained = config.steps * config.batch_size
     print(
         json.dumps(
             {
