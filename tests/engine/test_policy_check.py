@@ -1,12 +1,13 @@
 """The policy check tells a different model from the target, on CPU, with real engines.
 
 The local engine is the session's `vllm serve` of the tiny Kimi-K2.5 (peaked next-token
-distributions, so a model's text is its own). The overflow "provider" is a vLLM server too,
-answering OpenRouter's chat route under the pinned name: a second server (started with this
-module) with the tiny text stack's shapes and other weights (a text-only DeepSeek-V3, seed 1)
-under the same name -> the identity check cannot see it (same
-name), the policy check fails the dataset naming the figures. (The same weights passing, with the
-power statement, is tests/engine/test_policy_faults.py's honest provider: not run twice.)
+distributions, so a model's text is its own). The overflow "provider" is the session's dev
+inference server (the OpenRouter stand-in, its own text model: a fixed pseudo-random
+log-probability per id pair) answering OpenRouter's chat route under the pinned served name ->
+the identity check cannot see it (same name), the policy check fails the dataset naming the
+figures. (The same weights passing, with the power statement, is
+tests/engine/test_policy_faults.py's honest provider: not run twice; other weights that stay in
+the target's nucleus are the greedy test's, benchmarks/policy_power.py's int8 provider.)
 Each run goes through the pipeline's own stages: prompts,
 both generations, reconstruction, scoring (default policy settings: the pilot takes all 24
 answers a side), the gate. 24 samples a side cannot see the default shift that matters (0.1
@@ -95,12 +96,12 @@ def _through_the_gate(store, run: Run, local_url: str, provider_url: str):
     return policy, lambda: pipeline.validate(run, store, DATASET)
 
 
-def test_another_models_text_under_the_same_name_fails(store, vllm_server, vllm_other_server, kimi_tokenizer_dir):
-    policy, validate = _through_the_gate(
-        store, _run(kimi_tokenizer_dir, "policy-other"), vllm_server.url, vllm_other_server.url
-    )
+def test_another_models_text_under_the_same_name_fails(store, vllm_server, start_dev_server, kimi_tokenizer_dir):
+    provider = start_dev_server({"model": SERVED_MODEL_NAME, "canonical_slug": SERVED_MODEL_NAME})
+    policy, validate = _through_the_gate(store, _run(kimi_tokenizer_dir, "policy-other"), vllm_server.url, provider.url)
     assert policy.gap_nats_per_token > 1.0, policy  # far less likely under the target than its own text
     with pytest.raises(GateFailed, match="policy: overflow text is off the target's policy, less likely") as failed:
         validate()
+    print(f"another model's text (the dev server under the pinned name): {failed.value}")
     assert "identity" not in str(failed.value)  # same served name: only the policy check can tell
     assert "sampled answers: mean log-probability" in str(failed.value) and "over 24 + 24 samples" in str(failed.value)
