@@ -69,8 +69,13 @@ speculators-venv: $(SPEC_STAMP)
 # every process and every server they start (README, "A first start").
 # The cluster's waits leave a core idle that the other two fill; the tiers are placed so that the
 # three processes end close together (benchmarks/RESULTS.md, "`make test` in three processes").
+# tests/dags/test_task_timeout.py runs in the main tier: it mostly waits for its task's
+# execution_timeout (~45 s wall for ~11 CPU s), which the main tier's engines fill, and the dags +
+# benchmarks process ended last by about that much with it (benchmarks/RESULTS.md, "`make test`
+# without the second vLLM server").
 CLUSTER_TESTS := tests/cluster tests/integration
-SIDE_TESTS := tests/dags tests/benchmarks
+SIDE_TESTS := tests/dags/test_cli_reuse.py tests/dags/test_dag_import.py tests/dags/test_e2e.py tests/dags/test_hooks.py \
+	tests/benchmarks
 CLUSTER_LOG := test-artifacts/cluster-integration.log
 SIDE_LOG := test-artifacts/dags-benchmarks.log
 TEST_CACHE := $(CURDIR)/test-artifacts/cache
