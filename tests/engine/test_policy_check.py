@@ -1,16 +1,17 @@
-"""The policy check tells a different model from the target, on CPU, with real engines.
+"""The policy check tells a different model from the target, on CPU, with the real local engine.
 
 The local engine is the session's `vllm serve` of the tiny Kimi-K2.5 (peaked next-token
 distributions, so a model's text is its own). The overflow "provider" is the session's dev
-inference server (the OpenRouter stand-in, its own text model: a fixed pseudo-random
-log-probability per id pair) answering OpenRouter's chat route under the pinned served name ->
-the identity check cannot see it (same name), the policy check fails the dataset naming the
-figures. (The same weights passing, with the power statement, is
-tests/engine/test_policy_faults.py's honest provider: not run twice; other weights that stay in
-the target's nucleus are the greedy test's, benchmarks/policy_power.py's int8 provider.)
-Each run goes through the pipeline's own stages: prompts,
-both generations, reconstruction, scoring (default policy settings: the pilot takes all 24
-answers a side), the gate. 24 samples a side cannot see the default shift that matters (0.1
+inference server (the OpenRouter stand-in; its text comes from eagle3_data.dev.text_model's
+seeded corpus, not from the target) answering OpenRouter's chat route under the pinned served
+name -> the identity check cannot see it (same name), the policy check fails the dataset naming
+the figures. (Until 2026-12-04 a second `vllm serve` with other weights played this provider: the test
+took 72 CPU s with it, ~50 of them its start-up, for the same verdict; benchmarks/RESULTS.md.) The same
+weights passing, with the power statement, is tests/engine/test_policy_faults.py's honest
+provider (not run twice); other weights that stay in the target's nucleus are the greedy test's,
+benchmarks/policy_power.py's int8 provider. Each run goes through the pipeline's own stages:
+prompts, both generations, reconstruction, scoring (default policy settings: the pilot takes all
+24 answers a side), the gate. 24 samples a side cannot see the default shift that matters (0.1
 nats/token) with 90% power: the gate says so and still fails another model's text (its shift is
 ten times that).
 """

@@ -149,6 +149,39 @@ def test_racing_takeovers_of_an_expired_lease_have_one_winner(store):
         leases[0].release()
 
 
+def test_a_holder_left_a_zombie_is_taken_over_at_once(store):
+    """A SIGKILLed worker's task process stays a zombie where PID 1 does not reap orphans (this
+    sandbox's does not): kill(pid, 0) still finds it. Its lease is dead all the same, so the retry
+    takes it over at once instead of being refused until the ttl runs out (up to 120 s of
+    StageBusy retries, the cluster test's killed run). Here the zombie is this process's own
+    unreaped child."""
+    import json
+    import socket
+    import subprocess
+
+    from eagle3_data.storage.lease import is_zombie
+
+    zombie = subprocess.Popen(["true"])
+    deadline = time.monotonic() + 30
+    while not is_zombie(zombie.pid):  # exited, not yet waited for
+        assert time.monotonic() < deadline, "the child never exited"
+        time.sleep(0.05)
+    try:
+        ref = StageRef(run_key="zombie", stage="generate_overflow", dataset="d")
+        store.client.put_object(
+            Bucket=store.bucket,
+            Key=store.key(ref, LEASE),
+            Body=json.dumps(
+                {"owner": "killed", "token": "0" * 32, "state": "held", "host": socket.gethostname(), "pid": zombie.pid}
+            ).encode(),
+        )
+        lease = acquire_lease(store, ref, ttl_s=600, owner="retry", heartbeat=False)
+        assert lease.took_over["owner"] == "killed"
+        lease.release()
+    finally:
+        zombie.wait()
+
+
 # -- Why 1 of issue 13, with the dev server as the paid endpoint ------------------------------------------
 def _overflow(store, server, todo, tmp_path, **kw):
     return generate_overflow(

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from eagle3_data.dev.processes import free_port
 from eagle3_data.errors import UserError
+from eagle3_data.storage.lease import is_zombie
 
 log = logging.getLogger(__name__)
 
@@ -330,10 +331,7 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    try:  # a zombie (exited, parent has not reaped it) is not running
-        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
-    except (OSError, IndexError):
-        return True
+    return not is_zombie(pid)
 
 
 def _signal(pid: int, sig: int) -> None:

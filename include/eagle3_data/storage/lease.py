@@ -33,6 +33,7 @@ import time
 import uuid
 from datetime import datetime, timedelta, timezone
 from email.utils import parsedate_to_datetime
+from pathlib import Path
 
 from botocore.exceptions import ClientError
 
@@ -272,7 +273,19 @@ def _holder_dead(holder: dict) -> bool:
         return True
     except OSError:
         return False
-    return False
+    return is_zombie(holder["pid"])
+
+
+def is_zombie(pid: int) -> bool:
+    """An exited process nobody has reaped yet: kill(pid, 0) still finds it, but it runs nothing and
+    renews no lease. A SIGKILLed worker leaves its task process so wherever PID 1 does not reap
+    orphans (this project's sandboxes; a container without an init): taken for alive, its lease
+    would refuse the retry until its ttl ran out (benchmarks/RESULTS.md, "A killed worker's
+    lease"). False where /proc cannot tell (macOS)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False
 
 
 def lease_name(scope: str | None = None) -> str:
