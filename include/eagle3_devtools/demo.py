@@ -187,7 +187,7 @@ def report(stack, config, run_key: str, dag_run, names: dict[str, str] = STAND_I
         )
         if left := h["totals"].get("left_out_image_samples"):
             lines.append(f"  {left} image samples left out (hidden_states.max_images: 0, or a text-only target)")
-    lines += probe_lines(s, task_states(dag_run))
+    lines += probe_lines(s)
     lines += engine_lines(store, run_key, list(s["datasets"]), s.get("stand_ins") or [])
     priced = " (a stand-in's price list: nothing was paid)" if "overflow_provider" in (s.get("stand_ins") or []) else ""
     lines += [
@@ -201,20 +201,18 @@ def report(stack, config, run_key: str, dag_run, names: dict[str, str] = STAND_I
     return "\n".join(lines)
 
 
-def probe_lines(summary: dict, states: list[tuple[str, str, str, float]]) -> list[str]:
-    """The drafter's verdict when the probe ran; why not when it skipped (the default `auto` on a
-    machine without a GPU: the demo's)."""
-    if probe := (summary.get("training") or {}).get("probe"):
+def probe_lines(summary: dict) -> list[str]:
+    """The drafter's verdict when the probe ran; why not when it did not (publish's
+    `training.probe_not_run`: under the default `auto`, a machine without a GPU, the demo's)."""
+    training = summary.get("training") or {}
+    if probe := training.get("probe"):
         acc = ", ".join(f"{a:.2f}" for a in probe["acc"])
         return [
             f"Probe: simulated acceptance {probe['simulated_acceptance']:.2f} tokens per step (acc {acc}) "
             f"after {probe['steps']} steps, at {probe['uri']}"
         ]
-    if any(tid == "probe" and state == "skipped" for tid, _, state, _ in states):
-        return [
-            "Probe: skipped (probe.when auto runs the drafter's verdict on a worker with a GPU; the trigger "
-            'param probe=always runs it here: docs/hidden_states.md, "The drafter\'s verdict")'
-        ]
+    if not_run := training.get("probe_not_run"):
+        return [f"Probe: {not_run}"]
     return []
 
 

@@ -99,13 +99,14 @@ def test_heartbeat_names_the_phase_when_piped():
 
 def test_the_probe_is_said_when_it_ran_and_why_not_when_it_skipped():
     """The demo's machine has no GPU: under the default probe.when auto the probe skips, and the
-    demo says why and how to run it; a run with the probe on shows its verdict; a run that never
-    reached it says nothing of it."""
+    demo prints why and how to run it as publish wrote it in the run's summary; a run with the probe
+    on shows its verdict; a run that never reached it says nothing of it."""
+    from eagle3_data.pipeline.publish import _probe_not_run
     from eagle3_devtools.demo import probe_lines
 
-    skipped = probe_lines({"training": {}}, [("probe", "", "skipped", 0.4)])
-    assert len(skipped) == 1 and "probe.when auto" in skipped[0] and "probe=always" in skipped[0]
+    (skipped,) = probe_lines({"training": {"probe_not_run": _probe_not_run("auto")}})
+    assert skipped.startswith("Probe: Not run") and "probe.when auto" in skipped and "probe=always" in skipped
     ran = {"simulated_acceptance": 1.234, "acc": [0.61, 0.52], "steps": 4, "uri": "s3://b/runs/k/probe/all/probe.json"}
-    (line,) = probe_lines({"training": {"probe": ran}}, [("probe", "", "success", 20.0)])
+    (line,) = probe_lines({"training": {"probe": ran}})
     assert "1.23 tokens per step" in line and "acc 0.61, 0.52" in line and ran["uri"] in line
-    assert probe_lines({}, GATE_RUN) == []  # the gate run stops before the probe (no summary either)
+    assert probe_lines({}) == []  # the gate run stops before the probe (no summary either)
