@@ -89,14 +89,17 @@ def _run():
 def _gate(fn, *args):
     """Call a stage; a failed gate or bad input/config (UserError) becomes AirflowFailException:
     no retries, since retrying cannot fix data. An unreachable S3 or endpoint, or a stage still
-    leased by another attempt, stays retryable."""
+    leased by another attempt, stays retryable. The stage stops if this task's supervisor dies
+    (plugins/supervisor_guard.py says why)."""
     from airflow.sdk.exceptions import AirflowFailException
+    from supervisor_guard import stop_with_supervisor
 
     from eagle3_data.errors import Retryable, UserError
     from eagle3_data.storage import StageBusy
 
     try:
-        return fn(*args)
+        with stop_with_supervisor():
+            return fn(*args)
     except (Retryable, StageBusy):  # weather: S3 or an endpoint down, a stage stopped early, a zombie's lease
         raise
     except UserError as exc:

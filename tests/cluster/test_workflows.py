@@ -202,14 +202,17 @@ def backfills(cluster) -> list[dict]:
 
 def test_sigkill_of_the_generating_worker_is_retried_without_loss_or_duplicates(cluster, killed_run):
     """See the `killed_run` fixture: the gpu worker's whole process group was SIGKILLed once the
-    local stage had committed a part; the scheduler found the task without heartbeat and retried
-    it on the replacement worker, whose retry resumed from the committed parts."""
+    local stage had committed a part; its orphaned task runner stopped the stage (not finished it,
+    nor held its lease against the retry), the scheduler found the task without heartbeat and
+    retried it on the replacement worker, whose retry resumed from the committed parts."""
     from eagle3_data.storage import StageRef
 
     store, day = killed_run["store"], killed_run["date"]
     tis = {(t["task_id"], t["rendered_map_index"]): t for t in cluster.task_instances(KILLED_RUN)}
     local = tis["dataset.generate_local", "tool_calls"]
-    assert local["state"] == "success" and local["try_number"] >= 2, local
+    assert local["state"] == "success" and local["try_number"] == 2, local
+    manifest = store.read_manifest(StageRef(f"date={day}", "generate_local", "tool_calls"))
+    assert manifest["extra"]["writer"]["resumed_parts"] >= 1, manifest["extra"]["writer"]  # the retry's commit
     assert tis["dataset.reconstruct", "tool_calls"]["state"] == "success"
     rows = (
         store.read_table(StageRef(f"date={day}", "generate_local", "tool_calls"), columns=["sample_id"])
