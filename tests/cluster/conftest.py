@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import date
+from datetime import date, datetime, timezone
 from pathlib import Path
 
 import httpx
@@ -241,6 +241,7 @@ def cluster(tmp_path_factory) -> ClusterHandle:
         handle = ClusterHandle(launcher, work, env_file, cluster_env, password, log)
         r = handle.api("PATCH", f"/dags/{DAG_ID}", json={"is_paused": False})
         assert r.status_code == 200, r.text
+        fail_the_catch_up_run(handle)
         yield handle
     finally:
         if launcher.poll() is None:
@@ -251,6 +252,27 @@ def cluster(tmp_path_factory) -> ClusterHandle:
                 os.killpg(launcher.pid, signal.SIGKILL)
                 launcher.wait()
         reap_leftovers(work / "services.json")  # a launcher that could not clean up: its services
+
+
+def fail_the_catch_up_run(cluster: ClusterHandle, timeout: float = 120) -> None:
+    """A daily DAG unpaused within 2.4 h after midnight UTC gets a run for that midnight at once
+    (catchup is off, but Airflow's CronTriggerTimetable, run_immediately=False, still takes the
+    past tick within a tenth of the interval: apache/airflow#64162), later in the day none. No test
+    reads that run, and with `max_active_runs=1` the first triggered run waited behind its whole
+    pipeline on today's prompts (the killed run's setup 257-305 s instead of 131-190 s,
+    benchmarks/RESULTS.md, "The cluster's catch-up run"). When the DAG says it is due, it is marked
+    failed as it appears, as a person who does not want it would in the UI."""
+    due = cluster.api("GET", f"/dags/{DAG_ID}").json()["next_dagrun_run_after"]
+    if due is None or datetime.fromisoformat(due) > datetime.now(timezone.utc):
+        return
+    deadline = time.monotonic() + timeout
+    while not (runs := [r for r in cluster.runs() if r["run_type"] == "scheduled"]):
+        assert time.monotonic() < deadline, f"no run for {due} {timeout:.0f} s after unpausing: {cluster.runs()}"
+        cluster.check_alive()
+        time.sleep(0.5)
+    for run in runs:
+        r = cluster.api("PATCH", f"/dags/{DAG_ID}/dagRuns/{run['dag_run_id']}", json={"state": "failed"})
+        assert r.status_code == 200, r.text
 
 
 SMALL = 8  # prompts per dataset where a workflow needs a few samples, not the whole sample file
