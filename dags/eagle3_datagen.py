@@ -89,7 +89,7 @@ def _run():
 def _gate(fn, *args):
     """Call a stage; a failed gate or bad input/config (UserError) becomes AirflowFailException:
     no retries, since retrying cannot fix data. An unreachable S3 or endpoint, or a stage still
-    leased by another attempt, stays retryable. The stage stops if this task's supervisor dies
+    leased by another attempt, stays retryable. The task process dies with its supervisor
     (plugins/supervisor_guard.py says why)."""
     from airflow.sdk.exceptions import AirflowFailException
     from supervisor_guard import stop_with_supervisor

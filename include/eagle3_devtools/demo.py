@@ -310,7 +310,9 @@ def main(argv: list[str] | None = None) -> int:
         if old.name != "s3":
             shutil.rmtree(old) if old.is_dir() else old.unlink()
     date = datetime.now(timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0)
-    run_key = f"demo-{args.engine}"
+    # Dated: another day's demo reads other prompts (that day's partition), and under an undated
+    # key it would find an interrupted earlier demo's parts and refuse to mix them with its own.
+    run_key = f"demo-{args.engine}-{date:%Y-%m-%d}"
 
     print(
         f"demo: building/reusing the Kimi tokenizer and tiny model in {dev_cache_root()}, starting services in {work}",

@@ -202,9 +202,9 @@ def backfills(cluster) -> list[dict]:
 
 def test_sigkill_of_the_generating_worker_is_retried_without_loss_or_duplicates(cluster, killed_run):
     """See the `killed_run` fixture: the gpu worker's whole process group was SIGKILLed once the
-    local stage had committed a part; its orphaned task runner stopped the stage (not finished it,
-    nor held its lease against the retry), the scheduler found the task without heartbeat and
-    retried it on the replacement worker, whose retry resumed from the committed parts."""
+    local stage had committed a part; its task runner died with its supervisor (it did not finish
+    the stage, nor hold its lease against the retry), the scheduler found the task without heartbeat
+    and retried it on the replacement worker, whose retry resumed from the committed parts."""
     from eagle3_data.storage import StageRef
 
     store, day = killed_run["store"], killed_run["date"]
