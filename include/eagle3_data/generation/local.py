@@ -43,6 +43,7 @@ import aiohttp
 from eagle3_data.chat_format.base import OutputFormat
 from eagle3_data.config import LocalGenerationConfig, options_of
 from eagle3_data.errors import EndpointUnavailable, UserError
+from eagle3_data.generation.alarm import with_alarm_outside_callbacks
 from eagle3_data.generation.checkpoint import (
     Prompt,
     StageRun,
@@ -238,7 +239,7 @@ def generate_local(
         stopped = run_rounds(
             run,
             ref.dataset,
-            lambda: asyncio.run(client.run()),
+            lambda: asyncio.run(with_alarm_outside_callbacks(client.run())),
             progress,
             f"generate_local {ref.dataset} ({wire.engine})",
         )

@@ -35,6 +35,7 @@ from typing import Any
 from eagle3_data.chat_format.base import OutputFormat
 from eagle3_data.config import OverflowGenerationConfig, options_of
 from eagle3_data.errors import UserError
+from eagle3_data.generation.alarm import with_alarm_outside_callbacks
 from eagle3_data.generation.checkpoint import (
     Prompt,
     StageRun,
@@ -243,12 +244,13 @@ def fewer_gc_pauses(threshold: tuple[int, int, int] = (50_000, 20, 1000)):
 
 def run_event_loop(coro):
     """Run the client on uvloop (pinned in requirements.txt), else the stdlib loop: uvloop's
-    C event loop takes ~0.1-0.3 ms less client CPU per request at C=256 (benchmarks/RESULTS.md)."""
+    C event loop takes ~0.1-0.3 ms less client CPU per request at C=256 (benchmarks/RESULTS.md).
+    The loop takes SIGALRM meanwhile, so that an execution timeout is not lost in a callback (alarm.py)."""
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
+        return asyncio.run(with_alarm_outside_callbacks(coro))
+    return uvloop.run(with_alarm_outside_callbacks(coro))
 
 
 @dataclass(slots=True)
