@@ -310,10 +310,10 @@ STRICT = {"max_bpe_mismatch_rate": 0.0}  # tool_calls' dev outputs have split BP
 def killed_run(cluster) -> dict:
     """A run whose gpu worker is SIGKILLed (its whole process group, as `kill -9 -<pgid>` or a
     container runtime would) once generate_local has committed a part; the launcher starts a
-    replacement worker. The task runner is in a group of its own (Airflow >= 3.2) and outlives
-    the kill but for plugins/supervisor_guard.py, which ends it with its supervisor, so that the retry
-    resumes the stage.
-    Its strict gate then fails: it is also the failed run the browser test opens."""
+    replacement worker. The task runner is in a group of its own (Airflow >= 3.2) and would
+    outlive the kill but for plugins/supervisor_guard.py, which ends it with its supervisor, so
+    that the retry resumes the stage. Its strict gate then fails: it is also the failed run the
+    browser test opens."""
     from eagle3_data.storage import ArtifactStore, StageRef
 
     cfg = config(cluster)
