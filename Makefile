@@ -60,7 +60,8 @@ speculators-venv: $(SPEC_STAMP)
 # Three pytest processes side by side, so that the two cores stay busy: the cluster tier (one
 # Celery cluster, mostly waiting on Airflow's task scheduling), then the integration tier, in one;
 # the dag.test() tier and every benchmark at its smoke size (tests/benchmarks:
-# benchmarks/run_all.py --smoke's commands, each must run and print its RATIO line) in another;
+# benchmarks/run_all.py --smoke's commands, each must run and print its RATIO line; niced, two
+# at a time in the background from the session's start: tests/benchmarks/conftest.py) in another;
 # everything else (the engine tier with the session's vLLM engines, the unit and trainers' tiers)
 # in the third (docs/dag.md, "What it costs"). The two side processes' output is printed after
 # the main one's; any failing fails the target.

@@ -1,13 +1,13 @@
 """Every benchmark runs, at its smoke size (benchmarks/run_all.py --smoke runs the same commands):
 a benchmark the code has drifted away from fails here, not on the day someone wants its figure.
-Each runs as its own `nice -n 19` process with one compute thread (run_all.SMOKE_ENV says why) and
-must exit 0 and print its `RATIO <name> ...` line. A missing requirement (the vLLM venv) is a
-failure, not a skip. Nothing here is timed: the figures are benchmarks/RESULTS.md's, measured
-with their commands on a quiet machine."""
+Each runs as its own `nice -n 19` process with one compute thread (run_all.SMOKE_ENV says why),
+in the background from the session's start (conftest.py says why), and must exit 0 and print its
+`RATIO <name> ...` line. A missing requirement (the vLLM venv) is a failure, not a skip. Nothing
+here is timed: the figures are benchmarks/RESULTS.md's, measured with their commands on a quiet
+machine."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,17 +20,8 @@ import run_all  # noqa: E402
 
 
 @pytest.mark.parametrize("name", list(run_all.BENCHMARKS))
-def test_benchmark_smoke(name):
-    cmd = run_all.command(name, "smoke")  # FileNotFoundError (a failure) when its requirement is missing
-    done = subprocess.run(
-        ["nice", "-n", "19", sys.executable, *cmd],
-        cwd=REPO,
-        env=run_all.env("smoke"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=600,
-    )
+def test_benchmark_smoke(name, smoke_outcome):
+    cmd, done = smoke_outcome(name)  # FileNotFoundError (a failure) when its requirement is missing
     tail = done.stdout[-4000:]
     assert done.returncode == 0, f"{' '.join(cmd)} exited {done.returncode}:\n{tail}"
     ratios = [line for line in done.stdout.splitlines() if line.startswith(f"RATIO {name} ")]
