@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO / "plugins"))
 
 from supervisor_guard import PARENT_DEATH_SIGNAL, stop_with_supervisor  # noqa: E402
 
-from eagle3_data.storage.lease import is_zombie  # noqa: E402
+from eagle3_data.storage.lease import has_exited  # noqa: E402  (a zombie counts: PID 1 may not reap orphans)
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 
@@ -52,15 +52,6 @@ def parent_death_signal() -> int:
     return value.value
 
 
-def gone(pid: int) -> bool:
-    """Exited: no such process, or a zombie nobody reaps (an orphan, where PID 1 does not reap)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return is_zombie(pid)
-
-
 def test_a_runner_whose_supervisor_is_killed_dies_with_it(tmp_path):
     out = tmp_path / "runner.pid"
     supervisor = subprocess.Popen(
@@ -74,17 +65,17 @@ def test_a_runner_whose_supervisor_is_killed_dies_with_it(tmp_path):
             assert supervisor.poll() is None and time.monotonic() < deadline, "the runner did not start"
             time.sleep(0.05)
         runner = int(out.read_text())
-        assert not gone(runner)
+        assert not has_exited(runner)
         os.killpg(supervisor.pid, signal.SIGKILL)  # the worker's group: the runner is not in it
         supervisor.wait()
         deadline = time.monotonic() + 30
-        while not gone(runner) and time.monotonic() < deadline:
+        while not has_exited(runner) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert gone(runner), f"the runner {runner} outlived its supervisor"
+        assert has_exited(runner), f"the runner {runner} outlived its supervisor"
     finally:
         if supervisor.poll() is None:
             os.killpg(supervisor.pid, signal.SIGKILL)
-        if runner is not None and not gone(runner):
+        if runner is not None and not has_exited(runner):
             os.kill(runner, signal.SIGKILL)
 
 

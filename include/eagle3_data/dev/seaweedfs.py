@@ -23,7 +23,7 @@ from pathlib import Path
 
 from eagle3_data.dev.processes import free_port
 from eagle3_data.errors import UserError
-from eagle3_data.storage.lease import is_zombie
+from eagle3_data.storage.lease import has_exited
 
 log = logging.getLogger(__name__)
 
@@ -325,13 +325,7 @@ def _alive(pid: int) -> bool:
             return True
         _CHILDREN.pop(pid, None)
         return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return not is_zombie(pid)
+    return not has_exited(pid)
 
 
 def _signal(pid: int, sig: int) -> None:

@@ -267,13 +267,19 @@ def _holder_dead(holder: dict) -> bool:
         return False
     if holder["pid"] == os.getpid():  # this process: dead only if no live Lease object holds it
         return holder.get("token") not in _LIVE_TOKENS
+    return has_exited(holder["pid"])
+
+
+def has_exited(pid: int) -> bool:
+    """No such process, or one that has exited and waits to be reaped (`is_zombie`); a process
+    this one may not signal is taken for running."""
     try:
-        os.kill(holder["pid"], 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
         return True
     except OSError:
         return False
-    return is_zombie(holder["pid"])
+    return is_zombie(pid)
 
 
 def is_zombie(pid: int) -> bool:
