@@ -7,8 +7,7 @@ others leave: started with the session they fill the cores' idle moments while t
 and the other tiers run (the cluster's waits on Airflow's scheduling), and at the end, when the
 other tiers are done, two of them keep both cores busy where one left a core idle for the
 last minute (benchmarks/RESULTS.md, "The benchmark smoke in the background"). Longest first,
-so that the last to finish are short. A test waits for its own benchmark's outcome; one whose
-process has not started is run at once.
+so that the last to finish are short. A test waits for its own benchmark's outcome.
 """
 
 from __future__ import annotations
@@ -77,14 +76,9 @@ def run_smoke(name: str) -> tuple[list[str], subprocess.CompletedProcess]:
 
 @pytest.fixture
 def smoke_outcome():
-    """name -> (command, completed process): the background run's (waiting for it), or a run now
-    when none was started for it."""
-
-    def outcome(name: str) -> tuple[list[str], subprocess.CompletedProcess]:
-        future = _runs.get(name)
-        return future.result() if future is not None else run_smoke(name)
-
-    return outcome
+    """name -> (command, completed process) of its background run (pytest_collection_finish
+    started one for every collected smoke test), waiting for it."""
+    return lambda name: _runs[name].result()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
