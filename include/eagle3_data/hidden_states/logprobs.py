@@ -85,6 +85,7 @@ class LogprobHead:
         self.head = lm_head.detach().to(self.device, half or torch.float32)
         self.chunk_tokens = chunk_tokens
         self.logit_margin = LOGIT_MARGIN.get(compute_dtype, LOGIT_MARGIN["bfloat16"])
+        self._chunk: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # `_buffers`, made on first use
 
     @torch.inference_mode()
     def token_logprobs(
@@ -113,7 +114,10 @@ class LogprobHead:
     def _score(
         self, last: torch.Tensor, ids, nucleus: Nucleus | None, answer_from: int, *, top1: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """One pass over the chunks for both public methods: the logits are the cost."""
+        """One pass over the chunks for both public methods: the logits are the cost. Every [chunk,
+        V] pass writes into the head's own buffers (`_buffers`), never a new tensor: on the CPU a
+        fresh 168 MB tensor is a fresh mmap that the kernel zero-fills page by page, which cost
+        more than the arithmetic (benchmarks/nucleus_count.py, `previous` vs `shipped`)."""
         ids = torch.as_tensor(ids, dtype=torch.long)
         n = int(ids.numel())
         if last.shape[0] != n:
@@ -123,44 +127,71 @@ class LogprobHead:
         best = torch.zeros(n, dtype=torch.bool) if top1 else None
         for start in range(0, max(n - 1, 0), self.chunk_tokens):
             end = min(start + self.chunk_tokens, n - 1)
+            logits, work, below = self._buffers(end - start)
             h = rms_norm(last[start:end].to(self.device, torch.float32), self.norm_weight, self.eps)
-            logits = self._logits(h)  # [chunk, V], fp32
+            self._logits(h, logits)
             nxt = ids[start + 1 : end + 1].to(self.device)
             own = logits.gather(1, nxt[:, None])
-            lse = torch.logsumexp(logits, dim=-1)
-            out[start + 1 : end + 1] = (own.squeeze(1) - lse).cpu()
+            top = logits.amax(dim=-1, keepdim=True)
+            # the log-softmax's normaliser as torch.logsumexp computes it: max + log(sum(exp(x - max)))
+            total = torch.sub(logits, top, out=work).exp_().sum(dim=-1, keepdim=True)
+            lse = top + total.log()
+            out[start + 1 : end + 1] = (own - lse).squeeze(1).cpu()
             if best is not None:
-                best[start + 1 : end + 1] = (own.squeeze(1) >= logits.amax(dim=-1)).cpu()
+                best[start + 1 : end + 1] = (own >= top).squeeze(1).cpu()
             first = max(answer_from - 1, start) - start  # the chunk's first row predicting an answer token
             if outside is not None and first < end - start:
-                far = self._outside(logits[first:], own[first:], nucleus, lse[first:])
+                rows = slice(first, None)
+                far = self._outside(logits[rows], own[rows], nucleus, work[rows], total[rows], below[rows])
                 outside[start + 1 + first : end + 1] = far.cpu()
         return out, outside, best
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        if self.head.dtype == torch.float32:
-            return h @ self.head.T
-        return torch.mm(h.to(self.head.dtype), self.head.T, out_dtype=torch.float32)
+    def _buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[rows, V] views of the head's three chunk buffers (the logits, fp32 work, a bool mask),
+        made once at `chunk_tokens` rows on first use."""
+        if self._chunk is None:
+            shape = (self.chunk_tokens, self.head.shape[0])
+            self._chunk = (
+                torch.empty(shape, dtype=torch.float32, device=self.device),
+                torch.empty(shape, dtype=torch.float32, device=self.device),
+                torch.empty(shape, dtype=torch.bool, device=self.device),
+            )
+        return tuple(b[:rows] for b in self._chunk)
 
-    def _outside(self, logits: torch.Tensor, own: torch.Tensor, nucleus: Nucleus, lse: torch.Tensor) -> torch.Tensor:
+    def _logits(self, h: torch.Tensor, into: torch.Tensor) -> None:
+        if self.head.dtype == torch.float32:
+            torch.mm(h, self.head.T, out=into)
+        else:
+            into.copy_(torch.mm(h.to(self.head.dtype), self.head.T, out_dtype=torch.float32))
+
+    def _outside(
+        self,
+        logits: torch.Tensor,
+        own: torch.Tensor,
+        nucleus: Nucleus,
+        exp_shifted: torch.Tensor,
+        total: torch.Tensor,
+        below: torch.Tensor,
+    ) -> torch.Tensor:
         """Per row, whether the token whose logit is `own` [c, 1] lies outside the nucleus of
         softmax(`logits` [c, V] / T): the mass of the tokens clearly above it (by LOGIT_MARGIN)
         is >= top_p + MASS_MARGIN, or top_k or more tokens are clearly above it. With top_k, vLLM
         takes top_p of the top-k renormalised: that mass is at least the full distribution's
         mass above, so the full one is the conservative side (never counts an honest token).
-        `lse`: logsumexp(`logits`), the normaliser at temperature 1. The mass is the probabilities
+        `exp_shifted`: exp(`logits` - their row max), summing to `total` per row (the log-softmax's
+        own), overwritten here; `below`: a bool buffer of its shape. The mass is the probabilities
         summed where they lie above, not a masked logsumexp beside a second one: the count then
         costs about one log-softmax more instead of two (benchmarks/nucleus_count.py), the same
         mass to ~1e-6, far inside MASS_MARGIN."""
-        above = logits > own + self.logit_margin
-        if nucleus.temperature == 1.0:
-            probs = torch.exp(logits - lse[:, None])
-        else:
-            probs = torch.softmax(logits / nucleus.temperature, dim=-1)
-        mass = probs.masked_fill_(~above, 0.0).sum(dim=-1)
+        torch.le(logits, own + self.logit_margin, out=below)
+        if nucleus.temperature != 1.0:  # softmax(logits / T), unnormalised, in the same buffer
+            torch.div(logits, nucleus.temperature, out=exp_shifted)
+            scaled_top = exp_shifted.amax(dim=-1, keepdim=True)
+            total = exp_shifted.sub_(scaled_top).exp_().sum(dim=-1, keepdim=True)
+        mass = exp_shifted.masked_fill_(below, 0.0).sum(dim=-1, keepdim=True).div_(total).squeeze(1)
         far = mass >= nucleus.top_p + MASS_MARGIN if nucleus.top_p < 1.0 else torch.zeros_like(mass, dtype=torch.bool)
         if nucleus.top_k > 0:
-            far |= above.sum(dim=-1) >= nucleus.top_k
+            far |= below.shape[1] - below.sum(dim=-1) >= nucleus.top_k
         return far
 
 
