@@ -30,6 +30,9 @@ class Relay:
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.open = True
         self.conns: list[socket.socket] = []
+        # one lock for "is it up" and the list of connections: a connection accepted while up and
+        # listed after `down()` cleared the list would survive the outage
+        self.lock = threading.Lock()
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -38,11 +41,12 @@ class Relay:
                 client, _ = self.sock.accept()
             except OSError:
                 return
-            if not self.open:
-                client.close()
-                continue
-            upstream = socket.create_connection(self.target)
-            self.conns += [client, upstream]
+            with self.lock:
+                if not self.open:
+                    client.close()
+                    continue
+                upstream = socket.create_connection(self.target)
+                self.conns += [client, upstream]
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
 
@@ -61,13 +65,14 @@ class Relay:
                     pass
 
     def down(self) -> None:
-        self.open = False
-        for c in self.conns:
+        with self.lock:
+            self.open = False
+            conns, self.conns = self.conns, []
+        for c in conns:
             try:
                 c.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        self.conns.clear()
 
     def up(self) -> None:
         self.open = True
