@@ -8,9 +8,10 @@ prompts to the provider, both generations, reconstruction, score_policy, validat
 default policy settings, on the production route: no target in memory, score_policy's requests
 to the session's `vllm serve` also ask for the top log-probabilities at every position
 (`prompt_logprobs`, policy_trial's `top_logprobs`: the tiny target's nucleus holds hundreds of
-ids, so K = 1000 where a trained model's needs ~20), and the answer tokens provably outside the
-sampling's nucleus are counted from them (policy.nucleus, at the fp32 logit margin: the local
-engine and the provider are one fp32 server), so the gate runs the nucleus test.
+ids, so K = 1000 where a trained model's needs ~20; trial (a) asks the default 20), and the
+answer tokens provably outside the sampling's nucleus are counted from them (policy.nucleus, at
+the fp32 logit margin: the local engine and the provider are one fp32 server), so the gate runs
+the nucleus test.
 
 (a) fails the gate (its text is ~2 nats/token less likely). (b) is below what the mean test can
 see at a CPU-sized run (RESULTS.md, "Policy check against faulty providers"); the nucleus test
@@ -25,6 +26,7 @@ import pytest
 
 from eagle3_devtools.policy_trial import run_trial, trial_run
 from eagle3_devtools.provider_proxy import Rewrite, start_provider_proxy
+from eagle3_devtools.vllm_serve import MAX_LOGPROBS
 
 # a trial took 2-5 minutes on two cores shared with other engines (2026-12-03): past the suite's 600 s
 # default when the machine is crowded
@@ -39,11 +41,19 @@ CALIBRATION = 4  # of the local half, greedy on both paths (pairs)
 SMALL = (40, 32)
 
 
-def _trial(store, vllm_server, kimi_tokenizer_dir, name: str, rewrite: Rewrite) -> dict:
+def _trial(
+    store, vllm_server, kimi_tokenizer_dir, name: str, rewrite: Rewrite, top_logprobs: int = MAX_LOGPROBS
+) -> dict:
     prompts, max_new_tokens = SMALL
     proxy = start_provider_proxy(vllm_server.url, rewrite)
     try:
-        run = trial_run(kimi_tokenizer_dir, f"policy-fault-{name}", max_new_tokens=max_new_tokens, sampling_seed=7)
+        run = trial_run(
+            kimi_tokenizer_dir,
+            f"policy-fault-{name}",
+            max_new_tokens=max_new_tokens,
+            sampling_seed=7,
+            top_logprobs=top_logprobs,
+        )
         trial = run_trial(store, run, vllm_server.url, proxy.url, samples=prompts, calibration=CALIBRATION)
     finally:
         proxy.stop()
@@ -67,7 +77,16 @@ def _trial(store, vllm_server, kimi_tokenizer_dir, name: str, rewrite: Rewrite) 
 
 
 def test_provider_sampling_at_another_temperature_fails(store, vllm_server, kimi_tokenizer_dir):
-    trial = _trial(store, vllm_server, kimi_tokenizer_dir, "temperature-1.3", Rewrite(temperature_factor=1.3))
+    """At the production default of top log-probabilities a position (20, not the 1000 the nucleus
+    test needs on the tiny target): the mean test needs only each answer token's own
+    log-probability, and the 1000-wide answers cost this trial ~25 of its CPU seconds
+    (benchmarks/RESULTS.md, "Where `make test`'s CPU goes, by process")."""
+    from eagle3_data.config import PolicyConfig
+
+    top = PolicyConfig.model_fields["top_logprobs"].default
+    trial = _trial(
+        store, vllm_server, kimi_tokenizer_dir, "temperature-1.3", Rewrite(temperature_factor=1.3), top_logprobs=top
+    )
     sampled = trial["decision"]["tests"]["sampled"]
     assert not trial["passed"], trial["notes"]
     # a flatter sampler's text is less likely under the target than the target's own
