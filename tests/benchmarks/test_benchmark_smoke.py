@@ -8,15 +8,8 @@ machine."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-import run_all  # noqa: E402
+import run_all  # benchmarks/, put on the path by conftest.py
 
 
 @pytest.mark.parametrize("name", list(run_all.BENCHMARKS))
