@@ -26,7 +26,6 @@ import pytest
 
 from eagle3_devtools.policy_trial import run_trial, trial_run
 from eagle3_devtools.provider_proxy import Rewrite, start_provider_proxy
-from eagle3_devtools.vllm_serve import MAX_LOGPROBS
 
 # a trial took 2-5 minutes on two cores shared with other engines (2026-12-03): past the suite's 600 s
 # default when the machine is crowded
@@ -41,9 +40,8 @@ CALIBRATION = 4  # of the local half, greedy on both paths (pairs)
 SMALL = (40, 32)
 
 
-def _trial(
-    store, vllm_server, kimi_tokenizer_dir, name: str, rewrite: Rewrite, top_logprobs: int = MAX_LOGPROBS
-) -> dict:
+def _trial(store, vllm_server, kimi_tokenizer_dir, name: str, rewrite: Rewrite, **run_options) -> dict:
+    """`run_options`: trial_run's keywords beyond the trials' shared size and seed."""
     prompts, max_new_tokens = SMALL
     proxy = start_provider_proxy(vllm_server.url, rewrite)
     try:
@@ -52,7 +50,7 @@ def _trial(
             f"policy-fault-{name}",
             max_new_tokens=max_new_tokens,
             sampling_seed=7,
-            top_logprobs=top_logprobs,
+            **run_options,
         )
         trial = run_trial(store, run, vllm_server.url, proxy.url, samples=prompts, calibration=CALIBRATION)
     finally:
