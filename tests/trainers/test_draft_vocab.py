@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 
 from eagle3_data import draft_vocab
+from eagle3_data.probe import speculators_python
 
-REPO = Path(__file__).resolve().parents[2]
-SPEC_PY = REPO / ".venv-speculators" / "bin" / "python"
 ORACLE = Path(__file__).with_name("vocab_oracle.py")
 
 
@@ -44,7 +43,10 @@ def test_both_trainers_load_the_files_and_agree(tmp_path, n):
     names, summary = draft_vocab.write(tmp_path, counts, n, 300)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names)
     done = subprocess.run(
-        [str(SPEC_PY), str(ORACLE), str(tmp_path), str(min(n, 300)), "300"], capture_output=True, text=True, timeout=300
+        [speculators_python(), str(ORACLE), str(tmp_path), str(min(n, 300)), "300"],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.splitlines()[-1])

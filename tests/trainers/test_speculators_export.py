@@ -17,9 +17,8 @@ from eagle3_data.hidden_states.backends import TransformersBackend
 from eagle3_data.hidden_states.extract import ExtractOptions, extract_rows
 from eagle3_data.hidden_states.shards import ShardReader
 from eagle3_data.hidden_states.speculators_export import export_speculators, quantize_per_token
+from eagle3_data.probe import speculators_python
 
-REPO = Path(__file__).resolve().parents[2]
-SPEC_PY = REPO / ".venv-speculators" / "bin" / "python"
 READER = Path(__file__).with_name("speculators_reader.py")
 
 
@@ -39,9 +38,8 @@ def shards(tiny_kimi_k25_dir, tmp_path_factory) -> list[Path]:
 
 
 def read_with_speculators(export: Path, kind: str, out: Path) -> list[dict]:
-    assert SPEC_PY.exists(), "make speculators-venv builds the reader's venv"
     done = subprocess.run(
-        [str(SPEC_PY), str(READER), str(export), kind, str(out)], capture_output=True, text=True, timeout=600
+        [speculators_python(), str(READER), str(export), kind, str(out)], capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return [load_file(str(out / f"{i}.safetensors")) for i in range(int(done.stdout.split()[-1]))]
@@ -118,7 +116,7 @@ def test_ids_only_exports_are_the_trainers_pretokenized_rows(tmp_path):
         "    'seq_len': [int(x) for x in d['seq_len']], 'specforge': [dict(t['payload']) for t in tasks]}))"
     )
     done = subprocess.run(
-        [str(SPEC_PY), "-c", code, str(tmp_path / "spec"), str(tmp_path / "sf" / "prompts.jsonl")],
+        [speculators_python(), "-c", code, str(tmp_path / "spec"), str(tmp_path / "sf" / "prompts.jsonl")],
         capture_output=True,
         text=True,
         timeout=300,

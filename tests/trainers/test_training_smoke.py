@@ -19,6 +19,9 @@ from eagle3_data.hidden_states.extract import ExtractOptions, extract_rows
 from eagle3_data.hidden_states.speculators_export import export_speculators
 
 REPO = Path(__file__).resolve().parents[2]
+# The venv's own interpreter, started cold: the one test that proves `make speculators-venv`'s
+# python imports speculators by itself (every other speculators script runs in a process forked
+# from a warm one, tests/speculators_fork.py).
 SPEC_PY = REPO / ".venv-speculators" / "bin" / "python"
 TRAIN = Path(__file__).with_name("speculators_train.py")
 STEPS, DRAFT_VOCAB = 30, 512
