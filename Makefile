@@ -44,7 +44,10 @@ $(VLLM_STAMP): requirements-vllm.txt
 vllm-venv: $(VLLM_STAMP)
 
 # vLLM speculators (the trainer of vLLM's speculator format) in its own venv: tests/trainers run its
-# own dataset reader over our exports (requirements-speculators.txt says why --no-deps).
+# own dataset reader over our exports (requirements-speculators.txt says why --no-deps). The tests
+# and the benchmark smoke run their speculators scripts (readers, oracles, the probe) in processes
+# forked from one warm interpreter per pytest process (tests/speculators_fork.py: ~6 CPU s of
+# imports a process saved).
 SPEC_VENV := .venv-speculators
 SPEC_PY := $(SPEC_VENV)/bin/python
 SPEC_STAMP := $(SPEC_VENV)/.installed
