@@ -222,6 +222,8 @@ def connect(path: str, owner: int, server_python: str) -> socket.socket:
             pass
         if os.path.exists(path):  # a server that died (killed with a process group): start another
             os.unlink(path)
+        if not os.path.exists(server_python):
+            sys.exit(f"no speculators interpreter at {server_python} (`make speculators-venv` builds it)")
         log = open(path + ".log", "ab")
         server = subprocess.Popen(
             [server_python, os.path.abspath(__file__), "serve", path, str(owner)],

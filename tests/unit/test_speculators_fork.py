@@ -33,6 +33,8 @@ def warm() -> str:
     if SHIM_FOLDER is None:
         pytest.skip(f"${PYTHON_ENV} is the user's own: the suite runs no warm interpreter")
     assert os.environ[PYTHON_ENV] == str(SHIM_FOLDER / "python")
+    started = subprocess.run([os.environ[PYTHON_ENV], "-c", "pass"], capture_output=True, text=True, timeout=300)
+    assert started.returncode == 0, started.stderr  # the server is up (its start is not timed below)
     return os.environ[PYTHON_ENV]
 
 
@@ -70,7 +72,7 @@ def test_a_callers_timeout_stops_the_script_and_its_children(warm, tmp_path):
         "time.sleep(300)\n"
     )
     with pytest.raises(subprocess.TimeoutExpired):
-        subprocess.run([warm, "-c", code, str(pids)], capture_output=True, timeout=15)
+        subprocess.run([warm, "-c", code, str(pids)], capture_output=True, timeout=5)
     assert pids.exists(), "the script never ran"
     deadline = time.monotonic() + 10
     alive = [int(p) for p in pids.read_text().split()]
