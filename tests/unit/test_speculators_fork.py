@@ -87,3 +87,23 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (FileNotFoundError, IndexError):
         return "Z"
+
+
+def test_the_socket_path_fits_a_unix_socket_under_a_long_tmpdir(tmp_path, monkeypatch):
+    """A Unix socket's path holds at most 107 bytes (bind fails past it); a CI runner's $TMPDIR can
+    be long, and every speculators script of the suite would then fail to start."""
+    import shutil
+    import tempfile
+
+    from tests.fixtures import speculators
+
+    long_tmp = tmp_path / ("x" * 90)
+    long_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(long_tmp))
+    monkeypatch.delenv(PYTHON_ENV, raising=False)
+    folder = speculators._install_shim()
+    try:
+        assert folder is not None and len(os.fsencode(folder / "socket.new")) <= 107, folder
+        assert os.environ[PYTHON_ENV] == str(folder / "python")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
