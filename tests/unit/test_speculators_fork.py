@@ -7,11 +7,11 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
 from eagle3_data.probe import PYTHON_ENV
+from eagle3_data.storage.lease import has_exited
 from tests.fixtures.speculators import SERVER_PYTHON, SHIM_FOLDER
 
 SCRIPT = """\
@@ -77,16 +77,9 @@ def test_a_callers_timeout_stops_the_script_and_its_children(warm, tmp_path):
     deadline = time.monotonic() + 10
     alive = [int(p) for p in pids.read_text().split()]
     while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if Path(f"/proc/{p}").exists() and "Z" not in _state(p)]
+        alive = [p for p in alive if not has_exited(p)]
         time.sleep(0.1)
     assert not alive, f"still running after the caller's timeout: {alive}"
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, IndexError):
-        return "Z"
 
 
 def test_the_socket_path_fits_a_unix_socket_under_a_long_tmpdir(tmp_path, monkeypatch):
