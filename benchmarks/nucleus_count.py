@@ -5,15 +5,18 @@ against the previous implementation of the same formulas, in the same run
 For every position the extraction takes the LM head's [chunk, V] logits (V = 163,840) and their
 log-softmax; for a sampled answer it also counts the tokens outside the sampling's nucleus: the
 mass of softmax(logits / T) above the token, summed from the probabilities. The previous
-implementation (`PreviousHead`, kept here as the baseline) made a new tensor for every [chunk, V]
-pass (the product, logsumexp's own temporary, the probabilities, the mask); the shipped one writes
-every pass into three buffers made once. Timed on random states of a model of `--hidden` width
-(64: the tiny target's):
+implementation (`PreviousHead`, kept here as the baseline) shifted every chunk by its row max
+before the exp, as torch.logsumexp does, and found the tokens above by a [chunk, V] comparison and
+a masked fill; the shipped one sums the exps unshifted and shifts only a chunk whose sum left
+fp32's safe range (`LogprobHead._exp_sum`; tests/unit/test_logprob_head.py has the logits where it
+must), and on the CPU zeroes each row's exps below its threshold in one pass. An earlier baseline,
+a new tensor for every [chunk, V] pass, is in benchmarks/RESULTS.md (2026-12-05, "Where `make
+test`'s CPU goes, by process"). Timed on random states of a model of `--hidden` width (64: the tiny
+target's):
 - `logprobs`, `previous logprobs`: `token_logprobs` without a nucleus;
 - `nucleus T=1`, `nucleus T=0.8` and their `previous`: with a top_p 0.95 nucleus.
 Both must give the same log-probabilities (to 1e-5) and count the same tokens (asserted); CPU
-seconds of this process (the page faults of fresh tensors are system time), medians of
-`--repeats` alternating timings.
+seconds of this process, medians of `--repeats` alternating timings.
 
     .venv/bin/python benchmarks/nucleus_count.py [--tokens 1024] [--hidden 64] [--repeats 5]
 """
@@ -30,7 +33,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "include"))
 
 import torch  # noqa: E402
 
-from eagle3_data.hidden_states.final_norm import rms_norm  # noqa: E402
 from eagle3_data.hidden_states.logprobs import LogprobHead  # noqa: E402
 from eagle3_data.policy.nucleus import MASS_MARGIN, Nucleus  # noqa: E402
 
@@ -38,31 +40,25 @@ VOCAB = 163_840
 
 
 class PreviousHead(LogprobHead):
-    """`_score` as it was (2026-12-04): a new [chunk, V] tensor for every pass."""
+    """`LogprobHead` as it was until 2026-12-05: every chunk's normaliser shifted by its row max
+    (a max pass and a subtraction over the [chunk, V] logits before the exp), and the nucleus
+    count's tokens above by a [chunk, V] comparison and a masked fill."""
 
-    def _score(self, last, ids, nucleus, answer_from, *, top1):
-        ids = torch.as_tensor(ids, dtype=torch.long)
-        n = int(ids.numel())
-        out = torch.full((n,), float("nan"), dtype=torch.float32)
-        outside = torch.zeros(n, dtype=torch.bool) if nucleus is not None else None
-        for start in range(0, max(n - 1, 0), self.chunk_tokens):
-            end = min(start + self.chunk_tokens, n - 1)
-            h = rms_norm(last[start:end].float(), self.norm_weight, self.eps)
-            logits = h @ self.head.T
-            own = logits.gather(1, ids[start + 1 : end + 1, None])
-            lse = torch.logsumexp(logits, dim=-1)
-            out[start + 1 : end + 1] = own.squeeze(1) - lse
-            first = max(answer_from - 1, start) - start
-            if outside is not None and first < end - start:
-                logits, own, lse = logits[first:], own[first:], lse[first:]
-                above = logits > own + self.logit_margin
-                if nucleus.temperature == 1.0:
-                    probs = torch.exp(logits - lse[:, None])
-                else:
-                    probs = torch.softmax(logits / nucleus.temperature, dim=-1)
-                mass = probs.masked_fill_(~above, 0.0).sum(dim=-1)
-                outside[start + 1 + first : end + 1] = mass >= nucleus.top_p + MASS_MARGIN
-        return out, outside, None
+    def _exp_sum(self, logits, temperature, out):
+        scaled = logits if temperature == 1.0 else torch.div(logits, temperature, out=out)
+        shift = scaled.amax(dim=-1, keepdim=True)
+        return torch.sub(scaled, shift, out=out).exp_().sum(dim=-1, keepdim=True), shift
+
+    def _outside(self, logits, own, nucleus, exps, total, shift, below):
+        """A [c, V] comparison into `below` and a masked fill, on every device."""
+        torch.le(logits, own + self.logit_margin, out=below)
+        if nucleus.temperature != 1.0:
+            total, _ = self._exp_sum(logits, nucleus.temperature, exps)
+        mass = exps.masked_fill_(below, 0.0).sum(dim=-1, keepdim=True).div_(total).squeeze(1)
+        far = mass >= nucleus.top_p + MASS_MARGIN if nucleus.top_p < 1.0 else torch.zeros_like(mass, dtype=torch.bool)
+        if nucleus.top_k > 0:
+            far |= below.shape[1] - below.sum(dim=-1) >= nucleus.top_k
+        return far
 
 
 def main() -> None:

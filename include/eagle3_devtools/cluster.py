@@ -323,15 +323,15 @@ class ApiClient:
     _token: str | None = field(default=None, repr=False)
 
     def request(self, method: str, path: str, **kw):
-        import httpx
+        from eagle3_data.dev.processes import local_http
 
         if self._token is None:
-            r = httpx.post(
+            r = local_http().post(
                 f"{self.base}/auth/token", json={"username": self.user, "password": self.password}, timeout=30
             )
             r.raise_for_status()
             self._token = r.json()["access_token"]
-        return httpx.request(
+        return local_http().request(
             method, f"{self.base}/api/v2{path}", headers={"Authorization": f"Bearer {self._token}"}, timeout=30, **kw
         )
 

@@ -89,9 +89,9 @@ class DevStack:
         return self.s3.client()
 
     def server_stats(self) -> dict:
-        import httpx
+        from eagle3_data.dev.processes import local_http
 
-        return httpx.get(f"{self.inference_url}/dev/stats", timeout=10).json()
+        return local_http().get(f"{self.inference_url}/dev/stats", timeout=10).json()
 
 
 # The dev stack's stand-ins: the rebuilt tokenizer, the tiny model, and the dev inference server as

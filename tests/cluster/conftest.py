@@ -24,6 +24,7 @@ import httpx
 import pytest
 
 from eagle3_data.config import DAG_ID, deep_merge, load_config
+from eagle3_data.dev.processes import local_http
 from eagle3_devtools.cluster import CLUSTER_OVERRIDES
 from eagle3_devtools.services import kill_group, reap_leftovers
 from eagle3_devtools.stack import SAMPLE_DATA
@@ -86,14 +87,16 @@ class ClusterHandle:
 
     def token(self) -> str:
         if self._token is None:
-            r = httpx.post(f"{self.base}/auth/token", json={"username": "admin", "password": self.password}, timeout=30)
+            r = local_http().post(
+                f"{self.base}/auth/token", json={"username": "admin", "password": self.password}, timeout=30
+            )
             assert r.status_code == 201, r.text
             self._token = r.json()["access_token"]
         return self._token
 
     def api(self, method: str, path: str, **kw) -> httpx.Response:
         headers = {"Authorization": f"Bearer {self.token()}", **kw.pop("headers", {})}
-        return httpx.request(method, f"{self.base}/api/v2{path}", headers=headers, timeout=60, **kw)
+        return local_http().request(method, f"{self.base}/api/v2{path}", headers=headers, timeout=60, **kw)
 
     def trigger(self, run_id: str, logical_date: str | None, conf: dict) -> httpx.Response:
         return self.api(
@@ -177,7 +180,7 @@ class ClusterHandle:
         return out
 
     def dev_stats(self) -> dict:
-        return httpx.get(f"{self.env['EAGLE3_DEV_SERVER_URL']}/dev/stats", timeout=30).json()
+        return local_http().get(f"{self.env['EAGLE3_DEV_SERVER_URL']}/dev/stats", timeout=30).json()
 
     def generation_requests(self) -> int:
         return sum(sum(per_key.values()) for per_key in self.dev_stats()["requests"].values())

@@ -1070,15 +1070,15 @@ class DevServerProcess:
             raise
 
     def stats(self) -> dict:
-        import httpx
+        from eagle3_data.dev.processes import local_http
 
-        return httpx.get(f"{self.url}/dev/stats", timeout=30).json()
+        return local_http().get(f"{self.url}/dev/stats", timeout=30).json()
 
     def configure(self, config: dict) -> None:
         """Replace the running server's config (YAML keys) and reset its counters."""
-        import httpx
+        from eagle3_data.dev.processes import local_http
 
-        r = httpx.post(f"{self.url}/dev/config", json=config, timeout=30)
+        r = local_http().post(f"{self.url}/dev/config", json=config, timeout=30)
         if r.status_code != 200:
             raise ValueError(r.text)
 

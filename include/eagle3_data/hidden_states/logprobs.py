@@ -41,6 +41,7 @@ from eagle3_data.hidden_states.final_norm import checkpoint_weight, rms_norm
 from eagle3_data.policy.nucleus import LOGIT_MARGIN, MASS_MARGIN, Nucleus
 
 CHUNK_TOKENS = 256
+SUM_FLOOR = 1e-30  # a row's unshifted sum of exps below this is done again shifted (`LogprobHead._exp_sum`)
 HALF = {"bfloat16": torch.bfloat16, "float16": torch.float16}  # compute dtypes whose head stays in them on CUDA
 
 
@@ -117,7 +118,8 @@ class LogprobHead:
         """One pass over the chunks for both public methods: the logits are the cost. Every [chunk,
         V] pass writes into the head's own buffers (`_buffers`), never a new tensor: on the CPU a
         fresh 168 MB tensor is a fresh mmap that the kernel zero-fills page by page, which cost
-        more than the arithmetic (benchmarks/nucleus_count.py, `previous` vs `shipped`)."""
+        more than the arithmetic (benchmarks/RESULTS.md, "Where `make test`'s CPU goes, by
+        process")."""
         ids = torch.as_tensor(ids, dtype=torch.long)
         n = int(ids.numel())
         if last.shape[0] != n:
@@ -132,17 +134,23 @@ class LogprobHead:
             self._logits(h, logits)
             nxt = ids[start + 1 : end + 1].to(self.device)
             own = logits.gather(1, nxt[:, None])
-            top = logits.amax(dim=-1, keepdim=True)
-            # the log-softmax's normaliser as torch.logsumexp computes it: max + log(sum(exp(x - max)))
-            total = torch.sub(logits, top, out=work).exp_().sum(dim=-1, keepdim=True)
-            lse = top + total.log()
+            total, shift = self._exp_sum(logits, 1.0, work)  # the log-softmax's normaliser
+            lse = total.log() if shift is None else shift + total.log()
             out[start + 1 : end + 1] = (own - lse).squeeze(1).cpu()
             if best is not None:
-                best[start + 1 : end + 1] = (own >= top).squeeze(1).cpu()
+                best[start + 1 : end + 1] = (own >= logits.amax(dim=-1, keepdim=True)).squeeze(1).cpu()
             first = max(answer_from - 1, start) - start  # the chunk's first row predicting an answer token
             if outside is not None and first < end - start:
                 rows = slice(first, None)
-                far = self._outside(logits[rows], own[rows], nucleus, work[rows], total[rows], below[rows])
+                far = self._outside(
+                    logits[rows],
+                    own[rows],
+                    nucleus,
+                    work[rows],
+                    total[rows],
+                    None if shift is None else shift[rows],
+                    below[rows],
+                )
                 outside[start + 1 + first : end + 1] = far.cpu()
         return out, outside, best
 
@@ -158,6 +166,26 @@ class LogprobHead:
             )
         return tuple(b[:rows] for b in self._chunk)
 
+    def _exp_sum(
+        self, logits: torch.Tensor, temperature: float, out: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """exp(`logits` / `temperature`) written into `out`, and its sum per row [c, 1], with the
+        shift subtracted from every logit before its exp ([c, 1], or None for none). Unshifted
+        first: a log-softmax needs no shift while no exp overflows and a row's sum stays a normal
+        float, and skipping the row max and the subtraction (two passes over the [c, V] logits)
+        takes a quarter off the head's time on the CPU (benchmarks/nucleus_count.py). A chunk
+        whose sum left [SUM_FLOOR, inf) (a logit over ~88 overflows fp32's exp; every term tiny
+        loses the precision of normal floats) is done again shifted by its row max, as
+        torch.logsumexp does. Above the floor the terms that underflow change the sum by less than
+        V x 1.4e-45 / 1e-30 (relative), and each exp keeps fp32's relative precision either way."""
+        scaled = logits if temperature == 1.0 else torch.div(logits, temperature, out=out)
+        total = torch.exp(scaled, out=out).sum(dim=-1, keepdim=True)
+        if bool(((total >= SUM_FLOOR) & (total < float("inf"))).all()):
+            return total, None
+        scaled = logits if temperature == 1.0 else torch.div(logits, temperature, out=out)
+        shift = scaled.amax(dim=-1, keepdim=True)
+        return torch.sub(scaled, shift, out=out).exp_().sum(dim=-1, keepdim=True), shift
+
     def _logits(self, h: torch.Tensor, into: torch.Tensor) -> None:
         if self.head.dtype == torch.float32:
             torch.mm(h, self.head.T, out=into)
@@ -169,8 +197,9 @@ class LogprobHead:
         logits: torch.Tensor,
         own: torch.Tensor,
         nucleus: Nucleus,
-        exp_shifted: torch.Tensor,
+        exps: torch.Tensor,
         total: torch.Tensor,
+        shift: torch.Tensor | None,
         below: torch.Tensor,
     ) -> torch.Tensor:
         """Per row, whether the token whose logit is `own` [c, 1] lies outside the nucleus of
@@ -178,19 +207,27 @@ class LogprobHead:
         is >= top_p + MASS_MARGIN, or top_k or more tokens are clearly above it. With top_k, vLLM
         takes top_p of the top-k renormalised: that mass is at least the full distribution's
         mass above, so the full one is the conservative side (never counts an honest token).
-        `exp_shifted`: exp(`logits` - their row max), summing to `total` per row (the log-softmax's
-        own), overwritten here; `below`: a bool buffer of its shape. The mass is the probabilities
-        summed where they lie above, not a masked logsumexp beside a second one: the count then
-        costs about one log-softmax more instead of two (benchmarks/nucleus_count.py), the same
-        mass to ~1e-6, far inside MASS_MARGIN."""
-        torch.le(logits, own + self.logit_margin, out=below)
+        `exps`: exp(`logits` - `shift`) (`_exp_sum`), summing to `total` per row (the
+        log-softmax's own), overwritten here; `below`: a bool buffer of its shape. The mass is the
+        probabilities summed where they lie above, not a masked logsumexp beside a second one (the
+        same mass to ~1e-6, far inside MASS_MARGIN). On the CPU each row's exps at or below the
+        exp of its threshold are zeroed in one pass (`threshold_`: exp is monotonic, so the same
+        tokens), where a [c, V] comparison into `below` and a masked fill took 5x as long
+        (benchmarks/nucleus_count.py); on a GPU, where a launch per row would cost more than the
+        pass, the comparison and the fill stay."""
+        cut = own + self.logit_margin
         if nucleus.temperature != 1.0:  # softmax(logits / T), unnormalised, in the same buffer
-            torch.div(logits, nucleus.temperature, out=exp_shifted)
-            scaled_top = exp_shifted.amax(dim=-1, keepdim=True)
-            total = exp_shifted.sub_(scaled_top).exp_().sum(dim=-1, keepdim=True)
-        mass = exp_shifted.masked_fill_(below, 0.0).sum(dim=-1, keepdim=True).div_(total).squeeze(1)
+            total, shift = self._exp_sum(logits, nucleus.temperature, exps)
+            cut = cut / nucleus.temperature
+        if self.device.type == "cpu":
+            for row, at in zip(exps, (cut if shift is None else cut - shift).exp_().squeeze(1).tolist()):
+                torch.nn.functional.threshold_(row, at, 0.0)  # kept where exp > at: logit > own + margin
+        else:
+            exps.masked_fill_(torch.le(logits, own + self.logit_margin, out=below), 0.0)
+        mass = exps.sum(dim=-1, keepdim=True).div_(total).squeeze(1)
         far = mass >= nucleus.top_p + MASS_MARGIN if nucleus.top_p < 1.0 else torch.zeros_like(mass, dtype=torch.bool)
         if nucleus.top_k > 0:
+            torch.le(logits, own + self.logit_margin, out=below)
             far |= below.shape[1] - below.sum(dim=-1) >= nucleus.top_k
         return far
 
