@@ -173,7 +173,7 @@ class LogprobHead:
         shift subtracted from every logit before its exp ([c, 1], or None for none). Unshifted
         first: a log-softmax needs no shift while no exp overflows and a row's sum stays a normal
         float, and skipping the row max and the subtraction (two passes over the [c, V] logits)
-        takes a quarter off the head's time on the CPU (benchmarks/nucleus_count.py). A chunk
+        takes a fifth off the head's time on the CPU (benchmarks/nucleus_count.py). A chunk
         whose sum left [SUM_FLOOR, inf) (a logit over ~88 overflows fp32's exp; every term tiny
         loses the precision of normal floats) is done again shifted by its row max, as
         torch.logsumexp does. Above the floor the terms that underflow change the sum by less than
