@@ -215,19 +215,22 @@ class LogprobHead:
         tokens), where a [c, V] comparison into `below` and a masked fill took 5x as long
         (benchmarks/nucleus_count.py); on a GPU, where a launch per row would cost more than the
         pass, the comparison and the fill stay."""
-        cut = own + self.logit_margin
+        threshold = own + self.logit_margin  # above: a logit over this
+        on_cpu = self.device.type == "cpu"
+        if not on_cpu or nucleus.top_k > 0:
+            torch.le(logits, threshold, out=below)
         if nucleus.temperature != 1.0:  # softmax(logits / T), unnormalised, in the same buffer
             total, shift = self._exp_sum(logits, nucleus.temperature, exps)
-            cut = cut / nucleus.temperature
-        if self.device.type == "cpu":
-            for row, at in zip(exps, (cut if shift is None else cut - shift).exp_().squeeze(1).tolist()):
-                torch.nn.functional.threshold_(row, at, 0.0)  # kept where exp > at: logit > own + margin
+            threshold = threshold / nucleus.temperature
+        if on_cpu:
+            cuts = (threshold if shift is None else threshold - shift).exp_().squeeze(1).tolist()
+            for row, cut in zip(exps, cuts):
+                torch.nn.functional.threshold_(row, cut, 0.0)  # kept where exp > cut: logit above
         else:
-            exps.masked_fill_(torch.le(logits, own + self.logit_margin, out=below), 0.0)
+            exps.masked_fill_(below, 0.0)
         mass = exps.sum(dim=-1, keepdim=True).div_(total).squeeze(1)
         far = mass >= nucleus.top_p + MASS_MARGIN if nucleus.top_p < 1.0 else torch.zeros_like(mass, dtype=torch.bool)
         if nucleus.top_k > 0:
-            torch.le(logits, own + self.logit_margin, out=below)
             far |= below.shape[1] - below.sum(dim=-1) >= nucleus.top_k
         return far
 
