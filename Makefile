@@ -79,10 +79,13 @@ speculators-venv: $(SPEC_STAMP)
 # without the second vLLM server"). tests/integration/test_lease.py runs in the dags + benchmarks
 # process (the cluster one skips what that one runs): ~54 s wall for ~31 CPU s, much of it waiting
 # for leases to expire, and the cluster + integration process ended last by 1-2 min without it
-# (benchmarks/RESULTS.md, "A warm speculators interpreter for the tests").
+# (benchmarks/RESULTS.md, "A warm speculators interpreter for the tests"); so does
+# tests/integration/test_storage_seaweedfs.py (~31 s wall for ~6 CPU s, SeaweedFS starting and
+# stopping: the cluster + integration process still ended 28-61 s last, "The LM head's passes and
+# the start-up poll").
 CLUSTER_TESTS := tests/cluster tests/integration
 SIDE_TESTS := tests/dags/test_cli_reuse.py tests/dags/test_dag_import.py tests/dags/test_e2e.py tests/dags/test_hooks.py \
-	tests/integration/test_lease.py tests/benchmarks
+	tests/integration/test_lease.py tests/integration/test_storage_seaweedfs.py tests/benchmarks
 CLUSTER_LOG := test-artifacts/cluster-integration.log
 SIDE_LOG := test-artifacts/dags-benchmarks.log
 TEST_CACHE := $(CURDIR)/test-artifacts/cache
