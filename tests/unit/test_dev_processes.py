@@ -29,11 +29,12 @@ def test_the_start_up_poll_builds_no_client_per_request_and_a_fork_gets_its_own(
     import ssl
 
     from eagle3_data.dev import processes
+    from eagle3_data.forksafe import PerProcess
 
     built = []
     real = ssl.create_default_context
     monkeypatch.setattr(ssl, "create_default_context", lambda *a, **kw: built.append(1) or real(*a, **kw))
-    monkeypatch.setattr(processes, "_local_http", None)
+    monkeypatch.setattr(processes, "_LOCAL_HTTP", PerProcess(processes._http_client))  # none built yet
     closed = f"http://127.0.0.1:{free_port()}/health"  # nothing listens: refused at once
     assert not any(processes.http_ok(closed) for _ in range(20))
     assert len(built) == 1

@@ -6,19 +6,17 @@ the tests all fail the same way: at once when the child dies, with its log's pat
 
 from __future__ import annotations
 
-import os
 import random
 import socket
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
 
 from eagle3_data.errors import UserError
+from eagle3_data.forksafe import PerProcess
 
 PORT_FLOOR = 10000  # ports we hand out lie in [PORT_FLOOR, the kernel's ephemeral range)
 _handed_out: set[int] = set()  # never the same port twice from one process
-_local_http: tuple[int, Any] | None = None  # (pid, client): `local_http`
 
 
 def ephemeral_low() -> int:
@@ -65,19 +63,23 @@ def log_tail(path: Path | str | None, lines: int = 20) -> str:
         return ""
 
 
+def _http_client():
+    import httpx
+
+    return httpx.Client()
+
+
+_LOCAL_HTTP = PerProcess(_http_client)
+
+
 def local_http():
     """This process's httpx client for the dev tools' loopback HTTP: the start-up poll, the dev
     server's control endpoints, the cluster's REST API. `httpx.get` builds a client per call, and
     every client an SSL context that loads the CA bundle (~20 ms of CPU, for plain http too): the
     start-up poll paid it every 0.2 s while a server started (benchmarks/RESULTS.md, "The LM
     head's passes and the start-up poll"). Made again in a forked child, whose parent's client
-    is not its own."""
-    global _local_http
-    import httpx
-
-    if _local_http is None or _local_http[0] != os.getpid():
-        _local_http = (os.getpid(), httpx.Client())
-    return _local_http[1]
+    is not its own (`forksafe.PerProcess`)."""
+    return _LOCAL_HTTP.get()
 
 
 def http_ok(url: str) -> bool:
