@@ -315,25 +315,33 @@ def finish_job(svc: Services, job: Service, timeout: float = 600) -> None:
 
 @dataclass
 class ApiClient:
-    """The api-server's REST API as the signed-in admin (a token from /auth/token, as the UI gets)."""
+    """The api-server's REST API as a signed-in user (a token from /auth/token, as the UI gets):
+    the launcher's set-up calls and the cluster tests' calls both go through it."""
 
     base: str
     user: str
     password: str = field(repr=False)
     _token: str | None = field(default=None, repr=False)
 
-    def request(self, method: str, path: str, **kw):
+    def token(self) -> str:
+        """The user's JWT, signed in for once; a refused sign-in is a UserError with the answer."""
         from eagle3_data.dev.processes import local_http
 
         if self._token is None:
             r = local_http().post(
                 f"{self.base}/auth/token", json={"username": self.user, "password": self.password}, timeout=30
             )
-            r.raise_for_status()
+            if r.status_code != 201:
+                raise UserError(f"signing in as {self.user} at {self.base}/auth/token: {r.status_code} {r.text[:500]}")
             self._token = r.json()["access_token"]
-        return local_http().request(
-            method, f"{self.base}/api/v2{path}", headers={"Authorization": f"Bearer {self._token}"}, timeout=30, **kw
-        )
+        return self._token
+
+    def request(self, method: str, path: str, *, headers: dict | None = None, timeout: float = 30, **kw):
+        """`method` on /api/v2`path` with the token (and any `headers` beside it)."""
+        from eagle3_data.dev.processes import local_http
+
+        headers = {"Authorization": f"Bearer {self.token()}", **(headers or {})}
+        return local_http().request(method, f"{self.base}/api/v2{path}", headers=headers, timeout=timeout, **kw)
 
     def ok(self, method: str, path: str, **kw) -> bool:
         import httpx

@@ -18,6 +18,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from datetime import date, datetime, timezone
+from functools import cached_property
 from pathlib import Path
 
 import httpx
@@ -25,7 +26,7 @@ import pytest
 
 from eagle3_data.config import DAG_ID, deep_merge, load_config
 from eagle3_data.dev.processes import local_http
-from eagle3_devtools.cluster import CLUSTER_OVERRIDES
+from eagle3_devtools.cluster import ADMIN_USER, CLUSTER_OVERRIDES, ApiClient
 from eagle3_devtools.services import kill_group, reap_leftovers
 from eagle3_devtools.stack import SAMPLE_DATA
 from tests.hang_report import watch_logs
@@ -79,24 +80,20 @@ class ClusterHandle:
     env: dict[str, str] = field(repr=False)  # os.environ + the env file: for CLI subprocesses
     password: str = field(repr=False)
     log: Path = field(default=Path())
-    _token: str | None = field(default=None, repr=False)
 
     @property
     def base(self) -> str:
         return self.env["AIRFLOW__API__BASE_URL"]
 
+    @cached_property
+    def client(self) -> ApiClient:
+        return ApiClient(self.base, ADMIN_USER, self.password)
+
     def token(self) -> str:
-        if self._token is None:
-            r = local_http().post(
-                f"{self.base}/auth/token", json={"username": "admin", "password": self.password}, timeout=30
-            )
-            assert r.status_code == 201, r.text
-            self._token = r.json()["access_token"]
-        return self._token
+        return self.client.token()
 
     def api(self, method: str, path: str, **kw) -> httpx.Response:
-        headers = {"Authorization": f"Bearer {self.token()}", **kw.pop("headers", {})}
-        return local_http().request(method, f"{self.base}/api/v2{path}", headers=headers, timeout=60, **kw)
+        return self.client.request(method, path, timeout=60, **kw)
 
     def trigger(self, run_id: str, logical_date: str | None, conf: dict) -> httpx.Response:
         return self.api(
