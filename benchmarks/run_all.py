@@ -55,6 +55,7 @@ BENCHMARKS: dict[str, tuple[str, list[str], list[str], Path | None]] = {
         [],
         None,
     ),
+    "conversation_memory": ("conversation_memory.py", ["--sizes", "1000", "5000"], [], None),
     "stage_startup": ("stage_startup.py", ["--repeats", "2"], [], None),
     # vLLM's own venv (make vllm-venv); the full gpu_extract wants a GPU (benchmarks/gpu_extract.sh)
     "vllm_extract": ("vllm_extract.py", ["--samples", "16", "--repeats", "1"], [], REPO / ".venv-vllm" / ".installed"),

@@ -517,12 +517,13 @@ def test_a_trajectory_cut_at_reconstruct_keeps_its_turns_before_the_cut(
 
 @pytest.mark.parametrize("path", ["local", "overflow"])
 def test_samples_file_from_the_rows_prompt_ids_equals_the_render(
-    path, store, start_dev_server, kimi_tokenizer, tmp_path
+    path, store, start_dev_server, kimi_tokenizer, tmp_path, monkeypatch
 ):
     """The samples file is built from the turn rows' own prompt ids, read once as each row is
     observed (no second render of every turn's prompt at the end of the stage): it is byte for
     byte the file the template's render of every turn's prompt gives (`_rendered`, what a
-    resumed stage still does for rows committed before it started)."""
+    resumed stage still does for rows committed before it started). It is written a batch of
+    rows at a time (a row group each), with the same rows and figures as one batch."""
     from eagle3_data.chat_format import get_output_format
     from eagle3_data.generation import conversations
     from eagle3_data.generation.conversations import TurnDriver
@@ -569,6 +570,14 @@ def test_samples_file_from_the_rows_prompt_ids_equals_the_render(
     assert chained and all(sid in driver._pairs for s in chained for sid in s["steps"][1:])  # no render needed
     if path == "local":
         assert sum(s["exact_turns"] or 0 for s in chained) > 0
+    # written a batch of rows at a time: the same rows and figures however few a batch holds
+    figures = store.read_manifest(ref)["extra"]["conversations"]
+    assert figures["samples"] == len(samples) and figures["turns"] == sum(len(s["steps"]) for s in samples)
+    with monkeypatch.context() as m:
+        m.setattr(conversations, "SAMPLES_BATCH", 1)
+        batched, batched_figures = driver.samples_file()
+    assert pq.ParquetFile(io.BytesIO(batched)).num_row_groups == len(samples) > 1
+    assert read_samples(batched) == samples and batched_figures == figures
     driver._pairs.clear()  # every sample rendered, as before
     rendered, _ = driver.samples_file()
     assert rendered == fast

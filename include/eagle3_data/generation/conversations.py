@@ -33,7 +33,7 @@ turn's prompt (Kimi's template keeps the reasoning of the turns of the current t
 trajectory, so every turn's prompt starts with the one before it; `prefix_ok` records that it
 did) plus its output, with loss mask 1 exactly on the generated spans. The stage commits the
 samples beside its parts (`SAMPLES_FILE`); the merge folds each trajectory's turn rows into its
-one record (`trajectory_folds`), the report shows the figures (`figures`).
+one record (`trajectory_folds`), the report shows the figures (`Tally`).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from array import array
 from collections import Counter, deque
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 import pyarrow as pa
@@ -56,6 +57,7 @@ from eagle3_data.images import refs_for
 from eagle3_data.prompt_layouts import pair_results
 
 SAMPLES_FILE = "conversation_samples.parquet"
+SAMPLES_BATCH = 4096  # rows per row group of the SAMPLES file: what `samples_file` holds at once
 END_REASONS = ("answered", "unmatched_call", "tool_calls", "length", "failed", "max_steps")
 SAMPLES = pa.schema(
     [
@@ -411,11 +413,15 @@ class TurnDriver:
         return base, masked, prefix_ok, exact
 
     def samples_file(self) -> tuple[bytes, dict]:
-        """The SAMPLES Parquet file and its figures (for the manifest and the report)."""
-        rows = list(self.sample_rows())
-        buf = io.BytesIO()
-        pq.write_table(pa.Table.from_pylist(rows, schema=SAMPLES), buf)
-        return buf.getvalue(), figures(rows, self.tag)
+        """The SAMPLES Parquet file and its figures (for the manifest and the report), written
+        SAMPLES_BATCH rows at a time: beside the driver it holds one batch of rows and the file's
+        bytes, not every sample's row (a Python dict each) and their table at once."""
+        buf, tally, rows = io.BytesIO(), Tally(), self.sample_rows()
+        with pq.ParquetWriter(buf, SAMPLES) as writer:  # (leaves `buf` open)
+            while batch := list(islice(rows, SAMPLES_BATCH)):
+                writer.write_table(pa.Table.from_pylist(batch, schema=SAMPLES))
+                tally.add(batch)
+        return buf.getvalue(), tally.figures(self.tag)
 
 
 _MISSING = object()
@@ -425,23 +431,52 @@ def _user_index(messages: list[dict], at: int) -> int:
     return sum(m["role"] == "user" for m in messages[:at])
 
 
-def figures(rows: list[dict], tag: str) -> dict:
-    """What the report shows of a stage's samples: how many, turns per sample, why they ended,
-    the splices, and whether every turn's prompt started with the one before it."""
-    steps = Counter(len(r["steps"]) for r in rows)
-    return {
-        "mode": tag,
-        "samples": len(rows),
-        "turns": sum(len(r["steps"]) for r in rows),
-        "turns_per_sample": {str(k): v for k, v in sorted(steps.items())},
-        "end": {k: n for k in END_REASONS if (n := sum(r["end"] == k for r in rows))},
-        "splice_hits": sum(r["splice_hits"] for r in rows),
-        "splice_misses": sum(r["splice_misses"] for r in rows),
-        "not_prefix": sum(not r["prefix_ok"] for r in rows),
-        "exact_turns": sum(r["exact_turns"] or 0 for r in rows),
-        "earlier_turns": sum(len(r["steps"]) - 1 for r in rows),
-        "user_turns_not_reached": sum(r["turns_left"] for r in rows),
-    }
+class Tally:
+    """What the report shows of a stage's samples, counted a batch at a time: how many, turns per
+    sample, why they ended, the splices, and whether every turn's prompt started with the one
+    before it."""
+
+    def __init__(self) -> None:
+        self.steps: Counter[int] = Counter()
+        self.ends: Counter[str] = Counter()
+        self.sums: Counter[str] = Counter()
+
+    def add(self, rows: Iterable[dict]) -> None:
+        for r in rows:
+            n = len(r["steps"])
+            self.steps[n] += 1
+            self.ends[r["end"]] += 1
+            self.sums.update(
+                samples=1,
+                turns=n,
+                splice_hits=r["splice_hits"],
+                splice_misses=r["splice_misses"],
+                not_prefix=not r["prefix_ok"],
+                exact_turns=r["exact_turns"] or 0,
+                earlier_turns=n - 1,
+                user_turns_not_reached=r["turns_left"],
+            )
+
+    def figures(self, tag: str) -> dict:
+        s = self.sums
+        return {
+            "mode": tag,
+            "samples": s["samples"],
+            "turns": s["turns"],
+            "turns_per_sample": {str(k): v for k, v in sorted(self.steps.items())},
+            "end": {k: self.ends[k] for k in END_REASONS if self.ends[k]},
+            **{
+                k: s[k]
+                for k in (
+                    "splice_hits",
+                    "splice_misses",
+                    "not_prefix",
+                    "exact_turns",
+                    "earlier_turns",
+                    "user_turns_not_reached",
+                )
+            },
+        }
 
 
 def read_samples(data: bytes) -> list[dict]:
