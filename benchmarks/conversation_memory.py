@@ -9,7 +9,7 @@ observed, what the walk needs of it) and, at the end, `samples_file()`. Each N r
 process (benchmarks/_harness.measure) with the real Kimi chat format. The answers are made up at
 the engine's seam, each from its conversation's seed (so the benchmark itself holds nothing per
 conversation): turn 1 calls the conversation's two recorded tools (~2 KB of reasoning, ~500
-output ids), the driver splices the recorded results, turn 2 answers (~1 KB); each turn's
+output ids), the driver splices the recorded results, turn 2 answers (~1.5 KB); each turn's
 `prompt_ids` is the one before it + its answer's ids + the tool results' ids, as the engine
 would have been given. Figures per N: RSS after the rounds (the driver's), the samples file's
 own peak above that (VmHWM reset before it, `/proc/self/clear_refs`), and MiB per 1k samples,
