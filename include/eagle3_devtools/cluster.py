@@ -35,7 +35,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from eagle3_data.config import DAG_ID, GPU_QUEUE, OPENROUTER_POOL, load_config
-from eagle3_data.dev.processes import free_port, http_ok
+from eagle3_data.dev.processes import free_port, http_ok, local_http
 from eagle3_data.errors import UserError
 from eagle3_devtools.services import Service, Services, reap_leftovers, run_launcher
 from eagle3_devtools.stack import REPO, DevStack, airflow_env, dev_stack, upload_prompts
@@ -325,8 +325,6 @@ class ApiClient:
 
     def token(self) -> str:
         """The user's JWT, signed in for once; a refused sign-in is a UserError with the answer."""
-        from eagle3_data.dev.processes import local_http
-
         if self._token is None:
             r = local_http().post(
                 f"{self.base}/auth/token", json={"username": self.user, "password": self.password}, timeout=30
@@ -338,8 +336,6 @@ class ApiClient:
 
     def request(self, method: str, path: str, *, headers: dict | None = None, timeout: float = 30, **kw):
         """`method` on /api/v2`path` with the token (and any `headers` beside it)."""
-        from eagle3_data.dev.processes import local_http
-
         headers = {"Authorization": f"Bearer {self.token()}", **(headers or {})}
         return local_http().request(method, f"{self.base}/api/v2{path}", headers=headers, timeout=timeout, **kw)
 

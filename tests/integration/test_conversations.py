@@ -570,7 +570,9 @@ def test_samples_file_from_the_rows_prompt_ids_equals_the_render(
     assert chained and all(sid in driver._pairs for s in chained for sid in s["steps"][1:])  # no render needed
     if path == "local":
         assert sum(s["exact_turns"] or 0 for s in chained) > 0
-    # written a batch of rows at a time: the same rows and figures however few a batch holds
+    # written a batch of rows at a time: the same rows and figures however few a batch holds. The
+    # reference is the stage's one-batch file, read back by pyarrow: its rows are held to the
+    # template's render below (`rendered == fast`), its counts to the rows here.
     figures = store.read_manifest(ref)["extra"]["conversations"]
     assert figures["samples"] == len(samples) and figures["turns"] == sum(len(s["steps"]) for s in samples)
     with monkeypatch.context() as m:
