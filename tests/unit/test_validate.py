@@ -553,3 +553,24 @@ def test_prompt_billing_fails_a_systematic_gap_naming_the_rows_and_passes_an_exa
     assert missing["rows"] == 1 and missing["missing_usage"] == {"rows": 1, "rate": 0.5, "examples": ["a"]}
     assert missing["mean_abs_diff"] == 0.0 and not missing["gate"]["passed"]
     assert "have no usage.prompt_tokens" in missing["gate"]["reasons"][0]
+
+
+def test_billed_zero_on_answers_fails_naming_the_rows_not_a_deviation_of_0():
+    """Issue 55: a provider whose usage said 0 completion tokens on every row made the billed
+    total 0 and the deviation 0.0, and the billing gate passed. A 0 billed for a non-empty answer
+    (or prompt) is no count: named with the row count, left out of the comparison, gated like a
+    missing count. An empty answer billed 0 is an honest count."""
+    zeros = compare_billed_counts([(f"s{i}", 0, 40 + i) for i in range(5)])
+    assert zeros["rows"] == 0 and zeros["zero_usage"]["rows"] == 5 and zeros["zero_usage"]["rate"] == 1.0
+    assert not zeros["gate"]["passed"]
+    (why,) = zeros["gate"]["reasons"]
+    assert why.startswith("5 row(s) (100.00%) billed 0 completion_tokens for a non-empty answer")
+    assert "(e.g. s0, s1, s2)" in why
+    one = compare_billed_counts([("a", 100, 100), ("b", 0, 30), ("c", 0, 0)])
+    assert not one["gate"]["passed"] and one["rows"] == 2 and one["deviation"] == 0.0
+    assert one["zero_usage"] == {"rows": 1, "rate": 1 / 3, "examples": ["b"]}
+    assert compare_billed_counts([("a", 100, 100), ("c", 0, 0)])["gate"]["passed"]
+    prompt = compare_billed_prompts([("a", 0, 120), ("b", 0, 40)])
+    assert prompt["rows"] == 0 and prompt["mean_abs_diff"] == 0.0 and not prompt["gate"]["passed"]
+    (why,) = prompt["gate"]["reasons"]
+    assert why.startswith("2 row(s) (100.00%) billed 0 prompt_tokens for a non-empty prompt") and "a, b" in why

@@ -36,14 +36,21 @@ class _Missing:
         checked = compared + self.rows
         return {"rows": self.rows, "rate": self.rows / checked if checked else 0.0, "examples": self.examples}
 
-    def reason(self, compared: int, usage_field: str, max_rate: float) -> str | None:
-        rate = self.figures(compared)["rate"]
+    def reason(self, compared: int, what: str, max_rate: float, *, others: int = 0) -> str | None:
+        """`what` says what these rows lack ("have no usage.completion_tokens"); `others`: rows
+        of another uncounted kind, checked beside these (so the rate is of all rows checked)."""
+        checked = compared + self.rows + others
+        rate = self.rows / checked if checked else 0.0
         if not self.rows or rate <= max_rate:
             return None
         return (
-            f"{self.rows} row(s) ({rate:.2%}) have no usage.{usage_field}, above max_missing_usage_rate "
+            f"{self.rows} row(s) ({rate:.2%}) {what}, above max_missing_usage_rate "
             f"{max_rate:.2%} (e.g. {', '.join(self.examples[:3])})"
         )
+
+
+def _zero_what(usage_field: str, ours: str) -> str:
+    return f"billed 0 {usage_field} for {ours}"
 
 
 def _keep_worst(top: list[tuple], item: tuple, worst: int) -> None:
@@ -69,12 +76,16 @@ def compare_billed_counts(
     reconstruction: they are counted under `excluded` and left out of the deviation. A row whose
     billed count is missing (None: the answer had no `usage`) is counted under `missing_usage`,
     never as 0 tokens, and more of them than `max_missing_usage_rate` fails the gate: with every
-    count missing there is nothing to compare, which must not read as a deviation of 0."""
+    count missing there is nothing to compare, which must not read as a deviation of 0. A billed
+    count of 0 on a row with reconstructed tokens is no count either (a provider whose usage
+    says 0 on every row made the billed total 0, and the deviation read 0): counted under
+    `zero_usage`, named, left out of the deviation and gated at the same rate."""
     billed_total = rebuilt_total = n = 0
     abs_sum = 0.0
     top: list[tuple[float, str, int, int]] = []
     excluded: dict[str, Any] = {"rows": 0, "billed_completion_tokens": 0, "reasons": {}}
     missing = _Missing()
+    zero = _Missing()
 
     for sample_id, billed, rebuilt, *reason in rows:
         if reason and reason[0]:
@@ -84,6 +95,9 @@ def compare_billed_counts(
             continue
         if billed is None:
             missing.add(sample_id)
+            continue
+        if billed <= 0 and rebuilt > 0:
+            zero.add(sample_id)
             continue
         n += 1
         billed_total += billed
@@ -95,7 +109,10 @@ def compare_billed_counts(
     reasons = []
     if abs(aggregate) > max_aggregate_deviation:
         reasons.append(f"aggregate deviation {aggregate:+.4%} exceeds ±{max_aggregate_deviation:.2%}")
-    if why := missing.reason(n, "completion_tokens", max_missing_usage_rate):
+    if why := missing.reason(n, "have no usage.completion_tokens", max_missing_usage_rate, others=zero.rows):
+        reasons.append(why)
+    zero_what = _zero_what("completion_tokens", "a non-empty answer")
+    if why := zero.reason(n, zero_what, max_missing_usage_rate, others=missing.rows):
         reasons.append(why)
     notes = [
         f"{count} row(s) excluded from the deviation and from training data, unreconstructable: {why}"
@@ -104,7 +121,8 @@ def compare_billed_counts(
     return {
         "rows": n,  # faithful rows: the ones the deviation is computed over
         "excluded": excluded,
-        "missing_usage": missing.figures(n),
+        "missing_usage": missing.figures(n + zero.rows),
+        "zero_usage": zero.figures(n + missing.rows),
         "billed_completion_tokens": billed_total,
         "reconstructed_completion_tokens": rebuilt_total,
         "deviation": aggregate,
@@ -143,7 +161,9 @@ def compare_billed_prompts(
     every row: the mean absolute difference (tokens per answer) and each row's difference are
     gated, the rows over `max_row_diff` named with their gap. Cached prompt tokens
     (`prompt_tokens_details.cached_tokens`) are a part of prompt_tokens, priced lower, not
-    another count: nothing to subtract. A missing count (None) is counted as missing, never as 0."""
+    another count: nothing to subtract. A missing count (None) is counted as missing, never as 0;
+    a count of 0 for a prompt with ids is no count either (counted under `zero_usage`, named,
+    left out of the differences and gated like a missing one), not a gap of the prompt's length."""
     n = billed_total = ours_total = abs_sum = 0
     diff_sum = 0
     bins: dict[int, int] = {}
@@ -151,9 +171,13 @@ def compare_billed_prompts(
     over: list[dict[str, Any]] = []
     over_rows = 0
     missing = _Missing()
+    zero = _Missing()
     for sample_id, billed, ours in rows:
         if billed is None:
             missing.add(sample_id)
+            continue
+        if billed <= 0 and ours > 0:
+            zero.add(sample_id)
             continue
         n += 1
         billed_total += billed
@@ -183,7 +207,11 @@ def compare_billed_prompts(
             f"{over_rows} answer(s) ({over_rate:.2%}) billed more than {max_row_diff} prompt tokens away from "
             f"their prompt ids, above max_prompt_billing_row_rate {max_row_rate:.2%}: {named}"
         )
-    if why := missing.reason(n, "prompt_tokens", max_missing_usage_rate):
+    if why := missing.reason(n, "have no usage.prompt_tokens", max_missing_usage_rate, others=zero.rows):
+        reasons.append(why)
+    if why := zero.reason(
+        n, _zero_what("prompt_tokens", "a non-empty prompt"), max_missing_usage_rate, others=missing.rows
+    ):
         reasons.append(why)
     labels = {-PROMPT_DIFF_BINS - 1: f"<= {-PROMPT_DIFF_BINS - 1}", PROMPT_DIFF_BINS + 1: f">= +{PROMPT_DIFF_BINS + 1}"}
     return {
@@ -195,7 +223,8 @@ def compare_billed_prompts(
         # billed - ours: each difference's count, in order (the tails gather the rest)
         "diff_distribution": [[labels.get(k, f"{k:+d}" if k else "0"), bins[k]] for k in sorted(bins)],
         "over_tolerance": {"rows": over_rows, "rate": over_rate, "examples": over},
-        "missing_usage": missing.figures(n),
+        "missing_usage": missing.figures(n + zero.rows),
+        "zero_usage": zero.figures(n + missing.rows),
         "worst_samples": [
             {"sample_id": s, "billed": b, "ours": o, "diff": b - o} for _, s, b, o in sorted(top, reverse=True)
         ],
