@@ -527,12 +527,13 @@ def prompt_files(source: str, dataset: str, *, date: str | None = None, client=N
 def newest_partition(source: str, dataset: str, *, client=None) -> str | None:
     """The newest YYYY-MM-DD of `{source}/{dataset}/date=YYYY-MM-DD/` folders holding prompt
     files; None when there is none. What a run without a logical date reads when the source has
-    no undated file for the dataset (a manual trigger of a scheduled deployment)."""
+    no undated file for the dataset (a manual trigger of a scheduled deployment). A source that
+    is not there at all: NoSuchSource (no partitions to look for)."""
+    if not _source_exists(source, client):
+        raise _no_such(source, dataset)
     if source.startswith("s3://"):
         from eagle3_data.storage.client import s3_errors
 
-        if client is None:
-            raise UserError(f"prompts {source}: an s3:// source needs the caller's S3 client (client=...)")
         bucket, key = _split_s3(source)
         prefix = "/".join(p for p in (key.strip("/"), dataset) if p) + "/"
         with s3_errors(client, f"listing date partitions under {source}"):
@@ -561,6 +562,33 @@ def _resolve(source: str, dataset: str, date: str | None, client) -> list[_File]
     return _resolve_local(Path(source), dataset, date)
 
 
+class NoSuchSource(UserError):
+    """The prompts source itself is not there (a local path that does not exist, an s3:// URI with
+    nothing under it): "no such file" comes first, not advice about date partitions."""
+
+
+def _no_such(source: str, dataset: str) -> NoSuchSource:
+    if source.rstrip("/").endswith(PROMPT_FILE_SUFFIXES):
+        return NoSuchSource(f"prompts file {source}: no such file (dataset {dataset})")
+    return NoSuchSource(f"prompts {source}: no such file or folder (dataset {dataset})")
+
+
+def _source_exists(source: str, client) -> bool:
+    """Whether anything is at `source`: a local file or folder, an s3:// key or prefix (a bucket's
+    root always counts)."""
+    if not source.startswith("s3://"):
+        return Path(source).exists()
+    if client is None:
+        raise UserError(f"prompts {source}: an s3:// source needs the caller's S3 client (client=...)")
+    from eagle3_data.storage.client import s3_errors
+
+    bucket, key = _split_s3(source)
+    if not key.strip("/"):
+        return True
+    with s3_errors(client, f"listing {source}"):
+        return bool(client.list_objects_v2(Bucket=bucket, Prefix=key.strip("/"), MaxKeys=1).get("Contents"))
+
+
 def _prompt_files(names: list[str]) -> list[str]:
     return sorted(
         n for n in names if n.endswith(PROMPT_FILE_SUFFIXES) and not n.rsplit("/", 1)[-1].startswith(("_", "."))
@@ -580,6 +608,8 @@ def _candidates(base: str, dataset: str, date: str | None, sep: str = "/") -> li
 
 
 def _resolve_local(root: Path, dataset: str, date: str | None) -> list[_File]:
+    if not root.exists():
+        raise _no_such(str(root), dataset)
     if date is None and (root / "state.json").is_file():
         return _saved_dataset(root)
     candidates = _candidates(str(root).rstrip("/"), dataset, date)
@@ -634,6 +664,8 @@ def _resolve_s3(source: str, dataset: str, date: str | None, client) -> list[_Fi
                 keys = _prompt_files(list(objects))
                 if keys:
                     return [_File(uri=f"s3://{bucket}/{k}", size=objects[k], bucket=bucket, key=k) for k in keys]
+    if not _source_exists(source, client):
+        raise _no_such(source, dataset)
     raise UserError(
         f"no prompt files (*.jsonl, *.parquet, *.arrow) for dataset {dataset!r} under {source}: looked at "
         + ", ".join(f"s3://{bucket}/{c}" for c in candidates)

@@ -224,6 +224,43 @@ def test_a_run_without_logical_date_reads_the_newest_partition_or_undated_prompt
     assert prompt_date(Run(**{**vars(run), "date": "2026-11-28"}), store, "chat") == "2026-11-28"  # a logical date wins
 
 
+def test_a_missing_prompts_source_says_no_such_file_not_partition_advice(tmp_path, s3, s3_bucket):
+    """Issue 55: a prompts file that is not there (local, or an s3:// key with nothing under it)
+    got a paragraph about date partitions; "no such file" is what a person needs. A folder that
+    exists but holds neither undated files nor partitions keeps the partition advice."""
+    from types import SimpleNamespace
+
+    from eagle3_data.config import load_config
+    from eagle3_data.pipeline.run import Run, prompt_date
+
+    (tmp_path / "empty").mkdir()
+    sources = {
+        "gone": str(tmp_path / "gone.jsonl"),
+        "gonedir": str(tmp_path / "nowhere"),
+        "s3gone": f"s3://{s3_bucket}/p/gone.jsonl",
+        "empty": str(tmp_path / "empty"),
+    }
+    config = load_config().with_overrides(
+        {"datasets": [{"name": n, "prompts": src} for n, src in sources.items()]}, where="test"
+    )
+    run = Run(config=config, run_key="m", date=None, datasets=list(sources), dry_run=False, skip_hidden_states=False)
+    store = SimpleNamespace(client=s3)
+
+    def message(name: str) -> str:
+        with pytest.raises(UserError) as info:
+            prompt_date(run, store, name)
+        return str(info.value)
+
+    assert message("gone") == f"prompts file {sources['gone']}: no such file (dataset gone)"
+    assert message("gonedir") == f"prompts {sources['gonedir']}: no such file or folder (dataset gonedir)"
+    assert message("s3gone") == f"prompts file {sources['s3gone']}: no such file (dataset s3gone)"
+    assert "no date=YYYY-MM-DD partition" in message("empty")
+    with pytest.raises(UserError, match=r"^prompts file .*gone\.jsonl: no such file \(dataset chat\)$"):
+        load_prompts(sources["gone"], "chat", date="2026-11-29", sampling=SAMPLING)
+    with pytest.raises(UserError, match=r"^prompts file s3://.*: no such file \(dataset chat\)$"):
+        load_prompts(sources["s3gone"], "chat", sampling=SAMPLING, client=s3)
+
+
 def test_s3_sources_file_prefix_and_date(s3, s3_bucket):
     body = (SAMPLE_DATA / "chat.jsonl").read_bytes()
     s3.put_object(Bucket=s3_bucket, Key="prompts/chat/date=2026-11-29/a.jsonl", Body=body)
