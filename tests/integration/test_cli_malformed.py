@@ -364,8 +364,8 @@ def _cases(e):
             _parquet(
                 t / "oor.parquet",
                 pa.Table.from_pylist(
-                    [{"sample_id": "a", "input_ids": [1, 10**8], "loss_mask": [0, 1]}],
-                    schema=pa.schema([merged.field(c) for c in ("sample_id", "input_ids", "loss_mask")]),
+                    [{"sample_id": "a", "source": "sglang", "input_ids": [1, 10**8], "loss_mask": [0, 1]}],
+                    schema=merged,
                 ),
             ),
             "--out",
@@ -458,6 +458,54 @@ def test_every_command_refuses_malformed_input_in_one_line(env, tiny_kimi_k25_di
         if problems:
             failures.append(f"{name}: {'; '.join(problems)}\n    {last[:400]}")
     assert not failures, "\n".join(failures)
+
+
+def _one_line_error(argv, capsys) -> str:
+    """The error line of a command that must exit 2 without a traceback."""
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err[-2000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("eagle3-data: error: "), last
+    return last.removeprefix("eagle3-data: error: ")
+
+
+def test_a_scheme_less_endpoint_is_named_with_the_fix(monkeypatch, capsys):
+    """Issue 55: AWS_ENDPOINT_URL=127.0.0.1:8333 ended in boto's "Invalid endpoint" traceback, exit 1."""
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "127.0.0.1:8333")
+    for argv in (["s3", "init", "--bucket", "x-f55"], ["stage", "verify", "s3://b/runs/r/s/d"]):
+        last = _one_line_error(argv, capsys)
+        assert last == "AWS_ENDPOINT_URL '127.0.0.1:8333' has no scheme: use http://127.0.0.1:8333"
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "localhost:9")  # the S3-specific one wins, and is named
+    assert _one_line_error(["s3", "init", "--bucket", "x-f55"], capsys).startswith("AWS_ENDPOINT_URL_S3 'localhost:9'")
+    argv = ["s3", "init", "--bucket", "x-f55", "--endpoint-url", "ftp://h:1"]
+    assert _one_line_error(argv, capsys) == "S3 endpoint 'ftp://h:1': the scheme must be http:// or https://"
+
+
+def test_a_missing_prompts_file_says_no_such_file(env, capsys):
+    """Issue 55: a prompts file that is not there got a paragraph about date partitions."""
+    gone = env["tmp"] / "gone.jsonl"
+    assert _one_line_error(_gen(env, str(gone)), capsys) == f"prompts file {gone}: no such file (dataset chat)"
+
+
+def test_extract_names_the_merge_columns_a_parquet_lacks(env, tiny_kimi_k25_dir, capsys):
+    """Issue 55: a parquet with input_ids and loss_mask but not the other columns extraction reads
+    passed the input check and ended in Arrow's "No match for FieldRef.Name(source)"."""
+    path = _parquet(
+        env["tmp"] / "cols.parquet",
+        pa.table(
+            {
+                "sample_id": ["a"],
+                "input_ids": pa.array([[1, 2]], pa.list_(pa.int32())),
+                "loss_mask": pa.array([[0, 1]], pa.list_(pa.uint8())),
+            }
+        ),
+    )
+    argv = ["extract", "--model", str(tiny_kimi_k25_dir), "--input", path, "--out", str(env["tmp"] / "hs")]
+    last = _one_line_error(argv, capsys)
+    assert last.startswith(f"--input {path}: missing column(s) source, prompt_tokens, provenance (a merge stage's")
+    assert "FieldRef" not in last
 
 
 def test_debug_shows_the_traceback(env, capsys):

@@ -328,9 +328,6 @@ def _export_input(args: argparse.Namespace, trainer: str):
         yield one_at_a_time(), vocab, images
 
 
-MERGED_COLUMNS = ("sample_id", "input_ids", "loss_mask")
-
-
 def check_merged_file(path, vocab_size: int | None) -> None:
     """A local merged shard, refused naming file, row and field: not Parquet, a missing or
     mistyped column (schemas.MERGED), ids outside the model's vocabulary, a loss_mask of
@@ -339,6 +336,7 @@ def check_merged_file(path, vocab_size: int | None) -> None:
     import pyarrow.compute as pc
 
     from eagle3_data.errors import UserError
+    from eagle3_data.hidden_states.extract import check_merged_columns
 
     if path.suffix != ".parquet":
         raise UserError(
@@ -357,12 +355,9 @@ def check_merged_file(path, vocab_size: int | None) -> None:
         ("input_ids", lambda t: pa.types.is_list(t) and pa.types.is_integer(t.value_type), "lists of integers"),
         ("loss_mask", lambda t: pa.types.is_list(t) and pa.types.is_integer(t.value_type), "lists of 0/1 integers"),
     ):
-        if column not in actual.names:
-            raise UserError(
-                f"--input {path}: column {column!r} is missing (a merged shard has {', '.join(MERGED_COLUMNS)})"
-            )
-        if not ok(actual.field(column).type):
+        if column in actual.names and not ok(actual.field(column).type):
             raise UserError(f"--input {path}: column {column!r} is {actual.field(column).type}, expected {want}")
+    check_merged_columns(f"--input {path}", actual.names)
     row = 0
     for batch in pf.iter_batches(batch_size=4096, columns=["sample_id", "input_ids", "loss_mask"]):
         ids, mask = batch.column("input_ids"), batch.column("loss_mask")

@@ -370,16 +370,31 @@ def _nucleus(row: dict) -> tuple[Nucleus | None, int]:
     return nucleus, int(row["prompt_tokens"]) if nucleus is not None else 0
 
 
+# The columns extraction reads from a merged shard (schemas.MERGED).
+EXTRACT_COLUMNS = ("sample_id", "source", "input_ids", "loss_mask", "prompt_tokens", "provenance")
+
+
+def check_merged_columns(where: str, names: Iterable[str]) -> None:
+    """A UserError naming every column extraction reads that a merged shard lacks (Arrow would say
+    only "No match for FieldRef.Name(source)")."""
+    present = set(names)
+    if missing := [c for c in EXTRACT_COLUMNS if c not in present]:
+        from eagle3_data.schemas import MERGED
+
+        raise UserError(
+            f"{where}: missing column(s) {', '.join(missing)} (a merge stage's parquet has {', '.join(MERGED.names)})"
+        )
+
+
 def read_merged_rows(paths: Iterable[str | Path]) -> list[dict]:
     """The columns extraction needs from merged parquet shards (schemas.MERGED)."""
     import pyarrow.parquet as pq
 
     rows: list[dict] = []
     for path in paths:
-        table = pq.read_table(
-            str(path), columns=["sample_id", "source", "input_ids", "loss_mask", "prompt_tokens", "provenance"]
-        )
-        rows.extend(table.to_pylist())
+        pf = pq.ParquetFile(str(path))
+        check_merged_columns(str(path), pf.schema_arrow.names)
+        rows.extend(pf.read(columns=list(EXTRACT_COLUMNS)).to_pylist())
     return rows
 
 

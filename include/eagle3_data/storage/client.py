@@ -48,7 +48,7 @@ def s3_client(
     `max_attempts` to boto's AWS_MAX_ATTEMPTS, else 5."""
     if max_attempts is None:
         max_attempts = int(os.environ.get("AWS_MAX_ATTEMPTS") or 5)
-    endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    endpoint_url = _checked_endpoint(endpoint_url)
     config = Config(
         retries={"mode": "standard", "total_max_attempts": max_attempts},  # first try included
         connect_timeout=connect_timeout,
@@ -65,6 +65,24 @@ def s3_client(
             config=config,
         )
     )
+
+
+def _checked_endpoint(endpoint_url: str | None) -> str | None:
+    """The endpoint given, else AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL; one without a scheme
+    (`127.0.0.1:8333`) refused naming where it came from and the fix, not boto's ValueError
+    traceback ("Invalid endpoint")."""
+    where = "S3 endpoint"
+    if not endpoint_url:
+        for where in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
+            if endpoint_url := os.environ.get(where):
+                break
+    if endpoint_url and not endpoint_url.lower().startswith(("http://", "https://")):
+        from eagle3_data.errors import UserError
+
+        if "://" in endpoint_url:
+            raise UserError(f"{where} {endpoint_url!r}: the scheme must be http:// or https://")
+        raise UserError(f"{where} {endpoint_url!r} has no scheme: use http://{endpoint_url}")
+    return endpoint_url or None
 
 
 def fork_safe(client):
