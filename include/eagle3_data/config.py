@@ -287,6 +287,13 @@ class OverflowGenerationConfig(_Model):
         description="stream: false only: the whole answer's time (a Kimi-K2.5 answer with 16k+ "
         "reasoning tokens can take longer; the request it cuts is billed and counted at the budget's estimate)",
     )
+    record_wait_s: float = Field(
+        60.0,
+        ge=0,
+        description="before the manifest: how long to keep asking GET /generation?id= for the records of the "
+        "attempts counted at the budget's estimate (cut or errored streams whose record was not there yet); each "
+        "record found replaces its estimate in the stage's spend, one still missing stays at the estimate; 0: none",
+    )
 
 
 Regenerate = Literal["final_turn", "every_turn", "trajectory"]

@@ -223,8 +223,8 @@ def test_long_prompts_keep_full_concurrency_under_a_budget_that_allows_it(
 
 
 def test_an_error_event_that_was_not_billed_is_not_priced_on_resume(store, start_dev_server, kimi_tokenizer, tmp_path):
-    """A stream that opened and then carried only an error event (no output, no usage: not billed)
-    is closed in the journal; the resume prices only what may have been billed."""
+    """A stream that opened and then carried only an error event (no output, no usage) is priced
+    by its generation's record ($0: not billed); the resume prices only what may have been billed."""
     todo = prompts(3, "chat")
     server = start_dev_server({"price_per_token": PRICE, "endpoints": {"chat": {"error_in_body": 1.0}}})
     ref, s = _run(

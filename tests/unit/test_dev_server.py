@@ -223,6 +223,33 @@ def test_injected_faults_on_the_wire(app, kimi_tokenizer):
     assert call(app, "GET", "/get_model_info").json()["is_generation"] is True
 
 
+def test_a_stream_error_is_billed_and_its_record_can_come_late(app):
+    """`stream_error`: OpenRouter's mid-stream `error` data event (finish_reason "error", no usage)
+    after half the answer; the generation is billed (its prompt and the tokens sent) and its
+    record at GET /v1/generation?id= answers 404 for `record_delay_s`."""
+    import time
+
+    msgs = [{"role": "user", "content": "Hello there."}]
+    try:
+        call(app, "POST", "/dev/config", json={"endpoints": {"chat": {"stream_error": 1.0, "record_delay_s": 0.3}}})
+        r = call(app, "POST", "/v1/chat/completions", json={"model": MODEL, "messages": msgs, "stream": True})
+        events = [line[6:] for line in r.text.split("\n") if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and len(events) > 3
+        chunks = [json.loads(e) for e in events[:-1]]
+        last, gid = chunks[-1], r.headers["x-generation-id"]
+        assert last["id"] == gid and last["object"] == "chat.completion.chunk" and last["error"]["code"] == 502
+        assert last["choices"] == [{"index": 0, "delta": {"content": ""}, "finish_reason": "error"}]
+        assert not any("usage" in c for c in chunks)
+        assert call(app, "GET", "/v1/generation", params={"id": gid}).status_code == 404  # not yet
+        time.sleep(0.35)
+        record = call(app, "GET", "/v1/generation", params={"id": gid}).json()["data"]
+        assert record["finish_reason"] == "error" and record["native_tokens_prompt"] > 0
+        assert record["total_cost"] > 0 and record["native_tokens_completion"] > 0
+        assert call(app, "GET", "/dev/stats").json()["billed_usd"] == pytest.approx(record["total_cost"])
+    finally:
+        call(app, "POST", "/dev/config", json={})
+
+
 def test_generate_is_protocol_true(app, kimi_tokenizer, prompt_ids):
     """The dev server rejects what SGLang 0.5.23 rejects, in its shapes (tests/unit/test_sglang_oracle.py
     checks the schema texts against SGLang's own contract check)."""

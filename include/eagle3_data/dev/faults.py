@@ -43,9 +43,11 @@ YAML shape (every key optional)::
         reserialize_arguments: 0.1
         omit_cost: 0.0                             # answer without usage.cost (a provider that does not price)
         generation_lag: 0                          # GET /v1/generation?id= answers 404 this many times first
+        record_delay_s: 0.0                        # ... and until this long after the generation (a late record)
         credits_after: null                        # 402 for every request after N answered ones
         forbidden_after: null                      # 403 "Key limit exceeded" for every request after N answered
-        error_in_body: 0.0                         # 200 {"error": {...}}, no choices, no usage (not billed)
+        error_in_body: 0.0                         # 200 {"error": {...}}, no choices, no usage (not billed; on a
+                                                   #   stream its generation is recorded at $0)
         choice_error: 0.0                          # 200, choices[0].finish_reason "error" + partial text (billed)
         in_flight_402: 0.0                         # 402 in-flight budget, Retry-After retry_after_s
         moderation: 0.0                            # 403 moderation flag of this prompt
@@ -62,6 +64,8 @@ YAML shape (every key optional)::
         queue_full: 0.0                            # /generate: 503 "The request queue is full." (--max-queued-requests)
         stream_cut: 0.0                            # stream: the connection drops after half the chunks (billed whole)
         stream_stall: 0.0                          # stream: silent for stall_s after half the chunks (billed whole)
+        stream_error: 0.0                          # stream: an `error` data event after half the chunks, no usage
+                                                   #   (billed: the prompt and the tokens sent), then [DONE]
         keepalive_s: 0.5                           # stream: a ": OPENROUTER PROCESSING" comment this often while
                                                    #   the answer is prepared (its latency)
         inject_system_prompt: null                 # chat: render every request with this system message
@@ -109,6 +113,7 @@ OPTIONAL_REWRITES = (
     "wrong_provider",
     "stream_cut",
     "stream_stall",
+    "stream_error",
 )
 # OpenRouter's provider table (GET /api/v1/providers: name, slug), the part the dev server serves.
 PROVIDERS = (
@@ -141,6 +146,7 @@ class EndpointFaults:
     reserialize_arguments: float = 0.0
     omit_cost: float = 0.0
     generation_lag: int = 0
+    record_delay_s: float = 0.0
     credits_after: int | None = None
     forbidden_after: int | None = None
     error_in_body: float = 0.0
@@ -160,6 +166,7 @@ class EndpointFaults:
     queue_full: float = 0.0
     stream_cut: float = 0.0
     stream_stall: float = 0.0
+    stream_error: float = 0.0
     keepalive_s: float = 0.5
     inject_system_prompt: str | None = None
     cut_after_tool_result: int | None = None

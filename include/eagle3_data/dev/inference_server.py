@@ -72,6 +72,7 @@ class _State:
         self.rids: set[str] = set()  # registered (in-flight) request ids, as SGLang keeps them
         self.generations: dict[str, dict] = {}  # chat answers by id: GET /v1/generation's records
         self.lookups: Counter = Counter()  # GET /v1/generation tries per id (generation_lag)
+        self.recorded_at: dict[str, float] = {}  # monotonic time each record was made (record_delay_s)
         self.refused = 0
         if hasattr(self, "model"):
             self.model.rates = config.noncanonical_rates()  # keeps its vocabulary tables
@@ -188,11 +189,16 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
 
     @app.get("/v1/generation")
     async def generation(id: str = "") -> Response:
-        """OpenRouter's record of a chat answer (`total_cost` in USD); like the real one it answers
-        404 for a moment after the completion (`generation_lag` times per id)."""
+        """OpenRouter's record of a chat generation (`total_cost` in USD); like the real one it
+        answers 404 for a moment after the completion (`generation_lag` times per id, and for
+        `record_delay_s` after it was made)."""
         state.lookups[id] += 1
-        record = state.generations.get(id)
-        if record is None or state.lookups[id] <= state.config.faults("chat").generation_lag:
+        record, faults = state.generations.get(id), state.config.faults("chat")
+        if (
+            record is None
+            or state.lookups[id] <= faults.generation_lag
+            or time.monotonic() < state.recorded_at.get(id, 0.0) + faults.record_delay_s
+        ):
             return _openrouter_error(404, "Resource not found")
         return JSONResponse({"data": record})
 
@@ -420,12 +426,19 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
         provider = _routed_provider(body.get("provider") or {}, state.config)
         if stream and error == "error_in_body":  # failed after the provider started: an SSE error event
             body = json.loads(_error_response(error, faults, provider, state.config.model).body)
-            event = {
-                "id": "gen-" + uuid.uuid4().hex[:24],
-                "object": "chat.completion.chunk",
-                "error": body["error"],
-                "choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "error"}],
-            }
+            event = _error_event("gen-" + uuid.uuid4().hex[:24], body["error"])
+            record(  # recorded, nothing billed: the provider failed before any output
+                {
+                    "id": event["id"],
+                    "model": state.config.model,
+                    "provider_name": provider,
+                    "created": int(time.time()),
+                },
+                len(prompt),
+                0,
+                "error",
+                cost=0.0,
+            )
             return StreamingResponse(
                 iter(
                     [
@@ -453,16 +466,21 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
         )
         if error == "choice_error":
             _cut_mid_generation(answer, provider)
-        state.generations[answer["id"]] = {  # billed once the provider started: whatever the client then does
-            "id": answer["id"],
-            "model": answer["model"],
-            "provider_name": answer["provider"],
-            "total_cost": _price(len(prompt), len(gen.output_ids), state.config),
-            "tokens_prompt": len(prompt),
-            "tokens_completion": len(gen.output_ids),
-            "finish_reason": answer["choices"][0]["finish_reason"],
-            "created_at": answer["created"],
-        }
+        # billed once the provider started, whatever the client then does; a stream that fails
+        # mid-generation (`stream_error`) bills the prompt and the tokens it sent
+        failing = stream and "stream_error" in rewrites
+        billed = len(gen.output_ids) // 2 if failing else len(gen.output_ids)
+        record(
+            {
+                "id": answer["id"],
+                "model": answer["model"],
+                "provider_name": answer["provider"],
+                "created": answer["created"],
+            },
+            len(prompt),
+            billed,
+            "error" if failing else answer["choices"][0]["finish_reason"],
+        )
         headers = {"X-Generation-Id": answer["id"]}
         if stream:
             return StreamingResponse(
@@ -476,6 +494,23 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
                 json.dumps(answer)[: len(json.dumps(answer)) // 2], media_type="application/json", headers=headers
             )
         return JSONResponse(answer, headers=headers)
+
+    def record(answer: dict, prompt_tokens: int, completion_tokens: int, finish: str, cost: float | None = None):
+        """The generation's record (GET /v1/generation, the ledger `dev/stats` sums), in
+        OpenRouter's fields."""
+        state.generations[answer["id"]] = {
+            "id": answer["id"],
+            "model": answer["model"],
+            "provider_name": answer["provider_name"],
+            "total_cost": _price(prompt_tokens, completion_tokens, state.config) if cost is None else cost,
+            "tokens_prompt": prompt_tokens,
+            "tokens_completion": completion_tokens,
+            "native_tokens_prompt": prompt_tokens,
+            "native_tokens_completion": completion_tokens,
+            "finish_reason": finish,
+            "created_at": answer["created"],
+        }
+        state.recorded_at[answer["id"]] = time.monotonic()
 
     async def _stream_answer(request: Request, key: str, answer: dict, rewrites: set[str], faults, latency: float):
         """The answer as OpenRouter streams it: keep-alive comments while it is prepared (the
@@ -503,6 +538,15 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
                 state.stats.faults["chat"]["stream_cut"] += 1
                 state.stats.abandoned["chat"] += 1
                 raise ConnectionAbortedError("stream_cut (injected)")  # the server drops the connection
+            if "stream_error" in rewrites:  # OpenRouter's mid-stream error: a data event, no usage
+                state.stats.faults["chat"]["stream_error"] += 1
+                error = {
+                    "code": 502,
+                    "message": "Provider disconnected mid-stream (injected)",
+                    "metadata": {"provider_name": answer["provider"]},
+                }
+                yield b"data: " + json.dumps(_error_event(answer["id"], error)).encode() + b"\n\ndata: [DONE]\n\n"
+                return
             if "stream_stall" in rewrites:
                 state.stats.faults["chat"]["stream_stall"] += 1
                 await asyncio.sleep(faults.stall_s)
@@ -922,6 +966,18 @@ def _sse(answer: dict) -> list[bytes]:
     events.append(b"data: " + json.dumps(dict(head, choices=[], usage=answer["usage"])).encode() + b"\n\n")
     events.append(b"data: [DONE]\n\n")
     return events
+
+
+def _error_event(generation_id: str, error: dict) -> dict:
+    """OpenRouter's SSE data event for an error after the stream opened (errors-and-debugging:
+    "Error During Streaming"): the error, and the choice finished with `error`."""
+    return {
+        "id": generation_id,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "error": error,
+        "choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "error"}],
+    }
 
 
 def _cut_mid_generation(answer: dict, provider: str) -> None:

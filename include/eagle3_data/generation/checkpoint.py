@@ -399,6 +399,21 @@ class StageRun:
             self.cost_usd += record.get("cost_usd") or 0.0
             self.counts["lost_attempts"] += 1
 
+    def reprice_attempt(self, record: dict, cost_usd: float, *, earlier: bool = False) -> float:
+        """A settled attempt priced at the estimate, priced again from OpenRouter's record of its
+        generation (which came late): `record` updated in place and journaled again (a resume takes
+        its last state), the difference added to this attempt's cost, or to what earlier attempts
+        spent (`earlier`: it was settled by one of them). Returns the difference."""
+        delta = cost_usd - (record.get("cost_usd") or 0.0)
+        record.update(cost_usd=cost_usd, cost_source="generation_lookup", estimate_usd=record.get("cost_usd"))
+        self._journal.write(json.dumps({"attempt": record}, ensure_ascii=False) + "\n")
+        self._journal.flush()
+        if earlier:
+            self.spent_before_usd += delta
+        else:
+            self.cost_usd += delta
+        return delta
+
     def _observe_committed(self) -> None:
         """Hand the turn driver every row earlier attempts committed (verified parts, the columns a
         walk reads), so a resumed attempt knows where each conversation stands."""

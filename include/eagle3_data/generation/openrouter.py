@@ -11,11 +11,12 @@ The SDK's own retries are off (`max_retries=0`): one retry loop here sees every 
 backoff honours `Retry-After`, counts toward one limit and shows in the logs. Answers are text;
 `output_ids` stay null until the reconstruction stage. What is paid is never lost (see
 checkpoint.py), and what may be paid is counted: a request that reached the provider without
-giving an answer (a cut stream, an unreadable body, a timed-out request) is priced (from
-OpenRouter's record of its generation, else at the budget's estimate) and journaled before its
-sample is asked again. The API key is passed in by the caller (the DAG reads the Airflow
-connection) and only ever handed to the SDK: it is in no row, manifest, log line or exception
-message produced here.
+giving an answer (a cut stream, an errored one without a cost, an unreadable body, a timed-out
+request) is priced (from OpenRouter's record of its generation, else at the budget's estimate)
+and journaled before its sample is asked again; one priced at the estimate is looked up again
+before the manifest is written (`record_wait_s`), as OpenRouter's record often lands seconds late.
+The API key is passed in by the caller (the DAG reads the Airflow connection) and only ever
+handed to the SDK: it is in no row, manifest, log line or exception message produced here.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ from eagle3_data.generation.openrouter_rows import (
     request_sampling,
 )
 from eagle3_data.generation.progress import Progress, ProgressSink, tick_every
-from eagle3_data.generation.provider_answers import Verdict, body_error, classify_status
+from eagle3_data.generation.provider_answers import Verdict, body_error, classify_status, cost_unknown
 from eagle3_data.generation.provider_identity import (
     Pin,
     allowed_providers,
@@ -122,6 +123,7 @@ class OverflowOptions:
     unreachable_timeout_s: float
     connect_timeout_s: float
     max_identical_errors: int  # this many identical permanent errors in a row stop dispatch
+    record_wait_s: float  # at the stage's end: how long to wait for the records of attempts priced at the estimate
     # the client's own
     max_attempts: int = 6
     first_cost_estimate_usd: float = 0.01
@@ -208,11 +210,14 @@ def generate_overflow(
             stopped = run_rounds(
                 run, ref.dataset, lambda: run_event_loop(client.run()), progress, f"generate_overflow {ref.dataset}"
             )
+        if stopped is None:  # the manifest comes next: the estimates' records, if they appeared meanwhile
+            run_event_loop(client.reprice_estimates())
         run.finish(
             stopped,
             extra={
                 "budget_usd": options.max_usd,
                 "spent_total_usd": round(client.budget.spent, 6),
+                "lost_attempts_priced": client.attempts_priced(),
                 "identity_pin": client.pin.to_json() if client.pin else None,
                 **client.timing(),
             },
@@ -326,6 +331,11 @@ class _OverflowRun:
         self.configured_prices = Prices.per_mtok(options.price_usd_per_mtok)
         self.breaker: Breaker[_Failed] = Breaker(options.max_identical_errors, self._tripped)
         self.lost: dict[str, list[dict]] = {sid: list(a) for sid, a in run.lost_attempts.items()}
+        # every priced attempt without an answer this process knows (an earlier process's too): the
+        # ones at the estimate are looked up again at the end (`reprice_estimates`)
+        self.settled: list[dict] = [a for attempts in run.lost_attempts.values() for a in attempts]
+        self._earlier = {a.get("attempt") for a in self.settled}
+        self.repriced: list[dict] = []
         self.in_flight = 0
         self.stopped: StopReason | None = None
         self.stop_detail: str | None = None  # the provider's words for the stop
@@ -356,6 +366,74 @@ class _OverflowRun:
             "wall_s": round(time.monotonic() - self.started, 3),
             "latency_s_mean": round(self.latency_sum / self.answered, 4) if self.answered else None,
         }
+
+    def attempts_priced(self) -> dict:
+        """For the manifest: how the attempts without an answer were priced, by OpenRouter's record
+        of their generation or at the budget's estimate (an upper bound), and those an end-of-stage
+        lookup priced again (their rows' provenance still says the estimate: the manifest's
+        `spent_total_usd` and the summary's `cost_usd` hold the record's price)."""
+        sources = [a.get("cost_source") for a in self.settled]
+        return {
+            "by_record": sources.count("generation_lookup"),
+            "by_estimate": sources.count("estimate"),
+            "repriced": self.repriced,
+        }
+
+    async def reprice_estimates(self) -> None:
+        """Look up again the records of the attempts priced at the estimate (their generation named,
+        its record not there after `cost_lookups` tries): OpenRouter's record usually lands seconds
+        later. All of them each round, waiting `cost_lookup_delay_s`, then twice as long (at most
+        5 s), until `record_wait_s` has passed; each one found replaces its estimate (journaled,
+        in the budget and the stage's cost). One still missing stays at the estimate: never below."""
+        todo = [a for a in self.settled if a.get("cost_source") == "estimate" and a.get("generation_id")]
+        if not todo or self.o.record_wait_s <= 0:
+            return
+        client = SdkPost(self.base_url, self._key, self.concurrency, self.o.request_timeout_s, self.o.connect_timeout_s)
+        deadline, delay = time.monotonic() + self.o.record_wait_s, max(self.o.cost_lookup_delay_s, 0.01)
+        try:
+            while todo:
+                costs = await asyncio.gather(*(client.generation_cost(a["generation_id"], 1, 0.0) for a in todo))
+                for a, cost in zip(todo, costs):
+                    if cost is not None:
+                        self._reprice(a, cost)
+                todo = [a for a, cost in zip(todo, costs) if cost is None]
+                left = deadline - time.monotonic()
+                if not todo or left <= 0 or not client.records:
+                    break
+                await asyncio.sleep(min(delay, left))
+                delay = min(2 * delay, 5.0)
+        finally:
+            await client.close()
+        if todo:
+            log.warning(
+                "%s: %d attempts still have no record at /generation after %g s: counted at the estimate "
+                "(an upper bound)",
+                SOURCE,
+                len(todo),
+                self.o.record_wait_s,
+            )
+
+    def _reprice(self, attempt: dict, cost: float) -> None:
+        estimate = attempt.get("cost_usd") or 0.0
+        delta = self.stage.reprice_attempt(attempt, cost, earlier=attempt.get("attempt") in self._earlier)
+        self.budget.add(delta)
+        self.repriced.append(
+            {
+                "attempt": attempt.get("attempt"),
+                "sample_id": attempt.get("sample_id"),
+                "generation_id": attempt.get("generation_id"),
+                "estimate_usd": round(estimate, 10),
+                "cost_usd": cost,
+            }
+        )
+        log.info(
+            "%s: sample %s: the record of generation %s came: $%.6f instead of the estimate $%.6f",
+            SOURCE,
+            attempt.get("sample_id"),
+            attempt.get("generation_id"),
+            cost,
+            estimate,
+        )
 
     def _stop(self, reason: StopReason, detail: str | None) -> None:
         """Stop dispatching (the first reason wins): the workers send nothing more after their
@@ -496,6 +574,7 @@ class _OverflowRun:
         self.budget.add(cost)
         self.progress.update(cost_usd=cost)
         self.lost.setdefault(sample_id, []).append(record)
+        self.settled.append(record)
         log.warning("%s: sample %s: %s; counted $%.6f (%s)", SOURCE, sample_id, why, cost, source)
 
     def _prepare(self) -> bool:
@@ -724,8 +803,12 @@ class _OverflowRun:
                 await self._lose(client, p.sample_id, len(prompt_ids), attempt_id, lost.generation_id, lost.why)
                 verdict = Verdict("retry", lost.why)
             else:
-                if (verdict := body_error(data)) is not None and named:  # an error, not billed: nothing to price
-                    self.stage.journal_attempt({"attempt": attempt_id, "sample_id": p.sample_id, "state": "closed"})
+                if (verdict := body_error(data)) is not None and named:
+                    gid = sent.outcome.generation_id or (data.get("id") if isinstance(data, dict) else None)
+                    if isinstance(gid, str) and cost_unknown(data):  # may be billed: priced as a cut stream is
+                        await self._lose(client, p.sample_id, len(prompt_ids), attempt_id, gid, verdict.reason)
+                    else:  # its cost says nothing was billed, or no generation to look up
+                        self.stage.journal_attempt({"attempt": attempt_id, "sample_id": p.sample_id, "state": "closed"})
                 if verdict is None:
                     self.breaker.outcome(None)
                     cost, source = await priced(

@@ -9,9 +9,12 @@ One place decides, for every shape a response takes, what the overflow client do
   `metadata.limit_source`), or a permanent failure of that one prompt (400, 404, 413, 422; a 403
   guardrail or moderation block of its text);
 - a 200 that carries an error: at top level, no choices and no usage (a provider failed after
-  OpenRouter started the request: nothing billed, retried), or inside the choice with
-  `finish_reason: "error"` next to partial output (retried when nothing was billed; when usage says
-  it was, the paid partial answer is final: see `paid`);
+  OpenRouter started the request), or inside the choice with `finish_reason: "error"` next to
+  partial output (a stream's mid-stream `error` event); retried unless usage says it was billed,
+  then the paid partial answer is final (see `paid`). Without a cost in the answer the bill is
+  unknown (OpenRouter warns that prompt processing may be charged when no content came back):
+  one named by a generation id is priced from OpenRouter's record before the retry, as a cut
+  stream is (`cost_unknown`, openrouter._OverflowRun._lose);
 - an answer: its text read as the provider returns it (`reasoning`, else the text kinds of
   `reasoning_details`; encrypted or summarised reasoning cannot give the model's ids), its tool
   calls with their arguments as a JSON string (an object is serialised and the row says so).
@@ -120,6 +123,13 @@ def paid(body: Mapping) -> bool:
     return bool(usage.get("cost") or usage.get("completion_tokens"))
 
 
+def cost_unknown(body: Any) -> bool:
+    """Whether an error body leaves its bill unknown: no `usage.cost` in it (a cost of 0 says
+    nothing was billed; one above 0 makes it a paid answer, `paid`)."""
+    usage = body.get("usage") if isinstance(body, Mapping) else None
+    return not (isinstance(usage, Mapping) and isinstance(usage.get("cost"), (int, float)))
+
+
 def body_error(body: Any) -> Verdict | None:
     """A 2xx body that is an error, not an answer: None when it is an answer (paid or not)."""
     if not isinstance(body, Mapping):
@@ -136,7 +146,7 @@ def body_error(body: Any) -> Verdict | None:
     choice = choices[0] if choices and isinstance(choices[0], Mapping) else {}
     if choice.get("finish_reason") == "error" or choice.get("error"):
         why = describe(error_of(choice) or {"message": "finish_reason error"})
-        return None if paid(body) else Verdict("retry", f"{why} (mid-generation, nothing billed)")
+        return None if paid(body) else Verdict("retry", f"{why} (mid-generation, no cost in the answer)")
     return None
 
 
