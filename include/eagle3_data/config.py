@@ -33,6 +33,7 @@ from typing import Annotated, Any, Literal, TypeVar, get_args
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator
 
 from eagle3_data.errors import UserError
+from eagle3_data.stages import FRESH_STAGES
 
 # The gate's default thresholds, in one place (validate.py's library defaults use these too).
 from eagle3_data.gate_defaults import (
@@ -941,6 +942,15 @@ def run_param_schemas(config: PipelineConfig) -> dict[str, dict[str, Any]]:
             "description": f"{description} (config: {path})",
             **_field_schema(info, nullable=nullable),
         }
+    out["fresh_stages"] = {
+        "default": [],
+        "type": "array",
+        "items": {"type": "string", "enum": list(FRESH_STAGES)},
+        "uniqueItems": True,
+        "description": "Stages of this run key to replace when they were committed from other inputs, params or "
+        "tokenizer (otherwise such a run is refused and nothing is touched). The stages built on a replaced one "
+        "must be named too. Paid answers are archived and reused where they still match.",
+    }
     out["skip_hidden_states"] = {"default": False, "type": "boolean", "description": "Stop after merge (no GPU stage)."}
     out["dry_run"] = {
         "default": False,

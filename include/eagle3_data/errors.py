@@ -35,3 +35,10 @@ class StageStopped(Retryable):
 
 class EndpointUnavailable(ServiceUnavailable):
     """No inference endpoint (SGLang, vLLM, OpenRouter) accepted a connection or became ready."""
+
+
+class StageConflict(UserError):
+    """A stage of this run key is committed (or half-written) from other inputs, params or
+    tokenizer than this run's: refused before anything is written, naming what differs and the
+    named way out (`--fresh`, the DAG's `fresh_stages`), since a committed stage is never replaced
+    silently."""

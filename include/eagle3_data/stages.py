@@ -21,3 +21,6 @@ PUBLISH = "publish"
 
 RUN_DATASET = "all"  # dataset segment of run-level stages (merge, hidden states, publish)
 AUDIT_DATASET = "tokenizer"  # dataset segment of the tokenizer audit
+
+# the stages a run may replace on purpose (`--fresh STAGE`, the DAG's `fresh_stages` param), in flow order
+FRESH_STAGES = (AUDIT, PROMPTS, LOCAL, OVERFLOW, RECONSTRUCT, POLICY, VALIDATE, MERGE, HIDDEN_STATES, PROBE)

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eagle3_data.errors import UserError
+from eagle3_data.errors import StageConflict, UserError
 from eagle3_data.storage import (
     ArtifactStore,
     CorruptArtifact,
@@ -214,27 +214,54 @@ def test_missing_part_is_detected(store):
 
 
 # -- reruns and resume ----------------------------------------------------------------------------------
-def test_rerun_same_inputs_rewrites_same_keys_and_bytes(store):
+def test_rewrite_after_a_discard_gives_the_same_keys_and_bytes(store):
     first = write_all(store, n=9, rows_per_part=4, params={"p": 1})
     before = keys(store)
+    store.delete(REF)
     second = write_all(store, n=9, rows_per_part=4, params={"p": 1})
     assert keys(store) == before
     assert [p["sha256"] for p in first["parts"]] == [p["sha256"] for p in second["parts"]]
     assert first["manifest_sha256"] == second["manifest_sha256"]
 
 
-def test_rerun_invalidates_old_manifest_before_writing(store):
+def objects_with_etags(store, ref=REF) -> dict[str, str]:
+    """(key -> ETag) under the stage, its lease aside: what a refused writer must leave as it was."""
+    from eagle3_data.storage.lease import is_lease
+
+    base = store.key(ref)
+    return {o["Key"]: o["ETag"] for o in store.list_objects(base) if not is_lease(o["Key"][len(base) :])}
+
+
+@pytest.mark.parametrize("kw", [{}, {"fresh": True}, {"fresh": True, "archive": True}, {"params": {"other": 1}}])
+def test_a_committed_stage_is_never_overwritten(store, kw):
+    """Committed means immutable: a writer opened on a complete stage, whatever its params and even
+    with `fresh` (an unfinished attempt's discard), is refused before it writes or deletes anything;
+    only `reopen` resumes one, and a discard is an explicit act (`store.delete`, `--fresh`)."""
     write_all(store, n=9, rows_per_part=4, tag="old")
-    with StageWriter(store, REF, "prompts", rows_per_part=4) as w:
-        assert not store.is_complete(REF)  # old manifest gone before any new part lands
-        assert w.committed_sample_ids() == set()  # a rerun starts over
-        w.write(rows(0, 5, "new"))
-        with pytest.raises(IncompleteStage):
-            store.read_table(REF)
+    before = objects_with_etags(store)
+    with pytest.raises(StageConflict, match="is committed: a committed stage is never overwritten"):
+        with StageWriter(store, REF, "prompts", rows_per_part=4, **kw):
+            pass
+    assert objects_with_etags(store) == before
+    assert all("old" in m for m in store.read_table(REF).column("messages").to_pylist())
+
+
+def test_a_fresh_writer_archives_an_unfinished_attempt_before_dropping_it(store):
+    """`fresh` with `archive` (a generation stage a person named in --fresh): the unfinished
+    attempt of other params is copied to the archive, with its params, before it is discarded,
+    and `archived_tables` gives its parts back for those params only."""
+    from eagle3_data.storage.archive import archived_tables
+
+    with pytest.raises(KeyboardInterrupt):
+        with StageWriter(store, REF, "prompts", rows_per_part=2, params={"temperature": 1.0}) as w:
+            w.write(rows(0, 4))
+            raise KeyboardInterrupt
+    with StageWriter(store, REF, "prompts", rows_per_part=2, params={"t": 0.5}, fresh=True, archive=True) as w:
+        assert w.committed_sample_ids() == set()
         w.commit()
-    table = store.read_table(REF)
-    assert table.num_rows == 5 and all("new" in m for m in table.column("messages").to_pylist())
-    assert "part-00002.parquet" not in keys(store)
+    old = list(archived_tables(store, REF, {"temperature": 1.0}, {"tokenizer_sha256": None}))
+    assert sorted(sid for t in old for sid in t.column("sample_id").to_pylist()) == [f"s{i:04d}" for i in range(4)]
+    assert list(archived_tables(store, REF, {"t": 0.5}, {})) == []
 
 
 def test_exception_checkpoints_buffer_and_resume_skips_committed(store):
@@ -290,9 +317,12 @@ def test_resume_with_different_params_is_refused_unless_fresh(store):
         with StageWriter(store, REF, "prompts", rows_per_part=2, params={"temperature": 1.0}) as w:
             w.write(rows(0, 4))
             raise KeyboardInterrupt
-    with pytest.raises(UserError, match="other params"):
+    before = objects_with_etags(store)
+    with pytest.raises(StageConflict, match="other params") as refused:
         with StageWriter(store, REF, "prompts", rows_per_part=2, params={"temperature": 0.5}) as w:
             pass
+    assert objects_with_etags(store) == before  # refused before any write
+    assert "--fresh generate_local" in str(refused.value) and "fresh=True" not in str(refused.value)
     with StageWriter(store, REF, "prompts", rows_per_part=2, params={"temperature": 0.5}, fresh=True) as w:
         assert w.committed_sample_ids() == set()
         w.commit()

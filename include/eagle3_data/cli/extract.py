@@ -6,7 +6,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 
-from eagle3_data.cli.runs import add_config_arg, add_store_args, open_store, parse_stage_uri, printed, run_of_stage
+from eagle3_data.cli.runs import (
+    add_config_arg,
+    add_fresh_arg,
+    add_store_args,
+    open_store,
+    parse_stage_uri,
+    printed,
+    run_of_stage,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -56,6 +64,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--tensor-parallel-size", type=int, help="vllm: GPUs of the engine (8 for Kimi-K2.5)")
     add_config_arg(p)
+    add_fresh_arg(p)
     add_store_args(p)
     p.set_defaults(func=_run_extract)
 

@@ -20,7 +20,15 @@ import contextlib
 import os
 import sys
 
-from eagle3_data.cli.runs import add_config_arg, add_store_args, cli_run, dev_server, dev_stand_in, printed
+from eagle3_data.cli.runs import (
+    add_config_arg,
+    add_fresh_arg,
+    add_store_args,
+    cli_run,
+    dev_server,
+    dev_stand_in,
+    printed,
+)
 from eagle3_data.errors import UserError
 
 KEY_ENV = "OPENROUTER_API_KEY"
@@ -43,6 +51,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         )
         q.add_argument("--run-key", required=True, help="e.g. date=2026-11-29 or a run name")
         add_config_arg(q)
+        add_fresh_arg(q)
         q.add_argument("--bucket", help="S3 bucket (default: the config's storage.bucket)")
         q.add_argument("--prefix", help="S3 key prefix (default: the config's storage.prefix)")
         add_store_args(q)

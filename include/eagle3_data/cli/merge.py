@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from eagle3_data.cli.runs import add_config_arg, add_store_args, cli_run, parse_stage_uri, printed
+from eagle3_data.cli.runs import add_config_arg, add_fresh_arg, add_store_args, cli_run, parse_stage_uri, printed
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -44,6 +44,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="memory bound of the external shuffle (~8 bytes per token; default 16.8M tokens)",
     )
     add_config_arg(p)
+    add_fresh_arg(p)
     add_store_args(p)
     p.set_defaults(func=_run)
 

@@ -13,7 +13,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 
-from eagle3_data.cli.runs import add_config_arg, add_store_args, dev_server, dev_stand_in, printed, run_of_stage
+from eagle3_data.cli.runs import (
+    add_config_arg,
+    add_fresh_arg,
+    add_store_args,
+    dev_server,
+    dev_stand_in,
+    printed,
+    run_of_stage,
+)
 from eagle3_data.errors import UserError
 
 
@@ -34,6 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="score on the embedded dev inference server (a stand-in: the manifest says so)",
     )
     add_config_arg(p)
+    add_fresh_arg(p)
     add_store_args(p)
     p.set_defaults(func=_run)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from eagle3_data.cli.runs import add_config_arg, add_store_args, printed, run_of_stage
+from eagle3_data.cli.runs import add_config_arg, add_fresh_arg, add_store_args, printed, run_of_stage
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -29,6 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ):
         p.add_argument(f"--{flag}", type=int, help=f"{help_} (default: the config's probe.{flag.replace('-', '_')})")
     add_config_arg(p)
+    add_fresh_arg(p)
     add_store_args(p)
     p.set_defaults(func=_run)
 

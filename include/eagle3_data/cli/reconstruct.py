@@ -11,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-from eagle3_data.cli.runs import add_config_arg, add_store_args, printed, run_of_stage
+from eagle3_data.cli.runs import add_config_arg, add_fresh_arg, add_store_args, printed, run_of_stage
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -37,6 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--trust-remote-code", action="store_true")
     add_config_arg(p)
+    add_fresh_arg(p)
     add_store_args(p)
     p.set_defaults(func=_run)
 

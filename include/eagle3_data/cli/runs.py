@@ -26,6 +26,22 @@ def add_config_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="pipeline YAML (default: $EAGLE3_CONFIG, else the packaged default)")
 
 
+def add_fresh_arg(p: argparse.ArgumentParser) -> None:
+    from eagle3_data.stages import FRESH_STAGES
+
+    p.add_argument(
+        "--fresh",
+        action="append",
+        default=[],
+        choices=FRESH_STAGES,
+        metavar="STAGE",
+        help="replace this committed stage of the run key when it was made from other inputs, params or "
+        "tokenizer (otherwise the command refuses and changes nothing); repeat for the stages built on it, "
+        f"which must be named too. Paid answers are archived and reused where they still match. STAGE: "
+        f"{', '.join(FRESH_STAGES)}",
+    )
+
+
 def parse_stage_uri(uri: str):
     """`s3://bucket/[prefix/]runs/{run_key}/{stage}/{dataset}[/]` -> (bucket, prefix, StageRef)."""
     from eagle3_data.storage import StageRef
@@ -76,7 +92,13 @@ def cli_run(
     )
     client = s3_client(getattr(args, "endpoint_url", None), getattr(args, "region", None))
     run = Run(
-        config=config, run_key=run_key, date=None, datasets=list(datasets), dry_run=False, skip_hidden_states=False
+        config=config,
+        run_key=run_key,
+        date=None,
+        datasets=list(datasets),
+        dry_run=False,
+        skip_hidden_states=False,
+        fresh=frozenset(getattr(args, "fresh", None) or ()),
     )
     return run, pipeline_store(config, client)
 

@@ -174,6 +174,7 @@ class StageSetup:
     progress: ProgressSink | None = None  # None: silent (a plain progress.Progress)
     journal_dir: str | Path | None = None  # None: $EAGLE3_JOURNAL_DIR, else the cache's journal/
     rerun: bool = False  # reopen a complete stage: re-verify its parts, redo only what is missing
+    fresh: bool = False  # a person named this stage in --fresh: an unfinished attempt is archived, then dropped
     routes: tuple[str, ...] | None = None  # the prompts' routes this stage takes; None: the stage's own
     side_files: Mapping[str, bytes] = field(default_factory=dict)  # files committed beside the parts
     turns: TurnDriver | None = None  # the stage runs in rounds (every_turn regenerated, trajectory)
@@ -253,7 +254,13 @@ class StageRun:
         """`params`: the stage's (manifest) params; `hashes`: `tokenizer_sha256`, `template_sha256`."""
         self.store, self.ref, self.prompts = store, ref, prompts
         self.writer_args = dict(
-            rows_per_part=rows_per_part, params=params, inputs=list(setup.inputs), reopen=setup.rerun, **hashes
+            rows_per_part=rows_per_part,
+            params=params,
+            inputs=list(setup.inputs),
+            reopen=setup.rerun,
+            fresh=setup.fresh,
+            archive=True,
+            **hashes,
         )
         key = hashlib.sha256(json.dumps([store.uri(ref), params], sort_keys=True, default=str).encode()).hexdigest()[
             :20
@@ -270,6 +277,7 @@ class StageRun:
             "paid_failed": 0,
             "skipped": 0,
             "replayed": 0,
+            "from_archive": 0,
             "retry_later": 0,
             "lost_attempts": 0,
         }
@@ -351,6 +359,17 @@ class StageRun:
             self.writer.write(replay)
             self.counts["replayed"] = len(replay)
             self.spent_before_usd += sum((r.get("usage") or {}).get("cost_usd") or 0.0 for r in replay)
+        archived = self._archived_answers(wanted, done)
+        if archived:
+            log.info(
+                "%s: %d paid answers taken back from the archive of a replaced attempt, not requested again",
+                self.store.uri(self.ref),
+                len(archived),
+            )
+            self.writer.write(archived)
+            self.counts["from_archive"] = len(archived)
+            self.spent_before_usd += sum((r.get("usage") or {}).get("cost_usd") or 0.0 for r in archived)
+            replay += archived
         self._resume_attempts(attempts.values(), done)
         self.failures = self._load_failures()
         self._done = done
@@ -365,6 +384,26 @@ class StageRun:
             self.counts["skipped"] = len(self.prompts) - self.pending_count
         self.journal_path.parent.mkdir(parents=True, exist_ok=True)
         self._journal = self.journal_path.open("a", encoding="utf-8")
+
+    def _archived_answers(self, wanted: set[str], done: set[str]) -> list[dict]:
+        """Rows of attempts archived by a `--fresh` (storage/archive.py) made with this stage's
+        params and tokenizer, for samples still to do: the answers (`ok`) and every row that was
+        paid for; an unpaid failure is asked again (the fresh run may be what fixes it). `done`
+        gains their ids."""
+        from eagle3_data.storage.archive import archived_tables
+
+        args = self.writer_args
+        hashes = {k: args.get(k) for k in ("tokenizer_sha256", "template_sha256")}
+        out = []
+        for table in archived_tables(self.store, self.ref, args["params"], hashes):
+            for row in table.to_pylist():
+                sid = row.get("sample_id")
+                wanted_here = sid in wanted or (self.turns is not None and isinstance(sid, str))
+                paid = row.get("status") == "ok" or ((row.get("usage") or {}).get("cost_usd") or 0) > 0
+                if wanted_here and sid not in done and paid:
+                    out.append(row)
+                    done.add(sid)
+        return out
 
     def _resume_attempts(self, attempts: Iterable[dict], done: set[str]) -> None:
         """Attempts of samples still pending: the priced ones count as spent (their sample's row

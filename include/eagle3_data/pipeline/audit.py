@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from eagle3_data.errors import UserError
 from eagle3_data.pipeline.results import AuditResult
-from eagle3_data.pipeline.reuse import reusable
+from eagle3_data.pipeline.reuse import settle
 from eagle3_data.pipeline.run import Run, stage_ref, tokenizer_for
 from eagle3_data.stages import AUDIT, AUDIT_DATASET
 
@@ -18,17 +18,11 @@ def audit_tokenizer(run: Run, store) -> AuditResult:
     report = audit(tokenizer_for(run, store), run.config.tokenizer.expected_special_ids).to_json()
     ref = stage_ref(run, AUDIT, AUDIT_DATASET)
     params = {"source": run.config.tokenizer.source, "expected": run.config.tokenizer.expected_special_ids}
-    manifest = reusable(store, ref, [], params)
-    if report["passed"] and manifest and manifest["tokenizer_sha256"] == report["tokenizer_sha256"]:
+    if not report["passed"]:  # a wrong expected id or tokenizer: bad config (exit 2, as `tokenizer audit`), not a gate
+        raise UserError(f"tokenizer audit failed: {'; '.join(report['problems'])}")
+    hashes = {"tokenizer_sha256": report["tokenizer_sha256"], "template_sha256": report["chat_template_sha256"]}
+    if settle(run, store, ref, [], params, what="tokenizer audit", hashes=hashes) is not None:
         return AuditResult(store.uri(ref, AUDIT_REPORT), report["tokenizer_sha256"])
     uri = store.put_json(ref, AUDIT_REPORT, report)
-    if not report["passed"]:  # a wrong expected id or tokenizer: bad config (exit 2, as `tokenizer audit`), not a gate
-        raise UserError(f"tokenizer audit failed ({'; '.join(report['problems'])}); report: {uri}")
-    store.commit_files(
-        ref,
-        [AUDIT_REPORT],
-        params=params,
-        tokenizer_sha256=report["tokenizer_sha256"],
-        template_sha256=report["chat_template_sha256"],
-    )
+    store.commit_files(ref, [AUDIT_REPORT], params=params, **hashes)
     return AuditResult(uri, report["tokenizer_sha256"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 from eagle3_data.config import resolve_source
 from eagle3_data.hidden_states.storage_estimate import describe
 from eagle3_data.pipeline.results import ExtractWorkerResult, ShardResult
-from eagle3_data.pipeline.reuse import reusable, same_params
+from eagle3_data.pipeline.reuse import reusable, settle
 from eagle3_data.pipeline.run import Run, log, stage_ref
 from eagle3_data.stages import HIDDEN_STATES, MERGE, RUN_DATASET
 
@@ -46,24 +46,21 @@ def extract_options(run: Run):
 
 
 def discard_stale_hidden_states(run: Run, store) -> bool:
-    """The one place that deletes the run's hidden states: when they were extracted with other
-    params (convention, model, backend, storage) or from another merge than the committed one.
-    Under the stage's lease: StageBusy while a committer or `stage discard` holds it, so no commit
-    lands half on the deleted stage. Called by the plan, before any worker starts (a worker
-    deleting them could delete a concurrent worker's output). A shard worker still running on an
-    old merge may write its summary afterwards: `extracted()` ties a summary to its merged shard's
-    sha256, so that one is redone, never committed. True when something was deleted."""
+    """The one place that deletes the run's hidden states: committed ones extracted with other
+    params (convention, model, backend, storage) or from another merge than the committed one only
+    when the run names the stage in `fresh` (else a StageConflict: `reuse.settle`), an unfinished
+    extraction of another merge always. Under the stage's lease: StageBusy while a committer or
+    `stage discard` holds it, so no commit lands half on the deleted stage. Called by the plan,
+    before any worker starts (a worker deleting them could delete a concurrent worker's output).
+    A shard worker still running on an old merge may write its summary afterwards: `extracted()`
+    ties a summary to its merged shard's sha256, so that one is redone, never committed.
+    True when something was deleted."""
     out_ref, merge_ref = stage_ref(run, HIDDEN_STATES, RUN_DATASET), stage_ref(run, MERGE, RUN_DATASET)
     if not store.objects(out_ref):
         return False
-    if store.is_complete(out_ref):
-        manifest = store.read_manifest(out_ref)
-        same_merge = [i.get("manifest_sha256") for i in manifest.get("inputs", [])] == [
-            store.input_record(merge_ref)["manifest_sha256"]
-        ]
-        if same_merge and same_params(manifest, hidden_states_params(run)):
-            return False
-    elif not _summaries_of_another_merge(store, out_ref, merge_ref):
+    if store.is_complete(out_ref):  # committed: reused, refused, or replaced when the run names it in fresh
+        return settle(run, store, out_ref, [merge_ref], hidden_states_params(run), what="hidden states") is None
+    if not _summaries_of_another_merge(store, out_ref, merge_ref):
         return False  # an unfinished extraction of this merge: the workers resume it
     with store.lease(out_ref):
         store.delete(out_ref)

@@ -1,9 +1,9 @@
 """Stage 3, generation: local (SGLang, exact ids) and overflow (OpenRouter, text only), both from
 the routed prompts, so the DAG runs them side by side. Paid work is never repeated: a complete
 stage made from the same prompts with the same generation settings is reused, and an interrupted
-one resumes by sample id. A complete stage whose answers were made with other settings (model,
-engine, provider, sampling) is refused, never reused as this config's answers and never
-discarded: a person chooses (`_refuse_other_settings`).
+one resumes by sample id. A complete stage whose answers were made from other prompts, tokenizer
+or settings (model, engine, provider, sampling) is refused, never reused as this config's answers
+and never discarded: a person chooses (`--fresh`, which archives the answers: `reuse.settle`).
 
 The library receives plain values (endpoint URLs, base URL, API key); reading them from Airflow
 connections is the hooks' job (plugins/hooks).
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from eagle3_data.errors import StageStopped, UserError
 from eagle3_data.pipeline.results import GenerationResult
-from eagle3_data.pipeline.reuse import reusable
+from eagle3_data.pipeline.reuse import reopen, settle
 from eagle3_data.pipeline.run import Run, log, output_format, stage_ref
 from eagle3_data.stages import LOCAL, OVERFLOW, PROMPTS
 
@@ -31,14 +31,26 @@ def _prompt_rows(store, ref) -> Iterator[dict]:
         yield from batch.to_pylist()
 
 
-def _reused(store, ref, prompts, settings: dict, what: str) -> GenerationResult | None:
-    """The complete stage made from these prompts, checked against this run's generation
-    `settings` (a subset of the stage's params, `_refuse_other_settings`); None when there is none
-    (a stale one, from other prompts, is invalidated: the writer resumes by sample id)."""
-    manifest = reusable(store, ref, [prompts], invalidate=True)
+def _reused(run: Run, store, ref, prompts, settings: dict, fmt, what: str) -> GenerationResult | None:
+    """The complete stage made from these prompts, with this tokenizer and this run's generation
+    `settings` (a subset of the stage's params, `_other_settings`); None when there is none, or
+    when the run named the stage in `fresh` and it was replaced (its answers archived). A complete
+    stage made from anything else is refused (`reuse.settle`): its answers were paid for, and the
+    config may be the mistake."""
+    from eagle3_data.tokenizer import tokenizer_hashes
+
+    manifest = settle(
+        run,
+        store,
+        ref,
+        [prompts],
+        None,
+        what=what,
+        hashes=tokenizer_hashes(fmt.tokenizer),
+        compare=lambda m: _other_settings(m.get("params") or {}, settings),
+    )
     if manifest is None:
         return None
-    _refuse_other_settings(manifest.get("params") or {}, settings, what, store.uri(ref))
     return GenerationResult(uri=store.uri(ref), rows=manifest["rows"], reused=True)
 
 
@@ -47,12 +59,11 @@ def _reused(store, ref, prompts, settings: dict, what: str) -> GenerationResult 
 _FORMAT_KEYS = ("thinking", "stop_token_ids")
 
 
-def _refuse_other_settings(committed: dict, settings: dict, what: str, uri: str) -> None:
-    """A UserError naming each differing setting when the committed answers were generated with
-    other `settings` than this run's (each key of `settings` against the manifest's params, the
-    sampling without what the output format adds). Reusing them would hand another model's or
-    another sampler's answers downstream as this config's: the silent error the product exists to
-    prevent. Not invalidated either: the answers were paid for, and the config may be the mistake."""
+def _other_settings(committed: dict, settings: dict) -> list[str]:
+    """Each setting of `settings` the committed answers were generated with otherwise (the
+    sampling without what the output format adds), as phrases. Reusing them would hand another
+    model's or another sampler's answers downstream as this config's: the silent error the product
+    exists to prevent."""
     from eagle3_data.canonical import canonical_json
 
     def comparable(key: str, value):
@@ -60,19 +71,12 @@ def _refuse_other_settings(committed: dict, settings: dict, what: str, uri: str)
             return {k: v for k, v in value.items() if k not in _FORMAT_KEYS}
         return value
 
-    differ = [
+    return [
         f"{key} {canonical_json(comparable(key, committed.get(key)))} (committed) vs "
         f"{canonical_json(comparable(key, value))} (this run)"
         for key, value in settings.items()
         if canonical_json(comparable(key, committed.get(key))) != canonical_json(comparable(key, value))
     ]
-    if differ:
-        raise UserError(
-            f"{what}: {uri} is complete with answers generated with other settings than this run's: "
-            f"{'; '.join(differ)}. They are not reused as this config's answers. Set the config back, or use "
-            f"another run_key, or discard them (`eagle3-data stage discard {uri}`: every answer is then "
-            "requested, and paid, again) and rerun"
-        )
 
 
 def _finished(result: StageSummary, what: str, store, ref) -> GenerationResult:
@@ -105,11 +109,14 @@ def generate_local(run: Run, store, dataset: str, endpoints: list[str], *, rerun
     g = run.config.generation
     wire = wire_for(g.local.engine)
     settings = {"source": wire.source, "model": run.config.model.name, "sampling": wire.sampling(engine_sampling(run))}
-    if not rerun and (reused := _reused(store, ref, prompts, settings, f"generate_local {dataset}")) is not None:
+    what = f"generate_local {dataset}"
+    fmt = output_format(run, store)
+    if not rerun and (reused := _reused(run, store, ref, prompts, settings, fmt, what)) is not None:
         return reused
     if not endpoints:
-        raise UserError(f"generate_local {dataset}: no local endpoints configured")
-    fmt = output_format(run, store)
+        raise UserError(f"{what}: no local endpoints configured")
+    if rerun:
+        reopen(run, store, ref, f"{what}: reopened by --rerun")
     result = generate(
         store,
         ref,
@@ -119,7 +126,7 @@ def generate_local(run: Run, store, dataset: str, endpoints: list[str], *, rerun
         engine_sampling(run),
         wire=wire,
         options=options_from(LocalOptions, g.local),
-        setup=_setup(run, prompts, rerun, fmt),
+        setup=_setup(run, prompts, ref.stage, rerun, fmt),
     )
     return _finished(result, f"generate_local {dataset}", store, ref)
 
@@ -136,9 +143,12 @@ def generate_overflow(
     prompts, ref = stage_ref(run, PROMPTS, dataset), stage_ref(run, OVERFLOW, dataset)
     o = run.config.generation.overflow
     settings = {"model": o.model, "provider": dict(o.provider), "sampling": check_sampling(engine_sampling(run))}
-    if not rerun and (reused := _reused(store, ref, prompts, settings, f"generate_overflow {dataset}")) is not None:
-        return reused
+    what = f"generate_overflow {dataset}"
     fmt = output_format(run, store)
+    if not rerun and (reused := _reused(run, store, ref, prompts, settings, fmt, what)) is not None:
+        return reused
+    if rerun:
+        reopen(run, store, ref, f"{what}: reopened by --rerun")
     result = generate(
         store,
         ref,
@@ -148,7 +158,7 @@ def generate_overflow(
         api_key,
         OverflowRequest(model=o.model, provider=o.provider, sampling=engine_sampling(run)),
         options=options_from(OverflowOptions, o),
-        setup=_setup(run, prompts, rerun, fmt),
+        setup=_setup(run, prompts, ref.stage, rerun, fmt),
     )
     if (stopped := result["stopped_reason"]) is not None and not StopReason(stopped).passes:
         detail = f": {result['stop_detail']}" if result["stop_detail"] else ""
@@ -166,7 +176,7 @@ def engine_sampling(run: Run) -> dict:
     return {k: v for k, v in run.config.generation.sampling.model_dump().items() if k != "thinking" and v is not None}
 
 
-def _setup(run: Run, prompts, rerun: bool, fmt):
+def _setup(run: Run, prompts, stage: str, rerun: bool, fmt):
     """What both stages record; a turn driver when the turns of a conversation depend on each
     other (generation.conversations: the stage runs in rounds)."""
     from eagle3_data.generation.checkpoint import StageSetup
@@ -180,5 +190,10 @@ def _setup(run: Run, prompts, rerun: bool, fmt):
         else None
     )
     return StageSetup(
-        model=run.config.model.name, inputs=(prompts,), progress=LogProgress(log), rerun=rerun, turns=turns
+        model=run.config.model.name,
+        inputs=(prompts,),
+        progress=LogProgress(log),
+        rerun=rerun,
+        fresh=stage in run.fresh,
+        turns=turns,
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from eagle3_data.errors import GateFailed, UserError
 from eagle3_data.pipeline.results import MergeResult
-from eagle3_data.pipeline.reuse import reusable
+from eagle3_data.pipeline.reuse import reusable, settle
 from eagle3_data.pipeline.run import Run, output_format, stage_ref
 from eagle3_data.pipeline.validate import gate_results
 from eagle3_data.stages import AUDIT, AUDIT_DATASET, LOCAL, MERGE, OVERFLOW, RECONSTRUCT, RUN_DATASET
@@ -55,10 +55,9 @@ def merge(run: Run, store) -> MergeResult:
     inputs = [ref for name in passed for ref in (stage_ref(run, LOCAL, name), stage_ref(run, RECONSTRUCT, name))]
     params = merge_params(run.config.merge)
     ref = stage_ref(run, MERGE, RUN_DATASET)
+    settle(run, store, ref, inputs, params, what="merge")  # refused (nothing written) unless reused or --fresh
     with store.lease(ref) as held:  # one merge per run key: a second (zombie, manual rerun) gets StageBusy
-        if (
-            manifest := reusable(store, ref, inputs, params)
-        ) is None:  # its hidden states are stale: the plan discards them
+        if (manifest := reusable(store, ref, inputs, params)) is None:
             summary = merge_datasets(
                 store,
                 inputs,

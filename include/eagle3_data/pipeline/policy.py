@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from eagle3_data.errors import UserError
 from eagle3_data.pipeline.results import PolicyResult
-from eagle3_data.pipeline.reuse import reusable
+from eagle3_data.pipeline.reuse import settle
 from eagle3_data.pipeline.run import Run, bulk_tokenizer_for, log, output_format, stage_ref, tokenizer_hashes
 from eagle3_data.stages import LOCAL, POLICY, PROMPTS, RECONSTRUCT
 from eagle3_data.storage.writer import StageWriter
@@ -106,7 +106,7 @@ def score_policy(run: Run, store, dataset: str, endpoints: list[str]) -> PolicyR
         **({"score_images": True} if with_images else {}),  # absent otherwise: earlier manifests stay reusable
         **hashes,
     }
-    if (manifest := reusable(store, ref, [local, rebuilt], params)) is not None:
+    if (manifest := settle(run, store, ref, [local, rebuilt], params, what=f"score_policy {dataset}")) is not None:
         extra = manifest["extra"]
         return PolicyResult(
             uri=store.uri(ref), scored=extra["scored"], gap_nats_per_token=extra["gap_nats_per_token"], reused=True

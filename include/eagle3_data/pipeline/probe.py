@@ -13,7 +13,7 @@ from pathlib import Path
 
 from eagle3_data.config import resolve_source
 from eagle3_data.pipeline.results import ProbeResult, ProbeSkipped
-from eagle3_data.pipeline.reuse import reusable
+from eagle3_data.pipeline.reuse import settle
 from eagle3_data.pipeline.run import Run, log, stage_ref
 from eagle3_data.stages import HIDDEN_STATES, MERGE, PROBE, RUN_DATASET
 
@@ -40,7 +40,7 @@ def probe(run: Run, store) -> ProbeResult | ProbeSkipped:
         return ProbeSkipped("probe off (config probe.when / param probe: never)")
     if run.dry_run or run.skip_hidden_states or not store.is_complete(hs_ref):
         return ProbeSkipped("nothing extracted to probe (a dry run, hidden states skipped, or no committed extraction)")
-    if (manifest := reusable(store, out_ref, [hs_ref], probe_params(run))) is not None:
+    if (manifest := settle(run, store, out_ref, [hs_ref], probe_params(run), what="probe")) is not None:
         return ProbeResult(store.uri(out_ref, PROBE_REPORT), reused=True, **manifest["extra"])
     if (device := default_device()) != "cuda" and p.when == "auto":
         return ProbeSkipped(

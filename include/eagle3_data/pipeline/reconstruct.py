@@ -4,7 +4,7 @@ one batched encode. Waits for both generation stages (the gate compares them).""
 from __future__ import annotations
 
 from eagle3_data.pipeline.results import ReconstructResult
-from eagle3_data.pipeline.reuse import reusable
+from eagle3_data.pipeline.reuse import settle
 from eagle3_data.pipeline.run import Run, bulk_tokenizer_for, log, output_format, stage_ref, tokenizer_hashes
 from eagle3_data.stages import OVERFLOW, RECONSTRUCT
 from eagle3_data.storage.writer import StageWriter
@@ -24,7 +24,7 @@ def reconstruct(run: Run, store, dataset: str) -> ReconstructResult:
     tokenizer = bulk_tokenizer_for(run, store)  # encodes only: no chat template needed
     hashes = tokenizer_hashes(tokenizer)
     params = {"thinking": run.config.generation.sampling.thinking, **hashes}
-    if (manifest := reusable(store, ref, [src], params)) is not None:
+    if (manifest := settle(run, store, ref, [src], params, what=f"reconstruct {dataset}")) is not None:
         return ReconstructResult(uri=store.uri(ref), rows=manifest["rows"], reused=True)
     fmt = output_format(run, store, template=False)
     counts = {"ok": 0, "failed": 0, "unreconstructable": 0, "rejected": 0, "literal_special_text": 0}

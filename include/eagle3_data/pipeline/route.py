@@ -15,7 +15,7 @@ from eagle3_data.canonical import canonical_json
 from eagle3_data.errors import UserError
 from eagle3_data.images import parse_refs
 from eagle3_data.pipeline.results import RouteResult
-from eagle3_data.pipeline.reuse import reusable
+from eagle3_data.pipeline.reuse import settle
 from eagle3_data.pipeline.run import Run, log, output_format, prompt_date, sampling, stage_ref, tokenizer_for
 from eagle3_data.rejects import REJECTS_FILE, rejects_parquet, require_reject_rate
 from eagle3_data.stages import LOCAL, OVERFLOW, PLAN, PROMPTS
@@ -251,19 +251,20 @@ def load_route(run: Run, store, dataset: str) -> RouteResult:
         params["max_trajectory_steps"] = g.max_trajectory_steps
     if g.call_ids != "format":  # recorded only away from the default, as `regenerate`
         params["call_ids"] = g.call_ids
-    if reusable(store, ref, [], params) is None:
+    if not routes:  # nothing to generate: refused before anything is written
+        first = loaded.rejects[0]["reason"] if loaded.rejects else "the file holds no rows"
+        where = f"{ds.prompts}" + (f" (date {date})" if date else "")
+        raise UserError(
+            f"dataset {dataset}: 0 usable prompt rows in {where}: {loaded.counts.get('read', 0)} read, "
+            f"{len(loaded.rejects)} rejected; first: {first}"
+            + (f"; rejects: {keep_rejects()}" if loaded.rejects else "")
+        )
+    if settle(run, store, ref, [], params, what=f"load_route {dataset}") is None:
         with StageWriter(store, ref, "prompts", rows_per_part=PROMPT_ROWS_PER_PART, params=params, fresh=True) as w:
             for batch in routed_batches(loaded.rows, routes):
                 w.write(pa.Table.from_batches([batch]))
             store.put_bytes(ref, REJECTS_FILE, rejects_parquet(loaded.rejects))
             w.commit(extra={"counts": counts}, files=[REJECTS_FILE])
-    if not routes:
-        first = loaded.rejects[0]["reason"] if loaded.rejects else "the files hold no rows"
-        raise UserError(
-            f"dataset {dataset}: 0 usable prompt rows in {ds.prompts} (date {date}; "
-            f"{loaded.counts.get('read', 0)} read, {len(loaded.rejects)} rejected; first: {first}); "
-            f"rejects: {store.uri(ref, REJECTS_FILE)}"
-        )
     return RouteResult(counts=counts, uri=store.uri(ref))
 
 

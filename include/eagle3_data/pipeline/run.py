@@ -38,6 +38,9 @@ class Run:
     datasets: list[str]
     dry_run: bool
     skip_hidden_states: bool
+    # stages a person named for replacement (`--fresh`, `fresh_stages`): a committed one that differs
+    # from this run is discarded (paid answers archived) instead of refused (pipeline.reuse.settle)
+    fresh: frozenset[str] = frozenset()
 
 
 def resolve_run(
@@ -54,6 +57,7 @@ def resolve_run(
     dataset of the run. A run without a logical date or a run_name keys on its `run_id` (and
     reads undated prompt files: `preflight` says so in the first task).
     """
+    from eagle3_data.pipeline.reuse import check_fresh
     from eagle3_data.run_key import run_key_for
 
     config = config or load_config()
@@ -85,6 +89,7 @@ def resolve_run(
         datasets=list(dict.fromkeys(datasets)),
         dry_run=bool(params.get("dry_run")),
         skip_hidden_states=bool(params.get("skip_hidden_states")),
+        fresh=check_fresh(params.get("fresh_stages") or [], "params.fresh_stages"),
     )
 
 

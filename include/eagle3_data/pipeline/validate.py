@@ -14,7 +14,7 @@ from eagle3_data.config import ValidationConfig
 from eagle3_data.errors import GateFailed
 from eagle3_data.pipeline.policy import policy_summary, row_routes
 from eagle3_data.pipeline.results import Gate, ValidateResult
-from eagle3_data.pipeline.reuse import reusable
+from eagle3_data.pipeline.reuse import settle
 from eagle3_data.pipeline.run import Run, bulk_tokenizer_for, log, output_format, stage_ref, tokenizer_hashes
 from eagle3_data.policy.compare import Thresholds, policy_gate
 from eagle3_data.rejects import REJECTS_FILE
@@ -140,7 +140,7 @@ def validate(run: Run, store, dataset: str, *, workers: int | None = None) -> Va
         "thinking": run.config.generation.sampling.thinking,
         **hashes,
     }
-    if (manifest := reusable(store, ref, inputs, params)) is None:
+    if (manifest := settle(run, store, ref, inputs, params, what=f"validate {dataset}")) is None:
 
         def local_rows():  # two passes: the stop convention over all rows first, then the classes
             # provenance: the engine's finish_reason (its `matched` stop); tools: what was offered

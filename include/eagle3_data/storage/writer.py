@@ -25,8 +25,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from eagle3_data.canonical import canonical_json
-from eagle3_data.errors import UserError
+from eagle3_data.errors import StageConflict, UserError
 from eagle3_data.schemas import schema_for
+from eagle3_data.storage.archive import archive_stage
 from eagle3_data.storage.lease import DEFAULT_TTL_S, Lease, acquire_lease, is_lease
 from eagle3_data.storage.parts import PROGRESS, check_part_schema
 from eagle3_data.storage.refs import CorruptArtifact, StageRef, part_name, part_number
@@ -43,10 +44,12 @@ class StageWriter:
     """A checkpointing writer of one stage; use it as a context manager:
     `with StageWriter(store, ref, "generations", params=..., inputs=...) as w: ...; w.commit()`.
 
-    On a complete stage it is a rerun: the manifest is removed first, then the old parts; with
-    `reopen=True` the parts are kept instead and resumed like a killed attempt's (each re-verified
-    by sha256), so only what is missing or corrupt is produced again. `fresh=True` discards an
-    incomplete attempt too (needed when its params differ)."""
+    A complete stage is refused (`StageConflict`): committed means immutable. With `reopen=True`
+    its parts are resumed like a killed attempt's (each re-verified by sha256), so only what is
+    missing or corrupt is produced again. `fresh=True` discards what is there, complete or not
+    (the pipeline passes it only for a stage a person named in `--fresh`, or for a derived stage's
+    unfinished attempt), after copying it to the archive first when `archive=True` (paid answers:
+    storage/archive.py)."""
 
     def __init__(
         self,
@@ -60,6 +63,7 @@ class StageWriter:
         tokenizer_sha256: str | None = None,
         template_sha256: str | None = None,
         fresh: bool = False,
+        archive: bool = False,
         reopen: bool = False,
         part_summary: Callable[[pa.Table], dict] | None = None,
         lease_ttl_s: float | None = None,
@@ -76,6 +80,7 @@ class StageWriter:
         self.tokenizer_sha256 = tokenizer_sha256
         self.template_sha256 = template_sha256
         self.fresh = fresh
+        self.archive = archive
         self.reopen = reopen
         self.part_summary = part_summary
         self.lease_ttl_s = lease_ttl_s or DEFAULT_TTL_S
@@ -143,21 +148,35 @@ class StageWriter:
                 self.lease.release()
 
     def _open(self) -> None:
+        """Every check that can refuse runs before the first write (the lease aside): a committed
+        stage is never overwritten (only `reopen` resumes one), and an unfinished attempt made
+        from other params, inputs or tokenizer is never mixed in or discarded unless `fresh`."""
         store, ref = self.store, self.ref
-        records = store.progress_records(ref) if self.reopen and not self.fresh else None
-        foreign = [r for r in records or [] if r.get("fingerprint") != self.fingerprint]
-        if not foreign:  # a reopen that would be refused leaves the complete stage as it is
-            was_complete = store.invalidate(ref)
-            if (was_complete and not self.reopen) or self.fresh:
-                self._discard_everything()
-            records = store.progress_records(ref)
-            foreign = [r for r in records if r.get("fingerprint") != self.fingerprint]
-        if foreign:
-            raise UserError(
-                f"{store.uri(ref)} holds {len(foreign)} committed parts of an unfinished attempt with other "
-                f"params, inputs or tokenizer: resuming would mix them. Rerun with fresh=True (discards them) "
-                f"or use another run_key"
+        complete = store.is_complete(ref)
+        uri = store.uri(ref)
+        if complete and not self.reopen:
+            raise StageConflict(
+                f"{uri} is committed: a committed stage is never overwritten. Reuse it, or replace it on "
+                f"purpose with the stage command's --fresh (the DAG's fresh_stages param) or `eagle3-data stage "
+                f"discard {uri}`"
             )
+        records = store.progress_records(ref)
+        foreign = [r for r in records if r.get("fingerprint") != self.fingerprint]
+        if foreign and not self.fresh:
+            raise StageConflict(
+                f"{uri} holds {len(foreign)} committed parts of an unfinished attempt made from other params, "
+                f"inputs or tokenizer than this run's: resuming would mix them. Rerun with the inputs and config "
+                f"that made them (it resumes), use another run key, or replace them with --fresh {ref.stage} "
+                f"(the DAG's fresh_stages param{'; paid answers are archived and reused' if self.archive else ''})"
+            )
+        if self.fresh:
+            if self.archive:
+                archive_stage(store, ref, f"replaced by a fresh {ref.stage} run")
+            store.invalidate(ref)
+            self._discard_everything()
+            records = []
+        elif complete:  # reopen: the parts are kept and resumed, each re-verified
+            store.invalidate(ref)
         objects = {name: o["Size"] for name, o in store.objects(ref).items()}
         valid = []
         for record in records:
@@ -360,6 +379,10 @@ class StageWriter:
             "sha256": sha,
             "fingerprint": self.fingerprint,
             "sample_ids": sample_ids,
+            # what the part was made with, for an archive's reuse (storage/archive.py)
+            "params": self.params,
+            "tokenizer_sha256": self.tokenizer_sha256,
+            "template_sha256": self.template_sha256,
         }
         if self.part_summary is not None:
             record["summary"] = self.part_summary(table)
