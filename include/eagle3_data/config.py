@@ -33,7 +33,6 @@ from typing import Annotated, Any, Literal, TypeVar, get_args
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator
 
 from eagle3_data.errors import UserError
-from eagle3_data.stages import FRESH_STAGES
 
 # The gate's default thresholds, in one place (validate.py's library defaults use these too).
 from eagle3_data.gate_defaults import (
@@ -50,6 +49,7 @@ from eagle3_data.gate_defaults import (
     DEFAULT_POLICY_POWER,
     DEFAULT_POLICY_SHIFT_NATS,
 )
+from eagle3_data.stages import FRESH_STAGES
 
 AWS_CONN_ID = "aws_default"
 OPENROUTER_CONN_ID = "openrouter_default"
@@ -541,6 +541,18 @@ class HiddenStatesConfig(_Model):
     )
 
 
+class ExportConfig(_Model):
+    """The trainers' exports (`export-speculators`, `export-specforge`, the probe's): each checks itself
+    through its trainer's own reader before it reports success (hidden_states/check_export.py)."""
+
+    check_samples: int = Field(
+        8,
+        ge=0,
+        description="rows of every export checked through its trainer's reader (each state against the "
+        "log-probability the extraction recorded for its token); 0: no check (the CLI's --no-check)",
+    )
+
+
 class ProbeConfig(_Model):
     """The drafter's verdict after extraction (eagle3_data.probe): a small EAGLE-3 head trained with
     speculators on a fixed split of the run's export, scored on the held-out rows. On by default
@@ -568,6 +580,18 @@ class ProbeConfig(_Model):
     lr: float = Field(3e-3, gt=0, description="AdamW learning rate")
     eval_every: int = Field(25, ge=1, description="steps between held-out evaluations (the learning curve)")
     seed: int = Field(0, ge=0, description="the split, the init and the sample order")
+    seeds: int = Field(
+        2,
+        ge=1,
+        description="drafters trained, seeds seed..seed+seeds-1 (the same split, another init and sample order): "
+        "the simulated acceptance's spread on the run's own data, the verdict's noise",
+    )
+    min_simulated_acceptance: float | None = Field(
+        None,
+        ge=0,
+        description="the data-quality floor of the probe's verdict: the seeds' mean simulated acceptance above it by "
+        "more than their spread passes, below it by more fails, within it is inconclusive; null: not judged",
+    )
     budget_s: float = Field(
         1800.0,
         gt=0,
@@ -641,6 +665,7 @@ class PipelineConfig(_Model):
     merge: MergeConfig = Field(default_factory=MergeConfig)
     hidden_states: HiddenStatesConfig = Field(default_factory=HiddenStatesConfig)
     probe: ProbeConfig = Field(default_factory=ProbeConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
     stand_ins: tuple[StandIn, ...] = Field(

@@ -74,6 +74,10 @@ def test_probe_stage_after_the_extraction(store, generations, tiny_kimi_k25_dir,
     assert 16 <= rows <= 20 and report["eval_samples"] == min(4, rows // 5) and report["train_samples"] == 12
     assert report["draft_vocab_size"] == config.merge.draft_vocab_size
     assert [i["uri"] for i in store.read_manifest(ref)["inputs"]] == [hs["uri"]]
+    # the verdict: the probe's export checked through speculators' reader against the extraction in S3
+    assert report["export_check"]["verdict"] == "pass" and report["export_check"]["rows_checked"] == 8
+    assert report["verdict"] == result.verdict == "pass" and "export check passed" in report["verdict_rule"]
+    assert len(report["seed_runs"]) == config.probe.seeds == 2 and report["data_quality"]["spread"] is not None
 
     again = pipeline.probe(run, store)  # same extraction, same params: reused, nothing retrained
     assert again.reused and again.simulated_acceptance == result.simulated_acceptance

@@ -219,6 +219,10 @@ def test_probe_cli_on_an_export(export, tmp_path):
     assert report["simulated_acceptance"] == pytest.approx(simulated_acceptance(report["acc"]))
     assert [c["step"] for c in report["curve"]] == [0, 4] and len(report["losses"]) == 4
     assert 0 < report["coverage"] <= 1 and report["train_samples"] == 12 and report["eval_samples"] == 3
+    # no extraction named beside this export (dev.probe_data writes none): no export check, and the
+    # last-state fit alone never passes an export
+    assert report["export_check"] is None and report["verdict"] == "inconclusive", report["verdict_rule"]
+    assert "no export check" in report["verdict_rule"] and len(report["seed_runs"]) == 2
 
     bad = subprocess.run([*cmd[:3], str(tmp_path), *cmd[4:]], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "export_info.json" in bad.stderr, bad.stderr

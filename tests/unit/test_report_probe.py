@@ -66,3 +66,36 @@ def test_an_extracted_run_without_a_probe_says_why_not():
         html = render_html(RunReport("k", {"training": {"probe_not_run": _probe_not_run(when)}}, []), title="t")
         assert "The drafter's verdict" in html and said in html and "probe-curve" not in html
     assert "The drafter's verdict" not in render_html(RunReport("k", {"training": {}}, []), title="t")
+
+
+def test_the_report_opens_with_the_verdicts():
+    """publish.verdicts: the extraction's self-check, the probe's export check and the probe's
+    verdict, first on the page and in the Markdown."""
+    from eagle3_data.pipeline.publish import verdicts
+    from eagle3_data.report.render import render_markdown
+
+    hidden = {
+        "logprob_check": {
+            "compared_samples": 6,
+            "compared_tokens": 120,
+            "tolerance": 0.002,
+            "worst_mean_abs_diff": 3e-5,
+            "not_compared": {},
+        }
+    }
+    probe = {
+        "verdict": "fail",
+        "verdict_rule": "alignment fail (export check failed: sample 's0' (row 0) position 11: ...)",
+        "export_check": {"verdict": "fail", "error": "sample 's0' (row 0) position 11: log p ..."},
+    }
+    got = verdicts(hidden, probe)
+    assert [(v["check"], v["verdict"]) for v in got] == [
+        ("extraction", "pass"),
+        ("export (the probe's)", "fail"),
+        ("probe", "fail"),
+    ]
+    assert verdicts({"logprob_check": None}, None)[0]["verdict"] == "not compared"
+    report = RunReport("k", {"training": {"verdicts": got, "probe_not_run": "Not run: (a stand-in)"}}, [])
+    html = render_html(report, title="t")
+    assert html.index("Verdicts") < html.index("The drafter's verdict") and "position 11" in html
+    assert "- probe: **fail**" in render_markdown(report)

@@ -21,6 +21,7 @@ COMMAND_MODULES = [
     "merge",
     "extract",
     "probe",
+    "check_export",
     "report",
     "publish",
     "config",

@@ -82,6 +82,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="pre-tokenized JSONL (input_ids, loss_mask) of a merge stage "
         "for online training: --input s3://.../merge/all or a folder of merged .parquet shards",
     )
+    _add_check_args(e)
     add_store_args(e)
     e.set_defaults(func=_run_export)
 
@@ -106,8 +107,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="a folder holding the merge's token_freq.pt, d2t-N.npy, t2d-N.npy (default: "
         "beside the shards; an s3:// stage: its merge's)",
     )
+    _add_check_args(v)
     add_store_args(v)
     v.set_defaults(func=_run_export_speculators)
+
+
+def _add_check_args(p: argparse.ArgumentParser) -> None:
+    """The export's own check (hidden_states/check_export.py), run before it reports success."""
+    p.add_argument(
+        "--check",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="check the export through its trainer's own reader before reporting success (default; "
+        "--no-check skips it)",
+    )
+    p.add_argument("--check-samples", type=int, help="rows checked (default: the config's export.check_samples)")
+    p.add_argument("--all", action="store_true", help="check every row")
+    p.add_argument("--model", help="the target, for the check's final norm and LM head (default: the config's)")
+    add_config_arg(p)
 
 
 def _layers(text: str | None) -> list[int] | None:
@@ -215,7 +232,12 @@ def _run_export(args: argparse.Namespace) -> int:
     from eagle3_data.hidden_states.export import export_specforge
     from eagle3_data.ids_exports import export_specforge_ids
 
-    return _export(args, "specforge", export_specforge, export_specforge_ids)
+    return _export(
+        args,
+        "specforge",
+        lambda paths, out, images: export_specforge(paths, out, images, source=_source(args)),
+        export_specforge_ids,
+    )
 
 
 def _run_export_speculators(args: argparse.Namespace) -> int:
@@ -225,7 +247,7 @@ def _run_export_speculators(args: argparse.Namespace) -> int:
     return _export(
         args,
         "speculators",
-        lambda paths, out, images: export_speculators(paths, out, fp8=args.fp8, images=images),
+        lambda paths, out, images: export_speculators(paths, out, fp8=args.fp8, images=images, source=_source(args)),
         export_speculators_ids,
     )
 
@@ -245,6 +267,7 @@ def _export(args: argparse.Namespace, trainer: str, states, ids_only) -> int:
         else:
             n = states(paths, args.out, images)
         _copy_vocab(vocab, args.out)
+    checked = None if args.ids_only else _self_check(args)
     left = Path(args.out) / LEFT_OUT_FILE
     left_out = len(left.read_text().splitlines()) if left.exists() else 0
     print(
@@ -252,8 +275,51 @@ def _export(args: argparse.Namespace, trainer: str, states, ids_only) -> int:
         + (" (ids only)" if args.ids_only else "")
         + _vocab_note(vocab)
         + (f"; {left_out} image samples left out ({trainer}'s format holds no images): {left}" if left_out else "")
+        + (f"; {checked}" if checked else "")
     )
     return 0
+
+
+def _source(args: argparse.Namespace) -> str:
+    """The extraction an export came from, as export_info.json records it (check-export's default)."""
+    from pathlib import Path
+
+    return args.input if args.input.startswith("s3://") else str(Path(args.input).resolve())
+
+
+def _self_check(args: argparse.Namespace) -> str | None:
+    """The export's own check on a sample of rows (config export.check_samples, --check-samples,
+    --all); a failure moves the folder to OUT.check-failed, so nothing that looks complete is left
+    at OUT, and raises ExportCheckFailed (exit 1). Returns the line the export prints."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from eagle3_data.cli.check_export import shard_source
+    from eagle3_data.config import load_config, resolve_source
+    from eagle3_data.hidden_states.check_export import ExportCheckFailed, check_export
+
+    config = load_config(args.config)
+    samples = (
+        None if args.all else (args.check_samples if args.check_samples is not None else config.export.check_samples)
+    )
+    if not args.check or samples == 0:
+        return "not checked (--no-check)"
+    model = Path(args.model or resolve_source(config.model.source))
+    try:
+        with tempfile.TemporaryDirectory(prefix="eagle3-check-shards-") as work:
+            result = check_export(args.out, model, shard_source(args, _source(args), work), samples=samples)
+    except ExportCheckFailed as exc:
+        failed = Path(f"{str(args.out).rstrip('/')}.check-failed")
+        shutil.rmtree(failed, ignore_errors=True)
+        Path(args.out).rename(failed)
+        raise ExportCheckFailed(f"{exc} (the export is moved to {failed})") from None
+    lp = result["logprob"]
+    return (
+        f"checked {result['rows_checked']} of {result['rows']} rows through {result['layout']}'s reader: "
+        f"{result['trained_positions']} trained positions, max |log p diff| {lp['max_abs_diff']:.2g} nats "
+        f"(tolerance {lp['tolerance']})"
+    )
 
 
 def _copy_vocab(vocab: list, out: str) -> None:

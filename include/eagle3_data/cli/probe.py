@@ -67,17 +67,31 @@ def _run(args: argparse.Namespace) -> int:
     if not (model / "config.json").exists():
         raise UserError(f"--model {model}: no config.json there")
     device = args.device or default_device()
-    report = probe_export(
-        Path(args.input),
-        model,
-        config.probe,
-        eval_export=Path(args.eval_export) if args.eval_export else None,
-        device=device,
-    )
+    import tempfile
+
+    from eagle3_data.hidden_states.check_export import read_layout
+
+    source = read_layout(args.input).source if (Path(args.input) / "export_info.json").is_file() else None
+    with tempfile.TemporaryDirectory(prefix="eagle3-probe-check-") as work:
+        shards = None
+        if source and (source.startswith("s3://") or Path(source).is_dir()):
+            from eagle3_data.cli.check_export import shard_source
+
+            shards = shard_source(args, source, work)  # the extraction the export came from: the export check
+        report = probe_export(
+            Path(args.input),
+            model,
+            config.probe,
+            eval_export=Path(args.eval_export) if args.eval_export else None,
+            device=device,
+            shards=shards,
+            check_samples=config.export.check_samples,
+        )
     text = json.dumps(report, indent=1)
     if args.out:
         Path(args.out).write_text(text + "\n")
-        print(json.dumps({k: report[k] for k in ("simulated_acceptance", "acc", "full_acc", "coverage")}))
+        keys = ("verdict", "verdict_rule", "simulated_acceptance", "acc", "full_acc", "coverage")
+        print(json.dumps({k: report[k] for k in keys}))
     else:
         print(text)
     return 0

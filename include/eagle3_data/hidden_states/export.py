@@ -26,14 +26,21 @@ GROUP_SIZE = 5000
 
 
 def export_specforge(
-    shard_paths: Iterable[str | Path], out_dir: str | Path, images: Mapping[str, list] | None = None
+    shard_paths: Iterable[str | Path],
+    out_dir: str | Path,
+    images: Mapping[str, list] | None = None,
+    source: str | None = None,
 ) -> int:
     """Write one .ckpt per sample; returns the number of samples written. The samples in `images`
-    (sample_id -> references) are left out, each a line of `left_out.jsonl` (sample_id, reason)."""
+    (sample_id -> references) are left out, each a line of `left_out.jsonl` (sample_id, reason).
+    `source`: the extraction the shards came from, recorded in `export_info.json` (written last)
+    with each row's shard in `index.jsonl`, for `check-export`."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     count = 0
+    dtypes: set[str] = set()
     (out / LEFT_OUT_FILE).unlink(missing_ok=True)
+    (out / "export_info.json").unlink(missing_ok=True)
     with open(out / "index.jsonl", "w") as index:
         for path in shard_paths:
             reader = ShardReader(path)
@@ -47,6 +54,7 @@ def export_specforge(
                     f"{Path(path).name}: no last_hidden_states; SpecForge needs them (extract with --last-hidden)"
                 )
             pre = reader.last_hidden_norm == "pre"
+            dtypes.add(str(reader.dtype).removeprefix("torch."))
             if pre and reader.final_norm is None:
                 raise UserError(
                     f"{Path(path).name}: last state before the final norm, but no final_norm_weight recorded"
@@ -69,6 +77,13 @@ def export_specforge(
                     },
                     out / rel,
                 )
-                index.write(json.dumps({"file": rel, "sample_id": sample.sample_id}) + "\n")
+                index.write(json.dumps({"file": rel, "sample_id": sample.sample_id, "shard": Path(path).name}) + "\n")
                 count += 1
+    info = {
+        "layout": "specforge",
+        "samples": count,
+        "source": source,
+        "hidden_states": {"dtype": "/".join(sorted(dtypes)), "last": "after the final norm (hidden_state)"},
+    }
+    (out / "export_info.json").write_text(json.dumps(info, indent=1))
     return count

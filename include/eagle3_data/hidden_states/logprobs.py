@@ -72,7 +72,7 @@ class LogprobHead:
 
     def __init__(
         self,
-        final_norm: tuple[torch.Tensor, float],
+        final_norm: tuple[torch.Tensor, float] | None,
         lm_head: torch.Tensor,
         *,
         device: str | torch.device = "cpu",
@@ -80,8 +80,9 @@ class LogprobHead:
         compute_dtype: str = "float32",
     ):
         self.device = torch.device(device)
-        self.norm_weight = final_norm[0].detach().to(self.device, torch.float32)
-        self.eps = float(final_norm[1])
+        # None: the states are already after the final norm (SpecForge's layout; check_export.py)
+        self.norm_weight = None if final_norm is None else final_norm[0].detach().to(self.device, torch.float32)
+        self.eps = None if final_norm is None else float(final_norm[1])
         half = HALF.get(compute_dtype) if self.device.type == "cuda" else None
         self.head = lm_head.detach().to(self.device, half or torch.float32)
         self.chunk_tokens = chunk_tokens
@@ -130,7 +131,9 @@ class LogprobHead:
         for start in range(0, max(n - 1, 0), self.chunk_tokens):
             end = min(start + self.chunk_tokens, n - 1)
             logits, work, below = self._buffers(end - start)
-            h = rms_norm(last[start:end].to(self.device, torch.float32), self.norm_weight, self.eps)
+            h = last[start:end].to(self.device, torch.float32)
+            if self.norm_weight is not None:
+                h = rms_norm(h, self.norm_weight, self.eps)
             self._logits(h, logits)
             nxt = ids[start + 1 : end + 1].to(self.device)
             own = logits.gather(1, nxt[:, None])

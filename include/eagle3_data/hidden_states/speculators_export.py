@@ -24,7 +24,7 @@ with a post-norm last state is refused: the trainer would normalise it twice, wi
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -70,15 +70,18 @@ def export_speculators(
     *,
     fp8: bool = False,
     images: Mapping[str, list] | None = None,
+    source: str | None = None,
 ) -> int:
     """Write the dataset and one state file per row; returns the rows written. `images`
-    (sample_id -> references) go into `index.jsonl`: its training takes states and ids only."""
+    (sample_id -> references) go into `index.jsonl`: its training takes states and ids only.
+    `source`: the extraction the shards came from (a folder or an s3:// stage), recorded in
+    `export_info.json` with each row's shard in `index.jsonl`, for `check-export`."""
     out = Path(out_dir)
     states_dir = out / "hidden_states"
     states_dir.mkdir(parents=True, exist_ok=True)
     layers: set[tuple[int, ...]] = set()
 
-    def samples() -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    def samples() -> Iterator[tuple[str, torch.Tensor, torch.Tensor, dict]]:
         i = 0
         for path in shard_paths:
             reader = ShardReader(path)
@@ -101,11 +104,13 @@ def export_speculators(
                     tensors["hidden_states"] = stacked.to(torch.bfloat16).contiguous()
                 save_file(tensors, str(states_dir / f"hs_{i}.safetensors"))
                 i += 1
-                yield sample.sample_id, ids, sample.loss_mask
+                yield sample.sample_id, ids, sample.loss_mask, {"shard": Path(path).name}
 
     n = save_rows(samples(), out, images=images)
     info = {
+        "layout": "speculators",
         "samples": n,
+        "source": source,
         "hidden_states": {
             "encoding": "fp8_e4m3fn_per_token" if fp8 else "bfloat16",
             "aux_layer_ids_vllm": list(next(iter(layers))),
@@ -117,7 +122,7 @@ def export_speculators(
 
 
 def save_rows(
-    samples: Iterable[tuple[str, Sequence[int], Sequence[int]]],
+    samples: Iterable[tuple],
     out_dir: str | Path,
     images: Mapping[str, list] | None = None,
 ) -> int:
@@ -169,10 +174,11 @@ def save_rows(
             mask_parts.clear()
             tokens = 0
 
-        for sample_id, ids, mask in samples:
+        for sample_id, ids, mask, *extra in samples:  # extra: fields of the row's index line (its shard)
             ids, mask = _int64(ids), _int64(mask)
             refs = images.get(sample_id) if images else None  # an image sample's references, for whoever feeds them
-            index.write(json.dumps({"row": n, "sample_id": sample_id, **({"images": refs} if refs else {})}) + "\n")
+            line = {"row": n, "sample_id": sample_id, **(extra[0] if extra else {})}
+            index.write(json.dumps({**line, **({"images": refs} if refs else {})}) + "\n")
             ids_parts.append(ids)
             mask_parts.append(mask)
             n += 1

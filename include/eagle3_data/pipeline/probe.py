@@ -30,6 +30,7 @@ def probe(run: Run, store) -> ProbeResult | ProbeSkipped:
     not: off, nothing extracted, `auto` on a worker without a GPU (on a CPU the defaults pace past
     the budget), or, under `auto`, a first pace past the budget (where `always` fails: OverBudget)."""
     from eagle3_data.draft_vocab import is_file_of
+    from eagle3_data.hidden_states.check_export import StageShards
     from eagle3_data.hidden_states.shards import ShardReader
     from eagle3_data.hidden_states.speculators_export import export_speculators
     from eagle3_data.probe import OverBudget, default_device, probe_export
@@ -64,11 +65,23 @@ def probe(run: Run, store) -> ProbeResult | ProbeSkipped:
                     yield path
                     path.unlink()
 
-        export_speculators(first_shards(), work / "export")
+        export_speculators(first_shards(), work / "export", source=store.uri(hs_ref))
         model = Path(resolve_source(run.config.model.source))
         budget_s = p.budget_s - (time.monotonic() - started)  # the shards' download counts
+        # the export checked through speculators' reader against the extraction (the shards of its
+        # sampled rows fetched again, one by one): the verdict's alignment
+        (work / "check").mkdir()
+        shards = StageShards(store, hs_ref, work / "check")
         try:
-            report = probe_export(work / "export", model, p, device=device, budget_s=budget_s)
+            report = probe_export(
+                work / "export",
+                model,
+                p,
+                device=device,
+                budget_s=budget_s,
+                shards=shards,
+                check_samples=run.config.export.check_samples,
+            )
         except OverBudget as exc:
             if p.when != "auto":
                 raise
@@ -77,13 +90,17 @@ def probe(run: Run, store) -> ProbeResult | ProbeSkipped:
     report["device"] = device
     uri = store.put_json(out_ref, PROBE_REPORT, report)
     extra = {
+        "verdict": report["verdict"],
+        "verdict_rule": report["verdict_rule"],
         "simulated_acceptance": report["simulated_acceptance"],
         "acc": report["acc"],
         "coverage": report["coverage"],
     }
     store.commit_files(out_ref, [PROBE_REPORT], params=probe_params(run), inputs=[hs_ref], extra=extra)
     log.info(
-        "probe: simulated acceptance %.3f, acc %s, coverage %.3f (%s)",
+        "probe: verdict %s (%s); simulated acceptance %.3f, acc %s, coverage %.3f (%s)",
+        report["verdict"],
+        report["verdict_rule"],
         report["simulated_acceptance"],
         [round(a, 3) for a in report["acc"]],
         report["coverage"],

@@ -71,8 +71,55 @@ def _probe_figures(run: Run, store, hs_ref) -> dict | None:
         "draft_vocab_size",
         "device",
         "seconds",
+        "verdict",
+        "verdict_rule",
+        "export_check",
+        "data_quality",
     )
     return {"uri": store.uri(ref, PROBE_REPORT), "steps": report["config"]["steps"], **{k: report.get(k) for k in keys}}
+
+
+def verdicts(hidden: dict | None, probe: dict | None) -> list[dict]:
+    """The checks' verdicts, for the top of the run report: the extraction's self-check (its
+    log-probabilities against the local engine's own: a shard that fails it is never committed),
+    the check of the export the probe trained on (through speculators' reader), and the probe's
+    verdict; each {check, verdict, rule}."""
+    out = []
+    if hidden is not None:
+        lc = hidden.get("logprob_check")
+        if not lc or not lc.get("compared_samples"):
+            skipped = ", ".join(f"{k.replace('_', ' ')} {n}" for k, n in ((lc or {}).get("not_compared") or {}).items())
+            out.append(
+                {
+                    "check": "extraction",
+                    "verdict": "not compared",
+                    "rule": "no answer with the engine's own log-probabilities to compare"
+                    + (f" (not compared: {skipped})" if skipped else ""),
+                }
+            )
+        else:
+            out.append(
+                {
+                    "check": "extraction",
+                    "verdict": "pass",
+                    "rule": f"{lc['compared_samples']} answers ({lc['compared_tokens']} tokens) within "
+                    f"{lc['tolerance']} nats of the engine's own log-probabilities (worst mean "
+                    f"{lc['worst_mean_abs_diff']:.2g})",
+                }
+            )
+    if probe is not None:
+        check = probe.get("export_check")
+        if check is not None:
+            rule = (
+                check.get("error")
+                if check.get("verdict") != "pass"
+                else f"{check.get('rows_checked')} rows through speculators' reader, worst |log p difference| "
+                f"{(check.get('logprob') or {}).get('max_abs_diff', 0):.2g} nats"
+            )
+            out.append({"check": "export (the probe's)", "verdict": check.get("verdict"), "rule": rule})
+        if probe.get("verdict"):
+            out.append({"check": "probe", "verdict": probe["verdict"], "rule": probe.get("verdict_rule")})
+    return out
 
 
 def _probe_not_run(when: str) -> str:
@@ -259,6 +306,7 @@ def publish(run: Run, store) -> PublishResult:
     }
     if hidden and training["probe"] is None:
         training["probe_not_run"] = _probe_not_run(run.config.probe.when)
+    training["verdicts"] = verdicts(hidden, training["probe"])  # what the report opens with
     report_uri = _run_report(store, run.run_key, index, run.config.stand_ins, training)
     summary_ref = stage_ref(run, PUBLISH, RUN_DATASET)
     summary = {

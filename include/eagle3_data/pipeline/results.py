@@ -130,6 +130,8 @@ class ProbeResult(_Result):
     acc: list[float]
     coverage: float
     reused: bool = False
+    verdict: str | None = None  # pass / fail / inconclusive (probe.verdict); None: a probe from before verdicts
+    verdict_rule: str | None = None
 
 
 @dataclass(frozen=True)

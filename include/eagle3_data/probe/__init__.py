@@ -223,6 +223,9 @@ def coverage(export: Path, rows: list[int], vocab_dir: Path) -> float:
     return inside / total if total else 0.0
 
 
+FIT_OFFSETS = (-1, 0, 1)
+
+
 def last_state_fit(export: Path, rows: list[int], verifier: Path, *, device: str = "cpu") -> dict:
     """How well the export's own last states predict its trained ids, before any training: over
     the rows' trained tokens (loss mask 1), the mean log-probability of each id under the target's
@@ -232,7 +235,10 @@ def last_state_fit(export: Path, rows: list[int], verifier: Path, *, device: str
     joined to another sample's ids predict almost none (0.02), a fault a short training run does
     not tell beyond its seed spread even at a GPU's size (benchmarks/RESULTS.md, "The probe"). The same
     numbers the extraction proved each local answer with (hidden_states.verify), read back from
-    the export as the trainer reads it: what went wrong after the extraction shows here."""
+    the export as the trainer reads it: what went wrong after the extraction shows here.
+    `by_offset`: the same mean with each state paired with the token `d` positions after the one
+    it is stored beside (d = -1, 0, +1): an export whose states sit beside the tokens they predict
+    fits best at 0 (`alignment`)."""
     import datasets
     import torch
     from safetensors.torch import load_file
@@ -249,20 +255,103 @@ def last_state_fit(export: Path, rows: list[int], verifier: Path, *, device: str
     )
     masks = datasets.load_from_disk(str(export)).with_format("numpy").select(rows)["loss_mask"]
     total, hits, tokens = 0.0, 0, 0
+    offset_sums = {d: 0.0 for d in FIT_OFFSETS}
     for row, mask in zip(rows, masks):
         stored = load_file(str(export / "hidden_states" / f"hs_{row}.safetensors"))
         states = stored["hidden_states"].float()
         if "hidden_states_scales" in stored:  # the fp8 export: one scale per token
             states = states * stored["hidden_states_scales"]
-        logprobs, top1 = head.token_logprobs_and_top1(states[:, -1], stored["token_ids"])
+        ids = stored["token_ids"]
+        logprobs, top1 = head.token_logprobs_and_top1(states[:, -1], ids)
         trained = torch.as_tensor(np.asarray(mask), dtype=torch.bool) & ~torch.isnan(logprobs)
+        trained[:2] = False  # the offsets' first and last positions have no token to pair
+        trained[-1:] = False
         total += float(logprobs[trained].double().sum())
         hits += int(top1[trained].sum())
         tokens += int(trained.sum())
+        for d in FIT_OFFSETS:
+            shifted = ids if d == 0 else torch.roll(ids, -d)  # position i scored against ids[i + d]
+            lp = logprobs if d == 0 else head.token_logprobs(states[:, -1], shifted)[0]
+            offset_sums[d] += float(lp[trained].double().sum())
+    by_offset = {str(d): offset_sums[d] / tokens if tokens else None for d in FIT_OFFSETS}
     return {
         "mean_logprob": total / tokens if tokens else None,
         "top1": hits / tokens if tokens else None,
         "tokens": tokens,
+        "by_offset": by_offset,
+    }
+
+
+def alignment(fit: dict, export_check: dict | None) -> dict:
+    """The deterministic half of the verdict. The export check (each state against the
+    log-probability the extraction recorded for its token, read through the trainer's reader)
+    decides when it ran. Without it the last-state fit can fail an export, never pass one: states
+    that fit their neighbours' tokens better than their own sit beside the wrong tokens, but on
+    repetitive text (the tiny target's answers) a state one position late can still fit best where
+    it is (RESULTS.md, "The export's own check"), so a fit that looks right is inconclusive."""
+    by = fit.get("by_offset") or {}
+    margin = None if by.get("0") is None else by["0"] - max(by["-1"], by["1"])
+    fit_rule = (
+        "no trained tokens for the last-state fit"
+        if margin is None
+        else f"last-state fit {by['0']:.3f} nats at the stored pairing, {margin:+.3f} over one position off"
+    )
+    if export_check is not None:
+        if export_check.get("verdict") != "pass":
+            return {"verdict": "fail", "rule": f"export check failed: {export_check.get('error')}; {fit_rule}"}
+        return {
+            "verdict": "pass",
+            "rule": f"export check passed on {export_check.get('rows_checked')} rows; {fit_rule}",
+        }
+    if margin is not None and margin < 0:
+        return {"verdict": "fail", "rule": f"{fit_rule}: the states fit a neighbour's tokens better (misaligned)"}
+    return {"verdict": "inconclusive", "rule": f"no export check (no extraction to check against); {fit_rule}"}
+
+
+def data_quality(runs: list[dict], floor: float | None) -> dict:
+    """The training half: the simulated acceptance of every seed (the same rows, another init and
+    sample order), its mean and spread (max - min) on this run's own data. Against `floor`
+    (probe.min_simulated_acceptance): pass when the mean is above it by more than the spread, fail
+    when below it by more, else inconclusive (within the spread: no difference); with one seed, no
+    spread is measured and the verdict is inconclusive; without a floor, not judged."""
+    values = [r["simulated_acceptance"] for r in runs]
+    mean = float(np.mean(values)) if values else None
+    spread = float(max(values) - min(values)) if len(values) > 1 else None
+    out = {"seeds": [r["seed"] for r in runs], "simulated_acceptance": values, "mean": mean, "spread": spread}
+    if floor is None:
+        return {**out, "verdict": None, "rule": "not judged (no probe.min_simulated_acceptance)"}
+    if spread is None:
+        return {**out, "verdict": "inconclusive", "rule": "one seed: no spread measured (probe.seeds >= 2)"}
+    if mean - floor > spread:
+        verdict = "pass"
+    elif floor - mean > spread:
+        verdict = "fail"
+    else:
+        verdict = "inconclusive"
+    rule = f"mean {mean:.3f} vs floor {floor:.3f}, seed spread {spread:.3f}" + (
+        ": within the spread, no difference" if verdict == "inconclusive" else ""
+    )
+    return {**out, "verdict": verdict, "rule": rule}
+
+
+def verdict(align: dict, quality: dict) -> dict:
+    """pass / fail / inconclusive and the rule that drew it: alignment decides first (deterministic);
+    then data quality, where it was judged."""
+    if align["verdict"] == "fail":
+        v = "fail"
+    elif align["verdict"] == "inconclusive" or quality["verdict"] == "inconclusive":
+        v = "inconclusive"
+    elif quality["verdict"] == "fail":
+        v = "fail"
+    else:
+        v = "pass"
+    return {
+        "verdict": v,
+        "rule": f"alignment {align['verdict']} ({align['rule']}); data quality "
+        + (quality["verdict"] or "not judged")
+        + f" ({quality['rule']})",
+        "alignment": align,
+        "data_quality": quality,
     }
 
 
@@ -275,25 +364,56 @@ def probe_export(
     vocab_dir: Path | None = None,
     device: str = "cpu",
     budget_s: float | None = None,
+    shards=None,
+    check_samples: int | None = 8,
 ) -> dict:
     """The probe on one export (draft vocabulary beside it unless `vocab_dir`): the artifact's JSON.
-    `budget_s`: the training's share of the budget (default: the config's whole)."""
+    `budget_s`: the training's share of the budget (default: the config's whole). One drafter per
+    seed of `config.seeds` (the same split; another init and sample order), so the simulated
+    acceptance comes with its spread on this data. `shards`: the extraction the export came from
+    (hidden_states.check_export's LocalShards / StageShards): with it the export is checked through
+    speculators' reader on `check_samples` rows (None: all; 0: not checked). The JSON's `verdict`
+    (pass / fail / inconclusive) and `verdict_rule`: `verdict`, from `alignment` and `data_quality`."""
     info = export / "export_info.json"
     if not info.exists():
         raise UserError(f"probe: {export} is no speculators export (no export_info.json; run export-speculators)")
     rows = json.loads(info.read_text())["samples"]
     train_rows, eval_rows = split(rows, config.samples, config.eval_samples, config.seed)
     vocab = vocab_dir or export
-    arm = Arm("probe", export, eval_export or export, train_rows, eval_rows, vocab, config.seed)
-    result = train_and_score(verifier, [arm], config, device=device, budget_s=budget_s)[0]
+    seeds = [config.seed + i for i in range(max(1, getattr(config, "seeds", 1)))]
+    arms = [Arm(f"seed{s}", export, eval_export or export, train_rows, eval_rows, vocab, s) for s in seeds]
+    results = train_and_score(verifier, arms, config, device=device, budget_s=budget_s)
+    result = results[0]
+    runs = [
+        {"seed": s, "simulated_acceptance": r["simulated_acceptance"], "eval_loss": r["eval_loss"], "acc": r["acc"]}
+        for s, r in zip(seeds, results)
+    ]
     result.pop("name")
+    fit = last_state_fit(export, train_rows, verifier, device=device)
+    export_check = None
+    if shards is not None and check_samples != 0:  # 0: export.check_samples off
+        from eagle3_data.hidden_states.check_export import ExportCheckFailed, check_export
+
+        try:
+            export_check = check_export(export, verifier, shards, samples=check_samples)
+        except ExportCheckFailed as exc:
+            export_check = {"verdict": "fail", "error": str(exc)}
+    judged = verdict(
+        alignment(fit, export_check), data_quality(runs, getattr(config, "min_simulated_acceptance", None))
+    )
     return {
+        "verdict": judged["verdict"],
+        "verdict_rule": judged["rule"],
         "config": config.model_dump(),
         "export_samples": rows,
         "train_samples": len(train_rows),
         "eval_samples": len(eval_rows),
         "draft_vocab_size": draft_vocab_size(vocab),
         "coverage": coverage(eval_export or export, eval_rows, vocab),
-        "last_state_fit": last_state_fit(export, train_rows, verifier, device=device),
+        "last_state_fit": fit,
+        "export_check": export_check,
+        "alignment": judged["alignment"],
+        "data_quality": judged["data_quality"],
+        "seed_runs": runs,
         **result,
     }
