@@ -27,6 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     rows.add_argument("--all", action="store_true", help="check every row")
     p.add_argument("--tolerance", type=float, help="nats per position (default: by the exported dtype)")
+    p.add_argument("--device", choices=["cpu", "cuda"], help="where the LM head runs (default: cuda when there is one)")
     add_config_arg(p)
     add_store_args(p)
     p.set_defaults(func=_run)
@@ -71,7 +72,12 @@ def _run(args: argparse.Namespace) -> int:
     samples = None if args.all else (args.samples if args.samples is not None else config.export.check_samples)
     with tempfile.TemporaryDirectory(prefix="eagle3-check-shards-") as work:
         result = check_export(
-            args.input, model, shard_source(args, source, work), samples=samples, tolerance=args.tolerance
+            args.input,
+            model,
+            shard_source(args, source, work),
+            samples=samples,
+            tolerance=args.tolerance,
+            device=args.device,
         )
     print(json.dumps(result, indent=1))
     return 0

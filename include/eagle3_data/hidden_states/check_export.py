@@ -226,6 +226,7 @@ def check_export(
     samples: int | None = DEFAULT_SAMPLES,
     python: str | None = None,
     tolerance: float | None = None,
+    device: str | None = None,
 ) -> dict:
     """Check an export folder against the extraction's shards (`shards`: LocalShards or
     StageShards) with the target's final norm and LM head from `model`; returns the figures,
@@ -250,7 +251,10 @@ def check_export(
                     layout, row, sid, f"position 0: the trainer's reader refused it: {got['unavailable'][str(row)]}"
                 )
         norm = (final_norm_weight(model), final_norm_eps(model)) if layout.stores_pre_norm else None
-        head = LogprobHead(norm, head_weight)
+        # the head in fp32 on `device` (default: cuda where there is one): 2 x V x H FLOP a position,
+        # 2.35 GFLOP at Kimi-K2.5's width, ~12 positions/s on one CPU core (RESULTS.md, "check-export")
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        head = LogprobHead(norm, head_weight, device=device)
         head.model_norm = (final_norm_weight(model), final_norm_eps(model))  # for shards without target_logprobs
         figures = {"positions": 0, "trained_positions": 0, "max_abs_diff": 0.0, "sum_abs_diff": 0.0, "aux_values": 0}
         scored_s = 0.0
@@ -300,6 +304,7 @@ def check_export(
             "equals_trainers_builder": vocab.get("equals_builder"),
             "coverage_of_checked_rows": trained_in_vocab / trained_total if trained_total else None,
         },
+        "device": str(head.device),
         "seconds": {"reader": read_s, "scoring": scored_s, "total": time.monotonic() - started},
         "scored_tokens_per_s": trained / scored_s if scored_s else None,
     }
@@ -350,7 +355,7 @@ def _check_row(layout: Layout, row: int, sid: str, pairs: dict, reader, ref, hea
         from eagle3_data.hidden_states.logprobs import LogprobHead
 
         norm = head.model_norm if reader.last_hidden_norm == "pre" else None
-        own = LogprobHead(norm, head.head.cpu(), chunk_tokens=head.chunk_tokens)
+        own = LogprobHead(norm, head.head, device=head.device, chunk_tokens=head.chunk_tokens)
         recorded = own.token_logprobs(ref.last_hidden_states, ids)[0]
         figures["reference"] = "recomputed from the shard's own last state (no target_logprobs)"
     trained = mask.bool()

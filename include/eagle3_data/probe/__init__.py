@@ -395,7 +395,7 @@ def probe_export(
         from eagle3_data.hidden_states.check_export import ExportCheckFailed, check_export
 
         try:
-            export_check = check_export(export, verifier, shards, samples=check_samples)
+            export_check = check_export(export, verifier, shards, samples=check_samples, device=device)
         except ExportCheckFailed as exc:
             export_check = {"verdict": "fail", "error": str(exc)}
     judged = verdict(
