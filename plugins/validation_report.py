@@ -6,9 +6,9 @@ with read access to the DAG's runs: plugin apps are not behind Airflow's auth by
 routes reuse the api-server's own dependency (`requires_access_dag`), which reads the JWT from the
 `Authorization: Bearer` header or the UI's `_token` cookie and asks the configured auth manager.
 The data and HTML come from `eagle3_data.report` (the run key from `eagle3_data.run_key`); this
-file only wires Airflow to them. Answers: 200 the report; 404 no such run, or no report for it
-(yet); 503 S3 unreachable or its bucket missing (the report may well exist: an outage is not "no
-report"); 401/403 from the auth dependency.
+file only wires Airflow to them. Answers: 200 the report (a dry run's: its plan); 404 no such
+run, or no report or plan for it (yet); 503 S3 unreachable or its bucket missing (the report may
+well exist: an outage is not "no report"); 401/403 from the auth dependency.
 """
 
 from __future__ import annotations
@@ -45,17 +45,29 @@ def _run_key(session, dag_id: str, run_id: str) -> str:
         raise HTTPException(422, str(exc)) from None
 
 
-def _load(run_key: str):
-    """The run's report from the pipeline's bucket, through the `aws_default` connection."""
+def _store():
+    """The pipeline's bucket, through the `aws_default` connection."""
     from airflow.providers.amazon.aws.hooks.s3 import S3Hook
 
     from eagle3_data.config import AWS_CONN_ID, load_config
-    from eagle3_data.report import load_run_report
     from eagle3_data.storage import ArtifactStore
 
     storage = load_config().storage
-    store = ArtifactStore(S3Hook(aws_conn_id=AWS_CONN_ID).get_conn(), storage.bucket, storage.prefix)
-    return load_run_report(store, run_key)
+    return ArtifactStore(S3Hook(aws_conn_id=AWS_CONN_ID).get_conn(), storage.bucket, storage.prefix)
+
+
+def _load(run_key: str):
+    """The run's report from the pipeline's bucket."""
+    from eagle3_data.report import load_run_report
+
+    return load_run_report(_store(), run_key)
+
+
+def _plan(run_key: str):
+    """A dry run's plan, (URI, plan), shown where its report would be; None without one."""
+    from eagle3_data.report.plan_view import load_plan
+
+    return load_plan(_store(), run_key)
 
 
 def _one_line(exc: Exception) -> str:
@@ -74,6 +86,14 @@ def report_page(dag_id: str, run_id: str, session: SessionDep) -> HTMLResponse:
     except STORAGE_OUTAGES as exc:
         return HTMLResponse(render_unavailable(run_key, _one_line(exc), title=title), status_code=503)
     except UserError as exc:  # no index yet, or one this version cannot read
+        try:
+            plan = _plan(run_key)  # a dry run writes its plan instead
+        except STORAGE_OUTAGES as outage:
+            return HTMLResponse(render_unavailable(run_key, _one_line(outage), title=title), status_code=503)
+        if plan is not None:
+            from eagle3_data.report.plan_view import render_plan_html
+
+            return HTMLResponse(render_plan_html(plan[1], plan[0], title=f"EAGLE-3 plan: {dag_id} / {run_id}"))
         return HTMLResponse(render_missing(run_key, str(exc), title=title), status_code=404)
     return HTMLResponse(render_html(report, title=title))
 
@@ -90,6 +110,12 @@ def report_summary(dag_id: str, run_id: str, session: SessionDep) -> dict[str, A
     except STORAGE_OUTAGES as exc:
         raise HTTPException(503, _one_line(exc)) from None
     except UserError as exc:
+        try:
+            plan = _plan(run_key)  # a dry run: its plan
+        except STORAGE_OUTAGES as outage:
+            raise HTTPException(503, _one_line(outage)) from None
+        if plan is not None:
+            return {"run_key": run_key, "dry_run": True, "plan_uri": plan[0], "plan": plan[1]}
         raise HTTPException(404, str(exc)) from None
 
 

@@ -600,6 +600,34 @@ class ProbeConfig(_Model):
     )
 
 
+class PlanConfig(_Model):
+    """What the plan (`eagle3-data plan`, the DAG's `dry_run`) cannot measure before a run: the
+    answers' expected length, the real target's width when the model here is a stand-in, and the
+    extraction's prefill rate. Each figure the plan derives from these is labelled with its source."""
+
+    expected_output_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="expected answer length in tokens (the expected USD, storage and GPU hours); empty: half of "
+        "generation.sampling.max_new_tokens, labelled an assumption. An earlier run of the dataset against a "
+        "real (not stand-in) engine wins: its mean completion tokens",
+    )
+    target_hidden_size: int = Field(
+        7168,
+        ge=1,
+        description="the real target's hidden size, for the storage figures when model.source is a stand-in "
+        "(or its config.json is not readable here); 7168: Kimi-K2.5's text_config.hidden_size",
+    )
+    prefill_tokens_per_s_per_gpu: float = Field(
+        4000.0,
+        gt=0,
+        description="extraction rate per GPU (a prefill) for the GPU-hour figure; 4,000: DeepSeek's published "
+        "73.7k input tokens/s per 8-GPU H800 node for DeepSeek-V3/R1 (Kimi-K2.5's architecture) with 56.3% "
+        "prefix-cache hits, i.e. ~4.0k computed tokens/s per GPU; extraction runs without a prefix cache. "
+        "Unmeasured here on the real checkpoint: set your own (benchmarks/gpu_extract.sh)",
+    )
+
+
 class LimitsConfig(_Model):
     max_message_bytes: int = Field(1_000_000, ge=1, description="largest accepted prompt row (bytes of its messages)")
     max_image_bytes: int = Field(
@@ -668,6 +696,7 @@ class PipelineConfig(_Model):
     export: ExportConfig = Field(default_factory=ExportConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
+    plan: PlanConfig = Field(default_factory=PlanConfig)
     stand_ins: tuple[StandIn, ...] = Field(
         (),
         strict=False,

@@ -447,6 +447,13 @@ def test_dry_run_plans_without_spend(stack, dag):
     assert set(plan["strategies"]) == {"fraction", "capacity", "balanced"}
     assert all(set(p["estimate"]["strategies"]) == set(plan["strategies"]) for p in plan["datasets"].values())
     assert plan["strategies"]["balanced"]["wall_s"] <= plan["strategies"]["fraction"]["wall_s"]
+    # the run's figures (issue 57): storage per dtype, extraction GPU hours; the report tab's page reads it
+    assert (
+        set(plan["storage"]["dtypes"]) == {"bf16", "fp8", "ids-only"} and plan["extraction"]["gpu_hours"]["upper"] > 0
+    )
+    from eagle3_data.report.plan_view import load_plan
+
+    assert load_plan(_store(stack), "plan-only")[1] == plan
 
 
 # -- 7. the mode is bound once: a run with thinking off; a server stopping on the wrong id --------

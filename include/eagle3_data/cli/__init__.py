@@ -24,6 +24,7 @@ COMMAND_MODULES = [
     "check_export",
     "report",
     "publish",
+    "plan",
     "config",
     "stage",
     "s3",

@@ -167,37 +167,24 @@ def _run_report(store, run_key: str, index: dict, stand_ins, training: dict) -> 
 
 
 def _plan(run: Run, store) -> PublishResult:
-    from eagle3_data.generation.balance import run_totals
-    from eagle3_data.pipeline.route import seconds_text
+    """A dry run: the run's plan (pipeline.plan.run_plan, what `eagle3-data plan` prints) from each
+    dataset's, written where the report tab shows it, its table logged."""
+    from eagle3_data.pipeline.plan import format_plan, run_plan
 
     plans = {name: store.get_json(stage_ref(run, PLAN, name), PLAN_REPORT) for name in run.datasets}
-    totals = {
-        k: round(sum(p["estimate"][k] for p in plans.values()), 6)
-        for k in ("prompt_tokens", "max_output_tokens", "max_overflow_usd")
-    }
     # each routing strategy over the whole run (the datasets share endpoints and provider)
     # (each dataset's times at its own rates: they may come from its previous run's manifests)
-    strategies = run_totals([p["estimate"].get("strategies", {}) for p in plans.values()])
-    for name, p in strategies.items():
-        log.info(
-            "dry run plan, routing %s%s: local %d samples (%s s), overflow %d (%s s): wall %s s, overflow <= $%.4f",
-            name,
-            " (chosen)" if name == run.config.routing.strategy else "",
-            p["local"],
-            seconds_text(p["local_s"]),
-            p["overflow"],
-            seconds_text(p["overflow_s"]),
-            seconds_text(p["wall_s"]),
-            p["overflow_usd"],
-        )
-    uri = store.put_json(
-        stage_ref(run, PLAN, RUN_DATASET),
-        PLAN_REPORT,
-        {"run_key": run.run_key, "datasets": plans, "totals": totals, "strategies": strategies},
-    )
-    log.info("dry run plan: %s", json.dumps({"datasets": plans, "totals": totals, "strategies": strategies}, indent=1))
+    plan = run_plan(run, plans)
+    uri = store.put_json(stage_ref(run, PLAN, RUN_DATASET), PLAN_REPORT, plan)
+    log.info("dry run plan (%s):\n%s", uri, format_plan(plan))
+    log.debug("dry run plan: %s", json.dumps(plan, indent=1))
     return PublishResult(
-        run_key=run.run_key, report_uri=uri, summary_uri=None, datasets=list(run.datasets), changed=False, totals=totals
+        run_key=run.run_key,
+        report_uri=uri,
+        summary_uri=None,
+        datasets=list(run.datasets),
+        changed=False,
+        totals=plan["totals"],
     )
 
 

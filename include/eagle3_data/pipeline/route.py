@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
@@ -66,7 +67,24 @@ def rate_inputs(run: Run, store, dataset: str) -> dict:
 
 def previous_generation(store, run_key: str, stage: str, dataset: str) -> tuple[str, dict] | None:
     """(manifest URI, its `extra`) of the newest committed `stage` of `dataset` in a run other
-    than `run_key` whose manifest recorded `latency_s_mean`; None when there is none."""
+    than `run_key` whose manifest recorded `latency_s_mean`, made on a real engine (`earlier_stages`);
+    None when there is none."""
+    for ref, manifest in earlier_stages(store, run_key, stage, dataset):
+        extra = manifest.get("extra") or {}
+        latency = extra.get("latency_s_mean")
+        if isinstance(latency, (int, float)) and latency > 0:
+            return store.uri(ref), extra
+    return None
+
+
+# what answered a generation stage, by stage: a manifest whose `stand_ins` name one of these was made on a
+# stand-in (the dev inference server, a tiny random model), and its timings and lengths say nothing of the real one
+STAND_IN_ENGINES = {LOCAL: ("local_engine", "model"), OVERFLOW: ("overflow_provider",)}
+
+
+def earlier_stages(store, run_key: str, stage: str, dataset: str, skipped: list[str] | None = None):
+    """(ref, manifest) of each committed `stage` of `dataset` in runs other than `run_key`, newest
+    first, leaving out those made on a stand-in engine (their URIs appended to `skipped`)."""
     from eagle3_data.storage import StageRef
 
     found = []
@@ -75,11 +93,12 @@ def previous_generation(store, run_key: str, stage: str, dataset: str) -> tuple[
         if other != run_key and (committed := store.committed_at(ref)) is not None:
             found.append((committed, ref))
     for _, ref in sorted(found, key=lambda f: f[0], reverse=True):
-        extra = store.read_manifest(ref).get("extra") or {}
-        latency = extra.get("latency_s_mean")
-        if isinstance(latency, (int, float)) and latency > 0:
-            return store.uri(ref), extra
-    return None
+        manifest = store.read_manifest(ref)
+        if set(manifest.get("stand_ins") or ()) & set(STAND_IN_ENGINES.get(stage, ())):
+            if skipped is not None:
+                skipped.append(store.uri(ref))
+            continue
+        yield ref, manifest
 
 
 def recorded_balance(store, ref) -> dict | None:
@@ -109,7 +128,9 @@ def rates(inputs: dict):
     )
 
 
-def load_route(run: Run, store, dataset: str) -> RouteResult:
+def load_route(run: Run, store, dataset: str, *, write_plan: bool = True) -> RouteResult:
+    """The prompts stage of `dataset`; in a dry run its plan instead (`pipeline.plan`), written to
+    `runs/{run_key}/plan/{dataset}/plan.json` unless `write_plan` is False (`eagle3-data plan`)."""
     from eagle3_data.generation.routing import assign_routes
     from eagle3_data.images import ImageSink
     from eagle3_data.prompts import (
@@ -139,11 +160,17 @@ def load_route(run: Run, store, dataset: str) -> RouteResult:
         regenerate=g.regenerate,
         history=g.history,
         call_id=fmt.call_id if g.call_ids == "format" else None,
-        images=ImageSink(store, limits.max_image_bytes),
+        # a dry run stores no image: it only counts their media tokens
+        images=ImageSink(None if run.dry_run else store, limits.max_image_bytes),
     )
     limit = prompt_token_limit(tokenizer_for(run, store), limits.max_prompt_tokens, g.sampling.max_new_tokens)
+    counted: dict[str, int] | None = {} if run.dry_run else None  # the plan's prompt tokens, rendered once
     limit_prompt_tokens(
-        loaded, limit, lambda messages, tools, images=None: len(fmt.generation_prompt_ids(messages, tools, images))
+        loaded,
+        limit,
+        lambda messages, tools, images=None: len(fmt.generation_prompt_ids(messages, tools, images)),
+        counted,
+        workers=min(4, os.cpu_count() or 1),  # a large load renders on forked workers (prompts.FORK_MIN_ROWS)
     )
     log.info("dataset %s: %s", dataset, format_load_rejects(loaded))
     ref = stage_ref(run, PROMPTS, dataset)
@@ -211,7 +238,9 @@ def load_route(run: Run, store, dataset: str) -> RouteResult:
             "source": ds.prompts,
             "date": date,
             "counts": counts,
-            "estimate": _estimate(run, fmt, routed_batches(loaded.rows, routes), counts, balance),
+            "estimate": _estimate(
+                run, fmt, routed_batches(loaded.rows, routes), counts, balance, store, dataset, counted
+            ),
         }
         log.info(
             "dataset %s: plan rates from local %s, overflow %s",
@@ -233,9 +262,8 @@ def load_route(run: Run, store, dataset: str) -> RouteResult:
                 seconds_text(p["wall_s"]),
                 p["overflow_usd"],
             )
-        return RouteResult(
-            counts=counts, plan_uri=store.put_json(stage_ref(run, PLAN, dataset), PLAN_REPORT, plan), plan=plan
-        )
+        uri = store.put_json(stage_ref(run, PLAN, dataset), PLAN_REPORT, plan) if write_plan else None
+        return RouteResult(counts=counts, plan_uri=uri, plan=plan)
     params = {
         "source": ds.prompts,
         "date": date,
@@ -322,46 +350,90 @@ def _side_text(side: dict) -> str:
     return f"{side['concurrency']} in flight at {side['latency_s']:g} s"
 
 
-def _estimate(run: Run, fmt, batches: Iterable[pa.RecordBatch], counts: dict, balance: dict) -> dict:
-    """Upper bounds: every sample uses max_new_tokens; overflow priced at the configured rates."""
-    s, price = run.config.generation.sampling, run.config.generation.overflow.price_usd_per_mtok
+def _estimate(
+    run: Run,
+    fmt,
+    batches: Iterable[pa.RecordBatch],
+    counts: dict,
+    balance: dict,
+    store,
+    dataset: str,
+    counted: dict | None = None,
+) -> dict:
+    """One dataset's plan figures (pipeline.plan): prompt tokens measured (`counted`: by sample_id,
+    from the load's own rendering; a row without a count is rendered here), output tokens and
+    overflow USD as an upper bound (every answer max_new_tokens long) and as expected, the cap
+    check, the merged tokens the extraction reads, and every routing strategy."""
+    from eagle3_data.pipeline.plan import cost_check, expected_output
+
+    g = run.config.generation
+    s, price = g.sampling, g.overflow.price_usd_per_mtok
+    max_length = run.config.merge.max_length
+    expected = expected_output(run, store, dataset)
+    per_sample = expected["tokens_per_sample"]
     prompt_tokens, every_prompt = {"local": 0, "overflow": 0}, 0
+    merged = {"expected": 0, "upper": 0}
     for batch in batches:
-        for r in batch.to_pylist():
-            n = len(
-                fmt.generation_prompt_ids(
-                    json.loads(r["messages"]),
-                    json.loads(r["tools"]) if r["tools"] else None,
-                    parse_refs(r.get("images")),
+        sids = batch.column(batch.schema.get_field_index("sample_id")).to_pylist()
+        routes = batch.column(batch.schema.get_field_index("route")).to_pylist()
+        for i, (sid, route) in enumerate(zip(sids, routes)):
+            n = counted.get(sid) if counted else None
+            if n is None:
+                r = batch.slice(i, 1).to_pylist()[0]
+                n = len(
+                    fmt.generation_prompt_ids(
+                        json.loads(r["messages"]),
+                        json.loads(r["tools"]) if r["tools"] else None,
+                        parse_refs(r.get("images")),
+                    )
                 )
-            )
             every_prompt += n
+            merged["expected"] += min(n + per_sample, max_length)
+            merged["upper"] += min(n + s.max_new_tokens, max_length)
             for side in ("local", "overflow"):
-                if r["route"] in (side, "both"):
+                if route in (side, "both"):
                     prompt_tokens[side] += n
     n_rows, n_both = counts["prompts"], counts.get("both", 0)
-    usd = (
-        prompt_tokens["overflow"] * price.prompt
-        + (counts.get("overflow", 0) + n_both) * s.max_new_tokens * price.completion
-    ) / 1e6
-    strategies = _strategies(run, n_rows, every_prompt, balance)
+    samples = {side: counts.get(side, 0) + n_both for side in ("local", "overflow")}
+    usd = {
+        k: (prompt_tokens["overflow"] * price.prompt + samples["overflow"] * out * price.completion) / 1e6
+        for k, out in (("expected", per_sample), ("upper", s.max_new_tokens))
+    }
+    cap, warnings = cost_check(dataset, usd, samples["overflow"], g.overflow.max_usd)
+    strategies = _strategies(run, n_rows, every_prompt, balance, per_sample)
     chosen = strategies[run.config.routing.strategy]
-    if chosen["overflow"] == counts.get("overflow", 0) + n_both:
+    if chosen["overflow"] == samples["overflow"]:
         # the routes taken: their own prompts' tokens, not the average the other strategies are priced
         # at, so the plan states one overflow bound for them (it said $0.0428 here, $0.0431 there)
-        chosen["overflow_usd"] = round(usd, 6)
+        chosen["overflow_usd"] = round(usd["upper"], 6)
+        chosen["overflow_usd_expected"] = round(usd["expected"], 6)
+    skipped: list[str] = []
+    for stage in (LOCAL, OVERFLOW):
+        list(earlier_stages(store, run.run_key, stage, dataset, skipped))
     return {
         "prompt_tokens": sum(prompt_tokens.values()),
+        "prompt_tokens_by_side": prompt_tokens,
+        "samples": samples,
         "max_output_tokens": n_rows * s.max_new_tokens + n_both * s.max_new_tokens,
-        "max_overflow_usd": round(min(usd, run.config.generation.overflow.max_usd), 6),
+        "output_tokens": {
+            "expected": (n_rows + n_both) * per_sample,
+            "upper": (n_rows + n_both) * s.max_new_tokens,
+            "per_sample": per_sample,
+            "source": expected["source"],
+        },
+        "max_overflow_usd": round(min(usd["upper"], g.overflow.max_usd), 6),
+        "usd": {k: round(v, 6) if isinstance(v, float) else v for k, v in cap.items()},
+        "merged_tokens": merged,
         "strategies": strategies,
         # where each side's rate came from: the previous run's manifest (named) or "config"
         "rate_inputs": balance,
         "rates_samples_per_s": {k: round(v, 6) for k, v in vars(rates(balance)).items()},
+        "stand_in_runs_skipped": len(skipped),
+        "warnings": warnings,
     }
 
 
-def _strategies(run: Run, n_rows: int, prompt_tokens: int, balance: dict) -> dict:
+def _strategies(run: Run, n_rows: int, prompt_tokens: int, balance: dict, expected_output: int | None = None) -> dict:
     """Each routing strategy on this dataset's samples: counts per side, each side's finish time
     with both running at once, the wall time (the later side), and the overflow spend (upper
     bound: every answer max_new_tokens long, uncapped by max_usd). The rates come from the
@@ -379,9 +451,12 @@ def _strategies(run: Run, n_rows: int, prompt_tokens: int, balance: dict) -> dic
         rates=rates(balance),
         usd_per_overflow_sample=per_sample,
     )
+    avg_prompt = (prompt_tokens / n_rows if n_rows else 0) * price.prompt
+    out = s.max_new_tokens if expected_output is None else expected_output
     for name, plan in plans.items():
         plan["chosen"] = name == r.strategy
         plan["overflow_usd"] = round(plan["overflow_usd"], 6)
+        plan["overflow_usd_expected"] = round(plan["overflow"] * (avg_prompt + out * price.completion) / 1e6, 6)
     return plans
 
 
