@@ -160,7 +160,7 @@ def test_a_generation_stage_made_with_other_settings_is_refused_not_reused(cli_e
     assert main([*overflow, "--config", _config_with(cli_env, tmp_path, "provider", other_provider_model)]) == 2
     err = capsys.readouterr().err
     assert 'model "moonshotai/kimi-k2.5" (committed) vs "another/model" (this run)' in err, err
-    assert "is complete with answers generated with other settings" in err and "stage discard s3://" in err, err
+    assert "is committed from other inputs than this run's" in err and "--fresh generate_overflow" in err, err
     assert main([*local, "--config", _config_with(cli_env, tmp_path, "target", other_target)]) == 2
     err = capsys.readouterr().err
     assert 'vs "another-target" (this run)' in err, err
@@ -360,3 +360,23 @@ def test_a_stage_held_by_another_writer_refuses_and_changes_nothing(cli_env, cha
         code = _generate(cli_env, "local", prompts, chain_k3, "--rerun", "--fresh", "reconstruct")
     assert code == 2, capsys.readouterr()
     assert _objects(cli_env, chain_k3) == before
+
+
+def test_a_refused_dag_run_changes_no_stage(cli_env, chain_k3):
+    """The DAG's tasks refuse as the CLI does: a run under a used run key with another routing
+    (the trigger form's overflow_fraction) fails in load_route, naming the param and the
+    fresh_stages that would replace the stages, and asks nothing; no stage's object changes. The
+    run report (runs/K/report/run/, an index of the run a person opens from its run page, written
+    by publish for a failed run too) is the one object such a run writes."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    before, requests = _objects(cli_env, chain_k3), _requests(cli_env)
+    dag = DagBag(dag_folder=str(REPO / "dags")).dags[DAG_ID]
+    dr = dag.test(logical_date=None, run_conf={"run_name": chain_k3, "overflow_fraction": 0.25})
+    assert str(dr.state).endswith("failed")
+    states = {ti.task_id: str(ti.state) for ti in dr.get_task_instances()}
+    assert states["dataset.load_route"].endswith("failed"), states
+    after = _objects(cli_env, chain_k3)
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    assert all(f"/runs/{chain_k3}/report/run/" in k for k in changed), changed
+    assert _requests(cli_env) == requests

@@ -107,7 +107,9 @@ def test_params_agree_with_the_config_models():
 
     params = DagBag(dag_folder=str(REPO / "dags")).dags["eagle3_datagen"].params
     cfg = load_config()
-    assert {"datasets", "run_name", "skip_hidden_states", "dry_run", *CONFIG_PARAMS} == set(params.keys())
+    assert {"datasets", "run_name", "skip_hidden_states", "dry_run", "fresh_stages", *CONFIG_PARAMS} == set(
+        params.keys()
+    )
     for name, path in CONFIG_PARAMS.items():
         param, info = params.get_param(name), config_field(path)
         schema = param.schema

@@ -209,8 +209,13 @@ def test_full_run_one_gate_fails_others_complete(stack, dag):
     assert summary["datasets"]["tool_calls"]["overflow"]["cost_usd"] > 0
 
 
-# -- 2. clear chat's mapped validate + downstream: only chat reruns --------------------------------
+# -- 2. chat's committed gate replaced on purpose: only chat reruns ------------------------------
 def test_clear_one_dataset_reruns_only_it(stack, dag):
+    """With chat's thresholds changed in the config, clearing its mapped validate + downstream does
+    not replace the committed (failed) gate silently: validate refuses, naming the change and the
+    fresh_stages that would replace it, and no dataset's object changes. The trigger form's
+    fresh_stages (validate, and merge and hidden states, built from the two datasets that passed)
+    then reruns chat alone; the others' artifacts and chat's paid answers stay byte-identical."""
     before = {ds: _objects(stack, ds) for ds in ("tool_calls", "code", "chat")}
     raw = yaml.safe_load(Path(stack.config_path).read_text())
     # accept chat's BPE splits (they also show in its overflow rows as billed > reconstructed)
@@ -221,7 +226,11 @@ def test_clear_one_dataset_reruns_only_it(stack, dag):
     cleared = _clear(dag, run_id, "dataset.validate", chat_index)
     assert f"dataset.validate[{chat_index}]" in cleared and "dataset.validate[0]" not in cleared
     _resume(dag, run_id)
-    dr = _run(run_id)
+    assert _states(_run(run_id))[("dataset.validate", "chat")] == "failed"
+    for ds in ("tool_calls", "code", "chat"):
+        assert _objects(stack, ds) == before[ds], f"{ds} artifacts changed by a refused rerun"
+    conf = {"datasets": ["chat"], "fresh_stages": ["validate", "merge", "hidden_states"]}
+    dr = dag.test(logical_date=DATE, run_conf=conf)
     assert str(dr.state).endswith("success"), _states(dr)
     for ds in ("tool_calls", "code"):
         assert _objects(stack, ds) == before[ds], f"{ds} artifacts changed"
@@ -307,7 +316,11 @@ def test_form_rerun_of_one_dataset_with_the_probe_on(stack, dag):
 
     before = {ds: _objects(stack, ds) for ds in ("tool_calls", "code")}
     conf = {"datasets": ["chat"], "max_bpe_mismatch_rate": 1.0, "max_billing_deviation": 0.999}
-    dr = dag.test(logical_date=DATE, run_conf={**conf, "probe": "always", "probe_steps": 4})
+    # another threshold than chat's committed gate: replaced by name (the merge, built from the
+    # generations, not from the gate, is reused)
+    dr = dag.test(
+        logical_date=DATE, run_conf={**conf, "probe": "always", "probe_steps": 4, "fresh_stages": ["validate"]}
+    )
     states = _states(dr)
     assert str(dr.state).endswith("success"), states
     assert {name for (tid, name) in states if tid == "dataset.validate"} == {"chat"}

@@ -564,6 +564,10 @@ def test_generate_rejects_are_printed_written_and_inputs_recorded(
     assert main(argv) == 0
     assert sum(server.stats()["requests"]["chat"].values()) == 2
     other = _jsonl(env["tmp"] / "other.jsonl", [{"messages": [{"role": "user", "content": "three"}]}])
+    committed = store.read_manifest(prompts)
     assert main([*_gen(env, other), "--base-url", server.url + "/v1"]) == 2
-    assert "resuming would mix them" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f'source "{path}" (committed) vs "{other}" (this run)' in err, err
+    assert "--fresh prompts --fresh generate_overflow" in err, err
+    assert store.read_manifest(prompts) == committed and store.is_complete(ref)  # the committed stages stay
     assert sum(server.stats()["requests"]["chat"].values()) == 2  # nothing sent for the other file

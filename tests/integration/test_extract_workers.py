@@ -118,35 +118,50 @@ def test_workers_beyond_the_shards_get_none(tiny_kimi_k25_dir, store):
     assert [s["name"] for s in one[0]["shards"]] == [s["name"] for s in shards]  # merge order kept
 
 
-def test_stale_hidden_states_are_discarded_under_their_lease(store, generations, tiny_kimi_k25_dir):  # noqa: F811
-    """Other params or a new merge discard the run's hidden states (in the plan, before any worker),
-    but not under a committer (or `stage discard`) that holds the stage's lease: StageBusy, and the
-    stage stays as it was. States of this merge with these params are kept."""
+def test_stale_hidden_states_are_refused_then_replaced_on_purpose_under_their_lease(
+    store,
+    generations,
+    tiny_kimi_k25_dir,  # noqa: F811
+):
+    """Committed hidden states of other params or of another merge are never deleted silently:
+    the plan refuses them (StageConflict naming `--fresh hidden_states`), and a run that names the
+    stage in `fresh` discards them (in the plan, before any worker), but not under a committer (or
+    `stage discard`) that holds the stage's lease: StageBusy, and the stage stays as it was.
+    States of this merge with these params are kept."""
+    import dataclasses
+
     from eagle3_data import pipeline
     from eagle3_data.config import MergeConfig
+    from eagle3_data.errors import StageConflict
     from eagle3_data.hidden_states.extract import commit_extraction, extract_shard
     from eagle3_data.merge import merge_datasets
     from eagle3_data.storage import StageBusy
 
     run = _run(tiny_kimi_k25_dir, workers=1)
+    fresh = dataclasses.replace(run, fresh=frozenset({"hidden_states"}))
     merge_ref, out_ref = StageRef(RUN, "merge", "all"), StageRef(RUN, "hidden_states", "all")  # the pipeline's stages
     for shard in merge_datasets(
         store, generations, RUN, MergeConfig(shard_tokens=400, max_length=40), vocab_size=VOCAB_SIZE
     )["shards"]:
         extract_shard(store, shard, tiny_kimi_k25_dir, out_ref)
-    commit_extraction(store, merge_ref, out_ref)
-    with store.lease(out_ref):  # committed without the run's params: stale
-        with pytest.raises(StageBusy, match="is being written by"):
-            pipeline.discard_stale_hidden_states(run, store)
+    commit_extraction(store, merge_ref, out_ref)  # committed without the run's params: stale
+    with pytest.raises(StageConflict, match="--fresh hidden_states"):
+        pipeline.discard_stale_hidden_states(run, store)
     store.verify(out_ref)
-    assert pipeline.discard_stale_hidden_states(run, store)
+    with store.lease(out_ref):
+        with pytest.raises(StageBusy, match="is being written by"):
+            pipeline.discard_stale_hidden_states(fresh, store)
+    store.verify(out_ref)
+    assert pipeline.discard_stale_hidden_states(fresh, store)
     assert not store.is_complete(out_ref) and not store.committed_files(out_ref)
     work = pipeline.plan_hidden_states(run, store)  # the run's own extraction: kept
     for w in work:
         pipeline.extract_hidden_states(run, store, w)
     pipeline.commit_hidden_states(run, store)
-    assert not pipeline.discard_stale_hidden_states(run, store) and store.is_complete(out_ref)
+    assert not pipeline.discard_stale_hidden_states(fresh, store) and store.is_complete(out_ref)
     merge_datasets(
         store, generations, RUN, MergeConfig(shard_tokens=300, max_length=40), vocab_size=VOCAB_SIZE
     )  # a new merge: stale again
-    assert pipeline.discard_stale_hidden_states(run, store) and not store.is_complete(out_ref)
+    with pytest.raises(StageConflict, match="its inputs were other commits"):
+        pipeline.discard_stale_hidden_states(run, store)
+    assert pipeline.discard_stale_hidden_states(fresh, store) and not store.is_complete(out_ref)

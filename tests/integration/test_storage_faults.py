@@ -43,6 +43,8 @@ CHILD = textwrap.dedent(
     StageWriter._write_progress = maybe_die
 
     ledger = open(env["T_LEDGER"], "a")
+    if env.get("T_DISCARD"):  # a replacement on purpose (--fresh): a committed stage is never overwritten
+        store.delete(ref)
     with StageWriter(store, ref, "generations", rows_per_part=int(env["T_RPP"]), params={"temperature": 1.0}) as w:
         done = w.committed_sample_ids()
         written = 0
@@ -161,9 +163,11 @@ def test_kill_before_manifest_then_resume_commits_without_rework(store, run_chil
 def test_kill_during_rerun_of_complete_stage_then_resume(store, run_child):
     assert run_child(1).returncode == 0
     old = store.read_manifest(REF)
-    rerun = run_child(2, T_KILL_AFTER_ROWS=ROWS_PER_PART + 2)  # a rerun redoes the stage...
+    refused = run_child(2)  # a committed stage is never overwritten: refused, nothing touched
+    assert refused.returncode != 0 and "is committed" in refused.stderr and store.read_manifest(REF) == old
+    rerun = run_child(2, T_KILL_AFTER_ROWS=ROWS_PER_PART + 2, T_DISCARD=1)  # a replacement redoes the stage...
     assert rerun.returncode == -signal.SIGKILL
-    assert not store.is_complete(REF)  # ...and its first act was to invalidate the old manifest
+    assert not store.is_complete(REF)  # ...and its first act was to remove the old manifest
     with pytest.raises(IncompleteStage):
         store.read_table(REF)
     committed = store.committed_sample_ids(REF)

@@ -4,7 +4,8 @@
 columns against the manifest's schema version: exit 0 when sound, 2 naming every bad part.
 `discard` takes the stage's lease (so no writer is running), removes the stage, manifest first,
 and names the downstream stages whose manifests list it as an input: they now point at data that
-no longer exists (`--cascade` discards them too).
+no longer exists (`--cascade` discards them too). A generation stage's paid answers are archived
+first (storage/archive.py): a later run of the stage takes back those that still match.
 """
 
 from __future__ import annotations
@@ -64,10 +65,13 @@ def _discard(args: argparse.Namespace) -> int:
         raise IncompleteStage(f"{store.uri(ref)}: nothing there to discard")
     downstream = store.downstream(ref)
     targets = [ref, *downstream] if args.cascade else [ref]
+    from eagle3_data.storage.archive import discard_stages
+
+    archived = discard_stages(store, targets, "eagle3-data stage discard")  # StageBusy: a writer holds one
     for target in targets:
-        with store.lease(target):  # StageBusy when a writer is running on it
-            store.delete(target)
         print(f"discarded {store.uri(target)}")
+    for uri in archived:
+        print(f"paid answers archived to {uri}: a later run of the stage takes back those that still match")
     if downstream and not args.cascade:
         print(
             f"{len(downstream)} downstream stages list it as an input and are now stale (rerun them, or discard "
@@ -78,10 +82,4 @@ def _discard(args: argparse.Namespace) -> int:
             print(f"  {store.uri(other)}", file=sys.stderr)
     elif not downstream:
         print("no downstream stage lists it as an input")
-    if ref.stage.startswith("generate"):
-        print(
-            "answers of a discarded generation stage are paid again when it reruns, except those still in a "
-            "local journal (~/.cache/eagle3-data/journal)",
-            file=sys.stderr,
-        )
     return 0

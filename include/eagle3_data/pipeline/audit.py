@@ -19,7 +19,9 @@ def audit_tokenizer(run: Run, store) -> AuditResult:
     ref = stage_ref(run, AUDIT, AUDIT_DATASET)
     params = {"source": run.config.tokenizer.source, "expected": run.config.tokenizer.expected_special_ids}
     if not report["passed"]:  # a wrong expected id or tokenizer: bad config (exit 2, as `tokenizer audit`), not a gate
-        raise UserError(f"tokenizer audit failed: {'; '.join(report['problems'])}")
+        # the report is kept to read where no audit was committed: a refused run changes no committed object
+        kept = "" if store.is_complete(ref) else f"; report: {store.put_json(ref, AUDIT_REPORT, report)}"
+        raise UserError(f"tokenizer audit failed: {'; '.join(report['problems'])}{kept}")
     hashes = {"tokenizer_sha256": report["tokenizer_sha256"], "template_sha256": report["chat_template_sha256"]}
     if settle(run, store, ref, [], params, what="tokenizer audit", hashes=hashes) is not None:
         return AuditResult(store.uri(ref, AUDIT_REPORT), report["tokenizer_sha256"])

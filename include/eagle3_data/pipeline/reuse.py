@@ -13,18 +13,16 @@ next run of that stage takes back every answer that still matches.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from eagle3_data.canonical import canonical_json
 from eagle3_data.errors import StageConflict
-from eagle3_data.stages import FRESH_STAGES, LOCAL, OVERFLOW
+from eagle3_data.stages import FRESH_STAGES
+from eagle3_data.storage.archive import PAID_STAGES, discard_stages
 
 if TYPE_CHECKING:
     from eagle3_data.pipeline.run import Run
-
-GENERATION_STAGES = (LOCAL, OVERFLOW)  # paid answers: archived, never dropped, when replaced
 
 
 def same_params(manifest: dict, params: dict) -> bool:
@@ -77,7 +75,7 @@ def settle(
     named = [ref.stage, *dict.fromkeys(d.stage for d in downstream if d.stage != ref.stage)]
     archived = (
         "; its paid answers are archived first and reused wherever they still match"
-        if ref.stage in GENERATION_STAGES or any(d.stage in GENERATION_STAGES for d in downstream)
+        if ref.stage in PAID_STAGES or any(d.stage in PAID_STAGES for d in downstream)
         else ""
     )
     below = f" and the {len(downstream)} stages built on it ({', '.join(store.uri(d) for d in downstream)})"
@@ -92,14 +90,14 @@ def replace(run: Run, store, ref, reason: str) -> None:
     """Discard `ref` and every complete stage built on it, generation stages archived first; refused
     (nothing touched) while one of those is not named in the run's `fresh`, or while a writer holds
     any of their leases (StageBusy)."""
-    _discard(run, store, [ref, *_named_downstream(run, store, ref, "cannot be replaced alone")], reason)
+    discard_stages(store, [ref, *_named_downstream(run, store, ref, "cannot be replaced alone")], reason)
 
 
 def reopen(run: Run, store, ref, reason: str) -> None:
     """Before a complete stage is reopened (`--rerun`): its new manifest will be another commit, so
     the complete stages built on it are discarded first (refused unless the run names them)."""
     if store.is_complete(ref):
-        _discard(run, store, _named_downstream(run, store, ref, "cannot be reopened"), reason)
+        discard_stages(store, _named_downstream(run, store, ref, "cannot be reopened"), reason)
 
 
 def _named_downstream(run: Run, store, ref, verb: str) -> list:
@@ -114,18 +112,6 @@ def _named_downstream(run: Run, store, ref, verb: str) -> list:
             f"(DAG param fresh_stages: {stages})"
         )
     return downstream
-
-
-def _discard(run: Run, store, targets: list, reason: str) -> None:
-    from eagle3_data.storage.archive import archive_stage
-
-    with contextlib.ExitStack() as leases:
-        for target in targets:  # every lease first: a running writer refuses the whole discard
-            leases.enter_context(store.lease(target))
-        for target in targets:
-            if target.stage in GENERATION_STAGES:
-                archive_stage(store, target, reason)
-            store.delete(target)
 
 
 def fresh_flags(stages: list[str]) -> str:

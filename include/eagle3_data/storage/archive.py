@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 
 ARCHIVE = "archive"
 RECORD = "_archived.json"
+# the stages whose rows were paid for: archived, never dropped, whenever they are discarded
+PAID_STAGES = ("generate_local", "generate_overflow")
 
 
 def archive_base(store: ArtifactStore, ref: StageRef) -> str:
@@ -107,3 +109,20 @@ def archived_tables(
                 )
                 continue
             yield pq.read_table(io.BytesIO(data))
+
+
+def discard_stages(store: ArtifactStore, targets: list[StageRef], reason: str) -> list[str]:
+    """Delete each stage of `targets` (manifest first), the paid ones archived first: every lease
+    is taken before anything is touched, so a running writer on any of them refuses the whole
+    discard (StageBusy) and nothing changes. Returns the archive folders' URIs."""
+    import contextlib
+
+    archived = []
+    with contextlib.ExitStack() as leases:
+        for target in targets:
+            leases.enter_context(store.lease(target))
+        for target in targets:
+            if target.stage in PAID_STAGES and (uri := archive_stage(store, target, reason)) is not None:
+                archived.append(uri)
+            store.delete(target)
+    return archived
