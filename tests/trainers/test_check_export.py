@@ -310,3 +310,17 @@ def test_the_probes_verdict_fails_states_moved_by_one_and_passes_the_correct_exp
     assert len(correct["seed_runs"]) == 2 and correct["data_quality"]["spread"] is not None
     assert moved["verdict"] == "fail" and "export check failed" in moved["verdict_rule"], moved["verdict_rule"]
     assert "position" in moved["alignment"]["rule"]
+
+
+def test_an_export_that_fails_its_own_check_leaves_nothing_that_looks_complete(chain, tiny_model_dir, tmp_path, capsys):
+    """The export checks itself before it reports success: checked against another target (the
+    tiny model with its final norm of weight 1: the wrong norm for these states), it exits 1 naming
+    sample and position, and its folder is moved to OUT.check-failed."""
+    target, exports, shards = chain
+    out = tmp_path / "spec"
+    argv = ["export-speculators", "--input", str(shards["bf16"]), "--out", str(out), "--model", str(tiny_model_dir)]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "sample 's" in err and "position" in err and "check-failed" in err, err
+    assert not out.exists() and (tmp_path / "spec.check-failed" / "export_info.json").exists()
+    assert main([*argv, "--no-check"]) == 0 and "not checked (--no-check)" in capsys.readouterr().out

@@ -131,7 +131,7 @@ def vocab_check(folder: Path, n: int, vocab_size: int, layout: str) -> dict:
         d2t.copy_(mapping["d2t"])
     d2t, t2d = d2t.long(), t2d.bool()
     mapped = d2t + torch.arange(d2t.numel())
-    result = {"size": int(d2t.numel()), "d2t": d2t.tolist()}
+    result = {"size": int(d2t.numel())}
     inside = (mapped >= 0) & (mapped < t2d.numel())
     result["consistent"] = bool(inside.all()) and torch.equal(torch.sort(mapped).values, torch.nonzero(t2d).squeeze(-1))
     if not result["consistent"]:
