@@ -60,6 +60,7 @@ def main() -> None:
         steps=args.steps,
         eval_every=max(1, args.steps // 8),
         max_len=256 if args.smoke else 4096,
+        seeds=1,  # one drafter: the cost per trained sample (the probe's default trains probe.seeds of them)
     )
     trained = config.steps * config.batch_size
     with tempfile.TemporaryDirectory(prefix="gpu-probe-") as tmp:
