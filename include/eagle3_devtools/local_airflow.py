@@ -6,12 +6,18 @@ and the same stack as `make demo` (SeaweedFS, dev inference server, tiny model).
 datasets are uploaded as today's prompt partition, so triggering the DAG from the UI works at
 once. Ctrl-C, SIGTERM and SIGHUP stop everything started here, process groups included
 (see services.py); the S3 keys and an env file to `source` are printed like `make cluster`'s.
+Auth is on, as in `make cluster` and production: one user `admin` with a random password (in the
+env file as EAGLE3_UI_PASSWORD, and in passwords.json, both 0600; never printed), so the
+validation-report tab is for signed-in users as docs/ui.md says (no all-admins shortcut, which
+signs every request in).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import secrets
 import sys
 import time
 from datetime import datetime, timezone
@@ -37,6 +43,9 @@ def _serve(work: Path, port: int) -> int:
     if left:
         print(f"airflow: stopped leftovers of a previous start: {', '.join(left)}", file=sys.stderr, flush=True)
     with dev_stack(work) as stack, Services(work / "logs", work / "services.json") as svc:
+        password, passwords = secrets.token_urlsafe(12), work / "passwords.json"
+        passwords.write_text(json.dumps({"admin": password}))
+        passwords.chmod(0o600)
         env = {
             **os.environ,
             **stack.env,
@@ -51,6 +60,12 @@ def _serve(work: Path, port: int) -> int:
             "AWS_ENDPOINT_URL": stack.s3_endpoint,
             "AWS_DEFAULT_REGION": "us-east-1",
             "EAGLE3_DEV_SERVER_URL": stack.inference_url,
+            # auth on: a password user, no all-admins shortcut (it would make the report tab public)
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "False",
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(passwords),
+            "AIRFLOW__API_AUTH__JWT_SECRET": secrets.token_hex(32),
+            "EAGLE3_UI_PASSWORD": password,
         }
         airflow_db_migrate(env)
         run_airflow(env, "pools", "set", OPENROUTER_POOL, "4", "OpenRouter concurrency")
@@ -63,7 +78,8 @@ def _serve(work: Path, port: int) -> int:
         )
         env_file = write_env_file(work / "airflow.env", env, env_file_keys(env))
         print(
-            f"\nAirflow UI: http://127.0.0.1:{port}  (login: none needed, every user is admin on this local setup)\n"
+            f"\nAirflow UI: http://127.0.0.1:{port}  sign in as admin, password: EAGLE3_UI_PASSWORD in the env file "
+            f"below (or {passwords})\n"
             f"DAG {DAG_ID} is paused: unpause it, then Trigger (the form shows the params).\n"
             f"S3 (SeaweedFS): {stack.s3_endpoint}  access key {stack.s3.access_key}  secret key {stack.s3.secret_key}\n"
             f"Dev inference server: {stack.inference_url}\n"

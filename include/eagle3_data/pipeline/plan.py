@@ -24,17 +24,40 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from eagle3_data.stages import LOCAL, OVERFLOW
+
 # the probe's measured cost at Kimi-K2.5's width on one H200 (docs/hidden_states.md, benchmarks/RESULTS.md
 # "The probe on an H200": benchmarks/gpu_probe.sh --samples 40 --steps 100)
 PROBE_S_PER_1000_TRAINED = 357.5
 DTYPES = ("bf16", "fp8", "ids-only")
 
 
+# what answered a generation stage, by stage: a manifest whose `stand_ins` name one of these was made on a
+# stand-in (the dev inference server, a tiny random model), and its timings and lengths say nothing of the real one
+STAND_IN_ENGINES = {LOCAL: ("local_engine", "model"), OVERFLOW: ("overflow_provider",)}
+
+
+def earlier_stages(store, run_key: str, stage: str, dataset: str, skipped: list[str] | None = None):
+    """(ref, manifest) of each committed `stage` of `dataset` in runs other than `run_key`, newest
+    first, leaving out those made on a stand-in engine (their URIs appended to `skipped`)."""
+    from eagle3_data.storage import StageRef
+
+    found = []
+    for other in store.run_keys():
+        ref = StageRef(other, stage, dataset)
+        if other != run_key and (committed := store.committed_at(ref)) is not None:
+            found.append((committed, ref))
+    for _, ref in sorted(found, key=lambda f: f[0], reverse=True):
+        manifest = store.read_manifest(ref)
+        if set(manifest.get("stand_ins") or ()) & set(STAND_IN_ENGINES.get(stage, ())):
+            if skipped is not None:
+                skipped.append(store.uri(ref))
+            continue
+        yield ref, manifest
+
+
 def expected_output(run, store, dataset: str) -> dict[str, Any]:
     """{tokens_per_sample, source}: the expected answer length of `dataset` (see the module doc)."""
-    from eagle3_data.pipeline.route import earlier_stages
-    from eagle3_data.stages import LOCAL, OVERFLOW
-
     for stage in (LOCAL, OVERFLOW):
         for ref, _ in earlier_stages(store, run.run_key, stage, dataset):
             mean = _mean_completion_tokens(store, ref)

@@ -69,36 +69,14 @@ def previous_generation(store, run_key: str, stage: str, dataset: str) -> tuple[
     """(manifest URI, its `extra`) of the newest committed `stage` of `dataset` in a run other
     than `run_key` whose manifest recorded `latency_s_mean`, made on a real engine (`earlier_stages`);
     None when there is none."""
+    from eagle3_data.pipeline.plan import earlier_stages
+
     for ref, manifest in earlier_stages(store, run_key, stage, dataset):
         extra = manifest.get("extra") or {}
         latency = extra.get("latency_s_mean")
         if isinstance(latency, (int, float)) and latency > 0:
             return store.uri(ref), extra
     return None
-
-
-# what answered a generation stage, by stage: a manifest whose `stand_ins` name one of these was made on a
-# stand-in (the dev inference server, a tiny random model), and its timings and lengths say nothing of the real one
-STAND_IN_ENGINES = {LOCAL: ("local_engine", "model"), OVERFLOW: ("overflow_provider",)}
-
-
-def earlier_stages(store, run_key: str, stage: str, dataset: str, skipped: list[str] | None = None):
-    """(ref, manifest) of each committed `stage` of `dataset` in runs other than `run_key`, newest
-    first, leaving out those made on a stand-in engine (their URIs appended to `skipped`)."""
-    from eagle3_data.storage import StageRef
-
-    found = []
-    for other in store.run_keys():
-        ref = StageRef(other, stage, dataset)
-        if other != run_key and (committed := store.committed_at(ref)) is not None:
-            found.append((committed, ref))
-    for _, ref in sorted(found, key=lambda f: f[0], reverse=True):
-        manifest = store.read_manifest(ref)
-        if set(manifest.get("stand_ins") or ()) & set(STAND_IN_ENGINES.get(stage, ())):
-            if skipped is not None:
-                skipped.append(store.uri(ref))
-            continue
-        yield ref, manifest
 
 
 def recorded_balance(store, ref) -> dict | None:
@@ -364,7 +342,7 @@ def _estimate(
     from the load's own rendering; a row without a count is rendered here), output tokens and
     overflow USD as an upper bound (every answer max_new_tokens long) and as expected, the cap
     check, the merged tokens the extraction reads, and every routing strategy."""
-    from eagle3_data.pipeline.plan import cost_check, expected_output
+    from eagle3_data.pipeline.plan import cost_check, earlier_stages, expected_output
 
     g = run.config.generation
     s, price = g.sampling, g.overflow.price_usd_per_mtok
