@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="eagle3-data",
         description=__doc__.splitlines()[0],
-        epilog="--debug (anywhere): show the traceback of an error",
+        epilog="--debug (anywhere): show the traceback of an error; --json (anywhere): a stage command's full "
+        "record as JSON instead of its summary (the default when stdout is not a terminal), the plan as JSON",
     )
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name in COMMAND_MODULES:
@@ -80,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("EAGLE3_DEBUG") == "1"
     argv = [a for a in argv if a != "--debug"]
+    from eagle3_data.cli import runs
+
+    runs.JSON_OUTPUT = "--json" in argv  # per call: a stage's full record instead of its summary
+    argv = [a for a in argv if a != "--json"]
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

@@ -4,7 +4,7 @@ The same plan as the DAG's `dry_run` (pipeline.plan: each dataset's prompts load
 routed by `load_route`, the run's figures by `run_plan`): samples per side and routing strategy,
 prompt tokens measured, output tokens and overflow USD expected and at most against
 `generation.overflow.max_usd`, wall time by the source of its rates, hidden-state storage per
-dtype, extraction GPU hours and the probe's time. A table by default, `--json` for the record.
+dtype, extraction GPU hours and the probe's time. A table by default, `--json` (cli.main) for the record.
 
 Prompts: `--prompts DATASET=PATH` (a file, folder or s3:// URI; repeatable), else each configured
 dataset's source (its date partition with `--date`, else the newest or undated one). Earlier runs
@@ -23,7 +23,11 @@ from eagle3_data.errors import UserError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("plan", help="what a run would generate, cost, store and take (no spend, no GPU)")
+    p = subparsers.add_parser(
+        "plan",
+        help="what a run would generate, cost, store and take (no spend, no GPU)",
+        epilog="--json: the whole plan as JSON (what a dry run writes to runs/RUN_KEY/plan/all/plan.json)",
+    )
     p.add_argument(
         "--prompts",
         action="append",
@@ -39,7 +43,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--prefix", help="S3 key prefix (default: the config's storage.prefix)")
     add_store_args(p)
     p.add_argument("--offline", action="store_true", help="read no bucket: rates and answer lengths from the config")
-    p.add_argument("--json", action="store_true", help="print the whole plan as JSON instead of the table")
     p.set_defaults(func=_run)
 
 
@@ -68,6 +71,7 @@ def _prompts(items: list[str]) -> dict[str, str]:
 
 def _run(args: argparse.Namespace) -> int:
     from eagle3_data import pipeline
+    from eagle3_data.cli import runs
     from eagle3_data.config import load_config
     from eagle3_data.pipeline.plan import format_plan, run_plan
 
@@ -82,5 +86,5 @@ def _run(args: argparse.Namespace) -> int:
         store = OfflineStore()
     plans = {name: pipeline.load_route(run, store, name, write_plan=False).plan for name in datasets}
     plan = run_plan(run, plans)
-    print(json.dumps(plan, indent=1, default=str) if args.json else format_plan(plan))
+    print(json.dumps(plan, indent=1, default=str) if runs.JSON_OUTPUT else format_plan(plan))
     return 0

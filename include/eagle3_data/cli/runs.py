@@ -119,11 +119,66 @@ def run_of_stage(args: argparse.Namespace, uri: str, expected_stages: tuple[str,
     return run, store, ref
 
 
+# `--json` anywhere on the command line (cli.main sets it per call): a stage's full record as JSON
+JSON_OUTPUT = False
+SUMMARY_LINES = 20
+
+
 def printed(result) -> str:
-    """A stage result as the commands print it: its fields as indented JSON."""
+    """A stage result as the commands print it: a summary of at most SUMMARY_LINES lines on a
+    terminal (what was committed, where, counts, spend, the gate); its fields as indented JSON with
+    `--json`, and whenever stdout is not a terminal (piped, captured), so scripts keep parsing it."""
     import json
 
-    return json.dumps(result.as_dict() if hasattr(result, "as_dict") else result, indent=1, default=str)
+    record = result.as_dict() if hasattr(result, "as_dict") else result
+    if JSON_OUTPUT or not sys.stdout.isatty() or not isinstance(record, dict):
+        return json.dumps(record, indent=1, default=str)
+    return summary(record)
+
+
+def summary(record: dict) -> str:
+    """`printed`'s terminal form: a headline (committed / reused / unchanged, and where), then one
+    line per field: numbers as they are, small mappings inline, the gate as its verdict and reasons,
+    anything long as its count; cut at SUMMARY_LINES with a pointer to `--json`."""
+    where = record.get("uri") or record.get("summary_uri") or record.get("report_uri")
+    state = "reused (already committed)" if record.get("reused") else "committed"
+    if record.get("changed") is False:
+        state = "unchanged (nothing new written)"
+    lines = [f"{state}: {where}" if where else state]
+    for key, value in record.items():
+        if key in ("uri", "reused", "changed", "summary") or (key == "summary_uri" and where == value):
+            continue
+        lines.append(_summary_line(key, value))
+    if len(lines) > SUMMARY_LINES - 1:
+        lines = lines[: SUMMARY_LINES - 2] + [f"... {len(lines) - SUMMARY_LINES + 2} more fields"]
+    return "\n".join([*lines, "(--json: the full record)"])
+
+
+def _summary_line(key: str, value: Any) -> str:
+    def scalar(v: Any) -> str:
+        return (
+            f"{v:,.6g}"
+            if isinstance(v, float)
+            else f"{v:,}"
+            if isinstance(v, int) and not isinstance(v, bool)
+            else str(v)
+        )
+
+    if key == "gate" and isinstance(value, dict) and "passed" in value:
+        reasons = "; ".join(str(r) for r in value.get("reasons") or [])[:200]
+        return f"gate: {'passed' if value['passed'] else 'FAILED'}" + (f": {reasons}" if reasons else "")
+    if key.endswith("usd") and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return f"{key}: ${value:,.4f}"
+    if isinstance(value, dict):
+        if value and all(v is None or isinstance(v, (str, int, float, bool)) for v in value.values()):
+            text = ", ".join(f"{k} {scalar(v)}" for k, v in value.items())
+            return f"{key}: {text if len(text) <= 160 else text[:157] + '...'}"
+        return f"{key}: {len(value)} entries"
+    if isinstance(value, (list, tuple)):
+        if len(value) <= 8 and all(isinstance(v, (str, int, float)) for v in value):
+            return f"{key}: {', '.join(scalar(v) for v in value) or '(none)'}"
+        return f"{key}: {len(value)} entries"
+    return f"{key}: {scalar(value)}"
 
 
 def dev_stand_in(args: argparse.Namespace, role: str) -> dict:
