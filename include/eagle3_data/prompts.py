@@ -309,7 +309,8 @@ def limit_prompt_tokens(
         for batch in load.rows.batches(
             ["sample_id", "dataset", "messages", "tools", "images", "source", "line", "raw"]
         ):
-            rows = batch.to_pylist()
+            # the raw line is read only for a row refused here (the rest: half the conversion)
+            rows = batch.drop_columns(["raw"]).to_pylist()
             todo, prev = [], last
             for row in rows:  # this batch's new prompts, rendered at once (on the workers)
                 if (row["messages"], row["tools"]) != prev:
@@ -319,7 +320,7 @@ def limit_prompt_tokens(
                 results = iter(pool.map(_count_forked, todo, chunksize=max(1, len(todo) // (4 * workers))))
             else:
                 results = (_count_one(count_tokens, *t) for t in todo)
-            for row in rows:
+            for i, row in enumerate(rows):
                 key = (row["messages"], row["tools"])
                 if key != last:
                     last = key
@@ -340,7 +341,7 @@ def limit_prompt_tokens(
                             "line": line,
                             "field": "messages",
                             "reason": f"{uri} line {line}: messages: {verdict}",
-                            "raw": row["raw"],
+                            "raw": batch.column("raw")[i].as_py(),
                         }
                     )
                     load.counts["rejected"] = load.counts.get("rejected", 0) + 1
