@@ -207,7 +207,7 @@ def eagle3_datagen():
         pipeline, run, store = _run()
         if run.dry_run:
             return {"dry_run": True}
-        return _gate(pipeline.merge, run, store).as_dict()
+        return _gate(pipeline.merge, run, store, _failed_datasets()).as_dict()
 
     @task(**NETWORK_RETRIES, **_timeout("plan_hidden_states"))
     def plan_hidden_states(merged: dict) -> list[dict]:
@@ -259,7 +259,7 @@ def eagle3_datagen():
         from airflow.sdk.exceptions import AirflowSkipException
 
         pipeline, run, store = _run()
-        result = _gate(pipeline.publish, run, store)
+        result = _gate(pipeline.publish, run, store, _failed_datasets())
         if run.dry_run:
             raise AirflowSkipException(f"dry run: plan written to {result.report_uri}; nothing published")
         if not result.changed:
@@ -273,6 +273,22 @@ def eagle3_datagen():
     merged = merge()
     validated >> merged
     extract_hidden_states.expand(work=plan_hidden_states(merged)) >> commit_hidden_states() >> probe() >> publish()
+
+
+def _failed_datasets() -> dict[str, str]:
+    """This run's datasets whose own tasks failed (a refusal, a stage stopped past its retries),
+    each by its failed task: merge and publish (all_done) must not take the stages an earlier run
+    committed for them as this run's."""
+    ctx = get_current_context()
+    ti, run_id = ctx["ti"], ctx["run_id"]
+    names = ti.xcom_pull(task_ids="audit_tokenizer") or []
+    states = ti.get_task_states(dag_id=DAG_ID, task_group_id="dataset", run_ids=[run_id]).get(run_id, {})
+    failed: dict[str, str] = {}
+    for key, state in sorted(states.items()):
+        task, _, index = key.rpartition("_")
+        if state == "failed" and index.isdigit() and int(index) < len(names):
+            failed.setdefault(names[int(index)], task)
+    return failed
 
 
 def _set_map_name(value: str, key: str = "dataset") -> None:

@@ -366,8 +366,10 @@ def test_a_refused_dag_run_changes_no_stage(cli_env, chain_k3):
     """The DAG's tasks refuse as the CLI does: a run under a used run key with another routing
     (the trigger form's overflow_fraction) fails in load_route, naming the param and the
     fresh_stages that would replace the stages, and asks nothing; no stage's object changes. The
-    run report (runs/K/report/run/, an index of the run a person opens from its run page, written
-    by publish for a failed run too) is the one object such a run writes."""
+    refused dataset is not merged or published on the stages an earlier run committed: the run
+    ends failed, its publish summary (that run's result) untouched. The run report (runs/K/
+    report/run/, an index of the run a person opens from its run page, written by publish for a
+    failed run too) is the one object such a run writes."""
     from airflow.dag_processing.dagbag import DagBag
 
     before, requests = _objects(cli_env, chain_k3), _requests(cli_env)
@@ -375,7 +377,7 @@ def test_a_refused_dag_run_changes_no_stage(cli_env, chain_k3):
     dr = dag.test(logical_date=None, run_conf={"run_name": chain_k3, "overflow_fraction": 0.25})
     assert str(dr.state).endswith("failed")
     states = {ti.task_id: str(ti.state) for ti in dr.get_task_instances()}
-    assert states["dataset.load_route"].endswith("failed"), states
+    assert states["dataset.load_route"].endswith("failed") and states["publish"].endswith("failed"), states
     after = _objects(cli_env, chain_k3)
     changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
     assert all(f"/runs/{chain_k3}/report/run/" in k for k in changed), changed

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from eagle3_data.errors import GateFailed, UserError
 from eagle3_data.pipeline.results import MergeResult
 from eagle3_data.pipeline.reuse import reusable, settle
@@ -39,13 +41,14 @@ def trajectory_folds_of(run: Run, store, datasets: list[str]) -> dict:
     return out
 
 
-def merge(run: Run, store) -> MergeResult:
-    """Merge the datasets whose gate passed; fail when none did. Returns the merged shard refs."""
+def merge(run: Run, store, failed: Mapping[str, str] | None = None) -> MergeResult:
+    """Merge the datasets whose gate passed (`failed`: datasets whose tasks failed in this DAG
+    run, left out: `gate_results`); fail when none did. Returns the merged shard refs."""
     from eagle3_data.merge import merge_datasets, merge_params, merged_shards
 
     if not store.is_complete(stage_ref(run, AUDIT, AUDIT_DATASET)):
         raise UserError(f"merge: the tokenizer audit of run {run.run_key} did not pass (see task audit_tokenizer)")
-    gates = gate_results(run, store)
+    gates = gate_results(run, store, failed)
     passed = [name for name, g in gates.items() if g.passed]
     if not passed:
         raise GateFailed(

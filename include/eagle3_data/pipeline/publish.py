@@ -5,6 +5,7 @@ failed here, after writing them, so nobody trains on it unnoticed."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 
 from eagle3_data.errors import GateFailed
 from eagle3_data.pipeline.extract import hidden_states_params, storage_estimate
@@ -220,18 +221,19 @@ def _image_counts(store, prompts_ref) -> dict:
     return {"images": found} if found else {}
 
 
-def publish(run: Run, store) -> PublishResult:
+def publish(run: Run, store, failed: Mapping[str, str] | None = None) -> PublishResult:
     """Write the run report and summary, whatever happened upstream (the DAG runs this task once
     everything else is done: the report matters most for a run that failed). Then raise GateFailed
     when anything is missing for training (a dataset's gate, the merge, the hidden states), so the
     run ends failed and no Asset event announces it. `changed` says whether the summary is new
-    (the DAG emits the Asset event only then)."""
+    (the DAG emits the Asset event only then). `failed`: datasets whose tasks failed in this DAG
+    run (`gate_results`)."""
     from eagle3_data.report.data import decode_least_likely, generation_lengths
 
     if run.dry_run:
         return _plan(run, store)
 
-    gates = gate_results(run, store)
+    gates = gate_results(run, store, failed)
     datasets: dict[str, dict] = {}
     for name, gate in gates.items():
         prompts = stage_ref(run, PROMPTS, name)
@@ -312,7 +314,10 @@ def publish(run: Run, store) -> PublishResult:
         # whether the run passed: a failed run that is fixed writes a new summary (and publishes)
         "passed": not problems,
     }
+    # a dataset whose tasks failed in this run (a refusal) left its stages as an earlier run committed
+    # them: the summary, that run's published result, is not this run's to rewrite
     changed = not (store.is_complete(summary_ref) and store.get_json(summary_ref, SUMMARY) == summary)
+    changed = changed and not any(g.failed_task for g in gates.values())
     if changed:
         store.put_json(summary_ref, SUMMARY, summary)
         store.commit_files(summary_ref, [SUMMARY], params={"datasets": list(gates)})

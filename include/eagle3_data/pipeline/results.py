@@ -66,6 +66,9 @@ class Gate(_Result):
     thresholds: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     unvalidated_overflow: bool = False
+    # the dataset's task that failed in this DAG run while an earlier run's gate is committed
+    # (pipeline.validate.gate_results): that gate is not this run's
+    failed_task: str | None = None
 
 
 @dataclass(frozen=True)

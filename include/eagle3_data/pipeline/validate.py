@@ -8,6 +8,8 @@ and publish (`gate_results`).
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from eagle3_data.config import ValidationConfig
@@ -282,8 +284,11 @@ def run_datasets(run: Run, store) -> list[str]:
     return [n for n in run.config.dataset_names if n in run.datasets or n in earlier]
 
 
-def gate_results(run: Run, store) -> dict[str, Gate]:
-    """Each dataset's gate as committed in S3 (missing: its validate never completed)."""
+def gate_results(run: Run, store, failed: Mapping[str, str] | None = None) -> dict[str, Gate]:
+    """Each dataset's gate as committed in S3 (missing: its validate never completed). `failed`:
+    datasets whose own tasks failed in this DAG run, by the failed task (a refusal, a stage that
+    stopped past its retries): a gate committed by an earlier run is not this run's, so such a
+    dataset fails here, naming the task, instead of being merged and published on old stages."""
     out = {}
     for name in run_datasets(run, store):
         ref = stage_ref(run, VALIDATE, name)
@@ -291,4 +296,11 @@ def gate_results(run: Run, store) -> dict[str, Gate]:
             out[name] = _gate_from_manifest(store.read_manifest(ref), store.uri(ref, VALIDATION_REPORT))
         else:
             out[name] = Gate(passed=False, reasons=["validation did not complete (see the failed task)"])
+        if out[name].passed and name in (failed or {}):
+            out[name] = replace(
+                out[name],
+                passed=False,
+                reasons=[f"task {failed[name]} failed in this run: its committed stages are an earlier run's"],
+                failed_task=failed[name],
+            )
     return out
