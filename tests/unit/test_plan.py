@@ -74,7 +74,7 @@ def test_cli_plan_equals_the_dry_runs_and_its_figures_hold(store, kimi_tokenizer
         "upper": bf16 * (sum(prompt) + N * 2048)
     }
     assert storage["dtypes"]["ids-only"]["bytes_per_token"] == 5
-    assert stored["extraction"]["gpu_hours"]["upper"] == round((sum(prompt) + N * 2048) / 4000 / 3600, 3)
+    assert stored["extraction"]["gpu_hours"]["upper"] == round((sum(prompt) + N * 2048) / 4000 / 3600, 6)
 
     (chat,) = stored["datasets"].values()
     e = chat["estimate"]

@@ -74,6 +74,7 @@ def _run(args: argparse.Namespace) -> int:
     from eagle3_data.cli import runs
     from eagle3_data.config import load_config
     from eagle3_data.pipeline.plan import format_plan, run_plan
+    from eagle3_data.storage.refs import MissingBucket, StorageUnavailable
 
     prompts = _prompts(args.prompts)
     datasets = args.dataset or list(prompts) or load_config(args.config).dataset_names
@@ -84,7 +85,10 @@ def _run(args: argparse.Namespace) -> int:
     run = dataclasses.replace(run, dry_run=True, date=args.date)
     if args.offline:
         store = OfflineStore()
-    plans = {name: pipeline.load_route(run, store, name, write_plan=False).plan for name in datasets}
+    try:
+        plans = {name: pipeline.load_route(run, store, name, write_plan=False).plan for name in datasets}
+    except (StorageUnavailable, MissingBucket) as exc:  # earlier runs not readable: say how to plan without
+        raise type(exc)(f"{exc} (--offline plans from the config alone, without earlier runs)") from None
     plan = run_plan(run, plans)
     print(json.dumps(plan, indent=1, default=str) if runs.JSON_OUTPUT else format_plan(plan))
     return 0

@@ -212,9 +212,9 @@ def extraction(run, merged_tokens: dict[str, int]) -> dict[str, Any]:
             if rate == default
             else ""
         ),
-        "gpu_hours": {k: round(v, 3) for k, v in hours.items()},
+        "gpu_hours": {k: round(v, 6) for k, v in hours.items()},
         "gpus": gpus,
-        "wall_hours": {k: round(v / gpus, 3) for k, v in hours.items()},
+        "wall_hours": {k: round(v / gpus, 6) for k, v in hours.items()},
         "recipe": "vLLM backend, tensor_parallel_size 8 on one 8xH200 node holds Kimi-K2.5 (~595 GB INT4 weights); "
         "unverified on the real checkpoint (docs/hidden_states.md)",
     }
