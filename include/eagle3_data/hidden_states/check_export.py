@@ -177,7 +177,7 @@ def _fail(layout: Layout, row: int, sample_id: str, what: str) -> ExportCheckFai
 
 
 def run_reader(layout: Layout, rows: list[int], out: Path, *, vocab: dict | None, python: str | None = None) -> dict:
-    from eagle3_data.probe import speculators_python
+    from eagle3_data.speculators_venv import speculators_python
 
     spec = {
         "layout": layout.layout,

@@ -15,7 +15,6 @@ fault benchmark trains on broken data and scores on the target's own states, as 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import tempfile
 import time
@@ -25,22 +24,10 @@ from pathlib import Path
 import numpy as np
 
 from eagle3_data.errors import UserError
+from eagle3_data.speculators_venv import PYTHON_ENV, speculators_python  # noqa: F401 (the probe's API)
 
-PYTHON_ENV = "EAGLE3_SPECULATORS_PYTHON"
 SCRIPT = Path(__file__).with_name("speculators_probe.py")
 OVER_BUDGET_EXIT = 3  # speculators_probe.py's exit status when its projection is past the budget
-REPO = Path(__file__).resolve().parents[3]
-
-
-def speculators_python() -> str:
-    """The speculators venv's interpreter: $EAGLE3_SPECULATORS_PYTHON, else the checkout's .venv-speculators."""
-    path = os.environ.get(PYTHON_ENV) or str(REPO / ".venv-speculators" / "bin" / "python")
-    if not Path(path).exists():
-        raise UserError(
-            f"probe: no speculators interpreter at {path} (run `make speculators-venv`, or set "
-            f"{PYTHON_ENV} to the python of a venv with requirements-speculators.txt)"
-        )
-    return path
 
 
 class OverBudget(UserError):
