@@ -72,14 +72,14 @@ speculators-venv: $(SPEC_STAMP)
 # codecs, journals, dev: builds; vLLM's cache): an empty folder under test-artifacts/, shared by
 # every process and every server they start (README, "A first start").
 # The cluster's waits leave a core idle that the other two fill; the tiers are placed so that the
-# three processes end close together (benchmarks/RESULTS.md, "`make test` in three processes").
+# three processes end close together (`make test`'s row in benchmarks/RESULTS.md).
 # tests/dags/test_task_timeout.py runs in the main tier: it mostly waits for its task's
 # execution_timeout (~45 s wall for ~11 CPU s), which the main tier's engines fill, and the dags +
-# benchmarks process ended last by about that much with it (benchmarks/RESULTS.md, "`make test`
-# without the second vLLM server"). tests/integration/test_lease.py runs in the dags + benchmarks
+# benchmarks process ended last by about that much with it (`make test`'s row in
+# benchmarks/RESULTS.md). tests/integration/test_lease.py runs in the dags + benchmarks
 # process (the cluster one skips what that one runs): ~54 s wall for ~31 CPU s, much of it waiting
 # for leases to expire, and the cluster + integration process ended last by 1-2 min without it
-# (benchmarks/RESULTS.md, "A warm speculators interpreter for the tests"); so does
+# (`make test`'s row in benchmarks/RESULTS.md); so does
 # tests/integration/test_storage_seaweedfs.py (~31 s wall for ~6 CPU s, SeaweedFS starting and
 # stopping: the cluster + integration process still ended 28-61 s last, "The LM head's passes and
 # the start-up poll").
@@ -104,7 +104,7 @@ test: export VLLM_CACHE_ROOT = $(TEST_CACHE)/vllm
 # vLLM's engine core and its one worker in one process (vLLM then takes the "uni" executor): with
 # the worker in a process of its own the core spins on the shared-memory queue (sched_yield) for
 # as long as the worker computes, a second core's worth of CPU for the same wall
-# (benchmarks/RESULTS.md, "vLLM's CPU engine in one process"). For every engine the tests start:
+# (benchmarks/vllm_extract.py, one-process layout). For every engine the tests start:
 # the servers (eagle3_devtools.vllm_serve sets it too) and the extraction workers.
 test: export VLLM_ENABLE_V1_MULTIPROCESSING = 0
 test: export OMP_NUM_THREADS = 1

@@ -11,7 +11,7 @@ trained samples. Run through benchmarks/gpu_probe.sh.
 Its default sizes are the config's probe defaults (256 train and 64 held-out rows, 200 steps of at
 most 4,096 packed tokens, an evaluation every 25). Where they pace past probe.budget_s (a CPU:
 `--hidden 64` is the tiny target's width) the probe stops after its first steps and this prints
-the projection instead (benchmarks/RESULTS.md, "The probe's budget").
+the projection instead (this script's CPU row in benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """JSON decoding of what the generation clients receive: `json_records.fast_loads` (msgspec, with
 the standard library's fallback) against `json.loads` on the same bytes, in the same run.
 
-py-spy on generate_local (benchmarks/RESULTS.md, "Scale run 6") put 31% of its request loop in
+py-spy on generate_local (benchmarks/scale.py, 2026-12-04) put 31% of its request loop in
 `json.loads` of the engine's answers since they carry per-token log-probabilities; this measures
 the parse alone on the two shapes the clients decode:
 - an SGLang `/generate` answer of `--tokens` output ids with `meta_info.output_token_logprobs`

@@ -10,8 +10,8 @@ before the exp, as torch.logsumexp does, and found the tokens above by a [chunk,
 a masked fill; the shipped one sums the exps unshifted and shifts only a chunk whose sum left
 fp32's safe range (`LogprobHead._exp_sum`; tests/unit/test_logprob_head.py has the logits where it
 must), and on the CPU zeroes each row's exps below its threshold in one pass. An earlier baseline,
-a new tensor for every [chunk, V] pass, is in benchmarks/RESULTS.md (2026-12-05, "Where `make
-test`'s CPU goes, by process"). Timed on random states of a model of `--hidden` width (64: the tiny
+a new tensor for every [chunk, V] pass, is in the benchmark log of 2026-12-05 (git history,
+measured under `make test`). Timed on random states of a model of `--hidden` width (64: the tiny
 target's):
 - `logprobs`, `previous logprobs`: `token_logprobs` without a nucleus;
 - `nucleus T=1`, `nucleus T=0.8` and their `previous`: with a top_p 0.95 nucleus.

@@ -1,4 +1,4 @@
-"""The prompt file of the plan's benchmark (benchmarks/RESULTS.md, "The plan"): N distinct prompts
+"""The prompt file of the plan's benchmark (its row in benchmarks/RESULTS.md): N distinct prompts
 cycled from the sample datasets (chat, code, tool_calls), each one's last user turn suffixed
 ` (request i)` so the load drops none as a duplicate. Then time the plan on it:
 

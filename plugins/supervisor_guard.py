@@ -6,8 +6,8 @@ taking the runner along (`kill -9` of the worker's process group, the OOM killer
 supervisor or the Celery worker) leaves the runner going on as an orphan. The scheduler, seeing no
 heartbeat, retries the task on another worker, while the orphan still holds the stage's lease:
 each retry is refused (StageBusy) until the orphan's stage ends, which for a generation stage of
-hours outlasts every retry and fails the dataset (benchmarks/RESULTS.md, "The orphaned task
-runner").
+hours outlasts every retry and fails the dataset (seen in a `make test`
+cluster run, 2026-12-05).
 
 So every stage call runs with the kernel's parent-death signal set (Linux `PR_SET_PDEATHSIG`) to
 SIGKILL: the runner ends with its supervisor, which is what the pipeline is built to survive (a

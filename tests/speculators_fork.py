@@ -4,7 +4,7 @@ run in a process forked from one that has already imported speculators.
 Importing speculators costs 6-9 CPU s a process (torch, transformers, datasets, and
 `speculators.models.dflash`, which calls `torch.compile` at import and so loads torch._inductor),
 and the suite starts ~15 such processes: the probe's runs, the trainers' readers and oracles
-(benchmarks/RESULTS.md, "A warm speculators interpreter for the tests"). This file is both ends:
+(`make test`'s row in benchmarks/RESULTS.md). This file is both ends:
 
 - `python speculators_fork.py serve SOCKET OWNER_PID` (in .venv-speculators): imports what the
   scripts import, then forks a child per request; each child runs its script as `__main__` with

@@ -559,10 +559,9 @@ class ProbeConfig(_Model):
     where it finishes within `budget_s`: on a GPU worker its defaults take ~5 min at Kimi-K2.5's
     width (measured on an H200, docs/hidden_states.md, "The drafter's verdict"); on a CPU they pace
     past the budget even on the tiny target (speculators pads every step to `max_len`;
-    benchmarks/RESULTS.md, "The probe's budget"), so `auto` skips it there, saying so. Whatever
+    benchmarks/gpu_probe.py --hidden 64), so `auto` skips it there, saying so. Whatever
     `when` says, its first steps' pace is projected over the rest and a probe that would overrun
-    the budget stops there instead of spending it. What it tells apart: benchmarks/RESULTS.md,
-    "The probe"."""
+    the budget stops there instead of spending it. What it tells apart: benchmarks/probe_faults.py."""
 
     when: Literal["auto", "always", "never"] = Field(
         "auto",

@@ -22,8 +22,8 @@ SERVED_MODEL_NAME = "tiny-kimi"
 # What the policy check's nucleus test needs of the tiny target (`eagle3_devtools.policy_trial`): its
 # next-token distributions are far flatter than a trained model's (the top_p 0.95 nucleus holds
 # hundreds of ids at most positions, ~900 at the 95th percentile), so the top-K rule
-# (policy/nucleus.py) sees a token outside it only with K in the hundreds (RESULTS.md, "The nucleus
-# test from the engine's top-K"). A cap, not a cost: a request asking for fewer pays for fewer.
+# (policy/nucleus.py) sees a token outside it only with K in the hundreds (benchmarks/
+# policy_power.py). A cap, not a cost: a request asking for fewer pays for fewer.
 MAX_LOGPROBS = 1000
 
 
@@ -80,7 +80,7 @@ def start_vllm_server(
     # the engine core runs its one worker in its own process ("uni" executor, which vLLM's CPU
     # platform allows only without V1 multiprocessing): with a worker process of its own the core
     # spins on their shared-memory queue while the worker computes, twice the CPU for the same wall
-    # (benchmarks/RESULTS.md, "vLLM's CPU engine in one process")
+    # (benchmarks/vllm_extract.py, one-process layout)
     env = dict(
         os.environ,
         VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),

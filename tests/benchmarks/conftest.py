@@ -6,7 +6,7 @@ other pytest processes (Makefile). Every smoke runs at `nice -n 19`, so it takes
 others leave: started with the session they fill the cores' idle moments while the dags tests
 and the other tiers run (the cluster's waits on Airflow's scheduling), and at the end, when the
 other tiers are done, two of them keep both cores busy where one left a core idle for the
-last minute (benchmarks/RESULTS.md, "The benchmark smoke in the background"). Longest first,
+last minute (`make test`'s row in benchmarks/RESULTS.md). Longest first,
 so that the last to finish are short. A test waits for its own benchmark's outcome.
 """
 

@@ -260,7 +260,7 @@ def fail_the_catch_up_run(cluster: ClusterHandle, timeout: float = 120) -> None:
     past tick within a tenth of the interval: apache/airflow#64162), later in the day none. No test
     reads that run, and with `max_active_runs=1` the first triggered run waited behind its whole
     pipeline on today's prompts (the killed run's setup 257-305 s instead of 131-190 s,
-    benchmarks/RESULTS.md, "The catch-up run"). When the DAG says it is due, it is marked
+    seen in a `make test` cluster run, 2026-12-05). When the DAG says it is due, it is marked
     failed as it appears, as a person who does not want it would in the UI."""
     due = cluster.api("GET", f"/dags/{DAG_ID}").json()["next_dagrun_run_after"]
     if due is None or datetime.fromisoformat(due) > datetime.now(timezone.utc):

@@ -6,7 +6,7 @@ inference server (the OpenRouter stand-in; its text comes from eagle3_data.dev.t
 seeded corpus, not from the target) answering OpenRouter's chat route under the pinned served
 name -> the identity check cannot see it (same name), the policy check fails the dataset naming
 the figures. (Until 2026-12-04 a second `vllm serve` with other weights played this provider: the test
-took 72 CPU s with it, ~50 of them its start-up, for the same verdict; benchmarks/RESULTS.md.) The same
+took 72 CPU s with it, ~50 of them its start-up, for the same verdict; `make test`'s row in RESULTS.md.) The same
 weights passing, with the power statement, is tests/engine/test_policy_faults.py's honest
 provider (not run twice); other weights that stay in the target's nucleus are the greedy test's,
 benchmarks/policy_power.py's int8 provider. Each run goes through the pipeline's own stages:

@@ -14,7 +14,7 @@ the fp32 logit margin: the local engine and the provider are one fp32 server), s
 the nucleus test.
 
 (a) fails the gate (its text is ~2 nats/token less likely). (b) is below what the mean test can
-see at a CPU-sized run (RESULTS.md, "Policy check against faulty providers"); the nucleus test
+see at a CPU-sized run (benchmarks/policy_power.py); the nucleus test
 sees it directly: a provider ignoring top_p 0.95 emits tokens outside the nucleus about 5% of the
 time, an honest one as often as the local engine (both sides' ids went through one tokenisation
 path, so re-split tokens weigh alike). Honest passes. Each trial is 40 prompts x 32 tokens.
@@ -35,7 +35,7 @@ CALIBRATION = 4  # of the local half, greedy on both paths (pairs)
 # (prompts, max_new_tokens): half the prompts to the provider, ~640 overflow and ~510 local answer tokens
 # for the nucleus test. Dropping top_p 0.95 raised the overflow outside-rate from the local 0.8% to 5.1%
 # (p 9.2e-6 at this size, seed 7; the same counts from the engine's top-1000 as from the target in memory)
-# and from 8.4% to 18.9% at 64 x 32, seed 100 (RESULTS.md, "The nucleus test"): re-split tokens fall
+# and from 8.4% to 18.9% at 64 x 32, seed 100 (benchmarks/policy_power.py): re-split tokens fall
 # outside on both paths alike, at a rate that varies with the text.
 SMALL = (40, 32)
 
@@ -78,7 +78,7 @@ def test_provider_sampling_at_another_temperature_fails(store, vllm_server, kimi
     """At the production default of top log-probabilities a position (20, not the 1000 the nucleus
     test needs on the tiny target): the mean test needs only each answer token's own
     log-probability, and the 1000-wide answers cost this trial ~25 of its CPU seconds
-    (benchmarks/RESULTS.md, "Where `make test`'s CPU goes, by process")."""
+    (`make test`'s row in benchmarks/RESULTS.md)."""
     from eagle3_data.config import PolicyConfig
 
     top = PolicyConfig.model_fields["top_logprobs"].default

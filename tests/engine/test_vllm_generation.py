@@ -250,7 +250,7 @@ def test_the_dev_server_runs_its_worker_inside_the_engine_core(vllm_server):
     """eagle3_devtools.vllm_serve starts `vllm serve` without V1 multiprocessing, so the engine
     core runs its one worker itself ("uni" executor): no `VLLM::Worker` process, whose queue the
     core would spin on for as long as the worker computes (twice the CPU for the same wall on a
-    2-core machine: RESULTS.md, "vLLM's CPU engine in one process"). Read from /proc: the names
+    2-core machine: benchmarks/vllm_extract.py). Read from /proc: the names
     vLLM gives its processes."""
     from pathlib import Path
 

@@ -1,6 +1,6 @@
 """The overflow client under bursts: when a whole wave of answers arrives at once, the workers'
 next requests leave before the wave's rows are built and journaled (else the last request of a
-wave waits behind all of them: 0.74-0.77 of C/L at C=256, benchmarks/RESULTS.md), and the client
+wave waits behind all of them: 0.74-0.77 of C/L at C=256, benchmarks/overflow_client.py), and the client
 runs with rarer garbage collections, restored after it."""
 
 from __future__ import annotations

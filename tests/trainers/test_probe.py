@@ -7,7 +7,7 @@ What is tested here: what acc_k measure (an outside recount), that the fault ben
 not leak, that its context target attends where it is built to (transformers' own attention
 weights), the last state fit against transformers' own forward, and the ordering the probe shows
 on the tiny target on CPU for the six faults of dev.probe_data (benchmarks/probe_faults.py;
-RESULTS.md, "The probe", has the figures)."""
+its row in benchmarks/RESULTS.md)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from eagle3_data.probe import simulated_acceptance
 
 SAMPLES = 16
 SPREAD = 0.75  # the held-out loss's spread over 5 correct seeds at the fault benchmark's size
-# a fault's first-draft loss over the correct data's at the same seed: half the least of 5 seeds (RESULTS.md, A5)
+# a fault's first-draft loss over the correct data's at the same seed: half the least of 5 seeds (probe_faults.py)
 FIRST_DRAFT_MARGIN = {"aux_late": 0.38, "mask_shifted": 0.4, "aux_early": 0.21}
 
 
@@ -293,14 +293,14 @@ def test_the_probe_tells_six_faults_from_correct_data(tiny_model_dir, tmp_path):
     CPU training at one thread is the same at every run). Heads trained on the last state normalised
     twice or on aux states of other layers than the export names score a held-out loss (on the
     correct export's held-out rows) above the correct data's by more than SPREAD, the spread of 5
-    seeds at this size (RESULTS.md, "The probe": 0.75; these faults: +4.0 and +5.4 beyond it).
+    seeds at this size (benchmarks/probe_faults.py: 0.75; these faults: +4.0 and +5.4 beyond it).
     Heads trained with the aux states one position late or
     early, or the loss mask one position late (SpecForge#885), score each answer's first draft
     worse than the correct data at the same seed (the same init and sample order) by more than
     FIRST_DRAFT_MARGIN, half the least each did at 5 seeds (+0.76, +0.80, +0.43): at this size the
     spread between seeds (0.79) is as large as that, so these three are asserted paired, and a
     probe run alone cannot tell them apart (at 200 samples and 400 steps on a GPU it can:
-    RESULTS.md). Another sample's states would fail both (their first draft's loss is within
+    benchmarks/probe_faults.py). Another sample's states would fail both (their first draft's loss is within
     +-0.26 of the correct data's, paired): the probe tells them by its last state fit, before
     training, whose top1 share falls more than FIT_SIGMAS (5) standard errors (binomial, over the trained
     tokens) below the correct data's."""

@@ -529,7 +529,7 @@ def create_app(tokenizer, config: ServerConfig | None = None) -> FastAPI:
                 yield b": OPENROUTER PROCESSING\n\n"
             # the events in two writes, before and after the half where a fault strikes: one write per
             # event cost this one-process stand-in ~1 ms of CPU per answer (~60 ASGI sends), which
-            # held the overflow benchmark's streamed rate below C/L (benchmarks/RESULTS.md); the
+            # held the overflow benchmark's streamed rate below C/L (benchmarks/overflow_client.py); the
             # client reads the same bytes, in pieces as the socket gives them, whatever the writes
             events = _sse(answer)
             half = len(events) // 2

@@ -15,7 +15,7 @@ The faults, each a bug seen in EAGLE-3 data pipelines:
 - `other_sample`: every sample carries the states of another sample (a shuffled join), taken from
   a sample of its own group (`groups`: the probe's train and held-out rows): states swapped across
   the split would put the held-out rows' states and labels into training, a leak that scored this
-  fault far above the correct data (benchmarks/RESULTS.md);
+  fault far above the correct data (benchmarks/probe_faults.py);
 - `mask_shifted`: the loss mask one position late (SpecForge#885);
 - `wrong_layers`: aux states of other layers than the export names (a convention mix-up).
 """
@@ -65,7 +65,7 @@ def with_previous_token_head(model_dir: Path, out: Path, *, sharpness: float = 3
 
     The random target's next token is ~80% fixed by the current token alone: a drafter then reads
     the token embedding and ignores the aux states, so no aux-state fault can show in the probe
-    (benchmarks/RESULTS.md). Here layer 0's MLA attends to position t-1 with ~95% of its weight
+    (benchmarks/probe_faults.py). Here layer 0's MLA attends to position t-1 with ~95% of its weight
     (every head): its query and the rope part of its key are constant vectors (the query through
     `q_a_layernorm` of one constant input dimension, the key from one embedding dimension set
     constant for every token), the query rotated one position back, so q_t . k_j peaks at j = t-1
@@ -75,8 +75,8 @@ def with_previous_token_head(model_dir: Path, out: Path, *, sharpness: float = 3
     (fixed by the current token at ~54% of its answers' positions, ~80% on the random target; ~960
     distinct tokens in 64 answers at temperature 0.5 instead of ~300), and a head has a reason to read
     the aux states: a head trained on another sample's states scored worse than the correct data at
-    every seed on this target and not on the random one (benchmarks/RESULTS.md, "The probe", third
-    measurement, before the prompts ended in the chat header)."""
+    every seed on this target and not on the random one (benchmarks/probe_faults.py, 2026-12-04,
+    before the prompts ended in the chat header)."""
     from transformers import AutoModelForCausalLM
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb_interleave
 

@@ -76,8 +76,8 @@ def local_http():
     """This process's httpx client for the dev tools' loopback HTTP: the start-up poll, the dev
     server's control endpoints, the cluster's REST API. `httpx.get` builds a client per call, and
     every client an SSL context that loads the CA bundle (~20 ms of CPU, for plain http too): the
-    start-up poll paid it every 0.2 s while a server started (benchmarks/RESULTS.md, "The LM
-    head's passes and the start-up poll"). Made again in a forked child, whose parent's client
+    start-up poll paid it every 0.2 s while a server started (`make test`'s row in
+    benchmarks/RESULTS.md). Made again in a forked child, whose parent's client
     is not its own (`forksafe.PerProcess`)."""
     return _LOCAL_HTTP.get()
 

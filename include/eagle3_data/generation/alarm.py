@@ -8,7 +8,7 @@ BaseException but SystemExit and KeyboardInterrupt as "Exception in callback", a
 keeps it as that task's exception. The stage then goes on past its bound, or waits forever on the
 future the exception broke, holding its stage's lease, with no second alarm to end it (found when
 a signal handler raising in the stage left a task process waiting in epoll for minutes:
-benchmarks/RESULTS.md, "An execution timeout inside the event loop's callbacks").
+seen in a `make test` cluster run, 2026-12-05).
 
 `with_alarm_outside_callbacks(coro)` runs `coro` with a SIGALRM handler of its own that only
 notes the alarm and schedules the run's cancellation (thread-safe: it may run inside any callback,

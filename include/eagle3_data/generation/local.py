@@ -366,7 +366,7 @@ class LocalRun:
 
     async def run(self) -> StopReason | None:
         # aiohttp, not httpx: httpx's connection pool costs several ms of CPU per request at this
-        # depth and left the slots 60% empty against a fast server (benchmarks/RESULTS.md).
+        # depth and left the slots 60% empty against a fast server (benchmarks/sglang_client.py).
         # no pool limit: the workers bound the connections (per endpoint, known only after /server_info)
         connector = aiohttp.TCPConnector(limit=0)
         timeout = aiohttp.ClientTimeout(total=self.o.request_timeout_s, sock_connect=self.o.connect_timeout_s)

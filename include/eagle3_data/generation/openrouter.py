@@ -232,7 +232,7 @@ def fewer_gc_pauses(threshold: tuple[int, int, int] = (50_000, 20, 1000)):
     the answers' JSON made a young collection every few answers and a full one (every tracked
     object of the process: tokenizer, template, SDK, pydantic models) every ~second, each a
     pause of 20-400 ms in which no answer was read and no request sent: 1.8-3.5 s of a 9 s run
-    at C=256 (benchmarks/RESULTS.md). Objects alive before the run are frozen out of the
+    at C=256 (benchmarks/overflow_client.py). Objects alive before the run are frozen out of the
     collections, unless the host process froze some itself (its freeze is left as it is); the
     thresholds are restored after the run."""
     saved, ours = gc.get_threshold(), gc.get_freeze_count() == 0
@@ -249,7 +249,7 @@ def fewer_gc_pauses(threshold: tuple[int, int, int] = (50_000, 20, 1000)):
 
 def run_event_loop(coro):
     """Run the client on uvloop (pinned in requirements.txt), else the stdlib loop: uvloop's
-    C event loop takes ~0.1-0.3 ms less client CPU per request at C=256 (benchmarks/RESULTS.md).
+    C event loop takes ~0.1-0.3 ms less client CPU per request at C=256 (benchmarks/overflow_client.py).
     The loop takes SIGALRM meanwhile, so that an execution timeout is not lost in a callback (alarm.py)."""
     try:
         import uvloop
@@ -451,7 +451,7 @@ class _OverflowRun:
         not decoded, and sends its next request at once. With a fixed latency the answers of all C
         requests come back in one burst, and if each worker first decoded the answer, or built,
         journaled and counted its row, the last worker's next request would leave only after all
-        the others' (C x ~1 ms at C=256: 0.74-0.77 of C/L, benchmarks/RESULTS.md). Here the burst's
+        the others' (C x ~1 ms at C=256: 0.74-0.77 of C/L, benchmarks/overflow_client.py). Here the burst's
         requests leave together, and the decoding, the rows, the budget, the journal, the S3
         checkpoints and the next prompts' ids and bodies (`_prepare`) are done while they are out."""
         client = SdkPost(
@@ -673,7 +673,7 @@ class _OverflowRun:
         after each answer, so answers arriving meanwhile send their next requests without waiting
         for the backlog. When no answer waits, it renders the next prompts ahead (`_prepare`, up
         to two bursts): the template render is ~40% of the client's CPU per request, and done
-        on the send path it held back 0.05 of C/L (benchmarks/RESULTS.md). If a checkpoint fails
+        on the send path it held back 0.05 of C/L (benchmarks/overflow_client.py). If a checkpoint fails
         (S3 down), the workers stop sending, the answers of the requests still out are journaled
         as they come (paid: a resume on this machine replays them), and the run ends with that error."""
         error: BaseException | None = None

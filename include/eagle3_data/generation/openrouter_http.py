@@ -172,7 +172,7 @@ class Received:
     The client hands its request slot on before it decodes (openrouter._OverflowRun): when a burst
     of answers lands at once (every request of a wave sent together, a fixed latency), each
     answer's decode on the send path held back the next requests of the wave by the decodes
-    before it, ~C x 0.4 ms at C = 256 (benchmarks/RESULTS.md, issue 33). A long stream's earlier
+    before it, ~C x 0.4 ms at C = 256 (benchmarks/overflow_client.py). A long stream's earlier
     events are decoded as they arrive (`_read_events`): only the piece that ends it waits."""
 
     generation_id: str | None
@@ -213,7 +213,7 @@ class SdkPost:
     `APIConnectionError`/`APITimeoutError`. What is left out is the SDK's per-request pipeline
     (option models copied twice, httpx2 URL and header objects, redirects/auth hooks, the vendored
     transport adapting aiohttp to httpx2): 2.3-3.2 ms CPU per request against 0.6-0.7 ms for this
-    send over the same aiohttp (benchmarks/RESULTS.md). The SDK's own retries are off anyway (the
+    send over the same aiohttp (benchmarks/overflow_client.py). The SDK's own retries are off anyway (the
     client's loop sees every attempt), a static API key needs none of its token-refresh hooks, and
     OpenRouter does not redirect (a 3xx is raised like any other non-2xx status).
     """
@@ -439,7 +439,7 @@ async def _read_events(content, answer: StreamAnswer, named: Callable[[str | Non
     complete in a piece decoded by one parse of them as an array (`_decode_events`):
     aiohttp's line iterator (an await and a transport resume per line) and a parse per event
     (~60 per answer) made a streamed request cost the client twice the CPU of a plain one
-    (benchmarks/RESULTS.md, issue 33)."""
+    (benchmarks/overflow_client.py)."""
     data: list[bytes] = []  # the data lines of the event being read
     ready: list[bytes] = []  # events complete in this piece, not decoded yet
 

@@ -252,7 +252,7 @@ def check_export(
                 )
         norm = (final_norm_weight(model), final_norm_eps(model)) if layout.stores_pre_norm else None
         # the head in fp32 on `device` (default: cuda where there is one): 2 x V x H FLOP a position,
-        # 2.35 GFLOP at Kimi-K2.5's width, ~12 positions/s on one CPU core (RESULTS.md, "check-export")
+        # 2.35 GFLOP at Kimi-K2.5's width, ~12 positions/s on one CPU core (benchmarks/RESULTS.md, its row)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         head = LogprobHead(norm, head_weight, device=device)
         head.model_norm = (final_norm_weight(model), final_norm_eps(model))  # for shards without target_logprobs

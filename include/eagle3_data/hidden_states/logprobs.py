@@ -65,7 +65,7 @@ class LogprobHead:
     in that dtype and the normed state rounded to it (as the engine's own head takes them), the
     products accumulated and the logits returned in fp32 (`torch.mm(..., out_dtype=float32)`).
     Measured on an H200 at Kimi-K2.5's width (H 7168, a 4-layer model whose head is 40% of its
-    FLOPs; benchmarks/RESULTS.md, "On an H200"): with the fp32 product the log-probabilities cost
+    FLOPs; benchmarks/gpu_extract.py on an H200): with the fp32 product the log-probabilities cost
     +55% of the extraction, with this one +10%, and they agree with transformers' own forward
     alike (worst per-sample mean |difference| 0.016 nats either way): the state's rounding is
     the engine's own, and the logits are not rounded."""
@@ -119,8 +119,7 @@ class LogprobHead:
         """One pass over the chunks for both public methods: the logits are the cost. Every [chunk,
         V] pass writes into the head's own buffers (`_buffers`), never a new tensor: on the CPU a
         fresh 168 MB tensor is a fresh mmap that the kernel zero-fills page by page, which cost
-        more than the arithmetic (benchmarks/RESULTS.md, "Where `make test`'s CPU goes, by
-        process")."""
+        more than the arithmetic (benchmarks/nucleus_count.py)."""
         ids = torch.as_tensor(ids, dtype=torch.long)
         n = int(ids.numel())
         if last.shape[0] != n:

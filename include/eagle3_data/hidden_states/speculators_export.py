@@ -135,8 +135,7 @@ def save_rows(
     dataset's one Arrow file as they come, the index written line by line; `state.json` and
     `dataset_info.json` are then written as `save_to_disk` writes them, from the file opened
     memory-mapped (never read: `save_to_disk` would copy it through memory, its pages counted in
-    the process's RSS). Peak memory is one batch, whatever the row count (benchmarks/RESULTS.md,
-    "ids-only export")."""
+    the process's RSS). Peak memory is one batch, whatever the row count (benchmarks/export_memory.py)."""
     import datasets
     import numpy as np
     import pyarrow as pa

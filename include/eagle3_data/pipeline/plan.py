@@ -26,8 +26,8 @@ from typing import Any
 
 from eagle3_data.stages import LOCAL, OVERFLOW
 
-# the probe's measured cost at Kimi-K2.5's width on one H200 (docs/hidden_states.md, benchmarks/RESULTS.md
-# "The probe on an H200": benchmarks/gpu_probe.sh --samples 40 --steps 100)
+# the probe's measured cost at Kimi-K2.5's width on one H200 (docs/hidden_states.md, benchmarks/gpu_probe.py
+# via benchmarks/gpu_probe.sh --samples 40 --steps 100)
 PROBE_S_PER_1000_TRAINED = 357.5
 DTYPES = ("bf16", "fp8", "ids-only")
 
@@ -232,7 +232,7 @@ def probe_time(run) -> dict[str, Any]:
         "seconds": round(min(seconds, p.budget_s), 1),
         "budget_s": p.budget_s,
         "source": f"{PROBE_S_PER_1000_TRAINED} s per 1,000 trained samples, measured on one H200 at H=7168 "
-        f"(benchmarks/RESULTS.md, 'The probe on an H200'); {p.steps} steps x {p.batch_size}"
+        f"(benchmarks/gpu_probe.py on an H200); {p.steps} steps x {p.batch_size}"
         + (f" x {seeds} seeds" if seeds != 1 else "")
         + (", skipped on a worker without a GPU" if p.when == "auto" else ""),
     }

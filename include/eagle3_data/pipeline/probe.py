@@ -46,7 +46,7 @@ def probe(run: Run, store) -> ProbeResult | ProbeSkipped:
     if (device := default_device()) != "cuda" and p.when == "auto":
         return ProbeSkipped(
             "probe.when auto: this worker has no GPU, and on a CPU the probe's defaults pace past probe.budget_s "
-            f'({p.budget_s:.0f} s; benchmarks/RESULTS.md, "The probe\'s budget"); param probe=always runs it here'
+            f"({p.budget_s:.0f} s; benchmarks/gpu_probe.py); param probe=always runs it here"
         )
     manifest, merge_ref = store.read_manifest(hs_ref), stage_ref(run, MERGE, RUN_DATASET)
     with tempfile.TemporaryDirectory(prefix="eagle3-probe-") as tmp:

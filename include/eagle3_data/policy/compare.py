@@ -34,7 +34,7 @@ decide, and its spread is not the one a test over samples uses). Two tests, each
   shapes, bf16), so an honest provider's rate is the local path's (re-split tokens, alike on both
   sides); weights other than the target's (a quantisation) leave the argmax wherever their logits
   reorder a near-tie by more than the margin: the fault the mean tests cannot see, since such
-  text is about as likely under the target as its own (benchmarks/RESULTS.md, the int8-rounded
+  text is about as likely under the target as its own (benchmarks/policy_power.py, the int8-rounded
   provider).
 
 The two mean tests are minimum-effect tests: the shift that matters is `shift` (nats/token); a shift up to

@@ -157,7 +157,7 @@ def off_argmax(
     paths) is another token altogether and often lies far below, so leaving those out lowers the
     honest rate and raises the test's power (on the tiny random target, 16 calibration answers of
     32 tokens: 18% of an honest answer's re-encoded tokens in (1e-3, 1] against 39% above 1e-3;
-    an int8-rounded copy's flips lie 0.125-0.5 below; benchmarks/RESULTS.md, "The greedy test")."""
+    an int8-rounded copy's flips lie 0.125-0.5 below; benchmarks/policy_power.py)."""
     own, top = np.asarray(own, np.float64), np.asarray(top, np.float64)
     if own.size == 0 or top.size == 0:
         return np.zeros(own.size, dtype=bool)

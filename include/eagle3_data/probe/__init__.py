@@ -164,7 +164,7 @@ def figures(raw: dict) -> dict:
     and held-out loss per evaluation). The held-out loss (speculators' own KL to the target's
     distribution, on rows the head never trained on) is the finer figure: acc_k count only argmax
     hits, and on the CPU-sized probe a broken export moves the loss well beyond its seed spread
-    where the argmax hits stay within it (benchmarks/RESULTS.md, "The probe"). `first_draft`: the
+    where the argmax hits stay within it (benchmarks/probe_faults.py). `first_draft`: the
     same for each held-out answer's first draft alone (the draft right after prefill, on every
     request; the position a loss mask one position late never trains)."""
     curve = [
@@ -220,7 +220,7 @@ def last_state_fit(export: Path, rows: list[int], verifier: Path, *, device: str
     the share of those ids that are the argmax there (`top1`). The target's own generations sit
     near their sampling's entropy (the tiny target's answers at temperature 0.5: top1 0.81); states
     joined to another sample's ids predict almost none (0.02), a fault a short training run does
-    not tell beyond its seed spread even at a GPU's size (benchmarks/RESULTS.md, "The probe"). The same
+    not tell beyond its seed spread even at a GPU's size (benchmarks/probe_faults.py). The same
     numbers the extraction proved each local answer with (hidden_states.verify), read back from
     the export as the trainer reads it: what went wrong after the extraction shows here.
     `by_offset`: the same mean with each state paired with the token `d` positions after the one
@@ -275,7 +275,7 @@ def alignment(fit: dict, export_check: dict | None) -> dict:
     decides when it ran. Without it the last-state fit can fail an export, never pass one: states
     that fit their neighbours' tokens better than their own sit beside the wrong tokens, but on
     repetitive text (the tiny target's answers) a state one position late can still fit best where
-    it is (RESULTS.md, "The export's own check"), so a fit that looks right is inconclusive."""
+    it is (benchmarks/probe_faults.py), so a fit that looks right is inconclusive."""
     by = fit.get("by_offset") or {}
     margin = None if by.get("0") is None else by["0"] - max(by["-1"], by["1"])
     fit_rule = (

@@ -286,8 +286,8 @@ def is_zombie(pid: int) -> bool:
     """An exited process nobody has reaped yet: kill(pid, 0) still finds it, but it runs nothing and
     renews no lease. A SIGKILLed worker leaves its task process so wherever PID 1 does not reap
     orphans (this project's sandboxes; a container without an init): taken for alive, its lease
-    would refuse the retry until its ttl ran out (benchmarks/RESULTS.md, "A killed worker's
-    lease"). False where /proc cannot tell (macOS)."""
+    would refuse the retry until its ttl ran out (seen in a `make test`
+    cluster run, 2026-12-05). False where /proc cannot tell (macOS)."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] in ("Z", "X")
     except (OSError, IndexError):
