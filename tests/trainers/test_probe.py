@@ -246,7 +246,8 @@ def test_a_probe_paced_past_its_budget_stops_after_its_first_steps(export, tmp_p
     cmd += ["--steps", "100000", "--samples", "12", "--eval-samples", "3", "--device", "cpu", "--config", str(config)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr[-3000:]
-    assert "probe: 100000 steps would take ~" in done.stderr and "past probe.budget_s 240" in done.stderr
+    assert "probe: 2 drafters, 200000 steps in all, would take ~" in done.stderr, done.stderr  # probe.seeds 2
+    assert "past probe.budget_s 240" in done.stderr
     assert "stopped after its first steps" in done.stderr and "s a step over steps 2-4" in done.stderr
     projected = float(done.stderr.split("would take ~")[1].split(" s")[0])
     assert projected > 240

@@ -141,7 +141,8 @@ def train_and_score(
 def over_budget_message(projection: dict, device: str) -> str:
     """One line: what the first steps measured, what they project, what to change."""
     return (
-        f"probe: {projection['steps']} steps would take ~{projection['projected_s']:.0f} s on {device} "
+        f"probe: {projection.get('drafters', 1)} drafters, {projection['steps']} steps in all, would take "
+        f"~{projection['projected_s']:.0f} s on {device} "
         f"({projection['step_s']:.2f} s a step over steps 2-{1 + projection['timed_steps']}, "
         f"{projection['eval_s']:.1f} s an evaluation), past probe.budget_s {projection['budget_s']:.0f}: "
         "stopped after its first steps; lower probe.steps, max_len or eval_samples, or run it on a GPU worker"
@@ -241,7 +242,7 @@ def last_state_fit(export: Path, rows: list[int], verifier: Path, *, device: str
         compute_dtype=dtype,
     )
     masks = datasets.load_from_disk(str(export)).with_format("numpy").select(rows)["loss_mask"]
-    total, hits, tokens = 0.0, 0, 0
+    total, hits, tokens, paired_tokens = 0.0, 0, 0, 0
     offset_sums = {d: 0.0 for d in FIT_OFFSETS}
     for row, mask in zip(rows, masks):
         stored = load_file(str(export / "hidden_states" / f"hs_{row}.safetensors"))
@@ -251,16 +252,18 @@ def last_state_fit(export: Path, rows: list[int], verifier: Path, *, device: str
         ids = stored["token_ids"]
         logprobs, top1 = head.token_logprobs_and_top1(states[:, -1], ids)
         trained = torch.as_tensor(np.asarray(mask), dtype=torch.bool) & ~torch.isnan(logprobs)
-        trained[:2] = False  # the offsets' first and last positions have no token to pair
-        trained[-1:] = False
         total += float(logprobs[trained].double().sum())
         hits += int(top1[trained].sum())
         tokens += int(trained.sum())
+        paired = trained.clone()  # the offsets compare on the positions every one of them can pair
+        paired[:2] = False
+        paired[-1:] = False
+        paired_tokens += int(paired.sum())
         for d in FIT_OFFSETS:
             shifted = ids if d == 0 else torch.roll(ids, -d)  # position i scored against ids[i + d]
             lp = logprobs if d == 0 else head.token_logprobs(states[:, -1], shifted)[0]
-            offset_sums[d] += float(lp[trained].double().sum())
-    by_offset = {str(d): offset_sums[d] / tokens if tokens else None for d in FIT_OFFSETS}
+            offset_sums[d] += float(lp[paired].double().sum())
+    by_offset = {str(d): offset_sums[d] / paired_tokens if paired_tokens else None for d in FIT_OFFSETS}
     return {
         "mean_logprob": total / tokens if tokens else None,
         "top1": hits / tokens if tokens else None,

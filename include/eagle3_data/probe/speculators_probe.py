@@ -68,6 +68,7 @@ class Budget:
                 "projected_s": self.budget_s - (self.deadline - time.time()) + left,
                 "budget_s": self.budget_s,
                 "steps": sum(a["steps"] for a in self.arms),
+                "drafters": len(self.arms),
                 "step_s": step_s,
                 "eval_s": eval_s,
                 "timed_steps": len(step_seconds) - 1,
