@@ -350,26 +350,10 @@ class StageRun:
                 if (sid in wanted or (self.turns is not None and isinstance(sid, str))) and sid not in done:
                     replay.append(row)
                     done.add(row["sample_id"])
-        if replay:
-            log.info(
-                "%s: %d answers recovered from the local journal, not requested again",
-                self.store.uri(self.ref),
-                len(replay),
-            )
-            self.writer.write(replay)
-            self.counts["replayed"] = len(replay)
-            self.spent_before_usd += sum((r.get("usage") or {}).get("cost_usd") or 0.0 for r in replay)
+        self._take_back(replay, "replayed", "answers recovered from the local journal")
         archived = self._archived_answers(wanted, done)
-        if archived:
-            log.info(
-                "%s: %d paid answers taken back from the archive of a replaced attempt, not requested again",
-                self.store.uri(self.ref),
-                len(archived),
-            )
-            self.writer.write(archived)
-            self.counts["from_archive"] = len(archived)
-            self.spent_before_usd += sum((r.get("usage") or {}).get("cost_usd") or 0.0 for r in archived)
-            replay += archived
+        self._take_back(archived, "from_archive", "paid answers taken back from the archive of a replaced attempt")
+        replay += archived
         self._resume_attempts(attempts.values(), done)
         self.failures = self._load_failures()
         self._done = done
@@ -384,6 +368,16 @@ class StageRun:
             self.counts["skipped"] = len(self.prompts) - self.pending_count
         self.journal_path.parent.mkdir(parents=True, exist_ok=True)
         self._journal = self.journal_path.open("a", encoding="utf-8")
+
+    def _take_back(self, rows: list[dict], count: str, what: str) -> None:
+        """Rows paid for earlier (the journal's, the archive's) into the writer without a request:
+        counted under `count`, their cost spent before this attempt."""
+        if not rows:
+            return
+        log.info("%s: %d %s, not requested again", self.store.uri(self.ref), len(rows), what)
+        self.writer.write(rows)
+        self.counts[count] = len(rows)
+        self.spent_before_usd += sum((r.get("usage") or {}).get("cost_usd") or 0.0 for r in rows)
 
     def _archived_answers(self, wanted: set[str], done: set[str]) -> list[dict]:
         """Rows of attempts archived by a `--fresh` (storage/archive.py) made with this stage's
