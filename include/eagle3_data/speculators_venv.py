@@ -1,6 +1,7 @@
-"""Where the speculators venv's interpreter is: the probe and the export check run the trainers'
-own code there (its pins differ from ours: requirements-speculators.txt). Below both, so neither
-imports the other for it."""
+"""Where the side venvs' interpreters are: the probe and the export check run the trainers' own
+code in the speculators venv, the vLLM backend its engine in the vLLM venv (their pins differ from
+ours: requirements-speculators.txt, requirements-vllm.txt). Below all of them, so none imports
+another for it."""
 
 from __future__ import annotations
 
@@ -13,12 +14,18 @@ PYTHON_ENV = "EAGLE3_SPECULATORS_PYTHON"
 REPO = Path(__file__).resolve().parents[2]
 
 
-def speculators_python() -> str:
-    """The speculators venv's interpreter: $EAGLE3_SPECULATORS_PYTHON, else the checkout's .venv-speculators."""
-    path = os.environ.get(PYTHON_ENV) or str(REPO / ".venv-speculators" / "bin" / "python")
+def venv_python(env: str, venv: str, requirements: str, what: str) -> str:
+    """A side venv's interpreter (its pins differ from ours): $`env`, else the checkout's `venv`; a
+    UserError saying how to build it (`make {venv without its dot}`) when there is none."""
+    path = os.environ.get(env) or str(REPO / venv / "bin" / "python")
     if not Path(path).exists():
         raise UserError(
-            f"no speculators interpreter at {path} (run `make speculators-venv`, or set "
-            f"{PYTHON_ENV} to the python of a venv with requirements-speculators.txt)"
+            f"{what} at {path} (run `make {venv.lstrip('.').removeprefix('venv-')}-venv`, or set {env} to the "
+            f"python of a venv with {requirements})"
         )
     return path
+
+
+def speculators_python() -> str:
+    """The speculators venv's interpreter: $EAGLE3_SPECULATORS_PYTHON, else the checkout's .venv-speculators."""
+    return venv_python(PYTHON_ENV, ".venv-speculators", "requirements-speculators.txt", "no speculators interpreter")

@@ -51,7 +51,6 @@ log = logging.getLogger(__name__)
 
 VLLM_PYTHON_ENV = "EAGLE3_VLLM_PYTHON"
 WORK_DIR_ENV = "EAGLE3_VLLM_WORK_DIR"  # where the connector's files go when no work_dir is given
-REPO = Path(__file__).resolve().parents[3]
 INCLUDE = Path(__file__).resolve().parents[2]  # the directory holding the eagle3_data package
 LOG_TAIL_LINES = 25
 
@@ -66,13 +65,9 @@ class PromptIdsDiffer(EngineFailed):
 
 def vllm_python() -> str:
     """The vLLM venv's interpreter: $EAGLE3_VLLM_PYTHON, else the checkout's .venv-vllm."""
-    path = os.environ.get(VLLM_PYTHON_ENV) or str(REPO / ".venv-vllm" / "bin" / "python")
-    if not Path(path).exists():
-        raise UserError(
-            f"vllm backend: no vLLM interpreter at {path} (run `make vllm-venv`, or set "
-            f"{VLLM_PYTHON_ENV} to the python of a venv with requirements-vllm.txt)"
-        )
-    return path
+    from eagle3_data.speculators_venv import venv_python
+
+    return venv_python(VLLM_PYTHON_ENV, ".venv-vllm", "requirements-vllm.txt", "vllm backend: no vLLM interpreter")
 
 
 def vllm_layer_ids(indices: Sequence[int], last_hidden: bool, num_layers: int) -> list[int]:
