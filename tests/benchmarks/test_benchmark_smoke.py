@@ -12,6 +12,7 @@ import pytest
 import run_all  # benchmarks/, put on the path by conftest.py
 
 
+@pytest.mark.timeout(2400 + 120)  # conftest.BOUND_S stops the smoke first; pytest's 600 s would cut the wait short
 @pytest.mark.parametrize("name", list(run_all.BENCHMARKS))
 def test_benchmark_smoke(name, smoke_outcome):
     cmd, done = smoke_outcome(name)  # FileNotFoundError (a failure) when its requirement is missing
