@@ -42,7 +42,7 @@ from eagle3_data.pipeline.results import (
     ShardResult,
     ValidateResult,
 )
-from eagle3_data.pipeline.reuse import reusable, same_params
+from eagle3_data.pipeline.reuse import reusable
 from eagle3_data.pipeline.route import load_route
 from eagle3_data.pipeline.run import (
     Run,
@@ -97,7 +97,6 @@ __all__ = [
     "reusable",
     "run_datasets",
     "run_gate",
-    "same_params",
     "score_policy",
     "stage_ref",
     "bulk_tokenizer_for",

@@ -25,10 +25,6 @@ if TYPE_CHECKING:
     from eagle3_data.pipeline.run import Run
 
 
-def same_params(manifest: dict, params: dict) -> bool:
-    return canonical_json(manifest.get("params")) == canonical_json(params)
-
-
 def reusable(store, ref, inputs: list, params: dict | None = None) -> dict[str, Any] | None:
     """The committed manifest of `ref` if it was made from these inputs (and `params`, unless
     None); else None. Changes nothing: a predicate (publish asks it of stages it only reports)."""
