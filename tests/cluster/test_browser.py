@@ -103,3 +103,41 @@ def test_report_tab_shows_everything_at_laptop_widths(cluster, killed_run, width
     assert fit["table_scroll"] <= fit["table_client"], fit
     assert fit["ui"][1] <= fit["ui"][0], fit  # the Airflow page around the frame does not scroll sideways either
     assert fit["labels"] > 0 and not fit["cut"], fit
+
+
+# The verdict block's box, where the page ends at the default window (Browser's 1400 x 1300): in
+# the tab's frame and in the Airflow page around it (the frame's top plus the block's bottom),
+# and each verdict line's dataset, check, state and badge colour.
+VERDICT = f"""(() => {{
+  const d = {REPORT}, frame = document.querySelector('iframe'), v = d.querySelector('section#verdict');
+  const r = v.getBoundingClientRect();
+  return {{first: d.querySelector('h1').nextElementSibling.id, bottom: r.bottom,
+           frame_top: frame.getBoundingClientRect().top, frame_inner: frame.contentWindow.innerHeight,
+           inner: window.innerHeight,
+           lines: [...v.querySelectorAll('tr[data-state]')].map(tr => [tr.dataset.dataset, tr.dataset.check,
+             tr.dataset.state, getComputedStyle(tr.querySelector('span.state')).backgroundColor])}};
+}})()"""
+GREEN, RED = "rgb(46, 125, 50)", "rgb(198, 40, 40)"
+
+
+def test_the_verdict_block_is_the_first_thing_and_above_the_fold(cluster, killed_run, browser):
+    """A person opening the failed run's tab sees the verdict without scrolling: the block is the
+    page's first element after its title, its bottom inside the window (DOM, not a guess from the
+    screenshot), one line per dataset per check, the failed dataset's gate red, the passing one's
+    green. The screenshot is kept for a person to look at."""
+    open_report_tab(browser, cluster)
+    browser.wait_for(f"{REPORT} && {REPORT}.querySelector('section#verdict tr[data-state]')", "the verdict block")
+    shot = browser.screenshot(ARTIFACTS / "cluster-report-verdict.png")
+    got = browser.js(VERDICT)
+    (ARTIFACTS / "cluster-report-verdict.json").write_text(json.dumps(got, indent=1))
+    assert shot.stat().st_size > 10_000
+    assert got["first"] == "verdict", got
+    assert got["bottom"] <= got["frame_inner"], got  # above the fold inside the tab's frame
+    assert got["frame_top"] + got["bottom"] <= got["inner"], got  # and in the window around it
+    pairs = [(ds, check) for ds, check, _, _ in got["lines"]]
+    assert len(pairs) == len(set(pairs)), pairs  # one line per dataset per check
+    states = {(ds, check): (state, color) for ds, check, state, color in got["lines"]}
+    for ds in ("tool_calls", "code"):
+        assert {check for d, check in pairs if d == ds} >= {"gate (bulk mismatch validation)", "policy check"}, pairs
+    assert states[("tool_calls", "gate (bulk mismatch validation)")] == ("fail", RED), states
+    assert states[("code", "gate (bulk mismatch validation)")] == ("pass", GREEN), states

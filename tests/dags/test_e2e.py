@@ -274,8 +274,8 @@ def test_clear_one_dataset_reruns_only_it(stack, dag):
     html = render_html(load_run_report(store, RUN_KEY), title="t")
     assert "Target log-probabilities of the trained tokens" in html
     # the report states the policy check's power: per dataset (the scored check) and on every row
-    power = re.search(r"<b>Power of the policy check:</b> ([^<]*)</p>", html)
-    assert power and "nucleus (" in power[1] and "sampled answers (" in power[1], html  # sampled with top_p
+    power = re.search(r"<b>The policy check in sentences:</b> ([^<]*)</p>", html)
+    assert power and "Nucleus test: " in power[1] and "The sampled answers test (" in power[1], html  # top_p
     assert any(n.startswith("policy power: sampled answers") for n in training["policy_every_row"]["notes"])
 
 

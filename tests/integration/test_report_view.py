@@ -336,9 +336,11 @@ def test_page_and_summary_show_identity_and_policy(store, run_report):
     assert "<th>served by moonshotai/kimi-k2.5 @ Moonshot AI</th><td class='num'>12</td>" in part
     assert "<tr class='bad'><th>policy gap (nats/token, local minus overflow)</th><td class='num'>1.0000</td>" in part
     assert "overflow text is off the target&#39;s policy" in part
-    # the power statement: 12 + 12 samples cannot see 0.1 nats/token with 90% power (their spread 0.035)
-    assert "<tr class='bad'><th>sampled answers: detects with 90% power (shift that matters 0.1000, tolerated " in part
-    assert " UNDERPOWERED</td>" in part and "policy UNDERPOWERED: it cannot see a shift of 0.1 nats/token" in part
+    # the policy statement: 12 + 12 samples cannot see 0.1 nats/token with 90% power (their spread 0.035)
+    statement = part[part.index("The policy check in sentences:") :].split("</p>")[0]
+    assert "The sampled answers test (12 + 12 samples, local + overflow) measured a shift of" in statement
+    assert "more than the 0.1000 that matters: UNDERPOWERED" in statement
+    assert "policy UNDERPOWERED" not in part and "policy power:" not in part  # said once: in the statement
     assert "1x provider Other Cloud is not the pin moonshotai" in part
     md = render_markdown(report)
     assert "| not the pinned model/provider | 1 (7.69%) **(fails)** |" in md
@@ -355,7 +357,7 @@ def test_page_shows_the_policy_distributions_pairs_power_and_least_likely_answer
         side: [
             (float(lo), float(hi), int(n))
             for lo, hi, n in re.findall(
-                r"<title>\[([-\d.e]+), ([-\d.e]+)\): (\d+)</title>",
+                r"<title>\[([-\d.e]+), ([-\d.e]+)[)\]]: (\d+)</title>",  # the last bin holds its upper edge
                 part[part.index(f"({side}: 12 samples") :][:6000].split("</svg>")[0],
             )
         ]
@@ -369,8 +371,9 @@ def test_page_shows_the_policy_distributions_pairs_power_and_least_likely_answer
             f"<tr><td><code>c-{i}</code></td><td class='num'>{lo:.4f}</td><td class='num'>{ov:.4f}</td>"
             f"<td class='num'>{lo - ov:.4f}</td></tr>" in part
         )
-    power = part[part.index("Power of the policy check:") :].split("</p>")[0]
-    assert "sampled answers (12 + 12): detects a shift of" in power and "calibration pairs (3): detects" in power
+    power = part[part.index("The policy check in sentences:") :].split("</p>")[0]
+    assert "The sampled answers test (12 + 12 samples, local + overflow)" in power
+    assert "The calibration pairs (same prompt, greedy) test (3 pairs) measured" in power
     # the least likely overflow answer first, its ids decoded by the real tokenizer, escaped
     worst = part[part.index("Least likely overflow answers") :].split("</details>")[0]
     assert worst.index("<code>overflow-11</code>") < worst.index("<code>overflow-10</code>")
@@ -378,7 +381,7 @@ def test_page_shows_the_policy_distributions_pairs_power_and_least_likely_answer
     assert str(escape(EVIL_ANSWER.replace(" ", "·"))) == "".join(pieces)  # tok filter: spaces as ·
     assert EVIL not in html
     md = render_markdown(report)
-    assert "Power of the policy check: sampled answers (12 + 12): detects a shift of" in md
+    assert "The policy check in sentences: The sampled answers test (12 + 12 samples, local + overflow)" in md
     line = md[md.index("Least likely overflow answers under the target: ") :].split("\n")[0]
     assert line.startswith("Least likely overflow answers under the target: `overflow-11` -1.3100 (The answer is &lt;")
     assert "<script" not in line  # outside a code span: `<` cannot open raw HTML
@@ -597,7 +600,8 @@ def test_a_class_the_gate_adds_shows_up_everywhere(monkeypatch):
 def test_markdown_comes_from_the_same_data(store, run_report):
     report = load_run_report(store, RUN)
     md = render_markdown(report, title="Run <b>")
-    assert md.startswith("# Run <b>\n\nRun key `view-test`")
+    assert md.startswith("# Run <b>\n\n## Verdict\n\nNo stand-ins.\n\n| dataset | check | verdict | why |\n")
+    assert "\nRun key `view-test`" in md
     chat, tool_calls = md.index("\n## chat\n"), md.index("\n## tool_calls\n")
     assert chat < tool_calls and "**Gate: PASSED**" in md[chat:tool_calls]
     tc = md[tool_calls:]
@@ -607,7 +611,9 @@ def test_markdown_comes_from_the_same_data(store, run_report):
     assert f"| reason: {EVIL.replace('<', '&lt;')} reason | 1 |" in tc  # no raw HTML outside code spans
     assert tc.count("| bpe_only | ") == 1 + 8 and "### Bad rows (skipped)" in tc
     bare = render_markdown(report.datasets[1].validation)  # what `eagle3-data validate` writes beside its JSON
-    assert bare.startswith("# Reconstruction validation\n\n**Gate: FAILED**") and "## Mismatches" in bare
+    assert bare.startswith("# Reconstruction validation\n\n## Verdict\n\n| dataset | check | verdict | why |\n")
+    assert "| this dataset | gate (bulk mismatch validation) | 🔴 **FAIL** |" in bare
+    assert "\n**Gate: FAILED**" in bare and "## Mismatches" in bare
 
 
 # The width of the Airflow run page's frame that shows the report (the Validation report tab),

@@ -97,5 +97,5 @@ def test_the_report_opens_with_the_verdicts():
     assert verdicts({"logprob_check": None}, None)[0]["verdict"] == "not compared"
     report = RunReport("k", {"training": {"verdicts": got, "probe_not_run": "Not run: (a stand-in)"}}, [])
     html = render_html(report, title="t")
-    assert html.index("Verdicts") < html.index("The drafter's verdict") and "position 11" in html
-    assert "- probe: **fail**" in render_markdown(report)
+    assert html.index("<section id='verdict'") < html.index("The drafter's verdict") and "position 11" in html
+    assert "| all (run) | probe | 🔴 **FAIL** | alignment fail" in render_markdown(report)

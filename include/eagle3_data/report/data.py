@@ -136,6 +136,7 @@ class DatasetReport:
     generation: dict[str, Any] | None = None
     thresholds: dict[str, float] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
+    validation_uri: str | None = None  # where the validation report lies: the verdict block's commands name its stages
 
     @property
     def gate(self) -> dict[str, Any] | None:
@@ -220,6 +221,7 @@ def load_run_report(store: ArtifactStore, run_key: str) -> RunReport:
             thresholds=dict(entry.get("thresholds") or {}),
             lengths=entry.get("lengths"),
             generation=entry.get("generation"),
+            validation_uri=entry.get("validation"),
         )
         for kind in ARTIFACT_KINDS:
             if entry.get(kind) is None:

@@ -10,6 +10,7 @@ unescaped. Charts are inline SVG whose geometry is computed here and drawn by te
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from functools import cache
 from typing import Any
@@ -44,6 +45,7 @@ def render_html(report: RunReport, *, title: str) -> str:
             report=report,
             classes=classes(),
             datasets=[_dataset_view(d) for d in report.datasets],
+            verdict=verdict_lines(report),
             every_row=every_row_histograms(training.get("logprobs")),
         )
     )
@@ -79,9 +81,174 @@ def render_markdown(
             run=run,
             classes=classes(),
             datasets=[_dataset_view(d) for d in datasets],
+            verdict=verdict_lines(run or RunReport("", {}, list(datasets))),
             max_rows=MAX_MARKDOWN_ROWS,
         )
     )
+
+
+# -- the verdict block ---------------------------------------------------------------------------
+# What each check's failure is fixed or rerun with: the stages it and the stages built on it
+# occupy (reuse.settle refuses to replace a stage while one built on it is not named too), so the
+# DAG param and the CLI's `--fresh` flags name them all. The command is the stage command that
+# has a `--fresh` flag (cli.runs.add_fresh_arg); the probe has none, so only the DAG param.
+_RERUN_FROM = {
+    "gate": ("validate", "eagle3-data validate --input {reconstruct}"),
+    "policy": ("score_policy", "eagle3-data score-policy --input {reconstruct}"),
+    "extraction": ("hidden_states", "eagle3-data extract --input {merge}"),
+    "export": ("hidden_states", "eagle3-data extract --input {merge}"),
+    "probe": ("probe", None),
+}
+VERDICT_STATES = ("pass", "fail", "neutral")
+# config.StandIn's roles as a person reads them at the top of the page
+STAND_IN_WORDS = {
+    "tokenizer": "dev tokenizer",
+    "model": "dev model (a tiny random target)",
+    "local_engine": "dev inference server as the local engine",
+    "overflow_provider": "dev inference server as the overflow provider",
+}
+
+
+def verdict_lines(report: RunReport) -> dict[str, Any]:
+    """The page's first block: one line per dataset per check, each pass, fail or neutral (not
+    run, skipped, not compared: the line says why), the stand-ins the run used, and for a failed
+    check the next step (the DAG param or command that reruns it). Per dataset: the gate (the
+    bulk mismatch validation with billing and identity: validate's run gate) and the policy
+    check; for the run's extracted data as a whole: the extraction's self-check, the export check
+    (only where the probe made one) and the probe."""
+    training = report.index.get("training") or {}
+    lines = []
+    for d in report.datasets:
+        where = _stage_uris(d)
+        lines.append(_gate_line(d, where))
+        lines.append(_policy_line(d, where))
+        for ln in lines[-2:]:
+            ln["dataset"] = ln["dataset"] or "this dataset"  # a bare validation report has no name
+    run_where = _stage_uris(report.datasets[0]) if report.datasets else {}
+    by_check = {}
+    for v in training.get("verdicts") or []:
+        check = str(v.get("check", ""))
+        kind = "extraction" if check.startswith("extraction") else "export" if check.startswith("export") else check
+        by_check[kind] = v
+    every_row = training.get("policy_every_row")
+    if isinstance(every_row, dict):
+        lines.append(
+            _line(
+                "all (run)",
+                "policy on every row",
+                "pass" if every_row.get("passed") else "fail",
+                " ".join(every_row.get("reasons") or [])
+                or "the extraction's log-probabilities, local against overflow",
+                "policy",
+                run_where,
+            )
+        )
+    for kind, label in (("extraction", "extraction self-check"), ("export", "export check"), ("probe", "probe")):
+        v = by_check.get(kind)
+        if v is None:
+            if kind == "probe" and training.get("probe_not_run"):
+                lines.append(_line("all (run)", label, "neutral", str(training["probe_not_run"]), kind, run_where))
+            elif kind == "extraction" and report.datasets and not training.get("logprobs"):
+                lines.append(
+                    _line("all (run)", label, "neutral", "not run: no hidden states in this run", kind, run_where)
+                )
+            continue  # the export check: only where the probe made one
+        verdict = str(v.get("verdict"))
+        state = verdict if verdict in ("pass", "fail") else "neutral"
+        word = verdict if state == "neutral" else None
+        lines.append(_line("all (run)", label, state, str(v.get("rule") or ""), kind, run_where, word))
+    stand_ins = [STAND_IN_WORDS.get(str(s), str(s)) for s in report.index.get("stand_ins") or []]
+    return {
+        "lines": lines,
+        "stand_ins": stand_ins,
+        "failed": sum(1 for ln in lines if ln["state"] == "fail"),
+    }
+
+
+def _line(
+    dataset: str, check: str, state: str, detail: str, kind: str, where: Mapping[str, str], word: str | None = None
+) -> dict[str, Any]:
+    return {
+        "dataset": dataset,
+        "check": check,
+        "state": state,
+        "word": word or {"pass": "pass", "fail": "FAIL", "neutral": "not run"}[state],
+        "detail": detail,
+        "next": _next_step(kind, where) if state == "fail" else None,
+    }
+
+
+def _next_step(kind: str, where: Mapping[str, str]) -> str:
+    from eagle3_data.stages import FRESH_STAGES
+
+    stage, command = _RERUN_FROM[kind]
+    stages = list(FRESH_STAGES[FRESH_STAGES.index(stage) :])
+    dag = f"rerun the DAG with param fresh_stages {json.dumps(stages)}"
+    if command is None:
+        return f"fix what the line names, then {dag}"
+    cli = command.format(**{k: where.get(k, f"s3://BUCKET/runs/RUN_KEY/{k}/DATASET") for k in ("reconstruct", "merge")})
+    return f"fix what the line names, then {dag}, or `{cli} " + " ".join(f"--fresh {s}" for s in stages) + "`"
+
+
+def _stage_uris(d: DatasetReport) -> dict[str, str]:
+    """The dataset's reconstruct stage and the run's merge stage, from its validation report's
+    URI (`.../runs/{run_key}/validate/{dataset}/report.json`), for the commands the block names."""
+    uri = d.validation_uri or ""
+    parts = uri.rsplit("/", 3)
+    if len(parts) != 4 or parts[1] != "validate":
+        return {}
+    return {"reconstruct": f"{parts[0]}/reconstruct/{parts[2]}", "merge": f"{parts[0]}/merge/all"}
+
+
+def _gate_line(d: DatasetReport, where: Mapping[str, str]) -> dict[str, Any]:
+    gate = d.gate
+    if not gate:
+        why = "; ".join(d.errors) or "no validation report for this dataset"
+        return _line(d.name, "gate (bulk mismatch validation)", "neutral", why, "gate", where)
+    s = d.summary()
+    counted = samples_sentence(s)
+    reasons = "; ".join(str(r) for r in gate.get("reasons") or [])
+    detail = f"{counted}." + (f" Failed: {reasons}" if reasons else "")
+    return _line(
+        d.name, "gate (bulk mismatch validation)", "pass" if gate.get("passed") else "fail", detail, "gate", where
+    )
+
+
+# the policy gate's notes for a check that did not run (policy.compare.policy_gate)
+_POLICY_NOT_RUN = ("policy not scored", "policy not checked", "policy: no overflow answers")
+
+
+def _policy_line(d: DatasetReport, where: Mapping[str, str]) -> dict[str, Any]:
+    pol = d.policy
+    check = "policy check"
+    if pol is None:
+        why = "no policy check in the validation report" if d.validation is not None else "no validation report"
+        return _line(d.name, check, "neutral", why, "policy", where)
+    not_run = [str(n) for n in pol.get("notes") or [] if str(n).startswith(_POLICY_NOT_RUN)]
+    if pol.get("passed") and not_run:
+        return _line(d.name, check, "neutral", "; ".join(not_run), "policy", where, "skipped")
+    if pol.get("passed") is False:
+        return _line(d.name, check, "fail", "; ".join(str(r) for r in pol.get("reasons") or []), "policy", where)
+    decision = pol.get("decision") if isinstance(pol.get("decision"), dict) else {}
+    tests = ", ".join(sorted(decision.get("tests") or {})) or "no test"
+    short = " (underpowered: see the policy statement below)" if decision.get("underpowered") else ""
+    return _line(d.name, check, "pass", f"no test rejected ({tests}){short}", "policy", where)
+
+
+def samples_sentence(s: Mapping[str, Any]) -> str:
+    """What the gate's sample count counts: the local engine's answers the round trip validated
+    (overflow answers are checked by billing, not round-tripped), beside how many the local path
+    generated, how many failed there and how many rows were skipped as bad."""
+    gen = (s.get("generation") or {}).get("local") if isinstance(s.get("generation"), dict) else None
+    text = f"{s['samples']:,} local answers round-tripped (decode, parse, reconstruct, compare ids)"
+    extra = []
+    if isinstance(gen, dict) and is_number(gen.get("ok")):
+        extra.append(f"of {fmt_num(gen['ok'])} the local engine answered")
+        if gen.get("failed"):
+            extra.append(f"{fmt_num(gen['failed'])} failed in generation, not validated")
+    if s.get("bad_rows"):
+        extra.append(f"{s['bad_rows']:,} bad rows skipped")
+    return text + (f" ({'; '.join(extra)})" if extra else "")
 
 
 # -- view data -----------------------------------------------------------------------------------
@@ -177,10 +344,26 @@ def _threshold_bars(s: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def _histogram(edges: Sequence[float], counts: Sequence[int], color: str) -> dict[str, Any]:
-    width, height, left, bottom = 420, 170, 40, 34
+LABEL_FONT_PX = 10  # the bins' range labels, drawn upright under their bars
+LABEL_FONT_CHAR_PX = 6.2
+
+
+def _histogram(edges: Sequence[float], counts: Sequence[int], color: str, closed_last: bool = False) -> dict[str, Any]:
+    """A histogram's geometry, each bar labelled by its range (`edge_labels`): a person reads
+    which values a bar holds without hovering; the labels run upwards under their bars, so the
+    chart is as tall as its longest label needs. `closed_last`: the last bin holds its upper edge
+    (numpy's histogram)."""
+    labels = edge_labels(edges)
+    ranges = [
+        f"[{labels[i]}, {labels[i + 1]}{']' if closed_last and i == len(counts) - 1 else ')'}"
+        for i in range(len(counts))
+    ]
+    width, left = 420, 40
+    bottom = 12 + int(LABEL_FONT_CHAR_PX * max((len(r) for r in ranges), default=0) + 0.5)
+    inner_h = 122
+    height = 14 + inner_h + bottom
     top = max(1, max(counts, default=0))
-    inner_w, inner_h = width - left - 10, height - bottom - 14
+    inner_w = width - left - 10
     bw = inner_w / max(1, len(counts))
     bars = []
     for i, n in enumerate(counts):
@@ -194,6 +377,8 @@ def _histogram(edges: Sequence[float], counts: Sequence[int], color: str) -> dic
                 "lo": edges[i],
                 "hi": edges[i + 1],
                 "n": n,
+                "label": ranges[i],
+                "label_x": left + (i + 0.5) * bw,
             }
         )
     return {
@@ -205,10 +390,27 @@ def _histogram(edges: Sequence[float], counts: Sequence[int], color: str) -> dic
         "top": top,
         "color": color,
         "bars": bars,
-        "first": edges[0],
-        "middle": edges[len(edges) // 2],
-        "last": edges[-1],
+        "label_y": 14 + inner_h + 5,
     }
+
+
+def edge_labels(edges: Sequence[float]) -> list[str]:
+    """The edges as text, rounded to the fewest decimals (up to 6) that keep every finite edge
+    distinct, so no two bins read alike ("-20, -20" was -20 and -19.75 at no decimals);
+    infinite edges as -inf/inf."""
+    import math
+
+    finite = [float(e) for e in edges if math.isfinite(e)]
+    digits = 0
+    if not all(float(e).is_integer() for e in finite):
+        digits = next((k for k in range(1, 7) if len({round(e, k) for e in finite}) == len(set(finite))), 6)
+
+    def one(e: float) -> str:
+        if math.isinf(e):
+            return "-inf" if e < 0 else "inf"
+        return f"{round(float(e), digits) + 0.0:,.{digits}f}"  # + 0.0: no "-0"
+
+    return [one(e) for e in edges]
 
 
 def _lengths(lengths: Mapping[str, Any] | None) -> list[dict[str, Any]]:
@@ -460,40 +662,23 @@ def _provider(identity: Mapping[str, Any] | None, policy: Mapping[str, Any] | No
             )
         rows += _policy_tests(policy)
     notes = [f"{n}x {why}" for why, n in ((identity or {}).get("reasons") or {}).items()]
+    # the power note and the UNDERPOWERED note are the policy statement's (`policy_statement`), said once there
+    policy_notes = [
+        n for n in (policy or {}).get("notes") or [] if not str(n).startswith(("policy power: ", "policy UNDERPOWERED"))
+    ]
     return {
         "rows": rows,
         "reasons": list((policy or {}).get("reasons") or []),
-        "notes": notes + list((policy or {}).get("notes") or []),
+        "notes": notes + policy_notes,
     }
 
 
 def _policy_tests(policy: Mapping[str, Any]) -> list[tuple[str, str, bool]]:
-    """The decision's rows: per mean test its shift, p-value and the smallest shift it detects with
-    the configured power (flagged when larger than the shift that matters: underpowered), per count
-    test (nucleus, greedy) its counts and p-value, the calibration pairs, and how the sample was
-    sized."""
+    """The count tests' counts (nucleus, greedy: "a of n" tokens outside, of those checked, per
+    path) and p-values, the calibration pairs, and how the sample was sized. The mean tests'
+    shifts and every test's power are the policy statement's (`policy_statement`): said once, in
+    sentences, under the table."""
     rows: list[tuple[str, str, bool]] = []
-    th = policy.get("thresholds") or {}
-    for name, label in (("sampled", "sampled answers"), ("pairs", "calibration pairs (same prompt, greedy)")):
-        t = (policy.get("tests") or {}).get(name)
-        if not isinstance(t, dict):
-            continue
-        rows.append(
-            (
-                f"{label}: shift +- SE / p-value (level)",
-                f"{_nats(t.get('shift'))} +- {_nats(t.get('standard_error'))} / {_p(t.get('p_value'))} "
-                f"({_p(t.get('alpha'))})",
-                bool(t.get("rejected")),
-            )
-        )
-        rows.append(
-            (
-                f"{label}: detects with {fmt_pct(th.get('power'), 0)} power (shift that matters "
-                f"{_nats(th.get('shift'))}, tolerated {_nats(th.get('tolerance'))})",
-                _nats(t.get("min_detectable_shift")) + (" UNDERPOWERED" if t.get("underpowered") else ""),
-                bool(t.get("underpowered")),
-            )
-        )
     for name, label in (("nucleus", "nucleus: tokens outside"), ("greedy", "greedy: tokens off the target's argmax")):
         t = (policy.get("tests") or {}).get(name)
         if not isinstance(t, dict):
@@ -552,14 +737,7 @@ def _policy_detail(policy: Mapping[str, Any] | None) -> dict[str, Any] | None:
             pairs.get("sample_ids") or [], pairs.get("local_means") or [], pairs.get("overflow_means") or []
         )
     ]
-    power = next(
-        (
-            n.removeprefix("policy power: ")
-            for n in (policy or {}).get("notes") or []
-            if isinstance(n, str) and n.startswith("policy power: ")
-        ),
-        None,
-    )
+    power = policy_statement(policy or {})
     worst = {
         side: [
             {
@@ -582,6 +760,61 @@ def _policy_detail(policy: Mapping[str, Any] | None) -> dict[str, Any] | None:
     }
 
 
+def policy_statement(policy: Mapping[str, Any]) -> list[str] | None:
+    """The policy check in sentences, once: per test what it counted, what it found, and the
+    smallest effect it could see with these samples (its power), from the decision's own figures
+    (policy.compare.decide). The nucleus counts say which tokens they count (outside the nucleus,
+    of those checked, per path), so "0 of 91" and "91 checked" cannot be read as each other."""
+    decision = policy.get("decision") if isinstance(policy.get("decision"), dict) else {}
+    tests, th = decision.get("tests") or {}, decision.get("thresholds") or {}
+    if not tests:
+        return None
+    power = fmt_pct(th.get("power"), 0)
+    out = []
+    for name, what in (
+        ("nucleus", "answer tokens lie outside the nucleus their sampling allows (top_p/top_k)"),
+        ("greedy", "greedy calibration answer tokens are not the target's argmax"),
+    ):
+        t = tests.get(name)
+        if not isinstance(t, dict):
+            continue
+        (n, m), (a, b) = t["tokens"], t["outside"]
+        mdr = t.get("min_detectable_rate")
+        seen = "no rate at all with this few tokens" if mdr is None else f"an overflow rate of {fmt_pct(mdr)}"
+        out.append(
+            f"{name.capitalize()} test: {fmt_num(a)} of the {fmt_num(n)} local and {fmt_num(b)} of the "
+            f"{fmt_num(m)} overflow {what} (p = {_p(t.get('p_value'))}, rejected below {_p(t.get('alpha'))}: "
+            f"{'REJECTED' if t.get('rejected') else 'not rejected'}). With these counts it detects {seen} "
+            f"with {power} power{', too little: UNDERPOWERED' if t.get('underpowered') else ''}."
+        )
+    for name, what in (("sampled", "sampled answers"), ("pairs", "calibration pairs (same prompt, greedy)")):
+        t = tests.get(name)
+        if not isinstance(t, dict):
+            out.append(f"The {what} test did not run (fewer than 2 a side).")
+            continue
+        n = list(t.get("samples") or [])
+        sizes = (
+            f"{' + '.join(fmt_num(x) for x in n)} samples, local + overflow"
+            if len(n) > 1
+            else f"{fmt_num(sum(n))} pairs"
+        )
+        out.append(
+            f"The {what} test ({sizes}) measured a shift of {_nats(t.get('shift'))} "
+            f"+- {_nats(t.get('standard_error'))} nats/token in mean log-probability (p = {_p(t.get('p_value'))}, "
+            f"rejected below {_p(t.get('alpha'))}: {'REJECTED' if t.get('rejected') else 'not rejected'}). "
+            f"It detects a shift of {_nats(t.get('min_detectable_shift'))} nats/token with {power} power"
+            + (
+                f", more than the {_nats(th.get('shift'))} that matters: UNDERPOWERED (score more: "
+                "policy.max_samples, or more overflow answers)."
+                if t.get("underpowered")
+                else "."
+            )
+        )
+    if "nucleus" not in tests:
+        out.append("The nucleus test did not run (the sampling has no nucleus to check, or no token was checked).")
+    return out
+
+
 def logprob_histograms(means: Mapping[str, Sequence[float]], bins: int = LOGPROB_BINS) -> list[dict[str, Any]]:
     """One histogram per path of its samples' mean log-probabilities (nats/token), all on the
     same edges so their shapes compare at a glance."""
@@ -600,7 +833,7 @@ def logprob_histograms(means: Mapping[str, Sequence[float]], bins: int = LOGPROB
                 {
                     "caption": f"{side}: {len(vs):,} samples, mean {float(np.mean(vs)):.3f} nats/token",
                     "chart": _histogram(
-                        [round(float(e), 3) for e in edges], [int(c) for c in counts], SIDE_COLORS.get(side, "#555")
+                        [float(e) for e in edges], [int(c) for c in counts], SIDE_COLORS.get(side, "#555"), True
                     ),
                 }
             )
@@ -737,6 +970,16 @@ def fmt_num(v: Any) -> str:
     return f"{v:,.1f}" if isinstance(v, float) and not v.is_integer() else f"{int(v):,}"
 
 
+def note_sentences(note: Any) -> str:
+    """A policy gate note as sentences: "policy power: a; b" (policy.compare.power_statement's
+    clauses) reads "Power of the check: A. B."; any other note gets its full stop."""
+    text = str(note).strip()
+    head, clauses = "", [text]
+    if text.startswith("policy power: "):
+        head, clauses = "Power of the check: ", text.removeprefix("policy power: ").split("; ")
+    return head + " ".join(c[:1].upper() + c[1:] + ("" if c.endswith(".") else ".") for c in clauses if c)
+
+
 def token_text(token: Any) -> str:
     """A token as shown in its box: spaces as ·, newlines as ↵, so whitespace and BPE splits are visible."""
     return str(token).replace(" ", "·").replace("\n", "↵")
@@ -772,6 +1015,7 @@ def _env() -> jinja2.Environment:
         usd=fmt_usd,
         num=fmt_num,
         tok=token_text,
+        sentences=note_sentences,
         md_tokens=md_tokens,
         md_cell=md_cell,
         commas="{:,}".format,
