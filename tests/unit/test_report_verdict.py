@@ -93,6 +93,14 @@ def test_the_page_opens_with_one_line_per_dataset_per_check():
     )
 
 
+def test_a_run_without_hidden_states_says_its_extraction_and_probe_did_not_run():
+    html = render_html(RunReport("k", {}, [_dataset("chat", True)]), title="t")
+    for check in ("extraction self-check", "probe"):
+        line = html.split(f"data-check='{check}'>")[1].split("</tr>")[0]
+        assert "<span class='state neutral'>not run</span>" in line and "no hidden states were committed" in line
+    assert "data-check='export check'" not in html  # only where the probe made one
+
+
 def test_next_steps_name_only_flags_and_stages_that_exist():
     from eagle3_data.cli import build_parser
     from eagle3_data.report.render import verdict_lines

@@ -148,10 +148,9 @@ def verdict_lines(report: RunReport) -> dict[str, Any]:
         if v is None:
             if kind == "probe" and training.get("probe_not_run"):
                 lines.append(_line("all (run)", label, "neutral", str(training["probe_not_run"]), kind, run_where))
-            elif kind == "extraction" and report.datasets and not training.get("logprobs"):
-                lines.append(
-                    _line("all (run)", label, "neutral", "not run: no hidden states in this run", kind, run_where)
-                )
+            elif kind != "export" and report.datasets and not training.get("logprobs"):
+                why = "not run: no hidden states were committed in this run (skipped, or their tasks did not finish)"
+                lines.append(_line("all (run)", label, "neutral", why, kind, run_where))
             continue  # the export check: only where the probe made one
         verdict = str(v.get("verdict"))
         state = verdict if verdict in ("pass", "fail") else "neutral"
