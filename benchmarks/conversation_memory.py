@@ -31,8 +31,8 @@ import json
 import numpy as np
 from transformers import AutoTokenizer
 from eagle3_data.chat_format import get_output_format
-from eagle3_data.generation.checkpoint import parse_prompts
-from eagle3_data.generation.conversations import TurnDriver, read_samples
+from eagle3_data.stages.generate.checkpoint import parse_prompts
+from eagle3_data.conversations import TurnDriver, read_samples
 
 FMT = get_output_format(AutoTokenizer.from_pretrained({tokenizer!r}), thinking=True)
 STOP = FMT.stop_token_ids[0]
@@ -83,7 +83,7 @@ def previous(driver):
     import io
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from eagle3_data.generation.conversations import SAMPLES, Tally
+    from eagle3_data.conversations import SAMPLES, Tally
 
     rows = list(driver.sample_rows())
     buf, tally = io.BytesIO(), Tally()

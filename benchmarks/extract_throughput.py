@@ -30,11 +30,12 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "include"))
 
-from eagle3_data.hidden_states import fp8  # noqa: E402
-from eagle3_data.hidden_states.backends import TransformersBackend  # noqa: E402
-from eagle3_data.hidden_states.extract import ExtractOptions, extract_rows, plan_batches  # noqa: E402
-from eagle3_data.hidden_states.layers import default_layer_ids, hidden_state_indices  # noqa: E402
-from eagle3_data.hidden_states.shards import ShardReader  # noqa: E402
+from eagle3_data import fp8  # noqa: E402
+from eagle3_data.exports.shards import ShardReader  # noqa: E402
+from eagle3_data.extraction_params import ExtractOptions  # noqa: E402
+from eagle3_data.stages.hidden_states.backends import TransformersBackend  # noqa: E402
+from eagle3_data.stages.hidden_states.extract import extract_rows, plan_batches  # noqa: E402
+from eagle3_data.stages.hidden_states.layers import default_layer_ids, hidden_state_indices  # noqa: E402
 
 
 def sync(device: str) -> None:

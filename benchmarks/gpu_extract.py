@@ -35,10 +35,11 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import torch  # noqa: E402
 from extract_throughput import lm_head_share, sync  # noqa: E402
 
-from eagle3_data.hidden_states.backends import TransformersBackend  # noqa: E402
-from eagle3_data.hidden_states.extract import ExtractOptions, extract_rows  # noqa: E402
-from eagle3_data.hidden_states.shards import ShardReader  # noqa: E402
-from eagle3_data.hidden_states.vllm_backend import VllmBackend  # noqa: E402
+from eagle3_data.exports.shards import ShardReader  # noqa: E402
+from eagle3_data.extraction_params import ExtractOptions  # noqa: E402
+from eagle3_data.stages.hidden_states.backends import TransformersBackend  # noqa: E402
+from eagle3_data.stages.hidden_states.extract import extract_rows  # noqa: E402
+from eagle3_data.stages.hidden_states.vllm_backend import VllmBackend  # noqa: E402
 
 
 def build_model(out: Path, *, layers: int, hidden: int, experts: int, seed: int = 0) -> Path:
@@ -179,7 +180,8 @@ def logprob_errors(model_dir: Path, shard_dirs: dict[str, Path], rows: list[dict
 @contextmanager
 def fp32_head():
     """Extraction's log-probability head with its product in fp32 on every device (the previous one)."""
-    from eagle3_data.hidden_states import extract, logprobs
+    from eagle3_data.stages.hidden_states import extract
+    from eagle3_data.target_head import logprobs
 
     class Fp32Head(logprobs.LogprobHead):
         def __init__(self, *a, **k):

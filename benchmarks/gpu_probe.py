@@ -1,7 +1,7 @@
 """The probe's cost on one GPU at Kimi-K2.5's width: a random DeepSeek-V3 with H = 7168 and Kimi's
 vocabulary (4 layers: the drafter's cost depends on the width and the vocabularies, not the
 target's depth), random rows extracted with the transformers backend, exported for speculators
-with a 32,000-token draft vocabulary, then `eagle3_data.probe` on cuda (bf16 autocast). Prints
+with a 32,000-token draft vocabulary, then `eagle3_data.stages.probe.drafter` on cuda (bf16 autocast). Prints
 the probe's figures (meaningless on random ids: this measures time) and its seconds per 1,000
 trained samples. Run through benchmarks/gpu_probe.sh.
 
@@ -45,7 +45,7 @@ def main() -> None:
 
     from eagle3_data.config import ProbeConfig
     from eagle3_data.dev.probe_data import export_rows
-    from eagle3_data.probe import OverBudget, default_device, probe_export
+    from eagle3_data.stages.probe.drafter import OverBudget, default_device, probe_export
 
     model = build_model(args.cache / f"dsv3-h{args.hidden}", layers=4, hidden=args.hidden, experts=8)
     rows = make_rows(args.samples, 0, args.median_tokens, 4 * args.median_tokens)

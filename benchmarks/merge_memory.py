@@ -25,8 +25,8 @@ DEFAULT = ["1000x1195", "4000x1195", "16000x1195"]
 FULL = ["83000x1195", "16000x6000"]
 
 SETUP = """
-from eagle3_data.merge import merge_datasets
-if os.environ.get("BENCH_IMPL"):  # another merge.py (e.g. an older commit's) measured the same way
+from eagle3_data.stages.merge.datasets import merge_datasets
+if os.environ.get("BENCH_IMPL"):  # another merge module (an older commit's datasets.py) measured alike
     import importlib.util
     spec = importlib.util.spec_from_file_location("merge_impl", os.environ["BENCH_IMPL"])
     impl = importlib.util.module_from_spec(spec)
@@ -51,7 +51,7 @@ RESULT = {"shards": len(s["shards"]), "tokens": s["totals"]["tokens"], "samples"
 
 
 def run(sizes: list[str], impls: dict[str, tuple[str, dict]]) -> list[dict]:
-    """impls: label -> (merge.py path or "" for the installed one, merge kwargs); measured interleaved."""
+    """impls: label -> (merge module path or "" for the installed one, merge kwargs); measured interleaved."""
     from eagle3_data.storage import StageRef
 
     rows = []
@@ -112,7 +112,7 @@ def main() -> int:
         "--baseline",
         default=None,
         metavar="MERGE_PY",
-        help="also measure this merge.py (e.g. `git show REV:include/eagle3_data/merge.py > old.py`), "
+        help="also measure this merge module ( `git show REV:include/eagle3_data/stages/merge/datasets.py > old.py`), "
         "interleaved with the installed one, with --baseline-kwargs",
     )
     p.add_argument("--baseline-kwargs", default="{}")

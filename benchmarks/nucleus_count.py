@@ -1,6 +1,6 @@
 """The extraction's per-token log-probabilities with and without the nucleus count, as shipped
 against the previous implementation of the same formulas, in the same run
-(hidden_states/logprobs.py `LogprobHead`).
+(target_head/logprobs.py `LogprobHead`).
 
 For every position the extraction takes the LM head's [chunk, V] logits (V = 163,840) and their
 log-softmax; for a sampled answer it also counts the tokens outside the sampling's nucleus: the
@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "include"))
 
 import torch  # noqa: E402
 
-from eagle3_data.hidden_states.logprobs import LogprobHead  # noqa: E402
-from eagle3_data.policy.nucleus import MASS_MARGIN, Nucleus  # noqa: E402
+from eagle3_data.nucleus import MASS_MARGIN, Nucleus  # noqa: E402
+from eagle3_data.target_head.logprobs import LogprobHead  # noqa: E402
 
 VOCAB = 163_840
 

@@ -125,7 +125,7 @@ class Decoded:
 
 def decode_on_send():
     """`stage-decode-on-send`: the shipped send, its answer decoded before the worker goes on."""
-    from eagle3_data.generation import openrouter_http as h
+    from eagle3_data.stages.generate import openrouter_http as h
 
     class DecodeOnSend(h.SdkPost):
         async def stream(self, body, headers, on_open=None):
@@ -143,7 +143,7 @@ def previous_transport():
     import openai
 
     from eagle3_data import json_records
-    from eagle3_data.generation import openrouter_http as h
+    from eagle3_data.stages.generate import openrouter_http as h
 
     async def read_events_by_line(content, answer, named) -> bool:
         data: list[str] = []
@@ -208,8 +208,8 @@ def _cpu() -> float:
 
 
 def run_stage(store, ref, rows, fmt, url: str, concurrency: int, journal_dir: Path, *, stream: bool = True) -> dict:
-    from eagle3_data.generation import openrouter
-    from eagle3_data.generation.checkpoint import StageSetup
+    from eagle3_data.stages.generate import openrouter
+    from eagle3_data.stages.generate.checkpoint import StageSetup
 
     return openrouter.generate_overflow(
         store,
@@ -244,7 +244,7 @@ def main() -> None:
     from eagle3_data.chat_format import get_output_format
     from eagle3_data.dev.inference_server import DevServerProcess
     from eagle3_data.dev.seaweedfs import start_seaweedfs, stop_seaweedfs
-    from eagle3_data.generation import openrouter
+    from eagle3_data.stages.generate import openrouter
     from eagle3_data.storage import ArtifactStore, StageRef
     from eagle3_data.tokenizer import load_tokenizer
 

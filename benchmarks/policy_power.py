@@ -17,7 +17,7 @@ its standard error, p-value and minimum detectable shift at 90% power, the pairs
 difference and p, the greedy test's counts (calibration answer tokens that are not the
 target's argmax, local and overflow) and p, the nucleus test's counts (answer tokens provably outside the sampling's
 nucleus, local and overflow, both on one tokenisation path, from the local engine's top
-`--top-logprobs` log-probabilities at every position, as in production: policy.nucleus), its
+`--top-logprobs` log-probabilities at every position, as in production: nucleus), its
 p-value and smallest detectable outside-rate at 90% power, and the gate's verdict on policy.
 
     .venv/bin/python benchmarks/policy_power.py [--samples 192] [--runs 3] [--max-new-tokens 48]
@@ -63,7 +63,7 @@ def _model():
 def _serve(model, logs: Path, name: str):
     """A `vllm serve` of `model`, healthy. The int8 one starts only when its trial comes (each
     server holds ~4 GB: on a small machine two at once only when needed)."""
-    from eagle3_data.hidden_states.vllm_backend import vllm_python
+    from eagle3_data.stages.hidden_states.vllm_backend import vllm_python
     from eagle3_devtools.vllm_serve import start_vllm_server
 
     server = start_vllm_server(vllm_python(), model, logs / f"{name}.log")

@@ -104,7 +104,7 @@ def main() -> None:
     import torch
 
     from eagle3_data.dev.probe_data import FIT_SIGMAS, arms, calibration, top1_gap_in_standard_errors
-    from eagle3_data.probe import last_state_fit, split, train_and_score
+    from eagle3_data.stages.probe.drafter import last_state_fit, split, train_and_score
 
     torch.set_num_threads(args.threads)
 

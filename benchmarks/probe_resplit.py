@@ -51,7 +51,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from eagle3_data.dev import probe_data
-    from eagle3_data.probe import Arm, split, train_and_score
+    from eagle3_data.stages.probe.drafter import Arm, split, train_and_score
 
     torch.set_num_threads(args.threads)
     # re-split rows are longer (up to ~1.3x at 30%): 512 packs 4 of them uncut

@@ -59,9 +59,9 @@ def main() -> None:
     from eagle3_data.chat_format import get_output_format
     from eagle3_data.dev.inference_server import DevServerProcess
     from eagle3_data.dev.seaweedfs import start_seaweedfs, stop_seaweedfs
-    from eagle3_data.generation import local
-    from eagle3_data.generation.checkpoint import StageSetup
-    from eagle3_data.generation.engines import wire_for
+    from eagle3_data.engines import wire_for
+    from eagle3_data.stages.generate import local
+    from eagle3_data.stages.generate.checkpoint import StageSetup
     from eagle3_data.storage import ArtifactStore, StageRef
 
     tok_dir = cached_kimi_tokenizer(REPO / ".cache")  # .cache/kimi-tokenizer-<key>, built once

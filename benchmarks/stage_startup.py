@@ -24,7 +24,7 @@ from pathlib import Path
 CHILD = """
 import sys, types
 from eagle3_data.config import load_config
-from eagle3_data.pipeline.run import Run, output_format
+from eagle3_data.runs.run import Run, output_format
 config = load_config().with_overrides({"tokenizer": {"source": sys.argv[1]}}, where="bench")
 run = Run(config=config, run_key="bench", date=None, datasets=config.dataset_names, dry_run=False,
 skip_hidden_states=False)

@@ -105,7 +105,7 @@ def run_validate(tokenizer_dir: Path, path: Path, report: Path) -> tuple[float, 
 def billing_stage(path: Path):
     """The rows of `path` as an overflow reconstruct stage in a fresh SeaweedFS (prompt ids a quarter
     of each row's length, `usage.prompt_tokens` equal to them, as the provider bills), for the
-    gate's prompt-side billing check (pipeline/validate.py `_prompt_billing_rows` +
+    gate's prompt-side billing check (stages/validate/stage.py `_prompt_billing_rows` +
     `compare_billed_prompts`): a context manager yielding (store, ref, rows)."""
     import contextlib
 
@@ -169,8 +169,8 @@ def billing_stage(path: Path):
 
 
 def billing_seconds(store, ref) -> tuple[float, dict]:
-    from eagle3_data.pipeline.validate import _prompt_billing_rows
-    from eagle3_data.validate.billing import compare_billed_prompts
+    from eagle3_data.stages.validate.billing import compare_billed_prompts
+    from eagle3_data.stages.validate.stage import _prompt_billing_rows
 
     t = time.perf_counter()
     report = compare_billed_prompts(_prompt_billing_rows(store, ref))

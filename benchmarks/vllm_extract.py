@@ -8,7 +8,7 @@ the machine's load drifts:
 2. vLLM engine only: the engine's own time for the same batches (generate + drain, from the
    worker), i.e. extraction minus our read/pack/write.
    vLLM extract without log-probs: 1. with `ExtractOptions.logprobs` off, so the LM head over
-   every token (hidden_states/logprobs.py; on this tiny target most of 1.'s time: its head is
+   every token (target_head/logprobs.py; on this tiny target most of 1.'s time: its head is
    84% of a token's FLOPs, 3.5% at Kimi-K2.5's size) is apart from what extraction itself costs.
 3. vLLM plain prefill: the same engine settings without the extraction method or connector,
    `max_tokens=1`: what a prefill costs at all (the floor for any extraction on this engine).
@@ -34,10 +34,11 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from extract_throughput import ensure_model, make_rows  # noqa: E402
 
-from eagle3_data.hidden_states.backends import TransformersBackend  # noqa: E402
-from eagle3_data.hidden_states.extract import ExtractOptions, extract_rows, plan_batches  # noqa: E402
-from eagle3_data.hidden_states.layers import default_layer_ids, hidden_state_indices  # noqa: E402
-from eagle3_data.hidden_states.vllm_backend import VllmBackend, vllm_layer_ids  # noqa: E402
+from eagle3_data.extraction_params import ExtractOptions  # noqa: E402
+from eagle3_data.stages.hidden_states.backends import TransformersBackend  # noqa: E402
+from eagle3_data.stages.hidden_states.extract import extract_rows, plan_batches  # noqa: E402
+from eagle3_data.stages.hidden_states.layers import default_layer_ids, hidden_state_indices  # noqa: E402
+from eagle3_data.stages.hidden_states.vllm_backend import VllmBackend, vllm_layer_ids  # noqa: E402
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 """What a conversation sample must be, computed from the real Kimi template (the tokenizer's
-`apply_chat_template`) and the turns' rows, independently of generation.conversations and the
+`apply_chat_template`) and the turns' rows, independently of conversations and the
 merge: the tests compare the merged records with it."""
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ def check_conversation_records(store, run_key: str, dataset: str, tok, thinking:
     """Every merged record of `dataset` against the template's render at each of its turns
     (tests/conversation_oracle.py): a record of a sample made in rounds from its turns' rows, any
     other from its own row. Returns the records' count per source and the samples' figures."""
-    from eagle3_data.generation.conversations import SAMPLES_FILE, read_samples
-    from eagle3_data.merge import merged_shards
+    from eagle3_data.conversations import SAMPLES_FILE, read_samples
+    from eagle3_data.runs.upstream import merged_shards
     from eagle3_data.storage import StageRef
 
     sides = {}
@@ -108,7 +108,7 @@ def check_spliced_results(store, run_key: str, dataset: str) -> int:
     arguments. Returns how many results were checked (each turn's prompt repeats the ones before)."""
     from collections import defaultdict
 
-    from eagle3_data.generation.conversations import SAMPLES_FILE, read_samples
+    from eagle3_data.conversations import SAMPLES_FILE, read_samples
     from eagle3_data.storage import StageRef
 
     def key(call: dict) -> tuple[str, str]:

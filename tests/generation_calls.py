@@ -6,9 +6,9 @@ options as keywords. The library takes them bound and typed (the output format, 
 from __future__ import annotations
 
 from eagle3_data.chat_format import get_output_format
-from eagle3_data.generation import local, openrouter
-from eagle3_data.generation.checkpoint import StageSetup
-from eagle3_data.generation.engines import wire_for
+from eagle3_data.engines import wire_for
+from eagle3_data.stages.generate import local, openrouter
+from eagle3_data.stages.generate.checkpoint import StageSetup
 
 # The model the dev server serves (a request for another is a 400, as on OpenRouter).
 MODEL = "moonshotai/kimi-k2.5"

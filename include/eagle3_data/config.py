@@ -436,7 +436,7 @@ class ValidationConfig(_Model):
 
 
 class PolicyConfig(_Model):
-    """The policy check (eagle3_data.policy): the local engine scores, per dataset, a pilot of
+    """The policy check (eagle3_data.stages.policy): the local engine scores, per dataset, a pilot of
     sampled overflow and local answers, then as many as the dataset's `validation.policy_shift_nats`
     needs at `policy_power` given the pilot's spread, and the calibration pairs; the decision's
     settings are `validation`'s."""
@@ -543,7 +543,7 @@ class HiddenStatesConfig(_Model):
 
 class ExportConfig(_Model):
     """The trainers' exports (`export-speculators`, `export-specforge`, the probe's): each checks itself
-    through its trainer's own reader before it reports success (hidden_states/check_export.py)."""
+    through its trainer's own reader before it reports success (exports/check.py)."""
 
     check_samples: int = Field(
         8,
@@ -554,7 +554,7 @@ class ExportConfig(_Model):
 
 
 class ProbeConfig(_Model):
-    """The drafter's verdict after extraction (eagle3_data.probe): a small EAGLE-3 head trained with
+    """The drafter's verdict after extraction (eagle3_data.stages.probe.drafter): a small EAGLE-3 head trained with
     speculators on a fixed split of the run's export, scored on the held-out rows. On by default
     where it finishes within `budget_s`: on a GPU worker its defaults take ~5 min at Kimi-K2.5's
     width (measured on an H200, docs/hidden_states.md, "The drafter's verdict"); on a CPU they pace

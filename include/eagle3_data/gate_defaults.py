@@ -7,13 +7,13 @@ DEFAULT_MAX_BILLING_DEVIATION = 0.01
 DEFAULT_MAX_BAD_ROW_RATE = 0.0
 DEFAULT_MAX_MISSING_USAGE_RATE = 0.0
 DEFAULT_MAX_IDENTITY_MISMATCH_RATE = 0.0
-# The prompt side of billing (validate.billing.compare_billed_prompts), in tokens per answer: the
+# The prompt side of billing (stages.validate.billing.compare_billed_prompts), in tokens per answer: the
 # provider renders the same template with the same tokenizer, so an honest count is exact; a few
 # tokens more on every answer is a system prompt or a tool declaration we do not train on.
 DEFAULT_MAX_PROMPT_BILLING_MEAN_ABS_DIFF = 1.0
 DEFAULT_MAX_PROMPT_BILLING_ROW_DIFF = 2
 DEFAULT_MAX_PROMPT_BILLING_ROW_RATE = 0.0
-# The policy check (policy/compare.py): the shift in mean log-probability per token under the
+# The policy check (policy_check.py): the shift in mean log-probability per token under the
 # target that matters (a provider ignoring top_p 0.95 measured +0.18..+0.57 on the tiny model; a
 # lower-bit quantisation may move it less: lower it and score more to see one), the rate at which
 # an honest provider may fail a dataset, and the power the report states the detectable shift at.

@@ -70,7 +70,7 @@ VALIDATION_ROWS = pa.schema(
         ("sample_id", pa.string()),
         ("dataset", pa.string()),
         ("source", pa.string()),
-        ("class", pa.string()),  # one of eagle3_data.validate.CLASSES
+        ("class", pa.string()),  # one of eagle3_data.stages.validate.CLASSES
         ("first_diff", pa.int64()),
         ("original", pa.list_(pa.string())),
         ("reconstructed", pa.list_(pa.string())),

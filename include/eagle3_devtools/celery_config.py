@@ -7,7 +7,7 @@ with, copy-on-write. Without this each task imports the pipeline, transformers a
 loads the configured tokenizer again: the Kimi tokenizer's HF load alone costs about 7 s of CPU,
 paid by audit, load_route and both generation stages of every dataset of every run, which on a
 two-core machine is most of a run's wall time. The tokenizers are loaded through the pipeline's
-own per-source caches (`pipeline.run`), so a task gets the very object it would have built,
+own per-source caches (`runs.run`), so a task gets the very object it would have built,
 from the same files; a worker started after the config changed loads the new source.
 
 Importing Airflow's `DEFAULT_CELERY_CONFIG` unchanged keeps broker, result backend and every
@@ -36,13 +36,13 @@ TASK_MODULES = (
     "airflow.providers.amazon.aws.hooks.s3",
     "eagle3_data.pipeline",
     "eagle3_data.storage",
-    "eagle3_data.prompts",
-    "eagle3_data.generation.routing",
-    "eagle3_data.generation.sglang",
-    "eagle3_data.generation.openrouter",
-    "eagle3_data.reconstruct",
-    "eagle3_data.validate",
-    "eagle3_data.merge",
+    "eagle3_data.stages.prompts.load",
+    "eagle3_data.stages.prompts.routing",
+    "eagle3_data.engines.sglang",
+    "eagle3_data.stages.generate.openrouter",
+    "eagle3_data.reconstruction",
+    "eagle3_data.stages.validate",
+    "eagle3_data.stages.merge.datasets",
     "eagle3_data.report",
     "pyarrow.compute",
     "transformers",
@@ -58,7 +58,7 @@ def warm() -> float:
     start = time.monotonic()
     for name in TASK_MODULES:
         importlib.import_module(name)
-    from eagle3_data.pipeline import run as run_module
+    from eagle3_data.runs import run as run_module
 
     source = load_config().tokenizer.source
     if not source.startswith("s3://"):  # an s3:// source is cached per client: one per task

@@ -218,7 +218,7 @@ def probe_lines(summary: dict) -> list[str]:
 
 def plan_lines(plan: dict, uri: str) -> list[str]:
     """A dry run's plan as a person reads it: per dataset and strategy, samples per side, times, cost."""
-    from eagle3_data.pipeline.route import seconds_text
+    from eagle3_data.stages.prompts.stage import seconds_text
 
     t = plan["totals"]
     lines = [
@@ -274,9 +274,9 @@ def prestart_extraction(config) -> None:
     where `shared_backend` hands it this very engine (same model, TP and max_model_len), by then
     loaded while generation ran."""
     from eagle3_data.config import resolve_source
-    from eagle3_data.hidden_states.engines import shared_backend
-    from eagle3_data.hidden_states.layers import default_layer_ids, hidden_state_indices
-    from eagle3_data.hidden_states.vllm_backend import text_config
+    from eagle3_data.stages.hidden_states.engines import shared_backend
+    from eagle3_data.stages.hidden_states.layers import default_layer_ids, hidden_state_indices
+    from eagle3_data.stages.hidden_states.vllm_backend import text_config
 
     h, model = config.hidden_states, resolve_source(config.model.source)
     layers = text_config(model)["num_hidden_layers"]
@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         server = None
         if args.engine == "vllm":
             # started first: its three processes load while the stack and Airflow's DB come up
-            from eagle3_data.hidden_states.vllm_backend import vllm_python
+            from eagle3_data.stages.hidden_states.vllm_backend import vllm_python
             from eagle3_devtools.vllm_serve import start_vllm_server
 
             deep_merge(overrides, VLLM_OVERRIDES)

@@ -7,7 +7,7 @@ prompts greedy on both paths), then `generate_local` on the local `vllm serve`,
 (the gate). tests/engine/test_policy_faults.py and benchmarks/policy_power.py run it with the
 tiny target behind `eagle3_devtools.provider_proxy`. The sampling has a nucleus (top_p 0.95), so
 score_policy counts the scored answers' tokens outside it from the local engine's top-K, as in
-production (policy.nucleus), at `top_logprobs` a position: the tiny target's distributions are
+production (nucleus), at `top_logprobs` a position: the tiny target's distributions are
 far flatter than a trained model's, and the nucleus test sees them only with K in the hundreds
 (`vllm_serve.MAX_LOGPROBS`, which the launcher allows), and with the fp32 logit margin
 (`policy.nucleus_logit_margin`): both sides' engines are one fp32 server.
@@ -36,8 +36,8 @@ def trial_run(
     model, the sampling fixed by `sampling_seed` (the same text for the same seed), the scoring
     requests asking for `top_logprobs` a position (`policy.top_logprobs`; `policy` overrides more)."""
     from eagle3_data.config import load_config
-    from eagle3_data.pipeline.run import Run
-    from eagle3_data.policy.nucleus import LOGIT_MARGIN
+    from eagle3_data.nucleus import LOGIT_MARGIN
+    from eagle3_data.runs.run import Run
 
     config = load_config().with_overrides(
         {
@@ -63,7 +63,7 @@ def trial_run(
             # billed count: measured elsewhere, not what a policy trial is about
             "validation": {"max_bpe_mismatch_rate": 1.0, "max_billing_deviation": 1.0},
             # the local engine and the provider are one fp32 vLLM server here: their logits differ by
-            # ~1e-5 (hidden_states.logprobs), so the nucleus rule's margin is fp32's, not a bf16 deployment's
+            # ~1e-5 (target_head.logprobs), so the nucleus rule's margin is fp32's, not a bf16 deployment's
             "policy": {"top_logprobs": top_logprobs, "nucleus_logit_margin": LOGIT_MARGIN["float32"], **(policy or {})},
             "datasets": [{"name": DATASET}],
         },
@@ -75,9 +75,9 @@ def trial_run(
 def write_prompts(store, run, samples: int, calibration: int) -> dict[str, str]:
     """`samples` prompts, routed as the prompts stage routes them (fraction 0.5, `calibration`
     of them on both paths); returns the routes."""
-    from eagle3_data.generation.routing import assign_routes
-    from eagle3_data.pipeline.run import stage_ref
+    from eagle3_data.runs.run import stage_ref
     from eagle3_data.stages import PROMPTS
+    from eagle3_data.stages.prompts.routing import assign_routes
     from eagle3_data.storage.writer import StageWriter
 
     ids = [f"p{i:04d}" for i in range(samples)]
@@ -105,8 +105,8 @@ def run_trial(store, run, local_url: str, provider_url: str, *, samples: int, ca
     the committed policy figures (`figures`, with `sizing`) and the decision on them."""
     from eagle3_data import pipeline
     from eagle3_data.errors import GateFailed
-    from eagle3_data.pipeline.policy import policy_summary
-    from eagle3_data.policy.compare import Thresholds, decide_figures
+    from eagle3_data.policy_check import Thresholds, decide_figures
+    from eagle3_data.runs.upstream import policy_summary
 
     write_prompts(store, run, samples, calibration)
     pipeline.generate_local(run, store, DATASET, [local_url])

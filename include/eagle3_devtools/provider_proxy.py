@@ -1,6 +1,6 @@
 """A provider that misbehaves the way real ones do, in front of a real `vllm serve`.
 
-The policy check (eagle3_data.policy) must fail a provider that serves the target's name but not
+The policy check (eagle3_data.stages.policy) must fail a provider that serves the target's name but not
 its policy. To measure that on CPU the "provider" is the tiny target itself behind this proxy,
 which forwards every request byte for byte (the chat route, plain or streamed; /models; anything
 else) and rewrites only the sampling fields of a chat-completions body, as a provider that

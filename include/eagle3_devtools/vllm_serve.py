@@ -22,7 +22,7 @@ SERVED_MODEL_NAME = "tiny-kimi"
 # What the policy check's nucleus test needs of the tiny target (`eagle3_devtools.policy_trial`): its
 # next-token distributions are far flatter than a trained model's (the top_p 0.95 nucleus holds
 # hundreds of ids at most positions, ~900 at the 95th percentile), so the top-K rule
-# (policy/nucleus.py) sees a token outside it only with K in the hundreds (benchmarks/
+# (nucleus.py) sees a token outside it only with K in the hundreds (benchmarks/
 # policy_power.py). A cap, not a cost: a request asking for fewer pays for fewer.
 MAX_LOGPROBS = 1000
 
@@ -71,7 +71,7 @@ def start_vllm_server(
 
     `max_images` > 0 (a Kimi-K2.5 checkpoint): the server takes image prompts with their ids, on
     `--enable-scale-out`'s `/inference/v1/generate`, up to that many `vision_chunk` items each
-    (generation/vllm.py).
+    (engines/vllm.py).
 
     `max_logprobs`: the most log-probabilities a request may ask for per position (`--max-logprobs`,
     vLLM's default 20): the policy check's scoring requests ask for `policy.top_logprobs` at every

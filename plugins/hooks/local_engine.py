@@ -51,7 +51,7 @@ class LocalEngineHook(BaseHook):
         }
 
     def get_endpoints(self) -> list[str]:
-        from eagle3_data.generation.local import local_endpoints
+        from eagle3_data.engines.client import local_endpoints
 
         conn = self.get_connection(self.local_engine_conn_id)
         extra = conn.extra_dejson or {}

@@ -649,7 +649,7 @@ def test_image_prompts_run_through_the_dag(stack, tmp_path, kimi_tokenizer, vllm
     assert entry.generation["images"]["image_rows"] == 4 and entry.generation["images"]["media_tokens"] > 0
 
     # extraction: the transformers backend (pixels.py) over every image sample, none left out
-    from eagle3_data.hidden_states.shards import ShardReader
+    from eagle3_data.exports.shards import ShardReader
     from tests.image_oracle import check_image_sample_states
 
     hs_ref = StageRef("images", "hidden_states", "all")
@@ -730,7 +730,7 @@ def test_conversations_run_through_the_dag_in_every_mode(mode, history, stack, t
         ), merged
 
     # the gate and the billing check are per turn: every local turn's ids validated, every overflow turn billed
-    from eagle3_data.pipeline.validate import BILLING_REPORT, VALIDATION_REPORT
+    from eagle3_data.stages import BILLING_REPORT, VALIDATION_REPORT
 
     validate = StageRef(run_name, "validate", "conversations")
     local_turns = stage_rows(store, run_name, "generate_local", "conversations").values()

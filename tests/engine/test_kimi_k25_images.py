@@ -15,8 +15,8 @@ import json
 import pytest
 import torch
 
-from eagle3_data.hidden_states.final_norm import rms_norm
-from eagle3_data.hidden_states.vllm_backend import PromptIdsDiffer
+from eagle3_data.stages.hidden_states.vllm_backend import PromptIdsDiffer
+from eagle3_data.target_head.final_norm import rms_norm
 from tests.image_oracle import vllm_pixels
 
 INDICES = [2, 4, 5]
@@ -120,8 +120,8 @@ def test_the_transformers_backends_pixels_are_vllms_processors(tiny_kimi_k25_dir
     torchvision) gives vLLM's processor's pixel values and grid, value for value, for small
     images, a wide one and one scaled down to `in_patch_limit` patches; the grid's 2x2-merged
     count is the media-token count our prompt ids were expanded with."""
-    from eagle3_data.hidden_states.pixels import KimiPixels
     from eagle3_data.images import media_tokens
+    from eagle3_data.stages.hidden_states.pixels import KimiPixels
 
     theirs = every_pixels
     ours = KimiPixels.from_model_dir(tiny_kimi_k25_dir)
@@ -138,7 +138,7 @@ def test_hf_backend_batches_image_samples_like_one_forward_each(tiny_kimi_k25_di
     """The reference backend: Kimi-K2.5 loads (it has no causal-LM class), a right-padded batch of
     image and text samples, given the images' bytes, gives each sample's own single forward with
     vLLM's processor's pixels."""
-    from eagle3_data.hidden_states.backends import TransformersBackend
+    from eagle3_data.stages.hidden_states.backends import TransformersBackend
 
     backend = TransformersBackend(tiny_kimi_k25_dir, dtype=torch.float32, max_images=2)
     assert backend.info.num_layers == 8 and backend.info.vocab_size == 163_840
@@ -189,7 +189,7 @@ def test_an_unexpanded_placeholder_is_a_failure_naming_the_first_differing_posit
         vllm_backend.forward([short], INDICES, last_hidden=True, images=[[IMAGES["a"]]])  # the session's layers
 
 
-# -- local generation with images on `vllm serve` (generation/vllm.py: /inference/v1/generate) -----
+# -- local generation with images on `vllm serve` (engines/vllm.py: /inference/v1/generate) -----
 MAX_NEW = 6
 
 
@@ -277,11 +277,11 @@ def test_image_answers_are_scored_with_their_images_as_transformers_scores_them(
     logits given vLLM's processor's pixels, and differ from scoring the ids alone (what the check
     did before: the target scored an answer about an image it was not shown). A wrong media-token
     count is a refusal naming the images, not a score."""
-    from eagle3_data.generation.local import Media
-    from eagle3_data.generation.vllm import VLLM
+    from eagle3_data.engines.client import Media
+    from eagle3_data.engines.vllm import VLLM
     from eagle3_data.images import data_uri
-    from eagle3_data.policy import ScoreOptions, score_items
-    from eagle3_data.policy.select import Item
+    from eagle3_data.nucleus import Item
+    from eagle3_data.stages.policy import ScoreOptions, score_items
 
     names = ["b", "a"]
     ids = prompt(kimi_tokenizer, ["Compare ", "b", " with ", "a"], pixels)

@@ -24,7 +24,7 @@ import pytest
 
 from eagle3_data.config import load_config
 from eagle3_data.errors import GateFailed
-from eagle3_data.pipeline.run import Run
+from eagle3_data.runs.run import Run
 from eagle3_data.stages import PROMPTS
 from eagle3_data.storage.writer import StageWriter
 from eagle3_devtools.vllm_serve import SERVED_MODEL_NAME
@@ -80,7 +80,7 @@ def _prompts(store, run: Run) -> None:
 
 
 def run_ref(run: Run, stage: str):
-    from eagle3_data.pipeline.run import stage_ref
+    from eagle3_data.runs.run import stage_ref
 
     return stage_ref(run, stage, DATASET)
 

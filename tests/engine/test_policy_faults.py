@@ -9,7 +9,7 @@ default policy settings, on the production route: no target in memory, score_pol
 to the session's `vllm serve` also ask for the top log-probabilities at every position
 (`prompt_logprobs`, policy_trial's `top_logprobs`: the tiny target's nucleus holds hundreds of
 ids, so K = 1000 where a trained model's needs ~20; trial (a) asks the default 20), and the
-answer tokens provably outside the sampling's nucleus are counted from them (policy.nucleus, at
+answer tokens provably outside the sampling's nucleus are counted from them (nucleus, at
 the fp32 logit margin: the local engine and the provider are one fp32 server), so the gate runs
 the nucleus test.
 
@@ -119,10 +119,10 @@ def test_more_top_logprobs_than_the_server_allows_stops_scoring_naming_the_fix(v
     """vLLM refuses `prompt_logprobs` above its `--max-logprobs` with a 400 on every request
     (sampling_params.py `_validate_logprobs`): score_policy stops with what to change rather than
     leaving every item unscored as if each were refused for itself."""
+    from eagle3_data.engines.vllm import VLLM
     from eagle3_data.errors import UserError
-    from eagle3_data.generation.vllm import VLLM
-    from eagle3_data.policy import Item, ScoreOptions, score_items
-    from eagle3_data.policy.nucleus import Nucleus
+    from eagle3_data.nucleus import Nucleus
+    from eagle3_data.stages.policy import Item, ScoreOptions, score_items
     from eagle3_devtools.vllm_serve import MAX_LOGPROBS
 
     item = Item("s0", "overflow", "overflow", (163_584, 1000, 2000, 3000, 4000), 3)
@@ -145,9 +145,9 @@ def test_a_calibration_answer_is_counted_against_the_engines_own_argmax(vllm_ser
     argmax lies above it within `greedy_max_gap`, and not counted beyond (a re-split's distance)."""
     import httpx
 
-    from eagle3_data.generation.vllm import VLLM
-    from eagle3_data.policy import Item, ScoreOptions, score_items
-    from eagle3_data.policy.nucleus import LOGIT_MARGIN
+    from eagle3_data.engines.vllm import VLLM
+    from eagle3_data.nucleus import LOGIT_MARGIN
+    from eagle3_data.stages.policy import Item, ScoreOptions, score_items
     from eagle3_devtools.vllm_serve import SERVED_MODEL_NAME
 
     prompt = [163_584, 1000, 2000, 3000, 4000, 5000]

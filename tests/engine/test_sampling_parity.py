@@ -12,8 +12,8 @@ import subprocess
 
 import pytest
 
-from eagle3_data.generation.sglang import SGLANG
-from eagle3_data.generation.vllm import VLLM
+from eagle3_data.engines.sglang import SGLANG
+from eagle3_data.engines.vllm import VLLM
 
 VOCAB = 163_840
 # What vLLM's get_diff_sampling_param() takes from a model's generation_config.json (the values

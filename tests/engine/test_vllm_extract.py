@@ -15,8 +15,9 @@ import json
 import pytest
 import torch
 
-from eagle3_data.hidden_states.extract import ExtractOptions, extract_rows
-from eagle3_data.hidden_states.shards import ShardReader
+from eagle3_data.exports.shards import ShardReader
+from eagle3_data.extraction_params import ExtractOptions
+from eagle3_data.stages.hidden_states.extract import extract_rows
 from tests.integration.test_extract_s3 import generations, s3_env  # noqa: F401  (fixtures)
 
 REL = 1e-5
@@ -128,7 +129,7 @@ def test_cli_extracts_every_shard_on_the_same_engine_and_the_manifest_records_it
 
     from eagle3_data.cli import main
     from eagle3_data.config import default_config_raw
-    from eagle3_data.merge import merged_shards
+    from eagle3_data.runs.upstream import merged_shards
     from eagle3_data.storage import StageRef
     from tests.fixtures.engine import MAX_IMAGES, MAX_MODEL_LEN
     from tests.integration.test_extract_s3 import RUN
@@ -210,8 +211,8 @@ def test_the_engines_answers_and_their_extraction_agree_on_every_log_probability
     extraction of the same ids computes its own. Both equal transformers' forward; the
     extraction's self-check passes on them and fails when a fault moves the states. The figures
     (the fp32 noise the tolerance is set from) are printed."""
-    from eagle3_data.hidden_states.verify import ExtractionDisagrees, LogprobCheck, engine_answers
     from eagle3_data.storage import StageRef
+    from eagle3_data.target_head.verify import ExtractionDisagrees, LogprobCheck, engine_answers
     from tests.generation_calls import generate_vllm
     from tests.unit.test_hidden_states import Faulty
 

@@ -141,7 +141,7 @@ def test_ids_equal_transformers_greedy_and_stop_id_is_kept(
 
 
 def test_the_gate_runs_on_the_engines_output(vllm_server, store, kimi_tokenizer, fmt, tmp_path):
-    from eagle3_data.validate import rows_from_batches, validate_to_report
+    from eagle3_data.stages.validate import rows_from_batches, validate_to_report
 
     ref = StageRef(run_key="vllm-g", stage="generate_local", dataset="chat")
     sampling = {"temperature": 0.0, "max_new_tokens": 12, "thinking": True, "logit_bias": {str(IM_END): 40.0}}

@@ -97,7 +97,7 @@ def test_dag_runs_on_vllm_for_generation_and_extraction(
     vllm_stack, dag_run, vllm_server, vllm_backend, kimi_tokenizer, tiny_kimi_k25_dir, tmp_path
 ):
     from eagle3_data.chat_format import get_output_format
-    from eagle3_data.hidden_states.shards import ShardReader
+    from eagle3_data.exports.shards import ShardReader
     from eagle3_data.pipeline import open_store
     from eagle3_data.storage import StageRef
 
@@ -203,7 +203,7 @@ def test_dag_runs_on_vllm_for_generation_and_extraction(
     assert set(stored) == set(merged)
     from transformers import Kimi_K25ForConditionalGeneration
 
-    from eagle3_data.hidden_states.final_norm import rms_norm
+    from eagle3_data.target_head.final_norm import rms_norm
 
     model = Kimi_K25ForConditionalGeneration.from_pretrained(str(tiny_kimi_k25_dir), dtype=torch.float32).eval()
     for sid in sorted(stored)[:3] + [next(s for s in sorted(stored) if merged[s]["source"] == "openrouter")]:
@@ -309,7 +309,7 @@ def test_image_prompts_run_through_the_dag_on_vllm(
     import yaml
     from airflow.dag_processing.dagbag import DagBag
 
-    from eagle3_data.hidden_states.shards import ShardReader
+    from eagle3_data.exports.shards import ShardReader
     from eagle3_data.images import read_merged_images
     from eagle3_data.pipeline import open_store
     from eagle3_data.storage import StageRef

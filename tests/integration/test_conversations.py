@@ -19,14 +19,14 @@ import yaml
 from eagle3_data.canonical import canonical_json
 from eagle3_data.cli import main
 from eagle3_data.config import default_config_raw
-from eagle3_data.generation.conversations import (
+from eagle3_data.conversations import (
     SAMPLES_FILE,
     call_key,
     read_samples,
     recorded_results,
     trajectory_folds,
 )
-from eagle3_data.merge import _fold, build_record
+from eagle3_data.stages.merge.datasets import _fold, build_record
 from eagle3_data.storage import StageRef
 from tests.conversation_oracle import CONVERSATIONS, IM_END, render
 
@@ -227,8 +227,8 @@ def test_overflow_trajectories_resume_by_turn_and_pay_each_turn_once(store, star
     stage incomplete; the next attempt rebuilds every conversation from the committed turns and
     asks only for the turns after them: the dev server's counters say no turn was paid twice."""
     from eagle3_data.chat_format import get_output_format
-    from eagle3_data.generation.conversations import TurnDriver
-    from eagle3_data.prompts import load_prompts
+    from eagle3_data.conversations import TurnDriver
+    from eagle3_data.stages.prompts.load import load_prompts
     from tests.generation_calls import MODEL, generate_overflow
 
     server = start_dev_server({"price_per_token": {"prompt": 1e-6, "completion": 1e-5}})
@@ -428,12 +428,13 @@ def test_a_trajectory_cut_at_reconstruct_keeps_its_turns_before_the_cut(
     (tests/conversation_oracle.py), none is lost, and the merge manifest's counts add up."""
     from eagle3_data.chat_format import get_output_format
     from eagle3_data.config import MergeConfig, load_config
-    from eagle3_data.generation.conversations import TurnDriver
-    from eagle3_data.merge import merge_datasets, merged_shards
-    from eagle3_data.pipeline import reconstruct
-    from eagle3_data.pipeline.merge import trajectory_folds_of
-    from eagle3_data.pipeline.run import Run
-    from eagle3_data.prompts import load_prompts
+    from eagle3_data.conversations import TurnDriver
+    from eagle3_data.runs.run import Run
+    from eagle3_data.runs.upstream import merged_shards
+    from eagle3_data.stages.merge.datasets import merge_datasets
+    from eagle3_data.stages.merge.stage import trajectory_folds_of
+    from eagle3_data.stages.prompts.load import load_prompts
+    from eagle3_data.stages.reconstruct import stage as reconstruct
     from tests.conversation_oracle import check_conversation_records, stage_rows
     from tests.generation_calls import MODEL, generate_overflow
 
@@ -524,10 +525,10 @@ def test_samples_file_from_the_rows_prompt_ids_equals_the_render(
     byte the file the template's render of every turn's prompt gives (`_rendered`, what a
     resumed stage still does for rows committed before it started). It is written a batch of
     rows at a time (a row group each), with the same rows and figures as one batch."""
+    from eagle3_data import conversations
     from eagle3_data.chat_format import get_output_format
-    from eagle3_data.generation import conversations
-    from eagle3_data.generation.conversations import TurnDriver
-    from eagle3_data.prompts import load_prompts
+    from eagle3_data.conversations import TurnDriver
+    from eagle3_data.stages.prompts.load import load_prompts
     from tests.generation_calls import MODEL, generate_local, generate_overflow
 
     server = start_dev_server({})

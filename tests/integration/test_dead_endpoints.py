@@ -13,9 +13,10 @@ import time
 import pytest
 import yaml
 
+from eagle3_data.engines.client import wait_healthy
 from eagle3_data.errors import EndpointUnavailable
-from eagle3_data.generation.local import LocalOptions, wait_healthy
-from eagle3_data.generation.openrouter_http import SdkPost
+from eagle3_data.stages.generate.local import LocalOptions
+from eagle3_data.stages.generate.openrouter_http import SdkPost
 from eagle3_data.storage import StageRef
 
 SAMPLING = {"temperature": 1.0, "top_p": 0.95, "max_new_tokens": 16, "thinking": True}

@@ -10,10 +10,11 @@ import torch
 
 from eagle3_data.cli import main
 from eagle3_data.errors import UserError
-from eagle3_data.hidden_states.backends import TransformersBackend
-from eagle3_data.hidden_states.extract import ExtractOptions, commit_extraction, extract_shard
-from eagle3_data.hidden_states.shards import ShardReader
-from eagle3_data.merge import merged_shards
+from eagle3_data.exports.shards import ShardReader
+from eagle3_data.extraction_params import ExtractOptions
+from eagle3_data.runs.upstream import merged_shards
+from eagle3_data.stages.hidden_states.backends import TransformersBackend
+from eagle3_data.stages.hidden_states.extract import commit_extraction, extract_shard
 from eagle3_data.storage import IncompleteStage, StageRef
 from tests.fixtures.kimi import VOCAB_SIZE
 from tests.unit.test_merge import gen_row, write_stage
@@ -163,7 +164,7 @@ def test_the_default_extraction_exports_to_both_trainers_with_the_draft_vocabula
 
 def test_extract_shard_resumes_by_shard_and_commit_waits_for_all(store, generations, tiny_kimi_k25_dir, tmp_path):
     from eagle3_data.config import MergeConfig
-    from eagle3_data.merge import merge_datasets
+    from eagle3_data.stages.merge.datasets import merge_datasets
 
     summary = merge_datasets(store, generations, RUN, MergeConfig(shard_tokens=200), vocab_size=VOCAB_SIZE)
     merge_ref = StageRef(**summary["ref"])

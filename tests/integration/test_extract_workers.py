@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from eagle3_data.config import load_config
-from eagle3_data.hidden_states import backends, engines
-from eagle3_data.pipeline.extract import split_shards
+from eagle3_data.stages.hidden_states import backends, engines
+from eagle3_data.stages.hidden_states.stage import split_shards
 from eagle3_data.storage import StageRef
 from tests.fixtures.kimi import VOCAB_SIZE
 from tests.integration.test_extract_s3 import RUN, generations  # noqa: F401  (fixture)
@@ -30,7 +30,7 @@ def counted_loads(monkeypatch):
 
 
 def _run(tiny_kimi_k25_dir, workers):
-    from eagle3_data.pipeline.run import Run
+    from eagle3_data.runs.run import Run
 
     config = load_config().with_overrides(
         {
@@ -54,8 +54,8 @@ def test_one_model_load_per_gpu_worker_resumable_by_shard(
 ):
     from eagle3_data import pipeline
     from eagle3_data.config import MergeConfig
-    from eagle3_data.hidden_states import extract as extract_mod
-    from eagle3_data.merge import merge_datasets
+    from eagle3_data.stages.hidden_states import extract as extract_mod
+    from eagle3_data.stages.merge.datasets import merge_datasets
 
     run = _run(tiny_kimi_k25_dir, workers=2)
     shards = merge_datasets(
@@ -133,8 +133,8 @@ def test_stale_hidden_states_are_refused_then_replaced_on_purpose_under_their_le
     from eagle3_data import pipeline
     from eagle3_data.config import MergeConfig
     from eagle3_data.errors import StageConflict
-    from eagle3_data.hidden_states.extract import commit_extraction, extract_shard
-    from eagle3_data.merge import merge_datasets
+    from eagle3_data.stages.hidden_states.extract import commit_extraction, extract_shard
+    from eagle3_data.stages.merge.datasets import merge_datasets
     from eagle3_data.storage import StageBusy
 
     run = _run(tiny_kimi_k25_dir, workers=1)

@@ -73,7 +73,7 @@ def test_tiktoken_codec_pool(kimi_tokenizer):
 
 
 def test_hidden_state_background_writer():
-    from eagle3_data.hidden_states.extract import _BackgroundWriter
+    from eagle3_data.stages.hidden_states.extract import _BackgroundWriter
 
     writer = _BackgroundWriter(lambda samples, index: {"index": index, "pid": os.getpid()})
     writer.put([], 0)

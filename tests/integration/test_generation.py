@@ -100,8 +100,8 @@ def test_local_generation_draws_prompts_from_a_stream_as_slots_free_up(
     """The pipeline passes the prompts stage as a stream of rows: the client decodes a prompt
     only when a free slot takes it, so at most `in_flight` prompts are alive, never all of them
     queued up front; a spill that cannot be read back stops the stage instead of hanging it."""
-    from eagle3_data.generation import checkpoint
-    from eagle3_data.generation.progress import Progress
+    from eagle3_data.stages.generate import checkpoint
+    from eagle3_data.stages.generate.progress import Progress
 
     dev_server = start_dev_server({})
     decode = checkpoint.Prompts.iter
@@ -290,7 +290,7 @@ def test_calibration_overlap_agrees_unless_bpe_splits(store, start_dev_server, k
     """Route "both" samples go greedy on both paths; the report compares engine ids with the
     reconstruction of the provider's text. The dev server splits BPE tokens only in dataset
     "splitty": there (and only there) the first-N-token agreement must drop while the text agrees."""
-    from eagle3_data.generation.routing import consistency_report
+    from eagle3_data.stages.validate.consistency import consistency_report
 
     server = start_dev_server({"datasets": {"splitty": {"noncanonical_rate": 0.05}}})
     reports = {}

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from eagle3_data.generation.local import DEFAULT_IN_FLIGHT, server_capacity
+from eagle3_data.engines.client import DEFAULT_IN_FLIGHT, server_capacity
 from eagle3_data.storage import StageRef
 from tests.generation_calls import generate_local
 

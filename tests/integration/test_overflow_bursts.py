@@ -9,9 +9,9 @@ import asyncio
 import gc
 import json
 
-from eagle3_data.generation import openrouter
-from eagle3_data.generation.checkpoint import StageRun
-from eagle3_data.generation.openrouter_http import Received
+from eagle3_data.stages.generate import openrouter
+from eagle3_data.stages.generate.checkpoint import StageRun
+from eagle3_data.stages.generate.openrouter_http import Received
 from eagle3_data.storage import StageRef
 from tests.generation_calls import MODEL, generate_overflow
 from tests.integration.test_generation import SAMPLING, SECRET, prompts

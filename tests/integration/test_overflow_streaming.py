@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from eagle3_data.generation.contracts import StopReason
+from eagle3_data.stages.generate.contracts import StopReason
 from eagle3_data.storage import StageRef
 from tests.generation_calls import MODEL, generate_overflow
 from tests.integration.test_generation import SAMPLING, SECRET, WEATHER, prompts
@@ -249,7 +249,7 @@ def test_a_wave_of_answers_sends_the_next_wave_before_decoding_any(
 
     import aiohttp
 
-    from eagle3_data.generation import openrouter, openrouter_http
+    from eagle3_data.stages.generate import openrouter, openrouter_http
 
     C, waves = 4, 3
     server = start_dev_server({"seed": 7, "price_per_token": PRICE})

@@ -20,11 +20,11 @@ from tests.integration.test_extract_s3 import RUN, generations  # noqa: F401  (f
 
 def test_probe_stage_after_the_extraction(store, generations, tiny_kimi_k25_dir, monkeypatch):  # noqa: F811
     from eagle3_data import pipeline
-    from eagle3_data.merge import merge_datasets
-    from eagle3_data.pipeline.publish import _probe_figures
-    from eagle3_data.pipeline.results import ProbeSkipped
-    from eagle3_data.pipeline.run import Run
-    from eagle3_data.probe import simulated_acceptance
+    from eagle3_data.runs.results import ProbeSkipped
+    from eagle3_data.runs.run import Run
+    from eagle3_data.stages.merge.datasets import merge_datasets
+    from eagle3_data.stages.probe.drafter import simulated_acceptance
+    from eagle3_data.stages.publish.stage import _probe_figures
 
     config = load_config().with_overrides(
         {
@@ -47,7 +47,7 @@ def test_probe_stage_after_the_extraction(store, generations, tiny_kimi_k25_dir,
     assert isinstance(skipped, ProbeSkipped) and "no GPU" in skipped.reason and "probe=always" in skipped.reason
     assert not store.is_complete(StageRef(RUN, "probe", "all"))
     with monkeypatch.context() as m:  # a GPU worker whose first steps pace past the budget (the seam faked)
-        import eagle3_data.probe as probe_lib
+        import eagle3_data.stages.probe.drafter as probe_lib
 
         def over(*args, **kwargs):
             raise probe_lib.OverBudget("probe: 200 steps would take ~4000 s on cuda ..., past probe.budget_s 1800")

@@ -23,7 +23,7 @@ DATASET = "tool_calls"
 
 def _run(kimi_tokenizer_dir, run_key: str):
     from eagle3_data.config import load_config
-    from eagle3_data.pipeline.run import Run
+    from eagle3_data.runs.run import Run
 
     config = load_config().with_overrides(
         {"tokenizer": {"source": str(kimi_tokenizer_dir)}, "validation": {"allow_unvalidated_overflow": True}},
@@ -36,7 +36,7 @@ def _overflow_run(store, server, kimi_tokenizer, run):
     """Generate the dataset's first prompts on the overflow path, reconstruct them, and write the
     other stages validate reads (no local rows: the overflow share is allowed unvalidated here)."""
     from eagle3_data import pipeline
-    from eagle3_data.prompts import load_prompts
+    from eagle3_data.stages.prompts.load import load_prompts
     from tests.generation_calls import MODEL, generate_overflow
 
     sampling = {"temperature": 0.0, "max_new_tokens": 96}
@@ -74,7 +74,7 @@ def test_a_provider_rendering_another_prompt_fails_the_gate_on_prompt_billing(
     store, start_dev_server, kimi_tokenizer, kimi_tokenizer_dir
 ):
     from eagle3_data import pipeline
-    from eagle3_data.pipeline.validate import BILLING_REPORT
+    from eagle3_data.stages import BILLING_REPORT
 
     # the honest provider: billed prompt tokens are the template's render of the request, and the gate passes
     honest = _run(kimi_tokenizer_dir, "prompt-billing-honest")

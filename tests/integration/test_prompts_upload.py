@@ -13,7 +13,7 @@ import yaml
 
 from eagle3_data.cli import main
 from eagle3_data.config import default_config_raw, load_config
-from eagle3_data.prompts import load_prompts
+from eagle3_data.stages.prompts.load import load_prompts
 
 SAMPLE = Path(__file__).resolve().parents[2] / "include" / "sample_data"
 

@@ -12,8 +12,8 @@ import json
 
 import pytest
 
-from eagle3_data.generation.contracts import StopReason
 from eagle3_data.schemas import IDENTITY_MISMATCH
+from eagle3_data.stages.generate.contracts import StopReason
 from eagle3_data.storage import StageRef
 from tests.generation_calls import MODEL, generate_overflow
 from tests.integration.test_generation import SAMPLING, SECRET, prompts

@@ -10,7 +10,6 @@ import pytest
 from markupsafe import escape
 
 from eagle3_data.errors import UserError
-from eagle3_data.generation.routing import consistency_report
 from eagle3_data.report import (
     RUN_REPORT_NAME,
     DatasetReport,
@@ -25,9 +24,7 @@ from eagle3_data.report import (
     write_run_report,
 )
 from eagle3_data.run_key import run_key_for
-from eagle3_data.storage import StageRef
-from eagle3_data.storage.writer import StageWriter
-from eagle3_data.validate import (
+from eagle3_data.stages.validate import (
     CLASSES,
     BadRow,
     RowResult,
@@ -35,6 +32,9 @@ from eagle3_data.validate import (
     compare_billed_counts,
     compare_billed_prompts,
 )
+from eagle3_data.stages.validate.consistency import consistency_report
+from eagle3_data.storage import StageRef
+from eagle3_data.storage.writer import StageWriter
 
 RUN = "view-test"
 EVIL = "<script>alert('x')</script>"
@@ -108,9 +108,9 @@ def provider_checks(tokenizer) -> dict:
     12 local and 12 overflow samples, the overflow ones 1 nat/token less likely (off policy), the
     least likely of them EVIL_ANSWER's ids; 3 calibration pairs (PAIRS); the worst samples as
     pipeline.score_policy decodes them, with the real Kimi tokenizer."""
-    from eagle3_data.policy.compare import Thresholds, policy_gate, summarize, worst_samples
-    from eagle3_data.policy.select import Item
-    from eagle3_data.validate import identity_report
+    from eagle3_data.nucleus import Item
+    from eagle3_data.policy_check import Thresholds, policy_gate, summarize, worst_samples
+    from eagle3_data.stages.validate import identity_report
 
     rows = [
         {
@@ -147,9 +147,9 @@ def extraction_logprobs(tokenizer) -> dict:
     local and two overflow answers, the least likely overflow one EVIL_ANSWER's ids, decoded."""
     import torch
 
-    from eagle3_data.hidden_states.extract import _logprob_totals  # the shards' figures added up, as committed
-    from eagle3_data.hidden_states.logprobs import LogprobStats
     from eagle3_data.report.data import decode_least_likely
+    from eagle3_data.stages.hidden_states.extract import _logprob_totals  # the shards' figures added up, as committed
+    from eagle3_data.target_head.logprobs import LogprobStats
 
     stats = LogprobStats()
     answers = {
@@ -563,7 +563,7 @@ def test_every_untrusted_string_is_escaped_by_the_templates():
 
 def test_a_class_the_gate_adds_shows_up_everywhere(monkeypatch):
     """The report reads validate.CLASSES, so a new class needs no edit to the report or templates."""
-    from eagle3_data import validate
+    from eagle3_data.stages import validate
 
     assert "novel_class" not in validate.CLASSES
     monkeypatch.setattr(validate, "CLASSES", (*validate.CLASSES, "novel_class"))

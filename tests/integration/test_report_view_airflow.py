@@ -26,8 +26,8 @@ import yaml
 from eagle3_data.config import DEFAULT_CONFIG_PATH
 from eagle3_data.dev.processes import free_port, wait_http_ok
 from eagle3_data.report import length_stats, write_run_report
+from eagle3_data.stages.validate import CLASSES
 from eagle3_data.storage import ArtifactStore, StageRef
-from eagle3_data.validate import CLASSES
 from eagle3_devtools.stack import airflow_env
 
 REPO = Path(__file__).resolve().parents[2]

@@ -10,8 +10,8 @@ import logging
 
 import pytest
 
-from eagle3_data.generation.contracts import StopReason
-from eagle3_data.generation.openrouter_pricing import Prices, price_answer
+from eagle3_data.stages.generate.contracts import StopReason
+from eagle3_data.stages.generate.openrouter_pricing import Prices, price_answer
 from eagle3_data.storage import StageRef
 from tests.generation_calls import MODEL, generate_overflow
 from tests.integration.test_generation import SAMPLING, SECRET, prompts

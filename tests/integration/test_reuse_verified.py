@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from eagle3_data.pipeline.reuse import reusable
+from eagle3_data.runs.reuse import reusable
 from eagle3_data.storage import CorruptArtifact, StageRef
 from eagle3_data.storage.writer import StageWriter
 

@@ -129,11 +129,11 @@ def test_image_answers_are_scored_with_one_pad_per_image_and_their_image_data(st
     the item, naming the counts: scored over its ids alone, nothing would have noticed."""
     import base64
 
-    from eagle3_data.generation.local import Media
-    from eagle3_data.generation.sglang import SGLANG
+    from eagle3_data.engines.client import Media
+    from eagle3_data.engines.sglang import SGLANG
     from eagle3_data.images import ImageError, media_tokens
-    from eagle3_data.policy import ScoreOptions, score_items
-    from eagle3_data.policy.select import Item
+    from eagle3_data.nucleus import Item
+    from eagle3_data.stages.policy import ScoreOptions, score_items
 
     uri = "data:image/png;base64," + base64.b64encode(PICTURES[0][0]).decode()
     n = media_tokens(64, 48)
@@ -179,14 +179,14 @@ def test_expanded_pads_with_image_data_are_refused_as_sglang_refuses_them(start_
 
 def test_scoring_with_top_logprobs_answers_as_sglang_lists_them(start_dev_server):
     """`top_logprobs_num` K with `return_logprob` (the policy check's scoring request,
-    generation/sglang.py `score_request`): `meta_info.input_top_logprobs` lines up with
+    engines/sglang.py `score_request`): `meta_info.input_top_logprobs` lines up with
     `input_token_logprobs` (None at `logprob_start_len`, then K `[logprob, id, text]` a position,
     descending), as SGLang 0.5.23 sends them (scheduler_components/logprob_result_processor.py
     `_process_input_top_logprobs`, tokenizer_manager.py `detokenize_top_logprobs_tokens`); the wire
     reads them, and the nucleus rule finds none of the stand-in's own text outside. A
     `top_logprobs_num` that is no integer is SGLang's schema error."""
-    from eagle3_data.generation.sglang import SGLANG
-    from eagle3_data.policy.nucleus import Nucleus, outside
+    from eagle3_data.engines.sglang import SGLANG
+    from eagle3_data.nucleus import Nucleus, outside
 
     server = start_dev_server({})
     ids, first, k = [163_584, 1000, 2000, 3000, 4000, 5000, 6000], 4, 8

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_data import merge as merge_mod
 from eagle3_data.cli import main
 from eagle3_data.config import MergeConfig
-from eagle3_data.hidden_states import extract as extract_mod
-from eagle3_data.hidden_states.extract import commit_extraction, extract_shard
-from eagle3_data.merge import merge_datasets
+from eagle3_data.stages.hidden_states import extract as extract_mod
+from eagle3_data.stages.hidden_states.extract import commit_extraction, extract_shard
+from eagle3_data.stages.merge import datasets as merge_mod
+from eagle3_data.stages.merge.datasets import merge_datasets
 from eagle3_data.storage import StageBusy, StageRef
 from tests.fixtures.kimi import VOCAB_SIZE
 from tests.integration.test_extract_s3 import RUN, generations, s3_env  # noqa: F401  (fixtures)
@@ -130,7 +130,7 @@ def test_a_shard_extracted_from_an_earlier_merge_is_redone_not_committed(store, 
     old merge (a zombie; its lease is per shard) can put its summary in place after the re-merge
     discarded the stage: that summary is neither skipped on resume nor committed, since its
     states belong to other token ids."""
-    from eagle3_data.hidden_states.extract import merged_sha256s
+    from eagle3_data.stages.hidden_states.extract import merged_sha256s
     from eagle3_data.storage import IncompleteStage
 
     old = merge_datasets(

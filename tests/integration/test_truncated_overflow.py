@@ -10,8 +10,8 @@ from fastapi.testclient import TestClient
 
 from eagle3_data.chat_format import get_output_format
 from eagle3_data.dev.inference_server import create_app
-from eagle3_data.reconstruct import reconstruct_rows, row_to_reconstruct
-from eagle3_data.validate import compare_billed_counts
+from eagle3_data.reconstruction import reconstruct_rows, row_to_reconstruct
+from eagle3_data.stages.validate import compare_billed_counts
 from eagle3_devtools.stack import SAMPLE_DATA
 from tests.generation_calls import MODEL
 

@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from eagle3_data import draft_vocab
 from eagle3_data.cli import main
 from eagle3_data.dev.probe_data import own_generations, with_trained_norm
-from eagle3_data.hidden_states.check_export import ExportCheckFailed, LocalShards, check_export
+from eagle3_data.exports.check import ExportCheckFailed, LocalShards, check_export
 
 VOCAB = 64
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from eagle3_data import draft_vocab
-from eagle3_data.probe import speculators_python
+from eagle3_data.stages.probe.drafter import speculators_python
 
 ORACLE = Path(__file__).with_name("vocab_oracle.py")
 

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from eagle3_data.dev.probe_data import export_rows, own_generations, with_trained_norm
-from eagle3_data.probe import simulated_acceptance
+from eagle3_data.stages.probe.drafter import simulated_acceptance
 
 SAMPLES = 16
 SPREAD = 0.75  # the held-out loss's spread over 5 correct seeds at the fault benchmark's size
@@ -64,7 +64,7 @@ def test_probe_metrics_are_the_targets_argmax_counted_by_hand(export, tmp_path):
     normalised twice (a fault of dev.probe_data) most are not. Scored on rows it trained on: the
     check is of the measurement, and on unseen rows the 40-step head is right almost nowhere."""
     from eagle3_data.dev.probe_data import inject
-    from eagle3_data.probe import draft_vocab_size, speculators_python
+    from eagle3_data.stages.probe.drafter import draft_vocab_size, speculators_python
 
     target, correct = export
     twice = inject("last_normed_twice", correct, tmp_path / "twice", model_dir=target)
@@ -125,7 +125,7 @@ def test_last_state_fit_is_the_targets_own_forward_and_fails_on_another_samples_
     from transformers import AutoModelForCausalLM
 
     from eagle3_data.dev.probe_data import inject
-    from eagle3_data.probe import last_state_fit
+    from eagle3_data.stages.probe.drafter import last_state_fit
 
     target, correct = export
     rows = list(range(SAMPLES))
@@ -155,7 +155,7 @@ def test_last_state_fit_is_the_targets_own_forward_and_fails_on_another_samples_
     # the fp8 export (hs_connectors' per-token scales): read back through its scales
     from safetensors.torch import load_file, save_file
 
-    from eagle3_data.hidden_states.speculators_export import quantize_per_token
+    from eagle3_data.exports.speculators import quantize_per_token
 
     fp8 = tmp_path / "fp8"
     shutil.copytree(correct, fp8)
@@ -309,7 +309,7 @@ def test_the_probe_tells_six_faults_from_correct_data(tiny_model_dir, tmp_path):
 
     from eagle3_data.config import ProbeConfig
     from eagle3_data.dev.probe_data import FIT_SIGMAS, arms, calibration, top1_gap_in_standard_errors
-    from eagle3_data.probe import last_state_fit, split, train_and_score
+    from eagle3_data.stages.probe.drafter import last_state_fit, split, train_and_score
 
     samples, seeds = 80, 1
     told_by = {

@@ -13,11 +13,12 @@ import torch
 from safetensors.torch import load_file
 
 from eagle3_data.errors import UserError
-from eagle3_data.hidden_states.backends import TransformersBackend
-from eagle3_data.hidden_states.extract import ExtractOptions, extract_rows
-from eagle3_data.hidden_states.shards import ShardReader
-from eagle3_data.hidden_states.speculators_export import export_speculators, quantize_per_token
-from eagle3_data.probe import speculators_python
+from eagle3_data.exports.shards import ShardReader
+from eagle3_data.exports.speculators import export_speculators, quantize_per_token
+from eagle3_data.extraction_params import ExtractOptions
+from eagle3_data.stages.hidden_states.backends import TransformersBackend
+from eagle3_data.stages.hidden_states.extract import extract_rows
+from eagle3_data.stages.probe.drafter import speculators_python
 
 READER = Path(__file__).with_name("speculators_reader.py")
 
@@ -79,7 +80,7 @@ def test_speculators_reads_every_sample_bit_exact(shards, tmp_path, kind):
 def test_ids_only_exports_are_the_trainers_pretokenized_rows(tmp_path):
     """From the merged rows alone: speculators' dataset as its `load_from_disk` reads it, and
     SpecForge's JSONL as its own `prepare_prompt_tasks` takes it (pre-tokenized, no tokenizer)."""
-    from eagle3_data.ids_exports import export_specforge_ids, export_speculators_ids
+    from eagle3_data.exports.ids import export_specforge_ids, export_speculators_ids
 
     rows = [
         {"sample_id": f"m{i}", "input_ids": list(range(5 + i)), "loss_mask": [0, 0] + [1] * (3 + i)} for i in range(4)

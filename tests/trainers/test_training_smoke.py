@@ -14,9 +14,10 @@ import numpy as np
 import torch
 
 from eagle3_data import draft_vocab
-from eagle3_data.hidden_states.backends import TransformersBackend
-from eagle3_data.hidden_states.extract import ExtractOptions, extract_rows
-from eagle3_data.hidden_states.speculators_export import export_speculators
+from eagle3_data.exports.speculators import export_speculators
+from eagle3_data.extraction_params import ExtractOptions
+from eagle3_data.stages.hidden_states.backends import TransformersBackend
+from eagle3_data.stages.hidden_states.extract import extract_rows
 
 REPO = Path(__file__).resolve().parents[2]
 # The venv's own interpreter, started cold: the one test that proves `make speculators-venv`'s

@@ -1,4 +1,4 @@
-"""Finish-together routing (generation/balance.py): the balanced split makes local and overflow,
+"""Finish-together routing (balance.py): the balanced split makes local and overflow,
 running at once, finish within one sample's time of each other, for any rates and sizes."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from eagle3_data.generation.balance import (
+from eagle3_data.balance import (
     Rates,
     balanced_local_count,
     compare_strategies,

@@ -11,7 +11,7 @@ import hashlib
 import json
 
 from eagle3_data.canonical import canonical_json
-from eagle3_data.prompts import sample_id
+from eagle3_data.stages.prompts.load import sample_id
 
 MESSAGES = [{"role": "user", "content": "Grüße, 世界 — ☃"}]
 SAMPLING = {"temperature": 1.0, "top_p": 0.95, "max_new_tokens": 2048, "thinking": True}
@@ -31,7 +31,7 @@ def test_prompts_rows_hash_keeps_its_ascii_spelling():
 
 def test_one_helper_everywhere():
     from eagle3_data import storage
-    from eagle3_data.generation import checkpoint
+    from eagle3_data.stages.generate import checkpoint
 
     assert storage.canonical_json is canonical_json and checkpoint.canonical_json is canonical_json
     assert canonical_json({"b": "é", "a": [1, None]}) == '{"a":[1,null],"b":"é"}'

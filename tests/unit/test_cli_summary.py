@@ -8,7 +8,7 @@ import json
 import pytest
 
 from eagle3_data.cli import runs
-from eagle3_data.pipeline.results import Gate, GenerationResult, PublishResult, ValidateResult
+from eagle3_data.runs.results import Gate, GenerationResult, PublishResult, ValidateResult
 
 URI = "s3://eagle3/eagle3-datagen/runs/k1/generate_local/chat"
 

@@ -75,8 +75,8 @@ def test_params_override_config_and_pick_the_run_key():
 
 
 def test_routing_is_stable_and_exact():
-    """The pipeline's routing config maps onto generation.routing.assign_routes' keywords."""
-    from eagle3_data.generation.routing import assign_routes
+    """The pipeline's routing config maps onto stages.prompts.routing.assign_routes' keywords."""
+    from eagle3_data.stages.prompts.routing import assign_routes
 
     cfg = load_config().with_overrides({"routing": {"overflow_fraction": 0.25, "calibration_samples": 2}})
     ids = [f"s{i}" for i in range(20)]
@@ -278,8 +278,8 @@ def test_client_options_take_the_configs_defaults_and_every_key_it_sets(client):
     import dataclasses
 
     from eagle3_data.config import LocalGenerationConfig, OverflowGenerationConfig, options_from
-    from eagle3_data.generation.local import LocalOptions
-    from eagle3_data.generation.openrouter import OverflowOptions
+    from eagle3_data.stages.generate.local import LocalOptions
+    from eagle3_data.stages.generate.openrouter import OverflowOptions
 
     options, section = {
         "local": (LocalOptions, LocalGenerationConfig()),

@@ -1,4 +1,4 @@
-"""The turn driver's walk (generation.conversations) on hand-made turn rows: which call gets which
+"""The turn driver's walk (conversations) on hand-made turn rows: which call gets which
 recorded result, when a trajectory ends and why, what a regenerated history holds, and that a
 resumed driver (the same rows observed again) asks for exactly the turns not yet answered."""
 
@@ -8,8 +8,7 @@ import json
 
 import pytest
 
-from eagle3_data.generation.checkpoint import parse_prompts
-from eagle3_data.generation.conversations import (
+from eagle3_data.conversations import (
     FOLDED,
     OWN,
     TurnDriver,
@@ -18,6 +17,7 @@ from eagle3_data.generation.conversations import (
     recorded_results,
     trajectory_folds,
 )
+from eagle3_data.stages.generate.checkpoint import parse_prompts
 
 WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 ROW = [

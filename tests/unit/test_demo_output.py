@@ -101,7 +101,7 @@ def test_the_probe_is_said_when_it_ran_and_why_not_when_it_skipped():
     """The demo's machine has no GPU: under the default probe.when auto the probe skips, and the
     demo prints why and how to run it as publish wrote it in the run's summary; a run with the probe
     on shows its verdict; a run that never reached it says nothing of it."""
-    from eagle3_data.pipeline.publish import _probe_not_run
+    from eagle3_data.stages.publish.stage import _probe_not_run
     from eagle3_devtools.demo import probe_lines
 
     (skipped,) = probe_lines({"training": {"probe_not_run": _probe_not_run("auto")}})

@@ -11,12 +11,13 @@ from email.utils import format_datetime
 import pytest
 
 from eagle3_data.errors import UserError
-from eagle3_data.generation.checkpoint import parse_prompts, sampling_for
-from eagle3_data.generation.openrouter_budget import Budget
-from eagle3_data.generation.openrouter_pricing import Prices
-from eagle3_data.generation.progress import LogProgress, Progress, TqdmProgress
-from eagle3_data.generation.retry import backoff_s, parse_retry_after
-from eagle3_data.generation.routing import assign_routes, consistency_report, local_capacity
+from eagle3_data.retry import backoff_s, parse_retry_after
+from eagle3_data.stages.generate.checkpoint import parse_prompts, sampling_for
+from eagle3_data.stages.generate.openrouter_budget import Budget
+from eagle3_data.stages.generate.openrouter_pricing import Prices
+from eagle3_data.stages.generate.progress import LogProgress, Progress, TqdmProgress
+from eagle3_data.stages.prompts.routing import assign_routes, local_capacity
+from eagle3_data.stages.validate.consistency import consistency_report
 
 
 def test_backoff_honours_retry_after_and_grows():
@@ -132,8 +133,8 @@ def test_sglang_answers_are_recorded_as_given_and_checked():
     """SGLang's output_ids run through the matched stop token and its finish_reason names it: the
     client keeps both as given (the validator judges a wrong stop id), and refuses an answer whose
     ids are not as many as meta_info.completion_tokens."""
-    from eagle3_data.generation.local import PromptCut, error_message
-    from eagle3_data.generation.sglang import check_answer
+    from eagle3_data.engines.client import PromptCut, error_message
+    from eagle3_data.engines.sglang import check_answer
     from tests.fixtures.kimi import CHAS, IM_END
 
     stop = {"type": "stop", "matched": IM_END}
@@ -164,7 +165,7 @@ def test_sglang_answers_are_recorded_as_given_and_checked():
 
 
 def test_sampling_params_are_checked_against_sglangs_keys():
-    from eagle3_data.generation.sglang import SAMPLING_KEYS, check_sampling_params
+    from eagle3_data.engines.sglang import SAMPLING_KEYS, check_sampling_params
 
     check_sampling_params({"temperature": 0.6, "top_p": 0.95, "max_new_tokens": 10, "sampling_seed": 1})
     with pytest.raises(
@@ -311,8 +312,8 @@ def test_the_generation_mode_comes_only_from_the_bound_format(engine, kimi_token
     bound once into the output format the clients take; a sampling dict that carries it anyway is
     refused before any request (a client reading it there could mix modes)."""
     from eagle3_data.chat_format import get_output_format
-    from eagle3_data.generation import local, openrouter
-    from eagle3_data.generation.engines import wire_for
+    from eagle3_data.engines import wire_for
+    from eagle3_data.stages.generate import local, openrouter
     from eagle3_data.storage import StageRef
 
     class NothingCommitted:
@@ -349,9 +350,9 @@ def _one_prompt():
 def test_the_one_row_builder_makes_the_generations_schemas_columns():
     """`GenerationRow` and the rows both clients build have the columns the stage's writer stores
     (the Parquet schema is the oracle), ok or failed alike."""
-    from eagle3_data.generation.checkpoint import generation_row
-    from eagle3_data.generation.contracts import GenerationRow
     from eagle3_data.schemas import schema_for
+    from eagle3_data.stages.generate.checkpoint import generation_row
+    from eagle3_data.stages.generate.contracts import GenerationRow
 
     columns = schema_for("generations").names
     assert list(GenerationRow.__annotations__) == columns
@@ -366,8 +367,8 @@ def test_the_one_row_builder_makes_the_generations_schemas_columns():
 
 def test_a_fresh_and_a_reused_stage_summary_have_one_shape(tmp_path):
     """What `pipeline.generate` reads is there whichever way the stage ended."""
-    from eagle3_data.generation.checkpoint import StageRun, StageSetup, reused_summary
-    from eagle3_data.generation.contracts import StageSummary
+    from eagle3_data.stages.generate.checkpoint import StageRun, StageSetup, reused_summary
+    from eagle3_data.stages.generate.contracts import StageSummary
     from eagle3_data.storage import StageRef
 
     class Manifests:  # the two calls a reused stage's summary makes of the store
@@ -387,7 +388,7 @@ def test_a_fresh_and_a_reused_stage_summary_have_one_shape(tmp_path):
 
 def test_stop_reasons_are_their_strings():
     """Summaries, logs and manifests hold the plain strings (JSON, f-strings), as before the enum."""
-    from eagle3_data.generation.contracts import StopReason
+    from eagle3_data.stages.generate.contracts import StopReason
 
     for reason in StopReason:
         assert json.loads(json.dumps({"r": reason})) == {"r": reason.value} and f"{reason}" == reason.value == reason

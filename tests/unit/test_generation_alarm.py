@@ -1,4 +1,4 @@
-"""generation/alarm.py: an execution timeout (a SIGALRM handler that raises, as Airflow's does)
+"""stages/generate/alarm.py: an execution timeout (a SIGALRM handler that raises, as Airflow's does)
 reaches the stage however busy the generation client's event loop is.
 
 The oracle for the hazard is asyncio itself: the first test shows that without the wrapper a
@@ -14,7 +14,7 @@ import time
 import pytest
 import uvloop
 
-from eagle3_data.generation.alarm import with_alarm_outside_callbacks
+from eagle3_data.stages.generate.alarm import with_alarm_outside_callbacks
 
 
 class TaskTimeout(BaseException):

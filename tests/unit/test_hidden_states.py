@@ -14,13 +14,14 @@ import json
 import pytest
 import torch
 
+from eagle3_data import fp8
 from eagle3_data.errors import UserError
-from eagle3_data.hidden_states import fp8
-from eagle3_data.hidden_states.backends import TransformersBackend
-from eagle3_data.hidden_states.export import export_specforge
-from eagle3_data.hidden_states.extract import CorruptHiddenStates, ExtractOptions, extract_rows, plan_batches
-from eagle3_data.hidden_states.layers import default_layer_ids, hidden_state_indices
-from eagle3_data.hidden_states.shards import ShardReader, resolve_storage_dtype
+from eagle3_data.exports.shards import ShardReader, resolve_storage_dtype
+from eagle3_data.extraction_params import ExtractOptions
+from eagle3_data.stages.hidden_states.backends import TransformersBackend
+from eagle3_data.stages.hidden_states.export import export_specforge
+from eagle3_data.stages.hidden_states.extract import CorruptHiddenStates, extract_rows, plan_batches
+from eagle3_data.stages.hidden_states.layers import default_layer_ids, hidden_state_indices
 
 
 def assert_bf16_close(stored: torch.Tensor, ref: torch.Tensor, rel: float = 2**-8) -> None:
@@ -356,7 +357,7 @@ def test_export_to_specforge_layout(backend, rows, tmp_path):
 def test_storage_estimate_at_kimi_size():
     """~57 KB per token in bf16 at H = 7168 (4H values of 2 bytes), ~28.7 KB in speculators' fp8:
     ~8.3 TB for 145 M tokens."""
-    from eagle3_data.hidden_states.storage_estimate import describe, estimate
+    from eagle3_data.storage_estimate import describe, estimate
 
     est = estimate(145_000_000, 7168)
     per = est["bytes_per_token"]
@@ -410,7 +411,7 @@ class Faulty(Wrapped):
 def engine_answers_of(model, rows):
     """What an engine that generated each row's second half would have reported: transformers'
     own log-probabilities of those ids (the oracle, not the extractor's head)."""
-    from eagle3_data.hidden_states.verify import EngineAnswer
+    from eagle3_data.target_head.verify import EngineAnswer
 
     out = {}
     for row in rows:
@@ -421,7 +422,7 @@ def engine_answers_of(model, rows):
 
 @pytest.mark.parametrize("mode", [None, "shift", "batchmate", "early"])
 def test_the_extraction_proves_itself_against_the_engines_logprobs(mode, backend, reference_model, rows, tmp_path):
-    from eagle3_data.hidden_states.verify import ExtractionDisagrees, LogprobCheck
+    from eagle3_data.target_head.verify import ExtractionDisagrees, LogprobCheck
 
     rows = [{**r, "prompt_tokens": len(r["input_ids"]) // 2} for r in rows if len(r["input_ids"]) > 4]
     check = LogprobCheck.for_dtype(engine_answers_of(reference_model, rows), "float32")
@@ -485,8 +486,8 @@ def test_nucleus_counts_the_answer_tokens_outside_the_sampling_and_not_where_it_
     rows sampled with a penalty, without a nucleus or without an answer start are not counted."""
     import json as _json
 
-    from eagle3_data.hidden_states.extract import _logprob_totals
-    from eagle3_data.policy.nucleus import Nucleus
+    from eagle3_data.nucleus import Nucleus
+    from eagle3_data.stages.hidden_states.extract import _logprob_totals
 
     g = torch.Generator().manual_seed(29)
     sampling = {"temperature": temperature, "top_p": 0.9, "top_k": -1, "repetition_penalty": 1.0}

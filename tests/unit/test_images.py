@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from eagle3_data.images import ImageSink, expand_media, media_tokens, read_image
-from eagle3_data.prompts import load_prompts
+from eagle3_data.stages.prompts.load import load_prompts
 from tests.fixtures.kimi import VOCAB_SIZE
 from tests.image_oracle import image_tokens, processor_ids
 
@@ -48,7 +48,7 @@ def test_media_tokens_match_vllms_fused_kimi_k25_processor():
     expands a placeholder to must be what our prompt ids hold."""
     import subprocess
 
-    from eagle3_data.hidden_states.vllm_backend import vllm_python
+    from eagle3_data.stages.hidden_states.vllm_backend import vllm_python
 
     script = f"""
 import json
@@ -219,7 +219,7 @@ def test_merge_keeps_media_tokens_untrained_and_the_references_beside_the_shards
 
     from eagle3_data.config import MergeConfig
     from eagle3_data.images import read_merged_images
-    from eagle3_data.merge import merge_datasets
+    from eagle3_data.stages.merge.datasets import merge_datasets
     from eagle3_data.storage import StageRef
     from eagle3_data.storage.writer import StageWriter
 
@@ -276,8 +276,8 @@ def test_merge_keeps_media_tokens_untrained_and_the_references_beside_the_shards
 
 
 def test_overflow_request_sends_each_image_as_a_data_uri_of_the_stored_bytes(tmp_path, store):
-    from eagle3_data.generation.checkpoint import parse_prompts
-    from eagle3_data.generation.openrouter_rows import RequestShape
+    from eagle3_data.stages.generate.checkpoint import parse_prompts
+    from eagle3_data.stages.generate.openrouter_rows import RequestShape
 
     a = png(33, 17)
     (tmp_path / "p").mkdir(parents=True)
@@ -371,7 +371,7 @@ def test_sample_image_prompts_are_the_generators_and_load_whole(store, tmp_path)
 
 
 def test_the_prompt_token_limit_counts_each_images_media_tokens(tmp_path, store, kimi_fmt):
-    from eagle3_data.prompts import limit_prompt_tokens
+    from eagle3_data.stages.prompts.load import limit_prompt_tokens
 
     (tmp_path / "p").mkdir(parents=True)
     (tmp_path / "p" / "big.png").write_bytes(png(640, 480))

@@ -197,3 +197,52 @@ def test_no_private_store_calls_outside_the_store():
             if pattern.search(line)
         ]
     assert hits == [], "\n".join(hits)
+
+
+STAGES = f"{LIBRARY.name}.stages"
+ABOVE_THE_STAGES = tuple(f"{LIBRARY.name}.{m}" for m in ("stages", "pipeline", "cli", "report", "dev"))
+
+
+def _stage_of(module: str) -> str | None:
+    """`eagle3_data.stages.merge.stage` -> `merge`; None outside a stage package."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "stages" else None
+
+
+def stage_crossings(graph: dict[str, set[str]]) -> list[str]:
+    """`a -> b` for each import of one stage's package by another stage's, and for each import of
+    a stage by a module below the stages (what several stages share lives below them)."""
+    hits = []
+    for module, targets in graph.items():
+        for target in targets:
+            into = _stage_of(target)
+            if into is None:
+                continue
+            own = _stage_of(module)
+            if (own is not None and own != into) or (own is None and not module.startswith(ABOVE_THE_STAGES)):
+                hits.append(f"{module} -> {target}")
+    return sorted(hits)
+
+
+def test_crossing_finder_sees_a_stage_reaching_into_another():
+    graph = {
+        f"{STAGES}.merge.stage": {f"{STAGES}.validate.stage", f"{STAGES}.merge.datasets", f"{LIBRARY.name}.nucleus"},
+        f"{LIBRARY.name}.nucleus": {f"{STAGES}.policy.select"},
+        f"{LIBRARY.name}.pipeline": {f"{STAGES}.merge.stage"},
+    }
+    assert stage_crossings(graph) == [
+        f"{LIBRARY.name}.nucleus -> {STAGES}.policy.select",
+        f"{STAGES}.merge.stage -> {STAGES}.validate.stage",
+    ]
+
+
+def test_one_stage_one_package():
+    """Each stage is one package under stages/ (its logic, `stage.py`, `cli.py`); no stage imports
+    another, and nothing below the stages imports one, lazy imports included."""
+    graph = import_graph(LIBRARY)
+    packages = sorted({s for m in graph if (s := _stage_of(m))})
+    flow = ["audit", "prompts", "generate", "reconstruct", "policy", "validate", "merge", "hidden_states", "probe"]
+    assert packages == sorted([*flow, "publish"])
+    for stage in packages:
+        assert f"{STAGES}.{stage}.stage" in graph and f"{STAGES}.{stage}.cli" in graph, stage
+    assert stage_crossings(graph) == []

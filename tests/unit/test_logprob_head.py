@@ -1,4 +1,4 @@
-"""The extraction's LM head (hidden_states/logprobs.py `LogprobHead`) at logits far from the tiny
+"""The extraction's LM head (target_head/logprobs.py `LogprobHead`) at logits far from the tiny
 target's: large enough that fp32's exp overflows (> ~88), and all so negative that every exp
 underflows. Its log-softmax's normaliser skips the row max while neither happens; here both do,
 in the log-softmax and in the nucleus count's softmax(logits / T). The oracle is torch's own
@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3_data.hidden_states.final_norm import rms_norm
-from eagle3_data.hidden_states.logprobs import LogprobHead
-from eagle3_data.policy.nucleus import Nucleus
+from eagle3_data.nucleus import Nucleus
+from eagle3_data.target_head.final_norm import rms_norm
+from eagle3_data.target_head.logprobs import LogprobHead
 
 V, H, T = 1000, 8, 33
 NORM = (torch.ones(H), 1e-6)

@@ -8,9 +8,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from eagle3_data.config import MergeConfig, load_config
+from eagle3_data.conversations import trajectory_folds
 from eagle3_data.errors import UserError
-from eagle3_data.generation.conversations import trajectory_folds
-from eagle3_data.merge import build_record, merge_datasets, merge_params, merged_shards
+from eagle3_data.runs.upstream import merged_shards
+from eagle3_data.stages.merge.datasets import build_record, merge_datasets, merge_params
 from eagle3_data.storage import IncompleteStage, StageRef
 from eagle3_data.storage.writer import StageWriter
 from tests.fixtures.kimi import IM_END, VOCAB_SIZE
@@ -195,8 +196,8 @@ def test_shuffle_is_seeded_and_independent_of_bucketing(store, two_datasets, tmp
 def test_a_key_added_to_the_merge_section_is_in_the_params_so_reuse_sees_it(store, two_datasets):
     """The manifest's params are the whole `merge` section (pydantic's own dump is the oracle):
     a key added to it needs no list kept in step, and a merge made under another value of it is
-    not reused (pipeline.reuse compares the params)."""
-    from eagle3_data.pipeline.reuse import reusable
+    not reused (runs.reuse compares the params)."""
+    from eagle3_data.runs.reuse import reusable
 
     class Wider(MergeConfig):  # the section as it would be with one more key
         new_knob: int = 3

@@ -103,7 +103,7 @@ def fingerprint(store, inputs, run_key: str, tokens_per_bucket: int, **config) -
     """What must not change: the shard files' bytes and the manifest's shard list and statistics
     (the draft vocabulary, added after the golden was recorded, is `vocab_of`'s)."""
     from eagle3_data.config import MergeConfig
-    from eagle3_data.merge import merge_datasets
+    from eagle3_data.stages.merge.datasets import merge_datasets
     from eagle3_data.storage import StageRef
 
     merge_datasets(store, inputs, run_key, MergeConfig(**config), tokens_per_bucket=tokens_per_bucket, vocab_size=VOCAB)
@@ -166,7 +166,7 @@ def test_buckets_are_cut_by_tokens_and_keep_copies_together(golden_inputs, tmp_p
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    from eagle3_data.merge import _partition, _spill
+    from eagle3_data.stages.merge.datasets import _partition, _spill
 
     store, inputs = golden_inputs
     keys, tokens = _spill(store, inputs, 7, defaultdict(Counter), tmp_path / "spill.arrow")
@@ -193,7 +193,7 @@ def test_chunk_records_equal_the_per_row_reference():
 
     import pyarrow as pa
 
-    from eagle3_data.merge import _BUCKET_SCHEMA, _build_records, _drop_reason, build_record
+    from eagle3_data.stages.merge.datasets import _BUCKET_SCHEMA, _build_records, _drop_reason, build_record
 
     rng = random.Random(5)
     rows = []

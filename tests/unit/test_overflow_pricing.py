@@ -4,8 +4,8 @@ when no content came back, so only a cost in the body settles it (issue 55)."""
 
 from __future__ import annotations
 
-from eagle3_data.generation.openrouter_http import StreamAnswer
-from eagle3_data.generation.provider_answers import body_error, cost_unknown
+from eagle3_data.stages.generate.openrouter_http import StreamAnswer
+from eagle3_data.stages.generate.provider_answers import body_error, cost_unknown
 
 ERROR = {"code": 502, "message": "Provider disconnected mid-stream"}
 

@@ -13,8 +13,8 @@ import openai
 import pytest
 from aiohttp import web
 
-from eagle3_data.generation.openrouter import run_event_loop
-from eagle3_data.generation.openrouter_http import AttemptLost, SdkPost
+from eagle3_data.stages.generate.openrouter import run_event_loop
+from eagle3_data.stages.generate.openrouter_http import AttemptLost, SdkPost
 
 KEY = "sk-or-test-secret-123"
 

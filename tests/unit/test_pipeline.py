@@ -35,7 +35,7 @@ def test_no_local_samples_with_overflow_rows(allow):
     """A dataset whose local side validated nothing cannot vouch for its overflow rows: the gate
     fails unless the dataset allows unvalidated overflow, and is flagged either way."""
     from eagle3_data.pipeline import run_gate
-    from eagle3_data.validate import ValidationSummary, compare_billed_counts
+    from eagle3_data.stages.validate import ValidationSummary, compare_billed_counts
 
     thresholds = load_config().validation.model_copy(update={"allow_unvalidated_overflow": allow})
     local = ValidationSummary(allow_unvalidated_overflow=allow).report()
@@ -48,7 +48,7 @@ def test_no_local_samples_with_overflow_rows(allow):
 
 def test_local_samples_validated_is_not_flagged():
     from eagle3_data.pipeline import run_gate
-    from eagle3_data.validate import ValidationSummary, compare_billed_counts
+    from eagle3_data.stages.validate import ValidationSummary, compare_billed_counts
 
     summary = ValidationSummary()
     summary.counts["exact"] = 3
@@ -65,7 +65,7 @@ def test_bulk_stages_start_on_tiktoken_with_the_hf_hashes(kimi_tokenizer_dir, tm
     import types
 
     from eagle3_data.codec import TiktokenTokenizer
-    from eagle3_data.pipeline import run as run_mod
+    from eagle3_data.runs import run as run_mod
 
     monkeypatch.setenv("EAGLE3_DATA_CACHE", str(tmp_path))
     config = load_config().with_overrides({"tokenizer": {"source": str(kimi_tokenizer_dir)}}, where="test")
@@ -104,9 +104,9 @@ def test_validate_stage_runs_its_worker_pool_under_a_host_sigterm_handler(store,
     import multiprocessing
     import signal
 
-    import eagle3_data.validate.pool as validate_mod
+    import eagle3_data.mismatch.pool as validate_mod
     from eagle3_data import pipeline
-    from eagle3_data.pipeline.run import Run
+    from eagle3_data.runs.run import Run
     from eagle3_data.stages import LOCAL, PROMPTS, RECONSTRUCT
     from tests.fixtures.kimi import REFERENCE_IDS
 
@@ -160,7 +160,7 @@ def test_dry_run_plan_lists_each_strategy_and_balanced_routes_finish_together(
     import json
 
     from eagle3_data import pipeline
-    from eagle3_data.pipeline.run import Run
+    from eagle3_data.runs.run import Run
 
     prompts = tmp_path / "chat.jsonl"
     prompts.write_text(
@@ -215,7 +215,7 @@ def test_image_prompts_go_local_only_when_the_local_endpoints_take_images(
     import json
 
     from eagle3_data import pipeline
-    from eagle3_data.pipeline.run import Run
+    from eagle3_data.runs.run import Run
     from eagle3_devtools.sample_images import png
 
     (tmp_path / "a.png").write_bytes(png(28, 28, lambda x, y: (x, y, 5)))
@@ -263,9 +263,9 @@ def test_overflow_stops_that_pass_by_themselves_are_retried_the_others_fail(reas
     limit, empty credits, a refused parameter or the budget need a person: UserError (the DAG
     fails the task without retries). Either way the message carries the provider's words."""
     from eagle3_data.errors import Retryable, UserError
-    from eagle3_data.generation import openrouter
-    from eagle3_data.pipeline import generate as gen
-    from eagle3_data.pipeline.run import Run
+    from eagle3_data.runs.run import Run
+    from eagle3_data.stages.generate import openrouter
+    from eagle3_data.stages.generate import stage as gen
 
     monkeypatch.setattr(gen, "_reused", lambda *a: None)
     monkeypatch.setattr(gen, "_prompt_rows", lambda *a: iter(()))

@@ -37,7 +37,7 @@ def write_config(tmp_path, kimi_tokenizer_dir, store, **plan) -> str:
 
 
 def dry_run(config_path: str, run_key: str = "dry"):
-    from eagle3_data.pipeline.run import Run
+    from eagle3_data.runs.run import Run
 
     config = load_config(config_path)
     return Run(config=config, run_key=run_key, date=None, datasets=["chat"], dry_run=True, skip_hidden_states=False)
@@ -120,8 +120,8 @@ def test_earlier_runs_on_a_stand_in_are_never_a_source(store, kimi_tokenizer_dir
 
 def test_forked_prompt_counts_equal_the_serial_ones(kimi_tokenizer, monkeypatch):
     """A large load renders its prompts on forked workers: the same counts, rejects and order."""
-    from eagle3_data import prompts as prompts_mod
     from eagle3_data.chat_format import get_output_format
+    from eagle3_data.stages.prompts import load as prompts_mod
 
     fmt = get_output_format(kimi_tokenizer, thinking=True)
     lines = [json.dumps({"messages": [{"role": "user", "content": "word " * (i % 50) + str(i)}]}) for i in range(300)]

@@ -1,4 +1,4 @@
-"""The policy check's decision (policy/compare.py) against synthetic samples of known shift.
+"""The policy check's decision (policy_check.py) against synthetic samples of known shift.
 
 Oracles from outside the code under test: the exact power of a minimum-effect t-test (the
 noncentral t distribution, solved here for the shift it detects with 90% power) and simulation
@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from scipy import optimize, stats
 
-from eagle3_data.policy.compare import (
+from eagle3_data.nucleus import Item
+from eagle3_data.policy_check import (
     Thresholds,
     check,
     decide,
@@ -24,7 +25,6 @@ from eagle3_data.policy.compare import (
     sample_size,
     summarize,
 )
-from eagle3_data.policy.select import Item
 from tests.simulation import slack
 
 SEEDS = 1000
@@ -318,7 +318,7 @@ def test_every_row_gate_compares_local_engines_with_the_provider_by_source():
     """The extraction's per-sample means by merged source: sglang and vllm are the local side,
     openrouter the overflow side; a shift of 1 nat/token over hundreds of samples fails, the
     same distribution passes, and a source the check does not know is left out."""
-    from eagle3_data.policy.compare import Thresholds, every_row_gate
+    from eagle3_data.policy_check import Thresholds, every_row_gate
 
     rng = np.random.default_rng(5)
     local = {"sglang": list(rng.normal(-2.0, 0.3, 300)), "vllm": list(rng.normal(-2.0, 0.3, 100))}

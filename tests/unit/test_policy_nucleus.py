@@ -1,4 +1,4 @@
-"""The policy check's nucleus test (policy/compare.py `nucleus_test`) against synthetic token counts
+"""The policy check's nucleus test (policy_check.py `nucleus_test`) against synthetic token counts
 of known outside-rate.
 
 Oracles from outside the code under test: simulation with a known truth over many seeds (the
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from eagle3_data.policy.compare import (
+from eagle3_data.policy_check import (
     NUCLEUS_RATE,
     Thresholds,
     decide,
@@ -183,8 +183,8 @@ def test_gate_names_a_provider_that_leaves_the_targets_argmax():
 
 
 def test_greedy_counts_only_the_calibration_answers_and_nucleus_counts_only_the_sampled():
-    from eagle3_data.policy.nucleus import nucleus_counts as item_counts
-    from eagle3_data.policy.select import Item
+    from eagle3_data.nucleus import Item
+    from eagle3_data.nucleus import nucleus_counts as item_counts
 
     items = [
         Item("a", "local", "local", (1, 2, 3, 4), 1),
@@ -230,7 +230,7 @@ def test_the_report_shows_each_count_test_with_its_counts_and_flags_a_rejection(
 
 
 def test_off_argmax_counts_a_token_only_clearly_below_the_argmax_and_within_the_window():
-    from eagle3_data.policy.nucleus import off_argmax
+    from eagle3_data.nucleus import off_argmax
 
     own = [-1.0, -1.0005, -1.5, -3.5, -2.0, -0.7]
     top = [[-1.0, -2.0], [-1.0, -3.0], [-1.0, -1.5], [-1.0, -3.5], [-1.2, float("nan")], [-0.7, float("nan")]]

@@ -1,4 +1,4 @@
-"""The nucleus test's top-K rule (policy/nucleus.py `outside`) against the exact rule on full logits.
+"""The nucleus test's top-K rule (nucleus.py `outside`) against the exact rule on full logits.
 
 The oracle is vLLM's own truncation written out here with torch on the whole distribution
 (v1/sample/ops/topk_topp_sampler.py:473-514 `apply_top_k_top_p_pytorch`, after the temperature:
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from eagle3_data.policy.nucleus import ENGINE_LOGIT_MARGIN, Nucleus, outside
+from eagle3_data.nucleus import ENGINE_LOGIT_MARGIN, Nucleus, outside
 
 V = 1024
 ROWS = 16

@@ -1,10 +1,10 @@
-"""Which samples the policy check scores (policy/select.py): sampled pools without the greedy
+"""Which samples the policy check scores (stages/policy/select.py): sampled pools without the greedy
 calibration answers, the calibration pairs on their own count, a pilot contained in the sample
 it grows into."""
 
 from __future__ import annotations
 
-from eagle3_data.policy.select import overflow_items
+from eagle3_data.stages.policy.select import overflow_items
 
 
 def rows(n: int) -> tuple[list[dict], dict[str, str]]:

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from eagle3_data.errors import UserError
-from eagle3_data.prompts import load_prompts
+from eagle3_data.stages.prompts.load import load_prompts
 
 SAMPLING = {"temperature": 1.0}
 TOOLS = [

@@ -79,7 +79,7 @@ def write_prompts(root: Path) -> Path:
 
 def _run(tokenizer_dir: Path, folder: Path, run_key: str):
     from eagle3_data.config import load_config
-    from eagle3_data.pipeline.run import Run
+    from eagle3_data.runs.run import Run
 
     config = load_config().with_overrides(
         {
@@ -147,7 +147,7 @@ def generation_rows() -> list[dict]:
 def parse_fingerprint() -> list[dict]:
     """What the generation stages take from each prompt: the row fields copied into their rows
     (`generation_row`), the decoded messages/tools sent, and the sampling of calibration samples."""
-    from eagle3_data.generation.checkpoint import generation_row, parse_prompts, sampling_for
+    from eagle3_data.stages.generate.checkpoint import generation_row, parse_prompts, sampling_for
 
     out = []
     for p in parse_prompts(generation_rows(), DATASET, ("local", "both")):
@@ -165,7 +165,7 @@ def parse_fingerprint() -> list[dict]:
 # -- tests ----------------------------------------------------------------------------------------
 def test_load_route_rows_and_hash_match_the_pre_streaming_golden(store, kimi_tokenizer_dir, tmp_path, monkeypatch):
     """Same input -> same prompts stage as before streaming, written in several bounded parts."""
-    from eagle3_data.pipeline import route
+    from eagle3_data.stages.prompts import stage as route
 
     monkeypatch.setattr(route, "PROMPT_ROWS_PER_PART", 97)  # several parts, one cut inside a spill batch
     golden = json.loads(GOLDEN.read_text())["load_route"]
@@ -186,9 +186,9 @@ def test_rows_sha256_streams_the_hash_of_the_whole_list(tmp_path):
     """The incremental hash is sha256(canonical_json(all rows, ascii_only=True)), computed here
     the old way from the whole list, over several spill batches, non-ASCII text and nulls."""
     from eagle3_data.canonical import canonical_json
-    from eagle3_data.generation.routing import assign_routes
-    from eagle3_data.pipeline.route import routed_batches, rows_sha256
-    from eagle3_data.prompts import load_prompts
+    from eagle3_data.stages.prompts.load import load_prompts
+    from eagle3_data.stages.prompts.routing import assign_routes
+    from eagle3_data.stages.prompts.stage import routed_batches, rows_sha256
 
     load = load_prompts(str(write_prompts(tmp_path)), DATASET, sampling=SAMPLING, repeats=4)
     rows = list(load.rows)
@@ -213,7 +213,7 @@ def test_rows_sha256_streams_the_hash_of_the_whole_list(tmp_path):
 
 
 def test_token_limit_drops_rows_from_the_spill_and_keeps_order(tmp_path):
-    from eagle3_data.prompts import limit_prompt_tokens, load_prompts
+    from eagle3_data.stages.prompts.load import limit_prompt_tokens, load_prompts
 
     def count(messages, tools):
         return sum(len(m.get("content") or "") for m in messages)
@@ -232,7 +232,7 @@ def test_generation_stream_is_validated_before_anything_is_spilled_back(tmp_path
     """A bad row anywhere fails the whole parse (before any request), even after many good rows
     already spilled; the pending prompts are decoded lazily, those done are skipped."""
     from eagle3_data.errors import UserError
-    from eagle3_data.generation.checkpoint import parse_prompts
+    from eagle3_data.stages.generate.checkpoint import parse_prompts
 
     rows = generation_rows()
     bad = [*rows, {"sample_id": "late", "dataset": DATASET, "messages": "[]", "tools": None, "route": "local"}]

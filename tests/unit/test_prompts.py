@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from eagle3_data.errors import UserError
-from eagle3_data.prompts import load_prompts, sample_id
+from eagle3_data.stages.prompts.load import load_prompts, sample_id
 
 SAMPLE_DATA = Path(__file__).resolve().parents[2] / "include" / "sample_data"
 SAMPLING = {"temperature": 1.0, "max_tokens": 512}
@@ -188,7 +188,7 @@ def test_a_run_without_logical_date_reads_the_newest_partition_or_undated_prompt
     from types import SimpleNamespace
 
     from eagle3_data.config import load_config
-    from eagle3_data.pipeline.run import Run, prompt_date
+    from eagle3_data.runs.run import Run, prompt_date
 
     write_jsonl(tmp_path / "chat" / "date=2026-11-28" / "part-0.jsonl", [GOOD[0]])
     write_jsonl(tmp_path / "chat" / "date=2026-11-29" / "part-0.jsonl", [GOOD[1]])
@@ -231,7 +231,7 @@ def test_a_missing_prompts_source_says_no_such_file_not_partition_advice(tmp_pat
     from types import SimpleNamespace
 
     from eagle3_data.config import load_config
-    from eagle3_data.pipeline.run import Run, prompt_date
+    from eagle3_data.runs.run import Run, prompt_date
 
     (tmp_path / "empty").mkdir()
     sources = {
@@ -285,7 +285,7 @@ def test_s3_sources_file_prefix_and_date(s3, s3_bucket):
 
 # -- loud rejects and limits (issue 13 item 4) ------------------------------------------------------
 def _load_lines(tmp_path, lines: list[bytes], **kw):
-    from eagle3_data.prompts import load_prompts
+    from eagle3_data.stages.prompts.load import load_prompts
 
     path = tmp_path / "p.jsonl"
     path.write_bytes(b"\n".join(lines) + b"\n")
@@ -353,7 +353,7 @@ def test_parquet_rows_with_deep_or_surrogate_strings_are_rejects(tmp_path):
 
 
 def test_message_byte_limit_and_prompt_token_limit(tmp_path):
-    from eagle3_data.prompts import limit_prompt_tokens
+    from eagle3_data.stages.prompts.load import limit_prompt_tokens
 
     msg = lambda text: json.dumps({"messages": [{"role": "user", "content": text}]}).encode()  # noqa: E731
     load = _load_lines(tmp_path, [msg("a" * 50), msg("short"), msg("b" * 30)], max_message_bytes=60, repeats=2)
@@ -365,7 +365,7 @@ def test_message_byte_limit_and_prompt_token_limit(tmp_path):
 
 
 def test_unsupported_file_type_and_empty_loads_are_refused(tmp_path):
-    from eagle3_data.prompts import load_prompts, require_rows
+    from eagle3_data.stages.prompts.load import load_prompts, require_rows
 
     (tmp_path / "p.csv").write_text("messages\nhi\n")
     with pytest.raises(UserError, match="unsupported file type '.csv'"):
@@ -376,7 +376,7 @@ def test_unsupported_file_type_and_empty_loads_are_refused(tmp_path):
 
 
 def test_rejects_are_grouped_by_kind_with_the_first_few_shown(tmp_path):
-    from eagle3_data.prompts import format_load_rejects
+    from eagle3_data.stages.prompts.load import format_load_rejects
 
     bots = [json.dumps({"messages": [{"role": "bot", "content": str(i)}]}).encode() for i in range(5)]
     text = format_load_rejects(_load_lines(tmp_path, [b"{bad", *bots]), per_kind=2)
@@ -387,7 +387,7 @@ def test_rejects_are_grouped_by_kind_with_the_first_few_shown(tmp_path):
 
 
 def test_s3_source_needs_the_callers_client():
-    from eagle3_data.prompts import load_prompts
+    from eagle3_data.stages.prompts.load import load_prompts
 
     with pytest.raises(UserError, match="needs the caller's S3 client"):
         load_prompts("s3://bucket/prompts", "p", sampling={})

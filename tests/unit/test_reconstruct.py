@@ -8,7 +8,7 @@ import pytest
 
 from eagle3_data.chat_format import AssistantMessage, ToolCall
 from eagle3_data.errors import UserError
-from eagle3_data.reconstruct import reconstruct, reconstruct_batch, reconstruct_rows, row_to_reconstruct
+from eagle3_data.reconstruction import reconstruct, reconstruct_batch, reconstruct_rows, row_to_reconstruct
 from tests.fixtures.kimi import IM_END, IM_END_AS_TEXT, REFERENCE_IDS, THINK_END
 
 
@@ -155,7 +155,7 @@ FULL_PLAIN_TEXT = "Think: 東京 and 🚀 and naïve.</think>The answer — 四�
 def test_every_cut_inside_a_tool_section_is_unreconstructable(fmt, kimi_tokenizer):
     """Cut after every generated token of a tool-calling answer: with tools offered no cut is
     called faithful; the ones the provider's text visibly breaks say why."""
-    from eagle3_data.reconstruct import unreconstructable_reason
+    from eagle3_data.reconstruction import unreconstructable_reason
 
     ids = kimi_tokenizer.encode(FULL_TOOL_TEXT, add_special_tokens=False)
     section = ids.index(kimi_tokenizer.convert_tokens_to_ids("<|tool_calls_section_begin|>"))
@@ -177,7 +177,7 @@ def test_cuts_inside_reasoning_or_content_without_tools_rebuild_the_generated_id
     """Every cut of a plain answer: faithful ones rebuild exactly the generated prefix (the cut
     right after `</think>` rebuilds the prefix without it); cuts inside a multi-byte character
     are refused."""
-    from eagle3_data.reconstruct import unreconstructable_reason
+    from eagle3_data.reconstruction import unreconstructable_reason
 
     ids = kimi_tokenizer.encode(FULL_PLAIN_TEXT, add_special_tokens=False)
     think_end = ids.index(kimi_tokenizer.convert_tokens_to_ids("</think>"))

@@ -50,8 +50,8 @@ def test_every_row_histograms_draw_the_extractions_own_bins():
     one chart per path."""
     import torch
 
-    from eagle3_data.hidden_states.logprobs import LogprobStats
     from eagle3_data.report.render import every_row_histograms
+    from eagle3_data.target_head.logprobs import LogprobStats
 
     means = {"vllm": [-0.4, -2.5, -2.7], "openrouter": [-7.2, -25.0]}  # -25: below the first edge (-20)
     stats = LogprobStats()

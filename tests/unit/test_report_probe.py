@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import re
 
-from eagle3_data.probe import figures
 from eagle3_data.report.data import RunReport
 from eagle3_data.report.render import render_html
+from eagle3_data.stages.probe.drafter import figures
 
 
 def _sums(acc: list[float], total: float = 100.0, loss: float = 5.0) -> dict:
@@ -60,7 +60,7 @@ def test_the_report_draws_the_probe_curve():
 def test_an_extracted_run_without_a_probe_says_why_not():
     """publish's reason for an extracted run without a verdict (the default auto on a worker
     without a GPU) is on the page where the verdict would be; off (never) says so."""
-    from eagle3_data.pipeline.publish import _probe_not_run
+    from eagle3_data.stages.publish.stage import _probe_not_run
 
     for when, said in (("auto", "probe.when auto runs it on a worker with a GPU"), ("never", "the probe is off")):
         html = render_html(RunReport("k", {"training": {"probe_not_run": _probe_not_run(when)}}, []), title="t")
@@ -71,8 +71,8 @@ def test_an_extracted_run_without_a_probe_says_why_not():
 def test_the_report_opens_with_the_verdicts():
     """publish.verdicts: the extraction's self-check, the probe's export check and the probe's
     verdict, first on the page and in the Markdown."""
-    from eagle3_data.pipeline.publish import verdicts
     from eagle3_data.report.render import render_markdown
+    from eagle3_data.stages.publish.stage import verdicts
 
     hidden = {
         "logprob_check": {

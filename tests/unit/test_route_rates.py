@@ -45,7 +45,7 @@ def config(tmp_path, kimi_tokenizer_dir):
 
 def test_balanced_routing_and_the_plan_use_the_previous_runs_manifests(store, kimi_tokenizer_dir, tmp_path):
     from eagle3_data import pipeline
-    from eagle3_data.pipeline.run import Run
+    from eagle3_data.runs.run import Run
 
     cfg = config(tmp_path, kimi_tokenizer_dir)
     first = pipeline.load_route(
@@ -100,7 +100,7 @@ def test_generation_timeouts_are_sized_from_samples_and_measured_rates(store, ki
     """The generation tasks' execution_timeout: margin x samples / rate, within floor and cap; the
     rate from the dataset's previous run when one was measured (else the config's)."""
     from eagle3_data.pipeline import generation_timeout
-    from eagle3_data.pipeline.run import Run
+    from eagle3_data.runs.run import Run
 
     cfg = config(tmp_path, kimi_tokenizer_dir).with_overrides(
         {"timeouts": {"generation_floor_s": 100, "generation_cap_s": 5000, "generation_margin": 2.0}}, where="test"

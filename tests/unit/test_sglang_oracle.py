@@ -155,8 +155,8 @@ def test_our_image_requests_pass_sglangs_own_generate_contract(sglang_oracle):
     `image_data`, and the policy check's scoring request with `return_logprob`,
     `logprob_start_len` and `top_logprobs_num` beside them; and refuses a malformed `image_data`
     (the check can fail)."""
-    from eagle3_data.generation.local import Media
-    from eagle3_data.generation.sglang import SGLANG
+    from eagle3_data.engines.client import Media
+    from eagle3_data.engines.sglang import SGLANG
 
     media = Media(163_605, ["data:image/png;base64,iVBORw0KGgo="], [6])
     ids = [1, 163_602, *[163_605] * 6, 163_604, 2]

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from eagle3_data.probe import PYTHON_ENV
+from eagle3_data.stages.probe.drafter import PYTHON_ENV
 from eagle3_data.storage.lease import has_exited
 from tests.fixtures.speculators import SERVER_PYTHON, SHIM_FOLDER
 

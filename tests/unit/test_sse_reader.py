@@ -12,7 +12,7 @@ import random
 import pytest
 
 from eagle3_data.dev.inference_server import _sse
-from eagle3_data.generation.openrouter_http import AttemptLost, Received, StreamAnswer, _read_events
+from eagle3_data.stages.generate.openrouter_http import AttemptLost, Received, StreamAnswer, _read_events
 
 ANSWER = {
     "id": "gen-1",

@@ -11,8 +11,8 @@ import pytest
 from eagle3_data.chat_format import get_output_format
 from eagle3_data.codec import HFCodec, TiktokenCodec
 from eagle3_data.errors import UserError
+from eagle3_data.stages.audit.tokenizer_audit import audit_tokenizer
 from eagle3_data.tokenizer import chat_template_sha256, load_tokenizer, tokenizer_files_sha256
-from eagle3_data.tokenizer_audit import audit_tokenizer
 
 
 def test_audit_names_the_wrong_id_and_the_right_one(kimi_tokenizer):

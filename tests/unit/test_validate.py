@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from eagle3_data.errors import UserError
-from eagle3_data.validate import (
+from eagle3_data.stages.validate import (
     CLASSES,
     BadRow,
     InputRow,

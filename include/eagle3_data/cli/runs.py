@@ -201,3 +201,13 @@ def dev_server(stack: contextlib.ExitStack, run, dev_config: str | None = None) 
     stack.callback(server.stop)
     print(f"dev inference server (a stand-in) on {server.url}", file=sys.stderr)
     return server.url
+
+
+def mode_overrides(args: argparse.Namespace) -> dict:
+    """--tokenizer / --thinking as config overrides (the stage's params follow from the config)."""
+    out: dict = {}
+    if args.tokenizer:
+        out["tokenizer"] = {"source": args.tokenizer}
+    if args.thinking is not None:
+        out["generation"] = {"sampling": {"thinking": args.thinking}}
+    return out

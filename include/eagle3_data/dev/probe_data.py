@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3_data import draft_vocab
-from eagle3_data.hidden_states.final_norm import rms_norm
+from eagle3_data.target_head.final_norm import rms_norm
 
 FAULTS = ("aux_late", "aux_early", "last_normed_twice", "other_sample", "mask_shifted", "wrong_layers")
 WRONG_LAYERS = [
@@ -215,9 +215,10 @@ def export_rows(
     calibration benchmarks compare fp32 states on any machine); `benchmarks/gpu_probe.py` extracts
     on its GPU in bf16, as a production run does (its defaults, ~766k tokens at Kimi's width, would
     take about an hour on the lent machine's CPU, and fp32 states twice the disk)."""
-    from eagle3_data.hidden_states.backends import TransformersBackend
-    from eagle3_data.hidden_states.extract import ExtractOptions, extract_rows
-    from eagle3_data.hidden_states.speculators_export import export_speculators
+    from eagle3_data.exports.speculators import export_speculators
+    from eagle3_data.extraction_params import ExtractOptions
+    from eagle3_data.stages.hidden_states.backends import TransformersBackend
+    from eagle3_data.stages.hidden_states.extract import extract_rows
 
     shards = out.with_name(out.name + "-shards")
     extract_rows(
@@ -264,8 +265,8 @@ def inject(
     states under `other_sample`, all rows one group unless given)."""
     import datasets
 
-    from eagle3_data.hidden_states.final_norm import checkpoint_weight
-    from eagle3_data.hidden_states.speculators_export import save_rows
+    from eagle3_data.exports.speculators import save_rows
+    from eagle3_data.target_head.final_norm import checkpoint_weight
 
     shutil.copytree(export, out)
     files = sorted((out / "hidden_states").glob("hs_*.safetensors"), key=lambda p: int(p.stem[3:]))
@@ -349,7 +350,7 @@ def arms(correct: Path, faulty: dict[str, Path], train_rows: list[int], eval_row
     (the correct export's): an arm differs from the correct one by its injected fault alone, and
     every arm is scored against the trusted labels (the correct export's held-out rows). Named
     `<data>/seed<s>`."""
-    from eagle3_data.probe import Arm
+    from eagle3_data.stages.probe.drafter import Arm
 
     return [
         Arm(f"{name}/seed{s}", path, correct, train_rows, eval_rows, correct, s)

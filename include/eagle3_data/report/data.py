@@ -23,7 +23,7 @@ from eagle3_data.errors import UserError
 
 if TYPE_CHECKING:  # storage imports boto3 + pyarrow: the CLI's validate renders reports without them
     from eagle3_data.storage import ArtifactStore, StageRef
-from eagle3_data import validate
+from eagle3_data.stages import validate
 from eagle3_data.storage.refs import MissingBucket, StorageError, StorageUnavailable, check_name
 
 RUN_REPORT_STAGE = "report"
@@ -67,7 +67,7 @@ def write_run_report(
     thresholds?: {name: number}, lengths?: `generation_lengths(...)`, generation?: {local: totals,
     overflow: totals, conversations?: figures per path, trajectories?: the merge's trajectory_*
     counts}} (totals: ok, failed, prompt_tokens, completion_tokens, cost_usd). The billing report
-    holds the completion check and, under `prompt`, the prompt check (validate.billing).
+    holds the completion check and, under `prompt`, the prompt check (stages.validate.billing).
     Returns the index URI."""
     index = {
         "format": RUN_REPORT_FORMAT,
@@ -146,7 +146,7 @@ class DatasetReport:
 
     @property
     def calibration(self) -> dict[str, Any] | None:
-        """The provider calibration (`generation.routing.consistency_report`) in the validation report."""
+        """The provider calibration (`stages.validate.consistency.consistency_report`) in the validation report."""
         cal = (self.validation or {}).get("calibration")
         return cal if isinstance(cal, dict) else None
 
@@ -364,7 +364,7 @@ def policy_summary(policy: Mapping[str, Any] | None) -> dict[str, Any] | None:
 
 
 def decode_least_likely(logprobs: Mapping[str, Any] | None, tokenizer: Callable[[], Any]) -> dict[str, Any] | None:
-    """The extraction's log-probability figures (hidden_states.logprobs.LogprobStats, added up
+    """The extraction's log-probability figures (target_head.logprobs.LogprobStats, added up
     over shards) with each least likely sample's kept ids decoded one by one (`tokenizer()` gives
     the run's; loaded only when there is something to decode): the report shows the likeliest
     garbage as text."""

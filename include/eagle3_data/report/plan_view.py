@@ -1,4 +1,4 @@
-"""The run report of a dry run: its plan (pipeline.plan), which publish writes instead of a
+"""The run report of a dry run: its plan (plan), which publish writes instead of a
 validation report, so the report tab of a dry run shows the plan rather than answering 404."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def load_plan(store, run_key: str) -> tuple[str, dict[str, Any]] | None:
 
 def render_plan_html(plan: dict[str, Any], uri: str, *, title: str) -> str:
     """The plan as a page: its warnings first, then the table `eagle3-data plan` prints."""
-    from eagle3_data.pipeline.plan import format_plan
+    from eagle3_data.plan import format_plan
     from eagle3_data.report.render import _env
 
     return _env().get_template("plan.html.jinja").render(title=title, plan=plan, uri=uri, text=format_plan(plan))

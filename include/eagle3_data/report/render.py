@@ -485,7 +485,7 @@ def _trajectories(counts: Mapping[str, Any] | None) -> list[tuple[str, str]] | N
 
 
 def _conversations(by_path: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """Samples made in rounds (generation.conversations.figures), per path: how many, turns per
+    """Samples made in rounds (conversations.figures), per path: how many, turns per
     sample, trajectory lengths, why they ended, the tool-result splices."""
     if not isinstance(by_path, dict) or not by_path:
         return None
@@ -568,7 +568,7 @@ def _billing(billing: Mapping[str, Any] | None, max_dev: float | None) -> dict[s
 
 def _prompt_billing(prompt: Mapping[str, Any] | None) -> dict[str, Any] | None:
     """Billed prompt tokens (the provider's render, its tokenizer) against the prompt ids we
-    train on, per overflow answer (validate.billing.compare_billed_prompts): the figures, the
+    train on, per overflow answer (stages.validate.billing.compare_billed_prompts): the figures, the
     distribution of billed - ours, and the answers furthest off."""
     if not isinstance(prompt, dict) or not (prompt.get("rows") or (prompt.get("missing_usage") or {}).get("rows")):
         return None
@@ -839,12 +839,12 @@ def logprob_histograms(means: Mapping[str, Sequence[float]], bins: int = LOGPROB
     return out
 
 
-SOURCE_SIDES = {"sglang": "local", "vllm": "local", "openrouter": "overflow"}  # policy.compare's paths
+SOURCE_SIDES = {"sglang": "local", "vllm": "local", "openrouter": "overflow"}  # policy_check's paths
 
 
 def every_row_histograms(logprobs: Mapping[str, Any] | None) -> list[dict[str, Any]]:
     """The extraction's per-path histograms of per-sample mean log-probabilities
-    (hidden_states.logprobs.LogprobStats: bin 0 below the first edge, the last at or above the
+    (target_head.logprobs.LogprobStats: bin 0 below the first edge, the last at or above the
     last), on its fixed edges, empty bins at either end left out."""
     if not isinstance(logprobs, Mapping):
         return []
@@ -958,7 +958,7 @@ def fmt_usd(v: Any) -> str:
 
 
 def fmt_bytes(v: Any) -> str:
-    from eagle3_data.hidden_states.storage_estimate import human_bytes
+    from eagle3_data.storage_estimate import human_bytes
 
     return human_bytes(v) if is_number(v) else "-"
 

@@ -1,1 +1,0 @@
-"""EAGLE-3 hidden states: extraction backends, packed shards, readers, exporters, fp8."""
