@@ -19,8 +19,8 @@ def _policy(shift: float) -> dict:
     """The policy gate as pipeline.validate writes it (policy.compare, its producer): 12 local and
     12 overflow answers, the overflow ones `shift` nats/token less likely; nucleus counts 0 of 91
     outside on both paths."""
-    from eagle3_data.policy.compare import Thresholds, policy_gate, summarize
-    from eagle3_data.policy.select import Item
+    from eagle3_data.nucleus import Item
+    from eagle3_data.policy_check import Thresholds, policy_gate, summarize
 
     items = [Item(f"{side}-{i}", side, side, (1, 2, 3, 4), 1) for side in ("local", "overflow") for i in range(12)]
     scores = [[-0.2 - 0.01 * (i % 12) - (shift if it.side == "overflow" else 0.0)] * 3 for i, it in enumerate(items)]
@@ -155,12 +155,12 @@ def test_every_histogram_bar_is_labelled_by_its_range():
     """The extraction's histograms had axes reading "-inf, -20, -20": each bar now reads its range."""
     import torch
 
-    from eagle3_data.hidden_states.logprobs import LogprobStats
+    from eagle3_data.target_head.logprobs import LogprobStats
 
     stats = LogprobStats()
     for i, m in enumerate([-25.0, -19.9, -0.4, -2.5]):
         stats.add(f"s-{i}", torch.tensor([float("nan"), m, m]), [0, 1, 1], "vllm")
-    from eagle3_data.hidden_states.extract import _logprob_totals  # the shards' figures added up, as committed
+    from eagle3_data.stages.hidden_states.extract import _logprob_totals  # the shards' figures added up, as committed
 
     logprobs = _logprob_totals([{"logprobs": stats.summary()}])["logprobs"]
     (fig,) = every_row_histograms(logprobs)
