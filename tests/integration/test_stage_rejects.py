@@ -68,7 +68,7 @@ def _rejects(store, ref) -> list[dict]:
 
 
 def test_reconstruct_rejects_malformed_and_unreconstructable_rows_loudly(run, store, caplog):
-    from eagle3_data.stages.reconstruct import stage as reconstruct
+    from eagle3_data.pipeline import reconstruct
 
     dataset = run.datasets[0]
     src, ref = StageRef(RUN, "generate_overflow", dataset), StageRef(RUN, "reconstruct", dataset)
@@ -106,7 +106,7 @@ def test_reconstruct_rejects_malformed_and_unreconstructable_rows_loudly(run, st
 
 
 def test_reconstruct_with_no_usable_row_commits_nothing(run, store):
-    from eagle3_data.stages.reconstruct import stage as reconstruct
+    from eagle3_data.pipeline import reconstruct
 
     dataset = run.datasets[0]
     src, ref = StageRef(RUN, "generate_overflow", dataset), StageRef(RUN, "reconstruct", dataset)
@@ -122,7 +122,7 @@ def test_reconstruct_with_no_usable_row_commits_nothing(run, store):
 
 
 def _validate_inputs(run, store, dataset, local_rows):
-    from eagle3_data.stages.reconstruct import stage as reconstruct
+    from eagle3_data.pipeline import reconstruct
 
     _write(store, StageRef(RUN, "generate_local", dataset), local_rows)
     _write(store, StageRef(RUN, "generate_overflow", dataset), [])
@@ -136,7 +136,7 @@ def _local(sid, ids):
 
 
 def test_validate_writes_rejects_for_unreadable_rows(run, store, kimi_tokenizer, caplog):
-    from eagle3_data.stages.validate import stage as validate
+    from eagle3_data.pipeline import validate
 
     dataset = run.datasets[0]
     good = kimi_tokenizer.encode("Hello there.", add_special_tokens=False) + [IM_END]
@@ -166,7 +166,7 @@ def test_validate_writes_rejects_for_unreadable_rows(run, store, kimi_tokenizer,
 
 
 def test_validate_with_no_readable_row_commits_nothing(run, store):
-    from eagle3_data.stages.validate import stage as validate
+    from eagle3_data.pipeline import validate
 
     dataset = run.datasets[0]
     _validate_inputs(run, store, dataset, [_local("b", [10**8]), _local("d", None)])
