@@ -421,7 +421,7 @@ def test_a_trajectory_cut_at_reconstruct_keeps_its_turns_before_the_cut(
     from eagle3_data.stages.merge.datasets import MergeContext, merge_datasets
     from eagle3_data.stages.merge.stage import trajectory_folds_of
     from eagle3_data.stages.prompts.load import load_prompts
-    from eagle3_data.stages.reconstruct import stage as reconstruct
+    from eagle3_data.stages.reconstruct.stage import reconstruct
     from tests.conversation_oracle import check_conversation_records, stage_rows
     from tests.generation_calls import MODEL, generate_overflow
 
