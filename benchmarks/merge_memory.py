@@ -41,6 +41,11 @@ if "config" in inspect.signature(merge_datasets).parameters:  # this tree's merg
     from eagle3_data.config import MergeConfig
     section = {k: kwargs.pop(k) for k in list(kwargs) if k in MergeConfig.model_fields}
     kwargs = {"config": MergeConfig(**{"max_length": 4096, "shard_tokens": 1 << 20, **section}), **kwargs}
+if "context" in inspect.signature(merge_datasets).parameters:  # this tree's: tokens_per_bucket, work_dir in it
+    import dataclasses
+    context_type = merge_datasets.__globals__["MergeContext"]  # the measured module's own
+    fields = {f.name for f in dataclasses.fields(context_type)}
+    kwargs["context"] = context_type(**{k: kwargs.pop(k) for k in list(kwargs) if k in fields})
 """
 WORK = """
 if "vocab_size" in inspect.signature(merge_datasets).parameters:  # required since 2026-12-03: Kimi's

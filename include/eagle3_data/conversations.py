@@ -19,7 +19,7 @@ A *thread* is a chain of turns that depend on each other:
 In a trajectory the model's tool calls are answered from the row's recorded ones: a call whose
 name and JSON-equal arguments match a recorded call gets that call's result (parallel calls
 each theirs) and the model goes on. A recorded result is the one its tool message gives the call
-it answers in the assistant message right before it (prompt_layouts.pair_results), never looked
+it answers in the assistant message right before it (`pair_results`), never looked
 up by id across the row: datasets reuse ids (`call_0` in every turn). Each recorded result
 answers one regenerated call, in order of appearance from the thread's first user turn on (then
 the row's earlier ones): a call polled twice with two recorded results gets the first, then the
@@ -33,7 +33,12 @@ turn's prompt (Kimi's template keeps the reasoning of the turns of the current t
 trajectory, so every turn's prompt starts with the one before it; `prefix_ok` records that it
 did) plus its output, with loss mask 1 exactly on the generated spans. The stage commits the
 samples beside its parts (`SAMPLES_FILE`); the merge folds each trajectory's turn rows into its
-one record (`trajectory_folds`), the report shows the figures (`Tally`).
+one record (`trajectory_folds` plans it, `Folds.apply` applies it to each row), the report shows
+the figures (`Tally`).
+
+This module is the one place for what the stages share about conversations: the prompt loader
+re-keys tool results to their calls and the rounds splice recorded results by `pair_results`,
+the generation stage runs the rounds, the merge folds the turn rows.
 """
 
 from __future__ import annotations
@@ -43,10 +48,10 @@ import io
 import json
 from array import array
 from collections import Counter, deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -54,7 +59,10 @@ import pyarrow.parquet as pq
 from eagle3_data.canonical import canonical_json
 from eagle3_data.errors import UserError
 from eagle3_data.images import refs_for
-from eagle3_data.prompt_layouts import pair_results
+from eagle3_data.prompt_layouts import LayoutRefused
+
+if TYPE_CHECKING:
+    from eagle3_data.chat_format.base import OutputFormat
 
 SAMPLES_FILE = "conversation_samples.parquet"
 SAMPLES_BATCH = 4096  # rows per row group of the SAMPLES file: what `samples_file` holds at once
@@ -115,6 +123,48 @@ def call_key(call: Mapping) -> tuple[str, str] | None:
     return str(fn.get("name")), canonical_json(parsed)
 
 
+def pair_results(messages: list[dict], where: str = "messages") -> dict[int, tuple[int, int]]:
+    """Which call each tool message answers: its index -> (index of the assistant message, index of
+    the call in it). A run of tool messages answers the calls of the assistant message right before
+    it: first the results whose `tool_call_id` names one of its calls (each call answered once),
+    then the others take its calls still unanswered, in order. Calls may go unanswered (the
+    template renders them as they are); a result that answers none is refused, naming it (`where`:
+    the messages as the row's layout names them). Datasets reuse ids (`call_0` in every turn), so
+    an id is never looked up across the conversation. The loader re-keys each result to its call's
+    new id by it (prompts.load), a trajectory splices the recorded results by it (`recorded_results`)."""
+    out: dict[int, tuple[int, int]] = {}
+    i = 0
+    while i < len(messages):
+        if messages[i]["role"] != "tool":
+            i += 1
+            continue
+        end = i
+        while end < len(messages) and messages[end]["role"] == "tool":
+            end += 1
+        owner = i - 1
+        calls = messages[owner].get("tool_calls") or [] if owner >= 0 else []
+        if not calls:
+            raise LayoutRefused(f"{where}[{i}].role", "a tool result with no assistant tool call right before it")
+        free = list(range(len(calls)))
+        for j in range(i, end):
+            k = next((k for k in free if calls[k].get("id") == messages[j]["tool_call_id"]), None)
+            if k is not None:
+                free.remove(k)
+                out[j] = (owner, k)
+        for j in range(i, end):
+            if j in out:
+                continue
+            if not free:
+                raise LayoutRefused(
+                    f"{where}[{j}].tool_call_id",
+                    f"{messages[j]['tool_call_id']!r} answers no call of {where}[{owner}]: "
+                    f"its {len(calls)} call(s) have their results already",
+                )
+            out[j] = (owner, free.pop(0))
+        i = end
+    return out
+
+
 def recorded_results(messages: list[dict], start: int = 0) -> dict[tuple[str, str], deque]:
     """The recorded results by `call_key`, each key's in the order a walk from message `start`
     meets its calls: the calls from `start` on first, then the row's earlier ones (the history a
@@ -173,7 +223,7 @@ def _ids_sha(ids: Iterable[int]) -> str:
     return hashlib.sha256(json.dumps(list(ids)).encode()).hexdigest()
 
 
-def _prompt_sha(ids) -> str:
+def _prompt_sha(ids: Iterable[int]) -> str:
     return hashlib.sha256(array("q", ids).tobytes()).hexdigest()
 
 
@@ -189,6 +239,30 @@ class Pair:
     end: int
     length: int
     exact: bool
+
+
+class _Spans(NamedTuple):
+    """A sample's SAMPLES columns that its turns' prompt ids give (`TurnDriver._sample_row`)."""
+
+    base: int  # tokens of the first turn's prompt
+    masked: list[int]  # [start, end) pairs after `base` that are not generated
+    prefix_ok: bool  # every turn's prompt starts with the one before it
+    exact_turns: int  # earlier turns whose engine ids equal their render in the next prompt
+
+
+class PromptRow(Protocol):
+    """What the rounds read of one prompt row (stages.generate.checkpoint.Prompt)."""
+
+    sample_id: str
+    dataset: str
+    route: str | None
+    source_id: str | None
+    messages: list[dict]
+    tools: list[dict] | None
+    tools_json: str | None
+
+    @property
+    def images(self) -> list[dict]: ...
 
 
 @dataclass
@@ -219,7 +293,7 @@ class TurnDriver:
     row (committed, replayed or new), `next_prompts()` for each round, and `samples_file()` (the
     SAMPLES file and its figures) at the end."""
 
-    def __init__(self, mode: str, history: str, fmt, *, max_steps: int = 8):
+    def __init__(self, mode: str, history: str, fmt: OutputFormat, *, max_steps: int = 8):
         if not needs_rounds(mode, history):
             raise ValueError(f"regenerate {mode!r} with history {history!r} needs no rounds")
         self.mode, self.history, self.fmt, self.max_steps = mode, history, fmt, max_steps
@@ -231,9 +305,9 @@ class TurnDriver:
         # into a Pair (`observe`), so the samples file needs no second render of the prompts
         self._parents: dict[str, str] = {}
         self._pairs: dict[str, Pair] = {}
-        self.conversations = None
+        self.conversations: Iterable[PromptRow] | None = None  # `start`
 
-    def start(self, conversations) -> None:
+    def start(self, conversations: Iterable[PromptRow]) -> None:
         """`conversations`: the stage's prompt rows (stages.generate.checkpoint.Prompts), one per row."""
         self.conversations = conversations
 
@@ -245,7 +319,7 @@ class TurnDriver:
         if up is not None and up.prompt_sha is not None and turn.status == "ok" and row.get("prompt_ids") is not None:
             self._pairs[sid] = self._pair(parent, up, row["prompt_ids"])
 
-    def _pair(self, parent: str, here: Turn, after) -> Pair:
+    def _pair(self, parent: str, here: Turn, after: Sequence[int]) -> Pair:
         """`after` (a turn's prompt ids) against its sample's previous turn `here`, as `_sample_row`'s
         render of both compares them."""
         n, stops = here.prompt_len, set(self.fmt.stop_token_ids)
@@ -255,7 +329,7 @@ class TurnDriver:
         return Pair(parent, _prompt_sha(after[:n]) == here.prompt_sha, end, len(after), exact)
 
     # -- walking -------------------------------------------------------------------------------
-    def threads(self, p) -> Iterator[tuple[int, int]]:
+    def threads(self, p: PromptRow) -> Iterator[tuple[int, int]]:
         """(thread number, index of the user message it starts at) of one conversation."""
         users = [i for i, m in enumerate(p.messages) if m["role"] == "user"]
         if self.mode == "trajectory" and self.history == "dataset":
@@ -263,7 +337,7 @@ class TurnDriver:
         elif users:
             yield 0, users[0]
 
-    def walk(self, p, thread: int, start: int) -> Walk:
+    def walk(self, p: PromptRow, thread: int, start: int) -> Walk:
         users = [i for i, m in enumerate(p.messages) if m["role"] == "user" and i >= start]
         if self.history == "dataset":
             users = users[:1]
@@ -324,7 +398,7 @@ class TurnDriver:
         ]
         return None
 
-    def walks(self) -> Iterator[tuple[Any, int, Walk]]:
+    def walks(self) -> Iterator[tuple[PromptRow, int, Walk]]:
         for p in self.conversations:
             for thread, start in self.threads(p):
                 yield p, thread, self.walk(p, thread, start)
@@ -361,7 +435,7 @@ class TurnDriver:
                 if s.steps or s.end == "failed":  # a first turn that failed is a sample lost: counted
                     yield self._sample_row(p, thread, w, s)
 
-    def _sample_row(self, p, thread: int, w: Walk, s: Sample) -> dict:
+    def _sample_row(self, p: PromptRow, thread: int, w: Walk, s: Sample) -> dict:
         pairs = [self._pairs.get(sid) for sid in s.steps[1:]]
         if (
             s.steps
@@ -372,9 +446,9 @@ class TurnDriver:
             base, masked = self.turns[s.steps[0]].prompt_len, []
             for pair in pairs:
                 masked += [pair.end - base, pair.length - base]
-            prefix_ok, exact = all(pair.prefix_ok for pair in pairs), sum(pair.exact for pair in pairs)
+            spans = _Spans(base, masked, all(pair.prefix_ok for pair in pairs), sum(pair.exact for pair in pairs))
         else:  # rows observed before their turn was asked for in this process (a resumed stage): rendered
-            base, masked, prefix_ok, exact = self._rendered(p, w, s)
+            spans = self._rendered(p, w, s)
         last = self.turns[s.steps[-1]] if s.steps else None
         return {
             "sample_id": sample_of(p.sample_id, self.tag, thread, s.user_turn),
@@ -385,14 +459,14 @@ class TurnDriver:
             "splice_hits": s.hits,
             "splice_misses": s.misses,
             "unmatched": json.dumps(s.unmatched, ensure_ascii=False) if s.unmatched else None,
-            "base": base,
-            "masked": masked,
-            "prefix_ok": prefix_ok,
-            "exact_turns": exact if last is not None and last.output_sha is not None else None,
+            "base": spans.base,
+            "masked": spans.masked,
+            "prefix_ok": spans.prefix_ok,
+            "exact_turns": spans.exact_turns if last is not None and last.output_sha is not None else None,
             "turns_left": w.turns_left if s is w.samples[-1] else 0,
         }
 
-    def _rendered(self, p, w: Walk, s: Sample) -> tuple[int, list[int], bool, int]:
+    def _rendered(self, p: PromptRow, w: Walk, s: Sample) -> _Spans:
         renders = [
             self.fmt.generation_prompt_ids(w.messages[:n], p.tools, refs_for(w.messages[:n], p.images))
             for n in s.prompt_lens
@@ -410,7 +484,7 @@ class TurnDriver:
                 and _ids_sha(after[len(here) : len(here) + turn.output_len]) == turn.output_sha
             ):
                 exact += 1
-        return base, masked, prefix_ok, exact
+        return _Spans(base, masked, prefix_ok, exact)
 
     def samples_file(self) -> tuple[bytes, dict]:
         """The SAMPLES Parquet file and its figures (for the manifest and the report), written
@@ -486,19 +560,67 @@ def read_samples(data: bytes) -> list[dict]:
 FOLDED, DROPPED, OWN = "folded", "dropped", "own"  # what the merge does with a turn row (`Folds.rows`)
 
 
+@dataclass(frozen=True, slots=True)
+class TrajectoryRecord:
+    """The record a sample's last usable turn row becomes (`Folds.rows`)."""
+
+    sample_id: str  # the sample's (SAMPLES), which the record takes
+    base: int  # tokens of the first turn's prompt: the record's prompt part
+    masked: list[int]  # [start, end) pairs after `base` that are not generated, one per transition kept
+    trajectory: dict  # for the record's provenance: turns kept, turns generated, end (and what cut it)
+
+
+@dataclass(frozen=True, slots=True)
+class TurnRow:
+    """An ok generation row as the merge takes it (`Folds.apply`)."""
+
+    sample_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    provenance: str | None
+    masked: list[int] | None = None  # [start, end) output positions that are not generated; None: none
+
+
 @dataclass
 class Folds:
     """The merge's plan for one stage's trajectory turn rows (`trajectory_folds`).
 
-    `rows`: each turn row id -> the record it becomes (`sample_id`, `base`, `masked`, and
-    `trajectory`: turns kept, turns generated, end reason), or FOLDED (its tokens are in a later
-    turn's record), DROPPED (unusable, or after an unusable turn of its sample) or OWN (a sample
-    whose prompts did not chain: the row is a record of its own). `counts`: the samples and turn
-    rows in, and what became of each sample (kept whole, kept cut, dropped, unfolded, and the
-    status that cut or dropped it), so that the merge manifest's figures can be added up."""
+    `rows`: each turn row id -> the record it becomes (TrajectoryRecord), or FOLDED (its tokens
+    are in a later turn's record), DROPPED (unusable, or after an unusable turn of its sample) or
+    OWN (a sample whose prompts did not chain: the row is a record of its own). `counts`: the
+    samples and turn rows in, and what became of each sample (kept whole, kept cut, dropped,
+    unfolded, and the status that cut or dropped it), so that the merge manifest's figures can
+    be added up."""
 
-    rows: dict[str, dict | str] = field(default_factory=dict)
+    rows: dict[str, TrajectoryRecord | str] = field(default_factory=dict)
     counts: Counter = field(default_factory=Counter)
+
+    def apply(self, row: TurnRow, counts: Counter) -> TurnRow | None:
+        """`row` with its fold applied: None for a turn row left out (FOLDED: its tokens are in
+        the record's prompt; DROPPED); a sample's last usable turn becomes its record (prompt =
+        the first turn's prompt, output = the rest, with the spans that are not generated; its
+        provenance says how many turns it keeps and why the trajectory ended); any other row is
+        kept as it is. Each turn row is counted in `counts` (its dataset's figures) as folded,
+        record or dropped, so that the manifest's turn rows add up."""
+        plan = self.rows.get(row.sample_id)
+        if plan == FOLDED or plan == DROPPED:
+            counts[f"trajectory_turns_{plan}"] += 1
+            return None
+        counts["trajectory_turns_record"] += plan is not None
+        if not isinstance(plan, TrajectoryRecord):  # no trajectory's, or OWN
+            return row
+        provenance = {
+            **(json.loads(row.provenance) if row.provenance else {}),
+            "turn_id": row.sample_id,
+            "trajectory": plan.trajectory,
+        }
+        return TurnRow(
+            sample_id=plan.sample_id,
+            prompt_ids=row.prompt_ids[: plan.base],
+            output_ids=row.prompt_ids[plan.base :] + row.output_ids,
+            provenance=json.dumps(provenance, sort_keys=True),
+            masked=list(plan.masked) or None,
+        )
 
 
 def trajectory_folds(samples: Iterable[dict], rows: Mapping[str, tuple[str, str | None]] | None = None) -> Folds:
@@ -544,15 +666,15 @@ def trajectory_folds(samples: Iterable[dict], rows: Mapping[str, tuple[str, str 
         out.counts["trajectory_samples_cut" if cut else "trajectory_samples_whole"] += 1
         if cut:
             out.counts[f"trajectory_cut_{status[usable][0]}"] += 1
-        out.rows[steps[usable - 1]] = {
-            "sample_id": s["sample_id"],
-            "base": s["base"],
-            "masked": list(s["masked"])[: 2 * (usable - 1)],
-            "trajectory": {
+        out.rows[steps[usable - 1]] = TrajectoryRecord(
+            sample_id=s["sample_id"],
+            base=s["base"],
+            masked=list(s["masked"])[: 2 * (usable - 1)],
+            trajectory={
                 "turns": usable,
                 "generated_turns": len(steps),
                 "end": end,
                 **({"cut_by": steps[usable], "cut_error": status[usable][1]} if cut else {}),
             },
-        }
+        )
     return out

@@ -16,11 +16,9 @@ taking the next one: the turn becomes text and `image_url` parts, in the value's
 ShareGPT records no call ids: each call gets `call_{k}` (k counts the calls of the conversation
 from 0) and the results that follow take the pending calls' ids in order, so a parallel call's
 results pair with its calls as the dataset lists them. The loader then rewrites every call id to
-the model's own (prompts.load_prompts, `generation.call_ids`), these included.
+the model's own (prompts.load_prompts, `generation.call_ids`), these included, each tool
+message re-keyed to the call it answers (`conversations.pair_results`).
 
-Which call a tool message answers (`pair_results`): one of the assistant message right before its
-run of tool messages, by id within that message, else by position. Datasets reuse ids (`call_0`
-in every turn), so an id is never looked up across the conversation.
 A row that breaks its layout is refused naming the layout's own field (`conversations[3].from`),
 so the owner finds it in the file.
 """
@@ -167,45 +165,6 @@ def _with_images(value: str, images: list[str], used: int, where: str) -> list[d
         if text:
             parts.append({"type": "text", "text": text})
     return parts
-
-
-def pair_results(messages: list[dict], where: str = "messages") -> dict[int, tuple[int, int]]:
-    """Which call each tool message answers: its index -> (index of the assistant message, index of
-    the call in it). A run of tool messages answers the calls of the assistant message right before
-    it: first the results whose `tool_call_id` names one of its calls (each call answered once),
-    then the others take its calls still unanswered, in order. Calls may go unanswered (the
-    template renders them as they are); a result that answers none is refused, naming it."""
-    out: dict[int, tuple[int, int]] = {}
-    i = 0
-    while i < len(messages):
-        if messages[i]["role"] != "tool":
-            i += 1
-            continue
-        end = i
-        while end < len(messages) and messages[end]["role"] == "tool":
-            end += 1
-        owner = i - 1
-        calls = messages[owner].get("tool_calls") or [] if owner >= 0 else []
-        if not calls:
-            raise LayoutRefused(f"{where}[{i}].role", "a tool result with no assistant tool call right before it")
-        free = list(range(len(calls)))
-        for j in range(i, end):
-            k = next((k for k in free if calls[k].get("id") == messages[j]["tool_call_id"]), None)
-            if k is not None:
-                free.remove(k)
-                out[j] = (owner, k)
-        for j in range(i, end):
-            if j in out:
-                continue
-            if not free:
-                raise LayoutRefused(
-                    f"{where}[{j}].tool_call_id",
-                    f"{messages[j]['tool_call_id']!r} answers no call of {where}[{owner}]: "
-                    f"its {len(calls)} call(s) have their results already",
-                )
-            out[j] = (owner, free.pop(0))
-        i = end
-    return out
 
 
 def _calls_in(value: str, where: str) -> list:

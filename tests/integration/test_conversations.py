@@ -11,7 +11,6 @@ import io
 import json
 from collections import Counter
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
@@ -21,12 +20,13 @@ from eagle3_data.cli import main
 from eagle3_data.config import default_config_raw
 from eagle3_data.conversations import (
     SAMPLES_FILE,
+    TurnRow,
     call_key,
     read_samples,
     recorded_results,
     trajectory_folds,
 )
-from eagle3_data.stages.merge.datasets import _fold, build_record
+from eagle3_data.stages.merge.datasets import build_record
 from eagle3_data.storage import StageRef
 from tests.conversation_oracle import CONVERSATIONS, IM_END, render
 
@@ -102,30 +102,17 @@ def test_every_turn_on_the_datasets_history_generates_one_sample_per_user_turn(
 
 
 def _records(store, ref, rows) -> dict[str, dict]:
-    """The merge's records of a stage's rows, its trajectory folds applied (merge._fold + build_record)."""
+    """The merge's records of a stage's rows, its trajectory folds applied (Folds.apply + merge's build_record)."""
     samples = read_samples(store.get_bytes(ref, SAMPLES_FILE))
     folds = trajectory_folds(samples, {r["sample_id"]: (r["status"], r["error"]) for r in rows})
-    ok = [r for r in rows if r["status"] == "ok"]
-    keep, sids, prompt, output, masked, _ = _fold(
-        list(range(len(ok))),
-        [r["sample_id"] for r in ok],
-        pa.array([r["prompt_ids"] for r in ok]),
-        pa.array([r["output_ids"] for r in ok]),
-        [r["provenance"] for r in ok],
-        folds.rows,
-        ["chat"] * len(ok),
-        {"chat": Counter()},
-    )
     out = {}
-    for j, (i, sid) in enumerate(zip(keep, sids)):
-        row = {
-            **ok[i],
-            "sample_id": sid,
-            "prompt_ids": prompt[j].as_py(),
-            "output_ids": output[j].as_py(),
-            "masked": masked[j].as_py(),
-        }
-        out[sid] = build_record(row, 1 << 20, "truncate")[0]
+    for r in rows:
+        if r["status"] != "ok":
+            continue
+        row = folds.apply(TurnRow(r["sample_id"], r["prompt_ids"], r["output_ids"], r["provenance"]), Counter())
+        if row is not None:
+            taken = {**r, "sample_id": row.sample_id, "prompt_ids": row.prompt_ids, "output_ids": row.output_ids}
+            out[row.sample_id] = build_record({**taken, "masked": row.masked}, 1 << 20, "truncate")[0]
     return out, samples
 
 
@@ -431,10 +418,10 @@ def test_a_trajectory_cut_at_reconstruct_keeps_its_turns_before_the_cut(
     from eagle3_data.conversations import TurnDriver
     from eagle3_data.runs.run import Run
     from eagle3_data.runs.upstream import merged_shards
-    from eagle3_data.stages.merge.datasets import merge_datasets
+    from eagle3_data.stages.merge.datasets import MergeContext, merge_datasets
     from eagle3_data.stages.merge.stage import trajectory_folds_of
     from eagle3_data.stages.prompts.load import load_prompts
-    from eagle3_data.stages.reconstruct import stage as reconstruct
+    from eagle3_data.stages.reconstruct.stage import reconstruct
     from tests.conversation_oracle import check_conversation_records, stage_rows
     from tests.generation_calls import MODEL, generate_overflow
 
@@ -475,7 +462,7 @@ def test_a_trajectory_cut_at_reconstruct_keeps_its_turns_before_the_cut(
         [StageRef(run.run_key, "reconstruct", "chat")],
         run.run_key,
         MergeConfig(max_length=1 << 16, draft_vocab_size=64),
-        folds=trajectory_folds_of(run, store, ["chat"]),
+        context=MergeContext(folds=trajectory_folds_of(run, store, ["chat"])),
         vocab_size=len(kimi_tokenizer),
     )
     counts = check_conversation_records(store, run.run_key, "chat", kimi_tokenizer)  # every record the oracle's

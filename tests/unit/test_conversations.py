@@ -5,13 +5,16 @@ resumed driver (the same rows observed again) asks for exactly the turns not yet
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import pytest
 
 from eagle3_data.conversations import (
     FOLDED,
     OWN,
+    TrajectoryRecord,
     TurnDriver,
+    TurnRow,
     call_key,
     needs_rounds,
     recorded_results,
@@ -190,12 +193,12 @@ def test_folds_leave_unchained_samples_as_their_turns():
     folds = trajectory_folds(samples)
     assert folds.rows == {
         "1": FOLDED,
-        "2": {
-            "sample_id": "a",
-            "base": 5,
-            "masked": [3, 4],
-            "trajectory": {"turns": 2, "generated_turns": 2, "end": "answered"},
-        },
+        "2": TrajectoryRecord(
+            sample_id="a",
+            base=5,
+            masked=[3, 4],
+            trajectory={"turns": 2, "generated_turns": 2, "end": "answered"},
+        ),
         "3": OWN,
         "4": OWN,
     }
@@ -323,3 +326,26 @@ def test_a_thread_from_a_later_user_turn_takes_that_turns_results_first():
     poll gets turn 2's recorded result, then the earlier ones (the history it was given)."""
     spliced, s = _splices(_driver("trajectory", "dataset", row=POLLING), ['{"city": "Lisbon"}'] * 2, first_turn=1)
     assert spliced == ["archived", "pending"] and s.hits == 2
+
+
+def test_a_fold_makes_the_last_usable_turn_its_samples_record_and_counts_every_turn_row():
+    samples = [
+        {"sample_id": "a", "steps": ["1", "2"], "prefix_ok": True, "base": 2, "masked": [1, 3], "end": "answered"}
+    ]
+    folds, counts = trajectory_folds(samples), Counter()
+    assert folds.apply(TurnRow("1", [5, 6], [7], json.dumps({"engine": "x"})), counts) is None  # in the record's prompt
+    record = folds.apply(TurnRow("2", [5, 6, 7, 8, 9], [10, 11], json.dumps({"engine": "x"})), counts)
+    assert (record.sample_id, record.prompt_ids, record.output_ids, record.masked) == (
+        "a",
+        [5, 6],
+        [7, 8, 9, 10, 11],
+        [1, 3],
+    )
+    assert json.loads(record.provenance) == {
+        "engine": "x",
+        "turn_id": "2",
+        "trajectory": {"turns": 2, "generated_turns": 2, "end": "answered"},
+    }
+    plain = TurnRow("other", [1], [2], None)
+    assert folds.apply(plain, counts) is plain  # a row of no trajectory: as it is
+    assert counts == {"trajectory_turns_folded": 1, "trajectory_turns_record": 1}

@@ -11,7 +11,7 @@ from eagle3_data.config import MergeConfig, load_config
 from eagle3_data.conversations import trajectory_folds
 from eagle3_data.errors import UserError
 from eagle3_data.runs.upstream import merged_shards
-from eagle3_data.stages.merge.datasets import build_record, merge_datasets, merge_params
+from eagle3_data.stages.merge.datasets import MergeContext, build_record, merge_datasets, merge_params
 from eagle3_data.storage import IncompleteStage, StageRef
 from eagle3_data.storage.writer import StageWriter
 from tests.fixtures.kimi import IM_END, VOCAB_SIZE
@@ -125,7 +125,7 @@ def test_merge_dedupes_counts_and_shards(store, two_datasets, tmp_path):
         two_datasets,
         "date=2026-11-29",
         MergeConfig(max_length=20, length_policy="drop", shard_tokens=100, seed=1),
-        tokens_per_bucket=40,
+        context=MergeContext(tokens_per_bucket=40),
         vocab_size=VOCAB_SIZE,
     )
     rows = read_all(store, summary, tmp_path)
@@ -181,7 +181,7 @@ def test_shuffle_is_seeded_and_independent_of_bucketing(store, two_datasets, tmp
             two_datasets,
             run,
             MergeConfig(max_length=64, shard_tokens=10_000, seed=seed),
-            tokens_per_bucket=tokens_per_bucket,
+            context=MergeContext(tokens_per_bucket=tokens_per_bucket),
             vocab_size=VOCAB_SIZE,
         )
         return [r["sample_id"] for r in read_all(store, s, tmp_path)]
@@ -265,7 +265,9 @@ def test_trajectory_folds_make_one_record_with_the_tool_results_unmasked(store, 
     }
     # a max_length under the config's bound (16): the section built without its validation
     config = MergeConfig.model_construct(max_length=max_length, draft_vocab_size=8)
-    summary = merge_datasets(store, [ref], "r-fold-out", config, folds=folds, vocab_size=VOCAB_SIZE)
+    summary = merge_datasets(
+        store, [ref], "r-fold-out", config, context=MergeContext(folds=folds), vocab_size=VOCAB_SIZE
+    )
     records = {r["sample_id"]: r for r in read_all(store, summary, tmp_path)}
     assert set(records) == {"traj", "plain"}
     traj = records["traj"]
@@ -331,7 +333,12 @@ def test_a_trajectory_whose_last_turn_is_unusable_keeps_its_usable_turns(store, 
     samples = [{**s, "prefix_ok": True, "base": 3, "masked": masked[: 2 * len(s["steps"]) - 2]} for s in samples]
     folds = {ref: trajectory_folds(samples, {r["sample_id"]: (r["status"], r["error"]) for r in rows})}
     summary = merge_datasets(
-        store, [ref], "r-cut-out", MergeConfig(draft_vocab_size=8), folds=folds, vocab_size=VOCAB_SIZE
+        store,
+        [ref],
+        "r-cut-out",
+        MergeConfig(draft_vocab_size=8),
+        context=MergeContext(folds=folds),
+        vocab_size=VOCAB_SIZE,
     )
     records = {r["sample_id"]: r for r in read_all(store, summary, tmp_path)}
     assert sorted(records) == ["cut", "mid", "whole"]

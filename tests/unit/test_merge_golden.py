@@ -103,10 +103,17 @@ def fingerprint(store, inputs, run_key: str, tokens_per_bucket: int, **config) -
     """What must not change: the shard files' bytes and the manifest's shard list and statistics
     (the draft vocabulary, added after the golden was recorded, is `vocab_of`'s)."""
     from eagle3_data.config import MergeConfig
-    from eagle3_data.stages.merge.datasets import merge_datasets
+    from eagle3_data.stages.merge.datasets import MergeContext, merge_datasets
     from eagle3_data.storage import StageRef
 
-    merge_datasets(store, inputs, run_key, MergeConfig(**config), tokens_per_bucket=tokens_per_bucket, vocab_size=VOCAB)
+    merge_datasets(
+        store,
+        inputs,
+        run_key,
+        MergeConfig(**config),
+        context=MergeContext(tokens_per_bucket=tokens_per_bucket),
+        vocab_size=VOCAB,
+    )
     manifest = store.read_manifest(StageRef(run_key, "merge", "all"))
     extra = {k: v for k, v in manifest["extra"].items() if k != "draft_vocab"}
     return {

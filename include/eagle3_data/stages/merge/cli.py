@@ -87,7 +87,7 @@ def _run(args: argparse.Namespace) -> int:
         print(printed(pipeline.merge(run, store)))
         return 0
     from eagle3_data.runs.run import output_format
-    from eagle3_data.stages.merge.datasets import merge_datasets
+    from eagle3_data.stages.merge.datasets import MergeContext, merge_datasets
 
     run, store = cli_run(args, args.out_run_key, datasets, overrides, bucket=bucket, prefix=prefix)
     summary = merge_datasets(
@@ -98,7 +98,7 @@ def _run(args: argparse.Namespace) -> int:
         out_dataset=args.out_dataset,
         # the tokenizer's vocabulary: ids outside it are refused, and the draft vocabulary's t2d spans it
         vocab_size=output_format(run, store, template=False).vocab_size,
-        **({"tokens_per_bucket": args.tokens_per_bucket} if args.tokens_per_bucket else {}),
+        context=MergeContext(**({"tokens_per_bucket": args.tokens_per_bucket} if args.tokens_per_bucket else {})),
     )
     print(
         json.dumps(

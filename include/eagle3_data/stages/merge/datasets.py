@@ -26,11 +26,13 @@ bytes).
 from __future__ import annotations
 
 import hashlib
-import json
 import tempfile
 from collections import Counter, defaultdict
+from collections.abc import Mapping
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -39,11 +41,12 @@ import pyarrow.parquet as pq
 
 from eagle3_data import draft_vocab, images
 from eagle3_data.config import MergeConfig
-from eagle3_data.conversations import DROPPED, FOLDED, OWN
+from eagle3_data.conversations import Folds, TurnRow
 from eagle3_data.errors import UserError
 from eagle3_data.schemas import MERGED
 from eagle3_data.stages import MERGE
 from eagle3_data.storage import ArtifactStore, StageRef
+from eagle3_data.storage.lease import Lease
 
 SOURCE_RANK = {"sglang": 0, "vllm": 0, "openrouter": 1}  # local ground truth (either engine) beats reconstruction
 _COLUMNS = ["sample_id", "dataset", "source", "status", "prompt_ids", "output_ids", "finish_reason", "provenance"]
@@ -70,6 +73,24 @@ _BUCKET_SCHEMA = pa.schema(
         ),  # [start, end) pairs of output positions with mask 0 (a trajectory's tool results); null: none
     ]
 )
+
+Stats = defaultdict[str, Counter]  # per dataset, the figures of the manifest's `datasets`
+
+
+@dataclass(frozen=True)
+class MergeContext:
+    """What a caller brings to one merge besides its inputs and settings (`MergeConfig`, all of
+    the manifest's params): how it runs here (a lease already held, memory, work dir), which never
+    changes the output, and the trajectories' folds, which follow from the run's generation stages."""
+
+    # per input, its trajectories' turn rows (`conversations.trajectory_folds`: stage.trajectory_folds_of)
+    folds: Mapping[StageRef, Folds] | None = None
+    # the output stage's lease when the caller already holds it; None: the merge takes it
+    lease: Lease | None = None
+    # bounds memory (about 8 bytes per token of it while a bucket loads); never changes the output
+    tokens_per_bucket: int = DEFAULT_TOKENS_PER_BUCKET
+    # where the spill and the buckets live (None: the system's temporary directory)
+    work_dir: str | Path | None = None
 
 
 def shuffle_key(seed: int, sample_id: str) -> int:
@@ -234,10 +255,10 @@ def _spill(
     store: ArtifactStore,
     inputs: list[StageRef],
     seed: int,
-    stats: dict,
+    stats: Stats,
     path: Path,
     vocab_size: int | None = None,
-    folds: dict | None = None,
+    folds: Mapping[StageRef, Folds] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Pass 1: stream every input into one local Arrow file of its ok rows, in input order, with
     their shuffle key and dedupe rank. Returns (key, tokens) per spilled row, the only per-row
@@ -269,36 +290,40 @@ def _spill(
                 first_order, order = order + 1, order + batch.num_rows
                 if not ok:
                     continue
-                rows = batch.take(pa.array(ok, pa.int64()))
-                sids = rows.column("sample_id").to_pylist()
-                ok_sources = [sources[i] for i in ok]
-                prompt, output = rows.column("prompt_ids").cast(_IDS), rows.column("output_ids").cast(_IDS)
-                if not _rows_look_valid(sids, ok_sources, prompt, output, vocab_size):
+                taken = batch.take(pa.array(ok, pa.int64()))
+                rows = _OkRows(
+                    index=ok,
+                    sample_ids=taken.column("sample_id").to_pylist(),
+                    datasets=[datasets[i] for i in ok],
+                    prompt_ids=taken.column("prompt_ids").cast(_IDS),
+                    output_ids=taken.column("output_ids").cast(_IDS),
+                    masked=pa.nulls(len(ok), _IDS),
+                    provenance=taken.column("provenance"),
+                )
+                if not _rows_look_valid(
+                    rows.sample_ids, [sources[i] for i in ok], rows.prompt_ids, rows.output_ids, vocab_size
+                ):
                     for i in ok:
                         _check_row(batch.slice(i, 1).to_pylist()[0], ref, vocab_size)
-                masked, provenance = pa.nulls(len(ok), _IDS), rows.column("provenance")
-                if turn_rows and any(sid in turn_rows for sid in sids):
-                    ok, sids, prompt, output, masked, provenance = _fold(
-                        ok, sids, prompt, output, provenance.to_pylist(), turn_rows, [datasets[i] for i in ok], stats
-                    )
-                    rows = batch.take(pa.array(ok, pa.int64()))
-                    ok_sources = [sources[i] for i in ok]
-                    if not ok:
+                if turn_rows and any(sid in turn_rows for sid in rows.sample_ids):
+                    rows = _fold(rows, fold, stats)
+                    taken = batch.take(pa.array(rows.index, pa.int64()))
+                    if not rows.index:
                         continue
-                key = np.fromiter((shuffle_key(seed, s) for s in sids), np.uint64, len(sids))
+                key = np.fromiter((shuffle_key(seed, s) for s in rows.sample_ids), np.uint64, len(rows.sample_ids))
                 spilled = pa.RecordBatch.from_arrays(
                     [
                         pa.array(key),
-                        pa.array([SOURCE_RANK[s] * 65_536 + index for s in ok_sources], pa.int32()),
-                        pa.array(first_order + np.asarray(ok, np.int64)),
-                        pa.array(sids, pa.string()),
-                        pa.array([datasets[i] for i in ok], pa.string()),
-                        rows.column("source"),
-                        prompt,
-                        output,
-                        rows.column("finish_reason"),
-                        provenance,
-                        masked,
+                        pa.array([SOURCE_RANK[sources[i]] * 65_536 + index for i in rows.index], pa.int32()),
+                        pa.array(first_order + np.asarray(rows.index, np.int64)),
+                        pa.array(rows.sample_ids, pa.string()),
+                        pa.array(rows.datasets, pa.string()),
+                        taken.column("source"),
+                        rows.prompt_ids,
+                        rows.output_ids,
+                        taken.column("finish_reason"),
+                        rows.provenance,
+                        rows.masked,
                     ],
                     schema=_BUCKET_SCHEMA,
                 )
@@ -307,7 +332,9 @@ def _spill(
                 writer.write_batch(spilled)
                 keys.append(key)
                 tokens.append(
-                    pc.add(pc.list_value_length(prompt), pc.list_value_length(output)).to_numpy().astype(np.int64)
+                    pc.add(pc.list_value_length(rows.prompt_ids), pc.list_value_length(rows.output_ids))
+                    .to_numpy()
+                    .astype(np.int64)
                 )
     finally:
         if writer is not None:
@@ -317,65 +344,38 @@ def _spill(
     return np.concatenate(keys), np.concatenate(tokens)
 
 
-def _fold(
-    ok: list[int],
-    sids: list[str],
-    prompt: pa.Array,
-    output: pa.Array,
-    provenance: list[str | None],
-    turn_rows: dict,
-    datasets: list[str],
-    stats: dict,
-) -> tuple[list[int], list[str], pa.Array, pa.Array, pa.Array, pa.Array]:
-    """A batch's ok rows with the trajectory folds applied (`conversations.Folds.rows`): an
-    earlier turn's row is left out (its tokens are in the record's prompt), a turn after an
-    unusable one is dropped, the last usable turn's row becomes its trajectory's record (prompt =
-    the first turn's prompt, output = the rest, with the spans that are not generated; its
-    provenance says how many turns it keeps and why the trajectory ended). Each turn row is
-    counted as folded, record or dropped, so that the manifest's turn rows add up."""
-    keep, out_sids, out_prompt, out_output, out_masked, out_prov = [], [], [], [], [], []
-    prompts, outputs = prompt.to_pylist(), output.to_pylist()
-    for j, (i, sid) in enumerate(zip(ok, sids)):
-        fold = turn_rows.get(sid, _KEEP)
-        if fold in (FOLDED, DROPPED):
-            stats[datasets[j]][f"trajectory_turns_{fold}"] += 1
-            continue
-        keep.append(i)
-        if fold is _KEEP or fold == OWN:
-            stats[datasets[j]]["trajectory_turns_record"] += fold == OWN
-            out_sids.append(sid)
-            out_prompt.append(prompts[j])
-            out_output.append(outputs[j])
-            out_masked.append(None)
-            out_prov.append(provenance[j])
-            continue
-        stats[datasets[j]]["trajectory_turns_record"] += 1
-        base = fold["base"]
-        out_sids.append(fold["sample_id"])
-        out_prompt.append(prompts[j][:base])
-        out_output.append(prompts[j][base:] + outputs[j])
-        out_masked.append(list(fold["masked"]) or None)
-        out_prov.append(
-            json.dumps(
-                {
-                    **(json.loads(provenance[j]) if provenance[j] else {}),
-                    "turn_id": sid,
-                    "trajectory": fold["trajectory"],
-                },
-                sort_keys=True,
-            )
-        )
-    return (
-        keep,
-        out_sids,
-        pa.array(out_prompt, _IDS),
-        pa.array(out_output, _IDS),
-        pa.array(out_masked, _IDS),
-        pa.array(out_prov, pa.string()),
+class _OkRows(NamedTuple):
+    """An input batch's ok rows as pass 1 spills them."""
+
+    index: list[int]  # their positions in the batch
+    sample_ids: list[str]
+    datasets: list[str]
+    prompt_ids: pa.Array
+    output_ids: pa.Array
+    masked: pa.Array  # a trajectory record's [start, end) output spans with mask 0; null: none
+    provenance: pa.Array
+
+
+def _fold(rows: _OkRows, folds: Folds, stats: Stats) -> _OkRows:
+    """`rows` with the trajectory folds of their input applied (`conversations.Folds.apply`):
+    an earlier turn's row left out, the last usable turn's row become its trajectory's record."""
+    prompts, outputs, provenance = rows.prompt_ids.to_pylist(), rows.output_ids.to_pylist(), rows.provenance.to_pylist()
+    index, datasets, out = [], [], []
+    for j, (i, sid) in enumerate(zip(rows.index, rows.sample_ids)):
+        row = folds.apply(TurnRow(sid, prompts[j], outputs[j], provenance[j]), stats[rows.datasets[j]])
+        if row is not None:
+            index.append(i)
+            datasets.append(rows.datasets[j])
+            out.append(row)
+    return _OkRows(
+        index,
+        [r.sample_id for r in out],
+        datasets,
+        pa.array([r.prompt_ids for r in out], _IDS),
+        pa.array([r.output_ids for r in out], _IDS),
+        pa.array([r.masked for r in out], _IDS),
+        pa.array([r.provenance for r in out], pa.string()),
     )
-
-
-_KEEP = object()
 
 
 def _masked_within(spans: list[int] | None, room: int) -> int:
@@ -456,7 +456,7 @@ def _build_records(rows: pa.Table, max_length: int) -> pa.Table:
     return pa.Table.from_arrays([columns[f.name] if f.name in columns else rows[f.name] for f in MERGED], schema=MERGED)
 
 
-def _merge_bucket(path: Path, max_length: int, length_policy: str, stats: dict, shards: _ShardWriter) -> None:
+def _merge_bucket(path: Path, max_length: int, length_policy: str, stats: Stats, shards: _ShardWriter) -> None:
     """Pass 2 for one bucket: dedupe (local beats overflow, then input order), order by hash key,
     build records in small chunks and hand them to the shard writer."""
     # pa.OSFile, not the path: a path is memory-mapped, and every mapped page read stays in the
@@ -508,12 +508,9 @@ def merge_datasets(
     out_run_key: str,
     config: MergeConfig = MergeConfig(),
     *,
-    out_dataset: str = "all",
     vocab_size: int,
-    tokens_per_bucket: int = DEFAULT_TOKENS_PER_BUCKET,
-    work_dir: str | Path | None = None,
-    lease=None,
-    folds: dict | None = None,
+    out_dataset: str = "all",
+    context: MergeContext = MergeContext(),
 ) -> dict:
     """Merge `inputs` (schemas.GENERATIONS stages) into `runs/{out_run_key}/merge/{out_dataset}/`
     as `config` (the config's `merge`, validated there) says; its params are `merge_params(config)`.
@@ -527,29 +524,27 @@ def merge_datasets(
 
     Returns the summary also stored in the manifest's `extra`: shard refs (one dict per shard,
     what the extraction stage maps over), per-dataset token statistics and drop counts.
-    `tokens_per_bucket` bounds memory (about 8 bytes per token of it while a bucket loads) and
-    never changes the output.
 
-    One writer per output stage: the merge takes the stage's lease (`lease`: one the caller already
-    holds), so a second merge of the same run key fails at once with StageBusy instead of
-    overwriting shards the first is writing; the lease is checked again right before the commit.
-    `folds`: per input, its trajectories' turn rows (`conversations.trajectory_folds` of its samples).
+    One writer per output stage: the merge takes the stage's lease (or uses `context.lease`, one
+    the caller already holds), so a second merge of the same run key fails at once with StageBusy
+    instead of overwriting shards the first is writing; the lease is checked again right before
+    the commit. `context`: also the trajectories' folds and how much memory a bucket takes.
     """
-    if tokens_per_bucket < 1:
-        raise UserError(f"tokens_per_bucket={tokens_per_bucket} must be positive")
+    if context.tokens_per_bucket < 1:
+        raise UserError(f"tokens_per_bucket={context.tokens_per_bucket} must be positive")
     if not inputs:
         raise UserError("merge: no inputs given")
     out_ref = StageRef(out_run_key, MERGE, out_dataset)
-    with nullcontext(lease) if lease is not None else store.lease(out_ref) as held:
+    with nullcontext(context.lease) if context.lease is not None else store.lease(out_ref) as held:
         manifests = [store.read_manifest(ref) for ref in inputs]  # refuses incomplete inputs up front
         tokenizer_sha = _common_hash(manifests, "tokenizer_sha256")
         template_sha = _common_hash(manifests, "template_sha256")
-        stats: dict[str, Counter] = defaultdict(Counter)
+        stats: Stats = defaultdict(Counter)
 
-        with tempfile.TemporaryDirectory(prefix="eagle3-merge-", dir=work_dir) as tmp:
+        with tempfile.TemporaryDirectory(prefix="eagle3-merge-", dir=context.work_dir) as tmp:
             work = Path(tmp)
-            keys, tokens = _spill(store, inputs, config.seed, stats, work / "spill.arrow", vocab_size, folds)
-            buckets = _partition(work / "spill.arrow", keys, tokens, tokens_per_bucket, work)
+            keys, tokens = _spill(store, inputs, config.seed, stats, work / "spill.arrow", vocab_size, context.folds)
+            buckets = _partition(work / "spill.arrow", keys, tokens, context.tokens_per_bucket, work)
             del keys, tokens
             shards = _ShardWriter(store, out_ref, work, config.shard_tokens)
             for path in buckets:  # one bucket resident at a time: _merge_bucket's table dies with its call

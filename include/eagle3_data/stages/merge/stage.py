@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from eagle3_data.errors import GateFailed, UserError
 from eagle3_data.runs.results import MergeResult
@@ -11,8 +12,12 @@ from eagle3_data.runs.run import Run, output_format, stage_ref
 from eagle3_data.runs.upstream import gate_results
 from eagle3_data.stages import AUDIT, AUDIT_DATASET, LOCAL, MERGE, OVERFLOW, RECONSTRUCT, RUN_DATASET
 
+if TYPE_CHECKING:
+    from eagle3_data.conversations import Folds
+    from eagle3_data.storage import ArtifactStore, StageRef
 
-def trajectory_folds_of(run: Run, store, datasets: list[str]) -> dict:
+
+def trajectory_folds_of(run: Run, store: ArtifactStore, datasets: list[str]) -> dict[StageRef, Folds]:
     """The merge's folds per input (conversations.trajectory_folds): the samples the generation
     stages of `datasets` committed when they ran in rounds, against the status of each turn in
     the stage whose rows the merge takes: the overflow stage's samples apply to its reconstruct
@@ -41,11 +46,11 @@ def trajectory_folds_of(run: Run, store, datasets: list[str]) -> dict:
     return out
 
 
-def merge(run: Run, store, failed: Mapping[str, str] | None = None) -> MergeResult:
+def merge(run: Run, store: ArtifactStore, failed: Mapping[str, str] | None = None) -> MergeResult:
     """Merge the datasets whose gate passed (`failed`: datasets whose tasks failed in this DAG
     run, left out: `gate_results`); fail when none did. Returns the merged shard refs."""
     from eagle3_data.runs.upstream import merged_shards
-    from eagle3_data.stages.merge.datasets import merge_datasets, merge_params
+    from eagle3_data.stages.merge.datasets import MergeContext, merge_datasets, merge_params
 
     if not store.is_complete(stage_ref(run, AUDIT, AUDIT_DATASET)):
         raise UserError(f"merge: the tokenizer audit of run {run.run_key} did not pass (see task audit_tokenizer)")
@@ -69,8 +74,7 @@ def merge(run: Run, store, failed: Mapping[str, str] | None = None) -> MergeResu
                 run.config.merge,
                 out_dataset=RUN_DATASET,
                 vocab_size=output_format(run, store, template=False).vocab_size,
-                lease=held,
-                folds=trajectory_folds_of(run, store, passed),
+                context=MergeContext(folds=trajectory_folds_of(run, store, passed), lease=held),
             )
             shards, totals = summary["shards"], summary["totals"]
         else:

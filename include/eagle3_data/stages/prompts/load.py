@@ -29,6 +29,7 @@ from typing import Any
 import pyarrow as pa
 
 from eagle3_data import json_records, prompt_layouts
+from eagle3_data.conversations import needs_rounds, pair_results
 from eagle3_data.errors import UserError
 from eagle3_data.images import ImageError, ImageSink, image_parts
 from eagle3_data.prompt_files import (
@@ -130,8 +131,6 @@ def load_prompts(
     each is read once, checked and stored, its part rewritten to name the stored object, and the
     row's `images` column lists their references in prompt order. None: a row with an image part
     is refused."""
-    from eagle3_data.conversations import needs_rounds
-
     whole = needs_rounds(regenerate, history)
     check_name(dataset, "dataset")
     if date is not None and not _DATE.fullmatch(date):
@@ -415,7 +414,7 @@ def _normalise(
     if not messages:
         raise _Reject(name, "empty")
     out = [_message(m, f"{name}[{i}]") for i, m in enumerate(messages)]
-    answers = prompt_layouts.pair_results(out, name)
+    answers = pair_results(out, name)
     if call_id is not None:
         _format_call_ids(out, answers, call_id)
     end = len(out)
@@ -440,7 +439,7 @@ def _format_call_ids(
 ) -> None:
     """Rename every call (in place) to `call_id(name, k)`, k counting the row's calls in order (as
     the model counts them: `OutputFormat.tool_call_index_start`), and re-key each tool message
-    to the new id of the call it answers (`answers`: prompt_layouts.pair_results)."""
+    to the new id of the call it answers (`answers`: conversations.pair_results)."""
     ids: dict[tuple[int, int], str] = {}
     for i, m in enumerate(messages):
         for k, call in enumerate(m.get("tool_calls") or ()):
