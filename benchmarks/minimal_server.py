@@ -51,12 +51,12 @@ RESPONSE = (
 
 
 def _stream_response() -> bytes:
-    """The same answer as the dev server streams it (`_sse`: ~60 events of 7-character pieces, then
+    """The same answer as the dev server streams it (`sse_events`: ~60 events of 7-character pieces, then
     the finish, the usage and `[DONE]`), as one canned SSE body: a request whose body asks
     `"stream": true` gets this."""
-    from eagle3_data.dev.inference_server import _sse
+    from eagle3_data.dev.inference_server.openrouter_answers import sse_events
 
-    body = b": OPENROUTER PROCESSING\n\n" + b"".join(_sse(ANSWER_DICT))
+    body = b": OPENROUTER PROCESSING\n\n" + b"".join(sse_events(ANSWER_DICT))
     return (
         b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: "
         + str(len(body)).encode()

@@ -116,12 +116,13 @@ def _connection(read, conn_id: str):
         raise AirflowFailException(f"Airflow connection {conn_id!r} is not usable: {exc}") from None
 
 
-def _local_endpoints() -> list[str]:
-    """The local engine's endpoints, from its connection (generation and the policy check's scoring)."""
+def _local_engine() -> tuple[list[str], str | None]:
+    """The local engine's endpoints and API key (None: none), from its connection (generation and
+    the policy check's scoring). The key stays inside the task: passed to the library, never returned."""
     from hooks.local_engine import LocalEngineHook
 
     hook = LocalEngineHook()
-    return _connection(hook.get_endpoints, hook.local_engine_conn_id)
+    return _connection(lambda: (hook.get_endpoints(), hook.get_api_key()), hook.local_engine_conn_id)
 
 
 @dag(
@@ -158,7 +159,7 @@ def eagle3_datagen():
             pipeline, run, store = _run()
             if run.dry_run:
                 return {"dry_run": True}
-            return _gate(pipeline.generate_local, run, store, dataset, _local_endpoints()).as_dict()
+            return _gate(pipeline.generate_local, run, store, dataset, *_local_engine()).as_dict()
 
         @task(map_index_template="{{ dataset }}", pool=OPENROUTER_POOL, **NETWORK_RETRIES, **GENERATION_TIMEOUT)
         def generate_overflow(dataset: str, routed: dict) -> dict:
@@ -187,7 +188,7 @@ def eagle3_datagen():
             pipeline, run, store = _run()
             if run.dry_run:
                 return {"dry_run": True}
-            return _gate(pipeline.score_policy, run, store, dataset, _local_endpoints()).as_dict()
+            return _gate(pipeline.score_policy, run, store, dataset, *_local_engine()).as_dict()
 
         # retried only when it did not decide: a failed gate is AirflowFailException (no retries)
         @task(map_index_template="{{ dataset }}", **NETWORK_RETRIES, **_timeout("validate"))

@@ -29,7 +29,18 @@ def _bind(tokenizer, sampling: dict):
     return get_output_format(tokenizer, thinking=sampling.pop("thinking")), sampling
 
 
-def generate_local(store, ref, prompts, tokenizer, endpoints, sampling, *, engine: str = "sglang", **options) -> dict:
+def generate_local(
+    store,
+    ref,
+    prompts,
+    tokenizer,
+    endpoints,
+    sampling,
+    *,
+    engine: str = "sglang",
+    api_key: str | None = None,
+    **options,
+) -> dict:
     fmt, sampling = _bind(tokenizer, sampling)
     setup, options = _split(options)
     return local.generate_local(
@@ -39,7 +50,7 @@ def generate_local(store, ref, prompts, tokenizer, endpoints, sampling, *, engin
         fmt,
         endpoints,
         sampling,
-        wire=wire_for(engine),
+        wire=wire_for(engine, api_key),
         options=local.LocalOptions(**options),
         setup=setup,
     )

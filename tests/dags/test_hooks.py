@@ -49,6 +49,23 @@ def test_sglang_hook_refuses_a_non_url_endpoint(monkeypatch):
 
 
 @pytest.mark.parametrize(
+    "fields, key",
+    [
+        ({"host": "sglang-0", "password": "sk-sglang"}, "sk-sglang"),
+        ({"host": "sglang-0", "extra": {"api_key": "sk-extra"}}, "sk-extra"),
+        ({"host": "sglang-0", "password": "sk-sglang", "extra": {"api_key": "sk-extra"}}, "sk-sglang"),
+        ({"host": "sglang-0"}, None),
+    ],
+)
+def test_sglang_hook_api_key(monkeypatch, fields, key):
+    """The servers' `--api-key`: the connection's password, else its extra `api_key`; None without."""
+    from hooks.local_engine import LocalEngineHook
+
+    _conn(monkeypatch, "sglang_default", **fields)
+    assert LocalEngineHook().get_api_key() == key
+
+
+@pytest.mark.parametrize(
     "host, base_url",
     [
         ("http://127.0.0.1:9/v1", "http://127.0.0.1:9/v1"),

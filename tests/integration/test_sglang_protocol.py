@@ -1,10 +1,13 @@
 """SGLang 0.5.23's behaviours a client must meet, against the dev server (protocol-true to them):
-a full queue is backpressure, a silently truncated prompt is a failed row naming the cut, and a
-sampling key SGLang's schema lets through but its SamplingParams refuses never reaches it."""
+a full queue is backpressure, a silently truncated prompt is a failed row naming the cut, a
+sampling key SGLang's schema lets through but its SamplingParams refuses never reaches it, and a
+server started with `--api-key` is sent its key (and the key is written nowhere)."""
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import math
 
 import httpx
@@ -207,3 +210,68 @@ def test_scoring_with_top_logprobs_answers_as_sglang_lists_them(start_dev_server
     bad = httpx.post(f"{server.url}{path}", json=dict(body, top_logprobs_num="8"))
     assert bad.status_code == 400
     assert bad.json()["error"] == 'invalid type: string "8", expected a value or an array of values for Int64OrList'
+
+
+API_KEY = "sk-sglang-7d2e91c4a0b3"
+
+
+@pytest.fixture(scope="module")
+def keyed_server(kimi_tokenizer_dir, tmp_path_factory):
+    """A dev server started with `--api-key`, as production SGLang servers may be."""
+    from eagle3_data.dev.inference_server import DevServerProcess
+
+    server = DevServerProcess(
+        kimi_tokenizer_dir, log_path=tmp_path_factory.mktemp("keyed") / "server.log", api_key=API_KEY
+    )
+    yield server
+    server.stop()
+
+
+def _written(s3, bucket: str, *folders) -> list[str]:
+    """Every artifact the stages wrote, as text: the bucket's objects (tables read as rows) and the
+    local files (journals)."""
+    import pyarrow.parquet as pq
+
+    texts = []
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        for obj in page.get("Contents", []):
+            body = s3.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read()
+            texts.append(repr(pq.read_table(io.BytesIO(body)).to_pylist()) if obj["Key"].endswith(".parquet") else "")
+            texts.append(body.decode("latin-1"))
+    texts += [f.read_bytes().decode("latin-1") for folder in folders for f in folder.rglob("*") if f.is_file()]
+    return texts
+
+
+def test_a_server_started_with_an_api_key_is_sent_it_and_the_key_is_written_nowhere(
+    store, s3, s3_bucket, keyed_server, kimi_tokenizer, tmp_path, caplog
+):
+    """Generation (health, model and server info, /generate) and the policy check's scoring send
+    `Authorization: Bearer <key>` on every request; the key is in no log line and no artifact."""
+    from eagle3_data.engines import wire_for
+    from eagle3_data.nucleus import Item
+    from eagle3_data.stages.policy import ScoreOptions, score_items
+
+    caplog.set_level(logging.DEBUG)
+    assert httpx.get(f"{keyed_server.url}/server_info").status_code == 401  # the server does want the key
+    ref = StageRef(run_key="key", stage="generate_local", dataset="keyed")
+    s = generate_local(
+        store,
+        ref,
+        prompts(4, "keyed"),
+        kimi_tokenizer,
+        [keyed_server.url],
+        SAMPLING,
+        journal_dir=tmp_path,
+        api_key=API_KEY,
+    )
+    assert s["complete"] and s["counts"]["ok"] == 4, s
+    # GET /model_info was let in too (without the key, identify reads no weight version)
+    assert store.read_manifest(ref)["extra"]["weight_versions"] == {keyed_server.url: "dev"}
+    item = Item("k", "overflow", "overflow", (1, 2, 3, 10, 11, 12), 3)
+    (got,), refused, _ = score_items(
+        [item], [keyed_server.url], wire_for("sglang", API_KEY), ScoreOptions(max_attempts=1)
+    )
+    assert not refused and len(got) == 3, refused
+    assert caplog.records and not [r for r in caplog.records if API_KEY in r.getMessage()]
+    written = _written(s3, s3_bucket, tmp_path)
+    assert any("keyed" in t for t in written) and not [t for t in written if API_KEY in t]

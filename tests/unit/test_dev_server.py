@@ -309,3 +309,55 @@ def test_warmup_and_an_endpoint_that_comes_back(app, prompt_ids):
         assert call(app, "POST", "/generate", json=body).status_code == 200
     finally:
         call(app, "POST", "/dev/config", json={})
+
+
+DEV_KEY = "sk-dev-4f1c9a7e2b"
+
+
+@pytest.fixture(scope="module")
+def keyed_app(kimi_tokenizer):
+    from eagle3_data.dev.inference_server import create_app
+
+    return create_app(kimi_tokenizer, ServerConfig(), api_key=DEV_KEY)
+
+
+GUARDED = [
+    ("POST", "/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}}),
+    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi."}]}),
+    ("GET", "/v1/models", None),
+    ("GET", "/model_info", None),
+    ("GET", "/get_server_info", None),
+]
+
+
+@pytest.mark.parametrize("method, path, body", GUARDED)
+@pytest.mark.parametrize(
+    "authorization", [None, "Bearer wrong", DEV_KEY, f"Basic {DEV_KEY}", f"Bearer  {DEV_KEY}", f"Bearer {DEV_KEY}x"]
+)
+def test_a_keyed_server_refuses_a_missing_or_wrong_key_as_sglang_does(keyed_app, method, path, body, authorization):
+    """SGLang 0.5.23 with `--api-key` (srt/utils/auth.py): every route but /health, /ready and
+    /metrics answers 401 with exactly `{"error":"Unauthorized"}` unless `Authorization` is
+    `Bearer <key>`, before the route reads the body."""
+    headers = {"Authorization": authorization} if authorization else {}
+    r = call(keyed_app, method, path, headers=headers, **({"json": body} if body else {}))
+    assert r.status_code == 401 and r.content == b'{"error":"Unauthorized"}', (r.status_code, r.text)
+    assert r.headers["content-type"] == "application/json"
+
+
+@pytest.mark.parametrize("method, path, body", GUARDED)
+@pytest.mark.parametrize("scheme", ["Bearer", "bearer"])
+def test_a_keyed_server_answers_the_right_key(keyed_app, app, method, path, body, scheme):
+    r = call(
+        keyed_app, method, path, headers={"Authorization": f"{scheme} {DEV_KEY}"}, **({"json": body} if body else {})
+    )
+    assert r.status_code == 200, r.text
+    keyless = call(app, method, path, **({"json": body} if body else {}))  # a server without a key: open
+    assert keyless.status_code == 200, keyless.text
+
+
+@pytest.mark.parametrize(
+    "method, path", [("GET", "/health"), ("GET", "/health_generate"), ("GET", "/dev/stats"), ("OPTIONS", "/generate")]
+)
+def test_a_keyed_server_leaves_health_open(keyed_app, method, path):
+    """Probes and the dev server's own counters need no key (SGLang: OPTIONS and /health*)."""
+    assert call(keyed_app, method, path).status_code != 401

@@ -133,7 +133,7 @@ def test_provider_view_equals_sglangs_parsers(sglang_oracle, kimi_tokenizer, thi
 
 def test_dev_server_schema_errors_are_sglangs(sglang_oracle):
     """The dev server's 400 bodies for /generate schema errors carry SGLang's own texts."""
-    from eagle3_data.dev.inference_server import _generate_contract_error
+    from eagle3_data.dev.inference_server.sglang_contract import generate_contract_error
 
     bodies = [
         {"input_ids": [1, 2], "sampling_params": {"seed": 3}},
@@ -146,7 +146,7 @@ def test_dev_server_schema_errors_are_sglangs(sglang_oracle):
         {"input_ids": [[1, 2], "x"]},
     ]
     for body in bodies:
-        assert _generate_contract_error(body) == sglang_oracle.contract_error(body), body
+        assert generate_contract_error(body) == sglang_oracle.contract_error(body), body
 
 
 def test_our_image_requests_pass_sglangs_own_generate_contract(sglang_oracle):

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from eagle3_data.dev.inference_server import _sse
+from eagle3_data.dev.inference_server.openrouter_answers import sse_events
 from eagle3_data.stages.generate.openrouter_http import AttemptLost, Received, StreamAnswer, _read_events
 
 ANSWER = {
@@ -69,7 +69,7 @@ def by_line(body: bytes) -> list:
 
 @pytest.mark.parametrize("seed", range(6))
 def test_any_cut_of_the_body_reads_the_same_answer(seed):
-    body = b": OPENROUTER PROCESSING\r\n\r\n" + b"".join(_sse(ANSWER))
+    body = b": OPENROUTER PROCESSING\r\n\r\n" + b"".join(sse_events(ANSWER))
     rng = random.Random(seed)
     cuts = sorted(rng.sample(range(1, len(body)), [1, 3, 40, 400, len(body) // 2, len(body) - 1][seed]))
     whole = StreamAnswer()
@@ -84,7 +84,7 @@ def test_any_cut_of_the_body_reads_the_same_answer(seed):
 def test_a_stream_whose_done_has_no_blank_line_after_it_is_complete():
     """The body may end right after `data: [DONE]` (the SSE spec dispatches an event at a blank
     line, but the stream's end closes it too): read as done, nothing malformed."""
-    body = b"".join(_sse(ANSWER)).rstrip(b"\n")
+    body = b"".join(sse_events(ANSWER)).rstrip(b"\n")
     assert body.endswith(b"data: [DONE]")
     done, answer, names = read(body, [len(body) // 2])
     assert (

@@ -13,6 +13,10 @@ def register(dev_sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokenizer", required=True, help="Kimi tokenizer directory (see `dev build-tokenizer`)")
     p.add_argument("--config", help="dev server YAML: fault injection, prices, per-dataset BPE split rates")
     p.add_argument("--pipeline-config", help="pipeline YAML: take per-dataset BPE split rates from datasets[].dev")
+    p.add_argument(
+        "--api-key",
+        help="require `Authorization: Bearer KEY` on every route but /health, as SGLang's --api-key does",
+    )
     p.set_defaults(func=_run)
 
 
@@ -26,5 +30,5 @@ def _run(args: argparse.Namespace) -> int:
 
         for ds in load_pipeline(args.pipeline_config).datasets:
             config.datasets.setdefault(ds.name, {"noncanonical_rate": ds.dev_bpe_split_rate})
-    serve(args.tokenizer, args.port, config)
+    serve(args.tokenizer, args.port, config, api_key=args.api_key)
     return 0

@@ -14,6 +14,7 @@ import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, NamedTuple, Protocol
 
 import aiohttp
@@ -29,6 +30,18 @@ DEFAULT_IN_FLIGHT = 64  # per endpoint, when neither the config nor the endpoint
 
 
 MAX_IN_FLIGHT = 4096  # a reported capacity is clamped to the config's own bound
+
+
+API_KEY_ENV = "EAGLE3_SGLANG_API_KEY"  # the CLI's source of the key (the DAG's: connection sglang_default)
+
+
+def bearer_headers(api_key: str | None) -> Mapping[str, str]:
+    """What every request to an engine started with `--api-key` carries: SGLang answers 401 to
+    every route but `/health`, `/ready` and `/metrics` without `Authorization: Bearer <key>`
+    (its `srt/utils/auth.py`); vLLM's `--api-key` takes the same header. None or "": no header
+    (a server started without a key). Sent on `/health` too: harmless, and one set of headers
+    for the session."""
+    return MappingProxyType({"Authorization": f"Bearer {api_key}"} if api_key else {})
 
 
 class Answer(NamedTuple):
@@ -92,6 +105,9 @@ class Wire(Protocol):
     source: str  # the rows' `source`: "sglang" | "vllm"
     engine: str  # for people: "SGLang" | "vLLM"
     capacity_paths: tuple[str, ...]  # where the engine reports max_running_requests; () = nowhere
+    # sent with every request (the callers' sessions' default headers): `bearer_headers` of the
+    # endpoints' API key (`engines.wire_for`), empty for a server started without one
+    headers: Mapping[str, str]
 
     def sampling(self, sampling: Mapping[str, Any]) -> dict:
         """The config's engine-neutral sampling as this engine's request fields (UserError on a key it lacks)."""

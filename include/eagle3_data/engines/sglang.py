@@ -39,6 +39,7 @@ from eagle3_data.engines.client import (
     MediaDiffers,
     PromptCut,
     Scored,
+    bearer_headers,
     error_message,
     served_model,
     top_row,
@@ -98,6 +99,7 @@ class SGLangWire:
     source = "sglang"
     engine = "SGLang"
     capacity_paths = ("/server_info", "/get_server_info")
+    headers: Mapping[str, str] = bearer_headers(None)  # wire_for gives a keyed copy
 
     def sampling(self, sampling: Mapping[str, Any]) -> dict:
         check_sampling_params(sampling)

@@ -38,7 +38,16 @@ from typing import Any
 
 import aiohttp
 
-from eagle3_data.engines.client import Answer, Media, MediaDiffers, PromptCut, Scored, served_model, top_row
+from eagle3_data.engines.client import (
+    Answer,
+    Media,
+    MediaDiffers,
+    PromptCut,
+    Scored,
+    bearer_headers,
+    served_model,
+    top_row,
+)
 from eagle3_data.errors import UserError
 from eagle3_data.images import collapse_runs, first_difference
 
@@ -84,6 +93,7 @@ class VllmWire:
     source = "vllm"
     engine = "vLLM"
     capacity_paths: tuple[str, ...] = ()
+    headers: Mapping[str, str] = bearer_headers(None)  # wire_for gives a keyed copy
 
     def sampling(self, sampling: Mapping[str, Any]) -> dict:
         return vllm_sampling(sampling)

@@ -10,6 +10,7 @@ key reuses, and the other way round.
 Endpoints are required: `--endpoint` (SGLang or vLLM, per `generation.local.engine`) or
 `--base-url` (OpenRouter), or `--dev` to run on the dev inference server, a stand-in that the
 run's manifests then name. The OpenRouter key is read from the environment (`OPENROUTER_API_KEY`),
+as is the local engines' key, for servers started with `--api-key` (`EAGLE3_SGLANG_API_KEY`),
 never from a flag: flags end up in `ps` output and shell history.
 """
 
@@ -29,6 +30,7 @@ from eagle3_data.cli.runs import (
     dev_stand_in,
     printed,
 )
+from eagle3_data.engines.client import API_KEY_ENV
 from eagle3_data.errors import UserError
 
 KEY_ENV = "OPENROUTER_API_KEY"
@@ -152,7 +154,8 @@ def _run(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         url = dev_server(stack, run, args.dev_config) if args.dev else None
         if args.engine == "local":
-            result = pipeline.generate_local(run, store, args.dataset, args.endpoint or [url], rerun=args.rerun)
+            endpoints, key = args.endpoint or [url], os.environ.get(API_KEY_ENV)
+            result = pipeline.generate_local(run, store, args.dataset, endpoints, key, rerun=args.rerun)
         else:
             key = os.environ.get(KEY_ENV) or ("dev-key-unused" if args.dev else "")
             result = pipeline.generate_overflow(

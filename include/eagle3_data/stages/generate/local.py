@@ -204,7 +204,7 @@ class LocalRun:
         # no pool limit: the workers bound the connections (per endpoint, known only after /server_info)
         connector = aiohttp.TCPConnector(limit=0)
         timeout = aiohttp.ClientTimeout(total=self.o.request_timeout_s, sock_connect=self.o.connect_timeout_s)
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=self.wire.headers) as http:
             self.http = http
             log.info(
                 "%s: waiting for %d endpoint(s) to answer /health: %s",

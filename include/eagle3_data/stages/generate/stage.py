@@ -98,8 +98,11 @@ def _finished(result: StageSummary, what: str, store, ref) -> GenerationResult:
     )
 
 
-def generate_local(run: Run, store, dataset: str, endpoints: list[str], *, rerun: bool = False) -> GenerationResult:
-    """The samples routed local|both on the local engine's `endpoints` (http(s) URLs)."""
+def generate_local(
+    run: Run, store, dataset: str, endpoints: list[str], api_key: str | None = None, *, rerun: bool = False
+) -> GenerationResult:
+    """The samples routed local|both on the local engine's `endpoints` (http(s) URLs), sending
+    `api_key` (theirs, from `--api-key`; never logged) on every request when given."""
     from eagle3_data.config import options_from
     from eagle3_data.engines import wire_for
     from eagle3_data.stages.generate.local import LocalOptions
@@ -107,7 +110,7 @@ def generate_local(run: Run, store, dataset: str, endpoints: list[str], *, rerun
 
     prompts, ref = stage_ref(run, PROMPTS, dataset), stage_ref(run, LOCAL, dataset)
     g = run.config.generation
-    wire = wire_for(g.local.engine)
+    wire = wire_for(g.local.engine, api_key)
     settings = {"source": wire.source, "model": run.config.model.name, "sampling": wire.sampling(engine_sampling(run))}
     what = f"generate_local {dataset}"
     fmt = output_format(run, store)

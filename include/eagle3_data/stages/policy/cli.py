@@ -5,13 +5,15 @@ of that run (`runs/R/score_policy/D`, the one the DAG reuses and the validate st
 engine at URL (SGLang or vLLM, per `generation.local.engine`) scores a sample of the dataset's
 overflow answers and as many local ones (docs/generation.md, "The policy check"). `--dev` scores
 on the dev inference server instead, as `generate local --dev` generates on it (a stand-in: the
-stage's manifest says so).
+stage's manifest says so). For an engine started with `--api-key`, the key is read from the
+environment (`EAGLE3_SGLANG_API_KEY`), as `generate local` reads it.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 
 from eagle3_data.cli.runs import (
     add_config_arg,
@@ -22,6 +24,7 @@ from eagle3_data.cli.runs import (
     printed,
     run_of_stage,
 )
+from eagle3_data.engines.client import API_KEY_ENV
 from eagle3_data.errors import UserError
 
 
@@ -60,5 +63,5 @@ def _run(args: argparse.Namespace) -> int:
     )
     with contextlib.ExitStack() as stack:
         endpoints = [dev_server(stack, run)] if args.dev else args.endpoint
-        print(printed(pipeline.score_policy(run, store, ref.dataset, endpoints)))
+        print(printed(pipeline.score_policy(run, store, ref.dataset, endpoints, os.environ.get(API_KEY_ENV))))
     return 0

@@ -97,7 +97,8 @@ class _Scorer:
 
     async def run(self, items: Sequence[Item]) -> tuple[list[list[float] | None], dict[str, str], list[int | None]]:
         timeout = aiohttp.ClientTimeout(total=self.o.request_timeout_s, sock_connect=self.o.connect_timeout_s)
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as http:
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=self.wire.headers) as http:
             self.http = http
             problems = await asyncio.gather(*(wait_healthy(http, e, self.wire.engine, self.o) for e in self.endpoints))
             ready = [e for e, problem in zip(self.endpoints, problems) if problem is None]

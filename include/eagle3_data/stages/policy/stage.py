@@ -34,17 +34,17 @@ def _parquet(rows: list[dict]) -> bytes:
     return buf.getvalue()
 
 
-def score_policy(run: Run, store, dataset: str, endpoints: list[str]) -> PolicyResult:
-    """Score the dataset's sample on the local engine's `endpoints` (http(s) URLs) and commit the
-    figures (`policy.json` beside the scored rows; `sizing`: the pilot, its spreads, the sample
-    size they call for, how many were available; `compare.sample_size`). No overflow answers, or
-    `policy.max_samples` 0: committed as skipped, no request sent. When the run's sampling has a
-    nucleus (`Nucleus.of`: top_p < 1 or a top_k), each sampled item's request also asks for the
-    `policy.top_logprobs` likeliest ids at every position, and the answer tokens provably outside
-    the nucleus are counted per side (`nucleus`: samples, tokens, outside; `nucleus_rule`: how):
-    the gate runs the nucleus test on them (nucleus, policy_check). The calibration
-    answers (greedy on both paths) are always counted, their tokens off the target's argmax
-    (`greedy`, `off_argmax`): the greedy test."""
+def score_policy(run: Run, store, dataset: str, endpoints: list[str], api_key: str | None = None) -> PolicyResult:
+    """Score the dataset's sample on the local engine's `endpoints` (http(s) URLs; `api_key`: theirs,
+    sent on every request when given, never logged) and commit the figures (`policy.json` beside the
+    scored rows; `sizing`: the pilot, its spreads, the sample size they call for, how many were
+    available; `compare.sample_size`). No overflow answers, or `policy.max_samples` 0: committed as
+    skipped, no request sent. When the run's sampling has a nucleus (`Nucleus.of`: top_p < 1 or a
+    top_k), each sampled item's request also asks for the `policy.top_logprobs` likeliest ids at every
+    position, and the answer tokens provably outside the nucleus are counted per side (`nucleus`:
+    samples, tokens, outside; `nucleus_rule`: how): the gate runs the nucleus test on them (nucleus,
+    policy_check). The calibration answers (greedy on both paths) are always counted, their tokens off
+    the target's argmax (`greedy`, `off_argmax`): the greedy test."""
     from eagle3_data.engines import wire_for
     from eagle3_data.engines.client import Media, read_media
     from eagle3_data.images import parse_refs
@@ -103,7 +103,7 @@ def score_policy(run: Run, store, dataset: str, endpoints: list[str]) -> PolicyR
         raise UserError(f"score_policy {dataset}: no local endpoints configured to score on")
     else:
         fmt = output_format(run, store, template=False)
-        wire, options = wire_for(run.config.generation.local.engine), ScoreOptions.from_config(cfg)
+        wire, options = wire_for(run.config.generation.local.engine, api_key), ScoreOptions.from_config(cfg)
         refused: dict[str, str] = {}
         done: dict[tuple, tuple[list[float] | None, int | None]] = {}
 
