@@ -5,7 +5,7 @@
    thread overlaps serialisation with compute).
 2. naive: the anchors' way, one sample per forward of the full causal LM with
    `output_hidden_states=True` and one `torch.save` file per sample (SpecForge layout).
-3. extract without log-probabilities (`ExtractOptions.logprobs=False`): what the per-token
+3. extract without log-probabilities (`HiddenStatesConfig.logprobs=False`): what the per-token
    log-probability of every row (the final norm and one LM-head product per token, logprobs.py)
    costs the extraction, and that head's FLOP share at Kimi-K2.5's size (2*V*H per token against
    2 x 32 B active parameters).
@@ -31,8 +31,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "include"))
 
 from eagle3_data import fp8  # noqa: E402
+from eagle3_data.config import HiddenStatesConfig  # noqa: E402
 from eagle3_data.exports.shards import ShardReader  # noqa: E402
-from eagle3_data.extraction_params import ExtractOptions  # noqa: E402
 from eagle3_data.stages.hidden_states.backends import TransformersBackend  # noqa: E402
 from eagle3_data.stages.hidden_states.extract import extract_rows, plan_batches  # noqa: E402
 from eagle3_data.stages.hidden_states.layers import default_layer_ids, hidden_state_indices  # noqa: E402
@@ -120,11 +120,11 @@ def main() -> None:
         tmp: Path, use_fp8: bool = False, storage_dtype: str = "bf16", logprobs: bool = True
     ) -> tuple[float, dict]:
         # aux states only: the bytes per token compared with their 3H x 2 minimum (RESULTS.md)
-        opts = ExtractOptions(
+        opts = HiddenStatesConfig(
             last_hidden=False,
-            token_budget=args.token_budget,
-            out_shard_tokens=16_384,
-            use_fp8=use_fp8,
+            batch_tokens=args.token_budget,
+            shard_tokens=16_384,
+            fp8=use_fp8,
             storage_dtype=storage_dtype,
             logprobs=logprobs,
         )

@@ -25,7 +25,6 @@ import sys
 import tempfile
 import time
 from contextlib import contextmanager
-from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -35,8 +34,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import torch  # noqa: E402
 from extract_throughput import lm_head_share, sync  # noqa: E402
 
+from eagle3_data.config import HiddenStatesConfig  # noqa: E402
 from eagle3_data.exports.shards import ShardReader  # noqa: E402
-from eagle3_data.extraction_params import ExtractOptions  # noqa: E402
 from eagle3_data.stages.hidden_states.backends import TransformersBackend  # noqa: E402
 from eagle3_data.stages.hidden_states.extract import extract_rows  # noqa: E402
 from eagle3_data.stages.hidden_states.vllm_backend import VllmBackend  # noqa: E402
@@ -256,10 +255,10 @@ def main() -> None:
     build_s = time.perf_counter() - t0
     rows = make_rows(args.samples, 0, args.median_tokens, args.max_tokens)
     tokens = sum(len(r["input_ids"]) for r in rows)
-    opts = ExtractOptions(
-        last_hidden=True, storage_dtype="compute", token_budget=args.token_budget, out_shard_tokens=1 << 20
+    opts = HiddenStatesConfig(
+        last_hidden=True, storage_dtype="compute", batch_tokens=args.token_budget, shard_tokens=1 << 20
     )
-    no_logprobs = replace(opts, logprobs=False)
+    no_logprobs = opts.model_copy(update={"logprobs": False})
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         t = time.perf_counter()

@@ -7,7 +7,7 @@ the machine's load drifts:
    norm, checks, packing, bf16 shards written).
 2. vLLM engine only: the engine's own time for the same batches (generate + drain, from the
    worker), i.e. extraction minus our read/pack/write.
-   vLLM extract without log-probs: 1. with `ExtractOptions.logprobs` off, so the LM head over
+   vLLM extract without log-probs: 1. with `HiddenStatesConfig.logprobs` off, so the LM head over
    every token (target_head/logprobs.py; on this tiny target most of 1.'s time: its head is
    84% of a token's FLOPs, 3.5% at Kimi-K2.5's size) is apart from what extraction itself costs.
 3. vLLM plain prefill: the same engine settings without the extraction method or connector,
@@ -25,7 +25,6 @@ import argparse
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -34,7 +33,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from extract_throughput import ensure_model, make_rows  # noqa: E402
 
-from eagle3_data.extraction_params import ExtractOptions  # noqa: E402
+from eagle3_data.config import HiddenStatesConfig  # noqa: E402
 from eagle3_data.stages.hidden_states.backends import TransformersBackend  # noqa: E402
 from eagle3_data.stages.hidden_states.extract import extract_rows, plan_batches  # noqa: E402
 from eagle3_data.stages.hidden_states.layers import default_layer_ids, hidden_state_indices  # noqa: E402
@@ -67,8 +66,8 @@ def main() -> None:
     batches = [
         [rows[i]["input_ids"] for i in b] for b in plan_batches([len(r["input_ids"]) for r in rows], args.token_budget)
     ]
-    opts = ExtractOptions(last_hidden=True, token_budget=args.token_budget, out_shard_tokens=16_384)
-    no_logprobs = replace(opts, logprobs=False)
+    opts = HiddenStatesConfig(last_hidden=True, batch_tokens=args.token_budget, shard_tokens=16_384)
+    no_logprobs = opts.model_copy(update={"logprobs": False})
     # warm-up: engines started (counted apart), kernels touched
     vllm.forward([rows[0]["input_ids"]], indices, True)
     plain.request([rows[0]["input_ids"]], layer_ids)

@@ -3,7 +3,7 @@
 Wiring only: every task calls one function of `eagle3_data.pipeline` and passes S3 URIs and
 counts, never data. Nothing heavy is imported at module level (the dag-processor re-parses this
 file constantly): the library is imported inside the tasks. The trigger form's params are
-generated from the config's pydantic fields (`eagle3_data.config.run_param_schemas`), so their
+generated from the config's pydantic fields (`plugins/eagle3_airflow.py`: `run_param_schemas`), so their
 types, enums, bounds and descriptions are the config's own.
 
 Per dataset, local and overflow generation run side by side (both read only the routed prompts);
@@ -23,8 +23,9 @@ from __future__ import annotations
 from datetime import timedelta
 
 from airflow.sdk import Asset, Param, TriggerRule, dag, get_current_context, task, task_group
+from eagle3_airflow import AWS_CONN_ID, DAG_ID, GPU_QUEUE, OPENROUTER_POOL, run_param_schemas
 
-from eagle3_data.config import AWS_CONN_ID, DAG_ID, GPU_QUEUE, OPENROUTER_POOL, load_config, run_param_schemas
+from eagle3_data.config import load_config
 
 CONFIG = load_config()
 TRAINING_DATA = Asset(

@@ -11,7 +11,9 @@ airflow pools set openrouter "${OPENROUTER_POOL_SLOTS:-256}" "OpenRouter overflo
 python - <<'PY'
 from airflow.providers.amazon.aws.hooks.s3 import S3Hook
 
-from eagle3_data.config import AWS_CONN_ID, load_config
+from eagle3_airflow import AWS_CONN_ID  # plugins/, on sys.path once airflow is imported
+
+from eagle3_data.config import load_config
 from eagle3_data.storage import ArtifactStore
 
 storage = load_config().storage

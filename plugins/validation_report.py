@@ -48,8 +48,9 @@ def _run_key(session, dag_id: str, run_id: str) -> str:
 def _store():
     """The pipeline's bucket, through the `aws_default` connection."""
     from airflow.providers.amazon.aws.hooks.s3 import S3Hook
+    from eagle3_airflow import AWS_CONN_ID
 
-    from eagle3_data.config import AWS_CONN_ID, load_config
+    from eagle3_data.config import load_config
     from eagle3_data.storage import ArtifactStore
 
     storage = load_config().storage

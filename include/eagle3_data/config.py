@@ -7,8 +7,8 @@ fall back to its default and turn the gate off. Every bad key is reported, one l
 its dotted path and the nearest valid key.
 
 Trigger-form params are applied with `PipelineConfig.with_overrides`, which goes through the same
-validation as the file; `run_param_schemas` derives the DAG's trigger-form `Params` (type, enum,
-bounds, description) from these same fields, so the form and the file cannot drift.
+validation as the file; the DAG's trigger form (plugins/eagle3_airflow.py) takes each param's
+type, enum, bounds and description from these same fields, so the form and the file cannot drift.
 
 Where the default file is: `eagle3_data/defaults/pipeline.yaml`, package data (a wheel install
 has it). Sources (`tokenizer.source`, `model.source`) are a local path (relative paths resolve
@@ -49,14 +49,6 @@ from eagle3_data.gate_defaults import (
     DEFAULT_POLICY_POWER,
     DEFAULT_POLICY_SHIFT_NATS,
 )
-from eagle3_data.stages import FRESH_STAGES
-
-AWS_CONN_ID = "aws_default"
-OPENROUTER_CONN_ID = "openrouter_default"
-SGLANG_CONN_ID = "sglang_default"
-OPENROUTER_POOL = "openrouter"
-GPU_QUEUE = "gpu"
-DAG_ID = "eagle3_datagen"
 
 CONFIG_ENV = "EAGLE3_CONFIG"
 DEV_SOURCE_SCHEME = "dev:"
@@ -907,9 +899,10 @@ def _unwrap(tp: Any) -> Any:
             return tp
 
 
-# -- trigger params (the DAG's form) -----------------------------------------------------------
-# Trigger param -> the config field it overrides. Bounds, enums and descriptions come from that
-# field; thresholds are nullable (empty keeps the config's per-dataset values).
+# -- trigger params (the DAG's form: plugins/eagle3_airflow.py builds it) ---------------------
+# Trigger param -> the config field it overrides (`runs.run.resolve_run` applies them). The form
+# takes bounds, enums and descriptions from that field; thresholds are nullable (empty keeps the
+# config's per-dataset values).
 CONFIG_PARAMS: dict[str, str] = {
     "overflow_strategy": "routing.strategy",
     "overflow_fraction": "routing.overflow_fraction",
@@ -930,7 +923,16 @@ CONFIG_PARAMS: dict[str, str] = {
     "probe_draft_length": "probe.draft_length",
 }
 THRESHOLD_PARAMS = ("max_bpe_mismatch_rate", "max_billing_deviation")
-RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._=+-]{0,127}$"
+# Every trigger param a run takes, in the form's order: the config's, and those `resolve_run`
+# reads itself (which datasets, the run key, the stages to replace, how far to go).
+TRIGGER_PARAMS: tuple[str, ...] = (
+    "datasets",
+    "run_name",
+    *CONFIG_PARAMS,
+    "fresh_stages",
+    "skip_hidden_states",
+    "dry_run",
+)
 
 
 def config_field(dotted_path: str) -> Any:
@@ -949,10 +951,12 @@ def config_value(config: PipelineConfig, dotted_path: str) -> Any:
     return value
 
 
-def _field_schema(info: Any, *, nullable: bool) -> dict[str, Any]:
-    """JSON schema of one config field (type, enum, bounds), as Airflow's Param takes it."""
+def config_field_schema(dotted_path: str, *, nullable: bool = False) -> dict[str, Any]:
+    """JSON schema of one config field (type, enum, bounds), as Airflow's Param takes it;
+    `nullable`: null allowed too."""
     from pydantic import TypeAdapter
 
+    info = config_field(dotted_path)
     base = _unwrap(info.annotation)
     schema = TypeAdapter(Annotated[base, *info.metadata] if info.metadata else base).json_schema()
     schema.pop("title", None)
@@ -963,60 +967,9 @@ def _field_schema(info: Any, *, nullable: bool) -> dict[str, Any]:
     return schema
 
 
-def run_param_schemas(config: PipelineConfig) -> dict[str, dict[str, Any]]:
-    """Every trigger param as `{name: {"default": ..., "description": ..., **json_schema}}`,
-    ready for `airflow.sdk.Param(**spec)`. Config-backed params take the field's schema and
-    description; their default is the config's value (thresholds: empty)."""
-    out: dict[str, dict[str, Any]] = {
-        "datasets": {
-            "default": config.dataset_names,
-            "type": "array",
-            "items": {"type": "string", "enum": config.dataset_names},
-            "minItems": 1,
-            "uniqueItems": True,
-            "description": "Datasets to process. Others keep their committed artifacts of this run key.",
-        },
-        "run_name": {
-            "default": None,
-            "type": ["null", "string"],
-            "pattern": RUN_NAME_PATTERN,
-            "description": "Run key for a manual run (artifacts under runs/{run_name}/). Empty: "
-            "date=YYYY-MM-DD of the logical date. Reuse a name to resume or rerun datasets.",
-        },
-    }
-    for name, path in CONFIG_PARAMS.items():
-        info = config_field(path)
-        nullable = name in THRESHOLD_PARAMS
-        description = info.description or path
-        if nullable:
-            description += " Empty: the config's value, per-dataset overrides included."
-        out[name] = {
-            "default": None if nullable else config_value(config, path),
-            "description": f"{description} (config: {path})",
-            **_field_schema(info, nullable=nullable),
-        }
-    out["fresh_stages"] = {
-        "default": [],
-        "type": "array",
-        "items": {"type": "string", "enum": list(FRESH_STAGES)},
-        "uniqueItems": True,
-        "description": "Stages of this run key to replace when they were committed from other inputs, params or "
-        "tokenizer (otherwise such a run is refused and nothing is touched). The stages built on a replaced one "
-        "must be named too. Paid answers are archived and reused where they still match.",
-    }
-    out["skip_hidden_states"] = {"default": False, "type": "boolean", "description": "Stop after merge (no GPU stage)."}
-    out["dry_run"] = {
-        "default": False,
-        "type": "boolean",
-        "description": "Plan only: prompt counts, routing, token and cost estimates. No generation, no spend.",
-    }
-    return out
-
-
-def check_run_params(params: dict[str, Any], config: PipelineConfig) -> None:
+def check_run_params(params: dict[str, Any]) -> None:
     """Refuse trigger conf keys that are not params (a mistyped name must not be ignored);
     every unknown key is one line naming it and the nearest param."""
-    known = list(run_param_schemas(config))
-    bad = [k for k in params if k not in known]
+    bad = [k for k in params if k not in TRIGGER_PARAMS]
     if bad:
-        raise UserError("\n".join(f"params.{k}: {unknown_key_message(k, known, 'param')}" for k in bad))
+        raise UserError("\n".join(f"params.{k}: {unknown_key_message(k, list(TRIGGER_PARAMS), 'param')}" for k in bad))

@@ -34,7 +34,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from eagle3_data.config import DAG_ID, GPU_QUEUE, OPENROUTER_POOL, load_config
+from eagle3_airflow import DAG_ID, GPU_QUEUE, OPENROUTER_POOL
+
+from eagle3_data.config import load_config
 from eagle3_data.dev.processes import free_port, http_ok, local_http
 from eagle3_data.errors import UserError
 from eagle3_devtools.services import Service, Services, reap_leftovers, run_launcher

@@ -36,8 +36,10 @@ from contextlib import ExitStack
 from datetime import datetime, timezone
 from pathlib import Path
 
+from eagle3_airflow import DAG_ID
+
 from eagle3_data.builds.sources import dev_cache_root
-from eagle3_data.config import DAG_ID, deep_merge, load_config
+from eagle3_data.config import deep_merge, load_config
 from eagle3_devtools.demo_output import Heartbeat, captured_output, expected_failure
 from eagle3_devtools.stack import (
     REPO,

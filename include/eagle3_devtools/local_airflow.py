@@ -23,7 +23,9 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from eagle3_data.config import DAG_ID, OPENROUTER_POOL, load_config
+from eagle3_airflow import DAG_ID, OPENROUTER_POOL
+
+from eagle3_data.config import load_config
 from eagle3_data.dev.processes import free_port, wait_http_ok
 from eagle3_devtools.cluster import airflow_cmd, env_file_keys, run_airflow, write_env_file
 from eagle3_devtools.services import Services, reap_leftovers, run_launcher

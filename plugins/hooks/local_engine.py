@@ -8,8 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from airflow.sdk.bases.hook import BaseHook
-
-from eagle3_data.config import SGLANG_CONN_ID
+from eagle3_airflow import SGLANG_CONN_ID
 
 
 class LocalEngineHook(BaseHook):

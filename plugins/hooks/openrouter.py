@@ -5,8 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from airflow.sdk.bases.hook import BaseHook
-
-from eagle3_data.config import OPENROUTER_CONN_ID
+from eagle3_airflow import OPENROUTER_CONN_ID
 
 DEFAULT_BASE_URL = "https://openrouter.ai/api/v1"
 

@@ -23,8 +23,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from eagle3_airflow import DAG_ID
 
-from eagle3_data.config import DAG_ID, deep_merge, load_config
+from eagle3_data.config import deep_merge, load_config
 from eagle3_data.dev.processes import local_http
 from eagle3_devtools.cluster import ADMIN_USER, CLUSTER_OVERRIDES, ApiClient
 from eagle3_devtools.services import kill_group, reap_leftovers

@@ -10,8 +10,8 @@ from pathlib import Path
 from urllib.parse import quote
 
 import pytest
+from eagle3_airflow import DAG_ID
 
-from eagle3_data.config import DAG_ID
 from tests.cluster.browser import Browser
 from tests.cluster.conftest import KILLED_RUN, REPO
 

@@ -14,8 +14,8 @@ from datetime import date, datetime, timedelta, timezone
 
 import httpx
 import pytest
+from eagle3_airflow import DAG_ID, GPU_QUEUE
 
-from eagle3_data.config import DAG_ID, GPU_QUEUE
 from tests.cluster.conftest import KILLED_RUN, SMALL, config, run_prefix, upload
 
 FIRST = date(2026, 11, 1)  # the triggered run
@@ -234,7 +234,7 @@ def test_sigkill_of_the_generating_worker_is_retried_without_loss_or_duplicates(
 
 
 def test_report_view_through_the_api_server_with_auth(cluster, first_run):
-    from eagle3_data.config import DAG_ID as dag
+    from eagle3_airflow import DAG_ID as dag
 
     url = f"{cluster.base}/eagle3-report/{dag}/{first_run}"
     assert httpx.get(url, timeout=30).status_code == 401

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import yaml
+from eagle3_airflow import DAG_ID
 
 from eagle3_data.cli import main
-from eagle3_data.config import DAG_ID
 from tests.fixtures.airflow import REPO, dag_stack
 
 pytestmark = pytest.mark.slow

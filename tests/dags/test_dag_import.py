@@ -31,8 +31,9 @@ def test_dag_file_imports_nothing_heavy():
 
 def test_dag_wiring():
     from airflow.dag_processing.dagbag import DagBag
+    from eagle3_airflow import GPU_QUEUE, OPENROUTER_POOL
 
-    from eagle3_data.config import GPU_QUEUE, OPENROUTER_POOL, load_config
+    from eagle3_data.config import load_config
 
     bag = DagBag(dag_folder=str(REPO / "dags"))
     dag = bag.dags["eagle3_datagen"]
@@ -102,7 +103,14 @@ def test_params_agree_with_the_config_models():
     from airflow.dag_processing.dagbag import DagBag
     from airflow.sdk.exceptions import ParamValidationError
 
-    from eagle3_data.config import CONFIG_PARAMS, THRESHOLD_PARAMS, config_field, config_value, load_config
+    from eagle3_data.config import (
+        CONFIG_PARAMS,
+        THRESHOLD_PARAMS,
+        TRIGGER_PARAMS,
+        config_field,
+        config_value,
+        load_config,
+    )
     from eagle3_data.errors import UserError
 
     params = DagBag(dag_folder=str(REPO / "dags")).dags["eagle3_datagen"].params
@@ -110,6 +118,7 @@ def test_params_agree_with_the_config_models():
     assert {"datasets", "run_name", "skip_hidden_states", "dry_run", "fresh_stages", *CONFIG_PARAMS} == set(
         params.keys()
     )
+    assert list(params.keys()) == list(TRIGGER_PARAMS)  # the form offers what resolve_run takes, in its order
     for name, path in CONFIG_PARAMS.items():
         param, info = params.get_param(name), config_field(path)
         schema = param.schema

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from eagle3_airflow import DAG_ID
 
-from eagle3_data.config import DAG_ID, load_config
+from eagle3_data.config import load_config
 from tests.conversation_oracle import CONVERSATIONS, check_conversation_records, check_spliced_results, stage_rows
 from tests.fixtures.airflow import DAG_TEST_BUCKET, dag_stack
 

@@ -9,8 +9,9 @@ from datetime import datetime, timezone
 
 import httpx
 import pytest
+from eagle3_airflow import DAG_ID
 
-from eagle3_data.config import DAG_ID, load_config
+from eagle3_data.config import load_config
 from tests.fixtures.airflow import dag_stack
 
 pytestmark = pytest.mark.slow

@@ -15,8 +15,8 @@ import json
 import pytest
 import torch
 
+from eagle3_data.config import HiddenStatesConfig
 from eagle3_data.exports.shards import ShardReader
-from eagle3_data.extraction_params import ExtractOptions
 from eagle3_data.stages.hidden_states.extract import extract_rows
 from tests.integration.test_extract_s3 import generations, s3_env  # noqa: F401  (fixtures)
 
@@ -68,13 +68,13 @@ def test_aux_and_last_states_equal_an_independent_forward(vllm_backend, referenc
         rows,
         tmp_path,
         "v",
-        ExtractOptions(
+        HiddenStatesConfig(
             convention=convention,
             last_hidden=True,
             last_hidden_norm="post",
             storage_dtype="fp32",
-            token_budget=256,
-            out_shard_tokens=100,
+            batch_tokens=256,
+            shard_tokens=100,
         ),
     )
     assert summary["layer_ids"] == ([1, 3, 4] if convention == "output" else [2, 4, 5])
@@ -101,7 +101,7 @@ def test_shared_long_prefix_gives_full_length_states_for_both(vllm_backend, refe
         [first, second],
         tmp_path / "together",
         "p",
-        ExtractOptions(last_hidden=True, last_hidden_norm="post", storage_dtype="fp32"),
+        HiddenStatesConfig(last_hidden=True, last_hidden_norm="post", storage_dtype="fp32"),
     )
     # and once more in separate batches: the prefix is in the engine's cache from the run above
     extract_rows(
@@ -109,7 +109,7 @@ def test_shared_long_prefix_gives_full_length_states_for_both(vllm_backend, refe
         [first],
         tmp_path / "again",
         "q",
-        ExtractOptions(last_hidden=True, last_hidden_norm="post", storage_dtype="fp32"),
+        HiddenStatesConfig(last_hidden=True, last_hidden_norm="post", storage_dtype="fp32"),
     )
     for out in ("together", "again"):
         for sid, s in read_all(tmp_path / out).items():
@@ -185,7 +185,7 @@ def test_cli_extracts_every_shard_on_the_same_engine_and_the_manifest_records_it
 
 def test_shards_record_backend_and_engine_and_the_engine_started_once(vllm_backend, tmp_path):
     rows = make_rows([8, 12], seed=3)
-    summary = extract_rows(vllm_backend, rows, tmp_path, "m", ExtractOptions(last_hidden=True))
+    summary = extract_rows(vllm_backend, rows, tmp_path, "m", HiddenStatesConfig(last_hidden=True))
     meta = ShardReader(next(tmp_path.glob("*.safetensors"))).metadata
     assert meta["backend"] == summary["backend"] == "vllm"
     assert meta["engine"] == summary["engine"] and meta["engine"].startswith("vllm 0.32.0")
@@ -257,7 +257,7 @@ def test_the_engines_answers_and_their_extraction_agree_on_every_log_probability
     answers, skipped = engine_answers(store, "vllm-logprobs", ["chat"], {r["sample_id"] for r in rows})
     assert len(answers) == 6 and not skipped
     check = LogprobCheck.for_dtype(answers, "float32")
-    out = extract_rows(vllm_backend, rows, tmp_path / "ok", "ok", ExtractOptions(token_budget=512), check=check)
+    out = extract_rows(vllm_backend, rows, tmp_path / "ok", "ok", HiddenStatesConfig(batch_tokens=512), check=check)
     figures = out["logprob_check"]
     assert figures["compared_samples"] == 6 and figures["failed_samples"] == 0
     extraction_noise = max(
@@ -278,6 +278,6 @@ def test_the_engines_answers_and_their_extraction_agree_on_every_log_probability
                 rows,
                 tmp_path / mode,
                 mode,
-                ExtractOptions(token_budget=512),
+                HiddenStatesConfig(batch_tokens=512),
                 check=check,
             )

@@ -26,8 +26,9 @@ from datetime import datetime, timezone
 import pyarrow.parquet as pq
 import pytest
 import torch
+from eagle3_airflow import DAG_ID
 
-from eagle3_data.config import DAG_ID, load_config
+from eagle3_data.config import load_config
 from tests.fixtures.airflow import dag_stack
 from tests.fixtures.engine import MAX_IMAGES, MAX_MODEL_LEN
 

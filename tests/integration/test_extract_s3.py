@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from eagle3_data.cli import main
+from eagle3_data.config import HiddenStatesConfig
 from eagle3_data.errors import UserError
 from eagle3_data.exports.shards import ShardReader
-from eagle3_data.extraction_params import ExtractOptions
 from eagle3_data.runs.upstream import merged_shards
 from eagle3_data.stages.hidden_states.backends import TransformersBackend
 from eagle3_data.stages.hidden_states.extract import commit_extraction, extract_shard
@@ -190,7 +190,7 @@ def test_extract_shard_resumes_by_shard_and_commit_waits_for_all(store, generati
             shard,
             tiny_kimi_k25_dir,
             mixed_ref,
-            ExtractOptions(storage_dtype="fp32" if i == 0 else "bf16"),
+            HiddenStatesConfig(storage_dtype="fp32" if i == 0 else "bf16"),
             backend=backend,
         )
     with pytest.raises(UserError, match="different \\['aux_encoding', 'dtype'\\]"):

@@ -132,21 +132,22 @@ def test_image_answers_are_scored_with_one_pad_per_image_and_their_image_data(st
     the item, naming the counts: scored over its ids alone, nothing would have noticed."""
     import base64
 
+    from eagle3_data.config import PolicyConfig
     from eagle3_data.engines.client import Media
     from eagle3_data.engines.sglang import SGLANG
     from eagle3_data.images import ImageError, media_tokens
     from eagle3_data.nucleus import Item
-    from eagle3_data.stages.policy import ScoreOptions, score_items
+    from eagle3_data.stages.policy import ScoreTimings, score_items
 
     uri = "data:image/png;base64," + base64.b64encode(PICTURES[0][0]).decode()
     n = media_tokens(64, 48)
     ids, answer = [1, 163_602, *[163_605] * n, 163_604, 2, 3], [10, 11, 12]
     item = Item("img", "overflow", "overflow", tuple(ids + answer), len(ids), json.dumps([{"media_tokens": n}]))
     media = Media(163_605, [uri], [n])
-    options = ScoreOptions(max_attempts=2, top_logprobs=5)
+    policy, timings = PolicyConfig(top_logprobs=5), ScoreTimings(max_attempts=2)
     for drift in (0, 1):
         server = start_dev_server({"media_token_drift": drift})
-        (got,), refused, _ = score_items([item], [server.url], SGLANG, options, media=lambda _: media)
+        (got,), refused, _ = score_items([item], [server.url], SGLANG, policy, media=lambda _: media, timings=timings)
         if drift:
             assert got is None and refused["img"].startswith(
                 f"images: ran {len(ids) + len(answer) + 1} prompt tokens ({n + 1} of them images), ours are "
@@ -157,7 +158,7 @@ def test_image_answers_are_scored_with_one_pad_per_image_and_their_image_data(st
     def gone(_item):  # the stored image deleted or rewritten since generation (images.read_image)
         raise ImageError("s3://b/images/sha256/ab: 3 bytes with sha256 ..., the reference records 70 bytes")
 
-    (got,), refused, _ = score_items([item], [server.url], SGLANG, options, media=gone)
+    (got,), refused, _ = score_items([item], [server.url], SGLANG, policy, media=gone, timings=timings)
     assert got is None and refused == {
         "img": "images: s3://b/images/sha256/ab: 3 bytes with sha256 ..., the reference records 70 bytes"
     }

@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from eagle3_data.config import HiddenStatesConfig
 from eagle3_data.errors import UserError
 from eagle3_data.exports.shards import ShardReader
 from eagle3_data.exports.speculators import export_speculators, quantize_per_token
-from eagle3_data.extraction_params import ExtractOptions
 from eagle3_data.stages.hidden_states.backends import TransformersBackend
 from eagle3_data.stages.hidden_states.extract import extract_rows
 from eagle3_data.stages.probe.drafter import speculators_python
@@ -33,7 +33,7 @@ def shards(tiny_kimi_k25_dir, tmp_path_factory) -> list[Path]:
         rows.append({"sample_id": f"s{i}", "input_ids": ids, "loss_mask": [0] * (n // 2) + [1] * (n - n // 2)})
     out = tmp_path_factory.mktemp("spec-shards")
     extract_rows(
-        TransformersBackend(tiny_kimi_k25_dir), rows, out, "x", ExtractOptions(token_budget=48, out_shard_tokens=40)
+        TransformersBackend(tiny_kimi_k25_dir), rows, out, "x", HiddenStatesConfig(batch_tokens=48, shard_tokens=40)
     )
     return sorted(out.glob("*.safetensors"))
 
@@ -135,8 +135,8 @@ def test_shards_speculators_would_misread_are_refused(tiny_kimi_k25_dir, shards,
     rows = [{"sample_id": "a", "input_ids": [1, 2, 3, 4], "loss_mask": [0, 0, 1, 1]}]
     backend = TransformersBackend(tiny_kimi_k25_dir)
     for options, why in [
-        (ExtractOptions(last_hidden_norm="post"), "normalise it twice"),
-        (ExtractOptions(last_hidden=False), "no last_hidden_states"),
+        (HiddenStatesConfig(last_hidden_norm="post"), "normalise it twice"),
+        (HiddenStatesConfig(last_hidden=False), "no last_hidden_states"),
     ]:
         out = tmp_path / why.replace(" ", "_").replace("'", "")
         extract_rows(backend, rows, out, "x", options)

@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 from eagle3_data import draft_vocab
+from eagle3_data.config import HiddenStatesConfig
 from eagle3_data.exports.speculators import export_speculators
-from eagle3_data.extraction_params import ExtractOptions
 from eagle3_data.stages.hidden_states.backends import TransformersBackend
 from eagle3_data.stages.hidden_states.extract import extract_rows
 
@@ -38,7 +38,7 @@ def test_speculators_drafter_trains_on_the_export(tiny_kimi_k25_dir, tmp_path):
         }
         for i in range(32)
     ]
-    extract_rows(TransformersBackend(tiny_kimi_k25_dir), rows, tmp_path / "shards", "x", ExtractOptions())
+    extract_rows(TransformersBackend(tiny_kimi_k25_dir), rows, tmp_path / "shards", "x", HiddenStatesConfig())
     export = tmp_path / "export"
     export_speculators(sorted((tmp_path / "shards").glob("*.safetensors")), export)
     counts = np.zeros(0, dtype=np.int64)

@@ -16,8 +16,8 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
+from eagle3_airflow import GPU_QUEUE, OPENROUTER_POOL
 
-from eagle3_data.config import GPU_QUEUE, OPENROUTER_POOL
 from eagle3_devtools import cluster
 from eagle3_devtools.stack import DevStack, stack_env
 

@@ -14,16 +14,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from eagle3_airflow import AWS_CONN_ID, DAG_ID, GPU_QUEUE, OPENROUTER_CONN_ID, OPENROUTER_POOL, SGLANG_CONN_ID
 
-from eagle3_data.config import (
-    AWS_CONN_ID,
-    DAG_ID,
-    GPU_QUEUE,
-    OPENROUTER_CONN_ID,
-    OPENROUTER_POOL,
-    SGLANG_CONN_ID,
-    load_config,
-)
+from eagle3_data.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 AIRFLOW_SERVICES = {

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from eagle3_data import fp8
+from eagle3_data.config import HiddenStatesConfig
 from eagle3_data.errors import UserError
 from eagle3_data.exports.shards import ShardReader, resolve_storage_dtype
-from eagle3_data.extraction_params import ExtractOptions
 from eagle3_data.stages.hidden_states.backends import TransformersBackend
 from eagle3_data.stages.hidden_states.export import export_specforge
 from eagle3_data.stages.hidden_states.extract import CorruptHiddenStates, extract_rows, plan_batches
@@ -110,7 +110,7 @@ def test_plan_batches_respects_budget_and_covers_every_sample():
 
 def test_stored_states_equal_an_independent_forward(backend, reference_model, rows, tmp_path):
     summary = extract_rows(
-        backend, rows, tmp_path, "t", ExtractOptions(last_hidden=True, token_budget=128, out_shard_tokens=90)
+        backend, rows, tmp_path, "t", HiddenStatesConfig(last_hidden=True, batch_tokens=128, shard_tokens=90)
     )
     assert summary["layer_ids"] == [1, 3, 4] and summary["samples"] == len(rows) and len(summary["files"]) > 1
     stored = read_all(tmp_path)
@@ -132,7 +132,7 @@ def test_stored_states_equal_an_independent_forward(backend, reference_model, ro
 
 def test_storage_dtype_bf16_by_default_whatever_the_compute_dtype(backend, reference_model, rows, tmp_path):
     assert backend.describe().dtype == "float32"  # CPU forward
-    summary = extract_rows(backend, rows, tmp_path / "bf16", "b", ExtractOptions(last_hidden=True))
+    summary = extract_rows(backend, rows, tmp_path / "bf16", "b", HiddenStatesConfig(last_hidden=True))
     path = next((tmp_path / "bf16").glob("*.safetensors"))
     header = tensor_dtypes(path)
     assert header["aux_hidden_states"] == "BF16" and header["last_hidden_states"] == "BF16"
@@ -146,7 +146,7 @@ def test_storage_dtype_bf16_by_default_whatever_the_compute_dtype(backend, refer
         rows,
         tmp_path / "fp32",
         "f",
-        ExtractOptions(last_hidden=True, last_hidden_norm="post", storage_dtype="fp32"),
+        HiddenStatesConfig(last_hidden=True, last_hidden_norm="post", storage_dtype="fp32"),
     )
     path = next((tmp_path / "fp32").glob("*.safetensors"))
     assert tensor_dtypes(path)["aux_hidden_states"] == "F32" and ShardReader(path).metadata["dtype"] == "float32"
@@ -158,19 +158,20 @@ def test_storage_dtype_bf16_by_default_whatever_the_compute_dtype(backend, refer
         assert_bf16_close(s.last_hidden_states, hs[-1][0], rel=1e-5)  # post: the model's own final norm's output
         assert not torch.equal(s.aux_hidden_states, s.aux_hidden_states.bfloat16().float())  # not bf16-rounded
     # "compute" keeps whatever the forward ran in: fp32 on CPU
-    extract_rows(backend, rows[:2], tmp_path / "compute", "c", ExtractOptions(storage_dtype="compute"))
+    extract_rows(backend, rows[:2], tmp_path / "compute", "c", HiddenStatesConfig(storage_dtype="compute"))
     reader = ShardReader(path)
     assert reader.last_hidden_norm == "post" and reader.final_norm[1] == backend.final_norm[1]
     assert torch.equal(reader.final_norm[0], reference_model.model.norm.weight.detach().float())
     assert tensor_dtypes(next((tmp_path / "compute").glob("*.safetensors")))["aux_hidden_states"] == "F32"
     assert resolve_storage_dtype("compute", "bfloat16") == torch.bfloat16
+    unvalidated = HiddenStatesConfig.model_construct(storage_dtype="fp16")  # the config refuses it first
     with pytest.raises(UserError, match="storage dtype 'fp16': expected one of bf16, fp32, compute"):
-        extract_rows(backend, rows[:1], tmp_path / "bad", "x", ExtractOptions(storage_dtype="fp16"))
+        extract_rows(backend, rows[:1], tmp_path / "bad", "x", unvalidated)
 
 
 def test_conventions_store_the_same_tensors(backend, rows, tmp_path):
-    extract_rows(backend, rows, tmp_path / "out", "o", ExtractOptions(convention="output"))
-    extract_rows(backend, rows, tmp_path / "in", "i", ExtractOptions(convention="input"))
+    extract_rows(backend, rows, tmp_path / "out", "o", HiddenStatesConfig(convention="output"))
+    extract_rows(backend, rows, tmp_path / "in", "i", HiddenStatesConfig(convention="input"))
     a, b = read_all(tmp_path / "out"), read_all(tmp_path / "in")
     for sid in a:
         assert torch.equal(a[sid].aux_hidden_states, b[sid].aux_hidden_states)
@@ -187,7 +188,7 @@ def reference_logprobs(model, ids) -> torch.Tensor:
 
 def test_target_logprobs_equal_the_models_own_forward_and_head(backend, reference_model, rows, tmp_path):
     summary = extract_rows(
-        backend, rows, tmp_path, "l", ExtractOptions(last_hidden=False, token_budget=128, out_shard_tokens=90)
+        backend, rows, tmp_path, "l", HiddenStatesConfig(last_hidden=False, batch_tokens=128, shard_tokens=90)
     )
     stored = read_all(tmp_path)
     trained = []
@@ -218,9 +219,9 @@ def test_target_logprobs_equal_the_models_own_forward_and_head(backend, referenc
 def test_target_logprobs_do_not_depend_on_packing_and_barely_on_batching(backend, rows, tmp_path):
     """Each sample's log-probabilities come from its own states, chunked from its own start: shards
     cut anywhere hold the same bits; another batching moves the fp32 states by ~1e-6 only."""
-    extract_rows(backend, rows, tmp_path / "a", "a", ExtractOptions(token_budget=128, out_shard_tokens=40))
-    extract_rows(backend, rows, tmp_path / "b", "b", ExtractOptions(token_budget=128, out_shard_tokens=10_000))
-    extract_rows(backend, rows, tmp_path / "c", "c", ExtractOptions(token_budget=1))
+    extract_rows(backend, rows, tmp_path / "a", "a", HiddenStatesConfig(batch_tokens=128, shard_tokens=40))
+    extract_rows(backend, rows, tmp_path / "b", "b", HiddenStatesConfig(batch_tokens=128, shard_tokens=10_000))
+    extract_rows(backend, rows, tmp_path / "c", "c", HiddenStatesConfig(batch_tokens=1))
     a, b, c = read_all(tmp_path / "a"), read_all(tmp_path / "b"), read_all(tmp_path / "c")
     for sid in a:
         assert torch.equal(a[sid].target_logprobs.nan_to_num(), b[sid].target_logprobs.nan_to_num())
@@ -228,8 +229,8 @@ def test_target_logprobs_do_not_depend_on_packing_and_barely_on_batching(backend
 
 
 def test_batched_and_unbatched_agree(backend, rows, tmp_path):
-    extract_rows(backend, rows, tmp_path / "one", "x", ExtractOptions(token_budget=1))  # every sample alone
-    extract_rows(backend, rows, tmp_path / "all", "x", ExtractOptions(token_budget=10_000))  # one padded batch
+    extract_rows(backend, rows, tmp_path / "one", "x", HiddenStatesConfig(batch_tokens=1))  # every sample alone
+    extract_rows(backend, rows, tmp_path / "all", "x", HiddenStatesConfig(batch_tokens=10_000))  # one padded batch
     alone, batched = read_all(tmp_path / "one"), read_all(tmp_path / "all")
     for sid in alone:
         # both sides are bf16 roundings of fp32 values ~1e-6 apart: a rounding may flip by one bf16
@@ -283,22 +284,22 @@ class NaNAfter(Wrapped):
 )
 def test_corrupt_states_fail_loudly_naming_the_sample(backend, rows, tmp_path, mode, match):
     with pytest.raises(CorruptHiddenStates, match=match):
-        extract_rows(NaNAfter(backend, 17, mode), rows, tmp_path, "x", ExtractOptions())
+        extract_rows(NaNAfter(backend, 17, mode), rows, tmp_path, "x", HiddenStatesConfig())
     assert not list(tmp_path.glob("*.safetensors"))
 
 
 def test_bad_records_are_refused_before_compute(backend, rows, tmp_path):
     bad = [dict(rows[0]), {**rows[1], "loss_mask": rows[1]["loss_mask"][:-1]}]
     with pytest.raises(UserError, match="sample s1: field loss_mask has 40 entries for 41 input_ids"):
-        extract_rows(backend, bad, tmp_path, "x", ExtractOptions())
+        extract_rows(backend, bad, tmp_path, "x", HiddenStatesConfig())
     with pytest.raises(UserError, match="sample s0: field input_ids holds id 163840"):
-        extract_rows(backend, [{**rows[0], "input_ids": [1, 2, 163840]}], tmp_path, "x", ExtractOptions())
+        extract_rows(backend, [{**rows[0], "input_ids": [1, 2, 163840]}], tmp_path, "x", HiddenStatesConfig())
 
 
 def test_reader_random_access_and_fp8(backend, rows, tmp_path):
-    extract_rows(backend, rows, tmp_path / "bf16", "x", ExtractOptions(last_hidden=False, out_shard_tokens=10**6))
+    extract_rows(backend, rows, tmp_path / "bf16", "x", HiddenStatesConfig(last_hidden=False, shard_tokens=10**6))
     extract_rows(
-        backend, rows, tmp_path / "fp8", "x", ExtractOptions(last_hidden=False, out_shard_tokens=10**6, use_fp8=True)
+        backend, rows, tmp_path / "fp8", "x", HiddenStatesConfig(last_hidden=False, shard_tokens=10**6, fp8=True)
     )
     exact = ShardReader(next((tmp_path / "bf16").glob("*.safetensors")))
     small = ShardReader(next((tmp_path / "fp8").glob("*.safetensors")))
@@ -326,13 +327,13 @@ def test_fp8_round_trip_error_is_measured_per_row():
 
 
 def test_export_to_specforge_layout(backend, rows, tmp_path):
-    extract_rows(backend, rows, tmp_path / "shards", "x", ExtractOptions(last_hidden=True, out_shard_tokens=100))
+    extract_rows(backend, rows, tmp_path / "shards", "x", HiddenStatesConfig(last_hidden=True, shard_tokens=100))
     n = export_specforge(sorted((tmp_path / "shards").glob("*.safetensors")), tmp_path / "sf")
     assert n == len(rows)
     assert len(list((tmp_path / "sf").rglob("*.ckpt"))) == len(rows)
     index = [json.loads(line) for line in (tmp_path / "sf/index.jsonl").read_text().splitlines()]
     stored = read_all(tmp_path / "shards")
-    extract_rows(backend, rows, tmp_path / "post", "x", ExtractOptions(last_hidden_norm="post", out_shard_tokens=100))
+    extract_rows(backend, rows, tmp_path / "post", "x", HiddenStatesConfig(last_hidden_norm="post", shard_tokens=100))
     post = read_all(tmp_path / "post")
     assert sorted(e["sample_id"] for e in index) == sorted(stored)
     for entry in index:
@@ -350,7 +351,7 @@ def test_export_to_specforge_layout(backend, rows, tmp_path):
         assert_bf16_close(d["hidden_state"][0], post[sid].last_hidden_states.float(), rel=2**-6)
         assert not torch.equal(d["hidden_state"][0], stored[sid].last_hidden_states)
     with pytest.raises(UserError, match="last_hidden_states"):
-        extract_rows(backend, rows[:2], tmp_path / "nolast", "x", ExtractOptions(last_hidden=False))
+        extract_rows(backend, rows[:2], tmp_path / "nolast", "x", HiddenStatesConfig(last_hidden=False))
         export_specforge(sorted((tmp_path / "nolast").glob("*.safetensors")), tmp_path / "sf2")
 
 
@@ -431,7 +432,7 @@ def test_the_extraction_proves_itself_against_the_engines_logprobs(mode, backend
         rows,
         tmp_path,
         "v",  # noqa: E731
-        ExtractOptions(token_budget=256),
+        HiddenStatesConfig(batch_tokens=256),
         check=check,
     )
     if mode is None:
@@ -453,7 +454,7 @@ def test_specforge_export_leaves_image_samples_out_and_names_them(backend, rows,
     export says which and why (`left_out.jsonl`), the others as before."""
     from eagle3_data.images import NO_IMAGES_IN_FORMAT
 
-    extract_rows(backend, rows, tmp_path / "shards", "x", ExtractOptions(last_hidden=True, out_shard_tokens=100))
+    extract_rows(backend, rows, tmp_path / "shards", "x", HiddenStatesConfig(last_hidden=True, shard_tokens=100))
     with_images = {rows[1]["sample_id"]: [{"uri": "s3://b/k", "sha256": "0" * 64, "media_tokens": 4}]}
     n = export_specforge(sorted((tmp_path / "shards").glob("*.safetensors")), tmp_path / "sf", images=with_images)
     index = [json.loads(line) for line in (tmp_path / "sf/index.jsonl").read_text().splitlines()]
@@ -527,7 +528,7 @@ def test_nucleus_counts_the_answer_tokens_outside_the_sampling_and_not_where_it_
         {**rows[1], "sample_id": "no-start", "prompt_tokens": None},
     ]
     assert Nucleus.of({"temperature": 1.0, "top_k": 5}) == Nucleus(1.0, 1.0, 5)
-    options = ExtractOptions(last_hidden=False, token_budget=64, out_shard_tokens=30)
+    options = HiddenStatesConfig(last_hidden=False, batch_tokens=64, shard_tokens=30)
     whole = extract_rows(backend, rows + not_checked, tmp_path / "whole", "w", options)["logprobs"]["sources"]
     for source in clear:
         got = whole[source]["nucleus"]
@@ -536,7 +537,7 @@ def test_nucleus_counts_the_answer_tokens_outside_the_sampling_and_not_where_it_
     assert min(clear.values()) > 0 and inside >= 10, (clear, inside)  # both kinds on both paths
     # shards split otherwise add up to the same figures, bit for bit
     halves = [
-        extract_rows(backend, part, tmp_path / f"h{k}", "h", ExtractOptions(last_hidden=False, token_budget=1))
+        extract_rows(backend, part, tmp_path / f"h{k}", "h", HiddenStatesConfig(last_hidden=False, batch_tokens=1))
         for k, part in enumerate((rows[:1] + not_checked, rows[1:]))
     ]
     added = _logprob_totals(halves)["logprobs"]["sources"]

@@ -19,13 +19,14 @@ LIBRARY = Path(eagle3_data.__file__).resolve().parent
 FORBIDDEN = "airflow"
 
 
-def _forbidden(name: str | None) -> bool:
-    return bool(name) and (name == FORBIDDEN or name.startswith(FORBIDDEN + "."))
+def _forbidden(name: str | None, forbidden: tuple[str, ...]) -> bool:
+    return bool(name) and any(name == f or name.startswith(f + ".") for f in forbidden)
 
 
-def airflow_imports(source: str, filename: str = "<string>") -> list[str]:
-    """`file:line module` for each import of Airflow in `source`: import statements, and
-    importlib.import_module / __import__ calls with a literal module name."""
+def airflow_imports(source: str, filename: str = "<string>", forbidden: tuple[str, ...] = (FORBIDDEN,)) -> list[str]:
+    """`file:line module` for each import of Airflow (or of the `forbidden` top-level modules) in
+    `source`: import statements, and importlib.import_module / __import__ calls with a literal
+    module name."""
     found = []
     for node in ast.walk(ast.parse(source, filename)):
         names: list[str] = []
@@ -38,7 +39,7 @@ def airflow_imports(source: str, filename: str = "<string>") -> list[str]:
             called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
             if called in ("import_module", "__import__") and isinstance(node.args[0].value, str):
                 names = [node.args[0].value]
-        found += [f"{filename}:{node.lineno} {n}" for n in names if _forbidden(n)]
+        found += [f"{filename}:{node.lineno} {n}" for n in names if _forbidden(n, forbidden)]
     return found
 
 
@@ -71,6 +72,18 @@ def test_library_never_imports_airflow():
     assert hits == [], (
         "the library imports Airflow (move it to dags/, plugins/ or include/eagle3_devtools/):\n" + "\n".join(hits)
     )
+
+
+def test_library_never_imports_the_airflow_side():
+    """The DAG's Airflow names (id, queue, pool, connection ids) and its trigger form live in
+    plugins/eagle3_airflow.py beside the hooks: on Airflow's sys.path, not in the wheel. A library
+    function that needs a connection takes what it reads (a client, endpoints) from its caller."""
+    plugins = LIBRARY.parents[1] / "plugins"
+    modules = tuple(sorted(p.stem for p in plugins.iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file()))
+    assert {"eagle3_airflow", "hooks"} <= set(modules), modules
+    files = sorted(LIBRARY.rglob("*.py"))
+    hits = [h for f in files for h in airflow_imports(f.read_text(), str(f.relative_to(LIBRARY.parent)), modules)]
+    assert hits == [], "the library imports plugins/ (pass the value in instead):\n" + "\n".join(hits)
 
 
 def test_devtools_are_outside_the_library():

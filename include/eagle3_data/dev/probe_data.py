@@ -215,8 +215,8 @@ def export_rows(
     calibration benchmarks compare fp32 states on any machine); `benchmarks/gpu_probe.py` extracts
     on its GPU in bf16, as a production run does (its defaults, ~766k tokens at Kimi's width, would
     take about an hour on the lent machine's CPU, and fp32 states twice the disk)."""
+    from eagle3_data.config import HiddenStatesConfig
     from eagle3_data.exports.speculators import export_speculators
-    from eagle3_data.extraction_params import ExtractOptions
     from eagle3_data.stages.hidden_states.backends import TransformersBackend
     from eagle3_data.stages.hidden_states.extract import extract_rows
 
@@ -226,7 +226,7 @@ def export_rows(
         rows,
         shards,
         "x",
-        ExtractOptions(layer_ids=layer_ids, logprobs=False),
+        HiddenStatesConfig(layer_ids=layer_ids, logprobs=False),
     )
     export_speculators(sorted(shards.glob("*.safetensors")), out)
     counts = np.zeros(0, dtype=np.int64)

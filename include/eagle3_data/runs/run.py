@@ -61,7 +61,7 @@ def resolve_run(
     from eagle3_data.runs.reuse import check_fresh
 
     config = config or load_config()
-    check_run_params(params, config)
+    check_run_params(params)
     overrides: dict[str, Any] = {}
     for name, path in CONFIG_PARAMS.items():
         if params.get(name) is None:

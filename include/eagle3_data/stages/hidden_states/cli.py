@@ -183,7 +183,6 @@ def _run_extract(args: argparse.Namespace) -> int:
         print(printed(pipeline.commit_hidden_states(run, store)))
         return 0
     from eagle3_data.config import load_config, resolve_source
-    from eagle3_data.extraction_params import ExtractOptions
     from eagle3_data.images import MERGED_IMAGES_FILE, image_index
     from eagle3_data.stages.hidden_states.engines import shared_backend
     from eagle3_data.stages.hidden_states.extract import extract_rows, read_merged_rows
@@ -211,7 +210,6 @@ def _run_extract(args: argparse.Namespace) -> int:
         max_model_len=config.merge.max_length + 1,
         max_images=h.max_images,
     )
-    options = ExtractOptions.from_config(h)
     # local shards have no store to read their images from: image samples are left out, never
     # extracted over their ids alone (extract them from the run in S3 with hidden_states.max_images)
     sidecar = (src if src.is_dir() else src.parent) / MERGED_IMAGES_FILE
@@ -219,7 +217,7 @@ def _run_extract(args: argparse.Namespace) -> int:
     for path in paths:
         rows = read_merged_rows([path])
         kept = [r for r in rows if r["sample_id"] not in image_samples]
-        summary = extract_rows(backend, kept, args.out, path.stem, options)
+        summary = extract_rows(backend, kept, args.out, path.stem, h)
         if len(kept) < len(rows):
             summary["left_out"] = {
                 "image_samples": len(rows) - len(kept),

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from eagle3_data.config import HiddenStatesConfig
 from eagle3_data.errors import UserError
 from eagle3_data.exports.shards import Sample, dtype_name, encoding_name, resolve_storage_dtype, write_shard
-from eagle3_data.extraction_params import ExtractOptions
 from eagle3_data.forksafe import PerProcess
 from eagle3_data.nucleus import Nucleus
 from eagle3_data.stages import SAMPLE_MEANS, SUMMARY_SUFFIX
@@ -174,7 +174,7 @@ def extract_rows(
     rows: Sequence[dict],
     out_dir: str | Path,
     stem: str,
-    options: ExtractOptions,
+    config: HiddenStatesConfig,
     on_file: Callable[[Path], None] | None = None,
     check: LogprobCheck | None = None,
     images: Mapping[str, Sequence[bytes]] | None = None,
@@ -182,6 +182,8 @@ def extract_rows(
     """Extract states for `rows` (sample_id, input_ids, loss_mask[, prompt_tokens]) into
     `{stem}-{k:04d}.safetensors`.
 
+    `config`: the config's `hidden_states` section, what decides the bytes (layers, last state and
+    its norm, storage dtype, fp8, log-probabilities) and the forward batch and file sizes.
     `images`: sample_id -> its images' encoded bytes in prompt order, for a backend started to take
     them (`max_images`); the ids already hold each image's expanded `<|media_pad|>` run.
 
@@ -190,14 +192,14 @@ def extract_rows(
     raises ExtractionDisagrees after the last file, before anything marks the work done.
     """
     info = backend.describe()
-    layer_ids = options.layer_ids or default_layer_ids(info.num_layers, options.convention)
-    indices = hidden_state_indices(layer_ids, options.convention, info.num_layers)
-    dtype = resolve_storage_dtype(options.storage_dtype, info.dtype)
-    check_norm(options.last_hidden_norm)
-    final_norm = backend.final_norm if options.last_hidden else None
+    layer_ids = list(config.layer_ids or default_layer_ids(info.num_layers, config.convention))
+    indices = hidden_state_indices(layer_ids, config.convention, info.num_layers)
+    dtype = resolve_storage_dtype(config.storage_dtype, info.dtype)
+    check_norm(config.last_hidden_norm)
+    final_norm = backend.final_norm if config.last_hidden else None
     head = (
         LogprobHead(backend.final_norm, backend.lm_head, device=info.device, compute_dtype=info.dtype)
-        if options.logprobs
+        if config.logprobs
         else None
     )
     check_rows(rows, info.vocab_size)
@@ -211,14 +213,14 @@ def extract_rows(
             path,
             samples,
             layer_ids=layer_ids,
-            convention=options.convention,
+            convention=config.convention,
             model=info.name,
             compute_dtype=info.dtype,
             dtype=dtype,
-            use_fp8=options.use_fp8,
+            use_fp8=config.fp8,
             backend=info.backend,
             engine=info.engine,
-            last_hidden_norm=options.last_hidden_norm,
+            last_hidden_norm=config.last_hidden_norm,
             final_norm=final_norm,
         )
         if on_file is not None:
@@ -238,18 +240,18 @@ def extract_rows(
     file_index = 0
     forward_seconds = 0.0
     try:
-        for batch in plan_batches([len(r["input_ids"]) for r in rows], options.token_budget):
+        for batch in plan_batches([len(r["input_ids"]) for r in rows], config.batch_tokens):
             t0 = time.perf_counter()
             ids = [rows[i]["input_ids"] for i in batch]
             if images:
                 states = backend.forward(
                     ids,
                     indices,
-                    options.last_hidden or options.logprobs,
+                    config.last_hidden or config.logprobs,
                     images=[images.get(rows[i]["sample_id"], ()) for i in batch],
                 )
             else:
-                states = backend.forward(ids, indices, options.last_hidden or options.logprobs)
+                states = backend.forward(ids, indices, config.last_hidden or config.logprobs)
             forward_seconds += time.perf_counter() - t0
             for i, st in zip(batch, states):
                 row = rows[i]
@@ -271,8 +273,8 @@ def extract_rows(
                     )
                     if check is not None and row.get("prompt_tokens") is not None:
                         check.observe(sid, token_logprobs, row["prompt_tokens"])
-                last = st.last if options.last_hidden else None
-                if last is not None and options.last_hidden_norm == "post":
+                last = st.last if config.last_hidden else None
+                if last is not None and config.last_hidden_norm == "post":
                     last = rms_norm(last, *final_norm)
                 stats.norms.append(st.aux.float().reshape(st.aux.shape[0], len(indices), -1).norm(dim=-1))
                 stats.owners.append(sid)
@@ -283,13 +285,13 @@ def extract_rows(
                         sample_id=sid,
                         input_ids=torch.as_tensor(row["input_ids"], dtype=torch.int32),
                         loss_mask=torch.as_tensor(row["loss_mask"], dtype=torch.uint8),
-                        aux_hidden_states=st.aux if options.use_fp8 else st.aux.to(dtype),
+                        aux_hidden_states=st.aux if config.fp8 else st.aux.to(dtype),
                         last_hidden_states=last.to(dtype) if last is not None else None,
                         target_logprobs=token_logprobs,
                     )
                 )
                 pending_tokens += len(row["input_ids"])
-            if pending_tokens >= options.out_shard_tokens:
+            if pending_tokens >= config.shard_tokens:
                 writer.put(pending, file_index)
                 pending, pending_tokens, file_index = [], 0, file_index + 1
         if pending:
@@ -308,10 +310,10 @@ def extract_rows(
         "bytes_per_token": size / tokens if tokens else 0.0,
         "min_bytes_per_token": len(layer_ids) * info.hidden_size * 2,
         "layer_ids": layer_ids,
-        "convention": options.convention,
-        "last_hidden": options.last_hidden,
-        "last_hidden_norm": options.last_hidden_norm if options.last_hidden else None,
-        "aux_encoding": encoding_name(dtype, options.use_fp8),
+        "convention": config.convention,
+        "last_hidden": config.last_hidden,
+        "last_hidden_norm": config.last_hidden_norm if config.last_hidden else None,
+        "aux_encoding": encoding_name(dtype, config.fp8),
         "model": info.name,
         "dtype": dtype_name(dtype),
         "compute_dtype": info.dtype,
@@ -415,7 +417,7 @@ def extract_shard(
     shard,
     model_dir: str | Path,
     out_ref,
-    options: ExtractOptions = ExtractOptions(),
+    config: HiddenStatesConfig = HiddenStatesConfig(),
     *,
     backend: HiddenStateBackend | None = None,
     work_dir: str | Path | None = None,
@@ -466,12 +468,12 @@ def extract_shard(
                 path.unlink()
 
             check = None
-            if options.logprobs:
+            if config.logprobs:
                 datasets = (merge_manifest.get("extra") or {}).get("datasets") or {}
                 answers, skipped = engine_answers(store, merged_ref.run_key, datasets, {r["sample_id"] for r in rows})
                 check = LogprobCheck.for_dtype(answers, backend.describe().dtype, skipped)
             summary = extract_rows(
-                backend, rows, Path(tmp) / "out", Path(name).stem, options, on_file=upload, check=check, images=images
+                backend, rows, Path(tmp) / "out", Path(name).stem, config, on_file=upload, check=check, images=images
             )
         summary["left_out"] = left_out
         summary["merged_shard"] = {

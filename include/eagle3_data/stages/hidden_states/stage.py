@@ -4,7 +4,7 @@ target model once for all of its shards (resumable by shard), then one commit of
 from __future__ import annotations
 
 from eagle3_data.config import resolve_source
-from eagle3_data.extraction_params import extract_options, hidden_states_params
+from eagle3_data.extraction_params import hidden_states_params
 from eagle3_data.runs.results import ExtractWorkerResult, ShardResult
 from eagle3_data.runs.reuse import reusable, settle
 from eagle3_data.runs.run import Run, log, stage_ref
@@ -126,7 +126,7 @@ def extract_hidden_states(run: Run, store, work: dict) -> ExtractWorkerResult:
                 shard,
                 model_dir,
                 out_ref,
-                extract_options(run),
+                h,
                 backend=backend,
                 merged_sha256=shas.get(shard["name"]),
                 image_refs=image_refs,

@@ -25,11 +25,10 @@ import logging
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import aiohttp
 
-from eagle3_data.config import PolicyConfig, options_from, options_of
+from eagle3_data.config import PolicyConfig
 from eagle3_data.engines.client import Media, MediaDiffers, error_message, wait_healthy
 from eagle3_data.errors import EndpointUnavailable, UserError
 from eagle3_data.images import ImageError
@@ -40,44 +39,39 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-@options_of(PolicyConfig)
-class ScoreOptions:
-    """`policy` of the config (`from_config`; its defaults, `config.options_of`), with timings a
-    test may tighten."""
+class ScoreTimings:
+    """How long scoring waits for an endpoint and an answer, and how often it retries: not the
+    config's (the `policy` section says what is scored), so a test may tighten them."""
 
-    in_flight_per_endpoint: int = 8
     max_attempts: int = 5
     request_timeout_s: float = 600.0
     connect_timeout_s: float = 5.0
     warmup_timeout_s: float = 600.0  # an endpoint that answers but is not ready yet (loading)
     unreachable_timeout_s: float = 15.0  # one that accepts no connection at all
     health_interval_s: float = 2.0
-    top_logprobs: int  # per position, for the nucleus test (`policy.top_logprobs`)
-    nucleus_logit_margin: float  # `policy.nucleus_logit_margin`
-    greedy_max_gap: float  # `policy.greedy_max_gap`
-
-    @classmethod
-    def from_config(cls, policy: PolicyConfig, **overrides: Any) -> ScoreOptions:
-        return options_from(cls, policy, **overrides)
 
 
 def score_items(
     items: Sequence[Item],
     endpoints: Sequence[str],
     wire,
-    options: ScoreOptions = ScoreOptions(),
+    policy: PolicyConfig = PolicyConfig(),
     nucleus: Nucleus | None = None,
     vocab_size: int = 0,
     media: Callable[[Item], Media] | None = None,
+    *,
+    timings: ScoreTimings = ScoreTimings(),
 ) -> tuple[list[list[float] | None], dict[str, str], list[int | None]]:
     """(log-probabilities per item, None where the engine refused it; the refusals by sample id;
     per item its answer tokens outside `nucleus`, or for a calibration answer (greedy) off the
-    target's argmax (`off_argmax`); None where refused, or a sampled answer without a nucleus). `vocab_size`: the
-    target's, for the bound at temperatures above 1. `media`: an image item's images for the
-    engine (read per request, in a thread: S3 reads); without it, an item with images is refused."""
+    target's argmax (`off_argmax`); None where refused, or a sampled answer without a nucleus).
+    `policy`: the config's section (requests in flight per endpoint, `top_logprobs`, the margins).
+    `vocab_size`: the target's, for the bound at temperatures above 1. `media`: an image item's
+    images for the engine (read per request, in a thread: S3 reads); without it, an item with
+    images is refused."""
     if not items:
         return [], {}, []
-    return asyncio.run(_Scorer(endpoints, wire, options, nucleus, vocab_size, media).run(items))
+    return asyncio.run(_Scorer(endpoints, wire, policy, timings, nucleus, vocab_size, media).run(items))
 
 
 class _Scorer:
@@ -85,22 +79,28 @@ class _Scorer:
         self,
         endpoints: Sequence[str],
         wire,
-        options: ScoreOptions,
+        policy: PolicyConfig,
+        timings: ScoreTimings,
         nucleus: Nucleus | None,
         vocab: int,
         media: Callable[[Item], Media] | None,
     ):
-        self.endpoints, self.wire, self.o = [e.rstrip("/") for e in endpoints], wire, options
+        self.endpoints, self.wire = [e.rstrip("/") for e in endpoints], wire
+        self.policy, self.timings = policy, timings
         self.nucleus, self.vocab, self.media = nucleus, vocab, media
         self.refused: dict[str, str] = {}
         self.tag = uuid.uuid4().hex[:8]
 
     async def run(self, items: Sequence[Item]) -> tuple[list[list[float] | None], dict[str, str], list[int | None]]:
-        timeout = aiohttp.ClientTimeout(total=self.o.request_timeout_s, sock_connect=self.o.connect_timeout_s)
+        timeout = aiohttp.ClientTimeout(
+            total=self.timings.request_timeout_s, sock_connect=self.timings.connect_timeout_s
+        )
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=self.wire.headers) as http:
             self.http = http
-            problems = await asyncio.gather(*(wait_healthy(http, e, self.wire.engine, self.o) for e in self.endpoints))
+            problems = await asyncio.gather(
+                *(wait_healthy(http, e, self.wire.engine, self.timings) for e in self.endpoints)
+            )
             ready = [e for e, problem in zip(self.endpoints, problems) if problem is None]
             if not ready:
                 raise EndpointUnavailable(
@@ -113,7 +113,9 @@ class _Scorer:
             for i in range(len(items)):
                 queue.put_nowait(i)
             out: list[tuple[list[float], int | None] | None] = [None] * len(items)
-            workers = [self._worker(e, items, queue, out) for e in ready for _ in range(self.o.in_flight_per_endpoint)]
+            workers = [
+                self._worker(e, items, queue, out) for e in ready for _ in range(self.policy.in_flight_per_endpoint)
+            ]
             await asyncio.gather(*workers)
         return [o[0] if o else None for o in out], self.refused, [o[1] if o else None for o in out]
 
@@ -126,7 +128,7 @@ class _Scorer:
         ids = list(item.ids)
         greedy = item.route == "both"  # a calibration answer
         # the argmax test needs the largest log-probability only: exact at K = 1, and cheap
-        top = 1 if greedy else self.o.top_logprobs if self.nucleus is not None else 0
+        top = 1 if greedy else self.policy.top_logprobs if self.nucleus is not None else 0
         media = None
         if item.images:
             if self.media is None:
@@ -138,7 +140,7 @@ class _Scorer:
                 self.refused[item.sample_id] = f"images: {exc}"
                 return None
         last = "no attempt"
-        for attempt in range(1, self.o.max_attempts + 1):
+        for attempt in range(1, self.timings.max_attempts + 1):
             path, body = self.wire.score_request(
                 ids, item.first, f"{item.sample_id}.policy.{self.tag}.{attempt}", self.identity[endpoint], top, media
             )
@@ -157,9 +159,9 @@ class _Scorer:
                     except (ValueError, KeyError, TypeError, IndexError) as exc:
                         last = f"malformed answer: {exc}"
                     else:
-                        margin = self.o.nucleus_logit_margin
+                        margin = self.policy.nucleus_logit_margin
                         if greedy:
-                            far = off_argmax(scored.logprobs, scored.top, margin, self.o.greedy_max_gap)
+                            far = off_argmax(scored.logprobs, scored.top, margin, self.policy.greedy_max_gap)
                         elif self.nucleus is None:
                             return scored.logprobs, None
                         else:
@@ -175,5 +177,5 @@ class _Scorer:
             await asyncio.sleep(backoff_s(attempt))
         raise EndpointUnavailable(
             f"policy check: {endpoint} did not score sample {item.sample_id} in "
-            f"{self.o.max_attempts} attempts (last: {last})"
+            f"{self.timings.max_attempts} attempts (last: {last})"
         )

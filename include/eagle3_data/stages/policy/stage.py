@@ -51,7 +51,7 @@ def score_policy(run: Run, store, dataset: str, endpoints: list[str], api_key: s
     from eagle3_data.nucleus import Nucleus, nucleus_counts
     from eagle3_data.policy_check import Thresholds, sample_size, worst_samples
     from eagle3_data.policy_check import rows as score_rows
-    from eagle3_data.stages.policy import ScoreOptions, local_items, overflow_items, score_items, summarize
+    from eagle3_data.stages.policy import local_items, overflow_items, score_items, summarize
     from eagle3_data.stages.policy.select import has_images
 
     local, rebuilt, ref = (stage_ref(run, s, dataset) for s in (LOCAL, RECONSTRUCT, POLICY))
@@ -103,7 +103,7 @@ def score_policy(run: Run, store, dataset: str, endpoints: list[str], api_key: s
         raise UserError(f"score_policy {dataset}: no local endpoints configured to score on")
     else:
         fmt = output_format(run, store, template=False)
-        wire, options = wire_for(run.config.generation.local.engine, api_key), ScoreOptions.from_config(cfg)
+        wire = wire_for(run.config.generation.local.engine, api_key)
         refused: dict[str, str] = {}
         done: dict[tuple, tuple[list[float] | None, int | None]] = {}
 
@@ -118,7 +118,7 @@ def score_policy(run: Run, store, dataset: str, endpoints: list[str], api_key: s
                 _rows(store, rebuilt, scored_columns), routes, n, cfg.seed, pairs, with_images
             ) + local_items(fmt, _rows(store, local, columns), routes, n, cfg.seed, len(tokenizer), pairs, with_images)
             todo = [it for it in items if (it.side, it.sample_id, it.ids) not in done]
-            got, more, far = score_items(todo, endpoints, wire, options, nucleus, len(tokenizer), media)
+            got, more, far = score_items(todo, endpoints, wire, cfg, nucleus, len(tokenizer), media)
             done.update({(it.side, it.sample_id, it.ids): sf for it, sf in zip(todo, zip(got, far))})
             refused.update(more)
             results = [done[(it.side, it.sample_id, it.ids)] for it in items]
