@@ -110,7 +110,8 @@ def test_provider_view_notes_what_the_parsers_change(qwen3_fmt):
     ]
     cut = view("<think>\nr\n</think>", "length")
     assert cut.hides_last_token is not None and cut.message["reasoning_content"] == "\nr\n"
-    assert view(f"<think>\nr\n</think>\n\n{CALL_TEXT}<|im_end|>", tools=[]).message["content"].endswith("</tool_call>")
+    unparsed = view(f"<think>\nr\n</think>\n\n{CALL_TEXT}<|im_end|>", tools=[])
+    assert unparsed.message["content"].endswith("</tool_call>") and unparsed.notes == []
 
 
 def test_generation_prompt_follows_the_mode(qwen3_fmt, qwen3_fmt_off, qwen3_tokenizer):
@@ -121,3 +122,39 @@ def test_generation_prompt_follows_the_mode(qwen3_fmt, qwen3_fmt_off, qwen3_toke
     assert off == on + "<think>\n\n</think>\n\n"
     assert qwen3_fmt.generation_prompt_ids(messages)[-2:] != [THINK, THINK_END]
     assert CALL_END not in qwen3_fmt.generation_prompt_ids(messages)
+
+
+def test_the_audit_passes_with_the_family_reference_ids(qwen3_tokenizer):
+    from eagle3_data.stages.audit.tokenizer_audit import audit_tokenizer
+
+    report = audit_tokenizer(qwen3_tokenizer, dict(Qwen3Format.reference_ids))
+    assert report.passed, report.problems
+    assert report.output_format == "qwen3" and report.special_ids["<|im_end|>"] == IM_END
+    wrong = audit_tokenizer(qwen3_tokenizer, {**Qwen3Format.reference_ids, "<think>": THINK_END})
+    assert not wrong.passed
+
+
+def test_images_are_refused(qwen3_fmt):
+    with pytest.raises(Exception, match="text model"):
+        qwen3_fmt.generation_prompt_ids([{"role": "user", "content": "x"}], images=[{"ref": "a.png"}])
+
+
+RESHAPED = [
+    ('<think>\nr\n</think>\n\n<tool_call>\n{"name": "f", "arguments": {"a":1}}\n</tool_call><|im_end|>', "stop"),
+    ("no opening tag\n</think>\n\nx<|im_end|>", "stop"),
+    ("<think>\nr <think> again\n</think>\n\nx </think> y<|im_end|>", "stop"),
+    ("<think>\nr\n</think>\n\nok", "length"),
+]
+
+
+@pytest.mark.parametrize(("text", "finish"), GENERATIONS + RESHAPED)
+def test_a_view_without_notes_rebuilds_the_ids(qwen3_fmt, text, finish):
+    """What the gate relies on: the provider's message renders back to the generated ids unless
+    a note says how the parsers reshaped it."""
+    ids = qwen3_fmt.codec.encode_batch([text])[0]
+    view = qwen3_fmt.provider_view(ids, finish, None)
+    message = AssistantMessage.from_openai(view.message)
+    rebuilt = qwen3_fmt.encode_parts_batch([qwen3_fmt.render_parts(message, view.finish_reason)])[0]
+    if view.hides_last_token:
+        ids = ids[:-1]
+    assert (rebuilt == ids) == (view.notes == []), view.notes

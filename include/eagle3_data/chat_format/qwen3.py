@@ -72,6 +72,7 @@ REFERENCE_IDS: dict[str, int] = {
     THINK_END: 151668,
 }
 
+NO_IMAGES = "Qwen3 is a text model: its template has no image placeholder"
 CUT_AFTER_THINK_END = "cut right after </think>: the answer does not show it"
 
 # The template's call body: `\n{"name": "NAME", "arguments": ARGS}\n` (ARGS as generated).
@@ -216,7 +217,7 @@ class Qwen3Format(OutputFormat):
         if ids and ids[-1] in self.stop_token_ids:
             ids.pop()  # the server trims the matched stop token from the text
         finish = normalize_finish_reason(finish_reason)
-        text = self.codec.decode(ids)  # the tag tokens are not special: every decode keeps them
+        text = self.codec.decode(ids)  # vLLM's qwen3 parser turns skip_special_tokens off, as here
         notes: list[str] = []
         if self.thinking:
             reasoning, content = split_reasoning(text, notes)
@@ -227,11 +228,10 @@ class Qwen3Format(OutputFormat):
             hides_last = CUT_AFTER_THINK_END
         calls: list[tuple[str, str]] = []
         offered = tools is None or bool(tools)
-        if content is not None and CALL_BEGIN in content:
-            if offered:
-                content, calls = _hermes_calls(content, notes)
-            else:
-                notes.append("tool call generated with no tools offered: returned as content text")
+        # Calls the server does not parse (none offered, or not JSON) stay content text: the tag
+        # tokens are not special, so that text rebuilds to the same ids and needs no note.
+        if offered and content is not None and CALL_BEGIN in content:
+            content, calls = _hermes_calls(content, notes)
         message: dict[str, Any] = {"role": "assistant", "content": content or ""}
         message["reasoning_content"] = reasoning or None
         start = history_tool_calls or 0
@@ -263,11 +263,16 @@ class Qwen3Format(OutputFormat):
         images: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         if images:
-            raise UserError("Qwen3 is a text model: its template has no image placeholder")
+            raise UserError(NO_IMAGES)
         text = self.tokenizer.apply_chat_template(
             messages, tools=tools or None, add_generation_prompt=True, tokenize=False, enable_thinking=self.thinking
         )
         return self.codec.encode_batch([text])[0]
+
+    @property
+    def media_pad_id(self) -> int:
+        """Kimi's image placeholder has no Qwen3 counterpart: Qwen3 is a text model."""
+        raise UserError(NO_IMAGES)
 
 
 def _reasoning_text(reasoning: str, closed: bool) -> str:
@@ -311,8 +316,7 @@ def _hermes_calls(content: str, notes: list[str]) -> tuple[str | None, list[tupl
         bodies = [json.loads(closed or unclosed) for closed, unclosed in _HERMES_CALL.findall(content)]
         calls = [(b["name"], json.dumps(b["arguments"], ensure_ascii=False)) for b in bodies]
     except (ValueError, KeyError, TypeError):
-        notes.append("a tool call is not JSON with name and arguments: every call returned as content text")
-        return content, []
+        return content, []  # every call returned as content text
     for match, (_name, args) in zip(_HERMES_CALL.finditer(content), calls):
         body = _CALL_BODY.fullmatch(match[1] or "")
         if match[1] is None:
