@@ -176,7 +176,7 @@ class Qwen3Format(OutputFormat):
             msg.content = decode(rest if call is None else rest[:call])
         if call is not None:
             msg.tool_calls, msg.tool_tail = self._parse_calls(rest[call:])
-        return ParsedGeneration(msg, finish, stop_id, 0 if msg.tool_calls else None)
+        return ParsedGeneration(msg, finish, stop_id, None)  # Qwen3 writes no call index
 
     def _parse_calls(self, ids: list[int]) -> tuple[list[ToolCall], str | None]:
         """Calls written exactly as the template writes them, `\\n` between; then the raw rest
