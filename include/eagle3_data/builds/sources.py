@@ -19,7 +19,7 @@ from eagle3_data.cache import cache_root
 from eagle3_data.errors import UserError
 
 TINY_MODEL_ARGS = {"seed": 0, "layers": 8, "hidden": 64}  # the dev stack's and the tests' tiny model
-DEV_SOURCES = ("kimi-tokenizer", "tiny-deepseek-v3", "tiny-kimi-k25")
+DEV_SOURCES = ("kimi-tokenizer", "qwen3-tokenizer", "tiny-deepseek-v3", "tiny-kimi-k25")
 
 
 def dev_cache_root() -> Path:
@@ -33,6 +33,10 @@ def resolve_dev_source(name: str, cache_root: str | os.PathLike | None = None) -
     root = Path(cache_root) if cache_root else dev_cache_root()
     if name == "kimi-tokenizer":
         return cached_kimi_tokenizer(root)
+    if name == "qwen3-tokenizer":
+        from eagle3_data.builds.qwen3_tokenizer import cached_qwen3_tokenizer
+
+        return cached_qwen3_tokenizer(root)
     if name == "tiny-deepseek-v3":
         from eagle3_data.builds.tiny_model import cached_tiny_model
 

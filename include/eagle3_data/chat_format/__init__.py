@@ -22,9 +22,10 @@ from eagle3_data.chat_format.base import (
     normalize_finish_reason,
 )
 from eagle3_data.chat_format.kimi_k2 import KimiK2Format
+from eagle3_data.chat_format.qwen3 import Qwen3Format
 from eagle3_data.errors import UserError
 
-FORMATS: dict[str, type[OutputFormat]] = {KimiK2Format.name: KimiK2Format}
+FORMATS: dict[str, type[OutputFormat]] = {KimiK2Format.name: KimiK2Format, Qwen3Format.name: Qwen3Format}
 
 _BOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
