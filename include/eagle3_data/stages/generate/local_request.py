@@ -121,15 +121,14 @@ class LocalRequester:
             return Outcome(generation_row(prompt, prompt_ids, source, failed=reason), permanent=permanent)
 
         try:
-            ids, finish, engine_provenance, logprobs = self.wire.answer(
-                fast_loads(text), prompt_ids, request.identity, request.rendered.media
-            )
+            answer = self.wire.answer(fast_loads(text), prompt_ids, request.identity, request.rendered.media)
         except PromptCut as exc:  # every attempt on this server cuts it the same way
             return failed(f"prompt cut by {endpoint}: {exc}", permanent=True)
         except MediaDiffers as exc:  # its processor counts the same way on every attempt
             return failed(f"media tokens: {endpoint} {exc}", permanent=True)
         except (ValueError, KeyError, TypeError, IndexError) as exc:
             return failed(f"malformed answer from {endpoint}: {exc}")
+        ids, finish, engine_provenance = answer.output_ids, answer.finish, answer.provenance
         if finish["type"] not in ("stop", "length"):
             return failed(f"finish_reason {finish!r} from {endpoint}")
         named = engine_provenance.get("served_model")
@@ -149,7 +148,7 @@ class LocalRequester:
         row = generation_row(prompt, prompt_ids, source)
         row.update(
             output_ids=ids,
-            output_logprobs=logprobs,
+            output_logprobs=answer.logprobs,
             reasoning=msg.reasoning,
             content=msg.content,
             tool_calls=json.dumps([c.to_openai() for c in msg.tool_calls], ensure_ascii=False)

@@ -268,7 +268,7 @@ class OverflowRun:
         budget: Budget,
     ):
         self.stage, self.base_url, self._api_key = stage, base_url, api_key
-        self.config, self.runtime, self.progress, self.budget = config, runtime, progress, budget
+        self.config, self.progress, self.budget = config, progress, budget
         self.concurrency = config.concurrency
         self.stop = DispatchStop()
         self.breaker: Breaker[Failed] = Breaker(config.max_identical_errors, self._tripped)
