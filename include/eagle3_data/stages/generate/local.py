@@ -18,7 +18,6 @@ counted as failing. The parts: `local_endpoints` (health, capacity, drop and re-
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -44,8 +43,6 @@ from eagle3_data.stages.generate.local_dispatch import Attempt, PendingPrompts
 from eagle3_data.stages.generate.local_endpoints import EndpointPool, HealthWait
 from eagle3_data.stages.generate.local_request import LocalRequester
 from eagle3_data.stages.generate.progress import Progress, ProgressSink, tick_every
-
-log = logging.getLogger(__name__)
 
 ROUTES = ("local", "both")
 

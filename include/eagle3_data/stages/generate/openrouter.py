@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import logging
 import time
 from collections.abc import Iterable, Mapping
 from contextlib import contextmanager
@@ -74,8 +73,6 @@ from eagle3_data.stages.generate.provider_identity import (
     model_names,
     provider_slugs,
 )
-
-log = logging.getLogger(__name__)
 
 ROUTES = ("overflow", "both")
 __all__ = [
