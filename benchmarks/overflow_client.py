@@ -8,7 +8,7 @@ order so machine-load drift hits every variant:
   bare-stream   the same loop asking `stream: true`, reading the SSE body whole and decoding its
                 data events: what the machine and the server allow for streamed requests (the dev
                 server's own cost of streaming, ~60 events per answer, is in this baseline too)
-  stage         `generate_overflow` end to end as shipped (streamed: `OverflowOptions.stream`, the
+  stage         `generate_overflow` end to end as shipped (streamed: `generation.overflow.stream`, the
                 default; `openrouter_http.SdkPost.stream`; retries, budget, journal, S3
                 checkpoints; uvloop)
   stage-plain   the same with `stream=False` (`SdkPost.post`)
@@ -208,6 +208,7 @@ def _cpu() -> float:
 
 
 def run_stage(store, ref, rows, fmt, url: str, concurrency: int, journal_dir: Path, *, stream: bool = True) -> dict:
+    from eagle3_data.config import OverflowGenerationConfig
     from eagle3_data.stages.generate import openrouter
     from eagle3_data.stages.generate.checkpoint import StageSetup
 
@@ -218,8 +219,9 @@ def run_stage(store, ref, rows, fmt, url: str, concurrency: int, journal_dir: Pa
         fmt,
         url + "/v1",
         "bench-key",
-        openrouter.OverflowRequest(model=MODEL, sampling={"max_new_tokens": 256}),
-        options=openrouter.OverflowOptions(concurrency=concurrency, rows_per_part=256, stream=stream, max_usd=None),
+        {"max_new_tokens": 256},
+        config=OverflowGenerationConfig(model=MODEL, concurrency=concurrency, rows_per_part=256, stream=stream),
+        runtime=openrouter.OverflowRuntime(capped=False),
         setup=StageSetup(journal_dir=journal_dir),
     )
 

@@ -57,6 +57,7 @@ def main() -> None:
 
     from eagle3_data.builds.kimi_tokenizer import cached_kimi_tokenizer
     from eagle3_data.chat_format import get_output_format
+    from eagle3_data.config import LocalGenerationConfig
     from eagle3_data.dev.inference_server import DevServerProcess
     from eagle3_data.dev.seaweedfs import start_seaweedfs, stop_seaweedfs
     from eagle3_data.engines import wire_for
@@ -101,7 +102,7 @@ def main() -> None:
                 [server.url],
                 {"max_new_tokens": 256},
                 wire=wire_for("sglang"),
-                options=local.LocalOptions(in_flight_per_endpoint=D, rows_per_part=256),
+                config=LocalGenerationConfig(in_flight_per_endpoint=D, rows_per_part=256),
                 setup=StageSetup(journal_dir=Path(tmp) / "journal"),
             )
             stage_s = time.perf_counter() - t

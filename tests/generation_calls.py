@@ -1,11 +1,13 @@
 """The generation stages called the way the tests describe a stage: a tokenizer and a sampling
 dict that carries `thinking` (as the config's `generation.sampling` does), with the client's
-options as keywords. The library takes them bound and typed (the output format, `LocalOptions`
-/ `OverflowOptions`, `StageSetup`); this is the one place that binds them for the tests."""
+options as keywords. The library takes them bound and typed (the output format, the config
+section, the client's runtime settings, `StageSetup`); this is the one place that binds them for
+the tests."""
 
 from __future__ import annotations
 
 from eagle3_data.chat_format import get_output_format
+from eagle3_data.config import LocalGenerationConfig, OverflowGenerationConfig
 from eagle3_data.engines import wire_for
 from eagle3_data.stages.generate import local, openrouter
 from eagle3_data.stages.generate.checkpoint import StageSetup
@@ -22,6 +24,11 @@ def _split(options: dict) -> tuple[StageSetup, dict]:
     if setup.get("side_files") is None:
         setup.pop("side_files", None)
     return StageSetup(**setup), options
+
+
+def _section(section, options: dict) -> dict:
+    """The options the config `section` declares, taken out of `options`."""
+    return {k: options.pop(k) for k in list(options) if k in section.model_fields}
 
 
 def _bind(tokenizer, sampling: dict):
@@ -51,7 +58,8 @@ def generate_local(
         endpoints,
         sampling,
         wire=wire_for(engine, api_key),
-        options=local.LocalOptions(**options),
+        config=LocalGenerationConfig(**_section(LocalGenerationConfig, options)),
+        runtime=local.LocalRuntime(**options),
         setup=setup,
     )
 
@@ -65,9 +73,11 @@ def generate_overflow(
 ) -> dict:
     fmt, sampling = _bind(tokenizer, sampling)
     setup, options = _split(options)
-    request = openrouter.OverflowRequest(
-        model=model, provider=provider or {}, sampling=sampling, reasoning=options.pop("reasoning", None)
-    )
+    reasoning = options.pop("reasoning", None)
+    section = _section(OverflowGenerationConfig, options)
+    if max_usd is not None:  # None: no cap (`OverflowRuntime.capped`)
+        section["max_usd"] = max_usd
+    config = OverflowGenerationConfig(model=model, provider=provider or {}, **section)
     return openrouter.generate_overflow(
         store,
         ref,
@@ -75,8 +85,10 @@ def generate_overflow(
         fmt,
         base_url,
         api_key,
-        request,
-        options=openrouter.OverflowOptions(max_usd=max_usd, **options),
+        sampling,
+        config=config,
+        reasoning=reasoning,
+        runtime=openrouter.OverflowRuntime(capped=max_usd is not None, **options),
         setup=setup,
     )
 

@@ -20,15 +20,13 @@ packaged default is a dev config that runs anywhere; production points `$EAGLE3_
 from __future__ import annotations
 
 import copy
-import dataclasses
 import difflib
 import os
 import re
 import types
 import typing
-from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar, get_args
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator
 
@@ -87,42 +85,6 @@ class _Model(BaseModel):
             if isinstance(annotation, type) and issubclass(annotation, BaseModel):
                 return {}
         return value
-
-
-T = TypeVar("T")
-
-
-def options_of(section: type[BaseModel]) -> Callable[[type[T]], type[T]]:
-    """Class decorator, under `@dataclass`, for a client's run options (`LocalOptions`,
-    `OverflowOptions`): each annotated field the config `section` also has takes the section's
-    default, declared once, here, so a client run without a config (a test, a benchmark) runs as
-    the default config does. The client's own fields (timings a test tightens) keep the defaults
-    written on them. Build one from a loaded config with `options_from`."""
-
-    def fill(cls: type[T]) -> type[T]:
-        for name in cls.__dict__.get("__annotations__", {}):
-            if name not in section.model_fields or name in cls.__dict__:
-                continue
-            spec = section.model_fields[name]
-            if spec.is_required():
-                raise TypeError(f"{cls.__name__}.{name}: {section.__name__}.{name} has no default to take")
-            default = spec.get_default(call_default_factory=True)
-            if isinstance(default, BaseModel):  # a nested section: the options hold its plain mapping
-                default = default.model_dump()
-            mutable = isinstance(default, (dict, list))
-            setattr(
-                cls, name, dataclasses.field(default_factory=lambda d=default: copy.deepcopy(d)) if mutable else default
-            )
-        return cls
-
-    return fill
-
-
-def options_from(cls: type[T], section: BaseModel, **overrides: Any) -> T:
-    """The run options `cls` (see `options_of`) a loaded config `section` sets (same field
-    names), plus `overrides`: the one way a client's options come from the config."""
-    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    return cls(**{**{k: v for k, v in section.model_dump().items() if k in names}, **overrides})
 
 
 class StorageConfig(_Model):

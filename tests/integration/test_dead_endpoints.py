@@ -13,9 +13,10 @@ import time
 import pytest
 import yaml
 
+from eagle3_data.config import LocalGenerationConfig
 from eagle3_data.engines.client import wait_healthy
 from eagle3_data.errors import EndpointUnavailable
-from eagle3_data.stages.generate.local import LocalOptions
+from eagle3_data.stages.generate.local_endpoints import HealthWait
 from eagle3_data.stages.generate.openrouter_http import SdkPost
 from eagle3_data.storage import StageRef
 
@@ -82,9 +83,8 @@ def test_local_health_wait_says_so_from_its_first_retry(caplog):
 
     async def wait():
         async with aiohttp.ClientSession() as http:
-            return await wait_healthy(
-                http, dead, "sglang", LocalOptions(unreachable_timeout_s=2.0, health_interval_s=0.1)
-            )
+            timings = HealthWait(LocalGenerationConfig(unreachable_timeout_s=2.0), health_interval_s=0.1)
+            return await wait_healthy(http, dead, "sglang", timings)
 
     problem = asyncio.run(wait())
     assert problem is not None and "no connection for" in problem

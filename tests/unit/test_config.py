@@ -269,27 +269,3 @@ def test_an_empty_section_means_its_defaults(tmp_path):
     assert cfg.merge.max_length == 8192
     lines = _refused(tmp_path, lambda r: r.update(datasets="chat"))
     assert lines == ["config datasets: Input should be a list (got 'chat')"]
-
-
-@pytest.mark.parametrize("client", ["local", "overflow"])
-def test_client_options_take_the_configs_defaults_and_every_key_it_sets(client):
-    """A client run without a config (tests, benchmarks) runs as the default config does, and a
-    loaded config reaches the client whole: pydantic's own defaults and dump are the oracle."""
-    import dataclasses
-
-    from eagle3_data.config import LocalGenerationConfig, OverflowGenerationConfig, options_from
-    from eagle3_data.stages.generate.local import LocalOptions
-    from eagle3_data.stages.generate.openrouter import OverflowOptions
-
-    options, section = {
-        "local": (LocalOptions, LocalGenerationConfig()),
-        "overflow": (OverflowOptions, OverflowGenerationConfig(model="m")),
-    }[client]
-    shared = [f.name for f in dataclasses.fields(options) if f.name in type(section).model_fields]
-    assert len(shared) >= 6, shared
-    default = options()
-    assert {k: getattr(default, k) for k in shared} == {k: section.model_dump()[k] for k in shared}
-    changed = section.model_copy(update={"rows_per_part": 7, "connect_timeout_s": 1.5})
-    built = options_from(options, changed, max_attempts=2)
-    assert {k: getattr(built, k) for k in shared} == {k: changed.model_dump()[k] for k in shared}
-    assert built.max_attempts == 2

@@ -312,6 +312,7 @@ def test_the_generation_mode_comes_only_from_the_bound_format(engine, kimi_token
     bound once into the output format the clients take; a sampling dict that carries it anyway is
     refused before any request (a client reading it there could mix modes)."""
     from eagle3_data.chat_format import get_output_format
+    from eagle3_data.config import OverflowGenerationConfig
     from eagle3_data.engines import wire_for
     from eagle3_data.stages.generate import local, openrouter
     from eagle3_data.storage import StageRef
@@ -333,7 +334,8 @@ def test_the_generation_mode_comes_only_from_the_bound_format(engine, kimi_token
             fmt,
             "http://127.0.0.1:9/v1",
             "key",
-            openrouter.OverflowRequest("m", sampling=sampling),
+            sampling,
+            config=OverflowGenerationConfig(model="m"),
         )
     else:
         call = lambda: local.generate_local(

@@ -192,7 +192,7 @@ async def wait_healthy(http: aiohttp.ClientSession, endpoint: str, engine: str, 
     (503 while it loads its model) is waited for up to `o.warmup_timeout_s`; one that accepts no
     connection at all (nothing listening, no route to it) is given up after
     `o.unreachable_timeout_s` without an answer, so a wrong URL is named in seconds. `o`: the
-    timings (`LocalOptions`, `policy.ScoreTimings`): also `connect_timeout_s`, `health_interval_s`."""
+    timings (`local_endpoints.HealthWait`, `policy.ScoreTimings`): also `connect_timeout_s`, `health_interval_s`."""
     started = time.monotonic()
     answered_at, tries, last, note_at = started, 0, "", started
     while True:
@@ -270,7 +270,7 @@ def local_endpoints(value: str | Sequence[str]) -> list[str]:
 
 
 class HealthTimings(Protocol):
-    """The timings of an endpoint's `/health` wait (`LocalOptions`, `policy.ScoreTimings`)."""
+    """The timings of an endpoint's `/health` wait (`local_endpoints.HealthWait`, `policy.ScoreTimings`)."""
 
     @property
     def connect_timeout_s(self) -> float: ...

@@ -31,7 +31,8 @@ class Budget:
     ):
         self.max_usd, self.spent, self.max_new_tokens = max_usd, spent_usd, max_new_tokens
         self.prices, self.first_estimate_usd = prices, first_estimate_usd
-        self.reserved = 0.0  # the estimates of the requests in flight
+        self.reserved = 0.0  # the estimates of the samples in flight
+        self.in_flight = 0  # samples dispatched and not yet settled: their answers are not priced yet
         self._bounds = Prices()  # learned upper bounds: min over answers of cost / tokens of that kind
         self._largest_cost = 0.0
         self._longest = 0  # completion tokens of the longest answer (max_new_tokens unknown)
@@ -50,11 +51,19 @@ class Budget:
     def allows(self, estimate: float) -> bool:
         return self.max_usd is None or self.spent + self.reserved + estimate <= self.max_usd
 
+    def exhausted(self, estimate: float) -> bool:
+        """A request `allows` refuses will not fit once the samples in flight are priced either:
+        none is in flight, or what is spent already leaves no room for it."""
+        return self.in_flight == 0 or self.spent + estimate > (self.max_usd or 0.0)
+
     def reserve(self, estimate: float) -> None:
+        """A sample dispatched: its estimate is held until it is settled (`release`)."""
         self.reserved += estimate
+        self.in_flight += 1
 
     def release(self, estimate: float) -> None:
         self.reserved = max(0.0, self.reserved - estimate)
+        self.in_flight -= 1
 
     def add(self, cost: float, usage: Mapping[str, Any] | None = None) -> None:
         """Count `cost` as spent and learn prices from the answer's `usage` (None: a cost without an

@@ -169,7 +169,7 @@ class StreamAnswer:
 class Received:
     """A 2xx answer read to its end, its last part not decoded yet: `answer()` decodes it.
 
-    The client hands its request slot on before it decodes (openrouter._OverflowRun): when a burst
+    The client hands its request slot on before it decodes (openrouter.OverflowRun): when a burst
     of answers lands at once (every request of a wave sent together, a fixed latency), each
     answer's decode on the send path held back the next requests of the wave by the decodes
     before it, ~C x 0.4 ms at C = 256 (benchmarks/overflow_client.py). A long stream's earlier

@@ -14,7 +14,7 @@ One place decides, for every shape a response takes, what the overflow client do
   then the paid partial answer is final (see `paid`). Without a cost in the answer the bill is
   unknown (OpenRouter warns that prompt processing may be charged when no content came back):
   one named by a generation id is priced from OpenRouter's record before the retry, as a cut
-  stream is (`cost_unknown`, openrouter._OverflowRun._lose);
+  stream is (`cost_unknown`, openrouter_attempts.AttemptLedger.lose);
 - an answer: its text read as the provider returns it (`reasoning`, else the text kinds of
   `reasoning_details`; encrypted or summarised reasoning cannot give the model's ids), its tool
   calls with their arguments as a JSON string (an object is serialised and the row says so).

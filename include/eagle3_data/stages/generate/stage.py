@@ -103,9 +103,7 @@ def generate_local(
 ) -> GenerationResult:
     """The samples routed local|both on the local engine's `endpoints` (http(s) URLs), sending
     `api_key` (theirs, from `--api-key`; never logged) on every request when given."""
-    from eagle3_data.config import options_from
     from eagle3_data.engines import wire_for
-    from eagle3_data.stages.generate.local import LocalOptions
     from eagle3_data.stages.generate.local import generate_local as generate
 
     prompts, ref = stage_ref(run, PROMPTS, dataset), stage_ref(run, LOCAL, dataset)
@@ -128,7 +126,7 @@ def generate_local(
         endpoints,
         engine_sampling(run),
         wire=wire,
-        options=options_from(LocalOptions, g.local),
+        config=g.local,
         setup=_setup(run, prompts, ref.stage, rerun, fmt),
     )
     return _finished(result, f"generate_local {dataset}", store, ref)
@@ -138,9 +136,8 @@ def generate_overflow(
     run: Run, store, dataset: str, base_url: str, api_key: str, *, rerun: bool = False
 ) -> GenerationResult:
     """The samples routed overflow|both through OpenRouter at `base_url` with `api_key` (never logged)."""
-    from eagle3_data.config import options_from
     from eagle3_data.stages.generate.contracts import StopReason
-    from eagle3_data.stages.generate.openrouter import OverflowOptions, OverflowRequest, check_sampling
+    from eagle3_data.stages.generate.openrouter import check_sampling
     from eagle3_data.stages.generate.openrouter import generate_overflow as generate
 
     prompts, ref = stage_ref(run, PROMPTS, dataset), stage_ref(run, OVERFLOW, dataset)
@@ -159,8 +156,8 @@ def generate_overflow(
         fmt,
         base_url,
         api_key,
-        OverflowRequest(model=o.model, provider=o.provider, sampling=engine_sampling(run)),
-        options=options_from(OverflowOptions, o),
+        engine_sampling(run),
+        config=o,
         setup=_setup(run, prompts, ref.stage, rerun, fmt),
     )
     if (stopped := result["stopped_reason"]) is not None and not StopReason(stopped).passes:
