@@ -155,7 +155,7 @@ def test_last_state_fit_is_the_targets_own_forward_and_fails_on_another_samples_
     # the fp8 export (hs_connectors' per-token scales): read back through its scales
     from safetensors.torch import load_file, save_file
 
-    from eagle3_data.exports.speculators import quantize_per_token
+    from eagle3_data.exports.speculators_export import quantize_per_token
 
     fp8 = tmp_path / "fp8"
     shutil.copytree(correct, fp8)

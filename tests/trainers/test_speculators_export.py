@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from eagle3_data.config import HiddenStatesConfig
 from eagle3_data.errors import UserError
 from eagle3_data.exports.shards import ShardReader
-from eagle3_data.exports.speculators import export_speculators, quantize_per_token
+from eagle3_data.exports.speculators_export import export_speculators, quantize_per_token
 from eagle3_data.stages.hidden_states.backends import TransformersBackend
 from eagle3_data.stages.hidden_states.extract import extract_rows
 from eagle3_data.stages.probe.drafter import speculators_python

@@ -15,7 +15,7 @@ import torch
 
 from eagle3_data import draft_vocab
 from eagle3_data.config import HiddenStatesConfig
-from eagle3_data.exports.speculators import export_speculators
+from eagle3_data.exports.speculators_export import export_speculators
 from eagle3_data.stages.hidden_states.backends import TransformersBackend
 from eagle3_data.stages.hidden_states.extract import extract_rows
 

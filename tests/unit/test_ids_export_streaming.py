@@ -13,7 +13,7 @@ datasets = pytest.importorskip("datasets")
 
 
 def test_save_rows_in_batches_writes_what_one_table_would(tmp_path, monkeypatch):
-    from eagle3_data.exports import speculators as speculators_export
+    from eagle3_data.exports import speculators_export as speculators_export
 
     rng = np.random.default_rng(0)
     rows = []
@@ -57,7 +57,7 @@ def test_save_rows_in_batches_writes_what_one_table_would(tmp_path, monkeypatch)
 
 def test_save_rows_refuses_nothing_to_export(tmp_path):
     from eagle3_data.errors import UserError
-    from eagle3_data.exports.speculators import save_rows
+    from eagle3_data.exports.speculators_export import save_rows
 
     with pytest.raises(UserError, match="no samples"):
         save_rows(iter(()), tmp_path / "out")

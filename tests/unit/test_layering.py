@@ -259,3 +259,26 @@ def test_one_stage_one_package():
     for stage in packages:
         assert f"{STAGES}.{stage}.stage" in graph and f"{STAGES}.{stage}.cli" in graph, stage
     assert stage_crossings(graph) == []
+
+
+def _imported_top_names(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name.partition(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.partition(".")[0])
+    return names
+
+
+def test_a_module_run_as_a_script_is_not_shadowed_by_its_siblings():
+    """A file run by path (`python .../trainer_reader.py` in the speculators venv) has its own
+    folder first on sys.path, so a sibling module named like a package it imports (an
+    `exports/speculators.py` beside the reader) replaces that package in the child."""
+    scripts = [p for p in LIBRARY.rglob("*.py") if '__name__ == "__main__"' in p.read_text()]
+    assert any(p.name == "trainer_reader.py" for p in scripts)
+    hits = []
+    for script in scripts:
+        siblings = {p.stem for p in script.parent.glob("*.py")} - {script.stem, "__init__"}
+        hits += [f"{script.relative_to(LIBRARY)} imports {n}" for n in sorted(_imported_top_names(script) & siblings)]
+    assert hits == []

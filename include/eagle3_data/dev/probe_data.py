@@ -216,7 +216,7 @@ def export_rows(
     on its GPU in bf16, as a production run does (its defaults, ~766k tokens at Kimi's width, would
     take about an hour on the lent machine's CPU, and fp32 states twice the disk)."""
     from eagle3_data.config import HiddenStatesConfig
-    from eagle3_data.exports.speculators import export_speculators
+    from eagle3_data.exports.speculators_export import export_speculators
     from eagle3_data.stages.hidden_states.backends import TransformersBackend
     from eagle3_data.stages.hidden_states.extract import extract_rows
 
@@ -265,7 +265,7 @@ def inject(
     states under `other_sample`, all rows one group unless given)."""
     import datasets
 
-    from eagle3_data.exports.speculators import save_rows
+    from eagle3_data.exports.speculators_export import save_rows
     from eagle3_data.target_head.final_norm import checkpoint_weight
 
     shutil.copytree(export, out)

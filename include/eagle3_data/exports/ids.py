@@ -24,7 +24,7 @@ def export_speculators_ids(
 ) -> int:
     """Merged rows (sample_id, input_ids, loss_mask) as speculators' pretokenized dataset;
     `images` (sample_id -> references, the merge's images.jsonl) go into `index.jsonl`."""
-    from eagle3_data.exports.speculators import save_rows
+    from eagle3_data.exports.speculators_export import save_rows
 
     return save_rows(((r["sample_id"], r["input_ids"], r["loss_mask"]) for r in rows), out_dir, images=images)
 

@@ -241,7 +241,7 @@ def _run_export(args: argparse.Namespace) -> int:
 
 def _run_export_speculators(args: argparse.Namespace) -> int:
     from eagle3_data.exports.ids import export_speculators_ids
-    from eagle3_data.exports.speculators import export_speculators
+    from eagle3_data.exports.speculators_export import export_speculators
 
     return _export(
         args,

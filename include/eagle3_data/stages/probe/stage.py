@@ -26,7 +26,7 @@ def probe(run: Run, store) -> ProbeResult | ProbeSkipped:
     from eagle3_data.draft_vocab import is_file_of
     from eagle3_data.exports.check import StageShards
     from eagle3_data.exports.shards import ShardReader
-    from eagle3_data.exports.speculators import export_speculators
+    from eagle3_data.exports.speculators_export import export_speculators
     from eagle3_data.stages.probe.drafter import OverBudget, default_device, probe_export
 
     started, p = time.monotonic(), run.config.probe
