@@ -35,7 +35,7 @@ def tensor_dtypes(path) -> dict[str, str]:
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
-        return {name: f.get_slice(name).get_dtype() for name in f.keys()}
+        return {name: f.get_slice(name).get_dtype() for name in f}
 
 
 @pytest.fixture(scope="module")
@@ -430,7 +430,7 @@ def test_the_extraction_proves_itself_against_the_engines_logprobs(mode, backend
         Faulty(backend, mode) if mode else backend,
         rows,
         tmp_path,
-        "v",  # noqa: E731
+        "v",
         ExtractOptions(token_budget=256),
         check=check,
     )

@@ -267,7 +267,7 @@ class DevTextModel:
 
 
 def _value(rng: random.Random, spec: dict) -> object:
-    if "enum" in spec and spec["enum"]:
+    if spec.get("enum"):
         return rng.choice(spec["enum"])
     kind = spec.get("type", "string")
     if isinstance(kind, list):

@@ -126,7 +126,7 @@ def choose_rows(n: int, samples: int | None) -> list[int]:
         return list(range(n))
     if samples < 1:
         raise UserError(f"--samples {samples}: expected at least 1")
-    return sorted({int(round(x)) for x in np.linspace(0, n - 1, samples)})
+    return sorted({round(x) for x in np.linspace(0, n - 1, samples)})
 
 
 class LocalShards:

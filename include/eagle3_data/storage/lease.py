@@ -158,7 +158,7 @@ class Lease:
             with s3_errors(self.store.client, f"reading the lease {self.store.uri(self.ref, self.name)}"):
                 current = self.store.client.get_object(Bucket=self.store.bucket, Key=self.key)
             holder = json.loads(current["Body"].read() or b"{}")
-        except Exception as exc:  # noqa: BLE001 - the refusal is the news; who, only a detail
+        except Exception as exc:
             return f"the lease object changed since this writer's last renewal (unreadable now: {exc})"
         if holder.get("token") == self.token:
             return f"the lease object was rewritten under this writer's own token by pid {holder.get('pid')}"

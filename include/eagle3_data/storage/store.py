@@ -297,24 +297,27 @@ class ArtifactStore:
     ) -> tempfile.SpooledTemporaryFile:
         """Stream an object into a spooled temp file (RAM up to 64 MiB, then disk), hashing as it
         comes, and refuse it before anyone parses it if it is missing or its bytes changed."""
-        out = tempfile.SpooledTemporaryFile(max_size=64 * 1024 * 1024)
+        out = tempfile.SpooledTemporaryFile(max_size=64 * 1024 * 1024)  # noqa: SIM115 (returned open)
         digest = hashlib.sha256()
         size = 0
-        with s3_errors(self.client, f"reading {label}"):
-            try:
-                body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"]
-            except ClientError as exc:
-                self._raise_if_no_bucket(exc)
-                if error_code(exc) in NOT_FOUND:
-                    out.close()
-                    raise CorruptArtifact(
-                        f"{label} is listed in the manifest but missing from S3: rerun the stage"
-                    ) from None
-                raise
-            for chunk in iter(lambda: body.read(_CHUNK), b""):
-                digest.update(chunk)
-                out.write(chunk)
-                size += len(chunk)
+        try:
+            with s3_errors(self.client, f"reading {label}"):
+                try:
+                    body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"]
+                except ClientError as exc:
+                    self._raise_if_no_bucket(exc)
+                    if error_code(exc) in NOT_FOUND:
+                        raise CorruptArtifact(
+                            f"{label} is listed in the manifest but missing from S3: rerun the stage"
+                        ) from None
+                    raise
+                for chunk in iter(lambda: body.read(_CHUNK), b""):
+                    digest.update(chunk)
+                    out.write(chunk)
+                    size += len(chunk)
+        except BaseException:
+            out.close()  # a read that failed part-way must not leave the spilled file behind
+            raise
         if (expected_bytes is not None and size != expected_bytes) or (
             expected_sha256 and digest.hexdigest() != expected_sha256
         ):

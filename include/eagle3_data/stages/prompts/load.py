@@ -630,10 +630,14 @@ def _open(f: _File, client):
         return f.path.open("rb")
     from eagle3_data.storage.client import s3_errors
 
-    out = tempfile.SpooledTemporaryFile(max_size=8 << 20)
-    with s3_errors(client, f"reading {f.uri}"):
-        body = client.get_object(Bucket=f.bucket, Key=f.key)["Body"]
-        for chunk in iter(lambda: body.read(1 << 20), b""):
-            out.write(chunk)
+    out = tempfile.SpooledTemporaryFile(max_size=8 << 20)  # noqa: SIM115 (returned open)
+    try:
+        with s3_errors(client, f"reading {f.uri}"):
+            body = client.get_object(Bucket=f.bucket, Key=f.key)["Body"]
+            for chunk in iter(lambda: body.read(1 << 20), b""):
+                out.write(chunk)
+    except BaseException:
+        out.close()  # a read that failed part-way must not leave the spilled file behind
+        raise
     out.seek(0)
     return out
