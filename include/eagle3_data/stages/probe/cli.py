@@ -4,6 +4,7 @@ or on a run's extraction stage (the DAG's probe task, its JSON written to runs/R
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from eagle3_data.cli.runs import add_config_arg, add_fresh_arg, add_store_args, printed, run_of_stage
 
@@ -34,7 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run)
 
 
-def _overrides(args: argparse.Namespace) -> dict:
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     keys = ("samples", "eval_samples", "steps", "draft_length", "seed")
     return {"probe": {"when": "always", **{k: getattr(args, k) for k in keys if getattr(args, k) is not None}}}
 

@@ -30,12 +30,12 @@ class ValidationSummary:
     max_bad_row_rate: float = DEFAULT_MAX_BAD_ROW_RATE
     allow_unvalidated_overflow: bool = False
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CLASSES, 0))
-    details: dict[str, Counter] = field(default_factory=dict)
+    details: dict[str, Counter[str]] = field(default_factory=dict)
     mismatches: list[dict[str, Any]] = field(default_factory=list)
     bad_rows: list[dict[str, Any]] = field(default_factory=list)
     literal_samples: int = 0
     literal_exact: int = 0
-    literal_names: Counter = field(default_factory=Counter)
+    literal_names: Counter[str] = field(default_factory=Counter)
     literal_examples: list[str] = field(default_factory=list)
     output_tokens: int = 0
     agreed_tokens: int = 0
