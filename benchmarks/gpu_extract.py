@@ -204,7 +204,7 @@ def active_parameters(model_dir: Path) -> int:
     total = routed = 0
     for f in model_dir.glob("*.safetensors"):
         with safe_open(f, "pt") as st:
-            for k in st:
+            for k in st.keys():
                 size = math.prod(st.get_slice(k).get_shape())
                 total += size
                 routed += size if ".mlp.experts." in k else 0

@@ -9,6 +9,7 @@ from eagle3_data.chat_format import get_output_format
 from eagle3_data.engines import wire_for
 from eagle3_data.stages.generate import local, openrouter
 from eagle3_data.stages.generate.checkpoint import StageSetup
+from eagle3_data.stages.generate.contracts import StageSummary
 
 # The model the dev server serves (a request for another is a 400, as on OpenRouter).
 MODEL = "moonshotai/kimi-k2.5"
@@ -29,7 +30,9 @@ def _bind(tokenizer, sampling: dict):
     return get_output_format(tokenizer, thinking=sampling.pop("thinking")), sampling
 
 
-def generate_local(store, ref, prompts, tokenizer, endpoints, sampling, *, engine: str = "sglang", **options) -> dict:
+def generate_local(
+    store, ref, prompts, tokenizer, endpoints, sampling, *, engine: str = "sglang", **options
+) -> StageSummary:
     fmt, sampling = _bind(tokenizer, sampling)
     setup, options = _split(options)
     return local.generate_local(
@@ -45,13 +48,13 @@ def generate_local(store, ref, prompts, tokenizer, endpoints, sampling, *, engin
     )
 
 
-def generate_vllm(store, ref, prompts, tokenizer, endpoints, sampling, **options) -> dict:
+def generate_vllm(store, ref, prompts, tokenizer, endpoints, sampling, **options) -> StageSummary:
     return generate_local(store, ref, prompts, tokenizer, endpoints, sampling, engine="vllm", **options)
 
 
 def generate_overflow(
     store, ref, prompts, tokenizer, base_url, api_key, model, provider, max_usd, *, sampling, **options
-) -> dict:
+) -> StageSummary:
     fmt, sampling = _bind(tokenizer, sampling)
     setup, options = _split(options)
     request = openrouter.OverflowRequest(

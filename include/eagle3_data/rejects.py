@@ -14,9 +14,13 @@ import io
 import json
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eagle3_data.errors import UserError
+
+if TYPE_CHECKING:
+    from eagle3_data.storage.refs import StageRef
+    from eagle3_data.storage.store import ArtifactStore
 
 REJECTS_FILE = "rejects.parquet"
 _FIELD = re.compile(r"field '([^']+)'")
@@ -52,7 +56,7 @@ def rejects_parquet(rejects: list[dict[str, Any]]) -> bytes:
     return sink.getvalue()
 
 
-def read_rejects(store, ref) -> list[dict[str, Any]]:
+def read_rejects(store: ArtifactStore, ref: StageRef) -> list[dict[str, Any]]:
     """A stage's `rejects.parquet` as rows (none when the stage refused nothing or has no file)."""
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -35,7 +35,7 @@ def tensor_dtypes(path) -> dict[str, str]:
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
-        return {name: f.get_slice(name).get_dtype() for name in f}
+        return {name: f.get_slice(name).get_dtype() for name in f.keys()}
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ FORBIDDEN = "airflow"
 
 
 def _forbidden(name: str | None) -> bool:
-    return bool(name) and (name == FORBIDDEN or name.startswith(FORBIDDEN + "."))
+    return name is not None and (name == FORBIDDEN or name.startswith(FORBIDDEN + "."))
 
 
 def airflow_imports(source: str, filename: str = "<string>") -> list[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import pyarrow as pa
@@ -79,7 +80,7 @@ BAD = [  # (row, field the reject must name)
 ]
 
 
-def write_jsonl(path: Path, rows: list, extra_lines: list[str] = ()) -> Path:
+def write_jsonl(path: Path, rows: list, extra_lines: Sequence[str] = ()) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join([json.dumps(r) for r in rows] + list(extra_lines)) + "\n")
     return path

@@ -224,7 +224,9 @@ class SGLangWire:
 SGLANG = SGLangWire()
 
 
-def check_answer(answer, prompt_ids: list[int] | None = None) -> tuple[list[int], dict[str, Any], dict[str, Any]]:
+def check_answer(
+    answer: dict[str, Any] | list[dict[str, Any]], prompt_ids: list[int] | None = None
+) -> tuple[list[int], dict[str, Any], dict[str, Any]]:
     """(output_ids as given, finish_reason object as given, meta_info) of a /generate answer.
     SGLang's output_ids run through the matched stop token; they must number `completion_tokens`,
     and `prompt_tokens` must be the number of ids sent (PromptCut otherwise)."""
@@ -251,7 +253,7 @@ def check_answer(answer, prompt_ids: list[int] | None = None) -> tuple[list[int]
     return ids, finish, meta
 
 
-def check_media(answer, prompt_ids: list[int], media: Media) -> None:
+def check_media(answer: dict[str, Any], prompt_ids: list[int], media: Media) -> None:
     """An image prompt's counts as SGLang ran them: `meta_info.prompt_tokens` must be the length of
     our expanded ids and `image_tokens` (when reported) our media tokens (MediaDiffers otherwise)."""
     meta = (answer[0] if isinstance(answer, list) else answer)["meta_info"]

@@ -148,13 +148,13 @@ class ShardReader:
         self.sample_ids: list[str] = json.loads(meta["sample_ids"])
         self.offsets = self._file.get_tensor("offsets")
         self._index = {sid: i for i, sid in enumerate(self.sample_ids)}
-        self.has_last = "last_hidden_states" in self._file
-        self.has_logprobs = "target_logprobs" in self._file
+        self.has_last = "last_hidden_states" in self._file.keys()
+        self.has_logprobs = "target_logprobs" in self._file.keys()
         # which side of the final norm the last state is (shards before v3 stored it after)
         self.last_hidden_norm = meta.get("last_hidden_norm", "post") if self.has_last else None
         self.final_norm = (
             (self._file.get_tensor("final_norm_weight"), float(meta["final_norm_eps"]))
-            if "final_norm_weight" in self._file
+            if "final_norm_weight" in self._file.keys()
             else None
         )
         self.is_fp8 = meta.get("aux_encoding") == FP8_ENCODING

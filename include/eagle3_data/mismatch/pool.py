@@ -94,12 +94,14 @@ def can_fork_workers() -> bool:
 
 def _forked_init() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    assert _FORKED is not None, "set in the parent before the fork"
     codec = _FORKED.codec
     if hasattr(codec, "num_threads"):
         codec.num_threads = 1  # one worker process per core: no encode threads beside it
 
 
 def _forked_validate(items: list[Any]) -> list[RowResult | BadRow]:
+    assert _FORKED is not None, "set in the parent before the fork"
     results = iter(_FORKED.validate([i for i in items if isinstance(i, InputRow)]))
     return [item if isinstance(item, BadRow) else next(results) for item in items]
 

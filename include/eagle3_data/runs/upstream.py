@@ -31,7 +31,7 @@ def gate_results(run: Run, store, failed: Mapping[str, str] | None = None) -> di
             out[name] = _gate_from_manifest(store.read_manifest(ref), store.uri(ref, VALIDATION_REPORT))
         else:
             out[name] = Gate(passed=False, reasons=["validation did not complete (see the failed task)"])
-        if out[name].passed and name in (failed or {}):
+        if out[name].passed and failed and name in failed:
             out[name] = replace(
                 out[name],
                 passed=False,

@@ -18,7 +18,7 @@ from eagle3_data.cli.runs import (
 )
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("extract", help="run the target model and store EAGLE-3 aux hidden states")
     p.add_argument(
         "--input",

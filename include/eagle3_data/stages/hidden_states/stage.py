@@ -72,7 +72,8 @@ def plan_hidden_states(run: Run, store) -> list[dict[str, Any]]:
 def split_shards(shards: list[dict[str, Any]], workers: int) -> list[dict[str, Any]]:
     """`shards` over `workers` workers, balanced by tokens (see `plan_hidden_states`)."""
     n = min(workers, len(shards))
-    loads, assigned = [0] * n, [[] for _ in range(n)]
+    loads = [0] * n
+    assigned: list[list[int]] = [[] for _ in range(n)]
     for i in sorted(range(len(shards)), key=lambda i: -int(shards[i].get("tokens") or 0)):
         w = min(range(n), key=lambda k: (loads[k], len(assigned[k]), k))  # no token counts: by shard count
         loads[w] += int(shards[i].get("tokens") or 0)

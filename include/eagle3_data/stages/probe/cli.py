@@ -9,7 +9,7 @@ from typing import Any
 from eagle3_data.cli.runs import add_config_arg, add_fresh_arg, add_store_args, printed, run_of_stage
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("probe", help="train a small EAGLE-3 drafter on the data and score held-out acceptance")
     p.add_argument(
         "--input",

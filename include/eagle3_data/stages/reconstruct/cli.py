@@ -15,7 +15,7 @@ from typing import Any
 from eagle3_data.cli.runs import add_config_arg, add_fresh_arg, add_store_args, mode_overrides, printed, run_of_stage
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("reconstruct", help="rebuild output ids from reasoning/content/tool_calls text")
     p.add_argument(
         "--input",

@@ -17,7 +17,7 @@ from eagle3_data.cli.runs import add_config_arg, add_fresh_arg, add_store_args, 
 from eagle3_data.errors import GateFailed, UserError
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("validate", help="decode -> parse -> reconstruct -> compare ids; gate on mismatches")
     p.add_argument(
         "--input",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eagle3_data.chat_format import OutputFormat
 from eagle3_data.gate_defaults import DEFAULT_MAX_BAD_ROW_RATE, DEFAULT_MAX_BPE_MISMATCH_RATE
@@ -13,6 +13,9 @@ from eagle3_data.mismatch.classify import CLASSES, FAILING_CLASSES, RowResult
 from eagle3_data.mismatch.pool import validate_rows
 from eagle3_data.mismatch.rows import BadRow, InputRow
 from eagle3_data.mismatch.stops import StopConvention, detect_stop_convention
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 EXAMPLES = 20  # sample_ids kept per reported case
 
@@ -134,7 +137,7 @@ def validate_to_report(
     return summary.report()
 
 
-def validation_rows_table(results: Iterable[RowResult], dataset: str, source: str):
+def validation_rows_table(results: Iterable[RowResult], dataset: str, source: str) -> pa.Table:
     """Per-row results as a `schemas.VALIDATION_ROWS` table (billed_tokens null: local ids)."""
     import pyarrow as pa
 
