@@ -47,7 +47,8 @@ def _run(args: argparse.Namespace) -> int:
     from eagle3_data.errors import UserError
 
     if args.input.startswith("s3://"):
-        from eagle3_data.stages.probe.stage import ProbeSkipped, probe
+        from eagle3_data.runs.results import ProbeSkipped
+        from eagle3_data.stages.probe.stage import probe
 
         if args.out or args.eval_export or args.model:
             raise UserError(
