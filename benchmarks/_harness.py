@@ -184,7 +184,8 @@ def _measure_here(setup: str, work: str, env: dict) -> dict:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    hwm = next((int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:")), 0)
+    with open("/proc/self/status") as status:
+        hwm = next((int(line.split()[1]) for line in status if line.startswith("VmHWM:")), 0)
     return {
         "work_s": work_s,
         "cpu_s": cpu_s,

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import REPO, measure, slope, table  # noqa: E402
+from _harness import REPO, measure, slope, table
 
 SETUP = """
 import json

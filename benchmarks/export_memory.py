@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import measure, slope, table  # noqa: E402
+from _harness import measure, slope, table
 
 SETUP = """
 import numpy as np

@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "include"))
 
-from eagle3_data.json_records import fast_loads  # noqa: E402
+from eagle3_data.json_records import fast_loads
 
 
 def sglang_answer(tokens: int, rng: random.Random) -> bytes:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import measure, seaweedfs, slope, store_for, table, write_generations  # noqa: E402
+from _harness import measure, seaweedfs, slope, store_for, table, write_generations
 
 DEFAULT = ["1000x1195", "4000x1195", "16000x1195"]
 FULL = ["83000x1195", "16000x6000"]

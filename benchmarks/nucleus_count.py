@@ -31,10 +31,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "include"))
 
-import torch  # noqa: E402
+import torch
 
-from eagle3_data.nucleus import MASS_MARGIN, Nucleus  # noqa: E402
-from eagle3_data.target_head.logprobs import LogprobHead  # noqa: E402
+from eagle3_data.nucleus import MASS_MARGIN, Nucleus
+from eagle3_data.target_head.logprobs import LogprobHead
 
 VOCAB = 163_840
 

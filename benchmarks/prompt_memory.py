@@ -21,8 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import REPO, measure, table  # noqa: E402
-from scale import SETUP, STAGES, prompts_jsonl, quiet_server, rss_ratio  # noqa: E402
+from _harness import REPO, measure, table
+from scale import SETUP, STAGES, prompts_jsonl, quiet_server, rss_ratio
 
 MEASURED = ("audit_tokenizer", "load_route", "generate_local", "generate_overflow")
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import REPO, measure, slope, table  # noqa: E402
+from _harness import REPO, measure, slope, table
 
 TOOL_PARAMS = 110  # string parameters of the benchmark tool: ~1k tokens of arguments per call
 SETUP = """

@@ -73,7 +73,8 @@ def write_input(enc, path: Path, target_tokens: int) -> tuple[int, int]:
 
 def raw_rate(enc, path: Path) -> tuple[float, float]:
     """tokens/s of wall time and of CPU time, decode + encode only (ids already in memory)."""
-    rows = [json.loads(line)["output_ids"] for line in open(path)]
+    with open(path) as lines:
+        rows = [json.loads(line)["output_ids"] for line in lines]
     tokens = sum(map(len, rows))
     start, cpu = time.perf_counter(), time.process_time()
     for ids in rows:

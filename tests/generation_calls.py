@@ -11,6 +11,7 @@ from eagle3_data.config import LocalGenerationConfig, OverflowGenerationConfig
 from eagle3_data.engines import wire_for
 from eagle3_data.stages.generate import local, openrouter
 from eagle3_data.stages.generate.checkpoint import StageSetup
+from eagle3_data.stages.generate.contracts import StageSummary
 
 # The model the dev server serves (a request for another is a 400, as on OpenRouter).
 MODEL = "moonshotai/kimi-k2.5"
@@ -47,7 +48,7 @@ def generate_local(
     engine: str = "sglang",
     api_key: str | None = None,
     **options,
-) -> dict:
+) -> StageSummary:
     fmt, sampling = _bind(tokenizer, sampling)
     setup, options = _split(options)
     return local.generate_local(
@@ -64,13 +65,13 @@ def generate_local(
     )
 
 
-def generate_vllm(store, ref, prompts, tokenizer, endpoints, sampling, **options) -> dict:
+def generate_vllm(store, ref, prompts, tokenizer, endpoints, sampling, **options) -> StageSummary:
     return generate_local(store, ref, prompts, tokenizer, endpoints, sampling, engine="vllm", **options)
 
 
 def generate_overflow(
     store, ref, prompts, tokenizer, base_url, api_key, model, provider, max_usd, *, sampling, **options
-) -> dict:
+) -> StageSummary:
     fmt, sampling = _bind(tokenizer, sampling)
     setup, options = _split(options)
     reasoning = options.pop("reasoning", None)

@@ -224,14 +224,14 @@ def connect(path: str, owner: int, server_python: str) -> socket.socket:
             os.unlink(path)
         if not os.path.exists(server_python):
             sys.exit(f"no speculators interpreter at {server_python} (`make speculators-venv` builds it)")
-        log = open(path + ".log", "ab")
-        server = subprocess.Popen(
-            [server_python, os.path.abspath(__file__), "serve", path, str(owner)],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=log,
-            process_group=0,  # outlives the caller's group; same session (and scheduling group)
-        )
+        with open(path + ".log", "ab") as log:  # the server holds its own copy of the descriptor
+            server = subprocess.Popen(
+                [server_python, os.path.abspath(__file__), "serve", path, str(owner)],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                process_group=0,  # outlives the caller's group; same session (and scheduling group)
+            )
         deadline = time.monotonic() + STARTUP_S
         while not os.path.exists(path):
             if server.poll() is not None or time.monotonic() > deadline:

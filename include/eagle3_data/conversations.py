@@ -603,7 +603,7 @@ class Folds:
         kept as it is. Each turn row is counted in `counts` (its dataset's figures) as folded,
         record or dropped, so that the manifest's turn rows add up."""
         plan = self.rows.get(row.sample_id)
-        if plan == FOLDED or plan == DROPPED:
+        if plan in (FOLDED, DROPPED):
             counts[f"trajectory_turns_{plan}"] += 1
             return None
         counts["trajectory_turns_record"] += plan is not None

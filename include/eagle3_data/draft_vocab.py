@@ -19,6 +19,7 @@ the drafter can predict at all.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -59,7 +60,7 @@ def select(counts: np.ndarray, n: int) -> np.ndarray:
     return np.sort(np.asarray(chosen, dtype=np.int64))
 
 
-def summary(counts: np.ndarray, n: int, chosen: np.ndarray) -> dict:
+def summary(counts: np.ndarray, n: int, chosen: np.ndarray) -> dict[str, Any]:
     """Size, coverage and counts, for the manifest and the report."""
     total = int(counts.sum())
     inside = int(counts[chosen].sum()) if chosen.size else 0
@@ -72,7 +73,7 @@ def summary(counts: np.ndarray, n: int, chosen: np.ndarray) -> dict:
     }
 
 
-def write(out_dir: Path, counts: np.ndarray, n: int, vocab_size: int) -> tuple[list[str], dict]:
+def write(out_dir: Path, counts: np.ndarray, n: int, vocab_size: int) -> tuple[list[str], dict[str, Any]]:
     """Write both trainers' files into `out_dir`; returns their names and the summary."""
     import torch
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -61,7 +61,7 @@ def at_fork_in_child(obj: object, reset: Callable[[object], None]) -> None:
         pass
 
 
-_CHILD_RESETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_CHILD_RESETS: weakref.WeakKeyDictionary[Any, Callable[[Any], None]] = weakref.WeakKeyDictionary()
 
 
 def _reset_in_child() -> None:

@@ -67,10 +67,9 @@ def probe(data: bytes) -> tuple[str, int, int]:
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # refused below, by name
             with Image.open(io.BytesIO(data)) as img:
                 kind, (width, height) = img.format, img.size
-                if width * height > Image.MAX_IMAGE_PIXELS:  # a few compressed bytes can decode to gigabytes
-                    raise ImageError(
-                        f"{width}x{height} pixels, over Pillow's decompression-bomb limit of {Image.MAX_IMAGE_PIXELS}"
-                    )
+                limit = Image.MAX_IMAGE_PIXELS  # None when a caller turned Pillow's check off
+                if limit is not None and width * height > limit:  # a few compressed bytes can decode to gigabytes
+                    raise ImageError(f"{width}x{height} pixels, over Pillow's decompression-bomb limit of {limit}")
                 img.load()
     except ImageError:
         raise
@@ -93,10 +92,10 @@ class ImageSink:
 
     store: Any
     max_bytes: int
-    seen: dict[str, dict] = field(default_factory=dict)
+    seen: dict[str, dict[str, Any]] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=lambda: {"images_stored": 0, "image_bytes_stored": 0})
 
-    def add(self, url: str, base: str, client) -> dict:
+    def add(self, url: str, base: str, client) -> dict[str, Any]:
         """The reference of the image at `url` (relative paths against the prompt file `base`),
         stored in the bucket once; ImageError says why it cannot be used."""
         source = url if url.startswith(("data:", "s3://")) else _join(base, url)
@@ -105,7 +104,7 @@ class ImageSink:
             self.seen[key] = self._store(_read_source(source, client, self.max_bytes))
         return self.seen[key]
 
-    def _store(self, data: bytes) -> dict:
+    def _store(self, data: bytes) -> dict[str, Any]:
         mime, width, height = probe(data)
         digest = hashlib.sha256(data).hexdigest()
         if self.store is None:
@@ -195,7 +194,7 @@ def _read_s3(uri: str, client, max_bytes: int | None = None) -> bytes:
     return obj["Body"].read()
 
 
-def read_image(store, ref: dict) -> bytes:
+def read_image(store, ref: dict[str, Any]) -> bytes:
     """The stored bytes of one image reference, verified against its recorded size and sha256
     (`store`: anything with the S3 `client`, e.g. an ArtifactStore)."""
     uri = ref.get("uri", "?")
@@ -214,7 +213,7 @@ def data_uri(data: bytes) -> str:
     return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 
-def image_parts(messages: list[dict]) -> Iterator[tuple[int, int, dict]]:
+def image_parts(messages: list[dict[str, Any]]) -> Iterator[tuple[int, int, dict[str, Any]]]:
     """(message index, part index, part) of every image part, in prompt order."""
     for i, m in enumerate(messages):
         content = m.get("content")
@@ -224,19 +223,19 @@ def image_parts(messages: list[dict]) -> Iterator[tuple[int, int, dict]]:
                     yield i, j, part
 
 
-def parse_refs(images: str | list | None) -> list[dict]:
+def parse_refs(images: str | list[Any] | None) -> list[dict[str, Any]]:
     """The `images` column (canonical JSON, null or empty for text rows) as a list."""
     if not images:
         return []
     return json.loads(images) if isinstance(images, str) else list(images)
 
 
-def refs_for(messages: list[dict], refs: list[dict]) -> list[dict]:
+def refs_for(messages: list[dict[str, Any]], refs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The references of the images in `messages`, a prefix of the conversation `refs` belong to."""
     return refs[: sum(1 for _ in image_parts(messages))]
 
 
-def expand_media(ids: list[int], refs: list[dict], pad_id: int) -> list[int]:
+def expand_media(ids: list[int], refs: list[dict[str, Any]], pad_id: int) -> list[int]:
     """Prompt ids with the i-th `<|media_pad|>` id repeated refs[i]["media_tokens"] times: what the
     model sees. The template renders one pad per image part; a different count is an error."""
     if not refs:
@@ -276,7 +275,7 @@ def media_mask(ids: list[int], pad_id: int) -> list[bool]:
 MERGED_IMAGES_FILE = "images.jsonl"
 
 
-def merged_images(store, inputs) -> tuple[bytes, dict] | None:
+def merged_images(store, inputs) -> tuple[bytes, dict[str, Any]] | None:
     """The image references of every ok input sample that has images, as `MERGED_IMAGES_FILE`
     beside the merged shards (one `{"sample_id", "images"}` a line, by sample_id: their rows join
     on it), and its counts; None when no sample has an image (a text merge is as it always was).
@@ -303,13 +302,13 @@ def merged_images(store, inputs) -> tuple[bytes, dict] | None:
     }
 
 
-def read_merged_images(store, ref) -> dict[str, list[dict]]:
+def read_merged_images(store, ref) -> dict[str, list[dict[str, Any]]]:
     """sample_id -> image references of a committed merge stage (empty for a text merge)."""
     data = store.read_object(ref, MERGED_IMAGES_FILE)
     return {} if data is None else image_index(data)
 
 
-def image_index(source: bytes | str | Any) -> dict[str, list[dict]]:
+def image_index(source: bytes | str | Any) -> dict[str, list[dict[str, Any]]]:
     """sample_id -> image references of a `MERGED_IMAGES_FILE` (its bytes or its path)."""
     if not isinstance(source, bytes):
         from pathlib import Path

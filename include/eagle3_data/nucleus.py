@@ -48,6 +48,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -73,7 +74,7 @@ class Nucleus:
     top_k: int = -1
 
     @classmethod
-    def of(cls, sampling: Mapping | None) -> Nucleus | None:
+    def of(cls, sampling: Mapping[str, Any] | None) -> Nucleus | None:
         """From a generation row's `provenance.sampling`; None when there is nothing to check: a
         greedy answer (temperature 0: the calibration pairs), no truncation (top_p 1, no top_k), or
         a penalty that reshapes the distribution before the truncation (not reproducible from the

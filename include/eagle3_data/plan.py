@@ -84,7 +84,9 @@ def _mean_completion_tokens(store, ref) -> float | None:
     return total / n if n else None
 
 
-def cost_check(dataset: str, usd: dict[str, float], overflow_samples: int, max_usd: float) -> tuple[dict, list[str]]:
+def cost_check(
+    dataset: str, usd: dict[str, float], overflow_samples: int, max_usd: float
+) -> tuple[dict[str, Any], list[str]]:
     """`usd` ({expected, upper}) against the cap: how many overflow samples fit it at each, and the
     warning when the upper bound is over it."""
     out: dict[str, Any] = {**usd, "max_usd": max_usd, "over_cap": usd["upper"] > max_usd + 1e-9}
@@ -103,7 +105,7 @@ def cost_check(dataset: str, usd: dict[str, float], overflow_samples: int, max_u
     return out, warnings
 
 
-def run_plan(run, plans: dict[str, dict]) -> dict[str, Any]:
+def run_plan(run, plans: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The whole run's plan from each dataset's (`load_route` in a dry run): totals, every routing
     strategy over the run, storage, extraction, probe and warnings. The CLI and the DAG's publish
     both call this, so they print and store the same plan."""
@@ -260,7 +262,7 @@ def _hours(seconds: float | None) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def _rate_source(side: dict) -> str:
+def _rate_source(side: dict[str, Any]) -> str:
     src = side.get("source", "config")
     return "config" if src == "config" else f"observed: {src}"
 

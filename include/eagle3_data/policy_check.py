@@ -562,7 +562,7 @@ def _figures(name: str, t: Mapping[str, Any], summary: Mapping[str, Any]) -> str
     )
 
 
-def rows(items: Iterable[Item], scores: Iterable[Sequence[float] | None], dataset: str) -> list[dict]:
+def rows(items: Iterable[Item], scores: Iterable[Sequence[float] | None], dataset: str) -> list[dict[str, Any]]:
     """The scored samples as `schemas.POLICY_SCORES` rows (refused ones left out)."""
     return [
         {

@@ -252,7 +252,7 @@ def _json_field(value: Any, field: str, where: str) -> Any:
     return value
 
 
-def _json_list(row: dict, field: str, where: str) -> list:
+def _json_list(row: dict[str, Any], field: str, where: str) -> list[Any]:
     """An optional list field, given as a list or as its JSON text (Parquet stores it as text)."""
     value = _json_field(row.get(field) or [], field, where)
     if not isinstance(value, list):

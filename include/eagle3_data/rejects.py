@@ -14,15 +14,19 @@ import io
 import json
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eagle3_data.errors import UserError
+
+if TYPE_CHECKING:
+    from eagle3_data.storage.refs import StageRef
+    from eagle3_data.storage.store import ArtifactStore
 
 REJECTS_FILE = "rejects.parquet"
 _FIELD = re.compile(r"field '([^']+)'")
 
 
-def reject(dataset: str, source: str, line: int, field: str, reason: str, raw: Any = None) -> dict:
+def reject(dataset: str, source: str, line: int, field: str, reason: str, raw: Any = None) -> dict[str, Any]:
     """One reject record: `line` is the 1-based row of `source` in read order."""
     text = raw if isinstance(raw, str) or raw is None else json.dumps(raw, ensure_ascii=False, default=str)
     return {
@@ -41,7 +45,7 @@ def field_of(message: str, default: str = "row") -> str:
     return found.group(1) if found else default
 
 
-def rejects_parquet(rejects: list[dict]) -> bytes:
+def rejects_parquet(rejects: list[dict[str, Any]]) -> bytes:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -52,7 +56,7 @@ def rejects_parquet(rejects: list[dict]) -> bytes:
     return sink.getvalue()
 
 
-def read_rejects(store, ref) -> list[dict]:
+def read_rejects(store: ArtifactStore, ref: StageRef) -> list[dict[str, Any]]:
     """A stage's `rejects.parquet` as rows (none when the stage refused nothing or has no file)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -61,7 +65,7 @@ def read_rejects(store, ref) -> list[dict]:
     return pq.read_table(pa.BufferReader(data)).to_pylist() if data else []
 
 
-def reject_kind(r: dict) -> str:
+def reject_kind(r: dict[str, Any]) -> str:
     """The reason a reject shares with others of its kind: field without indices, reason without
     its place (a prompt reject's "<file> line N: <field>: "), the parenthesised detail (a
     parser's message), quoted values or numbers."""
@@ -76,15 +80,17 @@ def reject_kind(r: dict) -> str:
     return f"{field_}: {reason}"
 
 
-def reject_groups(rejects: list[dict]) -> dict[str, list[dict]]:
+def reject_groups(rejects: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     """Rejects by kind (`reject_kind`), the most common kind first."""
-    groups: dict[str, list[dict]] = {}
+    groups: dict[str, list[dict[str, Any]]] = {}
     for r in rejects:
         groups.setdefault(reject_kind(r), []).append(r)
     return dict(sorted(groups.items(), key=lambda kv: -len(kv[1])))
 
 
-def format_rejects(rejects: list[dict], read: int, what: str = "", per_kind: int = 3, rows: str = "rows") -> str:
+def format_rejects(
+    rejects: list[dict[str, Any]], read: int, what: str = "", per_kind: int = 3, rows: str = "rows"
+) -> str:
     """A count per kind of reject and the first few of each, with their place: a prompt reject's
     reason starts with its file and line; a stage's reject is shown with its row and field."""
     head = f"{what}: " if what else ""
@@ -97,12 +103,12 @@ def format_rejects(rejects: list[dict], read: int, what: str = "", per_kind: int
     return "\n".join(lines)
 
 
-def _placed(r: dict) -> str:
+def _placed(r: dict[str, Any]) -> str:
     located = r["reason"].startswith(f"{r['source']} line ")
     return r["reason"] if located else f"row {r['line']} field {r['field']}: {r['reason']}"
 
 
-def require_accepted(accepted: int, read: int, rejects: list[dict], what: str, uri: str) -> None:
+def require_accepted(accepted: int, read: int, rejects: list[dict[str, Any]], what: str, uri: str) -> None:
     """Rows came in and none was accepted: stop before the manifest (nothing is committed)."""
     if read and not accepted:
         first = rejects[0]["reason"] if rejects else "no row was usable"
@@ -113,7 +119,12 @@ def require_accepted(accepted: int, read: int, rejects: list[dict], what: str, u
 
 
 def require_reject_rate(
-    rejects: list[dict], read: int, max_rate: float, what: str, setting: str, keep: Callable[[], str] | None = None
+    rejects: list[dict[str, Any]],
+    read: int,
+    max_rate: float,
+    what: str,
+    setting: str,
+    keep: Callable[[], str] | None = None,
 ) -> None:
     """More than `max_rate` of the `read` rows rejected: a UserError of one line with the count of
     each kind of reject (most common first), the first reject, and where the rejects are

@@ -18,6 +18,7 @@ import os
 import tempfile
 import weakref
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import pyarrow as pa
 
@@ -33,7 +34,7 @@ class RowSpill:
     def __init__(self, schema: pa.Schema, *, key: str = "sample_id", batch_rows: int = BATCH_ROWS) -> None:
         self.schema, self.key, self.batch_rows = schema, key, batch_rows
         self._open_file()
-        self._buffer: list[dict] = []
+        self._buffer: list[dict[str, Any]] = []
         self._appended = 0
         self._written_batches = 0  # batches in the file, so a forked child copies exactly these
         self._dropped: set[str] = set()
@@ -62,7 +63,7 @@ class RowSpill:
         if sealed:
             self._seal()
 
-    def append(self, row: dict) -> None:
+    def append(self, row: dict[str, Any]) -> None:
         self._own_copy()
         if self._writer is None:
             raise RuntimeError("RowSpill: append after the spill was read")
@@ -109,7 +110,7 @@ class RowSpill:
                         continue
                 yield batch.select(columns) if columns is not None else batch
 
-    def rows(self, columns: list[str] | None = None) -> Iterator[dict]:
+    def rows(self, columns: list[str] | None = None) -> Iterator[dict[str, Any]]:
         for batch in self.batches(columns):
             yield from batch.to_pylist()
 

@@ -11,7 +11,7 @@ summary records it beside what was written.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from eagle3_data.runs.run import Run
@@ -36,7 +36,9 @@ def bytes_per_token(
     }
 
 
-def estimate(tokens: int, hidden_size: int, *, aux_layers: int = 3, last: bool = True, logprobs: bool = True) -> dict:
+def estimate(
+    tokens: int, hidden_size: int, *, aux_layers: int = 3, last: bool = True, logprobs: bool = True
+) -> dict[str, Any]:
     """{hidden_size, tokens, bytes_per_token: {...}, bytes: {...}} for `tokens` merged tokens."""
     per = bytes_per_token(hidden_size, aux_layers=aux_layers, last=last, logprobs=logprobs)
     return {
@@ -47,7 +49,7 @@ def estimate(tokens: int, hidden_size: int, *, aux_layers: int = 3, last: bool =
     }
 
 
-def describe(est: dict) -> str:
+def describe(est: dict[str, Any]) -> str:
     """One line for the log: `145,000,000 tokens at H=7168: shards_bf16 8.31 TB, ...`."""
     parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in est["bytes"].items())
     return f"{est['tokens']:,} tokens at H={est['hidden_size']}: {parts}"
@@ -62,7 +64,7 @@ def human_bytes(n: float) -> str:
     return f"{n:.3g} PB"
 
 
-def storage_estimate(run: Run, tokens: int) -> dict | None:
+def storage_estimate(run: Run, tokens: int) -> dict[str, Any] | None:
     """The bytes the extraction writes for the configured model (its config.json's hidden size)
     in each layout and dtype; None when the model's config cannot be read on this worker (an
     s3:// or hub source, a path only the GPU nodes mount): an estimate missing is no failure."""

@@ -22,7 +22,9 @@ def _verified_dir() -> Path:
     return cache_root() / "verified-codecs"
 
 
-def load_bulk_tokenizer(source: str | os.PathLike, *, trust_remote_code: bool = False, s3_client: Any = None):
+def load_bulk_tokenizer(
+    source: str | os.PathLike[str], *, trust_remote_code: bool = False, s3_client: Any = None
+) -> Any:
     """For bulk encode/decode (validate, reconstruct): a `TiktokenTokenizer` when these exact files
     were verified before, else the HF tokenizer (verifying now, and recording it for next time)."""
     from eagle3_data.chat_format import get_output_format
@@ -54,12 +56,12 @@ def load_bulk_tokenizer(source: str | os.PathLike, *, trust_remote_code: bool = 
 
 
 def load_tokenizer(
-    source: str | os.PathLike,
+    source: str | os.PathLike[str],
     *,
     trust_remote_code: bool = False,
     cache_dir: str | None = None,
     s3_client: Any = None,
-):
+) -> Any:
     """AutoTokenizer from a local directory or an `s3://bucket/prefix` (downloaded once into
     `cache_dir`, keyed by the objects' ETags) through the caller's `s3_client` (default:
     `storage.s3_client()` from the environment)."""

@@ -69,5 +69,5 @@ def warm() -> float:
 
 try:
     log.warning("eagle3 worker warm-up: %.1f s", warm())
-except Exception as exc:  # noqa: BLE001 - an optimisation only: the tasks load what they need themselves
+except Exception as exc:
     log.warning("eagle3 worker warm-up skipped: %s: %s", type(exc).__name__, exc)

@@ -17,6 +17,7 @@ worker that dies is started again, as compose's `restart: always` would.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import secrets
@@ -493,8 +494,8 @@ def cluster(
         # about 5 s of CPU, which the first task would otherwise wait for, retrying on timeouts.
         _wait(lambda: http_ok(f"{base}/execution/health"), "the api-server's Execution API", svc, 240)
         for queue in QUEUES:
-            name = f"worker-{queue}"
-            _wait(lambda: _worker_ready(svc.services[name].log_path), f"celery worker {queue}", svc, 240)
+            log_path = svc.services[f"worker-{queue}"].log_path
+            _wait(functools.partial(_worker_ready, log_path), f"celery worker {queue}", svc, 240)
         api = ApiClient(base, ADMIN_USER, ui_password)
         create_pool(api)
         # Up once the DAG is parsed: a person can unpause and trigger it.

@@ -66,7 +66,7 @@ def start_provider_proxy(upstream: str, rewrite: Rewrite = Rewrite()) -> Provide
     def main() -> None:
         try:
             asyncio.run(_serve(proxy, ready))
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller waiting on `ready`
+        except BaseException as exc:
             failed.append(exc)
             ready.set()
 

@@ -344,11 +344,11 @@ def killed_run(cluster) -> dict:
         time.sleep(0.5)
     # Map index 0: tool_calls comes first in the run's datasets (the name is rendered only once
     # the instance has finished).
-    ti = [
+    ti = next(
         t
         for t in cluster.task_instances(KILLED_RUN)
         if t["task_id"] == "dataset.generate_local" and t["map_index"] == 0
-    ][0]
+    )
     assert ti["state"] == "running" and ti["hostname"] == "gpu-worker", ti
     kill_group(cluster.services()["worker-gpu"]["pgid"], signal.SIGKILL, grace=0)
     state = cluster.wait_run(KILLED_RUN)

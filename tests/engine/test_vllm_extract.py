@@ -139,7 +139,7 @@ def test_cli_extracts_every_shard_on_the_same_engine_and_the_manifest_records_it
         main(
             [
                 "merge",
-                *sum((["--input", store.uri(r)] for r in generations), []),
+                *[arg for r in generations for arg in ("--input", store.uri(r))],
                 "--out-run-key",
                 RUN,
                 "--shard-tokens",

@@ -11,6 +11,7 @@ reference: the bias is chosen from the reference's own logits so that some promp
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -85,7 +86,7 @@ def choose_bias(all_gaps: list[list[float]]) -> tuple[float, float]:
     (a biased greedy run equals the unbiased one until the first step whose gap < bias)."""
     values = sorted({g for gaps in all_gaps for g in gaps})
     best = (0.0, -1.0)
-    for lo, hi in zip(values, values[1:]):
+    for lo, hi in itertools.pairwise(values):
         b = (lo + hi) / 2
         stops = [next((i for i, g in enumerate(gaps) if g < b), None) for gaps in all_gaps]
         if not any(s is not None and s >= 3 for s in stops) or all(s is not None for s in stops):

@@ -445,7 +445,7 @@ def test_every_command_refuses_malformed_input_in_one_line(env, tiny_kimi_k25_di
     failures = []
     for name, argv, expected in _cases(env):
         code = main(argv)
-        out, err = capsys.readouterr()
+        _out, err = capsys.readouterr()
         last = err.strip().splitlines()[-1] if err.strip() else ""
         problems = []
         if code != 2:

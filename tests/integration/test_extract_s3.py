@@ -47,14 +47,14 @@ def generations(store):
 
 
 def test_merge_and_extract_cli_against_s3(store, generations, tiny_kimi_k25_dir, s3_env, tmp_path, capsys):
-    uri = lambda ref: store.uri(ref)  # noqa: E731
+    uri = lambda ref: store.uri(ref)
     merge_ref = StageRef(RUN, "merge", "all")
     out_ref = StageRef(RUN, "hidden_states", "all")  # the run's hidden-states stage, the DAG's
     assert (
         main(
             [
                 "merge",
-                *sum((["--input", uri(r)] for r in generations), []),
+                *[arg for r in generations for arg in ("--input", uri(r))],
                 "--out-run-key",
                 RUN,
                 "--shard-tokens",
@@ -131,10 +131,17 @@ def test_the_default_extraction_exports_to_both_trainers_with_the_draft_vocabula
     """One extraction feeds every trainer: the config's defaults (last state before the norm),
     exported both ways from S3, each with the merge's draft vocabulary where its trainer looks."""
     run = "both-trainers"
-    uri = lambda ref: store.uri(ref)  # noqa: E731
+    uri = lambda ref: store.uri(ref)
     assert (
         main(
-            ["merge", *sum((["--input", uri(r)] for r in generations), []), "--out-run-key", run, "--max-length", "40"]
+            [
+                "merge",
+                *[arg for r in generations for arg in ("--input", uri(r))],
+                "--out-run-key",
+                run,
+                "--max-length",
+                "40",
+            ]
         )
         == 0
     )
@@ -228,7 +235,7 @@ def test_exports_of_image_samples_from_s3(store, tiny_kimi_k25_dir, s3_env, tmp_
     from eagle3_devtools.sample_images import png
 
     g = torch.Generator().manual_seed(5)
-    ids = lambda n: torch.randint(0, 163_584, (n,), generator=g).tolist()  # noqa: E731
+    ids = lambda n: torch.randint(0, 163_584, (n,), generator=g).tolist()
     sink = ImageSink(store, max_bytes=1 << 20)
     pictures = {f"c{i}": png(28, 28, lambda x, y, i=i: (40 * i, x, y)) for i in (1, 3)}
     refs = {sid: [sink._store(data)] for sid, data in pictures.items()}
@@ -239,7 +246,7 @@ def test_exports_of_image_samples_from_s3(store, tiny_kimi_k25_dir, s3_env, tmp_
         for i in range(6)
     ]
     write_stage(store, StageRef(RUN, "generate_local", "chat"), rows)
-    run, uri = "images", lambda ref: store.uri(ref)  # noqa: E731
+    run, uri = "images", lambda ref: store.uri(ref)
     assert main(["merge", "--input", uri(StageRef(RUN, "generate_local", "chat")), "--out-run-key", run]) == 0
     merge_ref, out_ref = StageRef(run, "merge", "all"), StageRef(run, "hidden_states", "all")
     # a text-only backend (hidden_states.max_images 0) leaves the image samples out and counts them

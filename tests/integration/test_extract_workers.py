@@ -47,7 +47,7 @@ def _run(tiny_kimi_k25_dir, workers):
 
 def test_one_model_load_per_gpu_worker_resumable_by_shard(
     store,
-    generations,  # noqa: F811 (the fixture)
+    generations,
     tiny_kimi_k25_dir,
     counted_loads,
     monkeypatch,
@@ -121,7 +121,7 @@ def test_workers_beyond_the_shards_get_none(tiny_kimi_k25_dir, store):
 def test_stale_hidden_states_are_refused_then_replaced_on_purpose_under_their_lease(
     store,
     generations,
-    tiny_kimi_k25_dir,  # noqa: F811
+    tiny_kimi_k25_dir,
 ):
     """Committed hidden states of other params or of another merge are never deleted silently:
     the plan refuses them (StageConflict naming `--fresh hidden_states`), and a run that names the

@@ -37,7 +37,7 @@ def in_child(fn, deadline_s: float = DEADLINE_S):
             signal.signal(signal.SIGALRM, signal.SIG_DFL)
             signal.alarm(int(deadline_s) + 5)  # belt and braces: the parent kills it first
             out = {"ok": fn()}
-        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        except BaseException as exc:
             out, code = {"error": "".join(traceback.format_exception(exc))[-3000:]}, 1
         with os.fdopen(write, "w") as f:
             f.write(json.dumps(out, default=str))

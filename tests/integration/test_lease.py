@@ -133,7 +133,7 @@ def test_racing_takeovers_of_an_expired_lease_have_one_winner(store):
         )
         barrier = threading.Barrier(n)
 
-        def take(i):
+        def take(i, barrier=barrier, ref=ref):  # this round's, bound while the loop runs
             barrier.wait()
             try:
                 return acquire_lease(store, ref, ttl_s=60, owner=f"w{i}", heartbeat=False)
@@ -355,7 +355,7 @@ def test_two_cli_processes_on_one_stage_one_pays_the_other_exits_2(
         second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     finally:
         os.kill(first.pid, signal.SIGCONT)
-    out, err = first.communicate(timeout=300)
+    _out, err = first.communicate(timeout=300)
     assert first.returncode == 0, err[-2000:]
     assert second.returncode == 2, second.stderr[-2000:]
     last = second.stderr.strip().splitlines()[-1]

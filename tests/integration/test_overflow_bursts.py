@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+from typing import ClassVar
 
 from eagle3_data.stages.generate import openrouter
 from eagle3_data.stages.generate.checkpoint import StageRun
@@ -33,8 +34,8 @@ class WaveServer:
     """Stands in for `SdkPost`: holds every request until C are out, then answers them all at
     once (a fixed provider latency), logging each send and each journaled row in order."""
 
-    events: list[tuple[str, str]] = []
-    thresholds: list[tuple[int, int, int]] = []
+    events: ClassVar[list[tuple[str, str]]] = []  # shared: the code under test makes its own instances
+    thresholds: ClassVar[list[tuple[int, int, int]]] = []
 
     def __init__(self, *args, **kwargs):
         self.waiting: list[tuple[asyncio.Future, str]] = []

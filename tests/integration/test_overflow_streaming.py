@@ -86,7 +86,7 @@ def test_keep_alive_comments_keep_a_slow_stream_alive(store, start_dev_server, k
             "endpoints": {"chat": {"latency": {"dist": "fixed", "mean": 1.5}, "keepalive_s": 0.2}},
         }
     )
-    ref, s = _run(store, server, kimi_tokenizer, prompts(8, "chat"), tmp_path, "slow", stream_idle_timeout_s=0.5)
+    _ref, s = _run(store, server, kimi_tokenizer, prompts(8, "chat"), tmp_path, "slow", stream_idle_timeout_s=0.5)
     assert s["complete"] and s["counts"]["ok"] == 8 and s["counts"]["lost_attempts"] == 0, s
     assert s["cost_usd"] == pytest.approx(server.stats()["billed_usd"], rel=1e-6)
 
@@ -158,7 +158,7 @@ def test_the_history_reasoning_reaches_a_provider_that_reads_only_documented_fie
 def test_moderation_blocks_never_trip_the_breaker(store, start_dev_server, kimi_tokenizer, tmp_path):
     """Ten flagged prompts in a row are ten failed prompts, not a broken config."""
     server = start_dev_server({"price_per_token": PRICE, "endpoints": {"chat": {"moderation": 1.0}}})
-    ref, s = _run(store, server, kimi_tokenizer, prompts(20, "chat"), tmp_path, "moderated", max_identical_errors=3)
+    _ref, s = _run(store, server, kimi_tokenizer, prompts(20, "chat"), tmp_path, "moderated", max_identical_errors=3)
     assert s["complete"] and s["stopped_reason"] is None and s["counts"]["failed"] == 20, s
 
 
@@ -207,7 +207,7 @@ def test_long_prompts_keep_full_concurrency_under_a_budget_that_allows_it(
         for i in range(16)
     ]
     assert len(kimi_tokenizer.encode(long)) > 5000
-    ref, s = _run(
+    _ref, s = _run(
         store,
         server,
         kimi_tokenizer,
@@ -227,12 +227,12 @@ def test_an_error_event_that_was_not_billed_is_not_priced_on_resume(store, start
     by its generation's record ($0: not billed); the resume prices only what may have been billed."""
     todo = prompts(3, "chat")
     server = start_dev_server({"price_per_token": PRICE, "endpoints": {"chat": {"error_in_body": 1.0}}})
-    ref, s = _run(
+    _ref, s = _run(
         store, server, kimi_tokenizer, todo, tmp_path, "error-events", max_attempts=2, cost_lookup_delay_s=0.01
     )
     assert s["stopped_reason"] == "retryable_failures" and s["cost_usd"] == 0, s
     server = start_dev_server({"price_per_token": PRICE})
-    ref, s = _run(store, server, kimi_tokenizer, todo, tmp_path, "error-events", cost_lookup_delay_s=0.01)
+    _ref, s = _run(store, server, kimi_tokenizer, todo, tmp_path, "error-events", cost_lookup_delay_s=0.01)
     assert s["complete"] and s["counts"]["lost_attempts"] == 0, s
     assert s["cost_usd"] == pytest.approx(server.stats()["billed_usd"], rel=1e-6)
 
@@ -286,7 +286,7 @@ def test_a_wave_of_answers_sends_the_next_wave_before_decoding_any(
     monkeypatch.setattr(openrouter, "SdkPost", Waves)
     monkeypatch.setattr(openrouter_http.Received, "answer", logged_answer)
     monkeypatch.setattr(aiohttp.ClientRequest, "write_bytes", logged_write)
-    ref, s = _run(store, server, kimi_tokenizer, prompts(C * waves, "chat"), tmp_path, "waves", concurrency=C)
+    _ref, s = _run(store, server, kimi_tokenizer, prompts(C * waves, "chat"), tmp_path, "waves", concurrency=C)
     assert s["complete"] and s["counts"]["ok"] == C * waves, s
     sends = [i for i, (kind, _) in enumerate(log) if kind == "send"]
     for w in range(waves - 1):

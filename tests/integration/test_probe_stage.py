@@ -18,7 +18,7 @@ from tests.fixtures.kimi import VOCAB_SIZE
 from tests.integration.test_extract_s3 import RUN, generations  # noqa: F401  (fixture)
 
 
-def test_probe_stage_after_the_extraction(store, generations, tiny_kimi_k25_dir, monkeypatch):  # noqa: F811
+def test_probe_stage_after_the_extraction(store, generations, tiny_kimi_k25_dir, monkeypatch):
     from eagle3_data import pipeline
     from eagle3_data.runs.results import ProbeSkipped
     from eagle3_data.runs.run import Run

@@ -99,7 +99,7 @@ def test_image_prompts_are_checked_and_their_image_files_uploaded_beside_them(en
         "messages": [
             {
                 "role": "user",
-                "content": [  # noqa: E731
+                "content": [
                     {"type": "text", "text": "what flag?"},
                     {"type": "image_url", "image_url": {"url": f"pics/{name}.png"}},
                 ],

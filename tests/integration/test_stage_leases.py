@@ -39,7 +39,7 @@ def _paused(monkeypatch, module, name, when=lambda *a, **kw: True):
     return inside, go
 
 
-def test_second_merge_of_one_run_key_fails_fast(store, generations, s3_env, monkeypatch, capsys):  # noqa: F811
+def test_second_merge_of_one_run_key_fails_fast(store, generations, s3_env, monkeypatch, capsys):
     inside, go = _paused(monkeypatch, merge_mod, "_merge_bucket")
     with ThreadPoolExecutor(1) as pool:
         first = pool.submit(
@@ -54,7 +54,7 @@ def test_second_merge_of_one_run_key_fails_fast(store, generations, s3_env, monk
             capsys.readouterr()
             argv = [
                 "merge",
-                *sum((["--input", store.uri(r)] for r in generations), []),
+                *[arg for r in generations for arg in ("--input", store.uri(r))],
                 "--out-run-key",
                 RUN,
                 "--shard-tokens",
@@ -78,7 +78,7 @@ def test_second_merge_of_one_run_key_fails_fast(store, generations, s3_env, monk
     )
 
 
-def test_extraction_leases_shards_not_the_stage(store, generations, tiny_model_dir, monkeypatch):  # noqa: F811
+def test_extraction_leases_shards_not_the_stage(store, generations, tiny_model_dir, monkeypatch):
     """Two GPU workers on different shards of one stage run side by side; a second writer of the
     shard a worker is extracting is refused; the commit waits for no lease of a finished shard."""
     shards = merge_datasets(
@@ -111,7 +111,7 @@ def test_extraction_leases_shards_not_the_stage(store, generations, tiny_model_d
     store.verify(OUT_REF)
 
 
-def test_second_committer_of_an_extraction_fails_fast(store, generations, tiny_model_dir):  # noqa: F811
+def test_second_committer_of_an_extraction_fails_fast(store, generations, tiny_model_dir):
     shards = merge_datasets(
         store, generations, RUN, MergeConfig(shard_tokens=400, max_length=40), vocab_size=VOCAB_SIZE
     )["shards"]
@@ -125,7 +125,7 @@ def test_second_committer_of_an_extraction_fails_fast(store, generations, tiny_m
     store.verify(OUT_REF)
 
 
-def test_a_shard_extracted_from_an_earlier_merge_is_redone_not_committed(store, generations, tiny_model_dir):  # noqa: F811
+def test_a_shard_extracted_from_an_earlier_merge_is_redone_not_committed(store, generations, tiny_model_dir):
     """A re-merge writes other bytes under the same shard names. A worker still extracting the
     old merge (a zombie; its lease is per shard) can put its summary in place after the re-merge
     discarded the stage: that summary is neither skipped on resume nor committed, since its

@@ -142,7 +142,7 @@ def test_generation_outage_keeps_answers_in_the_journal_and_resume_pays_nothing_
     server = start_dev_server({"endpoints": {"chat": {"latency": {"dist": "fixed", "mean": 0.02}}}})
     ref = StageRef("outage", "generate_overflow", "chat")
     todo = prompts(40, "chat")
-    answered = lambda: sum(server.stats()["answered"].get("chat", {}).values())  # noqa: E731
+    answered = lambda: sum(server.stats()["answered"].get("chat", {}).values())
 
     class CutAfter:  # progress sink: cut S3 once 12 answers are in
         def start(self, *a, **k): ...

@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "include" / "eagle3_data" / "probe"))
-import speculators_probe  # noqa: E402
+import speculators_probe
 
 
 def hand_counts(drafts: list[np.ndarray], labels: np.ndarray, mask: np.ndarray) -> dict[str, list[int]]:

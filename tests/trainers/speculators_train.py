@@ -64,7 +64,7 @@ loader = torch.utils.data.DataLoader(
 optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
 # the trainer's default KL loss to the target's distribution, in its eager form (the fused one needs Triton)
 loss_config = resolve_loss_config("kl_div", "eager")
-losses = []
+losses: list[float] = []
 while len(losses) < steps:
     for batch in loader:
         batch = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}

@@ -271,7 +271,7 @@ def test_every_fault_fails_naming_sample_and_position(chain, name, tmp_path):
 
 
 def test_the_cli_exits_1_on_a_fault_and_2_on_bad_input(chain, tmp_path, capsys):
-    target, exports, shards = chain
+    target, exports, _shards = chain
     export = _copy(exports["specforge-bf16"], tmp_path / "late")
     sf_fault("states_late", export, target, exports["speculators-bf16"])
     assert main(["check-export", "--input", str(export), "--model", str(target), "--all"]) == 1
@@ -316,7 +316,7 @@ def test_an_export_that_fails_its_own_check_leaves_nothing_that_looks_complete(c
     """The export checks itself before it reports success: checked against another target (the
     tiny model with its final norm of weight 1: the wrong norm for these states), it exits 1 naming
     sample and position, and its folder is moved to OUT.check-failed."""
-    target, exports, shards = chain
+    _target, _exports, shards = chain
     out = tmp_path / "spec"
     argv = ["export-speculators", "--input", str(shards["bf16"]), "--out", str(out), "--model", str(tiny_model_dir)]
     assert main(argv) == 1

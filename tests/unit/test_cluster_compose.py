@@ -90,7 +90,7 @@ def test_same_environment_names(compose_env, cluster_env):
 
 
 def test_same_connections(compose_env, cluster_env):
-    conns = lambda env: {k for k in env if k.startswith("AIRFLOW_CONN_")}  # noqa: E731
+    conns = lambda env: {k for k in env if k.startswith("AIRFLOW_CONN_")}
     assert conns(compose_env) == conns(cluster_env) != set()
     for key in conns(compose_env):
         compose_type = re.search(r'"conn_type":\s*"(\w+)"', compose_env[key])[1]
@@ -109,7 +109,7 @@ def test_same_airflow_processes_and_queues(compose):
     ]
     ours = [argv[1:] for argv in services.values()]
     assert sorted(c[0] for c in compose_cmds) == sorted(c[0] for c in ours)  # api-server, scheduler, ..., celery x2
-    queues = lambda cmds: sorted(c[c.index("--queues") + 1] for c in cmds if c[:2] == ["celery", "worker"])  # noqa: E731
+    queues = lambda cmds: sorted(c[c.index("--queues") + 1] for c in cmds if c[:2] == ["celery", "worker"])
     assert queues(compose_cmds) == queues(ours) == sorted(cluster.QUEUES) == sorted(["default", GPU_QUEUE])
     gpu = next(c for c in compose_cmds if "--queues" in c and c[c.index("--queues") + 1] == GPU_QUEUE)
     assert re.fullmatch(r"\$\{GPU_WORKER_CONCURRENCY:-(\d+)\}", gpu[gpu.index("--concurrency") + 1])[1] == str(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from typing import Any
 
 import httpx
 import pytest
@@ -205,7 +206,7 @@ def test_injected_faults_on_the_wire(app, kimi_tokenizer):
             "/dev/config",
             json={"endpoints": {"chat": {"rewrite_tool_call_ids": 1.0, "reserialize_arguments": 1.0}}},
         )
-        calls = []
+        calls: list[Any] = []
         for i in range(10):
             m = call(
                 app,

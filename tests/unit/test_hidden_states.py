@@ -431,7 +431,7 @@ def test_the_extraction_proves_itself_against_the_engines_logprobs(mode, backend
         Faulty(backend, mode) if mode else backend,
         rows,
         tmp_path,
-        "v",  # noqa: E731
+        "v",
         HiddenStatesConfig(batch_tokens=256),
         check=check,
     )

@@ -20,7 +20,7 @@ FORBIDDEN = "airflow"
 
 
 def _forbidden(name: str | None, forbidden: tuple[str, ...]) -> bool:
-    return bool(name) and any(name == f or name.startswith(f + ".") for f in forbidden)
+    return name is not None and any(name == f or name.startswith(f + ".") for f in forbidden)
 
 
 def airflow_imports(source: str, filename: str = "<string>", forbidden: tuple[str, ...] = (FORBIDDEN,)) -> list[str]:

@@ -38,9 +38,9 @@ def rate(
     unlikely text, as real per-sample means have)."""
     rng = np.random.default_rng(12345)
     if skew:  # gamma with shape 2: skewness 1.4, scaled to standard deviation sigma
-        draw = lambda size: -rng.gamma(2.0, sigma / math.sqrt(2.0), size)  # noqa: E731
+        draw = lambda size: -rng.gamma(2.0, sigma / math.sqrt(2.0), size)
     else:
-        draw = lambda size: rng.normal(0.0, sigma, size)  # noqa: E731
+        draw = lambda size: rng.normal(0.0, sigma, size)
     local, over = draw((seeds, n)) - 1.0, draw((seeds, n)) - 1.0 - shift
     pl = draw((seeds, pairs))
     po = pl - shift + rng.normal(0.0, sigma, (seeds, pairs))

@@ -105,13 +105,15 @@ def test_a_plain_prompt_is_one_user_message(tmp_path):
         {"role": "system", "content": "a poet"},
         {"role": "user", "content": "write a haiku"},
     ]
-    same = list(
-        load(
-            tmp_path,
-            [{"messages": [{"role": "system", "content": "a poet"}, {"role": "user", "content": "write a haiku"}]}],
-            "e",
-        ).rows
-    )[0]
+    same = next(
+        iter(
+            load(
+                tmp_path,
+                [{"messages": [{"role": "system", "content": "a poet"}, {"role": "user", "content": "write a haiku"}]}],
+                "e",
+            ).rows
+        )
+    )
     assert json.loads(same["messages"]) == json.loads(r["messages"])
 
 
@@ -233,7 +235,7 @@ def test_every_turn_is_one_sample_per_user_turn_after_the_datasets_history(tmp_p
     # a turn's sample is the same whatever comes after it in the row: the first equals the row cut there
     path.write_text(json.dumps({"conversations": CONVERSATION["conversations"][:2]}) + "\n")
     assert (
-        list(load_prompts(str(path), "c", sampling=SAMPLING).rows)[0]["sample_id"]
+        next(iter(load_prompts(str(path), "c", sampling=SAMPLING).rows))["sample_id"]
         == next(iter(every.rows))["sample_id"]
     )
 

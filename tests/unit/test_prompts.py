@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import pyarrow as pa
@@ -79,7 +80,7 @@ BAD = [  # (row, field the reject must name)
 ]
 
 
-def write_jsonl(path: Path, rows: list, extra_lines: list[str] = ()) -> Path:
+def write_jsonl(path: Path, rows: list, extra_lines: Sequence[str] = ()) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join([json.dumps(r) for r in rows] + list(extra_lines)) + "\n")
     return path
@@ -355,7 +356,7 @@ def test_parquet_rows_with_deep_or_surrogate_strings_are_rejects(tmp_path):
 def test_message_byte_limit_and_prompt_token_limit(tmp_path):
     from eagle3_data.stages.prompts.load import limit_prompt_tokens
 
-    msg = lambda text: json.dumps({"messages": [{"role": "user", "content": text}]}).encode()  # noqa: E731
+    msg = lambda text: json.dumps({"messages": [{"role": "user", "content": text}]}).encode()
     load = _load_lines(tmp_path, [msg("a" * 50), msg("short"), msg("b" * 30)], max_message_bytes=60, repeats=2)
     assert [r["line"] for r in load.rejects] == [1] and "limits.max_message_bytes" in load.rejects[0]["reason"]
     limit_prompt_tokens(load, 10, lambda messages, tools: len(messages[0]["content"]))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -39,7 +40,8 @@ def problems(row: object) -> list[str]:
             out.append(f"tools[{i}] requires undeclared properties {sorted(missing)}")
     if not isinstance(messages, list) or not messages:
         return [*out, "messages is empty"]
-    next_idx, open_calls = 0, set()
+    next_idx = 0
+    open_calls: set[Any] = set()
     for i, m in enumerate(messages):
         role = m.get("role")
         if role not in ROLES:

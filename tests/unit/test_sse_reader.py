@@ -86,7 +86,7 @@ def test_a_stream_whose_done_has_no_blank_line_after_it_is_complete():
     line, but the stream's end closes it too): read as done, nothing malformed."""
     body = b"".join(sse_events(ANSWER)).rstrip(b"\n")
     assert body.endswith(b"data: [DONE]")
-    done, answer, names = read(body, [len(body) // 2])
+    done, answer, _names = read(body, [len(body) // 2])
     assert (
         done and answer.completion()["choices"][0]["message"]["content"] == ANSWER["choices"][0]["message"]["content"]
     )

@@ -268,7 +268,7 @@ def test_exception_checkpoints_buffer_and_resume_skips_committed(store):
     with pytest.raises(ZeroDivisionError):
         with StageWriter(store, REF, "prompts", rows_per_part=4) as w:
             w.write(rows(0, 6))  # part 0 committed, 2 rows buffered
-            1 / 0
+            raise ZeroDivisionError("the writer's block fails part-way")
     assert store.committed_sample_ids(REF) == {f"s{i:04d}" for i in range(6)}
     with StageWriter(store, REF, "prompts", rows_per_part=4) as w:
         done = w.committed_sample_ids()

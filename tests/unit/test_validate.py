@@ -363,7 +363,7 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "
     ],
 )
 def test_the_gate_judges_what_the_provider_returns(fmt, enc, text, cls, detail):
-    tools = [] if "no tools offered" == detail else TOOLS
+    tools = [] if detail == "no tools offered" else TOOLS
     result = _one(fmt, enc(text), tools=tools)
     assert result.cls == cls, result
     assert (detail is None and result.detail is None) or detail in result.detail

@@ -8,8 +8,9 @@ import torch
 
 from eagle3_data.engines.vllm import check_answer, vllm_sampling
 from eagle3_data.errors import UserError
+from eagle3_data.images import collapse_runs, first_difference
 from eagle3_data.stages.hidden_states.layers import default_layer_ids, hidden_state_indices
-from eagle3_data.stages.hidden_states.vllm_backend import collapse_runs, first_difference, text_config, vllm_layer_ids
+from eagle3_data.stages.hidden_states.vllm_backend import text_config, vllm_layer_ids
 from eagle3_data.target_head.final_norm import final_norm_weight, rms_norm
 
 

@@ -26,7 +26,7 @@ def dev_cache_root() -> Path:
     return cache_root() / "dev"
 
 
-def resolve_dev_source(name: str, cache_root: str | os.PathLike | None = None) -> Path:
+def resolve_dev_source(name: str, cache_root: str | os.PathLike[str] | None = None) -> Path:
     """The directory of dev build `name`, built now if absent."""
     from eagle3_data.builds.kimi_tokenizer import cached_kimi_tokenizer
 

@@ -30,9 +30,9 @@ FORMATS: dict[str, type[OutputFormat]] = {KimiK2Format.name: KimiK2Format, Qwen3
 _BOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 __all__ = [
+    "FORMATS",
     "AssistantMessage",
     "FinishReason",
-    "FORMATS",
     "OutputFormat",
     "ParsedGeneration",
     "ProviderView",

@@ -236,7 +236,7 @@ class OutputFormat(ABC):
                 found.update(pattern.findall(text))
         return sorted(found)
 
-    def _literal_pattern(self) -> re.Pattern:
+    def _literal_pattern(self) -> re.Pattern[str]:
         cached = getattr(self, "_literal_re", None)
         if cached is None:
             cached = self._literal_re = re.compile(_trie_pattern(self.all_special_names))
@@ -249,14 +249,14 @@ def _trie_pattern(words: Iterable[str]) -> str:
     """One regex matching any of `words`, as a prefix trie: a flat alternation of 256 special-token
     names is tried name by name at every position (milliseconds per answer); a trie branches on
     one character at a time. Longest match wins, as with longest-first alternation."""
-    trie: dict = {}
+    trie: dict[str, Any] = {}
     for word in words:
         node = trie
         for ch in word:
             node = node.setdefault(ch, {})
         node[""] = {}
 
-    def build(node: dict) -> str:
+    def build(node: dict[str, Any]) -> str:
         end = "" in node
         branches = [re.escape(ch) + build(child) for ch, child in sorted(node.items()) if ch]
         if not branches:

@@ -10,7 +10,7 @@ import argparse
 from eagle3_data.cli.runs import add_config_arg, add_store_args
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "check-export", help="check an export through its trainer's reader: each state beside the token it predicts"
     )

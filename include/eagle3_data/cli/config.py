@@ -6,7 +6,7 @@ import argparse
 import sys
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("config", help="pipeline config")
     sub = p.add_subparsers(dest="config_command", required=True)
     check = sub.add_parser(

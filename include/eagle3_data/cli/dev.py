@@ -8,7 +8,7 @@ import importlib
 DEV_COMMAND_MODULES = ["dev_tokenizer", "dev_model", "dev_s3", "dev_serve"]
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     dev = subparsers.add_parser("dev", help="offline builders and embedded services")
     dev_sub = dev.add_subparsers(dest="dev_command", required=True)
     for name in DEV_COMMAND_MODULES:

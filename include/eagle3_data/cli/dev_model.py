@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 
-def register(dev_sub: argparse._SubParsersAction) -> None:
+def register(dev_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = dev_sub.add_parser("build-model", help="build a tiny random DeepSeek-V3 with Kimi's vocabulary")
     p.add_argument("--tokenizer", required=True, help="tokenizer directory (eagle3-data dev build-tokenizer)")
     p.add_argument("--out", required=True, help="model directory to write (AutoModelForCausalLM-loadable)")

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from eagle3_data.dev.seaweedfs import SeaweedHandle
 
 
-def register(dev_sub: argparse._SubParsersAction) -> None:
+def register(dev_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = dev_sub.add_parser("s3", help="embedded S3 server (SeaweedFS) on 127.0.0.1")
     sub = p.add_subparsers(dest="s3_command", required=True)
     start = sub.add_parser(
@@ -50,7 +54,7 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print(handle) -> None:
+def _print(handle: SeaweedHandle) -> None:
     """How a client connects, as `export` lines a shell runs as they are (`eval "$(eagle3-data
     dev s3 start --dir DIR)"`): the variables boto3, the CLI and the DAG's stand-alone runs read.
     The secret is printed only when it is the dev server's documented default

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 
-def register(dev_sub: argparse._SubParsersAction) -> None:
+def register(dev_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = dev_sub.add_parser(
         "serve", help="run the dev inference server on 127.0.0.1 (stand-in for SGLang and OpenRouter)"
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 
-def register(dev_sub: argparse._SubParsersAction) -> None:
+def register(dev_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = dev_sub.add_parser("build-tokenizer", help="rebuild Kimi-K2.5's tokenizer offline from splintr-rs")
     p.add_argument("--out", required=True, help="directory to write (AutoTokenizer-loadable)")
     p.set_defaults(func=_run)

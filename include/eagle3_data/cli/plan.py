@@ -22,7 +22,7 @@ from eagle3_data.cli.runs import add_config_arg, add_store_args, cli_run
 from eagle3_data.errors import UserError
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "plan",
         help="what a run would generate, cost, store and take (no spend, no GPU)",

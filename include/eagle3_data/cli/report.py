@@ -7,7 +7,7 @@ import json
 import sys
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("report", help="render a run's validation report as HTML, Markdown or JSON")
     p.add_argument("--run-key", required=True, help="date=YYYY-MM-DD or the run_name of a manual run")
     p.add_argument(

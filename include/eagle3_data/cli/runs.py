@@ -103,7 +103,9 @@ def cli_run(
     return run, pipeline_store(config, client)
 
 
-def run_of_stage(args: argparse.Namespace, uri: str, expected_stages: tuple[str, ...], overrides: dict | None = None):
+def run_of_stage(
+    args: argparse.Namespace, uri: str, expected_stages: tuple[str, ...], overrides: dict[str, Any] | None = None
+):
     """(Run, store, ref) for a command that takes the previous stage's URI: its run key, dataset,
     bucket and prefix are the URI's."""
     bucket, prefix, ref = parse_stage_uri(uri)
@@ -136,7 +138,7 @@ def printed(result) -> str:
     return summary(record)
 
 
-def summary(record: dict) -> str:
+def summary(record: dict[str, Any]) -> str:
     """`printed`'s terminal form: a headline (committed / reused / unchanged, and where), then one
     line per field: numbers as they are, small mappings inline, the gate as its verdict and reasons,
     anything long as its count; cut at SUMMARY_LINES with a pointer to `--json`."""
@@ -181,7 +183,7 @@ def _summary_line(key: str, value: Any) -> str:
     return f"{key}: {scalar(value)}"
 
 
-def dev_stand_in(args: argparse.Namespace, role: str) -> dict:
+def dev_stand_in(args: argparse.Namespace, role: str) -> dict[str, Any]:
     """Overrides naming `role` (local_engine, overflow_provider) a stand-in, beside the ones the
     config declares: every manifest the command writes then says the dev server answered."""
     from eagle3_data.config import load_config
@@ -203,9 +205,9 @@ def dev_server(stack: contextlib.ExitStack, run, dev_config: str | None = None) 
     return server.url
 
 
-def mode_overrides(args: argparse.Namespace) -> dict:
+def mode_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """--tokenizer / --thinking as config overrides (the stage's params follow from the config)."""
-    out: dict = {}
+    out: dict[str, Any] = {}
     if args.tokenizer:
         out["tokenizer"] = {"source": args.tokenizer}
     if args.thinking is not None:

@@ -10,7 +10,7 @@ import argparse
 from eagle3_data.cli.runs import add_store_args
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("s3", help="S3 setup")
     sub = p.add_subparsers(dest="s3_command", required=True)
     i = sub.add_parser("init", help="create the bucket (default: the config's storage.bucket) if it does not exist")

@@ -16,7 +16,7 @@ import sys
 from eagle3_data.cli.runs import add_store_args, open_store, parse_stage_uri
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("stage", help="verify or discard a committed stage in S3")
     sub = p.add_subparsers(dest="stage_command", required=True)
     v = sub.add_parser("verify", help="check every part and file of a stage against its manifest")

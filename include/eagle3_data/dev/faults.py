@@ -82,6 +82,7 @@ import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -132,7 +133,7 @@ PROVIDERS = (
 
 @dataclass
 class EndpointFaults:
-    latency: dict = field(default_factory=lambda: {"dist": "fixed", "mean": 0.0})
+    latency: dict[str, Any] = field(default_factory=lambda: {"dist": "fixed", "mean": 0.0})
     rate_limit: float = 0.0
     retry_after_s: float = 0.2
     server_error: float = 0.0
@@ -203,8 +204,8 @@ class ServerConfig:
     canonical_slug: str = "moonshotai/kimi-k2.5-20260127"
     answer_canonical_slug: bool = False
     provider: str = "Moonshot AI"
-    providers: list = field(default_factory=lambda: [dict(p) for p in PROVIDERS])
-    price_per_token: dict = field(default_factory=lambda: {"prompt": 6.0e-7, "completion": 2.5e-6})
+    providers: list[Any] = field(default_factory=lambda: [dict(p) for p in PROVIDERS])
+    price_per_token: dict[str, Any] = field(default_factory=lambda: {"prompt": 6.0e-7, "completion": 2.5e-6})
     include_stop_in_output_ids: bool = True
     stop_id_override: int | None = None
     warmup_s: float = 0.0
@@ -214,7 +215,7 @@ class ServerConfig:
     auto_truncate_to: int | None = None
     media_token_drift: int = 0
     max_running_requests: int | None = None  # reported by /server_info as SGLang does; None: not set
-    datasets: dict = field(default_factory=lambda: {"default": {"noncanonical_rate": 0.0}})
+    datasets: dict[str, Any] = field(default_factory=lambda: {"default": {"noncanonical_rate": 0.0}})
     endpoints: dict[str, EndpointFaults] = field(default_factory=dict)
 
     def faults(self, endpoint: str) -> EndpointFaults:
@@ -239,7 +240,7 @@ def load_config(path: str | Path | None) -> ServerConfig:
     return config_from_dict(raw, source=str(path))
 
 
-def config_from_dict(raw: dict, source: str = "config") -> ServerConfig:
+def config_from_dict(raw: dict[str, Any], source: str = "config") -> ServerConfig:
     known = set(ServerConfig.__dataclass_fields__)
     if unknown := set(raw) - known:
         raise UserError(f"{source}: unknown keys {sorted(unknown)}; known: {sorted(known)}")

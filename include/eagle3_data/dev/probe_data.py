@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -149,7 +150,7 @@ def own_generations(
     seed: int = 0,
     prompt_pool: int | None = None,
     header: list[int] | None = None,
-) -> list[dict]:
+) -> list[dict[str, Any]]:
     """Rows of the target's own sampled answers to random prompts: prompt ids masked out, answer
     ids trained, as the merge writes them. At temperature 0.5 the tiny target's answers use ~270
     distinct tokens per 1,500 (754 at 1.0), so a 256-token draft vocabulary covers ~99% of them,
@@ -203,7 +204,7 @@ def assistant_header(model_dir: Path) -> list[int]:
 
 def export_rows(
     model_dir: Path,
-    rows: list[dict],
+    rows: list[dict[str, Any]],
     out: Path,
     *,
     layer_ids: list[int] | None = None,
@@ -345,7 +346,7 @@ def calibration(
     )
 
 
-def arms(correct: Path, faulty: dict[str, Path], train_rows: list[int], eval_rows: list[int], seeds: int) -> list:
+def arms(correct: Path, faulty: dict[str, Path], train_rows: list[int], eval_rows: list[int], seeds: int) -> list[Any]:
     """The correct data and each fault over the same seeds, rows, held-out rows and draft vocabulary
     (the correct export's): an arm differs from the correct one by its injected fault alone, and
     every arm is scored against the trusted labels (the correct export's held-out rows). Named
@@ -362,7 +363,7 @@ def arms(correct: Path, faulty: dict[str, Path], train_rows: list[int], eval_row
 FIT_SIGMAS = 5  # a fault told apart by the last state fit: its top1 this many standard errors below
 
 
-def top1_gap_in_standard_errors(good: dict, other: dict) -> float:
+def top1_gap_in_standard_errors(good: dict[str, Any], other: dict[str, Any]) -> float:
     """How far `other`'s last state fit (`probe.last_state_fit`) falls below `good`'s top1 share, in
     standard errors of that difference (binomial, over each one's trained tokens): the fit has no
     seed spread, only the sampling error of its token counts. The fault benchmark and the test of
@@ -371,7 +372,7 @@ def top1_gap_in_standard_errors(good: dict, other: dict) -> float:
     return (good["top1"] - other["top1"]) / error
 
 
-def resplit(rows: list[dict], rate: float, tokenizer, seed: int = 0) -> tuple[list[dict], float]:
+def resplit(rows: list[dict[str, Any]], rate: float, tokenizer, seed: int = 0) -> tuple[list[dict[str, Any]], float]:
     """The rows with a share `rate` of their trained (answer) tokens re-split: one token replaced by
     two that decode to the same text, as a canonical re-encoding and the engine's sampled ids
     disagree (the seeds' "BPE re-splits"). Returns the rows and the share actually re-split."""

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 from eagle3_data.errors import UserError
 from eagle3_data.forksafe import PerProcess
@@ -93,7 +94,7 @@ def http_ok(url: str) -> bool:
 
 
 def wait_http_ok(
-    url: str, procs: list[subprocess.Popen], what: str, log: Path | str | None, timeout_s: float = 120.0
+    url: str, procs: list[subprocess.Popen[Any]], what: str, log: Path | str | None, timeout_s: float = 120.0
 ) -> None:
     """Return once GET `url` answers 200; raise UserError if a process in `procs` exits first
     or the deadline passes."""

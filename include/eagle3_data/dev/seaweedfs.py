@@ -20,6 +20,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from eagle3_data.dev.processes import free_port
 from eagle3_data.errors import UserError
@@ -48,7 +49,7 @@ _PORT_FLAGS = [
     "admin.port.grpc",
     "debug.port",
 ]
-_CHILDREN: dict[int, subprocess.Popen] = {}  # started by this process: reaped on stop
+_CHILDREN: dict[int, subprocess.Popen[Any]] = {}  # started by this process: reaped on stop
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ MAX_VOLUMES = 10_000
 
 
 def start_seaweedfs(
-    dir: str | os.PathLike,
+    dir: str | os.PathLike[str],
     port: int | None = None,
     *,
     access_key: str | None = None,
@@ -174,7 +175,7 @@ def start_seaweedfs(
     return handle
 
 
-def stop_seaweedfs(dir: str | os.PathLike, grace: float = 2.0) -> bool:
+def stop_seaweedfs(dir: str | os.PathLike[str], grace: float = 2.0) -> bool:
     """Stop the instance of DIR by its PID: SIGTERM, then SIGKILL after `grace` (it can hang on TERM).
 
     Returns False when nothing was running. Returns once the S3 port is free again.
@@ -205,7 +206,7 @@ def stop_seaweedfs(dir: str | os.PathLike, grace: float = 2.0) -> bool:
     return True
 
 
-def running_handle(dir: str | os.PathLike) -> SeaweedHandle | None:
+def running_handle(dir: str | os.PathLike[str]) -> SeaweedHandle | None:
     """The instance running on DIR, with keys from the environment (or dev defaults), else None."""
     root = Path(dir).resolve()
     pid = _running_pid(root)
@@ -258,7 +259,7 @@ def _port_in_use(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def _wait_ready(handle: SeaweedHandle, timeout: float, proc: subprocess.Popen | None) -> None:
+def _wait_ready(handle: SeaweedHandle, timeout: float, proc: subprocess.Popen[Any] | None) -> None:
     """Until S3 answers a signed request and, on a restart, the master knows every volume on disk
     (before that, reads of old objects fail with 'volume id N not found')."""
     client = handle.client(max_attempts=1, connect_timeout=1, read_timeout=5)
@@ -299,7 +300,7 @@ def _kill_me_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _read_state(root: Path) -> dict:
+def _read_state(root: Path) -> dict[str, Any]:
     return json.loads((root / STATE_FILE).read_text())
 
 

@@ -17,6 +17,7 @@ import json
 import random
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 ENGLISH = [
     "Let me think about what the user is asking.",
@@ -55,7 +56,7 @@ class Segment:
 
     kind: str  # reasoning | think_end | content | section_begin | call | section_end | stop
     ids: list[int]
-    call: dict | None = None
+    call: dict[str, Any] | None = None
 
 
 @dataclass
@@ -66,7 +67,7 @@ class Generation:
     finish_reason: str  # stop | length
     reasoning: str | None
     content: str
-    tool_calls: list[dict] = field(default_factory=list)  # OpenAI shape, ids functions.{name}:{idx}
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # OpenAI shape, ids functions.{name}:{idx}
     reasoning_tokens: int = 0
     noncanonical_splits: int = 0
     matched_stop: int | None = None
@@ -107,7 +108,7 @@ class DevTextModel:
         self._splits = 0
 
     # ---- prompt inspection -------------------------------------------------------------------
-    def prompt_tools(self, prompt_ids: list[int]) -> list[dict]:
+    def prompt_tools(self, prompt_ids: list[int]) -> list[dict[str, Any]]:
         """Tools declared in a rendered prompt (`tool_declare` system turn, compact JSON)."""
         text = self.tok.decode(prompt_ids, skip_special_tokens=False)
         m = re.search(r"tool_declare<\|im_middle\|>(.*?)<\|im_end\|>", text, re.S)
@@ -176,7 +177,7 @@ class DevTextModel:
             text += rng.choice(EDGES)
         return text
 
-    def _tool_calls(self, rng: random.Random, tools: list[dict], start: int) -> list[dict]:
+    def _tool_calls(self, rng: random.Random, tools: list[dict[str, Any]], start: int) -> list[dict[str, Any]]:
         calls = []
         for k in range(rng.randint(1, min(2, len(tools)))):
             fn = rng.choice(tools)["function"]
@@ -225,7 +226,7 @@ class DevTextModel:
         out: list[int] = []
         reasoning_ids: list[int] = []
         content_ids: list[int] = []
-        calls: list[dict] = []
+        calls: list[dict[str, Any]] = []
         thinking = any(s.kind == "reasoning" for s in segments)
         think_closed = not thinking
         finish, matched = "stop", None
@@ -266,8 +267,8 @@ class DevTextModel:
         )
 
 
-def _value(rng: random.Random, spec: dict) -> object:
-    if "enum" in spec and spec["enum"]:
+def _value(rng: random.Random, spec: dict[str, Any]) -> object:
+    if spec.get("enum"):
         return rng.choice(spec["enum"])
     kind = spec.get("type", "string")
     if isinstance(kind, list):

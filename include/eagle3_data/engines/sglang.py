@@ -101,14 +101,14 @@ class SGLangWire:
     capacity_paths = ("/server_info", "/get_server_info")
     headers: Mapping[str, str] = bearer_headers(None)  # wire_for gives a keyed copy
 
-    def sampling(self, sampling: Mapping[str, Any]) -> dict:
+    def sampling(self, sampling: Mapping[str, Any]) -> dict[str, Any]:
         check_sampling_params(sampling)
         return dict(sampling)
 
-    async def identify(self, http: aiohttp.ClientSession, endpoint: str) -> dict:
+    async def identify(self, http: aiohttp.ClientSession, endpoint: str) -> dict[str, Any]:
         """The weight version (`/model_info`) and the served model name (`/v1/models`: the
         `--served-model-name`, by default the model path)."""
-        out: dict = {"weight_version": None, "served_model": await served_model(http, endpoint)}
+        out: dict[str, Any] = {"weight_version": None, "served_model": await served_model(http, endpoint)}
         for path in ("/model_info", "/get_model_info"):
             try:
                 async with http.get(f"{endpoint}{path}", timeout=aiohttp.ClientTimeout(total=30.0)) as r:
@@ -121,8 +121,13 @@ class SGLangWire:
         return out
 
     def request(
-        self, prompt_ids: list[int], sampling: dict, rid: str, identity: dict, media: Media | None = None
-    ) -> tuple[str, dict]:
+        self,
+        prompt_ids: list[int],
+        sampling: dict[str, Any],
+        rid: str,
+        identity: dict[str, Any],
+        media: Media | None = None,
+    ) -> tuple[str, dict[str, Any]]:
         """`return_logprob`: each output id's log-probability (`meta_info.output_token_logprobs`;
         with the default `logprob_start_len` -1 no prompt position is scored). An image prompt's
         ids carry one pad per image, its images go as `image_data`."""
@@ -131,7 +136,7 @@ class SGLangWire:
             body.update(input_ids=collapse_runs(prompt_ids, media.pad_id), image_data=list(media.urls))
         return "/generate", body
 
-    def answer(self, body: Any, prompt_ids: list[int], identity: dict, media: Media | None = None) -> Answer:
+    def answer(self, body: Any, prompt_ids: list[int], identity: dict[str, Any], media: Media | None = None) -> Answer:
         if media is not None:
             check_media(body, prompt_ids, media)
         ids, finish, meta = check_answer(body, prompt_ids)
@@ -146,7 +151,7 @@ class SGLangWire:
             output_logprobs(meta, ids),
         )
 
-    def logprob_distribution(self, sampling: Mapping[str, Any]) -> dict:
+    def logprob_distribution(self, sampling: Mapping[str, Any]) -> dict[str, Any]:
         """SGLang reports log_softmax(logits / temperature), before top-k/top-p/min-p (its sampler
         caches them there; SGLANG_RETURN_ORIGINAL_LOGPROB on the server makes them the raw ones). A
         temperature of 0 is greedy, which SGLang runs at temperature 1 with top-k 1."""
@@ -157,8 +162,8 @@ class SGLangWire:
         return status == 503 and QUEUE_FULL in error_message(text).lower()
 
     def score_request(
-        self, ids: list[int], first: int, rid: str, identity: dict, top: int = 0, media: Media | None = None
-    ) -> tuple[str, dict]:
+        self, ids: list[int], first: int, rid: str, identity: dict[str, Any], top: int = 0, media: Media | None = None
+    ) -> tuple[str, dict[str, Any]]:
         """The target's log-probability of `ids[first:]` given what precedes each: one prefill with
         `return_logprob` from `logprob_start_len = first - 1` (SGLang's first entry is None, so the
         window starts one token early), one token generated (a prefill-only request is refused
@@ -214,14 +219,16 @@ class SGLangWire:
     def score_refusal(self, status: int, text: str) -> str | None:
         return None  # SGLang refuses a scoring request for the item alone (longer than its context, say)
 
-    def manifest_extra(self, identities: dict[str, dict]) -> dict:
+    def manifest_extra(self, identities: dict[str, dict[str, Any]]) -> dict[str, Any]:
         return {"weight_versions": {e: i.get("weight_version") for e, i in identities.items()}}
 
 
 SGLANG = SGLangWire()
 
 
-def check_answer(answer, prompt_ids: list[int] | None = None) -> tuple[list[int], dict, dict]:
+def check_answer(
+    answer: dict[str, Any] | list[dict[str, Any]], prompt_ids: list[int] | None = None
+) -> tuple[list[int], dict[str, Any], dict[str, Any]]:
     """(output_ids as given, finish_reason object as given, meta_info) of a /generate answer.
     SGLang's output_ids run through the matched stop token; they must number `completion_tokens`,
     and `prompt_tokens` must be the number of ids sent (PromptCut otherwise)."""
@@ -248,7 +255,7 @@ def check_answer(answer, prompt_ids: list[int] | None = None) -> tuple[list[int]
     return ids, finish, meta
 
 
-def check_media(answer, prompt_ids: list[int], media: Media) -> None:
+def check_media(answer: dict[str, Any], prompt_ids: list[int], media: Media) -> None:
     """An image prompt's counts as SGLang ran them: `meta_info.prompt_tokens` must be the length of
     our expanded ids and `image_tokens` (when reported) our media tokens (MediaDiffers otherwise)."""
     meta = (answer[0] if isinstance(answer, list) else answer)["meta_info"]

@@ -73,7 +73,7 @@ SAMPLING_KEYS = frozenset(
 )
 
 
-def vllm_sampling(sampling: Mapping[str, object], *, where: str = "generation.sampling") -> dict:
+def vllm_sampling(sampling: Mapping[str, object], *, where: str = "generation.sampling") -> dict[str, Any]:
     """The config's sampling params as a vLLM completion request's fields; a bad key is a UserError."""
     out = {}
     for key, value in sampling.items():
@@ -95,16 +95,21 @@ class VllmWire:
     capacity_paths: tuple[str, ...] = ()
     headers: Mapping[str, str] = bearer_headers(None)  # wire_for gives a keyed copy
 
-    def sampling(self, sampling: Mapping[str, Any]) -> dict:
+    def sampling(self, sampling: Mapping[str, Any]) -> dict[str, Any]:
         return vllm_sampling(sampling)
 
-    async def identify(self, http: aiohttp.ClientSession, endpoint: str) -> dict:
+    async def identify(self, http: aiohttp.ClientSession, endpoint: str) -> dict[str, Any]:
         """vLLM has no weight version: the served model name, from /v1/models."""
         return {"served_model": await served_model(http, endpoint)}
 
     def request(
-        self, prompt_ids: list[int], sampling: dict, rid: str, identity: dict, media: Media | None = None
-    ) -> tuple[str, dict]:
+        self,
+        prompt_ids: list[int],
+        sampling: dict[str, Any],
+        rid: str,
+        identity: dict[str, Any],
+        media: Media | None = None,
+    ) -> tuple[str, dict[str, Any]]:
         if media is not None:
             return GENERATE_PATH, generate_body(prompt_ids, sampling, rid, identity, media)
         body = {
@@ -119,7 +124,7 @@ class VllmWire:
             body["model"] = identity["served_model"]
         return "/v1/completions", body
 
-    def answer(self, body: Any, prompt_ids: list[int], identity: dict, media: Media | None = None) -> Answer:
+    def answer(self, body: Any, prompt_ids: list[int], identity: dict[str, Any], media: Media | None = None) -> Answer:
         if media is not None:
             ids, finish, body = check_generate_answer(body, prompt_ids)
             return Answer(
@@ -136,7 +141,7 @@ class VllmWire:
             output_logprobs(body["choices"][0], ids),
         )
 
-    def logprob_distribution(self, sampling: Mapping[str, Any]) -> dict:
+    def logprob_distribution(self, sampling: Mapping[str, Any]) -> dict[str, Any]:
         """vLLM's default `--logprobs-mode raw_logprobs`: the model's own distribution, before any
         temperature, penalty or top-k/top-p processing (a server started with another mode
         reports other numbers: leave the default)."""
@@ -146,8 +151,8 @@ class VllmWire:
         return False  # vLLM queues without a bound: no "full" answer
 
     def score_request(
-        self, ids: list[int], first: int, rid: str, identity: dict, top: int = 0, media: Media | None = None
-    ) -> tuple[str, dict]:
+        self, ids: list[int], first: int, rid: str, identity: dict[str, Any], top: int = 0, media: Media | None = None
+    ) -> tuple[str, dict[str, Any]]:
         """The target's log-probability of `ids[first:]`: `prompt_logprobs: top` returns, at every
         prompt position (all of them: the request has no start), the log-probability of the id
         that is there and of the `top` likeliest ids; one token generated (vLLM's minimum).
@@ -213,7 +218,7 @@ class VllmWire:
             )
         return None
 
-    def manifest_extra(self, identities: dict[str, dict]) -> dict:
+    def manifest_extra(self, identities: dict[str, dict[str, Any]]) -> dict[str, Any]:
         return {"engine": self.source, "served_models": {e: i.get("served_model") for e, i in identities.items()}}
 
 
@@ -223,7 +228,9 @@ VLLM = VllmWire()
 GENERATE_PATH = "/inference/v1/generate"
 
 
-def generate_body(prompt_ids: list[int], sampling: dict, rid: str, identity: dict, media: Media) -> dict:
+def generate_body(
+    prompt_ids: list[int], sampling: dict[str, Any], rid: str, identity: dict[str, Any], media: Media
+) -> dict[str, Any]:
     """An image prompt's `/inference/v1/generate` request (vLLM's GenerateRequest): our ids with
     each image's pad run cut to one pad, the images as `content_parts` in prompt order."""
     body = {
@@ -239,7 +246,9 @@ def generate_body(prompt_ids: list[int], sampling: dict, rid: str, identity: dic
     return body
 
 
-def check_generate_answer(answer: dict, prompt_ids: list[int]) -> tuple[list[int], dict, dict]:
+def check_generate_answer(
+    answer: dict[str, Any], prompt_ids: list[int]
+) -> tuple[list[int], dict[str, Any], dict[str, Any]]:
     """(completion ids, {"type", "matched"}, answer) of an `/inference/v1/generate` answer, whose
     `prompt_token_ids` (the ids the model ran, each image's pads expanded by the engine's processor)
     must be our expanded `prompt_ids` (MediaDiffers naming the first differing position)."""
@@ -272,7 +281,7 @@ def generate_logprobs(choice: Mapping[str, Any], ids: list[int]) -> list[float] 
     return [float(c["logprob"]) for c in content]
 
 
-def check_answer(answer: dict, prompt_ids: list[int]) -> tuple[list[int], dict, dict]:
+def check_answer(answer: dict[str, Any], prompt_ids: list[int]) -> tuple[list[int], dict[str, Any], dict[str, Any]]:
     """(completion ids as given, {"type", "matched"}, answer) of a /v1/completions answer.
 
     The engine must echo the prompt ids it ran (`prompt_token_ids`, PromptCut otherwise) and return
@@ -296,7 +305,7 @@ def _token_ids(choice: Mapping[str, Any], hint: str) -> list[int]:
     return ids
 
 
-def _finish(answer: Mapping[str, Any], choice: Mapping[str, Any], ids: list[int]) -> dict:
+def _finish(answer: Mapping[str, Any], choice: Mapping[str, Any], ids: list[int]) -> dict[str, Any]:
     """{"type", "matched"} of a choice whose completion ids `usage.completion_tokens` must count."""
     completion = (answer.get("usage") or {}).get("completion_tokens")
     if completion is not None and completion != len(ids):

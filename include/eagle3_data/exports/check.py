@@ -36,6 +36,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -70,11 +71,11 @@ class Layout:
 
     layout: str
     folder: Path
-    rows: list[dict]
+    rows: list[dict[str, Any]]
     state_dtype: str  # of the last state the trainer reads
     fp8: bool = False
     source: str | None = None
-    info: dict = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
 
     @property
     def stores_pre_norm(self) -> bool:
@@ -126,7 +127,7 @@ def choose_rows(n: int, samples: int | None) -> list[int]:
         return list(range(n))
     if samples < 1:
         raise UserError(f"--samples {samples}: expected at least 1")
-    return sorted({int(round(x)) for x in np.linspace(0, n - 1, samples)})
+    return sorted({round(x) for x in np.linspace(0, n - 1, samples)})
 
 
 class LocalShards:
@@ -176,7 +177,9 @@ def _fail(layout: Layout, row: int, sample_id: str, what: str) -> ExportCheckFai
     return ExportCheckFailed(f"check-export {layout.layout} {layout.folder}: sample {sample_id!r} (row {row}) {what}")
 
 
-def run_reader(layout: Layout, rows: list[int], out: Path, *, vocab: dict | None, python: str | None = None) -> dict:
+def run_reader(
+    layout: Layout, rows: list[int], out: Path, *, vocab: dict[str, Any] | None, python: str | None = None
+) -> dict[str, Any]:
     from eagle3_data.speculators_venv import speculators_python
 
     spec = {
@@ -202,7 +205,7 @@ def run_reader(layout: Layout, rows: list[int], out: Path, *, vocab: dict | None
     return json.loads(lines[-1])
 
 
-def _vocab_spec(layout: Layout, vocab_size: int) -> dict | None:
+def _vocab_spec(layout: Layout, vocab_size: int) -> dict[str, Any] | None:
     folder = layout.folder
     if layout.layout == "speculators":
         found = sorted(folder.glob("d2t-*.npy"))
@@ -227,7 +230,7 @@ def check_export(
     python: str | None = None,
     tolerance: float | None = None,
     device: str | None = None,
-) -> dict:
+) -> dict[str, Any]:
     """Check an export folder against the extraction's shards (`shards`: LocalShards or
     StageShards) with the target's final norm and LM head from `model`; returns the figures,
     raises ExportCheckFailed at the first failure."""
@@ -310,7 +313,9 @@ def check_export(
     }
 
 
-def _check_row(layout: Layout, row: int, sid: str, pairs: dict, reader, ref, head, tol: float, figures: dict) -> None:
+def _check_row(
+    layout: Layout, row: int, sid: str, pairs: dict[str, Any], reader, ref, head, tol: float, figures: dict[str, Any]
+) -> None:
     ids, ref_mask = ref.input_ids.long(), ref.loss_mask.long()
     T = int(ids.numel())
     target, target_pos = pairs["target"], pairs["target_pos"]
@@ -391,7 +396,7 @@ def _check_row(layout: Layout, row: int, sid: str, pairs: dict, reader, ref, hea
     _check_aux(layout, row, sid, pairs, ref, figures)
 
 
-def _check_aux(layout: Layout, row: int, sid: str, pairs: dict, ref, figures: dict) -> None:
+def _check_aux(layout: Layout, row: int, sid: str, pairs: dict[str, Any], ref, figures: dict[str, Any]) -> None:
     aux, aux_pos = pairs["aux"], pairs["aux_pos"]
     T = int(ref.input_ids.numel())
     if aux_pos.numel() and (int(aux_pos.max()) >= T or int(aux_pos.min()) < 0):
@@ -423,7 +428,7 @@ def _check_aux(layout: Layout, row: int, sid: str, pairs: dict, ref, figures: di
     figures["aux_values"] += int(got3.numel())
 
 
-def _check_vocab(layout: Layout, vocab: dict) -> None:
+def _check_vocab(layout: Layout, vocab: dict[str, Any]) -> None:
     where = f"check-export {layout.layout} {layout.folder}: draft vocabulary"
     if not vocab["consistent"]:
         first = vocab.get("first_inconsistent") or {}

@@ -17,10 +17,11 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 
 def export_speculators_ids(
-    rows: Iterable[Mapping], out_dir: str | Path, images: Mapping[str, list] | None = None
+    rows: Iterable[Mapping[str, Any]], out_dir: str | Path, images: Mapping[str, list[Any]] | None = None
 ) -> int:
     """Merged rows (sample_id, input_ids, loss_mask) as speculators' pretokenized dataset;
     `images` (sample_id -> references, the merge's images.jsonl) go into `index.jsonl`."""
@@ -29,7 +30,9 @@ def export_speculators_ids(
     return save_rows(((r["sample_id"], r["input_ids"], r["loss_mask"]) for r in rows), out_dir, images=images)
 
 
-def export_specforge_ids(rows: Iterable[Mapping], out_dir: str | Path, images: Mapping[str, list] | None = None) -> int:
+def export_specforge_ids(
+    rows: Iterable[Mapping[str, Any]], out_dir: str | Path, images: Mapping[str, list[Any]] | None = None
+) -> int:
     """Merged rows as SpecForge's pre-tokenized JSONL (`prompts.jsonl`, with `sample_id` kept, and
     an image sample's `images` references: its prompt builder passes extra keys through)."""
     out = Path(out_dir)

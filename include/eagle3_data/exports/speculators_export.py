@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -69,7 +70,7 @@ def export_speculators(
     out_dir: str | Path,
     *,
     fp8: bool = False,
-    images: Mapping[str, list] | None = None,
+    images: Mapping[str, list[Any]] | None = None,
     source: str | None = None,
 ) -> int:
     """Write the dataset and one state file per row; returns the rows written. `images`
@@ -81,7 +82,7 @@ def export_speculators(
     states_dir.mkdir(parents=True, exist_ok=True)
     layers: set[tuple[int, ...]] = set()
 
-    def samples() -> Iterator[tuple[str, torch.Tensor, torch.Tensor, dict]]:
+    def samples() -> Iterator[tuple[str, torch.Tensor, torch.Tensor, dict[str, Any]]]:
         i = 0
         for path in shard_paths:
             reader = ShardReader(path)
@@ -122,9 +123,9 @@ def export_speculators(
 
 
 def save_rows(
-    samples: Iterable[tuple],
+    samples: Iterable[tuple[Any, ...]],
     out_dir: str | Path,
-    images: Mapping[str, list] | None = None,
+    images: Mapping[str, list[Any]] | None = None,
 ) -> int:
     """The rows as speculators' dataset (`input_ids`, `loss_mask` int64 lists, `seq_len`; torch
     format, what `save_to_disk` writes and `load_from_disk` reads) with `index.jsonl` (row ->

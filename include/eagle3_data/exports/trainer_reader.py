@@ -29,6 +29,7 @@ prints one JSON line: {"rows": [...], "unavailable": {row: why}, "vocab": {...}|
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -49,7 +50,7 @@ def _pos(index: torch.Tensor) -> torch.Tensor:
     return index.long() - 1  # back to 0-based; -1: made by the trainer's code
 
 
-def speculators_row(dataset, row: int) -> dict:
+def speculators_row(dataset, row: int) -> dict[str, Any]:
     """speculators: after `shift_batch` position t holds input_ids[t] = x[t+1], aux g[t], the
     verifier's state y[t+1] of x[t+1] and loss_mask l[t+1]; the loss's target distribution at t
     is the verifier's logits from y[t+1]: the next token, input_ids[t + 1] = x[t+2]."""
@@ -78,7 +79,7 @@ def speculators_row(dataset, row: int) -> dict:
     }
 
 
-def specforge_row(path: str, max_len: int) -> dict:
+def specforge_row(path: str, max_len: int) -> dict[str, Any]:
     """SpecForge: `OfflineEagle3Dataset` (its last loss_mask entry zeroed), then its trainer's
     `TargetHead.preprocess` (training/strategies/base.py, offline `target_repr == "hidden_state"`):
     input_ids and target shifted left by one (`padding(..., left=False)`, a zero at the end), the
@@ -114,7 +115,7 @@ def specforge_row(path: str, max_len: int) -> dict:
     }
 
 
-def vocab_check(folder: Path, n: int, vocab_size: int, layout: str) -> dict:
+def vocab_check(folder: Path, n: int, vocab_size: int, layout: str) -> dict[str, Any]:
     """The draft vocabulary as the trainer's loader reads it: its d2t/t2d, whether they agree with
     each other, and whether they equal speculators' own builder over the merge's token counts."""
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution

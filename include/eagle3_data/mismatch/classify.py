@@ -55,7 +55,7 @@ class RowResult:
 @dataclass
 class _Prepared:
     original: list[int]
-    parts: list
+    parts: list[Any]
     verdict: tuple[str, str] | None  # a class decided before comparing ids, and why
     notes: list[str]
     literal: tuple[str, ...]

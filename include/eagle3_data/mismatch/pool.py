@@ -60,7 +60,7 @@ def validate_batches(fmt: OutputFormat, batches: Iterable[Any], **kwargs: Any) -
     return validate_rows(fmt, rows_from_batches(batches, fmt.vocab_size), **kwargs)
 
 
-def _good_rows(items: list, on_bad_row: str) -> list[InputRow]:
+def _good_rows(items: list[Any], on_bad_row: str) -> list[InputRow]:
     for item in items:
         if isinstance(item, BadRow) and on_bad_row == "fail":
             raise UserError(item.message() + " (use --on-bad-row skip to validate the other rows)")
@@ -94,12 +94,14 @@ def can_fork_workers() -> bool:
 
 def _forked_init() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    assert _FORKED is not None, "set in the parent before the fork"
     codec = _FORKED.codec
     if hasattr(codec, "num_threads"):
         codec.num_threads = 1  # one worker process per core: no encode threads beside it
 
 
-def _forked_validate(items: list) -> list[RowResult | BadRow]:
+def _forked_validate(items: list[Any]) -> list[RowResult | BadRow]:
+    assert _FORKED is not None, "set in the parent before the fork"
     results = iter(_FORKED.validate([i for i in items if isinstance(i, InputRow)]))
     return [item if isinstance(item, BadRow) else next(results) for item in items]
 
@@ -113,7 +115,7 @@ def _validate_forked(
         with _default_sigterm():
             pool = multiprocessing.get_context("fork").Pool(workers, initializer=_forked_init)
         try:
-            inflight: deque = deque()
+            inflight: deque[Any] = deque()
             for items in _chunks(rows, chunk_rows):
                 _good_rows(items, on_bad_row)
                 inflight.append(pool.apply_async(_forked_validate, (items,)))
@@ -144,7 +146,7 @@ def _chunks(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
 
 
 def _finish(
-    validator: Validator, items: list, prepared: list[_Prepared], future: Future
+    validator: Validator, items: list[Any], prepared: list[_Prepared], future: Future[Any]
 ) -> Iterator[RowResult | BadRow]:
     pairs = iter(zip(prepared, future.result()))
     for item in items:

@@ -41,7 +41,7 @@ class BadRow:
         return {"row": self.where, "sample_id": self.sample_id, "field": self.field, "error": self.error}
 
 
-def _engine_finish(record: dict) -> tuple[Any, Any]:
+def _engine_finish(record: dict[str, Any]) -> tuple[Any, Any]:
     """(finish_reason, matched) as the engine gave them: a `finish_reason` object, the
     provenance's `finish_reason` (local generation rows), or `matched_stop` (OpenAI-style)."""
     finish = record.get("finish_reason")

@@ -72,7 +72,7 @@ def detect_stop_convention(fmt: OutputFormat, rows: Iterable[InputRow | BadRow])
     stop_ids = set(fmt.stop_token_ids)
     structural = set(fmt.special_ids.values())
     conv = StopConvention("none")
-    last_counts: Counter = Counter()
+    last_counts: Counter[int] = Counter()
     seen_earlier: set[int] = set()
     for row in rows:
         if not isinstance(row, InputRow):

@@ -3,12 +3,15 @@ validation report, so the report tab of a dry run shows the plan rather than ans
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from eagle3_data.storage.store import ArtifactStore
 
 PLAN_NAME = "plan.json"
 
 
-def load_plan(store, run_key: str) -> tuple[str, dict[str, Any]] | None:
+def load_plan(store: ArtifactStore, run_key: str) -> tuple[str, dict[str, Any]] | None:
     """(URI, plan) of the run key's dry-run plan (`runs/{run_key}/plan/run/plan.json`); None
     when there is none, or only an older plan without the run's figures."""
     from eagle3_data.stages import PLAN, RUN_DATASET

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from eagle3_data.runs.run import Run
 
 
-def reusable(store, ref, inputs: list, params: dict | None = None) -> dict[str, Any] | None:
+def reusable(store, ref, inputs: list[Any], params: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """The committed manifest of `ref` if it was made from these inputs (and `params`, unless
     None); else None. Changes nothing: a predicate (publish asks it of stages it only reports)."""
     if not store.is_complete(ref):
@@ -41,12 +41,12 @@ def settle(
     run: Run,
     store,
     ref,
-    inputs: list,
-    params: dict | None,
+    inputs: list[Any],
+    params: dict[str, Any] | None,
     *,
     what: str,
     hashes: Mapping[str, str | None] | None = None,
-    compare: Callable[[dict], list[str]] | None = None,
+    compare: Callable[[dict[str, Any]], list[str]] | None = None,
 ) -> dict[str, Any] | None:
     """Where every stage decides, before its first write, what to do with `ref`:
     - complete from these inputs, `params` (None: not compared) and tokenizer `hashes`: its
@@ -96,7 +96,7 @@ def reopen(run: Run, store, ref, reason: str) -> None:
         discard_stages(store, _named_downstream(run, store, ref, "cannot be reopened"), reason)
 
 
-def _named_downstream(run: Run, store, ref, verb: str) -> list:
+def _named_downstream(run: Run, store, ref, verb: str) -> list[Any]:
     """The complete stages built on `ref`; a StageConflict naming the flags when one of them is not
     in the run's `fresh`."""
     downstream = store.downstream(ref)
@@ -131,7 +131,7 @@ def _short(value: Any) -> str:
 
 
 def _differences(
-    store, manifest: dict, inputs: list, params: dict | None, hashes: Mapping[str, str | None]
+    store, manifest: dict[str, Any], inputs: list[Any], params: dict[str, Any] | None, hashes: Mapping[str, str | None]
 ) -> list[str]:
     """What separates the committed `manifest` from this run's inputs, params and hashes, one
     phrase each (empty: the same)."""
@@ -152,7 +152,7 @@ def _differences(
     return out
 
 
-def trusted(store, ref, manifest: dict) -> None:
+def trusted(store, ref, manifest: dict[str, Any]) -> None:
     """A complete stage about to be reused is re-checked cheaply first (`store.quick_check`: one
     listing, sizes and Last-Modified against the manifest), so a part deleted, truncated or
     rewritten after the commit is named here, before any downstream stage trusts it, instead of

@@ -21,7 +21,9 @@ from eagle3_data.config import (
     resolve_source,
 )
 from eagle3_data.errors import UserError
-from eagle3_data.tokenizer import tokenizer_hashes  # noqa: F401 (the stages' one spelling of it, here beside the tokenizers)
+from eagle3_data.tokenizer import (
+    tokenizer_hashes as tokenizer_hashes,  # (the stages' one spelling of it, here beside the tokenizers)
+)
 
 log = logging.getLogger("eagle3_data.pipeline")
 
@@ -204,7 +206,7 @@ def output_format(run: Run, store, *, template: bool = True):
     return get_output_format(tokenizer, thinking=run.config.generation.sampling.thinking)
 
 
-def sampling(run: Run) -> dict:
+def sampling(run: Run) -> dict[str, Any]:
     """The sampling params that are part of every sample_id (the later keys only when set away
     from their neutral value: `config.NEUTRAL_SAMPLING`)."""
     from eagle3_data.config import NEUTRAL_SAMPLING

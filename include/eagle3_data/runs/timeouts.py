@@ -12,13 +12,20 @@ their user turns, times `max_trajectory_steps` answers each in a trajectory: the
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from eagle3_data.runs.run import Run
 from eagle3_data.stages import LOCAL, OVERFLOW
+
+if TYPE_CHECKING:
+    from eagle3_data.storage.store import ArtifactStore
 
 ROUTES = {LOCAL: ("local", "both"), OVERFLOW: ("overflow", "both")}
 
 
-def generation_timeout(run: Run, store, dataset: str, stage: str, routed_counts: dict[str, int]) -> tuple[float, str]:
+def generation_timeout(
+    run: Run, store: ArtifactStore, dataset: str, stage: str, routed_counts: dict[str, int]
+) -> tuple[float, str]:
     """(seconds, how they were sized) for `stage` (generate_local | generate_overflow) of `dataset`."""
     from eagle3_data.runs.upstream import rate_inputs, rates
 

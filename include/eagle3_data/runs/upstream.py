@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import replace
+from typing import Any
 
 from eagle3_data.runs.results import Gate
 from eagle3_data.runs.run import Run, stage_ref
@@ -30,7 +31,7 @@ def gate_results(run: Run, store, failed: Mapping[str, str] | None = None) -> di
             out[name] = _gate_from_manifest(store.read_manifest(ref), store.uri(ref, VALIDATION_REPORT))
         else:
             out[name] = Gate(passed=False, reasons=["validation did not complete (see the failed task)"])
-        if out[name].passed and name in (failed or {}):
+        if out[name].passed and failed and name in failed:
             out[name] = replace(
                 out[name],
                 passed=False,
@@ -65,7 +66,7 @@ def row_routes(run: Run, store, dataset: str) -> dict[str, str]:
     }
 
 
-def policy_summary(run: Run, store, dataset: str) -> dict | None:
+def policy_summary(run: Run, store, dataset: str) -> dict[str, Any] | None:
     """The committed figures of the dataset's policy check, None when it has none."""
     ref = stage_ref(run, POLICY, dataset)
     if not store.is_complete(ref):
@@ -73,7 +74,7 @@ def policy_summary(run: Run, store, dataset: str) -> dict | None:
     return store.get_json(ref, POLICY_REPORT)
 
 
-def rate_inputs(run: Run, store, dataset: str) -> dict:
+def rate_inputs(run: Run, store, dataset: str) -> dict[str, Any]:
     """What each side's rate is computed from, and where it came from.
 
     Per side, the newest committed generation manifest of this dataset in another run that
@@ -106,7 +107,7 @@ def rate_inputs(run: Run, store, dataset: str) -> dict:
     return {"local": local, "overflow": overflow}
 
 
-def rates(inputs: dict):
+def rates(inputs: dict[str, Any]):
     """Samples/s of each side (generation.balance.side_rates) from `rate_inputs`."""
     from eagle3_data.balance import side_rates
 
@@ -120,18 +121,18 @@ def rates(inputs: dict):
     )
 
 
-def merged_shards(store: ArtifactStore, ref: StageRef, manifest: dict | None = None) -> list[dict]:
+def merged_shards(store: ArtifactStore, ref: StageRef, manifest: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """The shard refs of a committed merge stage, from its manifest (never from a listing);
     `manifest`: the caller's copy of it, if it has one."""
     return list((manifest or store.read_manifest(ref)).get("extra", {}).get("shards", []))
 
 
-def probe_params(run: Run) -> dict:
+def probe_params(run: Run) -> dict[str, Any]:
     """What decides the verdict: every probe choice but whether it runs and its time budget."""
     return run.config.probe.model_dump(exclude={"when", "budget_s"})
 
 
-def _gate_from_manifest(manifest: dict, report_uri: str | None) -> Gate:
+def _gate_from_manifest(manifest: dict[str, Any], report_uri: str | None) -> Gate:
     g = manifest["extra"]["gate"]
     return Gate(
         passed=g["passed"],
@@ -162,7 +163,7 @@ def _rows(store, ref, columns):
         yield from batch.to_pylist()
 
 
-def previous_generation(store, run_key: str, stage: str, dataset: str) -> tuple[str, dict] | None:
+def previous_generation(store, run_key: str, stage: str, dataset: str) -> tuple[str, dict[str, Any]] | None:
     """(manifest URI, its `extra`) of the newest committed `stage` of `dataset` in a run other
     than `run_key` whose manifest recorded `latency_s_mean`, made on a real engine (`earlier_stages`);
     None when there is none."""

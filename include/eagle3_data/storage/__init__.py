@@ -3,6 +3,8 @@
 See docs/storage.md for the layout and the commit protocol.
 """
 
+from typing import Any
+
 from eagle3_data.storage.refs import (
     CorruptArtifact,
     IncompleteStage,
@@ -27,7 +29,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name not in _LAZY:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     import importlib

@@ -34,6 +34,7 @@ import uuid
 from datetime import datetime, timedelta, timezone
 from email.utils import parsedate_to_datetime
 from pathlib import Path
+from typing import Any
 
 from botocore.exceptions import ClientError
 
@@ -69,7 +70,7 @@ def default_owner() -> str:
     return f"{label} ({base})" if label else base
 
 
-def _server_now(response: dict) -> datetime:
+def _server_now(response: dict[str, Any]) -> datetime:
     date = response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
     try:
         return parsedate_to_datetime(date) if date else datetime.now(timezone.utc)
@@ -88,7 +89,7 @@ class Lease:
         token: str,
         ttl_s: float,
         etag: str,
-        took_over: dict | None,
+        took_over: dict[str, Any] | None,
         scope: str | None = None,
     ):
         self.store, self.ref, self.owner, self.token, self.ttl_s = store, ref, owner, token, ttl_s
@@ -158,7 +159,7 @@ class Lease:
             with s3_errors(self.store.client, f"reading the lease {self.store.uri(self.ref, self.name)}"):
                 current = self.store.client.get_object(Bucket=self.store.bucket, Key=self.key)
             holder = json.loads(current["Body"].read() or b"{}")
-        except Exception as exc:  # noqa: BLE001 - the refusal is the news; who, only a detail
+        except Exception as exc:
             return f"the lease object changed since this writer's last renewal (unreadable now: {exc})"
         if holder.get("token") == self.token:
             return f"the lease object was rewritten under this writer's own token by pid {holder.get('pid')}"
@@ -260,7 +261,7 @@ class Lease:
         self.release()
 
 
-def _holder_dead(holder: dict) -> bool:
+def _holder_dead(holder: dict[str, Any]) -> bool:
     """A holder on this host whose process is gone (a killed CLI run, a SIGKILLed test worker)
     can be taken over at once; on another host only expiry says it is dead."""
     if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
@@ -382,7 +383,7 @@ def _acquire(lease: Lease, client, bucket: str, key: str, uri: str, ttl_s: float
         raise StageBusy(f"{lease.subject}: could not take the lease after 5 tries (other writers keep taking it)")
 
 
-def _refuse_if_live(subject: str, holder: dict, current: dict, ttl_s: float) -> None:
+def _refuse_if_live(subject: str, holder: dict[str, Any], current: dict[str, Any], ttl_s: float) -> None:
     """StageBusy naming the holder and its expiry, unless its lease is released, expired or dead."""
     now = _server_now(current)
     expires = current["LastModified"] + timedelta(seconds=float(holder.get("ttl_s", ttl_s)))

@@ -67,14 +67,14 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def manifest_hash(manifest: dict) -> str:
+def manifest_hash(manifest: dict[str, Any]) -> str:
     """Content hash of a manifest, blind to when it was written: reruns of equal content match."""
     body = {k: v for k, v in manifest.items() if k not in ("created_at", "manifest_sha256")}
     return hashlib.sha256(canonical_json(body).encode()).hexdigest()
 
 
 @lru_cache(maxsize=1)
-def code_version() -> dict:
+def code_version() -> dict[str, Any]:
     """eagle3_data version plus the git commit of the source tree when there is one."""
     sha = os.environ.get("EAGLE3_GIT_SHA")
     if not sha:
@@ -118,7 +118,7 @@ class _Prefetch:
         )
         self._pending = None  # (part, future of this process)
 
-    def submit(self, part: dict) -> None:
+    def submit(self, part: dict[str, Any]) -> None:
         self._pending = (part, self._pool.get().submit(self._fetch, part))
 
     def take(self):
@@ -253,7 +253,7 @@ class ArtifactStore:
         if error_code(exc) == NO_BUCKET:
             raise self._missing_bucket() from None
 
-    def _exists(self, key: str) -> dict | None:
+    def _exists(self, key: str) -> dict[str, Any] | None:
         with s3_errors(self.client, f"checking s3://{self.bucket}/{key}"):
             try:
                 return self.client.head_object(Bucket=self.bucket, Key=key)
@@ -271,8 +271,8 @@ class ArtifactStore:
                 batch = [{"Key": k} for k in keys[i : i + 1000]]
                 self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
 
-    def _list(self, prefix: str) -> list[dict]:
-        out: list[dict] = []
+    def _list(self, prefix: str) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
         with s3_errors(self.client, f"listing s3://{self.bucket}/{prefix}"):
             try:
                 for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
@@ -288,33 +288,36 @@ class ArtifactStore:
         self._put(key, data, sha256=hashlib.sha256(data).hexdigest(), content_type=content_type)
         return f"s3://{self.bucket}/{key}"
 
-    def list_objects(self, prefix: str) -> list[dict]:
+    def list_objects(self, prefix: str) -> list[dict[str, Any]]:
         """Objects under a bucket-relative key prefix (dicts with Key, Size, ETag, LastModified)."""
         return self._list(prefix)
 
     def _download(
         self, key: str, expected_sha256: str | None, expected_bytes: int | None, label: str
-    ) -> tempfile.SpooledTemporaryFile:
+    ) -> tempfile.SpooledTemporaryFile[bytes]:
         """Stream an object into a spooled temp file (RAM up to 64 MiB, then disk), hashing as it
         comes, and refuse it before anyone parses it if it is missing or its bytes changed."""
-        out = tempfile.SpooledTemporaryFile(max_size=64 * 1024 * 1024)
+        out = tempfile.SpooledTemporaryFile(max_size=64 * 1024 * 1024)  # noqa: SIM115 (returned open)
         digest = hashlib.sha256()
         size = 0
-        with s3_errors(self.client, f"reading {label}"):
-            try:
-                body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"]
-            except ClientError as exc:
-                self._raise_if_no_bucket(exc)
-                if error_code(exc) in NOT_FOUND:
-                    out.close()
-                    raise CorruptArtifact(
-                        f"{label} is listed in the manifest but missing from S3: rerun the stage"
-                    ) from None
-                raise
-            for chunk in iter(lambda: body.read(_CHUNK), b""):
-                digest.update(chunk)
-                out.write(chunk)
-                size += len(chunk)
+        try:
+            with s3_errors(self.client, f"reading {label}"):
+                try:
+                    body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"]
+                except ClientError as exc:
+                    self._raise_if_no_bucket(exc)
+                    if error_code(exc) in NOT_FOUND:
+                        raise CorruptArtifact(
+                            f"{label} is listed in the manifest but missing from S3: rerun the stage"
+                        ) from None
+                    raise
+                for chunk in iter(lambda: body.read(_CHUNK), b""):
+                    digest.update(chunk)
+                    out.write(chunk)
+                    size += len(chunk)
+        except BaseException:
+            out.close()  # a read that failed part-way must not leave the spilled file behind
+            raise
         if (expected_bytes is not None and size != expected_bytes) or (
             expected_sha256 and digest.hexdigest() != expected_sha256
         ):
@@ -327,7 +330,7 @@ class ArtifactStore:
         return out
 
     # -- a stage's objects: the public layer the writer, leases, checkpoints and the CLI use --------
-    def objects(self, ref: StageRef, under: str = "") -> dict[str, dict]:
+    def objects(self, ref: StageRef, under: str = "") -> dict[str, dict[str, Any]]:
         """The stage's objects (only those under `under`, a name prefix such as "_progress/") by
         name relative to the stage: {name: {"Key", "Size", "ETag", "LastModified"}}."""
         base = self.key(ref)
@@ -350,7 +353,7 @@ class ArtifactStore:
         given. No file record: side files go through `put_bytes` / `put_json` / `put_file`."""
         self._put(self.key(ref, name), data, sha256=sha256, content_type=content_type)
 
-    def head_object(self, ref: StageRef, name: str) -> dict | None:
+    def head_object(self, ref: StageRef, name: str) -> dict[str, Any] | None:
         """HEAD of one object of the stage (size, metadata), or None when it does not exist."""
         return self._exists(self.key(ref, name))
 
@@ -362,7 +365,7 @@ class ArtifactStore:
         parses it when it is missing or its size or sha256 differ from what a record says."""
         return self._download(self.key(ref, name), sha256, nbytes, self.uri(ref, name))
 
-    def progress_records(self, ref: StageRef) -> list[dict]:
+    def progress_records(self, ref: StageRef) -> list[dict[str, Any]]:
         """The progress records of a stage's parts (`_progress/part-N.json`), by part number."""
         records = []
         for rel, obj in self.objects(ref, f"{PROGRESS}/").items():
@@ -383,7 +386,7 @@ class ArtifactStore:
     def is_complete(self, ref: StageRef) -> bool:
         return self._exists(self.key(ref, MANIFEST)) is not None
 
-    def read_manifest(self, ref: StageRef) -> dict:
+    def read_manifest(self, ref: StageRef) -> dict[str, Any]:
         data = self._get_bytes(self.key(ref, MANIFEST))
         if data is None:
             raise IncompleteStage(
@@ -419,12 +422,12 @@ class ArtifactStore:
         objects = [o["Key"] for o in self._list(base) if not is_lease(o["Key"][len(base) :])]
         self._delete(sorted(objects, key=lambda k: not k.startswith(base + PROGRESS)))
 
-    def input_record(self, ref: StageRef) -> dict:
+    def input_record(self, ref: StageRef) -> dict[str, Any]:
         """How a downstream manifest names an upstream stage: URI plus its manifest's hash."""
         manifest = self.read_manifest(ref)
         return {"uri": self.uri(ref), "manifest_sha256": manifest.get("manifest_sha256") or manifest_hash(manifest)}
 
-    def input_records(self, inputs: Iterable[StageRef | dict] | None) -> list[dict]:
+    def input_records(self, inputs: Iterable[StageRef | dict[str, Any]] | None) -> list[dict[str, Any]]:
         records = []
         for item in inputs or []:
             if isinstance(item, StageRef):
@@ -440,15 +443,15 @@ class ArtifactStore:
         self,
         ref: StageRef,
         *,
-        schema: dict | None,
-        parts: list[dict],
-        files: list[dict],
-        inputs: list[dict],
-        params: dict | None,
+        schema: dict[str, Any] | None,
+        parts: list[dict[str, Any]],
+        files: list[dict[str, Any]],
+        inputs: list[dict[str, Any]],
+        params: dict[str, Any] | None,
         tokenizer_sha256: str | None,
         template_sha256: str | None,
-        extra: dict | None,
-    ) -> dict:
+        extra: dict[str, Any] | None,
+    ) -> dict[str, Any]:
         """Write the stage's manifest, the object whose presence means "complete": write it last,
         after every part and file it lists (`inputs` as `input_records` gives them). Refuses
         credential-looking keys in `params` and `extra`."""
@@ -482,7 +485,7 @@ class ArtifactStore:
         return manifest
 
     # -- parquet stages (written by storage.writer.StageWriter) ---------------------------------
-    def _checked_manifest(self, ref: StageRef) -> dict:
+    def _checked_manifest(self, ref: StageRef) -> dict[str, Any]:
         manifest = self.read_manifest(ref)
         schema = manifest.get("schema")
         if not schema:
@@ -506,12 +509,12 @@ class ArtifactStore:
     def _batches(
         self,
         ref: StageRef,
-        parts: list[dict],
+        parts: list[dict[str, Any]],
         columns: list[str] | None,
         batch_size: int,
         schema: pa.Schema | None = None,
     ) -> Iterator[pa.RecordBatch]:
-        def fetch(part: dict):
+        def fetch(part: dict[str, Any]):
             return self._download(
                 self.key(ref, part["name"]), part["sha256"], part["bytes"], self.uri(ref, part["name"])
             )
@@ -568,7 +571,7 @@ class ArtifactStore:
                     problems.append(str(exc))
         return problems
 
-    def quick_check(self, ref: StageRef, manifest: dict | None = None) -> list[str]:
+    def quick_check(self, ref: StageRef, manifest: dict[str, Any] | None = None) -> list[str]:
         """A complete stage's cheap re-verification before it is reused: one LIST of the stage (no
         download) says whether every part and file the manifest names is still there with the
         recorded size and unchanged since the manifest was written (Last-Modified no later than the
@@ -698,7 +701,7 @@ class ArtifactStore:
             raise IncompleteStage(f"{self.uri(ref, name)} does not exist")
         return data
 
-    def put_file(self, ref: StageRef, name: str, local_path: str | os.PathLike) -> str:
+    def put_file(self, ref: StageRef, name: str, local_path: str | os.PathLike[str]) -> str:
         """Upload a large local file (multipart above the threshold) with its sha256; a record
         written after the upload marks it committed for `committed_files`."""
         check_file_name(name)
@@ -708,7 +711,9 @@ class ArtifactStore:
         log.info("uploaded %s (%d bytes)", uri, size)
         return uri
 
-    def get_file(self, ref: StageRef, name: str, local_path: str | os.PathLike, *, sha256: str | None = None) -> Path:
+    def get_file(
+        self, ref: StageRef, name: str, local_path: str | os.PathLike[str], *, sha256: str | None = None
+    ) -> Path:
         """Download (parallel ranged GETs above the threshold) and check the sha256 recorded at upload.
         `sha256`: the one the caller's manifest lists; a file uploaded since with other bytes (the
         stage is being rewritten) raises IncompleteStage before the download."""
@@ -750,12 +755,12 @@ class ArtifactStore:
         ref: StageRef,
         names: Iterable[str],
         *,
-        params: dict | None = None,
-        inputs: Iterable[StageRef | dict] | None = None,
+        params: dict[str, Any] | None = None,
+        inputs: Iterable[StageRef | dict[str, Any]] | None = None,
         tokenizer_sha256: str | None = None,
         template_sha256: str | None = None,
-        extra: dict | None = None,
-    ) -> dict:
+        extra: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         """Manifest for a stage whose outputs are files (hidden-state shards): written last."""
         return self.write_manifest(
             ref,
@@ -769,7 +774,7 @@ class ArtifactStore:
             extra=extra,
         )
 
-    def file_entries(self, ref: StageRef, names: Iterable[str]) -> list[dict]:
+    def file_entries(self, ref: StageRef, names: Iterable[str]) -> list[dict[str, Any]]:
         entries = []
         for name in sorted(set(names)):
             check_file_name(name)

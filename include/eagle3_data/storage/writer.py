@@ -58,14 +58,14 @@ class StageWriter:
         schema: str,
         *,
         rows_per_part: int = 256,
-        params: dict | None = None,
-        inputs: Iterable[StageRef | dict] | None = None,
+        params: dict[str, Any] | None = None,
+        inputs: Iterable[StageRef | dict[str, Any]] | None = None,
         tokenizer_sha256: str | None = None,
         template_sha256: str | None = None,
         fresh: bool = False,
         archive: bool = False,
         reopen: bool = False,
-        part_summary: Callable[[pa.Table], dict] | None = None,
+        part_summary: Callable[[pa.Table], dict[str, Any]] | None = None,
         lease_ttl_s: float | None = None,
     ) -> None:
         if rows_per_part < 1:
@@ -85,7 +85,7 @@ class StageWriter:
         self.part_summary = part_summary
         self.lease_ttl_s = lease_ttl_s or DEFAULT_TTL_S
         self.lease: Lease | None = None
-        self._records: list[dict] = []  # progress records of committed parts (verified)
+        self._records: list[dict[str, Any]] = []  # progress records of committed parts (verified)
         self.fingerprint = hashlib.sha256(
             canonical_json(
                 {
@@ -97,7 +97,7 @@ class StageWriter:
                 }
             ).encode()
         ).hexdigest()
-        self._parts: list[dict] = []
+        self._parts: list[dict[str, Any]] = []
         self._committed_ids: set[str] = set()  # sample_ids in committed parts
         self._seen: set[str] = set()  # committed or buffered sample_ids
         self._buffer: list[pa.Table] = []
@@ -224,7 +224,7 @@ class StageWriter:
             )
         self._opened = True
 
-    def _verify_part(self, record: dict) -> str | None:
+    def _verify_part(self, record: dict[str, Any]) -> str | None:
         """Why a committed part must not be trusted (bytes changed since its record, unreadable
         footer, schema not this stage's), or None. Costs one download per part, once per resume."""
         try:
@@ -236,7 +236,7 @@ class StageWriter:
             return str(exc).split(": rerun the stage")[0].removeprefix(self.store.uri(self.ref, record["name"]) + " ")
         return None
 
-    def committed_records(self) -> list[dict]:
+    def committed_records(self) -> list[dict[str, Any]]:
         """Progress records of the verified committed parts (with `summary` when a part_summary was given)."""
         self._require_open()
         return [dict(r) for r in self._records]
@@ -295,7 +295,7 @@ class StageWriter:
             self._write_part(whole)
             self._buffer, self._buffered = [], 0
 
-    def commit(self, extra: dict | None = None, files: Iterable[str] = ()) -> dict:
+    def commit(self, extra: dict[str, Any] | None = None, files: Iterable[str] = ()) -> dict[str, Any]:
         """Flush, then write the manifest, last. `files`: side files already put (reports) that the
         manifest should cover with their sha256."""
         self._require_open()
@@ -393,6 +393,6 @@ class StageWriter:
         self._next_part = n + 1
         log.info("%s: committed %s (%d rows)", self.store.uri(self.ref), name, table.num_rows)
 
-    def _write_progress(self, record: dict) -> None:
+    def _write_progress(self, record: dict[str, Any]) -> None:
         name = f"{PROGRESS}/{record['name'][: -len('.parquet')]}.json"
         self.store.write_object(self.ref, name, canonical_json(record).encode(), content_type="application/json")

@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -249,8 +250,8 @@ class LogprobStats:
 
     def __init__(self, worst: int = 5):
         self.worst = worst
-        self.sides: dict[str, dict] = {}
-        self.nucleus: dict[str, dict] = {}  # per source: samples, tokens checked, outside, samples_outside
+        self.sides: dict[str, dict[str, Any]] = {}
+        self.nucleus: dict[str, dict[str, Any]] = {}  # per source: samples, tokens checked, outside, samples_outside
 
     WORST_TOKENS = 64  # of a least likely sample, its first trained ids kept (the report decodes them)
 
@@ -321,7 +322,7 @@ class LogprobStats:
         if k:
             acc["samples_outside"] = sorted(acc["samples_outside"] + [[sample_id, k, n]])[: self.SHOWN_OUTSIDE]
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         sides = {}
         for source, side in sorted(self.sides.items()):
             worst = sorted(side["means"])[: self.worst]

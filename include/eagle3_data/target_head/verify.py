@@ -22,6 +22,7 @@ import json
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -46,7 +47,7 @@ class EngineAnswer:
     logprobs: tuple[float, ...]
 
 
-def comparable(distribution: dict | None) -> bool:
+def comparable(distribution: dict[str, Any] | None) -> bool:
     """Whether an engine's reported distribution is the model's own (what the extraction computes)."""
     if not distribution:
         return False
@@ -57,14 +58,14 @@ def comparable(distribution: dict | None) -> bool:
 
 def engine_answers(
     store, run_key: str, datasets: Iterable[str], sample_ids: set[str]
-) -> tuple[dict[str, EngineAnswer], Counter]:
+) -> tuple[dict[str, EngineAnswer], Counter[str]]:
     """The engine's log-probabilities of the local answers among `sample_ids`, from the run's local
     generation stages (only the columns needed, batch by batch), and why others are not compared."""
     from eagle3_data.stages import LOCAL
     from eagle3_data.storage import StageRef
 
     out: dict[str, EngineAnswer] = {}
-    skipped: Counter = Counter()
+    skipped: Counter[str] = Counter()
     for dataset in datasets:
         ref = StageRef(run_key, LOCAL, dataset)
         if not store.is_complete(ref):
@@ -97,18 +98,18 @@ class LogprobCheck:
 
     answers: dict[str, EngineAnswer]
     tolerance: float
-    skipped: Counter = field(default_factory=Counter)
+    skipped: Counter[str] = field(default_factory=Counter)
     compared: int = 0
     tokens: int = 0
     worst: float = 0.0
-    failures: list[dict] = field(default_factory=list)
+    failures: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def for_dtype(
         cls,
         answers: dict[str, EngineAnswer],
         dtype: str,
-        skipped: Counter | None = None,
+        skipped: Counter[str] | None = None,
         tolerance: float | None = None,
     ) -> LogprobCheck:
         if tolerance is None and dtype not in TOLERANCE:
@@ -146,7 +147,7 @@ class LogprobCheck:
                 }
             )
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         return {
             "compared_samples": self.compared,
             "compared_tokens": self.tokens,

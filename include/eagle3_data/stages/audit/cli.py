@@ -8,7 +8,7 @@ import json
 from eagle3_data.errors import UserError
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("tokenizer", help="tokenizer checks")
     sub = p.add_subparsers(dest="tokenizer_command", required=True)
     audit = sub.add_parser("audit", help="derive special ids by name, round-trip them, check expectations")

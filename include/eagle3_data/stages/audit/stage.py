@@ -3,14 +3,19 @@ generation request is sent (a wrong expectation costs nothing)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from eagle3_data.errors import UserError
 from eagle3_data.runs.results import AuditResult
 from eagle3_data.runs.reuse import settle
 from eagle3_data.runs.run import Run, stage_ref, tokenizer_for
 from eagle3_data.stages import AUDIT, AUDIT_DATASET, AUDIT_REPORT
 
+if TYPE_CHECKING:
+    from eagle3_data.storage.store import ArtifactStore
 
-def audit_tokenizer(run: Run, store) -> AuditResult:
+
+def audit_tokenizer(run: Run, store: ArtifactStore) -> AuditResult:
     from eagle3_data.stages.audit.tokenizer_audit import audit_tokenizer as audit
 
     report = audit(tokenizer_for(run, store), run.config.tokenizer.expected_special_ids).to_json()

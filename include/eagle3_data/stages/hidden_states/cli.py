@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+from typing import Any
 
 from eagle3_data.cli.runs import (
     add_config_arg,
@@ -17,7 +18,7 @@ from eagle3_data.cli.runs import (
 )
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("extract", help="run the target model and store EAGLE-3 aux hidden states")
     p.add_argument(
         "--input",
@@ -138,7 +139,7 @@ def _layers(text: str | None) -> list[int] | None:
         raise UserError(f"--layers {text!r}: expected comma-separated integers such as 1,29,57") from None
 
 
-def overrides_of(args: argparse.Namespace) -> dict:
+def overrides_of(args: argparse.Namespace) -> dict[str, Any]:
     """The flags as `hidden_states` / `model` config overrides: the stage's params follow from the config."""
     h = {
         k: v
@@ -156,7 +157,9 @@ def overrides_of(args: argparse.Namespace) -> dict:
         )
         if v is not None
     }
-    out: dict = {"hidden_states": {**h, "workers": 1}}  # this process extracts every shard, the model loaded once
+    out: dict[str, Any] = {
+        "hidden_states": {**h, "workers": 1}
+    }  # this process extracts every shard, the model loaded once
     if args.model:
         out["model"] = {"source": str(args.model)}
     return out
@@ -321,14 +324,14 @@ def _self_check(args: argparse.Namespace) -> str | None:
     )
 
 
-def _copy_vocab(vocab: list, out: str) -> None:
+def _copy_vocab(vocab: list[Any], out: str) -> None:
     import shutil
 
     for path in vocab:  # where the trainer looks: speculators in its data path, SpecForge's --vocab-mapping-path
         shutil.copyfile(path, f"{out}/{path.name}")
 
 
-def _vocab_note(vocab: list) -> str:
+def _vocab_note(vocab: list[Any]) -> str:
     return f"; draft vocabulary: {', '.join(p.name for p in vocab)}" if vocab else "; no draft vocabulary found"
 
 

@@ -4,12 +4,13 @@ across its shards (loading a target, or starting an engine, costs minutes on a r
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from eagle3_data.errors import UserError
 from eagle3_data.stages.hidden_states.backends import HiddenStateBackend, TransformersBackend
 
 BACKENDS = ("transformers", "vllm")
-_SHARED: dict[tuple, HiddenStateBackend] = {}
+_SHARED: dict[tuple[Any, ...], HiddenStateBackend] = {}
 
 
 def shared_backend(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 
@@ -28,7 +28,7 @@ GROUP_SIZE = 5000
 def export_specforge(
     shard_paths: Iterable[str | Path],
     out_dir: str | Path,
-    images: Mapping[str, list] | None = None,
+    images: Mapping[str, list[Any]] | None = None,
     source: str | None = None,
 ) -> int:
     """Write one .ckpt per sample; returns the number of samples written. The samples in `images`

@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -70,7 +70,7 @@ def plan_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
     return batches
 
 
-def check_rows(rows: Sequence[dict], vocab_size: int) -> None:
+def check_rows(rows: Sequence[dict[str, Any]], vocab_size: int) -> None:
     """Refuse bad merged records before any GPU time is spent."""
     for row in rows:
         sid, ids, mask = row.get("sample_id"), row.get("input_ids"), row.get("loss_mask")
@@ -100,7 +100,7 @@ def _check_sample(sid: str, n_tokens: int, aux: torch.Tensor, last: torch.Tensor
             raise CorruptHiddenStates(f"sample {sid}: {name} holds NaN/Inf at token positions {bad}")
 
 
-def _norm_report(stats: _ShardStats, layer_ids: list[int], top: int = 5) -> dict:
+def _norm_report(stats: _ShardStats, layer_ids: list[int], top: int = 5) -> dict[str, Any]:
     if not stats.norms:
         return {}
     norms = torch.cat(stats.norms)  # [N, n_layers]
@@ -127,7 +127,7 @@ class _BackgroundWriter:
     writer exists starts its own on its first `put` (the parent's thread is not in it, and the
     shards the parent queued are the parent's to write)."""
 
-    def __init__(self, write: Callable[[list[Sample], int], dict], depth: int = 2):
+    def __init__(self, write: Callable[[list[Sample], int], dict[str, Any]], depth: int = 2):
         self._write, self._depth = write, depth
         self._state = PerProcess(self._start)
         self._state.get()
@@ -152,7 +152,7 @@ class _BackgroundWriter:
             raise state.error
         state.queue.put((samples, index))
 
-    def close(self) -> list[dict]:
+    def close(self) -> list[dict[str, Any]]:
         state = self._state.get()
         state.queue.put(None)
         state.thread.join()
@@ -163,22 +163,22 @@ class _BackgroundWriter:
 
 @dataclass
 class _WriterState:
-    queue: queue.Queue
+    queue: queue.Queue[Any]
     thread: threading.Thread | None = None
     error: BaseException | None = None
-    results: list[dict] = field(default_factory=list)
+    results: list[dict[str, Any]] = field(default_factory=list)
 
 
 def extract_rows(
     backend: HiddenStateBackend,
-    rows: Sequence[dict],
+    rows: Sequence[dict[str, Any]],
     out_dir: str | Path,
     stem: str,
     config: HiddenStatesConfig,
     on_file: Callable[[Path], None] | None = None,
     check: LogprobCheck | None = None,
     images: Mapping[str, Sequence[bytes]] | None = None,
-) -> dict:
+) -> dict[str, Any]:
     """Extract states for `rows` (sample_id, input_ids, loss_mask[, prompt_tokens]) into
     `{stem}-{k:04d}.safetensors`.
 
@@ -207,7 +207,7 @@ def extract_rows(
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
 
-    def write(samples: list[Sample], index: int) -> dict:
+    def write(samples: list[Sample], index: int) -> dict[str, Any]:
         path = out / f"{stem}-{index:04d}.safetensors"
         size = write_shard(
             path,
@@ -328,13 +328,13 @@ def extract_rows(
     }
 
 
-def _greedy(row: dict) -> bool:
+def _greedy(row: dict[str, Any]) -> bool:
     """A calibration answer (generated at temperature 0 on both paths), by its provenance."""
     sampling = json.loads(row.get("provenance") or "{}").get("sampling") or {}
     return sampling.get("temperature") == 0
 
 
-def _nucleus(row: dict) -> tuple[Nucleus | None, int]:
+def _nucleus(row: dict[str, Any]) -> tuple[Nucleus | None, int]:
     """The nucleus the row's answer was sampled under (its provenance's sampling) and where its
     answer starts (`prompt_tokens`: the tokens after it are the generated ones); (None, 0) when it
     cannot be checked (no sampling recorded, greedy, penalties, or no answer start)."""
@@ -360,11 +360,11 @@ def check_merged_columns(where: str, names: Iterable[str]) -> None:
         )
 
 
-def read_merged_rows(paths: Iterable[str | Path]) -> list[dict]:
+def read_merged_rows(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
     """The columns extraction needs from merged parquet shards (schemas.MERGED)."""
     import pyarrow.parquet as pq
 
-    rows: list[dict] = []
+    rows: list[dict[str, Any]] = []
     for path in paths:
         pf = pq.ParquetFile(str(path))
         check_merged_columns(str(path), pf.schema_arrow.names)
@@ -391,7 +391,7 @@ def summary_name(shard_name: str) -> str:
     return f"{Path(shard_name).stem}{SUMMARY_SUFFIX}"
 
 
-def merged_sha256s(merge_manifest: dict) -> dict[str, str]:
+def merged_sha256s(merge_manifest: dict[str, Any]) -> dict[str, str]:
     """The sha256 of every shard a merge manifest lists, by name: what an extraction of a shard
     is tied to (a re-merge writes new bytes under the same shard names)."""
     return {f["name"]: f["sha256"] for f in merge_manifest.get("files", [])}
@@ -399,7 +399,7 @@ def merged_sha256s(merge_manifest: dict) -> dict[str, str]:
 
 def extracted(
     store, out_ref: StageRef, shard, merged_sha256: str | None, committed: set[str] | None = None
-) -> dict | None:
+) -> dict[str, Any] | None:
     """The committed summary of `shard` if it was extracted from the bytes `merged_sha256` names,
     else None (not extracted, or extracted from an earlier merge's shard of the same name: a
     zombie worker that finished after a re-merge deleted the stage). Only a summary that is
@@ -422,8 +422,8 @@ def extract_shard(
     backend: HiddenStateBackend | None = None,
     work_dir: str | Path | None = None,
     merged_sha256: str | None = None,
-    image_refs: Mapping[str, list[dict]] | None = None,
-) -> dict:
+    image_refs: Mapping[str, list[dict[str, Any]]] | None = None,
+) -> dict[str, Any]:
     """Extract one merged shard into `out_ref` (the DAG maps this over the merge's shards).
 
     Resumable by shard: a shard whose summary was committed by an earlier attempt from the same
@@ -489,8 +489,8 @@ def extract_shard(
 
 
 def _images_for(
-    store, refs: Mapping[str, list[dict]], rows: list[dict], backend, merged_ref
-) -> tuple[list[dict], dict[str, list[bytes]] | None, dict]:
+    store, refs: Mapping[str, list[dict[str, Any]]], rows: list[dict[str, Any]], backend, merged_ref
+) -> tuple[list[dict[str, Any]], dict[str, list[bytes]] | None, dict[str, Any]]:
     """The shard's image samples: their bytes (read and hash-checked once) for a backend started
     to take images (`hidden_states.max_images` > 0), else the samples left out, counted and named,
     never extracted over their ids alone (states without the pixels are not the model's)."""
@@ -525,15 +525,15 @@ def _images_for(
     )
 
 
-def _logprob_totals(summaries: list[dict]) -> dict:
+def _logprob_totals(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     """The shards' log-probability figures added up: the target's mean over every trained token,
     and what the self-check compared (verify.py)."""
     stats = [s["logprobs"] for s in summaries if s.get("logprobs")]
     checks = [s["logprob_check"] for s in summaries if s.get("logprob_check")]
-    out: dict = {}
+    out: dict[str, Any] = {}
     means: dict[str, list[float]] = {}
     if stats:
-        sources: dict[str, dict] = {}
+        sources: dict[str, dict[str, Any]] = {}
         for x in stats:
             for source, side in x["sources"].items():
                 acc = sources.setdefault(
@@ -587,13 +587,13 @@ def _logprob_totals(summaries: list[dict]) -> dict:
     return out
 
 
-def commit_extraction(store, merge_ref, out_ref, *, params: dict | None = None) -> dict:
+def commit_extraction(store, merge_ref, out_ref, *, params: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write the extraction manifest once every merged shard has its summary; refuse otherwise."""
     with store.lease(out_ref) as lease:  # one committer per stage (shard writers hold shard leases)
         return _commit_extraction(store, merge_ref, out_ref, params, lease)
 
 
-def _commit_extraction(store, merge_ref, out_ref, params: dict | None, lease) -> dict:
+def _commit_extraction(store, merge_ref, out_ref, params: dict[str, Any] | None, lease) -> dict[str, Any]:
     from eagle3_data.runs.upstream import merged_shards
     from eagle3_data.storage import IncompleteStage
 

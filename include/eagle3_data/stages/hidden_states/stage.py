@@ -3,6 +3,8 @@ target model once for all of its shards (resumable by shard), then one commit of
 
 from __future__ import annotations
 
+from typing import Any
+
 from eagle3_data.config import resolve_source
 from eagle3_data.extraction_params import hidden_states_params
 from eagle3_data.runs.results import ExtractWorkerResult, ShardResult
@@ -48,7 +50,7 @@ def _summaries_of_another_merge(store, out_ref, merge_ref) -> bool:
     return False
 
 
-def plan_hidden_states(run: Run, store) -> list[dict]:
+def plan_hidden_states(run: Run, store) -> list[dict[str, Any]]:
     """Which merged shards go to which GPU worker: `hidden_states.workers` shares balanced by tokens
     (largest shard first to the least loaded worker; shard order kept within a worker). The DAG
     maps one `extract_hidden_states` task over each: the model is loaded once per worker, not once
@@ -67,10 +69,11 @@ def plan_hidden_states(run: Run, store) -> list[dict]:
     return split_shards(shards, run.config.hidden_states.workers)
 
 
-def split_shards(shards: list[dict], workers: int) -> list[dict]:
+def split_shards(shards: list[dict[str, Any]], workers: int) -> list[dict[str, Any]]:
     """`shards` over `workers` workers, balanced by tokens (see `plan_hidden_states`)."""
     n = min(workers, len(shards))
-    loads, assigned = [0] * n, [[] for _ in range(n)]
+    loads = [0] * n
+    assigned: list[list[int]] = [[] for _ in range(n)]
     for i in sorted(range(len(shards)), key=lambda i: -int(shards[i].get("tokens") or 0)):
         w = min(range(n), key=lambda k: (loads[k], len(assigned[k]), k))  # no token counts: by shard count
         loads[w] += int(shards[i].get("tokens") or 0)
@@ -80,7 +83,7 @@ def split_shards(shards: list[dict], workers: int) -> list[dict]:
     ]
 
 
-def extract_hidden_states(run: Run, store, work: dict) -> ExtractWorkerResult:
+def extract_hidden_states(run: Run, store, work: dict[str, Any]) -> ExtractWorkerResult:
     """One GPU worker's share (`extract_workers`): its shards in turn through ONE backend, loaded
     on the first shard that still needs it; shards an earlier attempt committed are skipped
     (resumable by shard), so a retry after shard k redoes only the rest, and a worker with
@@ -143,7 +146,7 @@ def extract_hidden_states(run: Run, store, work: dict) -> ExtractWorkerResult:
     return ExtractWorkerResult(worker=work["worker"], backend_loads=loads, shards=results)
 
 
-def commit_hidden_states(run: Run, store) -> dict:
+def commit_hidden_states(run: Run, store) -> dict[str, Any]:
     """The hidden-states stage's manifest, once every merged shard's summary is in (its own DAG
     task, after the workers): IncompleteStage naming the shards missing otherwise."""
     from eagle3_data.stages.hidden_states.extract import commit_extraction

@@ -38,6 +38,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -83,7 +84,7 @@ def vllm_layer_ids(indices: Sequence[int], last_hidden: bool, num_layers: int) -
     return sorted(set(indices) | ({num_layers} if last_hidden else set()))
 
 
-def text_config(model_dir: str | Path) -> dict:
+def text_config(model_dir: str | Path) -> dict[str, Any]:
     """config.json's language-model part (Kimi-K2.5 nests it under text_config)."""
     path = Path(model_dir) / "config.json"
     if not path.exists():
@@ -92,7 +93,7 @@ def text_config(model_dir: str | Path) -> dict:
     return cfg.get("text_config") or cfg
 
 
-def _probe(python: str) -> dict:
+def _probe(python: str) -> dict[str, Any]:
     """Engine version and device of the vLLM venv, without starting an engine (~2 s: imports torch)."""
     code = (
         "import importlib.metadata as m, json, torch\n"
@@ -164,10 +165,10 @@ class VllmBackend:
         self.max_images = max_images
         self.media_pad_id = json.loads((self.model_dir / "config.json").read_text()).get("image_token_id")
         self._root = Path(tempfile.mkdtemp(prefix="eagle3-vllm-", dir=work_dir or os.environ.get(WORK_DIR_ENV) or None))
-        self._proc: subprocess.Popen | None = None
+        self._proc: subprocess.Popen[Any] | None = None
         self._layer_ids: list[int] | None = None  # the layers of the running, ready engine
         self._spawned_ids: list[int] | None = None  # the layers of the engine process started (ready or not)
-        self.engine_facts: dict = {}
+        self.engine_facts: dict[str, Any] = {}
         self.starts = 0  # engines started by this backend (tests: one per session)
         self.stats = {"requests": 0, "file_bytes": 0, "engine_seconds": 0.0}  # for benchmarks/vllm_extract.py
         atexit.register(self.close)
@@ -251,7 +252,7 @@ class VllmBackend:
         self.info = replace(self.info, device=ready["device"])
         self._layer_ids = self._spawned_ids
 
-    def _answer(self, timeout_s: float | None, what: str) -> dict:
+    def _answer(self, timeout_s: float | None, what: str) -> dict[str, Any]:
         assert self._proc is not None and self._proc.stdout is not None
         if timeout_s is not None:
             readable, _, _ = select.select([self._proc.stdout], [], [], timeout_s)
@@ -318,7 +319,7 @@ class VllmBackend:
 
     def request(
         self, batch: Sequence[Sequence[int]], layer_ids: list[int], images: Sequence[Sequence[bytes]] | None = None
-    ) -> dict:
+    ) -> dict[str, Any]:
         """One batch through the engine (started or restarted for `layer_ids`): the worker's answer."""
         message = {"op": "extract", "batch": [list(map(int, ids)) for ids in batch]}
         if images is not None and any(images):

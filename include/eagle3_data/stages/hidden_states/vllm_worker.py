@@ -43,6 +43,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -194,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _prompts(msg: dict) -> list[dict]:
+def _prompts(msg: dict[str, Any]) -> list[dict[str, Any]]:
     """The batch as vLLM prompts: ids, and each sample's images as Kimi-K2.5 `vision_chunk` items."""
     images = msg.get("images") or [[] for _ in msg["batch"]]
     prompts = []

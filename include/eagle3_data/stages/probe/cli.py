@@ -4,11 +4,12 @@ or on a run's extraction stage (the DAG's probe task, its JSON written to runs/R
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from eagle3_data.cli.runs import add_config_arg, add_fresh_arg, add_store_args, printed, run_of_stage
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("probe", help="train a small EAGLE-3 drafter on the data and score held-out acceptance")
     p.add_argument(
         "--input",
@@ -34,7 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run)
 
 
-def _overrides(args: argparse.Namespace) -> dict:
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     keys = ("samples", "eval_samples", "steps", "draft_length", "seed")
     return {"probe": {"when": "always", **{k: getattr(args, k) for k in keys if getattr(args, k) is not None}}}
 
@@ -46,7 +47,8 @@ def _run(args: argparse.Namespace) -> int:
     from eagle3_data.errors import UserError
 
     if args.input.startswith("s3://"):
-        from eagle3_data.stages.probe.stage import ProbeSkipped, probe
+        from eagle3_data.runs.results import ProbeSkipped
+        from eagle3_data.stages.probe.stage import probe
 
         if args.out or args.eval_export or args.model:
             raise UserError(

@@ -20,11 +20,13 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from eagle3_data.errors import UserError
-from eagle3_data.speculators_venv import PYTHON_ENV, speculators_python  # noqa: F401 (the probe's API)
+from eagle3_data.speculators_venv import PYTHON_ENV as PYTHON_ENV  # the probe's API
+from eagle3_data.speculators_venv import speculators_python as speculators_python
 
 SCRIPT = Path(__file__).with_name("speculators_probe.py")
 OVER_BUDGET_EXIT = 3  # speculators_probe.py's exit status when its projection is past the budget
@@ -35,7 +37,7 @@ class OverBudget(UserError):
     budget was spent (`projection`: speculators_probe.Budget's figures; None when it was killed at
     the budget instead). A UserError: the config's sizes, not the weather, decide it."""
 
-    def __init__(self, message: str, projection: dict | None = None):
+    def __init__(self, message: str, projection: dict[str, Any] | None = None):
         super().__init__(message)
         self.projection = projection
 
@@ -89,7 +91,7 @@ def train_and_score(
     device: str = "cpu",
     threads: int | None = None,
     budget_s: float | None = None,
-) -> list[dict]:
+) -> list[dict[str, Any]]:
     """Every arm in one speculators process; returns each arm's figures (`figures`). The process
     gets `budget_s` (default: the config's): past it, or when its first steps' pace projects past
     it (`speculators_probe.Budget`), OverBudget."""
@@ -138,7 +140,7 @@ def train_and_score(
     return [figures(raw) for raw in lines]
 
 
-def over_budget_message(projection: dict, device: str) -> str:
+def over_budget_message(projection: dict[str, Any], device: str) -> str:
     """One line: what the first steps measured, what they project, what to change."""
     return (
         f"probe: {projection.get('drafters', 1)} drafters, {projection['steps']} steps in all, would take "
@@ -159,7 +161,7 @@ def simulated_acceptance(acc: list[float]) -> float:
     return float(np.sum(np.cumprod(acc))) if acc else 0.0
 
 
-def figures(raw: dict) -> dict:
+def figures(raw: dict[str, Any]) -> dict[str, Any]:
     """One arm's verdict from the metrics' sums: acc_k, full_acc_k, the simulated acceptance length
     and the held-out loss at the last evaluation, and the learning curve (loss per step, acceptance
     and held-out loss per evaluation). The held-out loss (speculators' own KL to the target's
@@ -214,7 +216,7 @@ def coverage(export: Path, rows: list[int], vocab_dir: Path) -> float:
 FIT_OFFSETS = (-1, 0, 1)
 
 
-def last_state_fit(export: Path, rows: list[int], verifier: Path, *, device: str = "cpu") -> dict:
+def last_state_fit(export: Path, rows: list[int], verifier: Path, *, device: str = "cpu") -> dict[str, Any]:
     """How well the export's own last states predict its trained ids, before any training: over
     the rows' trained tokens (loss mask 1), the mean log-probability of each id under the target's
     final norm and LM head applied to the stored last state before it (`mean_logprob`, nats), and
@@ -272,7 +274,7 @@ def last_state_fit(export: Path, rows: list[int], verifier: Path, *, device: str
     }
 
 
-def alignment(fit: dict, export_check: dict | None) -> dict:
+def alignment(fit: dict[str, Any], export_check: dict[str, Any] | None) -> dict[str, Any]:
     """The deterministic half of the verdict. The export check (each state against the
     log-probability the extraction recorded for its token, read through the trainer's reader)
     decides when it ran. Without it the last-state fit can fail an export, never pass one: states
@@ -298,7 +300,7 @@ def alignment(fit: dict, export_check: dict | None) -> dict:
     return {"verdict": "inconclusive", "rule": f"no export check (no extraction to check against); {fit_rule}"}
 
 
-def data_quality(runs: list[dict], floor: float | None) -> dict:
+def data_quality(runs: list[dict[str, Any]], floor: float | None) -> dict[str, Any]:
     """The training half: the simulated acceptance of every seed (the same rows, another init and
     sample order), its mean and spread (max - min) on this run's own data. Against `floor`
     (probe.min_simulated_acceptance): pass when the mean is above it by more than the spread, fail
@@ -324,7 +326,7 @@ def data_quality(runs: list[dict], floor: float | None) -> dict:
     return {**out, "verdict": verdict, "rule": rule}
 
 
-def verdict(align: dict, quality: dict) -> dict:
+def verdict(align: dict[str, Any], quality: dict[str, Any]) -> dict[str, Any]:
     """pass / fail / inconclusive and the rule that drew it: alignment decides first (deterministic);
     then data quality, where it was judged."""
     if align["verdict"] == "fail":
@@ -356,7 +358,7 @@ def probe_export(
     budget_s: float | None = None,
     shards=None,
     check_samples: int | None = 8,
-) -> dict:
+) -> dict[str, Any]:
     """The probe on one export (draft vocabulary beside it unless `vocab_dir`): the artifact's JSON.
     `budget_s`: the training's share of the budget (default: the config's whole). One drafter per
     seed of `config.seeds` (the same split; another init and sample order), so the simulated

@@ -21,6 +21,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,13 +43,13 @@ class Budget:
     `budget_s`: the imports count) the probe stops there (`over_budget`), instead of spending the
     budget to be killed at its end."""
 
-    def __init__(self, spec: dict):
+    def __init__(self, spec: dict[str, Any]):
         self.budget_s, self.deadline = spec.get("budget_s"), spec.get("deadline")
         self.arms = spec["arms"]
         self.checked = self.deadline is None
 
     @staticmethod
-    def evaluations(arm: dict, after_step: int) -> int:
+    def evaluations(arm: dict[str, Any], after_step: int) -> int:
         """The arm's evaluations after `after_step` (every eval_every steps and at its last)."""
         at = set(range(arm["eval_every"], arm["steps"] + 1, arm["eval_every"])) | {arm["steps"]}
         return sum(1 for step in at if step > after_step)
@@ -77,7 +78,7 @@ class Budget:
             sys.exit(OVER_BUDGET_EXIT)
 
 
-def drafter(verifier: str, target, arm: dict, aux_layers: list[int]) -> Eagle3DraftModel:
+def drafter(verifier: str, target, arm: dict[str, Any], aux_layers: list[int]) -> Eagle3DraftModel:
     """A one-layer llama drafter of the target's width (speculators' EAGLE-3 for DeepSeek-family
     targets), its embeddings, LM head and verifier norm the target's."""
     heads = 4 if target.hidden_size < 512 else target.hidden_size // 128
@@ -114,7 +115,7 @@ def drafter(verifier: str, target, arm: dict, aux_layers: list[int]) -> Eagle3Dr
     return model
 
 
-def loader(export: str, rows: list[int], arm: dict, target, seed: int | None):
+def loader(export: str, rows: list[int], arm: dict[str, Any], target, seed: int | None):
     """speculators' reader and collation over `rows` of an export; shuffled when seeded."""
     data = torch.utils.data.Subset(ArrowDataset(max_len=arm["max_len"], datapath=export, on_missing="raise"), rows)
     collate = CollateFn(
@@ -126,7 +127,7 @@ def loader(export: str, rows: list[int], arm: dict, target, seed: int | None):
     )
 
 
-def tensors(batch: dict, device: str) -> dict:
+def tensors(batch: dict[str, Any], device: str) -> dict[str, Any]:
     return {k: v.to(device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
 
 
@@ -146,7 +147,7 @@ def first_drafts(loss_mask: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(model, batches, arm: dict, loss_config, device: str) -> dict:
+def evaluate(model, batches, arm: dict[str, Any], loss_config, device: str) -> dict[str, Any]:
     """The metrics' sums over the eval rows (speculators' full and conditional accuracy per step),
     the held-out loss (the mean of speculators' loss over the eval batches: the same batches for
     every arm scored on the same rows), and the same for each answer's first draft alone (one draft
@@ -181,7 +182,9 @@ def evaluate(model, batches, arm: dict, loss_config, device: str) -> dict:
     }
 
 
-def train_arm(spec: dict, arm: dict, budget: Budget | None = None, index: int = 0) -> tuple[Eagle3DraftModel, dict]:
+def train_arm(
+    spec: dict[str, Any], arm: dict[str, Any], budget: Budget | None = None, index: int = 0
+) -> tuple[Eagle3DraftModel, dict[str, Any]]:
     """One arm trained: the drafter (for checks that score it by hand, tests/trainers/probe_oracle.py)
     and its figures: the loss per step, the metrics' sums per evaluation, the seconds taken. The
     `budget` is checked once its first steps are timed."""

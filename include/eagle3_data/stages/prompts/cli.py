@@ -22,7 +22,7 @@ _DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
 MAX_REPORTED = 20
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("prompts", help="upload prompt files to a dataset's date partition, list partitions")
     sub = p.add_subparsers(dest="prompts_command", required=True)
     up = sub.add_parser("upload", help="validate FILE(s) and write them to {root}/{dataset}/date=YYYY-MM-DD/")

@@ -65,15 +65,15 @@ class PromptRows(RowSpill):
     def batches(self, columns: list[str] | None = None):
         return super().batches(self.columns if columns is None else columns)
 
-    def __iter__(self) -> Iterator[dict]:
+    def __iter__(self) -> Iterator[dict[str, Any]]:
         return self.rows()
 
 
 @dataclass
 class PromptLoad:
     rows: PromptRows
-    rejects: list[dict]  # schemas.REJECTS shape
-    sources: list[dict] = field(default_factory=list)  # {"uri", "bytes", "sha256"}: manifest inputs
+    rejects: list[dict[str, Any]]  # schemas.REJECTS shape
+    sources: list[dict[str, Any]] = field(default_factory=list)  # {"uri", "bytes", "sha256"}: manifest inputs
     counts: dict[str, int] = field(default_factory=dict)
 
 
@@ -84,7 +84,13 @@ class _ImageReject(_Reject):
     """A row refused for one of its images (counted apart: `image_rejects`)."""
 
 
-def sample_id(dataset: str, messages: list[dict], tools: list[dict] | None, sampling: dict, index: int) -> str:
+def sample_id(
+    dataset: str,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    sampling: dict[str, Any],
+    index: int,
+) -> str:
     """Stable id of one generation: sha256 over canonical JSON, 32 hex digits. `index` is the
     repeat number, so the same prompt twice in a file is one sample, not two."""
     key = canonical_json(
@@ -98,7 +104,7 @@ def load_prompts(
     dataset: str,
     *,
     date: str | None = None,
-    sampling: dict,
+    sampling: dict[str, Any],
     repeats: int = 1,
     client=None,
     max_message_bytes: int | None = None,
@@ -220,7 +226,9 @@ def load_prompts(
     return load
 
 
-def _store_images(messages: list[dict], sink: ImageSink | None, f: _File, client) -> dict[tuple[int, int], dict]:
+def _store_images(
+    messages: list[dict[str, Any]], sink: ImageSink | None, f: _File, client
+) -> dict[tuple[int, int], dict[str, Any]]:
     """Read, check and store every image part of a normalised row (images.ImageSink), rewriting
     each part's url to the stored object: (message, part) -> its reference. A broken, missing or
     oversized image refuses the row, naming the part."""
@@ -239,7 +247,7 @@ def _store_images(messages: list[dict], sink: ImageSink | None, f: _File, client
     return refs
 
 
-def _check_bytes(messages: list[dict], max_bytes: int | None) -> None:
+def _check_bytes(messages: list[dict[str, Any]], max_bytes: int | None) -> None:
     if max_bytes is not None:
         for i, m in enumerate(messages):
             size = len(canonical_json(m).encode())
@@ -251,10 +259,10 @@ def _check_bytes(messages: list[dict], max_bytes: int | None) -> None:
 
 # a load of at least this many rows renders its prompts on forked workers (`limit_prompt_tokens`)
 FORK_MIN_ROWS = 4096
-_FORKED_COUNT: Callable | None = None  # set in the parent just before forking; the workers inherit it
+_FORKED_COUNT: Callable[..., Any] | None = None  # set in the parent just before forking; the workers inherit it
 
 
-def _count_one(count_tokens: Callable, max_tokens: int, messages: str, tools: str | None, images: str | None):
+def _count_one(count_tokens: Callable[..., Any], max_tokens: int, messages: str, tools: str | None, images: str | None):
     """(tokens or None, verdict or None) of one prompt (`limit_prompt_tokens`)."""
     try:
         extra = {"images": json.loads(images)} if images else {}
@@ -271,14 +279,14 @@ def _forked_init() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def _count_forked(args: tuple) -> tuple:
+def _count_forked(args: tuple[Any, ...]) -> tuple[Any, ...]:
     return _count_one(_FORKED_COUNT, *args)
 
 
 def limit_prompt_tokens(
     load: PromptLoad,
     max_tokens: int | None,
-    count_tokens: Callable[[list[dict], list[dict] | None], int],
+    count_tokens: Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], int],
     counted: dict[str, int] | None = None,
     workers: int = 1,
 ) -> None:
@@ -385,7 +393,7 @@ def require_rows(load: PromptLoad, what: str) -> None:
 
 
 # -- validation and normalisation -------------------------------------------------------------------
-def turn_prompts(messages: list[dict], regenerate: str = "every_turn") -> list[list[dict]]:
+def turn_prompts(messages: list[dict[str, Any]], regenerate: str = "every_turn") -> list[list[dict[str, Any]]]:
     """Every user turn's prompt: the messages up to and including it. The earlier assistant
     turns stay the dataset's own (the template renders them as it does at that point: Kimi's
     drops their reasoning), so each sample is what the model sees when it answers that turn."""
@@ -397,7 +405,7 @@ def turn_prompts(messages: list[dict], regenerate: str = "every_turn") -> list[l
 
 def _normalise(
     record: Any, call_id: Callable[[str, int], str] | None = None, *, drop_answer: bool = False
-) -> tuple[list[dict], list[dict] | None, int, bool]:
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, int, bool]:
     """(messages, tools, count of ignored fields, whether an answer was dropped) of a row in any
     layout (prompt_layouts), every tool message paired with the call it answers (refused when it
     answers none) and, given `call_id`, the calls renamed to the format's own ids (see
@@ -435,7 +443,7 @@ def _normalise(
 
 
 def _format_call_ids(
-    messages: list[dict], answers: dict[int, tuple[int, int]], call_id: Callable[[str, int], str]
+    messages: list[dict[str, Any]], answers: dict[int, tuple[int, int]], call_id: Callable[[str, int], str]
 ) -> None:
     """Rename every call (in place) to `call_id(name, k)`, k counting the row's calls in order (as
     the model counts them: `OutputFormat.tool_call_index_start`), and re-key each tool message
@@ -448,7 +456,7 @@ def _format_call_ids(
         messages[j]["tool_call_id"] = ids[at]
 
 
-def _source_id(record: dict) -> str | None:
+def _source_id(record: dict[str, Any]) -> str | None:
     """The row's own `id` (a string or an integer), kept as provenance beside the sample id: the
     sample id depends only on what is generated, the dataset's id is how its owner finds the row."""
     value = record.get("id")
@@ -459,7 +467,7 @@ def _source_id(record: dict) -> str | None:
     return str(value)[:256]
 
 
-def _message(m: Any, where: str) -> dict:
+def _message(m: Any, where: str) -> dict[str, Any]:
     if not isinstance(m, dict):
         raise _Reject(where, f"expected an object, got {type(m).__name__}")
     m = {k: v for k, v in m.items() if v is not None}  # Parquet structs carry every key, unset ones null
@@ -490,7 +498,7 @@ def _message(m: Any, where: str) -> dict:
     return m
 
 
-def _content(content: Any, where: str, *, images: bool = False) -> str | list[dict]:
+def _content(content: Any, where: str, *, images: bool = False) -> str | list[dict[str, Any]]:
     """A message's content: a string, or text parts and (`images`: user messages) OpenAI
     `image_url` parts, whose url `_store_images` resolves."""
     if isinstance(content, str):
@@ -514,7 +522,7 @@ def _content(content: Any, where: str, *, images: bool = False) -> str | list[di
     return out
 
 
-def _tool_call(c: Any, where: str) -> dict:
+def _tool_call(c: Any, where: str) -> dict[str, Any]:
     if not isinstance(c, dict):
         raise _Reject(where, f"expected an object, got {type(c).__name__}")
     fn = c.get("function")
@@ -539,7 +547,7 @@ def _tool_call(c: Any, where: str) -> dict:
 _json_field = prompt_layouts.loads_field  # a field holding JSON as a string, parsed like a line
 
 
-def _tool(t: Any, where: str) -> dict:
+def _tool(t: Any, where: str) -> dict[str, Any]:
     if not isinstance(t, dict) or t.get("type", "function") != "function":
         raise _Reject(where, "expected {'type': 'function', 'function': {...}}")
     fn = t.get("function")
@@ -629,10 +637,14 @@ def _open(f: _File, client):
         return f.path.open("rb")
     from eagle3_data.storage.client import s3_errors
 
-    out = tempfile.SpooledTemporaryFile(max_size=8 << 20)
-    with s3_errors(client, f"reading {f.uri}"):
-        body = client.get_object(Bucket=f.bucket, Key=f.key)["Body"]
-        for chunk in iter(lambda: body.read(1 << 20), b""):
-            out.write(chunk)
+    out = tempfile.SpooledTemporaryFile(max_size=8 << 20)  # noqa: SIM115 (returned open)
+    try:
+        with s3_errors(client, f"reading {f.uri}"):
+            body = client.get_object(Bucket=f.bucket, Key=f.key)["Body"]
+            for chunk in iter(lambda: body.read(1 << 20), b""):
+                out.write(chunk)
+    except BaseException:
+        out.close()  # a read that failed part-way must not leave the spilled file behind
+        raise
     out.seek(0)
     return out

@@ -8,7 +8,7 @@ import hashlib
 import json
 import os
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
@@ -32,7 +32,7 @@ PROMPT_ROWS_PER_PART = 2048
 BALANCE_FIELDS = ("local_endpoints", "local_latency_s", "overflow_latency_s")
 
 
-def recorded_balance(store, ref) -> dict | None:
+def recorded_balance(store, ref) -> dict[str, Any] | None:
     """The balance inputs this run's committed prompts stage was routed with, if any.
 
     A run's routes are decided once. Recomputed on a rerun or a backfill's reprocessing, they
@@ -252,7 +252,7 @@ def rows_sha256(batches: Iterable[pa.RecordBatch]) -> str:
     return digest.hexdigest()
 
 
-def _balance_kwargs(balance: dict) -> dict:
+def _balance_kwargs(balance: dict[str, Any]) -> dict[str, Any]:
     """assign_routes' balance arguments from `rate_inputs`."""
     return {
         "local_endpoints": balance["local"]["endpoints"],
@@ -261,7 +261,7 @@ def _balance_kwargs(balance: dict) -> dict:
     }
 
 
-def _side_text(side: dict) -> str:
+def _side_text(side: dict[str, Any]) -> str:
     if "endpoints" in side:
         return f"{side['endpoints']} x {side['in_flight_per_endpoint']} in flight at {side['latency_s']:g} s"
     return f"{side['concurrency']} in flight at {side['latency_s']:g} s"
@@ -271,12 +271,12 @@ def _estimate(
     run: Run,
     fmt,
     batches: Iterable[pa.RecordBatch],
-    counts: dict,
-    balance: dict,
+    counts: dict[str, Any],
+    balance: dict[str, Any],
     store,
     dataset: str,
-    counted: dict | None = None,
-) -> dict:
+    counted: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """One dataset's plan figures (plan): prompt tokens measured (`counted`: by sample_id,
     from the load's own rendering; a row without a count is rendered here), output tokens and
     overflow USD as an upper bound (every answer max_new_tokens long) and as expected, the cap
@@ -350,7 +350,9 @@ def _estimate(
     }
 
 
-def _strategies(run: Run, n_rows: int, prompt_tokens: int, balance: dict, expected_output: int | None = None) -> dict:
+def _strategies(
+    run: Run, n_rows: int, prompt_tokens: int, balance: dict[str, Any], expected_output: int | None = None
+) -> dict[str, Any]:
     """Each routing strategy on this dataset's samples: counts per side, each side's finish time
     with both running at once, the wall time (the later side), and the overflow spend (upper
     bound: every answer max_new_tokens long, uncapped by max_usd). The rates come from the

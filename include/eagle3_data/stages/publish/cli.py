@@ -15,7 +15,7 @@ import dataclasses
 from eagle3_data.cli.runs import add_config_arg, add_store_args, cli_run, printed
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("publish", help="write a CLI run's report and summary (the DAG's publish task)")
     p.add_argument("--run-key", required=True, help="the run key the stage commands used")
     p.add_argument("--bucket", help="S3 bucket (default: the config's storage.bucket)")

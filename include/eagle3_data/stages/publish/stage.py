@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from typing import Any
 
 from eagle3_data.errors import GateFailed
 from eagle3_data.extraction_params import hidden_states_params
@@ -35,7 +36,7 @@ from eagle3_data.storage_estimate import storage_estimate
 SUMMARY = "summary.json"
 
 
-def _generation_totals(store, ref) -> dict:
+def _generation_totals(store, ref) -> dict[str, Any]:
     """Rows, failures, tokens and USD of one generation stage, from its committed parts."""
     out = {"ok": 0, "failed": 0, "prompt_tokens": 0, "completion_tokens": 0, "cost_usd": 0.0}
     if not store.is_complete(ref):
@@ -51,7 +52,7 @@ def _generation_totals(store, ref) -> dict:
     return out
 
 
-def _probe_figures(run: Run, store, hs_ref) -> dict | None:
+def _probe_figures(run: Run, store, hs_ref) -> dict[str, Any] | None:
     """The probe's figures and learning curve, when it ran on this extraction with these params."""
     from eagle3_data.runs.upstream import probe_params
     from eagle3_data.stages import PROBE_REPORT
@@ -83,7 +84,7 @@ def _probe_figures(run: Run, store, hs_ref) -> dict | None:
     return {"uri": store.uri(ref, PROBE_REPORT), "steps": report["config"]["steps"], **{k: report.get(k) for k in keys}}
 
 
-def verdicts(hidden: dict | None, probe: dict | None) -> list[dict]:
+def verdicts(hidden: dict[str, Any] | None, probe: dict[str, Any] | None) -> list[dict[str, Any]]:
     """The checks' verdicts, for the top of the run report: the extraction's self-check (its
     log-probabilities against the local engine's own: a shard that fails it is never committed),
     the check of the export the probe trained on (through speculators' reader), and the probe's
@@ -140,7 +141,7 @@ def _probe_not_run(when: str) -> str:
     return "Not run on this extraction: the probe task failed or did not finish (its log says why)."
 
 
-def _policy_every_row(run: Run, store, hs_ref, hidden: dict) -> dict:
+def _policy_every_row(run: Run, store, hs_ref, hidden: dict[str, Any]) -> dict[str, Any]:
     """The policy check over every sampled answer the extraction scored (policy_check.every_row_gate),
     with the nucleus counts of its committed figures (`hidden`: the extraction manifest's extra)."""
     from eagle3_data.policy_check import Thresholds, every_row_gate, nucleus_counts
@@ -153,7 +154,7 @@ def _policy_every_row(run: Run, store, hs_ref, hidden: dict) -> dict:
     )
 
 
-def _run_report(store, run_key: str, index: dict, stand_ins, training: dict) -> str | None:
+def _run_report(store, run_key: str, index: dict[str, Any], stand_ins, training: dict[str, Any]) -> str | None:
     """The UI's run-report index; left untouched when it already says the same (idempotent reruns)."""
     from eagle3_data.report import RUN_REPORT_NAME, run_report_ref, write_run_report
 
@@ -192,7 +193,7 @@ def _plan(run: Run, store) -> PublishResult:
     )
 
 
-def _conversation_figures(store, run: Run, dataset: str) -> dict:
+def _conversation_figures(store, run: Run, dataset: str) -> dict[str, Any]:
     """`conversations`: each generation stage's samples figures when it ran in rounds
     (conversations.figures, in its manifest), by path; nothing otherwise."""
     out = {}
@@ -203,7 +204,7 @@ def _conversation_figures(store, run: Run, dataset: str) -> dict:
     return {"conversations": out} if out else {}
 
 
-def _trajectory_counts(merged: dict | None, dataset: str) -> dict:
+def _trajectory_counts(merged: dict[str, Any] | None, dataset: str) -> dict[str, Any]:
     """`trajectories`: what the merge made of the dataset's trajectories (samples kept whole, kept
     cut, dropped; turn rows folded, records, dropped: merge._fold), when it had any."""
     counts = {
@@ -212,7 +213,7 @@ def _trajectory_counts(merged: dict | None, dataset: str) -> dict:
     return {"trajectories": counts} if counts else {}
 
 
-def _image_counts(store, prompts_ref) -> dict:
+def _image_counts(store, prompts_ref) -> dict[str, Any]:
     """`images`: the dataset's image prompts (rows, images, media tokens, rows refused for an image:
     prompts.IMAGE_COUNTS, as the prompts stage counted them), when it had any."""
     from eagle3_data.stages import IMAGE_COUNTS
@@ -237,7 +238,7 @@ def publish(run: Run, store, failed: Mapping[str, str] | None = None) -> Publish
         return _plan(run, store)
 
     gates = gate_results(run, store, failed)
-    datasets: dict[str, dict] = {}
+    datasets: dict[str, dict[str, Any]] = {}
     for name, gate in gates.items():
         prompts = stage_ref(run, PROMPTS, name)
         datasets[name] = {

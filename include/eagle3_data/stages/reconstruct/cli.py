@@ -10,11 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 from eagle3_data.cli.runs import add_config_arg, add_fresh_arg, add_store_args, mode_overrides, printed, run_of_stage
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("reconstruct", help="rebuild output ids from reasoning/content/tool_calls text")
     p.add_argument(
         "--input",
@@ -114,7 +115,7 @@ def _write(path: Path, suffix: str, records) -> int:
             ]
         )
         with pq.ParquetWriter(path, schema) as writer:
-            batch: list[dict] = []
+            batch: list[dict[str, Any]] = []
             for rec in records:
                 batch.append(rec)
                 n += 1

@@ -3,6 +3,8 @@ one batched encode. Waits for both generation stages (the gate compares them).""
 
 from __future__ import annotations
 
+from typing import Any
+
 from eagle3_data.runs.results import ReconstructResult
 from eagle3_data.runs.reuse import settle
 from eagle3_data.runs.run import Run, bulk_tokenizer_for, log, output_format, stage_ref, tokenizer_hashes
@@ -28,7 +30,7 @@ def reconstruct(run: Run, store, dataset: str) -> ReconstructResult:
         return ReconstructResult(uri=store.uri(ref), rows=manifest["rows"], reused=True)
     fmt = output_format(run, store, template=False)
     counts = {"ok": 0, "failed": 0, "unreconstructable": 0, "rejected": 0, "literal_special_text": 0}
-    rejects: list[dict] = []
+    rejects: list[dict[str, Any]] = []
     source, line, read = store.uri(src), 0, 0
     with StageWriter(
         store, ref, "generations", rows_per_part=1024, params=params, inputs=[src], fresh=True, **hashes

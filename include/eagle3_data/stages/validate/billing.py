@@ -53,7 +53,7 @@ def _zero_what(usage_field: str, ours: str) -> str:
     return f"billed 0 {usage_field} for {ours}"
 
 
-def _keep_worst(top: list[tuple], item: tuple, worst: int) -> None:
+def _keep_worst(top: list[tuple[Any, ...]], item: tuple[Any, ...], worst: int) -> None:
     """Keep the `worst` largest items (by their first field) of a stream in a min-heap."""
     if len(top) < worst:
         heapq.heappush(top, item)

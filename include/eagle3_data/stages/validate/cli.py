@@ -11,12 +11,13 @@ import argparse
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 from eagle3_data.cli.runs import add_config_arg, add_fresh_arg, add_store_args, mode_overrides, printed, run_of_stage
 from eagle3_data.errors import GateFailed, UserError
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("validate", help="decode -> parse -> reconstruct -> compare ids; gate on mismatches")
     p.add_argument(
         "--input",
@@ -53,7 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run)
 
 
-def _thresholds(args: argparse.Namespace) -> dict:
+def _thresholds(args: argparse.Namespace) -> dict[str, Any]:
     return {
         k: v
         for k, v in (("max_bpe_mismatch_rate", args.max_bpe_mismatch_rate), ("max_bad_row_rate", args.max_bad_row_rate))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from typing import Any
 
 from eagle3_data.chat_format import OutputFormat
 
@@ -31,11 +32,11 @@ CANNOT_PROVE = (
 
 def consistency_report(
     fmt: OutputFormat,
-    local_rows: Iterable[dict],
-    overflow_rows: Iterable[dict],
+    local_rows: Iterable[dict[str, Any]],
+    overflow_rows: Iterable[dict[str, Any]],
     first_n: int = 64,
     sample_ids: Iterable[str] | None = None,
-) -> dict:
+) -> dict[str, Any]:
     """Compare calibration samples generated on both paths (generation rows, same sample_ids).
 
     Per sample: how many of the first `first_n` engine ids the reconstruction of the provider's
@@ -105,7 +106,7 @@ def consistency_report(
     }
 
 
-def _plain(row: dict) -> dict:
+def _plain(row: dict[str, Any]) -> dict[str, Any]:
     out = dict(row)
     if isinstance(out.get("tool_calls"), str):
         out["tool_calls"] = json.loads(out["tool_calls"])

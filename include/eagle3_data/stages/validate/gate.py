@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eagle3_data.chat_format import OutputFormat
 from eagle3_data.gate_defaults import DEFAULT_MAX_BAD_ROW_RATE, DEFAULT_MAX_BPE_MISMATCH_RATE
@@ -13,6 +13,9 @@ from eagle3_data.mismatch.classify import CLASSES, FAILING_CLASSES, RowResult
 from eagle3_data.mismatch.pool import validate_rows
 from eagle3_data.mismatch.rows import BadRow, InputRow
 from eagle3_data.mismatch.stops import StopConvention, detect_stop_convention
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 EXAMPLES = 20  # sample_ids kept per reported case
 
@@ -30,12 +33,12 @@ class ValidationSummary:
     max_bad_row_rate: float = DEFAULT_MAX_BAD_ROW_RATE
     allow_unvalidated_overflow: bool = False
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CLASSES, 0))
-    details: dict[str, Counter] = field(default_factory=dict)
+    details: dict[str, Counter[str]] = field(default_factory=dict)
     mismatches: list[dict[str, Any]] = field(default_factory=list)
     bad_rows: list[dict[str, Any]] = field(default_factory=list)
     literal_samples: int = 0
     literal_exact: int = 0
-    literal_names: Counter = field(default_factory=Counter)
+    literal_names: Counter[str] = field(default_factory=Counter)
     literal_examples: list[str] = field(default_factory=list)
     output_tokens: int = 0
     agreed_tokens: int = 0
@@ -134,7 +137,7 @@ def validate_to_report(
     return summary.report()
 
 
-def validation_rows_table(results: Iterable[RowResult], dataset: str, source: str):
+def validation_rows_table(results: Iterable[RowResult], dataset: str, source: str) -> pa.Table:
     """Per-row results as a `schemas.VALIDATION_ROWS` table (billed_tokens null: local ids)."""
     import pyarrow as pa
 

@@ -19,13 +19,15 @@ from eagle3_data.schemas import IDENTITY_MISMATCH
 from eagle3_data.stages.validate.gate import EXAMPLES
 
 
-def identity_report(rows: Iterable[dict[str, Any]], *, max_rate: float = DEFAULT_MAX_IDENTITY_MISMATCH_RATE) -> dict:
+def identity_report(
+    rows: Iterable[dict[str, Any]], *, max_rate: float = DEFAULT_MAX_IDENTITY_MISMATCH_RATE
+) -> dict[str, Any]:
     """Over rows with `status`, `error`, `provenance` (JSON) and `sample_id`: answers per
     (model, provider) named, mismatches by reason, and the decision. Unanswered rows (failed
     before any answer: no provenance) do not count."""
     answered, mismatched = 0, 0
-    served: Counter = Counter()
-    reasons: Counter = Counter()
+    served: Counter[str] = Counter()
+    reasons: Counter[str] = Counter()
     examples: list[str] = []
     for r in rows:
         if not r.get("provenance"):
