@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "include" / "eagle3_data" / "probe"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "include" / "eagle3_data" / "stages" / "probe"))
 import speculators_probe
 
 
