@@ -23,7 +23,7 @@ from _harness import measure, slope, table
 
 SETUP = """
 import numpy as np
-from eagle3_data.stages.hidden_states import speculators_export
+from eagle3_data.exports import speculators_export
 
 def rows(n, tokens):
     rng = np.random.default_rng(0)
