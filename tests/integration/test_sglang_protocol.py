@@ -250,7 +250,7 @@ def test_a_server_started_with_an_api_key_is_sent_it_and_the_key_is_written_nowh
     `Authorization: Bearer <key>` on every request; the key is in no log line and no artifact."""
     from eagle3_data.engines import wire_for
     from eagle3_data.nucleus import Item
-    from eagle3_data.stages.policy import ScoreOptions, score_items
+    from eagle3_data.stages.policy import ScoreTimings, score_items
 
     caplog.set_level(logging.DEBUG)
     assert httpx.get(f"{keyed_server.url}/server_info").status_code == 401  # the server does want the key
@@ -270,7 +270,7 @@ def test_a_server_started_with_an_api_key_is_sent_it_and_the_key_is_written_nowh
     assert store.read_manifest(ref)["extra"]["weight_versions"] == {keyed_server.url: "dev"}
     item = Item("k", "overflow", "overflow", (1, 2, 3, 10, 11, 12), 3)
     (got,), refused, _ = score_items(
-        [item], [keyed_server.url], wire_for("sglang", API_KEY), ScoreOptions(max_attempts=1)
+        [item], [keyed_server.url], wire_for("sglang", API_KEY), timings=ScoreTimings(max_attempts=1)
     )
     assert not refused and len(got) == 3, refused
     assert caplog.records and not [r for r in caplog.records if API_KEY in r.getMessage()]
