@@ -98,17 +98,12 @@ class StorageConfig(_Model):
 
 
 class TokenizerConfig(_Model):
-    source: str = Field(description="HF tokenizer dir, s3:// prefix holding one, or dev:kimi-tokenizer")
+    source: str = Field(description="HF tokenizer dir, s3:// prefix holding one, or a dev: build (dev:kimi-tokenizer)")
     expected_special_ids: dict[str, Annotated[int, Field(ge=0)]] = Field(
-        description="audited by name before any spend: encode(name) == [id] and decode([id]) == name"
+        default_factory=dict,
+        description="ids to audit beyond the model family's published ones (chat_format: each family's "
+        "reference_ids, always audited): encode(name) == [id] and decode([id]) == name, before any spend",
     )
-
-    @field_validator("expected_special_ids")
-    @classmethod
-    def _not_empty(cls, v: dict[str, int]) -> dict[str, int]:
-        if not v:  # which names: the audit requires the format's stop token among them
-            raise ValueError("must pin at least the stop token's id, e.g. {'<|im_end|>': 163586}")
-        return v
 
 
 class ModelConfig(_Model):
@@ -116,6 +111,21 @@ class ModelConfig(_Model):
     source: str = Field(
         description="HF model dir, s3:// prefix, or dev:tiny-kimi-k25 / dev:tiny-deepseek-v3 (hidden-state extraction)"
     )
+    family: str | None = Field(
+        None,
+        description="the model family whose output format renders and parses its generations (a chat_format "
+        "module's name); unset: the one whose special tokens the tokenizer carries; set: a tokenizer of another "
+        "family is refused",
+    )
+
+    @field_validator("family")
+    @classmethod
+    def _known_family(cls, value: str | None) -> str | None:
+        from eagle3_data.chat_format import FORMATS
+
+        if value is not None and value not in FORMATS:
+            raise ValueError(f"unknown model family {value!r}; known: {', '.join(FORMATS)}")
+        return value
 
 
 class SamplingConfig(_Model):
@@ -275,9 +285,9 @@ class GenerationConfig(_Model):
     call_ids: CallIds = Field(
         "format",
         description="the tool-call ids of the prompts' history: format rewrites a dataset's own (call_w1, "
-        "ShareGPT's call_0) to the model's (Kimi: functions.{name}:{idx}, idx counting the row's calls), each tool "
-        "result re-keyed to the call it answers, since Kimi reads a call's function name from its id; given keeps "
-        "them as the dataset has them",
+        "ShareGPT's call_0) to the ones the model writes (its format's call_id, counting the row's calls), each "
+        "tool result re-keyed to the call it answers, since a model may read a call's function name from its id; "
+        "given keeps them as the dataset has them",
     )
     max_trajectory_steps: int = Field(8, ge=1, le=256, description="trajectory: assistant turns per user turn at most")
     local: LocalGenerationConfig = Field(default_factory=LocalGenerationConfig)

@@ -10,11 +10,12 @@ column, canonical JSON):
     {"uri": "s3://<bucket>/<key>", "sha256": "<hex>", "bytes": int, "width": int, "height": int,
      "media_tokens": int}
 
-`media_tokens` is how many `<|media_pad|>` ids the model sees for the image: Kimi-K2.5's processor
-resizes it under a patch budget (navit_resize), pads it to whole 2x2 groups of 14-pixel patches and
-merges each group into one token. The chat template renders one `<|media_pad|>` per image; the
-prompt ids expand it (`expand_media`). transformers' Kimi_K25ImageProcessor is the reference for
-the count (tests compare against its own arithmetic); docs/images.md says what each consumer gets.
+`media_tokens` is how many image-placeholder ids (the format's `media_pad`) the model sees for the
+image: Kimi-K2.5's processor resizes it under a patch budget (navit_resize), pads it to whole
+2x2 groups of 14-pixel patches and merges each group into one token. The chat template renders
+one placeholder per image; the prompt ids expand it (`expand_media`). transformers'
+Kimi_K25ImageProcessor is the reference for the count (tests compare against its own arithmetic);
+docs/images.md says what each consumer gets.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-MEDIA_PAD = "<|media_pad|>"
 IMAGE_PART_TYPES = ("image_url",)
 FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp", "GIF": "image/gif"}
 # Kimi-K2.5's media_proc_cfg (preprocessor_config.json), transformers' Kimi_K25ImageProcessor defaults
@@ -45,7 +45,7 @@ class ImageError(Exception):
 
 
 def media_tokens(width: int, height: int) -> int:
-    """`<|media_pad|>` tokens of a width x height image: transformers' navit_resize (scale down,
+    """Placeholder tokens of a width x height image: transformers' navit_resize (scale down,
     never up, under the total and per-side patch budgets; pad to whole merge groups), then one
     token per MERGE_SIZE x MERGE_SIZE patches."""
     patches_h, patches_w = max(1.0, height // PATCH_SIZE), max(1.0, width // PATCH_SIZE)
@@ -236,13 +236,13 @@ def refs_for(messages: list[dict[str, Any]], refs: list[dict[str, Any]]) -> list
 
 
 def expand_media(ids: list[int], refs: list[dict[str, Any]], pad_id: int) -> list[int]:
-    """Prompt ids with the i-th `<|media_pad|>` id repeated refs[i]["media_tokens"] times: what the
+    """Prompt ids with the i-th placeholder id repeated refs[i]["media_tokens"] times: what the
     model sees. The template renders one pad per image part; a different count is an error."""
     if not refs:
         return ids
     at = [k for k, t in enumerate(ids) if t == pad_id]
     if len(at) != len(refs):
-        raise ImageError(f"the prompt renders {len(at)} {MEDIA_PAD} placeholder(s) for {len(refs)} image(s)")
+        raise ImageError(f"the prompt renders {len(at)} image placeholder(s) for {len(refs)} image(s)")
     out, start = [], 0
     for k, ref in zip(at, refs):
         out += ids[start:k] + [pad_id] * int(ref["media_tokens"])
@@ -252,7 +252,7 @@ def expand_media(ids: list[int], refs: list[dict[str, Any]], pad_id: int) -> lis
 
 def collapse_runs(ids: Sequence[int], token: int) -> list[int]:
     """`ids` with every run of `token` cut to one: what the engines take beside the images (vLLM's
-    Kimi-K2.5 processor and SGLang's each expand one `<|media_pad|>` per image themselves)."""
+    Kimi-K2.5 processor and SGLang's each expand one placeholder per image themselves)."""
     return [t for i, t in enumerate(ids) if not (t == token and i and ids[i - 1] == token)]
 
 

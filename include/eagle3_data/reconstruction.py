@@ -2,8 +2,8 @@
 
 Model-produced strings (reasoning, content, tool names, arguments) are text: they are encoded
 as ordinary text (tiktoken's `encode_ordinary`, the HF backend with special parsing off), so a
-literal `<|im_end|>` a provider passes through becomes the six text tokens the model emitted;
-the structural ids (`</think>`, the tool-section tokens, the stop id) are inserted by name from
+literal stop token a provider passes through becomes the text tokens the model emitted;
+the structural ids (the end of reasoning, the tool-section tokens, the stop id) are inserted by name from
 the format. BPE never merges across a special token, so encoding the pieces between structural
 ids equals one encode of the whole rendered generation.
 
@@ -11,7 +11,7 @@ Faithful only when the provider's text holds everything the model generated. Row
 cannot determine the ids are `unreconstructable` with a reason (`unreconstructable_reason`),
 counted in the report and never merged, instead of getting a confident wrong rebuild:
 - a length cut that may lose text: the provider's tool parser (SGLang's kimi_k2 detector, and the
-  dev server) returns the content before `<|tool_calls_section_begin|>` plus the *complete* calls
+  dev server) returns the content before the tool section plus the *complete* calls
   only, dropping a partial call, the section markers, and any whole section with no complete call
   yet; a cut inside a multi-byte character arrives as U+FFFD;
 - a tool name that is not among the offered tools (a provider shortening `web.search_v2` to
@@ -72,7 +72,7 @@ def unreconstructable_reason(
     """Why the text of this generation does not determine its ids, or None when it does.
 
     Length cuts: still faithful are cuts inside reasoning or content of a request without tools
-    (all text arrives; at worst a `</think>` generated as the very last token is not visible, so
+    (all text arrives; at worst an end-of-reasoning token generated as the very last token is not visible, so
     the ids are a strict prefix, never wrong ones). Not faithful: any cut with tools offered,
     because a tool section cut before its first complete call vanishes without a trace (the
     content before it looks like an ordinary content cut), and a cut after complete calls leaves

@@ -33,23 +33,28 @@ SAMPLE_DATA = REPO / "include" / "sample_data"
 
 
 def tokenizer_dir(builds: Path | None = None) -> Path:
-    """The Kimi tokenizer: the `dev:kimi-tokenizer` build, under `builds` (default
-    $EAGLE3_DATA_CACHE/dev, where the CLI's dev: sources live: one copy, not one per launcher)."""
-    from eagle3_data.builds.sources import resolve_dev_source
-
-    return resolve_dev_source("kimi-tokenizer", builds)
+    """The packaged default config's `tokenizer.source` (`dev:kimi-tokenizer`), under `builds`
+    (default $EAGLE3_DATA_CACHE/dev, where the CLI's dev: sources live: one copy, not one per
+    launcher)."""
+    return _default_dev_build("tokenizer", builds)
 
 
 def target_model_dir(builds: Path | None = None) -> Path:
     """The packaged default config's `model.source` (`dev:tiny-kimi-k25`, Kimi-K2.5's own class),
-    built beside the tokenizer: read from the config, so the stack runs on what a default install
-    runs on and a change of the default needs no second edit here."""
+    built beside the tokenizer."""
+    return _default_dev_build("model", builds)
+
+
+def _default_dev_build(section: str, builds: Path | None) -> Path:
+    """The dev: build the packaged default config's `{section}.source` names: read from the config,
+    so the stack runs on what a default install runs on and a change of the default (another
+    family's builds) needs no second edit here."""
     from eagle3_data.builds.sources import resolve_dev_source
     from eagle3_data.config import DEV_SOURCE_SCHEME
 
-    source = default_config_raw()["model"]["source"]
+    source = default_config_raw()[section]["source"]
     if not source.startswith(DEV_SOURCE_SCHEME):
-        raise UserError(f"the packaged config's model.source {source!r} is no dev: build; the dev stack needs one")
+        raise UserError(f"the packaged config's {section}.source {source!r} is no dev: build; the dev stack needs one")
     return resolve_dev_source(source[len(DEV_SOURCE_SCHEME) :], builds)
 
 

@@ -14,9 +14,14 @@ import signal
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from eagle3_data.dev.processes import free_port, wait_http_ok
+from eagle3_data.errors import UserError
 from eagle3_devtools.services import kill_group
+
+if TYPE_CHECKING:
+    from eagle3_data.chat_format import OutputFormat
 
 SERVED_MODEL_NAME = "tiny-kimi"
 # What the policy check's nucleus test needs of the tiny target (`eagle3_devtools.policy_trial`): its
@@ -55,6 +60,30 @@ class VllmServer:
         self.proc.wait()
 
 
+def served_format(model_dir: str | os.PathLike) -> type[OutputFormat]:
+    """The output format of the checkpoint's family, read from its tokenizer's special tokens."""
+    from eagle3_data.chat_format import find_output_format
+    from eagle3_data.tokenizer import load_tokenizer
+
+    fmt_cls = find_output_format(load_tokenizer(model_dir))
+    if fmt_cls is None:
+        raise UserError(f"{model_dir}: its tokenizer matches no known output format: no parsers to serve it with")
+    return fmt_cls
+
+
+def parser_flags(fmt_cls: type[OutputFormat]) -> list[str]:
+    """The chat route splits reasoning and tool calls as the family's provider's server does (the
+    policy trials and `make demo ENGINE=vllm` use a vllm serve as their overflow "provider"; a chat
+    request with `tools` is refused without a tool-call parser); /v1/completions is unaffected."""
+    return [
+        "--reasoning-parser",
+        fmt_cls.vllm_reasoning_parser,
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        fmt_cls.vllm_tool_parser,
+    ]
+
+
 def start_vllm_server(
     python: str,
     model_dir: str | os.PathLike,
@@ -64,6 +93,7 @@ def start_vllm_server(
     dtype: str = "float32",
     max_images: int = 0,
     max_logprobs: int = MAX_LOGPROBS,
+    output_format: type[OutputFormat] | None = None,
 ) -> VllmServer:
     """Start the server process and return at once (`VllmServer.wait_healthy` waits): the three
     processes of `vllm serve` (API server, engine core, worker) each import torch and vLLM, a
@@ -75,7 +105,11 @@ def start_vllm_server(
 
     `max_logprobs`: the most log-probabilities a request may ask for per position (`--max-logprobs`,
     vLLM's default 20): the policy check's scoring requests ask for `policy.top_logprobs` at every
-    position (`prompt_logprobs`), and the policy trials on the tiny target ask for MAX_LOGPROBS."""
+    position (`prompt_logprobs`), and the policy trials on the tiny target ask for MAX_LOGPROBS.
+
+    `output_format`: the family whose parsers the chat route uses (`parser_flags`); default: the one
+    the checkpoint's tokenizer carries (`served_format`)."""
+    flags = parser_flags(output_format or served_format(model_dir))
     port = free_port()
     # the engine core runs its one worker in its own process ("uni" executor, which vLLM's CPU
     # platform allows only without V1 multiprocessing): with a worker process of its own the core
@@ -106,14 +140,7 @@ def start_vllm_server(
         "--enforce-eager",
         "--attention-backend",
         "CPU_MLA",
-        # the chat route splits reasoning and tool calls as a Kimi provider's server does (the policy
-        # trials and `make demo ENGINE=vllm` use a vllm serve as their overflow "provider"; a chat
-        # request with `tools` is refused without a tool-call parser); /v1/completions is unaffected
-        "--reasoning-parser",
-        "kimi_k2",
-        "--enable-auto-tool-choice",
-        "--tool-call-parser",
-        "kimi_k2",
+        *flags,
         "--disable-uvicorn-access-log",
         "--max-logprobs",
         str(max_logprobs),

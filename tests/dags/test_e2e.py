@@ -353,7 +353,7 @@ def test_form_rerun_of_one_dataset_with_the_probe_on(stack, dag):
 # -- 5. wrong special-token expectation: fails at the audit, before any request -------------------
 def test_wrong_special_id_fails_before_any_request(stack, dag, tmp_path):
     raw = yaml.safe_load(Path(stack.config_path).read_text())
-    raw["tokenizer"]["expected_special_ids"]["<|im_end|>"] = 163533  # "chas"
+    raw["tokenizer"].setdefault("expected_special_ids", {})["<|im_end|>"] = 163533  # "chas"
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(raw))
     requests_before = stack.server_stats()["requests"]

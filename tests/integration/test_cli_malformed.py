@@ -425,7 +425,7 @@ def _cases(e):
     )
     # a wrong special id is bad config whichever command meets it: exit 2 (it used to be 1 in generate)
     wrong = yaml.safe_load((files("eagle3_data") / "defaults" / "pipeline.yaml").read_text())
-    wrong["tokenizer"]["expected_special_ids"]["<|im_end|>"] = 163533
+    wrong["tokenizer"].setdefault("expected_special_ids", {})["<|im_end|>"] = 163533
     (t / "wrong-id.yaml").write_text(yaml.safe_dump(wrong))
     yield (
         "generate: wrong special id",

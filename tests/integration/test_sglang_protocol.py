@@ -85,7 +85,7 @@ def test_image_prompts_go_as_one_pad_per_image_with_image_data(store, start_dev_
     expands it itself (the dev server refuses any other count, as SGLang does): an ok row means
     the ids went collapsed, and its prompt ids are ours, expanded, which the server's counts match."""
     from eagle3_data.chat_format import get_output_format
-    from eagle3_data.images import MEDIA_PAD
+    from eagle3_data.chat_format.kimi_k2 import MEDIA_PAD
 
     server = start_dev_server({})
     rows = image_prompts(store, PICTURES)

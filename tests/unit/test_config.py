@@ -7,6 +7,7 @@ from datetime import datetime, timezone
 import pytest
 import yaml
 
+from eagle3_data.chat_format import FORMATS
 from eagle3_data.config import DEFAULT_CONFIG_PATH, load_config
 from eagle3_data.errors import UserError
 
@@ -21,7 +22,8 @@ def _write(tmp_path, mutate):
 
 def test_shipped_config_loads():
     cfg = load_config()
-    assert cfg.tokenizer.expected_special_ids["<|im_end|>"] == 163586
+    assert cfg.tokenizer.expected_special_ids == {} and cfg.model.family is None  # the family's ids are audited
+    assert FORMATS["kimi_k2"].reference_ids["<|im_end|>"] == 163586
     assert cfg.dataset_names == ["tool_calls", "code", "chat"]
     assert cfg.validation.max_bpe_mismatch_rate == 0.10 and cfg.validation.max_billing_deviation == 0.01
     assert cfg.schedule == "@daily"
@@ -35,7 +37,7 @@ def test_shipped_config_loads():
         (lambda r: r["merge"].update(length_policy="squash"), "merge.length_policy"),
         (lambda r: r["hidden_states"].update(convention="middle"), "hidden_states.convention"),
         (
-            lambda r: r["tokenizer"]["expected_special_ids"].update({"<|im_end|>": "x"}),
+            lambda r: r["tokenizer"].update(expected_special_ids={"<|im_end|>": "x"}),
             "tokenizer.expected_special_ids.<|im_end|>",
         ),
         (lambda r: r["datasets"].append({"name": "chat"}), "datasets[3].name"),

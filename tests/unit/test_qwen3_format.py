@@ -6,6 +6,7 @@ import pytest
 
 from eagle3_data.chat_format import AssistantMessage, ToolCall, find_output_format
 from eagle3_data.chat_format.qwen3 import Qwen3Format
+from eagle3_data.errors import UserError
 from tests.fixtures.qwen3 import CALL_BEGIN, CALL_END, ENDOFTEXT, IM_END, THINK, THINK_END
 
 CALL = ToolCall(id="call_0", name="get_weather", arguments='{"city": "Paris"}')
@@ -16,7 +17,8 @@ def test_detection_tells_qwen_from_kimi(qwen3_tokenizer, kimi_tokenizer):
     assert find_output_format(qwen3_tokenizer) is Qwen3Format
     assert not Qwen3Format.matches(kimi_tokenizer)
     assert find_output_format(kimi_tokenizer).name == "kimi_k2"
-    assert find_output_format(qwen3_tokenizer, "kimi_k2").matches(qwen3_tokenizer) is False
+    with pytest.raises(UserError, match="model.family is 'kimi_k2' but .* 'qwen3'"):  # a named family must match
+        find_output_format(qwen3_tokenizer, "kimi_k2")
 
 
 def test_ids_come_from_the_tokenizer_and_equal_the_published_ones(qwen3_fmt):

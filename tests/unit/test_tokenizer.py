@@ -133,8 +133,13 @@ def test_tiktoken_fast_path_agrees_with_hf(kimi_tokenizer):
         assert fmt.codec.decode_bytes(ids[start : start + 37]) == hf.decode_bytes(ids[start : start + 37])
 
 
-def test_audit_requires_the_formats_stop_token_to_be_pinned(kimi_tokenizer):
-    """The config may name any ids, but not leave out the one every generation ends with."""
+def test_audit_requires_the_formats_stop_token_to_be_pinned(kimi_tokenizer, monkeypatch):
+    """The expected ids (the family's, then the config's) may name any ids, but not leave out the
+    one every generation ends with."""
+    from eagle3_data.chat_format.kimi_k2 import IM_END, KimiK2Format
+
+    reference = {n: i for n, i in KimiK2Format.reference_ids.items() if n != IM_END}
+    monkeypatch.setattr(KimiK2Format, "reference_ids", reference)
     report = audit_tokenizer(kimi_tokenizer, {"</think>": 163607})
     assert not report.passed
     assert any("do not pin the stop token '<|im_end|>' of format kimi_k2" in p for p in report.problems), (

@@ -4,7 +4,8 @@
 the tokenizer carries (or the one named), bound to the generation mode once: everything after
 (render, parse, the provider's view, reconstruction, validation, calibration) takes the object,
 never a thinking flag. Special ids are always derived from the tokenizer by name.
-A new model family is a new module registering an `OutputFormat` subclass in `FORMATS`.
+A new model family is a new module registering an `OutputFormat` subclass in `FORMATS`; a config
+names it (`model.family`) or leaves it to the tokenizer's special tokens.
 """
 
 from __future__ import annotations
@@ -44,11 +45,21 @@ __all__ = [
 
 
 def find_output_format(tokenizer: Any, name: str | None = None) -> type[OutputFormat] | None:
-    if name is not None:
-        if name not in FORMATS:
-            raise UserError(f"unknown output format {name!r}; known: {', '.join(FORMATS)}")
-        return FORMATS[name]
-    return next((cls for cls in FORMATS.values() if cls.matches(tokenizer)), None)
+    """The format whose structural tokens the tokenizer carries, or the one named (`model.family`).
+    A named family the tokenizer's tokens say is another is refused: a Qwen3 config pointed at a
+    Kimi tokenizer (or the reverse) would otherwise fail far later, in a rebuild."""
+    detected = next((cls for cls in FORMATS.values() if cls.matches(tokenizer)), None)
+    if name is None:
+        return detected
+    if name not in FORMATS:
+        raise UserError(f"unknown output format {name!r}; known: {', '.join(FORMATS)}")
+    if detected is not None and detected.name != name:
+        raise UserError(
+            f"model.family is {name!r} but tokenizer {getattr(tokenizer, 'name_or_path', '?')} carries the "
+            f"special tokens of {detected.name!r}: point tokenizer.source at a {name} tokenizer or set model.family: "
+            f"{detected.name}"
+        )
+    return FORMATS[name]
 
 
 def get_output_format(tokenizer: Any, name: str | None = None, *, thinking: bool) -> OutputFormat:

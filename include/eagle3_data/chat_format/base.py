@@ -140,8 +140,18 @@ class OutputFormat(ABC):
     rebuild that starts with reasoning cannot meet.
     """
 
-    name: str
+    name: str  # what `model.family` names it by
     structural_tokens: tuple[str, ...]  # names the tokenizer must carry (and the audit checks)
+    # the family's published ids by name: what the tokenizer audit expects of any tokenizer of this
+    # family (the config may add more), written out so a wrong tokenizer cannot vouch for itself
+    reference_ids: dict[str, int]
+    media_pad: str | None = None  # the image placeholder the template renders once per image (None: text model)
+    # the parsers an OpenAI-compatible server splits this family's generations with (provider_view
+    # reproduces them): `vllm serve --reasoning-parser/--tool-call-parser`, SGLang's flags of those names
+    vllm_reasoning_parser: str
+    vllm_tool_parser: str
+    sglang_reasoning_parser: str
+    sglang_tool_parser: str
     stop_token: str  # the name of the stop token every generation ends with (the config must pin its id)
     reasoning_end_id: int | None  # the id that closes the reasoning section (None: the format has none)
     tool_section_id: int | None  # the id that opens a tool-call section (None: no tool calls)

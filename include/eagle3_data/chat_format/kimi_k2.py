@@ -41,7 +41,7 @@ from eagle3_data.codec import (
     tiktoken_encoding,
 )
 from eagle3_data.errors import UserError
-from eagle3_data.images import MEDIA_PAD, expand_media
+from eagle3_data.images import expand_media
 
 # Moonshot's pre-tokenizer split (tokenization_kimi.py; splintr.KIMI_PATTERN).
 KIMI_PATTERN = "|".join(
@@ -59,6 +59,7 @@ KIMI_PATTERN = "|".join(
 
 THINK_END = "</think>"
 IM_END = "<|im_end|>"
+IM_MIDDLE = "<|im_middle|>"
 EOS = "[EOS]"
 SECTION_BEGIN = "<|tool_calls_section_begin|>"
 SECTION_END = "<|tool_calls_section_end|>"
@@ -67,6 +68,7 @@ ARG_BEGIN = "<|tool_call_argument_begin|>"
 CALL_END = "<|tool_call_end|>"
 
 THINK_START = "<think>"
+MEDIA_PAD = "<|media_pad|>"
 CUT_AFTER_THINK_END = "cut right after </think>: the answer does not show it"
 
 # SGLang's kimi_k2 tool-call id: `functions.{name}:{idx}` (the prefix is optional there too).
@@ -93,13 +95,34 @@ class KimiK2Format(OutputFormat):
         "<|im_user|>",
         "<|im_assistant|>",
         "<|im_system|>",
-        "<|im_middle|>",
+        IM_MIDDLE,
         SECTION_BEGIN,
         SECTION_END,
         CALL_BEGIN,
         ARG_BEGIN,
         CALL_END,
     )
+
+    # Moonshot's published ids (tokenizer_config.json `added_tokens_decoder`), audited by name
+    reference_ids = {
+        "[BOS]": 163584,
+        EOS: 163585,
+        IM_END: 163586,
+        "<|im_user|>": 163587,
+        "<|im_assistant|>": 163588,
+        "<|im_system|>": 163594,
+        SECTION_BEGIN: 163595,
+        SECTION_END: 163596,
+        CALL_BEGIN: 163597,
+        ARG_BEGIN: 163598,
+        CALL_END: 163599,
+        IM_MIDDLE: 163601,
+        THINK_START: 163606,
+        THINK_END: 163607,
+    }
+    media_pad = MEDIA_PAD
+    vllm_reasoning_parser = vllm_tool_parser = "kimi_k2"
+    sglang_reasoning_parser = sglang_tool_parser = "kimi_k2"
 
     pattern = KIMI_PATTERN
 

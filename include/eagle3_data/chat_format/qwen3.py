@@ -86,6 +86,8 @@ class Qwen3Format(OutputFormat):
     stop_token = IM_END
     structural_tokens = (IM_START, IM_END, THINK_START, THINK_END, CALL_BEGIN, CALL_END, RESPONSE_BEGIN, RESPONSE_END)
     reference_ids = REFERENCE_IDS
+    vllm_reasoning_parser, vllm_tool_parser = "qwen3", "hermes"
+    sglang_reasoning_parser, sglang_tool_parser = "qwen3", "qwen25"
     pattern = None  # Qwen2's tokenizer normalises to NFC first: no tiktoken fast path equals it
 
     @classmethod

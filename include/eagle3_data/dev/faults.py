@@ -13,7 +13,7 @@ YAML shape (every key optional)::
     provider: Moonshot AI                # who answers when the request pins no provider (display name)
     providers: [{name: Moonshot AI, slug: moonshotai}, ...]   # GET /v1/providers (default: PROVIDERS)
     price_per_token: {prompt: 6.0e-7, completion: 2.5e-6}   # USD -> usage.cost
-    include_stop_in_output_ids: true     # whether /generate output_ids end with <|im_end|> (SGLang: always)
+    include_stop_in_output_ids: true     # whether /generate output_ids end with the stop token (SGLang: always)
     stop_id_override: null               # a misconfigured server: stop with this id instead (e.g. 163533)
     warmup_s: 0.0                        # /health (and /generate) answer 503 for this long after (re)config
     healthy: true                        # false: /health and /generate answer 503 (an endpoint that is down)
@@ -22,7 +22,7 @@ YAML shape (every key optional)::
     weight_version: dev                  # /model_info and meta_info.weight_version
     auto_truncate_to: null               # --allow-auto-truncate with this context: longer prompts lose their
                                          # tail silently; meta_info.prompt_tokens reports the cut length
-    media_token_drift: 0                 # /generate expands each image's <|media_pad|> to this many more
+    media_token_drift: 0                 # /generate expands each image's placeholder (media_pad) to this many more
                                          # tokens than Kimi-K2.5's processor: another processor version
     datasets:                            # picked by header X-Eagle3-Dataset, else "default"
       default: {noncanonical_rate: 0.0}

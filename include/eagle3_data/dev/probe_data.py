@@ -191,7 +191,7 @@ def own_generations(
 
 def assistant_header(model_dir: Path) -> list[int]:
     """The ids the target's chat template puts between a user's message and the assistant's answer
-    (Kimi-K2.5: `<|im_end|><|im_assistant|>assistant<|im_middle|><think>`)."""
+    (the end of the user turn, the assistant turn's header, and the reasoning opener when thinking)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))

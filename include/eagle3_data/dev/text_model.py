@@ -1,13 +1,17 @@
 """A seeded stand-in for Kimi-K2.5's sampler: Kimi-format generations as real token ids.
 
 The dev inference server needs outputs that exercise everything the pipeline must get right
-(reasoning, `</think>`, content with code/CJK/whitespace edges, tool calls with valid JSON
-arguments, `<|im_end|>`, length truncation and non-canonical BPE splits) while staying fully
+(reasoning, its end token, content with code/CJK/whitespace edges, tool calls with valid JSON
+arguments, the stop token, length truncation and non-canonical BPE splits) while staying fully
 deterministic, so tests and validation have a ground truth. Text is picked from a small corpus by
 an RNG seeded from the prompt ids (and the sampling seed unless temperature is 0); ids come from
 the real tokenizer, piece by piece between special tokens, which equals encoding the rendered text
 in one go. Non-canonical splits replace one multi-byte token by two valid tokens whose bytes
 concatenate to it: the text is unchanged, the ids are not what re-encoding gives.
+
+Its generations are Kimi's: the structural tokens and call ids come from the Kimi format module
+(chat_format/kimi_k2.py), and a tokenizer without them is refused. Another family's stand-in
+would write that family's structure the same way.
 """
 
 from __future__ import annotations
@@ -18,6 +22,19 @@ import random
 import re
 from dataclasses import dataclass, field
 from typing import Any
+
+from eagle3_data.chat_format.kimi_k2 import (
+    ARG_BEGIN,
+    CALL_BEGIN,
+    CALL_END,
+    IM_END,
+    IM_MIDDLE,
+    SECTION_BEGIN,
+    SECTION_END,
+    THINK_END,
+    THINK_START,
+    KimiK2Format,
+)
 
 ENGLISH = [
     "Let me think about what the user is asking.",
@@ -67,7 +84,7 @@ class Generation:
     finish_reason: str  # stop | length
     reasoning: str | None
     content: str
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # OpenAI shape, ids functions.{name}:{idx}
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # OpenAI shape, ids KimiK2Format.call_id
     reasoning_tokens: int = 0
     noncanonical_splits: int = 0
     matched_stop: int | None = None
@@ -88,15 +105,15 @@ class DevTextModel:
         ids = {
             name: tokenizer.convert_tokens_to_ids(name)
             for name in (
-                "</think>",
-                "<think>",
-                "<|im_end|>",
-                "<|im_middle|>",
-                "<|tool_calls_section_begin|>",
-                "<|tool_calls_section_end|>",
-                "<|tool_call_begin|>",
-                "<|tool_call_argument_begin|>",
-                "<|tool_call_end|>",
+                THINK_END,
+                THINK_START,
+                IM_END,
+                IM_MIDDLE,
+                SECTION_BEGIN,
+                SECTION_END,
+                CALL_BEGIN,
+                ARG_BEGIN,
+                CALL_END,
             )
         }
         for name, i in ids.items():  # derive by name, verify both ways (FACTS.md: 163533 is "chas")
@@ -111,7 +128,7 @@ class DevTextModel:
     def prompt_tools(self, prompt_ids: list[int]) -> list[dict[str, Any]]:
         """Tools declared in a rendered prompt (`tool_declare` system turn, compact JSON)."""
         text = self.tok.decode(prompt_ids, skip_special_tokens=False)
-        m = re.search(r"tool_declare<\|im_middle\|>(.*?)<\|im_end\|>", text, re.S)
+        m = re.search(f"tool_declare{re.escape(IM_MIDDLE)}(.*?){re.escape(IM_END)}", text, re.S)
         if not m:
             return []
         try:
@@ -131,9 +148,9 @@ class DevTextModel:
         dataset: str | None = None,
     ) -> Generation:
         rng = _rng(prompt_ids, "greedy" if temperature == 0 else seed)
-        thinking = prompt_ids[-1:] != [self.special["</think>"]]  # `<think></think>` = thinking off
+        thinking = prompt_ids[-1:] != [self.special[THINK_END]]  # an empty reasoning block = thinking off
         tools = self.prompt_tools(prompt_ids)
-        call_index = prompt_ids.count(self.special["<|tool_call_begin|>"])
+        call_index = prompt_ids.count(self.special[CALL_BEGIN])
         rate = self.rates.get(dataset or "", self.rates.get("default", 0.0))
         split_rng = _rng(prompt_ids, seed, "splits")
         self._splits = 0
@@ -144,24 +161,24 @@ class DevTextModel:
             if rng.random() < 0.3:
                 reasoning += " " + rng.choice(CJK)
             segments.append(Segment("reasoning", self._encode(reasoning, rate, split_rng)))
-            segments.append(Segment("think_end", [self.special["</think>"]]))
+            segments.append(Segment("think_end", [self.special[THINK_END]]))
         calls = self._tool_calls(rng, tools, call_index) if tools and rng.random() < self.tool_call_rate else []
         content = self._content(rng, short=bool(calls))
         if content:
             segments.append(Segment("content", self._encode(content, rate, split_rng)))
         if calls:
-            segments.append(Segment("section_begin", [self.special["<|tool_calls_section_begin|>"]]))
+            segments.append(Segment("section_begin", [self.special[SECTION_BEGIN]]))
             for call in calls:
                 ids = (
-                    [self.special["<|tool_call_begin|>"]]
+                    [self.special[CALL_BEGIN]]
                     + self._encode(call["id"], 0, split_rng)
-                    + [self.special["<|tool_call_argument_begin|>"]]
+                    + [self.special[ARG_BEGIN]]
                     + self._encode(call["function"]["arguments"], 0, split_rng)
-                    + [self.special["<|tool_call_end|>"]]
+                    + [self.special[CALL_END]]
                 )
                 segments.append(Segment("call", ids, call))
-            segments.append(Segment("section_end", [self.special["<|tool_calls_section_end|>"]]))
-        segments.append(Segment("stop", [self.special["<|im_end|>"]]))
+            segments.append(Segment("section_end", [self.special[SECTION_END]]))
+        segments.append(Segment("stop", [self.special[IM_END]]))
         return self._truncate(segments, max_new_tokens)
 
     def _content(self, rng: random.Random, short: bool) -> str:
@@ -185,7 +202,7 @@ class DevTextModel:
             args = {name: _value(rng, spec) for name, spec in props.items()}
             calls.append(
                 {
-                    "id": f"functions.{fn['name']}:{start + k}",
+                    "id": KimiK2Format.call_id(fn["name"], start + k),
                     "type": "function",
                     "function": {"name": fn["name"], "arguments": json.dumps(args, ensure_ascii=False)},
                 }

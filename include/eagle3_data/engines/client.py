@@ -83,10 +83,10 @@ class MediaDiffers(ValueError):
 
 class Media(NamedTuple):
     """A prompt's images as an engine takes them beside its ids. The ids sent hold one
-    `<|media_pad|>` per image (`images.collapse_runs`): both engines expand each one themselves,
+    image placeholder (`media_pad`) per image (`images.collapse_runs`): both engines expand each one themselves,
     by their own processor's count, and report what they ran for `Wire.answer` to compare."""
 
-    pad_id: int  # `<|media_pad|>`
+    pad_id: int  # the format's `media_pad_id`
     urls: list[str]  # each image as a data URI (its stored bytes, sha256-verified), in prompt order
     tokens: list[int]  # our media-token count of each image (the reference's `media_tokens`)
 

@@ -15,7 +15,7 @@ sampling_params.py, http_server.py):
 - A full queue (`--max-queued-requests`) answers 503 "The request queue is full.": backpressure.
 
 Image prompts (srt/multimodal/processors/kimi_k25.py `process_mm_data_async`): `input_ids` with
-exactly one `<|media_pad|>` per image (the processor counts the pads and refuses a mismatch:
+exactly one image placeholder (`media_pad`) per image (the processor counts the pads and refuses a mismatch:
 "Kimi image placeholders must map one-to-one to image data: expected N, found M token(s)") and
 `image_data` a list, one entry per image in prompt order (GenerateReqInput's ImageDataInputItem: we
 send the data URI); SGLang expands each pad to its processor's count itself (`_expand_image_token_ids`).

@@ -19,7 +19,7 @@ server on CPU):
 Image prompts: `/v1/completions` takes ids or text and nothing beside them (CompletionRequest.prompt,
 vllm/entrypoints/openai/completion/protocol.py:52), so they go to the tokens-in route,
 `POST /inference/v1/generate` (entrypoints/scale_out/token_in_token_out; registered by
-`vllm serve --enable-scale-out`): `token_ids` with one `<|media_pad|>` per image and
+`vllm serve --enable-scale-out`): `token_ids` with one image placeholder (`media_pad`) per image and
 `content_parts` `[{"type": "image_url", "url": <data URI>}]` in prompt order (serving.py
 `serve_tokens`: the parts become the prompt's `multi_modal_data`, Kimi-K2.5's `vision_chunk`,
 and the renderer's Kimi-K2.5 processor replaces each pad by its own count of media tokens,

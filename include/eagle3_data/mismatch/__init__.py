@@ -8,24 +8,24 @@ Classes (CLASSES, the one definition; reports render whatever is in it):
 - `exact`: the rebuild is the engine's ids.
 - `bpe_only`: same bytes and special-token structure, a different (non-canonical) BPE split.
 - `structure`: the server's parsers reshape this generation (an implicit reasoning end, a
-  leading `<think>`, whitespace the tool regexes drop, a call they discard, arguments that are not
+  leading reasoning opener, whitespace the tool regexes drop, a call they discard, arguments that are not
   valid JSON, a tool section with no tools offered, ...): the overflow path cannot reproduce it,
   whatever the ids look like. `detail` says which.
 - `special_token`: equal text, different special structure: literal special-token text that a
-  parser reads as structure (a literal `</think>` inside reasoning), or a different stop id.
+  parser reads as structure (a literal end-of-reasoning tag inside reasoning), or a different stop id.
 - `text_diff`: the decoded text differs (e.g. a cut inside a multi-byte character).
 - `wrong_stop`: the row stopped on an id that is not an audited stop id (the engine's `matched`,
   or a trailing id where the dataset's stop rows include theirs), or a `length` row ends with one.
 - `stop_string`: the engine stopped on a stop string: the ids run through the token completing
   it, which no overflow answer reproduces.
-- `prefix`: a length cut right after `</think>`: the provider's answer cannot show that last
+- `prefix`: a length cut right after the end-of-reasoning token: the provider's answer cannot show that last
   token, so the overflow rebuild is the engine's ids minus it (a strict prefix, never a wrong id);
   counted, does not fail the gate.
 - `unreconstructable`: had this generation gone the overflow way, its answer could not determine
   the ids (`reconstruct.unreconstructable_reason`: a length cut with tools offered, inside a
   multi-byte character, ...), so the overflow path excludes it instead of rebuilding it: it
   carries no error into training data and does not fail the gate; `detail` says why.
-Literal special-token text the server passes through (a literal `<|im_end|>` in content) is
+Literal special-token text the server passes through (a literal stop token in content) is
 rebuilt as text and counts as exact; samples containing any are counted either way.
 
 How stop ids appear is decided per dataset (`detect_stop_convention`) before the rows are

@@ -19,12 +19,12 @@ class StopConvention:
     `included`: stop rows end with an audited stop id (SGLang's `output_ids` run through the
     matched stop token), or the engine names it (`matched`); a stop row ending otherwise is
     `wrong_stop`. `stripped`: no stop row carries one; each is normalised by appending
-    `<|im_end|>`, and the report says so, since the ids then cannot show a wrong stop id.
+    the format's stop token, and the report says so, since the ids then cannot show a wrong stop id.
     `dominant_token`: the ordinary id that most stop rows end with and that never occurs earlier
     in them; a server stops at the first occurrence of its stop id, so this is what a server told
     to stop on the wrong id (163533 "chas") produces, and the gate fails naming it. A structural
     token of the format is never taken for one: a tool-call turn ends with the section's end
-    (`<|tool_calls_section_end|>`) before its stop id, so a stripped dataset of mostly tool-call
+    (Kimi's tool-section end token) before its stop id, so a stripped dataset of mostly tool-call
     turns ends with it in most rows, as it should.
     """
 
@@ -49,7 +49,8 @@ class StopConvention:
         if self.kind == "stripped":
             return (
                 "stop ids stripped: no stop row ends with an audited stop id and none names the matched one, "
-                f"so each was taken to end with <|im_end|> and a wrong stop id cannot show ({self.stop_rows} rows)"
+                "so each was taken to end with the format's stop token and a wrong stop id cannot show "
+                f"({self.stop_rows} rows)"
             )
         return None
 

@@ -203,7 +203,7 @@ def output_format(run: Run, store, *, template: bool = True):
     from eagle3_data.chat_format import get_output_format
 
     tokenizer = tokenizer_for(run, store) if template else bulk_tokenizer_for(run, store)
-    return get_output_format(tokenizer, thinking=run.config.generation.sampling.thinking)
+    return get_output_format(tokenizer, run.config.model.family, thinking=run.config.generation.sampling.thinking)
 
 
 def sampling(run: Run) -> dict[str, Any]:

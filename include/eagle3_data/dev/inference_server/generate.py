@@ -121,9 +121,12 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             top = top_num(body.get("top_logprobs_num"), i) if body.get("return_logprob") else 0
             tops = (
                 {
-                    "input_top_logprobs": input_top_logprobs(prompt, body.get("logprob_start_len", -1), top),
+                    "input_top_logprobs": input_top_logprobs(
+                        prompt, body.get("logprob_start_len", -1), top, state.ordinary_ids
+                    ),
                     "output_top_logprobs": [
-                        top_logprobs(prev, t, top) for prev, t in zip(prompt[-1:] + generated, generated[: len(ids)])
+                        top_logprobs(prev, t, top, state.ordinary_ids)
+                        for prev, t in zip(prompt[-1:] + generated, generated[: len(ids)])
                     ],
                 }
                 if top

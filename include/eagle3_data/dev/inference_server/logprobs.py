@@ -34,34 +34,36 @@ def input_logprobs(prompt: list[int], start: int) -> list[list]:
     ]
 
 
-def top_logprobs(previous: int, token: int, k: int) -> list[list]:
+def top_logprobs(previous: int, token: int, k: int, ordinary_ids: int) -> list[list]:
     """One position's `k` likeliest ids as SGLang lists them (`[logprob, id, text]`, descending),
     from the stand-in model: its own text is its likeliest, so `token` comes first with its
     `_pair_logprob`, and the other ids (pseudo-random per (previous id, rank)) share, at most, half
     of what is left, each below it. The values are log-probabilities of one distribution (they
-    sum below 1); a token of the stand-in's text is never outside a nucleus."""
+    sum below 1); a token of the stand-in's text is never outside a nucleus. The other ids are
+    ordinary ones, below `ordinary_ids` (`ordinary_id_count`)."""
     import hashlib
-
-    from eagle3_data.builds.kimi_tokenizer import NUM_BPE_RANKS  # the ordinary (non-special) ids
 
     own = _pair_logprob(previous, token)
     share = min(math.exp(own), 1.0 - math.exp(own))  # every other id below `token`, and all of them below 1
     out, taken = [[own, token, None]], {token}
     for rank in range(1, k):
         digest = hashlib.blake2b(f"{previous}:top:{rank}".encode(), digest_size=8).digest()
-        other = int.from_bytes(digest, "big") % NUM_BPE_RANKS
+        other = int.from_bytes(digest, "big") % ordinary_ids
         while other in taken:
-            other = (other + 1) % NUM_BPE_RANKS
+            other = (other + 1) % ordinary_ids
         taken.add(other)
         out.append([math.log(share / (2 * (rank + 1) ** 2)), other, None])
     return out
 
 
-def input_top_logprobs(prompt: list[int], start: int, k: int) -> list[list | None]:
+def input_top_logprobs(prompt: list[int], start: int, k: int, ordinary_ids: int) -> list[list | None]:
     """SGLang's `meta_info.input_top_logprobs`: lined up with `input_token_logprobs` (None at
     `logprob_start_len`, then each position's `top_logprobs`)."""
     start = max(start, 0)
-    return [None if i == start else top_logprobs(prompt[i - 1], prompt[i], k) for i in range(start, len(prompt))]
+    return [
+        None if i == start else top_logprobs(prompt[i - 1], prompt[i], k, ordinary_ids)
+        for i in range(start, len(prompt))
+    ]
 
 
 def top_num(value, i: int) -> int:
@@ -69,3 +71,9 @@ def top_num(value, i: int) -> int:
     if isinstance(value, list):
         return int(value[i]) if i < len(value) else 0
     return int(value or 0)
+
+
+def ordinary_id_count(tok) -> int:
+    """How many ordinary (BPE) ids the tokenizer has: its added (special and tag) tokens sit above
+    them, in every family this server stands in for."""
+    return min(tok.get_added_vocab().values())

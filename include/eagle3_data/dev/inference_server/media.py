@@ -6,7 +6,17 @@ from __future__ import annotations
 import base64
 import binascii
 
-from eagle3_data.images import MEDIA_PAD, ImageError, expand_media, media_tokens, probe
+from eagle3_data.images import ImageError, expand_media, media_tokens, probe
+
+
+def media_pad_id(tok) -> int:
+    """The id of the image placeholder of the tokenizer's family (its format's `media_pad`)."""
+    from eagle3_data.chat_format import find_output_format
+
+    fmt_cls = find_output_format(tok)
+    if fmt_cls is None or fmt_cls.media_pad is None:
+        raise ValueError(f"the served model ({fmt_cls.name if fmt_cls else 'no known format'}) takes no images")
+    return tok.convert_tokens_to_ids(fmt_cls.media_pad)
 
 
 def image_inputs(messages: list[dict]) -> list[dict]:
@@ -45,14 +55,14 @@ def _data_uri_size(url, where: str) -> tuple[int, int]:
 
 def with_images(prompts: list[list[int]], image_data, tok, drift: int) -> tuple[list[int], int]:
     """One `/generate` prompt with its `image_data` as SGLang's Kimi-K2.5 processor takes them
-    (srt/multimodal/processors/kimi_k25.py): exactly one `<|media_pad|>` per image, each expanded
+    (srt/multimodal/processors/kimi_k25.py): exactly one placeholder (the format's `media_pad`) per image, each expanded
     here to the image's media tokens (+ `drift`: a server whose processor counts otherwise). An
     image is a base64 data URI (SGLang also takes URLs and paths; this server fetches none).
     Returns the expanded ids and their image tokens (SGLang's `meta_info.image_tokens`)."""
     if len(prompts) != 1:
         raise ValueError("the dev server takes image_data with a single prompt")
     images = image_data if isinstance(image_data, list) else [image_data]
-    pad = tok.convert_tokens_to_ids(MEDIA_PAD)
+    pad = media_pad_id(tok)
     found = sum(1 for t in prompts[0] if t == pad)
     if found != len(images):
         raise ValueError(

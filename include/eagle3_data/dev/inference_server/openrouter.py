@@ -11,7 +11,7 @@ import uuid
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from eagle3_data.dev.inference_server.media import image_inputs, without_image_data
+from eagle3_data.dev.inference_server.media import image_inputs, media_pad_id, without_image_data
 from eagle3_data.dev.inference_server.openrouter_answers import (
     chat_answer,
     cut_mid_generation,
@@ -23,7 +23,7 @@ from eagle3_data.dev.inference_server.openrouter_answers import (
     sse_events,
 )
 from eagle3_data.dev.inference_server.state import DATASET_HEADER, SAMPLE_HEADER, ServerState
-from eagle3_data.images import MEDIA_PAD, expand_media
+from eagle3_data.images import expand_media
 
 
 def add_routes(app: FastAPI, state: ServerState) -> None:
@@ -91,7 +91,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 )
             )
             if pictures:  # the model sees (and the provider bills) each image's media tokens
-                prompt = tuple(expand_media(list(prompt), pictures, tok.convert_tokens_to_ids(MEDIA_PAD)))
+                prompt = tuple(expand_media(list(prompt), pictures, media_pad_id(tok)))
         except Exception as exc:  # template errors are the client's bad request
             return openrouter_error(400, f"chat template: {exc}")
         key = request.headers.get(SAMPLE_HEADER) or str(hash(prompt))

@@ -12,6 +12,7 @@ from functools import lru_cache
 from fastapi import Request
 
 from eagle3_data.dev.faults import ServerConfig
+from eagle3_data.dev.inference_server.logprobs import ordinary_id_count
 from eagle3_data.dev.text_model import DevTextModel, Generation
 
 DATASET_HEADER = "x-eagle3-dataset"
@@ -47,6 +48,7 @@ class ServerState:
 
     def __init__(self, tok, config: ServerConfig):
         self.tok = tok
+        self.ordinary_ids = ordinary_id_count(tok)  # the ids the stand-in's top log-probabilities draw from
         self.generate_cached = lru_cache(maxsize=65536)(self._generate)
         self.chat_prompt = lru_cache(maxsize=65536)(self._chat_prompt)
         self.reset(config)

@@ -14,7 +14,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     audit = sub.add_parser("audit", help="derive special ids by name, round-trip them, check expectations")
     audit.add_argument("--tokenizer", required=True, help="HF tokenizer directory or s3://bucket/prefix")
     audit.add_argument(
-        "--expect", action="append", default=[], metavar="NAME=ID", help="an id you configured elsewhere; repeatable"
+        "--expect",
+        action="append",
+        default=[],
+        metavar="NAME=ID",
+        help="an id to check beyond the family's published ones; repeatable",
+    )
+    audit.add_argument(
+        "--family", help="the model family (chat_format name, as model.family); default: read from the tokenizer"
     )
     audit.add_argument("--trust-remote-code", action="store_true", help="allow the tokenizer's own Python code")
     audit.set_defaults(func=_audit)
@@ -25,7 +32,7 @@ def parse_expectations(items: list[str]) -> dict[str, int]:
     for item in items:
         name, sep, value = item.rpartition("=")
         if not sep or not name or not value.strip().lstrip("-").isdigit():
-            raise UserError(f"--expect {item!r}: expected NAME=ID, e.g. '<|im_end|>=163586'")
+            raise UserError(f"--expect {item!r}: expected NAME=ID: a special token's name and its id")
         out[name] = int(value)
     return out
 
@@ -35,7 +42,8 @@ def _audit(args: argparse.Namespace) -> int:
     from eagle3_data.tokenizer import load_tokenizer
 
     expect = parse_expectations(args.expect)
-    report = audit_tokenizer(load_tokenizer(args.tokenizer, trust_remote_code=args.trust_remote_code), expect)
+    tokenizer = load_tokenizer(args.tokenizer, trust_remote_code=args.trust_remote_code)
+    report = audit_tokenizer(tokenizer, expect, args.family)
     print(json.dumps(report.to_json(), indent=2, ensure_ascii=False))
     if not report.passed:
         raise UserError("tokenizer audit failed: " + "; ".join(report.problems))

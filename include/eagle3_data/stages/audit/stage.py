@@ -18,9 +18,12 @@ if TYPE_CHECKING:
 def audit_tokenizer(run: Run, store: ArtifactStore) -> AuditResult:
     from eagle3_data.stages.audit.tokenizer_audit import audit_tokenizer as audit
 
-    report = audit(tokenizer_for(run, store), run.config.tokenizer.expected_special_ids).to_json()
+    audited = audit(tokenizer_for(run, store), run.config.tokenizer.expected_special_ids, run.config.model.family)
+    report = audited.to_json()
     ref = stage_ref(run, AUDIT, AUDIT_DATASET)
-    params = {"source": run.config.tokenizer.source, "expected": run.config.tokenizer.expected_special_ids}
+    # every id checked (the family's and the config's): a config that moved the family's ids out of
+    # its expected_special_ids audits the same ids, and its committed audit is reused
+    params = {"source": run.config.tokenizer.source, "expected": audited.expected}
     if not report["passed"]:  # a wrong expected id or tokenizer: bad config (exit 2, as `tokenizer audit`), not a gate
         # the report is kept to read where no audit was committed: a refused run changes no committed object
         kept = "" if store.is_complete(ref) else f"; report: {store.put_json(ref, AUDIT_REPORT, report)}"

@@ -1,5 +1,6 @@
 """The tokenizer audit: every special id the pipeline uses, derived by name and round-tripped,
-and the configured expectations checked, before anything is spent."""
+and the expected ids checked (the model family's published ones and whatever the config pins),
+before anything is spent."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ class AuditReport:
     output_format: str | None
     vocab_size: int
     problems: list[str] = field(default_factory=list)
+    expected: dict[str, int] = field(default_factory=dict)  # every id checked: the family's, then the config's
 
     @property
     def passed(self) -> bool:
@@ -36,13 +38,16 @@ class AuditReport:
         }
 
 
-def audit_tokenizer(tokenizer: Any, expect: dict[str, int] | None = None) -> AuditReport:
-    """Derive every special id the pipeline uses by name, round-trip each, check expectations.
+def audit_tokenizer(tokenizer: Any, expect: dict[str, int] | None = None, family: str | None = None) -> AuditReport:
+    """Derive every special id the pipeline uses by name, round-trip each, check expectations:
+    the family's `reference_ids` (`family`: `model.family`, else detected from the tokenizer) and
+    `expect` (the config's additions; one that contradicts the family's fails as a wrong id).
 
-    An expectation that names the wrong id is the costly mistake (163533 is "chas", not
-    `<|im_end|>`), so its message says what the configured id really decodes to and the right id.
+    An expectation that names the wrong id is the costly mistake (an id that decodes to ordinary
+    text where the stop token was meant), so its message says what the expected id really decodes
+    to and the right id.
     """
-    fmt_cls = find_output_format(tokenizer)
+    fmt_cls = find_output_format(tokenizer, family)
     names = list(fmt_cls.structural_tokens) if fmt_cls else []
     for attr in ("bos_token", "eos_token", "pad_token", "unk_token"):
         value = getattr(tokenizer, attr, None)
@@ -56,7 +61,9 @@ def audit_tokenizer(tokenizer: Any, expect: dict[str, int] | None = None) -> Aud
             special_ids[name] = tid
         problems += errs
     vocab_size = len(tokenizer)
-    for name, want in (expect or {}).items():
+    reference = dict(fmt_cls.reference_ids) if fmt_cls else {}
+    checks = list(reference.items()) + [(n, i) for n, i in (expect or {}).items() if reference.get(n) != i]
+    for name, want in checks:
         actual = tokenizer.convert_tokens_to_ids(name)
         in_vocab = actual is not None and tokenizer.convert_ids_to_tokens(actual) == name
         if in_vocab and actual == want:
@@ -67,10 +74,11 @@ def audit_tokenizer(tokenizer: Any, expect: dict[str, int] | None = None) -> Aud
             really = f"decodes to {tokenizer.decode([want], skip_special_tokens=False)!r}"
         right = f"{name!r} is {actual}" if in_vocab else f"{name!r} is not a token of this tokenizer"
         problems.append(f"expected {name}={want}, but id {want} {really}; {right}")
-    if expect is not None and fmt_cls is not None and fmt_cls.stop_token not in expect:
+    if fmt_cls is not None and fmt_cls.stop_token not in reference and fmt_cls.stop_token not in (expect or {}):
         problems.append(
-            f"the expectations do not pin the stop token {fmt_cls.stop_token!r} of format {fmt_cls.name}: "
-            f"add it (tokenizer.expected_special_ids) so a wrong stop id fails here, before any spend"
+            f"the expectations do not pin the stop token {fmt_cls.stop_token!r} of format {fmt_cls.name}: add it "
+            f"to the format's reference_ids (or tokenizer.expected_special_ids) so a wrong stop id fails here, "
+            f"before any spend"
         )
     return AuditReport(
         special_ids=special_ids,
@@ -79,4 +87,5 @@ def audit_tokenizer(tokenizer: Any, expect: dict[str, int] | None = None) -> Aud
         output_format=fmt_cls.name if fmt_cls else None,
         vocab_size=vocab_size,
         problems=problems,
+        expected={**reference, **(expect or {})},
     )

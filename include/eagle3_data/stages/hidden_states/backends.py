@@ -56,7 +56,7 @@ class TransformersBackend:
     with `max_images` > 0, it takes each sample's image bytes (`forward(..., images=...)`, as the
     vLLM backend does): pixels.py turns them into the processor's `pixel_values` and
     `image_grid_thw`, which go through the model's own forward, and that puts the vision tower's
-    features at the `<|media_pad|>` positions.
+    features at the image-placeholder (`media_pad`) positions.
 
     Forward hooks on the embedding and decoder layers keep 3 tensors alive instead of L+1 (the
     last one, for `last_hidden`, on the last layer: its output before the final norm), and the
@@ -169,7 +169,7 @@ class TransformersBackend:
         images: Sequence[Sequence[bytes]] | None = None,
     ) -> list[SampleStates]:
         """`images`: per sample, its images' encoded bytes in prompt order (needs `max_images`; the
-        ids hold each image's expanded `<|media_pad|>` run)."""
+        ids hold each image's expanded placeholder run)."""
         most = max((len(i) for i in images or ()), default=0)
         if most > self.max_images:
             raise ValueError(f"{self.info.name}: a sample with {most} images, the backend takes {self.max_images}")

@@ -185,7 +185,7 @@ def extract_rows(
     `config`: the config's `hidden_states` section, what decides the bytes (layers, last state and
     its norm, storage dtype, fp8, log-probabilities) and the forward batch and file sizes.
     `images`: sample_id -> its images' encoded bytes in prompt order, for a backend started to take
-    them (`max_images`); the ids already hold each image's expanded `<|media_pad|>` run.
+    them (`max_images`); the ids already hold each image's expanded placeholder run.
 
     `on_file` is called on the writer thread after each file is written (e.g. upload + delete).
     `check` (verify.py) compares each local answer's log-probabilities with the engine's own and

@@ -15,8 +15,8 @@ extractor applies the checkpoint's final RMSNorm when `last_hidden_norm: post` a
 Index 0 (the embedding output) is refused: vLLM's DeepSeek forward has no residual there yet.
 
 Images (`max_images` > 0, Kimi-K2.5): `forward(..., images=...)` takes each sample's image bytes
-beside its ids, whose `<|media_pad|>` runs are already expanded. vLLM expands every
-`<|media_pad|>` of a token prompt itself (kimi_k25.py `_get_prompt_updates`: a PromptReplacement
+beside its ids, whose image-placeholder runs are already expanded. vLLM expands every
+placeholder of a token prompt itself (kimi_k25.py `_get_prompt_updates`: a PromptReplacement
 of the single token, applied even to a run that already has the right length), so each run is
 sent as one pad; the engine runs the vision tower on its own processor's pixels and the states
 cover every position, the image ones included. The engine's expanded prompt ids come back in each

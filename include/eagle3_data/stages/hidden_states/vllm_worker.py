@@ -24,7 +24,7 @@ so its states would be missing: vllm#44485), no tokenizer (ids in, states out), 
 only unless `--images N` (Kimi-K2.5's multimodal processor needs the tokenizer).
 
 Images (`--images N`, up to N per sample): each sample's ids already hold every image's
-`<|media_pad|>` run expanded (what the model sees); vLLM gets the images as `vision_chunk` items
+image-placeholder run expanded (what the model sees); vLLM gets the images as `vision_chunk` items
 (Kimi-K2.5's modality) beside them, runs MoonViT on its own processor's pixels, and leaves a run
 that already has its processor's length as it is (so the connector's `token_ids` are our ids
 exactly when our count agrees with vLLM's processor: the backend compares them). On CPU such an

@@ -2,7 +2,7 @@
 
 A record is `input_ids = prompt_ids + output_ids` with `loss_mask` aligned to it, unshifted:
 0 on every prompt token, 1 on every generated token (the trainer does the next-token shift).
-The final `<|im_end|>` of a finished answer is a generated token and keeps mask 1: the target
+The final stop token of a finished answer is a generated token and keeps mask 1: the target
 emits it, so a drafter that predicts it saves a verification step at every turn end.
 Generations cut by the engine (`finish_reason == "length"`) keep mask 1 on all their tokens:
 they are true target outputs that simply have no end token. Rows cut here by `max_length`

@@ -56,7 +56,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.thinking is None:  # a file carries no run config: the mode must be said, never guessed
         raise UserError(
             "--thinking or --no-thinking is required with a local --input file: the generation mode the "
-            "answers were made with (thinking off has no </think>)"
+            "answers were made with (thinking off has no end of reasoning)"
         )
     return _run_file(args)
 
@@ -71,7 +71,7 @@ def _run_file(args: argparse.Namespace) -> int:
     tokenizer = load_bulk_tokenizer(
         resolve_source(args.tokenizer or config.tokenizer.source), trust_remote_code=args.trust_remote_code
     )
-    fmt = get_output_format(tokenizer, thinking=args.thinking)
+    fmt = get_output_format(tokenizer, config.model.family, thinking=args.thinking)
     rows = (row_to_reconstruct(fmt, record, where) for where, record in read_records(args.input))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -100,7 +100,7 @@ def _run_file(args: argparse.Namespace) -> int:
     tokenizer = load_bulk_tokenizer(
         resolve_source(args.tokenizer or config.tokenizer.source), trust_remote_code=args.trust_remote_code
     )
-    fmt = get_output_format(tokenizer, thinking=args.thinking)
+    fmt = get_output_format(tokenizer, config.model.family, thinking=args.thinking)
     thresholds = {**config.validation.model_dump(), **_thresholds(args)}
     report = validate_to_report(
         fmt,

@@ -48,7 +48,7 @@ def consistency_report(
     not generated ok on both paths (`unreconstructable`: ok, but the provider's text cannot
     determine the ids, e.g. a tool call cut at the token limit; raw or as the reconstruct stage
     marked them). Without it, every sample ok on either side is considered. `fmt` is the output
-    format bound to the run's generation mode: a rebuild in the other mode differs by a `</think>`.
+    format bound to the run's generation mode: a rebuild in the other mode differs by the end-of-reasoning token.
     """
     from eagle3_data.reconstruction import reconstruct_rows, row_to_reconstruct
 
