@@ -12,7 +12,7 @@ import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from eagle3_data.codec import Codec
 from eagle3_data.errors import UserError
@@ -144,7 +144,7 @@ class OutputFormat(ABC):
     structural_tokens: tuple[str, ...]  # names the tokenizer must carry (and the audit checks)
     # the family's published ids by name: what the tokenizer audit expects of any tokenizer of this
     # family (the config may add more), written out so a wrong tokenizer cannot vouch for itself
-    reference_ids: dict[str, int]
+    reference_ids: ClassVar[dict[str, int]]
     media_pad: str | None = None  # the image placeholder the template renders once per image (None: text model)
     # the parsers an OpenAI-compatible server splits this family's generations with (provider_view
     # reproduces them): `vllm serve --reasoning-parser/--tool-call-parser`, SGLang's flags of those names

@@ -20,7 +20,7 @@ import json
 import re
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from eagle3_data.chat_format.base import (
     AssistantMessage,
@@ -104,7 +104,7 @@ class KimiK2Format(OutputFormat):
     )
 
     # Moonshot's published ids (tokenizer_config.json `added_tokens_decoder`), audited by name
-    reference_ids = {
+    reference_ids: ClassVar[dict[str, int]] = {
         "[BOS]": 163584,
         EOS: 163585,
         IM_END: 163586,
