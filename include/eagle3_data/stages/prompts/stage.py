@@ -48,10 +48,12 @@ def recorded_balance(store, ref) -> dict | None:
 def load_route(run: Run, store, dataset: str, *, write_plan: bool = True) -> RouteResult:
     """The prompts stage of `dataset`; in a dry run its plan instead (`plan`), written to
     `runs/{run_key}/plan/{dataset}/plan.json` unless `write_plan` is False (`eagle3-data plan`)."""
+    from eagle3_data.balance import side_rates
     from eagle3_data.images import ImageSink
     from eagle3_data.prompt_files import prompt_files
     from eagle3_data.stages import IMAGE_COUNTS
     from eagle3_data.stages.prompts.load import (
+        PromptShape,
         format_load_rejects,
         limit_prompt_tokens,
         load_prompts,
@@ -66,17 +68,20 @@ def load_route(run: Run, store, dataset: str, *, write_plan: bool = True) -> Rou
     date = prompt_date(run, store, dataset)  # a run without a logical date: the newest partition, or undated
     prompt_files(ds.prompts, dataset, date=date, client=store.client)
     fmt = output_format(run, store)
-    loaded = load_prompts(
-        ds.prompts,
-        dataset,
-        date=date,
+    shape = PromptShape(
         sampling=sampling(run),
         repeats=g.repeats,
-        client=store.client,
         max_message_bytes=limits.max_message_bytes,
         regenerate=g.regenerate,
         history=g.history,
         call_id=fmt.call_id if g.call_ids == "format" else None,
+    )
+    loaded = load_prompts(
+        ds.prompts,
+        dataset,
+        shape,
+        date=date,
+        client=store.client,
         # a dry run stores no image: it only counts their media tokens
         images=ImageSink(None if run.dry_run else store, limits.max_image_bytes),
     )
@@ -126,13 +131,18 @@ def load_route(run: Run, store, dataset: str, *, write_plan: bool = True) -> Rou
             balance["overflow"]["source"],
         )
     # balanced: the local count that makes both sides finish together (balance)
+    split_rates = None
+    if rc.strategy == "balanced":  # balance is set: recorded, or measured above
+        lo = balance["local"]
+        split_rates = side_rates(
+            local_endpoints=lo["endpoints"],
+            in_flight_per_endpoint=lo["in_flight_per_endpoint"],
+            local_latency_s=lo["latency_s"],
+            overflow_concurrency=g.overflow.concurrency,
+            overflow_latency_s=balance["overflow"]["latency_s"],
+        )
     routes = assign_routes(
-        [sid for b in loaded.rows.batches(["sample_id"]) for sid in b.column(0).to_pylist()],
-        **{**rc.model_dump(), **(_balance_kwargs(balance) if balance else {})},
-        in_flight_per_endpoint=balance["local"]["in_flight_per_endpoint"]
-        if balance
-        else g.local.in_flight_per_endpoint or 64,
-        overflow_concurrency=g.overflow.concurrency,
+        [sid for b in loaded.rows.batches(["sample_id"]) for sid in b.column(0).to_pylist()], rc, split_rates
     )
     to_overflow = 0
     if not g.local.images:  # the local endpoints take no images: every image prompt goes to overflow
@@ -250,15 +260,6 @@ def rows_sha256(batches: Iterable[pa.RecordBatch]) -> str:
             sep = b","
     digest.update(b"]")
     return digest.hexdigest()
-
-
-def _balance_kwargs(balance: dict) -> dict:
-    """assign_routes' balance arguments from `rate_inputs`."""
-    return {
-        "local_endpoints": balance["local"]["endpoints"],
-        "local_latency_s": balance["local"]["latency_s"],
-        "overflow_latency_s": balance["overflow"]["latency_s"],
-    }
 
 
 def _side_text(side: dict) -> str:
