@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
@@ -24,7 +25,9 @@ from eagle3_data.stages import LOCAL, OVERFLOW, PLAN, PLAN_REPORT, PROMPTS
 from eagle3_data.storage.writer import StageWriter
 
 if TYPE_CHECKING:
+    from eagle3_data.chat_format.base import OutputFormat
     from eagle3_data.stages.prompts.load import PromptRows
+    from eagle3_data.storage import ArtifactStore
 
 # Rows per part of the prompts stage: each holds its conversations and tool schemas (kilobytes
 # each), and the writer buffers one part in memory, so parts are bounded in rows, not one per stage.
@@ -166,7 +169,11 @@ def load_route(run: Run, store, dataset: str, *, write_plan: bool = True) -> Rou
             "date": date,
             "counts": counts,
             "estimate": _estimate(
-                run, fmt, routed_batches(loaded.rows, routes), counts, balance, store, dataset, counted
+                run,
+                store,
+                dataset,
+                fmt,
+                RoutedLoad(routed_batches(loaded.rows, routes), counts, balance, prompt_tokens=counted),
             ),
         }
         log.info(
@@ -268,22 +275,24 @@ def _side_text(side: dict) -> str:
     return f"{side['concurrency']} in flight at {side['latency_s']:g} s"
 
 
-def _estimate(
-    run: Run,
-    fmt,
-    batches: Iterable[pa.RecordBatch],
-    counts: dict,
-    balance: dict,
-    store,
-    dataset: str,
-    counted: dict | None = None,
-) -> dict:
-    """One dataset's plan figures (plan): prompt tokens measured (`counted`: by sample_id,
-    from the load's own rendering; a row without a count is rendered here), output tokens and
-    overflow USD as an upper bound (every answer max_new_tokens long) and as expected, the cap
-    check, the merged tokens the extraction reads, and every routing strategy."""
+@dataclass(frozen=True)
+class RoutedLoad:
+    """One dataset's prompts as routed: what its plan is figured from (`_estimate`)."""
+
+    batches: Iterable[pa.RecordBatch]  # the rows with their routes (`routed_batches`)
+    counts: dict[str, int]  # the stage's counts: prompts, per route, ...
+    balance: dict  # the routing rates' inputs (`rate_inputs`)
+    prompt_tokens: dict[str, int] | None = None  # by sample_id, as the load rendered them
+
+
+def _estimate(run: Run, store: ArtifactStore, dataset: str, fmt: OutputFormat, routed: RoutedLoad) -> dict:
+    """One dataset's plan figures (plan): prompt tokens measured (`routed.prompt_tokens`: by
+    sample_id, from the load's own rendering; a row without a count is rendered here), output
+    tokens and overflow USD as an upper bound (every answer max_new_tokens long) and as expected,
+    the cap check, the merged tokens the extraction reads, and every routing strategy."""
     from eagle3_data.plan import cost_check, earlier_stages, expected_output
 
+    counts, counted = routed.counts, routed.prompt_tokens
     g = run.config.generation
     s, price = g.sampling, g.overflow.price_usd_per_mtok
     max_length = run.config.merge.max_length
@@ -291,7 +300,7 @@ def _estimate(
     per_sample = expected["tokens_per_sample"]
     prompt_tokens, every_prompt = {"local": 0, "overflow": 0}, 0
     merged = {"expected": 0, "upper": 0}
-    for batch in batches:
+    for batch in routed.batches:
         sids = batch.column(batch.schema.get_field_index("sample_id")).to_pylist()
         routes = batch.column(batch.schema.get_field_index("route")).to_pylist()
         for i, (sid, route) in enumerate(zip(sids, routes)):
@@ -318,7 +327,7 @@ def _estimate(
         for k, out in (("expected", per_sample), ("upper", s.max_new_tokens))
     }
     cap, warnings = cost_check(dataset, usd, samples["overflow"], g.overflow.max_usd)
-    strategies = _strategies(run, n_rows, every_prompt, balance, per_sample)
+    strategies = _strategies(run, n_rows, every_prompt, routed.balance, per_sample)
     chosen = strategies[run.config.routing.strategy]
     if chosen["overflow"] == samples["overflow"]:
         # the routes taken: their own prompts' tokens, not the average the other strategies are priced
@@ -344,8 +353,8 @@ def _estimate(
         "merged_tokens": merged,
         "strategies": strategies,
         # where each side's rate came from: the previous run's manifest (named) or "config"
-        "rate_inputs": balance,
-        "rates_samples_per_s": {k: round(v, 6) for k, v in vars(rates(balance)).items()},
+        "rate_inputs": routed.balance,
+        "rates_samples_per_s": {k: round(v, 6) for k, v in vars(rates(routed.balance)).items()},
         "stand_in_runs_skipped": len(skipped),
         "warnings": warnings,
     }
