@@ -158,7 +158,7 @@ class LocalRun:
         timeout = aiohttp.ClientTimeout(
             total=self.runtime.request_timeout_s, sock_connect=self.pool.config.connect_timeout_s
         )
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=self.wire.headers) as http:
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=self.pool.wire.headers) as http:
             self.http = http
             healthy = await self.pool.usable(http)
             self.pending.open(self.stage.pending, self.stage.pending_count)
