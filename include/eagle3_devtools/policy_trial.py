@@ -75,13 +75,14 @@ def trial_run(
 def write_prompts(store, run, samples: int, calibration: int) -> dict[str, str]:
     """`samples` prompts, routed as the prompts stage routes them (fraction 0.5, `calibration`
     of them on both paths); returns the routes."""
+    from eagle3_data.config import RoutingConfig
     from eagle3_data.runs.run import stage_ref
     from eagle3_data.stages import PROMPTS
     from eagle3_data.stages.prompts.routing import assign_routes
     from eagle3_data.storage.writer import StageWriter
 
     ids = [f"p{i:04d}" for i in range(samples)]
-    routes = assign_routes(ids, overflow_fraction=0.5, calibration_samples=calibration)
+    routes = assign_routes(ids, RoutingConfig(overflow_fraction=0.5, calibration_samples=calibration))
     rows = [
         {
             "sample_id": sid,

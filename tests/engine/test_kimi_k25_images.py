@@ -281,7 +281,7 @@ def test_image_answers_are_scored_with_their_images_as_transformers_scores_them(
     from eagle3_data.engines.vllm import VLLM
     from eagle3_data.images import data_uri
     from eagle3_data.nucleus import Item
-    from eagle3_data.stages.policy import ScoreTimings, score_items
+    from eagle3_data.stages.policy import ScoreEndpoints, ScoreTimings, score_items
 
     names = ["b", "a"]
     ids = prompt(kimi_tokenizer, ["Compare ", "b", " with ", "a"], pixels)
@@ -291,7 +291,7 @@ def test_image_answers_are_scored_with_their_images_as_transformers_scores_them(
     media = Media(MEDIA["pad"], [data_uri(IMAGES[n]) for n in names], [media_tokens(pixels[n][1]) for n in names])
     item = Item("img", "overflow", "overflow", tuple(ids + answer), first, refs)
     timings = ScoreTimings(max_attempts=2)
-    (got,), refused, _ = score_items([item], [vllm_server.url], VLLM, media=lambda _: media, timings=timings)
+    (got,), refused, _ = score_items([item], ScoreEndpoints([vllm_server.url], VLLM, timings), media=lambda _: media)
     assert not refused and len(got) == len(answer)
     with torch.no_grad():
         logits = reference(
@@ -302,12 +302,14 @@ def test_image_answers_are_scored_with_their_images_as_transformers_scores_them(
     expected = torch.log_softmax(logits.double(), -1)[first - 1 : -1].gather(1, torch.tensor(answer)[:, None])[:, 0]
     assert torch.allclose(torch.tensor(got, dtype=torch.float64), expected, atol=1e-3), (got, expected.tolist())
     (blind,), _, _ = score_items(
-        [Item("txt", "overflow", "overflow", item.ids, first)], [vllm_server.url], VLLM, timings=timings
+        [Item("txt", "overflow", "overflow", item.ids, first)], ScoreEndpoints([vllm_server.url], VLLM, timings)
     )
     assert max(abs(a - b) for a, b in zip(got, blind)) > 1e-2  # the images moved the answer's scores
     pad = ids.index(MEDIA["pad"])  # our count one more than the processor's for the first image
     drifted = Item(
         "img", "overflow", "overflow", tuple(ids[:pad] + [MEDIA["pad"]] + ids[pad:] + answer), first + 1, refs
     )
-    (none,), refused, _ = score_items([drifted], [vllm_server.url], VLLM, media=lambda _: media, timings=timings)
+    (none,), refused, _ = score_items(
+        [drifted], ScoreEndpoints([vllm_server.url], VLLM, timings), media=lambda _: media
+    )
     assert none is None and refused["img"].startswith("images: ran other prompt ids than ours"), refused

@@ -123,19 +123,27 @@ def test_more_top_logprobs_than_the_server_allows_stops_scoring_naming_the_fix(v
     from eagle3_data.engines.vllm import VLLM
     from eagle3_data.errors import UserError
     from eagle3_data.nucleus import Nucleus
-    from eagle3_data.stages.policy import Item, score_items
+    from eagle3_data.stages.policy import Item, ScoreEndpoints, score_items
     from eagle3_devtools.vllm_serve import MAX_LOGPROBS
 
     item = Item("s0", "overflow", "overflow", (163_584, 1000, 2000, 3000, 4000), 3)
     nucleus = Nucleus(1.0, 0.95)
-    got, refused, outside = score_items([item], [vllm_server.url], VLLM, PolicyConfig(top_logprobs=3), nucleus, 163_840)
+    got, refused, outside = score_items(
+        [item], ScoreEndpoints([vllm_server.url], VLLM), PolicyConfig(top_logprobs=3), nucleus, 163_840
+    )
     assert len(got[0]) == 2 and refused == {} and outside[0] in (0, 1, 2), (got, outside)
     with pytest.raises(
         UserError,
         match=rf"Requested prompt logprobs of {MAX_LOGPROBS + 1}, which is greater than max "
         rf"allowed: {MAX_LOGPROBS}.*--max-logprobs at least policy.top_logprobs",
     ):
-        score_items([item], [vllm_server.url], VLLM, PolicyConfig(top_logprobs=MAX_LOGPROBS + 1), nucleus, 163_840)
+        score_items(
+            [item],
+            ScoreEndpoints([vllm_server.url], VLLM),
+            PolicyConfig(top_logprobs=MAX_LOGPROBS + 1),
+            nucleus,
+            163_840,
+        )
 
 
 def test_a_calibration_answer_is_counted_against_the_engines_own_argmax(vllm_server):
@@ -149,7 +157,7 @@ def test_a_calibration_answer_is_counted_against_the_engines_own_argmax(vllm_ser
     from eagle3_data.config import PolicyConfig
     from eagle3_data.engines.vllm import VLLM
     from eagle3_data.nucleus import LOGIT_MARGIN
-    from eagle3_data.stages.policy import Item, score_items
+    from eagle3_data.stages.policy import Item, ScoreEndpoints, score_items
     from eagle3_devtools.vllm_serve import SERVED_MODEL_NAME
 
     prompt = [163_584, 1000, 2000, 3000, 4000, 5000]
@@ -161,14 +169,14 @@ def test_a_calibration_answer_is_counted_against_the_engines_own_argmax(vllm_ser
     margin = LOGIT_MARGIN["float32"]
     policy = PolicyConfig(nucleus_logit_margin=margin)
     item = Item("c0", "overflow", "both", tuple(prompt + greedy), len(prompt))
-    (argmax,), refused, (off,) = score_items([item], [vllm_server.url], VLLM, policy)
+    (argmax,), refused, (off,) = score_items([item], ScoreEndpoints([vllm_server.url], VLLM), policy)
     assert refused == {} and len(argmax) == 12 and off == 0, (argmax, off)
     other = 1 if greedy[-1] != 1 else 2
     item = Item("c1", "overflow", "both", tuple(prompt + greedy[:-1] + [other]), len(prompt))
-    (got,), refused, (off,) = score_items([item], [vllm_server.url], VLLM, policy)
+    (got,), refused, (off,) = score_items([item], ScoreEndpoints([vllm_server.url], VLLM), policy)
     assert refused == {} and got[:-1] == argmax[:-1], (got, argmax)
     gap = argmax[-1] - got[-1]
     assert gap > margin and off == int(gap <= policy.greedy_max_gap), (gap, off)
     for max_gap, counted in ((gap * 2, 1), (gap / 2, 0)):
         wide = PolicyConfig(nucleus_logit_margin=margin, greedy_max_gap=max_gap)
-        assert score_items([item], [vllm_server.url], VLLM, wide)[2] == [counted], max_gap
+        assert score_items([item], ScoreEndpoints([vllm_server.url], VLLM), wide)[2] == [counted], max_gap

@@ -19,6 +19,7 @@ from eagle3_data.cli import main
 from eagle3_data.dev.processes import free_port
 from eagle3_data.schemas import schema_for
 from eagle3_data.storage import StageRef
+from eagle3_data.storage.store import StageOrigin
 
 GOOD = {"messages": [{"role": "user", "content": "hi"}]}
 DEEP = "[" * 5000 + "]" * 5000
@@ -77,10 +78,7 @@ def _stage_with_part(store, ref: StageRef, table: pa.Table) -> str:
             }
         ],
         files=[],
-        inputs=[],
-        params={},
-        tokenizer_sha256=None,
-        template_sha256=None,
+        origin=StageOrigin(inputs=[], params={}),
         extra={},
     )
     return store.uri(ref).rstrip("/")

@@ -215,13 +215,15 @@ def test_overflow_trajectories_resume_by_turn_and_pay_each_turn_once(store, star
     asks only for the turns after them: the dev server's counters say no turn was paid twice."""
     from eagle3_data.chat_format import get_output_format
     from eagle3_data.conversations import TurnDriver
-    from eagle3_data.stages.prompts.load import load_prompts
+    from eagle3_data.stages.prompts.load import PromptShape, load_prompts
     from tests.generation_calls import MODEL, generate_overflow
 
     server = start_dev_server({"price_per_token": {"prompt": 1e-6, "completion": 1e-5}})
     sampling = {"temperature": 0.0, "max_new_tokens": 96}
     rows = list(
-        load_prompts(str(CONVERSATIONS), "chat", sampling=sampling, regenerate="trajectory", history="regenerated").rows
+        load_prompts(
+            str(CONVERSATIONS), "chat", PromptShape(sampling=sampling, regenerate="trajectory", history="regenerated")
+        ).rows
     )
     ref = StageRef("overflow-turns", "generate_overflow", "chat")
     fmt = get_output_format(kimi_tokenizer, thinking=True)
@@ -420,7 +422,7 @@ def test_a_trajectory_cut_at_reconstruct_keeps_its_turns_before_the_cut(
     from eagle3_data.runs.upstream import merged_shards
     from eagle3_data.stages.merge.datasets import MergeContext, merge_datasets
     from eagle3_data.stages.merge.stage import trajectory_folds_of
-    from eagle3_data.stages.prompts.load import load_prompts
+    from eagle3_data.stages.prompts.load import PromptShape, load_prompts
     from eagle3_data.stages.reconstruct.stage import reconstruct
     from tests.conversation_oracle import check_conversation_records, stage_rows
     from tests.generation_calls import MODEL, generate_overflow
@@ -428,7 +430,9 @@ def test_a_trajectory_cut_at_reconstruct_keeps_its_turns_before_the_cut(
     server = start_dev_server({"endpoints": {"chat": {"cut_after_tool_result": 6}}})
     sampling = {"temperature": 0.0, "max_new_tokens": 160}
     rows = list(
-        load_prompts(str(CONVERSATIONS), "chat", sampling=sampling, regenerate="trajectory", history="dataset").rows
+        load_prompts(
+            str(CONVERSATIONS), "chat", PromptShape(sampling=sampling, regenerate="trajectory", history="dataset")
+        ).rows
     )
     config = load_config().with_overrides({"tokenizer": {"source": str(kimi_tokenizer_dir)}}, where="test")
     run = Run(
@@ -515,13 +519,15 @@ def test_samples_file_from_the_rows_prompt_ids_equals_the_render(
     from eagle3_data import conversations
     from eagle3_data.chat_format import get_output_format
     from eagle3_data.conversations import TurnDriver
-    from eagle3_data.stages.prompts.load import load_prompts
+    from eagle3_data.stages.prompts.load import PromptShape, load_prompts
     from tests.generation_calls import MODEL, generate_local, generate_overflow
 
     server = start_dev_server({})
     sampling = {"temperature": 0.0, "max_new_tokens": 96}
     rows = list(
-        load_prompts(str(CONVERSATIONS), "chat", sampling=sampling, regenerate="trajectory", history="regenerated").rows
+        load_prompts(
+            str(CONVERSATIONS), "chat", PromptShape(sampling=sampling, regenerate="trajectory", history="regenerated")
+        ).rows
     )
     driver = TurnDriver("trajectory", "regenerated", get_output_format(kimi_tokenizer, thinking=True))
     ref = StageRef(f"samples-from-rows-{path}", f"generate_{path}", "chat")

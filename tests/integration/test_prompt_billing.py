@@ -36,13 +36,15 @@ def _overflow_run(store, server, kimi_tokenizer, run):
     """Generate the dataset's first prompts on the overflow path, reconstruct them, and write the
     other stages validate reads (no local rows: the overflow share is allowed unvalidated here)."""
     from eagle3_data import pipeline
-    from eagle3_data.stages.prompts.load import load_prompts
+    from eagle3_data.stages.prompts.load import PromptShape, load_prompts
     from tests.generation_calls import MODEL, generate_overflow
 
     sampling = {"temperature": 0.0, "max_new_tokens": 96}
     rows = [
         {**r, "route": "overflow"}
-        for r in list(load_prompts(str(SAMPLE_DATA / f"{DATASET}.jsonl"), DATASET, sampling=sampling).rows)[:6]
+        for r in list(
+            load_prompts(str(SAMPLE_DATA / f"{DATASET}.jsonl"), DATASET, PromptShape(sampling=sampling)).rows
+        )[:6]
     ]
     done = generate_overflow(
         store,

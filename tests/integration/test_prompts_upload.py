@@ -13,7 +13,7 @@ import yaml
 
 from eagle3_data.cli import main
 from eagle3_data.config import default_config_raw, load_config
-from eagle3_data.stages.prompts.load import load_prompts
+from eagle3_data.stages.prompts.load import PromptShape, load_prompts
 
 SAMPLE = Path(__file__).resolve().parents[2] / "include" / "sample_data"
 
@@ -74,9 +74,9 @@ def test_upload_lands_in_the_date_partition_the_run_reads(env, s3, s3_bucket, ca
     assert _keys(s3, s3_bucket) == [f"{prefix}/date=2026-11-02/chat.jsonl", f"{prefix}/date=2026-11-03/chat.jsonl"]
     chat = next(d for d in env.datasets if d.name == "chat")
     loaded = load_prompts(
-        chat.prompts, "chat", date="2026-11-03", sampling=env.generation.sampling.model_dump(), client=s3
+        chat.prompts, "chat", PromptShape(sampling=env.generation.sampling.model_dump()), date="2026-11-03", client=s3
     )
-    local = load_prompts(str(SAMPLE / "chat.jsonl"), "chat", sampling=env.generation.sampling.model_dump())
+    local = load_prompts(str(SAMPLE / "chat.jsonl"), "chat", PromptShape(sampling=env.generation.sampling.model_dump()))
     assert [r["sample_id"] for r in loaded.rows] == [r["sample_id"] for r in local.rows] != []
 
     assert main(["prompts", "list", "--dataset", "chat"]) == 0
@@ -120,8 +120,8 @@ def test_image_prompts_are_checked_and_their_image_files_uploaded_beside_them(en
     loaded = load_prompts(
         chat.prompts,
         "chat",
+        PromptShape(sampling=env.generation.sampling.model_dump()),
         date="2026-11-04",
-        sampling=env.generation.sampling.model_dump(),
         client=s3,
         images=ImageSink(store, env.limits.max_image_bytes),
     )

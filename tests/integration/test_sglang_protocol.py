@@ -137,7 +137,7 @@ def test_image_answers_are_scored_with_one_pad_per_image_and_their_image_data(st
     from eagle3_data.engines.sglang import SGLANG
     from eagle3_data.images import ImageError, media_tokens
     from eagle3_data.nucleus import Item
-    from eagle3_data.stages.policy import ScoreTimings, score_items
+    from eagle3_data.stages.policy import ScoreEndpoints, ScoreTimings, score_items
 
     uri = "data:image/png;base64," + base64.b64encode(PICTURES[0][0]).decode()
     n = media_tokens(64, 48)
@@ -147,7 +147,9 @@ def test_image_answers_are_scored_with_one_pad_per_image_and_their_image_data(st
     policy, timings = PolicyConfig(top_logprobs=5), ScoreTimings(max_attempts=2)
     for drift in (0, 1):
         server = start_dev_server({"media_token_drift": drift})
-        (got,), refused, _ = score_items([item], [server.url], SGLANG, policy, media=lambda _: media, timings=timings)
+        (got,), refused, _ = score_items(
+            [item], ScoreEndpoints([server.url], SGLANG, timings), policy, media=lambda _: media
+        )
         if drift:
             assert got is None and refused["img"].startswith(
                 f"images: ran {len(ids) + len(answer) + 1} prompt tokens ({n + 1} of them images), ours are "
@@ -158,7 +160,7 @@ def test_image_answers_are_scored_with_one_pad_per_image_and_their_image_data(st
     def gone(_item):  # the stored image deleted or rewritten since generation (images.read_image)
         raise ImageError("s3://b/images/sha256/ab: 3 bytes with sha256 ..., the reference records 70 bytes")
 
-    (got,), refused, _ = score_items([item], [server.url], SGLANG, policy, media=gone, timings=timings)
+    (got,), refused, _ = score_items([item], ScoreEndpoints([server.url], SGLANG, timings), policy, media=gone)
     assert got is None and refused == {
         "img": "images: s3://b/images/sha256/ab: 3 bytes with sha256 ..., the reference records 70 bytes"
     }
@@ -250,7 +252,7 @@ def test_a_server_started_with_an_api_key_is_sent_it_and_the_key_is_written_nowh
     `Authorization: Bearer <key>` on every request; the key is in no log line and no artifact."""
     from eagle3_data.engines import wire_for
     from eagle3_data.nucleus import Item
-    from eagle3_data.stages.policy import ScoreTimings, score_items
+    from eagle3_data.stages.policy import ScoreEndpoints, ScoreTimings, score_items
 
     caplog.set_level(logging.DEBUG)
     assert httpx.get(f"{keyed_server.url}/server_info").status_code == 401  # the server does want the key
@@ -270,7 +272,7 @@ def test_a_server_started_with_an_api_key_is_sent_it_and_the_key_is_written_nowh
     assert store.read_manifest(ref)["extra"]["weight_versions"] == {keyed_server.url: "dev"}
     item = Item("k", "overflow", "overflow", (1, 2, 3, 10, 11, 12), 3)
     (got,), refused, _ = score_items(
-        [item], [keyed_server.url], wire_for("sglang", API_KEY), timings=ScoreTimings(max_attempts=1)
+        [item], ScoreEndpoints([keyed_server.url], wire_for("sglang", API_KEY), ScoreTimings(max_attempts=1))
     )
     assert not refused and len(got) == 3, refused
     assert caplog.records and not [r for r in caplog.records if API_KEY in r.getMessage()]

@@ -77,17 +77,17 @@ def test_params_override_config_and_pick_the_run_key():
 
 
 def test_routing_is_stable_and_exact():
-    """The pipeline's routing config maps onto stages.prompts.routing.assign_routes' keywords."""
+    """The pipeline's routing config is what stages.prompts.routing.assign_routes takes."""
     from eagle3_data.stages.prompts.routing import assign_routes
 
     cfg = load_config().with_overrides({"routing": {"overflow_fraction": 0.25, "calibration_samples": 2}})
     ids = [f"s{i}" for i in range(20)]
-    routed = assign_routes(ids, **vars(cfg.routing))
+    routed = assign_routes(ids, cfg.routing)
     assert routed.count("overflow") == 5 and routed.count("both") == 2 and routed.count("local") == 13
-    shuffled = assign_routes(ids[::-1], **vars(cfg.routing))
+    shuffled = assign_routes(ids[::-1], cfg.routing)
     assert dict(zip(ids[::-1], shuffled)) == dict(zip(ids, routed))
     capacity = cfg.with_overrides({"routing": {"strategy": "capacity", "local_capacity": 3, "calibration_samples": 0}})
-    assert assign_routes(ids, **vars(capacity.routing)).count("local") == 3
+    assert assign_routes(ids, capacity.routing).count("local") == 3
 
 
 # -- strictness: unknown keys are refused, naming the key and the nearest valid one -------------

@@ -10,6 +10,7 @@ from email.utils import format_datetime
 
 import pytest
 
+from eagle3_data.config import RoutingConfig
 from eagle3_data.errors import UserError
 from eagle3_data.retry import backoff_s, parse_retry_after
 from eagle3_data.stages.generate.checkpoint import parse_prompts, sampling_for
@@ -101,7 +102,10 @@ def rows(n: int) -> list[dict]:
 
 
 def routed(rows: list[dict], **routing) -> list[dict]:
-    return [{**r, "route": route} for r, route in zip(rows, assign_routes([r["sample_id"] for r in rows], **routing))]
+    return [
+        {**r, "route": route}
+        for r, route in zip(rows, assign_routes([r["sample_id"] for r in rows], RoutingConfig(**routing)))
+    ]
 
 
 def test_routes_are_exact_deterministic_and_order_free():
@@ -113,7 +117,19 @@ def test_routes_are_exact_deterministic_and_order_free():
     cap = routed(rows(100), strategy="capacity", local_capacity=local_capacity(50.0, 60.0, 100.0))
     assert sum(x["route"] == "local" for x in cap) == 30
     with pytest.raises(UserError, match="strategy"):
-        assign_routes(["a", "b", "c"], strategy="random")
+        assign_routes(["a", "b", "c"], RoutingConfig.model_construct(strategy="random"))
+
+
+def test_balanced_routes_split_by_the_given_rates():
+    """balanced: the local share is the local side's share of the rates the caller measured."""
+    from eagle3_data.balance import Rates
+
+    ids = [r["sample_id"] for r in rows(100)]
+    balanced = RoutingConfig(strategy="balanced")
+    assert assign_routes(ids, balanced, Rates(local=3.0, overflow=1.0)).count("local") == 75
+    assert assign_routes(ids, balanced, Rates(local=1.0, overflow=1.0)).count("local") == 50
+    with pytest.raises(ValueError, match="rates"):
+        assign_routes(ids, balanced)
 
 
 def test_prompt_rows_are_checked_with_record_and_field():

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from eagle3_data.images import ImageSink, expand_media, media_tokens, read_image
-from eagle3_data.stages.prompts.load import load_prompts
+from eagle3_data.stages.prompts.load import PromptShape, load_prompts
 from tests.fixtures.kimi import VOCAB_SIZE
 from tests.image_oracle import image_tokens, processor_ids
 
@@ -71,7 +71,7 @@ def _load(tmp_path: Path, rows: list[dict], store, max_bytes: int = 1 << 20):
     src.parent.mkdir(parents=True, exist_ok=True)
     src.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     sink = ImageSink(store, max_bytes)
-    return load_prompts(str(src), "img", sampling=SAMPLING, client=store.client, images=sink), sink
+    return load_prompts(str(src), "img", PromptShape(sampling=SAMPLING), client=store.client, images=sink), sink
 
 
 def _user(*parts) -> dict:
@@ -364,7 +364,7 @@ def test_sample_image_prompts_are_the_generators_and_load_whole(store, tmp_path)
 
     assert OUT.read_text() == text()
     sink = ImageSink(store, 1 << 20)
-    load = load_prompts(str(OUT), "images", sampling=SAMPLING, client=store.client, images=sink)
+    load = load_prompts(str(OUT), "images", PromptShape(sampling=SAMPLING), client=store.client, images=sink)
     assert not load.rejects and load.counts["image_rows"] == load.counts["rows"] == 4
     sizes = {(r["width"], r["height"]) for row in load.rows for r in json.loads(row["images"])}
     assert sizes == {(w, h) for w, h, _ in IMAGES.values()}

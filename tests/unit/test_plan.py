@@ -135,7 +135,7 @@ def test_forked_prompt_counts_equal_the_serial_ones(kimi_tokenizer, monkeypatch)
         results = []
         for workers in (1, 2):
             monkeypatch.setattr(prompts_mod, "FORK_MIN_ROWS", 1 if workers > 1 else 10**9)
-            loaded = prompts_mod.load_prompts(str(path), "chat", sampling={}, repeats=1)
+            loaded = prompts_mod.load_prompts(str(path), "chat", prompts_mod.PromptShape(sampling={}, repeats=1))
             counted: dict[str, int] = {}
             prompts_mod.limit_prompt_tokens(
                 loaded,

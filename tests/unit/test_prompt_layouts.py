@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from eagle3_data.errors import UserError
-from eagle3_data.stages.prompts.load import load_prompts
+from eagle3_data.stages.prompts.load import PromptShape, load_prompts
 
 SAMPLING = {"temperature": 1.0}
 TOOLS = [
@@ -71,7 +71,7 @@ OPENAI = {
 def load(tmp_path: Path, rows: list, name: str = "d") -> object:
     path = tmp_path / f"{name}.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return load_prompts(str(path), name, sampling=SAMPLING)
+    return load_prompts(str(path), name, PromptShape(sampling=SAMPLING))
 
 
 def test_sharegpt_with_parallel_calls_is_the_openai_row(tmp_path):
@@ -171,7 +171,7 @@ def test_parquet_with_conversations_as_structs(tmp_path):
         ),
         tmp_path / "d" / "part.parquet",
     )
-    (r,) = list(load_prompts(str(tmp_path), "d", sampling=SAMPLING).rows)
+    (r,) = list(load_prompts(str(tmp_path), "d", PromptShape(sampling=SAMPLING)).rows)
     assert json.loads(r["messages"]) == OPENAI["messages"]
 
 
@@ -185,14 +185,14 @@ def test_a_datasets_save_to_disk_folder_is_read_in_its_files_order(tmp_path):
     folder = tmp_path / "saved"
     datasets.Dataset.from_list(rows).save_to_disk(str(folder), num_shards=3)  # several .arrow files
     assert len(json.loads((folder / "state.json").read_text())["_data_files"]) == 3
-    result = load_prompts(str(folder), "anything", sampling=SAMPLING)
+    result = load_prompts(str(folder), "anything", PromptShape(sampling=SAMPLING))
     loaded = list(result.rows)
     assert not result.rejects and len(loaded) == 41
     assert json.loads(loaded[0]["messages"]) == OPENAI["messages"]
     assert [json.loads(r["messages"])[-1]["content"] for r in loaded[1:]] == [f"question {i}" for i in range(40)]
     (folder / json.loads((folder / "state.json").read_text())["_data_files"][-1]["filename"]).unlink()
     with pytest.raises(UserError, match="state.json lists files that are not there"):
-        load_prompts(str(folder), "anything", sampling=SAMPLING)
+        load_prompts(str(folder), "anything", PromptShape(sampling=SAMPLING))
 
 
 def test_the_mapped_conversation_renders_with_the_real_template(tmp_path, kimi_tokenizer):
@@ -224,8 +224,8 @@ CONVERSATION = {
 def test_every_turn_is_one_sample_per_user_turn_after_the_datasets_history(tmp_path):
     path = tmp_path / "c.jsonl"
     path.write_text(json.dumps(CONVERSATION) + "\n")
-    final = load_prompts(str(path), "c", sampling=SAMPLING)
-    every = load_prompts(str(path), "c", sampling=SAMPLING, regenerate="every_turn")
+    final = load_prompts(str(path), "c", PromptShape(sampling=SAMPLING))
+    every = load_prompts(str(path), "c", PromptShape(sampling=SAMPLING, regenerate="every_turn"))
     # final_turn answers the row's last user turn again, its dataset answer left out: every_turn's last sample
     assert [r["sample_id"] for r in final.rows] == [list(every.rows)[-1]["sample_id"]]
     prompts = [json.loads(r["messages"]) for r in every.rows]
@@ -235,7 +235,7 @@ def test_every_turn_is_one_sample_per_user_turn_after_the_datasets_history(tmp_p
     # a turn's sample is the same whatever comes after it in the row: the first equals the row cut there
     path.write_text(json.dumps({"conversations": CONVERSATION["conversations"][:2]}) + "\n")
     assert (
-        next(iter(load_prompts(str(path), "c", sampling=SAMPLING).rows))["sample_id"]
+        next(iter(load_prompts(str(path), "c", PromptShape(sampling=SAMPLING)).rows))["sample_id"]
         == next(iter(every.rows))["sample_id"]
     )
 
@@ -254,7 +254,7 @@ def test_every_turn_renders_the_earlier_turns_as_the_template_does_there(tmp_pat
     }
     path = tmp_path / "r.jsonl"
     path.write_text(json.dumps(row) + "\n")
-    rows = list(load_prompts(str(path), "r", sampling=SAMPLING, regenerate="every_turn").rows)
+    rows = list(load_prompts(str(path), "r", PromptShape(sampling=SAMPLING, regenerate="every_turn")).rows)
     fmt = get_output_format(kimi_tokenizer, thinking=True)
     second = fmt.generation_prompt_ids(json.loads(rows[1]["messages"]), None)
     text = kimi_tokenizer.decode(second)

@@ -186,14 +186,15 @@ def test_rows_sha256_streams_the_hash_of_the_whole_list(tmp_path):
     """The incremental hash is sha256(canonical_json(all rows, ascii_only=True)), computed here
     the old way from the whole list, over several spill batches, non-ASCII text and nulls."""
     from eagle3_data.canonical import canonical_json
-    from eagle3_data.stages.prompts.load import load_prompts
+    from eagle3_data.config import RoutingConfig
+    from eagle3_data.stages.prompts.load import PromptShape, load_prompts
     from eagle3_data.stages.prompts.routing import assign_routes
     from eagle3_data.stages.prompts.stage import routed_batches, rows_sha256
 
-    load = load_prompts(str(write_prompts(tmp_path)), DATASET, sampling=SAMPLING, repeats=4)
+    load = load_prompts(str(write_prompts(tmp_path)), DATASET, PromptShape(sampling=SAMPLING, repeats=4))
     rows = list(load.rows)
     assert len(rows) > 2 * 512  # more than two spill batches
-    routes = assign_routes([r["sample_id"] for r in rows], overflow_fraction=0.3, calibration_samples=4)
+    routes = assign_routes([r["sample_id"] for r in rows], RoutingConfig(overflow_fraction=0.3, calibration_samples=4))
     # source_id (provenance) and a text row's null images (schema v3) are left out of the hash
     whole = [
         {**{k: v for k, v in r.items() if k != "source_id" and not (k == "images" and v is None)}, "route": route}
@@ -213,12 +214,12 @@ def test_rows_sha256_streams_the_hash_of_the_whole_list(tmp_path):
 
 
 def test_token_limit_drops_rows_from_the_spill_and_keeps_order(tmp_path):
-    from eagle3_data.stages.prompts.load import limit_prompt_tokens, load_prompts
+    from eagle3_data.stages.prompts.load import PromptShape, limit_prompt_tokens, load_prompts
 
     def count(messages, tools):
         return sum(len(m.get("content") or "") for m in messages)
 
-    load = load_prompts(str(write_prompts(tmp_path)), DATASET, sampling=SAMPLING, repeats=2)
+    load = load_prompts(str(write_prompts(tmp_path)), DATASET, PromptShape(sampling=SAMPLING, repeats=2))
     before = list(load.rows)
     limit_prompt_tokens(load, 60, count)
     long = {r["sample_id"] for r in before if count(json.loads(r["messages"]), None) > 60}

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from eagle3_data.errors import UserError
-from eagle3_data.stages.prompts.load import load_prompts, sample_id
+from eagle3_data.stages.prompts.load import PromptShape, load_prompts, sample_id
 
 SAMPLE_DATA = Path(__file__).resolve().parents[2] / "include" / "sample_data"
 SAMPLING = {"temperature": 1.0, "max_tokens": 512}
@@ -88,7 +88,7 @@ def write_jsonl(path: Path, rows: list, extra_lines: Sequence[str] = ()) -> Path
 
 def test_sample_data_loads_without_rejects():
     for dataset in ("chat", "code", "tool_calls"):
-        load = load_prompts(str(SAMPLE_DATA), dataset, sampling=SAMPLING)
+        load = load_prompts(str(SAMPLE_DATA), dataset, PromptShape(sampling=SAMPLING))
         assert load.rows and not load.rejects and load.counts["rows"] == len(load.rows)
         assert load.sources[0]["sha256"] == hashlib.sha256((SAMPLE_DATA / f"{dataset}.jsonl").read_bytes()).hexdigest()
 
@@ -115,7 +115,7 @@ def test_sample_id_is_hash_of_canonical_inputs():
 def test_malformed_rows_are_rejected_with_line_and_field_and_good_rows_kept(tmp_path):
     rows = GOOD[:2] + [b for b, _ in BAD] + GOOD[2:]
     src = write_jsonl(tmp_path / "p" / "mixed.jsonl", rows, extra_lines=["{not json", ""])
-    load = load_prompts(str(src), "mixed", sampling=SAMPLING)
+    load = load_prompts(str(src), "mixed", PromptShape(sampling=SAMPLING))
     assert len(load.rows) == len(GOOD)
     # the row's own `id` is kept (as provenance), not ignored; `meta` is
     assert load.counts == {
@@ -139,7 +139,7 @@ def test_normalised_rows_are_canonical_json(tmp_path):
     src = write_jsonl(
         tmp_path / "d.jsonl", [GOOD[2], {"tools": None, "messages": [{"content": "hi", "role": "user", "name": None}]}]
     )
-    rows = list(load_prompts(str(src), "d", sampling=SAMPLING).rows)
+    rows = list(load_prompts(str(src), "d", PromptShape(sampling=SAMPLING)).rows)
     first = json.loads(rows[0]["messages"])
     assert first[1] == {"role": "assistant", "tool_calls": [CALL]}  # null content dropped, call kept verbatim
     assert rows[1]["messages"] == '[{"content":"hi","role":"user"}]' and rows[1]["tools"] is None
@@ -147,11 +147,11 @@ def test_normalised_rows_are_canonical_json(tmp_path):
 
 def test_repeats_and_duplicates(tmp_path):
     src = write_jsonl(tmp_path / "d.jsonl", [GOOD[0], GOOD[1], GOOD[0]])
-    load = load_prompts(str(src), "d", sampling=SAMPLING, repeats=3)
+    load = load_prompts(str(src), "d", PromptShape(sampling=SAMPLING, repeats=3))
     ids = [r["sample_id"] for r in load.rows]
     assert len(ids) == 6 == len(set(ids)) and load.counts["duplicates"] == 3
     assert [r["sample_index"] for r in load.rows] == [0, 1, 2, 3, 4, 5]
-    again = load_prompts(str(src), "d", sampling=SAMPLING, repeats=3)
+    again = load_prompts(str(src), "d", PromptShape(sampling=SAMPLING, repeats=3))
     assert [r["sample_id"] for r in again.rows] == ids
 
 
@@ -167,7 +167,7 @@ def test_parquet_with_struct_or_string_messages(tmp_path):
     pq.write_table(
         pa.Table.from_pylist([{"messages": json.dumps([USER]), "tools": None}]), tmp_path / "d" / "b.parquet"
     )
-    load = load_prompts(str(tmp_path), "d", sampling=SAMPLING)
+    load = load_prompts(str(tmp_path), "d", PromptShape(sampling=SAMPLING))
     assert len(load.rows) == 2 and [(r["line"], r["field"]) for r in load.rejects] == [(2, "messages[0].role")]
     assert [s["uri"].rsplit("/", 1)[1] for s in load.sources] == ["a.parquet", "b.parquet"]
 
@@ -175,12 +175,12 @@ def test_parquet_with_struct_or_string_messages(tmp_path):
 def test_local_date_partition_and_missing_partition(tmp_path):
     write_jsonl(tmp_path / "chat" / "date=2026-11-28" / "part-0.jsonl", [GOOD[0]])
     write_jsonl(tmp_path / "chat" / "date=2026-11-29" / "part-0.jsonl", [GOOD[1]])
-    load = load_prompts(str(tmp_path), "chat", date="2026-11-29", sampling=SAMPLING)
+    load = load_prompts(str(tmp_path), "chat", PromptShape(sampling=SAMPLING), date="2026-11-29")
     assert len(load.rows) == 1 and "date=2026-11-29" in load.sources[0]["uri"]
     with pytest.raises(UserError, match=r"no prompt files .*'chat'.*date=2026-11-30"):
-        load_prompts(str(tmp_path), "chat", date="2026-11-30", sampling=SAMPLING)
+        load_prompts(str(tmp_path), "chat", PromptShape(sampling=SAMPLING), date="2026-11-30")
     with pytest.raises(UserError, match="invalid date"):
-        load_prompts(str(tmp_path), "chat", date="2026/11/29", sampling=SAMPLING)
+        load_prompts(str(tmp_path), "chat", PromptShape(sampling=SAMPLING), date="2026/11/29")
 
 
 def test_a_run_without_logical_date_reads_the_newest_partition_or_undated_prompts(tmp_path, s3, s3_bucket):
@@ -257,9 +257,9 @@ def test_a_missing_prompts_source_says_no_such_file_not_partition_advice(tmp_pat
     assert message("s3gone") == f"prompts file {sources['s3gone']}: no such file (dataset s3gone)"
     assert "no date=YYYY-MM-DD partition" in message("empty")
     with pytest.raises(UserError, match=r"^prompts file .*gone\.jsonl: no such file \(dataset chat\)$"):
-        load_prompts(sources["gone"], "chat", date="2026-11-29", sampling=SAMPLING)
+        load_prompts(sources["gone"], "chat", PromptShape(sampling=SAMPLING), date="2026-11-29")
     with pytest.raises(UserError, match=r"^prompts file s3://.*: no such file \(dataset chat\)$"):
-        load_prompts(sources["s3gone"], "chat", sampling=SAMPLING, client=s3)
+        load_prompts(sources["s3gone"], "chat", PromptShape(sampling=SAMPLING), client=s3)
 
 
 def test_s3_sources_file_prefix_and_date(s3, s3_bucket):
@@ -267,10 +267,12 @@ def test_s3_sources_file_prefix_and_date(s3, s3_bucket):
     s3.put_object(Bucket=s3_bucket, Key="prompts/chat/date=2026-11-29/a.jsonl", Body=body)
     s3.put_object(Bucket=s3_bucket, Key="prompts/chat/date=2026-11-29/_SUCCESS", Body=b"")
     s3.put_object(Bucket=s3_bucket, Key="flat/chat.jsonl", Body=body)
-    local = load_prompts(str(SAMPLE_DATA / "chat.jsonl"), "chat", sampling=SAMPLING)
-    by_date = load_prompts(f"s3://{s3_bucket}/prompts", "chat", date="2026-11-29", sampling=SAMPLING, client=s3)
-    by_file = load_prompts(f"s3://{s3_bucket}/flat/chat.jsonl", "chat", sampling=SAMPLING, client=s3)
-    by_prefix = load_prompts(f"s3://{s3_bucket}/flat/", "chat", sampling=SAMPLING, client=s3)
+    local = load_prompts(str(SAMPLE_DATA / "chat.jsonl"), "chat", PromptShape(sampling=SAMPLING))
+    by_date = load_prompts(
+        f"s3://{s3_bucket}/prompts", "chat", PromptShape(sampling=SAMPLING), date="2026-11-29", client=s3
+    )
+    by_file = load_prompts(f"s3://{s3_bucket}/flat/chat.jsonl", "chat", PromptShape(sampling=SAMPLING), client=s3)
+    by_prefix = load_prompts(f"s3://{s3_bucket}/flat/", "chat", PromptShape(sampling=SAMPLING), client=s3)
     for load in (by_date, by_file, by_prefix):
         assert [r["sample_id"] for r in load.rows] == [r["sample_id"] for r in local.rows]
     assert by_date.sources == [
@@ -281,16 +283,16 @@ def test_s3_sources_file_prefix_and_date(s3, s3_bucket):
         }
     ]
     with pytest.raises(UserError, match="no prompt files"):
-        load_prompts(f"s3://{s3_bucket}/prompts", "code", date="2026-11-29", sampling=SAMPLING, client=s3)
+        load_prompts(f"s3://{s3_bucket}/prompts", "code", PromptShape(sampling=SAMPLING), date="2026-11-29", client=s3)
 
 
 # -- loud rejects and limits (issue 13 item 4) ------------------------------------------------------
 def _load_lines(tmp_path, lines: list[bytes], **kw):
-    from eagle3_data.stages.prompts.load import load_prompts
+    from eagle3_data.stages.prompts.load import PromptShape, load_prompts
 
     path = tmp_path / "p.jsonl"
     path.write_bytes(b"\n".join(lines) + b"\n")
-    return load_prompts(str(path), "p", sampling={}, **kw)
+    return load_prompts(str(path), "p", PromptShape(sampling={}, **kw))
 
 
 def test_invalid_utf8_is_a_reject_not_a_replacement(tmp_path):
@@ -348,7 +350,7 @@ def test_parquet_rows_with_deep_or_surrogate_strings_are_rejects(tmp_path):
     pq.write_table(
         pa.table({"messages": [json.dumps([USER]), deep, json.dumps([{"role": "user", "content": "\ud800"}])]}), path
     )
-    load = load_prompts(str(path), "p", sampling={})
+    load = load_prompts(str(path), "p", PromptShape(sampling={}))
     assert len(load.rows) == 1
     assert [(r["line"], r["field"]) for r in load.rejects] == [(2, "messages[0].name"), (3, "messages[0].content")]
 
@@ -366,11 +368,11 @@ def test_message_byte_limit_and_prompt_token_limit(tmp_path):
 
 
 def test_unsupported_file_type_and_empty_loads_are_refused(tmp_path):
-    from eagle3_data.stages.prompts.load import load_prompts, require_rows
+    from eagle3_data.stages.prompts.load import PromptShape, load_prompts, require_rows
 
     (tmp_path / "p.csv").write_text("messages\nhi\n")
     with pytest.raises(UserError, match="unsupported file type '.csv'"):
-        load_prompts(str(tmp_path / "p.csv"), "p", sampling={})
+        load_prompts(str(tmp_path / "p.csv"), "p", PromptShape(sampling={}))
     load = _load_lines(tmp_path, [b"{bad", b'{"messages": 3}'])
     with pytest.raises(UserError, match=r"0 usable prompt rows \(2 read, 2 rejected; first: .* line 1: not valid JSON"):
         require_rows(load, "x")
@@ -388,10 +390,10 @@ def test_rejects_are_grouped_by_kind_with_the_first_few_shown(tmp_path):
 
 
 def test_s3_source_needs_the_callers_client():
-    from eagle3_data.stages.prompts.load import load_prompts
+    from eagle3_data.stages.prompts.load import PromptShape, load_prompts
 
     with pytest.raises(UserError, match="needs the caller's S3 client"):
-        load_prompts("s3://bucket/prompts", "p", sampling={})
+        load_prompts("s3://bucket/prompts", "p", PromptShape(sampling={}))
 
 
 # -- tool-call ids and trailing answers ---------------------------------------------------------------
@@ -428,7 +430,7 @@ OPENAI_IDS = {
 
 def _load_one(tmp_path, record, **kwargs) -> list[dict]:
     src = write_jsonl(tmp_path / "ids.jsonl", [record])
-    load = load_prompts(str(src), "ids", sampling=SAMPLING, **kwargs)
+    load = load_prompts(str(src), "ids", PromptShape(sampling=SAMPLING, **kwargs))
     assert not load.rejects, load.rejects
     return json.loads(next(iter(load.rows))["messages"])
 
@@ -529,7 +531,7 @@ def test_final_turn_answers_again_a_row_that_ends_with_the_datasets_answer(tmp_p
         }
         for i in range(3)
     ]
-    load = load_prompts(str(write_jsonl(tmp_path / "sharegpt.jsonl", rows)), "sharegpt", sampling=SAMPLING)
+    load = load_prompts(str(write_jsonl(tmp_path / "sharegpt.jsonl", rows)), "sharegpt", PromptShape(sampling=SAMPLING))
     assert not load.rejects and len(load.rows) == 3 and load.counts["answers_dropped"] == 3
     for i, row in enumerate(load.rows):
         messages = json.loads(row["messages"])

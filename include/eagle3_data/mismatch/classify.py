@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from eagle3_data.chat_format import AssistantMessage, OutputFormat
 from eagle3_data.errors import UserError
@@ -52,6 +52,15 @@ class RowResult:
         }
 
 
+class _Stopped(NamedTuple):
+    """A row's ids as the validator compares them (`Validator._stop`)."""
+
+    ids: list[int]  # ending with their stop id (one added where the engine left it out)
+    finish: str  # "stop" | "length"
+    verdict: tuple[str, str] | None  # a class decided from the stop alone, and why
+    stop: str | None  # stop provenance: "string", "matched", "id", "added", None (length)
+
+
 @dataclass
 class _Prepared:
     original: list[int]
@@ -77,14 +86,14 @@ class Validator:
         self.id_of = {name: tid for name, tid in fmt.tokenizer.get_added_vocab().items()}
         self.section_begin = fmt.tool_section_id
 
-    def _stop(self, row: InputRow) -> tuple[list[int], str, tuple[str, str] | None, str | None]:
-        """(ids normalised to end with their stop id, finish, verdict, stop provenance)."""
+    def _stop(self, row: InputRow) -> _Stopped:
+        """The row's ids normalised to end with their stop id, and how it finished."""
         ids, matched, last = row.output_ids, row.matched, (row.output_ids[-1] if row.output_ids else None)
         if isinstance(matched, str):
-            return ids, "stop", ("stop_string", f"stopped on the stop string {matched!r}"), "string"
+            return _Stopped(ids, "stop", ("stop_string", f"stopped on the stop string {matched!r}"), "string")
         if matched is not None:
             if matched not in self.stop_ids:
-                return (
+                return _Stopped(
                     ids,
                     "stop",
                     (
@@ -94,18 +103,20 @@ class Validator:
                     ),
                     "matched",
                 )
-            return (ids if last == matched else ids + [matched]), "stop", None, "matched"
+            return _Stopped(ids if last == matched else ids + [matched], "stop", None, "matched")
         if row.finish_reason == "length":
             if last in self.stop_ids:
-                return ids, "length", ("wrong_stop", f"finish_reason length, but the ids end with stop id {last}"), None
-            return ids, "length", None, None
+                return _Stopped(
+                    ids, "length", ("wrong_stop", f"finish_reason length, but the ids end with stop id {last}"), None
+                )
+            return _Stopped(ids, "length", None, None)
         if last in self.stop_ids:
-            return ids, "stop", None, "id"
+            return _Stopped(ids, "stop", None, "id")
         if row.finish_reason is None:
-            return ids, "length", None, None
+            return _Stopped(ids, "length", None, None)
         if self.stops.kind == "included":
             shown = f"id {last} ({self._text(last)})" if last is not None else "nothing"
-            return (
+            return _Stopped(
                 ids,
                 "stop",
                 (
@@ -115,7 +126,7 @@ class Validator:
                 ),
                 None,
             )
-        return ids + [self.im_end], "stop", None, "added"
+        return _Stopped(ids + [self.im_end], "stop", None, "added")
 
     def _text(self, tid: int) -> str:
         return repr(self.codec.decode([tid]))

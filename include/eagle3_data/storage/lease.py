@@ -34,12 +34,15 @@ import uuid
 from datetime import datetime, timedelta, timezone
 from email.utils import parsedate_to_datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from botocore.exceptions import ClientError
 
 from eagle3_data.storage.client import NOT_FOUND, error_code, s3_errors
 from eagle3_data.storage.refs import StageRef, StorageError
+
+if TYPE_CHECKING:
+    from eagle3_data.storage.store import ArtifactStore
 
 log = logging.getLogger(__name__)
 
@@ -82,20 +85,12 @@ class Lease:
     """A held lease. Use `acquire_lease(...)`; `check()` before every write, `release()` at the end."""
 
     def __init__(
-        self,
-        store,
-        ref: StageRef,
-        owner: str,
-        token: str,
-        ttl_s: float,
-        etag: str,
-        took_over: dict[str, Any] | None,
-        scope: str | None = None,
+        self, store: ArtifactStore, ref: StageRef, owner: str, token: str, ttl_s: float, scope: str | None = None
     ):
         self.store, self.ref, self.owner, self.token, self.ttl_s = store, ref, owner, token, ttl_s
         self.scope = scope  # None: the whole stage; else one unit of it (a shard), leased on its own
-        self.etag = etag
-        self.took_over = took_over  # the expired holder's record when this lease was taken over
+        self.etag = ""  # the lease object's, once written
+        self.took_over: dict | None = None  # the expired holder's record when this lease was taken over
         self._renewed = time.monotonic()
         self._lost: str | None = None
         self._lock = threading.Lock()
@@ -319,7 +314,7 @@ def acquire_lease(
     naming the holder and when its lease expires."""
     owner = owner or default_owner()
     token = uuid.uuid4().hex
-    lease = Lease(store, ref, owner, token, ttl_s, etag="", took_over=None, scope=scope)
+    lease = Lease(store, ref, owner, token, ttl_s, scope=scope)
     client, bucket, key = store.client, store.bucket, lease.key
     uri = store.uri(ref, lease.name)
     store.check_bucket()  # SeaweedFS creates a missing bucket on PUT (AWS refuses): a lease must not do a setup step

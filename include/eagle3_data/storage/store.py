@@ -22,6 +22,7 @@ import subprocess
 import tempfile
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from functools import lru_cache
 from pathlib import Path
@@ -102,6 +103,17 @@ def check_no_secrets(obj: Any, where: str) -> None:
     elif isinstance(obj, (list, tuple)):
         for value in obj:
             check_no_secrets(value, where)
+
+
+@dataclass(frozen=True)
+class StageOrigin:
+    """What a stage was made from, as its manifest records it: its inputs (`input_records`), the
+    params that decided it and the tokenizer it was rendered with."""
+
+    inputs: list[dict]
+    params: dict | None = None
+    tokenizer_sha256: str | None = None
+    template_sha256: str | None = None
 
 
 class _Prefetch:
@@ -443,18 +455,16 @@ class ArtifactStore:
         self,
         ref: StageRef,
         *,
-        schema: dict[str, Any] | None,
-        parts: list[dict[str, Any]],
-        files: list[dict[str, Any]],
-        inputs: list[dict[str, Any]],
-        params: dict[str, Any] | None,
-        tokenizer_sha256: str | None,
-        template_sha256: str | None,
-        extra: dict[str, Any] | None,
-    ) -> dict[str, Any]:
+        schema: dict | None,
+        parts: list[dict],
+        files: list[dict],
+        origin: StageOrigin,
+        extra: dict | None,
+    ) -> dict:
         """Write the stage's manifest, the object whose presence means "complete": write it last,
-        after every part and file it lists (`inputs` as `input_records` gives them). Refuses
-        credential-looking keys in `params` and `extra`."""
+        after every part and file it lists. Refuses credential-looking keys in `origin.params` and
+        `extra`."""
+        params = origin.params
         check_no_secrets(params or {}, "params")
         check_no_secrets(extra or {}, "extra")
         manifest = {
@@ -468,11 +478,11 @@ class ArtifactStore:
             "rows": sum(p["rows"] for p in parts),
             "parts": parts,
             "files": files,
-            "inputs": inputs,
+            "inputs": origin.inputs,
             "params": params or {},
             "code": code_version(),
-            "tokenizer_sha256": tokenizer_sha256,
-            "template_sha256": template_sha256,
+            "tokenizer_sha256": origin.tokenizer_sha256,
+            "template_sha256": origin.template_sha256,
             "extra": extra or {},
         }
         if self.stand_ins:
@@ -767,10 +777,7 @@ class ArtifactStore:
             schema=None,
             parts=[],
             files=self.file_entries(ref, names),
-            inputs=self.input_records(inputs),
-            params=params,
-            tokenizer_sha256=tokenizer_sha256,
-            template_sha256=template_sha256,
+            origin=StageOrigin(self.input_records(inputs), params, tokenizer_sha256, template_sha256),
             extra=extra,
         )
 

@@ -31,6 +31,7 @@ from eagle3_data.storage.archive import archive_stage
 from eagle3_data.storage.lease import DEFAULT_TTL_S, Lease, acquire_lease, is_lease
 from eagle3_data.storage.parts import PROGRESS, check_part_schema
 from eagle3_data.storage.refs import CorruptArtifact, StageRef, part_name, part_number
+from eagle3_data.storage.store import StageOrigin
 
 if TYPE_CHECKING:
     from eagle3_data.storage.store import ArtifactStore
@@ -307,10 +308,7 @@ class StageWriter:
             schema={"name": self.schema_name, "version": int(self.schema.metadata[b"eagle3.schema_version"])},
             parts=list(self._parts),
             files=self.store.file_entries(self.ref, files),
-            inputs=self.inputs,
-            params=self.params,
-            tokenizer_sha256=self.tokenizer_sha256,
-            template_sha256=self.template_sha256,
+            origin=StageOrigin(self.inputs, self.params, self.tokenizer_sha256, self.template_sha256),
             extra={**(extra or {}), "writer": dict(self._stats)},
         )
         self._committed = True

@@ -21,11 +21,12 @@ Modules, in flow order: `select` (which samples, and their ids), `score` (the en
 
 from eagle3_data.nucleus import Item
 from eagle3_data.policy_check import Thresholds, check, decide, policy_gate, required_samples, summarize
-from eagle3_data.stages.policy.score import ScoreTimings, score_items
+from eagle3_data.stages.policy.score import ScoreEndpoints, ScoreTimings, score_items
 from eagle3_data.stages.policy.select import local_items, overflow_items
 
 __all__ = [
     "Item",
+    "ScoreEndpoints",
     "ScoreTimings",
     "Thresholds",
     "check",

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from eagle3_data.config import PolicyConfig
-from eagle3_data.engines.client import Media, MediaDiffers, error_message, wait_healthy
+from eagle3_data.engines.client import Media, MediaDiffers, Wire, error_message, wait_healthy
 from eagle3_data.errors import EndpointUnavailable, UserError
 from eagle3_data.images import ImageError
 from eagle3_data.nucleus import Item, Nucleus, off_argmax, outside
@@ -51,16 +51,23 @@ class ScoreTimings:
     health_interval_s: float = 2.0
 
 
+@dataclass(frozen=True)
+class ScoreEndpoints:
+    """Where answers are scored: the local engines' URLs, their wire (the engine's protocol and
+    headers) and how long to wait for them."""
+
+    urls: Sequence[str]
+    wire: Wire
+    timings: ScoreTimings = ScoreTimings()
+
+
 def score_items(
     items: Sequence[Item],
-    endpoints: Sequence[str],
-    wire,
+    engines: ScoreEndpoints,
     policy: PolicyConfig = PolicyConfig(),
     nucleus: Nucleus | None = None,
     vocab_size: int = 0,
     media: Callable[[Item], Media] | None = None,
-    *,
-    timings: ScoreTimings = ScoreTimings(),
 ) -> tuple[list[list[float] | None], dict[str, str], list[int | None]]:
     """(log-probabilities per item, None where the engine refused it; the refusals by sample id;
     per item its answer tokens outside `nucleus`, or for a calibration answer (greedy) off the
@@ -71,22 +78,20 @@ def score_items(
     images is refused."""
     if not items:
         return [], {}, []
-    return asyncio.run(_Scorer(endpoints, wire, policy, timings, nucleus, vocab_size, media).run(items))
+    return asyncio.run(_Scorer(engines, policy, nucleus, vocab_size, media).run(items))
 
 
 class _Scorer:
     def __init__(
         self,
-        endpoints: Sequence[str],
-        wire,
+        engines: ScoreEndpoints,
         policy: PolicyConfig,
-        timings: ScoreTimings,
         nucleus: Nucleus | None,
         vocab: int,
         media: Callable[[Item], Media] | None,
     ):
-        self.endpoints, self.wire = [e.rstrip("/") for e in endpoints], wire
-        self.policy, self.timings = policy, timings
+        self.endpoints, self.wire = [e.rstrip("/") for e in engines.urls], engines.wire
+        self.policy, self.timings = policy, engines.timings
         self.nucleus, self.vocab, self.media = nucleus, vocab, media
         self.refused: dict[str, str] = {}
         self.tag = uuid.uuid4().hex[:8]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 from eagle3_data.chat_format import OutputFormat
 from eagle3_data.images import parse_refs
@@ -30,41 +31,38 @@ def pick(sample_ids: Iterable[str], n: int, seed: int) -> list[str]:
     return sorted(sorted(set(sample_ids), key=key)[:n])
 
 
-def _chosen(
-    rows: Iterable[Mapping],
-    routes: Mapping[str, str],
-    side_route: str,
-    n: int,
-    pairs: int,
-    seed: int,
-    with_images: bool,
-) -> list[Mapping]:
-    """Up to `n` rows of the side's own route (sampled answers) and up to `pairs` calibration rows
-    (route "both": greedy, compared as pairs, never in the sampled pool). `pick`'s order makes a
-    larger `n` a superset of a smaller one: a pilot's samples stay in the sample it grows into.
-    A row of an image prompt is chosen only `with_images` (`has_images`)."""
+@dataclass(frozen=True)
+class Selection:
+    """Which rows a side gives the check: up to `n` of its own route (sampled answers) and up to
+    `pairs` calibration rows (route "both"), picked by `seed`; image prompts' rows only
+    `with_images` (`has_images`)."""
+
+    n: int
+    seed: int
+    pairs: int = 0
+    with_images: bool = False
+
+
+def _chosen(rows: Iterable[Mapping], routes: Mapping[str, str], side_route: str, sel: Selection) -> list[Mapping]:
+    """Up to `sel.n` rows of the side's own route (sampled answers) and up to `sel.pairs`
+    calibration rows (route "both": greedy, compared as pairs, never in the sampled pool). `pick`'s
+    order makes a larger `n` a superset of a smaller one: a pilot's samples stay in the sample it
+    grows into."""
     usable = [
         r
         for r in rows
         if r.get("status") == "ok"
         and r.get("output_ids")
         and r.get("prompt_ids")
-        and (with_images or not has_images(r))
+        and (sel.with_images or not has_images(r))
     ]
     keep: set[str] = set()
-    for route, k in ((side_route, n), ("both", pairs)):
-        keep.update(pick((r["sample_id"] for r in usable if routes.get(r["sample_id"]) == route), k, seed))
+    for route, k in ((side_route, sel.n), ("both", sel.pairs)):
+        keep.update(pick((r["sample_id"] for r in usable if routes.get(r["sample_id"]) == route), k, sel.seed))
     return [r for r in usable if r["sample_id"] in keep]
 
 
-def overflow_items(
-    rows: Iterable[Mapping],
-    routes: Mapping[str, str],
-    n: int,
-    seed: int,
-    pairs: int = 0,
-    with_images: bool = False,
-) -> list[Item]:
+def overflow_items(rows: Iterable[Mapping], routes: Mapping[str, str], sel: Selection) -> list[Item]:
     """The reconstruct stage's rows: their output ids are what reconstruction made of the text."""
     return [
         Item(
@@ -75,19 +73,12 @@ def overflow_items(
             len(r["prompt_ids"]),
             _images(r),
         )
-        for r in _chosen(rows, routes, "overflow", n, pairs, seed, with_images)
+        for r in _chosen(rows, routes, "overflow", sel)
     ]
 
 
 def local_items(
-    fmt: OutputFormat,
-    rows: Iterable[Mapping],
-    routes: Mapping[str, str],
-    n: int,
-    seed: int,
-    vocab_size: int,
-    pairs: int = 0,
-    with_images: bool = False,
+    fmt: OutputFormat, rows: Iterable[Mapping], routes: Mapping[str, str], sel: Selection, vocab_size: int
 ) -> list[Item]:
     """The local stage's rows, on the ids the overflow path would have given their text (the
     validator's rebuild); a row without one (a wrong stop, text that cannot determine the ids)
@@ -96,7 +87,7 @@ def local_items(
 
     from eagle3_data.mismatch import InputRow, Validator, detect_stop_convention, rows_from_batches
 
-    chosen = _chosen(rows, routes, "local", n, pairs, seed, with_images)
+    chosen = _chosen(rows, routes, "local", sel)
     if not chosen:
         return []
     columns = ("sample_id", "output_ids", "finish_reason", "provenance", "tools", "messages")

@@ -51,8 +51,8 @@ def score_policy(run: Run, store, dataset: str, endpoints: list[str], api_key: s
     from eagle3_data.nucleus import Nucleus, nucleus_counts
     from eagle3_data.policy_check import Thresholds, sample_size, worst_samples
     from eagle3_data.policy_check import rows as score_rows
-    from eagle3_data.stages.policy import local_items, overflow_items, score_items, summarize
-    from eagle3_data.stages.policy.select import has_images
+    from eagle3_data.stages.policy import ScoreEndpoints, local_items, overflow_items, score_items, summarize
+    from eagle3_data.stages.policy.select import Selection, has_images
 
     local, rebuilt, ref = (stage_ref(run, s, dataset) for s in (LOCAL, RECONSTRUCT, POLICY))
     tokenizer = bulk_tokenizer_for(run, store)
@@ -84,7 +84,7 @@ def score_policy(run: Run, store, dataset: str, endpoints: list[str], api_key: s
     columns = [*scored_columns, "finish_reason", "provenance", "tools", "messages"]
     pairs = cfg.max_samples
     n = min(cfg.pilot_samples, cfg.max_samples)
-    over = overflow_items(_rows(store, rebuilt, scored_columns), routes, n, cfg.seed, pairs, with_images)
+    over = overflow_items(_rows(store, rebuilt, scored_columns), routes, Selection(n, cfg.seed, pairs, with_images))
     items: list = []
     scores: list = []
     left_out = {  # select.has_images
@@ -114,11 +114,12 @@ def score_policy(run: Run, store, dataset: str, endpoints: list[str], api_key: s
         def at(n: int) -> tuple[list, list, list]:
             """The items at `n` sampled answers a side (and the pairs), scoring only the new ones:
             the items, their log-probabilities, their answer tokens outside the nucleus."""
-            items = overflow_items(
-                _rows(store, rebuilt, scored_columns), routes, n, cfg.seed, pairs, with_images
-            ) + local_items(fmt, _rows(store, local, columns), routes, n, cfg.seed, len(tokenizer), pairs, with_images)
+            sel = Selection(n, cfg.seed, pairs, with_images)
+            items = overflow_items(_rows(store, rebuilt, scored_columns), routes, sel) + local_items(
+                fmt, _rows(store, local, columns), routes, sel, len(tokenizer)
+            )
             todo = [it for it in items if (it.side, it.sample_id, it.ids) not in done]
-            got, more, far = score_items(todo, endpoints, wire, cfg, nucleus, len(tokenizer), media)
+            got, more, far = score_items(todo, ScoreEndpoints(endpoints, wire), cfg, nucleus, len(tokenizer), media)
             done.update({(it.side, it.sample_id, it.ids): sf for it, sf in zip(todo, zip(got, far))})
             refused.update(more)
             results = [done[(it.side, it.sample_id, it.ids)] for it in items]

@@ -62,7 +62,7 @@ def _run(args: argparse.Namespace) -> int:
         print(printed(result))
         return 0
     from eagle3_data.config import load_config, resolve_source
-    from eagle3_data.stages.probe.drafter import default_device, probe_export
+    from eagle3_data.stages.probe.drafter import ExportCheck, default_device, probe_export
 
     config = load_config(args.config).with_overrides(_overrides(args), where="command line")
     model = Path(args.model or resolve_source(config.model.source))
@@ -86,8 +86,7 @@ def _run(args: argparse.Namespace) -> int:
             config.probe,
             eval_export=Path(args.eval_export) if args.eval_export else None,
             device=device,
-            shards=shards,
-            check_samples=config.export.check_samples,
+            check=None if shards is None else ExportCheck(shards, config.export.check_samples),
         )
     text = json.dumps(report, indent=1)
     if args.out:

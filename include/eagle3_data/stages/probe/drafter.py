@@ -20,13 +20,17 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from eagle3_data.errors import UserError
 from eagle3_data.speculators_venv import PYTHON_ENV as PYTHON_ENV  # the probe's API
 from eagle3_data.speculators_venv import speculators_python as speculators_python
+
+if TYPE_CHECKING:
+    from eagle3_data.config import ProbeConfig
+    from eagle3_data.exports.check import LocalShards, StageShards
 
 SCRIPT = Path(__file__).with_name("speculators_probe.py")
 OVER_BUDGET_EXIT = 3  # speculators_probe.py's exit status when its projection is past the budget
@@ -347,32 +351,38 @@ def verdict(align: dict[str, Any], quality: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class ExportCheck:
+    """The extraction an export came from, to check the export against through speculators'
+    reader (exports.check.check_export) on `samples` rows (None: all; 0: not checked)."""
+
+    shards: LocalShards | StageShards
+    samples: int | None = 8
+
+
 def probe_export(
     export: Path,
     verifier: Path,
-    config,
+    config: ProbeConfig,
     *,
     eval_export: Path | None = None,
-    vocab_dir: Path | None = None,
     device: str = "cpu",
     budget_s: float | None = None,
-    shards=None,
-    check_samples: int | None = 8,
-) -> dict[str, Any]:
-    """The probe on one export (draft vocabulary beside it unless `vocab_dir`): the artifact's JSON.
+    check: ExportCheck | None = None,
+) -> dict:
+    """The probe on one export (draft vocabulary beside it): the artifact's JSON.
     `budget_s`: the training's share of the budget (default: the config's whole). One drafter per
     seed of `config.seeds` (the same split; another init and sample order), so the simulated
-    acceptance comes with its spread on this data. `shards`: the extraction the export came from
-    (hidden_states.check_export's LocalShards / StageShards): with it the export is checked through
-    speculators' reader on `check_samples` rows (None: all; 0: not checked). The JSON's `verdict`
-    (pass / fail / inconclusive) and `verdict_rule`: `verdict`, from `alignment` and `data_quality`."""
+    acceptance comes with its spread on this data. `check`: with it the export is checked against
+    the extraction it came from (`ExportCheck`). The JSON's `verdict` (pass / fail / inconclusive)
+    and `verdict_rule`: `verdict`, from `alignment` and `data_quality`."""
     info = export / "export_info.json"
     if not info.exists():
         raise UserError(f"probe: {export} is no speculators export (no export_info.json; run export-speculators)")
     rows = json.loads(info.read_text())["samples"]
     train_rows, eval_rows = split(rows, config.samples, config.eval_samples, config.seed)
-    vocab = vocab_dir or export
-    seeds = [config.seed + i for i in range(max(1, getattr(config, "seeds", 1)))]
+    vocab = export
+    seeds = [config.seed + i for i in range(max(1, config.seeds))]
     arms = [Arm(f"seed{s}", export, eval_export or export, train_rows, eval_rows, vocab, s) for s in seeds]
     results = train_and_score(verifier, arms, config, device=device, budget_s=budget_s)
     result = results[0]
@@ -383,16 +393,14 @@ def probe_export(
     result.pop("name")
     fit = last_state_fit(export, train_rows, verifier, device=device)
     export_check = None
-    if shards is not None and check_samples != 0:  # 0: export.check_samples off
+    if check is not None and check.samples != 0:  # 0: export.check_samples off
         from eagle3_data.exports.check import ExportCheckFailed, check_export
 
         try:
-            export_check = check_export(export, verifier, shards, samples=check_samples, device=device)
+            export_check = check_export(export, verifier, check.shards, samples=check.samples, device=device)
         except ExportCheckFailed as exc:
             export_check = {"verdict": "fail", "error": str(exc)}
-    judged = verdict(
-        alignment(fit, export_check), data_quality(runs, getattr(config, "min_simulated_acceptance", None))
-    )
+    judged = verdict(alignment(fit, export_check), data_quality(runs, config.min_simulated_acceptance))
     return {
         "verdict": judged["verdict"],
         "verdict_rule": judged["rule"],

@@ -27,7 +27,7 @@ def probe(run: Run, store) -> ProbeResult | ProbeSkipped:
     from eagle3_data.exports.check import StageShards
     from eagle3_data.exports.shards import ShardReader
     from eagle3_data.exports.speculators_export import export_speculators
-    from eagle3_data.stages.probe.drafter import OverBudget, default_device, probe_export
+    from eagle3_data.stages.probe.drafter import ExportCheck, OverBudget, default_device, probe_export
 
     started, p = time.monotonic(), run.config.probe
     hs_ref, out_ref = stage_ref(run, HIDDEN_STATES, RUN_DATASET), stage_ref(run, PROBE, RUN_DATASET)
@@ -73,8 +73,7 @@ def probe(run: Run, store) -> ProbeResult | ProbeSkipped:
                 p,
                 device=device,
                 budget_s=budget_s,
-                shards=shards,
-                check_samples=run.config.export.check_samples,
+                check=ExportCheck(shards, run.config.export.check_samples),
             )
         except OverBudget as exc:
             if p.when != "auto":

@@ -78,13 +78,14 @@ def _upload(args: argparse.Namespace) -> int:
     from eagle3_data.config import load_config
     from eagle3_data.images import ImageSink
     from eagle3_data.prompt_files import PROMPT_FILE_SUFFIXES
-    from eagle3_data.stages.prompts.load import load_prompts
+    from eagle3_data.stages.prompts.load import PromptShape, load_prompts
 
     if not _DATE.fullmatch(args.date):
         raise UserError(f"--date {args.date!r}: expected YYYY-MM-DD")
     config = load_config(args.config)
     bucket, prefix = _root(config, args.dataset)
     g = config.generation
+    shape = PromptShape(sampling=g.sampling.model_dump(), repeats=g.repeats, regenerate=g.regenerate, history=g.history)
     rejects, counts, images = [], [], []
     for f in args.files:
         if not f.is_file():
@@ -92,15 +93,7 @@ def _upload(args: argparse.Namespace) -> int:
         if f.suffix not in PROMPT_FILE_SUFFIXES:
             raise UserError(f"{f}: expected a {' or '.join(PROMPT_FILE_SUFFIXES)} file")
         sink = ImageSink(None, config.limits.max_image_bytes)  # images checked here, stored by the run's prompts stage
-        load = load_prompts(
-            str(f),
-            args.dataset,
-            sampling=g.sampling.model_dump(),
-            repeats=g.repeats,
-            regenerate=g.regenerate,
-            history=g.history,
-            images=sink,
-        )
+        load = load_prompts(str(f), args.dataset, shape, images=sink)
         rejects += load.rejects
         counts.append((f, load.counts))
         images += [(f, Path(s)) for s in sink.seen if not s.startswith(("data:", "s3://"))]  # files beside the prompts

@@ -24,7 +24,7 @@ import json
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import pyarrow as pa
 
@@ -40,6 +40,9 @@ from eagle3_data.prompt_files import (
 from eagle3_data.rejects import format_rejects
 from eagle3_data.spill import RowSpill
 from eagle3_data.storage import canonical_json, check_name
+
+if TYPE_CHECKING:
+    from botocore.client import BaseClient
 
 ROLES = ("system", "user", "assistant", "tool")
 MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}
@@ -99,29 +102,52 @@ def sample_id(
     return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
+@dataclass(frozen=True)
+class PromptShape:
+    """What a load makes of each row: the values (from the run's config) that decide a row's
+    prompts and their sample ids, apart from where the rows are read.
+
+    `sampling` and `repeats` go into every sample_id. `max_message_bytes` (config
+    limits.max_message_bytes): a longer message refuses its row. `regenerate` and `history`
+    (generation.*) decide which prompts a row gives; `call_id`: the output format's own call id
+    (`OutputFormat.call_id`, `generation.call_ids: format`), None keeps the dataset's ids."""
+
+    sampling: dict
+    repeats: int = 1
+    max_message_bytes: int | None = None
+    regenerate: str = "final_turn"
+    history: str = "dataset"
+    call_id: Callable[[str, int], str] | None = None
+
+
+class Normalised(NamedTuple):
+    """One row in canonical form (`_normalise`)."""
+
+    messages: list[dict]
+    tools: list[dict] | None
+    ignored_fields: int  # the row's fields no layout reads
+    answer_dropped: bool  # final_turn: the row's trailing assistant messages were left out
+
+
 def load_prompts(
     source: str,
     dataset: str,
+    shape: PromptShape,
     *,
     date: str | None = None,
-    sampling: dict[str, Any],
-    repeats: int = 1,
-    client=None,
-    max_message_bytes: int | None = None,
-    regenerate: str = "final_turn",
-    history: str = "dataset",
-    call_id: Callable[[str, int], str] | None = None,
+    client: BaseClient | None = None,
     images: ImageSink | None = None,
 ) -> PromptLoad:
-    """Load, validate and normalise one dataset's prompts; see the module docstring for `source`.
+    """Load, validate and normalise one dataset's prompts as `shape` says; see the module
+    docstring for `source`.
 
     `client`: the caller's S3 client, required for an s3:// source (Airflow passes aws_default's).
-    A message whose canonical JSON is over `max_message_bytes` bytes (config
-    limits.max_message_bytes) is rejected; the token limit needs the tokenizer and is applied
-    after, by `limit_prompt_tokens`, so bad files fail before the tokenizer loads.
+    A message whose canonical JSON is over `shape.max_message_bytes` bytes is rejected; the token
+    limit needs the tokenizer and is applied after, by `limit_prompt_tokens`, so bad files fail
+    before the tokenizer loads.
     Files are read a line (a Parquet batch) at a time and the accepted rows spilled to a local
     file (`PromptRows`), so memory does not grow with the number of prompts.
-    `regenerate="every_turn"` makes one prompt of each user turn of a row: the messages up to
+    `shape.regenerate="every_turn"` makes one prompt of each user turn of a row: the messages up to
     and including it (`turn_prompts`); `final_turn` one of the whole row. `trajectory`, and
     `every_turn` on the `regenerated` history, keep the whole row (its recorded answers and tool
     results included) as one prompt: the generation stage asks for its turns in rounds
@@ -129,15 +155,15 @@ def load_prompts(
     In `final_turn` a row that ends with the dataset's answer is answered again after its last
     user (or tool) message: the trailing assistant messages are left out of the prompt (counted in
     `counts["answers_dropped"]`), as the other modes leave them out of every turn's prompt.
-    `call_id`: the output format's own call id (`OutputFormat.call_id`, `generation.call_ids:
-    format`): every call of a row is renamed to it, numbered over the row as the model numbers
-    its calls, and each tool message re-keyed to the call it answers (`pair_results`); None keeps
-    the dataset's ids (`given`).
+    `shape.call_id`: every call of a row is renamed to it, numbered over the row as the model
+    numbers its calls, and each tool message re-keyed to the call it answers (`pair_results`);
+    None keeps the dataset's ids (`given`).
     `images`: where image parts' images go (images.ImageSink: the run's bucket, the size limit);
     each is read once, checked and stored, its part rewritten to name the stored object, and the
     row's `images` column lists their references in prompt order. None: a row with an image part
     is refused."""
-    whole = needs_rounds(regenerate, history)
+    regenerate, repeats = shape.regenerate, shape.repeats
+    whole = needs_rounds(regenerate, shape.history)
     check_name(dataset, "dataset")
     if date is not None and not _DATE.fullmatch(date):
         raise UserError(f"invalid date {date!r}: expected YYYY-MM-DD")
@@ -160,10 +186,11 @@ def load_prompts(
                     raise _Reject("", "not valid JSON")
                 if isinstance(record, _Reject):
                     raise record
-                messages, tools, ignored, dropped = _normalise(record, call_id, drop_answer=regenerate == "final_turn")
+                row = _normalise(record, shape.call_id, drop_answer=regenerate == "final_turn")
+                messages, tools = row.messages, row.tools
                 refs = _store_images(messages, images, f, client)
                 source_id = _source_id(record)
-                _check_bytes(messages, max_message_bytes)
+                _check_bytes(messages, shape.max_message_bytes)
                 if whole:  # one prompt row; its user turns (refused when none) size the stage's task
                     user_turns = len(turn_prompts(messages, regenerate))
                     prompts = [messages]
@@ -184,8 +211,8 @@ def load_prompts(
                     }
                 )
                 continue
-            load.counts["ignored_fields"] += ignored
-            load.counts["answers_dropped"] += dropped
+            load.counts["ignored_fields"] += row.ignored_fields
+            load.counts["answers_dropped"] += row.answer_dropped
             if refs:  # per prompt row (its repeats and turn prompts share its images)
                 for key, n in (
                     ("image_rows", 1),
@@ -199,7 +226,7 @@ def load_prompts(
             for prompt in prompts:
                 messages_json = canonical_json(prompt)
                 for r in range(repeats):
-                    sid = sample_id(dataset, prompt, tools, sampling, r)
+                    sid = sample_id(dataset, prompt, tools, shape.sampling, r)
                     if sid in seen:
                         load.counts["duplicates"] += 1
                         continue
@@ -405,9 +432,8 @@ def turn_prompts(messages: list[dict[str, Any]], regenerate: str = "every_turn")
 
 def _normalise(
     record: Any, call_id: Callable[[str, int], str] | None = None, *, drop_answer: bool = False
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, int, bool]:
-    """(messages, tools, count of ignored fields, whether an answer was dropped) of a row in any
-    layout (prompt_layouts), every tool message paired with the call it answers (refused when it
+) -> Normalised:
+    """A row in any layout (prompt_layouts), every tool message paired with the call it answers (refused when it
     answers none) and, given `call_id`, the calls renamed to the format's own ids (see
     `load_prompts`). `drop_answer` (final_turn): the assistant messages the row ends with are left
     out, the target answers again after the user or tool message before them."""
@@ -439,7 +465,7 @@ def _normalise(
             raise _Reject("tools", f"expected a list or null, got {type(tools).__name__}")
         tools = [_tool(t, f"tools[{i}]") for i, t in enumerate(tools)] or None
     ignored = len(set(record) - used - {"id"})
-    return out[:end], tools, ignored, end < len(out)
+    return Normalised(out[:end], tools, ignored, end < len(out))
 
 
 def _format_call_ids(

@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
@@ -24,7 +25,9 @@ from eagle3_data.stages import LOCAL, OVERFLOW, PLAN, PLAN_REPORT, PROMPTS
 from eagle3_data.storage.writer import StageWriter
 
 if TYPE_CHECKING:
+    from eagle3_data.chat_format.base import OutputFormat
     from eagle3_data.stages.prompts.load import PromptRows
+    from eagle3_data.storage import ArtifactStore
 
 # Rows per part of the prompts stage: each holds its conversations and tool schemas (kilobytes
 # each), and the writer buffers one part in memory, so parts are bounded in rows, not one per stage.
@@ -48,10 +51,12 @@ def recorded_balance(store, ref) -> dict[str, Any] | None:
 def load_route(run: Run, store, dataset: str, *, write_plan: bool = True) -> RouteResult:
     """The prompts stage of `dataset`; in a dry run its plan instead (`plan`), written to
     `runs/{run_key}/plan/{dataset}/plan.json` unless `write_plan` is False (`eagle3-data plan`)."""
+    from eagle3_data.balance import side_rates
     from eagle3_data.images import ImageSink
     from eagle3_data.prompt_files import prompt_files
     from eagle3_data.stages import IMAGE_COUNTS
     from eagle3_data.stages.prompts.load import (
+        PromptShape,
         format_load_rejects,
         limit_prompt_tokens,
         load_prompts,
@@ -66,17 +71,20 @@ def load_route(run: Run, store, dataset: str, *, write_plan: bool = True) -> Rou
     date = prompt_date(run, store, dataset)  # a run without a logical date: the newest partition, or undated
     prompt_files(ds.prompts, dataset, date=date, client=store.client)
     fmt = output_format(run, store)
-    loaded = load_prompts(
-        ds.prompts,
-        dataset,
-        date=date,
+    shape = PromptShape(
         sampling=sampling(run),
         repeats=g.repeats,
-        client=store.client,
         max_message_bytes=limits.max_message_bytes,
         regenerate=g.regenerate,
         history=g.history,
         call_id=fmt.call_id if g.call_ids == "format" else None,
+    )
+    loaded = load_prompts(
+        ds.prompts,
+        dataset,
+        shape,
+        date=date,
+        client=store.client,
         # a dry run stores no image: it only counts their media tokens
         images=ImageSink(None if run.dry_run else store, limits.max_image_bytes),
     )
@@ -126,13 +134,18 @@ def load_route(run: Run, store, dataset: str, *, write_plan: bool = True) -> Rou
             balance["overflow"]["source"],
         )
     # balanced: the local count that makes both sides finish together (balance)
+    split_rates = None
+    if rc.strategy == "balanced":  # balance is set: recorded, or measured above
+        lo = balance["local"]
+        split_rates = side_rates(
+            local_endpoints=lo["endpoints"],
+            in_flight_per_endpoint=lo["in_flight_per_endpoint"],
+            local_latency_s=lo["latency_s"],
+            overflow_concurrency=g.overflow.concurrency,
+            overflow_latency_s=balance["overflow"]["latency_s"],
+        )
     routes = assign_routes(
-        [sid for b in loaded.rows.batches(["sample_id"]) for sid in b.column(0).to_pylist()],
-        **{**rc.model_dump(), **(_balance_kwargs(balance) if balance else {})},
-        in_flight_per_endpoint=balance["local"]["in_flight_per_endpoint"]
-        if balance
-        else g.local.in_flight_per_endpoint or 64,
-        overflow_concurrency=g.overflow.concurrency,
+        [sid for b in loaded.rows.batches(["sample_id"]) for sid in b.column(0).to_pylist()], rc, split_rates
     )
     to_overflow = 0
     if not g.local.images:  # the local endpoints take no images: every image prompt goes to overflow
@@ -156,7 +169,11 @@ def load_route(run: Run, store, dataset: str, *, write_plan: bool = True) -> Rou
             "date": date,
             "counts": counts,
             "estimate": _estimate(
-                run, fmt, routed_batches(loaded.rows, routes), counts, balance, store, dataset, counted
+                run,
+                store,
+                dataset,
+                fmt,
+                RoutedLoad(routed_batches(loaded.rows, routes), counts, balance, prompt_tokens=counted),
             ),
         }
         log.info(
@@ -252,37 +269,30 @@ def rows_sha256(batches: Iterable[pa.RecordBatch]) -> str:
     return digest.hexdigest()
 
 
-def _balance_kwargs(balance: dict[str, Any]) -> dict[str, Any]:
-    """assign_routes' balance arguments from `rate_inputs`."""
-    return {
-        "local_endpoints": balance["local"]["endpoints"],
-        "local_latency_s": balance["local"]["latency_s"],
-        "overflow_latency_s": balance["overflow"]["latency_s"],
-    }
-
-
-def _side_text(side: dict[str, Any]) -> str:
+def _side_text(side: dict) -> str:
     if "endpoints" in side:
         return f"{side['endpoints']} x {side['in_flight_per_endpoint']} in flight at {side['latency_s']:g} s"
     return f"{side['concurrency']} in flight at {side['latency_s']:g} s"
 
 
-def _estimate(
-    run: Run,
-    fmt,
-    batches: Iterable[pa.RecordBatch],
-    counts: dict[str, Any],
-    balance: dict[str, Any],
-    store,
-    dataset: str,
-    counted: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """One dataset's plan figures (plan): prompt tokens measured (`counted`: by sample_id,
-    from the load's own rendering; a row without a count is rendered here), output tokens and
-    overflow USD as an upper bound (every answer max_new_tokens long) and as expected, the cap
-    check, the merged tokens the extraction reads, and every routing strategy."""
+@dataclass(frozen=True)
+class RoutedLoad:
+    """One dataset's prompts as routed: what its plan is figured from (`_estimate`)."""
+
+    batches: Iterable[pa.RecordBatch]  # the rows with their routes (`routed_batches`)
+    counts: dict[str, int]  # the stage's counts: prompts, per route, ...
+    balance: dict  # the routing rates' inputs (`rate_inputs`)
+    prompt_tokens: dict[str, int] | None = None  # by sample_id, as the load rendered them
+
+
+def _estimate(run: Run, store: ArtifactStore, dataset: str, fmt: OutputFormat, routed: RoutedLoad) -> dict:
+    """One dataset's plan figures (plan): prompt tokens measured (`routed.prompt_tokens`: by
+    sample_id, from the load's own rendering; a row without a count is rendered here), output
+    tokens and overflow USD as an upper bound (every answer max_new_tokens long) and as expected,
+    the cap check, the merged tokens the extraction reads, and every routing strategy."""
     from eagle3_data.plan import cost_check, earlier_stages, expected_output
 
+    counts, counted = routed.counts, routed.prompt_tokens
     g = run.config.generation
     s, price = g.sampling, g.overflow.price_usd_per_mtok
     max_length = run.config.merge.max_length
@@ -290,7 +300,7 @@ def _estimate(
     per_sample = expected["tokens_per_sample"]
     prompt_tokens, every_prompt = {"local": 0, "overflow": 0}, 0
     merged = {"expected": 0, "upper": 0}
-    for batch in batches:
+    for batch in routed.batches:
         sids = batch.column(batch.schema.get_field_index("sample_id")).to_pylist()
         routes = batch.column(batch.schema.get_field_index("route")).to_pylist()
         for i, (sid, route) in enumerate(zip(sids, routes)):
@@ -317,7 +327,7 @@ def _estimate(
         for k, out in (("expected", per_sample), ("upper", s.max_new_tokens))
     }
     cap, warnings = cost_check(dataset, usd, samples["overflow"], g.overflow.max_usd)
-    strategies = _strategies(run, n_rows, every_prompt, balance, per_sample)
+    strategies = _strategies(run, n_rows, every_prompt, routed.balance, per_sample)
     chosen = strategies[run.config.routing.strategy]
     if chosen["overflow"] == samples["overflow"]:
         # the routes taken: their own prompts' tokens, not the average the other strategies are priced
@@ -343,8 +353,8 @@ def _estimate(
         "merged_tokens": merged,
         "strategies": strategies,
         # where each side's rate came from: the previous run's manifest (named) or "config"
-        "rate_inputs": balance,
-        "rates_samples_per_s": {k: round(v, 6) for k, v in vars(rates(balance)).items()},
+        "rate_inputs": routed.balance,
+        "rates_samples_per_s": {k: round(v, 6) for k, v in vars(rates(routed.balance)).items()},
         "stand_in_runs_skipped": len(skipped),
         "warnings": warnings,
     }
