@@ -126,9 +126,11 @@ test: lint $(STAMP) $(VLLM_STAMP) $(SPEC_STAMP) system-packages
 	test $$main = 0 && test $$beside_cluster = 0 && test $$beside = 0
 
 # ENGINE=vllm: a real vLLM engine (.venv-vllm) for local generation and hidden-state extraction.
+# MODEL=qwen3: the Qwen3 family's config (defaults/qwen3.yaml) and dev target instead of Kimi-K2.5's.
 ENGINE ?= dev
+MODEL ?= kimi
 demo: $(STAMP) $(if $(filter vllm,$(ENGINE)),$(VLLM_STAMP))
-	$(DEVTOOLS).demo --engine $(ENGINE)
+	$(DEVTOOLS).demo --engine $(ENGINE) --model $(MODEL)
 
 airflow: $(STAMP)
 	$(DEVTOOLS).local_airflow

@@ -110,6 +110,19 @@ VLLM_STAND_IN_NAMES = {
     "config's price list, nothing is paid)",
 }
 VLLM_SERVER_MAX_MODEL_LEN = 4096  # the longest sample prompt + max_new_tokens
+# `--model qwen3` (`make demo MODEL=qwen3`): the Qwen3 family's packaged config (model.family qwen3,
+# dev:qwen3-tokenizer, dev:tiny-qwen3-moe), the same datasets. The dev server's stand-in writes Qwen3
+# generations from its tokenizer; as OpenRouter it is told to serve the config's Qwen3 slug (its
+# default is Kimi's) and keeps the broken dataset's split rate. Qwen3 is a text model: the image
+# prompts are refused by its format, so `images` is left out.
+QWEN3_CONFIG = Path(__file__).resolve().parents[1] / "eagle3_data" / "defaults" / "qwen3.yaml"
+QWEN3_LEFT_OUT = {"images": "Qwen3 is a text model: its chat template has no image placeholder"}
+QWEN3_STAND_IN_NAMES = {
+    "tokenizer": "the Qwen3 tokenizer rebuilt offline (dev:qwen3-tokenizer)",
+    "model": "a tiny random Qwen3-MoE (Qwen3MoeForCausalLM) with Qwen3's vocabulary (hidden states)",
+    "local_engine": "the dev inference server as SGLang (generated text in Qwen3's format, not Qwen3's)",
+    "overflow_provider": "the dev inference server as OpenRouter (its costs are a price list, nothing is paid)",
+}
 
 
 def run_dag(logical_date: datetime, conf: dict | None = None):
@@ -304,6 +317,12 @@ def main(argv: list[str] | None = None) -> int:
         default="dev",
         help="local generation + extraction: the dev server and transformers (dev), or a real vLLM engine (vllm)",
     )
+    parser.add_argument(
+        "--model",
+        choices=("kimi", "qwen3"),
+        default="kimi",
+        help="the target family: Kimi-K2.5 (the packaged pipeline.yaml) or Qwen3 (defaults/qwen3.yaml)",
+    )
     args = parser.parse_args(argv)
     sys.stdout.reconfigure(line_buffering=True)  # piped, its lines keep their order among Airflow's
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -314,13 +333,24 @@ def main(argv: list[str] | None = None) -> int:
     date = datetime.now(timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0)
     # Dated: another day's demo reads other prompts (that day's partition), and under an undated
     # key it would find an interrupted earlier demo's parts and refuse to mix them with its own.
-    run_key = f"demo-{args.engine}-{date:%Y-%m-%d}"
+    family = "" if args.model == "kimi" else f"{args.model}-"
+    run_key = f"demo-{family}{args.engine}-{date:%Y-%m-%d}"
+    base = None
+    if args.model == "qwen3":
+        import yaml
+
+        base = yaml.safe_load(QWEN3_CONFIG.read_text(encoding="utf-8"))
 
     print(
-        f"demo: building/reusing the Kimi tokenizer and tiny model in {dev_cache_root()}, starting services in {work}",
+        f"demo: building/reusing the {args.model} tokenizer and tiny model in {dev_cache_root()}, starting services "
+        f"in {work}",
         flush=True,
     )
     overrides = copy.deepcopy(DEMO_OVERRIDES)
+    left_out = dict(QWEN3_LEFT_OUT) if base else {}
+    if base:
+        overrides["datasets"] = [d for d in overrides["datasets"] if d["name"] not in left_out]
+        overrides["generation"]["local"]["images"] = False
     with ExitStack() as engines, Heartbeat.for_stdout() as beat:
         beat.enter("building/reusing the dev builds and starting S3 and the dev inference server")
         server = None
@@ -330,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
             from eagle3_devtools.vllm_serve import start_vllm_server
 
             deep_merge(overrides, VLLM_OVERRIDES)
-            model = target_model_dir()  # the stack's model.source
+            model = target_model_dir(base=base)  # the stack's model.source
             work.mkdir(parents=True, exist_ok=True)
             print(f"demo: starting vllm serve ({vllm_python()}) on {model} ...", flush=True)
             server = start_vllm_server(
@@ -341,11 +371,13 @@ def main(argv: list[str] | None = None) -> int:
                 max_images=DEMO_MAX_IMAGES,
             )
             engines.callback(server.stop)
-        stack = engines.enter_context(dev_stack(work, config_overrides=overrides))
+        stack = engines.enter_context(dev_stack(work, config_overrides=overrides, base=base))
         # Airflow's per-task INFO lines would bury the report; failures still print as warnings/errors.
         os.environ.update({**stack.env, **airflow_env(work / "airflow"), "AIRFLOW__LOGGING__LOGGING_LEVEL": "WARNING"})
         print(f"demo: S3 (SeaweedFS) at {stack.s3_endpoint}, dev inference server at {stack.inference_url}", flush=True)
         config = load_config(stack.config_path)
+        if base and server is None:
+            serve_overflow_model(stack.inference_url, config)
         print(f"demo: target model {model_line(config.model.source)}", flush=True)
         if server is not None:
             beat.enter("starting the vLLM extraction engine")
@@ -371,12 +403,16 @@ def main(argv: list[str] | None = None) -> int:
         conf = json.loads(args.conf)
         print(f"demo: running {DAG_ID} for {date:%Y-%m-%d} with dag.test(), run key {run_key} ...", flush=True)
         beat.enter(f"running {DAG_ID}, run key {run_key}")
-        datasets = [d for d in SAMPLE_DATASETS if server is None or d not in VLLM_LEFT_OUT]
-        for name, why in VLLM_LEFT_OUT.items() if server is not None else ():
-            print(f"demo: dataset {name} is left out with --engine vllm: {why}", flush=True)
+        if server is not None:
+            left_out.update(VLLM_LEFT_OUT)
+        datasets = [d for d in SAMPLE_DATASETS if d not in left_out]
+        for name, why in left_out.items():
+            print(f"demo: dataset {name} is left out ({args.model}, --engine {args.engine}): {why}", flush=True)
         dag_run = run_dag(date, {"run_name": run_key, "datasets": datasets, **conf})
         beat.enter(None)
         names = VLLM_STAND_IN_NAMES if server is not None else STAND_IN_NAMES
+        if base:
+            names = {**names, **{k: v for k, v in QWEN3_STAND_IN_NAMES.items() if k != "local_engine" or not server}}
         print("\n" + report(stack, config, run_key, dag_run, names) + "\n")
         ok = str(dag_run.state).endswith("success")
         if not conf.get("dry_run"):
@@ -402,6 +438,19 @@ def main(argv: list[str] | None = None) -> int:
             ok = ok and paragraph is not None
     print(reading_lines(work, [run_key] + ([] if conf.get("dry_run") else [f"{run_key}-gate"])), flush=True)
     return 0 if ok else 1
+
+
+def serve_overflow_model(inference_url: str, config) -> None:
+    """Tell the dev server (as OpenRouter) to serve the config's overflow model (its default is
+    Kimi's slug, and another is a 400 as on OpenRouter), keeping each dataset's BPE split rate."""
+    import httpx
+
+    body = {
+        "model": config.generation.overflow.model,
+        "canonical_slug": config.generation.overflow.model,
+        "datasets": {ds.name: {"noncanonical_rate": ds.dev_bpe_split_rate} for ds in config.datasets},
+    }
+    httpx.post(f"{inference_url}/dev/config", json=body, timeout=30).raise_for_status()
 
 
 def reading_lines(work: Path, run_keys: list[str]) -> str:

@@ -11,6 +11,7 @@ returns: Airflow connections as AIRFLOW_CONN_* and the pipeline config as EAGLE3
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -32,27 +33,27 @@ REPO = Path(__file__).resolve().parents[2]  # include/eagle3_devtools/stack.py -
 SAMPLE_DATA = REPO / "include" / "sample_data"
 
 
-def tokenizer_dir(builds: Path | None = None) -> Path:
+def tokenizer_dir(builds: Path | None = None, base: dict | None = None) -> Path:
     """The packaged default config's `tokenizer.source` (`dev:kimi-tokenizer`), under `builds`
     (default $EAGLE3_DATA_CACHE/dev, where the CLI's dev: sources live: one copy, not one per
     launcher)."""
-    return _default_dev_build("tokenizer", builds)
+    return _default_dev_build("tokenizer", builds, base)
 
 
-def target_model_dir(builds: Path | None = None) -> Path:
+def target_model_dir(builds: Path | None = None, base: dict | None = None) -> Path:
     """The packaged default config's `model.source` (`dev:tiny-kimi-k25`, Kimi-K2.5's own class),
     built beside the tokenizer."""
-    return _default_dev_build("model", builds)
+    return _default_dev_build("model", builds, base)
 
 
-def _default_dev_build(section: str, builds: Path | None) -> Path:
+def _default_dev_build(section: str, builds: Path | None, base: dict | None = None) -> Path:
     """The dev: build the packaged default config's `{section}.source` names: read from the config,
     so the stack runs on what a default install runs on and a change of the default (another
     family's builds) needs no second edit here."""
     from eagle3_data.builds.sources import resolve_dev_source
     from eagle3_data.config import DEV_SOURCE_SCHEME
 
-    source = default_config_raw()[section]["source"]
+    source = (base or default_config_raw())[section]["source"]
     if not source.startswith(DEV_SOURCE_SCHEME):
         raise UserError(f"the packaged config's {section}.source {source!r} is no dev: build; the dev stack needs one")
     return resolve_dev_source(source[len(DEV_SOURCE_SCHEME) :], builds)
@@ -104,12 +105,14 @@ class DevStack:
 DEV_STACK_STAND_INS = ("tokenizer", "model", "local_engine", "overflow_provider")
 
 
-def write_config(path: Path, *, bucket: str, tokenizer: Path, model: Path, overrides: dict | None = None) -> Path:
+def write_config(
+    path: Path, *, bucket: str, tokenizer: Path, model: Path, overrides: dict | None = None, base: dict | None = None
+) -> Path:
     """The packaged default config pointed at the stack's bucket, tokenizer and model, plus overrides
     (merged by the config's own rule, the one params use)."""
     import yaml
 
-    raw = default_config_raw()
+    raw = copy.deepcopy(base) if base else default_config_raw()
     deep_merge(
         raw,
         {
@@ -145,20 +148,23 @@ def dev_stack(
     config_overrides: dict | None = None,
     bucket: str = "eagle3",
     builds: Path | None = None,
+    base: dict | None = None,
 ) -> Iterator[DevStack]:
     """Start SeaweedFS and the dev inference server, write the pipeline config, and yield the
     stack; everything started here is stopped on exit, by PID. `builds`: where the dev builds
-    are (default $EAGLE3_DATA_CACHE/dev; the tests pass their fixtures' folder)."""
+    are (default $EAGLE3_DATA_CACHE/dev; the tests pass their fixtures' folder). `base`: the config
+    the stack starts from and takes its dev: builds from (default the packaged one; the demo's
+    MODEL=qwen3 passes defaults/qwen3.yaml)."""
     from eagle3_data.config import load_config
     from eagle3_data.dev.inference_server import DevServerProcess
     from eagle3_data.dev.seaweedfs import start_seaweedfs, stop_seaweedfs
 
     work = Path(workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    tok = tokenizer_dir(builds)
-    model = target_model_dir(builds)
+    tok = tokenizer_dir(builds, base)
+    model = target_model_dir(builds, base)
     config_path = write_config(
-        work / "pipeline.yaml", bucket=bucket, tokenizer=tok, model=model, overrides=config_overrides
+        work / "pipeline.yaml", bucket=bucket, tokenizer=tok, model=model, overrides=config_overrides, base=base
     )
     config = load_config(config_path)
 

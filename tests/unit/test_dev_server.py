@@ -95,6 +95,43 @@ def test_truncation_and_thinking_off(kimi_tokenizer, prompt_ids):
     assert g.reasoning is None and kimi_tokenizer.convert_tokens_to_ids("</think>") not in g.output_ids
 
 
+@pytest.mark.parametrize("thinking", [True, False])
+def test_qwen3_generations_are_qwen3_format(qwen3_tokenizer, thinking):
+    """The stand-in writes the tokenizer's family: Qwen3's `<think>` block and `<tool_call>` JSON
+    bodies, which the Qwen3 format parses back whole, and the message its server's parsers give."""
+    from eagle3_data.chat_format import get_output_format
+
+    fmt = get_output_format(qwen3_tokenizer, thinking=thinking)
+    prompt = fmt.generation_prompt_ids([{"role": "user", "content": "Find it."}], TOOLS)
+    model = DevTextModel(qwen3_tokenizer)
+    assert model.prompt_tools(prompt) == TOOLS
+    think, think_end, call_begin = (
+        qwen3_tokenizer.convert_tokens_to_ids(t) for t in ("<think>", "</think>", "<tool_call>")
+    )
+    calls = 0
+    for seed in range(20):
+        g = model.generate(prompt, max_new_tokens=4000, seed=seed)
+        assert g.finish_reason == "stop" and g.output_ids[-1] == qwen3_tokenizer.convert_tokens_to_ids("<|im_end|>")
+        assert (g.output_ids[:1] == [think] and g.output_ids.count(think_end) == 1) == thinking
+        assert (g.reasoning is not None) == thinking
+        parsed = fmt.parse_ids(g.output_ids)
+        assert parsed.message.tool_tail is None and len(parsed.message.tool_calls) == len(g.tool_calls)
+        assert g.output_ids.count(call_begin) == len(g.tool_calls)
+        for i, call in enumerate(g.tool_calls):
+            assert call["id"] == f"call_{i}" and set(json.loads(call["function"]["arguments"])) == {
+                "query",
+                "limit",
+                "exact",
+                "unit",
+            }
+        text = qwen3_tokenizer.decode(g.output_ids)
+        assert qwen3_tokenizer.encode(text, add_special_tokens=False) == g.output_ids
+        calls += len(g.tool_calls)
+    assert calls >= 10
+    cut = model.generate(prompt, max_new_tokens=5, seed=2)
+    assert cut.finish_reason == "length" and len(cut.output_ids) == 5 and not cut.tool_calls
+
+
 def test_fault_config_is_validated_and_draws_are_seeded():
     with pytest.raises(UserError, match="unknown keys"):
         config_from_dict({"endpoints": {"chat": {"rate_limt": 0.1}}})

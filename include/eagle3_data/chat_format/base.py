@@ -237,6 +237,12 @@ class OutputFormat(ABC):
         """Prompt ids ending with the generation prompt of this format's mode, each image's
         placeholder expanded to its `media_tokens` (`images`: the row's references, images.py)."""
 
+    @abstractmethod
+    def prompt_tools(self, prompt_ids: list[int]) -> tuple[list[dict[str, Any]], int]:
+        """What a rendered prompt offers and holds: the tools its template declared (OpenAI shape;
+        none when they are not JSON) and the tool calls of its assistant turns, so a stand-in
+        engine answering from prompt ids alone can call the tools and number its calls on."""
+
     def literal_special_text(self, texts: Iterable[str | None]) -> list[str]:
         """Special-token names that occur as literal text in model-produced strings."""
         pattern = self._literal_pattern()

@@ -349,6 +349,20 @@ class KimiK2Format(OutputFormat):
     def tool_call_index_start(self, messages: list[dict[str, Any]]) -> int:
         return sum(len(m.get("tool_calls") or []) for m in messages if m.get("role") == "assistant")
 
+    def prompt_tools(self, prompt_ids: list[int]) -> tuple[list[dict[str, Any]], int]:
+        """The `tool_declare` system turn's tools (compact JSON; a TypeScript-style declaration
+        gives none), and the history's calls counted by their `<|tool_call_begin|>` ids."""
+        text = self.codec.decode(prompt_ids)
+        history_calls = prompt_ids.count(self._call_begin)
+        m = re.search(f"tool_declare{re.escape(IM_MIDDLE)}(.*?){re.escape(IM_END)}", text, re.S)
+        if not m:
+            return [], history_calls
+        try:
+            tools = json.loads(m.group(1))
+        except json.JSONDecodeError:
+            return [], history_calls
+        return [t for t in tools if isinstance(t, dict) and isinstance(t.get("function"), dict)], history_calls
+
     @staticmethod
     def call_id(name: str, index: int) -> str:
         """`functions.{name}:{index}`: Kimi's template writes a call's id where the function's name

@@ -250,6 +250,23 @@ class Qwen3Format(OutputFormat):
     def tool_call_index_start(self, messages: list[dict[str, Any]]) -> int:
         return sum(len(m.get("tool_calls") or []) for m in messages if m.get("role") == "assistant")
 
+    def prompt_tools(self, prompt_ids: list[int]) -> tuple[list[dict[str, Any]], int]:
+        """The system turn's `<tools>` block (one JSON tool a line), and the history's calls: the
+        `<tool_call>` ids after the system turn, whose instructions write the tag once themselves."""
+        text = self.codec.decode(prompt_ids)
+        m = re.search(r"<tools>\n(.*?)\n</tools>", text, re.S)
+        tools: list[dict[str, Any]] = []
+        for line in m.group(1).splitlines() if m else ():
+            try:
+                tool = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(tool, dict) and isinstance(tool.get("function"), dict):
+                tools.append(tool)
+        end = self.special_ids[IM_END]
+        history = prompt_ids[prompt_ids.index(end) + 1 :] if m and end in prompt_ids else prompt_ids
+        return tools, history.count(self._call_begin)
+
     @staticmethod
     def call_id(name: str, index: int) -> str:
         """`call_{index}`. Qwen3's template renders no call ids (a tool result follows its call

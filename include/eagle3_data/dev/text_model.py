@@ -1,4 +1,4 @@
-"""A seeded stand-in for Kimi-K2.5's sampler: Kimi-format generations as real token ids.
+"""A seeded stand-in for the target's sampler: generations in the target family's format, as real token ids.
 
 The dev inference server needs outputs that exercise everything the pipeline must get right
 (reasoning, its end token, content with code/CJK/whitespace edges, tool calls with valid JSON
@@ -9,9 +9,10 @@ the real tokenizer, piece by piece between special tokens, which equals encoding
 in one go. Non-canonical splits replace one multi-byte token by two valid tokens whose bytes
 concatenate to it: the text is unchanged, the ids are not what re-encoding gives.
 
-Its generations are Kimi's: the structural tokens and call ids come from the Kimi format module
-(chat_format/kimi_k2.py), and a tokenizer without them is refused. Another family's stand-in
-would write that family's structure the same way.
+The structure is the family's own: the message (reasoning, content, tool calls) goes through the
+output format's `render_parts` (chat_format/), which the tokenizer's special tokens pick, so
+Kimi's and Qwen3's generations come from this one code path; the prompt's tools and history
+calls are read back by the format too (`prompt_tools`).
 """
 
 from __future__ import annotations
@@ -19,22 +20,10 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from eagle3_data.chat_format.kimi_k2 import (
-    ARG_BEGIN,
-    CALL_BEGIN,
-    CALL_END,
-    IM_END,
-    IM_MIDDLE,
-    SECTION_BEGIN,
-    SECTION_END,
-    THINK_END,
-    THINK_START,
-    KimiK2Format,
-)
+from eagle3_data.chat_format import AssistantMessage, OutputFormat, ToolCall, get_output_format
 
 ENGLISH = [
     "Let me think about what the user is asking.",
@@ -71,20 +60,20 @@ EDGES = ["\n\n", "  ", "\r\n", " \t", "…", "—", "🚀 ", "naïve café "]
 class Segment:
     """A run of output ids with the role it plays in the parsed message."""
 
-    kind: str  # reasoning | think_end | content | section_begin | call | section_end | stop
+    kind: str  # reasoning | think_end | content | structure (tool calls, a reasoning opener) | stop
     ids: list[int]
     call: dict[str, Any] | None = None
 
 
 @dataclass
 class Generation:
-    """One generation: the ids a Kimi server returns and the message its parsers would give."""
+    """One generation: the ids the target's server returns and the message its parsers would give."""
 
     output_ids: list[int]
     finish_reason: str  # stop | length
     reasoning: str | None
     content: str
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # OpenAI shape, ids KimiK2Format.call_id
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # OpenAI shape, ids the format's call_id
     reasoning_tokens: int = 0
     noncanonical_splits: int = 0
     matched_stop: int | None = None
@@ -96,46 +85,32 @@ def _rng(*parts: object) -> random.Random:
 
 
 class DevTextModel:
-    """Deterministic generator over the real Kimi tokenizer (see module docstring)."""
+    """Deterministic generator over the target's real tokenizer (see module docstring)."""
 
     def __init__(self, tokenizer, noncanonical_rates: dict[str, float] | None = None, tool_call_rate: float = 0.7):
         self.tok = tokenizer
         self.rates = dict(noncanonical_rates or {})
         self.tool_call_rate = tool_call_rate
-        ids = {
-            name: tokenizer.convert_tokens_to_ids(name)
-            for name in (
-                THINK_END,
-                THINK_START,
-                IM_END,
-                IM_MIDDLE,
-                SECTION_BEGIN,
-                SECTION_END,
-                CALL_BEGIN,
-                ARG_BEGIN,
-                CALL_END,
-            )
-        }
-        for name, i in ids.items():  # derive by name, verify both ways (FACTS.md: 163533 is "chas")
+        # the family the tokenizer's special tokens say (one without a known format is refused)
+        self.formats = {mode: get_output_format(tokenizer, thinking=mode) for mode in (True, False)}
+        for name, i in self.formats[True].special_ids.items():  # verify both ways (FACTS.md: 163533 is "chas")
             if tokenizer.encode(name, add_special_tokens=False) != [i] or tokenizer.decode([i]) != name:
                 raise RuntimeError(f"tokenizer does not round-trip special token {name!r} (id {i})")
-        self.special = ids
         self._bytes_to_id: dict[bytes, int] | None = None
         self._id_to_bytes: dict[int, bytes] | None = None
         self._splits = 0
 
     # ---- prompt inspection -------------------------------------------------------------------
+    def prompt_format(self, prompt_ids: list[int]) -> OutputFormat:
+        """The format in the prompt's mode: a reasoning end among the generation prompt's last
+        two ids closes an empty reasoning block, thinking off (Kimi's prompt ends on it, Qwen3's
+        one token after it)."""
+        off = self.formats[False].reasoning_end_id in prompt_ids[-2:]
+        return self.formats[not off]
+
     def prompt_tools(self, prompt_ids: list[int]) -> list[dict[str, Any]]:
-        """Tools declared in a rendered prompt (`tool_declare` system turn, compact JSON)."""
-        text = self.tok.decode(prompt_ids, skip_special_tokens=False)
-        m = re.search(f"tool_declare{re.escape(IM_MIDDLE)}(.*?){re.escape(IM_END)}", text, re.S)
-        if not m:
-            return []
-        try:
-            tools = json.loads(m.group(1))
-        except json.JSONDecodeError:
-            return []  # e.g. a TypeScript-style declaration: generate plain answers
-        return [t for t in tools if isinstance(t, dict) and isinstance(t.get("function"), dict)]
+        """Tools declared in a rendered prompt (the format reads its own declaration)."""
+        return self.formats[True].prompt_tools(prompt_ids)[0]
 
     # ---- generation ---------------------------------------------------------------------------
     def generate(
@@ -148,38 +123,54 @@ class DevTextModel:
         dataset: str | None = None,
     ) -> Generation:
         rng = _rng(prompt_ids, "greedy" if temperature == 0 else seed)
-        thinking = prompt_ids[-1:] != [self.special[THINK_END]]  # an empty reasoning block = thinking off
-        tools = self.prompt_tools(prompt_ids)
-        call_index = prompt_ids.count(self.special[CALL_BEGIN])
+        fmt = self.prompt_format(prompt_ids)
+        tools, call_index = fmt.prompt_tools(prompt_ids)
         rate = self.rates.get(dataset or "", self.rates.get("default", 0.0))
         split_rng = _rng(prompt_ids, seed, "splits")
         self._splits = 0
 
-        segments: list[Segment] = []
-        if thinking:
+        reasoning = None
+        if fmt.thinking:
             reasoning = " ".join(rng.sample(ENGLISH, rng.randint(1, 4)))
             if rng.random() < 0.3:
                 reasoning += " " + rng.choice(CJK)
-            segments.append(Segment("reasoning", self._encode(reasoning, rate, split_rng)))
-            segments.append(Segment("think_end", [self.special[THINK_END]]))
-        calls = self._tool_calls(rng, tools, call_index) if tools and rng.random() < self.tool_call_rate else []
+        calls = self._tool_calls(rng, fmt, tools, call_index) if tools and rng.random() < self.tool_call_rate else []
         content = self._content(rng, short=bool(calls))
-        if content:
-            segments.append(Segment("content", self._encode(content, rate, split_rng)))
-        if calls:
-            segments.append(Segment("section_begin", [self.special[SECTION_BEGIN]]))
-            for call in calls:
-                ids = (
-                    [self.special[CALL_BEGIN]]
-                    + self._encode(call["id"], 0, split_rng)
-                    + [self.special[ARG_BEGIN]]
-                    + self._encode(call["function"]["arguments"], 0, split_rng)
-                    + [self.special[CALL_END]]
-                )
-                segments.append(Segment("call", ids, call))
-            segments.append(Segment("section_end", [self.special[SECTION_END]]))
-        segments.append(Segment("stop", [self.special[IM_END]]))
-        return self._truncate(segments, max_new_tokens)
+        message = AssistantMessage(
+            reasoning=reasoning, content=content, tool_calls=[ToolCall.from_openai(c) for c in calls]
+        )
+        segments = self._segments(fmt, fmt.render_parts(message, "stop", call_index), rate, split_rng)
+        return self._truncate(fmt, segments, tools, call_index, max_new_tokens)
+
+    def _segments(self, fmt: OutputFormat, parts: list, rate: float, split_rng: random.Random) -> list[Segment]:
+        """The rendered parts as runs of ids by role: reasoning up to the reasoning end, content up
+        to the tool section, the section as structure (its text canonical), the stop token. Text
+        between two structural ids is encoded in one go (what a model's BPE writes)."""
+        merged: list[str | int] = []
+        for part in parts:
+            if isinstance(part, str) and merged and isinstance(merged[-1], str):
+                merged[-1] += part
+            else:
+                merged.append(part)
+        segments: list[Segment] = []
+        phase = "reasoning" if fmt.thinking else "content"
+        for k, part in enumerate(merged):
+            if isinstance(part, int):
+                if part == fmt.reasoning_end_id and phase == "reasoning":
+                    segments.append(Segment("think_end", [part]))
+                    phase = "content"
+                    continue
+                if k == len(merged) - 1 and part in fmt.stop_token_ids:
+                    segments.append(Segment("stop", [part]))
+                    continue
+                if part == fmt.tool_section_id:
+                    phase = "tools"
+                segments.append(Segment("structure", [part]))
+            elif part:
+                text_rate = rate if phase in ("reasoning", "content") else 0
+                kind = phase if phase != "tools" else "structure"
+                segments.append(Segment(kind, self._encode(part, text_rate, split_rng)))
+        return segments
 
     def _content(self, rng: random.Random, short: bool) -> str:
         if short:
@@ -194,7 +185,9 @@ class DevTextModel:
             text += rng.choice(EDGES)
         return text
 
-    def _tool_calls(self, rng: random.Random, tools: list[dict[str, Any]], start: int) -> list[dict[str, Any]]:
+    def _tool_calls(
+        self, rng: random.Random, fmt: OutputFormat, tools: list[dict[str, Any]], start: int
+    ) -> list[dict[str, Any]]:
         calls = []
         for k in range(rng.randint(1, min(2, len(tools)))):
             fn = rng.choice(tools)["function"]
@@ -202,7 +195,7 @@ class DevTextModel:
             args = {name: _value(rng, spec) for name, spec in props.items()}
             calls.append(
                 {
-                    "id": KimiK2Format.call_id(fn["name"], start + k),
+                    "id": fmt.call_id(fn["name"], start + k),
                     "type": "function",
                     "function": {"name": fn["name"], "arguments": json.dumps(args, ensure_ascii=False)},
                 }
@@ -238,14 +231,18 @@ class DevTextModel:
                 return [left, right]
         return None
 
-    def _truncate(self, segments: list[Segment], max_new_tokens: int) -> Generation:
-        """Cut at `max_new_tokens` and parse what is left as SGLang's kimi_k2 parsers would."""
+    def _truncate(
+        self,
+        fmt: OutputFormat,
+        segments: list[Segment],
+        tools: list[dict[str, Any]],
+        call_index: int,
+        max_new_tokens: int,
+    ) -> Generation:
+        """Cut at `max_new_tokens` and split what is left as the server's parsers would (the
+        format's `provider_view`, checked against them)."""
         out: list[int] = []
-        reasoning_ids: list[int] = []
-        content_ids: list[int] = []
-        calls: list[dict[str, Any]] = []
-        thinking = any(s.kind == "reasoning" for s in segments)
-        think_closed = not thinking
+        reasoning_tokens = 0
         finish, matched = "stop", None
         for seg in segments:
             room = max_new_tokens - len(out)
@@ -254,31 +251,21 @@ class DevTextModel:
                 break
             take = seg.ids[:room]
             out.extend(take)
-            complete = len(take) == len(seg.ids)
             if seg.kind == "reasoning":
-                reasoning_ids = take
-            elif seg.kind == "think_end":
-                think_closed = True
-            elif seg.kind == "content":
-                content_ids = take
-            elif seg.kind == "call" and complete:
-                calls.append(seg.call)
+                reasoning_tokens = len(take)
             elif seg.kind == "stop":
                 matched = seg.ids[0]
-            if not complete:
+            if len(take) < len(seg.ids):
                 finish = "length"
                 break
-        reasoning = self.tok.decode(reasoning_ids) if thinking else None
-        content = self.tok.decode(content_ids)
-        if thinking and not think_closed and finish == "length":
-            content = ""  # stopped inside reasoning: everything so far is reasoning
+        view = fmt.provider_view(out, finish, tools, call_index).message
         return Generation(
             output_ids=out,
             finish_reason=finish,
-            reasoning=reasoning,
-            content=content,
-            tool_calls=calls,
-            reasoning_tokens=len(reasoning_ids),
+            reasoning=view.get("reasoning_content") if fmt.thinking else None,
+            content=view.get("content") or "",
+            tool_calls=view.get("tool_calls") or [],
+            reasoning_tokens=reasoning_tokens,
             noncanonical_splits=self._splits,
             matched_stop=matched,
         )
@@ -304,7 +291,7 @@ def _value(rng: random.Random, spec: dict[str, Any]) -> object:
 
 
 def _byte_decoder() -> dict[str, int]:
-    """GPT-2 byte-level alphabet (char -> byte), the mapping the Kimi BPE vocabulary uses."""
+    """GPT-2 byte-level alphabet (char -> byte), the mapping Kimi's and Qwen3's BPE vocabularies use."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
     n = 0
