@@ -162,6 +162,11 @@ class OutputFormat(ABC):
     codec: Codec  # bulk encode/decode, equal to the tokenizer's own
     vocab_size: int
 
+    @property
+    @abstractmethod
+    def media_pad_id(self) -> int:
+        """`media_pad`'s id, which a prompt's images expand; a text model's raises UserError."""
+
     @classmethod
     @abstractmethod
     def matches(cls, tokenizer: Any) -> bool:

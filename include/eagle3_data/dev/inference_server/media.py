@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+from typing import Any
 
 from eagle3_data.images import ImageError, expand_media, media_tokens, probe
 
@@ -19,7 +20,7 @@ def media_pad_id(tok) -> int:
     return tok.convert_tokens_to_ids(fmt_cls.media_pad)
 
 
-def image_inputs(messages: list[dict]) -> list[dict]:
+def image_inputs(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The images of a chat request's `image_url` parts, as OpenRouter takes them: each part's
     `image_url.url` a base64 data URI of an image (this server fetches no https URL); a malformed
     part is the client's error (ValueError naming it). Returns {"media_tokens"} per image, in order."""
@@ -74,7 +75,7 @@ def with_images(prompts: list[list[int]], image_data, tok, drift: int) -> tuple[
     return expand_media(list(prompts[0]), refs, pad), sum(r["media_tokens"] for r in refs)
 
 
-def without_image_data(messages: list[dict]) -> list[dict]:
+def without_image_data(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The messages with each image part's data left out (the template renders a placeholder for
     it; the data would only bloat the render cache's keys)."""
     return [

@@ -7,6 +7,7 @@ import asyncio
 import json
 import time
 import uuid
+from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -36,7 +37,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     )
 
     @app.get("/v1/providers")
-    async def providers() -> dict:
+    async def providers() -> dict[str, Any]:
         """OpenRouter's provider table: display names and the slugs routing takes."""
         return {
             "data": [
@@ -169,7 +170,9 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             )
         return JSONResponse(answer, headers=headers)
 
-    def record(answer: dict, prompt_tokens: int, completion_tokens: int, finish: str, cost: float | None = None):
+    def record(
+        answer: dict[str, Any], prompt_tokens: int, completion_tokens: int, finish: str, cost: float | None = None
+    ):
         """The generation's record (GET /v1/generation, the ledger `dev/stats` sums), in
         OpenRouter's fields."""
         state.generations[answer["id"]] = {
@@ -186,7 +189,9 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         }
         state.recorded_at[answer["id"]] = time.monotonic()
 
-    async def _stream_answer(request: Request, key: str, answer: dict, rewrites: set[str], faults, latency: float):
+    async def _stream_answer(
+        request: Request, key: str, answer: dict[str, Any], rewrites: set[str], faults, latency: float
+    ):
         """The answer as OpenRouter streams it: keep-alive comments while it is prepared (the
         endpoint's latency), then `sse_events`'s events. `stream_cut` drops the connection after half of
         them, `stream_stall` goes silent for `stall_s` there; both are billed whole, as a provider
@@ -230,7 +235,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             state.stats.in_flight["chat"] -= 1
 
 
-def documented_history(messages: list[dict]) -> list[dict]:
+def documented_history(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The history as OpenRouter reads it: an assistant turn's reasoning from its documented fields,
     `reasoning` (text) or the text of its `reasoning_details`, handed to the chat template (which
     calls it `reasoning_content`); a `reasoning_content` field, which OpenRouter does not
@@ -238,7 +243,7 @@ def documented_history(messages: list[dict]) -> list[dict]:
     return [_documented_turn(m) if m.get("role") == "assistant" else m for m in messages]
 
 
-def _documented_turn(m: dict) -> dict:
+def _documented_turn(m: dict) -> dict[str, Any]:
     reasoning = m.get("reasoning")
     if reasoning is None:
         details = [d for d in m.get("reasoning_details") or () if isinstance(d, dict)]

@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import os
 import sys
+from typing import Any
 
 from eagle3_data.cli.runs import (
     add_config_arg,
@@ -108,7 +109,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         q.set_defaults(func=_run)
 
 
-def overrides_of(args: argparse.Namespace) -> dict:
+def overrides_of(args: argparse.Namespace) -> dict[str, Any]:
     """The flags as config overrides: the config stays the one description of the run."""
     side = "local" if args.engine == "local" else "overflow"
     flags = {"rows_per_part": args.rows_per_part}
@@ -116,7 +117,7 @@ def overrides_of(args: argparse.Namespace) -> dict:
         flags["in_flight_per_endpoint"] = args.in_flight
     else:
         flags.update(model=args.model, max_usd=args.max_usd, concurrency=args.concurrency)
-    out: dict = {"datasets": [{"name": args.dataset, "prompts": args.prompts}]}
+    out: dict[str, Any] = {"datasets": [{"name": args.dataset, "prompts": args.prompts}]}
     if flags := {k: v for k, v in flags.items() if v is not None}:
         out["generation"] = {side: flags}
     for key in ("regenerate", "history"):

@@ -61,7 +61,7 @@ class LocalRuntime:
 def generate_local(
     store,
     ref,
-    prompts: Iterable[dict],
+    prompts: Iterable[dict[str, Any]],
     fmt: OutputFormat,
     endpoints: Sequence[str],
     sampling: Mapping[str, Any],
@@ -184,7 +184,7 @@ class LocalRun:
         self.stop_reason = StopReason.ENDPOINTS_LOST
         self.pending.done.set()
 
-    def timing(self) -> dict:
+    def timing(self) -> dict[str, Any]:
         """For the manifest (and the next run's `balanced` routing): in flight per endpoint, where
         that came from, and the mean seconds per answered request of this attempt."""
         return {

@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 
@@ -59,7 +60,7 @@ class EndpointPool:
     def __init__(self, endpoints: Sequence[str], wire: Wire, config: LocalGenerationConfig, health_wait: HealthWait):
         self.endpoints = [e.rstrip("/") for e in endpoints]
         self.wire, self.config, self.health_wait = wire, config, health_wait
-        self.identity: dict[str, dict] = {}
+        self.identity: dict[str, dict[str, Any]] = {}
         self.capacity: dict[str, int] = {}  # workers per endpoint
         self.capacity_source: dict[str, str] = {}  # "config" | "server_info" | "default"
         self.failures = dict.fromkeys(self.endpoints, 0)  # consecutive, per endpoint
@@ -199,6 +200,6 @@ class EndpointPool:
     def workers_running(self) -> list[asyncio.Task]:
         return [task for tasks in self.workers.values() for task in tasks]
 
-    def timing(self) -> dict:
+    def timing(self) -> dict[str, Any]:
         """In flight per endpoint and where that came from."""
         return {"in_flight": dict(self.capacity), "in_flight_source": dict(self.capacity_source)}

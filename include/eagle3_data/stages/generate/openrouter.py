@@ -84,7 +84,7 @@ __all__ = [
 ]
 
 
-def check_sampling(sampling: Mapping[str, Any], *, where: str = "generation.sampling") -> dict:
+def check_sampling(sampling: Mapping[str, Any], *, where: str = "generation.sampling") -> dict[str, Any]:
     """The sampling params this client sends; any other key is refused before a request (a key
     silently dropped would make the overflow share sample differently from the local one)."""
     for key in sampling:
@@ -112,7 +112,7 @@ class OverflowRuntime:
 def generate_overflow(
     store,
     ref,
-    prompts: Iterable[dict],
+    prompts: Iterable[dict[str, Any]],
     fmt: OutputFormat,
     base_url: str,
     api_key: str,

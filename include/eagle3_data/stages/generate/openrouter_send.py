@@ -181,7 +181,7 @@ class Sender:
         return failed_with(row, self.ledger.take_lost(ready.prompt.sample_id))
 
 
-def _headers(prompt: Prompt) -> dict:
+def _headers(prompt: Prompt) -> dict[str, Any]:
     """Dataset and sample id for the dev server's per-sample counters; providers ignore them."""
     return {"X-Eagle3-Dataset": prompt.dataset, "X-Eagle3-Sample-Id": prompt.sample_id}
 

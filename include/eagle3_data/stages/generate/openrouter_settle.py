@@ -8,6 +8,7 @@ breaker counts is held until the run of identical errors is broken or trips it
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from eagle3_data.stages.generate.checkpoint import StageRun
 from eagle3_data.stages.generate.contracts import StopReason
@@ -72,7 +73,7 @@ class Settler:
             self.stage.journal(failed.row, permanent=failed.permanent)
             self.progress.update(failed=1)
 
-    def timing(self, concurrency: int) -> dict:
+    def timing(self, concurrency: int) -> dict[str, Any]:
         """For the manifest (and the next run's `balanced` routing): the concurrency and the mean
         seconds per answered sample of this attempt (retries and their backoff included)."""
         return {

@@ -71,7 +71,7 @@ class Pin:
             )
         return None
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "model": self.model,
             "model_names": sorted(self.model_names),

@@ -12,7 +12,7 @@ connections is the hooks' job (plugins/hooks).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from eagle3_data.errors import StageStopped, UserError
 from eagle3_data.runs.results import GenerationResult
@@ -24,14 +24,14 @@ if TYPE_CHECKING:
     from eagle3_data.stages.generate.contracts import StageSummary
 
 
-def _prompt_rows(store, ref) -> Iterator[dict]:
+def _prompt_rows(store, ref) -> Iterator[dict[str, Any]]:
     """The prompts stage's rows, a batch at a time: the generation client validates and spills
     them in one pass, so no list of every prompt is ever built."""
     for batch in store.iter_batches(ref):
         yield from batch.to_pylist()
 
 
-def _reused(run: Run, store, ref, prompts, settings: dict, fmt, what: str) -> GenerationResult | None:
+def _reused(run: Run, store, ref, prompts, settings: dict[str, Any], fmt, what: str) -> GenerationResult | None:
     """The complete stage made from these prompts, with this tokenizer and this run's generation
     `settings` (a subset of the stage's params, `_other_settings`); None when there is none, or
     when the run named the stage in `fresh` and it was replaced (its answers archived). A complete
@@ -59,7 +59,7 @@ def _reused(run: Run, store, ref, prompts, settings: dict, fmt, what: str) -> Ge
 _FORMAT_KEYS = ("thinking", "stop_token_ids")
 
 
-def _other_settings(committed: dict, settings: dict) -> list[str]:
+def _other_settings(committed: dict[str, Any], settings: dict) -> list[str]:
     """Each setting of `settings` the committed answers were generated with otherwise (the
     sampling without what the output format adds), as phrases. Reusing them would hand another
     model's or another sampler's answers downstream as this config's: the silent error the product
@@ -169,7 +169,7 @@ def generate_overflow(
     return _finished(result, f"generate_overflow {dataset}", store, ref)
 
 
-def engine_sampling(run: Run) -> dict:
+def engine_sampling(run: Run) -> dict[str, Any]:
     """The sampling params an engine receives: every key of the config's, neutral ones included
     (an engine fills an unset key its own way; an unset seed is unset on every engine), the
     generation mode aside (it is bound into the output format, `pipeline.output_format`)."""
