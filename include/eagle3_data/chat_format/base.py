@@ -160,6 +160,7 @@ class OutputFormat(ABC):
     stop_token_ids: list[int]
     special_ids: dict[str, int]  # every structural token the format uses, by name
     codec: Codec  # bulk encode/decode, equal to the tokenizer's own
+    tokenizer: Any  # the Hugging Face tokenizer the format renders prompts with
     vocab_size: int
 
     @property

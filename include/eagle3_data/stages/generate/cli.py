@@ -20,7 +20,7 @@ import argparse
 import contextlib
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eagle3_data.cli.runs import (
     add_config_arg,
@@ -34,10 +34,15 @@ from eagle3_data.cli.runs import (
 from eagle3_data.engines.client import API_KEY_ENV
 from eagle3_data.errors import UserError
 
+if TYPE_CHECKING:
+    from eagle3_data.runs.results import RouteResult
+    from eagle3_data.runs.run import Run
+    from eagle3_data.storage.store import ArtifactStore
+
 KEY_ENV = "OPENROUTER_API_KEY"
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("generate", help="run a generation stage for one dataset (local engine or OpenRouter)")
     sub = p.add_subparsers(dest="engine", required=True)
     for engine, help_ in (
@@ -166,7 +171,7 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_rejects(store, run, dataset: str, routed) -> None:
+def _print_rejects(store: ArtifactStore, run: Run, dataset: str, routed: RouteResult) -> None:
     """The load's refused rows, per reason, as the prompts stage recorded them."""
     from eagle3_data.pipeline import stage_ref
     from eagle3_data.rejects import REJECTS_FILE, format_rejects, read_rejects

@@ -16,7 +16,7 @@ import asyncio
 import json
 import time
 import uuid
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import aiohttp
 
@@ -28,6 +28,9 @@ from eagle3_data.retry import PERMANENT_STATUS
 from eagle3_data.schemas import IDENTITY_MISMATCH
 from eagle3_data.stages.generate.checkpoint import Prompt, generation_row, sampling_for
 from eagle3_data.stages.generate.contracts import GenerationRow
+
+if TYPE_CHECKING:
+    from eagle3_data.storage.store import ArtifactStore
 
 
 class Outcome(NamedTuple):
@@ -51,15 +54,15 @@ class LocalRequester:
 
     def __init__(
         self,
-        store,
+        store: ArtifactStore,
         fmt: OutputFormat,
         wire: Wire,
         sampling: dict[str, Any],
         *,
         model: str,
         served_model: str | None,
-        tokenizer_sha256: str,
-    ):
+        tokenizer_sha256: str | None,
+    ) -> None:
         self.store, self.fmt, self.wire, self.sampling = store, fmt, wire, sampling
         self.model, self.served_model, self.tokenizer_sha256 = model, served_model, tokenizer_sha256
         self.run_tag = uuid.uuid4().hex[:8]
