@@ -82,7 +82,7 @@ def to_messages(record: dict[str, Any]) -> tuple[Any, Any, set[str]]:
     return _sharegpt(record), _bare_tools(record.get("tools")), {"conversations", "system", "tools", "images"}
 
 
-def _system(record: dict) -> list[dict[str, Any]]:
+def _system(record: dict[str, Any]) -> list[dict[str, Any]]:
     system = record.get("system")
     if system is None or system == "":
         return []
@@ -91,7 +91,7 @@ def _system(record: dict) -> list[dict[str, Any]]:
     return [{"role": "system", "content": system}]
 
 
-def _sharegpt(record: dict) -> list[dict[str, Any]]:
+def _sharegpt(record: dict[str, Any]) -> list[dict[str, Any]]:
     turns = record["conversations"]
     if isinstance(turns, str):  # Parquet files often hold the list as a JSON string
         turns = loads_field(turns, "conversations")

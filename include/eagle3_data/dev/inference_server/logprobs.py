@@ -67,7 +67,7 @@ def input_top_logprobs(prompt: list[int], start: int, k: int, ordinary_ids: int)
     ]
 
 
-def top_num(value, i: int) -> int:
+def top_num(value: Any, i: int) -> int:
     """`top_logprobs_num` for the batch's i-th prompt (an int, or one per prompt; absent: 0)."""
     if isinstance(value, list):
         return int(value[i]) if i < len(value) else 0
@@ -77,4 +77,5 @@ def top_num(value, i: int) -> int:
 def ordinary_id_count(tok: Any) -> int:
     """How many ordinary (BPE) ids the tokenizer has: its added (special and tag) tokens sit above
     them, in every family this server stands in for."""
-    return min(tok.get_added_vocab().values())
+    first_added: int = min(tok.get_added_vocab().values())
+    return first_added

@@ -10,14 +10,15 @@ from typing import Any
 from eagle3_data.images import ImageError, expand_media, media_tokens, probe
 
 
-def media_pad_id(tok) -> int:
+def media_pad_id(tok: Any) -> int:
     """The id of the image placeholder of the tokenizer's family (its format's `media_pad`)."""
     from eagle3_data.chat_format import find_output_format
 
     fmt_cls = find_output_format(tok)
     if fmt_cls is None or fmt_cls.media_pad is None:
         raise ValueError(f"the served model ({fmt_cls.name if fmt_cls else 'no known format'}) takes no images")
-    return tok.convert_tokens_to_ids(fmt_cls.media_pad)
+    pad_id: int = tok.convert_tokens_to_ids(fmt_cls.media_pad)
+    return pad_id
 
 
 def image_inputs(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -41,7 +42,7 @@ def image_inputs(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _data_uri_size(url, where: str) -> tuple[int, int]:
+def _data_uri_size(url: Any, where: str) -> tuple[int, int]:
     """(width, height) of an image sent as a base64 data URI, the only form this server takes
     (it fetches no URL or path); ValueError naming `where` otherwise."""
     head, _, data = url.partition(",") if isinstance(url, str) else ("", "", "")
@@ -54,7 +55,7 @@ def _data_uri_size(url, where: str) -> tuple[int, int]:
     return width, height
 
 
-def with_images(prompts: list[list[int]], image_data, tok, drift: int) -> tuple[list[int], int]:
+def with_images(prompts: list[list[int]], image_data: Any, tok: Any, drift: int) -> tuple[list[int], int]:
     """One `/generate` prompt with its `image_data` as SGLang's Kimi-K2.5 processor takes them
     (srt/multimodal/processors/kimi_k25.py): exactly one placeholder (the format's `media_pad`) per image, each expanded
     here to the image's media tokens (+ `drift`: a server whose processor counts otherwise). An

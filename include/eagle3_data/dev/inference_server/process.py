@@ -57,7 +57,8 @@ class DevServerProcess:
     def stats(self) -> dict[str, Any]:
         from eagle3_data.dev.processes import local_http
 
-        return local_http().get(f"{self.url}/dev/stats", timeout=30).json()
+        stats: dict[str, Any] = local_http().get(f"{self.url}/dev/stats", timeout=30).json()
+        return stats
 
     def configure(self, config: dict[str, Any]) -> None:
         """Replace the running server's config (YAML keys) and reset its counters."""
