@@ -20,7 +20,9 @@ dataset passed. A rerun that changes nothing skips `publish`: the same result is
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any, TypedDict
 
 from airflow.sdk import Asset, Param, TriggerRule, dag, get_current_context, task, task_group
 from eagle3_airflow import AWS_CONN_ID, DAG_ID, GPU_QUEUE, OPENROUTER_POOL, run_param_schemas
@@ -35,7 +37,24 @@ TRAINING_DATA = Asset(
 )
 ASSET_EXTRA = ("run_key", "report_uri", "merged_uri", "hidden_states_uri", "datasets", "stand_ins")
 
-NETWORK_RETRIES = {
+
+class _Retries(TypedDict):
+    """A task's retry arguments (typed, so that `@task(**...)` checks them against its keywords)."""
+
+    retries: int
+    retry_delay: timedelta
+    retry_exponential_backoff: float
+    max_retry_delay: timedelta
+
+
+class _Timeout(TypedDict, total=False):
+    """A task's `execution_timeout`, and the hook that sizes it when it depends on the data."""
+
+    execution_timeout: timedelta
+    pre_execute: Callable[[Any], None]
+
+
+NETWORK_RETRIES: _Retries = {
     "retries": 4,
     "retry_delay": timedelta(seconds=10),
     "retry_exponential_backoff": 2.0,
@@ -45,7 +64,7 @@ NETWORK_RETRIES = {
 PARAMS = {name: Param(**spec) for name, spec in run_param_schemas(CONFIG).items()}
 
 
-def _timeout(name: str) -> dict:
+def _timeout(name: str) -> _Timeout:
     """The task's `execution_timeout` from the config (`timeouts.{name}_s`): a hung task is
     killed, and retried where it has retries; the retry resumes from the stage's checkpoints."""
     return {"execution_timeout": timedelta(seconds=getattr(CONFIG.timeouts, f"{name}_s"))}
@@ -68,7 +87,7 @@ def _size_generation_timeout(context) -> None:
     task.log.info("execution_timeout %.0f s: %s", seconds, how)
 
 
-GENERATION_TIMEOUT = {
+GENERATION_TIMEOUT: _Timeout = {
     "execution_timeout": timedelta(seconds=CONFIG.timeouts.generation_cap_s),
     "pre_execute": _size_generation_timeout,
 }
@@ -200,9 +219,14 @@ def eagle3_datagen():
                 return {"dry_run": True}
             return _gate(pipeline.validate, run, store, dataset).as_dict()
 
+        # Airflow's Task types a call with the function's own parameters; at DAG definition each
+        # argument is the upstream task's XComArg (resolved to the dict when the task runs)
         routed = load_route(dataset)
-        generated = (generate_local(dataset, routed), generate_overflow(dataset, routed))
-        return validate(dataset, score_policy(dataset, reconstruct(dataset, *generated)))
+        generated = (
+            generate_local(dataset, routed),  # type: ignore[arg-type]
+            generate_overflow(dataset, routed),  # type: ignore[arg-type]
+        )
+        return validate(dataset, score_policy(dataset, reconstruct(dataset, *generated)))  # type: ignore[arg-type]
 
     @task(trigger_rule=TriggerRule.ALL_DONE, **NETWORK_RETRIES, **_timeout("merge"))
     def merge() -> dict:
@@ -274,7 +298,9 @@ def eagle3_datagen():
     validated = per_dataset.expand(dataset=audit)
     merged = merge()
     validated >> merged
-    extract_hidden_states.expand(work=plan_hidden_states(merged)) >> commit_hidden_states() >> probe() >> publish()
+    # merge's XComArg, resolved when the task runs (as per_dataset's arguments above)
+    plan = plan_hidden_states(merged)  # type: ignore[arg-type]
+    extract_hidden_states.expand(work=plan) >> commit_hidden_states() >> probe() >> publish()
 
 
 def _failed_datasets() -> dict[str, str]:

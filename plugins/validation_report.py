@@ -13,7 +13,7 @@ well exist: an outage is not "no report"); 401/403 from the auth dependency.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity
 from airflow.api_fastapi.common.db.common import SessionDep
@@ -121,9 +121,10 @@ def report_summary(dag_id: str, run_id: str, session: SessionDep) -> dict[str, A
 
 
 class ValidationReportPlugin(AirflowPlugin):
+    # AirflowPlugin declares these as (mutable) instance attributes: a ClassVar may not override them
     name = "eagle3_validation_report"
-    fastapi_apps: ClassVar[list[dict[str, Any]]] = [{"app": app, "url_prefix": URL_PREFIX, "name": TITLE}]
-    external_views: ClassVar[list[dict[str, Any]]] = [
+    fastapi_apps: list[dict[str, Any]] = [{"app": app, "url_prefix": URL_PREFIX, "name": TITLE}]  # noqa: RUF012
+    external_views: list[dict[str, Any]] = [  # noqa: RUF012
         {
             "name": "Validation report",
             "href": URL_PREFIX + "/{DAG_ID}/{RUN_ID}",

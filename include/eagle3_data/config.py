@@ -80,7 +80,7 @@ class _Model(BaseModel):
     def _empty_section(cls, value: Any, info: ValidationInfo) -> Any:
         """A section left empty in YAML (`routing:` with every line commented out) is null: read
         it as an empty mapping, i.e. all defaults."""
-        if value is None:
+        if value is None and info.field_name is not None:  # a field validator always has its field's name
             annotation = cls.model_fields[info.field_name].annotation
             if isinstance(annotation, type) and issubclass(annotation, BaseModel):
                 return {}
@@ -704,15 +704,16 @@ def default_config_raw() -> dict[str, Any]:
     """The packaged default config as a plain mapping, to copy and modify (e.g. the dev stack)."""
     import yaml
 
-    return yaml.safe_load(DEFAULT_CONFIG_PATH.read_text(encoding="utf-8"))
+    raw: dict[str, Any] = yaml.safe_load(DEFAULT_CONFIG_PATH.read_text(encoding="utf-8"))
+    return raw
 
 
-def config_path(path: str | os.PathLike | None = None) -> Path:
+def config_path(path: str | os.PathLike[str] | None = None) -> Path:
     """Which file `load_config(path)` reads: `path`, else $EAGLE3_CONFIG, else the packaged default."""
     return Path(path or os.environ.get(CONFIG_ENV) or DEFAULT_CONFIG_PATH)
 
 
-def load_config(path: str | os.PathLike | None = None) -> PipelineConfig:
+def load_config(path: str | os.PathLike[str] | None = None) -> PipelineConfig:
     """Read and validate the config: `path`, else $EAGLE3_CONFIG, else the packaged default.
 
     Relative local paths in the file (tokenizer.source, model.source) resolve against the

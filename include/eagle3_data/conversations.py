@@ -97,7 +97,7 @@ def needs_rounds(regenerate: str, history: str) -> bool:
     return regenerate == "trajectory" or (regenerate == "every_turn" and history == "regenerated")
 
 
-def step_id(before: str, appended: list[dict]) -> str:
+def step_id(before: str, appended: list[dict[str, Any]]) -> str:
     """A turn's generation row id: a hash chain over its prompt, `before` the id of the turn
     before it (or the thread's root: the row's sample id, the mode, the thread), `appended` the
     messages its prompt adds to that turn's. The id thus covers the whole prompt: a calibration
@@ -111,7 +111,7 @@ def sample_of(conversation: str, mode: str, thread: int, user_turn: int) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
-def call_key(call: Mapping) -> tuple[str, str] | None:
+def call_key(call: Mapping[str, Any]) -> tuple[str, str] | None:
     """A tool call's name and its arguments as canonical JSON (so `{"a":1, "b":2}` and
     `{"b": 2, "a": 1}` are one call); None when the arguments are not JSON."""
     fn = call.get("function") or {}
@@ -123,7 +123,7 @@ def call_key(call: Mapping) -> tuple[str, str] | None:
     return str(fn.get("name")), canonical_json(parsed)
 
 
-def pair_results(messages: list[dict], where: str = "messages") -> dict[int, tuple[int, int]]:
+def pair_results(messages: list[dict[str, Any]], where: str = "messages") -> dict[int, tuple[int, int]]:
     """Which call each tool message answers: its index -> (index of the assistant message, index of
     the call in it). A run of tool messages answers the calls of the assistant message right before
     it: first the results whose `tool_call_id` names one of its calls (each call answered once),
@@ -165,11 +165,11 @@ def pair_results(messages: list[dict], where: str = "messages") -> dict[int, tup
     return out
 
 
-def recorded_results(messages: list[dict], start: int = 0) -> dict[tuple[str, str], deque]:
+def recorded_results(messages: list[dict[str, Any]], start: int = 0) -> dict[tuple[str, str], deque[Any]]:
     """The recorded results by `call_key`, each key's in the order a walk from message `start`
     meets its calls: the calls from `start` on first, then the row's earlier ones (the history a
     thread starting there was given). A walk takes each result once (`popleft`)."""
-    out: dict[tuple[str, str], deque] = {}
+    out: dict[tuple[str, str], deque[Any]] = {}
     answered = sorted(pair_results(messages).items(), key=lambda a: (a[1][0] < start, a[1]))
     for j, (i, k) in answered:
         key = call_key(messages[i]["tool_calls"][k])
@@ -186,14 +186,14 @@ class Turn:
     finish_reason: str | None
     content: str | None
     reasoning: str | None
-    tool_calls: list[dict] | None
+    tool_calls: list[dict[str, Any]] | None
     output_len: int | None  # engine ids (None: text only, the overflow path)
     output_sha: str | None
     prompt_len: int | None = None  # the row's prompt ids (the render the engine was given), when it has them
     prompt_sha: str | None = None
 
     @classmethod
-    def of(cls, row: Mapping) -> Turn:
+    def of(cls, row: Mapping[str, Any]) -> Turn:
         calls = row.get("tool_calls")
         ids = row.get("output_ids")
         prompt = row.get("prompt_ids")
@@ -209,7 +209,7 @@ class Turn:
             None if prompt is None else _prompt_sha(prompt),
         )
 
-    def message(self) -> dict:
+    def message(self) -> dict[str, Any]:
         """The assistant message the next prompt holds (the template renders it)."""
         m: dict[str, Any] = {"role": "assistant", "content": self.content or ""}
         if self.reasoning:
@@ -257,12 +257,12 @@ class PromptRow(Protocol):
     dataset: str
     route: str | None
     source_id: str | None
-    messages: list[dict]
-    tools: list[dict] | None
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
     tools_json: str | None
 
     @property
-    def images(self) -> list[dict]: ...
+    def images(self) -> list[dict[str, Any]]: ...
 
 
 @dataclass
@@ -273,7 +273,7 @@ class Sample:
     end: str | None = None
     hits: int = 0
     misses: int = 0
-    unmatched: dict | None = None
+    unmatched: dict[str, Any] | None = None
 
 
 @dataclass
@@ -282,7 +282,7 @@ class Walk:
     (`pending`: its step id; `messages` are then its prompt) or None when it has ended."""
 
     samples: list[Sample]
-    messages: list[dict]
+    messages: list[dict[str, Any]]
     pending: str | None
     turns_left: int = 0
     parent: str | None = None  # the pending turn's previous turn in its sample (None: the sample's first)
@@ -311,21 +311,32 @@ class TurnDriver:
         """`conversations`: the stage's prompt rows (stages.generate.checkpoint.Prompts), one per row."""
         self.conversations = conversations
 
-    def observe(self, row: Mapping) -> None:
+    def observe(self, row: Mapping[str, Any]) -> None:
         sid = row["sample_id"]
         turn = self.turns[sid] = Turn.of(row)
         parent = self._parents.pop(sid, None)
         up = self.turns.get(parent) if parent is not None else None
-        if up is not None and up.prompt_sha is not None and turn.status == "ok" and row.get("prompt_ids") is not None:
+        if (
+            parent is not None
+            and up is not None
+            and up.prompt_sha is not None
+            and turn.status == "ok"
+            and row.get("prompt_ids") is not None
+        ):
             self._pairs[sid] = self._pair(parent, up, row["prompt_ids"])
 
     def _pair(self, parent: str, here: Turn, after: Sequence[int]) -> Pair:
         """`after` (a turn's prompt ids) against its sample's previous turn `here`, as `_sample_row`'s
         render of both compares them."""
         n, stops = here.prompt_len, set(self.fmt.stop_token_ids)
+        assert n is not None, "a turn with a prompt_sha has its prompt_len"
         after = after if isinstance(after, list) else list(after)
         end = next((i + 1 for i in range(n, len(after)) if after[i] in stops), len(after))
-        exact = here.output_sha is not None and _ids_sha(after[n : n + here.output_len]) == here.output_sha
+        exact = (
+            here.output_sha is not None
+            and here.output_len is not None
+            and _ids_sha(after[n : n + here.output_len]) == here.output_sha
+        )
         return Pair(parent, _prompt_sha(after[:n]) == here.prompt_sha, end, len(after), exact)
 
     # -- walking -------------------------------------------------------------------------------
@@ -372,7 +383,7 @@ class TurnDriver:
         return Walk(samples, messages, None)
 
     def _advance(
-        self, sample: Sample, turn: Turn, messages: list[dict], recorded: dict[tuple[str, str], deque]
+        self, sample: Sample, turn: Turn, messages: list[dict[str, Any]], recorded: dict[tuple[str, str], deque[Any]]
     ) -> str | None:
         """Append what follows `turn` (an ok one) to `messages`, taking the results its calls get
         from `recorded`; the sample's end reason, or None to go on."""
@@ -383,7 +394,10 @@ class TurnDriver:
             return "answered"
         if self.mode != "trajectory":
             return "tool_calls"
-        results = [queue.popleft() if (queue := recorded.get(call_key(c))) else _MISSING for c in turn.tool_calls]
+        results = [
+            queue.popleft() if (key := call_key(c)) is not None and (queue := recorded.get(key)) else _MISSING
+            for c in turn.tool_calls
+        ]
         missed = [c for c, r in zip(turn.tool_calls, results) if r is _MISSING]
         if missed:  # nothing is spliced: the trajectory ends at this turn
             sample.misses += len(missed)
@@ -399,11 +413,12 @@ class TurnDriver:
         return None
 
     def walks(self) -> Iterator[tuple[PromptRow, int, Walk]]:
+        assert self.conversations is not None, "`start` gives the conversations before a walk"
         for p in self.conversations:
             for thread, start in self.threads(p):
                 yield p, thread, self.walk(p, thread, start)
 
-    def next_prompts(self) -> list[dict]:
+    def next_prompts(self) -> list[dict[str, Any]]:
         """The prompt rows of the next turn of every thread still going and not asked for yet
         (a turn asked and not final yet, a retryable failure, is left to the next attempt)."""
         out = []
@@ -426,7 +441,7 @@ class TurnDriver:
         return out
 
     # -- the samples ---------------------------------------------------------------------------
-    def sample_rows(self) -> Iterator[dict]:
+    def sample_rows(self) -> Iterator[dict[str, Any]]:
         """One SAMPLES row per sample that got an answer (one whose first turn failed too: a sample
         lost, counted), its mask spans from the template's render of each turn's prompt (the
         prompts the engine was given)."""
@@ -435,15 +450,17 @@ class TurnDriver:
                 if s.steps or s.end == "failed":  # a first turn that failed is a sample lost: counted
                     yield self._sample_row(p, thread, w, s)
 
-    def _sample_row(self, p: PromptRow, thread: int, w: Walk, s: Sample) -> dict:
-        pairs = [self._pairs.get(sid) for sid in s.steps[1:]]
+    def _sample_row(self, p: PromptRow, thread: int, w: Walk, s: Sample) -> dict[str, Any]:
+        found = [self._pairs.get(sid) for sid in s.steps[1:]]
+        pairs = [pair for pair in found if pair is not None]
+        base = self.turns[s.steps[0]].prompt_len if s.steps else None
         if (
-            s.steps
-            and self.turns[s.steps[0]].prompt_len is not None
-            and all(pair is not None and pair.parent == s.steps[j] for j, pair in enumerate(pairs))
+            base is not None
+            and len(pairs) == len(found)
+            and all(pair.parent == s.steps[j] for j, pair in enumerate(pairs))
         ):
             # the rows' own prompt ids, read once as they were observed
-            base, masked = self.turns[s.steps[0]].prompt_len, []
+            masked: list[int] = []
             for pair in pairs:
                 masked += [pair.end - base, pair.length - base]
             spans = _Spans(base, masked, all(pair.prefix_ok for pair in pairs), sum(pair.exact for pair in pairs))
@@ -481,12 +498,13 @@ class TurnDriver:
             turn = self.turns[s.steps[j]]
             if (
                 turn.output_sha is not None
+                and turn.output_len is not None
                 and _ids_sha(after[len(here) : len(here) + turn.output_len]) == turn.output_sha
             ):
                 exact += 1
         return _Spans(base, masked, prefix_ok, exact)
 
-    def samples_file(self) -> tuple[bytes, dict]:
+    def samples_file(self) -> tuple[bytes, dict[str, Any]]:
         """The SAMPLES Parquet file and its figures (for the manifest and the report), written
         SAMPLES_BATCH rows at a time: beside the driver it holds one batch of rows and the file's
         bytes, not every sample's row (a Python dict each) and their table at once."""
@@ -501,7 +519,7 @@ class TurnDriver:
 _MISSING = object()
 
 
-def _user_index(messages: list[dict], at: int) -> int:
+def _user_index(messages: list[dict[str, Any]], at: int) -> int:
     return sum(m["role"] == "user" for m in messages[:at])
 
 
@@ -515,7 +533,7 @@ class Tally:
         self.ends: Counter[str] = Counter()
         self.sums: Counter[str] = Counter()
 
-    def add(self, rows: Iterable[dict]) -> None:
+    def add(self, rows: Iterable[dict[str, Any]]) -> None:
         for r in rows:
             n = len(r["steps"])
             self.steps[n] += 1
@@ -531,7 +549,7 @@ class Tally:
                 user_turns_not_reached=r["turns_left"],
             )
 
-    def figures(self, tag: str) -> dict:
+    def figures(self, tag: str) -> dict[str, Any]:
         s = self.sums
         return {
             "mode": tag,
@@ -553,8 +571,9 @@ class Tally:
         }
 
 
-def read_samples(data: bytes) -> list[dict]:
-    return pq.read_table(io.BytesIO(data), schema=SAMPLES).to_pylist()
+def read_samples(data: bytes) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = pq.read_table(io.BytesIO(data), schema=SAMPLES).to_pylist()
+    return rows
 
 
 FOLDED, DROPPED, OWN = "folded", "dropped", "own"  # what the merge does with a turn row (`Folds.rows`)
@@ -567,7 +586,7 @@ class TrajectoryRecord:
     sample_id: str  # the sample's (SAMPLES), which the record takes
     base: int  # tokens of the first turn's prompt: the record's prompt part
     masked: list[int]  # [start, end) pairs after `base` that are not generated, one per transition kept
-    trajectory: dict  # for the record's provenance: turns kept, turns generated, end (and what cut it)
+    trajectory: dict[str, Any]  # for the record's provenance: turns kept, turns generated, end (and what cut it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -593,9 +612,9 @@ class Folds:
     be added up."""
 
     rows: dict[str, TrajectoryRecord | str] = field(default_factory=dict)
-    counts: Counter = field(default_factory=Counter)
+    counts: Counter[str] = field(default_factory=Counter)
 
-    def apply(self, row: TurnRow, counts: Counter) -> TurnRow | None:
+    def apply(self, row: TurnRow, counts: Counter[str]) -> TurnRow | None:
         """`row` with its fold applied: None for a turn row left out (FOLDED: its tokens are in
         the record's prompt; DROPPED); a sample's last usable turn becomes its record (prompt =
         the first turn's prompt, output = the rest, with the spans that are not generated; its
@@ -623,7 +642,9 @@ class Folds:
         )
 
 
-def trajectory_folds(samples: Iterable[dict], rows: Mapping[str, tuple[str, str | None]] | None = None) -> Folds:
+def trajectory_folds(
+    samples: Iterable[dict[str, Any]], rows: Mapping[str, tuple[str, str | None]] | None = None
+) -> Folds:
     """For the merge: each sample folded into one record made of its turns up to its last usable
     one. `rows`: the status and error of every row of the stage whose ids the merge takes (the
     local stage, or the reconstruct stage for the overflow path), by row id; None: every turn

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from eagle3_data.runs.run import Run
 
 
-def hidden_states_params(run: Run) -> dict:
+def hidden_states_params(run: Run) -> dict[str, Any]:
     """What decides the extracted bytes (recorded in the manifest; the model as configured, not
     where a dev build happens to be cached): every extraction choice of the config, so changing
     any of them re-extracts. The CLI's `extract` builds the same params from the same config.

@@ -56,7 +56,7 @@ class LayoutRefused(Exception):
         self.reason = reason
 
 
-def layout_of(record: dict) -> str:
+def layout_of(record: dict[str, Any]) -> str:
     """Which layout the row is in (`LAYOUT_KEYS`), refusing a row in none."""
     for key in LAYOUT_KEYS:
         if record.get(key) is not None:
@@ -64,7 +64,7 @@ def layout_of(record: dict) -> str:
     raise LayoutRefused("messages", "missing (a row holds messages, conversations (ShareGPT) or prompt)")
 
 
-def to_messages(record: dict) -> tuple[Any, Any, set[str]]:
+def to_messages(record: dict[str, Any]) -> tuple[Any, Any, set[str]]:
     """(messages, tools, the keys the layout used) of a row; `messages` and `tools` still to be
     validated by the caller (prompts._normalise) like any OpenAI row."""
     layout = layout_of(record)
@@ -82,7 +82,7 @@ def to_messages(record: dict) -> tuple[Any, Any, set[str]]:
     return _sharegpt(record), _bare_tools(record.get("tools")), {"conversations", "system", "tools", "images"}
 
 
-def _system(record: dict) -> list[dict]:
+def _system(record: dict[str, Any]) -> list[dict[str, Any]]:
     system = record.get("system")
     if system is None or system == "":
         return []
@@ -91,7 +91,7 @@ def _system(record: dict) -> list[dict]:
     return [{"role": "system", "content": system}]
 
 
-def _sharegpt(record: dict) -> list[dict]:
+def _sharegpt(record: dict[str, Any]) -> list[dict[str, Any]]:
     turns = record["conversations"]
     if isinstance(turns, str):  # Parquet files often hold the list as a JSON string
         turns = loads_field(turns, "conversations")
@@ -126,7 +126,7 @@ def _sharegpt(record: dict) -> list[dict]:
         else:
             if role == "user":
                 pending.clear()  # calls left without results: the template renders them as they are
-            content: str | list[dict] = value
+            content: str | list[dict[str, Any]] = value
             if role == "user" and IMAGE_MARKER in value:
                 content, markers = (
                     _with_images(value, images, markers, f"{where}.value"),
@@ -153,9 +153,9 @@ def _sharegpt_images(images: Any) -> list[str]:
     return images
 
 
-def _with_images(value: str, images: list[str], used: int, where: str) -> list[dict]:
+def _with_images(value: str, images: list[str], used: int, where: str) -> list[dict[str, Any]]:
     """A user turn's value as text and image_url parts, each `<image>` taking the next image."""
-    parts: list[dict] = []
+    parts: list[dict[str, Any]] = []
     for k, text in enumerate(value.split(IMAGE_MARKER)):
         if k:
             if used >= len(images):
@@ -167,7 +167,7 @@ def _with_images(value: str, images: list[str], used: int, where: str) -> list[d
     return parts
 
 
-def _calls_in(value: str, where: str) -> list:
+def _calls_in(value: str, where: str) -> list[Any]:
     parsed = loads_field(value, where, f"a function_call that is not JSON: {value[:80]!r}")
     calls = parsed if isinstance(parsed, list) else [parsed]
     if not calls:
@@ -175,7 +175,7 @@ def _calls_in(value: str, where: str) -> list:
     return calls
 
 
-def _call(c: Any, where: str, k: int) -> dict:
+def _call(c: Any, where: str, k: int) -> dict[str, Any]:
     if not isinstance(c, dict) or not isinstance(c.get("name"), str) or not c["name"]:
         raise LayoutRefused(f"{where}.name", "missing or not a string")
     args = c.get("arguments", {})

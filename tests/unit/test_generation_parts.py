@@ -4,11 +4,16 @@ exception, and the budget counts the samples it holds estimates for."""
 from __future__ import annotations
 
 import asyncio
+from typing import cast
 
+from eagle3_data.chat_format.base import OutputFormat
 from eagle3_data.stages.generate.checkpoint import parse_prompts
+from eagle3_data.stages.generate.openrouter_attempts import AttemptLedger
 from eagle3_data.stages.generate.openrouter_breaker import Breaker
 from eagle3_data.stages.generate.openrouter_budget import Budget
+from eagle3_data.stages.generate.openrouter_http import SdkPost
 from eagle3_data.stages.generate.openrouter_outcomes import DispatchStop, Failed, ReadyPrompt, RefusedPrompt
+from eagle3_data.stages.generate.openrouter_pricing import Prices
 from eagle3_data.stages.generate.openrouter_prompts import PromptFeed
 from eagle3_data.stages.generate.openrouter_rows import RequestShape
 from eagle3_data.stages.generate.openrouter_send import Sender
@@ -29,7 +34,8 @@ def _prompts(*texts: str):
 
 
 def test_a_refused_prompt_is_a_typed_value_and_a_permanent_failed_row_without_a_request():
-    feed = PromptFeed(_Format(), RequestShape("m", {}, {}, {}, False), lookahead=4)
+    # the stand-in has only what the feed calls (its render)
+    feed = PromptFeed(cast(OutputFormat, _Format()), RequestShape("m", {}, {}, {}, False), lookahead=4)
     feed.open(_prompts("hi", "no"))
     ready, refused = feed.take(), feed.take()
     assert isinstance(ready, ReadyPrompt) and ready.prompt_ids == [1, 2, 3] and b'"model": "m"' in ready.body
@@ -40,14 +46,14 @@ def test_a_refused_prompt_is_a_typed_value_and_a_permanent_failed_row_without_a_
         stream=False,
         concurrency=1,
         max_attempts=1,
-        prices=None,
+        prices=Prices(),
         cost_lookups=0,
         cost_lookup_delay_s=0.0,
         stop=DispatchStop(),
-        ledger=None,
+        ledger=cast(AttemptLedger, None),  # a refused prompt is never priced
         breaker=Breaker(3, lambda error, run: None),
     )
-    failed = asyncio.run(sender.sample(None, refused, None))  # no client: it is never sent
+    failed = asyncio.run(sender.sample(cast(SdkPost, None), refused, None))  # no client: it is never sent
     assert isinstance(failed, Failed) and failed.permanent and failed.breaker is None
     assert failed.row["error"] == "chat template: the template refuses this conversation"
     assert failed.row["prompt_ids"] is None and failed.row["status"] == "failed"

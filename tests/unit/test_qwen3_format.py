@@ -16,7 +16,8 @@ CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}
 def test_detection_tells_qwen_from_kimi(qwen3_tokenizer, kimi_tokenizer):
     assert find_output_format(qwen3_tokenizer) is Qwen3Format
     assert not Qwen3Format.matches(kimi_tokenizer)
-    assert find_output_format(kimi_tokenizer).name == "kimi_k2"
+    kimi = find_output_format(kimi_tokenizer)
+    assert kimi is not None and kimi.name == "kimi_k2"
     with pytest.raises(UserError, match="model.family is 'kimi_k2' but .* 'qwen3'"):  # a named family must match
         find_output_format(qwen3_tokenizer, "kimi_k2")
 

@@ -15,6 +15,10 @@ import base64
 import hashlib
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import splintr
 
 # sha256 of the ranks written as a tiktoken file (base64 token, space, rank, newline), from
 # splintr-rs 0.22.0's `qwen3` table: a guard against a changed wheel, not a published digest.
@@ -55,7 +59,7 @@ ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
 )
 
 
-def _splintr_tokenizer():
+def _splintr_tokenizer() -> splintr.AnyTokenizer:
     import splintr
 
     return splintr.Tokenizer.from_pretrained("qwen3")
@@ -102,7 +106,9 @@ def build_qwen3_tokenizer(out_dir: str | Path) -> Path:
     with tempfile.TemporaryDirectory() as tmp:
         ranks_path = Path(tmp) / "qwen.tiktoken"
         ranks_path.write_bytes(tiktoken_ranks())
-        backend = TikTokenConverter(vocab_file=str(ranks_path), pattern=splintr.QWEN2_PATTERN).converted()
+        # transformers' converters and tokenizer classes have no annotated __init__
+        converter = TikTokenConverter(vocab_file=str(ranks_path), pattern=splintr.QWEN2_PATTERN)  # type: ignore[no-untyped-call]
+        backend = converter.converted()
     backend.normalizer = normalizers.NFC()
     for name, special in ADDED_TOKENS:  # one at a time, in id order: each takes the next id
         token = AddedToken(name, normalized=False, special=special)
@@ -112,7 +118,7 @@ def build_qwen3_tokenizer(out_dir: str | Path) -> Path:
         if got != NUM_BPE_RANKS + offset:
             raise RuntimeError(f"added token {name!r} got id {got}, expected {NUM_BPE_RANKS + offset}")
 
-    tokenizer = PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=backend,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",

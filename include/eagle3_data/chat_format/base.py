@@ -160,7 +160,13 @@ class OutputFormat(ABC):
     stop_token_ids: list[int]
     special_ids: dict[str, int]  # every structural token the format uses, by name
     codec: Codec  # bulk encode/decode, equal to the tokenizer's own
+    tokenizer: Any  # the Hugging Face tokenizer the format renders prompts with
     vocab_size: int
+
+    @property
+    @abstractmethod
+    def media_pad_id(self) -> int:
+        """`media_pad`'s id, which a prompt's images expand; a text model's raises UserError."""
 
     @classmethod
     @abstractmethod

@@ -38,6 +38,7 @@ from typing import Any
 
 from eagle3_data.chat_format.base import (
     AssistantMessage,
+    FinishReason,
     OutputFormat,
     ParsedGeneration,
     Part,
@@ -103,6 +104,7 @@ class Qwen3Format(OutputFormat):
             tid, problems = check_token(tokenizer, name)
             if problems:
                 raise UserError(f"tokenizer {tokenizer.name_or_path}: " + "; ".join(problems))
+            assert tid is not None  # a token without problems has its one id
             self.special_ids[name] = tid
         ids = self.special_ids
         added = tokenizer.get_added_vocab()
@@ -157,6 +159,7 @@ class Qwen3Format(OutputFormat):
     def parse_ids(self, ids: list[int], finish_reason: str | None = None) -> ParsedGeneration:
         ids = list(ids)
         stop_id = ids.pop() if ids and ids[-1] in self.stop_token_ids else None
+        finish: FinishReason
         if stop_id is not None:
             finish = "stop"
         else:

@@ -11,10 +11,13 @@ import socket
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eagle3_data.errors import UserError
 from eagle3_data.forksafe import PerProcess
+
+if TYPE_CHECKING:
+    import httpx
 
 PORT_FLOOR = 10000  # ports we hand out lie in [PORT_FLOOR, the kernel's ephemeral range)
 _handed_out: set[int] = set()  # never the same port twice from one process
@@ -73,7 +76,7 @@ def _http_client():
 _LOCAL_HTTP = PerProcess(_http_client)
 
 
-def local_http():
+def local_http() -> httpx.Client:
     """This process's httpx client for the dev tools' loopback HTTP: the start-up poll, the dev
     server's control endpoints, the cluster's REST API. `httpx.get` builds a client per call, and
     every client an SSL context that loads the CA bundle (~20 ms of CPU, for plain http too): the

@@ -15,13 +15,16 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import aiohttp
 
 from eagle3_data.errors import UserError
 from eagle3_data.images import data_uri, read_image
 from eagle3_data.retry import WAIT_NOTE_EVERY_S
+
+if TYPE_CHECKING:
+    from eagle3_data.storage.store import ArtifactStore
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +51,8 @@ class Answer(NamedTuple):
     """What a wire adapter reads from an engine's answer."""
 
     output_ids: list[int]  # as given: through the matched stop token
-    finish: dict  # {"type": "stop" | "length" | ..., "matched": ...}
-    provenance: dict  # engine-specific, into the row's provenance
+    finish: dict[str, Any]  # {"type": "stop" | "length" | ..., "matched": ...}
+    provenance: dict[str, Any]  # engine-specific, into the row's provenance
     logprobs: list[float] | None = None  # the engine's log-probability of each output id (None: not reported)
 
 
@@ -91,7 +94,7 @@ class Media(NamedTuple):
     tokens: list[int]  # our media-token count of each image (the reference's `media_tokens`)
 
 
-def read_media(store, refs: list[dict], pad_id: int) -> Media:
+def read_media(store: ArtifactStore, refs: list[dict[str, Any]], pad_id: int) -> Media:
     """A prompt's images for an engine, for generation and for the policy check's scoring alike:
     each stored object read and verified against its reference (sha256, size: ImageError
     otherwise), sent as a data URI; read per request, not held (the prompts in flight are all that
@@ -109,32 +112,37 @@ class Wire(Protocol):
     # endpoints' API key (`engines.wire_for`), empty for a server started without one
     headers: Mapping[str, str]
 
-    def sampling(self, sampling: Mapping[str, Any]) -> dict:
+    def sampling(self, sampling: Mapping[str, Any]) -> dict[str, Any]:
         """The config's engine-neutral sampling as this engine's request fields (UserError on a key it lacks)."""
 
-    async def identify(self, http: aiohttp.ClientSession, endpoint: str) -> dict:
+    async def identify(self, http: aiohttp.ClientSession, endpoint: str) -> dict[str, Any]:
         """What the endpoint says it serves (weight version, served model), for provenance."""
 
     def request(
-        self, prompt_ids: list[int], sampling: dict, rid: str, identity: dict, media: Media | None = None
-    ) -> tuple[str, dict]:
+        self,
+        prompt_ids: list[int],
+        sampling: dict[str, Any],
+        rid: str,
+        identity: dict[str, Any],
+        media: Media | None = None,
+    ) -> tuple[str, dict[str, Any]]:
         """(path, JSON body) of one generation request; `prompt_ids` are ours, media tokens
         expanded; `media`: the prompt's images (None for a text prompt)."""
 
-    def answer(self, body: Any, prompt_ids: list[int], identity: dict, media: Media | None = None) -> Answer:
+    def answer(self, body: Any, prompt_ids: list[int], identity: dict[str, Any], media: Media | None = None) -> Answer:
         """The answer read and checked against our `prompt_ids` (ValueError/KeyError/TypeError:
         malformed; PromptCut; MediaDiffers)."""
 
     def backpressure(self, status: int, text: str) -> bool:
         """The engine is full, not failing: retry later without counting against the endpoint."""
 
-    def logprob_distribution(self, sampling: Mapping[str, Any]) -> dict:
+    def logprob_distribution(self, sampling: Mapping[str, Any]) -> dict[str, Any]:
         """Which distribution the engine's output log-probabilities are of (provenance `logprobs`):
         what the extraction's own must be compared with (hidden_states.verify)."""
 
     def score_request(
-        self, ids: list[int], first: int, rid: str, identity: dict, top: int = 0, media: Media | None = None
-    ) -> tuple[str, dict]:
+        self, ids: list[int], first: int, rid: str, identity: dict[str, Any], top: int = 0, media: Media | None = None
+    ) -> tuple[str, dict[str, Any]]:
         """(path, JSON body) of a request for the log-probability of each of `ids[first:]` and,
         with `top` > 0, the `top` largest log-probabilities at each of those positions, all of the
         target's unscaled distribution (no temperature, no truncation); `media`: the prompt's
@@ -148,7 +156,7 @@ class Wire(Protocol):
         """What the endpoint refuses to every scoring request (its configuration, not the item:
         more log-probabilities than it allows), in words; None for a refusal of the one item."""
 
-    def manifest_extra(self, identities: dict[str, dict]) -> dict:
+    def manifest_extra(self, identities: dict[str, dict[str, Any]]) -> dict[str, Any]:
         """What the stage's manifest records of the endpoints' identities."""
 
 
@@ -228,11 +236,11 @@ def exception_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[:160]}" if text else type(exc).__name__
 
 
-def server_capacity(info) -> int | None:
+def server_capacity(info: Any) -> int | None:
     """`max_running_requests` of a `/server_info` answer: the top-level server arg, else the sum
     over the data-parallel ranks' `internal_states`; None when neither is a positive int."""
 
-    def positive(v):
+    def positive(v: Any) -> int | None:
         return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
     if not isinstance(info, dict):
@@ -240,7 +248,8 @@ def server_capacity(info) -> int | None:
     if (top := positive(info.get("max_running_requests"))) is not None:
         return top
     ranks = [positive(s.get("max_running_requests")) for s in info.get("internal_states") or [] if isinstance(s, dict)]
-    return sum(ranks) if ranks and None not in ranks else None
+    counted = [r for r in ranks if r is not None]
+    return sum(counted) if ranks and len(counted) == len(ranks) else None
 
 
 def error_message(text: str) -> str:
@@ -256,8 +265,8 @@ def error_message(text: str) -> str:
     if isinstance(err, str):
         return err
     if isinstance(err, dict) and isinstance(err.get("message"), str):
-        return err["message"]
-    return body["message"] if isinstance(body.get("message"), str) else text
+        return str(err["message"])
+    return str(body["message"]) if isinstance(body.get("message"), str) else text
 
 
 def local_endpoints(value: str | Sequence[str]) -> list[str]:

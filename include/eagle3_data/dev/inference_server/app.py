@@ -4,6 +4,7 @@ shared state, behind SGLang's API-key check when it is given one (`auth`)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI
 
@@ -16,7 +17,7 @@ from eagle3_data.dev.inference_server.openrouter import add_routes as add_openro
 from eagle3_data.dev.inference_server.state import ServerState
 
 
-def create_app(tokenizer, config: ServerConfig | None = None, *, api_key: str | None = None) -> FastAPI:
+def create_app(tokenizer: Any, config: ServerConfig | None = None, *, api_key: str | None = None) -> FastAPI:
     """`tokenizer`: a loaded HF tokenizer or its directory; `api_key`: require it as SGLang's
     `--api-key` does (`auth.ApiKeyCheck`), None: every route is open."""
     if isinstance(tokenizer, (str, Path)):

@@ -3,6 +3,8 @@ and the config they replace (`/dev/config`)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
@@ -11,7 +13,7 @@ from eagle3_data.dev.inference_server.state import ServerState
 
 def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/dev/stats")
-    async def dev_stats() -> dict:
+    async def dev_stats() -> dict[str, Any]:
         """The counters, and what the chat endpoint billed: every generation it started (answered,
         abandoned or cut), as OpenRouter's records would add up."""
         return {

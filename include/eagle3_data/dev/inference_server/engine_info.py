@@ -3,6 +3,8 @@ and the OpenAI-compatible model list (served by OpenRouter, vLLM and SGLang alik
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import FastAPI, Response
 
 from eagle3_data.dev.inference_server.state import ServerState
@@ -18,7 +20,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         return Response(status_code=503 if unavailable() else 200)
 
     @app.get("/v1/models")
-    async def models() -> dict:
+    async def models() -> dict[str, Any]:
         """The OpenAI-compatible model list (OpenRouter, vLLM and SGLang all serve it); OpenRouter's
         cards also carry the model's dated `canonical_slug`."""
         price = state.config.price_per_token
@@ -37,7 +39,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/model_info")
     @app.get("/get_model_info")  # deprecated name, still served by SGLang 0.5.23
-    async def model_info() -> dict:
+    async def model_info() -> dict[str, Any]:
         return {
             "model_path": state.config.model,
             "tokenizer_path": str(tok.name_or_path),
@@ -47,7 +49,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/server_info")
     @app.get("/get_server_info")  # deprecated name, still served by SGLang 0.5.23
-    async def server_info() -> dict:
+    async def server_info() -> dict[str, Any]:
         """SGLang's server info, the part a client reads: server args merged with the scheduler's
         init info, one `internal_states` entry per data-parallel rank, the version. Only
         `max_running_requests` is the config's (`max_running_requests`, None as when SGLang was

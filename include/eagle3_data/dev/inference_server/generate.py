@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
@@ -81,7 +82,9 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         finally:
             state.rids.difference_update(rid_list)
 
-    async def _answer_generate(request: Request, body: dict, batch: bool, prompts, sp: dict, rids) -> Response:
+    async def _answer_generate(
+        request: Request, body: dict[str, Any], batch: bool, prompts: list[list[int]], sp: dict[str, Any], rids: Any
+    ) -> Response:
         key = request.headers.get(SAMPLE_HEADER) or (json.dumps(rids) if rids else str(hash(tuple(prompts[0]))))
         error, _, faults, _ = await admit("generate", request, key)
         if error == "queue_full":  # SGLang's HTTPException handler: an ErrorResponse body
@@ -162,7 +165,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         return JSONResponse(outs if batch else outs[0])
 
 
-def _generate_prompts(body: dict, tok) -> tuple[bool, list[list[int]] | None]:
+def _generate_prompts(body: dict[str, Any], tok: Any) -> tuple[bool, list[list[int]] | None]:
     ids, text = body.get("input_ids"), body.get("text")
     if ids is not None:
         if ids and isinstance(ids[0], list):

@@ -4,6 +4,7 @@ pseudo-random log-probability per (previous id, id), in SGLang's `meta_info` sha
 from __future__ import annotations
 
 import math
+from typing import Any
 
 
 def _pair_logprob(previous: int, token: int) -> float:
@@ -14,14 +15,14 @@ def _pair_logprob(previous: int, token: int) -> float:
     return -(0.05 + 6.0 * u * u)
 
 
-def output_logprobs(prompt: list[int], generated: list[int]) -> list[list]:
+def output_logprobs(prompt: list[int], generated: list[int]) -> list[list[Any]]:
     """SGLang's `meta_info.output_token_logprobs` (`[logprob, id, text]` per output id), from the
     stand-in model `_pair_logprob`."""
     ids = list(prompt[-1:]) + list(generated)
     return [[_pair_logprob(ids[i], ids[i + 1]), ids[i + 1], None] for i in range(len(generated))]
 
 
-def input_logprobs(prompt: list[int], start: int) -> list[list]:
+def input_logprobs(prompt: list[int], start: int) -> list[list[Any]]:
     """SGLang's `meta_info.input_token_logprobs` from `logprob_start_len` (`[logprob, id, text]`,
     the first entry's logprob None). The values are the dev server's own stand-in model: a fixed
     pseudo-random log-probability per (previous id, id), the same for every text whatever path it
@@ -34,7 +35,7 @@ def input_logprobs(prompt: list[int], start: int) -> list[list]:
     ]
 
 
-def top_logprobs(previous: int, token: int, k: int, ordinary_ids: int) -> list[list]:
+def top_logprobs(previous: int, token: int, k: int, ordinary_ids: int) -> list[list[Any]]:
     """One position's `k` likeliest ids as SGLang lists them (`[logprob, id, text]`, descending),
     from the stand-in model: its own text is its likeliest, so `token` comes first with its
     `_pair_logprob`, and the other ids (pseudo-random per (previous id, rank)) share, at most, half
@@ -56,7 +57,7 @@ def top_logprobs(previous: int, token: int, k: int, ordinary_ids: int) -> list[l
     return out
 
 
-def input_top_logprobs(prompt: list[int], start: int, k: int, ordinary_ids: int) -> list[list | None]:
+def input_top_logprobs(prompt: list[int], start: int, k: int, ordinary_ids: int) -> list[list[Any] | None]:
     """SGLang's `meta_info.input_top_logprobs`: lined up with `input_token_logprobs` (None at
     `logprob_start_len`, then each position's `top_logprobs`)."""
     start = max(start, 0)
@@ -66,14 +67,15 @@ def input_top_logprobs(prompt: list[int], start: int, k: int, ordinary_ids: int)
     ]
 
 
-def top_num(value, i: int) -> int:
+def top_num(value: Any, i: int) -> int:
     """`top_logprobs_num` for the batch's i-th prompt (an int, or one per prompt; absent: 0)."""
     if isinstance(value, list):
         return int(value[i]) if i < len(value) else 0
     return int(value or 0)
 
 
-def ordinary_id_count(tok) -> int:
+def ordinary_id_count(tok: Any) -> int:
     """How many ordinary (BPE) ids the tokenizer has: its added (special and tag) tokens sit above
     them, in every family this server stands in for."""
-    return min(tok.get_added_vocab().values())
+    first_added: int = min(tok.get_added_vocab().values())
+    return first_added

@@ -5,21 +5,23 @@ from __future__ import annotations
 
 import base64
 import binascii
+from typing import Any
 
 from eagle3_data.images import ImageError, expand_media, media_tokens, probe
 
 
-def media_pad_id(tok) -> int:
+def media_pad_id(tok: Any) -> int:
     """The id of the image placeholder of the tokenizer's family (its format's `media_pad`)."""
     from eagle3_data.chat_format import find_output_format
 
     fmt_cls = find_output_format(tok)
     if fmt_cls is None or fmt_cls.media_pad is None:
         raise ValueError(f"the served model ({fmt_cls.name if fmt_cls else 'no known format'}) takes no images")
-    return tok.convert_tokens_to_ids(fmt_cls.media_pad)
+    pad_id: int = tok.convert_tokens_to_ids(fmt_cls.media_pad)
+    return pad_id
 
 
-def image_inputs(messages: list[dict]) -> list[dict]:
+def image_inputs(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The images of a chat request's `image_url` parts, as OpenRouter takes them: each part's
     `image_url.url` a base64 data URI of an image (this server fetches no https URL); a malformed
     part is the client's error (ValueError naming it). Returns {"media_tokens"} per image, in order."""
@@ -40,7 +42,7 @@ def image_inputs(messages: list[dict]) -> list[dict]:
     return out
 
 
-def _data_uri_size(url, where: str) -> tuple[int, int]:
+def _data_uri_size(url: Any, where: str) -> tuple[int, int]:
     """(width, height) of an image sent as a base64 data URI, the only form this server takes
     (it fetches no URL or path); ValueError naming `where` otherwise."""
     head, _, data = url.partition(",") if isinstance(url, str) else ("", "", "")
@@ -53,7 +55,7 @@ def _data_uri_size(url, where: str) -> tuple[int, int]:
     return width, height
 
 
-def with_images(prompts: list[list[int]], image_data, tok, drift: int) -> tuple[list[int], int]:
+def with_images(prompts: list[list[int]], image_data: Any, tok: Any, drift: int) -> tuple[list[int], int]:
     """One `/generate` prompt with its `image_data` as SGLang's Kimi-K2.5 processor takes them
     (srt/multimodal/processors/kimi_k25.py): exactly one placeholder (the format's `media_pad`) per image, each expanded
     here to the image's media tokens (+ `drift`: a server whose processor counts otherwise). An
@@ -74,7 +76,7 @@ def with_images(prompts: list[list[int]], image_data, tok, drift: int) -> tuple[
     return expand_media(list(prompts[0]), refs, pad), sum(r["media_tokens"] for r in refs)
 
 
-def without_image_data(messages: list[dict]) -> list[dict]:
+def without_image_data(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The messages with each image part's data left out (the template renders a placeholder for
     it; the data would only bloat the render cache's keys)."""
     return [

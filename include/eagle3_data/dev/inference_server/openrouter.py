@@ -7,10 +7,13 @@ import asyncio
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from eagle3_data.dev.faults import EndpointFaults
 from eagle3_data.dev.inference_server.media import image_inputs, media_pad_id, without_image_data
 from eagle3_data.dev.inference_server.openrouter_answers import (
     chat_answer,
@@ -36,7 +39,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     )
 
     @app.get("/v1/providers")
-    async def providers() -> dict:
+    async def providers() -> dict[str, Any]:
         """OpenRouter's provider table: display names and the slugs routing takes."""
         return {
             "data": [
@@ -99,7 +102,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         error, rewrites, faults, latency = await admit("chat", request, key, wait=not stream)
         provider = routed_provider(body.get("provider") or {}, state.config)
         if stream and error == "error_in_body":  # failed after the provider started: an SSE error event
-            body = json.loads(error_response(error, faults, provider, state.config.model).body)
+            body = json.loads(bytes(error_response(error, faults, provider, state.config.model).body))
             event = error_event("gen-" + uuid.uuid4().hex[:24], body["error"])
             record(  # recorded, nothing billed: the provider failed before any output
                 {
@@ -169,7 +172,9 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             )
         return JSONResponse(answer, headers=headers)
 
-    def record(answer: dict, prompt_tokens: int, completion_tokens: int, finish: str, cost: float | None = None):
+    def record(
+        answer: dict[str, Any], prompt_tokens: int, completion_tokens: int, finish: str, cost: float | None = None
+    ) -> None:
         """The generation's record (GET /v1/generation, the ledger `dev/stats` sums), in
         OpenRouter's fields."""
         state.generations[answer["id"]] = {
@@ -186,7 +191,9 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         }
         state.recorded_at[answer["id"]] = time.monotonic()
 
-    async def _stream_answer(request: Request, key: str, answer: dict, rewrites: set[str], faults, latency: float):
+    async def _stream_answer(
+        request: Request, key: str, answer: dict[str, Any], rewrites: set[str], faults: EndpointFaults, latency: float
+    ) -> AsyncIterator[bytes]:
         """The answer as OpenRouter streams it: keep-alive comments while it is prepared (the
         endpoint's latency), then `sse_events`'s events. `stream_cut` drops the connection after half of
         them, `stream_stall` goes silent for `stall_s` there; both are billed whole, as a provider
@@ -230,7 +237,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             state.stats.in_flight["chat"] -= 1
 
 
-def documented_history(messages: list[dict]) -> list[dict]:
+def documented_history(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The history as OpenRouter reads it: an assistant turn's reasoning from its documented fields,
     `reasoning` (text) or the text of its `reasoning_details`, handed to the chat template (which
     calls it `reasoning_content`); a `reasoning_content` field, which OpenRouter does not
@@ -238,7 +245,7 @@ def documented_history(messages: list[dict]) -> list[dict]:
     return [_documented_turn(m) if m.get("role") == "assistant" else m for m in messages]
 
 
-def _documented_turn(m: dict) -> dict:
+def _documented_turn(m: dict[str, Any]) -> dict[str, Any]:
     reasoning = m.get("reasoning")
     if reasoning is None:
         details = [d for d in m.get("reasoning_details") or () if isinstance(d, dict)]

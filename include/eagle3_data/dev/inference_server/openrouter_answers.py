@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from typing import Any
 
 from fastapi import Response
 from fastapi.responses import JSONResponse
 
-from eagle3_data.dev.faults import ServerConfig
+from eagle3_data.dev.faults import EndpointFaults, ServerConfig
 from eagle3_data.dev.text_model import Generation
 
 
@@ -19,10 +20,10 @@ def price_usd(prompt_tokens: int, completion_tokens: int, config: ServerConfig) 
     return round(prompt_tokens * float(price["prompt"]) + completion_tokens * float(price["completion"]), 10)
 
 
-def routed_provider(routing: dict, config: ServerConfig) -> str:
+def routed_provider(routing: dict[str, Any], config: ServerConfig) -> str:
     """The display name of the provider OpenRouter would route to: the first of the pin's
     `only` or `order` slugs (by the provider table), else the server's `provider`."""
-    names = {p["slug"]: p["name"] for p in config.providers}
+    names: dict[str, str] = {p["slug"]: p["name"] for p in config.providers}
     for slug in routing.get("only") or routing.get("order") or []:
         if slug.split("/")[0] in names:
             return names[slug.split("/")[0]]
@@ -30,8 +31,14 @@ def routed_provider(routing: dict, config: ServerConfig) -> str:
 
 
 def chat_answer(
-    gen: Generation, prompt_tokens: int, config: ServerConfig, rewrites: set[str], empty: bool, provider: str, faults
-) -> dict:
+    gen: Generation,
+    prompt_tokens: int,
+    config: ServerConfig,
+    rewrites: set[str],
+    empty: bool,
+    provider: str,
+    faults: EndpointFaults,
+) -> dict[str, Any]:
     reasoning, content, calls = (
         gen.reasoning,
         gen.content,
@@ -53,7 +60,7 @@ def chat_answer(
         reasoning, content, calls = None, "", []
     finish = "length" if gen.finish_reason == "length" else ("tool_calls" if calls else "stop")
     completion = len(gen.output_ids)
-    message = {"role": "assistant", "content": content, "refusal": None, "reasoning": reasoning or None}
+    message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None, "reasoning": reasoning or None}
     if reasoning and "encrypted_reasoning" in rewrites:
         message["reasoning"] = None
         message["reasoning_details"] = [
@@ -68,7 +75,7 @@ def chat_answer(
         ]
     if calls:
         message["tool_calls"] = calls
-    answer = {
+    answer: dict[str, Any] = {
         "id": "gen-" + uuid.uuid4().hex[:24],
         "provider": faults.other_provider if "wrong_provider" in rewrites else provider,
         "model": faults.other_model
@@ -98,7 +105,7 @@ def chat_answer(
     return answer
 
 
-def sse_events(answer: dict) -> list[bytes]:
+def sse_events(answer: dict[str, Any]) -> list[bytes]:
     """A non-streamed answer as OpenRouter's SSE events: a role chunk, the reasoning, content and
     tool-call deltas in pieces (each call's id and name first, its arguments after), a last chunk
     with the finish reason (and, for a provider failing mid-generation, the `error`), a usage
@@ -114,7 +121,7 @@ def sse_events(answer: dict) -> list[bytes]:
     prefix = ("data: " + json.dumps(head)[:-1] + ', "choices": [{"index": 0, "delta": ').encode()
     suffix = b', "finish_reason": null, "native_finish_reason": null, "logprobs": null}]}\n\n'
 
-    def event(delta: dict | None = None) -> bytes:
+    def event(delta: dict[str, Any] | None = None) -> bytes:
         return prefix + json.dumps(delta or {}).encode() + suffix
 
     def pieces(text: str, size: int = 7) -> list[str]:
@@ -162,7 +169,7 @@ def sse_events(answer: dict) -> list[bytes]:
     return events
 
 
-def error_event(generation_id: str, error: dict) -> dict:
+def error_event(generation_id: str, error: dict[str, Any]) -> dict[str, Any]:
     """OpenRouter's SSE data event for an error after the stream opened (errors-and-debugging:
     "Error During Streaming"): the error, and the choice finished with `error`."""
     return {
@@ -174,7 +181,7 @@ def error_event(generation_id: str, error: dict) -> dict:
     }
 
 
-def cut_mid_generation(answer: dict, provider: str) -> None:
+def cut_mid_generation(answer: dict[str, Any], provider: str) -> None:
     """OpenRouter's non-streaming shape for a provider that failed after generation started:
     the partial text, `finish_reason: "error"` and the error inside the choice (billed)."""
     choice = answer["choices"][0]
@@ -193,7 +200,11 @@ def cut_mid_generation(answer: dict, provider: str) -> None:
 
 
 def openrouter_error(
-    code: int, message: str, headers: dict | None = None, metadata: dict | None = None, status: int | None = None
+    code: int,
+    message: str,
+    headers: dict[str, Any] | None = None,
+    metadata: dict[str, Any] | None = None,
+    status: int | None = None,
 ) -> JSONResponse:
     """OpenRouter's error body; `status` differs from `code` only for errors raised once a
     provider had started (HTTP 200, the error in the body)."""
@@ -204,7 +215,7 @@ def openrouter_error(
     )
 
 
-def error_response(error: str, faults, provider: str = "", model: str = "") -> Response:
+def error_response(error: str, faults: EndpointFaults, provider: str = "", model: str = "") -> Response:
     """The bodies OpenRouter answers (errors-and-debugging.mdx; bodies recorded from the service)."""
     if error == "rate_limit":
         return openrouter_error(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 
 class DevServerProcess:
@@ -53,12 +54,13 @@ class DevServerProcess:
             self.stop()
             raise
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         from eagle3_data.dev.processes import local_http
 
-        return local_http().get(f"{self.url}/dev/stats", timeout=30).json()
+        stats: dict[str, Any] = local_http().get(f"{self.url}/dev/stats", timeout=30).json()
+        return stats
 
-    def configure(self, config: dict) -> None:
+    def configure(self, config: dict[str, Any]) -> None:
         """Replace the running server's config (YAML keys) and reset its counters."""
         from eagle3_data.dev.processes import local_http
 

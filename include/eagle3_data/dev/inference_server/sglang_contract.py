@@ -3,6 +3,8 @@ client can trip, in its words (serde's error texts)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 # SGLang 0.5.23's accepted sampling params, in its own order (sglang/api/v1/api_types.py):
 # anything else inside `sampling_params` is a 400 with serde's `unknown field` text.
 SAMPLING_FIELDS = (
@@ -37,7 +39,7 @@ SAMPLING_FIELDS = (
 )
 
 
-def generate_contract_error(body) -> str | None:
+def generate_contract_error(body: Any) -> str | None:
     """The schema checks of SGLang's `generate_contract_error` that a client can trip: the body
     shape, `input_ids` as ints or lists of ints, and `sampling_params` keys and int fields."""
     if not isinstance(body, dict):
@@ -81,7 +83,7 @@ def generate_contract_error(body) -> str | None:
     return None
 
 
-def _unexpected(v) -> str:
+def _unexpected(v: Any) -> str:
     """serde's `Unexpected` display, as SGLang's contract errors print it."""
     if v is None:
         return "null"

@@ -8,10 +8,11 @@ import json
 import time
 from collections import Counter, defaultdict
 from functools import lru_cache
+from typing import Any
 
 from fastapi import Request
 
-from eagle3_data.dev.faults import ServerConfig
+from eagle3_data.dev.faults import EndpointFaults, ServerConfig
 from eagle3_data.dev.inference_server.logprobs import ordinary_id_count
 from eagle3_data.dev.text_model import DevTextModel, Generation
 
@@ -23,15 +24,15 @@ class Stats:
     """Per-endpoint counters: requests and answered (billed) generations per sample key."""
 
     def __init__(self) -> None:
-        self.requests: dict[str, Counter] = defaultdict(Counter)
-        self.answered: dict[str, Counter] = defaultdict(Counter)
-        self.faults: dict[str, Counter] = defaultdict(Counter)
-        self.in_flight: Counter = Counter()
-        self.max_in_flight: Counter = Counter()
-        self.total_answered: Counter = Counter()
-        self.abandoned: Counter = Counter()
+        self.requests: dict[str, Counter[str]] = defaultdict(Counter)
+        self.answered: dict[str, Counter[str]] = defaultdict(Counter)
+        self.faults: dict[str, Counter[str]] = defaultdict(Counter)
+        self.in_flight: Counter[str] = Counter()
+        self.max_in_flight: Counter[str] = Counter()
+        self.total_answered: Counter[str] = Counter()
+        self.abandoned: Counter[str] = Counter()
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "requests": {k: dict(v) for k, v in self.requests.items()},
             "answered": {k: dict(v) for k, v in self.answered.items()},
@@ -46,7 +47,9 @@ class ServerState:
     """One server's state; `reset` (`POST /dev/config`) replaces the config, the generator's
     rates and the counters, and keeps the tokenizer and the chat-template render cache."""
 
-    def __init__(self, tok, config: ServerConfig):
+    model: DevTextModel  # made by the first `reset`, kept by the next ones
+
+    def __init__(self, tok: Any, config: ServerConfig) -> None:
         self.tok = tok
         self.ordinary_ids = ordinary_id_count(tok)  # the ids the stand-in's top log-probabilities draw from
         self.generate_cached = lru_cache(maxsize=65536)(self._generate)
@@ -57,8 +60,8 @@ class ServerState:
         self.config = config
         self.ready_at = time.monotonic() + config.warmup_s
         self.rids: set[str] = set()  # registered (in-flight) request ids, as SGLang keeps them
-        self.generations: dict[str, dict] = {}  # chat answers by id: GET /v1/generation's records
-        self.lookups: Counter = Counter()  # GET /v1/generation tries per id (generation_lag)
+        self.generations: dict[str, dict[str, Any]] = {}  # chat answers by id: GET /v1/generation's records
+        self.lookups: Counter[str] = Counter()  # GET /v1/generation tries per id (generation_lag)
         self.recorded_at: dict[str, float] = {}  # monotonic time each record was made (record_delay_s)
         self.refused = 0
         if hasattr(self, "model"):
@@ -68,7 +71,9 @@ class ServerState:
         self.stats = Stats()
         self.generate_cached.cache_clear()
 
-    def _generate(self, prompt: tuple[int, ...], max_new: int, temperature: float, seed, dataset) -> Generation:
+    def _generate(
+        self, prompt: tuple[int, ...], max_new: int, temperature: float, seed: int | None, dataset: str | None
+    ) -> Generation:
         return self.model.generate(
             list(prompt), max_new_tokens=max_new, temperature=temperature, seed=seed, dataset=dataset
         )
@@ -85,7 +90,9 @@ class ServerState:
         down = 0 < self.refused < self.config.refuse_first
         return down or not self.config.healthy or time.monotonic() < self.ready_at
 
-    async def admit(self, endpoint: str, request: Request, key: str, wait: bool = True):
+    async def admit(
+        self, endpoint: str, request: Request, key: str, wait: bool = True
+    ) -> tuple[str | None, set[str], EndpointFaults, float]:
         """Count the request, draw its faults, sleep its latency (`wait`; else a stream spends it
         sending keep-alives); returns (error, rewrites, faults, latency)."""
         self.stats.requests[endpoint][key] += 1

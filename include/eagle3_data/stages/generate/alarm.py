@@ -23,6 +23,7 @@ import asyncio
 import signal
 import threading
 from collections.abc import Coroutine
+from types import FrameType
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -38,7 +39,7 @@ async def with_alarm_outside_callbacks(coro: Coroutine[Any, Any, T]) -> T:
     assert run is not None
     fired: list[bool] = []
 
-    def on_alarm(signum, frame) -> None:
+    def on_alarm(signum: int, frame: FrameType | None) -> None:
         fired.append(True)
         loop.call_soon_threadsafe(run.cancel)
 

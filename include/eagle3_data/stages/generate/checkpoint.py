@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
@@ -44,6 +45,8 @@ from eagle3_data.images import parse_refs
 from eagle3_data.spill import RowSpill
 from eagle3_data.stages.generate.contracts import GenerationRow, StageSummary, StopReason
 from eagle3_data.stages.generate.progress import ProgressSink
+from eagle3_data.storage.refs import StageRef
+from eagle3_data.storage.store import ArtifactStore
 from eagle3_data.storage.writer import StageWriter
 
 if TYPE_CHECKING:
@@ -65,8 +68,8 @@ class Prompt:
 
     sample_id: str
     dataset: str
-    messages: list[dict]
-    tools: list[dict] | None
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
     route: str | None
     messages_json: str = field(repr=False)
     tools_json: str | None = field(repr=False)
@@ -74,7 +77,7 @@ class Prompt:
     images_json: str | None = field(default=None, repr=False)  # the row's `images` (images.py), null for text
 
     @property
-    def images(self) -> list[dict]:
+    def images(self) -> list[dict[str, Any]]:
         """The prompt's image references in prompt order (empty for a text prompt)."""
         return parse_refs(self.images_json)
 
@@ -125,7 +128,7 @@ class Prompts:
             )
 
 
-def parse_prompts(rows: Iterable[dict], dataset: str, routes: tuple[str, ...] | None) -> Prompts:
+def parse_prompts(rows: Iterable[dict[str, Any]], dataset: str, routes: tuple[str, ...] | None) -> Prompts:
     """Validate prompt rows (every one, before any request); a bad one is a UserError naming the
     record and the field. Rows of other `routes` are left out. One pass over `rows` (a stream
     is fine): the kept rows are spilled, not held."""
@@ -170,7 +173,7 @@ class StageSetup:
     format and its engine: the same for the local and the overflow stage."""
 
     model: str = ""  # the target model's name, recorded in provenance and params
-    inputs: tuple = ()  # upstream manifests (StageRef) or file records ({"uri", "bytes", "sha256"})
+    inputs: tuple[Any, ...] = ()  # upstream manifests (StageRef) or file records ({"uri", "bytes", "sha256"})
     progress: ProgressSink | None = None  # None: silent (a plain progress.Progress)
     journal_dir: str | Path | None = None  # None: $EAGLE3_JOURNAL_DIR, else the cache's journal/
     rerun: bool = False  # reopen a complete stage: re-verify its parts, redo only what is missing
@@ -180,7 +183,7 @@ class StageSetup:
     turns: TurnDriver | None = None  # the stage runs in rounds (every_turn regenerated, trajectory)
 
 
-def sampling_for(p: Prompt, sampling: dict) -> dict:
+def sampling_for(p: Prompt, sampling: dict[str, Any]) -> dict[str, Any]:
     """Calibration samples (route "both") are generated greedily on both paths, to be comparable."""
     return dict(sampling, temperature=0.0) if p.route == "both" else sampling
 
@@ -188,7 +191,7 @@ def sampling_for(p: Prompt, sampling: dict) -> dict:
 def generation_row(p: Prompt, prompt_ids: list[int] | None, source: str, *, failed: str | None = None) -> GenerationRow:
     """The one place a generation row is made: `p`'s fields copied as the prompt row spells them,
     the answer's fields empty for the client to fill; `failed`: the reason of a failed row."""
-    return {
+    row: GenerationRow = {
         "sample_id": p.sample_id,
         "dataset": p.dataset,
         "messages": p.messages_json,
@@ -205,8 +208,10 @@ def generation_row(p: Prompt, prompt_ids: list[int] | None, source: str, *, fail
         "finish_reason": None,
         "usage": None,
         "provenance": None,
-        **({"images": p.images_json} if p.images_json else {}),  # a text row's: null (the column's default)
     }
+    if p.images_json:  # a text row's: null (the column's default)
+        row["images"] = p.images_json
+    return row
 
 
 def _images_json(images: Any, where: str) -> str | None:
@@ -241,19 +246,19 @@ class StageRun:
 
     def __init__(
         self,
-        store,
-        ref,
+        store: ArtifactStore,
+        ref: StageRef,
         prompts: Prompts,
-        params: dict,
+        params: dict[str, Any],
         hashes: Mapping[str, str | None],
         setup: StageSetup,
         *,
         rows_per_part: int,
         flush_interval_s: float = 30.0,
-    ):
+    ) -> None:
         """`params`: the stage's (manifest) params; `hashes`: `tokenizer_sha256`, `template_sha256`."""
         self.store, self.ref, self.prompts = store, ref, prompts
-        self.writer_args = dict(
+        self.writer_args: dict[str, Any] = dict(
             rows_per_part=rows_per_part,
             params=params,
             inputs=list(setup.inputs),
@@ -284,11 +289,11 @@ class StageRun:
         self.tokens = 0
         self.cost_usd = 0.0
         self.spent_before_usd = 0.0
-        self.lost_attempts: dict[str, list[dict]] = {}  # sample id -> its priced attempts without an answer
-        self.unsettled_attempts: list[dict] = []  # attempts an earlier process opened and never settled
+        self.lost_attempts: dict[str, list[dict[str, Any]]] = {}  # sample id -> its priced attempts without an answer
+        self.unsettled_attempts: list[dict[str, Any]] = []  # attempts an earlier process opened and never settled
         self.pending: Iterator[Prompt] = iter(())
         self.pending_count = 0
-        self.failures: dict[str, dict] = {}  # sample id -> {"runs", "error"}: failures.json
+        self.failures: dict[str, dict[str, Any]] = {}  # sample id -> {"runs", "error"}: failures.json
         self.result: StageSummary | None = None  # set by `finish`
         self._held: dict[str, GenerationRow] = {}  # failed rows not (yet) final
         self._rows: list[GenerationRow] = []  # ok rows journaled, not yet handed to the writer
@@ -312,7 +317,21 @@ class StageRun:
             raise
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    @property
+    def _open_writer(self) -> StageWriter:
+        """The writer `__enter__` opened (the run is used inside its `with`)."""
+        assert self.writer is not None, "StageRun used outside its `with`"
+        return self.writer
+
+    @property
+    def _open_journal(self) -> io.TextIOBase:
+        """The local journal `_resume` opened."""
+        assert self._journal is not None, "StageRun's journal used before `_resume` opened it"
+        return self._journal
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
         if self._journal is not None:
             self._journal.close()
         if exc_type is not None:
@@ -320,6 +339,7 @@ class StageRun:
                 self._hand_over()  # the rows land in the writer's buffer even when S3 is down
             except Exception:
                 pass  # the writer's exit below retries the upload once and says what it kept
+        assert self._cm is not None
         self._cm.__exit__(exc_type, exc, tb)  # flushes what is buffered when an error propagates
         unsaved = getattr(self.writer, "unsaved_rows", 0)
         if unsaved:
@@ -333,10 +353,11 @@ class StageRun:
         return exc_type is Stop
 
     def _resume(self) -> None:
-        done = self.writer.committed_sample_ids()
-        self.spent_before_usd = committed_cost(self.store, self.ref, self.writer.committed_records())
+        done = self._open_writer.committed_sample_ids()
+        self.spent_before_usd = committed_cost(self.store, self.ref, self._open_writer.committed_records())
         wanted = set(self.prompts.ids)  # in rounds every journaled row (this stage's, these params') is a turn
-        replay, attempts = [], {}
+        replay: list[dict[str, Any]] = []
+        attempts: dict[str, dict[str, Any]] = {}
         if self.journal_path.exists():
             for line in self.journal_path.read_text().splitlines():
                 try:
@@ -369,17 +390,17 @@ class StageRun:
         self.journal_path.parent.mkdir(parents=True, exist_ok=True)
         self._journal = self.journal_path.open("a", encoding="utf-8")
 
-    def _take_back(self, rows: list[dict], count: str, what: str) -> None:
+    def _take_back(self, rows: list[dict[str, Any]], count: str, what: str) -> None:
         """Rows paid for earlier (the journal's, the archive's) into the writer without a request:
         counted under `count`, their cost spent before this attempt."""
         if not rows:
             return
         log.info("%s: %d %s, not requested again", self.store.uri(self.ref), len(rows), what)
-        self.writer.write(rows)
+        self._open_writer.write(rows)
         self.counts[count] = len(rows)
         self.spent_before_usd += sum((r.get("usage") or {}).get("cost_usd") or 0.0 for r in rows)
 
-    def _archived_answers(self, wanted: set[str], done: set[str]) -> list[dict]:
+    def _archived_answers(self, wanted: set[str], done: set[str]) -> list[dict[str, Any]]:
         """Rows of attempts archived by a `--fresh` (storage/archive.py) made with this stage's
         params and tokenizer, for samples still to do: the answers (`ok`) and every row that was
         paid for; an unpaid failure is asked again (the fresh run may be what fixes it). `done`
@@ -399,7 +420,7 @@ class StageRun:
                     done.add(sid)
         return out
 
-    def _resume_attempts(self, attempts: Iterable[dict], done: set[str]) -> None:
+    def _resume_attempts(self, attempts: Iterable[dict[str, Any]], done: set[str]) -> None:
         """Attempts of samples still pending: the priced ones count as spent (their sample's row
         will carry them), the ones an earlier process opened and never settled are listed for the
         client to price before it asks again (`unsettled_attempts`). A committed sample's row
@@ -420,27 +441,27 @@ class StageRun:
                 len(self.unsettled_attempts),
             )
 
-    def journal_attempt(self, record: dict) -> None:
+    def journal_attempt(self, record: dict[str, Any]) -> None:
         """A paid-or-maybe-paid request without an answer, in the local journal (flushed): `state`
         "open" when the provider named its generation, "settled" once it is priced (`cost_usd`,
         `cost_source`). A resume prices the open ones before their samples are asked again, so no
         request is retried while the journal says its first attempt may still be billed uncounted;
         "closed" when it ended in an error that was not billed (nothing to price)."""
-        self._journal.write(json.dumps({"attempt": record}, ensure_ascii=False) + "\n")
-        self._journal.flush()
+        self._open_journal.write(json.dumps({"attempt": record}, ensure_ascii=False) + "\n")
+        self._open_journal.flush()
         if record.get("state") == "settled":
             self.cost_usd += record.get("cost_usd") or 0.0
             self.counts["lost_attempts"] += 1
 
-    def reprice_attempt(self, record: dict, cost_usd: float, *, earlier: bool = False) -> float:
+    def reprice_attempt(self, record: dict[str, Any], cost_usd: float, *, earlier: bool = False) -> float:
         """A settled attempt priced at the estimate, priced again from OpenRouter's record of its
         generation (which came late): `record` updated in place and journaled again (a resume takes
         its last state), the difference added to this attempt's cost, or to what earlier attempts
         spent (`earlier`: it was settled by one of them). Returns the difference."""
         delta = cost_usd - (record.get("cost_usd") or 0.0)
         record.update(cost_usd=cost_usd, cost_source="generation_lookup", estimate_usd=record.get("cost_usd"))
-        self._journal.write(json.dumps({"attempt": record}, ensure_ascii=False) + "\n")
-        self._journal.flush()
+        self._open_journal.write(json.dumps({"attempt": record}, ensure_ascii=False) + "\n")
+        self._open_journal.flush()
         if earlier:
             self.spent_before_usd += delta
         else:
@@ -451,9 +472,11 @@ class StageRun:
         """Hand the turn driver every row earlier attempts committed (verified parts, the columns a
         walk reads), so a resumed attempt knows where each conversation stands."""
         columns = ["sample_id", "status", "finish_reason", "content", "reasoning", "tool_calls", "output_ids"]
-        for record in self.writer.committed_records():
+        turns = self.turns
+        assert turns is not None, "only a stage run in rounds observes its committed rows"
+        for record in self._open_writer.committed_records():
             for row in committed_part(self.store, self.ref, record, columns).to_pylist():
-                self.turns.observe(row)
+                turns.observe(row)
 
     def add(self, prompts: Prompts) -> None:
         """A round's prompts (the turns a TurnDriver asks for): `pending` yields those not done."""
@@ -462,7 +485,7 @@ class StageRun:
         self.counts["skipped"] += len(prompts) - self.pending_count
         self.total += len(prompts)
 
-    def _load_failures(self) -> dict[str, dict]:
+    def _load_failures(self) -> dict[str, dict[str, Any]]:
         from eagle3_data.storage import IncompleteStage
 
         try:
@@ -486,7 +509,7 @@ class StageRun:
         half (S3 round trips), so an event loop can run it in a thread (openrouter's settler)."""
         self._hand_over()
         if time.monotonic() - self._last_flush > self.flush_interval_s:
-            self.writer.flush()
+            self._open_writer.flush()
             self._last_flush = time.monotonic()
 
     def journal(self, row: GenerationRow, *, permanent: bool = False, paid: bool = False) -> None:
@@ -494,12 +517,12 @@ class StageRun:
         unusable one is final: asking again would pay again), is appended to the local journal
         (flushed: it survives a SIGKILL) and queued for the writer; an unpaid failure is held
         until it is final (`finish`)."""
-        usage = row.get("usage") or {}
+        usage: dict[str, Any] = dict(row.get("usage") or {})
         self.cost_usd += usage.get("cost_usd") or 0.0
         if row["status"] == "ok" or paid:
             self.tokens += usage.get("completion_tokens") or 0
-            self._journal.write(json.dumps(row, ensure_ascii=False) + "\n")
-            self._journal.flush()
+            self._open_journal.write(json.dumps(row, ensure_ascii=False) + "\n")
+            self._open_journal.flush()
             self._rows.append(row)
             if self.turns is not None:
                 self.turns.observe(row)
@@ -520,7 +543,7 @@ class StageRun:
             self.counts["retry_later"] += 1
 
     def finish(
-        self, stopped_reason: StopReason | None, extra: dict | None = None, *, stop_detail: str | None = None
+        self, stopped_reason: StopReason | None, extra: dict[str, Any] | None = None, *, stop_detail: str | None = None
     ) -> None:
         """Commit the manifest if every sample is settled, else leave the stage for the next attempt
         (raises Stop, which `__exit__` swallows after the writer checkpointed). Result: `self.result`."""
@@ -537,11 +560,11 @@ class StageRun:
                 self.side_files[SAMPLES_FILE] = data
                 extra = {**(extra or {}), "conversations": figures}
             self._hand_over()
-            self.writer.write(list(self._held.values()))
-            self.writer.commit(
+            self._open_writer.write(list(self._held.values()))
+            self._open_writer.commit(
                 extra={"counts": summary["counts"], **(extra or {})}, files=[FAILURES_FILE, *self.side_files]
             )
-            self._journal.close()
+            self._open_journal.close()
             self.journal_path.unlink(missing_ok=True)
             summary["complete"] = True
             self.result = summary
@@ -560,7 +583,7 @@ class StageRun:
         journaled already, so batching risks nothing)."""
         if self._rows:
             rows, self._rows = self._rows, []
-            self.writer.write(rows)  # buffered there before any upload: a failed upload keeps them
+            self._open_writer.write(rows)  # buffered there before any upload: a failed upload keeps them
 
     def summary(self, stopped_reason: StopReason | None, stop_detail: str | None = None) -> StageSummary:
         """This attempt's summary, not complete (`finish` says when it is)."""
@@ -627,20 +650,20 @@ def run_rounds(
         progress.close()
 
 
-def reused_summary(store, ref) -> StageSummary:
+def reused_summary(store: ArtifactStore, ref: StageRef) -> StageSummary:
     """A complete stage is never regenerated (opening its writer would discard paid work)."""
     counts = (store.read_manifest(ref).get("extra") or {}).get("counts") or {}
     return stage_summary(store.uri(ref), counts, complete=True, reused=True)
 
 
-def part_cost(table) -> dict:
+def part_cost(table: pa.Table) -> dict[str, Any]:
     """The summary each generations part's progress record carries, so resume prices committed
     work from the (verified) records without downloading the parts again."""
     usage = table.column("usage").to_pylist()
     return {"cost_usd": sum((u or {}).get("cost_usd") or 0.0 for u in usage) + lost_cost(table)}
 
 
-def lost_cost(table) -> float:
+def lost_cost(table: pa.Table) -> float:
     """USD of the attempts the rows of `table` lost before their answer (their provenance's
     `lost_cost_usd`: cut streams, unreadable answers), which their usage does not hold."""
     if "provenance" not in table.column_names:
@@ -652,7 +675,7 @@ def lost_cost(table) -> float:
     )
 
 
-def committed_cost(store, ref, records: list[dict]) -> float:
+def committed_cost(store: ArtifactStore, ref: StageRef, records: list[dict[str, Any]]) -> float:
     """USD of rows earlier attempts committed (verified parts without a manifest yet), for the budget.
     Records written before summaries existed are priced from their part, read through the store
     (sha256 checked, a bad part named)."""
@@ -665,7 +688,7 @@ def committed_cost(store, ref, records: list[dict]) -> float:
     return total
 
 
-def committed_part(store, ref, record: dict, columns: list[str]) -> pa.Table:
+def committed_part(store: ArtifactStore, ref: StageRef, record: dict[str, Any], columns: list[str]) -> pa.Table:
     """`columns` of one committed generations part, read through the store (sha256 and schema
     checked, a bad part named)."""
     from eagle3_data.schemas import schema_for

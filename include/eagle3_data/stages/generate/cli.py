@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import os
 import sys
+from typing import TYPE_CHECKING, Any
 
 from eagle3_data.cli.runs import (
     add_config_arg,
@@ -33,10 +34,15 @@ from eagle3_data.cli.runs import (
 from eagle3_data.engines.client import API_KEY_ENV
 from eagle3_data.errors import UserError
 
+if TYPE_CHECKING:
+    from eagle3_data.runs.results import RouteResult
+    from eagle3_data.runs.run import Run
+    from eagle3_data.storage.store import ArtifactStore
+
 KEY_ENV = "OPENROUTER_API_KEY"
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("generate", help="run a generation stage for one dataset (local engine or OpenRouter)")
     sub = p.add_subparsers(dest="engine", required=True)
     for engine, help_ in (
@@ -108,7 +114,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         q.set_defaults(func=_run)
 
 
-def overrides_of(args: argparse.Namespace) -> dict:
+def overrides_of(args: argparse.Namespace) -> dict[str, Any]:
     """The flags as config overrides: the config stays the one description of the run."""
     side = "local" if args.engine == "local" else "overflow"
     flags = {"rows_per_part": args.rows_per_part}
@@ -116,7 +122,7 @@ def overrides_of(args: argparse.Namespace) -> dict:
         flags["in_flight_per_endpoint"] = args.in_flight
     else:
         flags.update(model=args.model, max_usd=args.max_usd, concurrency=args.concurrency)
-    out: dict = {"datasets": [{"name": args.dataset, "prompts": args.prompts}]}
+    out: dict[str, Any] = {"datasets": [{"name": args.dataset, "prompts": args.prompts}]}
     if flags := {k: v for k, v in flags.items() if v is not None}:
         out["generation"] = {side: flags}
     for key in ("regenerate", "history"):
@@ -165,7 +171,7 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_rejects(store, run, dataset: str, routed) -> None:
+def _print_rejects(store: ArtifactStore, run: Run, dataset: str, routed: RouteResult) -> None:
     """The load's refused rows, per reason, as the prompts stage recorded them."""
     from eagle3_data.pipeline import stage_ref
     from eagle3_data.rejects import REJECTS_FILE, format_rejects, read_rejects

@@ -21,7 +21,7 @@ import asyncio
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
@@ -44,6 +44,10 @@ from eagle3_data.stages.generate.local_endpoints import EndpointPool, HealthWait
 from eagle3_data.stages.generate.local_request import LocalRequester
 from eagle3_data.stages.generate.progress import Progress, ProgressSink, tick_every
 
+if TYPE_CHECKING:
+    from eagle3_data.storage.refs import StageRef
+    from eagle3_data.storage.store import ArtifactStore
+
 ROUTES = ("local", "both")
 
 
@@ -59,9 +63,9 @@ class LocalRuntime:
 
 
 def generate_local(
-    store,
-    ref,
-    prompts: Iterable[dict],
+    store: ArtifactStore,
+    ref: StageRef,
+    prompts: Iterable[dict[str, Any]],
     fmt: OutputFormat,
     endpoints: Sequence[str],
     sampling: Mapping[str, Any],
@@ -128,6 +132,7 @@ def generate_local(
             },
             stop_detail=client.stop_detail,
         )
+    assert run.result is not None  # `finish` sets it, also when it stops the stage
     return run.result
 
 
@@ -149,6 +154,12 @@ class LocalRun:
         self.stop_reason: StopReason | None = None
         self.stop_detail: str | None = None  # what the stop was, in words
         self.http: aiohttp.ClientSession | None = None  # one pass's (`run`: each round on an event loop of its own)
+
+    @property
+    def _session(self) -> aiohttp.ClientSession:
+        """The pass's session (set while `run` runs)."""
+        assert self.http is not None, "used outside `run`"
+        return self.http
 
     async def run(self) -> StopReason | None:
         # aiohttp, not httpx: httpx's connection pool costs several ms of CPU per request at this
@@ -184,7 +195,7 @@ class LocalRun:
         self.stop_reason = StopReason.ENDPOINTS_LOST
         self.pending.done.set()
 
-    def timing(self) -> dict:
+    def timing(self) -> dict[str, Any]:
         """For the manifest (and the next run's `balanced` routing): in flight per endpoint, where
         that came from, and the mean seconds per answered request of this attempt."""
         return {
@@ -194,7 +205,7 @@ class LocalRun:
             "latency_s_mean": round(self.latency_sum / self.answered, 4) if self.answered else None,
         }
 
-    def _start_worker(self, endpoint: str) -> asyncio.Task:
+    def _start_worker(self, endpoint: str) -> asyncio.Task[None]:
         return asyncio.create_task(self._worker(endpoint))
 
     async def _worker(self, endpoint: str) -> None:
@@ -207,7 +218,7 @@ class LocalRun:
             started = time.monotonic()
             try:
                 outcome = await self.requester.send(
-                    self.http, endpoint, pool.identity.get(endpoint, {}), attempt.prompt, attempt.failed
+                    self._session, endpoint, pool.identity.get(endpoint, {}), attempt.prompt, attempt.failed
                 )
             except asyncio.CancelledError:
                 self.pending.put_back(attempt)  # its endpoint was dropped: another one takes it
@@ -238,7 +249,8 @@ class LocalRun:
     def _settle(self, row: GenerationRow, permanent: bool) -> None:
         self.stage.record(row, permanent=permanent and row["status"] != "ok")
         ok = row["status"] == "ok"
+        usage = row.get("usage")
         self.progress.update(
-            ok=int(ok), failed=int(not ok), tokens=(row.get("usage") or {}).get("completion_tokens") or 0
+            ok=int(ok), failed=int(not ok), tokens=(usage.get("completion_tokens") if usage else None) or 0
         )
         self.pending.settled()

@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 
@@ -59,14 +60,20 @@ class EndpointPool:
     def __init__(self, endpoints: Sequence[str], wire: Wire, config: LocalGenerationConfig, health_wait: HealthWait):
         self.endpoints = [e.rstrip("/") for e in endpoints]
         self.wire, self.config, self.health_wait = wire, config, health_wait
-        self.identity: dict[str, dict] = {}
+        self.identity: dict[str, dict[str, Any]] = {}
         self.capacity: dict[str, int] = {}  # workers per endpoint
         self.capacity_source: dict[str, str] = {}  # "config" | "server_info" | "default"
         self.failures = dict.fromkeys(self.endpoints, 0)  # consecutive, per endpoint
         self.busy = dict.fromkeys(self.endpoints, 0)
         self.max_in_flight = dict.fromkeys(self.endpoints, 0)
-        self.workers: dict[str, list[asyncio.Task]] = {}
+        self.workers: dict[str, list[asyncio.Task[None]]] = {}
         self.http: aiohttp.ClientSession | None = None  # one pass's session
+
+    @property
+    def _session(self) -> aiohttp.ClientSession:
+        """The pass's session (set while a pass runs)."""
+        assert self.http is not None, "used outside a pass"
+        return self.http
 
     async def usable(self, http: aiohttp.ClientSession) -> list[str]:
         """The endpoints ready for this pass; EndpointUnavailable (naming each one's problem) when none is."""
@@ -95,13 +102,13 @@ class EndpointPool:
 
     async def _wait_ready(self, endpoint: str) -> str | None:
         """`wait_healthy`, then what the endpoint serves and takes (`_ready`)."""
-        problem = await wait_healthy(self.http, endpoint, self.wire.engine, self.health_wait)
+        problem = await wait_healthy(self._session, endpoint, self.wire.engine, self.health_wait)
         return problem if problem is not None else await self._ready(endpoint)
 
     async def _ready(self, endpoint: str) -> str | None:
         """An endpoint just became healthy: what it serves (None, or why it is not used: another
         model than `served_model`), and how many requests it takes."""
-        self.identity[endpoint] = identity = await self.wire.identify(self.http, endpoint)
+        self.identity[endpoint] = identity = await self.wire.identify(self._session, endpoint)
         served = self.config.served_model
         if served is not None and identity.get("served_model") != served:
             return (
@@ -134,7 +141,7 @@ class EndpointPool:
     async def _reported_capacity(self, endpoint: str) -> int | None:
         for path in self.wire.capacity_paths:
             try:
-                async with self.http.get(f"{endpoint}{path}", timeout=aiohttp.ClientTimeout(total=30.0)) as r:
+                async with self._session.get(f"{endpoint}{path}", timeout=aiohttp.ClientTimeout(total=30.0)) as r:
                     if r.status != 200:
                         continue
                     info = await r.json(content_type=None)
@@ -143,7 +150,7 @@ class EndpointPool:
             return server_capacity(info)
         return None
 
-    def admit(self, endpoint: str, worker: Callable[[str], asyncio.Task]) -> None:
+    def admit(self, endpoint: str, worker: Callable[[str], asyncio.Task[None]]) -> None:
         """Start `endpoint`'s workers, one per request it takes."""
         self.failures[endpoint] = 0
         count = self.capacity.get(endpoint, self.config.in_flight_per_endpoint or DEFAULT_IN_FLIGHT)
@@ -171,14 +178,14 @@ class EndpointPool:
             if task is not current:
                 task.cancel()
 
-    async def readmit(self, worker: Callable[[str], asyncio.Task]) -> str:
+    async def readmit(self, worker: Callable[[str], asyncio.Task[None]]) -> str:
         """Re-admit dropped endpoints that come back; returns (why the stage stops) when none is
         left for a warm-up."""
         alone_since = None
         while True:
             await asyncio.sleep(self.health_wait.health_interval_s)
             for endpoint in [e for e in self.endpoints if e not in self.workers]:
-                if await health(self.http, endpoint, self.config.connect_timeout_s) == 200:
+                if await health(self._session, endpoint, self.config.connect_timeout_s) == 200:
                     if (problem := await self._ready(endpoint)) is not None:
                         log.warning(
                             "%s endpoint %s: healthy again but %s; not used", self.wire.engine, endpoint, problem
@@ -196,9 +203,9 @@ class EndpointPool:
                     f"{self.config.warmup_timeout_s:g} s"
                 )
 
-    def workers_running(self) -> list[asyncio.Task]:
+    def workers_running(self) -> list[asyncio.Task[None]]:
         return [task for tasks in self.workers.values() for task in tasks]
 
-    def timing(self) -> dict:
+    def timing(self) -> dict[str, Any]:
         """In flight per endpoint and where that came from."""
         return {"in_flight": dict(self.capacity), "in_flight_source": dict(self.capacity_source)}

@@ -16,7 +16,7 @@ import asyncio
 import json
 import time
 import uuid
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import aiohttp
 
@@ -28,6 +28,9 @@ from eagle3_data.retry import PERMANENT_STATUS
 from eagle3_data.schemas import IDENTITY_MISMATCH
 from eagle3_data.stages.generate.checkpoint import Prompt, generation_row, sampling_for
 from eagle3_data.stages.generate.contracts import GenerationRow
+
+if TYPE_CHECKING:
+    from eagle3_data.storage.store import ArtifactStore
 
 
 class Outcome(NamedTuple):
@@ -51,21 +54,21 @@ class LocalRequester:
 
     def __init__(
         self,
-        store,
+        store: ArtifactStore,
         fmt: OutputFormat,
         wire: Wire,
-        sampling: dict,
+        sampling: dict[str, Any],
         *,
         model: str,
         served_model: str | None,
-        tokenizer_sha256: str,
-    ):
+        tokenizer_sha256: str | None,
+    ) -> None:
         self.store, self.fmt, self.wire, self.sampling = store, fmt, wire, sampling
         self.model, self.served_model, self.tokenizer_sha256 = model, served_model, tokenizer_sha256
         self.run_tag = uuid.uuid4().hex[:8]
 
     async def send(
-        self, http: aiohttp.ClientSession, endpoint: str, identity: dict, prompt: Prompt, attempt: int
+        self, http: aiohttp.ClientSession, endpoint: str, identity: dict[str, Any], prompt: Prompt, attempt: int
     ) -> Outcome:
         """One request: an ok row, or a failed row and whether it is final (no attempt can fix it);
         transport errors and 5xx count against the endpoint, a full queue against nothing."""
@@ -140,45 +143,48 @@ class LocalRequester:
                 failed=f"identity: model: answered by {named!r}, pinned "
                 f"{self.served_model!r} (generation.local.served_model) at {endpoint}",
             )
-            row.update(status=IDENTITY_MISMATCH, provenance=json.dumps({"served_model": named, "endpoint": endpoint}))
+            row["status"] = IDENTITY_MISMATCH
+            row["provenance"] = json.dumps({"served_model": named, "endpoint": endpoint})
             return Outcome(row, permanent=True)
         msg = self.fmt.parse_ids(ids, finish["type"]).message
         end = self.fmt.reasoning_end_id
         reasoning_tokens = (ids.index(end) if end in ids else len(ids)) if self.fmt.thinking and end is not None else 0
         row = generation_row(prompt, prompt_ids, source)
         row.update(
-            output_ids=ids,
-            output_logprobs=answer.logprobs,
-            reasoning=msg.reasoning,
-            content=msg.content,
-            tool_calls=json.dumps([c.to_openai() for c in msg.tool_calls], ensure_ascii=False)
-            if msg.tool_calls
-            else None,
-            finish_reason=finish["type"],
-            usage={
-                "prompt_tokens": len(prompt_ids),
-                "completion_tokens": len(ids),
-                "reasoning_tokens": reasoning_tokens,
-                "cost_usd": None,
-            },
-            provenance=json.dumps(
-                {
-                    "model": self.model,
-                    "engine": source,
-                    "endpoint": endpoint,
-                    "sampling": request.sampling,
-                    "thinking": self.fmt.thinking,
-                    "tokenizer_sha256": self.tokenizer_sha256,
-                    "rid": request.rid,
-                    "e2e_latency": round(time.monotonic() - request.started, 4),
-                    "finish_reason": finish,
-                    "generated_at": time.time(),
-                    "logprobs": self.wire.logprob_distribution(request.sampling),
-                    **engine_provenance,
-                    **_source(prompt),
+            {
+                "output_ids": ids,
+                "output_logprobs": answer.logprobs,
+                "reasoning": msg.reasoning,
+                "content": msg.content,
+                "tool_calls": json.dumps([c.to_openai() for c in msg.tool_calls], ensure_ascii=False)
+                if msg.tool_calls
+                else None,
+                "finish_reason": finish["type"],
+                "usage": {
+                    "prompt_tokens": len(prompt_ids),
+                    "completion_tokens": len(ids),
+                    "reasoning_tokens": reasoning_tokens,
+                    "cost_usd": None,
                 },
-                sort_keys=True,
-            ),
+                "provenance": json.dumps(
+                    {
+                        "model": self.model,
+                        "engine": source,
+                        "endpoint": endpoint,
+                        "sampling": request.sampling,
+                        "thinking": self.fmt.thinking,
+                        "tokenizer_sha256": self.tokenizer_sha256,
+                        "rid": request.rid,
+                        "e2e_latency": round(time.monotonic() - request.started, 4),
+                        "finish_reason": finish,
+                        "generated_at": time.time(),
+                        "logprobs": self.wire.logprob_distribution(request.sampling),
+                        **engine_provenance,
+                        **_source(prompt),
+                    },
+                    sort_keys=True,
+                ),
+            }
         )
         return Outcome(row)
 
@@ -187,13 +193,13 @@ class _Request(NamedTuple):
     """What a 200 answer is read against: where it went and what was sent."""
 
     endpoint: str
-    identity: dict
+    identity: dict[str, Any]
     rendered: Rendered
-    sampling: dict
+    sampling: dict[str, Any]
     rid: str
     started: float  # monotonic, when it was sent
 
 
-def _source(prompt: Prompt) -> dict:
+def _source(prompt: Prompt) -> dict[str, Any]:
     """The prompt row's own id, when it had one (provenance beside the sample id)."""
     return {"source_id": prompt.source_id} if prompt.source_id is not None else {}

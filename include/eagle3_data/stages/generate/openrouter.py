@@ -25,10 +25,10 @@ from __future__ import annotations
 import asyncio
 import gc
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Coroutine, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from eagle3_data.chat_format.base import OutputFormat
 from eagle3_data.config import OverflowGenerationConfig
@@ -74,6 +74,12 @@ from eagle3_data.stages.generate.provider_identity import (
     provider_slugs,
 )
 
+if TYPE_CHECKING:
+    from eagle3_data.storage.refs import StageRef
+    from eagle3_data.storage.store import ArtifactStore
+
+T = TypeVar("T")
+
 ROUTES = ("overflow", "both")
 __all__ = [
     "OverflowRuntime",
@@ -84,7 +90,7 @@ __all__ = [
 ]
 
 
-def check_sampling(sampling: Mapping[str, Any], *, where: str = "generation.sampling") -> dict:
+def check_sampling(sampling: Mapping[str, Any], *, where: str = "generation.sampling") -> dict[str, Any]:
     """The sampling params this client sends; any other key is refused before a request (a key
     silently dropped would make the overflow share sample differently from the local one)."""
     for key in sampling:
@@ -110,9 +116,9 @@ class OverflowRuntime:
 
 
 def generate_overflow(
-    store,
-    ref,
-    prompts: Iterable[dict],
+    store: ArtifactStore,
+    ref: StageRef,
+    prompts: Iterable[dict[str, Any]],
     fmt: OutputFormat,
     base_url: str,
     api_key: str,
@@ -213,11 +219,12 @@ def generate_overflow(
             },
             stop_detail=client.stop.detail,
         )
+    assert run.result is not None  # `finish` sets it, also when it stops the stage
     return run.result
 
 
 @contextmanager
-def fewer_gc_pauses(threshold: tuple[int, int, int] = (50_000, 20, 1000)):
+def fewer_gc_pauses(threshold: tuple[int, int, int] = (50_000, 20, 1000)) -> Iterator[None]:
     """Rarer garbage collections while the client runs. With the default thresholds (700, 10, 10)
     the answers' JSON made a young collection every few answers and a full one (every tracked
     object of the process: tokenizer, template, SDK, pydantic models) every ~second, each a
@@ -237,7 +244,7 @@ def fewer_gc_pauses(threshold: tuple[int, int, int] = (50_000, 20, 1000)):
             gc.unfreeze()
 
 
-def run_event_loop(coro):
+def run_event_loop(coro: Coroutine[Any, Any, T]) -> T:
     """Run the client on uvloop (pinned in requirements.txt), else the stdlib loop: uvloop's
     C event loop takes ~0.1-0.3 ms less client CPU per request at C=256 (benchmarks/overflow_client.py).
     The loop takes SIGALRM meanwhile, so that an execution timeout is not lost in a callback (alarm.py)."""
@@ -298,7 +305,7 @@ class OverflowRun:
         # at most C requests on the wire (`Sender`), and C more samples answered and not yet
         # journaled (what a SIGKILL could lose, besides the C in flight): a worker waits for both
         self._unsettled = asyncio.Semaphore(2 * self.concurrency)
-        self._finishing: set[asyncio.Task] = set()  # samples after their first request: decode, retries
+        self._finishing: set[asyncio.Task[None]] = set()  # samples after their first request: decode, retries
         self._errors: list[BaseException] = []  # what ended a finishing sample (a journal failure, a bug)
 
     def _client(self, **stream_bounds: float) -> SdkPost:

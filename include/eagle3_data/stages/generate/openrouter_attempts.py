@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any
 
 from eagle3_data.stages.generate.checkpoint import StageRun
 from eagle3_data.stages.generate.openrouter_budget import Budget
@@ -36,12 +37,12 @@ class AttemptLedger:
         self.stage, self.budget, self.progress = stage, budget, progress
         self.cost_lookups, self.cost_lookup_delay_s = cost_lookups, cost_lookup_delay_s
         # sample id -> its priced attempts without an answer, not yet in a row
-        self.lost: dict[str, list[dict]] = {sid: list(a) for sid, a in stage.lost_attempts.items()}
+        self.lost: dict[str, list[dict[str, Any]]] = {sid: list(a) for sid, a in stage.lost_attempts.items()}
         # every priced attempt without an answer this process knows (an earlier process's too): the
         # ones at the estimate are looked up again at the end (`reprice_estimates`)
-        self.settled: list[dict] = [a for attempts in stage.lost_attempts.values() for a in attempts]
+        self.settled: list[dict[str, Any]] = [a for attempts in stage.lost_attempts.values() for a in attempts]
         self._earlier = {a.get("attempt") for a in self.settled}
-        self.repriced: list[dict] = []
+        self.repriced: list[dict[str, Any]] = []
 
     def opened(self, attempt_id: str, sample_id: str, generation_id: str | None, prompt_tokens: int) -> None:
         self.stage.journal_attempt(
@@ -58,7 +59,7 @@ class AttemptLedger:
         """Its answer's cost says nothing was billed, or there is no generation to look up."""
         self.stage.journal_attempt({"attempt": attempt_id, "sample_id": sample_id, "state": "closed"})
 
-    def take_lost(self, sample_id: str) -> list[dict]:
+    def take_lost(self, sample_id: str) -> list[dict[str, Any]]:
         """The attempts `sample_id` lost, for the row that settles it (paid money it accounts for)."""
         return self.lost.pop(sample_id, [])
 
@@ -116,7 +117,7 @@ class AttemptLedger:
         )
         self.stage.unsettled_attempts.clear()
 
-    def at_estimate(self) -> list[dict]:
+    def at_estimate(self) -> list[dict[str, Any]]:
         """The attempts priced at the estimate whose generation was named: a record may yet come."""
         return [a for a in self.settled if a.get("cost_source") == "estimate" and a.get("generation_id")]
 
@@ -148,7 +149,7 @@ class AttemptLedger:
                 record_wait_s,
             )
 
-    def _reprice(self, attempt: dict, cost: float) -> None:
+    def _reprice(self, attempt: dict[str, Any], cost: float) -> None:
         estimate = attempt.get("cost_usd") or 0.0
         delta = self.stage.reprice_attempt(attempt, cost, earlier=attempt.get("attempt") in self._earlier)
         self.budget.add(delta)
@@ -170,7 +171,7 @@ class AttemptLedger:
             estimate,
         )
 
-    def priced_summary(self) -> dict:
+    def priced_summary(self) -> dict[str, Any]:
         """For the manifest: how the attempts without an answer were priced, by OpenRouter's record
         of their generation or at the budget's estimate (an upper bound), and those an end-of-stage
         lookup priced again (their rows' provenance still says the estimate: the manifest's

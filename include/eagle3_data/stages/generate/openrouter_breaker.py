@@ -33,7 +33,7 @@ class Breaker(Generic[T]):
         last, run = self._last
         run = run + 1 if error is not None and error == last else int(error is not None)
         self._last = (error, run)
-        if run >= self.limit and self.tripped is None:
+        if run >= self.limit and self.tripped is None and error is not None:
             self.tripped = error
             self.on_trip(error, run)
 

@@ -18,11 +18,15 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from eagle3_data import json_records
 from eagle3_data.errors import EndpointUnavailable
 from eagle3_data.retry import WAIT_NOTE_EVERY_S
+
+if TYPE_CHECKING:
+    import aiohttp
+    import httpx2
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +58,12 @@ class StreamAnswer:
     created: int | None = None
     content: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
-    details: dict[tuple[int, str], dict] = field(default_factory=dict)
-    calls: dict[int, dict] = field(default_factory=dict)
+    details: dict[tuple[int, str], dict[str, Any]] = field(default_factory=dict)
+    calls: dict[int, dict[str, Any]] = field(default_factory=dict)
     finish_reason: str | None = None
     native_finish_reason: str | None = None
-    usage: dict | None = None
-    error: dict | None = None
+    usage: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None
     chunks: int = 0
 
     def add(self, chunk: Any) -> None:
@@ -127,7 +131,7 @@ class StreamAnswer:
         """Whether the stream said how it ended (a finish reason, or an error event)."""
         return self.finish_reason is not None or self.error is not None
 
-    def completion(self) -> dict:
+    def completion(self) -> dict[str, Any]:
         message: dict[str, Any] = {
             "role": "assistant",
             "content": "".join(self.content),
@@ -181,13 +185,15 @@ class Received:
     events: list[bytes] = field(default_factory=list)  # its last piece's data events, not decoded
     done: bool = False  # the stream ended with `data: [DONE]`
 
-    def answer(self) -> dict:
+    def answer(self) -> dict[str, Any]:
         """The decoded answer, a stream assembled into the non-streamed shape; AttemptLost (priced
         by the generation id) when the body or an event is not JSON, or a stream ended without
         saying how."""
         if self.stream is None:
+            assert self.body is not None, "a non-streamed answer is received whole"
             try:
-                return json_records.loads(self.body)  # a cut surrogate pair in the text is a malformed answer
+                decoded: dict[str, Any] = json_records.loads(self.body)
+                return decoded  # a cut surrogate pair in the text is a malformed answer
             except ValueError as exc:
                 raise AttemptLost(f"malformed answer: {str(exc)[:120]}", self.generation_id) from exc
         answer = self.stream
@@ -289,7 +295,9 @@ class SdkPost:
                 note_at = waited + WAIT_NOTE_EVERY_S
             await asyncio.sleep(min(float(tries), 3.0, max(0.0, within_s - waited)))
 
-    async def post(self, body: bytes, headers: dict, on_open: Callable[[str | None], None] | None = None) -> Received:
+    async def post(
+        self, body: bytes, headers: dict[str, Any], on_open: Callable[[str | None], None] | None = None
+    ) -> Received:
         """A non-streamed request's answer, read whole (`Received.answer()` decodes it); raises the
         SDK's exception classes, and AttemptLost for a 2xx whose body cannot be read (it may be
         billed: its generation id, from the `X-Generation-Id` header, prices it).
@@ -317,7 +325,9 @@ class SdkPost:
             self._raise_status(status, raw_headers, content)
         return Received(gid, body=content)
 
-    async def stream(self, body: bytes, headers: dict, on_open: Callable[[str | None], None] | None = None) -> Received:
+    async def stream(
+        self, body: bytes, headers: dict[str, Any], on_open: Callable[[str | None], None] | None = None
+    ) -> Received:
         """A streamed request (`body` has `"stream": true`) read to its end (`Received.answer()`
         assembles it into the non-streamed answer's shape). `on_open(generation_id)` is called as
         soon as the generation is named (the header, else the first data event's id): from then on
@@ -360,19 +370,19 @@ class SdkPost:
             raise AttemptLost(f"malformed stream event: {str(exc)[:120]}", gid if opened else answer.id) from exc
         return Received(gid, stream=answer, events=last, done=done)
 
-    def _raise_status(self, status: int, raw_headers, content: bytes):
+    def _raise_status(self, status: int, raw_headers: tuple[tuple[bytes, bytes], ...], content: bytes) -> NoReturn:
         import httpx2
 
         response = httpx2.Response(status, headers=raw_headers, content=content, request=self._request())
         raise self.sdk._make_status_error_from_response(response)
 
-    async def get_json(self, path: str, params: dict | None = None) -> Any:
+    async def get_json(self, path: str, params: dict[str, Any] | None = None) -> Any:
         """`GET {base}/{path}`'s decoded JSON, None when it answers an error status or no JSON
         (an OpenAI-compatible server without OpenRouter's tables); transport errors propagate."""
         status, body = await self._get(path, params)
         return body if status < 300 else None
 
-    async def _get(self, path: str, params: dict | None = None) -> tuple[int, Any]:
+    async def _get(self, path: str, params: dict[str, Any] | None = None) -> tuple[int, Any]:
         import aiohttp
 
         url = str(self.sdk.base_url) + path
@@ -418,7 +428,7 @@ class SdkPost:
                 await asyncio.sleep(delay_s * 2**attempt)
         return None
 
-    def _request(self):
+    def _request(self) -> httpx2.Request:
         import httpx2
 
         return httpx2.Request("POST", self.url)  # what the SDK's exceptions carry; no key in it
@@ -428,7 +438,9 @@ class SdkPost:
         await self.sdk.close()
 
 
-async def _read_events(content, answer: StreamAnswer, named: Callable[[str | None], None]) -> tuple[bool, list[bytes]]:
+async def _read_events(
+    content: aiohttp.StreamReader, answer: StreamAnswer, named: Callable[[str | None], None]
+) -> tuple[bool, list[bytes]]:
     """Feed an SSE body's data events to `answer` (comment lines skipped, multi-line `data:`
     fields joined, as the SSE spec frames them) but those of the piece that ends it, returned not
     decoded (`Received.answer()` adds them, after the request's slot is handed on); True when it

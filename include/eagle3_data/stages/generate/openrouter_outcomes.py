@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 from eagle3_data.stages.generate.checkpoint import Prompt
 from eagle3_data.stages.generate.contracts import GenerationRow, StopReason
@@ -96,10 +96,10 @@ class Answer:
     """A decoded answer body, its price (USD and where it came from; None: not known) and the
     attempts its sample lost before it."""
 
-    data: dict
+    data: dict[str, Any]
     cost: float | None
     cost_source: str | None
-    lost: list[dict]
+    lost: list[dict[str, Any]]
 
 
 class Finished(NamedTuple):

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from eagle3_data.stages.generate.openrouter_http import SdkPost
 
 
 @dataclass(frozen=True)
@@ -34,7 +37,7 @@ class Prices:
     def at_least(self, other: Prices) -> Prices:
         """Each price the larger of the two known ones: the budget's estimate stays an upper bound."""
 
-        def top(a, b):
+        def top(a: float | None, b: float | None) -> float | None:
             return b if a is None else a if b is None else max(a, b)
 
         return Prices(top(self.prompt, other.prompt), top(self.completion, other.completion))
@@ -50,7 +53,8 @@ def listed_prices(model: str, listed: Iterable[Mapping[str, Any]]) -> Prices:
 
 def answer_prices(usage: Mapping[str, Any]) -> Prices:
     """Per-token prices an answer's cost split gives (`usage.cost_details`), where it has one."""
-    details = usage.get("cost_details") if isinstance(usage.get("cost_details"), Mapping) else {}
+    split = usage.get("cost_details")
+    details: Mapping[str, Any] = split if isinstance(split, Mapping) else {}
     prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
     p = _number(details.get("upstream_inference_prompt_cost"))
     c = _number(details.get("upstream_inference_completions_cost"))
@@ -66,16 +70,19 @@ def price_answer(usage: Mapping[str, Any], prices: Prices) -> float | None:
         return float(usage["cost"])
     if not prices.known() or usage.get("prompt_tokens") is None or usage.get("completion_tokens") is None:
         return None
-    return usage["prompt_tokens"] * (prices.prompt or 0.0) + usage["completion_tokens"] * (prices.completion or 0.0)
+    return float(
+        usage["prompt_tokens"] * (prices.prompt or 0.0) + usage["completion_tokens"] * (prices.completion or 0.0)
+    )
 
 
 async def priced(
-    client, data: Mapping[str, Any], prices: Prices, lookups: int, delay_s: float
+    client: SdkPost, data: Mapping[str, Any], prices: Prices, lookups: int, delay_s: float
 ) -> tuple[float | None, str | None]:
     """An answer's USD and where it came from: `usage.cost` ("openrouter"), else OpenRouter's
     record of the generation (`GET /generation?id=`, retried while it is not there yet:
     "generation_lookup"), else the prices ("configured_price"); (None, None) when none is known."""
-    usage = data.get("usage") if isinstance(data.get("usage"), Mapping) else {}
+    reported = data.get("usage")
+    usage: Mapping[str, Any] = reported if isinstance(reported, Mapping) else {}
     if usage.get("cost") is not None:
         return float(usage["cost"]), "openrouter"
     if (

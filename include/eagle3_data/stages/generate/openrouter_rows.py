@@ -41,7 +41,7 @@ REQUEST_FIELDS = {
 }
 
 
-def request_sampling(sampling: Mapping[str, Any]) -> dict:
+def request_sampling(sampling: Mapping[str, Any]) -> dict[str, Any]:
     """OpenRouter's fields for the config's sampling params. `top_k` -1 (SGLang's "whole
     vocabulary") is OpenRouter's 0 ("disabled")."""
     out = {REQUEST_FIELDS[k]: v for k, v in sampling.items() if v is not None}
@@ -50,7 +50,7 @@ def request_sampling(sampling: Mapping[str, Any]) -> dict:
     return out
 
 
-def provider_messages(messages: list[dict], image_urls: Sequence[str] = ()) -> list[dict]:
+def provider_messages(messages: list[dict[str, Any]], image_urls: Sequence[str] = ()) -> list[dict[str, Any]]:
     """The history in OpenRouter's documented fields: an assistant turn's `reasoning_content` sent
     as `reasoning`, each image part's url (the stored object's s3:// URI, which no provider can
     read) replaced by `image_urls` in order (data URIs of the objects); the others as they are."""
@@ -77,11 +77,13 @@ class RequestShape:
     reasoning: Mapping[str, Any]
     sampling: Mapping[str, Any]
     stream: bool
-    image_bytes: Callable[[dict], bytes] | None = None  # an image reference's verified bytes (images.read_image)
+    image_bytes: Callable[[dict[str, Any]], bytes] | None = (
+        None  # an image reference's verified bytes (images.read_image)
+    )
 
-    def body(self, p: Prompt) -> dict:
+    def body(self, p: Prompt) -> dict[str, Any]:
         urls = [data_uri(self.image_bytes(ref)) for ref in p.images] if p.images_json and self.image_bytes else []
-        body = {
+        body: dict[str, Any] = {
             "model": self.model,
             "messages": provider_messages(p.messages, urls),
             "reasoning": dict(self.reasoning),
@@ -109,7 +111,7 @@ class RowContext:
     pin: Pin | None
 
 
-def lost_provenance(lost: list[dict]) -> dict:
+def lost_provenance(lost: list[dict[str, Any]]) -> dict[str, Any]:
     """Provenance of the attempts a sample lost before its row (cut streams, unreadable answers,
     timed-out requests), each priced: they are paid money the row accounts for."""
     if not lost:
@@ -117,7 +119,7 @@ def lost_provenance(lost: list[dict]) -> dict:
     return {"lost_attempts": lost, "lost_cost_usd": round(sum(a.get("cost_usd") or 0.0 for a in lost), 10)}
 
 
-def failed_with(row: GenerationRow, lost: list[dict]) -> GenerationRow:
+def failed_with(row: GenerationRow, lost: list[dict[str, Any]]) -> GenerationRow:
     """A failed row (checkpoint.generation_row) with the sample's lost attempts in its provenance."""
     if lost:
         row["provenance"] = json.dumps(lost_provenance(lost), sort_keys=True)
@@ -131,12 +133,13 @@ def answer_row(
     cost: float | None,
     cost_source: str | None,
     ctx: RowContext,
-    lost: list[dict],
+    lost: list[dict[str, Any]],
 ) -> GenerationRow:
     """The row of a paid answer: ok, or why it cannot be used (final either way)."""
     row = generation_row(p, prompt_ids, SOURCE)
-    usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
-    details = usage.get("completion_tokens_details") or {}
+    reported = data.get("usage")
+    usage: Mapping[str, Any] = reported if isinstance(reported, dict) else {}
+    details: Mapping[str, Any] = usage.get("completion_tokens_details") or {}
     row["usage"] = {
         "prompt_tokens": usage.get("prompt_tokens"),
         "completion_tokens": usage.get("completion_tokens"),
@@ -162,29 +165,34 @@ def answer_row(
     }
     row["provenance"] = json.dumps(provenance, sort_keys=True)
     if not choice:
-        row.update(status="failed", error="malformed answer: no choices")
+        row["status"] = "failed"
+        row["error"] = "malformed answer: no choices"
         return row
+    assert text is not None  # read from the choice
     finish = choice.get("finish_reason")
-    row.update(
-        reasoning=text.reasoning,
-        content=text.content,
-        finish_reason=finish,
-        tool_calls=json.dumps(text.tool_calls, ensure_ascii=False) if text.tool_calls else None,
-    )
+    row["reasoning"] = text.reasoning
+    row["content"] = text.content
+    row["finish_reason"] = finish
+    row["tool_calls"] = json.dumps(text.tool_calls, ensure_ascii=False) if text.tool_calls else None
     if ctx.pin is not None and (why := ctx.pin.mismatch(data.get("model"), data.get("provider"))):
-        row.update(status=IDENTITY_MISMATCH, error=f"identity: {why}")
+        row["status"] = IDENTITY_MISMATCH
+        row["error"] = f"identity: {why}"
     elif finish == "error" or choice.get("error"):
-        row.update(
-            status="failed",
-            error=f"{describe(error_of(choice) or {'message': 'finish_reason error'})} "
-            "(mid-generation; the partial answer was billed)",
+        row["status"] = "failed"
+        row["error"] = (
+            f"{describe(error_of(choice) or {'message': 'finish_reason error'})} "
+            "(mid-generation; the partial answer was billed)"
         )
     elif finish not in ("stop", "length", "tool_calls"):
-        row.update(status="failed", error=f"finish_reason {finish!r}")
+        row["status"] = "failed"
+        row["error"] = f"finish_reason {finish!r}"
     elif text.problem:
-        row.update(status="failed", error=text.problem)
+        row["status"] = "failed"
+        row["error"] = text.problem
     elif text.unreconstructable:
-        row.update(status="unreconstructable", error=f"unreconstructable: {text.unreconstructable}")
+        row["status"] = "unreconstructable"
+        row["error"] = f"unreconstructable: {text.unreconstructable}"
     elif finish != "length" and not (text.content or "").strip() and not text.tool_calls:
-        row.update(status="failed", error="empty answer: no content and no tool calls")
+        row["status"] = "failed"
+        row["error"] = "empty answer: no content and no tool calls"
     return row

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eagle3_data.retry import backoff_s
 from eagle3_data.stages.generate.checkpoint import Prompt, generation_row
@@ -36,6 +36,9 @@ from eagle3_data.stages.generate.openrouter_outcomes import (
 from eagle3_data.stages.generate.openrouter_pricing import Prices, priced
 from eagle3_data.stages.generate.openrouter_rows import SOURCE, failed_with
 from eagle3_data.stages.generate.provider_answers import Verdict, body_error, classify_status, cost_unknown
+
+if TYPE_CHECKING:
+    import httpx2
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +121,7 @@ class Sender:
                 return judged
             verdict = judged
             if verdict.action == "stop":
+                assert verdict.stop is not None  # a "stop" verdict names the stage's stopped_reason
                 self.stop.stop(verdict.stop, verdict.reason)
                 return None
             if verdict.action == "permanent":
@@ -125,6 +129,7 @@ class Sender:
                 self.breaker.outcome(counted)
                 return Failed(self._failed_row(prepared, verdict.reason), True, breaker=counted)
             if verdict.action == "pause":
+                assert verdict.retry_after_s is not None  # a pause says how long
                 self.paused_until = max(self.paused_until, time.monotonic() + verdict.retry_after_s)
                 log.warning("%s: %s; pausing dispatch %.0f s", SOURCE, verdict.reason, verdict.retry_after_s)
             if attempt < self.max_attempts:
@@ -181,12 +186,12 @@ class Sender:
         return failed_with(row, self.ledger.take_lost(ready.prompt.sample_id))
 
 
-def _headers(prompt: Prompt) -> dict:
+def _headers(prompt: Prompt) -> dict[str, Any]:
     """Dataset and sample id for the dev server's per-sample counters; providers ignore them."""
     return {"X-Eagle3-Dataset": prompt.dataset, "X-Eagle3-Sample-Id": prompt.sample_id}
 
 
-def _json_or_none(response) -> Any:
+def _json_or_none(response: httpx2.Response) -> Any:
     try:
         return response.json()
     except Exception:

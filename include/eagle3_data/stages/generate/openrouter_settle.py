@@ -8,6 +8,8 @@ breaker counts is held until the run of identical errors is broken or trips it
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
+from typing import Any
 
 from eagle3_data.stages.generate.checkpoint import StageRun
 from eagle3_data.stages.generate.contracts import StopReason
@@ -57,7 +59,7 @@ class Settler:
         if ok:
             self.latency_sum += latency_s
             self.answered += 1
-        usage = row["usage"] or {}
+        usage: Mapping[str, Any] = row["usage"] or {}
         cost = usage.get("cost_usd") or 0.0
         self.budget.add(cost, {**(result.data.get("usage") or {}), "cost": cost})
         self.stage.journal(row, permanent=True, paid=True)  # paid: final whatever it is, never paid again
@@ -72,7 +74,7 @@ class Settler:
             self.stage.journal(failed.row, permanent=failed.permanent)
             self.progress.update(failed=1)
 
-    def timing(self, concurrency: int) -> dict:
+    def timing(self, concurrency: int) -> dict[str, Any]:
         """For the manifest (and the next run's `balanced` routing): the concurrency and the mean
         seconds per answered sample of this attempt (retries and their backoff included)."""
         return {

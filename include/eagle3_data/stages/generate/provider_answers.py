@@ -54,7 +54,13 @@ class Verdict:
     )
 
 
-def error_of(body: Any) -> dict:
+def _mapping(value: Any) -> Mapping[str, Any]:
+    """`value` when it is a JSON object, else an empty one: the provider's bodies are read
+    field by field, whatever shape they have."""
+    return value if isinstance(value, Mapping) else {}
+
+
+def error_of(body: Any) -> Mapping[str, Any]:
     """The `error` object of a body (OpenRouter's, or a bare string as some servers send)."""
     err = body.get("error") if isinstance(body, Mapping) else None
     if isinstance(err, str):
@@ -62,10 +68,10 @@ def error_of(body: Any) -> dict:
     return err if isinstance(err, Mapping) else {}
 
 
-def describe(err: Mapping, status: int | None = None) -> str:
+def describe(err: Mapping[str, Any], status: int | None = None) -> str:
     """`HTTP 403: Key limit exceeded (total limit)`, `provider error 502 (Chutes): ...`: the
     provider's own code and message, cut to 300 characters, and where it came from."""
-    meta = err.get("metadata") if isinstance(err.get("metadata"), Mapping) else {}
+    meta = _mapping(err.get("metadata"))
     message = str(err.get("message") or "no message")
     raw = meta.get("raw")
     if raw and str(raw) not in message:
@@ -79,7 +85,7 @@ def describe(err: Mapping, status: int | None = None) -> str:
 def classify_status(status: int, body: Any, headers: Mapping[str, str]) -> Verdict:
     """An HTTP error answer of POST /chat/completions."""
     err = error_of(body)
-    meta = err.get("metadata") if isinstance(err.get("metadata"), Mapping) else {}
+    meta = _mapping(err.get("metadata"))
     reason = describe(err, status)
     retry_after = _retry_after(headers, meta)
     if status == 401:
@@ -100,7 +106,7 @@ def classify_status(status: int, body: Any, headers: Mapping[str, str]) -> Verdi
     return Verdict("retry", reason, retry_after, stop=StopReason.RATE_LIMITED if status == 429 else None)
 
 
-def _blocks_this_prompt(err: Mapping, meta: Mapping) -> bool:
+def _blocks_this_prompt(err: Mapping[str, Any], meta: Mapping[str, Any]) -> bool:
     """A moderation flag (`reasons`, `flagged_input`) or a guardrail's pattern match
     (`patterns`, "Request blocked ..."): the prompt's text is refused, not the key."""
     return bool(meta.get("reasons") or meta.get("flagged_input") or meta.get("patterns")) or str(
@@ -108,7 +114,7 @@ def _blocks_this_prompt(err: Mapping, meta: Mapping) -> bool:
     ).startswith("Request blocked")
 
 
-def _retry_after(headers: Mapping[str, str], meta: Mapping) -> float | None:
+def _retry_after(headers: Mapping[str, str], meta: Mapping[str, Any]) -> float | None:
     hinted = parse_retry_after(headers.get("retry-after") if headers else None)
     if hinted is None and isinstance(meta.get("headers"), Mapping):
         hinted = parse_retry_after(meta["headers"].get("Retry-After") or meta["headers"].get("retry-after"))
@@ -117,9 +123,9 @@ def _retry_after(headers: Mapping[str, str], meta: Mapping) -> float | None:
     return hinted
 
 
-def paid(body: Mapping) -> bool:
+def paid(body: Mapping[str, Any]) -> bool:
     """Whether a 2xx body says tokens were billed: a cost, or completion tokens counted."""
-    usage = body.get("usage") if isinstance(body.get("usage"), Mapping) else {}
+    usage = _mapping(body.get("usage"))
     return bool(usage.get("cost") or usage.get("completion_tokens"))
 
 
@@ -156,13 +162,13 @@ class AnswerText:
 
     reasoning: str | None
     content: str | None
-    tool_calls: list[dict]
+    tool_calls: list[dict[str, Any]]
     problem: str | None = None  # why the row fails (paid: final)
     unreconstructable: str | None = None  # why its text cannot give the model's ids
     rewritten: tuple[str, ...] = ()  # what was changed to store it (recorded in provenance)
 
 
-def read_message(message: Mapping) -> AnswerText:
+def read_message(message: Mapping[str, Any]) -> AnswerText:
     """Reasoning from `message.reasoning`, else the `reasoning.text` entries of
     `reasoning_details` in `index` order; tool-call arguments as the JSON string the model wrote
     (an object, as some upstreams send, is serialised compactly and the row marks it)."""
@@ -184,7 +190,7 @@ def read_message(message: Mapping) -> AnswerText:
             )
     calls, rewritten, problem = [], [], None
     for c in message.get("tool_calls") or []:
-        fn = c.get("function") if isinstance(c, Mapping) and isinstance(c.get("function"), Mapping) else {}
+        fn = _mapping(c.get("function")) if isinstance(c, Mapping) else {}
         args = fn.get("arguments")
         if isinstance(args, (dict, list)):
             args = json.dumps(args, ensure_ascii=False, separators=(",", ":"))

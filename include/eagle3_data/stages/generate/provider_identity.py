@@ -71,7 +71,7 @@ class Pin:
             )
         return None
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "model": self.model,
             "model_names": sorted(self.model_names),
@@ -86,7 +86,7 @@ def model_names(pinned: str, listed: Iterable[Mapping[str, Any]], base_url: str)
     for card in listed:
         if isinstance(card, Mapping) and card.get("id") == pinned:
             return frozenset(n for n in (card.get("id"), card.get("canonical_slug")) if isinstance(n, str) and n)
-    names = sorted(c.get("id") for c in listed if isinstance(c, Mapping) and isinstance(c.get("id"), str))
+    names: list[str] = sorted(c["id"] for c in listed if isinstance(c, Mapping) and isinstance(c.get("id"), str))
     shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
     raise UserError(
         f"generation.overflow.model {pinned!r} is not a model {base_url} lists at GET /models "

@@ -12,7 +12,7 @@ connections is the hooks' job (plugins/hooks).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from eagle3_data.errors import StageStopped, UserError
 from eagle3_data.runs.results import GenerationResult
@@ -21,17 +21,29 @@ from eagle3_data.runs.run import Run, log, output_format, stage_ref
 from eagle3_data.stages import LOCAL, OVERFLOW, PROMPTS
 
 if TYPE_CHECKING:
+    from eagle3_data.chat_format.base import OutputFormat
+    from eagle3_data.stages.generate.checkpoint import StageSetup
     from eagle3_data.stages.generate.contracts import StageSummary
+    from eagle3_data.storage.refs import StageRef
+    from eagle3_data.storage.store import ArtifactStore
 
 
-def _prompt_rows(store, ref) -> Iterator[dict]:
+def _prompt_rows(store: ArtifactStore, ref: StageRef) -> Iterator[dict[str, Any]]:
     """The prompts stage's rows, a batch at a time: the generation client validates and spills
     them in one pass, so no list of every prompt is ever built."""
     for batch in store.iter_batches(ref):
         yield from batch.to_pylist()
 
 
-def _reused(run: Run, store, ref, prompts, settings: dict, fmt, what: str) -> GenerationResult | None:
+def _reused(
+    run: Run,
+    store: ArtifactStore,
+    ref: StageRef,
+    prompts: StageRef,
+    settings: dict[str, Any],
+    fmt: OutputFormat,
+    what: str,
+) -> GenerationResult | None:
     """The complete stage made from these prompts, with this tokenizer and this run's generation
     `settings` (a subset of the stage's params, `_other_settings`); None when there is none, or
     when the run named the stage in `fresh` and it was replaced (its answers archived). A complete
@@ -59,14 +71,14 @@ def _reused(run: Run, store, ref, prompts, settings: dict, fmt, what: str) -> Ge
 _FORMAT_KEYS = ("thinking", "stop_token_ids")
 
 
-def _other_settings(committed: dict, settings: dict) -> list[str]:
+def _other_settings(committed: dict[str, Any], settings: dict[str, Any]) -> list[str]:
     """Each setting of `settings` the committed answers were generated with otherwise (the
     sampling without what the output format adds), as phrases. Reusing them would hand another
     model's or another sampler's answers downstream as this config's: the silent error the product
     exists to prevent."""
     from eagle3_data.canonical import canonical_json
 
-    def comparable(key: str, value):
+    def comparable(key: str, value: Any) -> Any:
         if key == "sampling" and isinstance(value, dict):
             return {k: v for k, v in value.items() if k not in _FORMAT_KEYS}
         return value
@@ -79,7 +91,7 @@ def _other_settings(committed: dict, settings: dict) -> list[str]:
     ]
 
 
-def _finished(result: StageSummary, what: str, store, ref) -> GenerationResult:
+def _finished(result: StageSummary, what: str, store: ArtifactStore, ref: StageRef) -> GenerationResult:
     """A stage that stopped early (endpoints down, budget, retryable failures) raises, so Airflow
     retries it; committed rows are kept and skipped by the next attempt. A complete one reports
     its rows as its manifest counts them (what the next stage reads), as a reused one does."""
@@ -99,7 +111,13 @@ def _finished(result: StageSummary, what: str, store, ref) -> GenerationResult:
 
 
 def generate_local(
-    run: Run, store, dataset: str, endpoints: list[str], api_key: str | None = None, *, rerun: bool = False
+    run: Run,
+    store: ArtifactStore,
+    dataset: str,
+    endpoints: list[str],
+    api_key: str | None = None,
+    *,
+    rerun: bool = False,
 ) -> GenerationResult:
     """The samples routed local|both on the local engine's `endpoints` (http(s) URLs), sending
     `api_key` (theirs, from `--api-key`; never logged) on every request when given."""
@@ -133,7 +151,7 @@ def generate_local(
 
 
 def generate_overflow(
-    run: Run, store, dataset: str, base_url: str, api_key: str, *, rerun: bool = False
+    run: Run, store: ArtifactStore, dataset: str, base_url: str, api_key: str, *, rerun: bool = False
 ) -> GenerationResult:
     """The samples routed overflow|both through OpenRouter at `base_url` with `api_key` (never logged)."""
     from eagle3_data.stages.generate.contracts import StopReason
@@ -169,14 +187,14 @@ def generate_overflow(
     return _finished(result, f"generate_overflow {dataset}", store, ref)
 
 
-def engine_sampling(run: Run) -> dict:
+def engine_sampling(run: Run) -> dict[str, Any]:
     """The sampling params an engine receives: every key of the config's, neutral ones included
     (an engine fills an unset key its own way; an unset seed is unset on every engine), the
     generation mode aside (it is bound into the output format, `pipeline.output_format`)."""
     return {k: v for k, v in run.config.generation.sampling.model_dump().items() if k != "thinking" and v is not None}
 
 
-def _setup(run: Run, prompts, stage: str, rerun: bool, fmt):
+def _setup(run: Run, prompts: StageRef, stage: str, rerun: bool, fmt: OutputFormat) -> StageSetup:
     """What both stages record; a turn driver when the turns of a conversation depend on each
     other (conversations: the stage runs in rounds)."""
     from eagle3_data.conversations import TurnDriver, needs_rounds
