@@ -399,3 +399,19 @@ def test_a_keyed_server_answers_the_right_key(keyed_app, app, method, path, body
 def test_a_keyed_server_leaves_health_open(keyed_app, method, path):
     """Probes and the dev server's own counters need no key (SGLang: OPTIONS and /health*)."""
     assert call(keyed_app, method, path).status_code != 401
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_a_chat_request_renders_in_the_families_own_thinking_mode(kimi_tokenizer, qwen3_tokenizer, thinking):
+    """The OpenRouter-shaped route renders a chat request as the family's template does in the
+    requested mode: Qwen3 names it `enable_thinking` (an empty `<think></think>` block when off),
+    Kimi `thinking`; the oracle is each tokenizer's own apply_chat_template."""
+    from eagle3_data.dev.faults import ServerConfig
+    from eagle3_data.dev.inference_server.state import ServerState
+
+    messages = [{"role": "user", "content": "Name a prime."}]
+    for tok, mode in ((kimi_tokenizer, {"thinking": thinking}), (qwen3_tokenizer, {"enable_thinking": thinking})):
+        state = ServerState(tok, ServerConfig())
+        expected = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **mode)
+        got = tok.decode(list(state.chat_prompt(json.dumps([messages, None, thinking]))))
+        assert got == expected

@@ -12,6 +12,7 @@ from typing import Any
 
 from fastapi import Request
 
+from eagle3_data.chat_format import get_output_format
 from eagle3_data.dev.faults import EndpointFaults, ServerConfig
 from eagle3_data.dev.inference_server.logprobs import ordinary_id_count
 from eagle3_data.dev.text_model import DevTextModel, Generation
@@ -79,12 +80,12 @@ class ServerState:
         )
 
     def _chat_prompt(self, key: str) -> tuple[int, ...]:
+        """The prompt ids of a chat request in the mode it asked for, through the family's own
+        template: each family names the mode its own way (Kimi's `thinking`, Qwen3's
+        `enable_thinking`), which the format knows and the server must not."""
         messages, tools, thinking = json.loads(key)
-        kwargs = {} if thinking else {"thinking": False}
-        ids = self.tok.apply_chat_template(
-            messages, tools=tools or None, add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs
-        )
-        return tuple(ids)
+        fmt = get_output_format(self.tok, thinking=bool(thinking))
+        return tuple(fmt.generation_prompt_ids(messages, tools or None))
 
     def unavailable(self) -> bool:
         down = 0 < self.refused < self.config.refuse_first
