@@ -14,6 +14,7 @@ from typing import Any
 
 from eagle3_data.config import (
     CONFIG_PARAMS,
+    PACKAGED_CONFIGS,
     THRESHOLD_PARAMS,
     PipelineConfig,
     config_field,
@@ -53,6 +54,14 @@ def run_param_schemas(config: PipelineConfig) -> dict[str, dict[str, Any]]:
             "description": "Run key for a manual run (artifacts under runs/{run_name}/). Empty: "
             "date=YYYY-MM-DD of the logical date. Reuse a name to resume or rerun datasets.",
         },
+    }
+    out["config"] = {
+        "default": None,
+        "type": ["null", "string"],
+        "enum": [None, *PACKAGED_CONFIGS],
+        "description": "Packaged config to run instead of the DAG's own, by its target's family (e.g. qwen3: "
+        "the Qwen3 dev target). Empty: the DAG's config ($EAGLE3_CONFIG, else the packaged default). The "
+        "params below apply on top of either.",
     }
     for name, path in CONFIG_PARAMS.items():
         info = config_field(path)

@@ -698,6 +698,12 @@ class PipelineConfig(_Model):
 
 # -- loading -----------------------------------------------------------------------------------
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent / "defaults" / "pipeline.yaml"  # package data
+# The packaged dev configs by their target's family (`model.family`): a run picks one with the
+# trigger param `config` (or `--config` on the CLI); a production config is $EAGLE3_CONFIG.
+PACKAGED_CONFIGS: dict[str, Path] = {
+    "kimi_k2": DEFAULT_CONFIG_PATH,
+    "qwen3": DEFAULT_CONFIG_PATH.with_name("qwen3.yaml"),
+}
 
 
 def default_config_raw() -> dict[str, Any]:
@@ -901,6 +907,7 @@ THRESHOLD_PARAMS = ("max_bpe_mismatch_rate", "max_billing_deviation")
 TRIGGER_PARAMS: tuple[str, ...] = (
     "datasets",
     "run_name",
+    "config",
     *CONFIG_PARAMS,
     "fresh_stages",
     "skip_hidden_states",

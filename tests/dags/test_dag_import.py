@@ -115,9 +115,12 @@ def test_params_agree_with_the_config_models():
 
     params = DagBag(dag_folder=str(REPO / "dags")).dags["eagle3_datagen"].params
     cfg = load_config()
-    assert {"datasets", "run_name", "skip_hidden_states", "dry_run", "fresh_stages", *CONFIG_PARAMS} == set(
+    assert {"datasets", "run_name", "config", "skip_hidden_states", "dry_run", "fresh_stages", *CONFIG_PARAMS} == set(
         params.keys()
     )
+    params.get_param("config").resolve("qwen3")  # a packaged config, by its family
+    with pytest.raises(ParamValidationError):
+        params.get_param("config").resolve("llama3")
     assert list(params.keys()) == list(TRIGGER_PARAMS)  # the form offers what resolve_run takes, in its order
     for name, path in CONFIG_PARAMS.items():
         param, info = params.get_param(name), config_field(path)

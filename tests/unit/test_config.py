@@ -271,3 +271,25 @@ def test_an_empty_section_means_its_defaults(tmp_path):
     assert cfg.merge.max_length == 8192
     lines = _refused(tmp_path, lambda r: r.update(datasets="chat"))
     assert lines == ["config datasets: Input should be a list (got 'chat')"]
+
+
+def test_a_run_picks_a_packaged_config_by_its_family():
+    """The trigger param `config` runs a packaged config (by its target's family) instead of the
+    DAG's own; the form's other params apply on top; a name that is no packaged config, or a
+    config whose datasets are not the DAG's tasks', is refused naming the param."""
+    from eagle3_data.config import PACKAGED_CONFIGS
+    from eagle3_data.pipeline import resolve_run
+
+    assert set(PACKAGED_CONFIGS) == set(FORMATS)  # one dev config per family
+    for family, path in PACKAGED_CONFIGS.items():
+        assert load_config(path).model.family in (family, None)
+    day = datetime(2026, 11, 3, tzinfo=timezone.utc)
+    run = resolve_run({"config": "qwen3", "max_usd": 3.0}, day)
+    assert run.config.model.family == "qwen3" and run.config.tokenizer.source == "dev:qwen3-tokenizer"
+    assert run.config.generation.overflow.max_usd == 3.0
+    assert resolve_run({"config": None}, day).config.tokenizer.source == "dev:kimi-tokenizer"
+    with pytest.raises(UserError, match="params.config: 'llama3' is no packaged config"):
+        resolve_run({"config": "llama3"}, day)
+    other = load_config().with_overrides({"datasets": load_config().raw["datasets"][:1]}, where="test")
+    with pytest.raises(UserError, match="params.config: 'qwen3' names datasets"):
+        resolve_run({"config": "qwen3"}, day, other)

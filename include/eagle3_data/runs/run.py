@@ -14,6 +14,7 @@ from typing import Any
 
 from eagle3_data.config import (
     CONFIG_PARAMS,
+    PACKAGED_CONFIGS,
     THRESHOLD_PARAMS,
     PipelineConfig,
     check_run_params,
@@ -45,6 +46,23 @@ class Run:
     fresh: frozenset[str] = frozenset()
 
 
+def _chosen_config(name: str | None, dag_config: PipelineConfig) -> PipelineConfig:
+    """The config a run picked by the trigger param `config`: a packaged one by its family's name
+    (`PACKAGED_CONFIGS`), else the DAG's own. The DAG's tasks are one group per dataset of its own
+    config, so a chosen config must name the same datasets."""
+    if name is None:
+        return dag_config
+    if name not in PACKAGED_CONFIGS:
+        raise UserError(f"params.config: {name!r} is no packaged config (one of {', '.join(PACKAGED_CONFIGS)})")
+    chosen = load_config(PACKAGED_CONFIGS[name])
+    if chosen.dataset_names != dag_config.dataset_names:
+        raise UserError(
+            f"params.config: {name!r} names datasets {chosen.dataset_names}, the DAG's config "
+            f"{dag_config.dataset_names}: its tasks are the DAG config's datasets"
+        )
+    return chosen
+
+
 def resolve_run(
     params: dict[str, Any],
     logical_date: datetime | None,
@@ -64,6 +82,7 @@ def resolve_run(
 
     config = config or load_config()
     check_run_params(params)
+    config = _chosen_config(params.get("config"), config)
     overrides: dict[str, Any] = {}
     for name, path in CONFIG_PARAMS.items():
         if params.get(name) is None:
