@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -78,7 +79,7 @@ def test_vllm_answers_qwen3_prompts_as_transformers_does(vllm_python, tiny_qwen3
 
 def test_vllm_states_on_qwen3_equal_transformers_forward(qwen3_vllm_backend, reference, tmp_path):
     g = torch.Generator().manual_seed(5)
-    rows = [
+    rows: list[dict[str, Any]] = [
         {"sample_id": f"q{i}", "input_ids": torch.randint(0, ENDOFTEXT, (n,), generator=g).tolist() + [IM_END]}
         for i, n in enumerate([7, 40, 19])
     ]
@@ -94,4 +95,5 @@ def test_vllm_states_on_qwen3_equal_transformers_forward(qwen3_vllm_backend, ref
         s = stored[row["sample_id"]]
         assert s.input_ids.tolist() == row["input_ids"]
         assert rel_err(s.aux_hidden_states, torch.cat([hs[2], hs[4], hs[5]], -1)) < REL, row["sample_id"]
+        assert s.last_hidden_states is not None
         assert rel_err(s.last_hidden_states, hs[-1]) < REL, row["sample_id"]

@@ -10,6 +10,7 @@ the states are stored in fp32 here, so only summation-order noise (1e-5) separat
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -91,7 +92,7 @@ def test_extracted_states_and_logprobs_equal_transformers_forward(
     tiny_qwen3_moe_dir, reference_model, convention, tmp_path
 ):
     g = torch.Generator().manual_seed(5)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for i, n in enumerate([3, 37, 12, 60, 21]):
         ids = torch.randint(0, ENDOFTEXT, (n,), generator=g).tolist() + [IM_END]
         rows.append({"sample_id": f"q{i}", "input_ids": ids, "loss_mask": [0] * (n // 2) + [1] * (n + 1 - n // 2)})
@@ -120,6 +121,7 @@ def test_extracted_states_and_logprobs_equal_transformers_forward(
         assert rel_err(s.aux_hidden_states, ref) < REL, row["sample_id"]
         off_by_one = torch.cat([hs[1], hs[3], hs[4]], -1)
         assert rel_err(s.aux_hidden_states, off_by_one) > 100 * REL
+        assert s.last_hidden_states is not None and s.target_logprobs is not None
         assert rel_err(s.last_hidden_states, hs[-1]) < REL  # post: the model's own final norm's output
         logprobs = torch.log_softmax(out.logits[0, :-1].float(), -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
         assert torch.isnan(s.target_logprobs[0])

@@ -23,17 +23,23 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from eagle3_data.builds.tiny_model import TOKENIZER_FILES, shape_lm_head
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 QWEN3_VOCAB_SIZE = 151_936  # Qwen3's config.json: the embedding rows, past the tokenizer's 151,669 ids
 MARKER = "eagle3_tiny_qwen3_moe.json"
 
 
-def tiny_qwen3_moe_config(tokenizer, *, layers: int = 8, hidden: int = 64):
+def tiny_qwen3_moe_config(tokenizer: PreTrainedTokenizerBase, *, layers: int = 8, hidden: int = 64) -> Qwen3MoeConfig:
     """A Qwen3MoeConfig shaped like the real ones, at a width that runs on CPU in a second."""
     from transformers import Qwen3MoeConfig
 
+    bos_id, eos_id = (tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>"))
+    assert isinstance(bos_id, int) and isinstance(eos_id, int)  # one token each, one id each
     return Qwen3MoeConfig(
         vocab_size=QWEN3_VOCAB_SIZE,
         hidden_size=hidden,
@@ -42,7 +48,7 @@ def tiny_qwen3_moe_config(tokenizer, *, layers: int = 8, hidden: int = 64):
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=32,
+        head_dim=32,  # type: ignore[call-arg]  # a real Qwen3MoeConfig argument its signature does not declare
         num_experts=8,
         num_experts_per_tok=2,
         norm_topk_prob=True,
@@ -54,12 +60,14 @@ def tiny_qwen3_moe_config(tokenizer, *, layers: int = 8, hidden: int = 64):
         tie_word_embeddings=False,
         use_sliding_window=False,
         sliding_window=None,
-        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
     )
 
 
-def tiny_qwen3_moe_model(tokenizer, *, seed: int = 0, layers: int = 8, hidden: int = 64):
+def tiny_qwen3_moe_model(
+    tokenizer: PreTrainedTokenizerBase, *, seed: int = 0, layers: int = 8, hidden: int = 64
+) -> Qwen3MoeForCausalLM:
     """The bf16 `Qwen3MoeForCausalLM` in memory, lm_head shaped: a pure function of its arguments."""
     import torch
     from transformers import Qwen3MoeForCausalLM
@@ -74,7 +82,10 @@ def tiny_qwen3_moe_model(tokenizer, *, seed: int = 0, layers: int = 8, hidden: i
         shape_lm_head(model, tokenizer)
     with torch.no_grad():
         model.lm_head.weight[len(tokenizer) :] = 0.0  # the padding rows: no token of the tokenizer
-    return model.to(torch.bfloat16)
+    # in place (`Module.to` returns the module itself); transformers types `to` as an unbound
+    # wrapper (self first) returning Any: the stubs, not the call, are wrong
+    model.to(torch.bfloat16)  # type: ignore[arg-type]
+    return model
 
 
 def build_tiny_qwen3_moe(

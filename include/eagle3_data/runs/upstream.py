@@ -9,7 +9,7 @@ how one stage commits its output shows up in one place.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -158,7 +158,7 @@ def run_datasets(run: Run, store) -> list[str]:
     return [n for n in run.config.dataset_names if n in run.datasets or n in earlier]
 
 
-def _rows(store, ref, columns):
+def _rows(store: ArtifactStore, ref: StageRef, columns: list[str]) -> Iterator[dict[str, Any]]:
     for batch in store.iter_batches(ref, columns=columns):
         yield from batch.to_pylist()
 

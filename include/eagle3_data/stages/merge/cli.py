@@ -10,11 +10,12 @@ the given generation stages (of any runs) as they are, with the flags' settings,
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from eagle3_data.cli.runs import add_config_arg, add_fresh_arg, add_store_args, cli_run, parse_stage_uri, printed
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("merge", help="merge a run's validated datasets (or given generation stages) into shards")
     p.add_argument(
         "--input",
@@ -49,7 +50,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run)
 
 
-def _merge_settings(args: argparse.Namespace) -> dict:
+def _merge_settings(args: argparse.Namespace) -> dict[str, Any]:
     return {
         k: v
         for k, v in (

@@ -28,11 +28,11 @@ from __future__ import annotations
 import hashlib
 import tempfile
 from collections import Counter, defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -74,7 +74,7 @@ _BUCKET_SCHEMA = pa.schema(
     ]
 )
 
-Stats = defaultdict[str, Counter]  # per dataset, the figures of the manifest's `datasets`
+Stats = defaultdict[str, Counter[str]]  # per dataset, the figures of the manifest's `datasets`
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ def shuffle_key(seed: int, sample_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{seed}\0{sample_id}".encode(), digest_size=8).digest(), "big")
 
 
-def build_record(row: dict, max_length: int, length_policy: str) -> tuple[dict | None, str | None]:
+def build_record(row: dict[str, Any], max_length: int, length_policy: str) -> tuple[dict[str, Any] | None, str | None]:
     """The training record of one generation, or (None, reason) when the policy drops it.
 
     The reference semantics of one row; `merge_datasets` applies the same rules to whole Arrow
@@ -138,7 +138,7 @@ def _drop_reason(prompt: int, output: int, max_length: int, length_policy: str) 
     return None
 
 
-def _check_row(row: dict, ref: StageRef, vocab_size: int | None = None) -> None:
+def _check_row(row: dict[str, Any], ref: StageRef, vocab_size: int | None = None) -> None:
     sid = row.get("sample_id")
     if not sid:
         raise UserError(f"{ref.path}: a row has no sample_id")
@@ -162,7 +162,11 @@ def _check_row(row: dict, ref: StageRef, vocab_size: int | None = None) -> None:
 
 
 def _rows_look_valid(
-    sids: list, sources: list, prompt: pa.Array, output: pa.Array, vocab_size: int | None = None
+    sids: Sequence[str | None],
+    sources: Sequence[str | None],
+    prompt: pa.Array,
+    output: pa.Array,
+    vocab_size: int | None = None,
 ) -> bool:
     """Every check of `_check_row` over a whole batch of ok rows at C speed; False sends the batch
     through `_check_row` row by row, so the first bad row is named exactly as before."""
@@ -179,8 +183,8 @@ def _rows_look_valid(
     return True
 
 
-def _common_hash(manifests: list[dict], field: str) -> str | None:
-    values = {m.get(field) for m in manifests} - {None}
+def _common_hash(manifests: list[dict[str, Any]], field: str) -> str | None:
+    values: set[str] = {value for m in manifests if (value := m.get(field)) is not None}
     if len(values) > 1:
         raise UserError(
             f"inputs disagree on {field} ({sorted(values)}): ids from different tokenizers/templates "
@@ -198,7 +202,7 @@ class _ShardWriter:
 
     def __init__(self, store: ArtifactStore, ref: StageRef, work: Path, shard_tokens: int):
         self.store, self.ref, self.work, self.shard_tokens = store, ref, work, shard_tokens
-        self.shards: list[dict] = []
+        self.shards: list[dict[str, Any]] = []
         self._pending: list[pa.Table] = []  # slices of small record chunks, never of a whole bucket
         self._pending_rows = 0
         self._tokens = 0
@@ -231,11 +235,12 @@ class _ShardWriter:
 
     def _flush_rows(self) -> None:
         if self._pending:
+            assert self._writer is not None  # rows are pending only while a shard is open
             self._writer.write_table(pa.concat_tables(self._pending).combine_chunks())
             self._pending, self._pending_rows = [], 0
 
     def close_shard(self) -> None:
-        if self._writer is None:
+        if self._writer is None or self._path is None:  # both set together when a shard opens
             return
         self._flush_rows()
         self._writer.close()
@@ -247,7 +252,7 @@ class _ShardWriter:
         self._writer, self._tokens, self._samples = None, 0, 0
 
 
-def _ref_dict(ref: StageRef) -> dict:
+def _ref_dict(ref: StageRef) -> dict[str, str]:
     return {"run_key": ref.run_key, "stage": ref.stage, "dataset": ref.dataset}
 
 
@@ -268,8 +273,8 @@ def _spill(
     tokens: list[np.ndarray] = []
     order = 0
     writer: pa.ipc.RecordBatchStreamWriter | None = None
-    for ref, fold in (folds or {}).items():  # what became of each sample: whole, cut, dropped
-        stats[ref.dataset].update(fold.counts)
+    for ref, input_folds in (folds or {}).items():  # what became of each sample: whole, cut, dropped
+        stats[ref.dataset].update(input_folds.counts)
     try:
         for index, ref in enumerate(inputs):
             for batch in store.iter_batches(ref, columns=_COLUMNS):
@@ -292,7 +297,7 @@ def _spill(
                     continue
                 taken = batch.take(pa.array(ok, pa.int64()))
                 rows = _OkRows(
-                    index=ok,
+                    positions=ok,
                     sample_ids=taken.column("sample_id").to_pylist(),
                     datasets=[datasets[i] for i in ok],
                     prompt_ids=taken.column("prompt_ids").cast(_IDS),
@@ -305,17 +310,17 @@ def _spill(
                 ):
                     for i in ok:
                         _check_row(batch.slice(i, 1).to_pylist()[0], ref, vocab_size)
-                if turn_rows and any(sid in turn_rows for sid in rows.sample_ids):
+                if fold is not None and turn_rows and any(sid in turn_rows for sid in rows.sample_ids):
                     rows = _fold(rows, fold, stats)
-                    taken = batch.take(pa.array(rows.index, pa.int64()))
-                    if not rows.index:
+                    taken = batch.take(pa.array(rows.positions, pa.int64()))
+                    if not rows.positions:
                         continue
                 key = np.fromiter((shuffle_key(seed, s) for s in rows.sample_ids), np.uint64, len(rows.sample_ids))
                 spilled = pa.RecordBatch.from_arrays(
                     [
                         pa.array(key),
-                        pa.array([SOURCE_RANK[sources[i]] * 65_536 + index for i in rows.index], pa.int32()),
-                        pa.array(first_order + np.asarray(rows.index, np.int64)),
+                        pa.array([SOURCE_RANK[sources[i]] * 65_536 + index for i in rows.positions], pa.int32()),
+                        pa.array(first_order + np.asarray(rows.positions, np.int64)),
                         pa.array(rows.sample_ids, pa.string()),
                         pa.array(rows.datasets, pa.string()),
                         taken.column("source"),
@@ -347,7 +352,7 @@ def _spill(
 class _OkRows(NamedTuple):
     """An input batch's ok rows as pass 1 spills them."""
 
-    index: list[int]  # their positions in the batch
+    positions: list[int]  # their positions in the batch
     sample_ids: list[str]
     datasets: list[str]
     prompt_ids: pa.Array
@@ -360,15 +365,17 @@ def _fold(rows: _OkRows, folds: Folds, stats: Stats) -> _OkRows:
     """`rows` with the trajectory folds of their input applied (`conversations.Folds.apply`):
     an earlier turn's row left out, the last usable turn's row become its trajectory's record."""
     prompts, outputs, provenance = rows.prompt_ids.to_pylist(), rows.output_ids.to_pylist(), rows.provenance.to_pylist()
-    index, datasets, out = [], [], []
-    for j, (i, sid) in enumerate(zip(rows.index, rows.sample_ids)):
+    positions: list[int] = []
+    datasets: list[str] = []
+    out: list[TurnRow] = []
+    for j, (i, sid) in enumerate(zip(rows.positions, rows.sample_ids)):
         row = folds.apply(TurnRow(sid, prompts[j], outputs[j], provenance[j]), stats[rows.datasets[j]])
         if row is not None:
-            index.append(i)
+            positions.append(i)
             datasets.append(rows.datasets[j])
             out.append(row)
     return _OkRows(
-        index,
+        positions,
         [r.sample_id for r in out],
         datasets,
         pa.array([r.prompt_ids for r in out], _IDS),
@@ -511,7 +518,7 @@ def merge_datasets(
     vocab_size: int,
     out_dataset: str = "all",
     context: MergeContext = MergeContext(),
-) -> dict:
+) -> dict[str, Any]:
     """Merge `inputs` (schemas.GENERATIONS stages) into `runs/{out_run_key}/merge/{out_dataset}/`
     as `config` (the config's `merge`, validated there) says; its params are `merge_params(config)`.
 
@@ -559,7 +566,7 @@ def merge_datasets(
             image_files, image_extra = [images.MERGED_IMAGES_FILE], {"images": found[1]}
 
         datasets = {name: dict(sorted(c.items())) for name, c in sorted(stats.items())}
-        totals = Counter()
+        totals: Counter[str] = Counter()
         for c in stats.values():
             totals.update({k: v for k, v in c.items() if k != "max_tokens"})
         summary = {
@@ -589,7 +596,7 @@ def merge_datasets(
         return summary
 
 
-def merge_params(config: MergeConfig) -> dict:
+def merge_params(config: MergeConfig) -> dict[str, Any]:
     """The merge stage's manifest params: the whole `merge` section, so a key added to it is in
     them, and a merge made under another value of it is never reused (runs.reuse)."""
     return config.model_dump(mode="json")

@@ -28,7 +28,7 @@ from eagle3_data.engines.client import API_KEY_ENV
 from eagle3_data.errors import UserError
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "score-policy", help="score overflow vs local answers on the local engine (the policy check)"
     )

@@ -114,7 +114,7 @@ class _Scorer:
                     + ": nothing was scored"
                 )
             self.identity = {e: await self.wire.identify(http, e) for e in ready}
-            queue: asyncio.Queue = asyncio.Queue()
+            queue: asyncio.Queue[int] = asyncio.Queue()
             for i in range(len(items)):
                 queue.put_nowait(i)
             out: list[tuple[list[float], int | None] | None] = [None] * len(items)
@@ -124,7 +124,13 @@ class _Scorer:
             await asyncio.gather(*workers)
         return [o[0] if o else None for o in out], self.refused, [o[1] if o else None for o in out]
 
-    async def _worker(self, endpoint: str, items: Sequence[Item], queue: asyncio.Queue, out: list) -> None:
+    async def _worker(
+        self,
+        endpoint: str,
+        items: Sequence[Item],
+        queue: asyncio.Queue[int],
+        out: list[tuple[list[float], int | None] | None],
+    ) -> None:
         while not queue.empty():
             i = queue.get_nowait()
             out[i] = await self._one(endpoint, items[i])
@@ -165,11 +171,14 @@ class _Scorer:
                         last = f"malformed answer: {exc}"
                     else:
                         margin = self.policy.nucleus_logit_margin
+                        # top >= 1 in both tests, and score_answer then gives the top log-probabilities
                         if greedy:
+                            assert scored.top is not None
                             far = off_argmax(scored.logprobs, scored.top, margin, self.policy.greedy_max_gap)
                         elif self.nucleus is None:
                             return scored.logprobs, None
                         else:
+                            assert scored.top is not None
                             far = outside(scored.logprobs, scored.top, self.nucleus, self.vocab, margin)
                         return scored.logprobs, int(far.sum())
                 elif 400 <= status < 500 and status not in (408, 429):

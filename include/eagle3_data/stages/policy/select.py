@@ -5,13 +5,14 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from eagle3_data.chat_format import OutputFormat
 from eagle3_data.images import parse_refs
 from eagle3_data.nucleus import Item
 
 
-def has_images(row: Mapping) -> bool:
+def has_images(row: Mapping[str, Any]) -> bool:
     """Whether a generation row answers an image prompt. Such rows are scored with their images
     when the local engines take images (`generation.local.images`), else left out of the check:
     scored over ids alone, the target would score an answer about an image it is not shown, and
@@ -20,7 +21,7 @@ def has_images(row: Mapping) -> bool:
     return bool(parse_refs(row.get("images")))
 
 
-def _images(row: Mapping) -> str | None:
+def _images(row: Mapping[str, Any]) -> str | None:
     return row.get("images") if has_images(row) else None
 
 
@@ -43,7 +44,9 @@ class Selection:
     with_images: bool = False
 
 
-def _chosen(rows: Iterable[Mapping], routes: Mapping[str, str], side_route: str, sel: Selection) -> list[Mapping]:
+def _chosen(
+    rows: Iterable[Mapping[str, Any]], routes: Mapping[str, str], side_route: str, sel: Selection
+) -> list[Mapping[str, Any]]:
     """Up to `sel.n` rows of the side's own route (sampled answers) and up to `sel.pairs`
     calibration rows (route "both": greedy, compared as pairs, never in the sampled pool). `pick`'s
     order makes a larger `n` a superset of a smaller one: a pilot's samples stay in the sample it
@@ -62,7 +65,7 @@ def _chosen(rows: Iterable[Mapping], routes: Mapping[str, str], side_route: str,
     return [r for r in usable if r["sample_id"] in keep]
 
 
-def overflow_items(rows: Iterable[Mapping], routes: Mapping[str, str], sel: Selection) -> list[Item]:
+def overflow_items(rows: Iterable[Mapping[str, Any]], routes: Mapping[str, str], sel: Selection) -> list[Item]:
     """The reconstruct stage's rows: their output ids are what reconstruction made of the text."""
     return [
         Item(
@@ -78,7 +81,7 @@ def overflow_items(rows: Iterable[Mapping], routes: Mapping[str, str], sel: Sele
 
 
 def local_items(
-    fmt: OutputFormat, rows: Iterable[Mapping], routes: Mapping[str, str], sel: Selection, vocab_size: int
+    fmt: OutputFormat, rows: Iterable[Mapping[str, Any]], routes: Mapping[str, str], sel: Selection, vocab_size: int
 ) -> list[Item]:
     """The local stage's rows, on the ids the overflow path would have given their text (the
     validator's rebuild); a row without one (a wrong stop, text that cannot determine the ids)

@@ -12,6 +12,8 @@ stage's gate decides on them with the same settings.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from eagle3_data.errors import UserError
 from eagle3_data.runs.results import PolicyResult
 from eagle3_data.runs.reuse import settle
@@ -20,8 +22,12 @@ from eagle3_data.runs.upstream import _rows, row_routes
 from eagle3_data.stages import LOCAL, POLICY, POLICY_REPORT, RECONSTRUCT, SCORES_FILE
 from eagle3_data.storage.writer import StageWriter
 
+if TYPE_CHECKING:
+    from eagle3_data.nucleus import Item
+    from eagle3_data.storage.store import ArtifactStore
 
-def _parquet(rows: list[dict]) -> bytes:
+
+def _parquet(rows: list[dict[str, Any]]) -> bytes:
     import io
 
     import pyarrow as pa
@@ -34,7 +40,9 @@ def _parquet(rows: list[dict]) -> bytes:
     return buf.getvalue()
 
 
-def score_policy(run: Run, store, dataset: str, endpoints: list[str], api_key: str | None = None) -> PolicyResult:
+def score_policy(
+    run: Run, store: ArtifactStore, dataset: str, endpoints: list[str], api_key: str | None = None
+) -> PolicyResult:
     """Score the dataset's sample on the local engine's `endpoints` (http(s) URLs; `api_key`: theirs,
     sent on every request when given, never logged) and commit the figures (`policy.json` beside the
     scored rows; `sizing`: the pilot, its spreads, the sample size they call for, how many were
@@ -85,14 +93,14 @@ def score_policy(run: Run, store, dataset: str, endpoints: list[str], api_key: s
     pairs = cfg.max_samples
     n = min(cfg.pilot_samples, cfg.max_samples)
     over = overflow_items(_rows(store, rebuilt, scored_columns), routes, Selection(n, cfg.seed, pairs, with_images))
-    items: list = []
-    scores: list = []
+    items: list[Item] = []
+    scores: list[list[float] | None] = []
     left_out = {  # select.has_images
         side: 0 if with_images else sum(has_images(r) for r in _rows(store, stage, ["images"]))
         for side, stage in (("local", local), ("overflow", rebuilt))
     }
     if cfg.max_samples == 0 or not over:
-        summary = {
+        summary: dict[str, Any] = {
             "skipped": "policy.max_samples is 0"
             if cfg.max_samples == 0
             else "no overflow answers"
@@ -105,13 +113,13 @@ def score_policy(run: Run, store, dataset: str, endpoints: list[str], api_key: s
         fmt = output_format(run, store, template=False)
         wire = wire_for(run.config.generation.local.engine, api_key)
         refused: dict[str, str] = {}
-        done: dict[tuple, tuple[list[float] | None, int | None]] = {}
+        done: dict[tuple[str, str, tuple[int, ...]], tuple[list[float] | None, int | None]] = {}
 
-        def media(item) -> Media:
+        def media(item: Item) -> Media:
             """An image item's images as its generation sent them (each stored object verified)."""
             return read_media(store, parse_refs(item.images), fmt.media_pad_id)
 
-        def at(n: int) -> tuple[list, list, list]:
+        def at(n: int) -> tuple[list[Item], list[list[float] | None], list[int | None]]:
             """The items at `n` sampled answers a side (and the pairs), scoring only the new ones:
             the items, their log-probabilities, their answer tokens outside the nucleus."""
             sel = Selection(n, cfg.seed, pairs, with_images)
@@ -149,7 +157,15 @@ def score_policy(run: Run, store, dataset: str, endpoints: list[str], api_key: s
     # the scored samples as a file beside the (empty) parts: a calibration sample is scored on
     # both sides under one sample_id, which the parts (one row per sample_id) cannot hold
     with StageWriter(
-        store, ref, "policy_scores", rows_per_part=4096, params=params, inputs=[local, rebuilt], fresh=True, **hashes
+        store,
+        ref,
+        "policy_scores",
+        rows_per_part=4096,
+        params=params,
+        inputs=[local, rebuilt],
+        fresh=True,
+        tokenizer_sha256=hashes["tokenizer_sha256"],
+        template_sha256=hashes["template_sha256"],
     ) as w:
         store.put_bytes(ref, SCORES_FILE, _parquet(score_rows(items, scores, dataset)))
         store.put_json(ref, POLICY_REPORT, {"dataset": dataset, **summary})
