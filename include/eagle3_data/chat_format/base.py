@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from eagle3_data.codec import Codec
+from eagle3_data.codec import Codec, check_token
 from eagle3_data.errors import UserError
 
 FinishReason = Literal["stop", "length"]
@@ -169,9 +169,24 @@ class OutputFormat(ABC):
         """`media_pad`'s id, which a prompt's images expand; a text model's raises UserError."""
 
     @classmethod
-    @abstractmethod
     def matches(cls, tokenizer: Any) -> bool:
         """Whether this tokenizer carries the format's structural tokens."""
+        vocab = tokenizer.get_added_vocab()
+        return all(t in vocab for t in cls.structural_tokens)
+
+    def _bind(self, tokenizer: Any, thinking: bool) -> dict[str, int]:
+        """Bind the tokenizer and the mode; the structural tokens' ids by name, each checked to be
+        one id that decodes back to its name (a UserError naming the tokenizer otherwise)."""
+        self.tokenizer = tokenizer
+        self.thinking = bool(thinking)
+        self.special_ids = {}
+        for name in self.structural_tokens:
+            tid, problems = check_token(tokenizer, name)
+            if problems:
+                raise UserError(f"tokenizer {tokenizer.name_or_path}: " + "; ".join(problems))
+            assert tid is not None  # a token without problems has its one id
+            self.special_ids[name] = tid
+        return self.special_ids
 
     @abstractmethod
     def render_parts(self, message: AssistantMessage, finish_reason: str, tool_call_index_start: int = 0) -> list[Part]:

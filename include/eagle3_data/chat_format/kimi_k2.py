@@ -126,21 +126,8 @@ class KimiK2Format(OutputFormat):
 
     pattern = KIMI_PATTERN
 
-    @classmethod
-    def matches(cls, tokenizer: Any) -> bool:
-        vocab = tokenizer.get_added_vocab()
-        return all(t in vocab for t in cls.structural_tokens)
-
     def __init__(self, tokenizer: Any, *, thinking: bool, codec: Codec | None = None):
-        self.tokenizer = tokenizer
-        self.thinking = bool(thinking)
-        self.special_ids: dict[str, int] = {}
-        for name in self.structural_tokens:
-            tid, problems = check_token(tokenizer, name)
-            if problems:
-                raise UserError(f"tokenizer {tokenizer.name_or_path}: " + "; ".join(problems))
-            self.special_ids[name] = tid
-        ids = self.special_ids
+        ids = self._bind(tokenizer, thinking)
         added = tokenizer.get_added_vocab()
         eos = added.get(EOS)
         self.stop_token_ids = [ids[IM_END]] + ([eos] if eos is not None and eos != ids[IM_END] else [])

@@ -46,7 +46,7 @@ from eagle3_data.chat_format.base import (
     ToolCall,
     normalize_finish_reason,
 )
-from eagle3_data.codec import Codec, HFCodec, check_token
+from eagle3_data.codec import Codec, HFCodec
 from eagle3_data.errors import UserError
 
 ENDOFTEXT = "<|endoftext|>"
@@ -91,22 +91,8 @@ class Qwen3Format(OutputFormat):
     sglang_reasoning_parser, sglang_tool_parser = "qwen3", "qwen25"
     pattern = None  # Qwen2's tokenizer normalises to NFC first: no tiktoken fast path equals it
 
-    @classmethod
-    def matches(cls, tokenizer: Any) -> bool:
-        vocab = tokenizer.get_added_vocab()
-        return all(t in vocab for t in cls.structural_tokens)
-
     def __init__(self, tokenizer: Any, *, thinking: bool, codec: Codec | None = None):
-        self.tokenizer = tokenizer
-        self.thinking = bool(thinking)
-        self.special_ids: dict[str, int] = {}
-        for name in self.structural_tokens:
-            tid, problems = check_token(tokenizer, name)
-            if problems:
-                raise UserError(f"tokenizer {tokenizer.name_or_path}: " + "; ".join(problems))
-            assert tid is not None  # a token without problems has its one id
-            self.special_ids[name] = tid
-        ids = self.special_ids
+        ids = self._bind(tokenizer, thinking)
         added = tokenizer.get_added_vocab()
         # generation_config.json stops on both: <|im_end|> ends a turn, <|endoftext|> a document
         eot = added.get(ENDOFTEXT)
