@@ -14,7 +14,7 @@ from pathlib import Path
 
 from eagle3_data.errors import UserError
 
-_DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
+DATE_PATTERN = re.compile(r"\d{4}-\d{2}-\d{2}")
 
 
 def _split_s3(uri: str) -> tuple[str, str]:
@@ -27,7 +27,7 @@ def _split_s3(uri: str) -> tuple[str, str]:
 def prompt_files(source: str, dataset: str, *, date: str | None = None, client=None) -> list[str]:
     """The URIs of the prompt files `load_prompts` would read for this dataset and date, without
     reading them: a cheap check that a partition is in place (UserError naming where it looked)."""
-    return [f.uri for f in _resolve(source, dataset, date, client)]
+    return [f.uri for f in resolve_files(source, dataset, date, client)]
 
 
 def newest_partition(source: str, dataset: str, *, client=None) -> str | None:
@@ -49,7 +49,8 @@ def newest_partition(source: str, dataset: str, *, client=None) -> str | None:
         folder = Path(source) / dataset
         names = [p.name for p in folder.iterdir() if p.is_dir()] if folder.is_dir() else []
     dates = sorted(
-        (n.removeprefix("date=") for n in names if n.startswith("date=") and _DATE.fullmatch(n[5:])), reverse=True
+        (n.removeprefix("date=") for n in names if n.startswith("date=") and DATE_PATTERN.fullmatch(n[5:])),
+        reverse=True,
     )
     for date in dates:  # an empty partition (an upload under way, a mistake) is passed over
         try:
@@ -60,7 +61,7 @@ def newest_partition(source: str, dataset: str, *, client=None) -> str | None:
     return None
 
 
-def _resolve(source: str, dataset: str, date: str | None, client) -> list[_File]:
+def resolve_files(source: str, dataset: str, date: str | None, client) -> list[PromptFile]:
     if source.startswith("s3://"):
         if client is None:
             raise UserError(f"prompts {source}: an s3:// source needs the caller's S3 client (client=...)")
@@ -95,7 +96,7 @@ PROMPT_FILE_SUFFIXES = (".jsonl", ".parquet", ".arrow")  # .arrow: a `datasets` 
 
 # -- files --------------------------------------------------------------------------------------------
 @dataclass
-class _File:
+class PromptFile:
     uri: str
     size: int
     bucket: str | None = None
@@ -126,7 +127,7 @@ def _candidates(base: str, dataset: str, date: str | None, sep: str = "/") -> li
     return out
 
 
-def _resolve_local(root: Path, dataset: str, date: str | None) -> list[_File]:
+def _resolve_local(root: Path, dataset: str, date: str | None) -> list[PromptFile]:
     if not root.exists():
         raise _no_such(str(root), dataset)
     if date is None and (root / "state.json").is_file():
@@ -140,17 +141,17 @@ def _resolve_local(root: Path, dataset: str, date: str | None) -> list[_File]:
                     f"prompts {path}: unsupported file type {path.suffix or '(none)'!r}: expected "
                     f"{' or '.join(PROMPT_FILE_SUFFIXES)} (chat rows: messages, conversations or prompt)"
                 )
-            return [_File(uri=str(path), size=path.stat().st_size, path=path)]
+            return [PromptFile(uri=str(path), size=path.stat().st_size, path=path)]
         if c.endswith("/") and path.is_dir():
             files = _prompt_files([str(p) for p in path.iterdir() if p.is_file()])
             if files:
-                return [_File(uri=f, size=Path(f).stat().st_size, path=Path(f)) for f in files]
+                return [PromptFile(uri=f, size=Path(f).stat().st_size, path=Path(f)) for f in files]
     raise UserError(
         f"no prompt files (*.jsonl, *.parquet, *.arrow) for dataset {dataset!r}: looked at {', '.join(candidates)}"
     )
 
 
-def _saved_dataset(root: Path) -> list[_File]:
+def _saved_dataset(root: Path) -> list[PromptFile]:
     """The Arrow files of a `datasets.Dataset.save_to_disk` folder, in its state.json's order (a
     DatasetDict's folder holds one such folder per split: name the split's)."""
     try:
@@ -160,10 +161,10 @@ def _saved_dataset(root: Path) -> list[_File]:
     files = [root / n for n in names]
     if missing := [str(f) for f in files if not f.is_file()]:
         raise UserError(f"prompts {root}: state.json lists files that are not there: {', '.join(missing[:3])}")
-    return [_File(uri=str(f), size=f.stat().st_size, path=f) for f in files]
+    return [PromptFile(uri=str(f), size=f.stat().st_size, path=f) for f in files]
 
 
-def _resolve_s3(source: str, dataset: str, date: str | None, client) -> list[_File]:
+def _resolve_s3(source: str, dataset: str, date: str | None, client) -> list[PromptFile]:
     from eagle3_data.storage.client import s3_errors
 
     bucket, key = _split_s3(source)
@@ -178,11 +179,11 @@ def _resolve_s3(source: str, dataset: str, date: str | None, client) -> list[_Fi
                         f"prompts s3://{bucket}/{c}: unsupported file type: expected "
                         f"{' or '.join(PROMPT_FILE_SUFFIXES)}"
                     )
-                return [_File(uri=f"s3://{bucket}/{c}", size=objects[c], bucket=bucket, key=c)]
+                return [PromptFile(uri=f"s3://{bucket}/{c}", size=objects[c], bucket=bucket, key=c)]
             if c.endswith("/"):
                 keys = _prompt_files(list(objects))
                 if keys:
-                    return [_File(uri=f"s3://{bucket}/{k}", size=objects[k], bucket=bucket, key=k) for k in keys]
+                    return [PromptFile(uri=f"s3://{bucket}/{k}", size=objects[k], bucket=bucket, key=k) for k in keys]
     if not _source_exists(source, client):
         raise _no_such(source, dataset)
     raise UserError(

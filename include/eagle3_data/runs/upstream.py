@@ -28,7 +28,7 @@ def gate_results(run: Run, store, failed: Mapping[str, str] | None = None) -> di
     for name in run_datasets(run, store):
         ref = stage_ref(run, VALIDATE, name)
         if store.is_complete(ref):
-            out[name] = _gate_from_manifest(store.read_manifest(ref), store.uri(ref, VALIDATION_REPORT))
+            out[name] = gate_from_manifest(store.read_manifest(ref), store.uri(ref, VALIDATION_REPORT))
         else:
             out[name] = Gate(passed=False, reasons=["validation did not complete (see the failed task)"])
         if out[name].passed and failed and name in failed:
@@ -51,10 +51,11 @@ def row_routes(run: Run, store, dataset: str) -> dict[str, str]:
     g = run.config.generation
     if not needs_rounds(g.regenerate, g.history):
         return {
-            r["sample_id"]: r["route"] for r in _rows(store, stage_ref(run, PROMPTS, dataset), ["sample_id", "route"])
+            r["sample_id"]: r["route"]
+            for r in table_rows(store, stage_ref(run, PROMPTS, dataset), ["sample_id", "route"])
         }
     ids = {
-        side: {r["sample_id"] for r in _rows(store, stage_ref(run, stage, dataset), ["sample_id"])}
+        side: {r["sample_id"] for r in table_rows(store, stage_ref(run, stage, dataset), ["sample_id"])}
         for side, stage in (("local", LOCAL), ("overflow", RECONSTRUCT))
         if store.is_complete(stage_ref(run, stage, dataset))
     }
@@ -132,7 +133,7 @@ def probe_params(run: Run) -> dict[str, Any]:
     return run.config.probe.model_dump(exclude={"when", "budget_s"})
 
 
-def _gate_from_manifest(manifest: dict[str, Any], report_uri: str | None) -> Gate:
+def gate_from_manifest(manifest: dict[str, Any], report_uri: str | None) -> Gate:
     g = manifest["extra"]["gate"]
     return Gate(
         passed=g["passed"],
@@ -158,7 +159,7 @@ def run_datasets(run: Run, store) -> list[str]:
     return [n for n in run.config.dataset_names if n in run.datasets or n in earlier]
 
 
-def _rows(store: ArtifactStore, ref: StageRef, columns: list[str]) -> Iterator[dict[str, Any]]:
+def table_rows(store: ArtifactStore, ref: StageRef, columns: list[str]) -> Iterator[dict[str, Any]]:
     for batch in store.iter_batches(ref, columns=columns):
         yield from batch.to_pylist()
 

@@ -18,7 +18,7 @@ from eagle3_data.errors import UserError
 from eagle3_data.runs.results import PolicyResult
 from eagle3_data.runs.reuse import settle
 from eagle3_data.runs.run import Run, bulk_tokenizer_for, log, output_format, stage_ref, tokenizer_hashes
-from eagle3_data.runs.upstream import _rows, row_routes
+from eagle3_data.runs.upstream import row_routes, table_rows
 from eagle3_data.stages import LOCAL, POLICY, POLICY_REPORT, RECONSTRUCT, SCORES_FILE
 from eagle3_data.storage.writer import StageWriter
 
@@ -92,11 +92,13 @@ def score_policy(
     columns = [*scored_columns, "finish_reason", "provenance", "tools", "messages"]
     pairs = cfg.max_samples
     n = min(cfg.pilot_samples, cfg.max_samples)
-    over = overflow_items(_rows(store, rebuilt, scored_columns), routes, Selection(n, cfg.seed, pairs, with_images))
+    over = overflow_items(
+        table_rows(store, rebuilt, scored_columns), routes, Selection(n, cfg.seed, pairs, with_images)
+    )
     items: list[Item] = []
     scores: list[list[float] | None] = []
     left_out = {  # select.has_images
-        side: 0 if with_images else sum(has_images(r) for r in _rows(store, stage, ["images"]))
+        side: 0 if with_images else sum(has_images(r) for r in table_rows(store, stage, ["images"]))
         for side, stage in (("local", local), ("overflow", rebuilt))
     }
     if cfg.max_samples == 0 or not over:
@@ -123,8 +125,8 @@ def score_policy(
             """The items at `n` sampled answers a side (and the pairs), scoring only the new ones:
             the items, their log-probabilities, their answer tokens outside the nucleus."""
             sel = Selection(n, cfg.seed, pairs, with_images)
-            items = overflow_items(_rows(store, rebuilt, scored_columns), routes, sel) + local_items(
-                fmt, _rows(store, local, columns), routes, sel, len(tokenizer)
+            items = overflow_items(table_rows(store, rebuilt, scored_columns), routes, sel) + local_items(
+                fmt, table_rows(store, local, columns), routes, sel, len(tokenizer)
             )
             todo = [it for it in items if (it.side, it.sample_id, it.ids) not in done]
             got, more, far = score_items(todo, ScoreEndpoints(endpoints, wire), cfg, nucleus, len(tokenizer), media)

@@ -12,13 +12,11 @@ AWS_ENDPOINT_URL), as `make cluster`'s env file sets them.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from pathlib import Path
 
 from eagle3_data.errors import UserError
 
-_DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
 MAX_REPORTED = 20
 
 
@@ -77,10 +75,10 @@ def _store(args: argparse.Namespace, bucket: str):
 def _upload(args: argparse.Namespace) -> int:
     from eagle3_data.config import load_config
     from eagle3_data.images import ImageSink
-    from eagle3_data.prompt_files import PROMPT_FILE_SUFFIXES
+    from eagle3_data.prompt_files import DATE_PATTERN, PROMPT_FILE_SUFFIXES
     from eagle3_data.stages.prompts.load import PromptShape, load_prompts
 
-    if not _DATE.fullmatch(args.date):
+    if not DATE_PATTERN.fullmatch(args.date):
         raise UserError(f"--date {args.date!r}: expected YYYY-MM-DD")
     config = load_config(args.config)
     bucket, prefix = _root(config, args.dataset)

@@ -33,9 +33,9 @@ from eagle3_data.conversations import needs_rounds, pair_results
 from eagle3_data.errors import UserError
 from eagle3_data.images import ImageError, ImageSink, image_parts
 from eagle3_data.prompt_files import (
-    _DATE,
-    _File,
-    _resolve,
+    DATE_PATTERN,
+    PromptFile,
+    resolve_files,
 )
 from eagle3_data.rejects import format_rejects
 from eagle3_data.spill import RowSpill
@@ -165,11 +165,11 @@ def load_prompts(
     regenerate, repeats = shape.regenerate, shape.repeats
     whole = needs_rounds(regenerate, shape.history)
     check_name(dataset, "dataset")
-    if date is not None and not _DATE.fullmatch(date):
+    if date is not None and not DATE_PATTERN.fullmatch(date):
         raise UserError(f"invalid date {date!r}: expected YYYY-MM-DD")
     if repeats < 1:
         raise UserError(f"repeats must be >= 1, got {repeats}")
-    files = _resolve(source, dataset, date, client)
+    files = resolve_files(source, dataset, date, client)
     load = PromptLoad(
         rows=PromptRows(),
         rejects=[],
@@ -254,7 +254,7 @@ def load_prompts(
 
 
 def _store_images(
-    messages: list[dict[str, Any]], sink: ImageSink | None, f: _File, client
+    messages: list[dict[str, Any]], sink: ImageSink | None, f: PromptFile, client
 ) -> dict[tuple[int, int], dict[str, Any]]:
     """Read, check and store every image part of a normalised row (images.ImageSink), rewriting
     each part's url to the stored object: (message, part) -> its reference. A broken, missing or
@@ -592,7 +592,7 @@ def _tool(t: Any, where: str) -> dict[str, Any]:
     return {"type": "function", "function": out_fn}
 
 
-def _read_records(f: _File, client, digest) -> Iterator[tuple[int, str, Any]]:
+def _read_records(f: PromptFile, client, digest) -> Iterator[tuple[int, str, Any]]:
     """(line number, raw text, parsed object or None) per row, a line (a Parquet batch) at a time;
     feeds `digest` with the file's bytes."""
     with _open(f, client) as fh:
@@ -633,7 +633,7 @@ def _read_records(f: _File, client, digest) -> Iterator[tuple[int, str, Any]]:
                 yield line, raw, None
 
 
-def _table_batches(f: _File, fh) -> Iterator[pa.RecordBatch]:
+def _table_batches(f: PromptFile, fh) -> Iterator[pa.RecordBatch]:
     """Record batches of a Parquet file, or of an Arrow IPC stream (what `datasets` writes; the
     IPC file format is read too)."""
     import pyarrow.ipc
@@ -656,7 +656,7 @@ def _table_batches(f: _File, fh) -> Iterator[pa.RecordBatch]:
         raise UserError(f"{f.uri}: not a readable {kind} file ({exc})") from None
 
 
-def _open(f: _File, client):
+def _open(f: PromptFile, client):
     """The file for reading: a local one as it is; an S3 object streamed into a spooled temp
     file first (RAM up to 8 MiB, then disk), never held whole in memory."""
     if f.path is not None:

@@ -17,7 +17,7 @@ from eagle3_data.rejects import REJECTS_FILE
 from eagle3_data.runs.results import Gate, ValidateResult
 from eagle3_data.runs.reuse import settle
 from eagle3_data.runs.run import Run, bulk_tokenizer_for, log, output_format, stage_ref, tokenizer_hashes
-from eagle3_data.runs.upstream import _gate_from_manifest, policy_summary, row_routes
+from eagle3_data.runs.upstream import gate_from_manifest, policy_summary, row_routes
 from eagle3_data.stages import BILLING_REPORT, LOCAL, POLICY, RECONSTRUCT, VALIDATE, VALIDATION_REPORT
 from eagle3_data.storage.writer import StageWriter
 
@@ -223,7 +223,7 @@ def validate(run: Run, store, dataset: str, *, workers: int | None = None) -> Va
                 files=[VALIDATION_REPORT, BILLING_REPORT, REJECTS_FILE],
             )
     uri = store.uri(ref, VALIDATION_REPORT)
-    gate = _gate_from_manifest(manifest, uri)
+    gate = gate_from_manifest(manifest, uri)
     if not gate.passed:
         raise GateFailed(f"dataset {dataset}: validation gate failed: {'; '.join(gate.reasons)}; report: {uri}")
     return ValidateResult(uri=store.uri(ref), report_uri=uri, counts=manifest["extra"]["counts"], gate=gate)
