@@ -25,10 +25,9 @@ own classes, so every engine path that loads the real model loads this one the s
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
-from eagle3_data.builds.tiny_model import ENGINE_CONFIG_KEYS, TOKENIZER_FILES, tiny_config, tiny_text_model
+from eagle3_data.builds.tiny_model import ENGINE_CONFIG_KEYS, complete_model_dir, tiny_config, tiny_text_model
 
 VISION_ARGS = {
     "hidden_size": 64,
@@ -158,13 +157,8 @@ def build_tiny_kimi_k25(
     config_json["use_unified_vision_chunk"] = True
     config_path.write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
     (out / "preprocessor_config.json").write_text(json.dumps({"media_proc_cfg": MEDIA_PROC_CFG}, indent=2) + "\n")
-    for name in TOKENIZER_FILES:
-        if (tokenizer_dir / name).exists():
-            shutil.copyfile(tokenizer_dir / name, out / name)
-    (out / MARKER).write_text(
-        json.dumps({"seed": seed, "layers": layers, "hidden": hidden, "vocab_size": len(tokenizer)}, indent=2) + "\n"
-    )
-    return out
+    args = {"seed": seed, "layers": layers, "hidden": hidden}
+    return complete_model_dir(out, tokenizer_dir, MARKER, args, len(tokenizer))
 
 
 def cached_tiny_kimi_k25(

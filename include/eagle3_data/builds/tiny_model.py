@@ -32,6 +32,16 @@ TOKENIZER_FILES = (
 )
 
 
+def complete_model_dir(out: Path, tokenizer_dir: Path, marker: str, args: dict[str, int], vocab_size: int) -> Path:
+    """Finish a dev model directory: the tokenizer's files beside the weights (so it loads on its
+    own), then `marker` with the build's arguments, written last: the file `cached_build` waits for."""
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).exists():
+            shutil.copyfile(tokenizer_dir / name, out / name)
+    (out / marker).write_text(json.dumps({**args, "vocab_size": vocab_size}, indent=2) + "\n")
+    return out
+
+
 # Kimi-K2.5's text config (rope_scaling there; transformers 5.x calls it rope_parameters).
 KIMI_ROPE = {
     "rope_type": "yarn",
@@ -162,14 +172,8 @@ def build_tiny_model(
     config_json = json.loads(config_path.read_text())
     config_json.update(ENGINE_CONFIG_KEYS)
     config_path.write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
-    for name in TOKENIZER_FILES:
-        src = tokenizer_dir / name
-        if src.exists():
-            shutil.copyfile(src, out / name)
-    (out / "eagle3_tiny_model.json").write_text(
-        json.dumps({"seed": seed, "layers": layers, "hidden": hidden, "vocab_size": len(tokenizer)}, indent=2) + "\n"
-    )
-    return out
+    args = {"seed": seed, "layers": layers, "hidden": hidden}
+    return complete_model_dir(out, tokenizer_dir, "eagle3_tiny_model.json", args, len(tokenizer))
 
 
 def cached_tiny_model(

@@ -20,12 +20,10 @@ pure function of the seed and the shapes.
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from eagle3_data.builds.tiny_model import TOKENIZER_FILES, shape_lm_head
+from eagle3_data.builds.tiny_model import complete_model_dir, shape_lm_head
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -100,13 +98,8 @@ def build_tiny_qwen3_moe(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        if (tokenizer_dir / name).exists():
-            shutil.copyfile(tokenizer_dir / name, out / name)
-    (out / MARKER).write_text(
-        json.dumps({"seed": seed, "layers": layers, "hidden": hidden, "vocab_size": len(tokenizer)}, indent=2) + "\n"
-    )
-    return out
+    args = {"seed": seed, "layers": layers, "hidden": hidden}
+    return complete_model_dir(out, tokenizer_dir, MARKER, args, len(tokenizer))
 
 
 def cached_tiny_qwen3_moe(
