@@ -236,6 +236,15 @@ class OutputFormat(ABC):
         (`tool_call_index_start(messages)`), from which the server numbers the call ids it
         returns; None = unknown, numbered from the model's own first index."""
 
+    def _served_text(self, ids: list[int], finish_reason: str) -> tuple[FinishReason, str]:
+        """What an OpenAI-compatible server hands its reasoning and tool parsers: the matched stop
+        token trimmed, the rest decoded with special tokens kept (SGLang and vLLM both turn
+        skip_special_tokens off for these families' parsers)."""
+        ids = list(ids)
+        if ids and ids[-1] in self.stop_token_ids:
+            ids.pop()
+        return normalize_finish_reason(finish_reason), self.codec.decode(ids)
+
     @abstractmethod
     def tool_call_index_start(self, messages: list[dict[str, Any]]) -> int:
         """Index the next assistant turn's first tool call gets."""

@@ -256,11 +256,7 @@ class KimiK2Format(OutputFormat):
         tools: list[dict[str, Any]] | None,
         history_tool_calls: int | None = None,
     ) -> ProviderView:
-        ids = list(ids)
-        if ids and ids[-1] in self.stop_token_ids:
-            ids.pop()  # the server trims the matched stop token from the text
-        finish = normalize_finish_reason(finish_reason)
-        text = self.codec.decode(ids)  # skip_special_tokens=False, as SGLang sets it for these parsers
+        finish, text = self._served_text(ids, finish_reason)
         notes: list[str] = []
         reasoning, normal = split_reasoning(text, force_reasoning=self.thinking, notes=notes)
         if reasoning is not None and not self.thinking:

@@ -204,11 +204,7 @@ class Qwen3Format(OutputFormat):
         tools: list[dict[str, Any]] | None,
         history_tool_calls: int | None = None,
     ) -> ProviderView:
-        ids = list(ids)
-        if ids and ids[-1] in self.stop_token_ids:
-            ids.pop()  # the server trims the matched stop token from the text
-        finish = normalize_finish_reason(finish_reason)
-        text = self.codec.decode(ids)  # vLLM's qwen3 parser turns skip_special_tokens off, as here
+        finish, text = self._served_text(ids, finish_reason)
         notes: list[str] = []
         if self.thinking:
             reasoning, content = split_reasoning(text, notes)
